@@ -1,0 +1,27 @@
+# Every install step lives here: CI runs `make test` on a fresh clone.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test bench-cpu clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: install
+	@for f in examples/*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
+
+test: install
+	$(PY) -m pytest -q tests
+
+bench-cpu: install
+	$(PY) bench/cpu.py
+
+clean:
+	rm -rf $(VENV) polyjit_dump .pytest_cache

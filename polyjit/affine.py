@@ -1,0 +1,128 @@
+"""The affine program: arrays and statements with isl domains and accesses.
+
+One statement per op instance set: an iteration domain over the size
+parameters, one written element (an index expression per dimension, possibly
+updated by a reduction combiner) and a scalar body that reads arrays through
+index expressions. Access relations are derived from the index expressions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import islpy as isl
+
+from . import sizes as sz
+from .dtypes import DataType
+from .expr import Expr, Load, loads, to_isl
+from .sizes import Size
+
+
+@dataclass(frozen=True)
+class Array:
+    name: str
+    shape: tuple[Size, ...]
+    dtype: DataType
+    kind: str  # 'input' | 'output' | 'temp' | 'const'
+    strided: bool = False  # strides are runtime arguments, not derived from the shape
+    index: int = -1  # position among the inputs / outputs / constants
+
+    def __str__(self) -> str:
+        shape = ", ".join(map(str, self.shape))
+        return f"{self.kind} {self.dtype} {self.name}[{shape}]{' strided' if self.strided else ''}"
+
+
+@dataclass(frozen=True)
+class Statement:
+    name: str
+    iters: tuple[str, ...]
+    bounds: tuple[tuple[Size, Size], ...]  # lo <= iter < hi
+    array: str
+    index: tuple[Expr, ...]
+    body: Expr
+    combine: str | None = None  # reduction: array[index] = combine(array[index], body)
+    label: str = ""  # the graph op it comes from, for readable kernel names
+    reduction_iters: tuple[str, ...] = ()
+    extra: str = ""  # further isl constraints on the domain
+
+    def domain_constraints(self) -> str:
+        cs = [f"{sz.isl_str(lo)} <= {i} < {sz.isl_str(hi)}" for i, (lo, hi) in zip(self.iters, self.bounds)]
+        if self.extra:
+            cs.append(self.extra)
+        return " and ".join(cs)
+
+    def __str__(self) -> str:
+        lhs = f"{self.array}[{', '.join(map(str, self.index))}]"
+        op = "=" if self.combine is None else f"{self.combine}="
+        return f"{self.name}[{', '.join(self.iters)}] : {self.domain_constraints() or 'true'}\n    {lhs} {op} {self.body}"
+
+
+@dataclass
+class AffineProgram:
+    params: list[str]
+    arrays: dict[str, Array]
+    statements: list[Statement]
+    outputs: list[str]  # array names, one per graph output
+    constraints: list[tuple[Size, Size]] = field(default_factory=list)
+    inlined: int = 0
+
+    def prefix(self) -> str:
+        return f"[{', '.join(self.params)}] -> "
+
+    def domain(self, ctx: isl.Context) -> isl.UnionSet:
+        parts = []
+        for s in self.statements:
+            c = s.domain_constraints()
+            parts.append(f"{s.name}[{', '.join(s.iters)}]" + (f" : {c}" if c else ""))
+        ctxc = " and ".join(f"{p} >= 0" for p in self.params)
+        text = self.prefix() + "{ " + "; ".join(parts) + " }"
+        dom = isl.UnionSet.read_from_str(ctx, text)
+        if ctxc:
+            dom = dom.intersect_params(isl.Set.read_from_str(ctx, self.prefix() + "{ : " + ctxc + " }"))
+        return dom
+
+    def access(self, ctx: isl.Context, s: Statement, array: str, index) -> isl.UnionMap:
+        """{ S[iters] -> A[index] }, each non-affine dimension widened to its extent."""
+        arr = self.arrays[array]
+        outs, cons = [], [s.domain_constraints()] if s.domain_constraints() else []
+        for d, e in enumerate(index):
+            t = to_isl(e)
+            v = f"a{d}"
+            outs.append(v)
+            if t is not None:
+                cons.append(f"{v} = {t}")
+            else:
+                cons.append(f"0 <= {v} < {sz.isl_str(arr.shape[d])}")
+        text = (self.prefix() + f"{{ {s.name}[{', '.join(s.iters)}] -> {array}[{', '.join(outs)}]"
+                + (f" : {' and '.join(cons)}" if cons else "") + " }")
+        return isl.UnionMap.read_from_str(ctx, text)
+
+    def writes(self, ctx: isl.Context) -> tuple[isl.UnionMap, isl.UnionMap]:
+        """(must-writes, may-writes): a non-affine written index is only a may-write."""
+        must = isl.UnionMap.empty(isl.Space.params_alloc(ctx, 0))
+        may = must
+        for s in self.statements:
+            m = self.access(ctx, s, s.array, s.index)
+            if all(to_isl(e) is not None for e in s.index):
+                must = must.union(m)
+            may = may.union(m)
+        return must, may
+
+    def reads(self, ctx: isl.Context) -> isl.UnionMap:
+        r = isl.UnionMap.empty(isl.Space.params_alloc(ctx, 0))
+        for s in self.statements:
+            for ld in self.statement_loads(s):
+                r = r.union(self.access(ctx, s, ld.array, ld.index))
+        return r
+
+    def statement_loads(self, s: Statement) -> list[Load]:
+        out = loads(s.body)
+        if s.combine is not None:
+            out.append(Load(self.arrays[s.array].dtype, s.array, s.index))
+        return out
+
+    def __str__(self) -> str:
+        lines = [f"params: {', '.join(self.params) or '-'}"]
+        lines += [f"  {a}" for a in self.arrays.values()]
+        lines += [str(s) for s in self.statements]
+        lines.append("outputs: " + ", ".join(self.outputs))
+        return "\n".join(lines)

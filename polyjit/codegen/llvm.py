@@ -1,0 +1,563 @@
+"""isl AST + affine program -> LLVM IR, with llvmlite's IRBuilder.
+
+One function per top-level loop nest (a *kernel*), with the signature
+``void kernel(ptr buffers, ptr ints, i64 part, i64 parts)``: ``buffers`` holds
+the data pointer of every array that lives outside the kernel, ``ints`` the
+size parameters and the element strides of strided arrays. The loop marked
+parallel by the scheduler is split into ``parts`` chunks and only chunk
+``part`` runs; a target decides what a part is (a CPU thread, a GPU block).
+Contracted arrays live inside the kernel, so each part has its own.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import islpy as isl
+from llvmlite import ir
+
+from .. import sizes as sz
+from ..affine import AffineProgram, Array, Statement
+from ..dtypes import DataType
+from ..expr import Const, Expr, Load, Op, Var
+from ..schedule import Scheduled
+
+I1, I8, I32, I64 = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.IntType(64)
+F16, F32, F64 = ir.HalfType(), ir.FloatType(), ir.DoubleType()
+PTR = ir.PointerType()
+BF16 = ir.BFloatType() if hasattr(ir, "BFloatType") else ir.IntType(16)
+
+COMPUTE = {DataType.Bool: I1, DataType.Int32: I32, DataType.Int: I64, DataType.Half: F32,
+           DataType.BFloat16: F32, DataType.Float: F32, DataType.Double: F64}
+STORAGE = {DataType.Bool: I8, DataType.Int32: I32, DataType.Int: I64, DataType.Half: F16,
+           DataType.BFloat16: BF16, DataType.Float: F32, DataType.Double: F64}
+STACK_LIMIT = 16384  # bytes: smaller contracted buffers go on the stack
+
+_FCMP = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
+_ICMP = _FCMP
+_LIBM = {"tan", "tanh", "erf", "log1p", "expm1", "atan2"}
+_INTRINSIC = {"exp": "llvm.exp", "log": "llvm.log", "sin": "llvm.sin", "cos": "llvm.cos",
+              "sqrt": "llvm.sqrt", "floor": "llvm.floor", "ceil": "llvm.ceil",
+              "round": "llvm.roundeven", "abs": "llvm.fabs", "pow": "llvm.pow",
+              "maximum": "llvm.maximum", "minimum": "llvm.minimum"}
+
+
+@dataclass
+class KernelInfo:
+    name: str
+    parallel: bool
+    statements: tuple[str, ...]
+
+
+class Emitter:
+    """Shared LLVM emission; targets override the hooks at the bottom."""
+
+    triple = ""
+
+    def __init__(self, prog: AffineProgram, sched: Scheduled, name: str = "fn") -> None:
+        self.prog, self.sched, self.fname = prog, sched, name
+        self.module = ir.Module(name=name)
+        if self.triple:
+            self.module.triple = self.triple
+        self.stmts = {s.name: s for s in prog.statements}
+        self.buffer_arrays = [a for a in _ordered(prog) if a.name not in sched.contracted]
+        self.slot = {a.name: k for k, a in enumerate(self.buffer_arrays)}
+        self.int_slots: list[tuple[str, int]] = [(p, -1) for p in prog.params]
+        for a in self.buffer_arrays:
+            if a.strided:
+                self.int_slots += [(a.name, d) for d in range(len(a.shape))]
+        self.kernels: list[KernelInfo] = []
+
+    # ------------------------------------------------------------ module
+    def emit(self) -> ir.Module:
+        from ..schedule import _kernels
+        for k, node in enumerate(_kernels(self.sched.ast)):
+            self.kernel(k, node)
+        return self.module
+
+    def kernel_name(self, k: int, names: set[str]) -> str:
+        labels = []
+        for s in self.prog.statements:
+            if s.name in names and s.label not in labels and not s.label.endswith("_init"):
+                labels.append(s.label)
+        safe = "".join(c if c.isalnum() else "_" for c in self.fname)
+        return f"polyjit_{safe}_{'_'.join(labels[:3]) or 'nest'}_{k}_kernel"
+
+    def kernel(self, k: int, node: isl.AstNode) -> None:
+        from ..schedule import statements_in
+        names = statements_in(node)
+        fn = ir.Function(self.module, ir.FunctionType(ir.VoidType(), [PTR, PTR, I64, I64]),
+                         self.kernel_name(k, names))
+        self.fn = fn
+        self.entry = fn.append_basic_block("entry")
+        body = fn.append_basic_block("body")
+        self.b = ir.IRBuilder(self.entry)
+        bufs, ints, self.part, self.parts = fn.args
+        self.vars: dict[str, ir.AllocaInstr] = {}
+        self.params = {}
+        for i, (p, d) in enumerate(self.int_slots):
+            if d < 0:
+                self.params[p] = self.b.load(self.b.gep(ints, [ir.Constant(I64, i)], source_etype=I64), typ=I64)
+        self.base, self.strides, self.freed = {}, {}, []
+        for a in self.buffer_arrays:
+            ptr = self.b.load(self.b.gep(bufs, [ir.Constant(I64, self.slot[a.name])], source_etype=PTR), typ=PTR)
+            self.base[a.name] = ptr
+            self.strides[a.name] = self.array_strides(a, ints)
+        for name, moduli in self.sched.contracted.items():
+            if self.sched.kernel_of_array.get(name) == k:
+                self.alloc_contracted(self.prog.arrays[name], moduli)
+        self.b.branch(body)
+        self.b.position_at_end(body)
+        self.in_parallel = False
+        self.parallel = False
+        self.node(node)
+        for ptr in self.freed:
+            self.free(ptr)
+        self.b.ret_void()
+        self.kernels.append(KernelInfo(fn.name, self.parallel, tuple(sorted(names))))
+
+    def array_strides(self, a: Array, ints) -> list[ir.Value]:
+        if a.strided:
+            out = []
+            for i, (n, d) in enumerate(self.int_slots):
+                if n == a.name:
+                    out.append(self.b.load(self.b.gep(ints, [ir.Constant(I64, i)], source_etype=I64), typ=I64))
+            return out
+        return self.row_major([self.size(s) for s in a.shape])
+
+    def row_major(self, extents: list[ir.Value]) -> list[ir.Value]:
+        out, acc = [], ir.Constant(I64, 1)
+        for e in reversed(extents):
+            out.append(acc)
+            acc = self.b.mul(acc, e)
+        return out[::-1]
+
+    def size(self, s) -> ir.Value:
+        if sz.is_static(s):
+            return ir.Constant(I64, int(s))
+        v = ir.Constant(I64, s.const)
+        for n, c in s.terms:
+            v = self.b.add(v, self.b.mul(self.params[n], ir.Constant(I64, c)))
+        return v
+
+    def alloc_contracted(self, a: Array, moduli) -> None:
+        extents = [self.size(s) if m is None else ir.Constant(I64, m) for s, m in zip(a.shape, moduli)]
+        self.strides[a.name] = self.row_major(extents)
+        count = ir.Constant(I64, 1)
+        for e in extents:
+            count = self.b.mul(count, e)
+        ety = STORAGE[a.dtype]
+        static = all(isinstance(e, ir.Constant) for e in extents)
+        nbytes = a.dtype.itemsize * math.prod(e.constant for e in extents) if static else None
+        if nbytes is not None and nbytes <= STACK_LIMIT:
+            self.base[a.name] = self.b.alloca(ety, size=count)
+        else:
+            ptr = self.malloc(self.b.mul(count, ir.Constant(I64, a.dtype.itemsize)))
+            self.base[a.name] = ptr
+            self.freed.append(ptr)
+
+    # --------------------------------------------------------------- AST
+    def node(self, n: isl.AstNode) -> None:
+        t = n.get_type()
+        if t == isl.ast_node_type.block:
+            lst = n.block_get_children()
+            for i in range(lst.n_ast_node()):
+                self.node(lst.get_at(i))
+        elif t == isl.ast_node_type.for_:
+            self.loop(n, split=False)
+        elif t == isl.ast_node_type.if_:
+            self.branch(n)
+        elif t == isl.ast_node_type.mark:
+            child = n.mark_get_node()
+            if n.mark_get_id().get_name() == "parallel" and not self.in_parallel \
+                    and child.get_type() == isl.ast_node_type.for_ and self.splittable(child):
+                self.in_parallel = self.parallel = True
+                self.loop(child, split=True)
+                self.in_parallel = False
+            else:
+                self.node(child)
+        elif t == isl.ast_node_type.user:
+            self.statement(n.user_get_expr())
+        else:
+            raise NotImplementedError(f"isl AST node {t}")
+
+    def var(self, name: str) -> ir.AllocaInstr:
+        if name not in self.vars:
+            with self.b.goto_block(self.entry):
+                self.b.position_at_start(self.entry)
+                self.vars[name] = self.b.alloca(I64, name=name)
+        return self.vars[name]
+
+    @staticmethod
+    def splittable(n: isl.AstNode) -> bool:
+        c = n.for_get_cond()
+        return c.get_op_type() in (isl.ast_expr_op_type.le, isl.ast_expr_op_type.lt) and \
+            n.for_get_inc().get_type() == isl.ast_expr_type.int
+
+    def loop(self, n: isl.AstNode, split: bool) -> None:
+        it = n.for_get_iterator().get_id().get_name()
+        slot = self.var(it)
+        lo = self.aexpr(n.for_get_init())
+        inc = self.aexpr(n.for_get_inc())
+        hi = None
+        if split:
+            cond = n.for_get_cond()
+            hi = self.aexpr(cond.get_op_arg(1))
+            if cond.get_op_type() == isl.ast_expr_op_type.le:
+                hi = self.b.add(hi, ir.Constant(I64, 1))
+            lo, hi = self.split_range(lo, hi, inc)
+        self.b.store(lo, slot)
+        head = self.fn.append_basic_block(f"{it}.head")
+        body = self.fn.append_basic_block(f"{it}.body")
+        done = self.fn.append_basic_block(f"{it}.done")
+        self.b.branch(head)
+        self.b.position_at_end(head)
+        if split:
+            c = self.b.icmp_signed("<", self.b.load(slot, typ=I64), hi)
+        else:
+            c = self.aexpr(n.for_get_cond())
+        self.b.cbranch(c, body, done)
+        self.b.position_at_end(body)
+        self.node(n.for_get_body())
+        self.b.store(self.b.add(self.b.load(slot, typ=I64), inc), slot)
+        self.b.branch(head)
+        self.b.position_at_end(done)
+
+    def split_range(self, lo, hi, inc):
+        """This part's share [lo', hi') of the iterations lo, lo+inc, ... < hi."""
+        b = self.b
+        span = b.sub(hi, lo)
+        trips = b.sdiv(b.add(span, b.sub(inc, ir.Constant(I64, 1))), inc)
+        trips = b.select(b.icmp_signed("<", trips, ir.Constant(I64, 0)), ir.Constant(I64, 0), trips)
+        chunk = b.sdiv(b.add(trips, b.sub(self.parts, ir.Constant(I64, 1))), self.parts)
+        first = b.mul(self.part, chunk)
+        last = b.add(first, chunk)
+        last = b.select(b.icmp_signed("<", last, trips), last, trips)
+        return b.add(lo, b.mul(first, inc)), b.add(lo, b.mul(last, inc))
+
+    def branch(self, n: isl.AstNode) -> None:
+        c = self.aexpr(n.if_get_cond())
+        then = self.fn.append_basic_block("then")
+        other = self.fn.append_basic_block("else") if n.if_has_else_node() else None
+        done = self.fn.append_basic_block("endif")
+        self.b.cbranch(c, then, other or done)
+        self.b.position_at_end(then)
+        self.node(n.if_get_then_node())
+        self.b.branch(done)
+        if other is not None:
+            self.b.position_at_end(other)
+            self.node(n.if_get_else_node())
+            self.b.branch(done)
+        self.b.position_at_end(done)
+
+    def aexpr(self, e: isl.AstExpr) -> ir.Value:
+        t = e.get_type()
+        b = self.b
+        if t == isl.ast_expr_type.int:
+            return ir.Constant(I64, e.get_val().to_python())
+        if t == isl.ast_expr_type.id:
+            name = e.get_id().get_name()
+            if name in self.params:
+                return self.params[name]
+            return b.load(self.var(name), typ=I64)
+        op = e.get_op_type()
+        args = [self.aexpr(e.get_op_arg(i)) for i in range(e.get_op_n_arg())]
+        T = isl.ast_expr_op_type
+        if op == T.add:
+            return b.add(*args)
+        if op == T.sub:
+            return b.sub(*args)
+        if op == T.mul:
+            return b.mul(*args)
+        if op == T.minus:
+            return b.neg(args[0])
+        if op in (T.div, T.pdiv_q):
+            return b.sdiv(*args)
+        if op == T.fdiv_q:
+            return self.floordiv(*args)
+        if op in (T.pdiv_r, T.zdiv_r):
+            return b.srem(*args)
+        if op == T.max:
+            return _fold(b, args, lambda x, y: b.select(b.icmp_signed(">", x, y), x, y))
+        if op == T.min:
+            return _fold(b, args, lambda x, y: b.select(b.icmp_signed("<", x, y), x, y))
+        if op in (T.and_, T.and_then):
+            return b.and_(*args)
+        if op in (T.or_, T.or_else):
+            return b.or_(*args)
+        if op in (T.cond, T.select):
+            return b.select(*args)
+        cmp = {T.eq: "==", T.le: "<=", T.lt: "<", T.ge: ">=", T.gt: ">"}
+        if op in cmp:
+            return b.icmp_signed(cmp[op], *args)
+        raise NotImplementedError(f"isl AST expression {op}")
+
+    def floordiv(self, x, y):
+        b = self.b
+        q = b.sdiv(x, y)
+        r = b.srem(x, y)
+        adjust = b.and_(b.icmp_signed("!=", r, ir.Constant(I64, 0)),
+                        b.icmp_signed("!=", b.icmp_signed("<", r, ir.Constant(I64, 0)),
+                                      b.icmp_signed("<", y, ir.Constant(I64, 0))))
+        return b.sub(q, b.zext(adjust, I64))
+
+    # --------------------------------------------------------- statements
+    def statement(self, call: isl.AstExpr) -> None:
+        name = call.get_op_arg(0).get_id().get_name()
+        s: Statement = self.stmts[name]
+        env = {it: self.aexpr(call.get_op_arg(i + 1)) for i, it in enumerate(s.iters)}
+        cache: dict[int, ir.Value] = {}
+        val = self.value(s.body, env, cache)
+        arr = self.prog.arrays[s.array]
+        ptr = self.address(arr, s.index, env, cache)
+        if s.combine is not None:
+            old = self.from_storage(self.b.load(ptr, typ=STORAGE[arr.dtype]), arr.dtype)
+            val = self.combine(s.combine, old, val, arr.dtype)
+        self.b.store(self.to_storage(val, arr.dtype), ptr)
+
+    def address(self, arr: Array, index, env, cache) -> ir.Value:
+        moduli = self.sched.contracted.get(arr.name)
+        offset = ir.Constant(I64, 0)
+        for d, e in enumerate(index):
+            v = self.value(e, env, cache)
+            if moduli is not None and moduli[d] is not None:
+                if moduli[d] == 1:
+                    continue
+                v = self.b.urem(v, ir.Constant(I64, moduli[d]))
+            offset = self.b.add(offset, self.b.mul(v, self.strides[arr.name][d]))
+        return self.b.gep(self.base[arr.name], [offset], source_etype=STORAGE[arr.dtype])
+
+    def combine(self, how: str, old, new, dt: DataType) -> ir.Value:
+        op = {"sum": "add", "prod": "mul", "max": "maximum", "min": "minimum"}[how]
+        v = self.op(op, [old, new], dt, [dt, dt])
+        if how in ("sum", "prod") and dt.is_float:
+            v.flags.append("reassoc")
+        return v
+
+    def from_storage(self, v, dt: DataType):
+        if dt is DataType.Bool:
+            return self.b.icmp_unsigned("!=", v, ir.Constant(I8, 0))
+        if dt in (DataType.Half, DataType.BFloat16):
+            return self.b.fpext(v, F32)
+        return v
+
+    def to_storage(self, v, dt: DataType):
+        if dt is DataType.Bool:
+            return self.b.zext(v, I8)
+        if dt in (DataType.Half, DataType.BFloat16):
+            return self.b.fptrunc(v, STORAGE[dt])
+        return v
+
+    # -------------------------------------------------------- expressions
+    def value(self, e: Expr, env, cache) -> ir.Value:
+        key = id(e)
+        if key in cache:
+            return cache[key][0]
+        v = self._value(e, env, cache)
+        cache[key] = (v, e)  # keep e alive so its id stays unique
+        return v
+
+    def _value(self, e: Expr, env, cache) -> ir.Value:
+        if isinstance(e, Const):
+            return self.constant(e.value, e.dtype)
+        if isinstance(e, Var):
+            return env[e.name] if e.kind == "iter" else self.params[e.name]
+        if isinstance(e, Load):
+            arr = self.prog.arrays[e.array]
+            ptr = self.address(arr, e.index, env, cache)
+            return self.from_storage(self.b.load(ptr, typ=STORAGE[arr.dtype]), arr.dtype)
+        assert isinstance(e, Op)
+        args = [self.value(a, env, cache) for a in e.args]
+        return self.op(e.op, args, e.dtype, [a.dtype for a in e.args])
+
+    def constant(self, value, dt: DataType) -> ir.Constant:
+        t = COMPUTE[dt]
+        if dt is DataType.Bool:
+            return ir.Constant(I1, int(bool(value)))
+        if dt.is_float:
+            return ir.Constant(t, float(value))
+        return ir.Constant(t, int(value))
+
+    def op(self, op: str, a: list, dt: DataType, adts: list[DataType]) -> ir.Value:
+        b = self.b
+        src = adts[0] if adts else dt
+        fl = src.is_float
+        if op == "cast":
+            return self.cast(a[0], src, dt)
+        if op == "select":
+            return b.select(*a)
+        if op == "rand":
+            return self.philox_uniform(a[0], a[1])
+        if op in _FCMP:
+            return b.fcmp_ordered(_FCMP[op], *a) if op != "ne" and fl else (
+                b.fcmp_unordered("!=", *a) if fl else b.icmp_signed(_ICMP[op], *a))
+        if op in ("logical_and", "logical_or", "logical_xor"):
+            return {"logical_and": b.and_, "logical_or": b.or_, "logical_xor": b.xor}[op](*a)
+        if op == "logical_not":
+            return b.not_(a[0])
+        if op == "isnan":
+            return b.fcmp_unordered("uno", a[0], a[0]) if fl else ir.Constant(I1, 0)
+        if op in ("isinf", "isfinite"):
+            if not fl:
+                return ir.Constant(I1, int(op == "isfinite"))
+            mag = self.call("llvm.fabs", [a[0]])
+            inf = ir.Constant(a[0].type, math.inf)
+            return b.fcmp_ordered("==", mag, inf) if op == "isinf" else b.fcmp_ordered("<", mag, inf)
+        if fl:
+            return self.float_op(op, a)
+        return self.int_op(op, a, dt)
+
+    def float_op(self, op: str, a: list) -> ir.Value:
+        b = self.b
+        t = a[0].type
+        one = ir.Constant(t, 1.0)
+        simple = {"add": b.fadd, "sub": b.fsub, "mul": b.fmul, "div": b.fdiv}
+        if op in simple:
+            return simple[op](*a)
+        if op == "neg":
+            return b.fneg(a[0])
+        if op == "reciprocal":
+            return b.fdiv(one, a[0])
+        if op == "rsqrt":
+            return b.fdiv(one, self.call("llvm.sqrt", a))
+        if op == "sigmoid":
+            return b.fdiv(one, b.fadd(one, self.math("exp", [b.fneg(a[0])])))
+        if op == "relu":
+            zero = ir.Constant(t, 0.0)
+            return b.select(b.fcmp_ordered("<", a[0], zero), zero, a[0])
+        if op == "sign":
+            zero = ir.Constant(t, 0.0)
+            pos = b.uitofp(b.fcmp_ordered(">", a[0], zero), t)
+            neg = b.uitofp(b.fcmp_ordered("<", a[0], zero), t)
+            r = b.fsub(pos, neg)
+            return b.select(b.fcmp_unordered("uno", a[0], a[0]), a[0], r)
+        if op == "remainder":
+            r = b.frem(*a)
+            fix = b.and_(b.fcmp_ordered("!=", r, ir.Constant(t, 0.0)),
+                         b.xor(b.fcmp_ordered("<", r, ir.Constant(t, 0.0)),
+                               b.fcmp_ordered("<", a[1], ir.Constant(t, 0.0))))
+            return b.select(fix, b.fadd(r, a[1]), r)
+        return self.math(op, a)
+
+    def math(self, op: str, a: list) -> ir.Value:
+        """Transcendental functions: LLVM intrinsics or the C math library."""
+        if op in _INTRINSIC:
+            return self.call(_INTRINSIC[op], a)
+        if op in _LIBM:
+            name = op + ("f" if a[0].type == F32 else "")
+            fn = self.module.globals.get(name) or ir.Function(
+                self.module, ir.FunctionType(a[0].type, [x.type for x in a]), name)
+            return self.b.call(fn, a)
+        raise NotImplementedError(f"no lowering for {op}")
+
+    def call(self, intrinsic: str, a: list) -> ir.Value:
+        fn = self.module.declare_intrinsic(intrinsic, [a[0].type])
+        return self.b.call(fn, a)
+
+    def int_op(self, op: str, a: list, dt: DataType) -> ir.Value:
+        b = self.b
+        if op == "add":
+            return b.add(*a)
+        if op == "sub":
+            return b.sub(*a)
+        if op == "mul":
+            return b.mul(*a)
+        if op in ("div", "floordiv"):
+            return self.floordiv(*a) if a[0].type == I64 else b.sdiv(*a)
+        if op in ("mod", "remainder"):
+            r = b.srem(*a)
+            zero = ir.Constant(r.type, 0)
+            fix = b.and_(b.icmp_signed("!=", r, zero),
+                         b.xor(b.icmp_signed("<", r, zero), b.icmp_signed("<", a[1], zero)))
+            return b.select(fix, b.add(r, a[1]), r)
+        if op in ("max", "maximum"):
+            if a[0].type == I1:
+                return b.or_(*a)
+            return b.select(b.icmp_signed(">", a[0], a[1]), a[0], a[1])
+        if op in ("min", "minimum"):
+            if a[0].type == I1:
+                return b.and_(*a)
+            return b.select(b.icmp_signed("<", a[0], a[1]), a[0], a[1])
+        if op == "neg":
+            return b.neg(a[0])
+        if op == "abs":
+            return b.select(b.icmp_signed("<", a[0], ir.Constant(a[0].type, 0)), b.neg(a[0]), a[0])
+        if op == "sign":
+            z = ir.Constant(a[0].type, 0)
+            return b.sub(b.zext(b.icmp_signed(">", a[0], z), a[0].type),
+                         b.zext(b.icmp_signed("<", a[0], z), a[0].type))
+        if op == "relu":
+            z = ir.Constant(a[0].type, 0)
+            return b.select(b.icmp_signed("<", a[0], z), z, a[0])
+        if op in ("floor", "ceil", "round"):
+            return a[0]
+        if op == "pow":
+            f = self.call("llvm.pow", [b.sitofp(a[0], F64), b.sitofp(a[1], F64)])
+            return b.fptosi(f, a[0].type)
+        raise NotImplementedError(f"no integer lowering for {op}")
+
+    def cast(self, v, src: DataType, dst: DataType) -> ir.Value:
+        b = self.b
+        st, dt_ = COMPUTE[src], COMPUTE[dst]
+        if dst in (DataType.Half, DataType.BFloat16):  # round to the narrow type
+            f = self.cast(v, src, DataType.Float)
+            return b.fpext(b.fptrunc(f, STORAGE[dst]), F32)
+        if dst is DataType.Bool:
+            if src.is_float:
+                return b.fcmp_unordered("!=", v, ir.Constant(st, 0.0))
+            return b.icmp_signed("!=", v, ir.Constant(st, 0))
+        if src is DataType.Bool:
+            return b.uitofp(v, dt_) if dst.is_float else b.zext(v, dt_)
+        if src.is_float and dst.is_float:
+            if st == dt_:
+                return v
+            return b.fpext(v, dt_) if dt_ == F64 else b.fptrunc(v, dt_)
+        if src.is_float:
+            return b.fptosi(v, dt_)
+        if dst.is_float:
+            return b.sitofp(v, dt_)
+        if st.width == dt_.width:
+            return v
+        return b.sext(v, dt_) if dt_.width > st.width else b.trunc(v, dt_)
+
+    def philox_uniform(self, seed, counter) -> ir.Value:
+        """Philox 4x32-10 of (counter, seed); the first word, as a float in [0, 1)."""
+        b = self.b
+        I32c = lambda x: ir.Constant(I32, x)  # noqa: E731
+        c = [b.trunc(counter, I32), b.trunc(b.lshr(counter, ir.Constant(I64, 32)), I32), I32c(0), I32c(0)]
+        k0, k1 = b.trunc(seed, I32), b.trunc(b.lshr(seed, ir.Constant(I64, 32)), I32)
+
+        def mulhilo(m, x):
+            p = b.mul(ir.Constant(I64, m), b.zext(x, I64))
+            return b.trunc(b.lshr(p, ir.Constant(I64, 32)), I32), b.trunc(p, I32)
+        for _ in range(10):
+            hi0, lo0 = mulhilo(0xD2511F53, c[0])
+            hi1, lo1 = mulhilo(0xCD9E8D57, c[2])
+            c = [b.xor(b.xor(hi1, c[1]), k0), lo1, b.xor(b.xor(hi0, c[3]), k1), lo0]
+            k0, k1 = b.add(k0, I32c(0x9E3779B9)), b.add(k1, I32c(0xBB67AE85))
+        bits = b.lshr(c[0], I32c(8))
+        return b.fmul(b.uitofp(bits, F32), ir.Constant(F32, 2.0 ** -24))
+
+    # ------------------------------------------------------ target hooks
+    def malloc(self, nbytes) -> ir.Value:
+        fn = self.module.globals.get("malloc") or ir.Function(
+            self.module, ir.FunctionType(PTR, [I64]), "malloc")
+        return self.b.call(fn, [nbytes])
+
+    def free(self, ptr) -> None:
+        fn = self.module.globals.get("free") or ir.Function(
+            self.module, ir.FunctionType(ir.VoidType(), [PTR]), "free")
+        self.b.call(fn, [ptr])
+
+
+def _fold(b, args, f):
+    v = args[0]
+    for x in args[1:]:
+        v = f(v, x)
+    return v
+
+
+def _ordered(prog: AffineProgram) -> list[Array]:
+    """Arrays in buffer-slot order: inputs, outputs, constants, temporaries."""
+    rank = {"input": 0, "output": 1, "const": 2, "temp": 3}
+    return sorted(prog.arrays.values(), key=lambda a: (rank[a.kind], a.index, a.name))

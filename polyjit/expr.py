@@ -1,0 +1,209 @@
+"""Scalar expressions: statement bodies and array index functions.
+
+Index expressions are int64 trees of iterators, parameters and constants;
+the affine (and quasi-affine: floor division and modulo by constants) ones
+convert to isl syntax, the others (gathers) over-approximate to the whole
+array dimension in access relations.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from .dtypes import DataType
+from .sizes import Lin, Size
+
+I64 = DataType.Int
+
+
+@dataclass(frozen=True)
+class Expr:
+    dtype: DataType
+
+
+@dataclass(frozen=True)
+class Const(Expr):
+    value: object
+
+    def __str__(self) -> str:
+        return repr(self.value)
+
+
+@dataclass(frozen=True)
+class Var(Expr):
+    """A loop iterator (kind 'iter') or a size parameter (kind 'param')."""
+
+    name: str
+    kind: str = "iter"
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True)
+class Load(Expr):
+    array: str
+    index: tuple[Expr, ...]
+
+    def __str__(self) -> str:
+        return f"{self.array}[{', '.join(map(str, self.index))}]"
+
+
+@dataclass(frozen=True)
+class Op(Expr):
+    """An operation: the graph's elementwise ops plus 'select', 'cast', 'rand',
+    'floordiv', 'mod', 'min', 'max' on indices."""
+
+    op: str
+    args: tuple[Expr, ...]
+
+    def __str__(self) -> str:
+        if self.op in _INFIX and len(self.args) == 2:
+            return f"({self.args[0]} {_INFIX[self.op]} {self.args[1]})"
+        if self.op == "cast":
+            return f"({self.dtype}){self.args[0]}"
+        return f"{self.op}({', '.join(map(str, self.args))})"
+
+
+_INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/", "floordiv": "//", "mod": "%",
+          "eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">=",
+          "logical_and": "&&", "logical_or": "||"}
+
+
+def const(v, dtype: DataType = I64) -> Const:
+    return Const(dtype, v)
+
+
+def it(name: str) -> Var:
+    return Var(I64, name, "iter")
+
+
+def size_expr(s: Size) -> Expr:
+    """An index expression for a (possibly symbolic) size."""
+    if not isinstance(s, Lin):
+        return const(int(s))
+    e: Expr = const(s.const)
+    for n, c in s.terms:
+        e = iadd(e, imul(Var(I64, n, "param"), c))
+    return e
+
+
+def iadd(a: Expr, b: Expr) -> Expr:
+    if isinstance(a, Const) and isinstance(b, Const):
+        return const(a.value + b.value)
+    if isinstance(b, Const) and b.value == 0:
+        return a
+    if isinstance(a, Const) and a.value == 0:
+        return b
+    if isinstance(b, Const) and b.value < 0:
+        return Op(I64, "sub", (a, const(-b.value)))
+    return Op(I64, "add", (a, b))
+
+
+def isub(a: Expr, b: Expr) -> Expr:
+    if isinstance(b, Const):
+        return iadd(a, const(-b.value))
+    if isinstance(a, Const) and isinstance(b, Const):
+        return const(a.value - b.value)
+    return Op(I64, "sub", (a, b))
+
+
+def imul(a: Expr, k) -> Expr:
+    if isinstance(k, Expr):
+        if isinstance(k, Const):
+            k = k.value
+        else:
+            return Op(I64, "mul", (a, k))
+    if k == 0:
+        return const(0)
+    if k == 1:
+        return a
+    if isinstance(a, Const):
+        return const(a.value * k)
+    return Op(I64, "mul", (a, const(k)))
+
+
+def ifloordiv(a: Expr, k: int) -> Expr:
+    if k == 1:
+        return a
+    if isinstance(a, Const):
+        return const(a.value // k)
+    return Op(I64, "floordiv", (a, const(k)))
+
+
+def imod(a: Expr, k: int) -> Expr:
+    if k == 1:
+        return const(0)
+    if isinstance(a, Const):
+        return const(a.value % k)
+    return Op(I64, "mod", (a, const(k)))
+
+
+def iclamp(a: Expr, lo: Expr, hi: Expr) -> Expr:
+    """min(max(a, lo), hi): keeps a guarded load inside its array."""
+    return Op(I64, "min", (Op(I64, "max", (a, lo)), hi))
+
+
+def walk(e: Expr) -> Iterator[Expr]:
+    yield e
+    if isinstance(e, Load):
+        for i in e.index:
+            yield from walk(i)
+    elif isinstance(e, Op):
+        for a in e.args:
+            yield from walk(a)
+
+
+def loads(e: Expr) -> list[Load]:
+    return [x for x in walk(e) if isinstance(x, Load)]
+
+
+def substitute(e: Expr, f: Callable[[Expr], Expr | None]) -> Expr:
+    """Rebuild e bottom-up, replacing the nodes for which f returns an Expr."""
+    r = f(e)
+    if r is not None:
+        return r
+    if isinstance(e, Load):
+        return Load(e.dtype, e.array, tuple(substitute(i, f) for i in e.index))
+    if isinstance(e, Op):
+        return Op(e.dtype, e.op, tuple(substitute(a, f) for a in e.args))
+    return e
+
+
+def to_isl(e: Expr) -> str | None:
+    """isl syntax for a quasi-affine index expression, or None."""
+    if isinstance(e, Const):
+        return str(int(e.value))
+    if isinstance(e, Var):
+        return e.name
+    if not isinstance(e, Op):
+        return None
+    a = [to_isl(x) for x in e.args]
+    if any(x is None for x in a):
+        return None
+    if e.op in ("add", "sub"):
+        return f"({a[0]} {'+' if e.op == 'add' else '-'} {a[1]})"
+    if e.op == "mul":
+        if isinstance(e.args[1], Const):
+            return f"({a[1]} * {a[0]})"
+        if isinstance(e.args[0], Const):
+            return f"({a[0]} * {a[1]})"
+        return None
+    if e.op == "floordiv" and isinstance(e.args[1], Const):
+        return f"floor(({a[0]}) / {a[1]})"
+    if e.op == "mod" and isinstance(e.args[1], Const):
+        return f"(({a[0]}) mod {a[1]})"
+    if e.op in ("min", "max"):
+        return f"{e.op}({a[0]}, {a[1]})"
+    return None
+
+
+_COST = {"exp": 8, "log": 8, "log1p": 10, "expm1": 10, "sin": 10, "cos": 10, "tan": 14,
+         "tanh": 12, "erf": 12, "sigmoid": 10, "pow": 16, "div": 4, "sqrt": 4, "rsqrt": 4,
+         "rand": 30, "atan2": 20, "remainder": 4}
+
+
+def cost(e: Expr) -> int:
+    """A rough count of work, to decide between recomputing and storing."""
+    return sum(_COST.get(x.op, 1) if isinstance(x, Op) else (1 if isinstance(x, Load) else 0)
+               for x in walk(e))

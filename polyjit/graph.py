@@ -1,0 +1,487 @@
+"""The framework-neutral tensor graph: a small closed set of core ops.
+
+Every frontend, the FusionDefinition builder and the tracing API build this
+graph through :class:`Graph`'s methods, which infer shapes and dtypes and
+reject bad operands with :class:`~polyjit.errors.DefinitionError`. Each core
+op is lowered once, in :mod:`polyjit.lowering`.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from . import sizes as sz
+from .dtypes import DataType, promote, promote_weak, scalar_dtype, to_dtype
+from .errors import DefinitionError
+from .sizes import Lin, Size
+
+UNARY_OPS = ("neg", "abs", "exp", "log", "log1p", "expm1", "sqrt", "rsqrt", "sin", "cos",
+             "tan", "tanh", "erf", "sigmoid", "floor", "ceil", "round", "sign", "logical_not",
+             "reciprocal", "isnan", "isinf", "isfinite", "relu")
+BINARY_OPS = ("add", "sub", "mul", "div", "pow", "maximum", "minimum", "remainder",
+              "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_xor",
+              "atan2")
+COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")
+LOGICAL = ("logical_and", "logical_or", "logical_xor", "logical_not", "isnan", "isinf",
+           "isfinite")
+FLOAT_ONLY = ("exp", "log", "log1p", "expm1", "sqrt", "rsqrt", "sin", "cos", "tan", "tanh",
+              "erf", "sigmoid", "reciprocal", "atan2")
+REDUCTIONS = ("sum", "max", "min", "prod")
+
+_ids = itertools.count()
+
+
+@dataclass(frozen=True, eq=False)
+class Node:
+    """One tensor value: the op that makes it, its operands and attributes."""
+
+    op: str
+    inputs: tuple["Node", ...]
+    attrs: dict
+    shape: tuple[Size, ...]
+    dtype: DataType
+    id: int = field(default_factory=lambda: next(_ids))
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+    def __str__(self) -> str:
+        args = ", ".join(f"%{i.id}" for i in self.inputs)
+        attrs = ", ".join(f"{k}={_fmt(v)}" for k, v in self.attrs.items())
+        shape = "x".join(str(s) for s in self.shape) or "scalar"
+        sep = ", " if args and attrs else ""
+        return f"%{self.id}: {self.dtype}[{shape}] = {self.op}({args}{sep}{attrs})"
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, np.ndarray):
+        return f"array{tuple(v.shape)}"
+    return str(v)
+
+
+def _norm_axis(axis: int, rank: int, what: str = "axis") -> int:
+    if not -rank <= axis < max(rank, 1):
+        raise DefinitionError(f"{what} {axis} is out of range for a tensor of rank {rank}")
+    return axis % rank if rank else 0
+
+
+class Graph:
+    """A tensor program under construction: inputs, nodes, outputs.
+
+    Symbolic sizes that must be equal (operands of an elementwise op) are
+    unified here; the runtime checks the equalities that remain.
+    """
+
+    def __init__(self) -> None:
+        self.inputs: list[Node] = []
+        self.outputs: list[Node] = []
+        self.aliases: dict[str, str] = {}
+        self.constraints: list[tuple[Size, Size]] = []
+
+    # ---------------------------------------------------------------- sizes
+    def resolve(self, s: Size) -> Size:
+        if not isinstance(s, Lin):
+            return s
+        return s.rename({n: self._root(n) for n in s.params()})
+
+    def _root(self, name: str) -> str:
+        while name in self.aliases:
+            name = self.aliases[name]
+        return name
+
+    def unify(self, a: Size, b: Size, what: str) -> Size:
+        a, b = self.resolve(a), self.resolve(b)
+        if a == b:
+            return a
+        if sz.is_static(a) and sz.is_static(b):
+            raise DefinitionError(f"{what}: sizes {a} and {b} do not match")
+        if isinstance(a, Lin) and isinstance(b, Lin) and len(a.terms) == 1 and a.const == 0 \
+                and a.terms[0][1] == 1 and len(b.terms) == 1 and b.const == 0 and b.terms[0][1] == 1:
+            self.aliases[b.terms[0][0]] = a.terms[0][0]
+            return a
+        self.constraints.append((a, b))
+        return b if sz.is_static(b) else a
+
+    # --------------------------------------------------------------- leaves
+    def input(self, shape: Sequence[Size], dtype, name: str | None = None,
+              strided: bool = False) -> Node:
+        idx = len(self.inputs)
+        n = Node("input", (), {"index": idx, "name": name or f"T{idx}", "strided": strided},
+                 tuple(shape), to_dtype(dtype))
+        self.inputs.append(n)
+        return n
+
+    def constant(self, value, dtype=None) -> Node:
+        dt = to_dtype(dtype) if dtype is not None else scalar_dtype(value)
+        return Node("constant", (), {"value": _py(value, dt), "weak": dtype is None}, (), dt)
+
+    def tensor_constant(self, array) -> Node:
+        arr = np.ascontiguousarray(array)
+        return Node("tensor_constant", (), {"value": arr}, tuple(arr.shape), to_dtype(arr.dtype))
+
+    def iota(self, shape: Sequence[Size], dim: int, dtype=DataType.Int) -> Node:
+        dim = _norm_axis(dim, len(shape), "iota dimension")
+        return Node("iota", (), {"dim": dim}, tuple(shape), to_dtype(dtype))
+
+    def rand_uniform(self, shape: Sequence[Size], seed: Node, offset: int = 0,
+                     dtype=DataType.Float) -> Node:
+        """Counter-based (Philox 4x32-10) uniform numbers in [0, 1)."""
+        if seed.rank != 0 or not seed.dtype.is_int:
+            raise DefinitionError("rand_uniform: the seed must be an integer scalar")
+        return Node("rand_uniform", (seed,), {"offset": int(offset)}, tuple(shape),
+                    to_dtype(dtype))
+
+    # ----------------------------------------------------------- elementwise
+    def unary(self, op: str, x: Node) -> Node:
+        if op not in UNARY_OPS:
+            raise DefinitionError(f"unknown unary op {op!r}")
+        if op in LOGICAL:
+            dt = DataType.Bool
+        elif op in FLOAT_ONLY and not x.dtype.is_float:
+            dt = DataType.Float
+        else:
+            dt = x.dtype
+        if op == "logical_not":
+            x = self.cast(x, DataType.Bool)
+        elif dt != x.dtype and op not in LOGICAL:
+            x = self.cast(x, dt)
+        return Node(op, (x,), {}, x.shape, dt)
+
+    def binary(self, op: str, a: Node, b: Node) -> Node:
+        if op not in BINARY_OPS:
+            raise DefinitionError(f"unknown binary op {op!r}")
+        dt = self._result_dtype(a, b)
+        if op in ("div", "pow", "atan2") and not dt.is_float:
+            dt = DataType.Float if op != "pow" else dt
+        a, b = self.cast(a, dt), self.cast(b, dt)
+        a, b = self.broadcast_pair(a, b, op)
+        out = DataType.Bool if op in COMPARISONS or op in LOGICAL else dt
+        if op in LOGICAL:
+            a, b = self.cast(a, DataType.Bool), self.cast(b, DataType.Bool)
+        return Node(op, (a, b), {}, a.shape, out)
+
+    def where(self, cond: Node, a: Node, b: Node) -> Node:
+        dt = self._result_dtype(a, b)
+        cond = self.cast(cond, DataType.Bool)
+        a, b = self.cast(a, dt), self.cast(b, dt)
+        shape = self._broadcast_shape([cond.shape, a.shape, b.shape], "where")
+        cond, a, b = (self.expand(t, shape) for t in (cond, a, b))
+        return Node("where", (cond, a, b), {}, shape, dt)
+
+    def cast(self, x: Node, dtype) -> Node:
+        dt = to_dtype(dtype)
+        if dt == x.dtype:
+            return x
+        if x.op == "constant":
+            return self.constant(x.attrs["value"], dt)
+        return Node("cast", (x,), {}, x.shape, dt)
+
+    def _result_dtype(self, a: Node, b: Node) -> DataType:
+        wa = a.op == "constant" and a.attrs.get("weak")
+        wb = b.op == "constant" and b.attrs.get("weak")
+        if wa and not wb:
+            return promote_weak(b.dtype, a.dtype)
+        if wb and not wa:
+            return promote_weak(a.dtype, b.dtype)
+        return promote(a.dtype, b.dtype)
+
+    def _broadcast_shape(self, shapes, what: str) -> tuple[Size, ...]:
+        rank = max(len(s) for s in shapes)
+        out: list[Size] = []
+        for d in range(rank):
+            size: Size = 1
+            for s in shapes:
+                k = d - (rank - len(s))
+                if k < 0 or s[k] == 1:
+                    continue
+                size = s[k] if size == 1 else self.unify(size, s[k], f"{what}, dimension {d}")
+            out.append(size)
+        return tuple(out)
+
+    def broadcast_pair(self, a: Node, b: Node, what: str) -> tuple[Node, Node]:
+        shape = self._broadcast_shape([a.shape, b.shape], what)
+        return self.expand(a, shape), self.expand(b, shape)
+
+    def expand(self, x: Node, shape: Sequence[Size]) -> Node:
+        """numpy-style broadcast of x to shape (right-aligned)."""
+        shape = tuple(shape)
+        if tuple(map(self.resolve, x.shape)) == tuple(map(self.resolve, shape)):
+            return x
+        off = len(shape) - x.rank
+        return self.broadcast_in_dim(x, shape, list(range(off, len(shape))))
+
+    # ---------------------------------------------------------------- layout
+    def broadcast_in_dim(self, x: Node, shape: Sequence[Size], dims: Sequence[int]) -> Node:
+        shape, dims = tuple(shape), tuple(int(d) % max(len(shape), 1) for d in dims)
+        if len(dims) != x.rank:
+            raise DefinitionError(f"broadcast_in_dim: {len(dims)} broadcast_dims for a tensor of rank {x.rank}")
+        if list(dims) != sorted(set(dims)):
+            raise DefinitionError(f"broadcast_in_dim: broadcast_dims {list(dims)} must be increasing")
+        for k, d in enumerate(dims):
+            if x.shape[k] != 1:
+                self.unify(shape[d], x.shape[k], f"broadcast_in_dim, dimension {d}")
+        if x.rank == len(shape) and all(x.shape[k] == shape[k] for k in range(x.rank)):
+            return x
+        return Node("broadcast_in_dim", (x,), {"dims": dims}, shape, x.dtype)
+
+    def reshape(self, x: Node, shape: Sequence[Size]) -> Node:
+        shape = list(shape)
+        if -1 in shape:
+            k = shape.index(-1)
+            rest = sz.static_product(s for i, s in enumerate(shape) if i != k)
+            total = sz.static_product(x.shape)
+            if rest is None or total is None or rest == 0:
+                raise DefinitionError("reshape: -1 can only be inferred among static sizes")
+            shape[k] = total // rest
+        a, b = sz.static_product(x.shape), sz.static_product(shape)
+        if a is not None and b is not None and a != b:
+            raise DefinitionError(f"reshape: cannot reshape {list(x.shape)} into {shape}")
+        if tuple(shape) == x.shape:
+            return x
+        return Node("reshape", (x,), {}, tuple(shape), x.dtype)
+
+    def transpose(self, x: Node, perm: Sequence[int]) -> Node:
+        perm = tuple(_norm_axis(p, x.rank, "permutation entry") for p in perm)
+        if sorted(perm) != list(range(x.rank)):
+            raise DefinitionError(f"transpose: {list(perm)} is not a permutation of {x.rank} axes")
+        if perm == tuple(range(x.rank)):
+            return x
+        return Node("transpose", (x,), {"perm": perm}, tuple(x.shape[p] for p in perm), x.dtype)
+
+    def slice(self, x: Node, start: Sequence[int], end: Sequence[Size],
+              strides: Sequence[int] | None = None) -> Node:
+        strides = list(strides) if strides is not None else [1] * x.rank
+        if not len(start) == len(end) == len(strides) == x.rank:
+            raise DefinitionError(f"slice: expected {x.rank} start, end and stride entries")
+        shape = []
+        for d, (s, e, st) in enumerate(zip(start, end, strides)):
+            if st < 1:
+                raise DefinitionError(f"slice: stride {st} in dimension {d} must be positive")
+            if isinstance(e, Lin) or isinstance(x.shape[d], Lin):
+                n = e - s
+                if st != 1:
+                    raise DefinitionError("slice: strides over symbolic sizes are not affine")
+            else:
+                e = min(int(e), int(x.shape[d]))
+                if not 0 <= s <= max(e, 0):
+                    raise DefinitionError(f"slice: start {s} out of range in dimension {d}")
+                n = max(0, -(-(e - s) // st))
+            shape.append(n)
+        return Node("slice", (x,), {"start": tuple(start), "strides": tuple(strides)},
+                    tuple(shape), x.dtype)
+
+    def pad(self, x: Node, lo: Sequence[int], hi: Sequence[int], value=0) -> Node:
+        if not len(lo) == len(hi) == x.rank:
+            raise DefinitionError(f"pad: expected {x.rank} low and high widths")
+        shape = tuple(x.shape[d] + lo[d] + hi[d] for d in range(x.rank))
+        v = _py(value, x.dtype)
+        return Node("pad", (x,), {"lo": tuple(lo), "hi": tuple(hi), "value": v}, shape, x.dtype)
+
+    def concatenate(self, xs: Sequence[Node], axis: int) -> Node:
+        if not xs:
+            raise DefinitionError("concatenate: no operands")
+        axis = _norm_axis(axis, xs[0].rank)
+        dt = xs[0].dtype
+        for x in xs[1:]:
+            dt = promote(dt, x.dtype)
+        xs = [self.cast(x, dt) for x in xs]
+        total: Size = 0
+        for x in xs:
+            if x.rank != xs[0].rank:
+                raise DefinitionError("concatenate: operands differ in rank")
+            for d in range(x.rank):
+                if d != axis:
+                    self.unify(xs[0].shape[d], x.shape[d], f"concatenate, dimension {d}")
+            total = total + x.shape[axis]
+        shape = list(xs[0].shape)
+        shape[axis] = total
+        return Node("concatenate", tuple(xs), {"axis": axis}, tuple(shape), dt)
+
+    def reverse(self, x: Node, axes: Sequence[int]) -> Node:
+        axes = tuple(sorted(_norm_axis(a, x.rank) for a in axes))
+        return Node("reverse", (x,), {"axes": axes}, x.shape, x.dtype)
+
+    # ------------------------------------------------------------ reductions
+    def reduce(self, op: str, x: Node, axes: Sequence[int] | None, keepdim: bool = False) -> Node:
+        if op not in REDUCTIONS:
+            raise DefinitionError(f"unknown reduction {op!r}")
+        axes = tuple(range(x.rank)) if axes is None else \
+            tuple(sorted({_norm_axis(a, x.rank) for a in axes}))
+        dt = x.dtype
+        if op in ("sum", "prod") and dt in (DataType.Bool, DataType.Int32):
+            dt = DataType.Int
+        if dt in (DataType.Half, DataType.BFloat16) and op in ("sum", "prod"):
+            inner = self.reduce(op, self.cast(x, DataType.Float), axes, keepdim)
+            return self.cast(inner, dt)
+        x = self.cast(x, dt)
+        shape = tuple((1 if d in axes else s) for d, s in enumerate(x.shape) if keepdim or d not in axes)
+        return Node("reduce", (x,), {"op": op, "axes": axes, "keepdim": keepdim}, shape, dt)
+
+    def argreduce(self, op: str, x: Node, axis: int, keepdim: bool = False) -> Node:
+        """Index of the first extreme value (of the first NaN, if any), as core ops."""
+        if op not in ("argmax", "argmin"):
+            raise DefinitionError(f"unknown arg-reduction {op!r}")
+        axis = _norm_axis(axis, x.rank)
+        ext = self.reduce("max" if op == "argmax" else "min", x, [axis], keepdim=True)
+        hit = self.binary("eq", x, ext)
+        if x.dtype.is_float:
+            hit = self.binary("logical_or", hit, self.unary("isnan", x))
+        pos = self.iota(x.shape, axis)
+        big = self.constant(2 ** 62, DataType.Int)
+        return self.reduce("min", self.where(hit, pos, big), [axis], keepdim)
+
+    def cumsum(self, x: Node, axis: int) -> Node:
+        axis = _norm_axis(axis, x.rank)
+        dt = DataType.Int if x.dtype in (DataType.Bool, DataType.Int32) else x.dtype
+        return Node("cumsum", (self.cast(x, dt),), {"axis": axis}, x.shape, dt)
+
+    def reduce_window(self, op: str, x: Node, window: Sequence[int], strides: Sequence[int],
+                      padding: Sequence[tuple[int, int]] | None = None,
+                      dilation: Sequence[int] | None = None) -> Node:
+        """Windowed reduction (pooling); padded cells hold the op's identity."""
+        if op not in ("sum", "max", "min"):
+            raise DefinitionError(f"reduce_window: unknown op {op!r}")
+        r = x.rank
+        padding = list(padding) if padding is not None else [(0, 0)] * r
+        dilation = list(dilation) if dilation is not None else [1] * r
+        if not len(window) == len(strides) == len(padding) == len(dilation) == r:
+            raise DefinitionError(f"reduce_window: expected {r} window, stride, padding entries")
+        shape = []
+        for d in range(r):
+            ext = x.shape[d] + padding[d][0] + padding[d][1] - dilation[d] * (window[d] - 1) - 1
+            if isinstance(ext, Lin):
+                if strides[d] != 1:
+                    raise DefinitionError("reduce_window: strides over symbolic sizes are not affine")
+                shape.append(ext + 1)
+            else:
+                shape.append(max(0, ext // strides[d] + 1))
+        attrs = {"op": op, "window": tuple(window), "strides": tuple(strides),
+                 "padding": tuple(map(tuple, padding)), "dilation": tuple(dilation)}
+        return Node("reduce_window", (x,), attrs, tuple(shape), x.dtype)
+
+    # ---------------------------------------------------------- contractions
+    def dot_general(self, a: Node, b: Node, contracting: tuple[Sequence[int], Sequence[int]],
+                    batch: tuple[Sequence[int], Sequence[int]] = ((), ())) -> Node:
+        """XLA's DotGeneral: result dims are batch, a's free dims, b's free dims."""
+        lc, rc = [tuple(_norm_axis(d, t.rank) for d in ds) for ds, t in zip(contracting, (a, b))]
+        lb, rb = [tuple(_norm_axis(d, t.rank) for d in ds) for ds, t in zip(batch, (a, b))]
+        if len(lc) != len(rc) or len(lb) != len(rb):
+            raise DefinitionError("dot_general: contracting and batch dims must pair up")
+        for i, j in zip(lc, rc):
+            self.unify(a.shape[i], b.shape[j], "dot_general contracting dimension")
+        for i, j in zip(lb, rb):
+            self.unify(a.shape[i], b.shape[j], "dot_general batch dimension")
+        dt = promote(a.dtype, b.dtype)
+        a, b = self.cast(a, dt), self.cast(b, dt)
+        lf = [d for d in range(a.rank) if d not in lc and d not in lb]
+        rf = [d for d in range(b.rank) if d not in rc and d not in rb]
+        shape = tuple([a.shape[d] for d in lb] + [a.shape[d] for d in lf] + [b.shape[d] for d in rf])
+        attrs = {"lc": lc, "rc": rc, "lb": lb, "rb": rb}
+        return Node("dot_general", (a, b), attrs, shape, dt)
+
+    def conv(self, x: Node, w: Node, strides: Sequence[int], padding: Sequence[tuple[int, int]],
+             dilation: Sequence[int] | None = None, groups: int = 1,
+             layout: str = "NCHW", kernel_layout: str = "OIHW") -> Node:
+        """N-d convolution (cross-correlation, as every framework computes it).
+
+        `layout` names the input's and output's dims with N, C and spatial
+        letters; `kernel_layout` names the kernel's with O, I and the same
+        spatial letters, e.g. NHWC with HWIO.
+        """
+        nsp = x.rank - 2
+        sp = [c for c in layout if c not in "NC"]
+        if len(layout) != x.rank or len(kernel_layout) != w.rank or sorted(sp) != sorted(
+                c for c in kernel_layout if c not in "OI"):
+            raise DefinitionError(f"conv: layouts {layout}/{kernel_layout} do not fit ranks {x.rank}/{w.rank}")
+        dilation = list(dilation) if dilation is not None else [1] * nsp
+        if not len(strides) == len(padding) == len(dilation) == nsp:
+            raise DefinitionError(f"conv: expected {nsp} stride, padding and dilation entries")
+        dt = promote(x.dtype, w.dtype)
+        x, w = self.cast(x, dt), self.cast(w, dt)
+        cin = x.shape[layout.index("C")]
+        cin_g = w.shape[kernel_layout.index("I")]
+        cout = w.shape[kernel_layout.index("O")]
+        if sz.is_static(cin) and sz.is_static(cin_g) and cin != cin_g * groups:
+            raise DefinitionError(f"conv: input has {cin} channels, kernel expects {cin_g}x{groups} groups")
+        if sz.is_static(cout) and cout % groups:
+            raise DefinitionError(f"conv: {cout} output channels do not divide into {groups} groups")
+        shape: list[Size] = []
+        for c in layout:
+            if c == "N":
+                shape.append(x.shape[layout.index("N")])
+            elif c == "C":
+                shape.append(cout)
+            else:
+                k = sp.index(c)
+                ks = w.shape[kernel_layout.index(c)]
+                if isinstance(ks, Lin):
+                    raise DefinitionError("conv: kernel sizes must be static")
+                ext = x.shape[layout.index(c)] + padding[k][0] + padding[k][1] - dilation[k] * (ks - 1) - 1
+                if isinstance(ext, Lin):
+                    if strides[k] != 1:
+                        raise DefinitionError("conv: strides over symbolic sizes are not affine")
+                    shape.append(ext + 1)
+                else:
+                    shape.append(max(0, ext // strides[k] + 1))
+        attrs = {"strides": tuple(strides), "padding": tuple(map(tuple, padding)),
+                 "dilation": tuple(dilation), "groups": groups, "layout": layout,
+                 "kernel_layout": kernel_layout}
+        return Node("conv", (x, w), attrs, tuple(shape), dt)
+
+    # -------------------------------------------------------------- indexing
+    def gather(self, x: Node, index: Node, axis: int) -> Node:
+        """x.take(index, axis): index_select and embedding lookups."""
+        if not index.dtype.is_int:
+            raise DefinitionError(f"gather: indices must be integers, not {index.dtype}")
+        axis = _norm_axis(axis, x.rank)
+        shape = x.shape[:axis] + index.shape + x.shape[axis + 1:]
+        return Node("gather", (x, index), {"axis": axis}, shape, x.dtype)
+
+    def scatter_add(self, shape: Sequence[Size], index: Node, src: Node, axis: int) -> Node:
+        """zeros(shape) with src's slices added at index along axis (gather's adjoint)."""
+        shape = tuple(shape)
+        axis = _norm_axis(axis, len(shape))
+        want = shape[:axis] + index.shape + shape[axis + 1:]
+        if len(want) != src.rank:
+            raise DefinitionError(f"scatter_add: src has rank {src.rank}, expected {len(want)}")
+        for d, (a, b) in enumerate(zip(want, src.shape)):
+            self.unify(a, b, f"scatter_add, src dimension {d}")
+        return Node("scatter_add", (index, src), {"axis": axis}, shape, src.dtype)
+
+    # ---------------------------------------------------------------- output
+    def add_output(self, x: Node) -> None:
+        self.outputs.append(x)
+
+    def nodes(self) -> list[Node]:
+        """All nodes reachable from the outputs, operands first."""
+        seen: set[int] = set()
+        order: list[Node] = []
+        stack = [(n, False) for n in reversed(self.outputs)]
+        while stack:
+            n, done = stack.pop()
+            if done:
+                order.append(n)
+                continue
+            if n.id in seen:
+                continue
+            seen.add(n.id)
+            stack.append((n, True))
+            stack.extend((i, False) for i in reversed(n.inputs) if i.id not in seen)
+        return order
+
+    def __str__(self) -> str:
+        lines = [str(n) for n in self.nodes()]
+        lines.append("return " + ", ".join(f"%{o.id}" for o in self.outputs))
+        return "\n".join(lines)
+
+
+def _py(value, dt: DataType):
+    if dt is DataType.Bool:
+        return bool(value)
+    if dt.is_int:
+        return int(value)
+    return float(value)

@@ -1,0 +1,535 @@
+"""Graph -> affine program: each core op lowered once.
+
+An op is either *inlined* (its scalar expression is substituted into its
+consumers, so layout ops become index functions and elementwise chains become
+one body) or *materialized* (it gets an array and statements). Reductions,
+contractions and windows are written once as a :class:`ReductionSpec`; small
+static windows (a 1x5 blur tap, a 3x3 pooling window) unroll into an
+expression, larger ones become an init and an update statement.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from . import expr as E
+from . import sizes as sz
+from .affine import AffineProgram, Array, Statement
+from .dtypes import DataType
+from .errors import DefinitionError
+from .expr import Const, Expr, Load, Op
+from .graph import BINARY_OPS, UNARY_OPS, Graph, Node
+from .sizes import Lin, Size
+
+UNROLL_LIMIT = 16  # reductions with at most this many static terms unroll into expressions
+RECOMPUTE_LIMIT = 6  # extra work accepted to inline a value read more than once
+MANY = 16  # weight of a read inside a contraction's reduction loop
+
+_COMBINE = {"sum": "add", "prod": "mul", "max": "maximum", "min": "minimum"}
+
+
+@dataclass
+class ReductionSpec:
+    """out[o] = combine over r in red_sizes of term(o, r)."""
+
+    red_sizes: list[Size]
+    term: Callable[[tuple[Expr, ...], tuple[Expr, ...]], Expr]
+    combine: str
+    extra: str = ""  # isl constraints relating reduction and output iterators
+
+    def static_terms(self) -> int | None:
+        if self.extra or not all(sz.is_static(s) for s in self.red_sizes):
+            return None
+        return math.prod(int(s) for s in self.red_sizes)
+
+
+def identity(combine: str, dt: DataType) -> Const:
+    if combine == "sum":
+        return E.const(0 if not dt.is_float else 0.0, dt)
+    if combine == "prod":
+        return E.const(1 if not dt.is_float else 1.0, dt)
+    if dt is DataType.Bool:
+        return E.const(combine == "min", dt)
+    if dt.is_float:
+        return E.const(-math.inf if combine == "max" else math.inf, dt)
+    bits = 8 * dt.itemsize - 1
+    return E.const(-(2 ** bits) if combine == "max" else 2 ** bits - 1, dt)
+
+
+class Lowering:
+    def __init__(self, graph: Graph) -> None:
+        self.g = graph
+        self.nodes = graph.nodes()
+        self.arrays: dict[str, Array] = {}
+        self.statements: list[Statement] = []
+        self.array_of: dict[int, str] = {}
+        self.memo: dict[tuple, Expr] = {}
+        self.inlined = 0
+
+    # ------------------------------------------------------------- helpers
+    def shape(self, n: Node) -> tuple[Size, ...]:
+        return tuple(self.g.resolve(s) for s in n.shape)
+
+    def value(self, n: Node, idx: Sequence[Expr]) -> Expr:
+        """The scalar value of n at idx, inlined or loaded."""
+        idx = tuple(idx)
+        key = (n.id, idx)
+        if key not in self.memo:
+            if n.id in self.array_of:
+                self.memo[key] = Load(n.dtype, self.array_of[n.id], idx)
+            else:
+                self.memo[key] = self.inline(n, idx)
+        return self.memo[key]
+
+    def inline(self, n: Node, idx: tuple[Expr, ...]) -> Expr:
+        if n.op in INLINE:
+            return INLINE[n.op](self, n, idx)
+        spec = REDUCTIONS[n.op](self, n)
+        return self.unrolled(spec, n.dtype, idx)
+
+    def unrolled(self, spec: ReductionSpec, dt: DataType, idx) -> Expr:
+        acc: Expr | None = None
+        for combo in _product([int(s) for s in spec.red_sizes]):
+            t = spec.term(idx, tuple(E.const(c) for c in combo))
+            acc = t if acc is None else Op(dt, _COMBINE[spec.combine], (acc, t))
+        return acc if acc is not None else identity(spec.combine, dt)
+
+    # ------------------------------------------------------------ decisions
+    def is_statement_op(self, n: Node) -> bool:
+        if n.op in STATEMENT_OPS:
+            return True
+        if n.op in REDUCTIONS:
+            terms = REDUCTIONS[n.op](self, n).static_terms()
+            return terms is None or terms > UNROLL_LIMIT
+        return False
+
+    def read_weight(self, consumer: Node, operand: int) -> int:
+        if consumer.op in REDUCTIONS:
+            spec_terms = REDUCTIONS[consumer.op](self, consumer).static_terms()
+            if consumer.op == "reduce":
+                return 1
+            if spec_terms is not None and spec_terms <= UNROLL_LIMIT:
+                return max(spec_terms, 1)
+            return MANY
+        if consumer.op == "gather" and operand == 0:
+            return MANY
+        return 1
+
+    def plan(self) -> None:
+        uses: dict[int, int] = {n.id: 0 for n in self.nodes}
+        for n in self.nodes:
+            for k, i in enumerate(n.inputs):
+                uses[i.id] += self.read_weight(n, k)
+        work: dict[int, int] = {}
+        outputs = {o.id for o in self.g.outputs}
+        for n in self.nodes:
+            if n.op in ("input", "tensor_constant"):
+                self.declare(n)
+                work[n.id] = 0
+                continue
+            if n.op == "constant":
+                work[n.id] = 0
+                continue
+            own = E._COST.get(n.op, 1) if n.op in UNARY_OPS + BINARY_OPS else (
+                0 if n.op in LAYOUT_OPS else 1)
+            if n.op in REDUCTIONS and not self.is_statement_op(n):
+                own = 2 * (REDUCTIONS[n.op](self, n).static_terms() or 1)
+            w = own + sum(work[i.id] for i in n.inputs)
+            materialize = (n.id in outputs or self.is_statement_op(n)
+                           or (uses[n.id] - 1) * w > RECOMPUTE_LIMIT)
+            if materialize:
+                self.declare(n)
+                work[n.id] = 0
+            else:
+                work[n.id] = w
+                self.inlined += 1
+
+    def declare(self, n: Node) -> None:
+        if n.op == "input":
+            name, kind, index = f"in{n.attrs['index']}", "input", n.attrs["index"]
+        elif n.op == "tensor_constant":
+            index = sum(a.kind == "const" for a in self.arrays.values())
+            name, kind = f"c{index}", "const"
+        else:
+            name, kind, index = f"t{n.id}", "temp", -1
+        self.arrays[name] = Array(name, self.shape(n), n.dtype, kind,
+                                  strided=bool(n.attrs.get("strided")), index=index)
+        self.array_of[n.id] = name
+
+    # ---------------------------------------------------------- statements
+    def emit(self) -> None:
+        for n in self.nodes:
+            name = self.array_of.get(n.id)
+            if name is None or self.arrays[name].kind not in ("temp", "output"):
+                continue
+            shape = self.shape(n)
+            iters = tuple(f"i{d}" for d in range(len(shape)))
+            idx = tuple(E.it(i) for i in iters)
+            bounds = tuple((0, s) for s in shape)
+            if n.op in STATEMENT_OPS:
+                STATEMENT_OPS[n.op](self, n, name, iters, bounds)
+            elif n.op in REDUCTIONS and self.is_statement_op(n):
+                spec = REDUCTIONS[n.op](self, n)
+                self.add(name, iters, bounds, idx, identity(spec.combine, n.dtype), n.op + "_init")
+                riters = tuple(f"r{k}" for k in range(len(spec.red_sizes)))
+                body = spec.term(idx, tuple(E.it(r) for r in riters))
+                self.add(name, iters + riters, bounds + tuple((0, s) for s in spec.red_sizes),
+                         idx, body, n.attrs.get("op", n.op), combine=spec.combine,
+                         reduction_iters=riters, extra=spec.extra)
+            else:
+                self.add(name, iters, bounds, idx, self.inline(n, idx), n.op)
+
+    def add(self, array, iters, bounds, index, body, label, **kw) -> None:
+        self.statements.append(Statement(f"S{len(self.statements)}", tuple(iters), tuple(bounds),
+                                         array, tuple(index), body, label=label, **kw))
+
+    def run(self) -> AffineProgram:
+        self.plan()
+        outputs: list[str] = []
+        renamed: dict[str, str] = {}
+        for k, o in enumerate(self.g.outputs):
+            src = self.array_of[o.id]
+            if src in renamed:
+                outputs.append(renamed[src])
+                continue
+            out = f"out{k}"
+            arr = self.arrays[src]
+            self.arrays[out] = Array(out, arr.shape, arr.dtype, "output", index=k)
+            if arr.kind == "temp":
+                del self.arrays[src]
+                self.array_of[o.id] = out
+                renamed[src] = out
+            else:  # an input or constant returned as is: copy it
+                shape = self.shape(o)
+                iters = tuple(f"i{d}" for d in range(len(shape)))
+                idx = tuple(E.it(i) for i in iters)
+                self.add(out, iters, tuple((0, s) for s in shape), idx,
+                         Load(arr.dtype, src, idx), "copy")
+            outputs.append(out)
+        self.emit()
+        params = sorted({p for a in self.arrays.values() for s in a.shape
+                         if isinstance(s, Lin) for p in s.params()})
+        for a in self.g.inputs:
+            for s in a.shape:
+                if isinstance(s, Lin):
+                    params.extend(p for p in self.g.resolve(s).params() if p not in params)
+        constraints = [(self.g.resolve(a), self.g.resolve(b)) for a, b in self.g.constraints]
+        return AffineProgram(sorted(set(params)), self.arrays, self.statements, outputs,
+                             constraints, self.inlined)
+
+
+def _product(extents: list[int]):
+    if not extents:
+        yield ()
+        return
+    for head in range(extents[0]):
+        for tail in _product(extents[1:]):
+            yield (head,) + tail
+
+
+def lower(graph: Graph) -> AffineProgram:
+    return Lowering(graph).run()
+
+
+# ====================================================== inline lowerings
+def _elementwise(L: Lowering, n: Node, idx):
+    return Op(n.dtype, n.op, tuple(L.value(i, idx) for i in n.inputs))
+
+
+def _where(L, n, idx):
+    return Op(n.dtype, "select", tuple(L.value(i, idx) for i in n.inputs))
+
+
+def _cast(L, n, idx):
+    return Op(n.dtype, "cast", (L.value(n.inputs[0], idx),))
+
+
+def _constant(L, n, idx):
+    return E.const(n.attrs["value"], n.dtype)
+
+
+def _iota(L, n, idx):
+    return Op(n.dtype, "cast", (idx[n.attrs["dim"]],)) if n.dtype != DataType.Int else idx[n.attrs["dim"]]
+
+
+def _broadcast(L, n, idx):
+    x = n.inputs[0]
+    return L.value(x, [E.const(0) if x.shape[k] == 1 else idx[d]
+                       for k, d in enumerate(n.attrs["dims"])])
+
+
+def _transpose(L, n, idx):
+    perm = n.attrs["perm"]
+    src = [None] * len(perm)
+    for k, p in enumerate(perm):
+        src[p] = idx[k]
+    return L.value(n.inputs[0], src)
+
+
+def _slice(L, n, idx):
+    return L.value(n.inputs[0], [E.iadd(E.imul(i, st), E.const(s))
+                                 for i, s, st in zip(idx, n.attrs["start"], n.attrs["strides"])])
+
+
+def _reverse(L, n, idx):
+    x = n.inputs[0]
+    shape = L.shape(x)
+    return L.value(x, [E.isub(E.size_expr(shape[d] - 1), i) if d in n.attrs["axes"] else i
+                       for d, i in enumerate(idx)])
+
+
+def _in_bounds(idx, shape) -> Expr | None:
+    cond = None
+    for i, s in zip(idx, shape):
+        if isinstance(i, Const) and isinstance(s, int) and 0 <= i.value < s:
+            continue
+        c = Op(DataType.Bool, "logical_and", (Op(DataType.Bool, "ge", (i, E.const(0))),
+                                              Op(DataType.Bool, "lt", (i, E.size_expr(s)))))
+        cond = c if cond is None else Op(DataType.Bool, "logical_and", (cond, c))
+    return cond
+
+
+def guarded(L: Lowering, x: Node, idx, fill: Expr, dims) -> Expr:
+    """x at idx where idx is inside x along dims, else fill; the load stays in bounds."""
+    shape = L.shape(x)
+    cond = _in_bounds([idx[d] for d in dims], [shape[d] for d in dims])
+    if cond is None:
+        return L.value(x, idx)
+    safe = [E.iclamp(i, E.const(0), E.size_expr(s - 1)) if d in dims and not isinstance(i, Const)
+            else i for d, (i, s) in enumerate(zip(idx, shape))]
+    return Op(x.dtype, "select", (cond, L.value(x, safe), fill))
+
+
+def _pad(L, n, idx):
+    x = n.inputs[0]
+    lo, hi = n.attrs["lo"], n.attrs["hi"]
+    return guarded(L, x, [E.isub(i, E.const(a)) for i, a in zip(idx, lo)],
+                   E.const(n.attrs["value"], n.dtype),
+                   [d for d in range(x.rank) if lo[d] or hi[d]])
+
+
+def _concatenate(L, n, idx):
+    axis = n.attrs["axis"]
+    parts, offset = [], 0
+    for x in n.inputs:
+        parts.append((offset, x))
+        offset = offset + L.shape(x)[axis]
+    res: Expr | None = None
+    for off, x in reversed(parts):
+        size = L.shape(x)[axis]
+        local = list(idx)
+        local[axis] = E.isub(idx[axis], E.size_expr(off))
+        if res is None:
+            local[axis] = E.iclamp(local[axis], E.const(0), E.size_expr(size - 1))
+            res = L.value(x, local)
+            continue
+        local[axis] = E.iclamp(local[axis], E.const(0), E.size_expr(size - 1))
+        cond = Op(DataType.Bool, "lt", (idx[axis], E.size_expr(off + size)))
+        res = Op(n.dtype, "select", (cond, L.value(x, local), res))
+    return res
+
+
+def _reshape(L, n, idx):
+    x = n.inputs[0]
+    src = reshape_index(L.shape(x), L.shape(n), idx)
+    return L.value(x, src)
+
+
+def reshape_index(in_shape, out_shape, idx) -> list[Expr]:
+    """Input indices of a row-major reshape, grouping dims with equal products."""
+    if any(s == 0 for s in list(in_shape) + list(out_shape)):
+        return [E.const(0)] * len(in_shape)
+    src: list[Expr] = [E.const(0)] * len(in_shape)
+    ins = [d for d, s in enumerate(in_shape) if s != 1]
+    outs = [d for d, s in enumerate(out_shape) if s != 1]
+    i = j = 0
+    while i < len(ins) or j < len(outs):
+        gi, gj = [ins[i]] if i < len(ins) else [], [outs[j]] if j < len(outs) else []
+        i, j = i + len(gi), j + len(gj)
+        if not gi or not gj:
+            raise DefinitionError(f"reshape from {list(in_shape)} to {list(out_shape)} is inconsistent")
+        if in_shape[gi[0]] == out_shape[gj[0]]:
+            src[gi[0]] = idx[gj[0]]
+            continue
+        pi, pj = in_shape[gi[0]], out_shape[gj[0]]
+        while pi != pj:
+            if isinstance(pi, Lin) or isinstance(pj, Lin):
+                raise DefinitionError(
+                    f"reshape from {list(in_shape)} to {list(out_shape)} mixes symbolic sizes; "
+                    "only whole symbolic dimensions may pass through a reshape")
+            if pi < pj:
+                gi.append(ins[i]); pi *= in_shape[ins[i]]; i += 1
+            else:
+                gj.append(outs[j]); pj *= out_shape[outs[j]]; j += 1
+        linear: Expr = E.const(0)
+        for d in gj:
+            linear = E.iadd(E.imul(linear, int(out_shape[d])), idx[d])
+        inner = 1
+        for d in reversed(gi):
+            v = E.ifloordiv(linear, inner)
+            src[d] = v if d == gi[0] else E.imod(v, int(in_shape[d]))
+            inner *= int(in_shape[d])
+    return src
+
+
+def _gather(L, n, idx):
+    x, index = n.inputs
+    axis = n.attrs["axis"]
+    k = index.rank
+    size = L.shape(x)[axis]
+    raw = L.value(index, idx[axis:axis + k])
+    pos = Op(DataType.Int, "cast", (raw,)) if raw.dtype != DataType.Int else raw
+    wrapped = Op(DataType.Int, "select", (Op(DataType.Bool, "lt", (pos, E.const(0))),
+                                          E.iadd(pos, E.size_expr(size)), pos))
+    safe = E.iclamp(wrapped, E.const(0), E.size_expr(size - 1))
+    return L.value(x, list(idx[:axis]) + [safe] + list(idx[axis + k:]))
+
+
+def _rand(L, n, idx):
+    shape = L.shape(n)
+    linear: Expr = E.const(n.attrs["offset"])
+    stride: Expr = E.const(1)
+    for d in reversed(range(len(shape))):
+        linear = E.iadd(linear, E.imul(idx[d], stride))
+        stride = E.imul(E.size_expr(shape[d]), stride) if not isinstance(stride, Const) or \
+            not sz.is_static(shape[d]) else E.const(stride.value * int(shape[d]))
+    seed = L.value(n.inputs[0], ())
+    seed = Op(DataType.Int, "cast", (seed,)) if seed.dtype != DataType.Int else seed
+    u = Op(DataType.Float, "rand", (seed, linear))
+    return u if n.dtype == DataType.Float else Op(n.dtype, "cast", (u,))
+
+
+INLINE: dict[str, Callable] = {op: _elementwise for op in UNARY_OPS + BINARY_OPS}
+INLINE.update({"where": _where, "cast": _cast, "constant": _constant, "iota": _iota,
+               "broadcast_in_dim": _broadcast, "transpose": _transpose, "slice": _slice,
+               "reverse": _reverse, "pad": _pad, "concatenate": _concatenate,
+               "reshape": _reshape, "gather": _gather, "rand_uniform": _rand})
+LAYOUT_OPS = ("broadcast_in_dim", "transpose", "slice", "reverse", "reshape", "iota",
+              "constant")
+
+
+# ================================================== reduction-shaped ops
+def _reduce(L: Lowering, n: Node) -> ReductionSpec:
+    x = n.inputs[0]
+    axes, keep = n.attrs["axes"], n.attrs["keepdim"]
+    xs = L.shape(x)
+
+    def term(o, r):
+        src, k, j = [], 0, 0
+        for d in range(x.rank):
+            if d in axes:
+                src.append(r[k]); k += 1
+                if keep:
+                    j += 1
+            else:
+                src.append(o[j]); j += 1
+        return L.value(x, src)
+    return ReductionSpec([xs[d] for d in axes], term, n.attrs["op"])
+
+
+def _dot(L: Lowering, n: Node) -> ReductionSpec:
+    a, b = n.inputs
+    at = n.attrs
+    lf = [d for d in range(a.rank) if d not in at["lc"] and d not in at["lb"]]
+    rf = [d for d in range(b.rank) if d not in at["rc"] and d not in at["rb"]]
+    nb = len(at["lb"])
+
+    def term(o, r):
+        ia, ib = [None] * a.rank, [None] * b.rank
+        for k, (i, j) in enumerate(zip(at["lb"], at["rb"])):
+            ia[i] = ib[j] = o[k]
+        for k, d in enumerate(lf):
+            ia[d] = o[nb + k]
+        for k, d in enumerate(rf):
+            ib[d] = o[nb + len(lf) + k]
+        for k, (i, j) in enumerate(zip(at["lc"], at["rc"])):
+            ia[i] = ib[j] = r[k]
+        return Op(n.dtype, "mul", (L.value(a, ia), L.value(b, ib)))
+    return ReductionSpec([L.shape(a)[d] for d in at["lc"]], term, "sum")
+
+
+def _conv(L: Lowering, n: Node) -> ReductionSpec:
+    x, w = n.inputs
+    at = n.attrs
+    lay, klay, groups = at["layout"], at["kernel_layout"], at["groups"]
+    sp = [c for c in lay if c not in "NC"]
+    wshape = L.shape(w)
+    cin_g = wshape[klay.index("I")]
+    cout = wshape[klay.index("O")]
+    ksz = [wshape[klay.index(c)] for c in sp]
+    if groups > 1 and not sz.is_static(cout):
+        raise DefinitionError("conv: grouped convolution needs a static number of output channels")
+    cout_g = cout // groups if groups > 1 else cout
+
+    def term(o, r):
+        co = o[lay.index("C")]
+        ci = r[0]
+        if groups > 1:
+            ci = E.iadd(E.imul(E.ifloordiv(co, cout_g), cin_g), r[0])
+        xi, wi = [None] * x.rank, [None] * w.rank
+        xi[lay.index("N")] = o[lay.index("N")]
+        xi[lay.index("C")] = ci
+        wi[klay.index("O")] = co
+        wi[klay.index("I")] = r[0]
+        for k, c in enumerate(sp):
+            pos = E.iadd(E.imul(o[lay.index(c)], at["strides"][k]),
+                         E.isub(E.imul(r[1 + k], at["dilation"][k]), E.const(at["padding"][k][0])))
+            xi[lay.index(c)] = pos
+            wi[klay.index(c)] = r[1 + k]
+        xv = guarded(L, x, xi, E.const(0.0 if n.dtype.is_float else 0, n.dtype),
+                     [lay.index(c) for k, c in enumerate(sp) if any(at["padding"][k])])
+        return Op(n.dtype, "mul", (xv, L.value(w, wi)))
+    return ReductionSpec([cin_g] + ksz, term, "sum")
+
+
+def _reduce_window(L: Lowering, n: Node) -> ReductionSpec:
+    x = n.inputs[0]
+    at = n.attrs
+    fill = identity(at["op"], n.dtype)
+
+    def term(o, r):
+        src = [E.iadd(E.imul(o[d], at["strides"][d]),
+                      E.isub(E.imul(r[d], at["dilation"][d]), E.const(at["padding"][d][0])))
+               for d in range(x.rank)]
+        return guarded(L, x, src, fill, [d for d in range(x.rank) if any(at["padding"][d])])
+    return ReductionSpec(list(at["window"]), term, at["op"])
+
+
+REDUCTIONS: dict[str, Callable[[Lowering, Node], ReductionSpec]] = {
+    "reduce": _reduce, "dot_general": _dot, "conv": _conv, "reduce_window": _reduce_window}
+
+
+# ======================================================= statement ops
+def _cumsum(L: Lowering, n: Node, name, iters, bounds):
+    """A first-order recurrence: out[i] = out[i-1] + x[i], one statement."""
+    axis = n.attrs["axis"]
+    idx = tuple(E.it(i) for i in iters)
+    prev = list(idx)
+    prev[axis] = Op(DataType.Int, "max", (E.isub(idx[axis], E.const(1)), E.const(0)))
+    first = Op(DataType.Bool, "gt", (idx[axis], E.const(0)))
+    carry = Op(n.dtype, "select", (first, Load(n.dtype, name, tuple(prev)), identity("sum", n.dtype)))
+    L.add(name, iters, bounds, idx, Op(n.dtype, "add", (carry, L.value(n.inputs[0], idx))), "cumsum")
+
+
+def _scatter_add(L: Lowering, n: Node, name, iters, bounds):
+    index, src = n.inputs
+    axis = n.attrs["axis"]
+    idx = tuple(E.it(i) for i in iters)
+    L.add(name, iters, bounds, idx, identity("sum", n.dtype), "scatter_init")
+    sshape = L.shape(src)
+    siters = tuple(f"j{d}" for d in range(len(sshape)))
+    sidx = tuple(E.it(i) for i in siters)
+    k = index.rank
+    size = L.shape(n)[axis]
+    raw = L.value(index, sidx[axis:axis + k])
+    pos = Op(DataType.Int, "cast", (raw,)) if raw.dtype != DataType.Int else raw
+    wrapped = Op(DataType.Int, "select", (Op(DataType.Bool, "lt", (pos, E.const(0))),
+                                          E.iadd(pos, E.size_expr(size)), pos))
+    target = list(sidx[:axis]) + [E.iclamp(wrapped, E.const(0), E.size_expr(size - 1))] + \
+        list(sidx[axis + k:])
+    L.add(name, siters, tuple((0, s) for s in sshape), target, L.value(src, sidx),
+          "scatter_add", combine="sum", reduction_iters=siters)
+
+
+STATEMENT_OPS: dict[str, Callable] = {"cumsum": _cumsum, "scatter_add": _scatter_add}

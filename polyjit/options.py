@@ -1,0 +1,73 @@
+"""compile_options: validated once, with errors that name the key and the allowed values."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from .errors import CompileOptionError
+
+TARGETS = ("cpu", "nvgpu")
+FUSION = ("max", "none")
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    target: str = "cpu"
+    debug: bool = False
+    dump_dir: str = "polyjit_dump"
+    tile_sizes: tuple[int, ...] | None = None
+    fusion: str = "max"
+    num_threads: int = field(default_factory=lambda: os.cpu_count() or 1)
+    strict: bool = False
+
+    def key(self) -> tuple:
+        """What changes the generated code (debug output does not)."""
+        return (self.target, self.tile_sizes, self.fusion)
+
+
+_KEYS = {
+    "target": f"one of {TARGETS}",
+    "debug": "True or False",
+    "dump_dir": "a folder path",
+    "tile_sizes": "a list of positive ints, or None",
+    "fusion": f"one of {FUSION}",
+    "num_threads": "a positive int",
+    "strict": "True or False",
+}
+
+
+def parse_options(opts: Mapping[str, Any] | CompileOptions | None,
+                  extra: Mapping[str, str] | None = None) -> CompileOptions:
+    """Validate a compile_options dict; `extra` names keys a frontend handles itself."""
+    if isinstance(opts, CompileOptions):
+        return opts
+    opts = dict(opts or {})
+    extra = extra or {}
+    for k in opts:
+        if k not in _KEYS and k not in extra:
+            allowed = sorted(list(_KEYS) + list(extra))
+            raise CompileOptionError(f"unknown compile option {k!r}; allowed keys: {allowed}")
+    kw = {k: v for k, v in opts.items() if k in _KEYS}
+    t = kw.get("target", "cpu")
+    if t not in TARGETS:
+        raise CompileOptionError(f"compile option 'target' is {t!r}; allowed values: {list(TARGETS)}")
+    for k in ("debug", "strict"):
+        if k in kw and not isinstance(kw[k], bool):
+            raise CompileOptionError(f"compile option {k!r} is {kw[k]!r}; allowed values: True, False")
+    if "fusion" in kw and kw["fusion"] not in FUSION:
+        raise CompileOptionError(f"compile option 'fusion' is {kw['fusion']!r}; allowed values: {list(FUSION)}")
+    if "num_threads" in kw and (not isinstance(kw["num_threads"], int) or isinstance(kw["num_threads"], bool)
+                                or kw["num_threads"] < 1):
+        raise CompileOptionError(f"compile option 'num_threads' is {kw['num_threads']!r}; expected {_KEYS['num_threads']}")
+    if kw.get("tile_sizes") is not None:
+        ts = kw["tile_sizes"]
+        if not isinstance(ts, (list, tuple)) or not ts or not all(
+                isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in ts):
+            raise CompileOptionError(f"compile option 'tile_sizes' is {ts!r}; expected {_KEYS['tile_sizes']}")
+        kw["tile_sizes"] = tuple(ts)
+    if "dump_dir" in kw and not isinstance(kw["dump_dir"], (str, os.PathLike)):
+        raise CompileOptionError(f"compile option 'dump_dir' is {kw['dump_dir']!r}; expected {_KEYS['dump_dir']}")
+    if os.environ.get("POLYJIT_DEBUG", "") not in ("", "0"):
+        kw.setdefault("debug", True)
+    return CompileOptions(**kw)
