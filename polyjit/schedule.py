@@ -19,7 +19,7 @@ import islpy as isl
 
 from . import sizes as sz
 from .affine import AffineProgram
-from .expr import Var, walk
+from .expr import Var, loads, walk
 
 log = logging.getLogger("polyjit.schedule")
 
@@ -125,7 +125,8 @@ def _contiguity(prog: AffineProgram) -> dict[tuple[str, int], int]:
     """(statement, iterator) -> how many accesses walk memory contiguously along it."""
     score: dict[tuple[str, int], int] = {}
     for s in prog.statements:
-        accesses = [s.index] + [ld.index for ld in prog.statement_loads(s)]
+        # a reduction's target stays in a register while its loop runs innermost
+        accesses = [ld.index for ld in loads(s.body)] + ([] if s.combine else [s.index])
         for d, name in enumerate(s.iters):
             n = 0
             for index in accesses:

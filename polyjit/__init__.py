@@ -1,0 +1,25 @@
+"""polyjit: a polyhedral JIT compiler for tensor programs.
+
+The core (this package) imports no framework; frontends live in
+``polyjit.frontends`` and are loaded on first use of ``jit_torch``,
+``jit_jax`` or ``jit_tf``.
+"""
+from __future__ import annotations
+
+from . import errors, ops
+from .api import Executable, InputInfo, compile
+from .dtypes import DataType
+from .fusion_definition import FusionDefinition
+from .options import CompileOptions
+
+__version__ = "0.1.0"
+__all__ = ["FusionDefinition", "DataType", "compile", "InputInfo", "Executable", "ops", "errors",
+           "CompileOptions", "jit_torch", "jit_jax", "jit_tf"]
+
+
+def __getattr__(name: str):
+    if name in ("jit_torch", "jit_jax", "jit_tf"):
+        import importlib
+        mod = importlib.import_module(f"polyjit.frontends.{name[4:]}")
+        return getattr(mod, name)
+    raise AttributeError(f"module 'polyjit' has no attribute {name!r}")

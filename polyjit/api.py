@@ -1,0 +1,138 @@
+"""The framework-free entry points: ``polyjit.compile`` and ``Executable``.
+
+A program is traced once into a graph; an :class:`Executable` compiles it
+for each layout of its inputs it meets (contiguous, or strided with runtime
+strides) and checks every call's arguments before running anything.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from . import ops
+from .compiler import compile_graph
+from .dtypes import DataType, to_dtype
+from .errors import DefinitionError, InputError
+from .graph import Graph
+from .options import CompileOptions, parse_options
+from .runtime import Executable as CompiledProgram
+from .sizes import Lin
+
+
+@dataclass(frozen=True)
+class InputInfo:
+    """An input's shape and dtype. A dimension is an int (static), -1 or a
+    (min, opt, max) tuple (symbolic: any size, one compiled program), or a
+    name (dimensions with the same name are equal)."""
+
+    shape: Sequence
+    dtype: Any = DataType.Float
+
+
+class Executable:
+    """A compiled program; call it with numpy arrays."""
+
+    def __init__(self, graph: Graph, options: CompileOptions, name: str, scalar_inputs=(),
+                 single_output: bool = False) -> None:
+        self.graph, self.options, self.name = graph, options, name
+        self._variants: dict[tuple, CompiledProgram] = {}
+        self._scalars = set(scalar_inputs)
+        self._single = single_output
+        self.stats: dict = {}
+        self.last: CompiledProgram | None = None
+
+    def _layout(self, args) -> tuple:
+        return tuple(bool(inp.attrs.get("strided")) or (isinstance(a, np.ndarray) and not a.flags.c_contiguous
+                                                       and a.ndim > 1)
+                     for inp, a in zip(self.graph.inputs, args))
+
+    def _prepare(self, args) -> list:
+        n = len(self.graph.inputs)
+        if len(args) != n:
+            raise InputError(f"{self.name}: expected {n} inputs, got {len(args)}")
+        out = []
+        for k, (a, inp) in enumerate(zip(args, self.graph.inputs)):
+            if k in self._scalars and isinstance(a, (bool, int, float, np.generic)):
+                a = np.asarray(a, dtype=inp.dtype.numpy)
+            if not isinstance(a, np.ndarray):
+                raise InputError(f"{self.name}: input {k} is a {type(a).__name__}, expected a numpy array "
+                                 f"of dtype {inp.dtype} and rank {inp.rank}")
+            out.append(a)
+        return out
+
+    def variant(self, layout: tuple) -> CompiledProgram:
+        if layout not in self._variants:
+            g = self.graph
+            if any(layout):
+                for inp, strided in zip(g.inputs, layout):
+                    inp.attrs["strided"] = strided
+            try:
+                self._variants[layout] = compile_graph(g, self.options, self.name)
+            finally:
+                for inp in g.inputs:
+                    inp.attrs["strided"] = inp.attrs.get("declared_strided", False)
+        return self._variants[layout]
+
+    def __call__(self, *args):
+        arrays = self._prepare(args)
+        prog = self.variant(self._layout(arrays))
+        outs = prog(*arrays)
+        self.last = prog
+        self.stats = prog.stats
+        return outs[0] if self._single else tuple(outs)
+
+    def compile_default(self) -> CompiledProgram:
+        return self.last or self.variant(tuple(bool(i.attrs.get("strided")) for i in self.graph.inputs))
+
+    def print_ir(self, file=None) -> None:
+        """The affine program, the isl schedule and the generated loop nest."""
+        prog = self.compile_default()
+        for stage in ("affine", "schedule", "ast"):
+            print(f"// ---- {stage}", file=file)
+            print(prog.ir[stage], file=file)
+
+    def ir(self, stage: str) -> str:
+        """One stage's text: graph, affine, schedule, ast, llvm or llvm_opt."""
+        return self.compile_default().ir[stage]
+
+
+def _input_shape(info: InputInfo, k: int, names: dict) -> tuple:
+    shape = []
+    for d, s in enumerate(info.shape):
+        if isinstance(s, bool):
+            raise DefinitionError(f"input {k} dimension {d}: {s!r} is not a size")
+        if isinstance(s, int) and s >= 0:
+            shape.append(s)
+        elif s == -1 or isinstance(s, (tuple, list)):
+            shape.append(Lin.param(f"n{k}_{d}"))
+        elif isinstance(s, str):
+            names.setdefault(s, Lin.param(s if s.isidentifier() else f"n{k}_{d}"))
+            shape.append(names[s])
+        else:
+            raise DefinitionError(f"input {k} dimension {d}: {s!r} is not an int, -1, a (min, opt, max) tuple or a name")
+    return tuple(shape)
+
+
+def compile(fn: Callable, args: Sequence[InputInfo], compile_options: Mapping | None = None) -> Executable:
+    """Trace fn (written against polyjit.ops and Tensor operators) and compile it."""
+    options = parse_options(compile_options)
+    g = Graph()
+    names: dict = {}
+    tensors = []
+    for k, info in enumerate(args):
+        if not isinstance(info, InputInfo):
+            raise DefinitionError(f"args[{k}] is a {type(info).__name__}, expected polyjit.InputInfo")
+        tensors.append(ops.Tensor(g, g.input(_input_shape(info, k, names), to_dtype(info.dtype))))
+    result = fn(*tensors)
+    single = not isinstance(result, (tuple, list))
+    for r in ([result] if single else result):
+        if not isinstance(r, ops.Tensor):
+            raise DefinitionError(f"{getattr(fn, '__name__', 'fn')} returned a {type(r).__name__}, expected Tensors")
+        g.add_output(r.node)
+    name = getattr(fn, "__name__", "fn")
+    exe = Executable(g, options, name if name.isidentifier() else "fn", single_output=single)
+    exe.variant(tuple(False for _ in g.inputs))
+    return exe

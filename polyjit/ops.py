@@ -1,0 +1,529 @@
+"""The op set users write programs with: ``polyjit.ops`` and ``fd.ops``.
+
+Each function takes :class:`Tensor` handles (or Python numbers) and adds core
+ops to the tensor's graph. Composites (matmul, conv2d, softmax, layer_norm,
+gelu, ...) are written here as core ops, so that fusion sees through them.
+Names and signatures follow nvFuser's FusionDefinition where nvFuser has the
+op.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from . import sizes as sz
+from .dtypes import DataType, to_dtype
+from .errors import DefinitionError
+from .graph import Graph, Node
+
+
+class Tensor:
+    """A value of a program being traced or defined; supports Python operators."""
+
+    __array_priority__ = 1000  # numpy defers to our reflected operators
+    __hash__ = object.__hash__
+
+    def __init__(self, graph: Graph, node: Node) -> None:
+        self.graph, self.node = graph, node
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.graph.resolve(s) for s in self.node.shape)
+
+    @property
+    def ndim(self) -> int:
+        return self.node.rank
+
+    @property
+    def dtype(self) -> DataType:
+        return self.node.dtype
+
+    def __repr__(self) -> str:
+        return f"Tensor(%{self.node.id}, shape={list(self.shape)}, dtype={self.dtype})"
+
+    # arithmetic
+    def __add__(self, o): return add(self, o)
+    def __radd__(self, o): return add(o, self)
+    def __sub__(self, o): return sub(self, o)
+    def __rsub__(self, o): return sub(o, self)
+    def __mul__(self, o): return mul(self, o)
+    def __rmul__(self, o): return mul(o, self)
+    def __truediv__(self, o): return div(self, o)
+    def __rtruediv__(self, o): return div(o, self)
+    def __pow__(self, o): return pow(self, o)
+    def __rpow__(self, o): return pow(o, self)
+    def __mod__(self, o): return remainder(self, o)
+    def __matmul__(self, o): return matmul(self, o)
+    def __neg__(self): return neg(self)
+    def __abs__(self): return abs(self)
+    def __lt__(self, o): return lt(self, o)
+    def __le__(self, o): return le(self, o)
+    def __gt__(self, o): return gt(self, o)
+    def __ge__(self, o): return ge(self, o)
+    def __eq__(self, o): return eq(self, o)  # type: ignore[override]
+    def __ne__(self, o): return ne(self, o)  # type: ignore[override]
+    def __and__(self, o): return logical_and(self, o)
+    def __or__(self, o): return logical_or(self, o)
+    def __xor__(self, o): return logical_xor(self, o)
+    def __invert__(self): return logical_not(self)
+
+    def __bool__(self):
+        raise DefinitionError("a traced Tensor has no truth value; use polyjit.ops.where")
+
+    def __getitem__(self, key):
+        return getitem(self, key)
+
+    # methods
+    def sum(self, axis=None, keepdim=False): return sum(self, axis, keepdim)
+    def mean(self, axis=None, keepdim=False): return mean(self, axis, keepdim)
+    def max(self, axis=None, keepdim=False): return max(self, axis, keepdim)
+    def min(self, axis=None, keepdim=False): return min(self, axis, keepdim)
+    def reshape(self, *shape): return reshape(self, shape[0] if len(shape) == 1 and isinstance(shape[0], (list, tuple)) else shape)
+    def transpose(self, *perm): return permute(self, perm[0] if len(perm) == 1 else perm)
+    def astype(self, dtype): return cast(self, dtype)
+    @property
+    def T(self): return permute(self, list(reversed(range(self.ndim))))
+
+
+def _graph(*xs) -> Graph:
+    for x in xs:
+        if isinstance(x, Tensor):
+            return x.graph
+        if isinstance(x, (list, tuple)):
+            for y in x:
+                if isinstance(y, Tensor):
+                    return y.graph
+    raise DefinitionError("an op needs at least one Tensor operand")
+
+
+def _node(g: Graph, x) -> Node:
+    if isinstance(x, Tensor):
+        if x.graph is not g:
+            raise DefinitionError("operands belong to different definitions")
+        return x.node
+    if isinstance(x, (bool, int, float)):
+        return g.constant(x)
+    raise DefinitionError(f"expected a Tensor or a Python number, got {type(x).__name__}")
+
+
+def _wrap(g: Graph, n: Node) -> Tensor:
+    return Tensor(g, n)
+
+
+def _unary(op):
+    def f(x: Tensor) -> Tensor:
+        g = _graph(x)
+        return _wrap(g, g.unary(op, _node(g, x)))
+    f.__name__ = op
+    f.__doc__ = f"Elementwise {op}."
+    return f
+
+
+def _binary(op):
+    def f(a, b) -> Tensor:
+        g = _graph(a, b)
+        return _wrap(g, g.binary(op, _node(g, a), _node(g, b)))
+    f.__name__ = op
+    f.__doc__ = f"Elementwise {op}, with numpy broadcasting."
+    return f
+
+
+neg, abs, exp, log, log1p, expm1, sqrt, rsqrt = map(_unary, ("neg", "abs", "exp", "log", "log1p", "expm1", "sqrt", "rsqrt"))
+sin, cos, tan, tanh, erf, sigmoid = map(_unary, ("sin", "cos", "tan", "tanh", "erf", "sigmoid"))
+floor, ceil, round, sign, logical_not, reciprocal = map(_unary, ("floor", "ceil", "round", "sign", "logical_not", "reciprocal"))
+isnan, isinf, isfinite, relu = map(_unary, ("isnan", "isinf", "isfinite", "relu"))
+add, sub, mul, div, pow, maximum, minimum, remainder = map(_binary, ("add", "sub", "mul", "div", "pow", "maximum", "minimum", "remainder"))
+eq, ne, lt, le, gt, ge = map(_binary, ("eq", "ne", "lt", "le", "gt", "ge"))
+logical_and, logical_or, logical_xor, atan2 = map(_binary, ("logical_and", "logical_or", "logical_xor", "atan2"))
+truediv = div
+fmod = remainder
+
+
+def where(cond, a, b) -> Tensor:
+    """Select a where cond holds, else b (with broadcasting)."""
+    g = _graph(cond, a, b)
+    return _wrap(g, g.where(_node(g, cond), _node(g, a), _node(g, b)))
+
+
+def cast(x: Tensor, dtype) -> Tensor:
+    g = _graph(x)
+    return _wrap(g, g.cast(_node(g, x), to_dtype(dtype)))
+
+
+def iota(shape: Sequence, dim: int = 0, dtype=DataType.Int, *, like: Tensor | None = None) -> Tensor:
+    """Indices along dim, broadcast to shape (needs `like` for its definition)."""
+    if like is None:
+        raise DefinitionError("iota needs like= (a Tensor of the same definition)")
+    g = like.graph
+    return _wrap(g, g.iota(shape, dim, dtype))
+
+
+def full_like(x: Tensor, value, dtype=None) -> Tensor:
+    g = _graph(x)
+    c = g.constant(value, dtype or x.dtype)
+    return _wrap(g, g.broadcast_in_dim(c, x.shape, []))
+
+
+def zeros_like(x: Tensor) -> Tensor:
+    return full_like(x, 0)
+
+
+# ---------------------------------------------------------------- layout
+def broadcast_in_dim(x: Tensor, shape: Sequence, broadcast_dims: Sequence[int]) -> Tensor:
+    g = _graph(x)
+    return _wrap(g, g.broadcast_in_dim(_node(g, x), tuple(shape), broadcast_dims))
+
+
+def broadcast_to(x: Tensor, shape: Sequence) -> Tensor:
+    g = _graph(x)
+    return _wrap(g, g.expand(_node(g, x), tuple(shape)))
+
+
+def reshape(x: Tensor, new_shape: Sequence) -> Tensor:
+    g = _graph(x)
+    return _wrap(g, g.reshape(_node(g, x), tuple(new_shape)))
+
+
+def permute(x: Tensor, dims: Sequence[int]) -> Tensor:
+    g = _graph(x)
+    return _wrap(g, g.transpose(_node(g, x), tuple(dims)))
+
+
+def transpose(x: Tensor, dim0: int = -2, dim1: int = -1) -> Tensor:
+    perm = list(range(x.ndim))
+    perm[dim0], perm[dim1] = perm[dim1], perm[dim0]
+    return permute(x, perm)
+
+
+def slice(x: Tensor, start_indices: Sequence[int], end_indices: Sequence, strides: Sequence[int] | None = None) -> Tensor:
+    g = _graph(x)
+    return _wrap(g, g.slice(_node(g, x), list(start_indices), list(end_indices), strides))
+
+
+def pad(x: Tensor, pad_widths: Sequence[int], value=0) -> Tensor:
+    """torch.nn.functional.pad's order: (lo, hi) of the last dim first."""
+    g = _graph(x)
+    lo, hi = [0] * x.ndim, [0] * x.ndim
+    for k in range(len(pad_widths) // 2):
+        lo[x.ndim - 1 - k], hi[x.ndim - 1 - k] = pad_widths[2 * k], pad_widths[2 * k + 1]
+    return _wrap(g, g.pad(_node(g, x), lo, hi, value))
+
+
+def cat(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
+    g = _graph(tensors)
+    return _wrap(g, g.concatenate([_node(g, t) for t in tensors], dim))
+
+
+concatenate = cat
+
+
+def reverse(x: Tensor, dims: Sequence[int]) -> Tensor:
+    g = _graph(x)
+    return _wrap(g, g.reverse(_node(g, x), dims))
+
+
+flip = reverse
+
+
+def squeeze(x: Tensor, dims: Sequence[int]) -> Tensor:
+    dims = {d % x.ndim for d in dims}
+    return reshape(x, [s for d, s in enumerate(x.shape) if d not in dims])
+
+
+def unsqueeze(x: Tensor, dim: int) -> Tensor:
+    shape = list(x.shape)
+    shape.insert(dim % (x.ndim + 1), 1)
+    return reshape(x, shape)
+
+
+def getitem(x: Tensor, key) -> Tensor:
+    """Basic indexing: ints, slices with positive steps, None and Ellipsis."""
+    if not isinstance(key, tuple):
+        key = (key,)
+    if Ellipsis in key:
+        k = key.index(Ellipsis)
+        fill = x.ndim - (len(key) - 1 - sum(e is None for e in key))
+        key = key[:k] + (builtins_slice(None),) * fill + key[k + 1:]
+    start, end, step, drop, newaxes = [], [], [], [], []
+    d = 0
+    out_pos = 0
+    for e in key:
+        if e is None:
+            newaxes.append(out_pos)
+            out_pos += 1
+            continue
+        if d >= x.ndim:
+            raise DefinitionError(f"too many indices for a tensor of rank {x.ndim}")
+        n = x.shape[d]
+        if isinstance(e, int):
+            if not sz.is_static(n) and e < 0:
+                raise DefinitionError("negative indices need a static size")
+            i = e + n if e < 0 else e
+            start.append(i); end.append(i + 1); step.append(1); drop.append(d)
+        elif isinstance(e, builtins_slice):
+            st = e.step or 1
+            if st < 1:
+                raise DefinitionError("slices with negative steps: use polyjit.ops.reverse")
+            s0, s1 = e.start or 0, e.stop
+            if sz.is_static(n):
+                s0, s1, st = builtins_slice(e.start, e.stop, st).indices(int(n))
+            else:
+                if s0 < 0 or (s1 is not None and not isinstance(s1, sz.Lin) and s1 < 0):
+                    raise DefinitionError("negative slice bounds need a static size")
+                s1 = n if s1 is None else s1
+            start.append(s0); end.append(s1); step.append(st)
+            out_pos += 1
+        else:
+            raise DefinitionError(f"unsupported index {e!r}")
+        d += 1
+    while d < x.ndim:
+        start.append(0); end.append(x.shape[d]); step.append(1); d += 1
+    y = slice(x, start, end, step)
+    if drop or newaxes:
+        shape = [s for k, s in enumerate(y.shape) if k not in drop]
+        for p in newaxes:
+            shape.insert(p, 1)
+        y = reshape(y, shape)
+    return y
+
+
+import builtins as _b  # noqa: E402
+
+builtins_slice = _b.slice
+
+
+# ------------------------------------------------------------ reductions
+def _reduce(op):
+    def f(x: Tensor, dims=None, keepdim: bool = False, dtype=None) -> Tensor:
+        g = _graph(x)
+        if isinstance(dims, int):
+            dims = [dims]
+        n = _node(g, x)
+        if dtype is not None:
+            n = g.cast(n, to_dtype(dtype))
+        return _wrap(g, g.reduce(op, n, dims, keepdim))
+    f.__name__ = op
+    f.__doc__ = f"{op} over dims (all if None); nvFuser's (tensor, dims, keepdim, dtype)."
+    return f
+
+
+sum, max, min, prod = map(_reduce, ("sum", "max", "min", "prod"))
+_pymax, _pymin, _pysum = _b.max, _b.min, _b.sum
+
+
+def _count(x: Tensor, dims) -> float:
+    dims = range(x.ndim) if dims is None else [dims] if isinstance(dims, int) else dims
+    n = 1
+    for d in dims:
+        s = x.shape[d]
+        if not sz.is_static(s):
+            raise DefinitionError("mean/var over a symbolic size: divide by a size input instead")
+        n *= int(s)
+    return float(n)
+
+
+def mean(x: Tensor, dims=None, keepdim: bool = False) -> Tensor:
+    return sum(x, dims, keepdim) / _count(x, dims)
+
+
+def var(x: Tensor, dims=None, correction: int = 1, keepdim: bool = False) -> Tensor:
+    m = mean(x, dims, keepdim=True)
+    d = x - m
+    return sum(d * d, dims, keepdim) / (_count(x, dims) - correction)
+
+
+def var_mean(x: Tensor, dims=None, correction: int = 1, keepdim: bool = False):
+    return var(x, dims, correction, keepdim), mean(x, dims, keepdim)
+
+
+def argmax(x: Tensor, dim: int, keepdim: bool = False) -> Tensor:
+    g = _graph(x)
+    return _wrap(g, g.argreduce("argmax", _node(g, x), dim, keepdim))
+
+
+def argmin(x: Tensor, dim: int, keepdim: bool = False) -> Tensor:
+    g = _graph(x)
+    return _wrap(g, g.argreduce("argmin", _node(g, x), dim, keepdim))
+
+
+def cumsum(x: Tensor, dim: int) -> Tensor:
+    g = _graph(x)
+    return _wrap(g, g.cumsum(_node(g, x), dim))
+
+
+def reduce_window(op: str, x: Tensor, window: Sequence[int], strides: Sequence[int],
+                  padding=None, dilation=None) -> Tensor:
+    g = _graph(x)
+    return _wrap(g, g.reduce_window(op, _node(g, x), window, strides, padding, dilation))
+
+
+# ---------------------------------------------------------- contractions
+def dot_general(a: Tensor, b: Tensor, contracting, batch=((), ())) -> Tensor:
+    g = _graph(a, b)
+    return _wrap(g, g.dot_general(_node(g, a), _node(g, b), contracting, batch))
+
+
+def matmul(a: Tensor, b: Tensor) -> Tensor:
+    """numpy matmul: batched over leading dims, which broadcast."""
+    if a.ndim == 1:
+        return squeeze(matmul(unsqueeze(a, 0), b), [-2])
+    if b.ndim == 1:
+        return squeeze(matmul(a, unsqueeze(b, 1)), [-1])
+    if a.ndim == 2 and b.ndim == 2:
+        return dot_general(a, b, ([1], [0]))
+    batch = _pymax(a.ndim, b.ndim) - 2
+    g = _graph(a, b)
+    lead = g._broadcast_shape([a.shape[:-2], b.shape[:-2]], "matmul batch")
+    a = broadcast_to(a, tuple(lead) + a.shape[-2:])
+    b = broadcast_to(b, tuple(lead) + b.shape[-2:])
+    bd = list(range(batch))
+    return dot_general(a, b, ([batch + 1], [batch]), (bd, bd))
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x @ weight.T + bias, weight as (out_features, in_features)."""
+    y = dot_general(x, weight, ([x.ndim - 1], [1]))
+    return y + bias if bias is not None else y
+
+
+def conv(x: Tensor, w: Tensor, strides, padding, dilation=None, groups: int = 1,
+         layout: str = "NCHW", kernel_layout: str = "OIHW") -> Tensor:
+    g = _graph(x, w)
+    return _wrap(g, g.conv(_node(g, x), _node(g, w), strides, padding, dilation, groups, layout, kernel_layout))
+
+
+def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padding=0,
+           dilation=1, groups: int = 1) -> Tensor:
+    """torch.nn.functional.conv2d: NCHW input, OIHW weight."""
+    pair = lambda v: tuple(v) if isinstance(v, (list, tuple)) else (v, v)  # noqa: E731
+    ph, pw = pair(padding)
+    y = conv(x, weight, pair(stride), ((ph, ph), (pw, pw)), pair(dilation), groups)
+    if bias is not None:
+        y = y + reshape(bias, [1, -1, 1, 1]) if sz.is_static(bias.shape[0]) else \
+            y + broadcast_in_dim(bias, y.shape, [1])
+    return y
+
+
+def max_pool2d(x: Tensor, kernel_size, stride=None, padding=0) -> Tensor:
+    pair = lambda v: tuple(v) if isinstance(v, (list, tuple)) else (v, v)  # noqa: E731
+    k = pair(kernel_size)
+    s = pair(stride) if stride is not None else k
+    p = pair(padding)
+    return reduce_window("max", x, (1, 1) + k, (1, 1) + s, ((0, 0), (0, 0), (p[0], p[0]), (p[1], p[1])))
+
+
+def avg_pool2d(x: Tensor, kernel_size, stride=None, padding=0) -> Tensor:
+    """Average over each window, padded cells counted (torch's count_include_pad)."""
+    pair = lambda v: tuple(v) if isinstance(v, (list, tuple)) else (v, v)  # noqa: E731
+    k = pair(kernel_size)
+    s = pair(stride) if stride is not None else k
+    p = pair(padding)
+    total = reduce_window("sum", x, (1, 1) + k, (1, 1) + s, ((0, 0), (0, 0), (p[0], p[0]), (p[1], p[1])))
+    return total / float(k[0] * k[1])
+
+
+# -------------------------------------------------------------- indexing
+def index_select(x: Tensor, dim: int, index: Tensor) -> Tensor:
+    g = _graph(x, index)
+    return _wrap(g, g.gather(_node(g, x), _node(g, index), dim))
+
+
+def take(x: Tensor, index: Tensor, axis: int = 0) -> Tensor:
+    return index_select(x, axis, index)
+
+
+def embedding(index: Tensor, weight: Tensor) -> Tensor:
+    return index_select(weight, 0, index)
+
+
+def scatter_add(shape: Sequence, index: Tensor, src: Tensor, axis: int = 0) -> Tensor:
+    """zeros(shape) with src's slices added at index along axis (index_add)."""
+    g = _graph(index, src)
+    return _wrap(g, g.scatter_add(tuple(shape), _node(g, index), _node(g, src), axis))
+
+
+# ---------------------------------------------------------------- random
+def rand_uniform(shape: Sequence, seed, offset: int = 0, *, like: Tensor | None = None) -> Tensor:
+    """Counter-based uniform numbers in [0, 1): the same (seed, offset) give the same numbers."""
+    g = _graph(seed, like)
+    s = _node(g, seed) if isinstance(seed, Tensor) else g.constant(int(seed), DataType.Int)
+    return _wrap(g, g.rand_uniform(tuple(shape), s, offset))
+
+
+def uniform(minval, maxval, shape: Sequence, dtype=DataType.Float, rng_seed=0, rng_offset: int = 0,
+            *, like: Tensor | None = None) -> Tensor:
+    u = rand_uniform(shape, rng_seed, rng_offset, like=like)
+    return cast(u * (maxval - minval) + minval, dtype) if dtype != DataType.Float else u * (maxval - minval) + minval
+
+
+def bernoulli(p: float, shape: Sequence, seed, offset: int = 0, *, like: Tensor | None = None) -> Tensor:
+    return lt(rand_uniform(shape, seed, offset, like=like), p)
+
+
+def dropout(x: Tensor, p: float, seed, offset: int = 0) -> Tensor:
+    """Zero each element with probability p and scale the rest by 1/(1-p)."""
+    if p <= 0:
+        return x
+    keep = ge(rand_uniform(x.shape, seed, offset, like=x), p)
+    return where(keep, x * (1.0 / (1.0 - p)), 0.0)
+
+
+# ------------------------------------------------------------ composites
+def softmax(x: Tensor, dim: int = -1) -> Tensor:
+    m = max(x, [dim], keepdim=True)
+    e = exp(x - m)
+    return e / sum(e, [dim], keepdim=True)
+
+
+def log_softmax(x: Tensor, dim: int = -1) -> Tensor:
+    m = max(x, [dim], keepdim=True)
+    s = x - m
+    return s - log(sum(exp(s), [dim], keepdim=True))
+
+
+def layer_norm(x: Tensor, normalized_shape=None, weight: Tensor | None = None,
+               bias: Tensor | None = None, eps: float = 1e-5) -> Tensor:
+    nd = len(normalized_shape) if normalized_shape is not None else 1
+    dims = list(range(x.ndim - nd, x.ndim))
+    m = mean(x, dims, keepdim=True)
+    d = x - m
+    v = mean(d * d, dims, keepdim=True)
+    y = d * rsqrt(v + eps)
+    if weight is not None:
+        y = y * weight
+    if bias is not None:
+        y = y + bias
+    return y
+
+
+def rms_norm(x: Tensor, normalized_shape=None, weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:
+    nd = len(normalized_shape) if normalized_shape is not None else 1
+    dims = list(range(x.ndim - nd, x.ndim))
+    y = x * rsqrt(mean(x * x, dims, keepdim=True) + eps)
+    return y * weight if weight is not None else y
+
+
+def gelu(x: Tensor, approximate: str = "none") -> Tensor:
+    if approximate == "tanh":
+        return 0.5 * x * (1.0 + tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)))
+    return 0.5 * x * (1.0 + erf(x * (1.0 / math.sqrt(2.0))))
+
+
+def silu(x: Tensor) -> Tensor:
+    return x * sigmoid(x)
+
+
+def leaky_relu(x: Tensor, negative_slope: float = 0.01) -> Tensor:
+    return where(x > 0, x, x * negative_slope)
+
+
+# What polyjit.ops and FusionDefinition.Operators export.
+__all__ = [n for n, v in list(globals().items())
+           if callable(v) and not n.startswith("_") and getattr(v, "__module__", None) == __name__
+           and n not in ("Tensor", "builtins_slice")] + ["neg", "abs", "exp", "log", "log1p", "expm1",
+           "sqrt", "rsqrt", "sin", "cos", "tan", "tanh", "erf", "sigmoid", "floor", "ceil", "round",
+           "sign", "logical_not", "reciprocal", "isnan", "isinf", "isfinite", "relu", "add", "sub",
+           "mul", "div", "pow", "maximum", "minimum", "remainder", "eq", "ne", "lt", "le", "gt", "ge",
+           "logical_and", "logical_or", "logical_xor", "atan2", "sum", "max", "min", "prod",
+           "truediv", "fmod", "concatenate", "flip"]
+__all__ = sorted(set(__all__))
