@@ -186,6 +186,9 @@ class Lowering:
 
     def run(self) -> AffineProgram:
         self.plan()
+        for n in self.g.inputs:  # unused inputs are still arguments
+            if n.id not in self.array_of:
+                self.declare(n)
         outputs: list[str] = []
         renamed: dict[str, str] = {}
         for k, o in enumerate(self.g.outputs):

@@ -223,18 +223,17 @@ def tile(schedule, prog, validity, tile_sizes) -> isl.Schedule:
 
 def mark_parallel(schedule) -> isl.Schedule:
     def visit(node, inside):
-        t = node.get_type()
-        if t == isl.schedule_node_type.band and not inside:
+        marked = False
+        if node.get_type() == isl.schedule_node_type.band and not inside:
+            inside = True
             if node.band_member_get_coincident(0):
                 if node.band_n_member() > 1:
                     node = node.band_split(1)
                 node = node.insert_mark(isl.Id("parallel", context=node.get_ctx())).child(0)
-                inside = True
-            else:
-                inside = True
+                marked = True
         for i in range(node.n_children()):
             node = visit(node.child(i), inside).parent()
-        return node
+        return node.parent() if marked else node
     return visit(schedule.get_root(), False).get_schedule()
 
 

@@ -22,19 +22,21 @@ def _llvm():
     libm = ctypes.util.find_library("m")
     if libm:
         llvm.load_library_permanently(libm)
-    target = llvm.Target.from_default_triple()
-    tm = target.create_target_machine(cpu=llvm.get_host_cpu_name(),
-                                      features=llvm.get_host_cpu_features().flatten(),
-                                      opt=3, codemodel="jitdefault")
-    return target, tm
+    return llvm.Target.from_default_triple()
+
+
+def target_machine():
+    """A fresh target machine: an execution engine takes ownership of its own."""
+    return _llvm().create_target_machine(cpu=llvm.get_host_cpu_name(),
+                                         features=llvm.get_host_cpu_features().flatten(),
+                                         opt=3, codemodel="jitdefault")
 
 
 class CpuEmitter(Emitter):
     triple = llvm.get_process_triple()
 
 
-def optimize(mod: "llvm.ModuleRef") -> None:
-    _, tm = _llvm()
+def optimize(mod: "llvm.ModuleRef", tm) -> None:
     pto = llvm.create_pipeline_tuning_options(speed_level=3)
     pto.loop_vectorization = True
     pto.slp_vectorization = True
@@ -48,13 +50,13 @@ class JitModule:
     """A JIT-compiled LLVM module; keeps the engine alive with its code."""
 
     def __init__(self, ir_text: str) -> None:
-        _, tm = _llvm()
+        tm = target_machine()
         with _lock:
             mod = llvm.parse_assembly(ir_text)
             mod.verify()
             mod.triple = tm.triple
             mod.data_layout = str(tm.target_data)
-            optimize(mod)
+            optimize(mod, tm)
             self.optimized_ir = str(mod)
             self.engine = llvm.create_mcjit_compiler(mod, tm)
             self.engine.finalize_object()

@@ -451,7 +451,8 @@ class Emitter:
         raise NotImplementedError(f"no lowering for {op}")
 
     def call(self, intrinsic: str, a: list) -> ir.Value:
-        fn = self.module.declare_intrinsic(intrinsic, [a[0].type])
+        fn = self.module.declare_intrinsic(intrinsic, [a[0].type],
+                                           ir.FunctionType(a[0].type, [x.type for x in a]))
         return self.b.call(fn, a)
 
     def int_op(self, op: str, a: list, dt: DataType) -> ir.Value:

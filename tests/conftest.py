@@ -1,0 +1,25 @@
+import os
+
+import numpy as np
+import pytest
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu = _gpu_visible()
+    for item in items:
+        if "gpu" in item.keywords and not gpu:
+            item.add_marker(pytest.mark.skip(reason="no NVIDIA GPU visible"))
+
+
+def _gpu_visible() -> bool:
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
+        return False
+    return any(os.path.exists(p) for p in ("/dev/nvidia0", "/dev/nvidiactl"))
+
+
+@pytest.fixture
+def rng():
+    """Fresh random data each run: a seed from the OS, printed on failure."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"rng seed {seed}")
+    return np.random.default_rng(seed)

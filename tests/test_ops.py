@@ -1,0 +1,325 @@
+"""Every core op and composite, against numpy on fresh random data."""
+import math
+
+import numpy as np
+import pytest
+
+import polyjit
+from polyjit import InputInfo, ops
+
+import refs
+
+F32 = np.float32
+
+
+def run(fn, *arrays, symbolic=False, **opts):
+    infos = [InputInfo([-1] * a.ndim if symbolic else list(a.shape), a.dtype) for a in arrays]
+    exe = polyjit.compile(fn, infos, opts or None)
+    out = exe(*arrays)
+    assert exe.stats["fallbacks"] == 0
+    return out, exe
+
+
+def close(got, want, rtol=1e-5, atol=1e-6):
+    want = np.asarray(want)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    if got.dtype.kind == "f" or want.dtype.kind == "f":
+        np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=rtol, atol=atol,
+                                   equal_nan=True)
+    else:
+        np.testing.assert_array_equal(got, want)
+
+
+UNARY = [
+    ("neg", ops.neg, np.negative, (-5, 5)),
+    ("abs", ops.abs, np.abs, (-5, 5)),
+    ("exp", ops.exp, np.exp, (-20, 20)),
+    ("log", ops.log, np.log, (0.01, 100)),
+    ("log1p", ops.log1p, np.log1p, (-0.9, 10)),
+    ("expm1", ops.expm1, np.expm1, (-5, 5)),
+    ("sqrt", ops.sqrt, np.sqrt, (0, 100)),
+    ("rsqrt", ops.rsqrt, lambda x: 1 / np.sqrt(x), (0.01, 100)),
+    ("sin", ops.sin, np.sin, (-20, 20)),
+    ("cos", ops.cos, np.cos, (-20, 20)),
+    ("tan", ops.tan, np.tan, (-1.5, 1.5)),
+    ("tanh", ops.tanh, np.tanh, (-10, 10)),
+    ("erf", ops.erf, refs.erf, (-4, 4)),
+    ("sigmoid", ops.sigmoid, lambda x: 1 / (1 + np.exp(-x)), (-20, 20)),
+    ("floor", ops.floor, np.floor, (-5, 5)),
+    ("ceil", ops.ceil, np.ceil, (-5, 5)),
+    ("round", ops.round, np.round, (-5, 5)),
+    ("sign", ops.sign, np.sign, (-5, 5)),
+    ("reciprocal", ops.reciprocal, lambda x: 1 / x, (0.1, 10)),
+    ("relu", ops.relu, lambda x: np.maximum(x, 0), (-5, 5)),
+]
+
+
+@pytest.mark.parametrize("name,op,ref,dom", UNARY, ids=[u[0] for u in UNARY])
+def test_unary(name, op, ref, dom, rng):
+    x = rng.uniform(*dom, size=(37, 129)).astype(F32)
+    got, _ = run(op, x, symbolic=True)
+    close(got, ref(x.astype(np.float64)), rtol=2e-5 if name in ("tan", "expm1") else 1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("name,op,ref,dom", UNARY, ids=[u[0] for u in UNARY])
+def test_unary_nan_inf(name, op, ref, dom):
+    x = np.array([np.nan, np.inf, -np.inf, 0.0, 1.0], F32)
+    got, _ = run(op, x)
+    with np.errstate(all="ignore"):
+        want = ref(x.astype(np.float64))
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    finite = ~np.isnan(want)
+    np.testing.assert_allclose(got[finite], want[finite], rtol=1e-5)
+
+
+BINARY = [
+    ("add", ops.add, np.add), ("sub", ops.sub, np.subtract), ("mul", ops.mul, np.multiply),
+    ("div", ops.div, np.divide), ("maximum", ops.maximum, np.maximum),
+    ("minimum", ops.minimum, np.minimum), ("pow", ops.pow, lambda a, b: np.abs(a) ** b),
+    ("remainder", ops.remainder, np.mod), ("atan2", ops.atan2, np.arctan2),
+]
+
+
+@pytest.mark.parametrize("name,op,ref", BINARY, ids=[b[0] for b in BINARY])
+def test_binary_broadcast(name, op, ref, rng):
+    a = rng.uniform(0.5, 4, size=(5, 1, 33)).astype(F32)
+    b = rng.uniform(0.5, 4, size=(7, 1)).astype(F32)
+    if name == "pow":
+        got, _ = run(lambda x, y: ops.pow(ops.abs(x), y), a, b)
+    else:
+        got, _ = run(op, a, b)
+    close(got, ref(a.astype(np.float64), b.astype(np.float64)), rtol=1e-5, atol=1e-5)
+
+
+def test_maximum_propagates_nan():
+    a = np.array([np.nan, 1.0, 2.0], F32)
+    b = np.array([0.0, np.nan, 1.0], F32)
+    got, _ = run(ops.maximum, a, b)
+    np.testing.assert_array_equal(got, np.maximum(a, b))
+
+
+@pytest.mark.parametrize("name", ["eq", "ne", "lt", "le", "gt", "ge"])
+def test_comparisons(name, rng):
+    a = rng.integers(0, 3, size=(4, 50)).astype(F32)
+    b = rng.integers(0, 3, size=(50,)).astype(F32)
+    a[0, 0] = np.nan
+    got, _ = run(getattr(ops, name), a, b)
+    close(got, getattr(np, {"eq": "equal", "ne": "not_equal", "lt": "less", "le": "less_equal",
+                            "gt": "greater", "ge": "greater_equal"}[name])(a, b))
+
+
+def test_logical_and_where(rng):
+    a, b = rng.random((3, 40)) > 0.5, rng.random((3, 40)) > 0.5
+    x, y = rng.standard_normal((3, 40)).astype(F32), rng.standard_normal((40,)).astype(F32)
+    got, _ = run(lambda p, q, u, v: (ops.logical_and(p, q), ops.logical_or(p, q), ops.logical_xor(p, q),
+                                     ops.logical_not(p), ops.where(p, u, v)), a, b, x, y)
+    close(got[0], a & b); close(got[1], a | b); close(got[2], a ^ b); close(got[3], ~a)
+    close(got[4], np.where(a, x, y))
+
+
+@pytest.mark.parametrize("src,dst", [(np.float32, np.int32), (np.float32, np.int64), (np.int32, np.float32),
+                                     (np.float64, np.float32), (np.float32, np.float16), (np.float16, np.float64),
+                                     (np.int64, np.int32), (np.float32, np.bool_), (np.bool_, np.float32)])
+def test_cast(src, dst, rng):
+    x = (rng.standard_normal((9, 17)) * 100).astype(src)
+    got, _ = run(lambda t: ops.cast(t, dst), x)
+    close(got, x.astype(dst), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, np.int32, np.int64])
+def test_dtypes_arithmetic(dtype, rng):
+    a = (rng.standard_normal((6, 70)) * 10).astype(dtype)
+    b = (rng.standard_normal((6, 70)) * 10).astype(dtype)
+    got, _ = run(lambda x, y: x * y + x - y, a, b)
+    tol = 1e-3 if dtype == np.float16 else 1e-6
+    want = (a.astype(np.float64) * b + a - b)
+    assert got.dtype == np.dtype(dtype)
+    close(got, want.astype(dtype) if dtype in (np.int32, np.int64) else want, rtol=tol, atol=tol * 10)
+
+
+@pytest.mark.parametrize("op", ["sum", "max", "min", "prod"])
+@pytest.mark.parametrize("axes,keep", [((1,), False), ((0, 2), True), (None, False), ((-1,), True)])
+def test_reductions(op, axes, keep, rng):
+    x = rng.uniform(0.5, 1.5, size=(6, 33, 19)).astype(F32)
+    got, _ = run(lambda t: getattr(ops, op)(t, list(axes) if axes else None, keep), x, symbolic=True)
+    want = getattr(np, {"sum": "sum", "max": "max", "min": "min", "prod": "prod"}[op])(
+        x.astype(np.float64), axis=axes, keepdims=keep)
+    close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_reduction_large_and_nan(rng):
+    x = rng.standard_normal((3, 5000)).astype(F32)
+    x[1, 17] = np.nan
+    got, _ = run(lambda t: (ops.sum(t, [1]), ops.max(t, [1])), x)
+    close(got[0], x.astype(np.float64).sum(1), rtol=1e-5, atol=1e-4)
+    close(got[1], x.max(1))
+
+
+@pytest.mark.parametrize("op", ["argmax", "argmin"])
+def test_argreduce(op, rng):
+    x = rng.integers(0, 5, size=(7, 40)).astype(F32)
+    x[3, 9] = np.nan
+    got, _ = run(lambda t: getattr(ops, op)(t, 1), x)
+    close(got, getattr(np, op)(x, axis=1))
+
+
+def test_int_and_bool_reductions(rng):
+    x = rng.integers(-50, 50, size=(5, 21)).astype(np.int32)
+    b = x > 0
+    got, _ = run(lambda t, m: (ops.sum(t, [1]), ops.max(t, [0]), ops.sum(m, [1])), x, b)
+    close(got[0], x.sum(1)); close(got[1], x.max(0)); close(got[2], b.sum(1))
+
+
+def test_layout_ops(rng):
+    x = rng.standard_normal((4, 6, 10)).astype(F32)
+    y = rng.standard_normal((4, 6, 3)).astype(F32)
+    got, _ = run(lambda t, u: (
+        ops.permute(t, [2, 0, 1]),
+        ops.reshape(t, [24, 10]),
+        ops.reshape(t, [4, 60]),
+        ops.slice(t, [1, 0, 2], [4, 6, 10], [2, 1, 3]),
+        ops.pad(t, [1, 2, 0, 0, 3, 0], 7.0),
+        ops.cat([t, u], 2),
+        ops.reverse(t, [0, 2]),
+        ops.broadcast_in_dim(ops.sum(t, [1]), [4, 5, 10], [0, 2]),
+        t[1:, ::2, -1],
+    ), x, y)
+    close(got[0], x.transpose(2, 0, 1)); close(got[1], x.reshape(24, 10)); close(got[2], x.reshape(4, 60))
+    close(got[3], x[1:4:2, :, 2::3])
+    close(got[4], np.pad(x, ((3, 0), (0, 0), (1, 2)), constant_values=7.0))
+    close(got[5], np.concatenate([x, y], 2)); close(got[6], x[::-1, :, ::-1])
+    close(got[7], np.broadcast_to(x.sum(1)[:, None, :], (4, 5, 10)), rtol=1e-5, atol=1e-5)
+    close(got[8], x[1:, ::2, -1])
+
+
+def test_symbolic_reshape_and_concat(rng):
+    x = rng.standard_normal((5, 3, 4)).astype(F32)
+    got, exe = run(lambda t: (ops.reshape(t, [t.shape[0], 12]), ops.cat([t, t * 2], 0)), x, symbolic=False)
+    infos = [InputInfo([-1, 3, 4], F32)]
+    exe = polyjit.compile(lambda t: (ops.reshape(t, [t.shape[0], 12]), ops.cat([t, t * 2], 0)), infos)
+    for n in (1, 5, 9):
+        a = rng.standard_normal((n, 3, 4)).astype(F32)
+        r = exe(a)
+        close(r[0], a.reshape(n, 12)); close(r[1], np.concatenate([a, 2 * a], 0))
+
+
+@pytest.mark.parametrize("shape_a,shape_b", [((33, 70), (70, 45)), ((3, 20, 30), (3, 30, 7)),
+                                             ((2, 1, 5, 8), (4, 8, 3)), ((16,), (16, 9))])
+def test_matmul(shape_a, shape_b, rng):
+    a = rng.standard_normal(shape_a).astype(F32)
+    b = rng.standard_normal(shape_b).astype(F32)
+    got, _ = run(ops.matmul, a, b)
+    close(got, np.matmul(a.astype(np.float64), b), rtol=1e-5, atol=1e-4)
+
+
+def test_linear_and_dot_general(rng):
+    x = rng.standard_normal((4, 5, 24)).astype(F32)
+    w = rng.standard_normal((10, 24)).astype(F32)
+    bias = rng.standard_normal((10,)).astype(F32)
+    got, _ = run(lambda a, b, c: ops.linear(a, b, c), x, w, bias)
+    close(got, x.astype(np.float64) @ w.T + bias, rtol=1e-5, atol=1e-4)
+
+
+CONVS = [
+    dict(stride=(1, 1), padding=((0, 0), (0, 0)), dilation=(1, 1), groups=1),
+    dict(stride=(2, 2), padding=((1, 1), (1, 1)), dilation=(1, 1), groups=1),
+    dict(stride=(1, 2), padding=((2, 2), (0, 0)), dilation=(2, 1), groups=1),
+    dict(stride=(1, 1), padding=((1, 1), (1, 1)), dilation=(1, 1), groups=2),
+    dict(stride=(1, 1), padding=((1, 1), (1, 1)), dilation=(1, 1), groups=4),
+]
+
+
+@pytest.mark.parametrize("cfg", CONVS)
+def test_conv2d(cfg, rng):
+    x = rng.standard_normal((2, 4, 11, 13)).astype(F32)
+    w = rng.standard_normal((8, 4 // cfg["groups"], 3, 3)).astype(F32)
+    got, _ = run(lambda a, b: ops.conv(a, b, cfg["stride"], cfg["padding"], cfg["dilation"], cfg["groups"]), x, w)
+    close(got, refs.conv2d(x, w, **cfg), rtol=1e-5, atol=1e-4)
+
+
+def test_conv_nhwc(rng):
+    x = rng.standard_normal((2, 9, 10, 3)).astype(F32)
+    w = rng.standard_normal((3, 3, 3, 5)).astype(F32)  # HWIO
+    got, _ = run(lambda a, b: ops.conv(a, b, (1, 1), ((1, 1), (1, 1)), layout="NHWC", kernel_layout="HWIO"), x, w)
+    want = refs.conv2d(x.transpose(0, 3, 1, 2), w.transpose(3, 2, 0, 1), padding=((1, 1), (1, 1)))
+    close(got, want.transpose(0, 2, 3, 1), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("k,s,p", [(2, 2, 0), (3, 2, 1), (3, 1, 1)])
+def test_pooling(k, s, p, rng):
+    x = rng.standard_normal((2, 3, 12, 9)).astype(F32)
+    got, _ = run(lambda t: (ops.max_pool2d(t, k, s, p), ops.avg_pool2d(t, k, s, p)), x)
+    close(got[0], refs.pool2d(x, k, s, p, "max"))
+    close(got[1], refs.pool2d(x, k, s, p, "sum") / (k * k), rtol=1e-5, atol=1e-5)
+
+
+def test_cumsum(rng):
+    x = rng.standard_normal((6, 50)).astype(F32)
+    got, _ = run(lambda t: (ops.cumsum(t, 1), ops.cumsum(t, 0)), x, symbolic=True)
+    close(got[0], np.cumsum(x.astype(np.float64), 1), rtol=1e-5, atol=1e-4)
+    close(got[1], np.cumsum(x.astype(np.float64), 0), rtol=1e-5, atol=1e-4)
+
+
+def test_gather_and_scatter_add(rng):
+    table = rng.standard_normal((20, 8)).astype(F32)
+    idx = rng.integers(0, 20, size=(5, 3)).astype(np.int64)
+    src = rng.standard_normal((15, 8)).astype(F32)
+    flat = idx.reshape(-1)
+    got, _ = run(lambda t, i, s, f: (ops.index_select(t, 0, i), ops.embedding(i, t),
+                                     ops.scatter_add([20, 8], f, s, 0)), table, idx, src, flat)
+    close(got[0], table[idx]); close(got[1], table[idx])
+    want = np.zeros((20, 8)); np.add.at(want, flat, src)
+    close(got[2], want, rtol=1e-5, atol=1e-5)
+
+
+def test_iota_and_random(rng):
+    x = rng.standard_normal((64, 1000)).astype(F32)
+    seed = np.asarray(1234, np.int64)
+    got, _ = run(lambda t, s: (ops.iota(t.shape, 1, like=t), ops.rand_uniform(t.shape, s, like=t),
+                               ops.rand_uniform(t.shape, s, like=t), ops.rand_uniform(t.shape, s, 7, like=t)), x, seed)
+    close(got[0], np.broadcast_to(np.arange(1000), (64, 1000)))
+    u = got[1]
+    assert 0 <= u.min() and u.max() < 1 and abs(u.mean() - 0.5) < 0.01 and abs(u.std() - math.sqrt(1 / 12)) < 0.01
+    np.testing.assert_array_equal(got[1], got[2])
+    assert not np.array_equal(got[1], got[3])
+
+
+def test_dropout_statistics(rng):
+    x = rng.uniform(1, 2, size=(256, 512)).astype(F32)
+    got, _ = run(lambda t, s: ops.dropout(t, 0.3, s), x, np.asarray(7, np.int64))
+    kept = got != 0
+    assert abs(kept.mean() - 0.7) < 0.01
+    np.testing.assert_allclose(got[kept], x[kept] / 0.7, rtol=1e-6)
+
+
+def test_composites(rng):
+    x = rng.standard_normal((8, 300)).astype(F32)
+    got, _ = run(lambda t: (ops.softmax(t), ops.log_softmax(t), ops.layer_norm(t, [300]), ops.gelu(t),
+                            ops.gelu(t, "tanh"), ops.silu(t), ops.rms_norm(t, [300])), x)
+    xd = x.astype(np.float64)
+    close(got[0], refs.softmax(xd)); close(got[1], np.log(refs.softmax(xd)), atol=1e-5)
+    close(got[2], refs.layer_norm(xd), rtol=1e-4, atol=1e-5); close(got[3], refs.gelu(xd), atol=1e-6)
+    tanh_gelu = 0.5 * xd * (1 + np.tanh(math.sqrt(2 / math.pi) * (xd + 0.044715 * xd ** 3)))
+    close(got[4], tanh_gelu, atol=1e-6); close(got[5], xd / (1 + np.exp(-xd)), atol=1e-6)
+    close(got[6], xd / np.sqrt((xd ** 2).mean(-1, keepdims=True) + 1e-6), rtol=1e-4, atol=1e-5)
+
+
+def test_zero_size_dimensions(rng):
+    x = np.zeros((0, 7), F32)
+    got, _ = run(lambda t: (t * 2, ops.sum(t, [0]), ops.max(t, [1])), x, symbolic=True)
+    assert got[0].shape == (0, 7)
+    close(got[1], np.zeros(7)); assert got[2].shape == (0,)
+
+
+def test_strided_inputs(rng):
+    base = rng.standard_normal((20, 30)).astype(F32)
+    exe = polyjit.compile(lambda a, b: a * 2 + b, [InputInfo([-1, -1], F32)] * 2)
+    for a, b in [(base[::2, 1::3], base[1::2, ::3]), (base.T[:9, :7], base[:9, :7]), (base[:, ::-1], base)]:
+        close(exe(a, b), a.astype(np.float64) * 2 + b)
+
+
+def test_scalar_output_and_input(rng):
+    x = rng.standard_normal((10,)).astype(F32)
+    got, _ = run(lambda t: ops.sum(t), x)
+    assert got.shape == ()
+    close(got, x.astype(np.float64).sum(), atol=1e-5)
