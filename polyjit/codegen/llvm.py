@@ -21,6 +21,7 @@ from ..affine import AffineProgram, Array, Statement
 from ..dtypes import DataType
 from ..expr import Const, Expr, Load, Op, Var
 from ..schedule import Scheduled
+from . import mathlib
 
 I1, I8, I32, I64 = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.IntType(64)
 F16, F32, F64 = ir.HalfType(), ir.FloatType(), ir.DoubleType()
@@ -440,7 +441,10 @@ class Emitter:
         return self.math(op, a)
 
     def math(self, op: str, a: list) -> ir.Value:
-        """Transcendental functions: LLVM intrinsics or the C math library."""
+        """Transcendental functions: vectorizable float32 kernels, LLVM
+        intrinsics or the C math library."""
+        if a[0].type == F32 and op in mathlib.KERNELS:
+            return mathlib.KERNELS[op](self.b, self.module, *a)
         if op in _INTRINSIC:
             return self.call(_INTRINSIC[op], a)
         if op in _LIBM:

@@ -1,0 +1,96 @@
+"""CPU benchmark: polyjit against numpy in the same run, as ratios.
+
+Run with `make bench-cpu`. Each row reports the median of several timed
+calls after a warm-up; ratios above 1 mean polyjit is faster.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import numpy as np
+
+import polyjit
+from polyjit import InputInfo, ops
+
+F32 = np.float32
+
+
+def timeit(fn, reps: int = 15) -> float:
+    fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def blur_np(img):
+    w, h = img.shape[-1], img.shape[-2]
+    bx = (img[..., 0:w - 4] + img[..., 1:w - 3] + img[..., 2:w - 2] + img[..., 3:w - 1] + img[..., 4:w]) * F32(0.2)
+    return (bx[..., 0:h - 4, :] + bx[..., 1:h - 3, :] + bx[..., 2:h - 2, :] + bx[..., 3:h - 1, :] + bx[..., 4:h, :]) * F32(0.2)
+
+
+def blur_pj(img):
+    kx = ops.reshape(ops.full_like(img[0:1, 0:1, 0:5], 0.2), [1, 1, 1, 5])
+    ky = ops.reshape(kx, [1, 1, 5, 1])
+    x = ops.reshape(img, [img.shape[0], 1, img.shape[1], img.shape[2]])
+    return ops.conv2d(ops.conv2d(x, kx), ky)
+
+
+def add_ln_np(x, r, w, b):
+    y = x + r
+    m = y.mean(-1, keepdims=True)
+    d = y - m
+    v = (d * d).mean(-1, keepdims=True)
+    return d / np.sqrt(v + F32(1e-5)) * w + b
+
+
+def softmax_np(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    s = 4 if args.quick else 1
+    img = rng.random((3, 1024 // s, 1024 // s), F32)
+    x4m = rng.standard_normal(4 * 2 ** 20 // s, F32)
+    y4m = rng.standard_normal(4 * 2 ** 20 // s, F32)
+    ln_x = rng.standard_normal((16, 128 // s, 1024), F32)
+    ln_r = rng.standard_normal((16, 128 // s, 1024), F32)
+    ln_w, ln_b = rng.standard_normal(1024, F32), rng.standard_normal(1024, F32)
+    sm = rng.standard_normal((4096 // s, 4096 // s), F32)
+    ma, mb = rng.standard_normal((1024 // s, 1024 // s), F32), rng.standard_normal((1024 // s, 1024 // s), F32)
+
+    cases = [
+        ("blur_x_blur_y 3x1024x1024", blur_pj, blur_np, [img], 10.0),
+        ("cos(x)+sin(y) 4M", lambda a, b: ops.cos(a) + ops.sin(b), lambda a, b: np.cos(a) + np.sin(b), [x4m, y4m], 3.0),
+        ("add+layernorm 16x128x1024", lambda x, r, w, b: ops.layer_norm(x + r, [1024], w, b),
+         add_ln_np, [ln_x, ln_r, ln_w, ln_b], 3.0),
+        ("softmax 4096x4096", ops.softmax, softmax_np, [sm], 3.0),
+        ("matmul 1024^3", ops.matmul, np.matmul, [ma, mb], 1 / 3),
+    ]
+    print(f"threads: {os.cpu_count()}   (ratio = numpy time / polyjit time; target in brackets)")
+    print(f"{'program':30s} {'numpy ms':>10s} {'polyjit ms':>11s} {'ratio':>7s}  target")
+    for name, pj, ref, inputs, target in cases:
+        exe = polyjit.compile(pj, [InputInfo(list(a.shape), a.dtype) for a in inputs])
+        got = exe(*inputs)
+        want = ref(*inputs)
+        err = float(np.max(np.abs(got - want) / (1 + np.abs(want))))
+        t_np = timeit(lambda: ref(*inputs), 5)
+        t_pj = timeit(lambda: exe(*inputs))
+        ratio = t_np / t_pj
+        ok = "ok" if ratio >= target else "MISSED"
+        print(f"{name:30s} {t_np * 1e3:10.2f} {t_pj * 1e3:11.2f} {ratio:7.2f}  [>= {target:.2f}] {ok}"
+              f"  (max rel err {err:.1e}, kernels {exe.stats['kernels']})")
+
+
+if __name__ == "__main__":
+    main()
