@@ -194,29 +194,161 @@ def sink_inner(schedule, validity) -> isl.Schedule:
     return new if is_legal(new, validity) else schedule
 
 
-def _has_reuse(node, prog) -> bool:
-    names = set()
-    node.get_domain().foreach_set(lambda s: names.add(s.get_tuple_name()))
-    return any(s.combine and s.label in ("dot_general", "conv") for s in prog.statements if s.name in names)
+def _statement_names(node) -> set[str]:
+    names: set[str] = set()
+    node.get_domain().foreach_set(lambda st: names.add(st.get_tuple_name()))
+    return names
+
+
+def _contractions(node, prog):
+    names = _statement_names(node)
+    return [s for s in prog.statements
+            if s.name in names and s.combine and s.label in ("dot_general", "conv")]
+
+
+def distribute_inits(schedule, prog, validity) -> isl.Schedule:
+    """Put the initialization of contraction results in a nest of its own,
+    so that the contraction's band holds only its update and can be blocked."""
+    inits = [s for s in prog.statements if s.label in ("dot_general_init", "conv_init")]
+    if not inits:
+        return schedule
+    root = schedule.get_root()
+    dom = root.domain_get_domain()
+    init_names = {s.name for s in inits}
+    first = isl.UnionSet.empty(dom.get_space())
+    rest = isl.UnionSet.empty(dom.get_space())
+
+    def split(st):
+        nonlocal first, rest
+        if st.get_tuple_name() in init_names:
+            first = first.union(isl.UnionSet.from_set(st))
+        else:
+            rest = rest.union(isl.UnionSet.from_set(st))
+    dom.foreach_set(split)
+    if rest.is_empty():
+        return schedule
+    filters = isl.UnionSetList.alloc(root.get_ctx(), 2).add(first).add(rest)
+    new = root.child(0).insert_sequence(filters).get_schedule()
+    return new if is_legal(new, validity) else schedule
+
+
+REG_ROWS, REG_COLS = 4, 32  # a register block of a contraction: rows x contiguous columns
+TILE_ROWS, TILE_RED, TILE_COLS = 64, 128, 256
+
+
+def _block_sizes(node, prog, n):
+    """Per member: (role, tile size) with roles 'red', 'col' (innermost), 'row'."""
+    mupa = node.band_get_partial_schedule()
+    red = set()
+    for s in _contractions(node, prog):
+        for m in range(n):
+            d = _member_iter(mupa.get_at(m)).get(s.name)
+            if d is not None and s.iters[d] in s.reduction_iters:
+                red.add(m)
+    roles = []
+    for m in range(n):
+        roles.append("red" if m in red else "col" if m == n - 1 else "row")
+    return roles
+
+
+def _sizes(node, values) -> isl.MultiVal:
+    mv = isl.MultiVal.zero(node.band_get_space())
+    for i, t in enumerate(values):
+        mv = mv.set_val(i, isl.Val.int_from_si(node.get_ctx(), int(t)))
+    return mv
+
+
+def register_block(point, roles) -> isl.ScheduleNode:
+    """Within a tile: loop over register blocks, then the reduction, with the
+    block itself unrolled, so its accumulators stay in vector registers."""
+    n = len(roles)
+    first_row = next((m for m in range(n) if roles[m] == "row"), None)
+    sizes = [REG_COLS if r == "col" else REG_ROWS if m == first_row else 1 for m, r in enumerate(roles)]
+    node = point.band_tile(_sizes(point, sizes))
+    order = [m for m in range(n) if roles[m] != "red"] + [m for m in range(n) if roles[m] == "red"]
+    coinc = [node.band_member_get_coincident(m) for m in range(n)]
+    node = _rebuild_band(node, order, coinc, True)
+    inner = node.child(0)
+    for m in range(n):
+        inner = inner.band_member_set_ast_loop_type(m, isl.ast_loop_type.unroll)
+    return inner.parent()
 
 
 def tile(schedule, prog, validity, tile_sizes) -> isl.Schedule:
+    """Tile outer permutable bands with reuse (contractions), or every one when
+    tile_sizes is given; contractions also get register blocks."""
     def fn(node):
         if node.get_type() != isl.schedule_node_type.band or not node.band_get_permutable():
             return node
         n = node.band_n_member()
-        if n < 2 or getattr(node, "_tiled", False):
+        if n < 2 or node.get_parent_type() == isl.schedule_node_type.band:
             return node
-        if tile_sizes is None and not _has_reuse(node, prog):
+        contraction = bool(_contractions(node, prog)) and len(_statement_names(node)) == 1
+        if tile_sizes is None and not contraction:
             return node
-        if node.get_parent_type() == isl.schedule_node_type.band:
+        roles = _block_sizes(node, prog, n) if contraction else []
+        if tile_sizes:
+            sizes = (list(tile_sizes) + [tile_sizes[-1]] * n)[:n]
+        elif contraction:
+            sizes = [TILE_RED if r == "red" else TILE_COLS if r == "col" else TILE_ROWS for r in roles]
+        node = node.band_tile(_sizes(node, sizes))
+        if contraction and "red" in roles:
+            node = register_block(node.child(0), roles).parent()
+        return node
+    new = _visit(schedule.get_root(), fn).get_schedule()
+    return new if is_legal(new, validity) else schedule
+
+
+STRIP = 256  # columns per parallel strip when the outer loop is too short to share
+MIN_PARALLEL_EXTENT = 8
+
+
+def _cst(pa: isl.PwAff) -> int:
+    return pa.get_pieces()[0][1].get_constant_val().to_python()
+
+
+def _member_extent(node, m: int) -> int | None:
+    """The static trip count of band member m, or None when it depends on sizes."""
+    upa = node.band_get_partial_schedule().get_at(m)
+    umap = isl.UnionMap.from_union_pw_aff(upa).intersect_domain(node.get_domain())
+    rng = umap.range()
+    out: list = []
+
+    def one(st):
+        lo, hi = st.dim_min(0), st.dim_max(0)
+        if lo.is_cst() and hi.is_cst() and lo.n_piece() == 1 and hi.n_piece() == 1:
+            out.append(_cst(hi) - _cst(lo) + 1)
+        else:
+            out.append(None)
+    rng.foreach_set(one)
+    if not out or None in out:
+        return None
+    return max(out)
+
+
+def balance_parallel(schedule, prog, validity) -> isl.Schedule:
+    """Share work between threads when a nest's outer loop cannot: strip-mine
+    another coincident loop (e.g. the columns of an image whose rows carry a
+    stencil's rolling buffer) and run the strips outermost, in parallel."""
+    def fn(node):
+        if node.get_type() != isl.schedule_node_type.band or not node.band_get_permutable() \
+                or node.get_parent_type() == isl.schedule_node_type.band or node.band_n_member() < 2:
             return node
-        sizes = list(tile_sizes) if tile_sizes else [DEFAULT_TILE] * n
-        sizes = (sizes + [sizes[-1]] * n)[:n]
-        mv = isl.MultiVal.zero(node.band_get_space())
-        for i, t in enumerate(sizes):
-            mv = mv.set_val(i, isl.Val.int_from_si(node.get_ctx(), int(t)))
-        return node.band_tile(mv)
+        if _contractions(node, prog):
+            return node
+        n = node.band_n_member()
+        ext0 = _member_extent(node, 0)
+        if node.band_member_get_coincident(0) and (ext0 is None or ext0 >= MIN_PARALLEL_EXTENT):
+            return node
+        cands = [m for m in range(1, n) if node.band_member_get_coincident(m)]
+        cands = [m for m in cands if (_member_extent(node, m) or STRIP * MIN_PARALLEL_EXTENT) > 2 * STRIP]
+        if not cands:
+            return node
+        m = cands[-1]
+        sizes = [STRIP if k == m else 1 for k in range(n)]
+        node = node.band_tile(_sizes(node, sizes))
+        coinc = [node.band_member_get_coincident(k) for k in range(n)]
+        return _rebuild_band(node, [m] + [k for k in range(n) if k != m], coinc, True)
     new = _visit(schedule.get_root(), fn).get_schedule()
     return new if is_legal(new, validity) else schedule
 
@@ -326,7 +458,9 @@ def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None) 
         sc = sc.set_proximity(raw)
     sched = sc.compute_schedule()
     sched = innermost_contiguous(sched, prog, ctx, validity)
+    sched = distribute_inits(sched, prog, validity)
     sched = tile(sched, prog, validity, tile_sizes)
+    sched = balance_parallel(sched, prog, validity)
     sched = sink_inner(sched, validity)
     sched = mark_parallel(sched)
     params = prog.prefix() + "{ : " + (" and ".join(f"{p} >= 0" for p in prog.params) or "1 = 1") + " }"

@@ -85,25 +85,46 @@ class Emitter:
         return f"polyjit_{safe}_{'_'.join(labels[:3]) or 'nest'}_{k}_kernel"
 
     def kernel(self, k: int, node: isl.AstNode) -> None:
+        """An entry with the fixed signature that unpacks its arguments and
+        calls the loop nest's body, whose array pointers are ``noalias``: inputs
+        are only read, and outputs and temporaries are fresh allocations."""
         from ..schedule import statements_in
         names = statements_in(node)
-        fn = ir.Function(self.module, ir.FunctionType(ir.VoidType(), [PTR, PTR, I64, I64]),
-                         self.kernel_name(k, names))
+        name = self.kernel_name(k, names)
+        nb, ni = len(self.buffer_arrays), len(self.int_slots)
+        body_fn = ir.Function(self.module, ir.FunctionType(ir.VoidType(), [PTR] * nb + [I64] * (ni + 2)),
+                              name + "_body")
+        body_fn.linkage = "internal"
+        for arg in body_fn.args[:nb]:
+            arg.add_attribute("noalias")
+        self.body(body_fn, node)
+        fn = ir.Function(self.module, ir.FunctionType(ir.VoidType(), [PTR, PTR, I64, I64]), name)
+        b = ir.IRBuilder(fn.append_basic_block("entry"))
+        bufs, ints, part, parts = fn.args
+        args = [b.load(b.gep(bufs, [ir.Constant(I64, i)], source_etype=PTR), typ=PTR) for i in range(nb)]
+        args += [b.load(b.gep(ints, [ir.Constant(I64, i)], source_etype=I64), typ=I64) for i in range(ni)]
+        b.call(body_fn, args + [part, parts])
+        b.ret_void()
+        self.kernels.append(KernelInfo(name, self.parallel, tuple(sorted(names))))
+
+    def body(self, fn: ir.Function, node: isl.AstNode) -> None:
+        k = len(self.kernels)
         self.fn = fn
         self.entry = fn.append_basic_block("entry")
         body = fn.append_basic_block("body")
         self.b = ir.IRBuilder(self.entry)
-        bufs, ints, self.part, self.parts = fn.args
+        nb = len(self.buffer_arrays)
+        ints = fn.args[nb:-2]
+        self.part, self.parts = fn.args[-2:]
         self.vars: dict[str, ir.AllocaInstr] = {}
-        self.params = {}
-        for i, (p, d) in enumerate(self.int_slots):
-            if d < 0:
-                self.params[p] = self.b.load(self.b.gep(ints, [ir.Constant(I64, i)], source_etype=I64), typ=I64)
+        self.params = {p: ints[i] for i, (p, d) in enumerate(self.int_slots) if d < 0}
         self.base, self.strides, self.freed = {}, {}, []
-        for a in self.buffer_arrays:
-            ptr = self.b.load(self.b.gep(bufs, [ir.Constant(I64, self.slot[a.name])], source_etype=PTR), typ=PTR)
-            self.base[a.name] = ptr
-            self.strides[a.name] = self.array_strides(a, ints)
+        for i, a in enumerate(self.buffer_arrays):
+            self.base[a.name] = fn.args[i]
+            if a.strided:
+                self.strides[a.name] = [ints[j] for j, (n, d) in enumerate(self.int_slots) if n == a.name]
+            else:
+                self.strides[a.name] = self.row_major([self.size(s) for s in a.shape])
         for name, moduli in self.sched.contracted.items():
             if self.sched.kernel_of_array.get(name) == k:
                 self.alloc_contracted(self.prog.arrays[name], moduli)
@@ -115,16 +136,6 @@ class Emitter:
         for ptr in self.freed:
             self.free(ptr)
         self.b.ret_void()
-        self.kernels.append(KernelInfo(fn.name, self.parallel, tuple(sorted(names))))
-
-    def array_strides(self, a: Array, ints) -> list[ir.Value]:
-        if a.strided:
-            out = []
-            for i, (n, d) in enumerate(self.int_slots):
-                if n == a.name:
-                    out.append(self.b.load(self.b.gep(ints, [ir.Constant(I64, i)], source_etype=I64), typ=I64))
-            return out
-        return self.row_major([self.size(s) for s in a.shape])
 
     def row_major(self, extents: list[ir.Value]) -> list[ir.Value]:
         out, acc = [], ir.Constant(I64, 1)
