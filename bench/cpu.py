@@ -38,7 +38,8 @@ def blur_pj(img):
     kx = ops.reshape(ops.full_like(img[0:1, 0:1, 0:5], 0.2), [1, 1, 1, 5])
     ky = ops.reshape(kx, [1, 1, 5, 1])
     x = ops.reshape(img, [img.shape[0], 1, img.shape[1], img.shape[2]])
-    return ops.conv2d(ops.conv2d(x, kx), ky)
+    y = ops.conv2d(ops.conv2d(x, kx), ky)
+    return ops.reshape(y, [y.shape[0], y.shape[2], y.shape[3]])
 
 
 def add_ln_np(x, r, w, b):

@@ -261,7 +261,7 @@ class Graph:
         for d, (s, e, st) in enumerate(zip(start, end, strides)):
             if st < 1:
                 raise DefinitionError(f"slice: stride {st} in dimension {d} must be positive")
-            if isinstance(e, Lin) or isinstance(x.shape[d], Lin):
+            if isinstance(e, Lin) or isinstance(s, Lin) or isinstance(x.shape[d], Lin):
                 n = e - s
                 if st != 1:
                     raise DefinitionError("slice: strides over symbolic sizes are not affine")

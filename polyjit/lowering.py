@@ -271,7 +271,7 @@ def _transpose(L, n, idx):
 
 
 def _slice(L, n, idx):
-    return L.value(n.inputs[0], [E.iadd(E.imul(i, st), E.const(s))
+    return L.value(n.inputs[0], [E.iadd(E.imul(i, st), E.size_expr(L.g.resolve(s)))
                                  for i, s, st in zip(idx, n.attrs["start"], n.attrs["strides"])])
 
 

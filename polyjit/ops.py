@@ -256,9 +256,7 @@ def getitem(x: Tensor, key) -> Tensor:
             raise DefinitionError(f"too many indices for a tensor of rank {x.ndim}")
         n = x.shape[d]
         if isinstance(e, int):
-            if not sz.is_static(n) and e < 0:
-                raise DefinitionError("negative indices need a static size")
-            i = e + n if e < 0 else e
+            i = n + e if e < 0 else e
             start.append(i); end.append(i + 1); step.append(1); drop.append(d)
         elif isinstance(e, builtins_slice):
             st = e.step or 1
@@ -267,10 +265,9 @@ def getitem(x: Tensor, key) -> Tensor:
             s0, s1 = e.start or 0, e.stop
             if sz.is_static(n):
                 s0, s1, st = builtins_slice(e.start, e.stop, st).indices(int(n))
-            else:
-                if s0 < 0 or (s1 is not None and not isinstance(s1, sz.Lin) and s1 < 0):
-                    raise DefinitionError("negative slice bounds need a static size")
-                s1 = n if s1 is None else s1
+            else:  # symbolic size: negative bounds count from the end
+                s0 = n + s0 if s0 < 0 else s0
+                s1 = n if s1 is None else (n + s1 if not isinstance(s1, sz.Lin) and s1 < 0 else s1)
             start.append(s0); end.append(s1); step.append(st)
             out_pos += 1
         else:

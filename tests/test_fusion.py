@@ -1,0 +1,155 @@
+"""Fusion, contraction and their legality, asserted through compile stats."""
+import numpy as np
+import pytest
+
+import polyjit
+from polyjit import DataType, FusionDefinition, InputInfo, ops
+
+import refs
+
+F32 = np.float32
+
+
+def blur(img):
+    k = ops.reshape(ops.full_like(img[0:1, 0:1, 0:5], 0.2), [1, 1, 1, 5])
+    x = ops.reshape(img, [img.shape[0], 1, img.shape[1], img.shape[2]])
+    y = ops.conv2d(ops.conv2d(x, k), ops.reshape(k, [1, 1, 5, 1]))
+    return ops.reshape(y, [y.shape[0], y.shape[2], y.shape[3]])
+
+
+@pytest.mark.parametrize("shape", [(3, 64, 80), (2, 37, 1001), (1, 9, 12), (3, 9, 300)])
+def test_blur_is_one_nest_without_full_intermediate(shape, rng):
+    img = rng.random(shape, dtype=F32)
+    exe = polyjit.compile(blur, [InputInfo(list(shape), F32)])
+    out = exe(img)
+    np.testing.assert_allclose(out, refs.blur(img.astype(np.float64)), rtol=1e-5, atol=1e-6)
+    assert exe.stats["kernels"] == 1
+    assert exe.stats["statements"] == 2 and exe.stats["fused"] == 1
+    assert exe.stats["contracted_buffers"] == 1
+    full_intermediate = shape[0] * shape[1] * (shape[2] - 4) * 4
+    assert exe.stats["intermediate_bytes"] < full_intermediate / 2 or shape[1] < 12
+
+
+@pytest.mark.parametrize("shape", [(1, 5, 5), (1, 6, 5), (2, 5, 40)])
+def test_blur_tiny(shape, rng):
+    img = rng.random(shape, dtype=F32)
+    exe = polyjit.compile(blur, [InputInfo(list(shape), F32)])
+    np.testing.assert_allclose(exe(img), refs.blur(img.astype(np.float64)), rtol=1e-5, atol=1e-6)
+
+
+def test_blur_symbolic_sizes_one_program(rng):
+    exe = polyjit.compile(blur, [InputInfo([3, -1, -1], F32)])
+    for h, w in [(20, 30), (64, 257), (7, 9)]:
+        img = rng.random((3, h, w), dtype=F32)
+        np.testing.assert_allclose(exe(img), refs.blur(img.astype(np.float64)), rtol=1e-5, atol=1e-6)
+    assert len(exe._variants) == 1 and exe.stats["kernels"] == 1
+
+
+def test_blur_unfused_with_fusion_none(rng):
+    img = rng.random((2, 40, 50), dtype=F32)
+    exe = polyjit.compile(blur, [InputInfo(list(img.shape), F32)], {"fusion": "none"})
+    np.testing.assert_allclose(exe(img), refs.blur(img.astype(np.float64)), rtol=1e-5, atol=1e-6)
+    assert exe.stats["kernels"] == 2 and exe.stats["contracted_buffers"] == 0
+
+
+def add_layernorm(x, r, w, b):
+    return ops.layer_norm(x + r, [x.shape[-1]], w, b)
+
+
+def test_layernorm_is_one_pass_per_row(rng):
+    shape = (4, 33, 256)
+    x, r = rng.standard_normal(shape, dtype=F32), rng.standard_normal(shape, dtype=F32)
+    w, b = rng.standard_normal(256, dtype=F32), rng.standard_normal(256, dtype=F32)
+    exe = polyjit.compile(add_layernorm, [InputInfo(list(shape), F32)] * 2 + [InputInfo([256], F32)] * 2)
+    out = exe(x, r, w, b)
+    want = refs.layer_norm((x + r).astype(np.float64)) * w + b
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
+    assert exe.stats["kernels"] == 1
+    assert exe.stats["contracted_buffers"] >= 2  # mean and variance live in registers per row
+    assert exe.stats["intermediate_bytes"] <= 256 * 4 * 3 * exe.variant((False,) * 4).num_threads
+
+
+def test_softmax_one_nest(rng):
+    x = rng.standard_normal((64, 300), dtype=F32)
+    exe = polyjit.compile(ops.softmax, [InputInfo([-1, -1], F32)])
+    np.testing.assert_allclose(exe(x), refs.softmax(x.astype(np.float64)), rtol=1e-5, atol=1e-7)
+    assert exe.stats["kernels"] == 1
+
+
+def test_fusion_that_must_not_happen(rng):
+    """A full reduction feeds back into every element: it must complete first."""
+    x = rng.standard_normal((50, 70), dtype=F32)
+    exe = polyjit.compile(lambda t: t - ops.sum(t) / t.shape[0] / t.shape[1], [InputInfo([50, 70], F32)])
+    np.testing.assert_allclose(exe(x), x - x.astype(np.float64).mean(), rtol=1e-5, atol=1e-5)
+    assert exe.stats["kernels"] >= 2
+
+
+def test_recurrence_then_reverse_use(rng):
+    """cumsum read backwards: no fusion may reorder the recurrence."""
+    x = rng.standard_normal((5, 64), dtype=F32)
+    exe = polyjit.compile(lambda t: ops.reverse(ops.cumsum(t, 1), [1]) * 2.0, [InputInfo([5, 64], F32)])
+    np.testing.assert_allclose(exe(x), np.cumsum(x.astype(np.float64), 1)[:, ::-1] * 2, rtol=1e-5, atol=1e-5)
+
+
+def test_matmul_chain_and_epilogue(rng):
+    a, b, c = (rng.standard_normal(s, dtype=F32) for s in [(70, 90), (90, 50), (50, 30)])
+    bias = rng.standard_normal(50, dtype=F32)
+    exe = polyjit.compile(lambda p, q, r, s: ops.relu(p @ q + s) @ r,
+                          [InputInfo(list(t.shape), F32) for t in (a, b, c, bias)])
+    want = np.maximum(a.astype(np.float64) @ b + bias, 0) @ c
+    np.testing.assert_allclose(exe(a, b, c, bias), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("tiles", [[8], [4, 16], [3, 5, 7]])
+def test_tile_sizes_option(tiles, rng):
+    x = rng.standard_normal((30, 41), dtype=F32)
+    y = rng.standard_normal((41, 23), dtype=F32)
+    exe = polyjit.compile(lambda a, b: (a @ b, ops.exp(a) * 2), [InputInfo([30, 41], F32), InputInfo([41, 23], F32)],
+                          {"tile_sizes": tiles})
+    got = exe(x, y)
+    np.testing.assert_allclose(got[0], x.astype(np.float64) @ y, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(got[1], np.exp(x.astype(np.float64)) * 2, rtol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_num_threads(threads, rng):
+    x = rng.standard_normal((300, 200), dtype=F32)
+    exe = polyjit.compile(ops.softmax, [InputInfo([300, 200], F32)], {"num_threads": threads})
+    np.testing.assert_allclose(exe(x), refs.softmax(x.astype(np.float64)), rtol=1e-5, atol=1e-7)
+
+
+def test_fusion_definition_example():
+    with FusionDefinition() as fd:
+        t0 = fd.define_tensor(symbolic_sizes=[-1, 1, -1], contiguous=[True] * 3, dtype=DataType.Float)
+        t1 = fd.define_tensor(3)
+        c0 = fd.define_constant(3.0)
+        t4 = fd.ops.sum(fd.ops.mul(fd.ops.add(t0, t1), c0), [-1], False, DataType.Float)
+        fd.add_output(t4)
+    rng = np.random.default_rng()
+    for shape in [(2, 4, 8), (5, 3, 100)]:
+        a = rng.random((shape[0], 1, shape[2]), dtype=F32)
+        b = rng.random(shape, dtype=F32)
+        out = fd.execute([a, b])[0]
+        np.testing.assert_allclose(out, ((a.astype(np.float64) + b) * 3).sum(-1), rtol=1e-5)
+    assert fd.stats["fallbacks"] == 0 and fd.stats["kernels"] == 1
+    text = fd.to_python()
+    assert "fd.define_tensor(shape=[-1, 1, -1]" in text and "fd.ops.sum(" in text
+    assert "sum" in dir(FusionDefinition.Operators) and "broadcast_in_dim" in dir(FusionDefinition.Operators)
+
+
+def test_fusion_definition_scalar_and_strided(rng):
+    with FusionDefinition() as fd:
+        t = fd.define_tensor(sizes=[6, 8], strides=[1, 6])
+        s = fd.define_scalar(dtype=DataType.Float)
+        fd.add_output(fd.ops.mul(t, s))
+    a = rng.random((8, 6), dtype=F32).T
+    np.testing.assert_allclose(fd.execute([a, 2.5])[0], a * 2.5, rtol=1e-6)
+
+
+def test_print_ir_and_debug_dump(tmp_path, capsys):
+    exe = polyjit.compile(blur, [InputInfo([3, 32, 32], F32)], {"debug": True, "dump_dir": str(tmp_path)})
+    exe.print_ir()
+    text = capsys.readouterr().out
+    assert "for (" in text and "S0" in text and "contracted" in text
+    files = sorted(p.name for p in tmp_path.rglob("*.txt"))
+    assert any("graph" in f for f in files) and any("llvm_opt" in f for f in files) and any("ast" in f for f in files)
