@@ -299,7 +299,7 @@ def tile(schedule, prog, validity, tile_sizes) -> isl.Schedule:
     return new if is_legal(new, validity) else schedule
 
 
-STRIP = 256  # columns per parallel strip when the outer loop is too short to share
+STRIP = 512  # columns per parallel strip when the outer loop is too short to share
 MIN_PARALLEL_EXTENT = 8
 
 
