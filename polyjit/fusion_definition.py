@@ -180,9 +180,11 @@ def _call(n: Node, names) -> str:
     if n.op == "cumsum":
         return f"fd.ops.cumsum({a[0]}, {at['axis']})"
     if n.op == "gather":
+        if at["along"]:
+            return f"fd.ops.take_along_axis({a[0]}, {a[1]}, {at['axis']})"
         return f"fd.ops.index_select({a[0]}, {at['axis']}, {a[1]})"
     if n.op == "scatter_add":
-        return f"fd.ops.scatter_add({list(n.shape)}, {a[0]}, {a[1]}, {at['axis']})"
+        return f"fd.ops.scatter_add({list(n.shape)}, {a[0]}, {a[1]}, {at['axis']}, {at['along']})"
     if n.op == "iota":
         return f"fd.ops.iota({list(n.shape)}, {at['dim']}, {n.dtype!r})"
     if n.op == "rand_uniform":

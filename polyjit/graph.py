@@ -433,24 +433,38 @@ class Graph:
         return Node("conv", (x, w), attrs, tuple(shape), dt)
 
     # -------------------------------------------------------------- indexing
-    def gather(self, x: Node, index: Node, axis: int) -> Node:
-        """x.take(index, axis): index_select and embedding lookups."""
+    def gather(self, x: Node, index: Node, axis: int, along: bool = False) -> Node:
+        """x.take(index, axis) (index_select, embeddings), or with along=True
+        take_along_axis (torch.gather): index has x's rank and the result's shape."""
         if not index.dtype.is_int:
             raise DefinitionError(f"gather: indices must be integers, not {index.dtype}")
         axis = _norm_axis(axis, x.rank)
-        shape = x.shape[:axis] + index.shape + x.shape[axis + 1:]
-        return Node("gather", (x, index), {"axis": axis}, shape, x.dtype)
+        if along:
+            if index.rank != x.rank:
+                raise DefinitionError(f"gather: index has rank {index.rank}, expected {x.rank}")
+            shape = index.shape
+        else:
+            shape = x.shape[:axis] + index.shape + x.shape[axis + 1:]
+        return Node("gather", (x, index), {"axis": axis, "along": along}, shape, x.dtype)
 
-    def scatter_add(self, shape: Sequence[Size], index: Node, src: Node, axis: int) -> Node:
-        """zeros(shape) with src's slices added at index along axis (gather's adjoint)."""
+    def scatter_add(self, shape: Sequence[Size], index: Node, src: Node, axis: int,
+                    along: bool = False) -> Node:
+        """zeros(shape) with src added at index along axis: gather's adjoint
+        (index_add, or with along=True torch.scatter_add)."""
         shape = tuple(shape)
         axis = _norm_axis(axis, len(shape))
-        want = shape[:axis] + index.shape + shape[axis + 1:]
+        if along:
+            if not index.rank == src.rank == len(shape):
+                raise DefinitionError("scatter_add: index, src and the result must have one rank")
+            want = index.shape
+        else:
+            want = shape[:axis] + index.shape + shape[axis + 1:]
         if len(want) != src.rank:
             raise DefinitionError(f"scatter_add: src has rank {src.rank}, expected {len(want)}")
-        for d, (a, b) in enumerate(zip(want, src.shape)):
-            self.unify(a, b, f"scatter_add, src dimension {d}")
-        return Node("scatter_add", (index, src), {"axis": axis}, shape, src.dtype)
+        if not along:
+            for d, (a, b) in enumerate(zip(want, src.shape)):
+                self.unify(a, b, f"scatter_add, src dimension {d}")
+        return Node("scatter_add", (index, src), {"axis": axis, "along": along}, shape, src.dtype)
 
     # ---------------------------------------------------------------- output
     def add_output(self, x: Node) -> None:

@@ -376,17 +376,25 @@ def reshape_index(in_shape, out_shape, idx) -> list[Expr]:
     return src
 
 
-def _gather(L, n, idx):
-    x, index = n.inputs
-    axis = n.attrs["axis"]
-    k = index.rank
-    size = L.shape(x)[axis]
-    raw = L.value(index, idx[axis:axis + k])
+def _position(L, index: Node, at, size) -> Expr:
+    """An index value as a safe int64 position: negatives wrap, then clamp."""
+    raw = L.value(index, at)
     pos = Op(DataType.Int, "cast", (raw,)) if raw.dtype != DataType.Int else raw
     wrapped = Op(DataType.Int, "select", (Op(DataType.Bool, "lt", (pos, E.const(0))),
                                           E.iadd(pos, E.size_expr(size)), pos))
-    safe = E.iclamp(wrapped, E.const(0), E.size_expr(size - 1))
-    return L.value(x, list(idx[:axis]) + [safe] + list(idx[axis + k:]))
+    return E.iclamp(wrapped, E.const(0), E.size_expr(size - 1))
+
+
+def _gather(L, n, idx):
+    x, index = n.inputs
+    axis = n.attrs["axis"]
+    size = L.shape(x)[axis]
+    if n.attrs["along"]:
+        src = list(idx)
+        src[axis] = _position(L, index, idx, size)
+        return L.value(x, src)
+    k = index.rank
+    return L.value(x, list(idx[:axis]) + [_position(L, index, idx[axis:axis + k], size)] + list(idx[axis + k:]))
 
 
 def _rand(L, n, idx):
@@ -520,18 +528,17 @@ def _scatter_add(L: Lowering, n: Node, name, iters, bounds):
     axis = n.attrs["axis"]
     idx = tuple(E.it(i) for i in iters)
     L.add(name, iters, bounds, idx, identity("sum", n.dtype), "scatter_init")
-    sshape = L.shape(src)
-    siters = tuple(f"j{d}" for d in range(len(sshape)))
+    space = L.shape(index) if n.attrs["along"] else L.shape(src)
+    siters = tuple(f"j{d}" for d in range(len(space)))
     sidx = tuple(E.it(i) for i in siters)
-    k = index.rank
     size = L.shape(n)[axis]
-    raw = L.value(index, sidx[axis:axis + k])
-    pos = Op(DataType.Int, "cast", (raw,)) if raw.dtype != DataType.Int else raw
-    wrapped = Op(DataType.Int, "select", (Op(DataType.Bool, "lt", (pos, E.const(0))),
-                                          E.iadd(pos, E.size_expr(size)), pos))
-    target = list(sidx[:axis]) + [E.iclamp(wrapped, E.const(0), E.size_expr(size - 1))] + \
-        list(sidx[axis + k:])
-    L.add(name, siters, tuple((0, s) for s in sshape), target, L.value(src, sidx),
+    if n.attrs["along"]:
+        target = list(sidx)
+        target[axis] = _position(L, index, sidx, size)
+    else:
+        k = index.rank
+        target = list(sidx[:axis]) + [_position(L, index, sidx[axis:axis + k], size)] + list(sidx[axis + k:])
+    L.add(name, siters, tuple((0, s) for s in space), target, L.value(src, sidx),
           "scatter_add", combine="sum", reduction_iters=siters)
 
 

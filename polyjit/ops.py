@@ -429,14 +429,21 @@ def take(x: Tensor, index: Tensor, axis: int = 0) -> Tensor:
     return index_select(x, axis, index)
 
 
+def take_along_axis(x: Tensor, index: Tensor, axis: int) -> Tensor:
+    """torch.gather(x, axis, index)."""
+    g = _graph(x, index)
+    return _wrap(g, g.gather(_node(g, x), _node(g, index), axis, along=True))
+
+
 def embedding(index: Tensor, weight: Tensor) -> Tensor:
     return index_select(weight, 0, index)
 
 
-def scatter_add(shape: Sequence, index: Tensor, src: Tensor, axis: int = 0) -> Tensor:
-    """zeros(shape) with src's slices added at index along axis (index_add)."""
+def scatter_add(shape: Sequence, index: Tensor, src: Tensor, axis: int = 0, along: bool = False) -> Tensor:
+    """zeros(shape) with src's slices added at index along axis (index_add);
+    with along=True, src[i] is added at index[i] (torch.scatter_add)."""
     g = _graph(index, src)
-    return _wrap(g, g.scatter_add(tuple(shape), _node(g, index), _node(g, src), axis))
+    return _wrap(g, g.scatter_add(tuple(shape), _node(g, index), _node(g, src), axis, along))
 
 
 # ---------------------------------------------------------------- random

@@ -272,6 +272,19 @@ def test_gather_and_scatter_add(rng):
     close(got[2], want, rtol=1e-5, atol=1e-5)
 
 
+def test_take_and_scatter_along_axis(rng):
+    x = rng.standard_normal((6, 9)).astype(F32)
+    idx = rng.integers(0, 9, size=(6, 4)).astype(np.int64)
+    src = rng.standard_normal((6, 4)).astype(F32)
+    got, _ = run(lambda t, i, s: (ops.take_along_axis(t, i, 1), ops.scatter_add([6, 9], i, s, 1, along=True)),
+                 x, idx, src)
+    close(got[0], np.take_along_axis(x, idx, 1))
+    want = np.zeros((6, 9))
+    for r in range(6):
+        np.add.at(want[r], idx[r], src[r])
+    close(got[1], want, rtol=1e-5, atol=1e-5)
+
+
 def test_iota_and_random(rng):
     x = rng.standard_normal((64, 1000)).astype(F32)
     seed = np.asarray(1234, np.int64)
