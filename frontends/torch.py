@@ -1,10 +1,830 @@
-"""PyTorch frontend: ``torch.compile(backend="polyjit")`` and ``jit_torch``."""
-from polyjit.errors import UnsupportedOpError
+"""PyTorch frontend: ``torch.compile(backend="polyjit")`` and ``jit_torch``.
+
+Dynamo captures the program; AOTAutograd splits it into forward and backward
+ATen graphs after the core ATen decompositions (plus the composites below,
+so that fusion sees through layer norm, softmax, gelu and dropout); each
+graph is translated into a polyjit graph through :data:`ATEN`, the one
+table from ATen ops to polyjit ops, and compiled. Nodes outside the table
+run in eager PyTorch, in partitions of their own: counted in the stats,
+warned about once, refused under ``strict=True``.
+
+On the CPU, tensors reach the compiled code through the numpy bridge, which
+shares memory: no copies.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import operator
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch._decomp import core_aten_decompositions, get_decompositions
+from torch._dynamo.backends.common import aot_autograd
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+from torch.fx.passes.operator_support import OperatorSupport
+
+from polyjit import ops
+from polyjit.api import Executable
+from polyjit.dtypes import DataType
+from polyjit.errors import InputError, UnsupportedOpError
+from polyjit.graph import Graph
+from polyjit.options import CompileOptions, parse_options
+from polyjit.sizes import Lin
+
+log = logging.getLogger("polyjit.torch")
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+_DTYPES = {torch.float32: DataType.Float, torch.float64: DataType.Double, torch.float16: DataType.Half,
+           torch.int32: DataType.Int32, torch.int64: DataType.Int, torch.bool: DataType.Bool}
+_TORCH = {v: k for k, v in _DTYPES.items()}
+
+DECOMPOSITIONS = {
+    **core_aten_decompositions(),
+    **get_decompositions([
+        aten.native_layer_norm, aten.native_layer_norm_backward, aten.gelu, aten.gelu_backward,
+        aten._softmax, aten._log_softmax, aten._softmax_backward_data, aten._log_softmax_backward_data,
+        aten.native_dropout, aten.native_dropout_backward, aten.addmm, aten.threshold_backward,
+        aten.silu, aten.silu_backward, aten.sigmoid_backward, aten.tanh_backward, aten.mse_loss,
+        aten.mse_loss_backward, aten.nll_loss_forward, aten.nll_loss_backward, aten._to_copy,
+        aten.rms_norm, aten.embedding_dense_backward,
+    ]),
+}
+for _keep in (aten.max_pool2d_with_indices.default, aten.max_pool2d_with_indices_backward.default,
+              aten.split.Tensor, aten.split_with_sizes.default):
+    DECOMPOSITIONS.pop(_keep, None)
 
 
-def polyjit_backend(gm, example_inputs, **kwargs):
-    raise UnsupportedOpError("the PyTorch frontend is not built yet")
+# --------------------------------------------------------------------------
+# The table: ATen op -> polyjit ops. Each entry takes the translation context
+# and the op's arguments (tensors already translated) and returns a Tensor,
+# or a tuple of them for multi-output ops.
+# --------------------------------------------------------------------------
+ATEN: dict[Any, Callable] = {}
 
 
-def jit_torch(fn=None, *, compile_options=None, execution_backend="polyjit"):
-    raise UnsupportedOpError("the PyTorch frontend is not built yet")
+def _reg(*targets):
+    def deco(fn):
+        for t in targets:
+            ATEN[t] = fn
+        return fn
+    return deco
+
+
+def _scalar_op(op):
+    return lambda cx, a, b, *rest, **kw: op(a, b)
+
+
+for _name, _op in [("add", ops.add), ("sub", ops.sub), ("mul", ops.mul), ("div", ops.div),
+                   ("maximum", ops.maximum), ("minimum", ops.minimum), ("eq", ops.eq), ("ne", ops.ne),
+                   ("lt", ops.lt), ("le", ops.le), ("gt", ops.gt), ("ge", ops.ge),
+                   ("logical_and", ops.logical_and), ("logical_or", ops.logical_or),
+                   ("logical_xor", ops.logical_xor), ("atan2", ops.atan2), ("remainder", ops.remainder)]:
+    _packet = getattr(aten, _name)
+    for _ov in ("Tensor", "Scalar", "default"):
+        if hasattr(_packet, _ov):
+            ATEN[getattr(_packet, _ov)] = _scalar_op(_op)
+
+for _name, _op in [("neg", ops.neg), ("abs", ops.abs), ("exp", ops.exp), ("log", ops.log),
+                   ("log1p", ops.log1p), ("expm1", ops.expm1), ("sqrt", ops.sqrt), ("rsqrt", ops.rsqrt),
+                   ("sin", ops.sin), ("cos", ops.cos), ("tan", ops.tan), ("tanh", ops.tanh),
+                   ("erf", ops.erf), ("sigmoid", ops.sigmoid), ("floor", ops.floor), ("ceil", ops.ceil),
+                   ("round", ops.round), ("sign", ops.sign), ("reciprocal", ops.reciprocal),
+                   ("relu", ops.relu), ("logical_not", ops.logical_not), ("isnan", ops.isnan),
+                   ("isinf", ops.isinf), ("bitwise_not", ops.logical_not)]:
+    ATEN[getattr(aten, _name).default] = (lambda op: lambda cx, a: op(a))(_op)
+
+
+@_reg(aten.add.Tensor, aten.add.Scalar)
+def _add(cx, a, b, alpha=1):
+    return a + (b * alpha if alpha != 1 else b)
+
+
+@_reg(aten.sub.Tensor, aten.sub.Scalar)
+def _sub(cx, a, b, alpha=1):
+    return a - (b * alpha if alpha != 1 else b)
+
+
+@_reg(aten.rsub.Scalar, aten.rsub.Tensor)
+def _rsub(cx, a, b, alpha=1):
+    return b - (a * alpha if alpha != 1 else a)
+
+
+@_reg(aten.div.Tensor_mode, aten.div.Scalar_mode)
+def _div_mode(cx, a, b, rounding_mode=None):
+    q = a / b
+    if rounding_mode == "floor":
+        q = ops.floor(q)
+    elif rounding_mode == "trunc":
+        q = ops.where(q < 0, ops.ceil(q), ops.floor(q))
+    int_in = isinstance(a, ops.Tensor) and not a.dtype.is_float
+    return ops.cast(q, a.dtype) if int_in and rounding_mode else q
+
+
+@_reg(aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor, aten.pow.Scalar)
+def _pow(cx, a, b):
+    if isinstance(b, (int, float)) and b == 2:
+        return a * a
+    if isinstance(b, (int, float)) and b == 0.5:
+        return ops.sqrt(a)
+    return ops.pow(a, b)
+
+
+@_reg(aten.clamp.default, aten.clamp.Tensor)
+def _clamp(cx, x, min=None, max=None):
+    if min is not None:
+        x = ops.maximum(x, min)
+    if max is not None:
+        x = ops.minimum(x, max)
+    return x
+
+
+ATEN[aten.clamp_min.default] = lambda cx, x, v: ops.maximum(x, v)
+ATEN[aten.clamp_max.default] = lambda cx, x, v: ops.minimum(x, v)
+ATEN[aten.where.self] = lambda cx, c, a, b: ops.where(c, a, b)
+ATEN[aten.where.ScalarSelf] = ATEN[aten.where.ScalarOther] = ATEN[aten.where.Scalar] = ATEN[aten.where.self]
+ATEN[aten.leaky_relu.default] = lambda cx, x, slope=0.01: ops.leaky_relu(x, slope)
+ATEN[aten.hardtanh.default] = lambda cx, x, lo=-1.0, hi=1.0: ops.minimum(ops.maximum(x, lo), hi)
+
+
+@_reg(prims.convert_element_type.default)
+def _convert(cx, x, dtype):
+    return ops.cast(x, cx.dtype(dtype))
+
+
+@_reg(aten._to_copy.default, aten.clone.default, aten.alias.default, aten.detach.default,
+      aten.lift_fresh_copy.default, aten.contiguous.default)
+def _copy(cx, x, dtype=None, **kw):
+    if kw.get("device") is not None and torch.device(kw["device"]).type != "cpu":
+        raise UnsupportedOpError("a device transfer inside a compiled graph")
+    return ops.cast(x, cx.dtype(dtype)) if dtype is not None else x
+
+
+# layout
+@_reg(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+def _view(cx, x, shape):
+    return ops.reshape(x, cx.sizes(shape))
+
+
+@_reg(aten.expand.default)
+def _expand(cx, x, shape, implicit=False):
+    shape = list(cx.sizes(shape))
+    off = len(shape) - x.ndim
+    for d in range(len(shape)):
+        if shape[d] == -1:
+            shape[d] = x.shape[d - off]
+    return ops.broadcast_to(x, shape)
+
+
+ATEN[aten.permute.default] = lambda cx, x, dims: ops.permute(x, dims)
+ATEN[aten.t.default] = lambda cx, x: ops.permute(x, [1, 0]) if x.ndim == 2 else x
+ATEN[aten.transpose.int] = lambda cx, x, a, b: ops.transpose(x, a, b)
+ATEN[aten.unsqueeze.default] = lambda cx, x, d: ops.unsqueeze(x, d)
+
+
+@_reg(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
+def _squeeze(cx, x, dims=None):
+    if dims is None:
+        dims = [d for d, s in enumerate(x.shape) if s == 1]
+    dims = [dims] if isinstance(dims, int) else dims
+    return ops.squeeze(x, [d for d in dims if x.shape[d] == 1])
+
+
+@_reg(aten.slice.Tensor)
+def _slice(cx, x, dim=0, start=None, end=None, step=1):
+    dim %= x.ndim
+    n = x.shape[dim]
+    start, end = cx.size(start) if start is not None else 0, cx.size(end) if end is not None else n
+    if isinstance(start, int) and start < 0:
+        start = n + start
+    if isinstance(end, int) and not isinstance(n, Lin):
+        end = n + end if end < 0 else min(end, n)
+    elif isinstance(end, int) and end < 0:
+        end = n + end
+    elif isinstance(end, int) and end >= 2 ** 62:
+        end = n
+    starts = [0] * x.ndim
+    ends = list(x.shape)
+    steps = [1] * x.ndim
+    starts[dim], ends[dim], steps[dim] = start, end, step
+    return ops.slice(x, starts, ends, steps)
+
+
+@_reg(aten.select.int)
+def _select(cx, x, dim, index):
+    key = [slice(None)] * x.ndim
+    key[dim] = index
+    return x[tuple(key)]
+
+
+@_reg(aten.split.Tensor, aten.split_with_sizes.default)
+def _split(cx, x, sizes, dim=0):
+    dim %= x.ndim
+    n = x.shape[dim]
+    if isinstance(sizes, int):
+        sizes = [min(sizes, n - k) for k in range(0, n, sizes)]
+    out, start = [], 0
+    for s in sizes:
+        out.append(_slice(cx, x, dim, start, start + s))
+        start += s
+    return tuple(out)
+
+
+ATEN[aten.cat.default] = lambda cx, xs, dim=0: ops.cat([x for x in xs], dim)
+ATEN[aten.flip.default] = lambda cx, x, dims: ops.reverse(x, dims)
+
+
+@_reg(aten.constant_pad_nd.default)
+def _pad(cx, x, pad, value=0):
+    if any(p < 0 for p in pad):
+        raise UnsupportedOpError("constant_pad_nd with negative padding")
+    return ops.pad(x, pad, value)
+
+
+# reductions
+def _dims(x, dims):
+    if dims is None or dims == []:
+        return None
+    return [dims] if isinstance(dims, int) else list(dims)
+
+
+@_reg(aten.sum.dim_IntList, aten.sum.default)
+def _sum(cx, x, dims=None, keepdim=False, dtype=None):
+    if dtype is not None:
+        x = ops.cast(x, cx.dtype(dtype))
+    return ops.sum(x, _dims(x, dims), keepdim)
+
+
+@_reg(aten.mean.dim, aten.mean.default)
+def _mean(cx, x, dims=None, keepdim=False, dtype=None):
+    if dtype is not None:
+        x = ops.cast(x, cx.dtype(dtype))
+    return ops.mean(x, _dims(x, dims), keepdim)
+
+
+ATEN[aten.amax.default] = lambda cx, x, dims=(), keepdim=False: ops.max(x, _dims(x, dims), keepdim)
+ATEN[aten.amin.default] = lambda cx, x, dims=(), keepdim=False: ops.min(x, _dims(x, dims), keepdim)
+ATEN[aten.prod.dim_int] = lambda cx, x, dim, keepdim=False, dtype=None: ops.prod(x, [dim], keepdim)
+ATEN[aten.argmax.default] = lambda cx, x, dim=None, keepdim=False: ops.argmax(
+    x if dim is not None else ops.reshape(x, [-1]), dim if dim is not None else 0, keepdim)
+ATEN[aten.argmin.default] = lambda cx, x, dim=None, keepdim=False: ops.argmin(
+    x if dim is not None else ops.reshape(x, [-1]), dim if dim is not None else 0, keepdim)
+ATEN[aten.max.dim] = lambda cx, x, dim, keepdim=False: (ops.max(x, [dim], keepdim), ops.argmax(x, dim, keepdim))
+ATEN[aten.min.dim] = lambda cx, x, dim, keepdim=False: (ops.min(x, [dim], keepdim), ops.argmin(x, dim, keepdim))
+ATEN[aten.max.default] = lambda cx, x: ops.max(x)
+ATEN[aten.min.default] = lambda cx, x: ops.min(x)
+ATEN[aten.any.dim] = ATEN[aten.any.dims] = lambda cx, x, dim=None, keepdim=False: ops.max(
+    ops.cast(x, DataType.Bool), _dims(x, dim), keepdim)
+ATEN[aten.all.dim] = lambda cx, x, dim=None, keepdim=False: ops.min(ops.cast(x, DataType.Bool), _dims(x, dim), keepdim)
+ATEN[aten.cumsum.default] = lambda cx, x, dim, dtype=None: ops.cumsum(
+    ops.cast(x, cx.dtype(dtype)) if dtype is not None else x, dim)
+
+
+@_reg(aten.var_mean.correction, aten.var.correction)
+def _var_mean(cx, x, dims=None, correction=None, keepdim=False):
+    dims = _dims(x, dims)
+    corr = 1 if correction is None else correction
+    v, m = ops.var_mean(x, dims, corr, keepdim)
+    return (v, m) if cx.target is aten.var_mean.correction else v
+
+
+# contractions
+ATEN[aten.mm.default] = lambda cx, a, b: ops.matmul(a, b)
+ATEN[aten.bmm.default] = lambda cx, a, b: ops.matmul(a, b)
+ATEN[aten.dot.default] = lambda cx, a, b: ops.sum(a * b)
+
+
+@_reg(aten.convolution.default)
+def _convolution(cx, x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
+    if transposed:
+        raise UnsupportedOpError("transposed convolution")
+    nsp = x.ndim - 2
+    letters = "DHW"[-nsp:] if nsp <= 3 else None
+    if letters is None:
+        raise UnsupportedOpError(f"{nsp}-d convolution")
+    y = ops.conv(x, w, list(stride), [(p, p) for p in padding], list(dilation), groups,
+                 "NC" + letters, "OI" + letters)
+    if bias is not None:
+        y = y + ops.reshape(bias, [1, -1] + [1] * nsp)
+    return y
+
+
+@_reg(aten.convolution_backward.default)
+def _convolution_backward(cx, grad, x, w, bias_sizes, stride, padding, dilation, transposed,
+                          output_padding, groups, output_mask):
+    """Gradients of a convolution, as convolutions (dilated, flipped, transposed)."""
+    if transposed or groups != 1:
+        raise UnsupportedOpError("convolution_backward of grouped or transposed convolutions")
+    nsp = x.ndim - 2
+    letters = "DHW"[-nsp:]
+    ks = list(w.shape[2:])
+    gx = gw = gb = None
+    if output_mask[0]:
+        g = grad
+        for k, s in enumerate(stride):  # put stride-1 zeros between gradient rows
+            if s > 1:
+                d = 2 + k
+                shape = list(g.shape)
+                g = ops.unsqueeze(g, d + 1)
+                g = ops.pad(g, [0, 0] * (g.ndim - d - 2) + [0, s - 1])
+                shape[d] = shape[d] * s
+                g = ops.reshape(g, shape)
+                g = _slice(cx, g, d, 0, shape[d] - (s - 1))
+        pads = []
+        for k in range(nsp):
+            lo = dilation[k] * (ks[k] - 1) - padding[k]
+            want = x.shape[2 + k]
+            have = g.shape[2 + k] + 2 * lo - dilation[k] * (ks[k] - 1)
+            pads.append((lo, lo + (want - have)))
+        if any(p < 0 for pr in pads for p in pr):
+            raise UnsupportedOpError("convolution_backward with padding larger than the kernel")
+        wf = ops.reverse(w, list(range(2, 2 + nsp)))
+        gx = ops.conv(g, wf, [1] * nsp, pads, list(dilation), 1, "NC" + letters, "IO" + letters)
+    if output_mask[1]:
+        # dW[o, i, k] = sum_{n, p} x[n, i, p*s + k*d - pad] * g[n, o, p]
+        gw = ops.conv(x, grad, list(dilation), [(p, p) for p in padding], list(stride), 1,
+                      "CN" + letters, "IO" + letters)
+        gw = ops.slice(gw, [0] * (2 + nsp), list(gw.shape[:2]) + ks)
+    if output_mask[2]:
+        gb = ops.sum(grad, [0] + list(range(2, 2 + nsp)))
+    return gx, gw, gb
+
+
+# pooling
+def _window_args(kernel, stride, padding, dilation, ceil_mode):
+    if ceil_mode:
+        raise UnsupportedOpError("max_pool2d with ceil_mode=True")
+    pair = lambda v: list(v) * 2 if len(v) == 1 else list(v)  # noqa: E731
+    k = pair(kernel)
+    s = pair(stride) if stride else k
+    p = pair(padding) if padding else [0, 0]
+    d = pair(dilation) if dilation else [1, 1]
+    return k, s, p, d
+
+
+@_reg(aten.max_pool2d_with_indices.default)
+def _max_pool(cx, x, kernel, stride=(), padding=(0,), dilation=(1,), ceil_mode=False):
+    """Max over each window and the flat input position of its first maximum
+    (NaN counts as the maximum), as torch returns them: the window unrolled
+    into strided slices, so values and indices fuse into one pass."""
+    k, s, p, d = _window_args(kernel, stride, padding, dilation, ceil_mode)
+    h, w = x.shape[-2], x.shape[-1]
+    oh = (h + 2 * p[0] - d[0] * (k[0] - 1) - 1) // s[0] + 1
+    ow = (w + 2 * p[1] - d[1] * (k[1] - 1) - 1) // s[1] + 1
+    xp = ops.pad(x, [p[1], p[1], p[0], p[0]], -math.inf) if any(p) else x
+    lead = [0] * (x.ndim - 2)
+    out_shape = list(x.shape[:-2]) + [oh, ow]
+    row = ops.iota(out_shape, x.ndim - 2, like=x)
+    col = ops.iota(out_shape, x.ndim - 1, like=x)
+    best = pos = None
+    for i in range(k[0]):
+        for j in range(k[1]):
+            start = lead + [i * d[0], j * d[1]]
+            end = list(x.shape[:-2]) + [i * d[0] + s[0] * (oh - 1) + 1, j * d[1] + s[1] * (ow - 1) + 1]
+            v = ops.slice(xp, start, end, [1] * (x.ndim - 2) + s)
+            here = (row * s[0] + (i * d[0] - p[0])) * w + col * s[1] + (j * d[1] - p[1])
+            if best is None:
+                best, pos = v, here
+                continue
+            take = ops.logical_or(v > best, ops.logical_and(ops.isnan(v), ops.logical_not(ops.isnan(best))))
+            best = ops.where(take, v, best)
+            pos = ops.where(take, here, pos)
+    return best, pos
+
+
+@_reg(aten.max_pool2d_with_indices_backward.default)
+def _max_pool_backward(cx, grad, x, kernel, stride, padding, dilation, ceil_mode, indices):
+    n = 1
+    for s in x.shape[:-2]:
+        n = n * s
+    hw = x.shape[-2] * x.shape[-1]
+    g = ops.reshape(grad, [n, -1])
+    i = ops.reshape(indices, [n, -1])
+    out = ops.scatter_add([n, hw], i, g, 1, along=True)
+    return ops.reshape(out, list(x.shape))
+
+
+# indexing
+ATEN[aten.gather.default] = lambda cx, x, dim, index, sparse_grad=False: ops.take_along_axis(x, index, dim)
+ATEN[aten.index_select.default] = lambda cx, x, dim, index: ops.index_select(x, dim, index)
+ATEN[aten.embedding.default] = lambda cx, w, index, *rest: ops.index_select(w, 0, index)
+
+
+@_reg(aten.scatter_add.default)
+def _scatter_add(cx, x, dim, index, src):
+    return x + ops.scatter_add(list(x.shape), index, src, dim, along=True)
+
+
+@_reg(aten.scatter.value)
+def _scatter_value(cx, x, dim, index, value):
+    hits = ops.scatter_add(list(x.shape), index, ops.full_like(index, 1, DataType.Int32), dim, along=True)
+    return ops.where(hits > 0, value, x)
+
+
+@_reg(aten.index_add.default)
+def _index_add(cx, x, dim, index, src, alpha=1):
+    return x + ops.scatter_add(list(x.shape), index, src * alpha if alpha != 1 else src, dim)
+
+
+# creation
+def _full(cx, shape, value, dtype=None):
+    dt = cx.dtype(dtype) if dtype is not None else (
+        DataType.Float if isinstance(value, float) else DataType.Bool if isinstance(value, bool) else DataType.Int)
+    c = cx.graph.constant(value, dt)
+    return ops.Tensor(cx.graph, cx.graph.broadcast_in_dim(c, tuple(cx.sizes(shape)), []))
+
+
+ATEN[aten.full.default] = lambda cx, shape, value, dtype=None, **kw: _full(cx, shape, value, dtype)
+ATEN[aten.scalar_tensor.default] = lambda cx, value, dtype=None, **kw: _full(cx, [], value, dtype or torch.float32)
+ATEN[aten.zeros.default] = lambda cx, shape, dtype=None, **kw: _full(cx, shape, 0, dtype or torch.float32)
+ATEN[aten.ones.default] = lambda cx, shape, dtype=None, **kw: _full(cx, shape, 1, dtype or torch.float32)
+ATEN[aten.full_like.default] = lambda cx, x, value, dtype=None, **kw: _full(cx, x.shape, value, dtype or _TORCH[x.dtype])
+ATEN[aten.zeros_like.default] = lambda cx, x, dtype=None, **kw: _full(cx, x.shape, 0, dtype or _TORCH[x.dtype])
+ATEN[aten.ones_like.default] = lambda cx, x, dtype=None, **kw: _full(cx, x.shape, 1, dtype or _TORCH[x.dtype])
+ATEN[aten.empty_like.default] = ATEN[aten.zeros_like.default]
+
+
+@_reg(aten.arange.start_step, aten.arange.default, aten.arange.start)
+def _arange(cx, *args, dtype=None, **kw):
+    start, end, step = (0, args[0], 1) if len(args) == 1 else (args + (1,))[:3]
+    n = max(0, math.ceil((end - start) / step))
+    dt = cx.dtype(dtype) if dtype is not None else (
+        DataType.Float if any(isinstance(v, float) for v in (start, end, step)) else DataType.Int)
+    anchor = cx.anchor()
+    i = ops.iota([n], 0, dt, like=anchor)
+    return i * step + start if (step, start) != (1, 0) else i
+
+
+@_reg(aten.rand_like.default, aten.rand.default)
+def _rand(cx, x_or_shape, dtype=None, **kw):
+    shape = x_or_shape.shape if isinstance(x_or_shape, ops.Tensor) else cx.sizes(x_or_shape)
+    u = ops.rand_uniform(shape, cx.seed(), cx.next_offset(shape))
+    want = cx.dtype(dtype) if dtype is not None else (
+        x_or_shape.dtype if isinstance(x_or_shape, ops.Tensor) else DataType.Float)
+    return ops.cast(u, want) if want != DataType.Float else u
+
+
+@_reg(aten.bernoulli.p)
+def _bernoulli(cx, x, p=0.5, **kw):
+    u = ops.rand_uniform(x.shape, cx.seed(), cx.next_offset(x.shape))
+    return ops.cast(u < p, x.dtype)
+
+
+ATEN[operator.getitem] = lambda cx, seq, i: seq[i]
+
+
+# --------------------------------------------------------------------------
+# FX graph -> polyjit graph
+# --------------------------------------------------------------------------
+class _Context:
+    """State of one graph translation: the polyjit graph, symbolic sizes, RNG."""
+
+    def __init__(self) -> None:
+        self.graph = Graph()
+        self.symbols: dict[str, Lin] = {}
+        self._seed: ops.Tensor | None = None
+        self.seed_index: int | None = None
+        self._offset = 0
+        self._anchor: ops.Tensor | None = None
+        self.target = None
+
+    def dtype(self, dt) -> DataType:
+        if isinstance(dt, DataType):
+            return dt
+        if dt not in _DTYPES:
+            raise UnsupportedOpError(f"dtype {dt}")
+        return _DTYPES[dt]
+
+    def size(self, s):
+        if isinstance(s, torch.SymInt):
+            return _sym_to_lin(s.node.expr, self)
+        return s
+
+    def sizes(self, shape):
+        return [self.size(s) for s in shape]
+
+    def seed(self) -> ops.Tensor:
+        if self._seed is None:
+            self.seed_index = len(self.graph.inputs)
+            n = self.graph.input((), DataType.Int, "seed")
+            n.attrs["declared_strided"] = False
+            self._seed = ops.Tensor(self.graph, n)
+        return self._seed
+
+    def next_offset(self, shape) -> int:
+        off = self._offset
+        numel = 1
+        for s in shape:
+            numel = numel * s if isinstance(s, int) else numel * (1 << 20)
+        self._offset += max(int(numel), 1)
+        return off
+
+    def anchor(self) -> ops.Tensor:
+        if self._anchor is None:
+            if self.graph.inputs:
+                self._anchor = ops.Tensor(self.graph, self.graph.inputs[0])
+            else:
+                self._anchor = ops.Tensor(self.graph, self.graph.constant(0))
+        return self._anchor
+
+
+def _sym_to_lin(expr, cx: _Context):
+    import sympy
+    expr = sympy.expand(expr)
+    if expr.is_Integer:
+        return int(expr)
+    const = 0
+    out: Any = 0
+    for term, coeff in expr.as_coefficients_dict().items():
+        if term == 1:
+            const += int(coeff)
+        elif term.is_Symbol:
+            name = str(term)
+            cx.symbols.setdefault(name, Lin.param(name))
+            out = out + cx.symbols[name] * int(coeff)
+        else:
+            raise UnsupportedOpError(f"the size expression {expr} is not affine")
+    return out + const
+
+
+def _node_val(node):
+    v = node.meta.get("val", node.meta.get("example_value"))
+    return v
+
+
+def _placeholder_shape(val, cx: _Context):
+    return [cx.size(s) for s in val.shape]
+
+
+@dataclass
+class _Translation:
+    graph: Graph
+    tensor_inputs: list[int]  # positions of FX placeholders that are tensors
+    seed_index: int | None
+    outputs: list  # ('tensor', k) | ('input', argument position) | ('const', value)
+
+
+def translate(gm: torch.fx.GraphModule) -> _Translation:
+    cx = _Context()
+    env: dict[torch.fx.Node, Any] = {}
+    tensor_inputs = []
+    input_pos: dict[int, int] = {}
+    pos = 0
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            val = _node_val(node)
+            if isinstance(val, torch.Tensor):
+                if val.dtype not in _DTYPES:
+                    raise UnsupportedOpError(f"input {node.name} of dtype {val.dtype}")
+                n = cx.graph.input(tuple(_placeholder_shape(val, cx)), _DTYPES[val.dtype], node.name)
+                n.attrs["declared_strided"] = False
+                env[node] = ops.Tensor(cx.graph, n)
+                tensor_inputs.append(pos)
+                input_pos[n.id] = pos
+            else:
+                env[node] = cx.size(val) if isinstance(val, torch.SymInt) else val
+            pos += 1
+        elif node.op == "get_attr":
+            value = getattr(gm, node.target)
+            if isinstance(value, torch.Tensor):
+                env[node] = ops.Tensor(cx.graph, cx.graph.tensor_constant(value.detach().cpu().numpy()))
+            else:
+                env[node] = value
+        elif node.op == "call_function":
+            fn = ATEN.get(node.target)
+            if fn is None:
+                raise UnsupportedOpError(f"{node.target}")
+            args = torch.fx.node.map_arg(node.args, lambda a: env[a])
+            kwargs = torch.fx.node.map_arg(node.kwargs, lambda a: env[a])
+            kwargs = {k: v for k, v in kwargs.items() if k not in ("layout", "device", "pin_memory", "memory_format")}
+            cx.target = node.target
+            env[node] = fn(cx, *args, **kwargs)
+        elif node.op == "output":
+            outs = []
+            flat = node.args[0] if isinstance(node.args[0], (tuple, list)) else (node.args[0],)
+            for o in flat:
+                v = env[o] if isinstance(o, torch.fx.Node) else o
+                if isinstance(v, ops.Tensor) and v.node.op == "input" and v.node.attrs["name"] != "seed":
+                    outs.append(("input", input_pos[v.node.id]))
+                elif isinstance(v, ops.Tensor):
+                    cx.graph.add_output(v.node)
+                    outs.append(("tensor", len(cx.graph.outputs) - 1))
+                else:
+                    outs.append(("const", v))
+            return _Translation(cx.graph, tensor_inputs, cx.seed_index, outs)
+        else:
+            raise UnsupportedOpError(f"FX node kind {node.op}")
+    raise UnsupportedOpError("graph without output")
+
+
+class CompiledGraph:
+    """A translated ATen graph with its Executable; called with torch tensors."""
+
+    def __init__(self, gm: torch.fx.GraphModule, options: CompileOptions, name: str, stats: "Stats") -> None:
+        self.t = translate(gm)
+        self.exe = Executable(self.t.graph, options, name, scalar_inputs=[self.t.seed_index] if self.t.seed_index is not None else [])
+        self.stats = stats
+        self.name = name
+        self.options = options
+
+    def __call__(self, *args):
+        arrays = []
+        for k in self.t.tensor_inputs:
+            a = args[k]
+            if a.device.type != "cpu":
+                raise InputError(f"{self.name}: argument {k} is on {a.device}, but target "
+                                 f"{self.options.target!r} runs on the CPU")
+            arrays.append(a.detach().numpy())
+        if self.t.seed_index is not None:
+            seed = int(torch.randint(0, 2 ** 62, (), dtype=torch.int64).item())
+            arrays.insert(self.t.seed_index, np.asarray(seed, np.int64))
+        outs = self.exe(*arrays)
+        self.stats.record(self.name, self.exe.stats)
+        result = []
+        for kind, v in self.t.outputs:
+            result.append(torch.from_numpy(outs[v]) if kind == "tensor" else args[v] if kind == "input" else v)
+        return tuple(result)
+
+
+@dataclass
+class Stats:
+    """What polyjit did for one decorated function: summed over its graphs."""
+
+    graphs: dict = field(default_factory=dict)
+    fallbacks: int = 0
+    fallback_ops: set = field(default_factory=set)
+
+    def record(self, name: str, stats: dict) -> None:
+        self.graphs[name] = dict(stats)
+
+    def as_dict(self) -> dict:
+        out = {"graphs": len(self.graphs), "fallbacks": self.fallbacks,
+               "fallback_ops": sorted(self.fallback_ops)}
+        for key in ("kernels", "statements", "fused", "inlined", "contracted_buffers", "intermediate_bytes"):
+            out[key] = sum(s.get(key, 0) for s in self.graphs.values())
+        return out
+
+
+_warned: set = set()
+
+
+class _Supported(OperatorSupport):
+    def is_node_supported(self, submodules, node) -> bool:
+        if node.op != "call_function" or node.target not in ATEN:
+            return False
+        val = _node_val(node)
+        vals = val if isinstance(val, (tuple, list)) else [val]
+        return all(not isinstance(v, torch.Tensor) or (v.dtype in _DTYPES and v.device.type == "cpu")
+                   for v in vals)
+
+
+def _where(node) -> str:
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File")]
+    return lines[-1] if lines else "unknown location"
+
+
+def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: CompileOptions, stats: Stats, name: str):
+    """Compile an ATen graph: whole if every node is supported, else by partitions."""
+    support = _Supported()
+    unsupported = [n for n in gm.graph.nodes if n.op == "call_function" and not support.is_node_supported({}, n)]
+    if not unsupported:
+        try:
+            return CompiledGraph(gm, options, name, stats)
+        except UnsupportedOpError as e:
+            if options.strict:
+                raise
+            unsupported = []
+            reason = str(e)
+            log.debug("whole-graph translation failed (%s); partitioning", reason)
+    for n in unsupported:
+        what = str(n.target)
+        if options.strict:
+            raise UnsupportedOpError(f"{what} is not supported by polyjit (at {_where(n)})")
+        stats.fallbacks += 1
+        stats.fallback_ops.add(what)
+        if what not in _warned:
+            _warned.add(what)
+            warnings.warn(f"polyjit: {what} runs in eager PyTorch (at {_where(n)})", stacklevel=2)
+    parts = CapabilityBasedPartitioner(gm, support, allows_single_node_partition=True).propose_partitions()
+    fused = CapabilityBasedPartitioner(gm, support).fuse_partitions(parts) if parts else gm
+    for sub_name, sub in list(fused.named_children()):
+        if isinstance(sub, torch.fx.GraphModule):
+            try:
+                setattr(fused, sub_name, _as_module(CompiledGraph(sub, options, f"{name}_{sub_name}", stats)))
+            except UnsupportedOpError as e:
+                if options.strict:
+                    raise
+                stats.fallbacks += 1
+                stats.fallback_ops.add(str(e))
+    fused.recompile()
+    return fused
+
+
+def _as_module(compiled: CompiledGraph) -> torch.nn.Module:
+    class Wrapped(torch.nn.Module):
+        def forward(self, *args):
+            out = compiled(*args)
+            return out if len(out) != 1 else out[0]
+    return Wrapped()
+
+
+def _boxed(fn):
+    from functorch.compile import make_boxed_func
+    return make_boxed_func(fn)
+
+
+class PolyjitBackend:
+    """A torch.compile backend; keeps the stats of everything it compiled."""
+
+    def __init__(self, options: CompileOptions | None = None) -> None:
+        self.options = options or CompileOptions()
+        self.stats = Stats()
+        self._count = 0
+
+    def _compiler(self, kind: str):
+        def compile_graph(gm, example_inputs):
+            self._count += 1
+            compiled = compile_fx(gm, example_inputs, self.options, self.stats, f"{kind}{self._count}")
+            if isinstance(compiled, CompiledGraph):
+                return _boxed(compiled)
+            return _boxed(compiled.forward)
+        return compile_graph
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        backend = aot_autograd(fw_compiler=self._compiler("forward"), bw_compiler=self._compiler("backward"),
+                               inference_compiler=self._compiler("inference"), decompositions=DECOMPOSITIONS)
+        return backend(gm, example_inputs)
+
+
+_last_backend: PolyjitBackend | None = None
+
+
+def polyjit_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None):
+    """The ``torch.compile(backend="polyjit", options=...)`` entry point."""
+    global _last_backend
+    _last_backend = PolyjitBackend(parse_options(options, extra=_FRONTEND_KEYS))
+    return _last_backend(gm, example_inputs)
+
+
+def stats() -> dict:
+    """Stats of the most recent ``backend="polyjit"`` compilation."""
+    return _last_backend.stats.as_dict() if _last_backend else {}
+
+
+_FRONTEND_KEYS = {"dynamic": "True, False or None"}
+EXECUTION_BACKENDS = ("polyjit", "std", "inductor")
+
+
+def jit_torch(fn=None, *, compile_options: dict | None = None, execution_backend: str = "polyjit",
+              dynamic: bool | None = None):
+    """Compile a function or nn.Module with polyjit (as torch.compile would).
+
+    ``execution_backend="std"`` runs it eagerly and ``"inductor"`` through
+    TorchInductor, so backends compare by changing one word. The result has
+    ``.stats`` (what polyjit did; empty for the other backends).
+    """
+    if execution_backend not in EXECUTION_BACKENDS:
+        from polyjit.errors import CompileOptionError
+        raise CompileOptionError(f"execution_backend is {execution_backend!r}; allowed values: {list(EXECUTION_BACKENDS)}")
+    opts = dict(compile_options or {})
+    dynamic = opts.pop("dynamic", dynamic)
+    options = parse_options(opts)
+
+    def wrap(f):
+        if execution_backend == "std":
+            compiled = f
+            backend = None
+        elif execution_backend == "inductor":
+            compiled = torch.compile(f, backend="inductor", dynamic=dynamic)
+            backend = None
+        else:
+            backend = PolyjitBackend(options)
+            compiled = torch.compile(f, backend=backend, dynamic=dynamic)
+        if isinstance(f, torch.nn.Module):
+            compiled.polyjit_stats = backend.stats if backend else Stats()
+            return compiled
+
+        return _StatsFunction(compiled, backend)
+    return wrap(fn) if fn is not None else wrap
+
+
+class _StatsFunction:
+    """A compiled callable with ``.stats``."""
+
+    def __init__(self, call, backend) -> None:
+        self._call = call
+        self._backend = backend
+        functools.update_wrapper(self, getattr(call, "_torchdynamo_orig_callable", call))
+
+    def __call__(self, *args, **kwargs):
+        return self._call(*args, **kwargs)
+
+    @property
+    def stats(self) -> dict:
+        return self._backend.stats.as_dict() if self._backend else {}

@@ -190,19 +190,19 @@ class Lowering:
             if n.id not in self.array_of:
                 self.declare(n)
         outputs: list[str] = []
-        renamed: dict[str, str] = {}
+        first: dict[int, str] = {}  # a node returned twice is one array
         for k, o in enumerate(self.g.outputs):
-            src = self.array_of[o.id]
-            if src in renamed:
-                outputs.append(renamed[src])
+            if o.id in first:
+                outputs.append(first[o.id])
                 continue
+            src = self.array_of[o.id]
             out = f"out{k}"
             arr = self.arrays[src]
             self.arrays[out] = Array(out, arr.shape, arr.dtype, "output", index=k)
+            first[o.id] = out
             if arr.kind == "temp":
                 del self.arrays[src]
                 self.array_of[o.id] = out
-                renamed[src] = out
             else:  # an input or constant returned as is: copy it
                 shape = self.shape(o)
                 iters = tuple(f"i{d}" for d in range(len(shape)))

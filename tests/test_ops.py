@@ -336,3 +336,10 @@ def test_scalar_output_and_input(rng):
     got, _ = run(lambda t: ops.sum(t), x)
     assert got.shape == ()
     close(got, x.astype(np.float64).sum(), atol=1e-5)
+
+
+def test_same_value_returned_twice(rng):
+    x = rng.standard_normal((3, 7)).astype(F32)
+    got, _ = run(lambda t: (lambda e: (e, t, e + 1, e))(ops.exp(t)), x)
+    close(got[0], np.exp(x.astype(np.float64))); close(got[1], x); close(got[2], np.exp(x.astype(np.float64)) + 1)
+    close(got[3], np.exp(x.astype(np.float64)))
