@@ -88,7 +88,20 @@ def size_expr(s: Size) -> Expr:
     return e
 
 
+def _divmod_parts(a: Expr, b: Expr):
+    """(x, k) when a = (x // k) * k and b = x % k."""
+    if isinstance(a, Op) and a.op == "mul" and isinstance(a.args[1], Const) and isinstance(b, Op) \
+            and b.op == "mod" and isinstance(b.args[1], Const) and a.args[1].value == b.args[1].value:
+        q = a.args[0]
+        if isinstance(q, Op) and q.op == "floordiv" and q.args[1] == b.args[1] and q.args[0] == b.args[0]:
+            return b.args[0]
+    return None
+
+
 def iadd(a: Expr, b: Expr) -> Expr:
+    x = _divmod_parts(a, b)
+    if x is not None:  # (x // k) * k + x % k == x: reshapes that undo each other
+        return x
     if isinstance(a, Const) and isinstance(b, Const):
         return const(a.value + b.value)
     if isinstance(b, Const) and b.value == 0:

@@ -446,6 +446,78 @@ def statements_in(node: isl.AstNode) -> set[str]:
     return names
 
 
+MAX_GROUP = 6  # statements the isl scheduler fuses at once; its cost grows steeply
+
+
+def fusion_groups(prog: AffineProgram) -> list[list[str]]:
+    """Runs of statements, in program order, that isl may fuse together.
+
+    Program order is a topological order of the dataflow, so consecutive runs
+    can always run one after another. A contraction (its initialization and
+    update) is a group of its own; other runs are cut at MAX_GROUP statements.
+    """
+    groups: list[list[str]] = []
+    current: list[str] = []
+    for s in prog.statements:
+        update = s.combine is not None and s.label in ("dot_general", "conv")
+        if update or s.label in ("dot_general_init", "conv_init"):
+            if current and not (update and current[-1] in _inits(prog)):
+                groups.append(current)
+                current = []
+            current.append(s.name)
+            if update:
+                groups.append(current)
+                current = []
+            continue
+        if len(current) >= MAX_GROUP:
+            groups.append(current)
+            current = []
+        current.append(s.name)
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _inits(prog: AffineProgram) -> set[str]:
+    return {s.name for s in prog.statements if s.label in ("dot_general_init", "conv_init")}
+
+
+SCHEDULE_BUDGET = 3_000_000  # isl operations one group may take before it is split
+
+
+def _schedule_group(ctx, prog, dom, validity, raw, names, fusion) -> isl.Schedule:
+    """isl's schedule for a group; a group whose problem exceeds the budget is
+    split in two and each half scheduled alone, one after the other."""
+    if len(names) > 1:
+        ctx.set_max_operations(SCHEDULE_BUDGET)
+        ctx.reset_operations()
+    try:
+        return _schedule_one_group(ctx, prog, dom, validity, raw, names, fusion)
+    except isl.Error:
+        if len(names) == 1:
+            raise
+        log.debug("schedule of %d statements over budget; splitting", len(names))
+    finally:
+        ctx.set_max_operations(0)
+    half = len(names) // 2
+    first = _schedule_group(ctx, prog, dom, validity, raw, names[:half], fusion)
+    return first.sequence(_schedule_group(ctx, prog, dom, validity, raw, names[half:], fusion))
+
+
+def _schedule_one_group(ctx, prog, dom, validity, raw, names, fusion) -> isl.Schedule:
+    sub = [s for s in prog.statements if s.name in names]
+    text = prog.prefix() + "{ " + "; ".join(f"{s.name}[{', '.join(s.iters)}]" for s in sub) + " }"
+    gdom = dom.intersect(isl.UnionSet.read_from_str(ctx, text))
+    gval = validity.intersect_domain(gdom).intersect_range(gdom).coalesce()
+    graw = raw.intersect_domain(gdom).intersect_range(gdom).coalesce()
+    sc = isl.ScheduleConstraints.on_domain(gdom).set_validity(gval).set_coincidence(gval)
+    if fusion != "none":
+        sc = sc.set_proximity(graw)
+    sched = sc.compute_schedule()
+    sched = innermost_contiguous(sched, prog, ctx, gval)
+    return distribute_inits(sched, prog, gval)
+
+
 def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None) -> Scheduled:
     ctx = make_context()
     if fusion == "none":
@@ -453,12 +525,12 @@ def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None) 
         ctx.set_schedule_serialize_sccs(1)
     dom = prog.domain(ctx)
     validity, raw = dependences(ctx, prog, dom)
-    sc = isl.ScheduleConstraints.on_domain(dom).set_validity(validity).set_coincidence(validity)
-    if fusion != "none":
-        sc = sc.set_proximity(raw)
-    sched = sc.compute_schedule()
-    sched = innermost_contiguous(sched, prog, ctx, validity)
-    sched = distribute_inits(sched, prog, validity)
+    sched = None
+    for group in fusion_groups(prog):
+        part = _schedule_group(ctx, prog, dom, validity, raw, group, fusion)
+        sched = part if sched is None else sched.sequence(part)
+    if sched is None:
+        sched = isl.Schedule.from_domain(dom)
     sched = tile(sched, prog, validity, tile_sizes)
     sched = balance_parallel(sched, prog, validity)
     sched = sink_inner(sched, validity)

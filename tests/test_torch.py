@@ -1,0 +1,259 @@
+"""The PyTorch frontend on the seed programs: forward and backward against
+eager on fresh random data, with zero fallbacks."""
+import copy
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import polyjit  # noqa: E402
+from polyjit.errors import CompileOptionError, UnsupportedOpError  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    torch.manual_seed(int.from_bytes(np.random.default_rng().bytes(4), "little"))
+    yield
+
+
+def assert_close(a, b, rtol=1e-5, atol=1e-5):
+    torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+
+
+def check(fn, *args, backward=False, rtol=1e-5, atol=1e-5):
+    """Run fn compiled and eagerly on copies of args; compare outputs and input grads."""
+    jf = polyjit.jit_torch(fn)
+    a1 = [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
+    a2 = [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
+    out, ref = jf(*a1), fn(*a2)
+    assert_close(out, ref, rtol, atol)
+    if backward:
+        g = torch.randn_like(ref)
+        out.backward(g)
+        ref.backward(g)
+        for x, y in zip(a1, a2):
+            if x.requires_grad:
+                assert_close(x.grad, y.grad, rtol, atol)
+    assert jf.stats["fallbacks"] == 0 and jf.stats["graphs"] >= (2 if backward else 1)
+    return jf
+
+
+def check_module(mod, *inputs, backward=True, rtol=1e-5, atol=1e-5):
+    ref = copy.deepcopy(mod)
+    jm = polyjit.jit_torch(mod)
+    x1 = [x.clone().requires_grad_(backward and x.is_floating_point()) for x in inputs]
+    x2 = [x.clone().requires_grad_(backward and x.is_floating_point()) for x in inputs]
+    out, want = jm(*x1), ref(*x2)
+    assert_close(out, want, rtol, atol)
+    if backward:
+        g = torch.randn_like(want)
+        out.backward(g)
+        want.backward(g)
+        for p, q in zip(mod.parameters(), ref.parameters()):
+            assert_close(p.grad, q.grad, rtol, atol)
+        for x, y in zip(x1, x2):
+            if x.requires_grad:
+                assert_close(x.grad, y.grad, rtol, atol)
+    stats = jm.polyjit_stats.as_dict()
+    assert stats["fallbacks"] == 0
+    return stats
+
+
+def r(*shape, grad=False):
+    return torch.randn(*shape, requires_grad=grad)
+
+
+def test_cos_sin():
+    check(lambda x, y: torch.cos(x) + torch.sin(y), r(1000), r(1000), backward=False)
+    check(lambda x, y: torch.cos(x) + torch.sin(y), r(64, 33, grad=True), r(64, 33, grad=True), backward=True)
+
+
+def blur(img):
+    kx = torch.full((1, 1, 1, 5), 0.2)
+    ky = torch.full((1, 1, 5, 1), 0.2)
+    return F.conv2d(F.conv2d(img, kx), ky)
+
+
+def test_blur_one_loop_nest():
+    jf = check(blur, torch.rand(3, 1, 64, 80))
+    assert jf.stats["kernels"] == 1 and jf.stats["contracted_buffers"] == 1
+    assert jf.stats["intermediate_bytes"] < 3 * 64 * 76 * 4 / 2
+
+
+class GEGLU(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(32, 128)
+
+    def forward(self, x):
+        a, g = self.proj(x).chunk(2, dim=-1)
+        return a * F.gelu(g)
+
+
+def test_geglu():
+    check_module(GEGLU(), torch.randn(4, 7, 32))
+
+
+def bdal(x, bias, res, w, b, p=0.0):
+    return F.layer_norm(F.dropout(x + bias, p, True) + res, (x.shape[-1],), w, b)
+
+
+def bdal_primitive(x, bias, res, w, b, p=0.0):
+    y = F.dropout(x + bias, p, True) + res
+    m = y.mean(-1, keepdim=True)
+    v = ((y - m) ** 2).mean(-1, keepdim=True)
+    return (y - m) / torch.sqrt(v + 1e-5) * w + b
+
+
+@pytest.mark.parametrize("fn", [bdal, bdal_primitive])
+def test_bias_dropout_add_layernorm(fn):
+    args = [r(4, 16, 64, grad=True), r(64, grad=True), r(4, 16, 64), r(64, grad=True), r(64, grad=True)]
+    jf = check(fn, *args, backward=True, atol=2e-5)
+    assert jf.stats["graphs"] == 2
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d=64):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+def test_rmsnorm():
+    check_module(RMSNorm(), torch.randn(8, 64))
+
+
+def test_softmax_and_log_softmax():
+    check(lambda x: F.softmax(x, -1), r(16, 200, grad=True), backward=True)
+    check(lambda x: F.log_softmax(x, -1), r(16, 200, grad=True), backward=True)
+
+
+class ConvBiasRelu(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x):
+        return F.relu(self.conv(x))
+
+
+def test_conv_bias_relu():
+    check_module(ConvBiasRelu(), torch.randn(2, 3, 12, 10), atol=1e-4)
+
+
+@pytest.mark.parametrize("k,s,p", [(2, 2, 0), (3, 2, 1)])
+def test_max_pool2d(k, s, p):
+    check(lambda x: F.max_pool2d(x, k, s, p), r(2, 3, 11, 10, grad=True), backward=True)
+
+
+def test_mlp_training_step_with_sgd():
+    mlp = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+    ref = copy.deepcopy(mlp)
+    jm = polyjit.jit_torch(mlp)
+    opt, ref_opt = torch.optim.SGD(mlp.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(3):
+        x, t = torch.randn(16, 32), torch.randint(0, 10, (16,))
+        for model, o in ((jm, opt), (ref, ref_opt)):
+            o.zero_grad()
+            F.cross_entropy(model(x), t).backward()
+            o.step()
+    for p, q in zip(mlp.parameters(), ref.parameters()):
+        assert_close(p, q)
+    assert jm.polyjit_stats.as_dict()["fallbacks"] == 0
+
+
+def test_transformer_encoder_layer_eval():
+    enc = nn.TransformerEncoderLayer(d_model=64, nhead=4).eval()
+    with torch.no_grad():
+        stats = check_module(enc, torch.randn(10, 2, 64), backward=False, atol=1e-4)
+    assert stats["graphs"] >= 1
+
+
+def test_dropout_statistics_and_masks():
+    jf = polyjit.jit_torch(lambda x: F.dropout(x, 0.3, True))
+    x = (torch.rand(256, 512) + 1).requires_grad_()
+    y = jf(x)
+    y.sum().backward()
+    keep = y != 0
+    assert abs(keep.float().mean().item() - 0.7) < 0.01
+    assert_close(y[keep], x[keep] / 0.7)
+    assert torch.equal(keep, x.grad != 0)  # backward used the forward's mask
+    assert_close(x.grad[keep], torch.full_like(x.grad[keep], 1 / 0.7))
+    assert jf.stats["fallbacks"] == 0
+    torch.manual_seed(3)
+    a = jf(x)
+    torch.manual_seed(3)
+    b = jf(x)
+    assert torch.equal(a, b)  # seeded from torch's generator
+
+
+def test_dynamic_shapes_do_not_recompile():
+    jf = polyjit.jit_torch(lambda x: F.softmax(x, -1) * 2, dynamic=True)
+    for n in (5, 7, 9, 130):
+        x = torch.randn(n, 33)
+        assert_close(jf(x), F.softmax(x, -1) * 2)
+    assert jf.stats["graphs"] == 1
+
+
+def test_new_dtype_recompiles():
+    jf = polyjit.jit_torch(lambda x: torch.exp(x) + 1)
+    for dt in (torch.float32, torch.float64):
+        x = torch.randn(10, dtype=dt)
+        out = jf(x)
+        assert out.dtype == dt
+        assert_close(out, torch.exp(x) + 1)
+
+
+def test_fallback_counted_warned_and_correct():
+    def fn(x):
+        return torch.sort(torch.sin(x), dim=-1).values * 2
+    jf = polyjit.jit_torch(fn)
+    x = torch.randn(4, 9)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        out = jf(x)
+    assert_close(out, fn(x))
+    assert jf.stats["fallbacks"] >= 1 and any("sort" in op for op in jf.stats["fallback_ops"])
+    assert any("eager" in str(m.message) for m in w)
+
+
+def test_strict_refuses_fallback():
+    def fn(x):
+        return torch.sort(x, dim=-1).values
+    jf = polyjit.jit_torch(fn, compile_options={"strict": True})
+    with pytest.raises(Exception, match="sort.*not supported by polyjit") as e:
+        jf(torch.randn(3, 4))
+    assert "test_torch.py" in str(e.value)
+    assert isinstance(e.value, UnsupportedOpError) or isinstance(e.value.__cause__, UnsupportedOpError) \
+        or "UnsupportedOpError" in str(e.value)
+
+
+def test_execution_backends_and_option_errors():
+    fn = lambda x: torch.tanh(x) * 3  # noqa: E731
+    x = torch.randn(5)
+    assert_close(polyjit.jit_torch(fn, execution_backend="std")(x), fn(x))
+    with pytest.raises(CompileOptionError, match="execution_backend"):
+        polyjit.jit_torch(fn, execution_backend="xla")
+    with pytest.raises(CompileOptionError, match="unknown compile option 'tile'"):
+        polyjit.jit_torch(fn, compile_options={"tile": 3})
+
+
+def test_torch_compile_finds_backend_without_import():
+    code = ("import torch\n"
+            "f = torch.compile(lambda x: torch.cos(x) + torch.sin(x), backend='polyjit', options={'num_threads': 1})\n"
+            "x = torch.randn(100)\n"
+            "assert torch.allclose(f(x), torch.cos(x) + torch.sin(x), atol=1e-6)\n"
+            "import sys; assert 'polyjit' in sys.modules\n"
+            "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "ok" in out.stdout
