@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench-cpu clean
+.PHONY: install demo test bench-cpu bench-torch clean
 
 install: $(STAMP)
 
@@ -22,6 +22,9 @@ test: install
 
 bench-cpu: install
 	$(PY) bench/cpu.py
+
+bench-torch: install
+	$(PY) bench/torch_bench.py
 
 clean:
 	rm -rf $(VENV) polyjit_dump .pytest_cache

@@ -1,0 +1,59 @@
+"""PyTorch on the CPU: eager, TorchInductor and polyjit side by side, as ratios
+(eager time / backend time) measured in the same run. `make bench-torch`."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import polyjit
+
+
+def timeit(fn, reps=20):
+    for _ in range(3):
+        fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def blur(img):
+    kx = torch.full((1, 1, 1, 5), 0.2)
+    return F.conv2d(F.conv2d(img, kx), kx.reshape(1, 1, 5, 1))
+
+
+def add_layernorm(x, r, w, b):
+    return F.layer_norm(x + r, (x.shape[-1],), w, b)
+
+
+CASES = [
+    ("cos(x)+sin(y) 4M", lambda x, y: torch.cos(x) + torch.sin(y), lambda: [torch.randn(4 << 20), torch.randn(4 << 20)]),
+    ("blur_x_blur_y 3x1024x1024", blur, lambda: [torch.rand(3, 1, 1024, 1024)]),
+    ("add+layernorm 16x128x1024", add_layernorm,
+     lambda: [torch.randn(16, 128, 1024), torch.randn(16, 128, 1024), torch.randn(1024), torch.randn(1024)]),
+    ("softmax 4096x4096", lambda x: F.softmax(x, -1), lambda: [torch.randn(4096, 4096)]),
+]
+
+
+def main() -> None:
+    print(f"{'program':28s} {'eager ms':>9s} {'inductor':>9s} {'polyjit':>9s}  ratios vs eager (inductor, polyjit)")
+    with torch.no_grad():
+        for name, fn, make in CASES:
+            args = make()
+            times = {}
+            for backend in ("std", "inductor", "polyjit"):
+                torch._dynamo.reset()
+                f = polyjit.jit_torch(fn, execution_backend=backend)
+                times[backend] = timeit(lambda: f(*args))
+            e = times["std"]
+            print(f"{name:28s} {e * 1e3:9.2f} {times['inductor'] * 1e3:9.2f} {times['polyjit'] * 1e3:9.2f}"
+                  f"  {e / times['inductor']:6.2f}x {e / times['polyjit']:6.2f}x")
+
+
+if __name__ == "__main__":
+    main()
