@@ -699,9 +699,7 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: CompileOptions
         except UnsupportedOpError as e:
             if options.strict:
                 raise
-            unsupported = []
-            reason = str(e)
-            log.debug("whole-graph translation failed (%s); partitioning", reason)
+            log.debug("whole-graph translation failed (%s); partitioning", e)
     for n in unsupported:
         what = str(n.target)
         if options.strict:
@@ -717,11 +715,14 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: CompileOptions
         if isinstance(sub, torch.fx.GraphModule):
             try:
                 setattr(fused, sub_name, _as_module(CompiledGraph(sub, options, f"{name}_{sub_name}", stats)))
-            except UnsupportedOpError as e:
+            except UnsupportedOpError as e:  # an op the table has, with arguments it refuses
                 if options.strict:
                     raise
                 stats.fallbacks += 1
                 stats.fallback_ops.add(str(e))
+                if str(e) not in _warned:
+                    _warned.add(str(e))
+                    warnings.warn(f"polyjit: {e} runs in eager PyTorch", stacklevel=2)
     fused.recompile()
     return fused
 
