@@ -2,24 +2,11 @@
 (eager time / backend time) measured in the same run. `make bench-torch`."""
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 import torch.nn.functional as F
 
 import polyjit
-
-
-def timeit(fn, reps=20):
-    for _ in range(3):
-        fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+from cpu import timeit  # bench/ is the script's folder
 
 
 def blur(img):

@@ -305,7 +305,7 @@ def _reduce(op):
 
 
 sum, max, min, prod = map(_reduce, ("sum", "max", "min", "prod"))
-_pymax, _pymin, _pysum = _b.max, _b.min, _b.sum
+_pymax = _b.max
 
 
 def _count(x: Tensor, dims) -> float:
