@@ -26,6 +26,17 @@ PARALLEL_MIN_ELEMENTS = 1 << 15
 _pools: dict[int, ThreadPoolExecutor] = {}
 
 
+POISON = os.environ.get("POLYJIT_POISON", "") not in ("", "0")
+
+
+def _new_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialized buffer; with POLYJIT_POISON=1 filled with NaN (or -7777) so that an
+    element a kernel forgets to write shows up instead of passing by luck."""
+    if not POISON:
+        return np.empty(shape, dtype)
+    return np.full(shape, np.nan if np.dtype(dtype).kind == "f" else -7777, dtype)
+
+
 def _pool(n: int) -> ThreadPoolExecutor:
     if n not in _pools:
         _pools[n] = ThreadPoolExecutor(max_workers=n, thread_name_prefix="polyjit")
@@ -103,12 +114,12 @@ class Executable:
         outs = []
         for spec in self.outputs:
             shape = tuple(sz.evaluate(s, env) for s in spec.shape)
-            arrays[spec.name] = np.empty(shape, spec.dtype.numpy)
+            arrays[spec.name] = _new_buffer(shape, spec.dtype.numpy)
         temp_bytes = 0
         for spec in self.buffers:
             if spec.kind == "temp":
                 shape = tuple(sz.evaluate(s, env) for s in spec.shape)
-                arrays[spec.name] = np.empty(shape, spec.dtype.numpy)
+                arrays[spec.name] = _new_buffer(shape, spec.dtype.numpy)
                 temp_bytes += arrays[spec.name].nbytes
             elif spec.kind == "const":
                 arrays[spec.name] = self.constants[spec.index]

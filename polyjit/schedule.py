@@ -354,18 +354,35 @@ def balance_parallel(schedule, prog, validity) -> isl.Schedule:
 
 
 def mark_parallel(schedule) -> isl.Schedule:
+    """Mark the outermost loop of each nest that carries no dependence.
+
+    isl leaves a loop of one iteration out of the AST, so the mark skips
+    such members and names the schedule dimension it means (isl's iterator
+    ``c<d>``): code generation must never split the loop below it instead,
+    which may carry a reduction.
+    """
     def visit(node, inside):
-        marked = False
+        ups = 0
         if node.get_type() == isl.schedule_node_type.band and not inside:
             inside = True
-            if node.band_member_get_coincident(0):
-                if node.band_n_member() > 1:
+            n = node.band_n_member()
+            m = 0
+            while m < n - 1 and _member_extent(node, m) == 1:
+                m += 1
+            if node.band_member_get_coincident(m):
+                if m > 0:
+                    node = node.band_split(m).child(0)
+                    ups += 1
+                if n - m > 1:
                     node = node.band_split(1)
-                node = node.insert_mark(isl.Id("parallel", context=node.get_ctx())).child(0)
-                marked = True
+                depth = node.get_schedule_depth()
+                node = node.insert_mark(isl.Id(f"parallel:c{depth}", context=node.get_ctx())).child(0)
+                ups += 1
         for i in range(node.n_children()):
             node = visit(node.child(i), inside).parent()
-        return node.parent() if marked else node
+        for _ in range(ups):
+            node = node.parent()
+        return node
     return visit(schedule.get_root(), False).get_schedule()
 
 

@@ -153,3 +153,19 @@ def test_print_ir_and_debug_dump(tmp_path, capsys):
     assert "for (" in text and "S0" in text and "contracted" in text
     files = sorted(p.name for p in tmp_path.rglob("*.txt"))
     assert any("graph" in f for f in files) and any("llvm_opt" in f for f in files) and any("ast" in f for f in files)
+
+
+def test_parallel_loop_never_carries_a_reduction(rng):
+    """A long contraction over small outputs: the tile loops of the outputs have one
+    iteration, so the first loop in the AST is the reduction's; splitting it across
+    threads would race on the accumulators."""
+    a, b = rng.standard_normal((20, 2048), dtype=F32), rng.standard_normal((2048, 64), dtype=F32)
+    exe = polyjit.compile(ops.matmul, [InputInfo(a.shape, F32), InputInfo(b.shape, F32)], {"num_threads": 2})
+    lines = exe.ir("ast").splitlines()
+    for i, line in enumerate(lines):
+        if "// parallel:" in line:
+            it = line.split("parallel:")[1].strip()
+            assert lines[i + 1].strip().startswith(f"for (int {it} ="), lines[i:i + 2]
+    want = a.astype(np.float64) @ b
+    for _ in range(20):
+        np.testing.assert_allclose(exe(a, b), want, rtol=1e-4, atol=1e-4)

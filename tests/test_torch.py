@@ -171,8 +171,6 @@ def test_mlp_training_step_with_sgd():
     assert jm.polyjit_stats.as_dict()["fallbacks"] == 0
 
 
-@pytest.mark.xfail(reason="known bug: some rows differ when run after other compiled graphs in one process; "
-                          "passes alone", strict=False)
 def test_transformer_encoder_layer_eval():
     enc = nn.TransformerEncoderLayer(d_model=64, nhead=4).eval()
     with torch.no_grad():

@@ -181,8 +181,9 @@ class Emitter:
             self.branch(n)
         elif t == isl.ast_node_type.mark:
             child = n.mark_get_node()
-            if n.mark_get_id().get_name() == "parallel" and not self.in_parallel \
-                    and child.get_type() == isl.ast_node_type.for_ and self.splittable(child):
+            if n.mark_get_id().get_name().startswith("parallel:") and not self.in_parallel \
+                    and child.get_type() == isl.ast_node_type.for_ and self.splittable(child) \
+                    and n.mark_get_id().get_name() == "parallel:" + child.for_get_iterator().get_id().get_name():
                 self.in_parallel = self.parallel = True
                 self.loop(child, split=True)
                 self.in_parallel = False
