@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import polyjit
-from cpu import timeit  # bench/ is the script's folder
+from cpu import compare  # bench/ is the script's folder
 
 
 def blur(img):
@@ -32,11 +32,12 @@ def main() -> None:
     with torch.no_grad():
         for name, fn, make in CASES:
             args = make()
-            times = {}
+            fns = {}
             for backend in ("std", "inductor", "polyjit"):
-                torch._dynamo.reset()
                 f = polyjit.jit_torch(fn, execution_backend=backend)
-                times[backend] = timeit(lambda: f(*args))
+                f(*args)
+                fns[backend] = lambda f=f: f(*args)
+            times = compare(fns)
             e = times["std"]
             print(f"{name:28s} {e * 1e3:9.2f} {times['inductor'] * 1e3:9.2f} {times['polyjit'] * 1e3:9.2f}"
                   f"  {e / times['inductor']:6.2f}x {e / times['polyjit']:6.2f}x")

@@ -28,6 +28,7 @@ def compile_graph(graph: Graph, options: CompileOptions, name: str = "fn") -> Ex
         raise DeviceError("target 'nvgpu' is not built yet; use target='cpu'")
     from .codegen.cpu import CpuEmitter, JitModule
 
+    graph = graph.deduplicated()
     prog = lower(graph)
     sched = schedule_program(prog, options.fusion, options.tile_sizes)
     emitter = CpuEmitter(prog, sched, name)

@@ -7,6 +7,8 @@ op is lowered once, in :mod:`polyjit.lowering`.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -61,6 +63,17 @@ def _fmt(v: Any) -> str:
     if isinstance(v, np.ndarray):
         return f"array{tuple(v.shape)}"
     return str(v)
+
+
+def _freeze(v: Any) -> Any:
+    """A hashable stand-in for an attribute value (arrays by identity)."""
+    if isinstance(v, dict):
+        return tuple(sorted((k, _freeze(x)) for k, x in v.items()))
+    if isinstance(v, (list, tuple)):
+        return tuple(_freeze(x) for x in v)
+    if isinstance(v, np.ndarray):
+        return ("array", id(v))
+    return (type(v).__name__, repr(v))  # repr tells 0.0 from -0.0
 
 
 def _norm_axis(axis: int, rank: int, what: str = "axis") -> int:
@@ -486,6 +499,22 @@ class Graph:
             stack.append((n, True))
             stack.extend((i, False) for i in reversed(n.inputs) if i.id not in seen)
         return order
+
+    def deduplicated(self) -> "Graph":
+        """A copy in which nodes computing the same op of the same operands are one
+        node: decompositions repeat work (layer_norm's mean), and a repeated
+        reduction would otherwise be a second pass over memory."""
+        canon: dict[int, Node] = {}
+        table: dict[tuple, Node] = {}
+        for n in self.nodes():
+            ins = tuple(canon[i.id] for i in n.inputs)
+            if any(a is not b for a, b in zip(ins, n.inputs)):
+                n = dataclasses.replace(n, inputs=ins)
+            key = (n.op, tuple(i.id for i in ins), _freeze(n.attrs), n.shape, n.dtype)
+            canon[n.id] = table.setdefault(key, n) if n.op != "input" else n
+        g = copy.copy(self)
+        g.outputs = [canon[o.id] for o in self.outputs]
+        return g
 
     def __str__(self) -> str:
         lines = [str(n) for n in self.nodes()]

@@ -3,14 +3,15 @@
 An :class:`Executable` checks every argument before any kernel runs, binds
 the size parameters from the argument shapes, allocates outputs and the
 temporaries that were not contracted, and calls each kernel; the parallel
-loop of a kernel is split across a thread pool (ctypes releases the GIL).
+loop of a kernel is split across the target's thread team (ctypes releases the GIL).
 """
 from __future__ import annotations
 
 import ctypes
 import logging
 import os
-from concurrent.futures import ThreadPoolExecutor
+import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -18,29 +19,78 @@ import numpy as np
 
 from . import sizes as sz
 from .affine import Array
+from .codegen.cpu import thread_team
 from .errors import InputError
 from .sizes import Lin
 
 log = logging.getLogger("polyjit.runtime")
 PARALLEL_MIN_ELEMENTS = 1 << 15
-_pools: dict[int, ThreadPoolExecutor] = {}
 
 
 POISON = os.environ.get("POLYJIT_POISON", "") not in ("", "0")
 
 
-def _new_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """An uninitialized buffer; with POLYJIT_POISON=1 filled with NaN (or -7777) so that an
-    element a kernel forgets to write shows up instead of passing by luck."""
-    if not POISON:
-        return np.empty(shape, dtype)
-    return np.full(shape, np.nan if np.dtype(dtype).kind == "f" else -7777, dtype)
+class _Lease:
+    """Owner of a cached block while arrays made from it live: numpy makes it
+    their base, and when the last one is dropped the block goes back."""
+
+    def __init__(self, raw: np.ndarray, nbytes: int, cache: "BufferCache") -> None:
+        self.raw = raw
+        self.__array_interface__ = {"data": (raw.ctypes.data, False), "shape": (nbytes,),
+                                    "typestr": "|u1", "version": 3}
+        weakref.finalize(self, cache.give_back, raw)
 
 
-def _pool(n: int) -> ThreadPoolExecutor:
-    if n not in _pools:
-        _pools[n] = ThreadPoolExecutor(max_workers=n, thread_name_prefix="polyjit")
-    return _pools[n]
+class BufferCache:
+    """Memory for outputs and temporaries, reused once the caller drops them.
+
+    Fresh multi-megabyte arrays fault every page in again on each call,
+    which can cost more than the kernels; like a framework's caching
+    allocator, this keeps freed blocks by size (up to ``limit`` bytes).
+    """
+
+    MIN_BYTES = 1 << 20
+
+    def __init__(self, limit: int = 1 << 30) -> None:
+        self.free: dict[int, list[np.ndarray]] = {}
+        self.held = 0
+        self.limit = limit
+        self.lock = threading.Lock()
+
+    def empty(self, shape: tuple[int, ...], dtype) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if nbytes < self.MIN_BYTES:
+            return np.empty(shape, dtype)
+        size = -(-nbytes // 4096) * 4096
+        with self.lock:
+            blocks = self.free.get(size)
+            raw = blocks.pop() if blocks else None
+            if raw is not None:
+                self.held -= size
+        if raw is None:
+            raw = np.empty(size + 64, np.uint8)
+            raw = raw[-raw.ctypes.data % 64:][:size]  # 64-byte aligned
+        return np.asarray(_Lease(raw, nbytes, self)).view(dtype).reshape(shape)
+
+    def give_back(self, raw: np.ndarray) -> None:
+        with self.lock:
+            if self.held + raw.nbytes <= self.limit:
+                self.free.setdefault(raw.nbytes, []).append(raw)
+                self.held += raw.nbytes
+
+
+_cache = BufferCache()
+
+
+def _new_buffer(shape: tuple[int, ...], dtype: np.dtype, allocate=None) -> np.ndarray:
+    """An uninitialized buffer, from the caller's allocator if it gave one; with
+    POLYJIT_POISON=1 filled with NaN (or -7777) so that an element a kernel
+    forgets to write shows up instead of passing by luck."""
+    a = allocate(shape, np.dtype(dtype)) if allocate else _cache.empty(shape, dtype)
+    if POISON:
+        a.fill(np.nan if np.dtype(dtype).kind == "f" else -7777)
+    return a
 
 
 @dataclass
@@ -106,7 +156,9 @@ class Executable:
                 raise InputError(f"{self.name}: sizes {a} = {va} and {b} = {vb} must be equal")
         return env
 
-    def __call__(self, *args: np.ndarray) -> list[np.ndarray]:
+    def __call__(self, *args: np.ndarray, allocate=None) -> list[np.ndarray]:
+        """Run on args; ``allocate(shape, dtype)`` makes outputs and temporaries
+        (a framework passes its own allocator, which caches memory)."""
         env = self.bind(args)
         arrays: dict[str, np.ndarray] = {}
         for spec, a in zip(self.inputs, args):
@@ -114,12 +166,12 @@ class Executable:
         outs = []
         for spec in self.outputs:
             shape = tuple(sz.evaluate(s, env) for s in spec.shape)
-            arrays[spec.name] = _new_buffer(shape, spec.dtype.numpy)
+            arrays[spec.name] = _new_buffer(shape, spec.dtype.numpy, allocate)
         temp_bytes = 0
         for spec in self.buffers:
             if spec.kind == "temp":
                 shape = tuple(sz.evaluate(s, env) for s in spec.shape)
-                arrays[spec.name] = _new_buffer(shape, spec.dtype.numpy)
+                arrays[spec.name] = _new_buffer(shape, spec.dtype.numpy, allocate)
                 temp_bytes += arrays[spec.name].nbytes
             elif spec.kind == "const":
                 arrays[spec.name] = self.constants[spec.index]
@@ -135,10 +187,10 @@ class Executable:
         ivec = (ctypes.c_int64 * max(len(ints), 1))(*ints)
         work = sum(a.size for a in arrays.values())
         threads = self.num_threads if work >= PARALLEL_MIN_ELEMENTS else 1
+        team = thread_team() if threads > 1 else None
         for k in self.kernels:
             if k.parallel and threads > 1:
-                pool = _pool(threads)
-                list(pool.map(lambda t, f=k.fn: f(ptrs, ivec, t, threads), range(threads)))
+                team.run(k.fn, ptrs, ivec, threads)
             else:
                 k.fn(ptrs, ivec, 0, 1)
         self.stats["intermediate_bytes"] = temp_bytes + (self.contracted_bytes(env) if self.contracted_bytes else 0)

@@ -138,6 +138,18 @@ def _contiguity(prog: AffineProgram) -> dict[tuple[str, int], int]:
     return score
 
 
+def _memory_depth(prog: AffineProgram) -> dict[tuple[str, int], int]:
+    """(statement, iterator) -> how far inside its arrays the iterator indexes:
+    loops over outer dimensions go outside, so that rows are walked in order."""
+    depth: dict[tuple[str, int], int] = {}
+    for s in prog.statements:
+        accesses = [ld.index for ld in loads(s.body)] + [s.index]
+        for d, name in enumerate(s.iters):
+            depth[(s.name, d)] = sum(p for index in accesses for p, i in enumerate(index)
+                                     if any(isinstance(x, Var) and x.name == name for x in walk(i)))
+    return depth
+
+
 def _rebuild_band(node, members, coincident, permutable):
     mupa = node.band_get_partial_schedule()
     ups = isl.UnionPwAffList.alloc(node.get_ctx(), len(members))
@@ -152,7 +164,10 @@ def _rebuild_band(node, members, coincident, permutable):
 
 
 def innermost_contiguous(schedule, prog, ctx, validity) -> isl.Schedule:
-    score = _contiguity(prog)
+    """Order each permutable band's members as memory is laid out: the loop
+    with the most contiguous accesses innermost, loops over outer dimensions
+    outside."""
+    score, depth = _contiguity(prog), _memory_depth(prog)
 
     def fn(node):
         if node.get_type() != isl.schedule_node_type.band or node.band_n_member() < 2 \
@@ -164,11 +179,16 @@ def innermost_contiguous(schedule, prog, ctx, validity) -> isl.Schedule:
         for m in range(n):
             follows = _member_iter(mupa.get_at(m))
             totals.append(sum(score.get((st, d), 0) for st, d in follows.items() if d is not None))
-        best = max(range(n), key=lambda m: (totals[m], m))
-        if best == n - 1:
-            return node
-        order = [m for m in range(n) if m != best] + [best]
+        deep = [sum(depth.get((st, d), 0) for st, d in _member_iter(mupa.get_at(m)).items() if d is not None)
+                for m in range(n)]
+        order = sorted(range(n), key=lambda m: (totals[m], deep[m], m))
         coinc = [node.band_member_get_coincident(m) for m in range(n)]
+        outer = [m for m in order[:-1] if coinc[m]]
+        if outer and not coinc[order[0]]:  # keep a parallel loop outermost
+            order.remove(outer[0])
+            order.insert(0, outer[0])
+        if order == list(range(n)):
+            return node
         return _rebuild_band(node, order, coinc, True)
     new = _visit(schedule.get_root(), fn).get_schedule()
     return new if is_legal(new, validity) else schedule

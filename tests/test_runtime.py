@@ -1,0 +1,62 @@
+"""The runtime: cached output memory, shared work, thread teams."""
+import gc
+import subprocess
+import sys
+
+import numpy as np
+
+import polyjit
+from polyjit import InputInfo, ops
+from polyjit.runtime import BufferCache
+
+F32 = np.float32
+
+
+def test_outputs_alive_are_never_reused(rng):
+    exe = polyjit.compile(lambda x: ops.exp(x) * 2, [InputInfo([512, 1024], F32)])
+    x1, x2 = rng.standard_normal((2, 512, 1024), dtype=F32)
+    y1 = exe(x1)
+    view = exe(x2)[1:]  # a view alone keeps its block
+    y3 = exe(x1)
+    np.testing.assert_allclose(y1, np.exp(x1) * 2, rtol=1e-6)
+    np.testing.assert_allclose(view, (np.exp(x2) * 2)[1:], rtol=1e-6)
+    assert not np.shares_memory(y1, y3) and not np.shares_memory(view, y3)
+
+
+def test_buffer_cache_reuses_dropped_blocks():
+    cache = BufferCache()
+    a = cache.empty((1024, 1024), F32)
+    p = a.ctypes.data
+    assert p % 64 == 0 and a.shape == (1024, 1024) and a.dtype == F32
+    del a
+    gc.collect()
+    b = cache.empty((512, 2048), F32)
+    assert b.ctypes.data == p and cache.held == 0
+    small = cache.empty((3,), F32)
+    assert small.flags.owndata  # small arrays come from numpy directly
+
+
+def test_repeated_subexpressions_are_computed_once(rng):
+    def twice(x):
+        m1 = ops.sum(x, [1], True) / x.shape[1]
+        m2 = ops.sum(x, [1], True) / x.shape[1]  # as a decomposition might repeat it
+        return (x - m1) * (x - m2)
+    x = rng.standard_normal((64, 300), dtype=F32)
+    exe = polyjit.compile(twice, [InputInfo(x.shape, F32)])
+    m = x.mean(1, keepdims=True)
+    np.testing.assert_allclose(exe(x), (x - m) ** 2, rtol=1e-4, atol=1e-5)
+    assert exe.stats["statements"] == 3  # one sum (init, update), one output
+
+
+def test_thread_pool_team_matches(rng):
+    """Without libgomp the parts run on Python threads; the results are the same."""
+    code = ("import numpy as np, polyjit; from polyjit import ops, InputInfo;"
+            "from polyjit.codegen.cpu import thread_team, PoolTeam;"
+            "x = np.random.default_rng(0).standard_normal((256, 4096), dtype=np.float32);"
+            "exe = polyjit.compile(ops.softmax, [InputInfo(x.shape, np.float32)], {'num_threads': 2});"
+            "e = np.exp(x - x.max(1, keepdims=True));"
+            "np.testing.assert_allclose(exe(x), e / e.sum(1, keepdims=True), rtol=1e-5, atol=1e-7);"
+            "assert isinstance(thread_team(), PoolTeam) and exe.stats['parallel_kernels'] >= 1")
+    env = {"POLYJIT_THREADS": "pool", "PATH": ""}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
