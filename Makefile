@@ -4,14 +4,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench-cpu bench-torch clean
+.PHONY: install demo test bench-cpu bench-torch bench-jax clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev,torch]'
+	$(PY) -m pip install -q -e '.[dev,torch,jax]'
 	touch $(STAMP)
 
 demo: install
@@ -25,6 +25,9 @@ bench-cpu: install
 
 bench-torch: install
 	$(PY) bench/torch_bench.py
+
+bench-jax: install
+	$(PY) bench/jax_bench.py
 
 clean:
 	rm -rf $(VENV) polyjit_dump .pytest_cache

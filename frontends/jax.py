@@ -1,6 +1,789 @@
-"""JAX frontend: ``jit_jax`` from jaxprs."""
-from polyjit.errors import UnsupportedOpError
+"""JAX frontend: ``jit_jax`` from jaxprs.
+
+The function is traced with ``jax.make_jaxpr`` for each signature (shapes,
+dtypes, pytree structure, static arguments). Calls into other jaxprs
+(``jit``, ``custom_jvp_call``, ``custom_vjp_call``, ``remat``) are inlined
+and ``scan`` over a short static length (``fori_loop``) is unrolled; then
+each equation is translated through :data:`PRIMITIVES`, the one table from
+JAX primitives to polyjit ops. Runs of supported equations compile into one
+polyjit program; an equation outside the table runs through JAX between
+them: counted in the stats, warned about once, refused under ``strict``.
+
+Inside a JAX transformation (``jax.grad``, ``jax.jit``, ``vmap``) the
+compiled program runs as a ``pure_callback`` with a custom VJP whose
+backward, the VJP of the same function, is compiled by polyjit too.
+On the CPU, arrays cross in both directions without copies.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jcore
+
+from polyjit.api import Executable
+from polyjit.dtypes import DataType
+from polyjit.errors import CompileOptionError, InputError, UnsupportedOpError
+from polyjit.graph import Graph, Node
+from polyjit.options import CompileOptions, parse_options
+
+from .common import Stats, fallback
+
+_DTYPES = {"float32": DataType.Float, "float64": DataType.Double, "float16": DataType.Half,
+           "int32": DataType.Int32, "int64": DataType.Int, "bool": DataType.Bool}
+SCAN_UNROLL_LIMIT = 64  # longest static scan (fori_loop) unrolled into the program
 
 
-def jit_jax(fn=None, *, compile_options=None, static_argnums=(), execution_backend="polyjit"):
-    raise UnsupportedOpError("the JAX frontend is not built yet")
+# ====================================================================== table
+def _unary(op):
+    return lambda g, ins, p: g.unary(op, ins[0])
+
+
+def _binary(op):
+    return lambda g, ins, p: g.binary(op, *ins)
+
+
+def _float_binary(op):
+    def rule(g, ins, p):
+        if not ins[0].dtype.is_float:
+            raise UnsupportedOpError(f"{op} of {ins[0].dtype} operands")
+        return g.binary(op, *ins)
+    return rule
+
+
+def _logical(op):
+    def rule(g, ins, p):
+        if any(x.dtype != DataType.Bool for x in ins):
+            raise UnsupportedOpError(f"bitwise {op} of integers")
+        return g.unary(op, ins[0]) if op == "logical_not" else g.binary(op, *ins)
+    return rule
+
+
+def _identity(g, ins, p):
+    return ins[0] if len(ins) == 1 else list(ins)
+
+
+def _integer_pow(g, ins, p):
+    x, y = ins[0], p["y"]
+    acc, base, n = None, x, abs(y)
+    while n:
+        if n & 1:
+            acc = base if acc is None else g.binary("mul", acc, base)
+        n >>= 1
+        if n:
+            base = g.binary("mul", base, base)
+    if acc is None:
+        return g.expand(g.constant(1, x.dtype), x.shape)
+    return g.binary("div", g.constant(1, x.dtype), acc) if y < 0 else acc
+
+
+def _round(g, ins, p):
+    x = ins[0]
+    if int(p.get("rounding_method", 0)) == 1:  # to nearest even
+        return g.unary("round", x)
+    half = g.binary("add", g.unary("abs", x), g.constant(0.5, x.dtype))
+    return g.binary("mul", g.unary("sign", x), g.unary("floor", half))
+
+
+def _erfc(g, ins, p):
+    """1 - erf(x): exact to float32's absolute precision (not relative in the far tail)."""
+    return g.binary("sub", g.constant(1, ins[0].dtype), g.unary("erf", ins[0]))
+
+
+def _exp2(g, ins, p):
+    return g.binary("pow", g.constant(2, ins[0].dtype), ins[0])
+
+
+def _select_n(g, ins, p):
+    pred, cases = ins[0], ins[1:]
+    if pred.dtype == DataType.Bool:
+        return g.where(pred, cases[1], cases[0]) if len(cases) == 2 else cases[0]
+    out = cases[0]
+    for i, c in enumerate(cases[1:], 1):
+        out = g.where(g.binary("eq", pred, g.constant(i, pred.dtype)), c, out)
+    return out
+
+
+def _clamp(g, ins, p):
+    lo, x, hi = ins
+    return g.binary("minimum", g.binary("maximum", x, lo), hi)
+
+
+def _reduce(op):
+    return lambda g, ins, p: g.reduce(op, ins[0], p["axes"])
+
+
+def _reduce_bool(op):
+    def rule(g, ins, p):
+        x = g.cast(ins[0], DataType.Int32)
+        return g.cast(g.reduce(op, x, p["axes"]), DataType.Bool)
+    return rule
+
+
+def _argreduce(op):
+    return lambda g, ins, p: g.argreduce(op, ins[0], p["axes"][0])
+
+
+def _broadcast_in_dim(g, ins, p):
+    return g.broadcast_in_dim(ins[0], p["shape"], p["broadcast_dimensions"])
+
+
+def _reshape(g, ins, p):
+    if p.get("dimensions") is not None:
+        raise UnsupportedOpError("reshape with dimensions")
+    return g.reshape(ins[0], p["new_sizes"])
+
+
+def _squeeze(g, ins, p):
+    x = ins[0]
+    drop = {d % x.rank for d in p["dimensions"]}
+    return g.reshape(x, [s for d, s in enumerate(x.shape) if d not in drop])
+
+
+def _slice(g, ins, p):
+    return g.slice(ins[0], p["start_indices"], p["limit_indices"], p.get("strides"))
+
+
+def _static_value(n: Node):
+    if n.op != "constant":
+        raise UnsupportedOpError("dynamic_slice with indices computed at run time")
+    return int(n.attrs["value"])
+
+
+def _dynamic_slice(g, ins, p):
+    x, sizes = ins[0], p["slice_sizes"]
+    starts = [min(max(_static_value(i), 0), x.shape[d] - sizes[d]) for d, i in enumerate(ins[1:])]
+    return g.slice(x, starts, [s + n for s, n in zip(starts, sizes)])
+
+
+def _pad(g, ins, p):
+    x, value = ins
+    if value.op != "constant":
+        raise UnsupportedOpError("pad with a padding value computed at run time")
+    config = p["padding_config"]
+    if any(interior for _, _, interior in config):
+        raise UnsupportedOpError("pad with interior padding")
+    y = g.pad(x, [max(lo, 0) for lo, _, _ in config], [max(hi, 0) for _, hi, _ in config], value.attrs["value"])
+    if any(lo < 0 or hi < 0 for lo, hi, _ in config):
+        start = [max(-lo, 0) for lo, _, _ in config]
+        end = [n - max(-hi, 0) for n, (_, hi, _) in zip(y.shape, config)]
+        y = g.slice(y, start, end)
+    return y
+
+
+def _split(g, ins, p):
+    x, axis, out, start = ins[0], p["axis"], [], 0
+    for n in p["sizes"]:
+        lo = [0] * x.rank
+        hi = list(x.shape)
+        lo[axis], hi[axis] = start, start + n
+        out.append(g.slice(x, lo, hi))
+        start += n
+    return out
+
+
+def _cumsum(g, ins, p):
+    x, axis = ins[0], p["axis"]
+    if p.get("reverse"):
+        return g.reverse(g.cumsum(g.reverse(x, [axis]), axis), [axis])
+    return g.cumsum(x, axis)
+
+
+def _reduce_window(op):
+    def rule(g, ins, p):
+        if any(d != 1 for d in p["base_dilation"]):
+            raise UnsupportedOpError("reduce_window with base dilation")
+        return g.reduce_window(op, ins[0], p["window_dimensions"], p["window_strides"], p["padding"],
+                               p["window_dilation"])
+    return rule
+
+
+def _dot_general(g, ins, p):
+    (lc, rc), (lb, rb) = p["dimension_numbers"]
+    return g.dot_general(ins[0], ins[1], (lc, rc), (lb, rb))
+
+
+_SPATIAL = "HWDUVZ"
+
+
+def _conv(g, ins, p):
+    x, w = ins
+    if any(d != 1 for d in p["lhs_dilation"]) or p["batch_group_count"] != 1:
+        raise UnsupportedOpError("conv_general_dilated with lhs dilation or batch groups")
+    if any(lo < 0 or hi < 0 for lo, hi in p["padding"]):
+        raise UnsupportedOpError("conv_general_dilated with negative padding")
+    dn = p["dimension_numbers"]
+    nsp = x.rank - 2
+
+    def layout(spec, a, b):
+        out = [""] * len(spec)
+        out[spec[0]], out[spec[1]] = a, b
+        for k in range(nsp):
+            out[spec[2 + k]] = _SPATIAL[k]
+        return "".join(out)
+    lhs, rhs, want = layout(dn.lhs_spec, "N", "C"), layout(dn.rhs_spec, "O", "I"), layout(dn.out_spec, "N", "C")
+    y = g.conv(x, w, p["window_strides"], p["padding"], p["rhs_dilation"], p["feature_group_count"], lhs, rhs)
+    perm = [lhs.index(c) for c in want]
+    return y if perm == list(range(len(perm))) else g.transpose(y, perm)
+
+
+PRIMITIVES: dict[str, Callable] = {
+    # elementwise
+    **{name: _unary(op) for name, op in [
+        ("neg", "neg"), ("abs", "abs"), ("exp", "exp"), ("log", "log"), ("log1p", "log1p"),
+        ("expm1", "expm1"), ("sqrt", "sqrt"), ("rsqrt", "rsqrt"), ("sin", "sin"), ("cos", "cos"),
+        ("tan", "tan"), ("tanh", "tanh"), ("erf", "erf"), ("logistic", "sigmoid"), ("floor", "floor"),
+        ("ceil", "ceil"), ("sign", "sign"), ("is_finite", "isfinite")]},
+    **{name: _binary(op) for name, op in [
+        ("add", "add"), ("add_any", "add"), ("sub", "sub"), ("mul", "mul"), ("max", "maximum"),
+        ("min", "minimum"), ("pow", "pow"), ("atan2", "atan2"), ("eq", "eq"), ("ne", "ne"),
+        ("lt", "lt"), ("le", "le"), ("gt", "gt"), ("ge", "ge")]},
+    "div": _float_binary("div"),
+    "and": _logical("logical_and"), "or": _logical("logical_or"), "xor": _logical("logical_xor"),
+    "not": _logical("logical_not"),
+    "integer_pow": _integer_pow,
+    "square": lambda g, ins, p: g.binary("mul", ins[0], ins[0]),
+    "exp2": _exp2,
+    "erfc": _erfc,
+    "round": _round,
+    "select_n": _select_n,
+    "clamp": _clamp,
+    "convert_element_type": lambda g, ins, p: g.cast(ins[0], _dtype(p["new_dtype"])),
+    "stop_gradient": _identity, "copy": _identity, "copy_p": _identity,
+    "optimization_barrier": _identity, "sharding_constraint": _identity,
+    # layout
+    "broadcast_in_dim": _broadcast_in_dim,
+    "reshape": _reshape,
+    "squeeze": _squeeze,
+    "transpose": lambda g, ins, p: g.transpose(ins[0], p["permutation"]),
+    "slice": _slice,
+    "dynamic_slice": _dynamic_slice,
+    "pad": _pad,
+    "concatenate": lambda g, ins, p: g.concatenate(list(ins), p["dimension"]),
+    "split": _split,
+    "rev": lambda g, ins, p: g.reverse(ins[0], p["dimensions"]),
+    "iota": lambda g, ins, p: g.iota(p["shape"], p["dimension"], _dtype(p["dtype"])),
+    # reductions and windows
+    "reduce_sum": _reduce("sum"), "reduce_max": _reduce("max"), "reduce_min": _reduce("min"),
+    "reduce_prod": _reduce("prod"), "reduce_and": _reduce_bool("min"), "reduce_or": _reduce_bool("max"),
+    "argmax": _argreduce("argmax"), "argmin": _argreduce("argmin"),
+    "cumsum": _cumsum,
+    "reduce_window_sum": _reduce_window("sum"), "reduce_window_max": _reduce_window("max"),
+    "reduce_window_min": _reduce_window("min"),
+    # contractions
+    "dot_general": _dot_general,
+    "conv_general_dilated": _conv,
+}
+
+# primitives whose body is another jaxpr, inlined before translation: name -> param holding it
+CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
+         "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
+         "custom_vjp_call_jaxpr": "fun_jaxpr", "remat": "jaxpr", "checkpoint": "jaxpr"}
+
+
+def _dtype(dt) -> DataType:
+    name = getattr(dt, "name", str(dt))
+    if name not in _DTYPES:
+        raise UnsupportedOpError(f"dtype {name}")
+    return _DTYPES[name]
+
+
+# ============================================================ flat programs
+class _V:
+    """A value of the flattened program, with its abstract shape and dtype."""
+
+    __slots__ = ("shape", "dtype")
+
+    def __init__(self, shape, dtype) -> None:
+        self.shape, self.dtype = tuple(shape), dtype  # numpy's, or JAX's extended (PRNG keys)
+
+
+@dataclass
+class _Const:
+    value: np.ndarray
+
+
+@dataclass
+class _Eqn:
+    prim: Any  # the jax Primitive, to bind when the equation falls back
+    params: dict
+    ins: list  # _V | _Const
+    outs: list  # _V
+    where: str = ""
+
+
+def _where(eqn) -> str:
+    info = getattr(eqn, "source_info", None)
+    try:
+        from jax._src import source_info_util  # a readable user frame, best effort
+        return source_info_util.summarize(info)
+    except Exception:
+        return ""
+
+
+def _flatten(closed, args: list, out: list[_Eqn], stats: Stats, strict: bool) -> list:
+    """Append closed's equations to out with calls inlined; returns its outputs."""
+    env: dict = {}
+
+    def read(v):
+        if isinstance(v, jcore.Literal):
+            return _Const(np.asarray(v.val, dtype=v.aval.dtype))
+        return env[v]
+
+    jaxpr = closed.jaxpr
+    for v, c in zip(jaxpr.constvars, closed.consts):
+        env[v] = _Const(np.asarray(c))
+    for v, a in zip(jaxpr.invars, args):
+        env[v] = a
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        ins = [read(v) for v in eqn.invars]
+        if name in CALLS and CALLS[name] in eqn.params:
+            sub = eqn.params[CALLS[name]]
+            if not hasattr(sub, "consts"):
+                sub = jcore.ClosedJaxpr(sub, ())
+            n_in = len(sub.jaxpr.invars)
+            results = _flatten(sub, ins[len(ins) - n_in:], out, stats, strict)
+        elif name == "scan" and eqn.params["length"] <= SCAN_UNROLL_LIMIT:
+            results = _unroll_scan(eqn, ins, out, stats, strict)
+        else:
+            results = [_V(v.aval.shape, v.aval.dtype) for v in eqn.outvars]
+            out.append(_Eqn(eqn.primitive, dict(eqn.params), ins, results, _where(eqn)))
+        for v, r in zip(eqn.outvars, results):
+            env[v] = r
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _unroll_scan(eqn, ins, out, stats, strict) -> list:
+    p = eqn.params
+    nc, nk, n = p["num_consts"], p["num_carry"], p["length"]
+    consts, carry, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
+    ys: list[list] = []
+    steps = range(n - 1, -1, -1) if p["reverse"] else range(n)
+    for i in steps:
+        xi = [_index(x, i, out) for x in xs]
+        res = _flatten(p["jaxpr"], consts + carry + xi, out, stats, strict)
+        carry, y = res[:nk], res[nk:]
+        ys.append(y)
+    if p["reverse"]:
+        ys.reverse()
+    stacked = [_stack([y[k] for y in ys], v, out) for k, v in enumerate(eqn.outvars[nk:])]
+    return carry + stacked
+
+
+def _index(x, i: int, out: list[_Eqn]):
+    """x[i] along the leading axis, as equations."""
+    if isinstance(x, _Const):
+        return _Const(x.value[i])
+    sl = _V((1,) + x.shape[1:], x.dtype)
+    lo = [i] + [0] * (len(x.shape) - 1)
+    hi = [i + 1] + list(x.shape[1:])
+    out.append(_Eqn(jax.lax.slice_p, {"start_indices": tuple(lo), "limit_indices": tuple(hi), "strides": None},
+                    [x], [sl]))
+    r = _V(x.shape[1:], x.dtype)
+    out.append(_Eqn(jax.lax.reshape_p, {"new_sizes": tuple(x.shape[1:]), "dimensions": None, "sharding": None},
+                    [sl], [r]))
+    return r
+
+
+def _stack(items: list, var, out: list[_Eqn]):
+    shape, dtype = tuple(var.aval.shape), var.aval.dtype
+    rows = []
+    for y in items:
+        r = _V((1,) + shape[1:], dtype)
+        out.append(_Eqn(jax.lax.broadcast_in_dim_p, {"shape": r.shape, "sharding": None,
+                        "broadcast_dimensions": tuple(range(1, len(shape)))}, [y], [r]))
+        rows.append(r)
+    s = _V(shape, dtype)
+    out.append(_Eqn(jax.lax.concatenate_p, {"dimension": 0}, rows, [s]))
+    return s
+
+
+# ================================================================ segments
+class _Segment:
+    """A run of supported equations, translated into one polyjit graph."""
+
+    def __init__(self) -> None:
+        self.graph = Graph()
+        self.env: dict[int, Node] = {}
+        self.inputs: list[_V] = []
+        self.defined: list[_V] = []
+        self.outputs: list[_V] = []
+        self.exe: Executable | None = None
+
+    def operand(self, x) -> Node:
+        if isinstance(x, _Const):
+            v = x.value
+            if v.ndim == 0:
+                return self.graph.constant(v.item(), _dtype(v.dtype))
+            _dtype(v.dtype)
+            return self.graph.tensor_constant(v)
+        if id(x) not in self.env:
+            self.env[id(x)] = self.graph.input(x.shape, _dtype(x.dtype), f"v{len(self.inputs)}")
+            self.inputs.append(x)
+        return self.env[id(x)]
+
+    def add(self, e: _Eqn, rule) -> None:
+        """Translate e, or raise UnsupportedOpError leaving the segment unchanged."""
+        n_inputs, graph_inputs = len(self.inputs), len(self.graph.inputs)
+        try:
+            for v in e.outs:
+                _dtype(v.dtype)
+            result = rule(self.graph, [self.operand(x) for x in e.ins], e.params)
+            results = result if isinstance(result, list) else [result]
+            if len(results) != len(e.outs):
+                raise UnsupportedOpError(f"{e.prim.name} with {len(e.outs)} results")
+            nodes = []
+            for v, n in zip(e.outs, results):
+                n = self.graph.cast(n, _dtype(v.dtype))
+                if tuple(n.shape) != v.shape:
+                    raise UnsupportedOpError(f"{e.prim.name} (translated to shape {list(n.shape)}, "
+                                             f"JAX says {list(v.shape)})")
+                nodes.append(n)
+        except UnsupportedOpError:
+            for x in self.inputs[n_inputs:]:
+                del self.env[id(x)]
+            del self.inputs[n_inputs:], self.graph.inputs[graph_inputs:]
+            raise
+        for v, n in zip(e.outs, nodes):
+            self.env[id(v)] = n
+            self.defined.append(v)
+
+    def close(self, live: set[int], options: CompileOptions, name: str) -> None:
+        for v in self.defined:
+            n = self.env[id(v)]
+            if id(v) in live and n.op != "input":
+                self.graph.add_output(n)
+                self.outputs.append(v)
+        self.exe = Executable(self.graph, options, name)
+
+    def run(self, values: dict) -> None:
+        if not self.outputs:
+            return
+        outs = self.exe(*[np.asarray(values[id(v)]) for v in self.inputs])
+        for v, o in zip(self.outputs, outs):
+            values[id(v)] = o
+
+
+class _Fallback:
+    def __init__(self, e: _Eqn) -> None:
+        self.e = e
+
+    def run(self, values: dict) -> None:
+        e = self.e
+        args = [x.value if isinstance(x, _Const) else values[id(x)] for x in e.ins]
+        out = e.prim.bind(*args, **e.params)
+        for v, o in zip(e.outs, out if e.prim.multiple_results else [out]):
+            values[id(v)] = o
+
+
+class Program:
+    """A traced function as steps: compiled segments with JAX fallbacks between."""
+
+    def __init__(self, closed, options: CompileOptions, stats: Stats, name: str) -> None:
+        self.invars = [_V(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
+        eqns: list[_Eqn] = []
+        self.outvars = _flatten(closed, list(self.invars), eqns, stats, options.strict)
+        last: dict[int, int] = {}
+        for i, e in enumerate(eqns):
+            for x in e.ins:
+                last[id(x)] = i
+        for x in self.outvars:
+            last[id(x)] = len(eqns)
+        self.steps: list = []
+        seg: _Segment | None = None
+        count = itertools.count()
+
+        def close(i):
+            live = {k for k, j in last.items() if j >= i}
+            seg.close(live, options, f"{name}_{next(count)}")
+            self.steps.append(seg)
+
+        for i, e in enumerate(eqns):
+            rule = PRIMITIVES.get(e.prim.name)
+            if rule is not None:
+                seg = seg or _Segment()
+                try:
+                    seg.add(e, rule)
+                    continue
+                except UnsupportedOpError as err:
+                    if options.strict:
+                        raise UnsupportedOpError(f"{err} is not supported by polyjit"
+                                                 + (f" (at {e.where})" if e.where else "")) from None
+                    fallback(stats, f"{e.prim.name} ({err})", "JAX", e.where)
+            else:
+                fallback(stats, e.prim.name, "JAX", e.where, options.strict)
+            if seg is not None:
+                close(i)
+                seg = None
+            self.steps.append(_Fallback(e))
+        if seg is not None:
+            close(len(eqns))
+        self.stats = stats
+        self.segments = [s for s in self.steps if isinstance(s, _Segment)]
+
+    def __call__(self, args: Sequence) -> list:
+        values: dict[int, Any] = {id(v): a for v, a in zip(self.invars, args)}
+        for step in self.steps:
+            step.run(values)
+        for k, seg in enumerate(self.segments):
+            if seg.outputs:
+                self.stats.record(seg.exe.name, seg.exe.stats)
+        inputs = {id(v) for v in self.invars}
+        return [x.value if isinstance(x, _Const) else np.array(values[id(x)]) if id(x) in inputs
+                else values[id(x)] for x in self.outvars]
+
+
+# ================================================================= wrapper
+EXECUTION_BACKENDS = ("polyjit", "std", "xla")
+_FRONTEND_KEYS = {"static_argnums": "an int or a tuple of ints"}
+
+
+def _norm_static(static, where: str) -> tuple[int, ...]:
+    if static is None:
+        return ()
+    if isinstance(static, int) and not isinstance(static, bool):
+        return (static,)
+    if isinstance(static, (tuple, list)) and all(isinstance(i, int) and not isinstance(i, bool) for i in static):
+        return tuple(static)
+    raise CompileOptionError(f"{where} 'static_argnums' is {static!r}; expected {_FRONTEND_KEYS['static_argnums']}")
+
+
+@dataclass
+class _Signature:
+    tree: Any
+    avals: tuple
+    statics: tuple
+    key: tuple = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.key = (self.tree, self.avals, self.statics)
+
+
+class JaxFunction:
+    """A function compiled with polyjit per signature; ``.stats`` says what it did."""
+
+    def __init__(self, fn: Callable, options: CompileOptions, static_argnums: tuple[int, ...],
+                 backend: str) -> None:
+        self.fn, self.options, self.static_argnums, self.backend = fn, options, static_argnums, backend
+        self._stats = Stats()
+        self._programs: dict[tuple, tuple[Program, Any]] = {}
+        self._vjps: dict[tuple, Program] = {}
+        self._xla = jax.jit(fn, static_argnums=static_argnums) if backend == "xla" else None
+        self.__name__ = getattr(fn, "__name__", "fn")
+        functools.update_wrapper(self, fn)
+
+    @property
+    def stats(self) -> dict:
+        return self._stats.as_dict()
+
+    # ------------------------------------------------------------- arguments
+    def _split(self, args, kwargs):
+        static = {i % len(args) if args else i for i in self.static_argnums}
+        for i in static:
+            if i >= len(args):
+                raise InputError(f"{self.__name__}: static_argnums names argument {i}, but only "
+                                 f"{len(args)} positional arguments were given")
+            try:
+                hash(args[i])
+            except TypeError:
+                raise InputError(f"{self.__name__}: static argument {i} is a {type(args[i]).__name__}, "
+                                 f"which is not hashable; static arguments must be hashable "
+                                 f"(e.g. a tuple instead of a list)") from None
+        statics = tuple((i, args[i]) for i in sorted(static))
+        dyn = [a for i, a in enumerate(args) if i not in static]
+        leaves, tree = jax.tree_util.tree_flatten((dyn, kwargs))
+        return statics, leaves, tree
+
+    def _check_leaves(self, leaves, tree) -> list:
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+            jax.tree_util.tree_unflatten(tree, leaves))[0]]
+        devices = {}
+        out = []
+        for path, x in zip(paths, leaves):
+            if isinstance(x, (bool, int, float)):
+                x = np.asarray(x, dtype=jnp.asarray(x).dtype)
+            elif isinstance(x, jax.Array):
+                devices[path] = next(iter(x.devices()))
+            elif not isinstance(x, np.ndarray):
+                raise InputError(f"{self.__name__}: argument {path} is a {type(x).__name__}; expected a "
+                                 f"jax.Array, a numpy array or a scalar")
+            out.append(x)
+        platforms = {d.platform for d in devices.values()}
+        if devices and (len(set(devices.values())) > 1 or (platforms != {"cpu"} and len(devices) < len(leaves))):
+            where = ", ".join(f"{p} on {d}" for p, d in devices.items())
+            raise InputError(f"{self.__name__}: inputs must be all on the host or all on one device; got {where} "
+                             f"and {len(leaves) - len(devices)} host arrays")
+        if platforms - {"cpu"} and self.options.target == "cpu":
+            raise InputError(f"{self.__name__}: arguments are on {platforms.pop()}, but target 'cpu' runs on the host")
+        return out
+
+    # ------------------------------------------------------------- programs
+    def _trace(self, sig: _Signature, fn: Callable, name: str):
+        out_tree = []
+
+        def flat(*leaves):
+            out = fn(*leaves)
+            flat_out, t = jax.tree_util.tree_flatten(out)
+            out_tree.append(t)
+            return flat_out
+        closed = jax.make_jaxpr(flat)(*[jax.ShapeDtypeStruct(s, d, weak_type=w) for s, d, w in sig.avals])
+        return Program(closed, self.options, self._stats, name), out_tree[0]
+
+    def _call_fn(self, sig: _Signature):
+        def call(*leaves):
+            dyn, kwargs = jax.tree_util.tree_unflatten(sig.tree, leaves)
+            args, it = [], iter(dyn)
+            statics = dict(sig.statics)
+            for i in range(len(dyn) + len(statics)):
+                args.append(statics[i] if i in statics else next(it))
+            return self.fn(*args, **kwargs)
+        return call
+
+    def program(self, sig: _Signature):
+        if sig.key not in self._programs:
+            self._programs[sig.key] = self._trace(sig, self._call_fn(sig), f"{self.__name__}{len(self._programs)}")
+        return self._programs[sig.key]
+
+    def vjp_program(self, sig: _Signature, out_avals) -> Program:
+        """(primals..., cotangents of the float outputs...) -> cotangents of the float primals."""
+        if sig.key not in self._vjps:
+            call = self._call_fn(sig)
+            n = len(sig.avals)
+            floats = [i for i, (_, d, _) in enumerate(sig.avals) if jnp.issubdtype(d, jnp.floating)]
+            fouts = [k for k, a in enumerate(out_avals) if jnp.issubdtype(a.dtype, jnp.floating)]
+
+            def bwd(*a):
+                primals, cts = a[:n], a[n:]
+
+                def of_floats(*fx):
+                    xs = list(primals)
+                    for i, x in zip(floats, fx):
+                        xs[i] = x
+                    return [jax.tree_util.tree_leaves(call(*xs))[k] for k in fouts]
+                _, pullback = jax.vjp(of_floats, *[primals[i] for i in floats])
+                return list(pullback(list(cts)))
+            avals = tuple(sig.avals) + tuple((out_avals[k].shape, out_avals[k].dtype, False) for k in fouts)
+            bsig = _Signature(None, avals, ())
+            self._vjps[sig.key] = self._trace(bsig, bwd, f"{self.__name__}_vjp{len(self._vjps)}")[0]
+        return self._vjps[sig.key]
+
+    # ------------------------------------------------------------------ call
+    def __call__(self, *args, **kwargs):
+        if self.backend == "std":
+            return self.fn(*args, **kwargs)
+        if self.backend == "xla":
+            return self._xla(*args, **kwargs)
+        statics, leaves, tree = self._split(args, kwargs)
+        if any(isinstance(x, jax.core.Tracer) for x in leaves):
+            return self._traced(statics, leaves, tree)
+        weak = [isinstance(x, (bool, int, float)) for x in leaves]
+        leaves = self._check_leaves(leaves, tree)
+        sig = _Signature(tree, tuple((tuple(np.shape(x)), np.dtype(x.dtype), w) for x, w in zip(leaves, weak)),
+                         statics)
+        prog, out_tree = self.program(sig)
+        outs = prog([np.asarray(x) for x in leaves])
+        device = next((next(iter(x.devices())) for x in leaves if isinstance(x, jax.Array)), None)
+        return jax.tree_util.tree_unflatten(out_tree, [jax.device_put(o, device) for o in outs])
+
+    def lower(self, *args, **kwargs) -> "Lowered":
+        """Fix the signature of these arguments, as ``jax.jit(f).lower(...)``."""
+        statics, leaves, tree = self._split(args, kwargs)
+        weak = [isinstance(x, (bool, int, float)) for x in leaves]
+        leaves = self._check_leaves(leaves, tree)
+        sig = _Signature(tree, tuple((tuple(np.shape(x)), np.dtype(x.dtype), w) for x, w in zip(leaves, weak)),
+                         statics)
+        return Lowered(self, sig)
+
+    def _traced(self, statics, leaves, tree):
+        sig = _Signature(tree, tuple((tuple(x.shape), x.dtype, bool(getattr(x, "weak_type", False)))
+                                     for x in leaves), statics)
+        prog, out_tree = self.program(sig)
+        out_avals = [jax.ShapeDtypeStruct(v.value.shape, v.value.dtype) if isinstance(v, _Const)
+                     else jax.ShapeDtypeStruct(v.shape, v.dtype) for v in prog.outvars]
+        floats = [i for i, (_, d, _) in enumerate(sig.avals) if jnp.issubdtype(d, jnp.floating)]
+        fouts = [k for k, a in enumerate(out_avals) if jnp.issubdtype(a.dtype, jnp.floating)]
+
+        def run(p, *xs):
+            return [np.asarray(o) for o in p([np.asarray(x) for x in xs])]
+
+        @jax.custom_vjp
+        def f(*xs):
+            return jax.pure_callback(functools.partial(run, prog), out_avals, *xs, vmap_method="sequential")
+
+        def f_fwd(*xs):
+            return f(*xs), xs
+
+        def f_bwd(xs, cts):
+            bprog = self.vjp_program(sig, out_avals)
+            shapes = [jax.ShapeDtypeStruct(sig.avals[i][0], sig.avals[i][1]) for i in floats]
+            grads = jax.pure_callback(functools.partial(run, bprog), shapes, *xs, *[cts[k] for k in fouts],
+                                      vmap_method="sequential")
+            out = [None] * len(xs)
+            for i, gr in zip(floats, grads):
+                out[i] = gr
+            return tuple(out)
+        f.defvjp(f_fwd, f_bwd)
+        return jax.tree_util.tree_unflatten(out_tree, list(f(*leaves)))
+
+
+class Lowered:
+    """A signature fixed ahead of time; ``compile()`` gives its executable."""
+
+    def __init__(self, fn: JaxFunction, sig: _Signature) -> None:
+        self.fn, self.sig = fn, sig
+
+    def compile(self) -> "Compiled":
+        self.fn.program(self.sig)
+        return Compiled(self.fn, self.sig)
+
+
+class Compiled:
+    """A compiled signature: calls with other shapes or dtypes raise InputError."""
+
+    def __init__(self, fn: JaxFunction, sig: _Signature) -> None:
+        self.fn, self.sig = fn, sig
+
+    def __call__(self, *args, **kwargs):
+        statics, leaves, tree = self.fn._split(args, kwargs)
+        leaves = self.fn._check_leaves(leaves, tree)
+        if tree != self.sig.tree or statics != self.sig.statics:
+            raise InputError(f"{self.fn.__name__}: arguments have structure {tree} and static values {statics}, "
+                             f"compiled for {self.sig.tree} and {self.sig.statics}")
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+            jax.tree_util.tree_unflatten(tree, leaves))[0]]
+        for path, x, (shape, dtype, _) in zip(paths, leaves, self.sig.avals):
+            if tuple(np.shape(x)) != tuple(shape) or np.dtype(x.dtype) != np.dtype(dtype):
+                raise InputError(f"{self.fn.__name__}: argument {path} is {np.dtype(x.dtype).name}{list(np.shape(x))}, "
+                                 f"compiled for {np.dtype(dtype).name}{list(shape)}")
+        return self.fn(*args, **kwargs)
+
+    @property
+    def stats(self) -> dict:
+        return self.fn.stats
+
+
+def jit_jax(fn: Callable | None = None, *, compile_options: dict | None = None,
+            static_argnums: int | Sequence[int] | None = None, execution_backend: str = "polyjit"):
+    """Compile a JAX function with polyjit (as ``jax.jit`` would).
+
+    ``static_argnums`` (also accepted in ``compile_options``) marks arguments
+    that are compile-time constants. ``execution_backend="std"`` runs the
+    function un-jitted and ``"xla"`` through ``jax.jit``, for comparison.
+    """
+    if execution_backend not in EXECUTION_BACKENDS:
+        raise CompileOptionError(f"execution_backend is {execution_backend!r}; allowed values: "
+                                 f"{list(EXECUTION_BACKENDS)}")
+    opts = dict(compile_options or {})
+    static = _norm_static(opts.pop("static_argnums", None), "compile option")
+    static = static + tuple(i for i in _norm_static(static_argnums, "argument") if i not in static)
+    options = parse_options(opts, extra=_FRONTEND_KEYS)
+
+    def wrap(f):
+        return JaxFunction(f, options, static, execution_backend)
+    return wrap(fn) if fn is not None else wrap

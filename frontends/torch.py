@@ -17,8 +17,7 @@ import functools
 import logging
 import math
 import operator
-import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -35,6 +34,8 @@ from polyjit.errors import InputError, UnsupportedOpError
 from polyjit.graph import Graph
 from polyjit.options import CompileOptions, parse_options
 from polyjit.sizes import Lin
+
+from .common import Stats, fallback
 
 log = logging.getLogger("polyjit.torch")
 aten = torch.ops.aten
@@ -651,26 +652,6 @@ class CompiledGraph:
         return tuple(result)
 
 
-@dataclass
-class Stats:
-    """What polyjit did for one decorated function: summed over its graphs."""
-
-    graphs: dict = field(default_factory=dict)
-    fallbacks: int = 0
-    fallback_ops: set = field(default_factory=set)
-
-    def record(self, name: str, stats: dict) -> None:
-        self.graphs[name] = dict(stats)
-
-    def as_dict(self) -> dict:
-        out = {"graphs": len(self.graphs), "fallbacks": self.fallbacks,
-               "fallback_ops": sorted(self.fallback_ops)}
-        for key in ("kernels", "statements", "fused", "inlined", "contracted_buffers", "intermediate_bytes"):
-            out[key] = sum(s.get(key, 0) for s in self.graphs.values())
-        return out
-
-
-_warned: set = set()
 
 
 class _Supported(OperatorSupport):
@@ -701,14 +682,7 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: CompileOptions
                 raise
             log.debug("whole-graph translation failed (%s); partitioning", e)
     for n in unsupported:
-        what = str(n.target)
-        if options.strict:
-            raise UnsupportedOpError(f"{what} is not supported by polyjit (at {_where(n)})")
-        stats.fallbacks += 1
-        stats.fallback_ops.add(what)
-        if what not in _warned:
-            _warned.add(what)
-            warnings.warn(f"polyjit: {what} runs in eager PyTorch (at {_where(n)})", stacklevel=2)
+        fallback(stats, str(n.target), "eager PyTorch", _where(n), options.strict)
     parts = CapabilityBasedPartitioner(gm, support, allows_single_node_partition=True).propose_partitions()
     fused = CapabilityBasedPartitioner(gm, support).fuse_partitions(parts) if parts else gm
     for sub_name, sub in list(fused.named_children()):
@@ -718,11 +692,7 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: CompileOptions
             except UnsupportedOpError as e:  # an op the table has, with arguments it refuses
                 if options.strict:
                     raise
-                stats.fallbacks += 1
-                stats.fallback_ops.add(str(e))
-                if str(e) not in _warned:
-                    _warned.add(str(e))
-                    warnings.warn(f"polyjit: {e} runs in eager PyTorch", stacklevel=2)
+                fallback(stats, str(e), "eager PyTorch")
     fused.recompile()
     return fused
 

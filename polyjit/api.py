@@ -6,7 +6,6 @@ strides) and checks every call's arguments before running anything.
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 

@@ -1,0 +1,220 @@
+"""The JAX frontend on the seed programs: results against un-jitted JAX on
+fresh random data, with zero fallbacks."""
+import os
+import warnings
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
+
+import polyjit  # noqa: E402
+from polyjit.errors import CompileOptionError, InputError, UnsupportedOpError  # noqa: E402
+
+
+@pytest.fixture
+def key(rng):
+    return jax.random.PRNGKey(int(rng.integers(1 << 31)))
+
+
+def rnd(rng, *shape, dtype=np.float32):
+    return jnp.asarray(rng.standard_normal(shape, dtype=np.float32).astype(dtype))
+
+
+def assert_tree_close(out, ref, rtol=1e-5, atol=1e-5):
+    a, b = jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(ref)
+    assert jax.tree_util.tree_structure(out) == jax.tree_util.tree_structure(ref)
+    for x, y in zip(a, b):
+        assert isinstance(x, jax.Array) and x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=rtol, atol=atol)
+
+
+def check(fn, *args, rtol=1e-5, atol=1e-5, **kw):
+    jf = polyjit.jit_jax(fn, **kw)
+    out = jf(*args)
+    assert_tree_close(out, fn(*args), rtol, atol)
+    assert jf.stats["fallbacks"] == 0 and jf.stats["graphs"] >= 1
+    return jf
+
+
+def blur(img):
+    k = jnp.full((1, 1, 1, 5), 0.2, jnp.float32)
+    x = lax.conv_general_dilated(img, k, (1, 1), "VALID")
+    return lax.conv_general_dilated(x, k.reshape(1, 1, 5, 1), (1, 1), "VALID")
+
+
+def test_blur_one_loop_nest(rng):
+    jf = check(blur, jnp.asarray(rng.random((3, 1, 64, 80), dtype=np.float32)))
+    assert jf.stats["kernels"] == 1 and jf.stats["contracted_buffers"] == 1
+    assert jf.stats["intermediate_bytes"] < 3 * 64 * 76 * 4 / 2
+
+
+def conv_bias_relu(params, x):
+    y = lax.conv_general_dilated(x, params["w"], (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    return jax.nn.relu(y + params["b"])
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-4), (jnp.float16, 2e-2)])
+def test_conv_bias_relu_nhwc(rng, dtype, tol):
+    params = {"w": rnd(rng, 3, 3, 4, 8, dtype=dtype), "b": rnd(rng, 8, dtype=dtype)}
+    check(conv_bias_relu, params, rnd(rng, 2, 10, 12, 4, dtype=dtype), rtol=tol, atol=tol)
+
+
+def test_depthwise_conv_feature_groups(rng):
+    def dw(x, w):
+        return lax.conv_general_dilated(x, w, (2, 2), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                        feature_group_count=4)
+    check(dw, rnd(rng, 2, 9, 11, 4), rnd(rng, 3, 3, 1, 8), rtol=1e-4, atol=1e-4)
+
+
+def gradient_descent(w, x, num_steps, lr):
+    y = jnp.sum(x, 1)
+
+    def loss(w):
+        return jnp.mean((x @ w - y) ** 2)
+    return lax.fori_loop(0, num_steps, lambda i, w: w - lr * jax.grad(loss)(w), w)
+
+
+def test_gradient_descent_static_argnums(rng):
+    jf = check(gradient_descent, rnd(rng, 4), rnd(rng, 16, 4), 8, 0.05,
+               compile_options={"target": "cpu", "static_argnums": (2, 3)}, rtol=1e-4, atol=1e-5)
+    jf(rnd(rng, 4), rnd(rng, 16, 4), 8, 0.05)
+    assert len(jf._programs) == 1  # same shapes and static values: no new compile
+    out = jf(rnd(rng, 4), rnd(rng, 16, 4), 3, 0.05)
+    assert len(jf._programs) == 2 and out.shape == (4,)
+
+
+def test_static_argnums_keyword_form(rng):
+    scale = polyjit.jit_jax(lambda x, k: x * k, static_argnums=1)
+    x = rnd(rng, 5)
+    assert_tree_close(scale(x, 3.0), x * 3.0)
+
+
+def layernorm(x, w, b):
+    m = x.mean(-1, keepdims=True)
+    v = ((x - m) ** 2).mean(-1, keepdims=True)
+    return (x - m) / jnp.sqrt(v + 1e-5) * w + b
+
+
+def test_layernorm_one_pass(rng):
+    jf = check(layernorm, rnd(rng, 4, 16, 64), rnd(rng, 64), rnd(rng, 64), atol=2e-5)
+    assert jf.stats["kernels"] == 1
+
+
+@pytest.mark.parametrize("fn", [lambda x: jax.nn.softmax(x, -1), lambda x: jax.nn.log_softmax(x, -1),
+                                lambda x: jax.nn.gelu(x), lambda x: jax.nn.gelu(x, approximate=False)],
+                         ids=["softmax", "log_softmax", "gelu_tanh", "gelu_erf"])
+def test_activations(rng, fn):
+    check(fn, rnd(rng, 8, 100))
+
+
+def mlp_loss(params, x, y):
+    h = jax.nn.relu(x @ params["w1"] + params["b1"])
+    return jnp.mean((h @ params["w2"] - y) ** 2)
+
+
+def test_mlp_loss_and_grad_of_a_jit_jax_function(rng):
+    params = {"w1": rnd(rng, 8, 16), "b1": rnd(rng, 16), "w2": rnd(rng, 16, 4)}
+    x, y = rnd(rng, 5, 8), rnd(rng, 5, 4)
+    jf = check(mlp_loss, params, x, y, rtol=1e-4)
+    grads = jax.grad(jf)(params, x, y)
+    assert_tree_close(grads, jax.grad(mlp_loss)(params, x, y), rtol=1e-4, atol=1e-5)
+    assert jf.stats["graphs"] == 2 and jf.stats["fallbacks"] == 0  # forward and its VJP, both polyjit
+    check(jax.grad(mlp_loss), params, x, y, rtol=1e-4)  # a gradient traced as one program
+    assert_tree_close(jax.jit(jf)(params, x, y), mlp_loss(params, x, y), rtol=1e-4)
+
+
+def test_pytrees_in_and_out_numpy_inputs(rng):
+    def f(d, t):
+        return {"sum": d["a"] + t[0], "prod": (d["a"] * t[1], t[0].max())}
+    a = rng.standard_normal((3, 4), dtype=np.float32)
+    out = polyjit.jit_jax(f)({"a": a}, (np.ones((3, 4), np.float32), jnp.asarray(a)))
+    assert_tree_close(out, f({"a": a}, (np.ones((3, 4), np.float32), jnp.asarray(a))))
+
+
+def test_captured_values_are_constants_arguments_stay_inputs(rng):
+    w = rnd(rng, 8, 8)
+    jf = polyjit.jit_jax(lambda x: jnp.tanh(x @ w))
+    x = rnd(rng, 4, 8)
+    assert_tree_close(jf(x), jnp.tanh(x @ w), rtol=1e-4)
+    prog, _ = next(iter(jf._programs.values()))
+    assert [n.op for n in prog.segments[0].graph.inputs] == ["input"]
+    assert len(prog.segments[0].graph.inputs) == 1  # w was folded in, x stays an input
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: jnp.argmax(x, -1), lambda x: jnp.cumsum(x, 1), lambda x: lax.cumsum(x, 0, reverse=True),
+    lambda x: lax.reduce_window(x, -jnp.inf, lax.max, (2, 2), (2, 2), "VALID"),
+    lambda x: jnp.clip(x, -0.5, 0.5) ** 3, lambda x: jnp.concatenate([x, x[:, ::-1]], 1),
+    lambda x: jnp.pad(x, ((1, 2), (0, 3))), lambda x: jnp.where(x > 0, x, jnp.exp(x)),
+    lambda x: x[1:3, 2:7:2], lambda x: lax.dynamic_slice(x, (1, 2), (2, 3)),
+    lambda x: jnp.split(x, 2, axis=1)[1], lambda x: (x.astype(jnp.int32) * 3).sum(0),
+    lambda x: jnp.round(x * 3), lambda x: jax.nn.sigmoid(x) + jnp.exp2(x) + jnp.log1p(jnp.abs(x)),
+], ids=["argmax", "cumsum", "cumsum_rev", "maxpool", "clip_pow", "concat_rev", "pad", "where", "slice",
+        "dynamic_slice", "split", "int_sum", "round", "misc"])
+def test_primitives(rng, fn):
+    check(fn, rnd(rng, 4, 10))
+
+
+def test_nan_and_inf_propagate():
+    x = jnp.asarray([[0.5, np.nan, -np.inf, 2.0], [1.0, 2.0, np.inf, -1.0]], jnp.float32)
+    for fn in (lambda x: jax.nn.softmax(x, -1), lambda x: jnp.max(x, 1), lambda x: jnp.exp(x) * 0 + x):
+        out, ref = np.asarray(polyjit.jit_jax(fn)(x)), np.asarray(fn(x))
+        np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+        np.testing.assert_allclose(out[~np.isnan(out)], ref[~np.isnan(ref)], rtol=1e-6)
+
+
+def test_execution_backends_agree(rng):
+    x = rnd(rng, 8, 32)
+    outs = [polyjit.jit_jax(layernorm, execution_backend=b)(x, x[0], x[1]) for b in ("polyjit", "std", "xla")]
+    for o in outs[1:]:
+        assert_tree_close(outs[0], o, atol=2e-5)
+    with pytest.raises(CompileOptionError, match="execution_backend"):
+        polyjit.jit_jax(layernorm, execution_backend="tpu")
+
+
+def test_unsupported_primitive_falls_back_or_raises_under_strict(rng):
+    def f(x):
+        return jnp.sort(x, -1) * 2 + 1
+    x = rnd(rng, 3, 7)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        jf = polyjit.jit_jax(f)
+        assert_tree_close(jf(x), f(x))
+    assert jf.stats["fallbacks"] == 1 and jf.stats["fallback_ops"] == ["sort"]
+    assert any("sort" in str(m.message) for m in w)
+    with pytest.raises(UnsupportedOpError, match="sort"):
+        polyjit.jit_jax(f, compile_options={"strict": True})(x)
+
+
+def test_bad_inputs(rng):
+    with pytest.raises(InputError, match="static argument 1 is a list"):
+        polyjit.jit_jax(lambda x, s: x * len(s), static_argnums=(1,))(rnd(rng, 3), [1, 2])
+    jf = polyjit.jit_jax(lambda x, y: x @ y)
+    compiled = jf.lower(rnd(rng, 3, 4), rnd(rng, 4, 5)).compile()
+    assert compiled(rnd(rng, 3, 4), rnd(rng, 4, 5)).shape == (3, 5)
+    with pytest.raises(InputError, match=r"argument \[0\]\[1\] is float32\[4, 6\], compiled for float32\[4, 5\]"):
+        compiled(rnd(rng, 3, 4), rnd(rng, 4, 6))
+    with pytest.raises(InputError, match="argument .* is a str"):
+        jf("a", rnd(rng, 4, 5))
+    with pytest.raises(CompileOptionError, match="static_argnums"):
+        polyjit.jit_jax(lambda x: x, compile_options={"static_argnums": "0"})
+    with pytest.raises(CompileOptionError, match="unknown compile option 'tile'"):
+        polyjit.jit_jax(lambda x: x, compile_options={"tile": 3})
+
+
+@pytest.mark.gpu
+def test_mixed_host_and_device_inputs():
+    gpu = jax.devices("gpu")[0]
+    x = jax.device_put(jnp.ones(3), gpu)
+    with pytest.raises(InputError, match="all on the host or all on one device"):
+        polyjit.jit_jax(lambda a, b: a + b)(x, np.ones(3, np.float32))
+
+
+def test_core_imports_no_framework():
+    import subprocess
+    import sys
+    code = "import sys, polyjit; polyjit.compile; assert not {'jax', 'torch', 'tensorflow'} & set(sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], env={**os.environ}).returncode == 0
