@@ -1,11 +1,20 @@
-"""What every frontend shares: compile stats and the fallback rule (counted,
-warned once per op, refused under ``strict``). Imports no framework."""
+"""What every frontend shares: compile stats, the fallback rule (counted,
+warned once per op, refused under ``strict``), and programs of framework
+ops run as polyjit-compiled segments with the framework's own ops between
+them. Imports no framework."""
 from __future__ import annotations
 
+import itertools
 import warnings
 from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
 
+import numpy as np
+
+from polyjit.api import Executable
 from polyjit.errors import UnsupportedOpError
+from polyjit.graph import Graph, Node
+from polyjit.options import CompileOptions
 
 _warned: set = set()
 
@@ -39,3 +48,172 @@ def fallback(stats: Stats, op: str, framework: str, where: str = "", strict: boo
     if op not in _warned:
         _warned.add(op)
         warnings.warn(f"polyjit: {op} runs in {framework}{at}", stacklevel=3)
+
+
+# ====================================================== segmented programs
+class Value:
+    """A value of a framework program, with its static shape and framework dtype."""
+
+    __slots__ = ("shape", "dtype")
+
+    def __init__(self, shape, dtype) -> None:
+        self.shape, self.dtype = tuple(shape), dtype
+
+
+@dataclass
+class Const:
+    """A value known at compile time (a literal, a captured array)."""
+
+    value: np.ndarray
+
+
+@dataclass
+class Op:
+    """One framework op: ``rule(graph, operand nodes, params)`` translates it
+    (raising UnsupportedOpError for arguments it refuses; None: not in the
+    table) and ``run(values)`` executes it in the framework instead."""
+
+    name: str
+    rule: Callable | None
+    params: Any
+    ins: list  # Value | Const
+    outs: list  # Value
+    run: Callable[[list], list]
+    where: str = ""
+
+
+def static_value(n: Node) -> np.ndarray:
+    """The value of a node known at compile time, or UnsupportedOpError."""
+    if n.op == "constant":
+        return np.asarray(n.attrs["value"])
+    if n.op == "tensor_constant":
+        return n.attrs["value"]
+    raise UnsupportedOpError("an operand that must be known at compile time is computed at run time")
+
+
+class _Segment:
+    """A run of supported ops, translated into one polyjit graph."""
+
+    def __init__(self, dtype_of: Callable) -> None:
+        self.graph = Graph()
+        self.dtype_of = dtype_of
+        self.env: dict[int, Node] = {}
+        self.inputs: list[Value] = []
+        self.defined: list[Value] = []
+        self.outputs: list[Value] = []
+        self.exe: Executable | None = None
+
+    def operand(self, x) -> Node:
+        if isinstance(x, Const):
+            v = x.value
+            dt = self.dtype_of(v.dtype)
+            return self.graph.constant(v.item(), dt) if v.ndim == 0 else self.graph.tensor_constant(v)
+        if id(x) not in self.env:
+            self.env[id(x)] = self.graph.input(x.shape, self.dtype_of(x.dtype), f"v{len(self.inputs)}")
+            self.inputs.append(x)
+        return self.env[id(x)]
+
+    def add(self, op: Op) -> None:
+        """Translate op, or raise UnsupportedOpError leaving the segment unchanged."""
+        n_inputs, graph_inputs = len(self.inputs), len(self.graph.inputs)
+        try:
+            for v in op.outs:
+                self.dtype_of(v.dtype)
+            result = op.rule(self.graph, [self.operand(x) for x in op.ins], op.params)
+            results = result if isinstance(result, list) else [result]
+            if len(results) != len(op.outs):
+                raise UnsupportedOpError(f"{op.name} with {len(op.outs)} results")
+            nodes = []
+            for v, n in zip(op.outs, results):
+                n = self.graph.cast(n, self.dtype_of(v.dtype))
+                if tuple(n.shape) != v.shape:
+                    raise UnsupportedOpError(f"{op.name} (translated to shape {list(n.shape)}, "
+                                             f"expected {list(v.shape)})")
+                nodes.append(n)
+        except UnsupportedOpError:
+            for x in self.inputs[n_inputs:]:
+                del self.env[id(x)]
+            del self.inputs[n_inputs:], self.graph.inputs[graph_inputs:]
+            raise
+        for v, n in zip(op.outs, nodes):
+            self.env[id(v)] = n
+            self.defined.append(v)
+
+    def close(self, live: set[int], options: CompileOptions, name: str) -> None:
+        for v in self.defined:
+            n = self.env[id(v)]
+            if id(v) in live and n.op != "input":
+                self.graph.add_output(n)
+                self.outputs.append(v)
+        self.exe = Executable(self.graph, options, name)
+
+    def run(self, values: dict) -> None:
+        if not self.outputs:
+            return
+        outs = self.exe(*[np.asarray(values[id(v)]) for v in self.inputs])
+        for v, o in zip(self.outputs, outs):
+            values[id(v)] = o
+
+
+class _Fallback:
+    def __init__(self, op: Op) -> None:
+        self.op = op
+
+    def run(self, values: dict) -> None:
+        args = [x.value if isinstance(x, Const) else values[id(x)] for x in self.op.ins]
+        for v, o in zip(self.op.outs, self.op.run(args)):
+            values[id(v)] = o
+
+
+class SegmentedProgram:
+    """A framework program as steps: runs of supported ops compiled by polyjit,
+    with the framework running each unsupported op between them."""
+
+    def __init__(self, invars: list[Value], ops: list[Op], outvars: list, dtype_of: Callable,
+                 options: CompileOptions, stats: Stats, name: str, framework: str) -> None:
+        self.invars, self.outvars, self.stats = invars, outvars, stats
+        last: dict[int, int] = {}
+        for i, op in enumerate(ops):
+            for x in op.ins:
+                last[id(x)] = i
+        for x in outvars:
+            last[id(x)] = len(ops)
+        self.steps: list = []
+        seg: _Segment | None = None
+        count = itertools.count()
+
+        def close(i):
+            seg.close({k for k, j in last.items() if j >= i}, options, f"{name}_{next(count)}")
+            self.steps.append(seg)
+
+        for i, op in enumerate(ops):
+            if op.rule is not None:
+                seg = seg or _Segment(dtype_of)
+                try:
+                    seg.add(op)
+                    continue
+                except UnsupportedOpError as err:
+                    if options.strict:
+                        raise UnsupportedOpError(f"{op.name}: {err}; not supported by polyjit"
+                                                 + (f" (at {op.where})" if op.where else "")) from None
+                    fallback(stats, f"{op.name} ({err})", framework, op.where)
+            else:
+                fallback(stats, op.name, framework, op.where, options.strict)
+            if seg is not None:
+                close(i)
+                seg = None
+            self.steps.append(_Fallback(op))
+        if seg is not None:
+            close(len(ops))
+        self.segments = [s for s in self.steps if isinstance(s, _Segment)]
+
+    def __call__(self, args: Sequence) -> list:
+        values: dict[int, Any] = {id(v): a for v, a in zip(self.invars, args)}
+        for step in self.steps:
+            step.run(values)
+        for seg in self.segments:
+            if seg.outputs:
+                self.stats.record(seg.exe.name, seg.exe.stats)
+        inputs = {id(v) for v in self.invars}
+        return [x.value if isinstance(x, Const) else np.array(values[id(x)]) if id(x) in inputs
+                else values[id(x)] for x in self.outvars]

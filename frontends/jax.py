@@ -17,7 +17,6 @@ On the CPU, arrays cross in both directions without copies.
 from __future__ import annotations
 
 import functools
-import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -26,13 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from polyjit.api import Executable
 from polyjit.dtypes import DataType
 from polyjit.errors import CompileOptionError, InputError, UnsupportedOpError
-from polyjit.graph import Graph, Node
 from polyjit.options import CompileOptions, parse_options
 
-from .common import Stats, fallback
+from .common import Const, Op, SegmentedProgram, Stats, Value, static_value
 
 _DTYPES = {"float32": DataType.Float, "float64": DataType.Double, "float16": DataType.Half,
            "int32": DataType.Int32, "int64": DataType.Int, "bool": DataType.Bool}
@@ -149,26 +146,18 @@ def _slice(g, ins, p):
     return g.slice(ins[0], p["start_indices"], p["limit_indices"], p.get("strides"))
 
 
-def _static_value(n: Node):
-    if n.op != "constant":
-        raise UnsupportedOpError("dynamic_slice with indices computed at run time")
-    return int(n.attrs["value"])
-
-
 def _dynamic_slice(g, ins, p):
     x, sizes = ins[0], p["slice_sizes"]
-    starts = [min(max(_static_value(i), 0), x.shape[d] - sizes[d]) for d, i in enumerate(ins[1:])]
+    starts = [min(max(int(static_value(i)), 0), x.shape[d] - sizes[d]) for d, i in enumerate(ins[1:])]
     return g.slice(x, starts, [s + n for s, n in zip(starts, sizes)])
 
 
 def _pad(g, ins, p):
-    x, value = ins
-    if value.op != "constant":
-        raise UnsupportedOpError("pad with a padding value computed at run time")
+    x, value = ins[0], static_value(ins[1])
     config = p["padding_config"]
     if any(interior for _, _, interior in config):
         raise UnsupportedOpError("pad with interior padding")
-    y = g.pad(x, [max(lo, 0) for lo, _, _ in config], [max(hi, 0) for _, hi, _ in config], value.attrs["value"])
+    y = g.pad(x, [max(lo, 0) for lo, _, _ in config], [max(hi, 0) for _, hi, _ in config], value.item())
     if any(lo < 0 or hi < 0 for lo, hi, _ in config):
         start = [max(-lo, 0) for lo, _, _ in config]
         end = [n - max(-hi, 0) for n, (_, hi, _) in zip(y.shape, config)]
@@ -294,27 +283,11 @@ def _dtype(dt) -> DataType:
 
 
 # ============================================================ flat programs
-class _V:
-    """A value of the flattened program, with its abstract shape and dtype."""
-
-    __slots__ = ("shape", "dtype")
-
-    def __init__(self, shape, dtype) -> None:
-        self.shape, self.dtype = tuple(shape), dtype  # numpy's, or JAX's extended (PRNG keys)
-
-
-@dataclass
-class _Const:
-    value: np.ndarray
-
-
-@dataclass
-class _Eqn:
-    prim: Any  # the jax Primitive, to bind when the equation falls back
-    params: dict
-    ins: list  # _V | _Const
-    outs: list  # _V
-    where: str = ""
+def _eqn_op(prim, params: dict, ins: list, outs: list, where: str = "") -> Op:
+    def run(args):
+        out = prim.bind(*args, **params)
+        return out if prim.multiple_results else [out]
+    return Op(prim.name, PRIMITIVES.get(prim.name), params, ins, outs, run, where)
 
 
 def _where(eqn) -> str:
@@ -326,18 +299,18 @@ def _where(eqn) -> str:
         return ""
 
 
-def _flatten(closed, args: list, out: list[_Eqn], stats: Stats, strict: bool) -> list:
+def _flatten(closed, args: list, out: list[Op]) -> list:
     """Append closed's equations to out with calls inlined; returns its outputs."""
     env: dict = {}
 
     def read(v):
         if isinstance(v, jcore.Literal):
-            return _Const(np.asarray(v.val, dtype=v.aval.dtype))
+            return Const(np.asarray(v.val, dtype=v.aval.dtype))
         return env[v]
 
     jaxpr = closed.jaxpr
     for v, c in zip(jaxpr.constvars, closed.consts):
-        env[v] = _Const(np.asarray(c))
+        env[v] = Const(np.asarray(c))
     for v, a in zip(jaxpr.invars, args):
         env[v] = a
     for eqn in jaxpr.eqns:
@@ -348,18 +321,18 @@ def _flatten(closed, args: list, out: list[_Eqn], stats: Stats, strict: bool) ->
             if not hasattr(sub, "consts"):
                 sub = jcore.ClosedJaxpr(sub, ())
             n_in = len(sub.jaxpr.invars)
-            results = _flatten(sub, ins[len(ins) - n_in:], out, stats, strict)
+            results = _flatten(sub, ins[len(ins) - n_in:], out)
         elif name == "scan" and eqn.params["length"] <= SCAN_UNROLL_LIMIT:
-            results = _unroll_scan(eqn, ins, out, stats, strict)
+            results = _unroll_scan(eqn, ins, out)
         else:
-            results = [_V(v.aval.shape, v.aval.dtype) for v in eqn.outvars]
-            out.append(_Eqn(eqn.primitive, dict(eqn.params), ins, results, _where(eqn)))
+            results = [Value(v.aval.shape, v.aval.dtype) for v in eqn.outvars]
+            out.append(_eqn_op(eqn.primitive, dict(eqn.params), ins, results, _where(eqn)))
         for v, r in zip(eqn.outvars, results):
             env[v] = r
     return [read(v) for v in jaxpr.outvars]
 
 
-def _unroll_scan(eqn, ins, out, stats, strict) -> list:
+def _unroll_scan(eqn, ins, out: list[Op]) -> list:
     p = eqn.params
     nc, nk, n = p["num_consts"], p["num_carry"], p["length"]
     consts, carry, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
@@ -367,7 +340,7 @@ def _unroll_scan(eqn, ins, out, stats, strict) -> list:
     steps = range(n - 1, -1, -1) if p["reverse"] else range(n)
     for i in steps:
         xi = [_index(x, i, out) for x in xs]
-        res = _flatten(p["jaxpr"], consts + carry + xi, out, stats, strict)
+        res = _flatten(p["jaxpr"], consts + carry + xi, out)
         carry, y = res[:nk], res[nk:]
         ys.append(y)
     if p["reverse"]:
@@ -376,167 +349,39 @@ def _unroll_scan(eqn, ins, out, stats, strict) -> list:
     return carry + stacked
 
 
-def _index(x, i: int, out: list[_Eqn]):
+def _index(x, i: int, out: list[Op]):
     """x[i] along the leading axis, as equations."""
-    if isinstance(x, _Const):
-        return _Const(x.value[i])
-    sl = _V((1,) + x.shape[1:], x.dtype)
+    if isinstance(x, Const):
+        return Const(x.value[i])
+    sl = Value((1,) + x.shape[1:], x.dtype)
     lo = [i] + [0] * (len(x.shape) - 1)
     hi = [i + 1] + list(x.shape[1:])
-    out.append(_Eqn(jax.lax.slice_p, {"start_indices": tuple(lo), "limit_indices": tuple(hi), "strides": None},
+    out.append(_eqn_op(jax.lax.slice_p, {"start_indices": tuple(lo), "limit_indices": tuple(hi), "strides": None},
                     [x], [sl]))
-    r = _V(x.shape[1:], x.dtype)
-    out.append(_Eqn(jax.lax.reshape_p, {"new_sizes": tuple(x.shape[1:]), "dimensions": None, "sharding": None},
+    r = Value(x.shape[1:], x.dtype)
+    out.append(_eqn_op(jax.lax.reshape_p, {"new_sizes": tuple(x.shape[1:]), "dimensions": None, "sharding": None},
                     [sl], [r]))
     return r
 
 
-def _stack(items: list, var, out: list[_Eqn]):
+def _stack(items: list, var, out: list[Op]):
     shape, dtype = tuple(var.aval.shape), var.aval.dtype
     rows = []
     for y in items:
-        r = _V((1,) + shape[1:], dtype)
-        out.append(_Eqn(jax.lax.broadcast_in_dim_p, {"shape": r.shape, "sharding": None,
+        r = Value((1,) + shape[1:], dtype)
+        out.append(_eqn_op(jax.lax.broadcast_in_dim_p, {"shape": r.shape, "sharding": None,
                         "broadcast_dimensions": tuple(range(1, len(shape)))}, [y], [r]))
         rows.append(r)
-    s = _V(shape, dtype)
-    out.append(_Eqn(jax.lax.concatenate_p, {"dimension": 0}, rows, [s]))
+    s = Value(shape, dtype)
+    out.append(_eqn_op(jax.lax.concatenate_p, {"dimension": 0}, rows, [s]))
     return s
 
 
-# ================================================================ segments
-class _Segment:
-    """A run of supported equations, translated into one polyjit graph."""
-
-    def __init__(self) -> None:
-        self.graph = Graph()
-        self.env: dict[int, Node] = {}
-        self.inputs: list[_V] = []
-        self.defined: list[_V] = []
-        self.outputs: list[_V] = []
-        self.exe: Executable | None = None
-
-    def operand(self, x) -> Node:
-        if isinstance(x, _Const):
-            v = x.value
-            if v.ndim == 0:
-                return self.graph.constant(v.item(), _dtype(v.dtype))
-            _dtype(v.dtype)
-            return self.graph.tensor_constant(v)
-        if id(x) not in self.env:
-            self.env[id(x)] = self.graph.input(x.shape, _dtype(x.dtype), f"v{len(self.inputs)}")
-            self.inputs.append(x)
-        return self.env[id(x)]
-
-    def add(self, e: _Eqn, rule) -> None:
-        """Translate e, or raise UnsupportedOpError leaving the segment unchanged."""
-        n_inputs, graph_inputs = len(self.inputs), len(self.graph.inputs)
-        try:
-            for v in e.outs:
-                _dtype(v.dtype)
-            result = rule(self.graph, [self.operand(x) for x in e.ins], e.params)
-            results = result if isinstance(result, list) else [result]
-            if len(results) != len(e.outs):
-                raise UnsupportedOpError(f"{e.prim.name} with {len(e.outs)} results")
-            nodes = []
-            for v, n in zip(e.outs, results):
-                n = self.graph.cast(n, _dtype(v.dtype))
-                if tuple(n.shape) != v.shape:
-                    raise UnsupportedOpError(f"{e.prim.name} (translated to shape {list(n.shape)}, "
-                                             f"JAX says {list(v.shape)})")
-                nodes.append(n)
-        except UnsupportedOpError:
-            for x in self.inputs[n_inputs:]:
-                del self.env[id(x)]
-            del self.inputs[n_inputs:], self.graph.inputs[graph_inputs:]
-            raise
-        for v, n in zip(e.outs, nodes):
-            self.env[id(v)] = n
-            self.defined.append(v)
-
-    def close(self, live: set[int], options: CompileOptions, name: str) -> None:
-        for v in self.defined:
-            n = self.env[id(v)]
-            if id(v) in live and n.op != "input":
-                self.graph.add_output(n)
-                self.outputs.append(v)
-        self.exe = Executable(self.graph, options, name)
-
-    def run(self, values: dict) -> None:
-        if not self.outputs:
-            return
-        outs = self.exe(*[np.asarray(values[id(v)]) for v in self.inputs])
-        for v, o in zip(self.outputs, outs):
-            values[id(v)] = o
-
-
-class _Fallback:
-    def __init__(self, e: _Eqn) -> None:
-        self.e = e
-
-    def run(self, values: dict) -> None:
-        e = self.e
-        args = [x.value if isinstance(x, _Const) else values[id(x)] for x in e.ins]
-        out = e.prim.bind(*args, **e.params)
-        for v, o in zip(e.outs, out if e.prim.multiple_results else [out]):
-            values[id(v)] = o
-
-
-class Program:
-    """A traced function as steps: compiled segments with JAX fallbacks between."""
-
-    def __init__(self, closed, options: CompileOptions, stats: Stats, name: str) -> None:
-        self.invars = [_V(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
-        eqns: list[_Eqn] = []
-        self.outvars = _flatten(closed, list(self.invars), eqns, stats, options.strict)
-        last: dict[int, int] = {}
-        for i, e in enumerate(eqns):
-            for x in e.ins:
-                last[id(x)] = i
-        for x in self.outvars:
-            last[id(x)] = len(eqns)
-        self.steps: list = []
-        seg: _Segment | None = None
-        count = itertools.count()
-
-        def close(i):
-            live = {k for k, j in last.items() if j >= i}
-            seg.close(live, options, f"{name}_{next(count)}")
-            self.steps.append(seg)
-
-        for i, e in enumerate(eqns):
-            rule = PRIMITIVES.get(e.prim.name)
-            if rule is not None:
-                seg = seg or _Segment()
-                try:
-                    seg.add(e, rule)
-                    continue
-                except UnsupportedOpError as err:
-                    if options.strict:
-                        raise UnsupportedOpError(f"{err} is not supported by polyjit"
-                                                 + (f" (at {e.where})" if e.where else "")) from None
-                    fallback(stats, f"{e.prim.name} ({err})", "JAX", e.where)
-            else:
-                fallback(stats, e.prim.name, "JAX", e.where, options.strict)
-            if seg is not None:
-                close(i)
-                seg = None
-            self.steps.append(_Fallback(e))
-        if seg is not None:
-            close(len(eqns))
-        self.stats = stats
-        self.segments = [s for s in self.steps if isinstance(s, _Segment)]
-
-    def __call__(self, args: Sequence) -> list:
-        values: dict[int, Any] = {id(v): a for v, a in zip(self.invars, args)}
-        for step in self.steps:
-            step.run(values)
-        for k, seg in enumerate(self.segments):
-            if seg.outputs:
-                self.stats.record(seg.exe.name, seg.exe.stats)
-        inputs = {id(v) for v in self.invars}
-        return [x.value if isinstance(x, _Const) else np.array(values[id(x)]) if id(x) in inputs
-                else values[id(x)] for x in self.outvars]
+def program(closed, options: CompileOptions, stats: Stats, name: str) -> SegmentedProgram:
+    invars = [Value(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
+    ops: list[Op] = []
+    outvars = _flatten(closed, list(invars), ops)
+    return SegmentedProgram(invars, ops, outvars, _dtype, options, stats, name, "JAX")
 
 
 # ================================================================= wrapper
@@ -572,8 +417,8 @@ class JaxFunction:
                  backend: str) -> None:
         self.fn, self.options, self.static_argnums, self.backend = fn, options, static_argnums, backend
         self._stats = Stats()
-        self._programs: dict[tuple, tuple[Program, Any]] = {}
-        self._vjps: dict[tuple, Program] = {}
+        self._programs: dict[tuple, tuple[SegmentedProgram, Any]] = {}
+        self._vjps: dict[tuple, SegmentedProgram] = {}
         self._xla = jax.jit(fn, static_argnums=static_argnums) if backend == "xla" else None
         self.__name__ = getattr(fn, "__name__", "fn")
         functools.update_wrapper(self, fn)
@@ -633,7 +478,7 @@ class JaxFunction:
             out_tree.append(t)
             return flat_out
         closed = jax.make_jaxpr(flat)(*[jax.ShapeDtypeStruct(s, d, weak_type=w) for s, d, w in sig.avals])
-        return Program(closed, self.options, self._stats, name), out_tree[0]
+        return program(closed, self.options, self._stats, name), out_tree[0]
 
     def _call_fn(self, sig: _Signature):
         def call(*leaves):
@@ -650,7 +495,7 @@ class JaxFunction:
             self._programs[sig.key] = self._trace(sig, self._call_fn(sig), f"{self.__name__}{len(self._programs)}")
         return self._programs[sig.key]
 
-    def vjp_program(self, sig: _Signature, out_avals) -> Program:
+    def vjp_program(self, sig: _Signature, out_avals) -> SegmentedProgram:
         """(primals..., cotangents of the float outputs...) -> cotangents of the float primals."""
         if sig.key not in self._vjps:
             call = self._call_fn(sig)
@@ -704,7 +549,7 @@ class JaxFunction:
         sig = _Signature(tree, tuple((tuple(x.shape), x.dtype, bool(getattr(x, "weak_type", False)))
                                      for x in leaves), statics)
         prog, out_tree = self.program(sig)
-        out_avals = [jax.ShapeDtypeStruct(v.value.shape, v.value.dtype) if isinstance(v, _Const)
+        out_avals = [jax.ShapeDtypeStruct(v.value.shape, v.value.dtype) if isinstance(v, Const)
                      else jax.ShapeDtypeStruct(v.shape, v.dtype) for v in prog.outvars]
         floats = [i for i, (_, d, _) in enumerate(sig.avals) if jnp.issubdtype(d, jnp.floating)]
         fouts = [k for k, a in enumerate(out_avals) if jnp.issubdtype(a.dtype, jnp.floating)]
