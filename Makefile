@@ -4,14 +4,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench-cpu bench-torch bench-jax clean
+.PHONY: install demo test bench-cpu bench-torch bench-jax bench-tf clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev,torch,jax]'
+	$(PY) -m pip install -q -e '.[dev,torch,jax,tf]'
 	touch $(STAMP)
 
 demo: install
@@ -28,6 +28,9 @@ bench-torch: install
 
 bench-jax: install
 	$(PY) bench/jax_bench.py
+
+bench-tf: install
+	$(PY) bench/tf_bench.py
 
 clean:
 	rm -rf $(VENV) polyjit_dump .pytest_cache

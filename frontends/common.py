@@ -12,11 +12,24 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from polyjit.api import Executable
+from polyjit.dtypes import DataType
 from polyjit.errors import UnsupportedOpError
 from polyjit.graph import Graph, Node
 from polyjit.options import CompileOptions
+from polyjit.sizes import Lin
 
 _warned: set = set()
+
+_DTYPES = {"float32": DataType.Float, "float64": DataType.Double, "float16": DataType.Half,
+           "int32": DataType.Int32, "int64": DataType.Int, "bool": DataType.Bool}
+
+
+def core_dtype(dt) -> DataType:
+    """The core dtype of a numpy, JAX or TensorFlow dtype (by name), or UnsupportedOpError."""
+    name = getattr(dt, "name", str(dt))
+    if name not in _DTYPES:
+        raise UnsupportedOpError(f"dtype {name}")
+    return _DTYPES[name]
 
 
 @dataclass
@@ -52,12 +65,13 @@ def fallback(stats: Stats, op: str, framework: str, where: str = "", strict: boo
 
 # ====================================================== segmented programs
 class Value:
-    """A value of a framework program, with its static shape and framework dtype."""
+    """A value of a framework program: its shape (a None size, or a None shape:
+    known only at run time) and framework dtype."""
 
     __slots__ = ("shape", "dtype")
 
     def __init__(self, shape, dtype) -> None:
-        self.shape, self.dtype = tuple(shape), dtype
+        self.shape, self.dtype = (tuple(shape) if shape is not None else None), dtype
 
 
 @dataclass
@@ -94,9 +108,8 @@ def static_value(n: Node) -> np.ndarray:
 class _Segment:
     """A run of supported ops, translated into one polyjit graph."""
 
-    def __init__(self, dtype_of: Callable) -> None:
+    def __init__(self) -> None:
         self.graph = Graph()
-        self.dtype_of = dtype_of
         self.env: dict[int, Node] = {}
         self.inputs: list[Value] = []
         self.defined: list[Value] = []
@@ -106,10 +119,14 @@ class _Segment:
     def operand(self, x) -> Node:
         if isinstance(x, Const):
             v = x.value
-            dt = self.dtype_of(v.dtype)
+            dt = core_dtype(v.dtype)
             return self.graph.constant(v.item(), dt) if v.ndim == 0 else self.graph.tensor_constant(v)
         if id(x) not in self.env:
-            self.env[id(x)] = self.graph.input(x.shape, self.dtype_of(x.dtype), f"v{len(self.inputs)}")
+            if x.shape is None:
+                raise UnsupportedOpError("an operand of unknown rank")
+            k = len(self.inputs)  # an unknown size (None) becomes a symbolic one
+            shape = [Lin.param(f"v{k}_{d}") if s is None else s for d, s in enumerate(x.shape)]
+            self.env[id(x)] = self.graph.input(shape, core_dtype(x.dtype), f"v{k}")
             self.inputs.append(x)
         return self.env[id(x)]
 
@@ -118,15 +135,16 @@ class _Segment:
         n_inputs, graph_inputs = len(self.inputs), len(self.graph.inputs)
         try:
             for v in op.outs:
-                self.dtype_of(v.dtype)
+                core_dtype(v.dtype)
             result = op.rule(self.graph, [self.operand(x) for x in op.ins], op.params)
             results = result if isinstance(result, list) else [result]
             if len(results) != len(op.outs):
                 raise UnsupportedOpError(f"{op.name} with {len(op.outs)} results")
             nodes = []
             for v, n in zip(op.outs, results):
-                n = self.graph.cast(n, self.dtype_of(v.dtype))
-                if tuple(n.shape) != v.shape:
+                n = self.graph.cast(n, core_dtype(v.dtype))
+                if v.shape is not None and len(n.shape) != len(v.shape) or v.shape is not None and any(
+                        s is not None and s != t for s, t in zip(v.shape, n.shape)):
                     raise UnsupportedOpError(f"{op.name} (translated to shape {list(n.shape)}, "
                                              f"expected {list(v.shape)})")
                 nodes.append(n)
@@ -169,8 +187,8 @@ class SegmentedProgram:
     """A framework program as steps: runs of supported ops compiled by polyjit,
     with the framework running each unsupported op between them."""
 
-    def __init__(self, invars: list[Value], ops: list[Op], outvars: list, dtype_of: Callable,
-                 options: CompileOptions, stats: Stats, name: str, framework: str) -> None:
+    def __init__(self, invars: list[Value], ops: list[Op], outvars: list, options: CompileOptions,
+                 stats: Stats, name: str, framework: str) -> None:
         self.invars, self.outvars, self.stats = invars, outvars, stats
         last: dict[int, int] = {}
         for i, op in enumerate(ops):
@@ -188,7 +206,7 @@ class SegmentedProgram:
 
         for i, op in enumerate(ops):
             if op.rule is not None:
-                seg = seg or _Segment(dtype_of)
+                seg = seg or _Segment()
                 try:
                     seg.add(op)
                     continue

@@ -29,10 +29,8 @@ from polyjit.dtypes import DataType
 from polyjit.errors import CompileOptionError, InputError, UnsupportedOpError
 from polyjit.options import CompileOptions, parse_options
 
-from .common import Const, Op, SegmentedProgram, Stats, Value, static_value
+from .common import Const, Op, SegmentedProgram, Stats, Value, core_dtype, static_value
 
-_DTYPES = {"float32": DataType.Float, "float64": DataType.Double, "float16": DataType.Half,
-           "int32": DataType.Int32, "int64": DataType.Int, "bool": DataType.Bool}
 SCAN_UNROLL_LIMIT = 64  # longest static scan (fori_loop) unrolled into the program
 
 
@@ -242,7 +240,7 @@ PRIMITIVES: dict[str, Callable] = {
     "round": _round,
     "select_n": _select_n,
     "clamp": _clamp,
-    "convert_element_type": lambda g, ins, p: g.cast(ins[0], _dtype(p["new_dtype"])),
+    "convert_element_type": lambda g, ins, p: g.cast(ins[0], core_dtype(p["new_dtype"])),
     "stop_gradient": _identity, "copy": _identity, "copy_p": _identity,
     "optimization_barrier": _identity, "sharding_constraint": _identity,
     # layout
@@ -256,7 +254,7 @@ PRIMITIVES: dict[str, Callable] = {
     "concatenate": lambda g, ins, p: g.concatenate(list(ins), p["dimension"]),
     "split": _split,
     "rev": lambda g, ins, p: g.reverse(ins[0], p["dimensions"]),
-    "iota": lambda g, ins, p: g.iota(p["shape"], p["dimension"], _dtype(p["dtype"])),
+    "iota": lambda g, ins, p: g.iota(p["shape"], p["dimension"], core_dtype(p["dtype"])),
     # reductions and windows
     "reduce_sum": _reduce("sum"), "reduce_max": _reduce("max"), "reduce_min": _reduce("min"),
     "reduce_prod": _reduce("prod"), "reduce_and": _reduce_bool("min"), "reduce_or": _reduce_bool("max"),
@@ -273,13 +271,6 @@ PRIMITIVES: dict[str, Callable] = {
 CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
          "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
          "custom_vjp_call_jaxpr": "fun_jaxpr", "remat": "jaxpr", "checkpoint": "jaxpr"}
-
-
-def _dtype(dt) -> DataType:
-    name = getattr(dt, "name", str(dt))
-    if name not in _DTYPES:
-        raise UnsupportedOpError(f"dtype {name}")
-    return _DTYPES[name]
 
 
 # ============================================================ flat programs
@@ -381,7 +372,7 @@ def program(closed, options: CompileOptions, stats: Stats, name: str) -> Segment
     invars = [Value(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
     ops: list[Op] = []
     outvars = _flatten(closed, list(invars), ops)
-    return SegmentedProgram(invars, ops, outvars, _dtype, options, stats, name, "JAX")
+    return SegmentedProgram(invars, ops, outvars, options, stats, name, "JAX")
 
 
 # ================================================================= wrapper

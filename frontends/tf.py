@@ -1,6 +1,634 @@
-"""TensorFlow frontend: ``jit_tf`` from tf.function graphs."""
-from polyjit.errors import UnsupportedOpError
+"""TensorFlow frontend: ``jit_tf`` from ``tf.function`` graphs.
+
+The function is traced with ``tf.function`` (for its ``input_signature``, or
+per input shapes and dtypes without one); the ops of the concrete graph map
+onto core ops through :data:`TF_OPS`, the one table. ``Const`` ops, and
+integer ops whose value TensorFlow can fold (shapes of static tensors), are
+compile-time values; captured tensors become constants and variables
+(``ReadVariableOp``) runtime inputs read at each call. An op outside the
+table runs in TensorFlow between compiled segments: counted, warned once,
+refused under ``strict``. A ``None`` dimension in the signature is a
+symbolic size. Tensors cross through DLPack, without copies.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from polyjit.dtypes import DataType
+from polyjit.errors import CompileOptionError, InputError, UnsupportedOpError
+from polyjit.options import CompileOptions, parse_options
+
+from .common import Const, Op, SegmentedProgram, Stats, Value, core_dtype, static_value
+
+EXECUTION_BACKENDS = ("polyjit", "std", "xla")
 
 
-def jit_tf(fn=None, *, input_signature=None, compile_options=None, execution_backend="polyjit"):
-    raise UnsupportedOpError("the TensorFlow frontend is not built yet")
+# ====================================================================== table
+def _static(n, what: str) -> np.ndarray:
+    try:
+        return static_value(n)
+    except UnsupportedOpError:
+        raise UnsupportedOpError(f"{what} computed at run time") from None
+
+
+def _axes(n, rank: int) -> list[int]:
+    return sorted({int(a) % max(rank, 1) for a in np.atleast_1d(_static(n, "axes"))})
+
+
+def _unary(op):
+    return lambda g, ins, o: g.unary(op, ins[0])
+
+
+def _binary(op):
+    return lambda g, ins, o: g.binary(op, *ins)
+
+
+def _float_div(g, ins, o):
+    if not ins[0].dtype.is_float:
+        raise UnsupportedOpError("integer division")
+    return g.binary("div", *ins)
+
+
+def _identity(g, ins, o):
+    return ins[0] if len(o.outputs) == 1 else list(ins)
+
+
+def _relu6(g, ins, o):
+    x = ins[0]
+    return g.binary("minimum", g.binary("maximum", x, g.constant(0, x.dtype)), g.constant(6, x.dtype))
+
+
+def _elu(g, x, scale=1.0, alpha=1.0):
+    neg = g.unary("expm1", x)
+    if alpha != 1.0:
+        neg = g.binary("mul", neg, g.constant(alpha, x.dtype))
+    y = g.where(g.binary("gt", x, g.constant(0, x.dtype)), x, neg)
+    return y if scale == 1.0 else g.binary("mul", y, g.constant(scale, x.dtype))
+
+
+def _softplus(g, ins, o):
+    x = ins[0]
+    tail = g.unary("log1p", g.unary("exp", g.unary("neg", g.unary("abs", x))))
+    return g.binary("add", tail, g.binary("maximum", x, g.constant(0, x.dtype)))
+
+
+def _leaky_relu(g, ins, o):
+    x = ins[0]
+    return g.where(g.binary("gt", x, g.constant(0, x.dtype)), x,
+                   g.binary("mul", x, g.constant(o.get_attr("alpha"), x.dtype)))
+
+
+def _channel_axis(o, rank: int) -> int:
+    fmt = o.get_attr("data_format")
+    fmt = fmt.decode() if isinstance(fmt, bytes) else fmt
+    return 1 if fmt.startswith("NC") else rank - 1
+
+
+def _bias_add(g, ins, o):
+    x, b = ins
+    return g.binary("add", x, g.broadcast_in_dim(b, x.shape, [_channel_axis(o, x.rank)]))
+
+
+def _select(g, ins, o):
+    c, a, b = ins
+    if o.type == "Select" and c.rank == 1 and a.rank > 1:  # selects rows
+        c = g.broadcast_in_dim(c, [c.shape[0]] + list(a.shape[1:]), [0])
+    return g.where(c, a, b)
+
+
+def _reshape(g, ins, o):
+    x, shape = ins[0], [int(s) for s in _static(ins[1], "reshape's shape")]
+    if -1 in shape:
+        known = int(np.prod([s for s in shape if s != -1]))
+        total = 1
+        for s in x.shape:
+            if not isinstance(s, int):
+                raise UnsupportedOpError("reshape with -1 of a symbolic size")
+            total *= s
+        shape[shape.index(-1)] = total // max(known, 1)
+    return g.reshape(x, shape)
+
+
+def _expand_dims(g, ins, o):
+    x = ins[0]
+    axis = int(_static(ins[1], "axis")) % (x.rank + 1)
+    return g.reshape(x, list(x.shape[:axis]) + [1] + list(x.shape[axis:]))
+
+
+def _squeeze(g, ins, o):
+    x = ins[0]
+    dims = {d % x.rank for d in o.get_attr("squeeze_dims")} or {d for d, s in enumerate(x.shape) if s == 1}
+    return g.reshape(x, [s for d, s in enumerate(x.shape) if d not in dims])
+
+
+def _slice_op(g, ins, o):
+    x = ins[0]
+    begin = [int(b) for b in _static(ins[1], "slice begin")]
+    size = [int(s) for s in _static(ins[2], "slice size")]
+    end = [x.shape[d] if s == -1 else b + s for d, (b, s) in enumerate(zip(begin, size))]
+    return g.slice(x, begin, end)
+
+
+def _strided_slice(g, ins, o):
+    x = ins[0]
+    begin, end, strides = (list(map(int, _static(n, "strided_slice bounds"))) for n in ins[1:])
+    masks = {k: o.get_attr(k) for k in ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask",
+                                        "shrink_axis_mask")}
+    lo, hi, st, flip, final = [], [], [], [], []
+    d = 0
+    for i in range(len(begin)):
+        bit = 1 << i
+        if masks["ellipsis_mask"] & bit:
+            n = x.rank - (len(begin) - i - 1 - sum(1 for j in range(i + 1, len(begin))
+                                                   if masks["new_axis_mask"] & (1 << j))) - d
+            for _ in range(n):
+                lo.append(0), hi.append(x.shape[d]), st.append(1), final.append(x.shape[d])
+                d += 1
+            continue
+        if masks["new_axis_mask"] & bit:
+            final.append(1)
+            continue
+        size = x.shape[d]
+        if not isinstance(size, int):
+            raise UnsupportedOpError("strided_slice over a symbolic size")
+        s = strides[i]
+        if masks["shrink_axis_mask"] & bit:
+            b = begin[i] + size if begin[i] < 0 else begin[i]
+            lo.append(b), hi.append(b + 1), st.append(1)
+        else:
+            b, e = begin[i], end[i]
+            if s > 0:
+                b = 0 if masks["begin_mask"] & bit else min(max(b + size if b < 0 else b, 0), size)
+                e = size if masks["end_mask"] & bit else min(max(e + size if e < 0 else e, 0), size)
+                lo.append(b), hi.append(max(e, b)), st.append(s)
+                final.append(max(0, -(-(max(e, b) - b) // s)))
+            else:  # walk the reversed axis forwards
+                b = size - 1 if masks["begin_mask"] & bit else min(max(b + size if b < 0 else b, -1), size - 1)
+                e = -1 if masks["end_mask"] & bit else min(max(e + size if e < 0 else e, -1), size - 1)
+                rb, re = size - 1 - b, size - 1 - e
+                lo.append(rb), hi.append(max(re, rb)), st.append(-s)
+                flip.append(d)
+                final.append(max(0, -(-(max(re, rb) - rb) // -s)))
+        d += 1
+    while d < x.rank:
+        lo.append(0), hi.append(x.shape[d]), st.append(1), final.append(x.shape[d])
+        d += 1
+    y = g.reverse(x, flip) if flip else x
+    y = g.slice(y, lo, hi, st)
+    return g.reshape(y, final)
+
+
+def _pad(g, ins, o):
+    pads = _static(ins[1], "paddings").astype(int)
+    value = _static(ins[2], "pad value").item() if len(ins) > 2 else 0
+    return g.pad(ins[0], [int(p[0]) for p in pads], [int(p[1]) for p in pads], value)
+
+
+def _concat(g, ins, o):
+    axis = int(_static(ins[-1], "axis"))
+    return g.concatenate(list(ins[:-1]), axis % ins[0].rank)
+
+
+def _pack(g, ins, o):
+    axis = o.get_attr("axis") % (ins[0].rank + 1)
+    rows = [g.reshape(x, list(x.shape[:axis]) + [1] + list(x.shape[axis:])) for x in ins]
+    return g.concatenate(rows, axis)
+
+
+def _pieces(g, x, axis: int, sizes: Sequence[int]) -> list:
+    out, start = [], 0
+    for n in sizes:
+        lo, hi = [0] * x.rank, list(x.shape)
+        lo[axis], hi[axis] = start, start + n
+        out.append(g.slice(x, lo, hi))
+        start += n
+    return out
+
+
+def _unpack(g, ins, o):
+    x, axis = ins[0], o.get_attr("axis") % ins[0].rank
+    rest = list(x.shape[:axis]) + list(x.shape[axis + 1:])
+    return [g.reshape(p, rest) for p in _pieces(g, x, axis, [1] * x.shape[axis])]
+
+
+def _split(g, ins, o):
+    axis, x = int(_static(ins[0], "axis")) % ins[1].rank, ins[1]
+    n = o.get_attr("num_split")
+    return _pieces(g, x, axis, [x.shape[axis] // n] * n)
+
+
+def _split_v(g, ins, o):
+    x = ins[0]
+    axis = int(_static(ins[2], "axis")) % x.rank
+    sizes = [int(s) for s in _static(ins[1], "split sizes")]
+    if -1 in sizes:
+        sizes[sizes.index(-1)] = x.shape[axis] - sum(s for s in sizes if s != -1)
+    return _pieces(g, x, axis, sizes)
+
+
+def _reduce(op):
+    def rule(g, ins, o):
+        x = ins[0]
+        return g.reduce(op, x, _axes(ins[1], x.rank), o.get_attr("keep_dims"))
+    return rule
+
+
+def _mean(g, ins, o):
+    x = ins[0]
+    if not x.dtype.is_float:
+        raise UnsupportedOpError("integer mean")
+    axes = _axes(ins[1], x.rank)
+    count = 1
+    for a in axes:
+        if not isinstance(x.shape[a], int):
+            raise UnsupportedOpError("mean over a symbolic size")
+        count *= x.shape[a]
+    s = g.reduce("sum", x, axes, o.get_attr("keep_dims"))
+    return g.binary("div", s, g.constant(float(count), x.dtype))
+
+
+def _argreduce(op):
+    def rule(g, ins, o):
+        return g.argreduce(op, ins[0], int(_static(ins[1], "axis")))
+    return rule
+
+
+def _matmul(g, ins, o):
+    a, b = ins
+    ta, tb = o.get_attr("transpose_a"), o.get_attr("transpose_b")
+    return g.dot_general(a, b, ([0 if ta else 1], [1 if tb else 0]))
+
+
+def _batch_matmul(g, ins, o):
+    a, b = ins
+    adj_x, adj_y = o.get_attr("adj_x"), o.get_attr("adj_y")
+    batch = list(np.broadcast_shapes(tuple(a.shape[:-2]), tuple(b.shape[:-2])))
+    a = g.expand(a, batch + list(a.shape[-2:])) if list(a.shape[:-2]) != batch else a
+    b = g.expand(b, batch + list(b.shape[-2:])) if list(b.shape[:-2]) != batch else b
+    r = len(batch)
+    bd = list(range(r))
+    return g.dot_general(a, b, ([r if adj_x else r + 1], [r + 1 if adj_y else r]), (bd, bd))
+
+
+def _same_padding(sizes, ksizes, strides, dilations):
+    pads = []
+    for n, k, s, dl in zip(sizes, ksizes, strides, dilations):
+        if not isinstance(n, int):
+            raise UnsupportedOpError("SAME padding over a symbolic size")
+        out = -(-n // s)
+        total = max((out - 1) * s + (k - 1) * dl + 1 - n, 0)
+        pads.append((total // 2, total - total // 2))
+    return pads
+
+
+def _window(o, x, ksizes):
+    """Layout letters, spatial strides, dilations and padding of a conv or pool op."""
+    nchw = _channel_axis(o, x.rank) == 1
+    sp = list(range(2, x.rank)) if nchw else list(range(1, x.rank - 1))
+    strides = [o.get_attr("strides")[d] for d in sp]
+    dil = [o.get_attr("dilations")[d] for d in sp] if "dilations" in o.node_def.attr else [1] * len(sp)
+    padding = o.get_attr("padding")
+    padding = padding.decode() if isinstance(padding, bytes) else padding
+    if padding == "SAME":
+        pads = _same_padding([x.shape[d] for d in sp], ksizes, strides, dil)
+    elif padding == "VALID":
+        pads = [(0, 0)] * len(sp)
+    elif padding == "EXPLICIT":
+        e = o.get_attr("explicit_paddings")
+        pads = [(e[2 * d], e[2 * d + 1]) for d in sp]
+    else:
+        raise UnsupportedOpError(f"padding {padding}")
+    return ("NCHW" if nchw else "NHWC"), sp, strides, dil, pads
+
+
+def _conv2d(g, ins, o):
+    x, w = ins
+    layout, _, strides, dil, pads = _window(o, x, [w.shape[0], w.shape[1]])
+    return g.conv(x, w, strides, pads, dil, 1, layout, "HWIO")
+
+
+def _depthwise(g, ins, o):
+    x, w = ins
+    layout, _, strides, dil, pads = _window(o, x, [w.shape[0], w.shape[1]])
+    kh, kw, cin, m = w.shape
+    w = g.reshape(w, [kh, kw, 1, cin * m])
+    return g.conv(x, w, strides, pads, dil, cin, layout, "HWIO")
+
+
+def _pool(op):
+    def rule(g, ins, o):
+        x = ins[0]
+        k = o.get_attr("ksize")
+        layout, sp, strides, _, pads = _window(o, x, [k[d] for d in (range(2, 4) if x.rank == 4 and
+                                                                       _channel_axis(o, x.rank) == 1 else range(1, 3))])
+        window, st, pd = [1] * x.rank, [1] * x.rank, [(0, 0)] * x.rank
+        for i, d in enumerate(sp):
+            window[d], st[d], pd[d] = k[d], strides[i], pads[i]
+        y = g.reduce_window("max" if op == "max" else "sum", x, window, st, pd)
+        if op == "max":
+            return y
+        ones = g.expand(g.constant(1, x.dtype), x.shape)  # TF averages over the cells inside
+        return g.binary("div", y, g.reduce_window("sum", ones, window, st, pd))
+    return rule
+
+
+def _fused_batch_norm(g, ins, o):
+    if o.get_attr("is_training"):
+        raise UnsupportedOpError("FusedBatchNorm in training mode")
+    x, scale, offset, mean, var = ins
+    axis = _channel_axis(o, x.rank)
+    eps = o.get_attr("epsilon")
+    dt = DataType.Float if x.dtype in (DataType.Half, DataType.BFloat16) else x.dtype
+    inv = g.binary("mul", g.unary("rsqrt", g.binary("add", g.cast(var, dt), g.constant(eps, dt))), g.cast(scale, dt))
+    shift = g.binary("sub", g.cast(offset, dt), g.binary("mul", g.cast(mean, dt), inv))
+    y = g.binary("add", g.binary("mul", g.cast(x, dt), g.broadcast_in_dim(inv, x.shape, [axis])),
+                 g.broadcast_in_dim(shift, x.shape, [axis]))
+    rest = [mean, var] + [g.expand(g.constant(0, DataType.Float), _shape(t) or [])  # reserve spaces
+                          for t in o.outputs[3:]]
+    return [y] + rest
+
+
+def _softmax(log: bool):
+    def rule(g, ins, o):
+        x = ins[0]
+        ax = x.rank - 1
+        m = g.reduce("max", x, [ax], True)
+        z = g.binary("sub", x, g.expand(m, x.shape))
+        s = g.reduce("sum", g.unary("exp", z), [ax], True)
+        if log:
+            return g.binary("sub", z, g.expand(g.unary("log", s), x.shape))
+        return g.binary("div", g.unary("exp", z), g.expand(s, x.shape))
+    return rule
+
+
+def _fill(g, ins, o):
+    shape = [int(s) for s in _static(ins[0], "fill dims")]
+    return g.expand(ins[1], shape)
+
+
+def _like(value):
+    return lambda g, ins, o: g.expand(g.constant(value, ins[0].dtype), ins[0].shape)
+
+
+def _tile(g, ins, o):
+    x, reps = ins[0], [int(r) for r in _static(ins[1], "multiples")]
+    inter, wide = [], []
+    for s, r in zip(x.shape, reps):
+        inter += [1, s]
+        wide += [r, s]
+    y = g.expand(g.reshape(x, inter), wide)
+    return g.reshape(y, [s * r for s, r in zip(x.shape, reps)])
+
+
+def _add_n(g, ins, o):
+    acc = ins[0]
+    for x in ins[1:]:
+        acc = g.binary("add", acc, x)
+    return acc
+
+
+TF_OPS: dict[str, Callable] = {
+    **{name: _unary(op) for name, op in [
+        ("Neg", "neg"), ("Abs", "abs"), ("Exp", "exp"), ("Log", "log"), ("Log1p", "log1p"),
+        ("Expm1", "expm1"), ("Sqrt", "sqrt"), ("Rsqrt", "rsqrt"), ("Sin", "sin"), ("Cos", "cos"),
+        ("Tan", "tan"), ("Tanh", "tanh"), ("Sigmoid", "sigmoid"), ("Erf", "erf"), ("Floor", "floor"),
+        ("Ceil", "ceil"), ("Round", "round"), ("Sign", "sign"), ("IsNan", "isnan"), ("IsInf", "isinf"),
+        ("IsFinite", "isfinite"), ("Relu", "relu"), ("LogicalNot", "logical_not"),
+        ("Reciprocal", "reciprocal"), ("Inv", "reciprocal")]},
+    **{name: _binary(op) for name, op in [
+        ("Add", "add"), ("AddV2", "add"), ("Sub", "sub"), ("Mul", "mul"), ("Maximum", "maximum"),
+        ("Minimum", "minimum"), ("Pow", "pow"), ("Atan2", "atan2"), ("Less", "lt"), ("LessEqual", "le"),
+        ("Greater", "gt"), ("GreaterEqual", "ge"), ("Equal", "eq"), ("NotEqual", "ne"),
+        ("LogicalAnd", "logical_and"), ("LogicalOr", "logical_or")]},
+    "RealDiv": _float_div, "Div": _float_div, "DivNoNan": None,
+    "Square": lambda g, ins, o: g.binary("mul", ins[0], ins[0]),
+    "SquaredDifference": lambda g, ins, o: (lambda d: g.binary("mul", d, d))(g.binary("sub", *ins)),
+    "Erfc": lambda g, ins, o: g.binary("sub", g.constant(1, ins[0].dtype), g.unary("erf", ins[0])),
+    "Relu6": _relu6,
+    "Elu": lambda g, ins, o: _elu(g, ins[0]),
+    "Selu": lambda g, ins, o: _elu(g, ins[0], 1.0507009873554805, 1.6732632423543772),
+    "Softplus": _softplus,
+    "LeakyRelu": _leaky_relu,
+    "BiasAdd": _bias_add,
+    "Cast": lambda g, ins, o: g.cast(ins[0], core_dtype(o.get_attr("DstT"))),
+    "Select": _select, "SelectV2": _select,
+    "ClipByValue": lambda g, ins, o: g.binary("minimum", g.binary("maximum", ins[0], ins[1]), ins[2]),
+    "AddN": _add_n,
+    "Identity": _identity, "IdentityN": _identity, "StopGradient": _identity, "Snapshot": _identity,
+    "ReadVariableOp": _identity, "PreventGradient": _identity,
+    # layout
+    "Reshape": _reshape, "ExpandDims": _expand_dims, "Squeeze": _squeeze,
+    "Transpose": lambda g, ins, o: g.transpose(ins[0], [int(p) for p in _static(ins[1], "perm")]),
+    "StridedSlice": _strided_slice, "Slice": _slice_op, "Pad": _pad, "PadV2": _pad,
+    "ConcatV2": _concat, "Pack": _pack, "Unpack": _unpack, "Split": _split, "SplitV": _split_v,
+    "Fill": _fill, "ZerosLike": _like(0), "OnesLike": _like(1), "Tile": _tile,
+    "BroadcastTo": lambda g, ins, o: g.expand(ins[0], [int(s) for s in _static(ins[1], "shape")]),
+    # reductions
+    "Sum": _reduce("sum"), "Max": _reduce("max"), "Min": _reduce("min"), "Prod": _reduce("prod"),
+    "Mean": _mean, "ArgMax": _argreduce("argmax"), "ArgMin": _argreduce("argmin"),
+    "Softmax": _softmax(False), "LogSoftmax": _softmax(True),
+    "MaxPool": _pool("max"), "AvgPool": _pool("avg"),
+    "FusedBatchNormV3": _fused_batch_norm, "FusedBatchNorm": _fused_batch_norm,
+    # contractions
+    "MatMul": _matmul, "BatchMatMulV2": _batch_matmul, "BatchMatMulV3": _batch_matmul,
+    "Conv2D": _conv2d, "DepthwiseConv2dNative": _depthwise,
+}
+TF_OPS = {k: v for k, v in TF_OPS.items() if v is not None}
+# integer ops on compile-time values (shape arithmetic) that TensorFlow folds
+_FOLDABLE = {"Shape", "Size", "Rank", "Range", "StridedSlice", "Pack", "Prod", "ConcatV2", "Cast", "Mul",
+             "Add", "AddV2", "Sub", "Fill", "Reshape", "GatherV2", "FloorDiv", "Maximum", "Minimum"}
+
+
+# ============================================================= programs
+def _op_runner(op: tf.Operation) -> Callable[[list], list]:
+    """Run one graph op in TensorFlow, built once from its NodeDef."""
+    gd = tf.compat.v1.GraphDef()
+    for k, t in enumerate(op.inputs):
+        ph = gd.node.add()
+        ph.op, ph.name = "Placeholder", f"in{k}"
+        ph.attr["dtype"].type = t.dtype.as_datatype_enum
+    node = gd.node.add()
+    node.CopyFrom(op.node_def)
+    node.name = "op"
+    del node.input[:]
+    node.input.extend(f"in{k}" for k in range(len(op.inputs)))
+    wrapped = tf.compat.v1.wrap_function(lambda: tf.compat.v1.import_graph_def(gd, name=""), [])
+    fn = wrapped.prune([wrapped.graph.as_graph_element(f"in{k}:0") for k in range(len(op.inputs))],
+                       [wrapped.graph.as_graph_element(f"op:{j}") for j in range(len(op.outputs))])
+
+    def run(args):
+        return [np.from_dlpack(t) for t in fn(*[tf.convert_to_tensor(a) for a in args])]
+    return run
+
+
+def _lazy_runner(op: tf.Operation) -> Callable[[list], list]:
+    cell: list = []
+
+    def run(args):
+        if not cell:
+            cell.append(_op_runner(op))
+        return cell[0](args)
+    return run
+
+
+def _shape(t: tf.Tensor) -> tuple:
+    return tuple(t.shape.as_list()) if t.shape.rank is not None else None
+
+
+class _Trace:
+    """A concrete function's graph as polyjit ops: inputs are the user's
+    arguments, then the variables it reads."""
+
+    def __init__(self, cf, n_user: int) -> None:
+        self.cf = cf
+        env: dict[str, Any] = {}
+        placeholders = cf.graph.inputs
+        self.invars: list[Value] = []
+        self.variables: list[tf.Variable] = []
+        by_handle = {id(v.handle): v for v in cf.variables}
+        for t in placeholders[:n_user]:
+            env[t.name] = Value(_shape(t), t.dtype)
+            self.invars.append(env[t.name])
+        for t, cap in zip(placeholders[n_user:], cf.captured_inputs):
+            if t.dtype == tf.resource:
+                var = by_handle.get(id(cap))
+                if var is None:
+                    raise UnsupportedOpError(f"captured resource {t.name}")
+                env[t.name] = Value(tuple(var.shape.as_list()), var.dtype)
+                self.invars.append(env[t.name])
+                self.variables.append(var)
+            else:
+                env[t.name] = Const(np.from_dlpack(cap))
+        self.ops: list[Op] = []
+        for o in cf.graph.get_operations():
+            if o.type in ("Placeholder", "NoOp"):
+                continue
+            if o.type == "Const":
+                env[o.outputs[0].name] = Const(tf.make_ndarray(o.get_attr("value")))
+                continue
+            ins = [env[t.name] for t in o.inputs]
+            if o.type in _FOLDABLE and all(isinstance(x, Const) for x in ins) or o.type in ("Shape", "Size", "Rank"):
+                vals = [tf.get_static_value(t) for t in o.outputs]
+                if all(v is not None for v in vals):
+                    for t, v in zip(o.outputs, vals):
+                        env[t.name] = Const(np.asarray(v))
+                    continue
+            outs = [Value(_shape(t), t.dtype) for t in o.outputs]
+            for t, v in zip(o.outputs, outs):
+                env[t.name] = v
+            self.ops.append(Op(o.type, TF_OPS.get(o.type), o, ins, outs, _lazy_runner(o), o.name))
+        self.structure = cf.structured_outputs
+        flat = tf.nest.flatten(self.structure, expand_composites=True)
+        self.out_positions = [k for k, t in enumerate(flat) if isinstance(t, tf.Tensor)]
+        self.outvars = [env[flat[k].name] for k in self.out_positions]
+        self.flat = flat
+
+
+class TFFunction:
+    """A function compiled with polyjit per signature; ``.stats`` says what it did."""
+
+    def __init__(self, fn: Callable, options: CompileOptions, input_signature, backend: str) -> None:
+        self.fn, self.options, self.backend = fn, options, backend
+        self.input_signature = list(input_signature) if input_signature is not None else None
+        self._stats = Stats()
+        self._programs: dict[tuple, tuple[_Trace, SegmentedProgram]] = {}
+        self._tf = None
+        if backend != "polyjit":
+            self._tf = tf.function(fn, input_signature=input_signature, jit_compile=backend == "xla")
+        functools.update_wrapper(self, fn)
+
+    @property
+    def stats(self) -> dict:
+        return self._stats.as_dict()
+
+    def _arrays(self, args) -> list:
+        flat = tf.nest.flatten(list(args))
+        out = []
+        for k, x in enumerate(flat):
+            if isinstance(x, tf.Tensor):
+                if "CPU" not in x.device.upper() and x.device:
+                    raise InputError(f"{self.__name__}: argument {k} is on {x.device}, but target "
+                                     f"{self.options.target!r} runs on the host")
+                x = np.from_dlpack(x)
+            elif isinstance(x, tf.Variable):
+                x = np.from_dlpack(x.read_value())
+            elif isinstance(x, (bool, int, float)):
+                x = np.asarray(x, np.float32 if isinstance(x, float) else np.int32 if not isinstance(x, bool)
+                               else np.bool_)
+            elif not isinstance(x, np.ndarray):
+                raise InputError(f"{self.__name__}: argument {k} is a {type(x).__name__}; expected a "
+                                 f"tf.Tensor or a numpy array")
+            out.append(x)
+        return out
+
+    def _check_signature(self, arrays) -> None:
+        sig = tf.nest.flatten(self.input_signature)
+        if len(sig) != len(arrays):
+            raise InputError(f"{self.__name__}: got {len(arrays)} arguments, the input_signature has {len(sig)}")
+        for k, (x, spec) in enumerate(zip(arrays, sig)):
+            name = f" ({spec.name})" if getattr(spec, "name", None) else ""
+            if tf.as_dtype(x.dtype) != spec.dtype or not spec.shape.is_compatible_with(x.shape):
+                raise InputError(f"{self.__name__}: argument {k}{name} is {tf.as_dtype(x.dtype).name}"
+                                 f"{list(x.shape)}, which does not match the input_signature: "
+                                 f"{spec.dtype.name}{spec.shape.as_list()}")
+
+    def program(self, arrays) -> tuple[_Trace, SegmentedProgram]:
+        if self.input_signature is not None:
+            key: tuple = ("signature",)
+            specs = self.input_signature
+        else:
+            key = tuple((x.shape, x.dtype) for x in arrays)
+            specs = [tf.TensorSpec(x.shape, tf.as_dtype(x.dtype)) for x in arrays]
+        if key not in self._programs:
+            cf = tf.function(self.fn, autograph=False).get_concrete_function(*specs)
+            trace = _Trace(cf, len(arrays))
+            prog = SegmentedProgram(trace.invars, trace.ops, trace.outvars, self.options, self._stats,
+                                    f"{self.__name__}{len(self._programs)}", "TensorFlow")
+            self._programs[key] = (trace, prog)
+        return self._programs[key]
+
+    def __call__(self, *args):
+        if self._tf is not None:
+            return self._tf(*args)
+        arrays = self._arrays(args)
+        if self.input_signature is not None:
+            self._check_signature(arrays)
+        trace, prog = self.program(arrays)
+        outs = prog(arrays + [np.from_dlpack(v.read_value()) for v in trace.variables])
+        flat = list(trace.flat)
+        for k, o in zip(trace.out_positions, outs):
+            flat[k] = _to_tensor(o)
+        return tf.nest.pack_sequence_as(trace.structure, flat, expand_composites=True)
+
+
+def _to_tensor(x) -> tf.Tensor:
+    if isinstance(x, tf.Tensor):
+        return x
+    x = np.asarray(x)
+    if x.flags.c_contiguous and x.ctypes.data % 64 == 0 and x.size:
+        return tf.experimental.dlpack.from_dlpack(x.__dlpack__())
+    return tf.convert_to_tensor(x)
+
+
+def jit_tf(fn: Callable | None = None, *, input_signature=None, compile_options: dict | None = None,
+           execution_backend: str = "polyjit"):
+    """Compile a TensorFlow function with polyjit (as ``tf.function`` would).
+
+    With ``input_signature`` the code is specialized to it (a ``None``
+    dimension is a symbolic size) and calls that violate it raise
+    InputError; without, it compiles once per input shapes and dtypes.
+    ``execution_backend="std"`` runs a plain ``tf.function`` and ``"xla"``
+    one with ``jit_compile=True``, for comparison.
+    """
+    if execution_backend not in EXECUTION_BACKENDS:
+        raise CompileOptionError(f"execution_backend is {execution_backend!r}; allowed values: "
+                                 f"{list(EXECUTION_BACKENDS)}")
+    options = parse_options(compile_options)
+
+    def wrap(f):
+        return TFFunction(f, options, input_signature, execution_backend)
+    return wrap(fn) if fn is not None else wrap

@@ -19,7 +19,7 @@ import islpy as isl
 
 from . import sizes as sz
 from .affine import AffineProgram
-from .expr import Var, loads, walk
+from .expr import Op, Var, loads, walk
 
 log = logging.getLogger("polyjit.schedule")
 
@@ -506,13 +506,20 @@ def fusion_groups(prog: AffineProgram) -> list[list[str]]:
                 groups.append(current)
                 current = []
             continue
-        if len(current) >= MAX_GROUP:
+        if len(current) >= MAX_GROUP or _reads_reshaped(s, current, prog):
             groups.append(current)
             current = []
         current.append(s.name)
     if current:
         groups.append(current)
     return groups
+
+
+def _reads_reshaped(s, group: list[str], prog: AffineProgram) -> bool:
+    written = {t.array for t in prog.statements if t.name in group}
+    return any(ld.array in written and any(isinstance(x, Op) and x.op in ("floordiv", "mod")
+                                           for i in ld.index for x in walk(i))
+               for ld in loads(s.body))
 
 
 def _inits(prog: AffineProgram) -> set[str]:
@@ -524,18 +531,21 @@ SCHEDULE_BUDGET = 3_000_000  # isl operations one group may take before it is sp
 
 def _schedule_group(ctx, prog, dom, validity, raw, names, fusion) -> isl.Schedule:
     """isl's schedule for a group; a group whose problem exceeds the budget is
-    split in two and each half scheduled alone, one after the other."""
-    if len(names) > 1:
-        ctx.set_max_operations(SCHEDULE_BUDGET)
-        ctx.reset_operations()
+    split in two and each half scheduled alone, one after the other. A single
+    statement over budget (accesses full of integer divisions, e.g. a
+    flattened pooling window feeding a matmul) runs in its own loop order."""
+    ctx.set_max_operations(SCHEDULE_BUDGET)
+    ctx.reset_operations()
     try:
         return _schedule_one_group(ctx, prog, dom, validity, raw, names, fusion)
     except isl.Error:
-        if len(names) == 1:
-            raise
         log.debug("schedule of %d statements over budget; splitting", len(names))
     finally:
         ctx.set_max_operations(0)
+    if len(names) == 1:
+        text = prog.prefix() + "{ " + "; ".join(f"{s.name}[{', '.join(s.iters)}]" for s in prog.statements
+                                              if s.name in names) + " }"
+        return isl.Schedule.from_domain(dom.intersect(isl.UnionSet.read_from_str(ctx, text)))
     half = len(names) // 2
     first = _schedule_group(ctx, prog, dom, validity, raw, names[:half], fusion)
     return first.sequence(_schedule_group(ctx, prog, dom, validity, raw, names[half:], fusion))

@@ -1,0 +1,152 @@
+"""The TensorFlow frontend on the seed programs: results against eager TF on
+fresh random data, with zero fallbacks."""
+import os
+import warnings
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+tf = pytest.importorskip("tensorflow")
+keras = pytest.importorskip("keras")
+
+import polyjit  # noqa: E402
+from polyjit.errors import InputError, UnsupportedOpError  # noqa: E402
+
+
+def rnd(rng, *shape, dtype=np.float32):
+    return tf.constant(rng.standard_normal(shape, dtype=np.float32).astype(dtype))
+
+
+def assert_close(out, ref, rtol=1e-5, atol=1e-5):
+    for o, r in zip(tf.nest.flatten(out), tf.nest.flatten(ref)):
+        assert isinstance(o, tf.Tensor) and o.dtype == r.dtype and o.shape == r.shape
+        np.testing.assert_allclose(o.numpy().astype(np.float64), r.numpy().astype(np.float64), rtol=rtol, atol=atol)
+
+
+def check(fn, *args, rtol=1e-5, atol=1e-5, **kw):
+    jf = polyjit.jit_tf(fn, **kw)
+    assert_close(jf(*args), fn(*args), rtol, atol)
+    assert jf.stats["fallbacks"] == 0 and jf.stats["graphs"] >= 1
+    return jf
+
+
+def blur(img):
+    k = tf.fill((1, 5, 1, 1), 0.2)
+    x = tf.nn.conv2d(img, k, 1, "VALID")
+    x = tf.reshape(x, tf.shape(x))
+    return tf.nn.conv2d(x, tf.reshape(k, (5, 1, 1, 1)), 1, "VALID")
+
+
+def test_blur_one_loop_nest(rng):
+    jf = check(blur, tf.constant(rng.random((3, 64, 80, 1), dtype=np.float32)))
+    assert jf.stats["kernels"] == 1 and jf.stats["contracted_buffers"] == 1
+
+
+@pytest.mark.parametrize("dtype,tol", [(np.float32, 1e-4), (np.float16, 5e-2)])
+@pytest.mark.parametrize("padding,stride", [("SAME", 1), ("VALID", 2)])
+def test_conv_bias_relu_nhwc(rng, dtype, tol, padding, stride):
+    w, b = rnd(rng, 3, 3, 4, 8, dtype=dtype), rnd(rng, 8, dtype=dtype)
+    check(lambda x: tf.nn.relu(tf.nn.bias_add(tf.nn.conv2d(x, w, stride, padding), b)),
+          rnd(rng, 2, 10, 12, 4, dtype=dtype), rtol=tol, atol=tol)
+
+
+def test_conv_nchw_dilated_and_depthwise(rng):
+    w = rnd(rng, 3, 3, 4, 6)
+    check(lambda x: tf.nn.conv2d(x, w, 1, "SAME", data_format="NCHW", dilations=2), rnd(rng, 2, 4, 9, 10),
+          rtol=1e-4, atol=1e-4)
+    dw = rnd(rng, 3, 3, 4, 2)
+    check(lambda x: tf.nn.depthwise_conv2d(x, dw, [1, 2, 2, 1], "SAME"), rnd(rng, 2, 9, 10, 4), rtol=1e-4, atol=1e-4)
+
+
+def test_keras_dense_layernorm_variables_are_inputs(rng):
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.LayerNormalization()])
+    jf = check(lambda x: model(x), rnd(rng, 4, 8), rtol=1e-4, atol=1e-4)
+    assert jf.stats["kernels"] <= 2
+    model.layers[0].kernel.assign(rng.standard_normal((8, 16)).astype(np.float32))  # read at each call
+    x = rnd(rng, 4, 8)
+    assert_close(jf(x), model(x), 1e-4, 1e-4)
+    assert len(jf._programs) == 1
+
+
+def test_softmax_and_log_softmax(rng):
+    check(tf.nn.softmax, rnd(rng, 8, 100))
+    check(tf.nn.log_softmax, rnd(rng, 8, 100))
+
+
+def test_keras_cnn_inference(rng):
+    cnn = keras.Sequential([keras.Input((16, 16, 3)), keras.layers.Conv2D(8, 3, activation="relu"),
+                            keras.layers.BatchNormalization(), keras.layers.MaxPooling2D(), keras.layers.Flatten(),
+                            keras.layers.Dense(10)])
+    bn = cnn.layers[1]
+    bn.moving_mean.assign(rng.standard_normal(8).astype(np.float32))
+    bn.moving_variance.assign(rng.random(8).astype(np.float32) + 0.5)
+    check(lambda x: cnn(x, training=False), rnd(rng, 2, 16, 16, 3), rtol=1e-4, atol=1e-4)
+
+
+def test_fused_batch_norm_inference(rng):
+    s, o, m, v = rnd(rng, 5), rnd(rng, 5), rnd(rng, 5), tf.constant(rng.random(5, dtype=np.float32) + 0.5)
+
+    def bn(x):
+        return tf.raw_ops.FusedBatchNormV3(x=x, scale=s, offset=o, mean=m, variance=v, epsilon=1e-3,
+                                           is_training=False)[0]
+    check(bn, rnd(rng, 2, 6, 7, 5), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: x[1:3, ::2], lambda x: x[:, -1], lambda x: x[::-1, 3:0:-2], lambda x: x[..., None, 2],
+    lambda x: tf.stack([x, x * 2], 1), lambda x: tf.unstack(x, axis=1)[3], lambda x: tf.split(x, 2, 1)[1],
+    lambda x: tf.split(x, [3, 7], 1)[1], lambda x: tf.pad(x, [[1, 2], [0, 1]]),
+    lambda x: tf.reduce_mean(x, 1, keepdims=True), lambda x: tf.argmax(x, 1),
+    lambda x: tf.nn.avg_pool2d(x[None, :, :, None], 3, 2, "SAME"), lambda x: tf.tile(x, [2, 3]),
+    lambda x: tf.matmul(tf.reshape(x, (2, 2, 10)), tf.reshape(x, (2, 10, 2))),
+    lambda x: tf.nn.elu(x) + tf.nn.selu(x) + tf.nn.softplus(x) + tf.nn.relu6(x),
+    lambda x: tf.where(x > 0, x, -x), lambda x: tf.squeeze(tf.expand_dims(x, 0)) * tf.cast(x > 0, tf.float32),
+    lambda x: tf.concat([x, tf.transpose(x)[:4, :4] @ x], 0), lambda x: tf.reduce_max(x, [0, 1]),
+    lambda x: tf.matmul(x, x, transpose_b=True), lambda x: tf.math.sigmoid(x) * tf.math.tanh(x),
+], ids=["slice", "shrink", "reverse", "ellipsis_newaxis", "pack", "unpack", "split", "splitv", "pad", "mean",
+        "argmax", "avgpool_same", "tile", "batch_matmul", "elu_selu_softplus_relu6", "select", "squeeze_cast",
+        "concat_transpose", "max_all", "matmul_t", "sigmoid_tanh"])
+def test_ops(rng, fn):
+    check(fn, rnd(rng, 4, 10))
+
+
+def test_input_signature_symbolic_and_checked(rng):
+    jf = polyjit.jit_tf(lambda x: tf.reduce_sum(x * 2, axis=1), input_signature=[tf.TensorSpec([None, 7], tf.float32)])
+    for n in (3, 9, 1):
+        x = rnd(rng, n, 7)
+        assert_close(jf(x), tf.reduce_sum(x * 2, axis=1))
+    assert len(jf._programs) == 1
+    with pytest.raises(InputError, match=r"argument 0 is float32\[3, 8\], which does not match the input_signature"):
+        jf(np.ones((3, 8), np.float32))
+    with pytest.raises(InputError, match="float64"):
+        jf(np.ones((3, 7), np.float64))
+
+
+def test_no_signature_caches_per_shape(rng):
+    jf = polyjit.jit_tf(lambda x: x * 3)
+    for shape in [(2, 3), (2, 3), (4, 3)]:
+        jf(np.ones(shape, np.float32))
+    assert len(jf._programs) == 2
+    assert isinstance(jf(np.ones((2, 3), np.float32)), tf.Tensor)
+
+
+def test_execution_backends_agree(rng):
+    x = rnd(rng, 8, 32)
+    outs = [polyjit.jit_tf(tf.nn.softmax, execution_backend=b)(x) for b in ("polyjit", "std", "xla")]
+    for o in outs[1:]:
+        assert_close(outs[0], o)
+
+
+def test_unsupported_op_falls_back_or_raises_under_strict(rng):
+    def f(x):
+        return tf.sort(x * 2, axis=-1) + 1
+    x = rnd(rng, 3, 7)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        jf = polyjit.jit_tf(f)
+        assert_close(jf(x), f(x))
+    assert jf.stats["fallbacks"] >= 1 and any("TopKV2" in op for op in jf.stats["fallback_ops"])
+    assert any("TensorFlow" in str(m.message) for m in w)
+    with pytest.raises(UnsupportedOpError, match="TopKV2"):
+        polyjit.jit_tf(f, compile_options={"strict": True})(x)
