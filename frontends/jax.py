@@ -325,13 +325,21 @@ def _flatten(closed, args: list, out: list[Op]) -> list:
 
 def _unroll_scan(eqn, ins, out: list[Op]) -> list:
     p = eqn.params
-    nc, nk, n = p["num_consts"], p["num_carry"], p["length"]
+    n = p["length"]
+    body = p["jaxpr"] if hasattr(p["jaxpr"], "consts") else jcore.ClosedJaxpr(p["jaxpr"], ())
+    if "num_consts" in p:
+        nc, nk = p["num_consts"], p["num_carry"]
+    else:  # newer JAX: carries keep their shape through the body, xs and ys have a leading `length` axis
+        same = [tuple(a.aval.shape) == tuple(b.aval.shape) for a, b in zip(eqn.outvars, body.jaxpr.outvars)]
+        nk = same.index(False) if False in same else len(same)
+        ins_same = [tuple(a.aval.shape) == tuple(b.aval.shape) for a, b in zip(eqn.invars, body.jaxpr.invars)]
+        nc = (ins_same.index(False) if False in ins_same else len(ins_same)) - nk
     consts, carry, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
     ys: list[list] = []
     steps = range(n - 1, -1, -1) if p["reverse"] else range(n)
     for i in steps:
         xi = [_index(x, i, out) for x in xs]
-        res = _flatten(p["jaxpr"], consts + carry + xi, out)
+        res = _flatten(body, consts + carry + xi, out)
         carry, y = res[:nk], res[nk:]
         ys.append(y)
     if p["reverse"]:

@@ -218,3 +218,10 @@ def test_core_imports_no_framework():
     import sys
     code = "import sys, polyjit; polyjit.compile; assert not {'jax', 'torch', 'tensorflow'} & set(sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], env={**os.environ}).returncode == 0
+
+
+def test_scan_with_xs_and_ys_is_unrolled(rng):
+    def f(w, xs):
+        return lax.scan(lambda c, x: (c + x * w, c * 2), jnp.zeros(3, jnp.float32), xs)
+    check(f, rnd(rng, 3), rnd(rng, 4, 3))
+    check(lambda w, xs: lax.scan(lambda c, x: (c * x + w, c), w, xs, reverse=True), rnd(rng, 3), rnd(rng, 5, 3))

@@ -1,5 +1,6 @@
 """The runtime: cached output memory, shared work, thread teams."""
 import gc
+import os
 import subprocess
 import sys
 
@@ -57,6 +58,6 @@ def test_thread_pool_team_matches(rng):
             "e = np.exp(x - x.max(1, keepdims=True));"
             "np.testing.assert_allclose(exe(x), e / e.sum(1, keepdims=True), rtol=1e-5, atol=1e-7);"
             "assert isinstance(thread_team(), PoolTeam) and exe.stats['parallel_kernels'] >= 1")
-    env = {"POLYJIT_THREADS": "pool", "PATH": ""}
+    env = {**os.environ, "POLYJIT_THREADS": "pool"}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
