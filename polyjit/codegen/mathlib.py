@@ -1,7 +1,7 @@
 """Vectorizable float32 math: branch-free polynomial kernels (after Cephes,
 and Eigen for erf) that LLVM's loop vectorizer can widen, where a call into
 the C library would keep a loop scalar. Each is within a few ulp of the
-correctly rounded result for |x| < 8192 (sin, cos) or everywhere (the rest);
+correctly rounded result for |x| < 39000 (sin, cos) or everywhere (the rest);
 NaN and infinities propagate as in C.
 """
 from __future__ import annotations
@@ -82,32 +82,41 @@ def log(b: ir.IRBuilder, m: ir.Module, x):
     return b.select(b.fcmp_unordered("<", x, c(0.0)), c(math.nan), r)  # negative or NaN
 
 
+# pi in four parts whose products with the quadrant count are exact (after SLEEF)
+_PI4 = (3.140625, 0.0009670257568359375, 6.2771141529083251953e-07, 1.2154201256553420762e-10)
+
+
 def _sincos(b, m, x, want_cos: bool):
-    ax = _fabs(b, m, x)
-    finite = b.fcmp_ordered("<", ax, c(math.inf))
-    ax = b.select(finite, ax, c(0.0))
-    q = b.fmul(ax, c(1.27323954473516))
-    q = b.select(b.fcmp_ordered(">", q, c(1073741824.0)), c(1073741824.0), q)
-    j = b.fptosi(q, I32)
-    j = b.and_(b.add(j, ir.Constant(I32, 1)), ir.Constant(I32, -2))  # round up to even
-    y = b.sitofp(j, F32)
-    r = b.fsub(b.fsub(b.fsub(ax, b.fmul(y, c(0.78515625))), b.fmul(y, c(2.4187564849853515625e-4))),
-               b.fmul(y, c(3.77489497744594108e-8)))
-    j = b.and_(j, ir.Constant(I32, 7))
-    z = b.fmul(r, r)
-    pc = b.fadd(b.fsub(b.fmul(b.fmul(_poly(b, z, [2.443315711809948e-5, -1.388731625493765e-3,
-                                                   4.166664568298827e-2]), z), z), b.fmul(z, c(0.5))), c(1.0))
-    ps = b.fadd(b.fmul(b.fmul(_poly(b, z, [-1.9515295891e-4, 8.3321608736e-3, -1.6666654611e-1]), z), r), r)
-    big = b.icmp_signed(">", j, ir.Constant(I32, 3))
-    j = b.select(big, b.sub(j, ir.Constant(I32, 4)), j)
-    use_cos_poly = b.or_(b.icmp_signed("==", j, ir.Constant(I32, 1)), b.icmp_signed("==", j, ir.Constant(I32, 2)))
+    """One odd polynomial on [-pi/2, pi/2] (SLEEF's sinf_u35 / cosf_u35):
+    sin x = (-1)^q sin(x - q pi) with q = rint(x / pi); cos x = sin(x + pi/2),
+    reduced directly with odd multiples of pi/2."""
+    finite = b.fcmp_ordered("<", _fabs(b, m, x), c(math.inf))
+    x = b.select(finite, x, c(0.0))
+    rint = m.declare_intrinsic("llvm.rint", [F32])
     if want_cos:
-        neg = b.xor(big, b.icmp_signed(">", j, ir.Constant(I32, 1)))
-        v = b.select(use_cos_poly, ps, pc)
+        q = b.fadd(b.fmul(b.call(rint, [b.fsub(b.fmul(x, c(1 / math.pi)), c(0.5))]), c(2.0)), c(1.0))
+        parts = [p * 0.5 for p in _PI4]
     else:
-        neg = b.xor(big, b.fcmp_ordered("<", x, c(0.0)))
-        v = b.select(use_cos_poly, pc, ps)
-    v = b.select(neg, b.fneg(v), v)
+        q = b.call(rint, [b.fmul(x, c(1 / math.pi))])
+        parts = list(_PI4)
+    lim = c(16777216.0)
+    q = b.select(b.fcmp_ordered(">", _fabs(b, m, q), lim), b.select(b.fcmp_ordered("<", q, c(0.0)),
+                                                                     b.fneg(lim), lim), q)
+    d = x
+    for part in parts:
+        d = b.fsub(d, b.fmul(q, c(part)))
+    qi = b.fptosi(q, I32)
+    bit = ir.Constant(I32, 2 if want_cos else 1)
+    flip = b.icmp_signed("==" if want_cos else "!=", b.and_(qi, bit), ir.Constant(I32, 0))
+    d = b.select(flip, b.fneg(d), d)
+    s2 = b.fmul(d, d)
+    u = _poly(b, s2, [2.6083159809786593541503e-06, -0.0001981069071916863322258,
+                      0.00833307858556509017944336, -0.166666597127914428710938])
+    v = b.fadd(b.fmul(s2, b.fmul(u, d)), d)
+    v = b.select(b.fcmp_ordered(">", v, c(1.0)), c(1.0), v)  # bounded beyond the accurate range
+    v = b.select(b.fcmp_ordered("<", v, c(-1.0)), c(-1.0), v)
+    if not want_cos:
+        v = b.select(b.fcmp_ordered("==", x, c(0.0)), x, v)  # sin(-0) = -0
     return b.select(finite, v, c(math.nan))
 
 
