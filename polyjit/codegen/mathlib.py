@@ -17,10 +17,16 @@ def c(v: float) -> ir.Constant:
     return ir.Constant(F32, v)
 
 
+def _muladd(b: ir.IRBuilder, x, y, z):
+    """x * y + z, fused where the target has FMA (llvm.fmuladd)."""
+    fn = b.module.declare_intrinsic("llvm.fmuladd", [F32], ir.FunctionType(F32, [F32, F32, F32]))
+    return b.call(fn, [x, y, z])
+
+
 def _poly(b: ir.IRBuilder, x, coeffs):
     acc = c(coeffs[0])
     for k in coeffs[1:]:
-        acc = b.fadd(b.fmul(acc, x), c(k))
+        acc = _muladd(b, acc, x, c(k))
     return acc
 
 
@@ -104,7 +110,7 @@ def _sincos(b, m, x, want_cos: bool):
                                                                      b.fneg(lim), lim), q)
     d = x
     for part in parts:
-        d = b.fsub(d, b.fmul(q, c(part)))
+        d = _muladd(b, q, c(-part), d)
     qi = b.fptosi(q, I32)
     bit = ir.Constant(I32, 2 if want_cos else 1)
     flip = b.icmp_signed("==" if want_cos else "!=", b.and_(qi, bit), ir.Constant(I32, 0))
@@ -112,7 +118,7 @@ def _sincos(b, m, x, want_cos: bool):
     s2 = b.fmul(d, d)
     u = _poly(b, s2, [2.6083159809786593541503e-06, -0.0001981069071916863322258,
                       0.00833307858556509017944336, -0.166666597127914428710938])
-    v = b.fadd(b.fmul(s2, b.fmul(u, d)), d)
+    v = _muladd(b, s2, b.fmul(u, d), d)
     v = b.select(b.fcmp_ordered(">", v, c(1.0)), c(1.0), v)  # bounded beyond the accurate range
     v = b.select(b.fcmp_ordered("<", v, c(-1.0)), c(-1.0), v)
     if not want_cos:
