@@ -38,6 +38,24 @@ def compare(fns: dict, reps: int = 21, block: int = 3) -> dict:
     return {k: statistics.median(v) for k, v in ts.items()}
 
 
+def side_by_side(cases, jit, backends: tuple[str, str, str], labels: tuple[str, str, str],
+                 sync=lambda out: out) -> None:
+    """For each (name, fn, args): time fn under each execution backend of
+    `jit` (baseline, peer, "polyjit") in one run and print ratios to the baseline."""
+    base, peer, _ = backends
+    print(f"{'program':28s} {labels[0]:>9s} {labels[1]:>9s} {labels[2]:>9s}  "
+          f"ratios vs {labels[0]} ({labels[1]}, {labels[2]})")
+    for name, fn, args in cases:
+        fns = {}
+        for backend in backends:
+            f = jit(fn, execution_backend=backend)
+            fns[backend] = lambda f=f: sync(f(*args))
+        t = compare(fns)
+        b = t[base]
+        print(f"{name:28s} {b * 1e3:9.2f} {t[peer] * 1e3:9.2f} {t['polyjit'] * 1e3:9.2f}"
+              f"  {b / t[peer]:6.2f}x {b / t['polyjit']:6.2f}x")
+
+
 def blur_np(img):
     w, h = img.shape[-1], img.shape[-2]
     bx = (img[..., 0:w - 4] + img[..., 1:w - 3] + img[..., 2:w - 2] + img[..., 3:w - 1] + img[..., 4:w]) * F32(0.2)

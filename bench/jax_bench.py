@@ -8,7 +8,7 @@ import numpy as np
 from jax import lax
 
 import polyjit
-from cpu import compare  # bench/ is the script's folder
+from cpu import side_by_side  # bench/ is the script's folder
 
 
 def blur(img):
@@ -43,17 +43,8 @@ def main() -> None:
         ("gelu 4M", jax.nn.gelu, [r(4 << 20)]),
         ("mlp loss grad 256x256x512", jax.grad(mlp_loss), [params, r(256, 256), r(256, 64)]),
     ]
-    print(f"{'program':28s} {'un-jitted':>9s} {'jax.jit':>9s} {'polyjit':>9s}  ratios vs un-jitted (jax.jit, polyjit)")
-    for name, fn, args in cases:
-        fns = {}
-        for backend in ("std", "xla", "polyjit"):
-            f = polyjit.jit_jax(fn, execution_backend=backend)
-            fns[backend] = lambda f=f: jax.block_until_ready(f(*args))
-        t = compare(fns)
-        e = t["std"]
-        print(f"{name:28s} {e * 1e3:9.2f} {t['xla'] * 1e3:9.2f} {t['polyjit'] * 1e3:9.2f}"
-              f"  {e / t['xla']:6.2f}x {e / t['polyjit']:6.2f}x")
-
+    side_by_side(cases, polyjit.jit_jax, ("std", "xla", "polyjit"), ("un-jitted", "jax.jit", "polyjit"),
+                 jax.block_until_ready)
 
 if __name__ == "__main__":
     main()

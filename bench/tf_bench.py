@@ -11,7 +11,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import polyjit  # noqa: E402
-from cpu import compare  # noqa: E402  (bench/ is the script's folder)
+from cpu import side_by_side  # noqa: E402  (bench/ is the script's folder)
 
 
 def blur(img):
@@ -40,17 +40,8 @@ def main() -> None:
         ("conv+bias+relu 8x64x64x32", lambda x: tf.nn.relu(tf.nn.bias_add(tf.nn.conv2d(x, w, 1, "SAME"), b)),
          [r(8, 64, 64, 32)]),
     ]
-    print(f"{'program':28s} {'tf std':>9s} {'tf xla':>9s} {'polyjit':>9s}  ratios vs std (xla, polyjit)")
-    for name, fn, args in cases:
-        fns = {}
-        for backend in ("std", "xla", "polyjit"):
-            f = polyjit.jit_tf(fn, execution_backend=backend)
-            fns[backend] = lambda f=f: f(*args)  # TF runs synchronously on the CPU
-        t = compare(fns)
-        s = t["std"]
-        print(f"{name:28s} {s * 1e3:9.2f} {t['xla'] * 1e3:9.2f} {t['polyjit'] * 1e3:9.2f}"
-              f"  {s / t['xla']:6.2f}x {s / t['polyjit']:6.2f}x")
-
+    # TF runs synchronously on the CPU: the call's return is the end of the work
+    side_by_side(cases, polyjit.jit_tf, ("std", "xla", "polyjit"), ("tf std", "tf xla", "polyjit"))
 
 if __name__ == "__main__":
     main()

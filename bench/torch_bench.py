@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import polyjit
-from cpu import compare  # bench/ is the script's folder
+from cpu import side_by_side  # bench/ is the script's folder
 
 
 def blur(img):
@@ -28,20 +28,9 @@ CASES = [
 
 
 def main() -> None:
-    print(f"{'program':28s} {'eager ms':>9s} {'inductor':>9s} {'polyjit':>9s}  ratios vs eager (inductor, polyjit)")
     with torch.no_grad():
-        for name, fn, make in CASES:
-            args = make()
-            fns = {}
-            for backend in ("std", "inductor", "polyjit"):
-                f = polyjit.jit_torch(fn, execution_backend=backend)
-                f(*args)
-                fns[backend] = lambda f=f: f(*args)
-            times = compare(fns)
-            e = times["std"]
-            print(f"{name:28s} {e * 1e3:9.2f} {times['inductor'] * 1e3:9.2f} {times['polyjit'] * 1e3:9.2f}"
-                  f"  {e / times['inductor']:6.2f}x {e / times['polyjit']:6.2f}x")
-
+        side_by_side([(name, fn, make()) for name, fn, make in CASES], polyjit.jit_torch,
+                     ("std", "inductor", "polyjit"), ("eager", "inductor", "polyjit"))
 
 if __name__ == "__main__":
     main()

@@ -526,10 +526,7 @@ class JaxFunction:
         statics, leaves, tree = self._split(args, kwargs)
         if any(isinstance(x, jax.core.Tracer) for x in leaves):
             return self._traced(statics, leaves, tree)
-        weak = [isinstance(x, (bool, int, float)) for x in leaves]
-        leaves = self._check_leaves(leaves, tree)
-        sig = _Signature(tree, tuple((tuple(np.shape(x)), np.dtype(x.dtype), w) for x, w in zip(leaves, weak)),
-                         statics)
+        sig, leaves = self._signature(statics, leaves, tree)
         prog, out_tree = self.program(sig)
         outs = prog([np.asarray(x) for x in leaves])
         device = next((next(iter(x.devices())) for x in leaves if isinstance(x, jax.Array)), None)
@@ -537,12 +534,14 @@ class JaxFunction:
 
     def lower(self, *args, **kwargs) -> "Lowered":
         """Fix the signature of these arguments, as ``jax.jit(f).lower(...)``."""
-        statics, leaves, tree = self._split(args, kwargs)
+        return Lowered(self, self._signature(*self._split(args, kwargs))[0])
+
+    def _signature(self, statics, leaves, tree) -> tuple["_Signature", list]:
+        """The checked arguments' signature; Python scalars are weakly typed, as in jax.jit."""
         weak = [isinstance(x, (bool, int, float)) for x in leaves]
         leaves = self._check_leaves(leaves, tree)
-        sig = _Signature(tree, tuple((tuple(np.shape(x)), np.dtype(x.dtype), w) for x, w in zip(leaves, weak)),
-                         statics)
-        return Lowered(self, sig)
+        avals = tuple((tuple(np.shape(x)), np.dtype(x.dtype), w) for x, w in zip(leaves, weak))
+        return _Signature(tree, avals, statics), leaves
 
     def _traced(self, statics, leaves, tree):
         sig = _Signature(tree, tuple((tuple(x.shape), x.dtype, bool(getattr(x, "weak_type", False)))

@@ -42,9 +42,6 @@ class Executable:
         self._single = single_output
         self.stats: dict = {}
         self.last: CompiledProgram | None = None
-        # (shape, numpy dtype) -> array for outputs and temporaries; frontends
-        # set their framework's allocator
-        self.allocate: Callable[[tuple, np.dtype], np.ndarray] | None = None
 
     def _layout(self, args) -> tuple:
         return tuple(bool(inp.attrs.get("strided")) or (isinstance(a, np.ndarray) and not a.flags.c_contiguous
@@ -81,7 +78,7 @@ class Executable:
     def __call__(self, *args):
         arrays = self._prepare(args)
         prog = self.variant(self._layout(arrays))
-        outs = prog(*arrays, allocate=self.allocate)
+        outs = prog(*arrays)
         self.last = prog
         self.stats = prog.stats
         return outs[0] if self._single else tuple(outs)

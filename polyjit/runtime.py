@@ -83,11 +83,10 @@ class BufferCache:
 _cache = BufferCache()
 
 
-def _new_buffer(shape: tuple[int, ...], dtype: np.dtype, allocate=None) -> np.ndarray:
-    """An uninitialized buffer, from the caller's allocator if it gave one; with
-    POLYJIT_POISON=1 filled with NaN (or -7777) so that an element a kernel
-    forgets to write shows up instead of passing by luck."""
-    a = allocate(shape, np.dtype(dtype)) if allocate else _cache.empty(shape, dtype)
+def _new_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialized buffer; with POLYJIT_POISON=1 filled with NaN (or -7777)
+    so that an element a kernel forgets to write shows up instead of passing by luck."""
+    a = _cache.empty(shape, dtype)
     if POISON:
         a.fill(np.nan if np.dtype(dtype).kind == "f" else -7777)
     return a
@@ -156,9 +155,7 @@ class Executable:
                 raise InputError(f"{self.name}: sizes {a} = {va} and {b} = {vb} must be equal")
         return env
 
-    def __call__(self, *args: np.ndarray, allocate=None) -> list[np.ndarray]:
-        """Run on args; ``allocate(shape, dtype)`` makes outputs and temporaries
-        (a framework passes its own allocator, which caches memory)."""
+    def __call__(self, *args: np.ndarray) -> list[np.ndarray]:
         env = self.bind(args)
         arrays: dict[str, np.ndarray] = {}
         for spec, a in zip(self.inputs, args):
@@ -166,12 +163,12 @@ class Executable:
         outs = []
         for spec in self.outputs:
             shape = tuple(sz.evaluate(s, env) for s in spec.shape)
-            arrays[spec.name] = _new_buffer(shape, spec.dtype.numpy, allocate)
+            arrays[spec.name] = _new_buffer(shape, spec.dtype.numpy)
         temp_bytes = 0
         for spec in self.buffers:
             if spec.kind == "temp":
                 shape = tuple(sz.evaluate(s, env) for s in spec.shape)
-                arrays[spec.name] = _new_buffer(shape, spec.dtype.numpy, allocate)
+                arrays[spec.name] = _new_buffer(shape, spec.dtype.numpy)
                 temp_bytes += arrays[spec.name].nbytes
             elif spec.kind == "const":
                 arrays[spec.name] = self.constants[spec.index]
