@@ -168,9 +168,19 @@ class _Segment:
     def run(self, values: dict) -> None:
         if not self.outputs:
             return
-        outs = self.exe(*[np.asarray(values[id(v)]) for v in self.inputs])
+        outs = self.exe(*[_array(values[id(v)], self.exe.options.target) for v in self.inputs])
         for v, o in zip(self.outputs, outs):
             values[id(v)] = o
+
+
+def _array(x, target: str):
+    """An argument as the compiled code takes it: GPU arrays stay where they
+    are on nvgpu (once the framework's work on them is done); the rest as numpy."""
+    if target == "nvgpu" and hasattr(x, "__cuda_array_interface__"):
+        if hasattr(x, "block_until_ready"):
+            x.block_until_ready()
+        return x
+    return np.asarray(x)
 
 
 class _Fallback:

@@ -35,6 +35,13 @@ SCAN_UNROLL_LIMIT = 64  # longest static scan (fori_loop) unrolled into the prog
 
 
 # ====================================================================== table
+def _to_jax(o, device):
+    """A result as a JAX array: GPU results (polyjit's DeviceBuffer) by DLPack, no copy."""
+    if hasattr(o, "__dlpack__") and not isinstance(o, (np.ndarray, jax.Array)):
+        return jax.dlpack.from_dlpack(o)
+    return jax.device_put(o, device)
+
+
 def _unary(op):
     return lambda g, ins, p: g.unary(op, ins[0])
 
@@ -528,9 +535,9 @@ class JaxFunction:
             return self._traced(statics, leaves, tree)
         sig, leaves = self._signature(statics, leaves, tree)
         prog, out_tree = self.program(sig)
-        outs = prog([np.asarray(x) for x in leaves])
+        outs = prog(leaves)
         device = next((next(iter(x.devices())) for x in leaves if isinstance(x, jax.Array)), None)
-        return jax.tree_util.tree_unflatten(out_tree, [jax.device_put(o, device) for o in outs])
+        return jax.tree_util.tree_unflatten(out_tree, [_to_jax(o, device) for o in outs])
 
     def lower(self, *args, **kwargs) -> "Lowered":
         """Fix the signature of these arguments, as ``jax.jit(f).lower(...)``."""

@@ -26,6 +26,7 @@ from torch._decomp import core_aten_decompositions, get_decompositions
 from torch._dynamo.backends.common import aot_autograd
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupport
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from polyjit import ops
 from polyjit.api import Executable
@@ -44,6 +45,7 @@ prims = torch.ops.prims
 _DTYPES = {torch.float32: DataType.Float, torch.float64: DataType.Double, torch.float16: DataType.Half,
            torch.int32: DataType.Int32, torch.int64: DataType.Int, torch.bool: DataType.Bool}
 _TORCH = {v: k for k, v in _DTYPES.items()}
+_NUMPY_TO_TORCH = {np.dtype(d.numpy): t for t, d in _DTYPES.items()}
 
 DECOMPOSITIONS = {
     **core_aten_decompositions(),
@@ -634,33 +636,51 @@ class CompiledGraph:
         self.options = options
 
     def __call__(self, *args):
-        arrays = []
+        gpu = self.options.target == "nvgpu"
+        arrays, devices = [], set()
         for k in self.t.tensor_inputs:
-            a = args[k]
-            if a.device.type != "cpu":
+            a = args[k].detach()
+            if a.device.type == "cuda" and gpu:
+                devices.add(a.device)
+                arrays.append(a)
+            elif a.device.type == "cpu":
+                arrays.append(a.numpy())
+            else:
                 raise InputError(f"{self.name}: argument {k} is on {a.device}, but target "
-                                 f"{self.options.target!r} runs on the CPU")
-            arrays.append(a.detach().numpy())
+                                 f"{self.options.target!r} runs on {'an NVIDIA GPU' if gpu else 'the CPU'}")
         if self.t.seed_index is not None:
             seed = int(torch.randint(0, 2 ** 62, (), dtype=torch.int64).item())
             arrays.insert(self.t.seed_index, np.asarray(seed, np.int64))
-        outs = self.exe(*arrays)
+        launch = {}
+        if devices:
+            dev = next(iter(devices))
+            launch = {"stream": torch.cuda.current_stream(dev).cuda_stream,
+                      "empty": lambda shape, dt: torch.empty(shape, dtype=_NUMPY_TO_TORCH[np.dtype(dt)], device=dev)}
+        outs = self.exe(*arrays, **launch)
         self.stats.record(self.name, self.exe.stats)
         result = []
         for kind, v in self.t.outputs:
-            result.append(torch.from_numpy(outs[v]) if kind == "tensor" else args[v] if kind == "input" else v)
+            if kind == "tensor":
+                o = outs[v]
+                result.append(o if isinstance(o, torch.Tensor) else torch.from_numpy(o))
+            else:
+                result.append(args[v] if kind == "input" else v)
         return tuple(result)
 
 
 
 
 class _Supported(OperatorSupport):
+    def __init__(self, devices=("cpu",)) -> None:
+        super().__init__()
+        self.devices = devices
+
     def is_node_supported(self, submodules, node) -> bool:
         if node.op != "call_function" or node.target not in ATEN:
             return False
         val = _node_val(node)
         vals = val if isinstance(val, (tuple, list)) else [val]
-        return all(not isinstance(v, torch.Tensor) or (v.dtype in _DTYPES and v.device.type == "cpu")
+        return all(not isinstance(v, torch.Tensor) or (v.dtype in _DTYPES and v.device.type in self.devices)
                    for v in vals)
 
 
@@ -672,7 +692,7 @@ def _where(node) -> str:
 
 def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: CompileOptions, stats: Stats, name: str):
     """Compile an ATen graph: whole if every node is supported, else by partitions."""
-    support = _Supported()
+    support = _Supported(("cpu", "cuda") if options.target == "nvgpu" else ("cpu",))
     unsupported = [n for n in gm.graph.nodes if n.op == "call_function" and not support.is_node_supported({}, n)]
     if not unsupported:
         try:
@@ -730,7 +750,9 @@ class PolyjitBackend:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         backend = aot_autograd(fw_compiler=self._compiler("forward"), bw_compiler=self._compiler("backward"),
                                inference_compiler=self._compiler("inference"), decompositions=DECOMPOSITIONS)
-        return backend(gm, example_inputs)
+        # attention as matmuls and softmax, which fuse, rather than a device's fused kernel
+        with sdpa_kernel([SDPBackend.MATH]):
+            return backend(gm, example_inputs)
 
 
 _last_backend: PolyjitBackend | None = None

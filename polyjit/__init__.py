@@ -14,7 +14,13 @@ from .options import CompileOptions
 
 __version__ = "0.1.0"
 __all__ = ["FusionDefinition", "DataType", "compile", "InputInfo", "Executable", "ops", "errors",
-           "CompileOptions", "jit_torch", "jit_jax", "jit_tf"]
+           "CompileOptions", "jit_torch", "jit_jax", "jit_tf", "cuda_synchronize"]
+
+
+def cuda_synchronize() -> None:
+    """Wait until all work polyjit queued on GPUs has finished."""
+    from .cuda import synchronize
+    synchronize()
 
 
 def __getattr__(name: str):

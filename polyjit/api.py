@@ -32,7 +32,7 @@ class InputInfo:
 
 
 class Executable:
-    """A compiled program; call it with numpy arrays."""
+    """A compiled program; call it with numpy arrays (or, on nvgpu, GPU arrays)."""
 
     def __init__(self, graph: Graph, options: CompileOptions, name: str, scalar_inputs=(),
                  single_output: bool = False) -> None:
@@ -44,9 +44,7 @@ class Executable:
         self.last: CompiledProgram | None = None
 
     def _layout(self, args) -> tuple:
-        return tuple(bool(inp.attrs.get("strided")) or (isinstance(a, np.ndarray) and not a.flags.c_contiguous
-                                                       and a.ndim > 1)
-                     for inp, a in zip(self.graph.inputs, args))
+        return tuple(bool(inp.attrs.get("strided")) or _strided(a) for inp, a in zip(self.graph.inputs, args))
 
     def _prepare(self, args) -> list:
         n = len(self.graph.inputs)
@@ -56,7 +54,8 @@ class Executable:
         for k, (a, inp) in enumerate(zip(args, self.graph.inputs)):
             if k in self._scalars and isinstance(a, (bool, int, float, np.generic)):
                 a = np.asarray(a, dtype=inp.dtype.numpy)
-            if not isinstance(a, np.ndarray):
+            if not isinstance(a, np.ndarray) and not (self.options.target == "nvgpu"
+                                                      and hasattr(a, "__cuda_array_interface__")):
                 raise InputError(f"{self.name}: input {k} is a {type(a).__name__}, expected a numpy array "
                                  f"of dtype {inp.dtype} and rank {inp.rank}")
             out.append(a)
@@ -75,10 +74,12 @@ class Executable:
                     inp.attrs["strided"] = inp.attrs.get("declared_strided", False)
         return self._variants[layout]
 
-    def __call__(self, *args):
+    def __call__(self, *args, **launch):
+        """Run on the arrays (numpy; on nvgpu also GPU arrays, with the
+        ``stream=`` and ``empty=`` of :class:`polyjit.cuda.GpuExecutable`)."""
         arrays = self._prepare(args)
         prog = self.variant(self._layout(arrays))
-        outs = prog(*arrays)
+        outs = prog(*arrays, **launch)
         self.last = prog
         self.stats = prog.stats
         return outs[0] if self._single else tuple(outs)
@@ -96,6 +97,18 @@ class Executable:
     def ir(self, stage: str) -> str:
         """One stage's text: graph, affine, schedule, ast, llvm or llvm_opt."""
         return self.compile_default().ir[stage]
+
+
+def _strided(a) -> bool:
+    """Whether an argument is laid out other than row-major (numpy or GPU array)."""
+    if isinstance(a, np.ndarray):
+        return not a.flags.c_contiguous and a.ndim > 1
+    cai = getattr(a, "__cuda_array_interface__", None)
+    if cai and cai.get("strides") is not None:
+        from .cuda import _row_major
+        item = np.dtype(cai["typestr"]).itemsize
+        return tuple(x // item for x in cai["strides"]) != _row_major(cai["shape"]) and len(cai["shape"]) > 1
+    return False
 
 
 def _input_shape(info: InputInfo, k: int, names: dict) -> tuple:
@@ -133,5 +146,5 @@ def compile(fn: Callable, args: Sequence[InputInfo], compile_options: Mapping | 
         g.add_output(r.node)
     name = getattr(fn, "__name__", "fn")
     exe = Executable(g, options, name if name.isidentifier() else "fn", single_output=single)
-    exe.variant(tuple(False for _ in g.inputs))
+    exe.stats = exe.variant(tuple(False for _ in g.inputs)).stats
     return exe

@@ -11,7 +11,7 @@ import os
 import time
 
 from . import sizes as sz
-from .errors import DeviceError
+from .cuda import GpuExecutable
 from .graph import Graph
 from .lowering import lower
 from .options import CompileOptions
@@ -24,17 +24,28 @@ _dump_ids = itertools.count()
 
 def compile_graph(graph: Graph, options: CompileOptions, name: str = "fn") -> Executable:
     t0 = time.perf_counter()
-    if options.target == "nvgpu":
-        raise DeviceError("target 'nvgpu' is not built yet; use target='cpu'")
-    from .codegen.cpu import CpuEmitter, JitModule
+    gpu = options.target == "nvgpu"
+    if gpu:
+        from .codegen.nvgpu import GpuEmitter as emitter_class
+        arch = options.gpu_arch or _device_arch()
+    else:
+        from .codegen.cpu import CpuEmitter as emitter_class
 
     graph = graph.deduplicated()
     prog = lower(graph)
-    sched = schedule_program(prog, options.fusion, options.tile_sizes)
-    emitter = CpuEmitter(prog, sched, name)
+    sched = schedule_program(prog, options.fusion, options.tile_sizes, options.target)
+    emitter = emitter_class(prog, sched, name)
     module = emitter.emit()
-    jit = JitModule(str(module))
-    kernels = [Kernel(k.name, jit.function(k.name), k.parallel) for k in emitter.kernels]
+    if gpu:
+        from .codegen.nvgpu import ptx
+        optimized, ptx_text = ptx(str(module), arch)
+        jit = None
+        kernels = [Kernel(k.name, None, k.parallel) for k in emitter.kernels]
+    else:
+        from .codegen.cpu import JitModule
+        jit = JitModule(str(module))
+        optimized = jit.optimized_ir
+        kernels = [Kernel(k.name, jit.function(k.name), k.parallel) for k in emitter.kernels]
     inputs = sorted((a for a in prog.arrays.values() if a.kind == "input"), key=lambda a: a.index)
     outputs = sorted((a for a in prog.arrays.values() if a.kind == "output"), key=lambda a: a.index)
     consts = [n.attrs["value"] for n in graph.nodes() if n.op == "tensor_constant"]
@@ -61,7 +72,7 @@ def compile_graph(graph: Graph, options: CompileOptions, name: str = "fn") -> Ex
         "fallbacks": 0,
         "parallel_kernels": sum(k.parallel for k in kernels),
     }
-    exe = Executable(name=name, inputs=inputs, outputs=outputs, output_arrays=prog.outputs,
+    exe = (GpuExecutable if gpu else Executable)(name=name, inputs=inputs, outputs=outputs, output_arrays=prog.outputs,
                      buffers=emitter.buffer_arrays, int_slots=emitter.int_slots,
                      params=prog.params, constraints=prog.constraints, constants=consts,
                      kernels=kernels, num_threads=options.num_threads, stats=stats,
@@ -73,13 +84,24 @@ def compile_graph(graph: Graph, options: CompileOptions, name: str = "fn") -> Ex
         "ast": sched.ast_text() + ("\ncontracted: " + ", ".join(
             f"{n}{list(m)}" for n, m in sched.contracted.items()) if sched.contracted else ""),
         "llvm": str(module),
-        "llvm_opt": jit.optimized_ir,
+        "llvm_opt": optimized,
     }
+    if gpu:
+        exe.ir["ptx"] = exe.ptx = ptx_text
+        exe.arch = arch
+        exe.writes = [[prog.arrays[a] for a in sorted({s.array for s in prog.statements if s.name in k.statements})]
+                      for k in emitter.kernels]
     stats["compile_seconds"] = time.perf_counter() - t0
     log.debug("compiled %s in %.3fs: %s", name, stats["compile_seconds"], stats)
     if options.debug:
         dump(exe, options.dump_dir)
     return exe
+
+
+def _device_arch() -> str:
+    """The sm_XX of the GPU in use; DeviceError without a driver or GPU."""
+    from .cuda import device
+    return device(int(os.environ.get("POLYJIT_DEVICE", "0"))).arch
 
 
 def dump(exe: Executable, folder: str) -> str:

@@ -20,10 +20,11 @@ class CompileOptions:
     fusion: str = "max"
     num_threads: int = field(default_factory=lambda: os.cpu_count() or 1)
     strict: bool = False
+    gpu_arch: str | None = None
 
     def key(self) -> tuple:
         """What changes the generated code (debug output does not)."""
-        return (self.target, self.tile_sizes, self.fusion)
+        return (self.target, self.tile_sizes, self.fusion, self.gpu_arch)
 
 
 _KEYS = {
@@ -34,6 +35,7 @@ _KEYS = {
     "fusion": f"one of {FUSION}",
     "num_threads": "a positive int",
     "strict": "True or False",
+    "gpu_arch": "'sm_XX' (compile nvgpu code for that GPU without one present), or None (the GPU in use)",
 }
 
 
@@ -66,6 +68,9 @@ def parse_options(opts: Mapping[str, Any] | CompileOptions | None,
                 isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in ts):
             raise CompileOptionError(f"compile option 'tile_sizes' is {ts!r}; expected {_KEYS['tile_sizes']}")
         kw["tile_sizes"] = tuple(ts)
+    ga = kw.get("gpu_arch")
+    if ga is not None and not (isinstance(ga, str) and ga.startswith("sm_") and ga[3:].rstrip("a").isdigit()):
+        raise CompileOptionError(f"compile option 'gpu_arch' is {ga!r}; expected {_KEYS['gpu_arch']}")
     if "dump_dir" in kw and not isinstance(kw["dump_dir"], (str, os.PathLike)):
         raise CompileOptionError(f"compile option 'dump_dir' is {kw['dump_dir']!r}; expected {_KEYS['dump_dir']}")
     if os.environ.get("POLYJIT_DEBUG", "") not in ("", "0"):

@@ -95,7 +95,7 @@ def _new_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 @dataclass
 class Kernel:
     name: str
-    fn: Any
+    fn: Any  # a ctypes function on the cpu target; None for nvgpu (see polyjit.cuda)
     parallel: bool
 
 
@@ -124,8 +124,8 @@ class Executable:
             raise InputError(f"{self.name}: expected {len(self.inputs)} inputs, got {len(args)}")
         env: dict[str, int] = {}
         for k, (a, spec) in enumerate(zip(args, self.inputs)):
-            if not isinstance(a, np.ndarray):
-                raise InputError(f"{self.name}: input {k} is a {type(a).__name__}, expected a numpy array")
+            if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+                raise InputError(f"{self.name}: input {k} is a {type(a).__name__}, expected an array")
             if a.ndim != len(spec.shape):
                 raise InputError(f"{self.name}: input {k} has rank {a.ndim}, expected rank {len(spec.shape)} "
                                  f"(shape {list(spec.shape)})")

@@ -373,8 +373,25 @@ def balance_parallel(schedule, prog, validity) -> isl.Schedule:
     return new if is_legal(new, validity) else schedule
 
 
-def mark_parallel(schedule) -> isl.Schedule:
-    """Mark the outermost loop of each nest that carries no dependence.
+def coincident_outside(schedule, validity) -> isl.Schedule:
+    """Move the coincident members of each permutable band outside the others
+    (keeping their order): a GPU maps every parallel loop around the
+    sequential ones to threads, so a stencil's rows run down each thread."""
+    def fn(node):
+        if node.get_type() != isl.schedule_node_type.band or node.band_n_member() < 2 \
+                or not node.band_get_permutable():
+            return node
+        n = node.band_n_member()
+        coinc = [node.band_member_get_coincident(m) for m in range(n)]
+        order = [m for m in range(n) if coinc[m]] + [m for m in range(n) if not coinc[m]]
+        return node if order == list(range(n)) else _rebuild_band(node, order, coinc, True)
+    new = _visit(schedule.get_root(), fn).get_schedule()
+    return new if is_legal(new, validity) else schedule
+
+
+def mark_parallel(schedule, all_coincident: bool = False) -> isl.Schedule:
+    """Mark the outermost loop of each nest that carries no dependence (with
+    all_coincident, each loop of the outer band's coincident prefix).
 
     isl leaves a loop of one iteration out of the AST, so the mark skips
     such members and names the schedule dimension it means (isl's iterator
@@ -393,11 +410,18 @@ def mark_parallel(schedule) -> isl.Schedule:
                 if m > 0:
                     node = node.band_split(m).child(0)
                     ups += 1
-                if n - m > 1:
-                    node = node.band_split(1)
-                depth = node.get_schedule_depth()
-                node = node.insert_mark(isl.Id(f"parallel:c{depth}", context=node.get_ctx())).child(0)
-                ups += 1
+                while True:
+                    more = all_coincident and n - m > 1 and node.band_member_get_coincident(1)
+                    if n - m > 1:
+                        node = node.band_split(1)
+                    depth = node.get_schedule_depth()
+                    node = node.insert_mark(isl.Id(f"parallel:c{depth}", context=node.get_ctx())).child(0)
+                    ups += 1
+                    if not more:
+                        break
+                    node = node.child(0)
+                    ups += 1
+                    m += 1
         for i in range(node.n_children()):
             node = visit(node.child(i), inside).parent()
         for _ in range(ups):
@@ -462,6 +486,15 @@ def contract(ctx, prog: AffineProgram, schedule: isl.Schedule, dom, kernels) -> 
         if any(m is not None for m in moduli):
             out[name] = tuple(moduli)
     return out
+
+
+def _private_bytes(arr, moduli) -> float:
+    count = 1
+    for s, m in zip(arr.shape, moduli):
+        if m is None and not sz.is_static(s):
+            return float("inf")
+        count *= int(s) if m is None else m
+    return count * arr.dtype.itemsize
 
 
 # ------------------------------------------------------------------ driver
@@ -565,7 +598,14 @@ def _schedule_one_group(ctx, prog, dom, validity, raw, names, fusion) -> isl.Sch
     return distribute_inits(sched, prog, gval)
 
 
-def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None) -> Scheduled:
+GPU_PRIVATE_BYTES = 256  # a contracted buffer a GPU thread keeps to itself
+
+
+def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None,
+                     target: str = "cpu") -> Scheduled:
+    """The cpu target tiles, balances threads and sinks inner loops; nvgpu
+    puts every coincident loop outside (they become the thread grid) and
+    keeps only contracted buffers small enough for a thread's registers."""
     ctx = make_context()
     if fusion == "none":
         ctx.set_schedule_whole_component(0)
@@ -578,15 +618,21 @@ def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None) 
         sched = part if sched is None else sched.sequence(part)
     if sched is None:
         sched = isl.Schedule.from_domain(dom)
-    sched = tile(sched, prog, validity, tile_sizes)
-    sched = balance_parallel(sched, prog, validity)
-    sched = sink_inner(sched, validity)
-    sched = mark_parallel(sched)
+    if target == "nvgpu":
+        sched = coincident_outside(sched, validity)
+        sched = mark_parallel(sched, all_coincident=True)
+    else:
+        sched = tile(sched, prog, validity, tile_sizes)
+        sched = balance_parallel(sched, prog, validity)
+        sched = sink_inner(sched, validity)
+        sched = mark_parallel(sched)
     params = prog.prefix() + "{ : " + (" and ".join(f"{p} >= 0" for p in prog.params) or "1 = 1") + " }"
     build = isl.AstBuild.from_context(isl.Set.read_from_str(ctx, params))
     ast = build.node_from_schedule(sched)
     kernels = [statements_in(k) for k in _kernels(ast)]
     contracted = contract(ctx, prog, sched, dom, kernels)
+    if target == "nvgpu":
+        contracted = {n: m for n, m in contracted.items() if _private_bytes(prog.arrays[n], m) <= GPU_PRIVATE_BYTES}
     result = Scheduled(sched, ast, contracted, kernels)
     for k, names in enumerate(kernels):
         for s in prog.statements:

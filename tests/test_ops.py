@@ -1,5 +1,6 @@
 """Every core op and composite, against numpy on fresh random data."""
 import math
+import os
 
 import numpy as np
 import pytest
@@ -12,9 +13,12 @@ import refs
 F32 = np.float32
 
 
+TARGET = os.environ.get("POLYJIT_TEST_TARGET", "cpu")  # nvgpu runs the same checks on a GPU
+
+
 def run(fn, *arrays, symbolic=False, **opts):
     infos = [InputInfo([-1] * a.ndim if symbolic else list(a.shape), a.dtype) for a in arrays]
-    exe = polyjit.compile(fn, infos, opts or None)
+    exe = polyjit.compile(fn, infos, {"target": TARGET, **opts})
     out = exe(*arrays)
     assert exe.stats["fallbacks"] == 0
     return out, exe

@@ -1,6 +1,7 @@
 """The PyTorch frontend on the seed programs: forward and backward against
 eager on fresh random data, with zero fallbacks."""
 import copy
+import os
 import subprocess
 import sys
 import warnings
@@ -23,15 +24,19 @@ def fresh_dynamo():
     yield
 
 
+TARGET = os.environ.get("POLYJIT_TEST_TARGET", "cpu")  # nvgpu: the checks below run on the GPU
+DEVICE = "cuda" if TARGET == "nvgpu" else "cpu"
+
+
 def assert_close(a, b, rtol=1e-5, atol=1e-5):
     torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
 
 
 def check(fn, *args, backward=False, rtol=1e-5, atol=1e-5):
     """Run fn compiled and eagerly on copies of args; compare outputs and input grads."""
-    jf = polyjit.jit_torch(fn)
-    a1 = [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
-    a2 = [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
+    jf = polyjit.jit_torch(fn, compile_options={"target": TARGET})
+    a1 = [a.detach().to(DEVICE).requires_grad_(a.requires_grad) for a in args]
+    a2 = [a.detach().to(DEVICE).requires_grad_(a.requires_grad) for a in args]
     out, ref = jf(*a1), fn(*a2)
     assert_close(out, ref, rtol, atol)
     if backward:
@@ -46,10 +51,11 @@ def check(fn, *args, backward=False, rtol=1e-5, atol=1e-5):
 
 
 def check_module(mod, *inputs, backward=True, rtol=1e-5, atol=1e-5):
+    mod = mod.to(DEVICE)
     ref = copy.deepcopy(mod)
-    jm = polyjit.jit_torch(mod)
-    x1 = [x.clone().requires_grad_(backward and x.is_floating_point()) for x in inputs]
-    x2 = [x.clone().requires_grad_(backward and x.is_floating_point()) for x in inputs]
+    jm = polyjit.jit_torch(mod, compile_options={"target": TARGET})
+    x1 = [x.to(DEVICE).requires_grad_(backward and x.is_floating_point()) for x in inputs]
+    x2 = [x.to(DEVICE).requires_grad_(backward and x.is_floating_point()) for x in inputs]
     out, want = jm(*x1), ref(*x2)
     assert_close(out, want, rtol, atol)
     if backward:
@@ -76,8 +82,8 @@ def test_cos_sin():
 
 
 def blur(img):
-    kx = torch.full((1, 1, 1, 5), 0.2)
-    ky = torch.full((1, 1, 5, 1), 0.2)
+    kx = torch.full((1, 1, 1, 5), 0.2, device=img.device)
+    ky = torch.full((1, 1, 5, 1), 0.2, device=img.device)
     return F.conv2d(F.conv2d(img, kx), ky)
 
 

@@ -1,0 +1,388 @@
+"""Running nvgpu kernels with cuda-python's driver API (``cuda.bindings.driver``).
+
+Kernels run in the primary context of the device that holds the inputs (the
+one PyTorch and JAX use), on the stream the caller names (PyTorch's current
+stream), with no host synchronization unless results go back to the host.
+Arrays cross by pointer: anything with ``__cuda_array_interface__`` (PyTorch,
+JAX, CuPy, Numba), or numpy arrays, which are copied to the GPU and whose
+results come back as numpy arrays.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from . import sizes as sz
+from .errors import DeviceError, InputError
+from .runtime import Executable
+
+BLOCK = 256
+BLOCKS_PER_SM = 8  # 8 x 256 threads fill a multiprocessor; more only queue
+_lock = threading.Lock()
+
+
+@functools.cache
+def driver():
+    """cuda.bindings.driver, initialized; DeviceError when there is no driver or GPU."""
+    try:
+        from cuda.bindings import driver as cu
+    except ImportError as e:
+        raise DeviceError("target 'nvgpu' needs cuda-python: pip install 'polyjit[cuda]'") from e
+    try:
+        err, = cu.cuInit(0)
+    except Exception as e:  # the bindings raise when libcuda is missing
+        raise DeviceError(f"no NVIDIA driver found ({e}); target 'nvgpu' needs an NVIDIA GPU and driver") from e
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise DeviceError(f"no NVIDIA driver found (cuInit: {err.name}); target 'nvgpu' needs an NVIDIA GPU and driver")
+    err, n = cu.cuDeviceGetCount()
+    if err != cu.CUresult.CUDA_SUCCESS or n == 0:
+        raise DeviceError("no NVIDIA GPU visible (check CUDA_VISIBLE_DEVICES); target 'nvgpu' needs one")
+    return cu
+
+
+def check(result, what: str = "CUDA"):
+    """The values of a driver call's result tuple; DeviceError on failure."""
+    cu = driver()
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        _, msg = cu.cuGetErrorString(err)
+        raise DeviceError(f"{what} failed: {err.name}: {msg.decode() if msg else ''}")
+    return rest[0] if len(rest) == 1 else rest
+
+
+@functools.cache
+def device(ordinal: int = 0) -> "Device":
+    return Device(ordinal)
+
+
+class Device:
+    """One GPU: its primary context, properties and loaded modules."""
+
+    def __init__(self, ordinal: int) -> None:
+        cu = driver()
+        self.ordinal = ordinal
+        self.handle = check(cu.cuDeviceGet(ordinal), "cuDeviceGet")
+        attr = cu.CUdevice_attribute
+        get = lambda a: check(cu.cuDeviceGetAttribute(a, self.handle), "cuDeviceGetAttribute")  # noqa: E731
+        self.arch = f"sm_{get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)}" \
+                    f"{get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)}"
+        self.multiprocessors = get(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        self.context = check(cu.cuDevicePrimaryCtxRetain(self.handle), "cuDevicePrimaryCtxRetain")
+        self.modules: dict[int, dict[str, Any]] = {}
+
+    def activate(self) -> None:
+        cu = driver()
+        if int(check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")) != int(self.context):
+            check(cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+
+    def functions(self, key: int, ptx: str, names: Sequence[str]) -> dict[str, Any]:
+        """The kernels of a PTX module, loaded once per device."""
+        with _lock:
+            if key not in self.modules:
+                cu = driver()
+                self.activate()
+                mod = check(cu.cuModuleLoadData(ptx.encode() + b"\0"), "loading the PTX (cuModuleLoadData)")
+                self.modules[key] = {n: check(cu.cuModuleGetFunction(mod, n.encode()), "cuModuleGetFunction")
+                                     for n in names}
+            return self.modules[key]
+
+
+def synchronize() -> None:
+    """Wait for all work polyjit queued on every device it used."""
+    for i in sorted(_used):
+        device(i).activate()
+        check(driver().cuCtxSynchronize(), "cuCtxSynchronize")
+
+
+_used: set[int] = set()
+
+
+class DeviceBuffer:
+    """GPU memory polyjit allocated (cuMemAllocAsync), freed on the same stream
+    when the last reference goes; exposes ``__cuda_array_interface__``."""
+
+    def __init__(self, shape: tuple[int, ...], dtype, dev: Device, stream: int) -> None:
+        cu = driver()
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.nbytes = max(int(np.prod(shape, dtype=np.int64)) * self.dtype.itemsize, 1)
+        dev.activate()
+        self.ptr = int(check(cu.cuMemAllocAsync(self.nbytes, cu.CUstream(stream)), "cuMemAllocAsync"))
+        self.device, self.stream = dev, stream
+        weakref.finalize(self, _free, self.ptr, stream)
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        return {"shape": self.shape, "typestr": self.dtype.str, "data": (self.ptr, False),
+                "version": 3, "strides": None}
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (2, self.device.ordinal)  # kDLCUDA
+
+    def __dlpack__(self, stream=None, **kwargs):
+        """A DLPack capsule that shares this memory (JAX and PyTorch take it
+        with from_dlpack); the work queued on it finishes first."""
+        cu = driver()
+        check(cu.cuStreamSynchronize(cu.CUstream(self.stream)), "cuStreamSynchronize")
+        return _dlpack.export(self)
+
+    def numpy(self, stream: int = 0) -> np.ndarray:
+        out = np.empty(self.shape, self.dtype)
+        cu = driver()
+        check(cu.cuMemcpyDtoHAsync(out.ctypes.data, self.ptr, out.nbytes, cu.CUstream(stream)), "cuMemcpyDtoHAsync")
+        check(cu.cuStreamSynchronize(cu.CUstream(stream)), "cuStreamSynchronize")
+        return out
+
+
+class _DLPack:
+    """DLPack export through ctypes: DLManagedTensor structs kept alive in a
+    table until the consumer calls their deleter."""
+
+    def __init__(self) -> None:
+        c = ctypes
+
+        class Device(c.Structure):
+            _fields_ = [("device_type", c.c_int32), ("device_id", c.c_int32)]
+
+        class DType(c.Structure):
+            _fields_ = [("code", c.c_uint8), ("bits", c.c_uint8), ("lanes", c.c_uint16)]
+
+        class Tensor(c.Structure):
+            _fields_ = [("data", c.c_void_p), ("device", Device), ("ndim", c.c_int32), ("dtype", DType),
+                        ("shape", c.POINTER(c.c_int64)), ("strides", c.POINTER(c.c_int64)),
+                        ("byte_offset", c.c_uint64)]
+
+        deleter_t = c.CFUNCTYPE(None, c.c_void_p)
+
+        class Managed(c.Structure):
+            _fields_ = [("dl_tensor", Tensor), ("manager_ctx", c.c_void_p), ("deleter", deleter_t)]
+
+        self.Managed, self.Device, self.DType = Managed, Device, DType
+        self.live: dict[int, tuple] = {}
+        self.deleter = deleter_t(lambda addr: self.live.pop(addr, None))
+        self.name = b"dltensor"
+        self.capsule_new = c.pythonapi.PyCapsule_New
+        self.capsule_new.restype = c.py_object
+        self.capsule_new.argtypes = [c.c_void_p, c.c_char_p, c.c_void_p]
+        is_valid = c.pythonapi.PyCapsule_IsValid
+        is_valid.argtypes, is_valid.restype = [c.c_void_p, c.c_char_p], c.c_int
+        get_ptr = c.pythonapi.PyCapsule_GetPointer
+        get_ptr.argtypes, get_ptr.restype = [c.c_void_p, c.c_char_p], c.c_void_p
+
+        def destroy(capsule):  # an unconsumed capsule still owns its tensor
+            if is_valid(capsule, self.name):
+                self.live.pop(get_ptr(capsule, self.name), None)
+        self.destructor = c.CFUNCTYPE(None, c.c_void_p)(destroy)
+
+    CODES = {"i": 0, "u": 1, "f": 2, "b": 6}
+
+    def export(self, buf: "DeviceBuffer"):
+        c = ctypes
+        shape = (c.c_int64 * max(len(buf.shape), 1))(*buf.shape)
+        m = self.Managed()
+        m.dl_tensor.data = buf.ptr
+        m.dl_tensor.device = self.Device(2, buf.device.ordinal)
+        m.dl_tensor.ndim = len(buf.shape)
+        m.dl_tensor.dtype = self.DType(self.CODES[buf.dtype.kind], buf.dtype.itemsize * 8, 1)
+        m.dl_tensor.shape = shape
+        m.deleter = self.deleter
+        addr = c.addressof(m)
+        self.live[addr] = (m, shape, buf)
+        return self.capsule_new(addr, self.name, c.cast(self.destructor, c.c_void_p))
+
+
+_dlpack = _DLPack()
+
+
+def _free(ptr: int, stream: int) -> None:
+    try:
+        cu = driver()
+        cu.cuMemFreeAsync(ptr, cu.CUstream(stream))
+    except Exception:  # interpreter shutdown
+        pass
+
+
+@dataclass
+class _Arg:
+    """A view of an argument on the GPU: pointer, shape and element strides."""
+
+    ptr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...] | None
+    dtype: np.dtype
+    device: int
+    owner: Any
+
+
+def _device_of(ptr: int) -> int:
+    cu = driver()
+    attr = cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+    return int(check(cu.cuPointerGetAttribute(attr, ptr), "cuPointerGetAttribute"))
+
+
+def as_device_array(a) -> _Arg | None:
+    """The GPU view of a (CUDA array interface) argument; None for host arrays."""
+    cai = getattr(a, "__cuda_array_interface__", None)
+    if cai is None:
+        return None
+    dtype = np.dtype(cai["typestr"])
+    shape = tuple(cai["shape"])
+    strides = cai.get("strides")
+    if strides is not None:
+        strides = tuple(s // dtype.itemsize for s in strides)
+    ptr = cai["data"][0]
+    return _Arg(ptr, shape, strides, dtype, _device_of(ptr) if ptr else 0, a)
+
+
+def is_device_array(a) -> bool:
+    return hasattr(a, "__cuda_array_interface__")
+
+
+def poison(ptr: int, nbytes: int, kind: str, stream: int) -> None:
+    """Fill memory with NaN (floats) or 0xFF bytes, as POLYJIT_POISON asks."""
+    cu = driver()
+    if kind == "f" and nbytes % 4 == 0:
+        check(cu.cuMemsetD32Async(ptr, 0x7FC00000, nbytes // 4, cu.CUstream(stream)), "cuMemsetD32Async")
+    else:
+        check(cu.cuMemsetD8Async(ptr, 0xFF, nbytes, cu.CUstream(stream)), "cuMemsetD8Async")
+
+
+class GpuExecutable(Executable):
+    """An Executable whose kernels are PTX; called with GPU or host arrays."""
+
+    ptx: str = ""
+    arch: str = ""
+    writes: list = None  # per kernel: the arrays its statements write
+
+    def _grid(self, k: int, env: dict, dev: Device) -> int:
+        if not self.kernels[k].parallel:
+            return 1
+        work = 0
+        for a in self.writes[k]:
+            work += int(np.prod([sz.evaluate(s, env) for s in a.shape], dtype=np.int64))
+        return max(1, min(-(-work // BLOCK), dev.multiprocessors * BLOCKS_PER_SM))
+
+    def __call__(self, *args, stream: int | None = None,
+                 empty: Callable[[tuple, np.dtype], Any] | None = None) -> list:
+        """Run on the GPU. ``stream``: a CUstream handle (default: the legacy
+        stream); ``empty(shape, dtype)`` allocates outputs (default: polyjit's
+        DeviceBuffer). Host inputs come back as numpy arrays."""
+        from .runtime import POISON
+        cu = driver()
+        views = [as_device_array(a) for a in args]
+        on_host = [k for k, v in enumerate(views) if v is None and np.ndim(args[k]) > 0]
+        on_gpu = [k for k, v in enumerate(views) if v is not None]
+        if on_host and on_gpu:
+            raise InputError(f"{self.name}: inputs {on_gpu} are on the GPU but inputs {on_host} are on the host; "
+                             "pass all inputs on one device")
+        devices = sorted({views[k].device for k in on_gpu})
+        if len(devices) > 1:
+            where = {d: [k for k in on_gpu if views[k].device == d] for d in devices}
+            raise InputError(f"{self.name}: inputs are on several GPUs ({where}); pass all inputs on one device")
+        dev = device(devices[0] if devices else int(os.environ.get("POLYJIT_DEVICE", "0")))
+        if dev.arch != self.arch and int(dev.arch[3:]) < int(self.arch[3:]):
+            raise DeviceError(f"{self.name} was compiled for {self.arch}, but the GPU is {dev.arch}")
+        _used.add(dev.ordinal)
+        dev.activate()
+        stream = int(stream or 0)
+        s = cu.CUstream(stream)
+        host = not on_gpu
+        shapes = [v.shape if v is not None else np.shape(a) for v, a in zip(views, args)]
+        env = self.bind([_ShapeOnly(sh, v.dtype if v is not None else np.asarray(a).dtype)
+                         for sh, v, a in zip(shapes, views, args)])
+        fns = dev.functions(id(self), self.ptx, [k.name for k in self.kernels])
+        keep: list = []
+        temp_bytes = 0
+        ptr: dict[str, int] = {}
+        elem_strides: dict[str, tuple] = {}
+        for spec, v, a in zip(self.inputs, views, args):
+            if v is None:  # host data: copy to the GPU
+                h = np.ascontiguousarray(a, dtype=spec.dtype.numpy)
+                buf = DeviceBuffer(h.shape, h.dtype, dev, stream)
+                if h.nbytes:
+                    check(cu.cuMemcpyHtoDAsync(buf.ptr, h.ctypes.data, h.nbytes, s), "cuMemcpyHtoDAsync")
+                keep += [buf, h]
+                ptr[spec.name], elem_strides[spec.name] = buf.ptr, _row_major(h.shape)
+            else:
+                if v.strides is not None and not spec.strided and v.strides != _row_major(v.shape):
+                    raise InputError(f"{self.name}: input {spec.index} is not contiguous; "
+                                     "this program was compiled for contiguous inputs")
+                ptr[spec.name] = v.ptr
+                elem_strides[spec.name] = v.strides or _row_major(v.shape)
+        made: dict[str, Any] = {}
+        for spec in self.outputs:
+            shape = tuple(sz.evaluate(x, env) for x in spec.shape)
+            out = empty(shape, spec.dtype.numpy) if (empty and not host) else \
+                DeviceBuffer(shape, spec.dtype.numpy, dev, stream)
+            made[spec.name] = out
+            ptr[spec.name] = as_device_array(out).ptr
+            elem_strides[spec.name] = _row_major(shape)
+        for spec in self.buffers:
+            if spec.kind in ("temp", "const"):
+                if spec.kind == "temp":
+                    shape = tuple(sz.evaluate(x, env) for x in spec.shape)
+                    buf = DeviceBuffer(shape, spec.dtype.numpy, dev, stream)
+                    temp_bytes += buf.nbytes
+                else:
+                    h = np.ascontiguousarray(self.constants[spec.index])
+                    buf = self._const(spec.index, h, dev, stream)
+                keep.append(buf)
+                ptr[spec.name] = buf.ptr
+                elem_strides[spec.name] = _row_major(buf.shape)
+        if POISON:
+            for spec in self.buffers:
+                if spec.kind in ("output", "temp"):
+                    n = int(np.prod([sz.evaluate(x, env) for x in spec.shape], dtype=np.int64)) * spec.dtype.itemsize
+                    if n:
+                        poison(ptr[spec.name], n, np.dtype(spec.dtype.numpy).kind, stream)
+        values: list = [ctypes.c_void_p(ptr[b.name]) for b in self.buffers]
+        for name, d in self.int_slots:
+            values.append(ctypes.c_int64(env[name] if d < 0 else elem_strides[name][d]))
+        argv = (ctypes.c_void_p * max(len(values), 1))(*[ctypes.addressof(v) for v in values])
+        for k, kern in enumerate(self.kernels):
+            grid = self._grid(k, env, dev)
+            block = BLOCK if kern.parallel else 1
+            check(cu.cuLaunchKernel(fns[kern.name], grid, 1, 1, block, 1, 1, 0, s, ctypes.addressof(argv), 0),
+                  f"launching {kern.name}")
+        self.stats["intermediate_bytes"] = temp_bytes
+        outs = [made[n] if n in made else None for n in self.output_arrays]
+        if host:
+            return [o.numpy(stream) for o in outs]
+        del keep  # stream-ordered frees: the kernels above still see the memory
+        return outs
+
+    _consts: dict = None
+
+    def _const(self, index: int, h: np.ndarray, dev: Device, stream: int) -> DeviceBuffer:
+        if self._consts is None:
+            self._consts = {}
+        key = (index, dev.ordinal)
+        if key not in self._consts:
+            cu = driver()
+            buf = DeviceBuffer(h.shape, h.dtype, dev, stream)
+            if h.nbytes:
+                check(cu.cuMemcpyHtoDAsync(buf.ptr, h.ctypes.data, h.nbytes, cu.CUstream(stream)), "cuMemcpyHtoDAsync")
+            check(cu.cuStreamSynchronize(cu.CUstream(stream)), "cuStreamSynchronize")
+            self._consts[key] = buf
+        return self._consts[key]
+
+
+class _ShapeOnly:
+    """What Executable.bind reads of an argument: its shape and dtype."""
+
+    def __init__(self, shape, dtype) -> None:
+        self.shape, self.dtype, self.ndim = tuple(shape), np.dtype(dtype), len(shape)
+
+
+def _row_major(shape) -> tuple[int, ...]:
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return tuple(out[::-1])

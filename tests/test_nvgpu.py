@@ -1,0 +1,173 @@
+"""The nvgpu target: PTX generated and checked without a GPU; on a GPU, the
+programs run on numpy, PyTorch and JAX arrays and match the references."""
+import os
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+import polyjit
+from polyjit import InputInfo, ops
+from polyjit.errors import CompileOptionError, DeviceError, InputError
+
+F32 = np.float32
+PTX_ONLY = {"target": "nvgpu", "gpu_arch": "sm_90"}
+
+
+def blur(img):
+    bx = (img[:, :, 0:-4] + img[:, :, 1:-3] + img[:, :, 2:-2] + img[:, :, 3:-1] + img[:, :, 4:]) * 0.2
+    return (bx[:, 0:-4] + bx[:, 1:-3] + bx[:, 2:-2] + bx[:, 3:-1] + bx[:, 4:]) * 0.2
+
+
+def blur_ref(x):
+    x = x.astype(np.float64)
+    bx = (x[:, :, 0:-4] + x[:, :, 1:-3] + x[:, :, 2:-2] + x[:, :, 3:-1] + x[:, :, 4:]) * 0.2
+    return (bx[:, 0:-4] + bx[:, 1:-3] + bx[:, 2:-2] + bx[:, 3:-1] + bx[:, 4:]) * 0.2
+
+
+def layernorm(x, w, b):
+    return ops.layer_norm(x, [x.shape[-1]], w, b, 1e-5)
+
+
+def layernorm_ref(x, w, b):
+    x = x.astype(np.float64)
+    m = x.mean(-1, keepdims=True)
+    v = ((x - m) ** 2).mean(-1, keepdims=True)
+    return (x - m) / np.sqrt(v + 1e-5) * w + b
+
+
+def softmax_ref(x):
+    e = np.exp(x.astype(np.float64) - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+# (name, fn, reference, input shapes)
+PROGRAMS = [
+    ("blur", blur, blur_ref, lambda n, m: [(3, n + 4, m + 4)]),
+    ("cos_sin", lambda x, y: ops.cos(x) + ops.sin(y), lambda x, y: np.cos(x) + np.sin(y),
+     lambda n, m: [(n, m), (n, m)]),
+    ("layernorm", layernorm, layernorm_ref, lambda n, m: [(n, m), (m,), (m,)]),
+    ("softmax", lambda x: ops.softmax(x, -1), softmax_ref, lambda n, m: [(n, m)]),
+    ("matmul", ops.matmul, lambda a, b: a.astype(np.float64) @ b, lambda n, m: [(n, 37), (37, m)]),
+    ("sum_all", lambda x: ops.sum(x, [0, 1]), lambda x: x.astype(np.float64).sum(), lambda n, m: [(n, m)]),
+    ("column_sum", lambda x: ops.sum(x, [0]), lambda x: x.astype(np.float64).sum(0), lambda n, m: [(n, m)]),
+]
+
+
+def _ptxas():
+    found = shutil.which("ptxas")
+    if found:
+        return found
+    try:
+        import nvidia.cuda_nvcc as nvcc
+        path = os.path.join(os.path.dirname(nvcc.__file__), "bin", "ptxas")
+        return path if os.path.exists(path) else None
+    except ImportError:
+        return None
+
+
+@pytest.mark.parametrize("name,fn,ref,shapes", PROGRAMS, ids=[p[0] for p in PROGRAMS])
+def test_ptx_without_a_gpu(name, fn, ref, shapes, tmp_path):
+    exe = polyjit.compile(fn, [InputInfo(s, F32) for s in shapes(8, 8)], PTX_ONLY)
+    ptx = exe.ir("ptx")
+    assert ".target sm_90" in ptx and ".address_size 64" in ptx
+    entries = [ln for ln in ptx.splitlines() if ln.startswith(".visible .entry")]
+    assert len(entries) == exe.stats["kernels"] >= 1
+    assert all("polyjit_" in e and "_kernel(" in e for e in entries)
+    if name == "blur":  # the two stencils in one kernel, the intermediate private to each thread
+        assert len(entries) == 1 and "__local_depot" in ptx
+    if _ptxas():
+        path = tmp_path / f"{name}.ptx"
+        path.write_text(ptx)
+        subprocess.run([_ptxas(), "-arch=sm_90", str(path), "-o", str(tmp_path / "out.cubin")], check=True)
+
+
+def test_parallel_loops_map_to_threads():
+    exe = polyjit.compile(blur, [InputInfo([3, -1, -1], F32)], PTX_ONLY)
+    assert exe.stats["parallel_kernels"] == 1
+    assert "%ctaid.x" in exe.ir("ptx") and "%nctaid.x" in exe.ir("ptx")
+
+
+def test_gpu_arch_option_is_checked():
+    with pytest.raises(CompileOptionError, match="gpu_arch"):
+        polyjit.compile(ops.exp, [InputInfo([3], F32)], {"target": "nvgpu", "gpu_arch": "ampere"})
+
+
+def _gpu():
+    from conftest import _gpu_visible
+    return _gpu_visible()
+
+
+@pytest.mark.skipif("_gpu()")
+def test_no_driver_is_a_device_error():
+    with pytest.raises(DeviceError, match="NVIDIA"):
+        polyjit.compile(ops.exp, [InputInfo([3], F32)], {"target": "nvgpu"})
+    exe = polyjit.compile(ops.exp, [InputInfo([3], F32)], PTX_ONLY)  # cross-compiled: runs nowhere
+    with pytest.raises(DeviceError, match="NVIDIA"):
+        exe(np.ones(3, F32))
+
+
+# ------------------------------------------------------------------ on a GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,m", [(1000, 1001), (1, 1), (33, 4097)])
+@pytest.mark.parametrize("name,fn,ref,shapes", PROGRAMS, ids=[p[0] for p in PROGRAMS])
+def test_numpy_on_the_gpu(name, fn, ref, shapes, n, m, rng):
+    arrays = [rng.standard_normal(s).astype(F32) for s in shapes(n, m)]
+    exe = polyjit.compile(fn, [InputInfo(a.shape, F32) for a in arrays], {"target": "nvgpu"})
+    got = exe(*arrays)
+    assert isinstance(got, np.ndarray)
+    tol = 1e-4 if name in ("matmul", "sum_all", "column_sum") else 1e-5
+    np.testing.assert_allclose(got, ref(*arrays), rtol=tol, atol=tol * max(1, np.sqrt(n * m) / 30))
+
+
+@pytest.mark.gpu
+def test_nan_and_inf_propagate():
+    x = np.array([[1.0, np.nan, 2.0], [np.inf, -np.inf, 0.5]], F32)
+    exe = polyjit.compile(lambda x: ops.exp(x) + ops.sum(x, [1], True), [InputInfo([2, 3], F32)], {"target": "nvgpu"})
+    with np.errstate(invalid="ignore"):
+        want = np.exp(x) + x.sum(1, keepdims=True)
+    np.testing.assert_array_equal(exe(x), want)
+
+
+@pytest.mark.gpu
+def test_torch_tensors_stay_on_the_gpu():
+    torch = pytest.importorskip("torch")
+    x = torch.randn(3, 517, 301, device="cuda")
+    jf = polyjit.jit_torch(lambda img: blur(img) if False else _torch_blur(img), compile_options={"target": "nvgpu"})
+    out = jf(x)
+    assert out.device == x.device
+    torch.testing.assert_close(out, _torch_blur(x), rtol=1e-5, atol=1e-5)
+    assert jf.stats["fallbacks"] == 0 and jf.stats["kernels"] == 1
+    polyjit.cuda_synchronize()
+
+
+def _torch_blur(img):
+    bx = (img[:, :, 0:-4] + img[:, :, 1:-3] + img[:, :, 2:-2] + img[:, :, 3:-1] + img[:, :, 4:]) * 0.2
+    return (bx[:, 0:-4] + bx[:, 1:-3] + bx[:, 2:-2] + bx[:, 3:-1] + bx[:, 4:]) * 0.2
+
+
+@pytest.mark.gpu
+def test_mixed_placement_names_the_arguments():
+    torch = pytest.importorskip("torch")
+    exe = polyjit.compile(lambda a, b: a + b, [InputInfo([4], F32)] * 2, {"target": "nvgpu"})
+    with pytest.raises(InputError, match=r"inputs \[0\] are on the GPU but inputs \[1\]"):
+        exe(torch.ones(4, device="cuda"), np.ones(4, F32))
+
+
+@pytest.mark.gpu
+def test_jax_arrays_on_the_gpu():
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("JAX has no GPU here")
+    f = polyjit.jit_jax(lambda x, w, b: (jax.nn.softmax(x, -1) * w + b, jnp.cos(x).sum(0)),
+                        compile_options={"target": "nvgpu"})
+    x = jax.random.normal(jax.random.key(int.from_bytes(os.urandom(2), "little")), (64, 300))
+    w, b = jnp.linspace(0, 1, 300), jnp.ones(300)
+    out = f(x, w, b)
+    want = (jax.nn.softmax(x, -1) * w + b, jnp.cos(x).sum(0))
+    for o, r in zip(out, want):
+        assert isinstance(o, jax.Array) and o.devices() == x.devices()
+        np.testing.assert_allclose(np.asarray(o), np.asarray(r), rtol=1e-5, atol=1e-5)
+    assert f.stats["fallbacks"] == 0
