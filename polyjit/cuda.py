@@ -75,23 +75,18 @@ class Device:
                     f"{get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)}"
         self.multiprocessors = get(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
         self.context = check(cu.cuDevicePrimaryCtxRetain(self.handle), "cuDevicePrimaryCtxRetain")
-        self.modules: dict[int, dict[str, Any]] = {}
 
     def activate(self) -> None:
         cu = driver()
         if int(check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")) != int(self.context):
             check(cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
 
-    def functions(self, key: int, ptx: str, names: Sequence[str]) -> dict[str, Any]:
-        """The kernels of a PTX module, loaded once per device."""
-        with _lock:
-            if key not in self.modules:
-                cu = driver()
-                self.activate()
-                mod = check(cu.cuModuleLoadData(ptx.encode() + b"\0"), "loading the PTX (cuModuleLoadData)")
-                self.modules[key] = {n: check(cu.cuModuleGetFunction(mod, n.encode()), "cuModuleGetFunction")
-                                     for n in names}
-            return self.modules[key]
+    def load(self, ptx: str, names: Sequence[str]) -> tuple[Any, dict[str, Any]]:
+        """A PTX module and its kernels, by name."""
+        cu = driver()
+        self.activate()
+        mod = check(cu.cuModuleLoadData(ptx.encode() + b"\0"), "loading the PTX (cuModuleLoadData)")
+        return mod, {n: check(cu.cuModuleGetFunction(mod, n.encode()), "cuModuleGetFunction") for n in names}
 
 
 def synchronize() -> None:
@@ -200,6 +195,13 @@ class _DLPack:
 _dlpack = _DLPack()
 
 
+def _unload(mod) -> None:
+    try:
+        driver().cuModuleUnload(mod)
+    except Exception:  # interpreter shutdown
+        pass
+
+
 def _free(ptr: int, stream: int) -> None:
     try:
         cu = driver()
@@ -266,6 +268,8 @@ class GpuExecutable(Executable):
         work = 0
         for a in self.writes[k]:
             work += int(np.prod([sz.evaluate(s, env) for s in a.shape], dtype=np.int64))
+        if self.kernels[k].warp:
+            work *= 32
         return max(1, min(-(-work // BLOCK), dev.multiprocessors * BLOCKS_PER_SM))
 
     def __call__(self, *args, stream: int | None = None,
@@ -296,7 +300,7 @@ class GpuExecutable(Executable):
         shapes = [v.shape if v is not None else np.shape(a) for v, a in zip(views, args)]
         env = self.bind([_ShapeOnly(sh, v.dtype if v is not None else np.asarray(a).dtype)
                          for sh, v, a in zip(shapes, views, args)])
-        fns = dev.functions(id(self), self.ptx, [k.name for k in self.kernels])
+        fns = self._functions(dev)
         keep: list = []
         temp_bytes = 0
         ptr: dict[str, int] = {}
@@ -358,6 +362,18 @@ class GpuExecutable(Executable):
         return outs
 
     _consts: dict = None
+    _loaded: dict = None
+
+    def _functions(self, dev: Device) -> dict:
+        """This program's kernels on dev, loaded on first use and unloaded with it."""
+        with _lock:
+            if self._loaded is None:
+                self._loaded = {}
+            if dev.ordinal not in self._loaded:
+                mod, fns = dev.load(self.ptx, [k.name for k in self.kernels])
+                self._loaded[dev.ordinal] = fns
+                weakref.finalize(self, _unload, mod)
+            return self._loaded[dev.ordinal]
 
     def _const(self, index: int, h: np.ndarray, dev: Device, stream: int) -> DeviceBuffer:
         if self._consts is None:

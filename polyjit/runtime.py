@@ -97,6 +97,7 @@ class Kernel:
     name: str
     fn: Any  # a ctypes function on the cpu target; None for nvgpu (see polyjit.cuda)
     parallel: bool
+    warp: bool = False
 
 
 @dataclass

@@ -89,6 +89,15 @@ def test_parallel_loops_map_to_threads():
     assert "%ctaid.x" in exe.ir("ptx") and "%nctaid.x" in exe.ir("ptx")
 
 
+def test_row_reductions_use_warp_shuffles_and_stencils_use_strips():
+    sm = polyjit.compile(lambda x: ops.softmax(x, -1), [InputInfo([-1, -1], F32)], PTX_ONLY)
+    assert "shfl.sync.bfly" in sm.ir("ptx")  # a warp per row, not a thread
+    col = polyjit.compile(lambda x: ops.sum(x, [0]), [InputInfo([-1, -1], F32)], PTX_ONLY)
+    assert "shfl.sync" not in col.ir("ptx")  # a thread per column walks rows, coalesced
+    bl = polyjit.compile(blur, [InputInfo([3, -1, -1], F32)], PTX_ONLY)
+    assert "strip" in bl.ir("llvm")  # rows in parallel strips, each recomputing its halo
+
+
 def test_gpu_arch_option_is_checked():
     with pytest.raises(CompileOptionError, match="gpu_arch"):
         polyjit.compile(ops.exp, [InputInfo([3], F32)], {"target": "nvgpu", "gpu_arch": "ampere"})

@@ -48,6 +48,7 @@ class KernelInfo:
     name: str
     parallel: bool
     statements: tuple[str, ...]
+    warp: bool = False  # nvgpu: a warp (not a thread) per parallel iteration
 
 
 class Emitter:

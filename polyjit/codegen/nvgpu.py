@@ -17,12 +17,16 @@ import islpy as isl
 import llvmlite.binding as llvm
 from llvmlite import ir
 
+from ..dtypes import DataType
 from ..errors import UnsupportedOpError
+from ..expr import Const, Var, loads, walk
 from . import mathlib
-from .llvm import F32, I32, I64, PTR, Emitter, KernelInfo
+from .llvm import COMPUTE, F32, F64, I32, I64, PTR, STORAGE, Emitter, KernelInfo
 
 TRIPLE = "nvptx64-nvidia-cuda"
 DEFAULT_ARCH = "sm_90"
+WARP = 32
+STRIP = 64  # iterations of a sequential loop per thread when strips run in parallel
 _SREG = "llvm.nvvm.read.ptx.sreg."
 _GPU_INTRINSIC = {"sqrt": "llvm.sqrt", "floor": "llvm.floor", "ceil": "llvm.ceil", "round": "llvm.roundeven",
                   "abs": "llvm.fabs", "maximum": "llvm.maximum", "minimum": "llvm.minimum"}
@@ -45,6 +49,7 @@ class GpuEmitter(Emitter):
         for arg in body_fn.args[:nb]:
             arg.add_attribute("noalias")
         self.top = _parallel_top(node)
+        self.warp = False
         self.body(body_fn, node)
         fn = ir.Function(self.module, ir.FunctionType(ir.VoidType(), [PTR] * nb + [I64] * ni), name)
         fn.calling_convention = "ptx_kernel"
@@ -57,7 +62,7 @@ class GpuEmitter(Emitter):
         gid = b.add(b.mul(sreg("ctaid.x"), ntid), sreg("tid.x"))
         b.call(body_fn, list(fn.args) + [gid, b.mul(sreg("nctaid.x"), ntid)])
         b.ret_void()
-        self.kernels.append(KernelInfo(name, self.parallel, tuple(sorted(names))))
+        self.kernels.append(KernelInfo(name, self.parallel, tuple(sorted(names)), self.warp))
 
     def node(self, n: isl.AstNode) -> None:
         if n.get_type() == isl.ast_node_type.mark and n.mark_get_id().get_name().startswith("parallel:"):
@@ -99,8 +104,27 @@ class GpuEmitter(Emitter):
             trips = b.select(b.icmp_signed("<", trips, zero), zero, trips)
             bounds.append((loop.for_get_iterator().get_id().get_name(), lo, inc, trips))
             total = b.mul(total, trips)
+        plan = _WarpPlan.of(self, rest, [it for it, *_ in bounds]) if bounds else None
+        strip = self.strip_plan(rest, seen) if plan is None else None
+        if strip is not None:  # strips of the sequential loop become a parallel dimension
+            loop, halo = strip
+            lo, inc = self.aexpr(loop.for_get_init()), self.aexpr(loop.for_get_inc())
+            cond = loop.for_get_cond()
+            hi = self.aexpr(cond.get_op_arg(1))
+            if cond.get_op_type() == isl.ast_expr_op_type.le:
+                hi = b.add(hi, one)
+            trips = b.sdiv(b.add(b.sub(hi, lo), b.sub(inc, one)), inc)
+            strips = b.sdiv(b.add(trips, ir.Constant(I64, STRIP - 1)), ir.Constant(I64, STRIP))
+            strips = b.select(b.icmp_signed("<", strips, zero), zero, strips)
+            bounds.insert(0, ("gpu.strip", zero, one, strips))
+            total = b.mul(total, strips)
+        first, step = self.part, self.parts
+        if plan is not None:  # a warp per iteration: its lanes share the inner loops
+            self.warp = True
+            first, step = b.lshr(first, ir.Constant(I64, 5)), b.lshr(step, ir.Constant(I64, 5))
+            self.lane = b.and_(self.part, ir.Constant(I64, WARP - 1))
         g = self.var("gpu.g")
-        b.store(self.part, g)
+        b.store(first, g)
         head = self.fn.append_basic_block("grid.head")
         body = self.fn.append_basic_block("grid.body")
         done = self.fn.append_basic_block("grid.done")
@@ -114,11 +138,205 @@ class GpuEmitter(Emitter):
             if k < len(bounds) - 1:
                 rem = b.udiv(rem, trips)
             b.store(b.add(lo, b.mul(idx, inc)), self.var(it))
-        self.node(rest)
+        if plan is not None:
+            for child in plan.children:
+                if child.get_type() == isl.ast_node_type.for_:
+                    self.lane_loop(child, plan)
+                else:
+                    self.statement(child.user_get_expr(), shared=True)
+                self.warp_sync()
+        elif strip is not None:
+            self.strip_loop(loop, halo, lo, inc, hi)
+        else:
+            self.node(rest)
         b = self.b
-        b.store(b.add(b.load(g, typ=I64), self.parts), g)
+        b.store(b.add(b.load(g, typ=I64), step), g)
         b.branch(head)
         b.position_at_end(done)
+
+    # ------------------------------------------------------------ strips
+    def strip_plan(self, rest: isl.AstNode, grid_iters: set[str]):
+        """(loop, halo) when rest is one sequential loop whose iterations
+        depend on each other only through buffers private to the thread (a
+        stencil's rolling rows): strips of STRIP iterations can then run in
+        parallel, each first recomputing the halo of private values it
+        needs. None otherwise."""
+        from ..schedule import statements_in
+        if rest.get_type() != isl.ast_node_type.for_ or not self.splittable(rest) \
+                or _uses(rest.for_get_init(), grid_iters) or _uses(rest.for_get_cond(), grid_iters):
+            return None
+        it = rest.for_get_iterator().get_id().get_name()
+        names = statements_in(rest)
+        inside = [st for st in self.prog.statements if st.name in names]
+        private = {st.array for st in inside if st.array in self.sched.contracted}
+        if any(st.array in private for st in self.prog.statements if st.name not in names):
+            return None
+        written = {st.array for st in inside}
+        halo = 0
+        for st in inside:
+            if any(ld.array in written and ld.array not in private for ld in loads(st.body)):
+                return None
+            if st.array not in private and (st.combine is not None or not self._writes_along(rest, st, it)):
+                return None
+        for a in private:
+            moduli = self.sched.contracted[a]
+            if None in moduli:
+                return None
+            halo = max(halo, max(moduli) - 1)
+        return (rest, halo) if private else None
+
+    def _writes_along(self, loop: isl.AstNode, st, it: str) -> bool:
+        """Whether each call of st under loop writes an element that moves with it."""
+        found = []
+
+        def visit(n):
+            if n.get_type() == isl.ast_node_type.user:
+                call = n.user_get_expr()
+                if call.get_op_arg(0).get_id().get_name() == st.name:
+                    used = {x for i in st.index for x in _vars(i)}
+                    found.append(any(_uses(call.get_op_arg(k + 1), {it})
+                                     for k, x in enumerate(st.iters) if x in used))
+            return True
+        loop.foreach_descendant_top_down(visit)
+        return bool(found) and all(found)
+
+    def strip_loop(self, loop: isl.AstNode, halo: int, lo, inc, hi) -> None:
+        """This thread's strip of the loop, from halo iterations before it;
+        statements writing shared memory run only inside the strip."""
+        b = self.b
+        it = loop.for_get_iterator().get_id().get_name()
+        start = b.add(lo, b.mul(b.load(self.var("gpu.strip"), typ=I64), b.mul(inc, ir.Constant(I64, STRIP))))
+        begin = b.sub(start, b.mul(inc, ir.Constant(I64, halo)))
+        begin = b.select(b.icmp_signed("<", begin, lo), lo, begin)
+        end = b.add(start, b.mul(inc, ir.Constant(I64, STRIP)))
+        end = b.select(b.icmp_signed("<", end, hi), end, hi)
+        slot = self.var(it)
+        b.store(begin, slot)
+        head = self.fn.append_basic_block(f"{it}.strip")
+        body = self.fn.append_basic_block(f"{it}.strip.body")
+        done = self.fn.append_basic_block(f"{it}.strip.done")
+        b.branch(head)
+        b.position_at_end(head)
+        b.cbranch(b.icmp_signed("<", b.load(slot, typ=I64), end), body, done)
+        b.position_at_end(body)
+        self.strip_start = (slot, start)
+        self.node(loop.for_get_body())
+        self.strip_start = None
+        b = self.b
+        b.store(b.add(b.load(slot, typ=I64), inc), slot)
+        b.branch(head)
+        b.position_at_end(done)
+
+    # ------------------------------------------------------------- warps
+    def warp_sync(self) -> None:
+        fn = self.module.declare_intrinsic("llvm.nvvm.bar.warp.sync", (), ir.FunctionType(ir.VoidType(), [I32]))
+        self.b.call(fn, [ir.Constant(I32, -1)])
+
+    def lane_loop(self, loop: isl.AstNode, plan: "_WarpPlan") -> None:
+        """An inner loop whose iterations the lanes share (lane, lane + 32, ...);
+        reductions gather in a register per lane, then across the warp."""
+        b = self.b
+        it = loop.for_get_iterator().get_id().get_name()
+        lo, inc = self.aexpr(loop.for_get_init()), self.aexpr(loop.for_get_inc())
+        cond = loop.for_get_cond()
+        hi = self.aexpr(cond.get_op_arg(1))
+        if cond.get_op_type() == isl.ast_expr_op_type.le:
+            hi = b.add(hi, ir.Constant(I64, 1))
+        self.partials = {}
+        for name in plan.reductions[id(loop)]:
+            s = self.stmts[name]
+            dt = self.prog.arrays[s.array].dtype
+            slot = self.partial_slot(name, dt)
+            b.store(_identity(s.combine, dt), slot)
+            self.partials[name] = (slot, None)
+        slot = self.var(it)
+        b.store(b.add(lo, b.mul(self.lane, inc)), slot)
+        head = self.fn.append_basic_block(f"{it}.lanes")
+        body = self.fn.append_basic_block(f"{it}.lane")
+        done = self.fn.append_basic_block(f"{it}.lanes.done")
+        b.branch(head)
+        b.position_at_end(head)
+        b.cbranch(b.icmp_signed("<", b.load(slot, typ=I64), hi), body, done)
+        b.position_at_end(body)
+        self.node(loop.for_get_body())
+        b = self.b
+        b.store(b.add(b.load(slot, typ=I64), b.mul(inc, ir.Constant(I64, WARP))), slot)
+        b.branch(head)
+        b.position_at_end(done)
+        partials, self.partials = self.partials, {}
+        for name, (slot, call) in partials.items():
+            if call is None:  # the loop ran no iteration anywhere
+                continue
+            s = self.stmts[name]
+            arr = self.prog.arrays[s.array]
+            total = b.load(slot, typ=COMPUTE[arr.dtype])
+            for offset in (16, 8, 4, 2, 1):
+                total = self.combine(s.combine, total, self.shuffle(total, offset), arr.dtype)
+            env = {x: self.aexpr(call.get_op_arg(i + 1)) for i, x in enumerate(s.iters) if x in plan.write_iters[name]}
+            ptr = self.address(arr, s.index, env, {})
+            old = self.from_storage(b.load(ptr, typ=STORAGE[arr.dtype]), arr.dtype)
+            self.warp_sync()
+            b.store(self.to_storage(self.combine(s.combine, old, total, arr.dtype), arr.dtype), ptr)
+
+    def partial_slot(self, name: str, dt) -> ir.AllocaInstr:
+        key = "partial." + name
+        if key not in self.vars:
+            with self.b.goto_block(self.entry):
+                self.b.position_at_start(self.entry)
+                self.vars[key] = self.b.alloca(COMPUTE[dt], name=key)
+        return self.vars[key]
+
+    def shuffle(self, v: ir.Value, offset: int) -> ir.Value:
+        """The value lane ^ offset holds (shfl.sync.bfly), for any width."""
+        b = self.b
+        t = v.type
+        fn = self.module.declare_intrinsic("llvm.nvvm.shfl.sync.bfly.i32", (),
+                                           ir.FunctionType(I32, [I32, I32, I32, I32]))
+        shfl = lambda x: b.call(fn, [ir.Constant(I32, -1), x, ir.Constant(I32, offset), ir.Constant(I32, 31)])  # noqa: E731
+        bits = t.width if isinstance(t, ir.IntType) else {F32: 32, F64: 64}[t]
+        as_int = v if isinstance(t, ir.IntType) else b.bitcast(v, ir.IntType(bits))
+        if bits <= 32:
+            out = b.trunc(shfl(b.zext(as_int, I32)), t) if bits < 32 else shfl(as_int)
+            return out if isinstance(t, ir.IntType) else b.bitcast(out, t)
+        lo = shfl(b.trunc(as_int, I32))
+        hi = shfl(b.trunc(b.lshr(as_int, ir.Constant(I64, 32)), I32))
+        out = b.or_(b.zext(lo, I64), b.shl(b.zext(hi, I64), ir.Constant(I64, 32)))
+        return out if isinstance(t, ir.IntType) else b.bitcast(out, t)
+
+    def statement(self, call: isl.AstExpr, shared: bool = False) -> None:
+        """Reductions inside a lane loop go to the lane's partial; a statement
+        the whole warp runs (shared) reads before any lane writes."""
+        name = call.get_op_arg(0).get_id().get_name()
+        partial = getattr(self, "partials", {}).get(name)
+        if partial is None and not shared:
+            st = self.stmts[name]
+            if getattr(self, "strip_start", None) is None or st.array in self.sched.contracted:
+                return super().statement(call)
+            slot, start = self.strip_start  # halo iterations compute private values only
+            then = self.fn.append_basic_block("strip.own")
+            after = self.fn.append_basic_block("strip.next")
+            self.b.cbranch(self.b.icmp_signed(">=", self.b.load(slot, typ=I64), start), then, after)
+            self.b.position_at_end(then)
+            super().statement(call)
+            self.b.branch(after)
+            self.b.position_at_end(after)
+            return
+        s = self.stmts[name]
+        env = {it: self.aexpr(call.get_op_arg(i + 1)) for i, it in enumerate(s.iters)}
+        cache: dict = {}
+        val = self.value(s.body, env, cache)
+        arr = self.prog.arrays[s.array]
+        if partial is not None:
+            slot = partial[0]
+            self.partials[name] = (slot, call)
+            self.b.store(self.combine(s.combine, self.b.load(slot, typ=COMPUTE[arr.dtype]), val, arr.dtype), slot)
+            return
+        ptr = self.address(arr, s.index, env, cache)
+        if s.combine is not None:
+            old = self.from_storage(self.b.load(ptr, typ=STORAGE[arr.dtype]), arr.dtype)
+            val = self.combine(s.combine, old, val, arr.dtype)
+        self.warp_sync()
+        self.b.store(self.to_storage(val, arr.dtype), ptr)
 
     # ------------------------------------------------------ target hooks
     def math(self, op: str, a: list) -> ir.Value:
@@ -135,6 +353,128 @@ class GpuEmitter(Emitter):
 
     def malloc(self, nbytes):
         raise UnsupportedOpError("a buffer too large for a GPU thread")
+
+
+class _WarpPlan:
+    """Whether a warp per parallel iteration fits the nest below the grid
+    loop, and what it needs: the nest is a sequence of statements and
+    one-level loops whose statements either write elements along the loop
+    (read back only at the same element) or reduce into one element; and
+    lanes walking the loop touch contiguous memory more often than
+    threads walking the parallel loop would."""
+
+    def __init__(self) -> None:
+        self.children: list[isl.AstNode] = []
+        self.reductions: dict[int, list[str]] = {}
+        self.write_iters: dict[str, set[str]] = {}
+
+    @classmethod
+    def of(cls, e: "GpuEmitter", rest: isl.AstNode, grid_iters: list[str]) -> "_WarpPlan | None":
+        plan = cls()
+        kids = _children(rest)
+        if kids is None or not any(k.get_type() == isl.ast_node_type.for_ for k in kids):
+            return None
+        lanes_contiguous = threads_contiguous = 0
+        for k in kids:
+            if k.get_type() == isl.ast_node_type.user:
+                continue
+            if k.get_type() != isl.ast_node_type.for_ or not e.splittable(k):
+                return None
+            calls = _children(k.for_get_body())
+            if calls is None or any(c.get_type() != isl.ast_node_type.user for c in calls):
+                return None
+            it = k.for_get_iterator().get_id().get_name()
+            written: dict[str, tuple] = {}
+            reduced: set[str] = set()
+            plan.reductions[id(k)] = []
+            stmts = []
+            for c in calls:  # what the loop writes, then what it reads
+                call = c.user_get_expr()
+                s = e.stmts[call.get_op_arg(0).get_id().get_name()]
+                args = [call.get_op_arg(i + 1) for i in range(len(s.iters))]
+                along = {x for x, a in zip(s.iters, args) if _uses(a, {it})}
+                grid = {x for x, a in zip(s.iters, args) if _uses(a, {grid_iters[-1]})}
+                text = {x: a.to_C_str() for x, a in zip(s.iters, args)}
+                stmts.append((s, along, grid, text))
+                deps = _depends(s.index, along)
+                if s.combine is not None and not deps:
+                    reduced.add(s.array)
+                    plan.reductions[id(k)].append(s.name)
+                    plan.write_iters[s.name] = {x for i in s.index for x in _vars(i)}
+                elif s.combine is None and deps:
+                    moduli = e.sched.contracted.get(s.array)
+                    key = _index_text(s.index, text)
+                    if key is None or (moduli is not None and any(m != 1 for m in moduli)) \
+                            or s.array in written:
+                        return None
+                    written[s.array] = key
+                else:
+                    return None
+            for s, along, grid, text in stmts:
+                for ld in loads(s.body):
+                    if ld.array in reduced:
+                        return None
+                    if ld.array in written and _index_text(ld.index, text) != written[ld.array]:
+                        return None
+                for index in [ld.index for ld in loads(s.body)] + ([] if s.combine else [s.index]):
+                    if index:
+                        lanes_contiguous += _depends(index[-1:], along)
+                        threads_contiguous += _depends(index[-1:], grid)
+        if lanes_contiguous <= threads_contiguous:
+            return None
+        plan.children = kids
+        return plan
+
+
+def _children(n: isl.AstNode) -> list[isl.AstNode] | None:
+    if n.get_type() == isl.ast_node_type.block:
+        lst = n.block_get_children()
+        out = []
+        for i in range(lst.n_ast_node()):
+            kids = _children(lst.get_at(i))
+            if kids is None:
+                return None
+            out += kids
+        return out
+    if n.get_type() in (isl.ast_node_type.for_, isl.ast_node_type.user):
+        return [n]
+    return None
+
+
+def _vars(e) -> set[str]:
+    return {x.name for x in walk(e) if isinstance(x, Var) and x.kind == "iter"}
+
+
+def _depends(index, names: set[str]) -> bool:
+    return any(_vars(i) & names for i in index)
+
+
+def _index_text(index, text: dict[str, str]) -> tuple | None:
+    """An index in terms of the AST's loop iterators, when each component is a
+    plain iterator or constant; None otherwise."""
+    out = []
+    for i in index:
+        if isinstance(i, Var) and i.kind == "iter":
+            out.append(text[i.name])
+        elif isinstance(i, Const):
+            out.append(str(i.value))
+        else:
+            return None
+    return tuple(out)
+
+
+def _identity(how: str, dt: DataType) -> ir.Constant:
+    t = COMPUTE[dt]
+    if how == "sum":
+        return ir.Constant(t, 0.0 if dt.is_float else 0)
+    if how == "prod":
+        return ir.Constant(t, 1.0 if dt.is_float else 1)
+    big = how == "min"
+    if dt.is_float:
+        return ir.Constant(t, math.inf if big else -math.inf)
+    if dt is DataType.Bool:
+        return ir.Constant(t, int(big))
+    return ir.Constant(t, (1 << (t.width - 1)) - 1 if big else -(1 << (t.width - 1)))
 
 
 def _log1p(e: GpuEmitter, x):
