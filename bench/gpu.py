@@ -110,6 +110,8 @@ def main() -> None:
     bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}; copy bandwidth {bw / 1e9:.0f} GB/s")
     cases = [
+        ("tiny", "x*2+1 on 1024 floats (per-call overhead)", lambda x: x * 2 + 1,
+         lambda: [torch.randn(1024, device=dev)], 8 * 1024),
         ("cos_sin", "cos(x)+sin(x) 64M", cos_sin, lambda: [torch.randn(64 << 20, device=dev)], 8 * (64 << 20)),
         ("blur", "blur_x_blur_y 3x4096x4096", blur, lambda: [torch.rand(3, 4096, 4096, device=dev)],
          8 * 3 * 4096 * 4096),

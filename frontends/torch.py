@@ -654,7 +654,7 @@ class CompiledGraph:
         launch = {}
         if devices:
             dev = next(iter(devices))
-            launch = {"stream": torch.cuda.current_stream(dev).cuda_stream,
+            launch = {"stream": torch.cuda.current_stream(dev).cuda_stream, "ordinal": dev.index,
                       "empty": lambda shape, dt: torch.empty(shape, dtype=_NUMPY_TO_TORCH[np.dtype(dt)], device=dev)}
         outs = self.exe(*arrays, **launch)
         self.stats.record(self.name, self.exe.stats)

@@ -112,6 +112,9 @@ class DeviceBuffer:
         self.device, self.stream = dev, stream
         weakref.finalize(self, _free, self.ptr, stream)
 
+    def data_ptr(self) -> int:
+        return self.ptr
+
     @property
     def __cuda_array_interface__(self) -> dict:
         return {"shape": self.shape, "typestr": self.dtype.str, "data": (self.ptr, False),
@@ -228,8 +231,9 @@ def _device_of(ptr: int) -> int:
     return int(check(cu.cuPointerGetAttribute(attr, ptr), "cuPointerGetAttribute"))
 
 
-def as_device_array(a) -> _Arg | None:
-    """The GPU view of a (CUDA array interface) argument; None for host arrays."""
+def as_device_array(a, ordinal: int | None = None) -> _Arg | None:
+    """The GPU view of a (CUDA array interface) argument; None for host arrays.
+    ordinal: the device, when the caller knows it (saves a driver query)."""
     cai = getattr(a, "__cuda_array_interface__", None)
     if cai is None:
         return None
@@ -239,7 +243,13 @@ def as_device_array(a) -> _Arg | None:
     if strides is not None:
         strides = tuple(s // dtype.itemsize for s in strides)
     ptr = cai["data"][0]
-    return _Arg(ptr, shape, strides, dtype, _device_of(ptr) if ptr else 0, a)
+    if ordinal is None:
+        ordinal = _device_of(ptr) if ptr else 0
+    return _Arg(ptr, shape, strides, dtype, ordinal, a)
+
+
+def _data_ptr(a) -> int:
+    return a.data_ptr() if hasattr(a, "data_ptr") else a.__cuda_array_interface__["data"][0]
 
 
 def is_device_array(a) -> bool:
@@ -273,13 +283,15 @@ class GpuExecutable(Executable):
         return max(1, min(-(-work // BLOCK), dev.multiprocessors * BLOCKS_PER_SM))
 
     def __call__(self, *args, stream: int | None = None,
-                 empty: Callable[[tuple, np.dtype], Any] | None = None) -> list:
+                 empty: Callable[[tuple, np.dtype], Any] | None = None, ordinal: int | None = None) -> list:
         """Run on the GPU. ``stream``: a CUstream handle (default: the legacy
-        stream); ``empty(shape, dtype)`` allocates outputs (default: polyjit's
-        DeviceBuffer). Host inputs come back as numpy arrays."""
+        stream); ``empty(shape, dtype)`` allocates outputs and temporaries
+        (a framework's caching allocator; default: polyjit's DeviceBuffer);
+        ``ordinal``: the device of the GPU arrays, when the caller knows it.
+        Host inputs come back as numpy arrays."""
         from .runtime import POISON
         cu = driver()
-        views = [as_device_array(a) for a in args]
+        views = [as_device_array(a, ordinal) for a in args]
         on_host = [k for k, v in enumerate(views) if v is None and np.ndim(args[k]) > 0]
         on_gpu = [k for k, v in enumerate(views) if v is not None]
         if on_host and on_gpu:
@@ -325,20 +337,21 @@ class GpuExecutable(Executable):
             out = empty(shape, spec.dtype.numpy) if (empty and not host) else \
                 DeviceBuffer(shape, spec.dtype.numpy, dev, stream)
             made[spec.name] = out
-            ptr[spec.name] = as_device_array(out).ptr
+            ptr[spec.name] = _data_ptr(out)
             elem_strides[spec.name] = _row_major(shape)
         for spec in self.buffers:
             if spec.kind in ("temp", "const"):
                 if spec.kind == "temp":
                     shape = tuple(sz.evaluate(x, env) for x in spec.shape)
-                    buf = DeviceBuffer(shape, spec.dtype.numpy, dev, stream)
-                    temp_bytes += buf.nbytes
+                    buf = empty(shape, spec.dtype.numpy) if (empty and not host) else \
+                        DeviceBuffer(shape, spec.dtype.numpy, dev, stream)
+                    temp_bytes += int(np.prod(shape, dtype=np.int64)) * spec.dtype.itemsize
                 else:
                     h = np.ascontiguousarray(self.constants[spec.index])
                     buf = self._const(spec.index, h, dev, stream)
                 keep.append(buf)
-                ptr[spec.name] = buf.ptr
-                elem_strides[spec.name] = _row_major(buf.shape)
+                ptr[spec.name] = _data_ptr(buf)
+                elem_strides[spec.name] = _row_major(tuple(buf.shape))
         if POISON:
             for spec in self.buffers:
                 if spec.kind in ("output", "temp"):

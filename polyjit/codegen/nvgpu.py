@@ -26,6 +26,7 @@ from .llvm import COMPUTE, F32, F64, I32, I64, PTR, STORAGE, Emitter, KernelInfo
 TRIPLE = "nvptx64-nvidia-cuda"
 DEFAULT_ARCH = "sm_90"
 WARP = 32
+UNROLL = 4  # copies of a lane loop's body per trip
 STRIP = 64  # iterations of a sequential loop per thread when strips run in parallel
 _SREG = "llvm.nvvm.read.ptx.sreg."
 _GPU_INTRINSIC = {"sqrt": "llvm.sqrt", "floor": "llvm.floor", "ceil": "llvm.ceil", "round": "llvm.roundeven",
@@ -251,18 +252,24 @@ class GpuEmitter(Emitter):
             self.partials[name] = (slot, None)
         slot = self.var(it)
         b.store(b.add(lo, b.mul(self.lane, inc)), slot)
-        head = self.fn.append_basic_block(f"{it}.lanes")
-        body = self.fn.append_basic_block(f"{it}.lane")
-        done = self.fn.append_basic_block(f"{it}.lanes.done")
-        b.branch(head)
-        b.position_at_end(head)
-        b.cbranch(b.icmp_signed("<", b.load(slot, typ=I64), hi), body, done)
-        b.position_at_end(body)
-        self.node(loop.for_get_body())
-        b = self.b
-        b.store(b.add(b.load(slot, typ=I64), b.mul(inc, ir.Constant(I64, WARP))), slot)
-        b.branch(head)
-        b.position_at_end(done)
+        stride = b.mul(inc, ir.Constant(I64, WARP))
+        # UNROLL strides per trip while all fit, so that each lane has several
+        # loads in flight; then one stride per trip for the rest
+        for copies in (UNROLL, 1):
+            head = self.fn.append_basic_block(f"{it}.lanes{copies}")
+            body = self.fn.append_basic_block(f"{it}.lane{copies}")
+            done = self.fn.append_basic_block(f"{it}.lanes{copies}.done")
+            b.branch(head)
+            b.position_at_end(head)
+            last = b.add(b.load(slot, typ=I64), b.mul(stride, ir.Constant(I64, copies - 1)))
+            b.cbranch(b.icmp_signed("<", last, hi), body, done)
+            b.position_at_end(body)
+            for _ in range(copies):
+                self.node(loop.for_get_body())
+                b = self.b
+                b.store(b.add(b.load(slot, typ=I64), stride), slot)
+            b.branch(head)
+            b.position_at_end(done)
         partials, self.partials = self.partials, {}
         for name, (slot, call) in partials.items():
             if call is None:  # the loop ran no iteration anywhere
