@@ -642,7 +642,7 @@ class CompiledGraph:
             a = args[k].detach()
             if a.device.type == "cuda" and gpu:
                 devices.add(a.device)
-                arrays.append(a)
+                arrays.append(_CudaView(a))
             elif a.device.type == "cpu":
                 arrays.append(a.numpy())
             else:
@@ -668,6 +668,23 @@ class CompiledGraph:
         return tuple(result)
 
 
+
+
+class _CudaView:
+    """A CUDA tensor's ``__cuda_array_interface__``, built directly: torch's
+    own property costs tens of microseconds per call."""
+
+    __slots__ = ("__cuda_array_interface__", "shape", "dtype", "ndim", "tensor")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        dt = np.dtype(_DTYPES[t.dtype].numpy) if t.dtype in _DTYPES else None
+        if dt is None:
+            raise InputError(f"a tensor of dtype {t.dtype} is not supported by target 'nvgpu'")
+        shape = tuple(t.shape)
+        strides = None if t.is_contiguous() else tuple(s * dt.itemsize for s in t.stride())
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": dt.str, "data": (t.data_ptr(), False),
+                                         "version": 3, "strides": strides}
+        self.shape, self.dtype, self.ndim, self.tensor = shape, dt, len(shape), t
 
 
 class _Supported(OperatorSupport):

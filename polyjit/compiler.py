@@ -13,7 +13,7 @@ import time
 from . import sizes as sz
 from .cuda import GpuExecutable
 from .graph import Graph
-from .lowering import lower
+from .lowering import GPU_RECOMPUTE_LIMIT, RECOMPUTE_LIMIT, lower
 from .options import CompileOptions
 from .runtime import Executable, Kernel
 from .schedule import schedule_program
@@ -32,7 +32,7 @@ def compile_graph(graph: Graph, options: CompileOptions, name: str = "fn") -> Ex
         from .codegen.cpu import CpuEmitter as emitter_class
 
     graph = graph.deduplicated()
-    prog = lower(graph)
+    prog = lower(graph, GPU_RECOMPUTE_LIMIT if gpu else RECOMPUTE_LIMIT)
     sched = schedule_program(prog, options.fusion, options.tile_sizes, options.target)
     emitter = emitter_class(prog, sched, name)
     module = emitter.emit()
@@ -40,7 +40,7 @@ def compile_graph(graph: Graph, options: CompileOptions, name: str = "fn") -> Ex
         from .codegen.nvgpu import ptx
         optimized, ptx_text = ptx(str(module), arch)
         jit = None
-        kernels = [Kernel(k.name, None, k.parallel, k.warp) for k in emitter.kernels]
+        kernels = [Kernel(k.name, None, k.parallel, k.lanes) for k in emitter.kernels]
     else:
         from .codegen.cpu import JitModule
         jit = JitModule(str(module))

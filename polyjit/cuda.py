@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import os
 import threading
 import weakref
@@ -20,10 +21,10 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from . import sizes as sz
+from .codegen.nvgpu import BLOCK
 from .errors import DeviceError, InputError
 from .runtime import Executable
 
-BLOCK = 256
 BLOCKS_PER_SM = 8  # 8 x 256 threads fill a multiprocessor; more only queue
 _lock = threading.Lock()
 
@@ -277,9 +278,8 @@ class GpuExecutable(Executable):
             return 1
         work = 0
         for a in self.writes[k]:
-            work += int(np.prod([sz.evaluate(s, env) for s in a.shape], dtype=np.int64))
-        if self.kernels[k].warp:
-            work *= 32
+            work += math.prod(sz.evaluate(s, env) for s in a.shape)
+        work *= max(self.kernels[k].lanes, 1)
         return max(1, min(-(-work // BLOCK), dev.multiprocessors * BLOCKS_PER_SM))
 
     def __call__(self, *args, stream: int | None = None,
@@ -309,14 +309,13 @@ class GpuExecutable(Executable):
         stream = int(stream or 0)
         s = cu.CUstream(stream)
         host = not on_gpu
-        shapes = [v.shape if v is not None else np.shape(a) for v, a in zip(views, args)]
-        env = self.bind([_ShapeOnly(sh, v.dtype if v is not None else np.asarray(a).dtype)
-                         for sh, v, a in zip(shapes, views, args)])
-        fns = self._functions(dev)
+        key = (dev.ordinal, host) + tuple((v.shape, v.strides, v.dtype) if v is not None else
+                                          (np.shape(a), None, np.asarray(a).dtype) for v, a in zip(views, args))
+        plan = self._plans.get(key) if self._plans is not None else None
+        if plan is None:
+            plan = self._plan(key, views, args, dev)
         keep: list = []
-        temp_bytes = 0
         ptr: dict[str, int] = {}
-        elem_strides: dict[str, tuple] = {}
         for spec, v, a in zip(self.inputs, views, args):
             if v is None:  # host data: copy to the GPU
                 h = np.ascontiguousarray(a, dtype=spec.dtype.numpy)
@@ -324,55 +323,71 @@ class GpuExecutable(Executable):
                 if h.nbytes:
                     check(cu.cuMemcpyHtoDAsync(buf.ptr, h.ctypes.data, h.nbytes, s), "cuMemcpyHtoDAsync")
                 keep += [buf, h]
-                ptr[spec.name], elem_strides[spec.name] = buf.ptr, _row_major(h.shape)
+                ptr[spec.name] = buf.ptr
             else:
-                if v.strides is not None and not spec.strided and v.strides != _row_major(v.shape):
-                    raise InputError(f"{self.name}: input {spec.index} is not contiguous; "
-                                     "this program was compiled for contiguous inputs")
                 ptr[spec.name] = v.ptr
-                elem_strides[spec.name] = v.strides or _row_major(v.shape)
         made: dict[str, Any] = {}
-        for spec in self.outputs:
-            shape = tuple(sz.evaluate(x, env) for x in spec.shape)
-            out = empty(shape, spec.dtype.numpy) if (empty and not host) else \
-                DeviceBuffer(shape, spec.dtype.numpy, dev, stream)
-            made[spec.name] = out
-            ptr[spec.name] = _data_ptr(out)
-            elem_strides[spec.name] = _row_major(shape)
+        for name, shape, dt in plan.fresh:
+            buf = empty(shape, dt) if (empty and not host) else DeviceBuffer(shape, dt, dev, stream)
+            made[name] = buf
+            ptr[name] = _data_ptr(buf)
         for spec in self.buffers:
-            if spec.kind in ("temp", "const"):
-                if spec.kind == "temp":
-                    shape = tuple(sz.evaluate(x, env) for x in spec.shape)
-                    buf = empty(shape, spec.dtype.numpy) if (empty and not host) else \
-                        DeviceBuffer(shape, spec.dtype.numpy, dev, stream)
-                    temp_bytes += int(np.prod(shape, dtype=np.int64)) * spec.dtype.itemsize
-                else:
-                    h = np.ascontiguousarray(self.constants[spec.index])
-                    buf = self._const(spec.index, h, dev, stream)
-                keep.append(buf)
-                ptr[spec.name] = _data_ptr(buf)
-                elem_strides[spec.name] = _row_major(tuple(buf.shape))
+            if spec.kind == "const":
+                buf = self._const(spec.index, np.ascontiguousarray(self.constants[spec.index]), dev, stream)
+                ptr[spec.name] = buf.ptr
         if POISON:
-            for spec in self.buffers:
-                if spec.kind in ("output", "temp"):
-                    n = int(np.prod([sz.evaluate(x, env) for x in spec.shape], dtype=np.int64)) * spec.dtype.itemsize
-                    if n:
-                        poison(ptr[spec.name], n, np.dtype(spec.dtype.numpy).kind, stream)
-        values: list = [ctypes.c_void_p(ptr[b.name]) for b in self.buffers]
-        for name, d in self.int_slots:
-            values.append(ctypes.c_int64(env[name] if d < 0 else elem_strides[name][d]))
+            for name, shape, dt in plan.fresh:
+                n = math.prod(shape) * dt.itemsize
+                if n:
+                    poison(ptr[name], n, dt.kind, stream)
+        values: list = [ctypes.c_void_p(ptr[b.name]) for b in self.buffers] + [ctypes.c_int64(i) for i in plan.ints]
         argv = (ctypes.c_void_p * max(len(values), 1))(*[ctypes.addressof(v) for v in values])
-        for k, kern in enumerate(self.kernels):
-            grid = self._grid(k, env, dev)
-            block = BLOCK if kern.parallel else 1
-            check(cu.cuLaunchKernel(fns[kern.name], grid, 1, 1, block, 1, 1, 0, s, ctypes.addressof(argv), 0),
-                  f"launching {kern.name}")
-        self.stats["intermediate_bytes"] = temp_bytes
-        outs = [made[n] if n in made else None for n in self.output_arrays]
+        for fn, grid, block, name in plan.launches:
+            check(cu.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, 0, s, ctypes.addressof(argv), 0),
+                  f"launching {name}")
+        self.stats["intermediate_bytes"] = plan.temp_bytes
+        outs = [made.get(n) for n in self.output_arrays]
         if host:
             return [o.numpy(stream) for o in outs]
-        del keep  # stream-ordered frees: the kernels above still see the memory
+        del keep, made  # stream-ordered frees: the kernels above still see the memory
         return outs
+
+    _plans: dict = None
+    PLANS = 64  # launch plans kept per program (one per shape signature)
+
+    def _plan(self, key, views, args, dev: Device) -> "_Plan":
+        """What a call with these shapes and layouts needs, worked out once:
+        sizes, the integer arguments, allocations and launch configurations.
+        Raises InputError before anything runs."""
+        shapes = [v.shape if v is not None else np.shape(a) for v, a in zip(views, args)]
+        env = self.bind([_ShapeOnly(sh, v.dtype if v is not None else np.asarray(a).dtype)
+                         for sh, v, a in zip(shapes, views, args)])
+        strides: dict[str, tuple] = {}
+        for spec, v, sh in zip(self.inputs, views, shapes):
+            if v is not None and v.strides is not None and not spec.strided and v.strides != _row_major(v.shape):
+                raise InputError(f"{self.name}: input {spec.index} is not contiguous; "
+                                 "this program was compiled for contiguous inputs")
+            strides[spec.name] = (v.strides if v is not None else None) or _row_major(sh)
+        fresh = []
+        temp_bytes = 0
+        for spec in self.buffers:
+            if spec.kind in ("output", "temp"):
+                shape = tuple(sz.evaluate(x, env) for x in spec.shape)
+                fresh.append((spec.name, shape, np.dtype(spec.dtype.numpy)))
+                strides[spec.name] = _row_major(shape)
+                if spec.kind == "temp":
+                    temp_bytes += math.prod(shape) * spec.dtype.itemsize
+            elif spec.kind == "const":
+                strides[spec.name] = _row_major(self.constants[spec.index].shape)
+        ints = [env[name] if d < 0 else strides[name][d] for name, d in self.int_slots]
+        fns = self._functions(dev)
+        launches = [(fns[k.name], self._grid(i, env, dev), BLOCK if k.parallel else 1, k.name)
+                    for i, k in enumerate(self.kernels)]
+        plan = _Plan(fresh, ints, launches, temp_bytes)
+        if self._plans is None or len(self._plans) >= self.PLANS:
+            self._plans = {}
+        self._plans[key] = plan
+        return plan
 
     _consts: dict = None
     _loaded: dict = None
@@ -400,6 +415,14 @@ class GpuExecutable(Executable):
             check(cu.cuStreamSynchronize(cu.CUstream(stream)), "cuStreamSynchronize")
             self._consts[key] = buf
         return self._consts[key]
+
+
+@dataclass
+class _Plan:
+    fresh: list  # (array, shape, dtype) of outputs and temporaries to allocate
+    ints: list
+    launches: list  # (function, grid, block, name)
+    temp_bytes: int
 
 
 class _ShapeOnly:

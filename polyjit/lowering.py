@@ -24,6 +24,7 @@ from .sizes import Lin, Size
 
 UNROLL_LIMIT = 16  # reductions with at most this many static terms unroll into expressions
 RECOMPUTE_LIMIT = 6  # extra work accepted to inline a value read more than once
+GPU_RECOMPUTE_LIMIT = 16  # on a GPU, memory traffic costs more than arithmetic
 MANY = 16  # weight of a read inside a contraction's reduction loop
 
 _COMBINE = {"sum": "add", "prod": "mul", "max": "maximum", "min": "minimum"}
@@ -58,8 +59,9 @@ def identity(combine: str, dt: DataType) -> Const:
 
 
 class Lowering:
-    def __init__(self, graph: Graph) -> None:
+    def __init__(self, graph: Graph, recompute_limit: int = RECOMPUTE_LIMIT) -> None:
         self.g = graph
+        self.recompute_limit = recompute_limit
         self.nodes = graph.nodes()
         self.arrays: dict[str, Array] = {}
         self.statements: list[Statement] = []
@@ -137,7 +139,7 @@ class Lowering:
                 own = 2 * (REDUCTIONS[n.op](self, n).static_terms() or 1)
             w = own + sum(work[i.id] for i in n.inputs)
             materialize = (n.id in outputs or self.is_statement_op(n)
-                           or (uses[n.id] - 1) * w > RECOMPUTE_LIMIT)
+                           or (uses[n.id] - 1) * w > self.recompute_limit)
             if materialize:
                 self.declare(n)
                 work[n.id] = 0
@@ -231,8 +233,8 @@ def _product(extents: list[int]):
             yield (head,) + tail
 
 
-def lower(graph: Graph) -> AffineProgram:
-    return Lowering(graph).run()
+def lower(graph: Graph, recompute_limit: int = RECOMPUTE_LIMIT) -> AffineProgram:
+    return Lowering(graph, recompute_limit).run()
 
 
 # ====================================================== inline lowerings

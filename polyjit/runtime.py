@@ -97,7 +97,7 @@ class Kernel:
     name: str
     fn: Any  # a ctypes function on the cpu target; None for nvgpu (see polyjit.cuda)
     parallel: bool
-    warp: bool = False
+    lanes: int = 0  # nvgpu: threads that share one parallel iteration (0: one thread)
 
 
 @dataclass

@@ -92,6 +92,8 @@ def test_parallel_loops_map_to_threads():
 def test_row_reductions_use_warp_shuffles_and_stencils_use_strips():
     sm = polyjit.compile(lambda x: ops.softmax(x, -1), [InputInfo([-1, -1], F32)], PTX_ONLY)
     assert "shfl.sync.bfly" in sm.ir("ptx")  # a warp per row, not a thread
+    long = polyjit.compile(lambda x: ops.softmax(x, -1), [InputInfo([4, 8192], F32)], PTX_ONLY)
+    assert "bar.sync" in long.ir("ptx") and ".shared" in long.ir("ptx")  # long rows: a block each
     col = polyjit.compile(lambda x: ops.sum(x, [0]), [InputInfo([-1, -1], F32)], PTX_ONLY)
     assert "shfl.sync" not in col.ir("ptx")  # a thread per column walks rows, coalesced
     bl = polyjit.compile(blur, [InputInfo([3, -1, -1], F32)], PTX_ONLY)

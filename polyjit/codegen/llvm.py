@@ -48,7 +48,7 @@ class KernelInfo:
     name: str
     parallel: bool
     statements: tuple[str, ...]
-    warp: bool = False  # nvgpu: a warp (not a thread) per parallel iteration
+    lanes: int = 0  # nvgpu: threads per parallel iteration (a warp or a block), 0 for one
 
 
 class Emitter:

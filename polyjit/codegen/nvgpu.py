@@ -26,6 +26,8 @@ from .llvm import COMPUTE, F32, F64, I32, I64, PTR, STORAGE, Emitter, KernelInfo
 TRIPLE = "nvptx64-nvidia-cuda"
 DEFAULT_ARCH = "sm_90"
 WARP = 32
+BLOCK = 256  # threads per block (polyjit.cuda launches this many)
+BLOCK_ROW = 4096  # rows at least this long get a block of lanes rather than a warp
 UNROLL = 4  # copies of a lane loop's body per trip
 STRIP = 64  # iterations of a sequential loop per thread when strips run in parallel
 _SREG = "llvm.nvvm.read.ptx.sreg."
@@ -50,7 +52,7 @@ class GpuEmitter(Emitter):
         for arg in body_fn.args[:nb]:
             arg.add_attribute("noalias")
         self.top = _parallel_top(node)
-        self.warp = False
+        self.lanes = 0
         self.body(body_fn, node)
         fn = ir.Function(self.module, ir.FunctionType(ir.VoidType(), [PTR] * nb + [I64] * ni), name)
         fn.calling_convention = "ptx_kernel"
@@ -63,7 +65,7 @@ class GpuEmitter(Emitter):
         gid = b.add(b.mul(sreg("ctaid.x"), ntid), sreg("tid.x"))
         b.call(body_fn, list(fn.args) + [gid, b.mul(sreg("nctaid.x"), ntid)])
         b.ret_void()
-        self.kernels.append(KernelInfo(name, self.parallel, tuple(sorted(names)), self.warp))
+        self.kernels.append(KernelInfo(name, self.parallel, tuple(sorted(names)), self.lanes))
 
     def node(self, n: isl.AstNode) -> None:
         if n.get_type() == isl.ast_node_type.mark and n.mark_get_id().get_name().startswith("parallel:"):
@@ -120,10 +122,11 @@ class GpuEmitter(Emitter):
             bounds.insert(0, ("gpu.strip", zero, one, strips))
             total = b.mul(total, strips)
         first, step = self.part, self.parts
-        if plan is not None:  # a warp per iteration: its lanes share the inner loops
-            self.warp = True
-            first, step = b.lshr(first, ir.Constant(I64, 5)), b.lshr(step, ir.Constant(I64, 5))
-            self.lane = b.and_(self.part, ir.Constant(I64, WARP - 1))
+        if plan is not None:  # a warp (or block) per iteration: its lanes share the inner loops
+            self.lanes = plan.lanes
+            shift = ir.Constant(I64, plan.lanes.bit_length() - 1)
+            first, step = b.lshr(first, shift), b.lshr(step, shift)
+            self.lane = b.and_(self.part, ir.Constant(I64, plan.lanes - 1))
         g = self.var("gpu.g")
         b.store(first, g)
         head = self.fn.append_basic_block("grid.head")
@@ -230,8 +233,40 @@ class GpuEmitter(Emitter):
 
     # ------------------------------------------------------------- warps
     def warp_sync(self) -> None:
+        """Order the memory accesses of the lanes sharing an iteration."""
+        if self.lanes > WARP:
+            fn = self.module.declare_intrinsic("llvm.nvvm.barrier0", (), ir.FunctionType(ir.VoidType(), []))
+            self.b.call(fn, [])
+            return
         fn = self.module.declare_intrinsic("llvm.nvvm.bar.warp.sync", (), ir.FunctionType(ir.VoidType(), [I32]))
         self.b.call(fn, [ir.Constant(I32, -1)])
+
+    def across_warps(self, total, how: str, dt) -> ir.Value:
+        """Combine one value per warp of the block through shared memory."""
+        b = self.b
+        shared = self.module.globals.get("polyjit_partials")
+        if shared is None:
+            shared = ir.GlobalVariable(self.module, ir.ArrayType(I64, BLOCK // WARP), "polyjit_partials",
+                                       addrspace=3)
+            shared.linkage = "internal"
+            shared.initializer = ir.Constant(shared.value_type, ir.Undefined)
+        zero32 = ir.Constant(I32, 0)
+        warp = b.trunc(b.lshr(self.lane, ir.Constant(I64, 5)), I32)
+        first = b.icmp_unsigned("==", b.and_(self.lane, ir.Constant(I64, WARP - 1)), ir.Constant(I64, 0))
+        write = self.fn.append_basic_block("partials.write")
+        after = self.fn.append_basic_block("partials.read")
+        b.cbranch(first, write, after)
+        b.position_at_end(write)
+        b.store(self.to_bits(total), b.gep(shared, [zero32, warp]))
+        b.branch(after)
+        b.position_at_end(after)
+        self.warp_sync()
+        out = None
+        for w in range(self.lanes // WARP):
+            v = self.from_bits(b.load(b.gep(shared, [zero32, ir.Constant(I32, w)]), typ=I64), total.type)
+            out = v if out is None else self.combine(how, out, v, dt)
+        self.warp_sync()
+        return out
 
     def lane_loop(self, loop: isl.AstNode, plan: "_WarpPlan") -> None:
         """An inner loop whose iterations the lanes share (lane, lane + 32, ...);
@@ -252,7 +287,7 @@ class GpuEmitter(Emitter):
             self.partials[name] = (slot, None)
         slot = self.var(it)
         b.store(b.add(lo, b.mul(self.lane, inc)), slot)
-        stride = b.mul(inc, ir.Constant(I64, WARP))
+        stride = b.mul(inc, ir.Constant(I64, self.lanes))
         # UNROLL strides per trip while all fit, so that each lane has several
         # loads in flight; then one stride per trip for the rest
         for copies in (UNROLL, 1):
@@ -279,6 +314,8 @@ class GpuEmitter(Emitter):
             total = b.load(slot, typ=COMPUTE[arr.dtype])
             for offset in (16, 8, 4, 2, 1):
                 total = self.combine(s.combine, total, self.shuffle(total, offset), arr.dtype)
+            if self.lanes > WARP:
+                total = self.across_warps(total, s.combine, arr.dtype)
             env = {x: self.aexpr(call.get_op_arg(i + 1)) for i, x in enumerate(s.iters) if x in plan.write_iters[name]}
             ptr = self.address(arr, s.index, env, {})
             old = self.from_storage(b.load(ptr, typ=STORAGE[arr.dtype]), arr.dtype)
@@ -292,6 +329,20 @@ class GpuEmitter(Emitter):
                 self.b.position_at_start(self.entry)
                 self.vars[key] = self.b.alloca(COMPUTE[dt], name=key)
         return self.vars[key]
+
+    def to_bits(self, v: ir.Value) -> ir.Value:
+        """v's bits in an i64 (the width of a shared-memory slot)."""
+        b, t = self.b, v.type
+        if not isinstance(t, ir.IntType):
+            v = b.bitcast(v, ir.IntType(32 if t == F32 else 64))
+        return v if v.type.width == 64 else b.zext(v, I64)
+
+    def from_bits(self, v: ir.Value, t) -> ir.Value:
+        b = self.b
+        width = t.width if isinstance(t, ir.IntType) else (32 if t == F32 else 64)
+        if width < 64:
+            v = b.trunc(v, ir.IntType(width))
+        return v if isinstance(t, ir.IntType) else b.bitcast(v, t)
 
     def shuffle(self, v: ir.Value, offset: int) -> ir.Value:
         """The value lane ^ offset holds (shfl.sync.bfly), for any width."""
@@ -372,6 +423,7 @@ class _WarpPlan:
 
     def __init__(self) -> None:
         self.children: list[isl.AstNode] = []
+        self.lanes = WARP
         self.reductions: dict[int, list[str]] = {}
         self.write_iters: dict[str, set[str]] = {}
 
@@ -429,8 +481,21 @@ class _WarpPlan:
                         threads_contiguous += _depends(index[-1:], grid)
         if lanes_contiguous <= threads_contiguous:
             return None
+        trips = [_static_trips(k) for k in kids if k.get_type() == isl.ast_node_type.for_]
+        if all(t is not None and t >= BLOCK_ROW for t in trips):
+            plan.lanes = BLOCK  # long rows: a block each, so that rereading one hits the cache
         plan.children = kids
         return plan
+
+
+def _static_trips(loop: isl.AstNode) -> int | None:
+    init, cond = loop.for_get_init(), loop.for_get_cond()
+    hi = cond.get_op_arg(1)
+    if init.get_type() != isl.ast_expr_type.int or hi.get_type() != isl.ast_expr_type.int \
+            or loop.for_get_inc().get_val().to_python() != 1:
+        return None
+    last = hi.get_val().to_python() + (1 if cond.get_op_type() == isl.ast_expr_op_type.le else 0)
+    return last - init.get_val().to_python()
 
 
 def _children(n: isl.AstNode) -> list[isl.AstNode] | None:
