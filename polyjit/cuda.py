@@ -276,6 +276,8 @@ class GpuExecutable(Executable):
     def _grid(self, k: int, env: dict, dev: Device) -> int:
         if not self.kernels[k].parallel:
             return 1
+        if self.kernels[k].zeroed:  # strips of a sum: more iterations than elements written
+            return dev.multiprocessors * BLOCKS_PER_SM
         work = 0
         for a in self.writes[k]:
             work += math.prod(sz.evaluate(s, env) for s in a.shape)
@@ -342,7 +344,9 @@ class GpuExecutable(Executable):
                     poison(ptr[name], n, dt.kind, stream)
         values: list = [ctypes.c_void_p(ptr[b.name]) for b in self.buffers] + [ctypes.c_int64(i) for i in plan.ints]
         argv = (ctypes.c_void_p * max(len(values), 1))(*[ctypes.addressof(v) for v in values])
-        for fn, grid, block, name in plan.launches:
+        for fn, grid, block, name, zeroed in plan.launches:
+            for a, nbytes in zeroed:
+                check(cu.cuMemsetD8Async(ptr[a], 0, nbytes, s), "cuMemsetD8Async")
             check(cu.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, 0, s, ctypes.addressof(argv), 0),
                   f"launching {name}")
         self.stats["intermediate_bytes"] = plan.temp_bytes
@@ -381,8 +385,9 @@ class GpuExecutable(Executable):
                 strides[spec.name] = _row_major(self.constants[spec.index].shape)
         ints = [env[name] if d < 0 else strides[name][d] for name, d in self.int_slots]
         fns = self._functions(dev)
-        launches = [(fns[k.name], self._grid(i, env, dev), BLOCK if k.parallel else 1, k.name)
-                    for i, k in enumerate(self.kernels)]
+        nbytes = {name: math.prod(shape) * dt.itemsize for name, shape, dt in fresh}
+        launches = [(fns[k.name], self._grid(i, env, dev), BLOCK if k.parallel else 1, k.name,
+                     [(a, nbytes[a]) for a in k.zeroed if nbytes[a]]) for i, k in enumerate(self.kernels)]
         plan = _Plan(fresh, ints, launches, temp_bytes)
         if self._plans is None or len(self._plans) >= self.PLANS:
             self._plans = {}

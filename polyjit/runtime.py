@@ -98,6 +98,7 @@ class Kernel:
     fn: Any  # a ctypes function on the cpu target; None for nvgpu (see polyjit.cuda)
     parallel: bool
     lanes: int = 0  # nvgpu: threads that share one parallel iteration (0: one thread)
+    zeroed: tuple = ()  # nvgpu: arrays zeroed before the launch
 
 
 @dataclass

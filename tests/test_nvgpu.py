@@ -95,7 +95,8 @@ def test_row_reductions_use_warp_shuffles_and_stencils_use_strips():
     long = polyjit.compile(lambda x: ops.softmax(x, -1), [InputInfo([4, 8192], F32)], PTX_ONLY)
     assert "bar.sync" in long.ir("ptx") and ".shared" in long.ir("ptx")  # long rows: a block each
     col = polyjit.compile(lambda x: ops.sum(x, [0]), [InputInfo([-1, -1], F32)], PTX_ONLY)
-    assert "shfl.sync" not in col.ir("ptx")  # a thread per column walks rows, coalesced
+    assert "shfl.sync" not in col.ir("ptx")  # threads per column walk strips of rows, coalesced,
+    assert "atom.global.add.f32" in col.ir("ptx")  # and add their partial sums atomically
     bl = polyjit.compile(blur, [InputInfo([3, -1, -1], F32)], PTX_ONLY)
     assert "strip" in bl.ir("llvm")  # rows in parallel strips, each recomputing its halo
 

@@ -49,6 +49,7 @@ class KernelInfo:
     parallel: bool
     statements: tuple[str, ...]
     lanes: int = 0  # nvgpu: threads per parallel iteration (a warp or a block), 0 for one
+    zeroed: tuple[str, ...] = ()  # nvgpu: arrays to zero before the launch (atomic sums)
 
 
 class Emitter:

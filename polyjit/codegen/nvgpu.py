@@ -29,6 +29,7 @@ WARP = 32
 BLOCK = 256  # threads per block (polyjit.cuda launches this many)
 BLOCK_ROW = 4096  # rows at least this long get a block of lanes rather than a warp
 UNROLL = 4  # copies of a lane loop's body per trip
+STRIP_REDUCE = 256  # iterations of a summing loop per thread before its atomic add
 STRIP = 64  # iterations of a sequential loop per thread when strips run in parallel
 _SREG = "llvm.nvvm.read.ptx.sreg."
 _GPU_INTRINSIC = {"sqrt": "llvm.sqrt", "floor": "llvm.floor", "ceil": "llvm.ceil", "round": "llvm.roundeven",
@@ -53,6 +54,7 @@ class GpuEmitter(Emitter):
             arg.add_attribute("noalias")
         self.top = _parallel_top(node)
         self.lanes = 0
+        self.zeroed = ()
         self.body(body_fn, node)
         fn = ir.Function(self.module, ir.FunctionType(ir.VoidType(), [PTR] * nb + [I64] * ni), name)
         fn.calling_convention = "ptx_kernel"
@@ -65,7 +67,7 @@ class GpuEmitter(Emitter):
         gid = b.add(b.mul(sreg("ctaid.x"), ntid), sreg("tid.x"))
         b.call(body_fn, list(fn.args) + [gid, b.mul(sreg("nctaid.x"), ntid)])
         b.ret_void()
-        self.kernels.append(KernelInfo(name, self.parallel, tuple(sorted(names)), self.lanes))
+        self.kernels.append(KernelInfo(name, self.parallel, tuple(sorted(names)), self.lanes, self.zeroed))
 
     def node(self, n: isl.AstNode) -> None:
         if n.get_type() == isl.ast_node_type.mark and n.mark_get_id().get_name().startswith("parallel:"):
@@ -108,16 +110,17 @@ class GpuEmitter(Emitter):
             bounds.append((loop.for_get_iterator().get_id().get_name(), lo, inc, trips))
             total = b.mul(total, trips)
         plan = _WarpPlan.of(self, rest, [it for it, *_ in bounds]) if bounds else None
-        strip = self.strip_plan(rest, seen) if plan is None else None
+        strip = (self.strip_plan(rest, seen) or self.atomic_plan(rest, seen)) if plan is None else None
         if strip is not None:  # strips of the sequential loop become a parallel dimension
-            loop, halo = strip
+            loop, halo, zeroed = strip
+            size = STRIP if zeroed is None else self.strip_size
             lo, inc = self.aexpr(loop.for_get_init()), self.aexpr(loop.for_get_inc())
             cond = loop.for_get_cond()
             hi = self.aexpr(cond.get_op_arg(1))
             if cond.get_op_type() == isl.ast_expr_op_type.le:
                 hi = b.add(hi, one)
             trips = b.sdiv(b.add(b.sub(hi, lo), b.sub(inc, one)), inc)
-            strips = b.sdiv(b.add(trips, ir.Constant(I64, STRIP - 1)), ir.Constant(I64, STRIP))
+            strips = b.sdiv(b.add(trips, ir.Constant(I64, size - 1)), ir.Constant(I64, size))
             strips = b.select(b.icmp_signed("<", strips, zero), zero, strips)
             bounds.insert(0, ("gpu.strip", zero, one, strips))
             total = b.mul(total, strips)
@@ -149,6 +152,8 @@ class GpuEmitter(Emitter):
                 else:
                     self.statement(child.user_get_expr(), shared=True)
                 self.warp_sync()
+        elif strip is not None and zeroed is not None:
+            self.atomic_loop(loop, lo, inc, hi, zeroed)
         elif strip is not None:
             self.strip_loop(loop, halo, lo, inc, hi)
         else:
@@ -187,7 +192,93 @@ class GpuEmitter(Emitter):
             if None in moduli:
                 return None
             halo = max(halo, max(moduli) - 1)
-        return (rest, halo) if private else None
+        return (rest, halo, None) if private else None
+
+    def atomic_plan(self, rest: isl.AstNode, grid_iters: set[str]):
+        """(loop, None, arrays) when rest zeroes some arrays and then one loop
+        sums into elements of them that do not move with it (a column sum):
+        strips of the loop run in parallel, each adding its partial sums
+        atomically; the runtime zeroes the arrays before the launch."""
+        kids = _children(rest)
+        if not kids or kids[-1].get_type() != isl.ast_node_type.for_:
+            return None
+        loop, inits = kids[-1], kids[:-1]
+        if not self.splittable(loop) or _uses(loop.for_get_init(), grid_iters) \
+                or _uses(loop.for_get_cond(), grid_iters):
+            return None
+        calls = _children(loop.for_get_body())
+        nest = [loop.for_get_iterator().get_id().get_name()]
+        while calls and len(calls) == 1 and calls[0].get_type() == isl.ast_node_type.for_:
+            nest.append(calls[0].for_get_iterator().get_id().get_name())  # a perfect nest: each
+            calls = _children(calls[0].for_get_body())  # thread takes one outer iteration
+        if not calls or any(c.get_type() != isl.ast_node_type.user for c in calls):
+            return None
+        targets = set()
+        for c in calls:
+            call = c.user_get_expr()
+            st = self.stmts[call.get_op_arg(0).get_id().get_name()]
+            dt = self.prog.arrays[st.array].dtype
+            if st.combine != "sum" or st.array in self.sched.contracted \
+                    or any(self._writes_along(loop, st, x) for x in nest) \
+                    or dt not in (DataType.Float, DataType.Double, DataType.Int32, DataType.Int):
+                return None
+            targets.add(st.array)
+        zeroed = set()
+        for k in inits:
+            if k.get_type() != isl.ast_node_type.user:
+                return None
+            st = self.stmts[k.user_get_expr().get_op_arg(0).get_id().get_name()]
+            if st.array not in targets or not isinstance(st.body, Const) or st.body.value != 0:
+                return None
+            zeroed.add(st.array)
+        if zeroed != targets or any(ld.array in targets for c in calls for ld in loads(
+                self.stmts[c.user_get_expr().get_op_arg(0).get_id().get_name()].body)):
+            return None
+        self.strip_size = STRIP_REDUCE if len(nest) == 1 else 1
+        self.sum_calls = calls
+        return loop, 0, tuple(sorted(zeroed))
+
+    def atomic_loop(self, loop: isl.AstNode, lo, inc, hi, zeroed) -> None:
+        """This thread's strip of a summing loop into registers, then one
+        atomic add per target element."""
+        b = self.b
+        self.zeroed = zeroed
+        it = loop.for_get_iterator().get_id().get_name()
+        size = ir.Constant(I64, self.strip_size)
+        start = b.add(lo, b.mul(b.load(self.var("gpu.strip"), typ=I64), b.mul(inc, size)))
+        end = b.add(start, b.mul(inc, size))
+        end = b.select(b.icmp_signed("<", end, hi), end, hi)
+        self.partials = {}
+        names = []
+        for c in self.sum_calls:
+            st = self.stmts[c.user_get_expr().get_op_arg(0).get_id().get_name()]
+            slot = self.partial_slot(st.name, self.prog.arrays[st.array].dtype)
+            b.store(_identity("sum", self.prog.arrays[st.array].dtype), slot)
+            self.partials[st.name] = (slot, None)
+            names.append(st)
+        slot = self.var(it)
+        b.store(start, slot)
+        head = self.fn.append_basic_block(f"{it}.sum")
+        body = self.fn.append_basic_block(f"{it}.sum.body")
+        done = self.fn.append_basic_block(f"{it}.sum.done")
+        b.branch(head)
+        b.position_at_end(head)
+        b.cbranch(b.icmp_signed("<", b.load(slot, typ=I64), end), body, done)
+        b.position_at_end(body)
+        self.node(loop.for_get_body())
+        b = self.b
+        b.store(b.add(b.load(slot, typ=I64), inc), slot)
+        b.branch(head)
+        b.position_at_end(done)
+        partials, self.partials = self.partials, {}
+        for st in names:
+            pslot, call = partials[st.name]
+            arr = self.prog.arrays[st.array]
+            used = {x for i in st.index for x in _vars(i)}
+            env = {x: self.aexpr(call.get_op_arg(i + 1)) for i, x in enumerate(st.iters) if x in used}
+            ptr = self.address(arr, st.index, env, {})
+            val = b.load(pslot, typ=COMPUTE[arr.dtype])
+            b.atomic_rmw("fadd" if arr.dtype.is_float else "add", ptr, val, "monotonic")
 
     def _writes_along(self, loop: isl.AstNode, st, it: str) -> bool:
         """Whether each call of st under loop writes an element that moves with it."""
@@ -278,6 +369,11 @@ class GpuEmitter(Emitter):
         hi = self.aexpr(cond.get_op_arg(1))
         if cond.get_op_type() == isl.ast_expr_op_type.le:
             hi = b.add(hi, ir.Constant(I64, 1))
+        for call in plan.hoisted[id(loop)]:
+            self.statement(call, shared=True)
+        if plan.hoisted[id(loop)]:
+            self.warp_sync()
+        self.skipped = {c.get_op_arg(0).get_id().get_name() for c in plan.hoisted[id(loop)]}
         self.partials = {}
         for name in plan.reductions[id(loop)]:
             s = self.stmts[name]
@@ -305,6 +401,7 @@ class GpuEmitter(Emitter):
                 b.store(b.add(b.load(slot, typ=I64), stride), slot)
             b.branch(head)
             b.position_at_end(done)
+        self.skipped = set()
         partials, self.partials = self.partials, {}
         for name, (slot, call) in partials.items():
             if call is None:  # the loop ran no iteration anywhere
@@ -365,6 +462,8 @@ class GpuEmitter(Emitter):
         """Reductions inside a lane loop go to the lane's partial; a statement
         the whole warp runs (shared) reads before any lane writes."""
         name = call.get_op_arg(0).get_id().get_name()
+        if name in getattr(self, "skipped", ()):
+            return
         partial = getattr(self, "partials", {}).get(name)
         if partial is None and not shared:
             st = self.stmts[name]
@@ -424,6 +523,7 @@ class _WarpPlan:
     def __init__(self) -> None:
         self.children: list[isl.AstNode] = []
         self.lanes = WARP
+        self.hoisted: dict[int, list] = {}
         self.reductions: dict[int, list[str]] = {}
         self.write_iters: dict[str, set[str]] = {}
 
@@ -440,9 +540,22 @@ class _WarpPlan:
             if k.get_type() != isl.ast_node_type.for_ or not e.splittable(k):
                 return None
             calls = _children(k.for_get_body())
-            if calls is None or any(c.get_type() != isl.ast_node_type.user for c in calls):
+            if calls is None:
                 return None
             it = k.for_get_iterator().get_id().get_name()
+            guarded = [c for c in calls if c.get_type() == isl.ast_node_type.if_]
+            calls = [c for c in calls if c.get_type() != isl.ast_node_type.if_]
+            inits = []
+            for g in guarded:  # an initialization isl placed at one iteration: run it before the loop
+                then = g.if_get_then_node()
+                if g.if_has_else_node() or then.get_type() != isl.ast_node_type.user:
+                    return None
+                call = then.user_get_expr()
+                if any(_uses(call.get_op_arg(i), {it}) for i in range(1, call.get_op_n_arg())):
+                    return None
+                inits.append(call)
+            if any(c.get_type() != isl.ast_node_type.user for c in calls):
+                return None
             written: dict[str, tuple] = {}
             reduced: set[str] = set()
             plan.reductions[id(k)] = []
@@ -469,6 +582,11 @@ class _WarpPlan:
                     written[s.array] = key
                 else:
                     return None
+            for call in inits:
+                st = e.stmts[call.get_op_arg(0).get_id().get_name()]
+                if st.combine is not None or not isinstance(st.body, Const) or st.array not in reduced:
+                    return None
+            plan.hoisted[id(k)] = inits
             for s, along, grid, text in stmts:
                 for ld in loads(s.body):
                     if ld.array in reduced:
@@ -508,7 +626,7 @@ def _children(n: isl.AstNode) -> list[isl.AstNode] | None:
                 return None
             out += kids
         return out
-    if n.get_type() in (isl.ast_node_type.for_, isl.ast_node_type.user):
+    if n.get_type() in (isl.ast_node_type.for_, isl.ast_node_type.user, isl.ast_node_type.if_):
         return [n]
     return None
 
