@@ -11,7 +11,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev,torch,jax,tf]'
+	$(PY) -m pip install -q -e '.[dev,torch,jax,tf,cuda]'
 	touch $(STAMP)
 
 demo: install

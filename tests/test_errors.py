@@ -4,7 +4,7 @@ import pytest
 
 import polyjit
 from polyjit import FusionDefinition, InputInfo, ops
-from polyjit.errors import CompileOptionError, DefinitionError, DeviceError, InputError
+from polyjit.errors import CompileOptionError, DefinitionError, InputError
 
 F32 = np.float32
 
@@ -63,11 +63,6 @@ def test_outputs_untouched_inputs_unmodified(exe, rng):
 def test_bad_options(opts, match):
     with pytest.raises(CompileOptionError, match=match):
         polyjit.compile(ops.exp, [InputInfo([3], F32)], opts)
-
-
-def test_nvgpu_not_built_yet():
-    with pytest.raises(DeviceError, match="nvgpu"):
-        polyjit.compile(ops.exp, [InputInfo([3], F32)], {"target": "nvgpu"})
 
 
 def test_definition_errors():

@@ -31,7 +31,12 @@ def assert_tree_close(out, ref, rtol=1e-5, atol=1e-5):
         np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=rtol, atol=atol)
 
 
+TARGET = os.environ.get("POLYJIT_TEST_TARGET", "cpu")  # nvgpu: check() runs on the GPU
+
+
 def check(fn, *args, rtol=1e-5, atol=1e-5, **kw):
+    if TARGET != "cpu":
+        kw["compile_options"] = {"target": TARGET, **(kw.get("compile_options") or {})}
     jf = polyjit.jit_jax(fn, **kw)
     out = jf(*args)
     assert_tree_close(out, fn(*args), rtol, atol)
