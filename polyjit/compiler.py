@@ -40,7 +40,7 @@ def compile_graph(graph: Graph, options: CompileOptions, name: str = "fn") -> Ex
         from .codegen.nvgpu import ptx
         optimized, ptx_text = ptx(str(module), arch)
         jit = None
-        kernels = [Kernel(k.name, None, k.parallel, k.lanes, k.zeroed) for k in emitter.kernels]
+        kernels = [Kernel(k.name, None, k.parallel, k.lanes, k.zeroed, k.strips) for k in emitter.kernels]
     else:
         from .codegen.cpu import JitModule
         jit = JitModule(str(module))

@@ -276,7 +276,7 @@ class GpuExecutable(Executable):
     def _grid(self, k: int, env: dict, dev: Device) -> int:
         if not self.kernels[k].parallel:
             return 1
-        if self.kernels[k].zeroed:  # strips of a sum: more iterations than elements written
+        if self.kernels[k].strips:  # strips of a sum: more iterations than elements written
             return dev.multiprocessors * BLOCKS_PER_SM
         work = 0
         for a in self.writes[k]:

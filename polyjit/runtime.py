@@ -99,6 +99,7 @@ class Kernel:
     parallel: bool
     lanes: int = 0  # nvgpu: threads that share one parallel iteration (0: one thread)
     zeroed: tuple = ()  # nvgpu: arrays zeroed before the launch
+    strips: bool = False  # nvgpu: strips of a sum (the grid is not sized by the elements written)
 
 
 @dataclass

@@ -32,6 +32,7 @@ def assert_tree_close(out, ref, rtol=1e-5, atol=1e-5):
 
 
 TARGET = os.environ.get("POLYJIT_TEST_TARGET", "cpu")  # nvgpu: check() runs on the GPU
+jax.config.update("jax_default_matmul_precision", "highest")  # references in float32, not GPUs' TF32
 
 
 def check(fn, *args, rtol=1e-5, atol=1e-5, **kw):

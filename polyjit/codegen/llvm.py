@@ -50,6 +50,7 @@ class KernelInfo:
     statements: tuple[str, ...]
     lanes: int = 0  # nvgpu: threads per parallel iteration (a warp or a block), 0 for one
     zeroed: tuple[str, ...] = ()  # nvgpu: arrays to zero before the launch (atomic sums)
+    strips: bool = False  # nvgpu: strips of a sum, more threads than elements written
 
 
 class Emitter:

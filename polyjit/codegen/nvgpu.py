@@ -53,8 +53,9 @@ class GpuEmitter(Emitter):
         for arg in body_fn.args[:nb]:
             arg.add_attribute("noalias")
         self.top = _parallel_top(node)
+        self.sum_root = self.top is None and self.atomic_plan(node, set()) is not None
         self.lanes = 0
-        self.zeroed = ()
+        self.zeroed, self.strips = (), False
         self.body(body_fn, node)
         fn = ir.Function(self.module, ir.FunctionType(ir.VoidType(), [PTR] * nb + [I64] * ni), name)
         fn.calling_convention = "ptx_kernel"
@@ -67,9 +68,14 @@ class GpuEmitter(Emitter):
         gid = b.add(b.mul(sreg("ctaid.x"), ntid), sreg("tid.x"))
         b.call(body_fn, list(fn.args) + [gid, b.mul(sreg("nctaid.x"), ntid)])
         b.ret_void()
-        self.kernels.append(KernelInfo(name, self.parallel, tuple(sorted(names)), self.lanes, self.zeroed))
+        self.kernels.append(KernelInfo(name, self.parallel, tuple(sorted(names)), self.lanes, self.zeroed,
+                                        self.strips))
 
     def node(self, n: isl.AstNode) -> None:
+        if self.sum_root and not self.in_parallel:  # a sum of everything: strips of it in parallel
+            self.in_parallel = self.parallel = True
+            self.grid_loop(None, n)
+            return
         if n.get_type() == isl.ast_node_type.mark and n.mark_get_id().get_name().startswith("parallel:"):
             if n.mark_get_id().get_name() == self.top and not self.in_parallel:
                 self.in_parallel = self.parallel = True
@@ -79,10 +85,12 @@ class GpuEmitter(Emitter):
             return
         super().node(n)
 
-    def grid_loop(self, mark: isl.AstNode) -> None:
+    def grid_loop(self, mark: isl.AstNode | None, rest: isl.AstNode | None = None) -> None:
         """The chain of marked loops under mark as one collapsed loop, its
-        iterations dealt out to threads: thread t runs t, t + parts, ..."""
-        loops, rest, seen = [], mark, set()
+        iterations dealt out to threads: thread t runs t, t + parts, ...
+        Without a mark, rest is a whole sum whose strips are the grid."""
+        loops, seen = [], set()
+        rest = mark if mark is not None else rest
         while rest.get_type() == isl.ast_node_type.mark and rest.mark_get_id().get_name().startswith("parallel:"):
             want = rest.mark_get_id().get_name()[len("parallel:"):]
             child = rest.mark_get_node()
@@ -132,36 +140,51 @@ class GpuEmitter(Emitter):
             self.lane = b.and_(self.part, ir.Constant(I64, plan.lanes - 1))
         g = self.var("gpu.g")
         b.store(first, g)
-        head = self.fn.append_basic_block("grid.head")
-        body = self.fn.append_basic_block("grid.body")
-        done = self.fn.append_basic_block("grid.done")
-        b.branch(head)
-        b.position_at_end(head)
-        b.cbranch(b.icmp_signed("<", b.load(g, typ=I64), total), body, done)
-        b.position_at_end(body)
-        rem = b.load(g, typ=I64)
-        for k, (it, lo, inc, trips) in enumerate(reversed(bounds)):
-            idx = rem if k == len(bounds) - 1 else b.urem(rem, trips)
-            if k < len(bounds) - 1:
-                rem = b.udiv(rem, trips)
-            b.store(b.add(lo, b.mul(idx, inc)), self.var(it))
-        if plan is not None:
-            for child in plan.children:
-                if child.get_type() == isl.ast_node_type.for_:
-                    self.lane_loop(child, plan)
-                else:
-                    self.statement(child.user_get_expr(), shared=True)
-                self.warp_sync()
-        elif strip is not None and zeroed is not None:
-            self.atomic_loop(loop, lo, inc, hi, zeroed)
-        elif strip is not None:
-            self.strip_loop(loop, halo, lo, inc, hi)
-        else:
-            self.node(rest)
-        b = self.b
-        b.store(b.add(b.load(g, typ=I64), step), g)
-        b.branch(head)
-        b.position_at_end(done)
+
+        def iteration(index) -> None:
+            b = self.b
+            rem = index
+            for k, (it, lo, inc, trips) in enumerate(reversed(bounds)):
+                idx = rem if k == len(bounds) - 1 else b.urem(rem, trips)
+                if k < len(bounds) - 1:
+                    rem = b.udiv(rem, trips)
+                b.store(b.add(lo, b.mul(idx, inc)), self.var(it))
+            if plan is not None:
+                for child in plan.children:
+                    if child.get_type() == isl.ast_node_type.for_:
+                        self.lane_loop(child, plan)
+                    else:
+                        self.statement(child.user_get_expr(), shared=True)
+                    self.warp_sync()
+            elif strip is not None and zeroed is not None:
+                self.atomic_loop(loop, lo_s, inc_s, hi_s, zeroed)
+            elif strip is not None:
+                self.strip_loop(loop, halo, lo_s, inc_s, hi_s)
+            else:
+                self.node(rest)
+
+        if strip is not None:
+            lo_s, inc_s, hi_s = lo, inc, hi
+        # straight-line bodies (elementwise code) take UNROLL iterations per
+        # trip while all fit, so that each thread has several loads in flight
+        unrolled = plan is None and strip is None and not _has_loop(rest)
+        for copies in ((UNROLL, 1) if unrolled else (1,)):
+            head = self.fn.append_basic_block(f"grid{copies}.head")
+            body = self.fn.append_basic_block(f"grid{copies}.body")
+            done = self.fn.append_basic_block(f"grid{copies}.done")
+            b = self.b
+            b.branch(head)
+            b.position_at_end(head)
+            last = b.add(b.load(g, typ=I64), b.mul(step, ir.Constant(I64, copies - 1)))
+            b.cbranch(b.icmp_signed("<", last, total), body, done)
+            b.position_at_end(body)
+            base = b.load(g, typ=I64)
+            for c in range(copies):
+                iteration(self.b.add(base, self.b.mul(step, ir.Constant(I64, c))))
+            b = self.b
+            b.store(b.add(b.load(g, typ=I64), b.mul(step, ir.Constant(I64, copies))), g)
+            b.branch(head)
+            b.position_at_end(done)
 
     # ------------------------------------------------------------ strips
     def strip_plan(self, rest: isl.AstNode, grid_iters: set[str]):
@@ -231,7 +254,7 @@ class GpuEmitter(Emitter):
             if st.array not in targets or not isinstance(st.body, Const) or st.body.value != 0:
                 return None
             zeroed.add(st.array)
-        if zeroed != targets or any(ld.array in targets for c in calls for ld in loads(
+        if not zeroed <= targets or any(ld.array in targets for c in calls for ld in loads(
                 self.stmts[c.user_get_expr().get_op_arg(0).get_id().get_name()].body)):
             return None
         self.strip_size = STRIP_REDUCE if len(nest) == 1 else 1
@@ -242,7 +265,7 @@ class GpuEmitter(Emitter):
         """This thread's strip of a summing loop into registers, then one
         atomic add per target element."""
         b = self.b
-        self.zeroed = zeroed
+        self.zeroed, self.strips = zeroed, True
         it = loop.for_get_iterator().get_id().get_name()
         size = ir.Constant(I64, self.strip_size)
         start = b.add(lo, b.mul(b.load(self.var("gpu.strip"), typ=I64), b.mul(inc, size)))
@@ -604,6 +627,17 @@ class _WarpPlan:
             plan.lanes = BLOCK  # long rows: a block each, so that rereading one hits the cache
         plan.children = kids
         return plan
+
+
+def _has_loop(n: isl.AstNode) -> bool:
+    found = []
+
+    def visit(x):
+        if x.get_type() == isl.ast_node_type.for_:
+            found.append(x)
+        return not found
+    n.foreach_descendant_top_down(visit)
+    return bool(found)
 
 
 def _static_trips(loop: isl.AstNode) -> int | None:
