@@ -3,10 +3,20 @@
 The scheduler puts a nest's coincident loops outermost and marks each; here
 those loops collapse into one index space that a grid-stride loop shares
 among all threads of the launch (consecutive threads take consecutive
-iterations of the innermost parallel loop, so accesses along it coalesce);
-the loops inside run sequentially in each thread, with contracted buffers
-(a stencil's rolling rows) private to it. A kernel whose nest has no
-parallel loop at its top runs on one thread.
+iterations of the innermost parallel loop, so accesses along it coalesce).
+What runs for each iteration takes the first form that fits (each checked
+from the AST and the statements' accesses):
+
+- a warp, or a block for long static rows, whose lanes share the inner
+  loops, reductions combined with warp shuffles and shared memory
+  (:class:`_WarpPlan`);
+- strips of a sequential loop that carries values only through buffers
+  private to the thread, each strip recomputing its halo (a stencil);
+- strips of a loop that only sums, added with atomics (a column sum; a
+  sum of everything, which has no parallel loop, too);
+- one thread, running the inner loops in order.
+
+A kernel with none of these runs on one thread.
 """
 from __future__ import annotations
 
