@@ -64,7 +64,7 @@ def device(ordinal: int = 0) -> "Device":
 
 
 class Device:
-    """One GPU: its primary context, properties and loaded modules."""
+    """One GPU: its primary context and the properties launches need."""
 
     def __init__(self, ordinal: int) -> None:
         cu = driver()
