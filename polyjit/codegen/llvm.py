@@ -91,15 +91,8 @@ class Emitter:
         """An entry with the fixed signature that unpacks its arguments and
         calls the loop nest's body, whose array pointers are ``noalias``: inputs
         are only read, and outputs and temporaries are fresh allocations."""
-        from ..schedule import statements_in
-        names = statements_in(node)
-        name = self.kernel_name(k, names)
+        names, name, body_fn = self.body_function(k, node)
         nb, ni = len(self.buffer_arrays), len(self.int_slots)
-        body_fn = ir.Function(self.module, ir.FunctionType(ir.VoidType(), [PTR] * nb + [I64] * (ni + 2)),
-                              name + "_body")
-        body_fn.linkage = "internal"
-        for arg in body_fn.args[:nb]:
-            arg.add_attribute("noalias")
         self.body(body_fn, node)
         fn = ir.Function(self.module, ir.FunctionType(ir.VoidType(), [PTR, PTR, I64, I64]), name)
         b = ir.IRBuilder(fn.append_basic_block("entry"))
@@ -109,6 +102,19 @@ class Emitter:
         b.call(body_fn, args + [part, parts])
         b.ret_void()
         self.kernels.append(KernelInfo(name, self.parallel, tuple(sorted(names))))
+
+    def body_function(self, k: int, node: isl.AstNode) -> tuple[set[str], str, ir.Function]:
+        """The statements of kernel k, its name, and its (still empty) body
+        function ``void (ptr arrays..., i64 ints..., i64 part, i64 parts)``."""
+        from ..schedule import statements_in
+        names = statements_in(node)
+        name = self.kernel_name(k, names)
+        nb, ni = len(self.buffer_arrays), len(self.int_slots)
+        fn = ir.Function(self.module, ir.FunctionType(ir.VoidType(), [PTR] * nb + [I64] * (ni + 2)), name + "_body")
+        fn.linkage = "internal"
+        for arg in fn.args[:nb]:
+            arg.add_attribute("noalias")
+        return names, name, fn
 
     def body(self, fn: ir.Function, node: isl.AstNode) -> None:
         k = len(self.kernels)

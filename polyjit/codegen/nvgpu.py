@@ -52,16 +52,9 @@ class GpuEmitter(Emitter):
     def kernel(self, k: int, node: isl.AstNode) -> None:
         """``ptx_kernel void name(ptr buffers..., i64 ints...)``; the body gets
         the thread's global index as its part and the thread count as parts."""
-        from ..schedule import statements_in
-        names = statements_in(node)
-        name = self.kernel_name(k, names)
+        names, name, body_fn = self.body_function(k, node)
         nb, ni = len(self.buffer_arrays), len(self.int_slots)
-        body_fn = ir.Function(self.module, ir.FunctionType(ir.VoidType(), [PTR] * nb + [I64] * (ni + 2)),
-                              name + "_body")
-        body_fn.linkage = "internal"
         body_fn.attributes.add("alwaysinline")
-        for arg in body_fn.args[:nb]:
-            arg.add_attribute("noalias")
         self.top = _parallel_top(node)
         self.sum_root = self.top is None and self.atomic_plan(node, set()) is not None
         self.lanes = 0
@@ -118,11 +111,7 @@ class GpuEmitter(Emitter):
         one, zero = ir.Constant(I64, 1), ir.Constant(I64, 0)
         bounds, total = [], one
         for loop in loops:
-            lo, inc = self.aexpr(loop.for_get_init()), self.aexpr(loop.for_get_inc())
-            cond = loop.for_get_cond()
-            hi = self.aexpr(cond.get_op_arg(1))
-            if cond.get_op_type() == isl.ast_expr_op_type.le:
-                hi = b.add(hi, one)
+            lo, inc, hi = self.loop_range(loop)
             trips = b.sdiv(b.add(b.sub(hi, lo), b.sub(inc, one)), inc)
             trips = b.select(b.icmp_signed("<", trips, zero), zero, trips)
             bounds.append((loop.for_get_iterator().get_id().get_name(), lo, inc, trips))
@@ -132,11 +121,7 @@ class GpuEmitter(Emitter):
         if strip is not None:  # strips of the sequential loop become a parallel dimension
             loop, halo, zeroed = strip
             size = STRIP if zeroed is None else self.strip_size
-            lo, inc = self.aexpr(loop.for_get_init()), self.aexpr(loop.for_get_inc())
-            cond = loop.for_get_cond()
-            hi = self.aexpr(cond.get_op_arg(1))
-            if cond.get_op_type() == isl.ast_expr_op_type.le:
-                hi = b.add(hi, one)
+            lo, inc, hi = self.loop_range(loop)
             trips = b.sdiv(b.add(b.sub(hi, lo), b.sub(inc, one)), inc)
             strips = b.sdiv(b.add(trips, ir.Constant(I64, size - 1)), ir.Constant(I64, size))
             strips = b.select(b.icmp_signed("<", strips, zero), zero, strips)
@@ -195,6 +180,33 @@ class GpuEmitter(Emitter):
             b.store(b.add(b.load(g, typ=I64), b.mul(step, ir.Constant(I64, copies))), g)
             b.branch(head)
             b.position_at_end(done)
+
+    # ------------------------------------------------------------ loops
+    def loop_range(self, loop: isl.AstNode) -> tuple:
+        """(first, step, end) of an isl for loop, end exclusive."""
+        lo, inc = self.aexpr(loop.for_get_init()), self.aexpr(loop.for_get_inc())
+        cond = loop.for_get_cond()
+        hi = self.aexpr(cond.get_op_arg(1))
+        if cond.get_op_type() == isl.ast_expr_op_type.le:
+            hi = self.b.add(hi, ir.Constant(I64, 1))
+        return lo, inc, hi
+
+    def counted_loop(self, slot, begin, end, step, label: str, body) -> None:
+        """slot = begin, begin + step, ... while < end, running body() each time."""
+        b = self.b
+        b.store(begin, slot)
+        head = self.fn.append_basic_block(f"{label}.head")
+        block = self.fn.append_basic_block(f"{label}.body")
+        done = self.fn.append_basic_block(f"{label}.done")
+        b.branch(head)
+        b.position_at_end(head)
+        b.cbranch(b.icmp_signed("<", b.load(slot, typ=I64), end), block, done)
+        b.position_at_end(block)
+        body()
+        b = self.b
+        b.store(b.add(b.load(slot, typ=I64), step), slot)
+        b.branch(head)
+        b.position_at_end(done)
 
     # ------------------------------------------------------------ strips
     def strip_plan(self, rest: isl.AstNode, grid_iters: set[str]):
@@ -289,20 +301,8 @@ class GpuEmitter(Emitter):
             b.store(_identity("sum", self.prog.arrays[st.array].dtype), slot)
             self.partials[st.name] = (slot, None)
             names.append(st)
-        slot = self.var(it)
-        b.store(start, slot)
-        head = self.fn.append_basic_block(f"{it}.sum")
-        body = self.fn.append_basic_block(f"{it}.sum.body")
-        done = self.fn.append_basic_block(f"{it}.sum.done")
-        b.branch(head)
-        b.position_at_end(head)
-        b.cbranch(b.icmp_signed("<", b.load(slot, typ=I64), end), body, done)
-        b.position_at_end(body)
-        self.node(loop.for_get_body())
+        self.counted_loop(self.var(it), start, end, inc, f"{it}.sum", lambda: self.node(loop.for_get_body()))
         b = self.b
-        b.store(b.add(b.load(slot, typ=I64), inc), slot)
-        b.branch(head)
-        b.position_at_end(done)
         partials, self.partials = self.partials, {}
         for st in names:
             pslot, call = partials[st.name]
@@ -339,21 +339,9 @@ class GpuEmitter(Emitter):
         end = b.add(start, b.mul(inc, ir.Constant(I64, STRIP)))
         end = b.select(b.icmp_signed("<", end, hi), end, hi)
         slot = self.var(it)
-        b.store(begin, slot)
-        head = self.fn.append_basic_block(f"{it}.strip")
-        body = self.fn.append_basic_block(f"{it}.strip.body")
-        done = self.fn.append_basic_block(f"{it}.strip.done")
-        b.branch(head)
-        b.position_at_end(head)
-        b.cbranch(b.icmp_signed("<", b.load(slot, typ=I64), end), body, done)
-        b.position_at_end(body)
         self.strip_start = (slot, start)
-        self.node(loop.for_get_body())
+        self.counted_loop(slot, begin, end, inc, f"{it}.strip", lambda: self.node(loop.for_get_body()))
         self.strip_start = None
-        b = self.b
-        b.store(b.add(b.load(slot, typ=I64), inc), slot)
-        b.branch(head)
-        b.position_at_end(done)
 
     # ------------------------------------------------------------- warps
     def warp_sync(self) -> None:
@@ -397,11 +385,7 @@ class GpuEmitter(Emitter):
         reductions gather in a register per lane, then across the warp."""
         b = self.b
         it = loop.for_get_iterator().get_id().get_name()
-        lo, inc = self.aexpr(loop.for_get_init()), self.aexpr(loop.for_get_inc())
-        cond = loop.for_get_cond()
-        hi = self.aexpr(cond.get_op_arg(1))
-        if cond.get_op_type() == isl.ast_expr_op_type.le:
-            hi = b.add(hi, ir.Constant(I64, 1))
+        lo, inc, hi = self.loop_range(loop)
         for call in plan.hoisted[id(loop)]:
             self.statement(call, shared=True)
         if plan.hoisted[id(loop)]:
