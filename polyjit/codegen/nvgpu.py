@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass, field
 
 import islpy as isl
 import llvmlite.binding as llvm
@@ -56,7 +57,7 @@ class GpuEmitter(Emitter):
         nb, ni = len(self.buffer_arrays), len(self.int_slots)
         body_fn.attributes.add("alwaysinline")
         self.top = _parallel_top(node)
-        self.sum_root = self.top is None and self.atomic_plan(node, set()) is not None
+        self.sum_root = self.top is None and self.atomic_plan(node, set()) is not None  # a sum of everything
         self.lanes = 0
         self.zeroed, self.strips = (), False
         self.body(body_fn, node)
@@ -112,19 +113,14 @@ class GpuEmitter(Emitter):
         bounds, total = [], one
         for loop in loops:
             lo, inc, hi = self.loop_range(loop)
-            trips = b.sdiv(b.add(b.sub(hi, lo), b.sub(inc, one)), inc)
-            trips = b.select(b.icmp_signed("<", trips, zero), zero, trips)
+            trips = self.trip_count(lo, inc, hi)
             bounds.append((loop.for_get_iterator().get_id().get_name(), lo, inc, trips))
             total = b.mul(total, trips)
         plan = _WarpPlan.of(self, rest, [it for it, *_ in bounds]) if bounds else None
         strip = (self.strip_plan(rest, seen) or self.atomic_plan(rest, seen)) if plan is None else None
         if strip is not None:  # strips of the sequential loop become a parallel dimension
-            loop, halo, zeroed = strip
-            size = STRIP if zeroed is None else self.strip_size
-            lo, inc, hi = self.loop_range(loop)
-            trips = b.sdiv(b.add(b.sub(hi, lo), b.sub(inc, one)), inc)
-            strips = b.sdiv(b.add(trips, ir.Constant(I64, size - 1)), ir.Constant(I64, size))
-            strips = b.select(b.icmp_signed("<", strips, zero), zero, strips)
+            strip_range = self.loop_range(strip.loop)
+            strips = self.trip_count(zero, one, self.trip_count(*strip_range), strip.size)
             bounds.insert(0, ("gpu.strip", zero, one, strips))
             total = b.mul(total, strips)
         first, step = self.part, self.parts
@@ -134,16 +130,15 @@ class GpuEmitter(Emitter):
             first, step = b.lshr(first, shift), b.lshr(step, shift)
             self.lane = b.and_(self.part, ir.Constant(I64, plan.lanes - 1))
         g = self.var("gpu.g")
-        b.store(first, g)
 
-        def iteration(index) -> None:
+        def iteration() -> None:
             b = self.b
-            rem = index
-            for k, (it, lo, inc, trips) in enumerate(reversed(bounds)):
+            rem = b.load(g, typ=I64)
+            for k, (it, first_it, inc, trips) in enumerate(reversed(bounds)):
                 idx = rem if k == len(bounds) - 1 else b.urem(rem, trips)
                 if k < len(bounds) - 1:
                     rem = b.udiv(rem, trips)
-                b.store(b.add(lo, b.mul(idx, inc)), self.var(it))
+                b.store(b.add(first_it, b.mul(idx, inc)), self.var(it))
             if plan is not None:
                 for child in plan.children:
                     if child.get_type() == isl.ast_node_type.for_:
@@ -151,35 +146,17 @@ class GpuEmitter(Emitter):
                     else:
                         self.statement(child.user_get_expr(), shared=True)
                     self.warp_sync()
-            elif strip is not None and zeroed is not None:
-                self.atomic_loop(loop, lo_s, inc_s, hi_s, zeroed)
+            elif strip is not None and strip.zeroed is not None:
+                self.atomic_loop(strip, *strip_range)
             elif strip is not None:
-                self.strip_loop(loop, halo, lo_s, inc_s, hi_s)
+                self.strip_loop(strip, *strip_range)
             else:
                 self.node(rest)
 
-        if strip is not None:
-            lo_s, inc_s, hi_s = lo, inc, hi
         # straight-line bodies (elementwise code) take UNROLL iterations per
         # trip while all fit, so that each thread has several loads in flight
         unrolled = plan is None and strip is None and not _has_loop(rest)
-        for copies in ((UNROLL, 1) if unrolled else (1,)):
-            head = self.fn.append_basic_block(f"grid{copies}.head")
-            body = self.fn.append_basic_block(f"grid{copies}.body")
-            done = self.fn.append_basic_block(f"grid{copies}.done")
-            b = self.b
-            b.branch(head)
-            b.position_at_end(head)
-            last = b.add(b.load(g, typ=I64), b.mul(step, ir.Constant(I64, copies - 1)))
-            b.cbranch(b.icmp_signed("<", last, total), body, done)
-            b.position_at_end(body)
-            base = b.load(g, typ=I64)
-            for c in range(copies):
-                iteration(self.b.add(base, self.b.mul(step, ir.Constant(I64, c))))
-            b = self.b
-            b.store(b.add(b.load(g, typ=I64), b.mul(step, ir.Constant(I64, copies))), g)
-            b.branch(head)
-            b.position_at_end(done)
+        self.strided_loop(g, first, total, step, "grid", iteration, UNROLL if unrolled else 1)
 
     # ------------------------------------------------------------ loops
     def loop_range(self, loop: isl.AstNode) -> tuple:
@@ -191,33 +168,46 @@ class GpuEmitter(Emitter):
             hi = self.b.add(hi, ir.Constant(I64, 1))
         return lo, inc, hi
 
-    def counted_loop(self, slot, begin, end, step, label: str, body) -> None:
-        """slot = begin, begin + step, ... while < end, running body() each time."""
+    def trip_count(self, first, step, end, per: int = 1):
+        """How many times of per iterations first, first + step, ... < end takes (at least 0)."""
+        b = self.b
+        trips = b.sdiv(b.add(b.sub(end, first), b.sub(step, ir.Constant(I64, 1))), step)
+        if per > 1:
+            trips = b.sdiv(b.add(trips, ir.Constant(I64, per - 1)), ir.Constant(I64, per))
+        return b.select(b.icmp_signed("<", trips, ir.Constant(I64, 0)), ir.Constant(I64, 0), trips)
+
+    def strided_loop(self, slot, begin, end, step, label: str, body, unroll: int = 1) -> None:
+        """slot = begin, begin + step, ... while < end, running body() each
+        time; with unroll, unroll bodies per trip while all of them fit, then
+        one per trip for the rest."""
         b = self.b
         b.store(begin, slot)
-        head = self.fn.append_basic_block(f"{label}.head")
-        block = self.fn.append_basic_block(f"{label}.body")
-        done = self.fn.append_basic_block(f"{label}.done")
-        b.branch(head)
-        b.position_at_end(head)
-        b.cbranch(b.icmp_signed("<", b.load(slot, typ=I64), end), block, done)
-        b.position_at_end(block)
-        body()
-        b = self.b
-        b.store(b.add(b.load(slot, typ=I64), step), slot)
-        b.branch(head)
-        b.position_at_end(done)
+        for copies in ((unroll, 1) if unroll > 1 else (1,)):
+            head = self.fn.append_basic_block(f"{label}{copies}.head")
+            block = self.fn.append_basic_block(f"{label}{copies}.body")
+            done = self.fn.append_basic_block(f"{label}{copies}.done")
+            b = self.b
+            b.branch(head)
+            b.position_at_end(head)
+            last = b.add(b.load(slot, typ=I64), b.mul(step, ir.Constant(I64, copies - 1)))
+            b.cbranch(b.icmp_signed("<", last, end), block, done)
+            b.position_at_end(block)
+            for _ in range(copies):
+                body()
+                b = self.b
+                b.store(b.add(b.load(slot, typ=I64), step), slot)
+            b.branch(head)
+            b.position_at_end(done)
 
     # ------------------------------------------------------------ strips
-    def strip_plan(self, rest: isl.AstNode, grid_iters: set[str]):
-        """(loop, halo) when rest is one sequential loop whose iterations
+    def strip_plan(self, rest: isl.AstNode, grid_iters: set[str]) -> "_Strips | None":
+        """Strips of rest when it is one sequential loop whose iterations
         depend on each other only through buffers private to the thread (a
         stencil's rolling rows): strips of STRIP iterations can then run in
         parallel, each first recomputing the halo of private values it
-        needs. None otherwise."""
+        needs."""
         from ..schedule import statements_in
-        if rest.get_type() != isl.ast_node_type.for_ or not self.splittable(rest) \
-                or _uses(rest.for_get_init(), grid_iters) or _uses(rest.for_get_cond(), grid_iters):
+        if rest.get_type() != isl.ast_node_type.for_ or not self._free(rest, grid_iters):
             return None
         it = rest.for_get_iterator().get_id().get_name()
         names = statements_in(rest)
@@ -230,26 +220,26 @@ class GpuEmitter(Emitter):
         for st in inside:
             if any(ld.array in written and ld.array not in private for ld in loads(st.body)):
                 return None
-            if st.array not in private and (st.combine is not None or not self._writes_along(rest, st, it)):
+            moves = self._write_moves(rest, st, it)
+            if st.array not in private and (st.combine is not None or not moves or not all(moves)):
                 return None
         for a in private:
             moduli = self.sched.contracted[a]
             if None in moduli:
                 return None
             halo = max(halo, max(moduli) - 1)
-        return (rest, halo, None) if private else None
+        return _Strips(rest, STRIP, halo) if private else None
 
-    def atomic_plan(self, rest: isl.AstNode, grid_iters: set[str]):
-        """(loop, None, arrays) when rest zeroes some arrays and then one loop
-        sums into elements of them that do not move with it (a column sum):
-        strips of the loop run in parallel, each adding its partial sums
+    def atomic_plan(self, rest: isl.AstNode, grid_iters: set[str]) -> "_Strips | None":
+        """Strips of a sum when rest zeroes some arrays and then one loop (or
+        perfect nest) sums into elements that do not move with it (a column
+        sum): strips run in parallel, each adding its partial sums
         atomically; the runtime zeroes the arrays before the launch."""
         kids = _children(rest)
         if not kids or kids[-1].get_type() != isl.ast_node_type.for_:
             return None
         loop, inits = kids[-1], kids[:-1]
-        if not self.splittable(loop) or _uses(loop.for_get_init(), grid_iters) \
-                or _uses(loop.for_get_cond(), grid_iters):
+        if not self._free(loop, grid_iters):
             return None
         calls = _children(loop.for_get_body())
         nest = [loop.for_get_iterator().get_id().get_name()]
@@ -264,7 +254,7 @@ class GpuEmitter(Emitter):
             st = self.stmts[call.get_op_arg(0).get_id().get_name()]
             dt = self.prog.arrays[st.array].dtype
             if st.combine != "sum" or st.array in self.sched.contracted \
-                    or any(self._writes_along(loop, st, x) for x in nest) \
+                    or any(any(self._write_moves(loop, st, x)) for x in nest) \
                     or dt not in (DataType.Float, DataType.Double, DataType.Int32, DataType.Int):
                 return None
             targets.add(st.array)
@@ -279,68 +269,81 @@ class GpuEmitter(Emitter):
         if not zeroed <= targets or any(ld.array in targets for c in calls for ld in loads(
                 self.stmts[c.user_get_expr().get_op_arg(0).get_id().get_name()].body)):
             return None
-        self.strip_size = STRIP_REDUCE if len(nest) == 1 else 1
-        self.sum_calls = calls
-        return loop, 0, tuple(sorted(zeroed))
+        return _Strips(loop, STRIP_REDUCE if len(nest) == 1 else 1, 0, tuple(sorted(zeroed)),
+                       [c.user_get_expr() for c in calls])
 
-    def atomic_loop(self, loop: isl.AstNode, lo, inc, hi, zeroed) -> None:
+    def atomic_loop(self, strip: "_Strips", lo, inc, hi) -> None:
         """This thread's strip of a summing loop into registers, then one
         atomic add per target element."""
         b = self.b
-        self.zeroed, self.strips = zeroed, True
-        it = loop.for_get_iterator().get_id().get_name()
-        size = ir.Constant(I64, self.strip_size)
+        self.zeroed, self.strips = strip.zeroed, True
+        loop = strip.loop
+        size = ir.Constant(I64, strip.size)
         start = b.add(lo, b.mul(b.load(self.var("gpu.strip"), typ=I64), b.mul(inc, size)))
         end = b.add(start, b.mul(inc, size))
         end = b.select(b.icmp_signed("<", end, hi), end, hi)
-        self.partials = {}
-        names = []
-        for c in self.sum_calls:
-            st = self.stmts[c.user_get_expr().get_op_arg(0).get_id().get_name()]
-            slot = self.partial_slot(st.name, self.prog.arrays[st.array].dtype)
-            b.store(_identity("sum", self.prog.arrays[st.array].dtype), slot)
-            self.partials[st.name] = (slot, None)
-            names.append(st)
-        self.counted_loop(self.var(it), start, end, inc, f"{it}.sum", lambda: self.node(loop.for_get_body()))
-        b = self.b
+        sums = [self.stmts[c.get_op_arg(0).get_id().get_name()] for c in strip.calls]
+        self.start_partials(sums)
+        self.strided_loop(self.var(loop.for_get_iterator().get_id().get_name()), start, end, inc, "sum",
+                          lambda: self.node(loop.for_get_body()))
         partials, self.partials = self.partials, {}
-        for st in names:
-            pslot, call = partials[st.name]
+        for st in sums:
+            slot, call = partials[st.name]
             arr = self.prog.arrays[st.array]
-            used = {x for i in st.index for x in _vars(i)}
-            env = {x: self.aexpr(call.get_op_arg(i + 1)) for i, x in enumerate(st.iters) if x in used}
-            ptr = self.address(arr, st.index, env, {})
-            val = b.load(pslot, typ=COMPUTE[arr.dtype])
-            b.atomic_rmw("fadd" if arr.dtype.is_float else "add", ptr, val, "monotonic")
+            ptr = self.reduction_address(st, call)
+            self.b.atomic_rmw("fadd" if arr.dtype.is_float else "add", ptr,
+                              self.b.load(slot, typ=COMPUTE[arr.dtype]), "monotonic")
 
-    def _writes_along(self, loop: isl.AstNode, st, it: str) -> bool:
-        """Whether each call of st under loop writes an element that moves with it."""
+    def start_partials(self, stmts) -> None:
+        """A register per reduction statement, set to its identity; statement()
+        accumulates there while the loop runs."""
+        self.partials = {}
+        for st in stmts:
+            dt = self.prog.arrays[st.array].dtype
+            slot = self.partial_slot(st.name, dt)
+            self.b.store(_identity(st.combine, dt), slot)
+            self.partials[st.name] = (slot, None)
+
+    def reduction_address(self, st, call: isl.AstExpr) -> ir.Value:
+        """Where a reduction statement's call writes; its index does not
+        depend on the loop being reduced, so it is known after the loop."""
+        used = {x for i in st.index for x in _vars(i)}
+        env = {x: self.aexpr(call.get_op_arg(i + 1)) for i, x in enumerate(st.iters) if x in used}
+        return self.address(self.prog.arrays[st.array], st.index, env, {})
+
+    def _free(self, loop: isl.AstNode, grid_iters: set[str]) -> bool:
+        """Whether loop's bounds are known before the grid loop's iterators."""
+        return self.splittable(loop) and not _uses(loop.for_get_init(), grid_iters) \
+            and not _uses(loop.for_get_cond(), grid_iters)
+
+    def _write_moves(self, loop: isl.AstNode, st, it: str) -> list[bool]:
+        """For each call of st under loop, whether the element it writes moves with it."""
+        used = {x for i in st.index for x in _vars(i)}
         found = []
 
         def visit(n):
             if n.get_type() == isl.ast_node_type.user:
                 call = n.user_get_expr()
                 if call.get_op_arg(0).get_id().get_name() == st.name:
-                    used = {x for i in st.index for x in _vars(i)}
-                    found.append(any(_uses(call.get_op_arg(k + 1), {it})
-                                     for k, x in enumerate(st.iters) if x in used))
+                    found.append(any(_uses(call.get_op_arg(k + 1), {it}) for k, x in enumerate(st.iters) if x in used))
             return True
         loop.foreach_descendant_top_down(visit)
-        return bool(found) and all(found)
+        return found
 
-    def strip_loop(self, loop: isl.AstNode, halo: int, lo, inc, hi) -> None:
+    def strip_loop(self, strip: "_Strips", lo, inc, hi) -> None:
         """This thread's strip of the loop, from halo iterations before it;
         statements writing shared memory run only inside the strip."""
         b = self.b
-        it = loop.for_get_iterator().get_id().get_name()
-        start = b.add(lo, b.mul(b.load(self.var("gpu.strip"), typ=I64), b.mul(inc, ir.Constant(I64, STRIP))))
-        begin = b.sub(start, b.mul(inc, ir.Constant(I64, halo)))
+        loop = strip.loop
+        size = ir.Constant(I64, strip.size)
+        start = b.add(lo, b.mul(b.load(self.var("gpu.strip"), typ=I64), b.mul(inc, size)))
+        begin = b.sub(start, b.mul(inc, ir.Constant(I64, strip.halo)))
         begin = b.select(b.icmp_signed("<", begin, lo), lo, begin)
-        end = b.add(start, b.mul(inc, ir.Constant(I64, STRIP)))
+        end = b.add(start, b.mul(inc, size))
         end = b.select(b.icmp_signed("<", end, hi), end, hi)
-        slot = self.var(it)
+        slot = self.var(loop.for_get_iterator().get_id().get_name())
         self.strip_start = (slot, start)
-        self.counted_loop(slot, begin, end, inc, f"{it}.strip", lambda: self.node(loop.for_get_body()))
+        self.strided_loop(slot, begin, end, inc, "strip", lambda: self.node(loop.for_get_body()))
         self.strip_start = None
 
     # ------------------------------------------------------------- warps
@@ -391,38 +394,14 @@ class GpuEmitter(Emitter):
         if plan.hoisted[id(loop)]:
             self.warp_sync()
         self.skipped = {c.get_op_arg(0).get_id().get_name() for c in plan.hoisted[id(loop)]}
-        self.partials = {}
-        for name in plan.reductions[id(loop)]:
-            s = self.stmts[name]
-            dt = self.prog.arrays[s.array].dtype
-            slot = self.partial_slot(name, dt)
-            b.store(_identity(s.combine, dt), slot)
-            self.partials[name] = (slot, None)
-        slot = self.var(it)
-        b.store(b.add(lo, b.mul(self.lane, inc)), slot)
+        self.start_partials([self.stmts[name] for name in plan.reductions[id(loop)]])
         stride = b.mul(inc, ir.Constant(I64, self.lanes))
-        # UNROLL strides per trip while all fit, so that each lane has several
-        # loads in flight; then one stride per trip for the rest
-        for copies in (UNROLL, 1):
-            head = self.fn.append_basic_block(f"{it}.lanes{copies}")
-            body = self.fn.append_basic_block(f"{it}.lane{copies}")
-            done = self.fn.append_basic_block(f"{it}.lanes{copies}.done")
-            b.branch(head)
-            b.position_at_end(head)
-            last = b.add(b.load(slot, typ=I64), b.mul(stride, ir.Constant(I64, copies - 1)))
-            b.cbranch(b.icmp_signed("<", last, hi), body, done)
-            b.position_at_end(body)
-            for _ in range(copies):
-                self.node(loop.for_get_body())
-                b = self.b
-                b.store(b.add(b.load(slot, typ=I64), stride), slot)
-            b.branch(head)
-            b.position_at_end(done)
+        self.strided_loop(self.var(it), b.add(lo, b.mul(self.lane, inc)), hi, stride, "lanes",
+                          lambda: self.node(loop.for_get_body()), UNROLL)
         self.skipped = set()
+        b = self.b
         partials, self.partials = self.partials, {}
         for name, (slot, call) in partials.items():
-            if call is None:  # the loop ran no iteration anywhere
-                continue
             s = self.stmts[name]
             arr = self.prog.arrays[s.array]
             total = b.load(slot, typ=COMPUTE[arr.dtype])
@@ -430,8 +409,7 @@ class GpuEmitter(Emitter):
                 total = self.combine(s.combine, total, self.shuffle(total, offset), arr.dtype)
             if self.lanes > WARP:
                 total = self.across_warps(total, s.combine, arr.dtype)
-            env = {x: self.aexpr(call.get_op_arg(i + 1)) for i, x in enumerate(s.iters) if x in plan.write_iters[name]}
-            ptr = self.address(arr, s.index, env, {})
+            ptr = self.reduction_address(s, call)
             old = self.from_storage(b.load(ptr, typ=STORAGE[arr.dtype]), arr.dtype)
             self.warp_sync()
             b.store(self.to_storage(self.combine(s.combine, old, total, arr.dtype), arr.dtype), ptr)
@@ -529,6 +507,19 @@ class GpuEmitter(Emitter):
         raise UnsupportedOpError("a buffer too large for a GPU thread")
 
 
+@dataclass
+class _Strips:
+    """A sequential loop cut into strips of size iterations that run in
+    parallel: with a halo of private values recomputed (zeroed None), or as
+    partial sums added atomically (zeroed: the arrays to zero first)."""
+
+    loop: isl.AstNode
+    size: int
+    halo: int = 0
+    zeroed: tuple[str, ...] | None = None
+    calls: list = field(default_factory=list)  # the summing statements' calls
+
+
 class _WarpPlan:
     """Whether a warp per parallel iteration fits the nest below the grid
     loop, and what it needs: the nest is a sequence of statements and
@@ -542,7 +533,6 @@ class _WarpPlan:
         self.lanes = WARP
         self.hoisted: dict[int, list] = {}
         self.reductions: dict[int, list[str]] = {}
-        self.write_iters: dict[str, set[str]] = {}
 
     @classmethod
     def of(cls, e: "GpuEmitter", rest: isl.AstNode, grid_iters: list[str]) -> "_WarpPlan | None":
@@ -589,7 +579,6 @@ class _WarpPlan:
                 if s.combine is not None and not deps:
                     reduced.add(s.array)
                     plan.reductions[id(k)].append(s.name)
-                    plan.write_iters[s.name] = {x for i in s.index for x in _vars(i)}
                 elif s.combine is None and deps:
                     moduli = e.sched.contracted.get(s.array)
                     key = _index_text(s.index, text)
