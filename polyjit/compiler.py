@@ -9,13 +9,14 @@ import itertools
 import logging
 import os
 import time
+from dataclasses import replace
 
 from . import sizes as sz
 from .cuda import GpuExecutable
 from .graph import Graph
 from .lowering import GPU_RECOMPUTE_LIMIT, RECOMPUTE_LIMIT, lower
 from .options import CompileOptions
-from .runtime import Executable, Kernel
+from .runtime import Executable
 from .schedule import schedule_program
 
 log = logging.getLogger("polyjit")
@@ -40,12 +41,12 @@ def compile_graph(graph: Graph, options: CompileOptions, name: str = "fn") -> Ex
         from .codegen.nvgpu import ptx
         optimized, ptx_text = ptx(str(module), arch)
         jit = None
-        kernels = [Kernel(k.name, None, k.parallel, k.lanes, k.zeroed, k.strips) for k in emitter.kernels]
+        kernels = emitter.kernels
     else:
         from .codegen.cpu import JitModule
         jit = JitModule(str(module))
         optimized = jit.optimized_ir
-        kernels = [Kernel(k.name, jit.function(k.name), k.parallel) for k in emitter.kernels]
+        kernels = [replace(k, fn=jit.function(k.name)) for k in emitter.kernels]
     inputs = sorted((a for a in prog.arrays.values() if a.kind == "input"), key=lambda a: a.index)
     outputs = sorted((a for a in prog.arrays.values() if a.kind == "output"), key=lambda a: a.index)
     consts = [n.attrs["value"] for n in graph.nodes() if n.op == "tensor_constant"]
@@ -72,11 +73,16 @@ def compile_graph(graph: Graph, options: CompileOptions, name: str = "fn") -> Ex
         "fallbacks": 0,
         "parallel_kernels": sum(k.parallel for k in kernels),
     }
+    gpu_fields = {}
+    if gpu:  # the arrays each kernel writes size its grid
+        gpu_fields = {"ptx": ptx_text, "arch": arch, "writes": [
+            [prog.arrays[a] for a in sorted({s.array for s in prog.statements if s.name in k.statements})]
+            for k in kernels]}
     exe = (GpuExecutable if gpu else Executable)(name=name, inputs=inputs, outputs=outputs, output_arrays=prog.outputs,
                      buffers=emitter.buffer_arrays, int_slots=emitter.int_slots,
                      params=prog.params, constraints=prog.constraints, constants=consts,
                      kernels=kernels, num_threads=options.num_threads, stats=stats,
-                     contracted_bytes=contracted_bytes, keepalive=jit)
+                     contracted_bytes=contracted_bytes, keepalive=jit, **gpu_fields)
     exe.ir = {
         "graph": str(graph),
         "affine": str(prog),
@@ -87,10 +93,7 @@ def compile_graph(graph: Graph, options: CompileOptions, name: str = "fn") -> Ex
         "llvm_opt": optimized,
     }
     if gpu:
-        exe.ir["ptx"] = exe.ptx = ptx_text
-        exe.arch = arch
-        exe.writes = [[prog.arrays[a] for a in sorted({s.array for s in prog.statements if s.name in k.statements})]
-                      for k in emitter.kernels]
+        exe.ir["ptx"] = ptx_text
     stats["compile_seconds"] = time.perf_counter() - t0
     log.debug("compiled %s in %.3fs: %s", name, stats["compile_seconds"], stats)
     if options.debug:
@@ -101,7 +104,8 @@ def compile_graph(graph: Graph, options: CompileOptions, name: str = "fn") -> Ex
 def _device_arch() -> str:
     """The sm_XX of the GPU in use; DeviceError without a driver or GPU."""
     from .cuda import device
-    return device(int(os.environ.get("POLYJIT_DEVICE", "0"))).arch
+    from .cuda import default_ordinal
+    return device(default_ordinal()).arch
 
 
 def dump(exe: Executable, folder: str) -> str:

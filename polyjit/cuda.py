@@ -15,7 +15,7 @@ import math
 import os
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -23,7 +23,7 @@ import numpy as np
 from . import sizes as sz
 from .codegen.nvgpu import BLOCK
 from .errors import DeviceError, InputError
-from .runtime import Executable
+from .runtime import POISON, Executable
 
 BLOCKS_PER_SM = 8  # 8 x 256 threads fill a multiprocessor; more only queue
 _lock = threading.Lock()
@@ -56,6 +56,11 @@ def check(result, what: str = "CUDA"):
         _, msg = cu.cuGetErrorString(err)
         raise DeviceError(f"{what} failed: {err.name}: {msg.decode() if msg else ''}")
     return rest[0] if len(rest) == 1 else rest
+
+
+def default_ordinal() -> int:
+    """The GPU used when no argument is on one: POLYJIT_DEVICE, else 0."""
+    return int(os.environ.get("POLYJIT_DEVICE", "0"))
 
 
 @functools.cache
@@ -266,12 +271,16 @@ def poison(ptr: int, nbytes: int, kind: str, stream: int) -> None:
         check(cu.cuMemsetD8Async(ptr, 0xFF, nbytes, cu.CUstream(stream)), "cuMemsetD8Async")
 
 
+@dataclass
 class GpuExecutable(Executable):
     """An Executable whose kernels are PTX; called with GPU or host arrays."""
 
     ptx: str = ""
     arch: str = ""
-    writes: list = None  # per kernel: the arrays its statements write
+    writes: list = field(default_factory=list)  # per kernel: the arrays its statements write
+    _plans: dict = field(default_factory=dict, repr=False)  # launch plans by shape signature
+    _loaded: dict = field(default_factory=dict, repr=False)  # kernels by device ordinal
+    _consts: dict = field(default_factory=dict, repr=False)  # constants on each device
 
     def _grid(self, k: int, env: dict, dev: Device) -> int:
         if not self.kernels[k].parallel:
@@ -291,7 +300,6 @@ class GpuExecutable(Executable):
         (a framework's caching allocator; default: polyjit's DeviceBuffer);
         ``ordinal``: the device of the GPU arrays, when the caller knows it.
         Host inputs come back as numpy arrays."""
-        from .runtime import POISON
         cu = driver()
         views = [as_device_array(a, ordinal) for a in args]
         on_host = [k for k, v in enumerate(views) if v is None and np.ndim(args[k]) > 0]
@@ -303,7 +311,7 @@ class GpuExecutable(Executable):
         if len(devices) > 1:
             where = {d: [k for k in on_gpu if views[k].device == d] for d in devices}
             raise InputError(f"{self.name}: inputs are on several GPUs ({where}); pass all inputs on one device")
-        dev = device(devices[0] if devices else int(os.environ.get("POLYJIT_DEVICE", "0")))
+        dev = device(devices[0] if devices else default_ordinal())
         if dev.arch != self.arch and int(dev.arch[3:]) < int(self.arch[3:]):
             raise DeviceError(f"{self.name} was compiled for {self.arch}, but the GPU is {dev.arch}")
         _used.add(dev.ordinal)
@@ -313,7 +321,7 @@ class GpuExecutable(Executable):
         host = not on_gpu
         key = (dev.ordinal, host) + tuple((v.shape, v.strides, v.dtype) if v is not None else
                                           (np.shape(a), None, np.asarray(a).dtype) for v, a in zip(views, args))
-        plan = self._plans.get(key) if self._plans is not None else None
+        plan = self._plans.get(key)
         if plan is None:
             plan = self._plan(key, views, args, dev)
         keep: list = []
@@ -356,7 +364,6 @@ class GpuExecutable(Executable):
         del keep, made  # stream-ordered frees: the kernels above still see the memory
         return outs
 
-    _plans: dict = None
     PLANS = 64  # launch plans kept per program (one per shape signature)
 
     def _plan(self, key, views, args, dev: Device) -> "_Plan":
@@ -389,19 +396,14 @@ class GpuExecutable(Executable):
         launches = [(fns[k.name], self._grid(i, env, dev), BLOCK if k.parallel else 1, k.name,
                      [(a, nbytes[a]) for a in k.zeroed if nbytes[a]]) for i, k in enumerate(self.kernels)]
         plan = _Plan(fresh, ints, launches, temp_bytes)
-        if self._plans is None or len(self._plans) >= self.PLANS:
-            self._plans = {}
+        if len(self._plans) >= self.PLANS:
+            self._plans.clear()
         self._plans[key] = plan
         return plan
-
-    _consts: dict = None
-    _loaded: dict = None
 
     def _functions(self, dev: Device) -> dict:
         """This program's kernels on dev, loaded on first use and unloaded with it."""
         with _lock:
-            if self._loaded is None:
-                self._loaded = {}
             if dev.ordinal not in self._loaded:
                 mod, fns = dev.load(self.ptx, [k.name for k in self.kernels])
                 self._loaded[dev.ordinal] = fns
@@ -409,8 +411,6 @@ class GpuExecutable(Executable):
             return self._loaded[dev.ordinal]
 
     def _const(self, index: int, h: np.ndarray, dev: Device, stream: int) -> DeviceBuffer:
-        if self._consts is None:
-            self._consts = {}
         key = (index, dev.ordinal)
         if key not in self._consts:
             cu = driver()

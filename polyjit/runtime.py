@@ -20,6 +20,7 @@ import numpy as np
 from . import sizes as sz
 from .affine import Array
 from .codegen.cpu import thread_team
+from .codegen.llvm import KernelInfo
 from .errors import InputError
 from .sizes import Lin
 
@@ -93,16 +94,6 @@ def _new_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 
 
 @dataclass
-class Kernel:
-    name: str
-    fn: Any  # a ctypes function on the cpu target; None for nvgpu (see polyjit.cuda)
-    parallel: bool
-    lanes: int = 0  # nvgpu: threads that share one parallel iteration (0: one thread)
-    zeroed: tuple = ()  # nvgpu: arrays zeroed before the launch
-    strips: bool = False  # nvgpu: strips of a sum (the grid is not sized by the elements written)
-
-
-@dataclass
 class Executable:
     """A compiled program for one target and one layout of its inputs."""
 
@@ -115,7 +106,7 @@ class Executable:
     params: list[str]
     constraints: list
     constants: list[np.ndarray]
-    kernels: list[Kernel]
+    kernels: list[KernelInfo]
     num_threads: int
     stats: dict = field(default_factory=dict)
     contracted_bytes: Any = None

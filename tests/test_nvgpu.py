@@ -101,6 +101,69 @@ def test_row_reductions_use_warp_shuffles_and_stencils_use_strips():
     assert "strip" in bl.ir("llvm")  # rows in parallel strips, each recomputing its halo
 
 
+def run_threads_on_cpu(exe, arrays, grid=3, block=64):
+    """Run an nvgpu program's kernels on the CPU, one GPU thread after another
+    (thread and block ids read from globals), to check the generated code
+    without a GPU. Only for kernels without warp shuffles or barriers."""
+    import ctypes
+
+    import llvmlite.binding as llvm
+
+    from polyjit import sizes as sz
+    from polyjit.codegen.cpu import target_machine, _llvm
+
+    prog = exe.compile_default()
+    ir = prog.ir["llvm"].replace('target triple = "nvptx64-nvidia-cuda"', "").replace("define ptx_kernel", "define")
+    regs = ["tid.x", "ctaid.x", "ntid.x", "nctaid.x"]
+    for r in regs:
+        g = "sim_" + r.replace(".", "_")
+        ir = ir.replace(f'declare i32 @"llvm.nvvm.read.ptx.sreg.{r}"()',
+                        f'@{g} = global i32 0\ndefine i32 @"sim.{r}"() {{\n  %v = load i32, ptr @{g}\n  ret i32 %v\n}}')
+        ir = ir.replace(f'@"llvm.nvvm.read.ptx.sreg.{r}"', f'@"sim.{r}"')
+    assert "llvm.nvvm" not in ir, "warp intrinsics cannot run one thread at a time"
+    _llvm()
+    tm = target_machine()
+    mod = llvm.parse_assembly(ir)
+    mod.triple = tm.triple
+    engine = llvm.create_mcjit_compiler(mod, tm)
+    engine.finalize_object()
+    reg = {r: ctypes.c_int32.from_address(engine.get_global_value_address("sim_" + r.replace(".", "_")))
+           for r in regs}
+    env = prog.bind(arrays)
+    bufs = {spec.name: np.ascontiguousarray(a) for spec, a in zip(prog.inputs, arrays)}
+    for spec in prog.buffers:
+        if spec.kind in ("output", "temp"):
+            bufs[spec.name] = np.full([sz.evaluate(x, env) for x in spec.shape], np.nan, spec.dtype.numpy)
+        elif spec.kind == "const":
+            bufs[spec.name] = np.ascontiguousarray(prog.constants[spec.index])
+    ints = [env[n] if d < 0 else int(np.prod(bufs[n].shape[d + 1:])) for n, d in prog.int_slots]
+    args = [bufs[b.name].ctypes.data for b in prog.buffers] + ints
+    for k in prog.kernels:
+        for a in k.zeroed:
+            bufs[a][...] = 0
+        fn = ctypes.CFUNCTYPE(None, *([ctypes.c_void_p] * len(prog.buffers) + [ctypes.c_int64] * len(ints)))(
+            engine.get_function_address(k.name))
+        blocks, threads = (grid, block) if k.parallel else (1, 1)
+        reg["ntid.x"].value, reg["nctaid.x"].value = threads, blocks
+        for c in range(blocks):
+            for t in range(threads):
+                reg["ctaid.x"].value, reg["tid.x"].value = c, t
+                fn(*args)
+    return [bufs[n] for n in prog.output_arrays]
+
+
+THREAD_FORMS = ["blur", "cos_sin", "matmul", "sum_all", "column_sum"]  # strips, grid loop, sums
+
+
+@pytest.mark.parametrize("name,fn,ref,shapes", [p for p in PROGRAMS if p[0] in THREAD_FORMS],
+                         ids=THREAD_FORMS)
+def test_kernels_run_thread_by_thread_on_the_cpu(name, fn, ref, shapes, rng):
+    arrays = [rng.standard_normal(s).astype(F32) for s in shapes(37, 41)]
+    exe = polyjit.compile(fn, [InputInfo(a.shape, F32) for a in arrays], PTX_ONLY)
+    got = run_threads_on_cpu(exe, arrays)[0]
+    np.testing.assert_allclose(got, ref(*arrays), rtol=1e-4, atol=1e-4)
+
+
 def test_gpu_arch_option_is_checked():
     with pytest.raises(CompileOptionError, match="gpu_arch"):
         polyjit.compile(ops.exp, [InputInfo([3], F32)], {"target": "nvgpu", "gpu_arch": "ampere"})
@@ -146,7 +209,7 @@ def test_nan_and_inf_propagate():
 def test_torch_tensors_stay_on_the_gpu():
     torch = pytest.importorskip("torch")
     x = torch.randn(3, 517, 301, device="cuda")
-    jf = polyjit.jit_torch(lambda img: blur(img) if False else _torch_blur(img), compile_options={"target": "nvgpu"})
+    jf = polyjit.jit_torch(_torch_blur, compile_options={"target": "nvgpu"})
     out = jf(x)
     assert out.device == x.device
     torch.testing.assert_close(out, _torch_blur(x), rtol=1e-5, atol=1e-5)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import islpy as isl
 from llvmlite import ir
@@ -51,6 +52,7 @@ class KernelInfo:
     lanes: int = 0  # nvgpu: threads per parallel iteration (a warp or a block), 0 for one
     zeroed: tuple[str, ...] = ()  # nvgpu: arrays to zero before the launch (atomic sums)
     strips: bool = False  # nvgpu: strips of a sum, more threads than elements written
+    fn: Any = None  # cpu: the compiled function, once JIT-compiled (nvgpu kernels load in polyjit.cuda)
 
 
 class Emitter:
