@@ -143,8 +143,8 @@ class _Segment:
             nodes = []
             for v, n in zip(op.outs, results):
                 n = self.graph.cast(n, core_dtype(v.dtype))
-                if v.shape is not None and len(n.shape) != len(v.shape) or v.shape is not None and any(
-                        s is not None and s != t for s, t in zip(v.shape, n.shape)):
+                if v.shape is not None and (len(n.shape) != len(v.shape) or any(
+                        s is not None and s != t for s, t in zip(v.shape, n.shape))):
                     raise UnsupportedOpError(f"{op.name} (translated to shape {list(n.shape)}, "
                                              f"expected {list(v.shape)})")
                 nodes.append(n)
