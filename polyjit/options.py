@@ -68,6 +68,9 @@ def parse_options(opts: Mapping[str, Any] | CompileOptions | None,
                 isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in ts):
             raise CompileOptionError(f"compile option 'tile_sizes' is {ts!r}; expected {_KEYS['tile_sizes']}")
         kw["tile_sizes"] = tuple(ts)
+    if t == "nvgpu" and kw.get("tile_sizes") is not None:
+        raise CompileOptionError("compile option 'tile_sizes' is not supported by target 'nvgpu' (its loops are "
+                                 "mapped to threads, not tiled); allowed value: None")
     ga = kw.get("gpu_arch")
     if ga is not None and not (isinstance(ga, str) and ga.startswith("sm_") and ga[3:].rstrip("a").isdigit()):
         raise CompileOptionError(f"compile option 'gpu_arch' is {ga!r}; expected {_KEYS['gpu_arch']}")

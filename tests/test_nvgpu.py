@@ -164,9 +164,11 @@ def test_kernels_run_thread_by_thread_on_the_cpu(name, fn, ref, shapes, rng):
     np.testing.assert_allclose(got, ref(*arrays), rtol=1e-4, atol=1e-4)
 
 
-def test_gpu_arch_option_is_checked():
+def test_gpu_options_are_checked():
     with pytest.raises(CompileOptionError, match="gpu_arch"):
         polyjit.compile(ops.exp, [InputInfo([3], F32)], {"target": "nvgpu", "gpu_arch": "ampere"})
+    with pytest.raises(CompileOptionError, match="'tile_sizes' is not supported by target 'nvgpu'"):
+        polyjit.compile(ops.exp, [InputInfo([3], F32)], {**PTX_ONLY, "tile_sizes": [32, 32]})
 
 
 def _gpu():
