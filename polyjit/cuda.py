@@ -25,7 +25,7 @@ from .codegen.nvgpu import BLOCK
 from .errors import DeviceError, InputError
 from .runtime import POISON, Executable
 
-BLOCKS_PER_SM = 8  # 8 x 256 threads fill a multiprocessor; more only queue
+WAVES = 2  # grids of this many times the blocks that fit on the device at once
 _lock = threading.Lock()
 
 
@@ -93,6 +93,12 @@ class Device:
         self.activate()
         mod = check(cu.cuModuleLoadData(ptx.encode() + b"\0"), "loading the PTX (cuModuleLoadData)")
         return mod, {n: check(cu.cuModuleGetFunction(mod, n.encode()), "cuModuleGetFunction") for n in names}
+
+    def resident_blocks(self, fn, block: int) -> int:
+        """How many blocks of block threads of kernel fn a multiprocessor runs at once."""
+        n = check(driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, block, 0),
+                  "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+        return max(1, int(n))
 
 
 def synchronize() -> None:
@@ -282,16 +288,20 @@ class GpuExecutable(Executable):
     _loaded: dict = field(default_factory=dict, repr=False)  # kernels by device ordinal
     _consts: dict = field(default_factory=dict, repr=False)  # constants on each device
 
-    def _grid(self, k: int, env: dict, dev: Device) -> int:
+    def _grid(self, k: int, env: dict, dev: Device, resident: int) -> int:
+        """Blocks for kernel k: one per BLOCK elements it writes (or lanes' worth), at
+        most WAVES times as many as fit on the device at once (grid-stride loops
+        take the rest)."""
         if not self.kernels[k].parallel:
             return 1
+        full = dev.multiprocessors * resident * WAVES
         if self.kernels[k].strips:  # strips of a sum: more iterations than elements written
-            return dev.multiprocessors * BLOCKS_PER_SM
+            return full
         work = 0
         for a in self.writes[k]:
             work += math.prod(sz.evaluate(s, env) for s in a.shape)
         work *= max(self.kernels[k].lanes, 1)
-        return max(1, min(-(-work // BLOCK), dev.multiprocessors * BLOCKS_PER_SM))
+        return max(1, min(-(-work // BLOCK), full))
 
     def __call__(self, *args, stream: int | None = None,
                  empty: Callable[[tuple, np.dtype], Any] | None = None, ordinal: int | None = None) -> list:
@@ -393,7 +403,7 @@ class GpuExecutable(Executable):
         ints = [env[name] if d < 0 else strides[name][d] for name, d in self.int_slots]
         fns = self._functions(dev)
         nbytes = {name: math.prod(shape) * dt.itemsize for name, shape, dt in fresh}
-        launches = [(fns[k.name], self._grid(i, env, dev), BLOCK if k.parallel else 1, k.name,
+        launches = [(fns[k.name][0], self._grid(i, env, dev, fns[k.name][1]), BLOCK if k.parallel else 1, k.name,
                      [(a, nbytes[a]) for a in k.zeroed if nbytes[a]]) for i, k in enumerate(self.kernels)]
         plan = _Plan(fresh, ints, launches, temp_bytes)
         if len(self._plans) >= self.PLANS:
@@ -402,11 +412,12 @@ class GpuExecutable(Executable):
         return plan
 
     def _functions(self, dev: Device) -> dict:
-        """This program's kernels on dev, loaded on first use and unloaded with it."""
+        """This program's kernels on dev, loaded on first use and unloaded with it,
+        each with how many of its blocks fit on a multiprocessor."""
         with _lock:
             if dev.ordinal not in self._loaded:
                 mod, fns = dev.load(self.ptx, [k.name for k in self.kernels])
-                self._loaded[dev.ordinal] = fns
+                self._loaded[dev.ordinal] = {n: (f, dev.resident_blocks(f, BLOCK)) for n, f in fns.items()}
                 weakref.finalize(self, _unload, mod)
             return self._loaded[dev.ordinal]
 

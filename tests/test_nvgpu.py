@@ -164,6 +164,28 @@ def test_kernels_run_thread_by_thread_on_the_cpu(name, fn, ref, shapes, rng):
     np.testing.assert_allclose(got, ref(*arrays), rtol=1e-4, atol=1e-4)
 
 
+def test_elementwise_loops_use_vector_accesses():
+    cs = polyjit.compile(lambda x: ops.cos(x) + ops.sin(x), [InputInfo([-1, -1], F32)], PTX_ONLY).ir("ptx")
+    assert "ld.global.nc.v4.b32" in cs and "st.global.v4.b32" in cs  # 16-byte groups where aligned
+    assert "ld.global.nc.b32" in cs  # and one element at a time where not
+    sm = polyjit.compile(lambda x: ops.softmax(x, -1), [InputInfo([-1, -1], F32)], PTX_ONLY).ir("ptx")
+    assert sm.count("ld.global.nc.v4.b32") == 3  # each pass over a row
+
+
+@pytest.mark.parametrize("shape,offset", [((37, 44), 0), ((37, 44), 1), ((5, 8), 2), ((3, 6), 0)])
+def test_vector_groups_thread_by_thread(shape, offset, rng):
+    """Groups of four iterations where the rows are aligned (offset 0), one
+    at a time where an input starts off a 16-byte boundary or rows are not a
+    multiple of four long; with a row-broadcast, column-broadcast and
+    elementwise access in one statement."""
+    n, m = shape
+    buf = rng.standard_normal(n * m + offset).astype(F32)
+    x, b, c = buf[offset:].reshape(n, m), rng.standard_normal(m).astype(F32), rng.standard_normal((n, 1)).astype(F32)
+    exe = polyjit.compile(lambda x, b, c: ops.cos(x) * b + c, [InputInfo(a.shape, F32) for a in (x, b, c)], PTX_ONLY)
+    got = run_threads_on_cpu(exe, [x, b, c])[0]
+    np.testing.assert_allclose(got, np.cos(x) * b + c, rtol=1e-5, atol=1e-6)
+
+
 def test_gpu_options_are_checked():
     with pytest.raises(CompileOptionError, match="gpu_arch"):
         polyjit.compile(ops.exp, [InputInfo([3], F32)], {"target": "nvgpu", "gpu_arch": "ampere"})
@@ -187,7 +209,7 @@ def test_no_driver_is_a_device_error():
 
 # ------------------------------------------------------------------ on a GPU
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,m", [(1000, 1001), (1, 1), (33, 4097)])
+@pytest.mark.parametrize("n,m", [(1000, 1001), (1, 1), (33, 4097), (64, 1024)])
 @pytest.mark.parametrize("name,fn,ref,shapes", PROGRAMS, ids=[p[0] for p in PROGRAMS])
 def test_numpy_on_the_gpu(name, fn, ref, shapes, n, m, rng):
     arrays = [rng.standard_normal(s).astype(F32) for s in shapes(n, m)]

@@ -337,6 +337,13 @@ class Emitter:
         if s.combine is not None:
             old = self.from_storage(self.b.load(ptr, typ=STORAGE[arr.dtype]), arr.dtype)
             val = self.combine(s.combine, old, val, arr.dtype)
+        self.store_element(arr, s.index, ptr, val)
+
+    def load_element(self, arr: Array, index, ptr) -> ir.Value:
+        """arr[index], read from ptr (a hook: targets may add alignment)."""
+        return self.from_storage(self.b.load(ptr, typ=STORAGE[arr.dtype]), arr.dtype)
+
+    def store_element(self, arr: Array, index, ptr, val) -> None:
         self.b.store(self.to_storage(val, arr.dtype), ptr)
 
     def address(self, arr: Array, index, env, cache) -> ir.Value:
@@ -388,8 +395,7 @@ class Emitter:
             return env[e.name] if e.kind == "iter" else self.params[e.name]
         if isinstance(e, Load):
             arr = self.prog.arrays[e.array]
-            ptr = self.address(arr, e.index, env, cache)
-            return self.from_storage(self.b.load(ptr, typ=STORAGE[arr.dtype]), arr.dtype)
+            return self.load_element(arr, e.index, self.address(arr, e.index, env, cache))
         assert isinstance(e, Op)
         args = [self.value(a, env, cache) for a in e.args]
         return self.op(e.op, args, e.dtype, [a.dtype for a in e.args])

@@ -40,6 +40,8 @@ WARP = 32
 BLOCK = 256  # threads per block (polyjit.cuda launches this many)
 BLOCK_ROW = 4096  # rows at least this long get a block of lanes rather than a warp
 UNROLL = 4  # copies of a lane loop's body per trip
+VECTOR = 4  # consecutive iterations of an elementwise loop per group (16 bytes of float32)
+VECTOR_UNROLL = 2  # groups per trip of a grid loop (a lane loop takes one)
 STRIP_REDUCE = 256  # iterations of a summing loop per thread before its atomic add
 STRIP = 64  # iterations of a sequential loop per thread when strips run in parallel
 _SREG = "llvm.nvvm.read.ptx.sreg."
@@ -60,6 +62,8 @@ class GpuEmitter(Emitter):
         self.sum_root = self.top is None and self.atomic_plan(node, set()) is not None  # a sum of everything
         self.lanes = 0
         self.zeroed, self.strips = (), False
+        self.claims, self.deferred = None, None
+        self.written = {st.array for st in self.prog.statements}
         self.body(body_fn, node)
         fn = ir.Function(self.module, ir.FunctionType(ir.VoidType(), [PTR] * nb + [I64] * ni), name)
         fn.calling_convention = "ptx_kernel"
@@ -130,15 +134,24 @@ class GpuEmitter(Emitter):
             first, step = b.lshr(first, shift), b.lshr(step, shift)
             self.lane = b.and_(self.part, ir.Constant(I64, plan.lanes - 1))
         g = self.var("gpu.g")
+        inner: dict = {}
 
-        def iteration() -> None:
+        def iteration(copy: int | None = None) -> None:
+            """Iteration g; in a vector group, copy c > 0 is copy 0's with the
+            innermost iterator c further on (the group lies within one row)."""
             b = self.b
-            rem = b.load(g, typ=I64)
-            for k, (it, first_it, inc, trips) in enumerate(reversed(bounds)):
-                idx = rem if k == len(bounds) - 1 else b.urem(rem, trips)
-                if k < len(bounds) - 1:
-                    rem = b.udiv(rem, trips)
-                b.store(b.add(first_it, b.mul(idx, inc)), self.var(it))
+            self.claims = vector.claims if copy == 0 else None
+            if copy:
+                b.store(b.add(inner["first"], ir.Constant(I64, copy)), self.var(bounds[-1][0]))
+            else:
+                rem = b.load(g, typ=I64)
+                for k, (it, first_it, inc, trips) in enumerate(reversed(bounds)):
+                    idx = rem if k == len(bounds) - 1 else b.urem(rem, trips)
+                    if k < len(bounds) - 1:
+                        rem = b.udiv(rem, trips)
+                    b.store(b.add(first_it, b.mul(idx, inc)), self.var(it))
+                    if k == 0:
+                        inner["first"] = b.load(self.var(it), typ=I64)
             if plan is not None:
                 for child in plan.children:
                     if child.get_type() == isl.ast_node_type.for_:
@@ -152,11 +165,98 @@ class GpuEmitter(Emitter):
                 self.strip_loop(strip, *strip_range)
             else:
                 self.node(rest)
+            self.claims = None
 
-        # straight-line bodies (elementwise code) take UNROLL iterations per
-        # trip while all fit, so that each thread has several loads in flight
-        unrolled = plan is None and strip is None and not _has_loop(rest)
-        self.strided_loop(g, first, total, step, "grid", iteration, UNROLL if unrolled else 1)
+        # straight-line bodies (elementwise code) take several iterations per
+        # trip, their stores after all their loads, so that each thread has
+        # several loads in flight; where the accesses move along the innermost
+        # loop and the arrays are aligned (checked here, at run time), groups of
+        # VECTOR consecutive iterations, which LLVM turns into vector accesses
+        vector = None
+        if plan is None and strip is None and not _has_loop(rest):
+            defer = self.deferrable(rest)
+            vector = self.vector_plan(rest, loops[-1], seen) if loops else None
+            width = ir.Constant(I64, VECTOR)
+            grouped = lambda: self.strided_loop(  # noqa: E731
+                g, b.mul(first, width), total, b.mul(step, width), "vector",
+                lambda: [iteration(c) for c in range(VECTOR)], VECTOR_UNROLL, defer)
+            self.vector_branch(vector, *bounds[-1][:2], bounds[-1][3], grouped,
+                               lambda: self.strided_loop(g, first, total, step, "grid", iteration, UNROLL, defer))
+            return
+        self.strided_loop(g, first, total, step, "grid", iteration)
+
+    def vector_branch(self, vector: "_Vector | None", it: str, first, trips, grouped, scalar) -> None:
+        """grouped() where vector's accesses are aligned at run time, else scalar()."""
+        if vector is None:
+            scalar()
+            return
+        blocks = [self.fn.append_basic_block(f"vector.{x}") for x in ("grouped", "scalar", "done")]
+        self.b.cbranch(self.vector_check(vector, it, first, trips), blocks[0], blocks[1])
+        for block, emit in zip(blocks, (grouped, scalar)):
+            self.b.position_at_end(block)
+            emit()
+            self.b.branch(blocks[2])
+        self.b.position_at_end(blocks[2])
+
+    def vector_plan(self, rest: isl.AstNode, inner: isl.AstNode, unset: set[str]) -> "_Vector | None":
+        """The accesses of rest's statements whose last index moves with
+        inner's iterator (and no other index does), from a start known before
+        the loop (free of the iterators in unset): in a group of VECTOR
+        iterations these are consecutive, and with VECTOR-aligned rows and
+        start the first one is aligned to the group's width."""
+        if inner.for_get_inc().get_val().to_python() != 1:
+            return None
+        it = inner.for_get_iterator().get_id().get_name()
+        out = _Vector()
+        for node in _users(rest):
+            call = node.user_get_expr()
+            st = self.stmts[call.get_op_arg(0).get_id().get_name()]
+            args = [call.get_op_arg(i + 1) for i in range(len(st.iters))]
+            along = [(x, a) for x, a in zip(st.iters, args) if _steps_with(a, it)]
+            if len(along) != 1 or sum(_uses(a, {it}) for a in args) != 1:
+                continue
+            along, start = along[0]
+            if _uses(start, unset - {it}):
+                continue
+            for name, index in [(ld.array, ld.index) for ld in loads(st.body)] + [(st.array, st.index)]:
+                arr = self.prog.arrays[name]
+                last = index[-1] if index else None
+                if name in self.sched.contracted or arr.strided or not isinstance(last, Var) \
+                        or last.kind != "iter" or last.name != along or _depends(index[:-1], {along}):
+                    continue
+                align = min(16, VECTOR * arr.dtype.itemsize)
+                out.claims[id(index)] = align
+                out.arrays[name] = max(out.arrays.get(name, 1), align)
+                out.starts[start.to_C_str()] = start
+        return out if out.claims else None
+
+    def vector_check(self, vector: "_Vector", it: str, first, trips) -> ir.Value:
+        """Whether groups of VECTOR iterations start on aligned elements: the
+        innermost loop starts and ends on a multiple of VECTOR, and every
+        claimed array is aligned with rows a multiple of VECTOR long."""
+        b = self.b
+        zero = ir.Constant(I64, 0)
+        low = ir.Constant(I64, VECTOR - 1)
+        bits = b.and_(trips, low)
+        b.store(first, self.var(it))
+        for start in vector.starts.values():  # the last index at the loop's first iteration
+            bits = b.or_(bits, b.and_(self.aexpr(start), low))
+        for name, align in vector.arrays.items():
+            bits = b.or_(bits, b.and_(b.ptrtoint(self.base[name], I64), ir.Constant(I64, align - 1)))
+            strides = self.strides[name]
+            if len(strides) > 1:
+                bits = b.or_(bits, b.and_(strides[-2], low))
+        return b.icmp_unsigned("==", bits, zero)
+
+    def deferrable(self, rest: isl.AstNode) -> bool:
+        """Whether rest's stores may wait until the end of a trip: straight-line
+        statements that read none of the arrays they write."""
+        kids = _children(rest)
+        if not kids or any(k.get_type() != isl.ast_node_type.user for k in kids):
+            return False
+        stmts = [self.stmts[k.user_get_expr().get_op_arg(0).get_id().get_name()] for k in kids]
+        written = {st.array for st in stmts}
+        return all(st.combine is None and not any(ld.array in written for ld in loads(st.body)) for st in stmts)
 
     # ------------------------------------------------------------ loops
     def loop_range(self, loop: isl.AstNode) -> tuple:
@@ -176,10 +276,10 @@ class GpuEmitter(Emitter):
             trips = b.sdiv(b.add(trips, ir.Constant(I64, per - 1)), ir.Constant(I64, per))
         return b.select(b.icmp_signed("<", trips, ir.Constant(I64, 0)), ir.Constant(I64, 0), trips)
 
-    def strided_loop(self, slot, begin, end, step, label: str, body, unroll: int = 1) -> None:
+    def strided_loop(self, slot, begin, end, step, label: str, body, unroll: int = 1, defer: bool = False) -> None:
         """slot = begin, begin + step, ... while < end, running body() each
         time; with unroll, unroll bodies per trip while all of them fit, then
-        one per trip for the rest."""
+        one per trip for the rest; with defer, a trip's stores go last."""
         b = self.b
         b.store(begin, slot)
         for copies in ((unroll, 1) if unroll > 1 else (1,)):
@@ -192,10 +292,14 @@ class GpuEmitter(Emitter):
             last = b.add(b.load(slot, typ=I64), b.mul(step, ir.Constant(I64, copies - 1)))
             b.cbranch(b.icmp_signed("<", last, end), block, done)
             b.position_at_end(block)
+            self.deferred = [] if defer else None
             for _ in range(copies):
                 body()
                 b = self.b
                 b.store(b.add(b.load(slot, typ=I64), step), slot)
+            for value, ptr, align in self.deferred or ():
+                b.store(value, ptr, align=align)
+            self.deferred = None
             b.branch(head)
             b.position_at_end(done)
 
@@ -395,9 +499,25 @@ class GpuEmitter(Emitter):
             self.warp_sync()
         self.skipped = {c.get_op_arg(0).get_id().get_name() for c in plan.hoisted[id(loop)]}
         self.start_partials([self.stmts[name] for name in plan.reductions[id(loop)]])
-        stride = b.mul(inc, ir.Constant(I64, self.lanes))
-        self.strided_loop(self.var(it), b.add(lo, b.mul(self.lane, inc)), hi, stride, "lanes",
-                          lambda: self.node(loop.for_get_body()), UNROLL)
+        body = loop.for_get_body()
+        lanes, width = ir.Constant(I64, self.lanes), ir.Constant(I64, VECTOR)
+        vector = self.vector_plan(body, loop, set())
+        defer = self.deferrable(body)
+        group = self.var(it + ".group")
+
+        def copies() -> None:  # VECTOR consecutive iterations from the group's first
+            first = self.b.load(group, typ=I64)
+            for c in range(VECTOR):
+                self.claims = vector.claims if c == 0 else None
+                self.b.store(self.b.add(first, ir.Constant(I64, c)), self.var(it))
+                self.node(body)
+            self.claims = None
+        self.vector_branch(
+            vector, it, lo, b.sub(hi, lo),
+            lambda: self.strided_loop(group, b.add(lo, b.mul(self.lane, width)), hi, b.mul(lanes, width),
+                                      "lanes.vector", copies, 1, defer),
+            lambda: self.strided_loop(self.var(it), b.add(lo, b.mul(self.lane, inc)), hi, b.mul(inc, lanes),
+                                      "lanes", lambda: self.node(body), UNROLL, defer))
         self.skipped = set()
         b = self.b
         partials, self.partials = self.partials, {}
@@ -491,6 +611,22 @@ class GpuEmitter(Emitter):
         self.b.store(self.to_storage(val, arr.dtype), ptr)
 
     # ------------------------------------------------------ target hooks
+    def load_element(self, arr, index, ptr) -> ir.Value:
+        """Arrays no statement writes are invariant: their loads may take the
+        read-only cache (ld.global.nc)."""
+        align = self.claims.get(id(index)) if self.claims else None
+        v = self.b.load(ptr, typ=STORAGE[arr.dtype], align=align)
+        if arr.name not in self.written:
+            v.set_metadata("invariant.load", self.module.add_metadata([]))
+        return self.from_storage(v, arr.dtype)
+
+    def store_element(self, arr, index, ptr, val) -> None:
+        align = self.claims.get(id(index)) if self.claims else None
+        if self.deferred is not None:
+            self.deferred.append((self.to_storage(val, arr.dtype), ptr, align))
+        else:
+            self.b.store(self.to_storage(val, arr.dtype), ptr, align=align)
+
     def math(self, op: str, a: list) -> ir.Value:
         """No C library on the device: float32 kernels from mathlib and
         compositions of them; NVPTX's own instructions for the rest."""
@@ -505,6 +641,13 @@ class GpuEmitter(Emitter):
 
     def malloc(self, nbytes):
         raise UnsupportedOpError("a buffer too large for a GPU thread")
+
+
+@dataclass
+class _Vector:
+    claims: dict = field(default_factory=dict)  # id(index) -> alignment of a group's first access
+    arrays: dict = field(default_factory=dict)  # array -> alignment its base must have
+    starts: dict = field(default_factory=dict)  # the claimed accesses' last index, as AST expressions
 
 
 @dataclass
@@ -621,6 +764,35 @@ def _has_loop(n: isl.AstNode) -> bool:
         return not found
     n.foreach_descendant_top_down(visit)
     return bool(found)
+
+
+def _steps_with(e: isl.AstExpr, it: str) -> bool:
+    """Whether the AST expression e is it plus terms free of it."""
+    if e.get_type() == isl.ast_expr_type.id:
+        return e.get_id().get_name() == it
+    if e.get_type() != isl.ast_expr_type.op or e.get_op_n_arg() != 2:
+        return False
+    x, y = e.get_op_arg(0), e.get_op_arg(1)
+    if e.get_op_type() == isl.ast_expr_op_type.add:
+        return (_steps_with(x, it) and not _uses(y, {it})) or (_steps_with(y, it) and not _uses(x, {it}))
+    return e.get_op_type() == isl.ast_expr_op_type.sub and _steps_with(x, it) and not _uses(y, {it})
+
+
+def _users(n: isl.AstNode) -> list[isl.AstNode]:
+    """The statement calls under n, in order."""
+    t = n.get_type()
+    if t == isl.ast_node_type.user:
+        return [n]
+    if t == isl.ast_node_type.block:
+        lst = n.block_get_children()
+        return [u for i in range(lst.n_ast_node()) for u in _users(lst.get_at(i))]
+    if t == isl.ast_node_type.for_:
+        return _users(n.for_get_body())
+    if t == isl.ast_node_type.mark:
+        return _users(n.mark_get_node())
+    if t == isl.ast_node_type.if_:
+        return _users(n.if_get_then_node()) + (_users(n.if_get_else_node()) if n.if_has_else_node() else [])
+    return []
 
 
 def _static_trips(loop: isl.AstNode) -> int | None:
