@@ -46,6 +46,7 @@ _DTYPES = {torch.float32: DataType.Float, torch.float64: DataType.Double, torch.
            torch.int32: DataType.Int32, torch.int64: DataType.Int, torch.bool: DataType.Bool}
 _TORCH = {v: k for k, v in _DTYPES.items()}
 _NUMPY_TO_TORCH = {np.dtype(d.numpy): t for t, d in _DTYPES.items()}
+_NUMPY_DTYPES = {t: np.dtype(d.numpy) for t, d in _DTYPES.items()}
 
 DECOMPOSITIONS = {
     **core_aten_decompositions(),
@@ -642,7 +643,7 @@ class CompiledGraph:
             a = args[k].detach()
             if a.device.type == "cuda" and gpu:
                 devices.add(a.device)
-                arrays.append(_CudaView(a))
+                arrays.append(_gpu_view(a))
             elif a.device.type == "cpu":
                 arrays.append(a.numpy())
             else:
@@ -654,7 +655,7 @@ class CompiledGraph:
         launch = {}
         if devices:
             dev = next(iter(devices))
-            launch = {"stream": torch.cuda.current_stream(dev).cuda_stream, "ordinal": dev.index,
+            launch = {"stream": _current_stream(dev.index), "ordinal": dev.index,
                       "empty": lambda shape, dt: torch.empty(shape, dtype=_NUMPY_TO_TORCH[np.dtype(dt)], device=dev)}
         outs = self.exe(*arrays, **launch)
         self.stats.record(self.name, self.exe.stats)
@@ -670,21 +671,21 @@ class CompiledGraph:
 
 
 
-class _CudaView:
-    """A CUDA tensor's ``__cuda_array_interface__``, built directly: torch's
-    own property costs tens of microseconds per call."""
+def _current_stream(index: int) -> int:
+    """The handle of torch's current stream on a device (torch's raw accessor
+    where it has one: the public Stream object costs ~20 us to build)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
 
-    __slots__ = ("__cuda_array_interface__", "shape", "dtype", "ndim", "tensor")
 
-    def __init__(self, t: torch.Tensor) -> None:
-        dt = np.dtype(_DTYPES[t.dtype].numpy) if t.dtype in _DTYPES else None
-        if dt is None:
-            raise InputError(f"a tensor of dtype {t.dtype} is not supported by target 'nvgpu'")
-        shape = tuple(t.shape)
-        strides = None if t.is_contiguous() else tuple(s * dt.itemsize for s in t.stride())
-        self.__cuda_array_interface__ = {"shape": shape, "typestr": dt.str, "data": (t.data_ptr(), False),
-                                         "version": 3, "strides": strides}
-        self.shape, self.dtype, self.ndim, self.tensor = shape, dt, len(shape), t
+def _gpu_view(t: torch.Tensor):
+    """A CUDA tensor as polyjit's GPU view, built directly: torch's
+    ``__cuda_array_interface__`` costs tens of microseconds per call."""
+    from polyjit.cuda import GpuView
+    if t.dtype not in _DTYPES:
+        raise InputError(f"a tensor of dtype {t.dtype} is not supported by target 'nvgpu'")
+    return GpuView(t.data_ptr(), tuple(t.shape), None if t.is_contiguous() else tuple(t.stride()),
+                   _NUMPY_DTYPES[t.dtype], t.device.index, t)
 
 
 class _Supported(OperatorSupport):

@@ -103,9 +103,11 @@ def _strided(a) -> bool:
     """Whether an argument is laid out other than row-major (numpy or GPU array)."""
     if isinstance(a, np.ndarray):
         return not a.flags.c_contiguous and a.ndim > 1
+    from .cuda import GpuView, _row_major
+    if isinstance(a, GpuView):
+        return a.strides is not None and a.strides != _row_major(a.shape) and len(a.shape) > 1
     cai = getattr(a, "__cuda_array_interface__", None)
     if cai and cai.get("strides") is not None:
-        from .cuda import _row_major
         item = np.dtype(cai["typestr"]).itemsize
         return tuple(x // item for x in cai["strides"]) != _row_major(cai["shape"]) and len(cai["shape"]) > 1
     return False

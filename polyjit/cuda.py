@@ -109,6 +109,7 @@ def synchronize() -> None:
 
 
 _used: set[int] = set()
+_streams: dict[int, Any] = {}  # CUstream wrappers by handle
 
 
 class DeviceBuffer:
@@ -226,8 +227,10 @@ def _free(ptr: int, stream: int) -> None:
 
 
 @dataclass
-class _Arg:
-    """A view of an argument on the GPU: pointer, shape and element strides."""
+class GpuView:
+    """A view of an argument on the GPU: pointer, shape and element strides
+    (None when row-major). Frontends that know these build it directly;
+    other arrays come through their ``__cuda_array_interface__``."""
 
     ptr: int
     shape: tuple[int, ...]
@@ -236,6 +239,16 @@ class _Arg:
     device: int
     owner: Any
 
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        strides = None if self.strides is None else tuple(x * self.dtype.itemsize for x in self.strides)
+        return {"shape": self.shape, "typestr": self.dtype.str, "data": (self.ptr, False), "version": 3,
+                "strides": strides}
+
 
 def _device_of(ptr: int) -> int:
     cu = driver()
@@ -243,9 +256,11 @@ def _device_of(ptr: int) -> int:
     return int(check(cu.cuPointerGetAttribute(attr, ptr), "cuPointerGetAttribute"))
 
 
-def as_device_array(a, ordinal: int | None = None) -> _Arg | None:
+def as_device_array(a, ordinal: int | None = None) -> GpuView | None:
     """The GPU view of a (CUDA array interface) argument; None for host arrays.
     ordinal: the device, when the caller knows it (saves a driver query)."""
+    if isinstance(a, GpuView):
+        return a
     cai = getattr(a, "__cuda_array_interface__", None)
     if cai is None:
         return None
@@ -257,7 +272,7 @@ def as_device_array(a, ordinal: int | None = None) -> _Arg | None:
     ptr = cai["data"][0]
     if ordinal is None:
         ordinal = _device_of(ptr) if ptr else 0
-    return _Arg(ptr, shape, strides, dtype, ordinal, a)
+    return GpuView(ptr, shape, strides, dtype, ordinal, a)
 
 
 def _data_ptr(a) -> int:
@@ -327,7 +342,7 @@ class GpuExecutable(Executable):
         _used.add(dev.ordinal)
         dev.activate()
         stream = int(stream or 0)
-        s = cu.CUstream(stream)
+        s = _streams.get(stream) or _streams.setdefault(stream, cu.CUstream(stream))
         host = not on_gpu
         key = (dev.ordinal, host) + tuple((v.shape, v.strides, v.dtype) if v is not None else
                                           (np.shape(a), None, np.asarray(a).dtype) for v, a in zip(views, args))
@@ -353,20 +368,19 @@ class GpuExecutable(Executable):
             ptr[name] = _data_ptr(buf)
         for spec in self.buffers:
             if spec.kind == "const":
-                buf = self._const(spec.index, np.ascontiguousarray(self.constants[spec.index]), dev, stream)
-                ptr[spec.name] = buf.ptr
+                ptr[spec.name] = self._const(spec.index, dev, stream).ptr
         if POISON:
             for name, shape, dt in plan.fresh:
                 n = math.prod(shape) * dt.itemsize
                 if n:
                     poison(ptr[name], n, dt.kind, stream)
-        values: list = [ctypes.c_void_p(ptr[b.name]) for b in self.buffers] + [ctypes.c_int64(i) for i in plan.ints]
-        argv = (ctypes.c_void_p * max(len(values), 1))(*[ctypes.addressof(v) for v in values])
-        for fn, grid, block, name, zeroed in plan.launches:
-            for a, nbytes in zeroed:
-                check(cu.cuMemsetD8Async(ptr[a], 0, nbytes, s), "cuMemsetD8Async")
-            check(cu.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, 0, s, ctypes.addressof(argv), 0),
-                  f"launching {name}")
+        with plan.lock:  # the plan's argument block is filled, then copied by each launch
+            for i, b in enumerate(self.buffers):
+                plan.pointers[i] = ptr[b.name]
+            for fn, grid, block, name, zeroed in plan.launches:
+                for a, nbytes in zeroed:
+                    check(cu.cuMemsetD8Async(ptr[a], 0, nbytes, s), "cuMemsetD8Async")
+                check(cu.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, 0, s, plan.argv, 0), f"launching {name}")
         self.stats["intermediate_bytes"] = plan.temp_bytes
         outs = [made.get(n) for n in self.output_arrays]
         if host:
@@ -405,7 +419,12 @@ class GpuExecutable(Executable):
         nbytes = {name: math.prod(shape) * dt.itemsize for name, shape, dt in fresh}
         launches = [(fns[k.name][0], self._grid(i, env, dev, fns[k.name][1]), BLOCK if k.parallel else 1, k.name,
                      [(a, nbytes[a]) for a in k.zeroed if nbytes[a]]) for i, k in enumerate(self.kernels)]
-        plan = _Plan(fresh, ints, launches, temp_bytes)
+        plan = _Plan(fresh, launches, temp_bytes, (ctypes.c_void_p * max(len(self.buffers), 1))(),
+                     (ctypes.c_int64 * max(len(ints), 1))(*ints))
+        places = [ctypes.addressof(plan.pointers) + 8 * i for i in range(len(self.buffers))]
+        places += [ctypes.addressof(plan.ints) + 8 * i for i in range(len(ints))]
+        plan.block = (ctypes.c_void_p * max(len(places), 1))(*places)
+        plan.argv = ctypes.addressof(plan.block)
         if len(self._plans) >= self.PLANS:
             self._plans.clear()
         self._plans[key] = plan
@@ -421,10 +440,11 @@ class GpuExecutable(Executable):
                 weakref.finalize(self, _unload, mod)
             return self._loaded[dev.ordinal]
 
-    def _const(self, index: int, h: np.ndarray, dev: Device, stream: int) -> DeviceBuffer:
+    def _const(self, index: int, dev: Device, stream: int) -> DeviceBuffer:
         key = (index, dev.ordinal)
         if key not in self._consts:
             cu = driver()
+            h = np.ascontiguousarray(self.constants[index])
             buf = DeviceBuffer(h.shape, h.dtype, dev, stream)
             if h.nbytes:
                 check(cu.cuMemcpyHtoDAsync(buf.ptr, h.ctypes.data, h.nbytes, cu.CUstream(stream)), "cuMemcpyHtoDAsync")
@@ -436,9 +456,13 @@ class GpuExecutable(Executable):
 @dataclass
 class _Plan:
     fresh: list  # (array, shape, dtype) of outputs and temporaries to allocate
-    ints: list
-    launches: list  # (function, grid, block, name)
+    launches: list  # (function, grid, block, name, arrays to zero)
     temp_bytes: int
+    pointers: Any  # the kernels' arguments: buffer pointers, set at each call,
+    ints: Any  # and integers (sizes, strides), fixed for the plan
+    block: Any = None  # the address of each argument, as cuLaunchKernel takes them
+    argv: int = 0
+    lock: Any = field(default_factory=threading.Lock)
 
 
 class _ShapeOnly:

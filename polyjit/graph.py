@@ -7,6 +7,7 @@ op is lowered once, in :mod:`polyjit.lowering`.
 """
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import itertools
@@ -503,15 +504,23 @@ class Graph:
     def deduplicated(self) -> "Graph":
         """A copy in which nodes computing the same op of the same operands are one
         node: decompositions repeat work (layer_norm's mean), and a repeated
-        reduction would otherwise be a second pass over memory."""
+        reduction would otherwise be a second pass over memory. A reshape that
+        only drops the kept axes of a reduction used nowhere else becomes the
+        reduction without them, so that no copy follows the sum (a bias
+        gradient summed with keepdim, then reshaped)."""
         canon: dict[int, Node] = {}
         table: dict[tuple, Node] = {}
-        for n in self.nodes():
-            ins = tuple(canon[i.id] for i in n.inputs)
-            if any(a is not b for a, b in zip(ins, n.inputs)):
-                n = dataclasses.replace(n, inputs=ins)
-            key = (n.op, tuple(i.id for i in ins), _freeze(n.attrs), n.shape, n.dtype)
-            canon[n.id] = table.setdefault(key, n) if n.op != "input" else n
+        order = self.nodes()
+        users = collections.Counter([i.id for n in order for i in n.inputs] + [o.id for o in self.outputs])
+        for old in order:
+            ins = tuple(canon[i.id] for i in old.inputs)
+            n = old if all(a is b for a, b in zip(ins, old.inputs)) else dataclasses.replace(old, inputs=ins)
+            r = ins[0] if n.op == "reshape" else None
+            if r is not None and r.op == "reduce" and r.attrs["keepdim"] and users[old.inputs[0].id] == 1 \
+                    and n.shape == tuple(s for d, s in enumerate(r.shape) if d not in r.attrs["axes"]):
+                n = Node("reduce", r.inputs, {**r.attrs, "keepdim": False}, n.shape, n.dtype)
+            key = (n.op, tuple(i.id for i in n.inputs), _freeze(n.attrs), n.shape, n.dtype)
+            canon[old.id] = table.setdefault(key, n) if n.op != "input" else n
         g = copy.copy(self)
         g.outputs = [canon[o.id] for o in self.outputs]
         return g

@@ -169,3 +169,19 @@ def test_parallel_loop_never_carries_a_reduction(rng):
     want = a.astype(np.float64) @ b
     for _ in range(20):
         np.testing.assert_allclose(exe(a, b), want, rtol=1e-4, atol=1e-4)
+
+
+def test_reshape_dropping_kept_axes_of_a_sum_is_no_copy(rng):
+    """A bias gradient as AOTAutograd writes it: sum with keepdim, then reshape;
+    the sum writes the reshaped result itself (an init and an update, no copy),
+    unless the kept-axes sum is used elsewhere too."""
+    x = rng.standard_normal((6, 7, 33)).astype(F32)
+    want = (2 * x.astype(np.float64)).sum((0, 1))
+    exe = polyjit.compile(lambda x: ops.reshape(ops.sum(x * 2.0, [0, 1], True), [33]), [InputInfo(x.shape, F32)])
+    np.testing.assert_allclose(exe(x), want, rtol=1e-5, atol=1e-5)
+    assert exe.stats["statements"] == 2
+    both = polyjit.compile(lambda x: (ops.reshape(ops.sum(x, [0, 1], True), [33]), ops.sum(x, [0, 1], True) + 1.0),
+                           [InputInfo(x.shape, F32)])
+    flat, kept = both(x)
+    np.testing.assert_allclose(kept - 1.0, flat.reshape(1, 1, 33), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(flat, x.astype(np.float64).sum((0, 1)), rtol=1e-5, atol=1e-5)

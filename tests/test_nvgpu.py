@@ -97,6 +97,9 @@ def test_row_reductions_use_warp_shuffles_and_stencils_use_strips():
     col = polyjit.compile(lambda x: ops.sum(x, [0]), [InputInfo([-1, -1], F32)], PTX_ONLY)
     assert "shfl.sync" not in col.ir("ptx")  # threads per column walk strips of rows, coalesced,
     assert "atom.global.add.f32" in col.ir("ptx")  # and add their partial sums atomically
+    grad = polyjit.compile(lambda x: ops.reshape(ops.sum(x, [0, 1], True), [x.shape[2]]), [InputInfo([64, 128, 32], F32)],
+                           PTX_ONLY)  # a bias gradient: sum with keepdim, then reshape
+    assert grad.stats["kernels"] == 1 and "atom.global.add.f32" in grad.ir("ptx")
     bl = polyjit.compile(blur, [InputInfo([3, -1, -1], F32)], PTX_ONLY)
     assert "strip" in bl.ir("llvm")  # rows in parallel strips, each recomputing its halo
 
