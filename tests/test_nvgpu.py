@@ -173,6 +173,8 @@ def test_elementwise_loops_use_vector_accesses():
     assert "ld.global.nc.b32" in cs  # and one element at a time where not
     sm = polyjit.compile(lambda x: ops.softmax(x, -1), [InputInfo([-1, -1], F32)], PTX_ONLY).ir("ptx")
     assert sm.count("ld.global.nc.v4.b32") == 3  # each pass over a row
+    rows = polyjit.compile(lambda x: ops.softmax(x, -1), [InputInfo([4, 8192], F32)], PTX_ONLY).ir("ptx")
+    assert rows.count("ld.global.nc.v4.b32") == 8192 // 256 // 4  # a lane's share of a row, loaded once for 3 passes
 
 
 @pytest.mark.parametrize("shape,offset", [((37, 44), 0), ((37, 44), 1), ((5, 8), 2), ((3, 6), 0)])

@@ -42,6 +42,7 @@ BLOCK_ROW = 4096  # rows at least this long get a block of lanes rather than a w
 UNROLL = 4  # copies of a lane loop's body per trip
 VECTOR = 4  # consecutive iterations of an elementwise loop per group (16 bytes of float32)
 VECTOR_UNROLL = 2  # groups per trip of a grid loop (a lane loop takes one)
+ROW_GROUPS = 8  # a lane loop of at most this many groups per lane is unrolled whole
 STRIP_REDUCE = 256  # iterations of a summing loop per thread before its atomic add
 STRIP = 64  # iterations of a sequential loop per thread when strips run in parallel
 _SREG = "llvm.nvvm.read.ptx.sreg."
@@ -62,7 +63,7 @@ class GpuEmitter(Emitter):
         self.sum_root = self.top is None and self.atomic_plan(node, set()) is not None  # a sum of everything
         self.lanes = 0
         self.zeroed, self.strips = (), False
-        self.claims, self.deferred = None, None
+        self.claims, self.deferred, self.row_vectors, self.row_offsets = None, None, {}, {}
         self.written = {st.array for st in self.prog.statements}
         self.body(body_fn, node)
         fn = ir.Function(self.module, ir.FunctionType(ir.VoidType(), [PTR] * nb + [I64] * ni), name)
@@ -153,12 +154,7 @@ class GpuEmitter(Emitter):
                     if k == 0:
                         inner["first"] = b.load(self.var(it), typ=I64)
             if plan is not None:
-                for child in plan.children:
-                    if child.get_type() == isl.ast_node_type.for_:
-                        self.lane_loop(child, plan)
-                    else:
-                        self.statement(child.user_get_expr(), shared=True)
-                    self.warp_sync()
+                self.row(plan)
             elif strip is not None and strip.zeroed is not None:
                 self.atomic_loop(strip, *strip_range)
             elif strip is not None:
@@ -180,18 +176,19 @@ class GpuEmitter(Emitter):
             grouped = lambda: self.strided_loop(  # noqa: E731
                 g, b.mul(first, width), total, b.mul(step, width), "vector",
                 lambda: [iteration(c) for c in range(VECTOR)], VECTOR_UNROLL, defer)
-            self.vector_branch(vector, *bounds[-1][:2], bounds[-1][3], grouped,
+            aligned = self.vector_check(vector, *bounds[-1][:2], bounds[-1][3]) if vector is not None else None
+            self.vector_branch(aligned, grouped,
                                lambda: self.strided_loop(g, first, total, step, "grid", iteration, UNROLL, defer))
             return
         self.strided_loop(g, first, total, step, "grid", iteration)
 
-    def vector_branch(self, vector: "_Vector | None", it: str, first, trips, grouped, scalar) -> None:
-        """grouped() where vector's accesses are aligned at run time, else scalar()."""
-        if vector is None:
+    def vector_branch(self, aligned: ir.Value | None, grouped, scalar) -> None:
+        """grouped() where the accesses are aligned at run time, else scalar()."""
+        if aligned is None:
             scalar()
             return
         blocks = [self.fn.append_basic_block(f"vector.{x}") for x in ("grouped", "scalar", "done")]
-        self.b.cbranch(self.vector_check(vector, it, first, trips), blocks[0], blocks[1])
+        self.b.cbranch(aligned, blocks[0], blocks[1])
         for block, emit in zip(blocks, (grouped, scalar)):
             self.b.position_at_end(block)
             emit()
@@ -487,6 +484,35 @@ class GpuEmitter(Emitter):
         self.warp_sync()
         return out
 
+    def row(self, plan: "_WarpPlan") -> None:
+        """One iteration for a warp (or block): its statements and the loops
+        its lanes share. Where one check at the row's start finds every lane
+        loop's accesses aligned, all of them take 16-byte groups, so that
+        loads of the same element in several loops are one load."""
+        vectors = {}
+        aligned = None
+        for loop in plan.children:
+            if loop.get_type() == isl.ast_node_type.for_:
+                vector = self.vector_plan(loop.for_get_body(), loop, set())
+                if vector is not None:
+                    vectors[id(loop)] = vector
+                    lo, _, hi = self.loop_range(loop)
+                    ok = self.vector_check(vector, loop.for_get_iterator().get_id().get_name(), lo,
+                                           self.b.sub(hi, lo))
+                    aligned = ok if aligned is None else self.b.and_(aligned, ok)
+
+        def emit(grouped: bool) -> None:
+            self.row_vectors = vectors if grouped else {}
+            self.row_offsets = {}
+            for child in plan.children:
+                if child.get_type() == isl.ast_node_type.for_:
+                    self.lane_loop(child, plan)
+                else:
+                    self.statement(child.user_get_expr(), shared=True)
+                self.warp_sync()
+            self.row_vectors = {}
+        self.vector_branch(aligned, lambda: emit(True), lambda: emit(False))
+
     def lane_loop(self, loop: isl.AstNode, plan: "_WarpPlan") -> None:
         """An inner loop whose iterations the lanes share (lane, lane + 32, ...);
         reductions gather in a register per lane, then across the warp."""
@@ -501,7 +527,7 @@ class GpuEmitter(Emitter):
         self.start_partials([self.stmts[name] for name in plan.reductions[id(loop)]])
         body = loop.for_get_body()
         lanes, width = ir.Constant(I64, self.lanes), ir.Constant(I64, VECTOR)
-        vector = self.vector_plan(body, loop, set())
+        vector = self.row_vectors.get(id(loop))
         defer = self.deferrable(body)
         group = self.var(it + ".group")
 
@@ -512,12 +538,31 @@ class GpuEmitter(Emitter):
                 self.b.store(self.b.add(first, ir.Constant(I64, c)), self.var(it))
                 self.node(body)
             self.claims = None
-        self.vector_branch(
-            vector, it, lo, b.sub(hi, lo),
-            lambda: self.strided_loop(group, b.add(lo, b.mul(self.lane, width)), hi, b.mul(lanes, width),
-                                      "lanes.vector", copies, 1, defer),
-            lambda: self.strided_loop(self.var(it), b.add(lo, b.mul(self.lane, inc)), hi, b.mul(inc, lanes),
-                                      "lanes", lambda: self.node(body), UNROLL, defer))
+        trips = _static_trips(loop)
+        groups = trips // (self.lanes * VECTOR) if trips and trips % (self.lanes * VECTOR) == 0 else 0
+        if vector is None:
+            self.strided_loop(self.var(it), b.add(lo, b.mul(self.lane, inc)), hi, b.mul(inc, lanes),
+                              "lanes", lambda: self.node(body), UNROLL, defer)
+        elif 0 < groups <= ROW_GROUPS:  # unrolled whole: a row read again comes from registers
+            self.deferred = [] if defer else None
+            for k in range(groups):
+                for c in range(VECTOR):
+                    # the same offset value in every loop of the row, so that after
+                    # folding each loop's start the addresses, then the loads, are one
+                    key = (k, c)
+                    if key not in self.row_offsets:
+                        self.row_offsets[key] = b.add(b.mul(self.lane, width),
+                                                      ir.Constant(I64, k * self.lanes * VECTOR + c))
+                    self.claims = vector.claims if c == 0 else None
+                    self.b.store(self.b.add(lo, self.row_offsets[key]), self.var(it))
+                    self.node(body)
+                self.claims = None
+            for value, ptr, align in self.deferred or ():
+                self.b.store(value, ptr, align=align)
+            self.deferred = None
+        else:
+            self.strided_loop(group, b.add(lo, b.mul(self.lane, width)), hi, b.mul(lanes, width),
+                              "lanes.vector", copies, 1, defer)
         self.skipped = set()
         b = self.b
         partials, self.partials = self.partials, {}
