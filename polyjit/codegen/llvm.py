@@ -354,9 +354,14 @@ class Emitter:
             if moduli is not None and moduli[d] is not None:
                 if moduli[d] == 1:
                     continue
-                v = self.b.urem(v, ir.Constant(I64, moduli[d]))
+                v = self.private_index(arr, d, e, v, moduli[d])
             offset = self.b.add(offset, self.b.mul(v, self.strides[arr.name][d]))
         return self.b.gep(self.base[arr.name], [offset], source_etype=STORAGE[arr.dtype])
+
+    def private_index(self, arr: Array, d: int, e, v, modulus: int) -> ir.Value:
+        """The slot of index v (expression e) along a contracted dimension that
+        keeps modulus rows (a hook: targets may number the rows otherwise)."""
+        return self.b.urem(v, ir.Constant(I64, modulus))
 
     def combine(self, how: str, old, new, dt: DataType) -> ir.Value:
         op = {"sum": "add", "prod": "mul", "max": "maximum", "min": "minimum"}[how]

@@ -30,7 +30,7 @@ from llvmlite import ir
 
 from ..dtypes import DataType
 from ..errors import UnsupportedOpError
-from ..expr import Const, Var, loads, walk
+from ..expr import Const, Op, Var, loads, walk
 from . import mathlib
 from .llvm import COMPUTE, F32, F64, I32, I64, PTR, STORAGE, Emitter, KernelInfo
 
@@ -64,6 +64,7 @@ class GpuEmitter(Emitter):
         self.lanes = 0
         self.zeroed, self.strips = (), False
         self.claims, self.deferred, self.row_vectors, self.row_offsets = None, None, {}, {}
+        self.ring = None
         self.written = {st.array for st in self.prog.statements}
         self.body(body_fn, node)
         fn = ir.Function(self.module, ir.FunctionType(ir.VoidType(), [PTR] * nb + [I64] * ni), name)
@@ -324,12 +325,15 @@ class GpuEmitter(Emitter):
             moves = self._write_moves(rest, st, it)
             if st.array not in private and (st.combine is not None or not moves or not all(moves)):
                 return None
+        rings = set()
         for a in private:
             moduli = self.sched.contracted[a]
             if None in moduli:
                 return None
             halo = max(halo, max(moduli) - 1)
-        return _Strips(rest, STRIP, halo) if private else None
+            rings |= {m for m in moduli if m > 1}
+        ring = rings.pop() if len(rings) == 1 and rest.for_get_inc().get_val().to_python() == 1 else None
+        return _Strips(rest, STRIP, halo, ring=ring) if private else None
 
     def atomic_plan(self, rest: isl.AstNode, grid_iters: set[str]) -> "_Strips | None":
         """Strips of a sum when rest zeroes some arrays and then one loop (or
@@ -442,10 +446,69 @@ class GpuEmitter(Emitter):
         begin = b.select(b.icmp_signed("<", begin, lo), lo, begin)
         end = b.add(start, b.mul(inc, size))
         end = b.select(b.icmp_signed("<", end, hi), end, hi)
-        slot = self.var(loop.for_get_iterator().get_id().get_name())
+        it = loop.for_get_iterator().get_id().get_name()
+        slot = self.var(it)
         self.strip_start = (slot, start)
-        self.strided_loop(slot, begin, end, inc, "strip", lambda: self.node(loop.for_get_body()))
+        if strip.ring is None:
+            self.strided_loop(slot, begin, end, inc, "strip", lambda: self.node(loop.for_get_body()))
+        else:
+            self.ring_loop(strip.ring, it, begin, end, lambda: self.node(loop.for_get_body()))
         self.strip_start = None
+
+    def ring_loop(self, ring: int, it: str, begin, end, body) -> None:
+        """it = begin, begin + 1, ... < end in trips of ring iterations, each
+        guarded: copy c of a trip is ring slot c of the private buffers
+        (whose rows are numbered from begin), so their indices are constants
+        and the buffers live in registers."""
+        b = self.b
+        slot = self.var(it)
+        trip = self.var(it + ".trip")
+        b.store(begin, trip)
+        head, block, done = (self.fn.append_basic_block(f"ring.{x}") for x in ("head", "body", "done"))
+        b.branch(head)
+        b.position_at_end(head)
+        b.cbranch(b.icmp_signed("<", b.load(trip, typ=I64), end), block, done)
+        b.position_at_end(block)
+        for c in range(ring):
+            i = self.b.add(self.b.load(trip, typ=I64), ir.Constant(I64, c))
+            then, after = self.fn.append_basic_block("ring.copy"), self.fn.append_basic_block("ring.next")
+            self.b.cbranch(self.b.icmp_signed("<", i, end), then, after)
+            self.b.position_at_end(then)
+            self.b.store(i, slot)
+            self.ring = (it, begin, ring, c)
+            body()
+            self.ring = None
+            self.b.branch(after)
+            self.b.position_at_end(after)
+        self.b.store(self.b.add(self.b.load(trip, typ=I64), ir.Constant(I64, ring)), trip)
+        self.b.branch(head)
+        self.b.position_at_end(done)
+
+    def private_index(self, arr, d: int, e, v, modulus: int) -> ir.Value:
+        """In a ring loop, a rolling row's slot is (row - begin) mod ring: a
+        constant where the index is the loop's iterator plus a constant."""
+        if self.ring is None or modulus != self.ring[2]:
+            return super().private_index(arr, d, e, v, modulus)
+        it, begin, ring, copy = self.ring
+        offset = self._ring_offset(e, it)
+        if offset is not None:
+            return ir.Constant(I64, (copy + offset) % ring)
+        m = ir.Constant(I64, ring)
+        return self.b.urem(self.b.add(self.b.sub(v, begin), m), m)
+
+    def _ring_offset(self, e, it: str) -> int | None:
+        """k when index e of the current statement is the AST iterator it plus k."""
+        k = 0
+        if isinstance(e, Op) and e.op in ("add", "sub") and isinstance(e.args[1], Const):
+            k = int(e.args[1].value) * (1 if e.op == "add" else -1)
+            e = e.args[0]
+        if not (isinstance(e, Var) and e.kind == "iter"):
+            return None
+        call = self.current_call
+        st = self.stmts[call.get_op_arg(0).get_id().get_name()]
+        arg = call.get_op_arg(st.iters.index(e.name) + 1)
+        shift = _ast_offset(arg, it)
+        return None if shift is None else shift + k
 
     # ------------------------------------------------------------- warps
     def warp_sync(self) -> None:
@@ -624,6 +687,7 @@ class GpuEmitter(Emitter):
         name = call.get_op_arg(0).get_id().get_name()
         if name in getattr(self, "skipped", ()):
             return
+        self.current_call = call
         partial = getattr(self, "partials", {}).get(name)
         if partial is None and not shared:
             st = self.stmts[name]
@@ -706,6 +770,7 @@ class _Strips:
     halo: int = 0
     zeroed: tuple[str, ...] | None = None
     calls: list = field(default_factory=list)  # the summing statements' calls
+    ring: int | None = None  # the one modulus of the private buffers' rolling dimensions
 
 
 class _WarpPlan:
@@ -821,6 +886,20 @@ def _steps_with(e: isl.AstExpr, it: str) -> bool:
     if e.get_op_type() == isl.ast_expr_op_type.add:
         return (_steps_with(x, it) and not _uses(y, {it})) or (_steps_with(y, it) and not _uses(x, {it}))
     return e.get_op_type() == isl.ast_expr_op_type.sub and _steps_with(x, it) and not _uses(y, {it})
+
+
+def _ast_offset(e: isl.AstExpr, it: str) -> int | None:
+    """k when the AST expression e is it + k."""
+    if e.get_type() == isl.ast_expr_type.id:
+        return 0 if e.get_id().get_name() == it else None
+    if e.get_type() != isl.ast_expr_type.op or e.get_op_n_arg() != 2 \
+            or e.get_op_type() not in (isl.ast_expr_op_type.add, isl.ast_expr_op_type.sub):
+        return None
+    x, k = e.get_op_arg(0), e.get_op_arg(1)
+    if x.get_type() != isl.ast_expr_type.id or x.get_id().get_name() != it or k.get_type() != isl.ast_expr_type.int:
+        return None
+    k = k.get_val().to_python()
+    return k if e.get_op_type() == isl.ast_expr_op_type.add else -k
 
 
 def _users(n: isl.AstNode) -> list[isl.AstNode]:
