@@ -640,12 +640,12 @@ class CompiledGraph:
         gpu = self.options.target == "nvgpu"
         arrays, devices = [], set()
         for k in self.t.tensor_inputs:
-            a = args[k].detach()
-            if a.device.type == "cuda" and gpu:
+            a = args[k]
+            if a.is_cuda and gpu:  # read through its pointer: no detached copy of the tensor object
                 devices.add(a.device)
                 arrays.append(_gpu_view(a))
             elif a.device.type == "cpu":
-                arrays.append(a.numpy())
+                arrays.append(a.detach().numpy())
             else:
                 raise InputError(f"{self.name}: argument {k} is on {a.device}, but target "
                                  f"{self.options.target!r} runs on {'an NVIDIA GPU' if gpu else 'the CPU'}")
@@ -656,7 +656,7 @@ class CompiledGraph:
         if devices:
             dev = next(iter(devices))
             launch = {"stream": _current_stream(dev.index), "ordinal": dev.index,
-                      "empty": lambda shape, dt: torch.empty(shape, dtype=_NUMPY_TO_TORCH[np.dtype(dt)], device=dev)}
+                      "empty": lambda shape, dt: torch.empty(shape, dtype=_NUMPY_TO_TORCH[dt], device=dev)}
         outs = self.exe(*arrays, **launch)
         self.stats.record(self.name, self.exe.stats)
         result = []

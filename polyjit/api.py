@@ -13,6 +13,7 @@ import numpy as np
 
 from . import ops
 from .compiler import compile_graph
+from .cuda import GpuView, _row_major
 from .dtypes import DataType, to_dtype
 from .errors import DefinitionError, InputError
 from .graph import Graph
@@ -54,8 +55,8 @@ class Executable:
         for k, (a, inp) in enumerate(zip(args, self.graph.inputs)):
             if k in self._scalars and isinstance(a, (bool, int, float, np.generic)):
                 a = np.asarray(a, dtype=inp.dtype.numpy)
-            if not isinstance(a, np.ndarray) and not (self.options.target == "nvgpu"
-                                                      and hasattr(a, "__cuda_array_interface__")):
+            if not isinstance(a, (np.ndarray, GpuView)) and not (self.options.target == "nvgpu"
+                                                                 and hasattr(a, "__cuda_array_interface__")):
                 raise InputError(f"{self.name}: input {k} is a {type(a).__name__}, expected a numpy array "
                                  f"of dtype {inp.dtype} and rank {inp.rank}")
             out.append(a)
@@ -103,7 +104,6 @@ def _strided(a) -> bool:
     """Whether an argument is laid out other than row-major (numpy or GPU array)."""
     if isinstance(a, np.ndarray):
         return not a.flags.c_contiguous and a.ndim > 1
-    from .cuda import GpuView, _row_major
     if isinstance(a, GpuView):
         return a.strides is not None and a.strides != _row_major(a.shape) and len(a.shape) > 1
     cai = getattr(a, "__cuda_array_interface__", None)

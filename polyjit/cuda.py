@@ -327,62 +327,56 @@ class GpuExecutable(Executable):
         Host inputs come back as numpy arrays."""
         cu = driver()
         views = [as_device_array(a, ordinal) for a in args]
-        on_host = [k for k, v in enumerate(views) if v is None and np.ndim(args[k]) > 0]
-        on_gpu = [k for k, v in enumerate(views) if v is not None]
-        if on_host and on_gpu:
-            raise InputError(f"{self.name}: inputs {on_gpu} are on the GPU but inputs {on_host} are on the host; "
-                             "pass all inputs on one device")
-        devices = sorted({views[k].device for k in on_gpu})
-        if len(devices) > 1:
-            where = {d: [k for k in on_gpu if views[k].device == d] for d in devices}
+        gpu = [v for v in views if v is not None]
+        if len(gpu) < len(views):
+            on_host = [k for k, v in enumerate(views) if v is None and np.ndim(args[k]) > 0]
+            if on_host and gpu:
+                on_gpu = [k for k, v in enumerate(views) if v is not None]
+                raise InputError(f"{self.name}: inputs {on_gpu} are on the GPU but inputs {on_host} are on the "
+                                 "host; pass all inputs on one device")
+        if any(v.device != gpu[0].device for v in gpu):
+            devices = sorted({v.device for v in gpu})
+            where = {d: [k for k, v in enumerate(views) if v is not None and v.device == d] for d in devices}
             raise InputError(f"{self.name}: inputs are on several GPUs ({where}); pass all inputs on one device")
-        dev = device(devices[0] if devices else default_ordinal())
+        dev = device(gpu[0].device if gpu else default_ordinal())
         if dev.arch != self.arch and int(dev.arch[3:]) < int(self.arch[3:]):
             raise DeviceError(f"{self.name} was compiled for {self.arch}, but the GPU is {dev.arch}")
         _used.add(dev.ordinal)
         dev.activate()
         stream = int(stream or 0)
         s = _streams.get(stream) or _streams.setdefault(stream, cu.CUstream(stream))
-        host = not on_gpu
+        host = not gpu
         key = (dev.ordinal, host) + tuple((v.shape, v.strides, v.dtype) if v is not None else
                                           (np.shape(a), None, np.asarray(a).dtype) for v, a in zip(views, args))
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plan(key, views, args, dev)
+            plan = self._plan(key, views, args, dev, stream)
         keep: list = []
-        ptr: dict[str, int] = {}
-        for spec, v, a in zip(self.inputs, views, args):
-            if v is None:  # host data: copy to the GPU
-                h = np.ascontiguousarray(a, dtype=spec.dtype.numpy)
-                buf = DeviceBuffer(h.shape, h.dtype, dev, stream)
-                if h.nbytes:
-                    check(cu.cuMemcpyHtoDAsync(buf.ptr, h.ctypes.data, h.nbytes, s), "cuMemcpyHtoDAsync")
-                keep += [buf, h]
-                ptr[spec.name] = buf.ptr
-            else:
-                ptr[spec.name] = v.ptr
         made: dict[str, Any] = {}
-        for name, shape, dt in plan.fresh:
-            buf = empty(shape, dt) if (empty and not host) else DeviceBuffer(shape, dt, dev, stream)
-            made[name] = buf
-            ptr[name] = _data_ptr(buf)
-        for spec in self.buffers:
-            if spec.kind == "const":
-                ptr[spec.name] = self._const(spec.index, dev, stream).ptr
-        if POISON:
-            for name, shape, dt in plan.fresh:
-                n = math.prod(shape) * dt.itemsize
-                if n:
-                    poison(ptr[name], n, dt.kind, stream)
         with plan.lock:  # the plan's argument block is filled, then copied by each launch
-            for i, b in enumerate(self.buffers):
-                plan.pointers[i] = ptr[b.name]
+            pointers = plan.pointers
+            for slot, spec, v, a in zip(plan.input_slots, self.inputs, views, args):
+                if v is None:  # host data: copy to the GPU
+                    h = np.ascontiguousarray(a, dtype=spec.dtype.numpy)
+                    buf = DeviceBuffer(h.shape, h.dtype, dev, stream)
+                    if h.nbytes:
+                        check(cu.cuMemcpyHtoDAsync(buf.ptr, h.ctypes.data, h.nbytes, s), "cuMemcpyHtoDAsync")
+                    keep += [buf, h]
+                    pointers[slot] = buf.ptr
+                else:
+                    pointers[slot] = v.ptr
+            for slot, name, shape, dt in plan.fresh:
+                buf = empty(shape, dt) if (empty and not host) else DeviceBuffer(shape, dt, dev, stream)
+                made[name] = buf
+                pointers[slot] = _data_ptr(buf)
+                if POISON and shape:
+                    poison(pointers[slot], math.prod(shape) * dt.itemsize, dt.kind, stream)
             for fn, grid, block, name, zeroed in plan.launches:
-                for a, nbytes in zeroed:
-                    check(cu.cuMemsetD8Async(ptr[a], 0, nbytes, s), "cuMemsetD8Async")
+                for slot, nbytes in zeroed:
+                    check(cu.cuMemsetD8Async(pointers[slot], 0, nbytes, s), "cuMemsetD8Async")
                 check(cu.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, 0, s, plan.argv, 0), f"launching {name}")
         self.stats["intermediate_bytes"] = plan.temp_bytes
-        outs = [made.get(n) for n in self.output_arrays]
+        outs = [made[n] for n in self.output_arrays]
         if host:
             return [o.numpy(stream) for o in outs]
         del keep, made  # stream-ordered frees: the kernels above still see the memory
@@ -390,9 +384,10 @@ class GpuExecutable(Executable):
 
     PLANS = 64  # launch plans kept per program (one per shape signature)
 
-    def _plan(self, key, views, args, dev: Device) -> "_Plan":
+    def _plan(self, key, views, args, dev: Device, stream: int) -> "_Plan":
         """What a call with these shapes and layouts needs, worked out once:
-        sizes, the integer arguments, allocations and launch configurations.
+        sizes, the integer arguments, allocations, launch configurations and
+        the kernels' argument block (constants' pointers filled in).
         Raises InputError before anything runs."""
         shapes = [v.shape if v is not None else np.shape(a) for v, a in zip(views, args)]
         env = self.bind([_ShapeOnly(sh, v.dtype if v is not None else np.asarray(a).dtype)
@@ -403,23 +398,26 @@ class GpuExecutable(Executable):
                 raise InputError(f"{self.name}: input {spec.index} is not contiguous; "
                                  "this program was compiled for contiguous inputs")
             strides[spec.name] = (v.strides if v is not None else None) or _row_major(sh)
+        slot = {b.name: i for i, b in enumerate(self.buffers)}
         fresh = []
         temp_bytes = 0
+        pointers = (ctypes.c_void_p * max(len(self.buffers), 1))()
         for spec in self.buffers:
             if spec.kind in ("output", "temp"):
                 shape = tuple(sz.evaluate(x, env) for x in spec.shape)
-                fresh.append((spec.name, shape, np.dtype(spec.dtype.numpy)))
+                fresh.append((slot[spec.name], spec.name, shape, np.dtype(spec.dtype.numpy)))
                 strides[spec.name] = _row_major(shape)
                 if spec.kind == "temp":
                     temp_bytes += math.prod(shape) * spec.dtype.itemsize
             elif spec.kind == "const":
                 strides[spec.name] = _row_major(self.constants[spec.index].shape)
+                pointers[slot[spec.name]] = self._const(spec.index, dev, stream).ptr
         ints = [env[name] if d < 0 else strides[name][d] for name, d in self.int_slots]
         fns = self._functions(dev)
-        nbytes = {name: math.prod(shape) * dt.itemsize for name, shape, dt in fresh}
+        nbytes = {name: math.prod(shape) * dt.itemsize for _, name, shape, dt in fresh}
         launches = [(fns[k.name][0], self._grid(i, env, dev, fns[k.name][1]), BLOCK if k.parallel else 1, k.name,
-                     [(a, nbytes[a]) for a in k.zeroed if nbytes[a]]) for i, k in enumerate(self.kernels)]
-        plan = _Plan(fresh, launches, temp_bytes, (ctypes.c_void_p * max(len(self.buffers), 1))(),
+                     [(slot[a], nbytes[a]) for a in k.zeroed if nbytes[a]]) for i, k in enumerate(self.kernels)]
+        plan = _Plan(fresh, launches, temp_bytes, [slot[spec.name] for spec in self.inputs], pointers,
                      (ctypes.c_int64 * max(len(ints), 1))(*ints))
         places = [ctypes.addressof(plan.pointers) + 8 * i for i in range(len(self.buffers))]
         places += [ctypes.addressof(plan.ints) + 8 * i for i in range(len(ints))]
@@ -455,10 +453,11 @@ class GpuExecutable(Executable):
 
 @dataclass
 class _Plan:
-    fresh: list  # (array, shape, dtype) of outputs and temporaries to allocate
-    launches: list  # (function, grid, block, name, arrays to zero)
+    fresh: list  # (argument slot, array, shape, dtype) of outputs and temporaries to allocate
+    launches: list  # (function, grid, block, name, (slot, bytes) to zero)
     temp_bytes: int
-    pointers: Any  # the kernels' arguments: buffer pointers, set at each call,
+    input_slots: list  # the argument slot of each input
+    pointers: Any  # the kernels' arguments: buffer pointers (inputs and fresh set at each call),
     ints: Any  # and integers (sizes, strides), fixed for the plan
     block: Any = None  # the address of each argument, as cuLaunchKernel takes them
     argv: int = 0
