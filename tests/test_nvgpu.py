@@ -275,3 +275,35 @@ def test_jax_arrays_on_the_gpu():
         assert isinstance(o, jax.Array) and o.devices() == x.devices()
         np.testing.assert_allclose(np.asarray(o), np.asarray(r), rtol=1e-5, atol=1e-5)
     assert f.stats["fallbacks"] == 0
+
+
+def _two_gpus():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    return torch
+
+
+@pytest.mark.gpu
+def test_tensors_on_the_second_gpu_run_there():
+    torch = _two_gpus()
+    x = torch.randn(3, 300, 257, device="cuda:1")
+    jf = polyjit.jit_torch(_torch_blur, compile_options={"target": "nvgpu"})
+    out = jf(x)
+    assert out.device == x.device
+    torch.testing.assert_close(out, _torch_blur(x), rtol=1e-5, atol=1e-5)
+    exe = polyjit.compile(lambda a: ops.softmax(a, -1), [InputInfo([64, 1024], F32)], {"target": "nvgpu"})
+    for dev in ("cuda:1", "cuda:0", "cuda:1"):  # the device found from each call's pointers
+        y = torch.randn(64, 1024, device=dev)
+        got = torch.as_tensor(exe(y))  # a DeviceBuffer, seen through its CUDA array interface
+        assert got.device == y.device
+        torch.testing.assert_close(got, torch.softmax(y, -1), rtol=1e-5, atol=1e-6)
+    polyjit.cuda_synchronize()
+
+
+@pytest.mark.gpu
+def test_inputs_on_two_gpus_name_the_arguments():
+    torch = _two_gpus()
+    exe = polyjit.compile(lambda a, b: a + b, [InputInfo([4], F32)] * 2, {"target": "nvgpu"})
+    with pytest.raises(InputError, match=r"several GPUs \(\{0: \[0\], 1: \[1\]\}\)"):
+        exe(torch.ones(4, device="cuda:0"), torch.ones(4, device="cuda:1"))
