@@ -251,9 +251,18 @@ class GpuView:
 
 
 def _device_of(ptr: int) -> int:
+    """The ordinal of the device whose context allocated ptr (the driver's
+    DEVICE_ORDINAL attribute read 0 for memory on a second GPU)."""
     cu = driver()
-    attr = cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
-    return int(check(cu.cuPointerGetAttribute(attr, ptr), "cuPointerGetAttribute"))
+    ctx = check(cu.cuPointerGetAttribute(cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_CONTEXT, ptr),
+                "cuPointerGetAttribute")
+    if not int(ctx):
+        return default_ordinal()
+    check(cu.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
+    try:
+        return int(check(cu.cuCtxGetDevice(), "cuCtxGetDevice"))
+    finally:
+        check(cu.cuCtxPopCurrent(), "cuCtxPopCurrent")
 
 
 def as_device_array(a, ordinal: int | None = None) -> GpuView | None:
