@@ -21,7 +21,7 @@ from polyjit.sizes import Lin
 _warned: set = set()
 
 _DTYPES = {"float32": DataType.Float, "float64": DataType.Double, "float16": DataType.Half,
-           "int32": DataType.Int32, "int64": DataType.Int, "bool": DataType.Bool}
+           "int32": DataType.Int32, "uint32": DataType.UInt32, "int64": DataType.Int, "bool": DataType.Bool}
 
 
 def core_dtype(dt) -> DataType:

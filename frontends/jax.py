@@ -59,11 +59,17 @@ def _float_binary(op):
 
 
 def _logical(op):
+    """and/or/xor/not: logical on booleans, bitwise on integers."""
     def rule(g, ins, p):
-        if any(x.dtype != DataType.Bool for x in ins):
-            raise UnsupportedOpError(f"bitwise {op} of integers")
-        return g.unary(op, ins[0]) if op == "logical_not" else g.binary(op, *ins)
+        name = op if all(x.dtype == DataType.Bool for x in ins) else "bitwise_" + op.split("_")[1]
+        return g.unary(name, ins[0]) if op == "logical_not" else g.binary(name, *ins)
     return rule
+
+
+def _random_bits(g, ins, p):
+    if p["bit_width"] != 32 or ins[0].rank != 1:
+        raise UnsupportedOpError(f"random_bits of {p['bit_width']} bits from a key of shape {list(ins[0].shape[:-1])}")
+    return g.random_bits(ins[0], p["shape"])
 
 
 def _identity(g, ins, p):
@@ -248,6 +254,11 @@ PRIMITIVES: dict[str, Callable] = {
     "select_n": _select_n,
     "clamp": _clamp,
     "convert_element_type": lambda g, ins, p: g.cast(ins[0], core_dtype(p["new_dtype"])),
+    "bitcast_convert_type": lambda g, ins, p: g.bitcast(ins[0], core_dtype(p["new_dtype"])),
+    "shift_left": _binary("shift_left"), "shift_right_logical": _binary("shift_right_logical"),
+    "shift_right_arithmetic": _binary("shift_right_arithmetic"),
+    # random numbers: a threefry key is its uint32[2] data here
+    "random_wrap": _identity, "random_unwrap": _identity, "random_bits": _random_bits,
     "stop_gradient": _identity, "copy": _identity, "copy_p": _identity,
     "optimization_barrier": _identity, "sharding_constraint": _identity,
     # layout
@@ -281,10 +292,30 @@ CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_cal
 
 
 # ============================================================ flat programs
-def _eqn_op(prim, params: dict, ins: list, outs: list, where: str = "") -> Op:
-    def run(args):
+def _is_key(x) -> bool:
+    """A threefry PRNG key array (or its aval): the keys polyjit reads as their uint32[2] data."""
+    return str(x.dtype) == "key<fry>"
+
+
+def _key_impl(aval):
+    return "threefry2x32" if _is_key(aval) else None
+
+
+def _value(aval) -> Value:
+    """A jaxpr value; a threefry key array is its key data, uint32[..., 2]."""
+    if _is_key(aval):
+        return Value(tuple(aval.shape) + (2,), np.dtype(np.uint32))
+    return Value(aval.shape, aval.dtype)
+
+
+def _eqn_op(prim, params: dict, ins: list, outs: list, where: str = "", eqn=None) -> Op:
+    impls = [_key_impl(v.aval) for v in eqn.invars] if eqn is not None else [None] * len(ins)
+
+    def run(args):  # keys cross as their data, wrapped again for JAX
+        args = [jax.random.wrap_key_data(a, impl=i) if i is not None else a for a, i in zip(args, impls)]
         out = prim.bind(*args, **params)
-        return out if prim.multiple_results else [out]
+        out = out if prim.multiple_results else [out]
+        return [jax.random.key_data(o) if _is_key(o) else o for o in out]
     return Op(prim.name, PRIMITIVES.get(prim.name), params, ins, outs, run, where)
 
 
@@ -323,8 +354,8 @@ def _flatten(closed, args: list, out: list[Op]) -> list:
         elif name == "scan" and eqn.params["length"] <= SCAN_UNROLL_LIMIT:
             results = _unroll_scan(eqn, ins, out)
         else:
-            results = [Value(v.aval.shape, v.aval.dtype) for v in eqn.outvars]
-            out.append(_eqn_op(eqn.primitive, dict(eqn.params), ins, results, _where(eqn)))
+            results = [_value(v.aval) for v in eqn.outvars]
+            out.append(_eqn_op(eqn.primitive, dict(eqn.params), ins, results, _where(eqn), eqn))
         for v, r in zip(eqn.outvars, results):
             env[v] = r
     return [read(v) for v in jaxpr.outvars]
@@ -384,7 +415,7 @@ def _stack(items: list, var, out: list[Op]):
 
 
 def program(closed, options: CompileOptions, stats: Stats, name: str) -> SegmentedProgram:
-    invars = [Value(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
+    invars = [_value(v.aval) for v in closed.jaxpr.invars]
     ops: list[Op] = []
     outvars = _flatten(closed, list(invars), ops)
     return SegmentedProgram(invars, ops, outvars, options, stats, name, "JAX")
@@ -459,6 +490,9 @@ class JaxFunction:
         for path, x in zip(paths, leaves):
             if isinstance(x, (bool, int, float)):
                 x = np.asarray(x, dtype=jnp.asarray(x).dtype)
+            elif isinstance(x, jax.Array) and _is_key(x):  # a typed key: its data, a raw key to jax.random
+                devices[path] = next(iter(x.devices()))
+                x = jax.random.key_data(x)
             elif isinstance(x, jax.Array):
                 devices[path] = next(iter(x.devices()))
             elif not isinstance(x, np.ndarray):

@@ -11,6 +11,7 @@ class DataType(enum.Enum):
 
     Bool = "bool"
     Int32 = "int32"
+    UInt32 = "uint32"
     Int = "int64"
     Half = "float16"
     BFloat16 = "bfloat16"
@@ -23,7 +24,11 @@ class DataType(enum.Enum):
 
     @property
     def is_int(self) -> bool:
-        return self in (DataType.Int32, DataType.Int)
+        return self in (DataType.Int32, DataType.UInt32, DataType.Int)
+
+    @property
+    def is_unsigned(self) -> bool:
+        return self is DataType.UInt32
 
     @property
     def itemsize(self) -> int:
@@ -48,9 +53,9 @@ class DataType(enum.Enum):
 
 
 _FLOATS = (DataType.Half, DataType.BFloat16, DataType.Float, DataType.Double)
-_ITEMSIZE = {DataType.Bool: 1, DataType.Int32: 4, DataType.Int: 8, DataType.Half: 2,
+_ITEMSIZE = {DataType.Bool: 1, DataType.Int32: 4, DataType.UInt32: 4, DataType.Int: 8, DataType.Half: 2,
              DataType.BFloat16: 2, DataType.Float: 4, DataType.Double: 8}
-_RANK = {DataType.Bool: 0, DataType.Int32: 1, DataType.Int: 2, DataType.Half: 3,
+_RANK = {DataType.Bool: 0, DataType.Int32: 1, DataType.UInt32: 1, DataType.Int: 2, DataType.Half: 3,
          DataType.BFloat16: 3, DataType.Float: 4, DataType.Double: 5}
 
 
@@ -80,6 +85,8 @@ def promote(a: DataType, b: DataType) -> DataType:
         return a
     if {a, b} == {DataType.Half, DataType.BFloat16}:
         return DataType.Float
+    if {a, b} == {DataType.Int32, DataType.UInt32}:
+        return DataType.Int
     return a if _RANK[a] >= _RANK[b] else b
 
 

@@ -23,10 +23,13 @@ from .sizes import Lin, Size
 
 UNARY_OPS = ("neg", "abs", "exp", "log", "log1p", "expm1", "sqrt", "rsqrt", "sin", "cos",
              "tan", "tanh", "erf", "sigmoid", "floor", "ceil", "round", "sign", "logical_not",
-             "reciprocal", "isnan", "isinf", "isfinite", "relu")
+             "reciprocal", "isnan", "isinf", "isfinite", "relu", "bitwise_not")
 BINARY_OPS = ("add", "sub", "mul", "div", "pow", "maximum", "minimum", "remainder",
               "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_xor",
-              "atan2")
+              "atan2", "bitwise_and", "bitwise_or", "bitwise_xor", "shift_left", "shift_right_logical",
+              "shift_right_arithmetic")
+BITWISE = ("bitwise_not", "bitwise_and", "bitwise_or", "bitwise_xor", "shift_left", "shift_right_logical",
+           "shift_right_arithmetic")
 COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")
 LOGICAL = ("logical_and", "logical_or", "logical_xor", "logical_not", "isnan", "isinf",
            "isfinite")
@@ -153,6 +156,8 @@ class Graph:
     def unary(self, op: str, x: Node) -> Node:
         if op not in UNARY_OPS:
             raise DefinitionError(f"unknown unary op {op!r}")
+        if op in BITWISE and not x.dtype.is_int:
+            raise DefinitionError(f"{op} needs an integer operand, got {x.dtype}")
         if op in LOGICAL:
             dt = DataType.Bool
         elif op in FLOAT_ONLY and not x.dtype.is_float:
@@ -169,6 +174,8 @@ class Graph:
         if op not in BINARY_OPS:
             raise DefinitionError(f"unknown binary op {op!r}")
         dt = self._result_dtype(a, b)
+        if op in BITWISE and not dt.is_int:
+            raise DefinitionError(f"{op} needs integer operands, got {a.dtype} and {b.dtype}")
         if op in ("div", "pow", "atan2") and not dt.is_float:
             dt = DataType.Float if op != "pow" else dt
         a, b = self.cast(a, dt), self.cast(b, dt)
@@ -185,6 +192,20 @@ class Graph:
         shape = self._broadcast_shape([cond.shape, a.shape, b.shape], "where")
         cond, a, b = (self.expand(t, shape) for t in (cond, a, b))
         return Node("where", (cond, a, b), {}, shape, dt)
+
+    def bitcast(self, x: Node, dtype) -> Node:
+        """The same bits read as another type of the same size (float32 <-> uint32)."""
+        dt = to_dtype(dtype)
+        if dt.itemsize != x.dtype.itemsize or DataType.Bool in (dt, x.dtype) or dt.compute != dt \
+                or x.dtype.compute != x.dtype:
+            raise DefinitionError(f"bitcast from {x.dtype} to {dt}: only between 32- or 64-bit types")
+        return x if dt == x.dtype else Node("bitcast", (x,), {}, x.shape, dt)
+
+    def random_bits(self, key: Node, shape: Sequence[Size]) -> Node:
+        """JAX's threefry random bits: uint32 per element from a uint32[2] key."""
+        if key.dtype is not DataType.UInt32 or tuple(key.shape) != (2,):
+            raise DefinitionError(f"random_bits: the key must be uint32[2], got {key.dtype}{list(key.shape)}")
+        return Node("random_bits", (key,), {}, tuple(shape), DataType.UInt32)
 
     def cast(self, x: Node, dtype) -> Node:
         dt = to_dtype(dtype)

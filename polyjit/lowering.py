@@ -399,14 +399,28 @@ def _gather(L, n, idx):
     return L.value(x, list(idx[:axis]) + [_position(L, index, idx[axis:axis + k], size)] + list(idx[axis + k:]))
 
 
-def _rand(L, n, idx):
-    shape = L.shape(n)
-    linear: Expr = E.const(n.attrs["offset"])
+def _linear(shape, idx, offset: int = 0) -> Expr:
+    """The row-major position of element idx, plus offset."""
+    linear: Expr = E.const(offset)
     stride: Expr = E.const(1)
     for d in reversed(range(len(shape))):
         linear = E.iadd(linear, E.imul(idx[d], stride))
         stride = E.imul(E.size_expr(shape[d]), stride) if not isinstance(stride, Const) or \
             not sz.is_static(shape[d]) else E.const(stride.value * int(shape[d]))
+    return linear
+
+
+def _random_bits(L, n, idx):
+    key = [L.value(n.inputs[0], (E.const(k),)) for k in (0, 1)]
+    return Op(DataType.UInt32, "threefry", (key[0], key[1], _linear(L.shape(n), idx)))
+
+
+def _bitcast(L, n, idx):
+    return Op(n.dtype, "bitcast", (L.value(n.inputs[0], idx),))
+
+
+def _rand(L, n, idx):
+    linear = _linear(L.shape(n), idx, n.attrs["offset"])
     seed = L.value(n.inputs[0], ())
     seed = Op(DataType.Int, "cast", (seed,)) if seed.dtype != DataType.Int else seed
     u = Op(DataType.Float, "rand", (seed, linear))
@@ -417,7 +431,8 @@ INLINE: dict[str, Callable] = {op: _elementwise for op in UNARY_OPS + BINARY_OPS
 INLINE.update({"where": _where, "cast": _cast, "constant": _constant, "iota": _iota,
                "broadcast_in_dim": _broadcast, "transpose": _transpose, "slice": _slice,
                "reverse": _reverse, "pad": _pad, "concatenate": _concatenate,
-               "reshape": _reshape, "gather": _gather, "rand_uniform": _rand})
+               "reshape": _reshape, "gather": _gather, "rand_uniform": _rand, "random_bits": _random_bits,
+               "bitcast": _bitcast})
 LAYOUT_OPS = ("broadcast_in_dim", "transpose", "slice", "reverse", "reshape", "iota",
               "constant")
 

@@ -135,6 +135,10 @@ isnan, isinf, isfinite, relu = map(_unary, ("isnan", "isinf", "isfinite", "relu"
 add, sub, mul, div, pow, maximum, minimum, remainder = map(_binary, ("add", "sub", "mul", "div", "pow", "maximum", "minimum", "remainder"))
 eq, ne, lt, le, gt, ge = map(_binary, ("eq", "ne", "lt", "le", "gt", "ge"))
 logical_and, logical_or, logical_xor, atan2 = map(_binary, ("logical_and", "logical_or", "logical_xor", "atan2"))
+bitwise_and, bitwise_or, bitwise_xor = map(_binary, ("bitwise_and", "bitwise_or", "bitwise_xor"))
+shift_left, shift_right_logical, shift_right_arithmetic = map(
+    _binary, ("shift_left", "shift_right_logical", "shift_right_arithmetic"))
+bitwise_not = _unary("bitwise_not")
 truediv = div
 fmod = remainder
 
@@ -148,6 +152,12 @@ def where(cond, a, b) -> Tensor:
 def cast(x: Tensor, dtype) -> Tensor:
     g = _graph(x)
     return _wrap(g, g.cast(_node(g, x), to_dtype(dtype)))
+
+
+def bitcast(x: Tensor, dtype) -> Tensor:
+    """The same bits read as another type of the same size."""
+    g = _graph(x)
+    return _wrap(g, g.bitcast(_node(g, x), to_dtype(dtype)))
 
 
 def iota(shape: Sequence, dim: int = 0, dtype=DataType.Int, *, like: Tensor | None = None) -> Tensor:
@@ -452,6 +462,12 @@ def rand_uniform(shape: Sequence, seed, offset: int = 0, *, like: Tensor | None 
     g = _graph(seed, like)
     s = _node(g, seed) if isinstance(seed, Tensor) else g.constant(int(seed), DataType.Int)
     return _wrap(g, g.rand_uniform(tuple(shape), s, offset))
+
+
+def random_bits(key: Tensor, shape: Sequence) -> Tensor:
+    """JAX's threefry random bits (``jax.random.bits`` of a raw uint32[2] key), bit for bit."""
+    g = _graph(key)
+    return _wrap(g, g.random_bits(_node(g, key), tuple(shape)))
 
 
 def uniform(minval, maxval, shape: Sequence, dtype=DataType.Float, rng_seed=0, rng_offset: int = 0,

@@ -85,11 +85,13 @@ _cache = BufferCache()
 
 
 def _new_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """An uninitialized buffer; with POLYJIT_POISON=1 filled with NaN (or -7777)
-    so that an element a kernel forgets to write shows up instead of passing by luck."""
+    """An uninitialized buffer; with POLYJIT_POISON=1 filled with NaN (-7777 for
+    signed integers, all ones for unsigned) so that an element a kernel forgets
+    to write shows up instead of passing by luck."""
     a = _cache.empty(shape, dtype)
     if POISON:
-        a.fill(np.nan if np.dtype(dtype).kind == "f" else -7777)
+        kind = np.dtype(dtype).kind
+        a.fill(np.nan if kind == "f" else np.iinfo(dtype).max if kind == "u" else -7777)
     return a
 
 

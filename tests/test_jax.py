@@ -164,6 +164,25 @@ def test_primitives(rng, fn):
     check(fn, rnd(rng, 4, 10))
 
 
+@pytest.mark.parametrize("typed", [False, True], ids=["raw_key", "typed_key"])
+def test_bernoulli_dropout_and_uniform_bit_for_bit(rng, typed):
+    """jax.random's threefry bits, bit for bit: the same dropout mask and the
+    same uniform numbers as JAX for a raw uint32[2] key or a typed key."""
+    seed = int(rng.integers(1 << 31))
+    k = jax.random.key(seed) if typed else jax.random.PRNGKey(seed)
+    x = rnd(rng, 37, 65)
+
+    def dropout(key, x):
+        keep = jax.random.bernoulli(key, 0.8, x.shape)
+        return jnp.where(keep, x / 0.8, 0.0), keep, jax.random.uniform(key, (3, 5), minval=-2.0, maxval=2.0)
+    jf = check(dropout, k, x)
+    out, keep, u = jf(k, x)
+    want = dropout(k, x)
+    np.testing.assert_array_equal(np.asarray(keep), np.asarray(want[1]))
+    np.testing.assert_array_equal(np.asarray(u), np.asarray(want[2]))
+    assert 0.75 < float(np.mean(np.asarray(keep))) < 0.85
+
+
 def test_nan_and_inf_propagate():
     x = jnp.asarray([[0.5, np.nan, -np.inf, 2.0], [1.0, 2.0, np.inf, -1.0]], jnp.float32)
     for fn in (lambda x: jax.nn.softmax(x, -1), lambda x: jnp.max(x, 1), lambda x: jnp.exp(x) * 0 + x):

@@ -121,9 +121,47 @@ def test_logical_and_where(rng):
     close(got[4], np.where(a, x, y))
 
 
+@pytest.mark.parametrize("dtype", [np.uint32, np.int32, np.int64])
+def test_bitwise_and_shifts(dtype, rng):
+    """Integers' bits as numpy's; a shift by the width or more gives 0 (the
+    sign for an arithmetic one), as in JAX; unsigned compare, divide, widen."""
+    info = np.iinfo(dtype)
+    a = rng.integers(info.min, info.max, (5, 40), dtype=dtype, endpoint=True)
+    b = rng.integers(info.min, info.max, (5, 40), dtype=dtype, endpoint=True)
+    bits = 8 * a.itemsize
+    s = rng.integers(0, bits + 8, (5, 40)).astype(dtype)
+    got, _ = run(lambda x, y, k: (ops.bitwise_and(x, y), ops.bitwise_or(x, y), ops.bitwise_xor(x, y),
+                                  ops.bitwise_not(x), ops.shift_left(x, k), ops.shift_right_logical(x, k),
+                                  ops.shift_right_arithmetic(x, k), ops.lt(x, y), ops.maximum(x, y)), a, b, s)
+    u, i = a.view(np.dtype(f"u{a.itemsize}")), a.view(np.dtype(f"i{a.itemsize}"))
+    small = s < bits
+    sk = np.where(small, s, 0).astype(u.dtype)
+    want = [a & b, a | b, a ^ b, ~a, np.where(small, (u << sk).view(dtype), 0),
+            np.where(small, (u >> sk).view(dtype), 0),
+            (i >> np.where(small, s, bits - 1).astype(i.dtype)).view(dtype),  # on the bits, signed
+            a < b, np.maximum(a, b)]
+    for g, w in zip(got, want):
+        close(g, np.asarray(w).astype(g.dtype))
+
+
+def test_unsigned_and_bitcast(rng):
+    a = rng.integers(0, 2 ** 32, (4, 9), dtype=np.uint32)
+    b = rng.integers(1, 2 ** 32, (4, 9), dtype=np.uint32)
+    f = rng.standard_normal((4, 9)).astype(F32)
+    got, _ = run(lambda x, y, z: (ops.div(ops.cast(x, "int64"), 1) * 0 + ops.cast(x, "int64"),
+                                  ops.cast(x, "float32"), ops.bitcast(z, "uint32"), ops.bitcast(x, "float32"),
+                                  ops.remainder(x, y)), a, b, f)
+    close(got[0], a.astype(np.int64))
+    close(got[1], a.astype(F32), rtol=0, atol=0)
+    close(got[2], f.view(np.uint32))
+    np.testing.assert_array_equal(got[3].view(np.uint32), a)  # NaN payloads too
+    close(got[4], a % b)
+
+
 @pytest.mark.parametrize("src,dst", [(np.float32, np.int32), (np.float32, np.int64), (np.int32, np.float32),
                                      (np.float64, np.float32), (np.float32, np.float16), (np.float16, np.float64),
-                                     (np.int64, np.int32), (np.float32, np.bool_), (np.bool_, np.float32)])
+                                     (np.int64, np.int32), (np.float32, np.bool_), (np.bool_, np.float32),
+                                     (np.uint32, np.float64), (np.uint32, np.int64)])
 def test_cast(src, dst, rng):
     x = (rng.standard_normal((9, 17)) * 100).astype(src)
     got, _ = run(lambda t: ops.cast(t, dst), x)

@@ -29,14 +29,16 @@ F16, F32, F64 = ir.HalfType(), ir.FloatType(), ir.DoubleType()
 PTR = ir.PointerType()
 BF16 = ir.BFloatType() if hasattr(ir, "BFloatType") else ir.IntType(16)
 
-COMPUTE = {DataType.Bool: I1, DataType.Int32: I32, DataType.Int: I64, DataType.Half: F32,
+COMPUTE = {DataType.Bool: I1, DataType.Int32: I32, DataType.UInt32: I32, DataType.Int: I64, DataType.Half: F32,
            DataType.BFloat16: F32, DataType.Float: F32, DataType.Double: F64}
-STORAGE = {DataType.Bool: I8, DataType.Int32: I32, DataType.Int: I64, DataType.Half: F16,
+STORAGE = {DataType.Bool: I8, DataType.Int32: I32, DataType.UInt32: I32, DataType.Int: I64, DataType.Half: F16,
            DataType.BFloat16: BF16, DataType.Float: F32, DataType.Double: F64}
 STACK_LIMIT = 16384  # bytes: smaller contracted buffers go on the stack
 
 _FCMP = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
 _ICMP = _FCMP
+_BITWISE = ("bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not", "shift_left", "shift_right_logical",
+            "shift_right_arithmetic")
 _LIBM = {"tan", "tanh", "erf", "log1p", "expm1", "atan2"}
 _INTRINSIC = {"exp": "llvm.exp", "log": "llvm.log", "sin": "llvm.sin", "cos": "llvm.cos",
               "sqrt": "llvm.sqrt", "floor": "llvm.floor", "ceil": "llvm.ceil",
@@ -423,9 +425,14 @@ class Emitter:
             return b.select(*a)
         if op == "rand":
             return self.philox_uniform(a[0], a[1])
+        if op == "threefry":
+            return self.threefry_bits(*a)
+        if op == "bitcast":
+            return b.bitcast(a[0], COMPUTE[dt])
         if op in _FCMP:
-            return b.fcmp_ordered(_FCMP[op], *a) if op != "ne" and fl else (
-                b.fcmp_unordered("!=", *a) if fl else b.icmp_signed(_ICMP[op], *a))
+            if fl:
+                return b.fcmp_ordered(_FCMP[op], *a) if op != "ne" else b.fcmp_unordered("!=", *a)
+            return (b.icmp_unsigned if src.is_unsigned else b.icmp_signed)(_ICMP[op], *a)
         if op in ("logical_and", "logical_or", "logical_xor"):
             return {"logical_and": b.and_, "logical_or": b.or_, "logical_xor": b.xor}[op](*a)
         if op == "logical_not":
@@ -440,6 +447,8 @@ class Emitter:
             return b.fcmp_ordered("==", mag, inf) if op == "isinf" else b.fcmp_ordered("<", mag, inf)
         if fl:
             return self.float_op(op, a)
+        if src.is_unsigned or op in _BITWISE:
+            return self.bits_op(op, a, src)
         return self.int_op(op, a, dt)
 
     def float_op(self, op: str, a: list) -> ir.Value:
@@ -535,6 +544,52 @@ class Emitter:
             return b.fptosi(f, a[0].type)
         raise NotImplementedError(f"no integer lowering for {op}")
 
+    def bits_op(self, op: str, a: list, dt: DataType) -> ir.Value:
+        """Bitwise and shift ops (JAX's: a shift by the width or more gives 0,
+        or the sign for an arithmetic one), and unsigned arithmetic."""
+        b = self.b
+        if op in ("bitwise_and", "bitwise_or", "bitwise_xor"):
+            return {"bitwise_and": b.and_, "bitwise_or": b.or_, "bitwise_xor": b.xor}[op](*a)
+        if op == "bitwise_not":
+            return b.not_(a[0])
+        if op.startswith("shift_"):
+            t = a[0].type
+            width = ir.Constant(t, t.width)
+            over = b.icmp_unsigned(">=", a[1], width)
+            if op == "shift_right_arithmetic":
+                return b.ashr(a[0], b.select(over, ir.Constant(t, t.width - 1), a[1]))
+            shifted = b.shl(*a) if op == "shift_left" else b.lshr(*a)
+            return b.select(over, ir.Constant(t, 0), shifted)
+        if op in ("div", "floordiv"):
+            return b.udiv(*a)
+        if op in ("mod", "remainder"):
+            return b.urem(*a)
+        if op in ("max", "maximum", "min", "minimum"):
+            return b.select(b.icmp_unsigned(">" if op.startswith("max") else "<", a[0], a[1]), a[0], a[1])
+        if op in ("abs", "relu", "floor", "ceil", "round"):
+            return a[0]
+        if op == "sign":
+            return b.zext(b.icmp_unsigned("!=", a[0], ir.Constant(a[0].type, 0)), a[0].type)
+        if op in ("add", "sub", "mul", "neg"):
+            return self.int_op(op, a, dt)
+        raise NotImplementedError(f"no unsigned lowering for {op}")
+
+    def threefry_bits(self, k0, k1, count) -> ir.Value:
+        """JAX's 32 random bits for element count under key (k0, k1): both
+        words of Threefry-2x32 (20 rounds) of the 64-bit count, xor-ed."""
+        b = self.b
+        c = lambda v: ir.Constant(I32, v)  # noqa: E731
+        ks = [k0, k1, b.xor(b.xor(k0, k1), c(0x1BD11BDA))]
+        x = [b.add(b.trunc(b.lshr(count, ir.Constant(I64, 32)), I32), ks[0]), b.add(b.trunc(count, I32), ks[1])]
+        rotations = [(13, 15, 26, 6), (17, 29, 16, 24)]
+        for i in range(5):
+            for r in rotations[i % 2]:
+                x[0] = b.add(x[0], x[1])
+                x[1] = b.or_(b.shl(x[1], c(r)), b.lshr(x[1], c(32 - r)))
+                x[1] = b.xor(x[0], x[1])
+            x = [b.add(x[0], ks[(i + 1) % 3]), b.add(b.add(x[1], ks[(i + 2) % 3]), c(i + 1))]
+        return b.xor(x[0], x[1])
+
     def cast(self, v, src: DataType, dst: DataType) -> ir.Value:
         b = self.b
         st, dt_ = COMPUTE[src], COMPUTE[dst]
@@ -552,12 +607,14 @@ class Emitter:
                 return v
             return b.fpext(v, dt_) if dt_ == F64 else b.fptrunc(v, dt_)
         if src.is_float:
-            return b.fptosi(v, dt_)
+            return b.fptoui(v, dt_) if dst.is_unsigned else b.fptosi(v, dt_)
         if dst.is_float:
-            return b.sitofp(v, dt_)
+            return b.uitofp(v, dt_) if src.is_unsigned else b.sitofp(v, dt_)
         if st.width == dt_.width:
             return v
-        return b.sext(v, dt_) if dt_.width > st.width else b.trunc(v, dt_)
+        if dt_.width < st.width:
+            return b.trunc(v, dt_)
+        return b.zext(v, dt_) if src.is_unsigned else b.sext(v, dt_)
 
     def philox_uniform(self, seed, counter) -> ir.Value:
         """Philox 4x32-10 of (counter, seed); the first word, as a float in [0, 1)."""
