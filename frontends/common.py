@@ -158,14 +158,21 @@ class _Segment:
             self.defined.append(v)
 
     def close(self, live: set[int], options: CompileOptions, name: str) -> None:
+        self.aliases = []  # (value, the input it is: an identity op's result)
         for v in self.defined:
             n = self.env[id(v)]
-            if id(v) in live and n.op != "input":
+            if id(v) not in live:
+                continue
+            if n.op == "input":
+                self.aliases.append((v, self.inputs[[i.id for i in self.graph.inputs].index(n.id)]))
+            else:
                 self.graph.add_output(n)
                 self.outputs.append(v)
         self.exe = Executable(self.graph, options, name)
 
     def run(self, values: dict) -> None:
+        for v, source in self.aliases:
+            values[id(v)] = values[id(source)]
         if not self.outputs:
             return
         outs = self.exe(*[_array(values[id(v)], self.exe.options.target) for v in self.inputs])

@@ -238,7 +238,7 @@ PRIMITIVES: dict[str, Callable] = {
         ("neg", "neg"), ("abs", "abs"), ("exp", "exp"), ("log", "log"), ("log1p", "log1p"),
         ("expm1", "expm1"), ("sqrt", "sqrt"), ("rsqrt", "rsqrt"), ("sin", "sin"), ("cos", "cos"),
         ("tan", "tan"), ("tanh", "tanh"), ("erf", "erf"), ("logistic", "sigmoid"), ("floor", "floor"),
-        ("ceil", "ceil"), ("sign", "sign"), ("is_finite", "isfinite")]},
+        ("ceil", "ceil"), ("sign", "sign"), ("is_finite", "isfinite"), ("erf_inv", "erf_inv")]},
     **{name: _binary(op) for name, op in [
         ("add", "add"), ("add_any", "add"), ("sub", "sub"), ("mul", "mul"), ("max", "maximum"),
         ("min", "minimum"), ("pow", "pow"), ("atan2", "atan2"), ("eq", "eq"), ("ne", "ne"),

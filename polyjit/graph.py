@@ -23,7 +23,7 @@ from .sizes import Lin, Size
 
 UNARY_OPS = ("neg", "abs", "exp", "log", "log1p", "expm1", "sqrt", "rsqrt", "sin", "cos",
              "tan", "tanh", "erf", "sigmoid", "floor", "ceil", "round", "sign", "logical_not",
-             "reciprocal", "isnan", "isinf", "isfinite", "relu", "bitwise_not")
+             "reciprocal", "isnan", "isinf", "isfinite", "relu", "bitwise_not", "erf_inv")
 BINARY_OPS = ("add", "sub", "mul", "div", "pow", "maximum", "minimum", "remainder",
               "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_xor",
               "atan2", "bitwise_and", "bitwise_or", "bitwise_xor", "shift_left", "shift_right_logical",
@@ -34,7 +34,7 @@ COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")
 LOGICAL = ("logical_and", "logical_or", "logical_xor", "logical_not", "isnan", "isinf",
            "isfinite")
 FLOAT_ONLY = ("exp", "log", "log1p", "expm1", "sqrt", "rsqrt", "sin", "cos", "tan", "tanh",
-              "erf", "sigmoid", "reciprocal", "atan2")
+              "erf", "sigmoid", "reciprocal", "atan2", "erf_inv")
 REDUCTIONS = ("sum", "max", "min", "prod")
 
 _ids = itertools.count()

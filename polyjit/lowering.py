@@ -197,11 +197,19 @@ class Lowering:
             if o.id in first:
                 outputs.append(first[o.id])
                 continue
-            src = self.array_of[o.id]
             out = f"out{k}"
+            first[o.id] = out
+            outputs.append(out)
+            src = self.array_of.get(o.id)
+            if src is None:  # a value only ever computed inline (a constant): into the output
+                shape = self.shape(o)
+                iters = tuple(f"i{d}" for d in range(len(shape)))
+                idx = tuple(E.it(i) for i in iters)
+                self.arrays[out] = Array(out, tuple(shape), o.dtype, "output", index=k)
+                self.add(out, iters, tuple((0, s) for s in shape), idx, self.inline(o, idx), o.op)
+                continue
             arr = self.arrays[src]
             self.arrays[out] = Array(out, arr.shape, arr.dtype, "output", index=k)
-            first[o.id] = out
             if arr.kind == "temp":
                 del self.arrays[src]
                 self.array_of[o.id] = out
@@ -211,7 +219,6 @@ class Lowering:
                 idx = tuple(E.it(i) for i in iters)
                 self.add(out, iters, tuple((0, s) for s in shape), idx,
                          Load(arr.dtype, src, idx), "copy")
-            outputs.append(out)
         self.emit()
         params = sorted({p for a in self.arrays.values() for s in a.shape
                          if isinstance(s, Lin) for p in s.params()})

@@ -139,6 +139,7 @@ bitwise_and, bitwise_or, bitwise_xor = map(_binary, ("bitwise_and", "bitwise_or"
 shift_left, shift_right_logical, shift_right_arithmetic = map(
     _binary, ("shift_left", "shift_right_logical", "shift_right_arithmetic"))
 bitwise_not = _unary("bitwise_not")
+erf_inv = _unary("erf_inv")
 truediv = div
 fmod = remainder
 

@@ -189,6 +189,24 @@ def test_bernoulli_dropout_and_uniform_bit_for_bit(rng, typed):
 
 
 @host_target
+def test_normal_samples(key):
+    check(lambda k: jax.random.normal(k, (64, 300)), key)
+
+
+def test_values_an_identity_passes_to_a_fallback(rng):
+    """An identity op's result (stop_gradient of an input, a folded constant)
+    reaching an op that runs in JAX: truncated_normal's nextafter bounds."""
+    def f(x, k):
+        return lax.cumprod(lax.stop_gradient(x), 1) * 2 + x, jax.random.truncated_normal(k, -1.0, 2.0, (50,))
+    x, k = rnd(rng, 3, 9), jax.random.PRNGKey(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        jf = polyjit.jit_jax(f)
+        assert_tree_close(jf(x, k), f(x, k))
+    assert sorted(set(jf.stats["fallback_ops"])) == ["cumprod", "nextafter"]
+
+
+@host_target
 def test_nan_and_inf_propagate():
     x = jnp.asarray([[0.5, np.nan, -np.inf, 2.0], [1.0, 2.0, np.inf, -1.0]], jnp.float32)
     for fn in (lambda x: jax.nn.softmax(x, -1), lambda x: jnp.max(x, 1), lambda x: jnp.exp(x) * 0 + x):

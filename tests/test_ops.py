@@ -144,6 +144,13 @@ def test_bitwise_and_shifts(dtype, rng):
         close(g, np.asarray(w).astype(g.dtype))
 
 
+def test_erf_inv(rng):
+    special = pytest.importorskip("scipy.special")
+    x = np.concatenate([rng.uniform(-0.9999, 0.9999, 3000), [-1, 1, 1.5, -2, 0, np.nan]]).astype(F32)
+    got, _ = run(ops.erf_inv, x)
+    close(got, special.erfinv(x.astype(np.float64)), rtol=2e-5, atol=1e-6)
+
+
 def test_unsigned_and_bitcast(rng):
     a = rng.integers(0, 2 ** 32, (4, 9), dtype=np.uint32)
     b = rng.integers(1, 2 ** 32, (4, 9), dtype=np.uint32)
@@ -385,3 +392,16 @@ def test_same_value_returned_twice(rng):
     got, _ = run(lambda t: (lambda e: (e, t, e + 1, e))(ops.exp(t)), x)
     close(got[0], np.exp(x.astype(np.float64))); close(got[1], x); close(got[2], np.exp(x.astype(np.float64)) + 1)
     close(got[3], np.exp(x.astype(np.float64)))
+
+
+def test_outputs_that_are_constants():
+    """A graph may return a value never materialized otherwise (a folded scalar)."""
+    from polyjit.api import Executable
+    from polyjit.graph import Graph
+    from polyjit.options import parse_options
+    g = Graph()
+    x = g.input([4], "float32")
+    for out in (g.binary("add", x, x), g.constant(2.0, "float32"), g.broadcast_in_dim(g.constant(3, "int32"), (2, 3), [])):
+        g.add_output(out)
+    a, b, c = Executable(g, parse_options({"target": TARGET}), "consts")(np.ones(4, F32))
+    close(a, np.full(4, 2.0, F32)); close(b, np.float32(2.0)); close(c, np.full((2, 3), 3, np.int32))

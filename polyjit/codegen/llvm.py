@@ -475,6 +475,8 @@ class Emitter:
             neg = b.uitofp(b.fcmp_ordered("<", a[0], zero), t)
             r = b.fsub(pos, neg)
             return b.select(b.fcmp_unordered("uno", a[0], a[0]), a[0], r)
+        if op == "erf_inv":
+            return self.erf_inv(a[0])
         if op == "remainder":
             r = b.frem(*a)
             fix = b.and_(b.fcmp_ordered("!=", r, ir.Constant(t, 0.0)),
@@ -482,6 +484,27 @@ class Emitter:
                                b.fcmp_ordered("<", a[1], ir.Constant(t, 0.0))))
             return b.select(fix, b.fadd(r, a[1]), r)
         return self.math(op, a)
+
+    def erf_inv(self, x) -> ir.Value:
+        """Giles' single-precision inverse error function (the polynomials XLA
+        uses): w = -log1p(-x^2), a polynomial in w - 2.5 below 5, else in
+        sqrt(w) - 3; +-inf at +-1, NaN beyond."""
+        b = self.b
+        t = x.type
+        k = lambda v: ir.Constant(t, v)  # noqa: E731
+        w = b.fneg(self.math("log1p", [b.fneg(b.fmul(x, x))]))
+        small = b.fcmp_ordered("<", w, k(5.0))
+        z = b.select(small, b.fsub(w, k(2.5)), b.fsub(self.call("llvm.sqrt", [w]), k(3.0)))
+        near = (2.81022636e-08, 3.43273939e-07, -3.5233877e-06, -4.39150654e-06, 0.00021858087,
+                -0.00125372503, -0.00417768164, 0.246640727, 1.50140941)
+        far = (-0.000200214257, 0.000100950558, 0.00134934322, -0.00367342844, 0.00573950773,
+               -0.0076224613, 0.00943887047, 1.00167406, 2.83297682)
+        p = b.select(small, k(near[0]), k(far[0]))
+        for c0, c1 in zip(near[1:], far[1:]):
+            p = self.call("llvm.fmuladd", [p, z, b.select(small, k(c0), k(c1))])
+        r = b.fmul(p, x)
+        one = b.fcmp_ordered("==", self.call("llvm.fabs", [x]), k(1.0))
+        return b.select(one, b.fmul(x, k(math.inf)), r)
 
     def math(self, op: str, a: list) -> ir.Value:
         """Transcendental functions: vectorizable float32 kernels, LLVM
