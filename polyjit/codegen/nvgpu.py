@@ -295,9 +295,7 @@ class GpuEmitter(Emitter):
                 body()
                 b = self.b
                 b.store(b.add(b.load(slot, typ=I64), step), slot)
-            for value, ptr, align in self.deferred or ():
-                b.store(value, ptr, align=align)
-            self.deferred = None
+            self.flush_stores()
             b.branch(head)
             b.position_at_end(done)
 
@@ -620,9 +618,7 @@ class GpuEmitter(Emitter):
                     self.b.store(self.b.add(lo, self.row_offsets[key]), self.var(it))
                     self.node(body)
                 self.claims = None
-            for value, ptr, align in self.deferred or ():
-                self.b.store(value, ptr, align=align)
-            self.deferred = None
+            self.flush_stores()
         else:
             self.strided_loop(group, b.add(lo, b.mul(self.lane, width)), hi, b.mul(lanes, width),
                               "lanes.vector", copies, 1, defer)
@@ -728,6 +724,12 @@ class GpuEmitter(Emitter):
         if arr.name not in self.written:
             v.set_metadata("invariant.load", self.module.add_metadata([]))
         return self.from_storage(v, arr.dtype)
+
+    def flush_stores(self) -> None:
+        """The stores deferred since self.deferred was set to a list, in order."""
+        for value, ptr, align in self.deferred or ():
+            self.b.store(value, ptr, align=align)
+        self.deferred = None
 
     def store_element(self, arr, index, ptr, val) -> None:
         align = self.claims.get(id(index)) if self.claims else None
