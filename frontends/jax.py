@@ -37,9 +37,11 @@ SCAN_UNROLL_LIMIT = 64  # longest static scan (fori_loop) unrolled into the prog
 # ====================================================================== table
 def _to_jax(o, device):
     """A result as a JAX array: GPU results (polyjit's DeviceBuffer) by DLPack, no copy."""
-    if hasattr(o, "__dlpack__") and not isinstance(o, (np.ndarray, jax.Array)):
-        return jax.dlpack.from_dlpack(o)
-    return jax.device_put(o, device)
+    return jax.dlpack.from_dlpack(o) if _is_gpu_result(o) else jax.device_put(o, device)
+
+
+def _is_gpu_result(o) -> bool:
+    return hasattr(o, "__dlpack__") and not isinstance(o, (np.ndarray, jax.Array))
 
 
 def _unary(op):
@@ -311,7 +313,8 @@ def _value(aval) -> Value:
 def _eqn_op(prim, params: dict, ins: list, outs: list, where: str = "", eqn=None) -> Op:
     impls = [_key_impl(v.aval) for v in eqn.invars] if eqn is not None else [None] * len(ins)
 
-    def run(args):  # keys cross as their data, wrapped again for JAX
+    def run(args):  # GPU results by DLPack; keys cross as their data, wrapped again for JAX
+        args = [jax.dlpack.from_dlpack(a) if _is_gpu_result(a) else a for a in args]
         args = [jax.random.wrap_key_data(a, impl=i) if i is not None else a for a, i in zip(args, impls)]
         out = prim.bind(*args, **params)
         out = out if prim.multiple_results else [out]
