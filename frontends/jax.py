@@ -68,6 +68,22 @@ def _logical(op):
     return rule
 
 
+def _nextafter(g, ins, p):
+    """The next float after x towards y, on the bits: one step away from zero
+    or towards it; from zero the smallest subnormal with y's sign."""
+    x, y = ins
+    if x.dtype not in (DataType.Float, DataType.Double):
+        raise UnsupportedOpError(f"nextafter of {x.dtype}")
+    it = DataType.Int32 if x.dtype == DataType.Float else DataType.Int
+    bits, zero = g.bitcast(x, it), g.constant(0, x.dtype)
+    away = g.binary("eq", g.binary("gt", y, x), g.binary("gt", x, zero))
+    step = g.where(away, g.binary("add", bits, g.constant(1, it)), g.binary("sub", bits, g.constant(1, it)))
+    smallest = g.where(g.binary("gt", y, zero), g.constant(1, it), g.constant(-(2 ** (8 * it.itemsize - 1)) + 1, it))
+    out = g.bitcast(g.where(g.binary("eq", x, zero), smallest, step), x.dtype)
+    out = g.where(g.binary("eq", x, y), y, out)
+    return g.where(g.binary("logical_or", g.unary("isnan", x), g.unary("isnan", y)), g.binary("add", x, y), out)
+
+
 def _random_bits(g, ins, p):
     if p["bit_width"] != 32 or ins[0].rank != 1:
         raise UnsupportedOpError(f"random_bits of {p['bit_width']} bits from a key of shape {list(ins[0].shape[:-1])}")
@@ -259,6 +275,7 @@ PRIMITIVES: dict[str, Callable] = {
     "bitcast_convert_type": lambda g, ins, p: g.bitcast(ins[0], core_dtype(p["new_dtype"])),
     "shift_left": _binary("shift_left"), "shift_right_logical": _binary("shift_right_logical"),
     "shift_right_arithmetic": _binary("shift_right_arithmetic"),
+    "nextafter": _nextafter,
     # random numbers: a threefry key is its uint32[2] data here
     "random_wrap": _identity, "random_unwrap": _identity, "random_bits": _random_bits,
     "stop_gradient": _identity, "copy": _identity, "copy_p": _identity,
