@@ -105,10 +105,13 @@ def test_row_reductions_use_warp_shuffles_and_stencils_use_strips():
 
 
 def run_threads_on_cpu(exe, arrays, grid=3, block=64):
-    """Run an nvgpu program's kernels on the CPU, one GPU thread after another
-    (thread and block ids read from globals), to check the generated code
-    without a GPU. Only for kernels without warp shuffles or barriers."""
+    """Run an nvgpu program's kernels on the CPU to check the generated code
+    without a GPU: blocks one after another; a block's threads one after
+    another, or, for kernels with barriers, all at once as OS threads that
+    meet at a threading.Barrier. Thread and block ids come from callbacks;
+    shared memory is ordinary memory. Warp shuffles cannot run here."""
     import ctypes
+    import threading
 
     import llvmlite.binding as llvm
 
@@ -117,21 +120,24 @@ def run_threads_on_cpu(exe, arrays, grid=3, block=64):
 
     prog = exe.compile_default()
     ir = prog.ir["llvm"].replace('target triple = "nvptx64-nvidia-cuda"', "").replace("define ptx_kernel", "define")
-    regs = ["tid.x", "ctaid.x", "ntid.x", "nctaid.x"]
-    for r in regs:
-        g = "sim_" + r.replace(".", "_")
-        ir = ir.replace(f'declare i32 @"llvm.nvvm.read.ptx.sreg.{r}"()',
-                        f'@{g} = global i32 0\ndefine i32 @"sim.{r}"() {{\n  %v = load i32, ptr @{g}\n  ret i32 %v\n}}')
-        ir = ir.replace(f'@"llvm.nvvm.read.ptx.sreg.{r}"', f'@"sim.{r}"')
-    assert "llvm.nvvm" not in ir, "warp intrinsics cannot run one thread at a time"
+    ir = ir.replace(" addrspace(3)", "")
+    local = threading.local()
+    i32 = ctypes.CFUNCTYPE(ctypes.c_int32)
+    hooks = {"sim_tid_x": i32(lambda: local.tid), "sim_ctaid_x": i32(lambda: local.ctaid),
+             "sim_ntid_x": i32(lambda: local.ntid), "sim_nctaid_x": i32(lambda: local.nctaid),
+             "sim_barrier": ctypes.CFUNCTYPE(None)(lambda: local.barrier.wait())}
+    for r in ("tid.x", "ctaid.x", "ntid.x", "nctaid.x"):
+        ir = ir.replace(f'@"llvm.nvvm.read.ptx.sreg.{r}"', "@sim_" + r.replace(".", "_"))
+    ir = ir.replace('@"llvm.nvvm.barrier0"', "@sim_barrier")
+    assert "llvm.nvvm" not in ir, "warp intrinsics cannot run on the CPU"
     _llvm()
+    for name, hook in hooks.items():
+        llvm.add_symbol(name, ctypes.cast(hook, ctypes.c_void_p).value)
     tm = target_machine()
     mod = llvm.parse_assembly(ir)
     mod.triple = tm.triple
     engine = llvm.create_mcjit_compiler(mod, tm)
     engine.finalize_object()
-    reg = {r: ctypes.c_int32.from_address(engine.get_global_value_address("sim_" + r.replace(".", "_")))
-           for r in regs}
     env = prog.bind(arrays)
     bufs = {spec.name: np.ascontiguousarray(a) for spec, a in zip(prog.inputs, arrays)}
     for spec in prog.buffers:
@@ -141,17 +147,28 @@ def run_threads_on_cpu(exe, arrays, grid=3, block=64):
             bufs[spec.name] = np.ascontiguousarray(prog.constants[spec.index])
     ints = [env[n] if d < 0 else int(np.prod(bufs[n].shape[d + 1:])) for n, d in prog.int_slots]
     args = [bufs[b.name].ctypes.data for b in prog.buffers] + ints
+    together = "@sim_barrier" in ir
     for k in prog.kernels:
         for a in k.zeroed:
             bufs[a][...] = 0
         fn = ctypes.CFUNCTYPE(None, *([ctypes.c_void_p] * len(prog.buffers) + [ctypes.c_int64] * len(ints)))(
             engine.get_function_address(k.name))
         blocks, threads = (grid, block) if k.parallel else (1, 1)
-        reg["ntid.x"].value, reg["nctaid.x"].value = threads, blocks
+
+        def thread(c, t, barrier=None):
+            local.tid, local.ctaid, local.ntid, local.nctaid, local.barrier = t, c, threads, blocks, barrier
+            fn(*args)
         for c in range(blocks):
-            for t in range(threads):
-                reg["ctaid.x"].value, reg["tid.x"].value = c, t
-                fn(*args)
+            if together:
+                barrier = threading.Barrier(threads)
+                team = [threading.Thread(target=thread, args=(c, t, barrier)) for t in range(threads)]
+                for th in team:
+                    th.start()
+                for th in team:
+                    th.join()
+            else:
+                for t in range(threads):
+                    thread(c, t)
     return [bufs[n] for n in prog.output_arrays]
 
 
@@ -163,7 +180,7 @@ THREAD_FORMS = ["blur", "cos_sin", "matmul", "sum_all", "column_sum"]  # strips,
 def test_kernels_run_thread_by_thread_on_the_cpu(name, fn, ref, shapes, rng):
     arrays = [rng.standard_normal(s).astype(F32) for s in shapes(37, 41)]
     exe = polyjit.compile(fn, [InputInfo(a.shape, F32) for a in arrays], PTX_ONLY)
-    got = run_threads_on_cpu(exe, arrays)[0]
+    got = run_threads_on_cpu(exe, arrays, block=256 if name == "matmul" else 64)[0]  # tiles need whole blocks
     np.testing.assert_allclose(got, ref(*arrays), rtol=1e-4, atol=1e-4)
 
 
@@ -189,6 +206,20 @@ def test_vector_groups_thread_by_thread(shape, offset, rng):
     exe = polyjit.compile(lambda x, b, c: ops.cos(x) * b + c, [InputInfo(a.shape, F32) for a in (x, b, c)], PTX_ONLY)
     got = run_threads_on_cpu(exe, [x, b, c])[0]
     np.testing.assert_allclose(got, np.cos(x) * b + c, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("m,k,n,transposed", [(70, 33, 130, False), (5, 37, 200, True), (64, 40, 64, False)])
+def test_tiled_matmul_thread_by_thread(m, k, n, transposed, rng):
+    """C = A @ B as tiles of C staged through shared memory: several tiles per
+    block (a grid of 2), edges that are not multiples of the tile, B read
+    transposed; run with each block's 256 threads meeting at its barriers."""
+    a = rng.standard_normal((m, k)).astype(F32)
+    b = rng.standard_normal((n, k) if transposed else (k, n)).astype(F32)
+    fn = (lambda x, y: ops.matmul(x, ops.transpose(y, 0, 1))) if transposed else ops.matmul
+    exe = polyjit.compile(fn, [InputInfo(a.shape, F32), InputInfo(b.shape, F32)], PTX_ONLY)
+    assert "bar.sync" in exe.ir("ptx") and "ld.shared" in exe.ir("ptx")
+    got = run_threads_on_cpu(exe, [a, b], grid=2, block=256)[0]
+    np.testing.assert_allclose(got, a.astype(np.float64) @ (b.T if transposed else b), rtol=1e-4, atol=1e-4)
 
 
 def test_gpu_options_are_checked():

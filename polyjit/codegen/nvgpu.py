@@ -14,6 +14,8 @@ from the AST and the statements' accesses):
   private to the thread, each strip recomputing its halo (a stencil);
 - strips of a loop that only sums, added with atomics (a column sum; a
   sum of everything, which has no parallel loop, too);
+- a block per tile of a float32 contraction, its operands staged in shared
+  memory (:class:`_Tiles`);
 - one thread, running the inner loops in order.
 
 A kernel with none of these runs on one thread.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import islpy as isl
 import llvmlite.binding as llvm
@@ -30,7 +33,7 @@ from llvmlite import ir
 
 from ..dtypes import DataType
 from ..errors import UnsupportedOpError
-from ..expr import Const, Op, Var, loads, walk
+from ..expr import Const, Load, Op, Var, loads, walk
 from . import mathlib
 from .llvm import COMPUTE, F32, F64, I32, I64, PTR, STORAGE, Emitter, KernelInfo
 
@@ -43,6 +46,7 @@ UNROLL = 4  # copies of a lane loop's body per trip
 VECTOR = 4  # consecutive iterations of an elementwise loop per group (16 bytes of float32)
 VECTOR_UNROLL = 2  # groups per trip of a grid loop (a lane loop takes one)
 ROW_GROUPS = 8  # a lane loop of at most this many groups per lane is unrolled whole
+TILE, KTILE = 64, 16  # a contraction's output tile per block, and its reduction slice in shared memory
 STRIP_REDUCE = 256  # iterations of a summing loop per thread before its atomic add
 STRIP = 64  # iterations of a sequential loop per thread when strips run in parallel
 _SREG = "llvm.nvvm.read.ptx.sreg."
@@ -122,6 +126,10 @@ class GpuEmitter(Emitter):
             trips = self.trip_count(lo, inc, hi)
             bounds.append((loop.for_get_iterator().get_id().get_name(), lo, inc, trips))
             total = b.mul(total, trips)
+        tiles = _Tiles.of(self, loops, rest)
+        if tiles is not None:
+            self.tiled_contraction(tiles, [b_[1:] for b_ in bounds])
+            return
         plan = _WarpPlan.of(self, rest, [it for it, *_ in bounds]) if bounds else None
         strip = (self.strip_plan(rest, seen) or self.atomic_plan(rest, seen)) if plan is None else None
         if strip is not None:  # strips of the sequential loop become a parallel dimension
@@ -508,6 +516,112 @@ class GpuEmitter(Emitter):
         shift = _ast_offset(arg, it)
         return None if shift is None else shift + k
 
+    # ------------------------------------------------------ contractions
+    def tiled_contraction(self, t: "_Tiles", bounds) -> None:
+        """C[i, j] += A[i, k] * B[k, j] with a block per TILE x TILE tile of C:
+        the block stages KTILE-wide slices of A and B in shared memory, each
+        of its 256 threads accumulates a 4 x 4 block of the tile in registers."""
+        b = self.b
+        self.lanes = BLOCK
+        (m_lo, _, m), (n_lo, _, n) = bounds
+        k_lo, _, k_hi = self.loop_range(t.red)
+        i64 = lambda v: ir.Constant(I64, v)  # noqa: E731
+        lane = b.and_(self.part, i64(BLOCK - 1))
+        ty, tx = b.udiv(lane, i64(TILE // 4)), b.urem(lane, i64(TILE // 4))
+        tiles_n = b.udiv(b.add(n, i64(TILE - 1)), i64(TILE))
+        total = b.mul(b.udiv(b.add(m, i64(TILE - 1)), i64(TILE)), tiles_n)
+        shared = [self._shared(f"polyjit_tile_{x}", KTILE * TILE) for x in "ab"]
+        acc = [self._float_slot(f"gpu.acc{q}") for q in range(16)]
+        tile, k0 = self.var("gpu.tile"), self.var("gpu.k0")
+        i_it, j_it, k_it = t.st.iters
+
+        def element(load, i, j, k) -> ir.Value:
+            env = {i_it: i, j_it: j, k_it: k}
+            arr = self.prog.arrays[load.array]
+            return self.load_element(arr, load.index, self.address(arr, load.index, env, {}))
+
+        def one_tile() -> None:
+            b = self.b
+            tv = b.load(tile, typ=I64)
+            r0, c0 = b.mul(b.udiv(tv, tiles_n), i64(TILE)), b.mul(b.urem(tv, tiles_n), i64(TILE))
+            for slot in acc:
+                b.store(ir.Constant(F32, 0.0), slot)
+
+            def k_step() -> None:
+                b = self.b
+                kv = b.load(k0, typ=I64)
+                for q in range(TILE * KTILE // BLOCK):  # stage A[rows, k0 ..] and B[k0 .., columns]
+                    e = b.add(lane, i64(q * BLOCK))
+                    r, kk = b.udiv(e, i64(KTILE)), b.urem(e, i64(KTILE))
+                    self._stage(shared[0], b.add(b.mul(kk, i64(TILE)), r), b.add(r0, r), m, b.add(kv, kk), k_hi,
+                                lambda x, k: element(t.a, b.add(m_lo, x), None, k))
+                    kk, c = b.udiv(e, i64(TILE)), b.urem(e, i64(TILE))
+                    self._stage(shared[1], b.add(b.mul(kk, i64(TILE)), c), b.add(c0, c), n, b.add(kv, kk), k_hi,
+                                lambda x, k: element(t.b, None, b.add(n_lo, x), k))
+                self._barrier()
+                sums = [b.load(slot, typ=F32) for slot in acc]
+                for kk in range(KTILE):
+                    a = [b.load(self._shared_at(shared[0], b.add(i64(kk * TILE + q), b.mul(ty, i64(4)))), typ=F32)
+                         for q in range(4)]
+                    w = [b.load(self._shared_at(shared[1], b.add(i64(kk * TILE + q), b.mul(tx, i64(4)))), typ=F32)
+                         for q in range(4)]
+                    sums = [self.call("llvm.fmuladd", [a[q // 4], w[q % 4], sums[q]]) for q in range(16)]
+                for slot, v in zip(acc, sums):
+                    b.store(v, slot)
+                self._barrier()
+            self.strided_loop(k0, k_lo, k_hi, i64(KTILE), "ktile", k_step)
+            b = self.b
+            out = self.prog.arrays[t.st.array]
+            for q in range(16):
+                i = b.add(r0, b.add(b.mul(ty, i64(4)), i64(q // 4)))
+                j = b.add(c0, b.add(b.mul(tx, i64(4)), i64(q % 4)))
+                write, after = self.fn.append_basic_block("tile.write"), self.fn.append_basic_block("tile.next")
+                b.cbranch(b.and_(b.icmp_signed("<", i, m), b.icmp_signed("<", j, n)), write, after)
+                b.position_at_end(write)
+                ptr = self.address(out, t.st.index, {i_it: b.add(m_lo, i), j_it: b.add(n_lo, j), k_it: k_lo}, {})
+                b.store(b.fadd(b.load(ptr, typ=F32), b.load(acc[q], typ=F32)), ptr)
+                b.branch(after)
+                b.position_at_end(after)
+        shift = i64(BLOCK.bit_length() - 1)
+        self.strided_loop(tile, b.lshr(self.part, shift), total, b.lshr(self.parts, shift), "tiles", one_tile)
+
+    def _stage(self, shared, at, x, extent, k, k_end, read) -> None:
+        """shared[at] = read(x, k) where x < extent and k < k_end, else 0."""
+        b = self.b
+        slot = self._float_slot("gpu.staged")
+        b.store(ir.Constant(F32, 0.0), slot)
+        inside = b.and_(b.icmp_signed("<", x, extent), b.icmp_signed("<", k, k_end))
+        then, after = self.fn.append_basic_block("stage.read"), self.fn.append_basic_block("stage.next")
+        b.cbranch(inside, then, after)
+        b.position_at_end(then)
+        b.store(read(x, k), slot)
+        b.branch(after)
+        b.position_at_end(after)
+        b.store(b.load(slot, typ=F32), self._shared_at(shared, at))
+
+    def _shared(self, name: str, count: int) -> ir.GlobalVariable:
+        g = self.module.globals.get(name)
+        if g is None:
+            g = ir.GlobalVariable(self.module, ir.ArrayType(F32, count), name, addrspace=3)
+            g.linkage = "internal"
+            g.align = 16
+            g.initializer = ir.Constant(g.value_type, ir.Undefined)
+        return g
+
+    def _shared_at(self, g, index) -> ir.Value:
+        return self.b.gep(g, [ir.Constant(I32, 0), self.b.trunc(index, I32)])
+
+    def _float_slot(self, name: str) -> ir.AllocaInstr:
+        if name not in self.vars:
+            with self.b.goto_block(self.entry):
+                self.b.position_at_start(self.entry)
+                self.vars[name] = self.b.alloca(F32, name=name)
+        return self.vars[name]
+
+    def _barrier(self) -> None:
+        fn = self.module.declare_intrinsic("llvm.nvvm.barrier0", (), ir.FunctionType(ir.VoidType(), []))
+        self.b.call(fn, [])
+
     # ------------------------------------------------------------- warps
     def warp_sync(self) -> None:
         """Order the memory accesses of the lanes sharing an iteration."""
@@ -752,6 +866,49 @@ class GpuEmitter(Emitter):
 
     def malloc(self, nbytes):
         raise UnsupportedOpError("a buffer too large for a GPU thread")
+
+
+@dataclass
+class _Tiles:
+    """A float32 contraction nest: two parallel loops (i, j) around one
+    reduction loop k whose only statement is C[i, j] sum= A[.., ..] * B[.., ..],
+    A indexed by i and k only, B by k and j only, each index a plain iterator."""
+
+    red: isl.AstNode
+    st: Any
+    a: Any
+    b: Any
+
+    @classmethod
+    def of(cls, e: "GpuEmitter", loops: list, rest: isl.AstNode) -> "_Tiles | None":
+        if len(loops) != 2 or rest.get_type() != isl.ast_node_type.for_ \
+                or rest.for_get_body().get_type() != isl.ast_node_type.user:
+            return None
+        names = [x.for_get_iterator().get_id().get_name() for x in loops + [rest]]
+        if any(x.for_get_inc().get_val().to_python() != 1 for x in loops + [rest]) \
+                or _uses(rest.for_get_init(), set(names)) or _uses(rest.for_get_cond(), set(names[:2])):
+            return None
+        call = rest.for_get_body().user_get_expr()
+        st = e.stmts[call.get_op_arg(0).get_id().get_name()]
+        args = [call.get_op_arg(q + 1) for q in range(call.get_op_n_arg() - 1)]
+        if len(args) != 3 or any(a.get_type() != isl.ast_expr_type.id or a.get_id().get_name() != n
+                                 for a, n in zip(args, names)):
+            return None
+        i, j, k = st.iters
+        body = st.body
+        arrays = e.prog.arrays
+        if st.combine != "sum" or not isinstance(body, Op) or body.op != "mul" or len(body.args) != 2 \
+                or not all(isinstance(x, Load) for x in body.args) or st.array in e.sched.contracted \
+                or tuple(getattr(x, "name", None) for x in st.index) != (i, j) \
+                or any(arrays[x].dtype is not DataType.Float for x in [st.array] + [ld.array for ld in body.args]):
+            return None
+        plain = [ld for ld in body.args if all(isinstance(x, Var) and x.kind == "iter" for x in ld.index)
+                 and ld.array not in e.sched.contracted]
+        by_vars = {frozenset(x.name for x in ld.index): ld for ld in plain}
+        a, bb = by_vars.get(frozenset((i, k))), by_vars.get(frozenset((k, j)))
+        if a is None or bb is None or a is bb:
+            return None
+        return cls(rest, st, a, bb)
 
 
 @dataclass
