@@ -207,11 +207,12 @@ class Emitter:
         else:
             raise NotImplementedError(f"isl AST node {t}")
 
-    def var(self, name: str) -> ir.AllocaInstr:
+    def var(self, name: str, typ: ir.Type = I64) -> ir.AllocaInstr:
+        """A named slot in the entry block (mem2reg makes it a register)."""
         if name not in self.vars:
             with self.b.goto_block(self.entry):
                 self.b.position_at_start(self.entry)
-                self.vars[name] = self.b.alloca(I64, name=name)
+                self.vars[name] = self.b.alloca(typ, name=name)
         return self.vars[name]
 
     @staticmethod

@@ -411,7 +411,7 @@ class GpuEmitter(Emitter):
         self.partials = {}
         for st in stmts:
             dt = self.prog.arrays[st.array].dtype
-            slot = self.partial_slot(st.name, dt)
+            slot = self.var("partial." + st.name, COMPUTE[dt])
             self.b.store(_identity(st.combine, dt), slot)
             self.partials[st.name] = (slot, None)
 
@@ -531,7 +531,7 @@ class GpuEmitter(Emitter):
         tiles_n = b.udiv(b.add(n, i64(TILE - 1)), i64(TILE))
         total = b.mul(b.udiv(b.add(m, i64(TILE - 1)), i64(TILE)), tiles_n)
         shared = [self._shared(f"polyjit_tile_{x}", KTILE * TILE) for x in "ab"]
-        acc = [self._float_slot(f"gpu.acc{q}") for q in range(16)]
+        acc = [self.var(f"gpu.acc{q}", F32) for q in range(16)]
         tile, k0 = self.var("gpu.tile"), self.var("gpu.k0")
         i_it, j_it, k_it = t.st.iters
 
@@ -588,7 +588,7 @@ class GpuEmitter(Emitter):
     def _stage(self, shared, at, x, extent, k, k_end, read) -> None:
         """shared[at] = read(x, k) where x < extent and k < k_end, else 0."""
         b = self.b
-        slot = self._float_slot("gpu.staged")
+        slot = self.var("gpu.staged", F32)
         b.store(ir.Constant(F32, 0.0), slot)
         inside = b.and_(b.icmp_signed("<", x, extent), b.icmp_signed("<", k, k_end))
         then, after = self.fn.append_basic_block("stage.read"), self.fn.append_basic_block("stage.next")
@@ -610,13 +610,6 @@ class GpuEmitter(Emitter):
 
     def _shared_at(self, g, index) -> ir.Value:
         return self.b.gep(g, [ir.Constant(I32, 0), self.b.trunc(index, I32)])
-
-    def _float_slot(self, name: str) -> ir.AllocaInstr:
-        if name not in self.vars:
-            with self.b.goto_block(self.entry):
-                self.b.position_at_start(self.entry)
-                self.vars[name] = self.b.alloca(F32, name=name)
-        return self.vars[name]
 
     def _barrier(self) -> None:
         fn = self.module.declare_intrinsic("llvm.nvvm.barrier0", (), ir.FunctionType(ir.VoidType(), []))
@@ -751,14 +744,6 @@ class GpuEmitter(Emitter):
             old = self.from_storage(b.load(ptr, typ=STORAGE[arr.dtype]), arr.dtype)
             self.warp_sync()
             b.store(self.to_storage(self.combine(s.combine, old, total, arr.dtype), arr.dtype), ptr)
-
-    def partial_slot(self, name: str, dt) -> ir.AllocaInstr:
-        key = "partial." + name
-        if key not in self.vars:
-            with self.b.goto_block(self.entry):
-                self.b.position_at_start(self.entry)
-                self.vars[key] = self.b.alloca(COMPUTE[dt], name=key)
-        return self.vars[key]
 
     def to_bits(self, v: ir.Value) -> ir.Value:
         """v's bits in an i64 (the width of a shared-memory slot)."""
