@@ -222,6 +222,19 @@ def test_tiled_matmul_thread_by_thread(m, k, n, transposed, rng):
     np.testing.assert_allclose(got, a.astype(np.float64) @ (b.T if transposed else b), rtol=1e-4, atol=1e-4)
 
 
+def test_tiled_batched_matmul_thread_by_thread(rng):
+    """A batch of contractions, one operand shared by the batch (attention's
+    scores and a broadcast weight), as tiles with real barriers."""
+    q, kt = rng.standard_normal((3, 70, 24)).astype(F32), rng.standard_normal((3, 24, 66)).astype(F32)
+    w = rng.standard_normal((24, 40)).astype(F32)
+    exe = polyjit.compile(lambda q, k, w: (ops.matmul(q, k), ops.matmul(q, w)),
+                          [InputInfo(a.shape, F32) for a in (q, kt, w)], PTX_ONLY)
+    assert exe.ir("ptx").count("bar.sync") >= 4
+    scores, proj = run_threads_on_cpu(exe, [q, kt, w], grid=4, block=256)
+    np.testing.assert_allclose(scores, q.astype(np.float64) @ kt, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(proj, q.astype(np.float64) @ w, rtol=1e-4, atol=1e-4)
+
+
 def test_gpu_options_are_checked():
     with pytest.raises(CompileOptionError, match="gpu_arch"):
         polyjit.compile(ops.exp, [InputInfo([3], F32)], {"target": "nvgpu", "gpu_arch": "ampere"})

@@ -523,26 +523,36 @@ class GpuEmitter(Emitter):
         of its 256 threads accumulates a 4 x 4 block of the tile in registers."""
         b = self.b
         self.lanes = BLOCK
-        (m_lo, _, m), (n_lo, _, n) = bounds
+        *batch, (m_lo, _, m), (n_lo, _, n) = bounds
         k_lo, _, k_hi = self.loop_range(t.red)
         i64 = lambda v: ir.Constant(I64, v)  # noqa: E731
         lane = b.and_(self.part, i64(BLOCK - 1))
         ty, tx = b.udiv(lane, i64(TILE // 4)), b.urem(lane, i64(TILE // 4))
         tiles_n = b.udiv(b.add(n, i64(TILE - 1)), i64(TILE))
-        total = b.mul(b.udiv(b.add(m, i64(TILE - 1)), i64(TILE)), tiles_n)
+        tiles = b.mul(b.udiv(b.add(m, i64(TILE - 1)), i64(TILE)), tiles_n)
+        total = tiles
+        for _, _, trips in batch:  # leading parallel loops: a batch of contractions
+            total = b.mul(total, trips)
         shared = [self._shared(f"polyjit_tile_{x}", KTILE * TILE) for x in "ab"]
         acc = [self.var(f"gpu.acc{q}", F32) for q in range(16)]
         tile, k0 = self.var("gpu.tile"), self.var("gpu.k0")
-        i_it, j_it, k_it = t.st.iters
+        *batch_its, i_it, j_it, k_it = t.st.iters
+        env0: dict = {}
 
         def element(load, i, j, k) -> ir.Value:
-            env = {i_it: i, j_it: j, k_it: k}
+            env = {**env0, i_it: i, j_it: j, k_it: k}
             arr = self.prog.arrays[load.array]
             return self.load_element(arr, load.index, self.address(arr, load.index, env, {}))
 
         def one_tile() -> None:
             b = self.b
             tv = b.load(tile, typ=I64)
+            if batch:  # tile index = (batch..., tile of C)
+                rest = b.udiv(tv, tiles)
+                for it, (lo, _, trips) in reversed(list(zip(batch_its, batch))):
+                    env0[it] = b.add(lo, b.urem(rest, trips))
+                    rest = b.udiv(rest, trips)
+                tv = b.urem(tv, tiles)
             r0, c0 = b.mul(b.udiv(tv, tiles_n), i64(TILE)), b.mul(b.urem(tv, tiles_n), i64(TILE))
             for slot in acc:
                 b.store(ir.Constant(F32, 0.0), slot)
@@ -578,7 +588,7 @@ class GpuEmitter(Emitter):
                 write, after = self.fn.append_basic_block("tile.write"), self.fn.append_basic_block("tile.next")
                 b.cbranch(b.and_(b.icmp_signed("<", i, m), b.icmp_signed("<", j, n)), write, after)
                 b.position_at_end(write)
-                ptr = self.address(out, t.st.index, {i_it: b.add(m_lo, i), j_it: b.add(n_lo, j), k_it: k_lo}, {})
+                ptr = self.address(out, t.st.index, {**env0, i_it: b.add(m_lo, i), j_it: b.add(n_lo, j), k_it: k_lo}, {})
                 b.store(b.fadd(b.load(ptr, typ=F32), b.load(acc[q], typ=F32)), ptr)
                 b.branch(after)
                 b.position_at_end(after)
@@ -855,9 +865,10 @@ class GpuEmitter(Emitter):
 
 @dataclass
 class _Tiles:
-    """A float32 contraction nest: two parallel loops (i, j) around one
-    reduction loop k whose only statement is C[i, j] sum= A[.., ..] * B[.., ..],
-    A indexed by i and k only, B by k and j only, each index a plain iterator."""
+    """A float32 contraction nest: parallel loops (batch..., i, j) around one
+    reduction loop k whose only statement is C[batch..., i, j] sum= A * B,
+    A indexed by i and k (and batch iterators), B by k and j (and batch
+    iterators), each index a plain iterator."""
 
     red: isl.AstNode
     st: Any
@@ -866,31 +877,36 @@ class _Tiles:
 
     @classmethod
     def of(cls, e: "GpuEmitter", loops: list, rest: isl.AstNode) -> "_Tiles | None":
-        if len(loops) != 2 or rest.get_type() != isl.ast_node_type.for_ \
+        if len(loops) < 2 or rest.get_type() != isl.ast_node_type.for_ \
                 or rest.for_get_body().get_type() != isl.ast_node_type.user:
             return None
         names = [x.for_get_iterator().get_id().get_name() for x in loops + [rest]]
         if any(x.for_get_inc().get_val().to_python() != 1 for x in loops + [rest]) \
-                or _uses(rest.for_get_init(), set(names)) or _uses(rest.for_get_cond(), set(names[:2])):
+                or _uses(rest.for_get_init(), set(names)) or _uses(rest.for_get_cond(), set(names[:-1])):
             return None
         call = rest.for_get_body().user_get_expr()
         st = e.stmts[call.get_op_arg(0).get_id().get_name()]
         args = [call.get_op_arg(q + 1) for q in range(call.get_op_n_arg() - 1)]
-        if len(args) != 3 or any(a.get_type() != isl.ast_expr_type.id or a.get_id().get_name() != n
-                                 for a, n in zip(args, names)):
+        if len(args) != len(names) or any(a.get_type() != isl.ast_expr_type.id or a.get_id().get_name() != n
+                                          for a, n in zip(args, names)):
             return None
-        i, j, k = st.iters
+        *batch, i, j, k = st.iters
         body = st.body
         arrays = e.prog.arrays
         if st.combine != "sum" or not isinstance(body, Op) or body.op != "mul" or len(body.args) != 2 \
                 or not all(isinstance(x, Load) for x in body.args) or st.array in e.sched.contracted \
-                or tuple(getattr(x, "name", None) for x in st.index) != (i, j) \
+                or tuple(getattr(x, "name", None) for x in st.index) != (*batch, i, j) \
                 or any(arrays[x].dtype is not DataType.Float for x in [st.array] + [ld.array for ld in body.args]):
             return None
-        plain = [ld for ld in body.args if all(isinstance(x, Var) and x.kind == "iter" for x in ld.index)
-                 and ld.array not in e.sched.contracted]
-        by_vars = {frozenset(x.name for x in ld.index): ld for ld in plain}
-        a, bb = by_vars.get(frozenset((i, k))), by_vars.get(frozenset((k, j)))
+
+        def operand(own: str):  # indexed by own and k, and perhaps the batch, by plain iterators
+            for ld in body.args:
+                names_ = [getattr(x, "name", None) for x in ld.index]
+                if ld.array not in e.sched.contracted and all(isinstance(x, Var) and x.kind == "iter" for x in ld.index) \
+                        and own in names_ and k in names_ and set(names_) <= {own, k, *batch}:
+                    return ld
+            return None
+        a, bb = operand(i), operand(j)
         if a is None or bb is None or a is bb:
             return None
         return cls(rest, st, a, bb)
