@@ -30,6 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from polyjit import ops
 from polyjit.api import Executable
+from polyjit.cuda import GpuView
 from polyjit.dtypes import DataType
 from polyjit.errors import InputError, UnsupportedOpError
 from polyjit.graph import Graph
@@ -681,7 +682,6 @@ def _current_stream(index: int) -> int:
 def _gpu_view(t: torch.Tensor):
     """A CUDA tensor as polyjit's GPU view, built directly: torch's
     ``__cuda_array_interface__`` costs tens of microseconds per call."""
-    from polyjit.cuda import GpuView
     if t.dtype not in _DTYPES:
         raise InputError(f"a tensor of dtype {t.dtype} is not supported by target 'nvgpu'")
     return GpuView(t.data_ptr(), tuple(t.shape), None if t.is_contiguous() else tuple(t.stride()),

@@ -12,8 +12,9 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from . import ops
+from . import sizes as sz
 from .compiler import compile_graph
-from .cuda import GpuView, _row_major
+from .cuda import GpuView
 from .dtypes import DataType, to_dtype
 from .errors import DefinitionError, InputError
 from .graph import Graph
@@ -105,12 +106,13 @@ def _strided(a) -> bool:
     if isinstance(a, np.ndarray):
         return not a.flags.c_contiguous and a.ndim > 1
     if isinstance(a, GpuView):
-        return a.strides is not None and a.strides != _row_major(a.shape) and len(a.shape) > 1
-    cai = getattr(a, "__cuda_array_interface__", None)
-    if cai and cai.get("strides") is not None:
-        item = np.dtype(cai["typestr"]).itemsize
-        return tuple(x // item for x in cai["strides"]) != _row_major(cai["shape"]) and len(cai["shape"]) > 1
-    return False
+        shape, strides = a.shape, a.strides
+    else:
+        cai = getattr(a, "__cuda_array_interface__", None) or {}
+        shape, strides = cai.get("shape", ()), cai.get("strides")
+        if strides is not None:
+            strides = tuple(x // np.dtype(cai["typestr"]).itemsize for x in strides)
+    return strides is not None and len(shape) > 1 and tuple(strides) != sz.row_major(shape)
 
 
 def _input_shape(info: InputInfo, k: int, names: dict) -> tuple:

@@ -112,6 +112,14 @@ _used: set[int] = set()
 _streams: dict[int, Any] = {}  # CUstream wrappers by handle
 
 
+def _stream(handle: int):
+    """The driver's CUstream for a stream handle (wrappers kept: building one costs per call)."""
+    s = _streams.get(handle)
+    if s is None:
+        s = _streams[handle] = driver().CUstream(handle)
+    return s
+
+
 class DeviceBuffer:
     """GPU memory polyjit allocated (cuMemAllocAsync), freed on the same stream
     when the last reference goes; exposes ``__cuda_array_interface__``."""
@@ -121,7 +129,7 @@ class DeviceBuffer:
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
         self.nbytes = max(int(np.prod(shape, dtype=np.int64)) * self.dtype.itemsize, 1)
         dev.activate()
-        self.ptr = int(check(cu.cuMemAllocAsync(self.nbytes, cu.CUstream(stream)), "cuMemAllocAsync"))
+        self.ptr = int(check(cu.cuMemAllocAsync(self.nbytes, _stream(stream)), "cuMemAllocAsync"))
         self.device, self.stream = dev, stream
         weakref.finalize(self, _free, self.ptr, stream)
 
@@ -140,14 +148,14 @@ class DeviceBuffer:
         """A DLPack capsule that shares this memory (JAX and PyTorch take it
         with from_dlpack); the work queued on it finishes first."""
         cu = driver()
-        check(cu.cuStreamSynchronize(cu.CUstream(self.stream)), "cuStreamSynchronize")
+        check(cu.cuStreamSynchronize(_stream(self.stream)), "cuStreamSynchronize")
         return _dlpack.export(self)
 
     def numpy(self, stream: int = 0) -> np.ndarray:
         out = np.empty(self.shape, self.dtype)
         cu = driver()
-        check(cu.cuMemcpyDtoHAsync(out.ctypes.data, self.ptr, out.nbytes, cu.CUstream(stream)), "cuMemcpyDtoHAsync")
-        check(cu.cuStreamSynchronize(cu.CUstream(stream)), "cuStreamSynchronize")
+        check(cu.cuMemcpyDtoHAsync(out.ctypes.data, self.ptr, out.nbytes, _stream(stream)), "cuMemcpyDtoHAsync")
+        check(cu.cuStreamSynchronize(_stream(stream)), "cuStreamSynchronize")
         return out
 
 
@@ -221,7 +229,7 @@ def _unload(mod) -> None:
 def _free(ptr: int, stream: int) -> None:
     try:
         cu = driver()
-        cu.cuMemFreeAsync(ptr, cu.CUstream(stream))
+        cu.cuMemFreeAsync(ptr, _stream(stream))
     except Exception:  # interpreter shutdown
         pass
 
@@ -288,17 +296,13 @@ def _data_ptr(a) -> int:
     return a.data_ptr() if hasattr(a, "data_ptr") else a.__cuda_array_interface__["data"][0]
 
 
-def is_device_array(a) -> bool:
-    return hasattr(a, "__cuda_array_interface__")
-
-
 def poison(ptr: int, nbytes: int, kind: str, stream: int) -> None:
     """Fill memory with NaN (floats) or 0xFF bytes, as POLYJIT_POISON asks."""
     cu = driver()
     if kind == "f" and nbytes % 4 == 0:
-        check(cu.cuMemsetD32Async(ptr, 0x7FC00000, nbytes // 4, cu.CUstream(stream)), "cuMemsetD32Async")
+        check(cu.cuMemsetD32Async(ptr, 0x7FC00000, nbytes // 4, _stream(stream)), "cuMemsetD32Async")
     else:
-        check(cu.cuMemsetD8Async(ptr, 0xFF, nbytes, cu.CUstream(stream)), "cuMemsetD8Async")
+        check(cu.cuMemsetD8Async(ptr, 0xFF, nbytes, _stream(stream)), "cuMemsetD8Async")
 
 
 @dataclass
@@ -353,7 +357,7 @@ class GpuExecutable(Executable):
         _used.add(dev.ordinal)
         dev.activate()
         stream = int(stream or 0)
-        s = _streams.get(stream) or _streams.setdefault(stream, cu.CUstream(stream))
+        s = _stream(stream)
         host = not gpu
         key = (dev.ordinal, host) + tuple((v.shape, v.strides, v.dtype) if v is not None else
                                           (np.shape(a), None, np.asarray(a).dtype) for v, a in zip(views, args))
@@ -403,10 +407,10 @@ class GpuExecutable(Executable):
                          for sh, v, a in zip(shapes, views, args)])
         strides: dict[str, tuple] = {}
         for spec, v, sh in zip(self.inputs, views, shapes):
-            if v is not None and v.strides is not None and not spec.strided and v.strides != _row_major(v.shape):
+            if v is not None and v.strides is not None and not spec.strided and v.strides != sz.row_major(v.shape):
                 raise InputError(f"{self.name}: input {spec.index} is not contiguous; "
                                  "this program was compiled for contiguous inputs")
-            strides[spec.name] = (v.strides if v is not None else None) or _row_major(sh)
+            strides[spec.name] = (v.strides if v is not None else None) or sz.row_major(sh)
         slot = {b.name: i for i, b in enumerate(self.buffers)}
         fresh = []
         temp_bytes = 0
@@ -415,11 +419,11 @@ class GpuExecutable(Executable):
             if spec.kind in ("output", "temp"):
                 shape = tuple(sz.evaluate(x, env) for x in spec.shape)
                 fresh.append((slot[spec.name], spec.name, shape, np.dtype(spec.dtype.numpy)))
-                strides[spec.name] = _row_major(shape)
+                strides[spec.name] = sz.row_major(shape)
                 if spec.kind == "temp":
                     temp_bytes += math.prod(shape) * spec.dtype.itemsize
             elif spec.kind == "const":
-                strides[spec.name] = _row_major(self.constants[spec.index].shape)
+                strides[spec.name] = sz.row_major(self.constants[spec.index].shape)
                 pointers[slot[spec.name]] = self._const(spec.index, dev, stream).ptr
         ints = [env[name] if d < 0 else strides[name][d] for name, d in self.int_slots]
         fns = self._functions(dev)
@@ -454,8 +458,8 @@ class GpuExecutable(Executable):
             h = np.ascontiguousarray(self.constants[index])
             buf = DeviceBuffer(h.shape, h.dtype, dev, stream)
             if h.nbytes:
-                check(cu.cuMemcpyHtoDAsync(buf.ptr, h.ctypes.data, h.nbytes, cu.CUstream(stream)), "cuMemcpyHtoDAsync")
-            check(cu.cuStreamSynchronize(cu.CUstream(stream)), "cuStreamSynchronize")
+                check(cu.cuMemcpyHtoDAsync(buf.ptr, h.ctypes.data, h.nbytes, _stream(stream)), "cuMemcpyHtoDAsync")
+            check(cu.cuStreamSynchronize(_stream(stream)), "cuStreamSynchronize")
             self._consts[key] = buf
         return self._consts[key]
 
@@ -479,10 +483,3 @@ class _ShapeOnly:
     def __init__(self, shape, dtype) -> None:
         self.shape, self.dtype, self.ndim = tuple(shape), np.dtype(dtype), len(shape)
 
-
-def _row_major(shape) -> tuple[int, ...]:
-    out, acc = [], 1
-    for n in reversed(shape):
-        out.append(acc)
-        acc *= n
-    return tuple(out[::-1])

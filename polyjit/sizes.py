@@ -113,3 +113,12 @@ def static_product(sizes) -> int | None:
 
 def isl_str(s: Size) -> str:
     return str(s) if isinstance(s, Lin) else str(int(s))
+
+
+def row_major(shape) -> tuple[int, ...]:
+    """Element strides of a row-major array of this (concrete) shape."""
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return tuple(out[::-1])

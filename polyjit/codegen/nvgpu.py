@@ -533,7 +533,7 @@ class GpuEmitter(Emitter):
         total = tiles
         for _, _, trips in batch:  # leading parallel loops: a batch of contractions
             total = b.mul(total, trips)
-        shared = [self._shared(f"polyjit_tile_{x}", KTILE * TILE) for x in "ab"]
+        shared = [self.shared_array(f"polyjit_tile_{x}", F32, KTILE * TILE, 16) for x in "ab"]
         acc = [self.var(f"gpu.acc{q}", F32) for q in range(16)]
         tile, k0 = self.var("gpu.tile"), self.var("gpu.k0")
         *batch_its, i_it, j_it, k_it = t.st.iters
@@ -568,7 +568,7 @@ class GpuEmitter(Emitter):
                     kk, c = b.udiv(e, i64(TILE)), b.urem(e, i64(TILE))
                     self._stage(shared[1], b.add(b.mul(kk, i64(TILE)), c), b.add(c0, c), n, b.add(kv, kk), k_hi,
                                 lambda x, k: element(t.b, None, b.add(n_lo, x), k))
-                self._barrier()
+                self.barrier()
                 sums = [b.load(slot, typ=F32) for slot in acc]
                 for kk in range(KTILE):
                     a = [b.load(self._shared_at(shared[0], b.add(i64(kk * TILE + q), b.mul(ty, i64(4)))), typ=F32)
@@ -578,7 +578,7 @@ class GpuEmitter(Emitter):
                     sums = [self.call("llvm.fmuladd", [a[q // 4], w[q % 4], sums[q]]) for q in range(16)]
                 for slot, v in zip(acc, sums):
                     b.store(v, slot)
-                self._barrier()
+                self.barrier()
             self.strided_loop(k0, k_lo, k_hi, i64(KTILE), "ktile", k_step)
             b = self.b
             out = self.prog.arrays[t.st.array]
@@ -609,19 +609,22 @@ class GpuEmitter(Emitter):
         b.position_at_end(after)
         b.store(b.load(slot, typ=F32), self._shared_at(shared, at))
 
-    def _shared(self, name: str, count: int) -> ir.GlobalVariable:
+    def shared_array(self, name: str, elem: ir.Type, count: int, align: int | None = None) -> ir.GlobalVariable:
+        """A block's shared-memory array (one per module: kernels run one at a time)."""
         g = self.module.globals.get(name)
         if g is None:
-            g = ir.GlobalVariable(self.module, ir.ArrayType(F32, count), name, addrspace=3)
+            g = ir.GlobalVariable(self.module, ir.ArrayType(elem, count), name, addrspace=3)
             g.linkage = "internal"
-            g.align = 16
+            if align:
+                g.align = align
             g.initializer = ir.Constant(g.value_type, ir.Undefined)
         return g
 
     def _shared_at(self, g, index) -> ir.Value:
         return self.b.gep(g, [ir.Constant(I32, 0), self.b.trunc(index, I32)])
 
-    def _barrier(self) -> None:
+    def barrier(self) -> None:
+        """Wait for the whole block (bar.sync 0)."""
         fn = self.module.declare_intrinsic("llvm.nvvm.barrier0", (), ir.FunctionType(ir.VoidType(), []))
         self.b.call(fn, [])
 
@@ -629,8 +632,7 @@ class GpuEmitter(Emitter):
     def warp_sync(self) -> None:
         """Order the memory accesses of the lanes sharing an iteration."""
         if self.lanes > WARP:
-            fn = self.module.declare_intrinsic("llvm.nvvm.barrier0", (), ir.FunctionType(ir.VoidType(), []))
-            self.b.call(fn, [])
+            self.barrier()
             return
         fn = self.module.declare_intrinsic("llvm.nvvm.bar.warp.sync", (), ir.FunctionType(ir.VoidType(), [I32]))
         self.b.call(fn, [ir.Constant(I32, -1)])
@@ -638,12 +640,7 @@ class GpuEmitter(Emitter):
     def across_warps(self, total, how: str, dt) -> ir.Value:
         """Combine one value per warp of the block through shared memory."""
         b = self.b
-        shared = self.module.globals.get("polyjit_partials")
-        if shared is None:
-            shared = ir.GlobalVariable(self.module, ir.ArrayType(I64, BLOCK // WARP), "polyjit_partials",
-                                       addrspace=3)
-            shared.linkage = "internal"
-            shared.initializer = ir.Constant(shared.value_type, ir.Undefined)
+        shared = self.shared_array("polyjit_partials", I64, BLOCK // WARP)
         zero32 = ir.Constant(I32, 0)
         warp = b.trunc(b.lshr(self.lane, ir.Constant(I64, 5)), I32)
         first = b.icmp_unsigned("==", b.and_(self.lane, ir.Constant(I64, WARP - 1)), ir.Constant(I64, 0))
