@@ -192,8 +192,10 @@ def test_bernoulli_dropout_and_uniform_bit_for_bit(rng, typed):
 def test_nextafter_bit_for_bit():
     x = np.array([0.0, -0.0, 1.0, -1.0, 1e-45, -1e-45, np.inf, -np.inf, np.nan, 3.4028235e38, 2.0, 5.0], np.float32)
     y = np.array([1.0, -1.0, 2.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0, np.inf, 2.0, np.nan], np.float32)
-    got = polyjit.jit_jax(lax.nextafter, compile_options={"target": TARGET})(jnp.asarray(x), jnp.asarray(y))
+    jf = polyjit.jit_jax(lax.nextafter, compile_options={"target": TARGET})
+    got = jf(jnp.asarray(x), jnp.asarray(y))
     np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(lax.nextafter(x, y)).view(np.uint32))
+    assert jf.stats["fallbacks"] == 0
 
 
 def test_normal_samples(key):
