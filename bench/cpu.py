@@ -22,14 +22,19 @@ def timeit(fn, reps: int = 15) -> float:
     return compare({"fn": fn}, reps)["fn"]
 
 
+SETTLE = 0.2  # seconds: OpenBLAS's threads spin about 0.1 s after a call, on the cores the next contender needs
+
+
 def compare(fns: dict, reps: int = 21, block: int = 3) -> dict:
     """Median seconds per call of each function, timed in alternating blocks so
-    that the machine's drift (a shared VM) falls on every contender alike; the
-    untimed first call of a block lets another library's threads, still
-    spinning from its last call, go idle."""
+    that the machine's drift (a shared VM) falls on every contender alike;
+    before a block, a pause lets the last contender's threads, still
+    spinning, go idle, and an untimed call warms the caches."""
     ts: dict = {k: [] for k in fns}
     for _ in range(max(reps // block, 1)):
         for k, fn in fns.items():
+            if len(fns) > 1:
+                time.sleep(SETTLE)
             fn()
             for _ in range(block):
                 t = time.perf_counter()

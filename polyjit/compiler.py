@@ -33,6 +33,8 @@ def compile_graph(graph: Graph, options: CompileOptions, name: str = "fn") -> Ex
         from .codegen.cpu import CpuEmitter as emitter_class
 
     graph = graph.deduplicated()
+    if not gpu:
+        graph = graph.packed()
     prog = lower(graph, GPU_RECOMPUTE_LIMIT if gpu else RECOMPUTE_LIMIT)
     sched = schedule_program(prog, options.fusion, options.tile_sizes, options.target)
     emitter = emitter_class(prog, sched, name)

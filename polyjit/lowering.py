@@ -138,7 +138,7 @@ class Lowering:
             if n.op in REDUCTIONS and not self.is_statement_op(n):
                 own = 2 * (REDUCTIONS[n.op](self, n).static_terms() or 1)
             w = own + sum(work[i.id] for i in n.inputs)
-            materialize = (n.id in outputs or self.is_statement_op(n)
+            materialize = (n.id in outputs or self.is_statement_op(n) or n.attrs.get("materialize")
                            or (uses[n.id] - 1) * w > self.recompute_limit)
             if materialize:
                 self.declare(n)
@@ -497,25 +497,30 @@ def _conv(L: Lowering, n: Node) -> ReductionSpec:
         raise DefinitionError("conv: grouped convolution needs a static number of output channels")
     cout_g = cout // groups if groups > 1 else cout
 
+    # the reduction runs over the kernel's dimensions in its memory order
+    # (HWIO: window then channels), so the innermost one walks memory
+    red = [c for c in klay if c != "O"]
+
     def term(o, r):
+        rv = dict(zip(red, r))
         co = o[lay.index("C")]
-        ci = r[0]
+        ci = rv["I"]
         if groups > 1:
-            ci = E.iadd(E.imul(E.ifloordiv(co, cout_g), cin_g), r[0])
+            ci = E.iadd(E.imul(E.ifloordiv(co, cout_g), cin_g), rv["I"])
         xi, wi = [None] * x.rank, [None] * w.rank
         xi[lay.index("N")] = o[lay.index("N")]
         xi[lay.index("C")] = ci
         wi[klay.index("O")] = co
-        wi[klay.index("I")] = r[0]
+        wi[klay.index("I")] = rv["I"]
         for k, c in enumerate(sp):
             pos = E.iadd(E.imul(o[lay.index(c)], at["strides"][k]),
-                         E.isub(E.imul(r[1 + k], at["dilation"][k]), E.const(at["padding"][k][0])))
+                         E.isub(E.imul(rv[c], at["dilation"][k]), E.const(at["padding"][k][0])))
             xi[lay.index(c)] = pos
-            wi[klay.index(c)] = r[1 + k]
+            wi[klay.index(c)] = rv[c]
         xv = guarded(L, x, xi, E.const(0.0 if n.dtype.is_float else 0, n.dtype),
                      [lay.index(c) for k, c in enumerate(sp) if any(at["padding"][k])])
         return Op(n.dtype, "mul", (xv, L.value(w, wi)))
-    return ReductionSpec([cin_g] + ksz, term, "sum")
+    return ReductionSpec([cin_g if c == "I" else ksz[sp.index(c)] for c in red], term, "sum")
 
 
 def _reduce_window(L: Lowering, n: Node) -> ReductionSpec:

@@ -252,7 +252,7 @@ def distribute_inits(schedule, prog, validity) -> isl.Schedule:
     return new if is_legal(new, validity) else schedule
 
 
-REG_ROWS, REG_COLS = 4, 32  # a register block of a contraction: rows x contiguous columns
+REG_ROWS, REG_COLS = 4, 64  # a register block of a contraction: rows x contiguous columns
 TILE_ROWS, TILE_RED, TILE_COLS = 64, 128, 256
 
 
@@ -265,10 +265,8 @@ def _block_sizes(node, prog, n):
             d = _member_iter(mupa.get_at(m)).get(s.name)
             if d is not None and s.iters[d] in s.reduction_iters:
                 red.add(m)
-    roles = []
-    for m in range(n):
-        roles.append("red" if m in red else "col" if m == n - 1 else "row")
-    return roles
+    col = max((m for m in range(n) if m not in red), default=None)
+    return ["red" if m in red else "col" if m == col else "row" for m in range(n)]
 
 
 def _sizes(node, values) -> isl.MultiVal:
@@ -278,12 +276,61 @@ def _sizes(node, values) -> isl.MultiVal:
     return mv
 
 
-def register_block(point, roles) -> isl.ScheduleNode:
+def _row_member(node, prog, roles) -> int | None:
+    """The member a register block spans as its rows: the one the most
+    operands do not depend on while they walk the columns (those operands'
+    vectors then serve every row: B[k, j] for rows i of A[i, k] * B[k, j]);
+    the innermost such member on a tie."""
+    st = _contractions(node, prog)[0]
+    mupa = node.band_get_partial_schedule()
+    follows = [_member_iter(mupa.get_at(m)).get(st.name) for m in range(len(roles))]
+    col = follows[roles.index("col")] if "col" in roles else None
+    operands = [ld.index for ld in loads(st.body)]
+
+    def uses(index, d):
+        return d is not None and any(isinstance(x, Var) and x.name == st.iters[d] for i in index for x in walk(i))
+    best, best_score = None, -1
+    for m, r in enumerate(roles):
+        if r != "row" or follows[m] is None:
+            continue
+        score = sum(1 for index in operands if uses(index, col) and not uses(index, follows[m]))
+        if score >= best_score:
+            best, best_score = m, score
+    return best
+
+
+def merge_reductions(node, prog) -> isl.ScheduleNode:
+    """Fold the bands below a contraction's band that only run its reduction
+    (isl puts each later reduction loop in a band of its own, since the
+    reduction's order is not permutable) into that band, in their order, so
+    that a register block holds the whole reduction inside it."""
+    st = _contractions(node, prog)[0]
+    mupa = node.band_get_partial_schedule()
+    n = node.band_n_member()
+    coinc = [node.band_member_get_coincident(m) for m in range(n)]
+    child = node.child(0)
+    merged = 0
+    while child.get_type() == isl.schedule_node_type.band:
+        cm = child.band_get_partial_schedule()
+        its = [_member_iter(cm.get_at(m)).get(st.name) for m in range(child.band_n_member())]
+        if any(d is None or st.iters[d] not in st.reduction_iters for d in its):
+            break
+        mupa = mupa.flat_range_product(cm)
+        coinc += [False] * len(its)
+        child = child.delete()
+        merged += 1
+    if merged:
+        node = child.parent().delete().insert_partial_schedule(mupa).band_set_permutable(True)
+        for m, c in enumerate(coinc):
+            node = node.band_member_set_coincident(m, c)
+    return node
+
+
+def register_block(point, roles, row) -> isl.ScheduleNode:
     """Within a tile: loop over register blocks, then the reduction, with the
     block itself unrolled, so its accumulators stay in vector registers."""
     n = len(roles)
-    first_row = next((m for m in range(n) if roles[m] == "row"), None)
-    sizes = [REG_COLS if r == "col" else REG_ROWS if m == first_row else 1 for m, r in enumerate(roles)]
+    sizes = [REG_COLS if r == "col" else REG_ROWS if m == row else 1 for m, r in enumerate(roles)]
     node = point.band_tile(_sizes(point, sizes))
     order = [m for m in range(n) if roles[m] != "red"] + [m for m in range(n) if roles[m] == "red"]
     coinc = [node.band_member_get_coincident(m) for m in range(n)]
@@ -306,14 +353,18 @@ def tile(schedule, prog, validity, tile_sizes) -> isl.Schedule:
         contraction = bool(_contractions(node, prog)) and len(_statement_names(node)) == 1
         if tile_sizes is None and not contraction:
             return node
+        if contraction:
+            node = merge_reductions(node, prog)
+            n = node.band_n_member()
         roles = _block_sizes(node, prog, n) if contraction else []
+        row = _row_member(node, prog, roles) if contraction else None
         if tile_sizes:
             sizes = (list(tile_sizes) + [tile_sizes[-1]] * n)[:n]
         elif contraction:
             sizes = [TILE_RED if r == "red" else TILE_COLS if r == "col" else TILE_ROWS for r in roles]
         node = node.band_tile(_sizes(node, sizes))
         if contraction and "red" in roles:
-            node = register_block(node.child(0), roles).parent()
+            node = register_block(node.child(0), roles, row).parent()
         return node
     new = _visit(schedule.get_root(), fn).get_schedule()
     return new if is_legal(new, validity) else schedule
@@ -400,7 +451,9 @@ def mark_parallel(schedule, all_coincident: bool = False) -> isl.Schedule:
     """
     def visit(node, inside):
         ups = 0
-        if node.get_type() == isl.schedule_node_type.band and not inside:
+        trivial = node.get_type() == isl.schedule_node_type.band and \
+            all(_member_extent(node, m) == 1 for m in range(node.band_n_member()))
+        if node.get_type() == isl.schedule_node_type.band and not inside and not trivial:
             inside = True
             n = node.band_n_member()
             m = 0

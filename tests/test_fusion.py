@@ -185,3 +185,29 @@ def test_reshape_dropping_kept_axes_of_a_sum_is_no_copy(rng):
     flat, kept = both(x)
     np.testing.assert_allclose(kept - 1.0, flat.reshape(1, 1, 33), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(flat, x.astype(np.float64).sum((0, 1)), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_reads_a_packed_copy_of_its_weight(rng):
+    """x @ W.T (nn.Linear's form): register blocks load vectors along the
+    output's columns, which W holds with a stride, so W is copied once into
+    (contracting, free) order and the contraction reads the copy."""
+    x, w = rng.standard_normal((70, 90), dtype=F32), rng.standard_normal((50, 90), dtype=F32)
+    exe = polyjit.compile(lambda a, b: ops.linear(a, b), [InputInfo(x.shape, F32), InputInfo(w.shape, F32)])
+    assert "materialize=True" in exe.ir("graph")
+    assert "= in1[i1, i0]" in exe.ir("affine")
+    np.testing.assert_allclose(exe(x, w), x.astype(np.float64) @ w.T, rtol=1e-5, atol=1e-4)
+
+
+def test_convolution_register_block_inside_its_whole_reduction(rng):
+    """isl gives a convolution's later reduction loops (window, channels) bands
+    of their own; they join the contraction's band, so the unrolled block of
+    outputs sits inside every reduction loop, and the output loops stay parallel."""
+    x, w = rng.standard_normal((2, 9, 10, 3), dtype=F32), rng.standard_normal((3, 3, 3, 70), dtype=F32)
+    exe = polyjit.compile(lambda a, b: ops.conv(a, b, (1, 1), ((1, 1), (1, 1)), layout="NHWC", kernel_layout="HWIO"),
+                          [InputInfo(x.shape, F32), InputInfo(w.shape, F32)])
+    lines = exe.ir("ast").splitlines()
+    calls = [i for i, line in enumerate(lines) if "S1(" in line]
+    assert len(calls) >= 64 and not any("for (" in line for line in lines[calls[0]:calls[-1]])
+    assert sum("// parallel:" in line for line in lines) == 2  # the initialization's nest and the convolution's
+    want = refs.conv2d(x.transpose(0, 3, 1, 2), w.transpose(3, 2, 0, 1), padding=((1, 1), (1, 1)))
+    np.testing.assert_allclose(exe(x, w), want.transpose(0, 2, 3, 1), rtol=1e-5, atol=1e-4)

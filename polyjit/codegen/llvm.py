@@ -371,6 +371,10 @@ class Emitter:
         v = self.op(op, [old, new], dt, [dt, dt])
         if how in ("sum", "prod") and dt.is_float:
             v.flags.append("reassoc")
+            if how == "sum" and getattr(new, "opname", "") == "fmul":
+                # a sum of products: one fused multiply-add per term, as BLAS does
+                new.flags.append("contract")
+                v.flags.append("contract")
         return v
 
     def from_storage(self, v, dt: DataType):
