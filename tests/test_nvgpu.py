@@ -11,6 +11,8 @@ import polyjit
 from polyjit import InputInfo, ops
 from polyjit.errors import CompileOptionError, DeviceError, InputError
 
+import refs
+
 F32 = np.float32
 PTX_ONLY = {"target": "nvgpu", "gpu_arch": "sm_90"}
 
@@ -234,6 +236,28 @@ def test_tiled_batched_matmul_thread_by_thread(rng):
     scores, proj = run_threads_on_cpu(exe, [q, kt, w], grid=4, block=256)
     np.testing.assert_allclose(scores, q.astype(np.float64) @ kt, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(proj, q.astype(np.float64) @ w, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
+def test_tiled_convolution_thread_by_thread(layout, rng):
+    """A convolution as a product whose k runs over the window and the input
+    channels, its input read through the padding guard while staging; NHWC
+    (rows: output columns, columns: output channels) and NCHW with stride and
+    dilation (rows: output channels, columns: output columns)."""
+    if layout == "NHWC":
+        x, w = rng.standard_normal((2, 9, 10, 3)).astype(F32), rng.standard_normal((3, 3, 3, 70)).astype(F32)
+        cfg = dict(stride=(1, 1), padding=((1, 1), (1, 1)), dilation=(1, 1))
+        fn = lambda a, b: ops.conv(a, b, cfg["stride"], cfg["padding"], layout="NHWC", kernel_layout="HWIO")  # noqa: E731
+        want = refs.conv2d(x.transpose(0, 3, 1, 2), w.transpose(3, 2, 0, 1), **cfg).transpose(0, 2, 3, 1)
+    else:
+        x, w = rng.standard_normal((2, 4, 11, 13)).astype(F32), rng.standard_normal((8, 4, 3, 3)).astype(F32)
+        cfg = dict(stride=(1, 2), padding=((2, 2), (0, 0)), dilation=(2, 1))
+        fn = lambda a, b: ops.conv(a, b, cfg["stride"], cfg["padding"], cfg["dilation"])  # noqa: E731
+        want = refs.conv2d(x, w, **cfg)
+    exe = polyjit.compile(fn, [InputInfo(x.shape, F32), InputInfo(w.shape, F32)], PTX_ONLY)
+    assert "bar.sync" in exe.ir("ptx") and "ld.shared" in exe.ir("ptx")
+    got = run_threads_on_cpu(exe, [x, w], grid=2, block=256)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_gpu_options_are_checked():

@@ -523,33 +523,48 @@ class GpuEmitter(Emitter):
         of its 256 threads accumulates a 4 x 4 block of the tile in registers."""
         b = self.b
         self.lanes = BLOCK
-        *batch, (m_lo, _, m), (n_lo, _, n) = bounds
-        k_lo, _, k_hi = self.loop_range(t.red)
         i64 = lambda v: ir.Constant(I64, v)  # noqa: E731
+        m_lo, _, m = bounds[t.i]
+        n_lo, _, n = bounds[t.j]
+        batch = [(it, bd) for q, (it, bd) in enumerate(zip(t.grid_its, bounds)) if q not in (t.i, t.j)]
+        i_it, j_it = t.grid_its[t.i], t.grid_its[t.j]
+        red = []  # per reduction loop: (iterator, first, extent); k runs over their product
+        k_hi = i64(1)
+        for it, loop in zip(t.red_its, t.reds):
+            lo, _, hi = self.loop_range(loop)
+            extent = b.sub(hi, lo)
+            red.append((it, lo, extent))
+            k_hi = b.mul(k_hi, extent)
+        k_lo = i64(0)
         lane = b.and_(self.part, i64(BLOCK - 1))
         ty, tx = b.udiv(lane, i64(TILE // 4)), b.urem(lane, i64(TILE // 4))
         tiles_n = b.udiv(b.add(n, i64(TILE - 1)), i64(TILE))
         tiles = b.mul(b.udiv(b.add(m, i64(TILE - 1)), i64(TILE)), tiles_n)
         total = tiles
-        for _, _, trips in batch:  # leading parallel loops: a batch of contractions
+        for _, (_, _, trips) in batch:  # the other parallel loops: a batch of products
             total = b.mul(total, trips)
         shared = [self.shared_array(f"polyjit_tile_{x}", F32, KTILE * TILE, 16) for x in "ab"]
         acc = [self.var(f"gpu.acc{q}", F32) for q in range(16)]
         tile, k0 = self.var("gpu.tile"), self.var("gpu.k0")
-        *batch_its, i_it, j_it, k_it = t.st.iters
         env0: dict = {}
 
-        def element(load, i, j, k) -> ir.Value:
-            env = {**env0, i_it: i, j_it: j, k_it: k}
-            arr = self.prog.arrays[load.array]
-            return self.load_element(arr, load.index, self.address(arr, load.index, env, {}))
+        def reduction_env(k) -> dict:
+            b = self.b
+            env = {}
+            for it, lo, extent in reversed(red):
+                env[it] = b.add(lo, b.urem(k, extent)) if len(red) > 1 else b.add(lo, k)
+                k = b.udiv(k, extent)
+            return env
+
+        def element(x, own: dict, k) -> ir.Value:
+            return self.value(x, {**env0, **own, **reduction_env(k)}, {})
 
         def one_tile() -> None:
             b = self.b
             tv = b.load(tile, typ=I64)
             if batch:  # tile index = (batch..., tile of C)
                 rest = b.udiv(tv, tiles)
-                for it, (lo, _, trips) in reversed(list(zip(batch_its, batch))):
+                for it, (lo, _, trips) in reversed(batch):
                     env0[it] = b.add(lo, b.urem(rest, trips))
                     rest = b.udiv(rest, trips)
                 tv = b.urem(tv, tiles)
@@ -564,10 +579,10 @@ class GpuEmitter(Emitter):
                     e = b.add(lane, i64(q * BLOCK))
                     r, kk = b.udiv(e, i64(KTILE)), b.urem(e, i64(KTILE))
                     self._stage(shared[0], b.add(b.mul(kk, i64(TILE)), r), b.add(r0, r), m, b.add(kv, kk), k_hi,
-                                lambda x, k: element(t.a, b.add(m_lo, x), None, k))
+                                lambda x, k: element(t.a, {i_it: b.add(m_lo, x)}, k))
                     kk, c = b.udiv(e, i64(TILE)), b.urem(e, i64(TILE))
                     self._stage(shared[1], b.add(b.mul(kk, i64(TILE)), c), b.add(c0, c), n, b.add(kv, kk), k_hi,
-                                lambda x, k: element(t.b, None, b.add(n_lo, x), k))
+                                lambda x, k: element(t.b, {j_it: b.add(n_lo, x)}, k))
                 self.barrier()
                 sums = [b.load(slot, typ=F32) for slot in acc]
                 for kk in range(KTILE):
@@ -588,7 +603,7 @@ class GpuEmitter(Emitter):
                 write, after = self.fn.append_basic_block("tile.write"), self.fn.append_basic_block("tile.next")
                 b.cbranch(b.and_(b.icmp_signed("<", i, m), b.icmp_signed("<", j, n)), write, after)
                 b.position_at_end(write)
-                ptr = self.address(out, t.st.index, {**env0, i_it: b.add(m_lo, i), j_it: b.add(n_lo, j), k_it: k_lo}, {})
+                ptr = self.address(out, t.st.index, {**env0, i_it: b.add(m_lo, i), j_it: b.add(n_lo, j)}, {})
                 b.store(b.fadd(b.load(ptr, typ=F32), b.load(acc[q], typ=F32)), ptr)
                 b.branch(after)
                 b.position_at_end(after)
@@ -862,51 +877,71 @@ class GpuEmitter(Emitter):
 
 @dataclass
 class _Tiles:
-    """A float32 contraction nest: parallel loops (batch..., i, j) around one
-    reduction loop k whose only statement is C[batch..., i, j] sum= A * B,
-    A indexed by i and k (and batch iterators), B by k and j (and batch
-    iterators), each index a plain iterator."""
+    """A float32 contraction nest as a matrix product: parallel loops around
+    one or more reduction loops (their iterations, flattened, are the k of
+    the product) whose only statement is C[...] sum= A * B, C indexed by the
+    parallel iterators. The last parallel loop is j, the columns; B is the
+    factor that reads along j, and A, which must not, reads along i, the last
+    parallel loop B does not read along; the other parallel loops (a batch,
+    or a convolution's image and row) are fixed per tile. A and B may be any
+    expressions: a convolution's input, read through its padding guard,
+    is one."""
 
-    red: isl.AstNode
+    reds: list  # the reduction loops, outermost first
     st: Any
     a: Any
     b: Any
+    grid_its: list  # per parallel loop: the statement iterator it runs
+    red_its: list  # per reduction loop: the statement iterator it runs
+    i: int  # the positions of i and j among the parallel loops
+    j: int
 
     @classmethod
     def of(cls, e: "GpuEmitter", loops: list, rest: isl.AstNode) -> "_Tiles | None":
-        if len(loops) < 2 or rest.get_type() != isl.ast_node_type.for_ \
-                or rest.for_get_body().get_type() != isl.ast_node_type.user:
+        reds = []
+        while rest.get_type() == isl.ast_node_type.for_:
+            reds.append(rest)
+            rest = rest.for_get_body()
+        if len(loops) < 2 or not reds or rest.get_type() != isl.ast_node_type.user:
             return None
-        names = [x.for_get_iterator().get_id().get_name() for x in loops + [rest]]
-        if any(x.for_get_inc().get_val().to_python() != 1 for x in loops + [rest]) \
-                or _uses(rest.for_get_init(), set(names)) or _uses(rest.for_get_cond(), set(names[:-1])):
+        names = [x.for_get_iterator().get_id().get_name() for x in loops + reds]
+        if any(x.for_get_inc().get_val().to_python() != 1 for x in loops + reds) \
+                or any(_uses(x.for_get_init(), set(names))
+                       or _uses(x.for_get_cond(), set(names) - {x.for_get_iterator().get_id().get_name()})
+                       for x in reds):
             return None
-        call = rest.for_get_body().user_get_expr()
+        call = rest.user_get_expr()
         st = e.stmts[call.get_op_arg(0).get_id().get_name()]
         args = [call.get_op_arg(q + 1) for q in range(call.get_op_n_arg() - 1)]
-        if len(args) != len(names) or any(a.get_type() != isl.ast_expr_type.id or a.get_id().get_name() != n
-                                          for a, n in zip(args, names)):
+        if len(args) != len(names) or any(a.get_type() != isl.ast_expr_type.id for a in args):
             return None
-        *batch, i, j, k = st.iters
+        loop_of = {it: names.index(a.get_id().get_name()) if a.get_id().get_name() in names else -1
+                   for it, a in zip(st.iters, args)}
+        if sorted(loop_of.values()) != list(range(len(names))):
+            return None
+        its = sorted(st.iters, key=lambda it: loop_of[it])
+        grid_its, red_its = its[:len(loops)], its[len(loops):]
         body = st.body
         arrays = e.prog.arrays
         if st.combine != "sum" or not isinstance(body, Op) or body.op != "mul" or len(body.args) != 2 \
-                or not all(isinstance(x, Load) for x in body.args) or st.array in e.sched.contracted \
-                or tuple(getattr(x, "name", None) for x in st.index) != (*batch, i, j) \
-                or any(arrays[x].dtype is not DataType.Float for x in [st.array] + [ld.array for ld in body.args]):
+                or st.array in e.sched.contracted \
+                or sorted(getattr(x, "name", "") for x in st.index) != sorted(grid_its) \
+                or any(arrays[x].dtype is not DataType.Float for x in [st.array] + [ld.array for ld in loads(body)]) \
+                or any(ld.array in e.sched.contracted or ld.array == st.array for ld in loads(body)):
             return None
 
-        def operand(own: str):  # indexed by own and k, and perhaps the batch, by plain iterators
-            for ld in body.args:
-                names_ = [getattr(x, "name", None) for x in ld.index]
-                if ld.array not in e.sched.contracted and all(isinstance(x, Var) and x.kind == "iter" for x in ld.index) \
-                        and own in names_ and k in names_ and set(names_) <= {own, k, *batch}:
-                    return ld
+        def used(x) -> set[str]:
+            return {v.name for v in walk(x) if isinstance(v, Var) and v.kind == "iter"}
+        j = len(loops) - 1
+        reading = [x for x in body.args if grid_its[j] in used(x)]
+        if len(reading) != 1:
             return None
-        a, bb = operand(i), operand(j)
-        if a is None or bb is None or a is bb:
+        bb = reading[0]
+        a = body.args[1] if body.args[0] is bb else body.args[0]
+        rows = [q for q in range(j) if grid_its[q] in used(a) and grid_its[q] not in used(bb)]
+        if not rows:
             return None
-        return cls(rest, st, a, bb)
+        return cls(reds, st, a, bb, grid_its, red_its, rows[-1], j)
 
 
 @dataclass
