@@ -47,6 +47,7 @@ VECTOR = 4  # consecutive iterations of an elementwise loop per group (16 bytes 
 VECTOR_UNROLL = 2  # groups per trip of a grid loop (a lane loop takes one)
 ROW_GROUPS = 8  # a lane loop of at most this many groups per lane is unrolled whole
 TILE, KTILE = 64, 16  # a contraction's output tile per block, and its reduction slice in shared memory
+STAGED = TILE * KTILE // BLOCK  # elements of each slice a thread stages
 STRIP_REDUCE = 256  # iterations of a summing loop per thread before its atomic add
 STRIP = 64  # iterations of a sequential loop per thread when strips run in parallel
 _SREG = "llvm.nvvm.read.ptx.sreg."
@@ -545,6 +546,10 @@ class GpuEmitter(Emitter):
             total = b.mul(total, trips)
         shared = [self.shared_array(f"polyjit_tile_{x}", F32, KTILE * TILE, 16) for x in "ab"]
         acc = [self.var(f"gpu.acc{q}", F32) for q in range(16)]
+        staged = [[self.var(f"gpu.staged{x}{q}", F32) for q in range(STAGED)] for x in "ab"]
+        # plain factors read the next slice while the block computes on this one; computed
+        # factors (a convolution's guarded input) would hold too many registers meanwhile
+        prefetch = isinstance(t.a, Load) and isinstance(t.b, Load)
         tile, k0 = self.var("gpu.tile"), self.var("gpu.k0")
         env0: dict = {}
 
@@ -572,18 +577,34 @@ class GpuEmitter(Emitter):
             for slot in acc:
                 b.store(ir.Constant(F32, 0.0), slot)
 
-            def k_step() -> None:
+            def share(q: int) -> tuple:
+                """Element q of this thread's share of a slice: A's (row, k) and B's (k, column)."""
                 b = self.b
-                kv = b.load(k0, typ=I64)
-                for q in range(TILE * KTILE // BLOCK):  # stage A[rows, k0 ..] and B[k0 .., columns]
-                    e = b.add(lane, i64(q * BLOCK))
-                    r, kk = b.udiv(e, i64(KTILE)), b.urem(e, i64(KTILE))
-                    self._stage(shared[0], b.add(b.mul(kk, i64(TILE)), r), b.add(r0, r), m, b.add(kv, kk), k_hi,
-                                lambda x, k: element(t.a, {i_it: b.add(m_lo, x)}, k))
-                    kk, c = b.udiv(e, i64(TILE)), b.urem(e, i64(TILE))
-                    self._stage(shared[1], b.add(b.mul(kk, i64(TILE)), c), b.add(c0, c), n, b.add(kv, kk), k_hi,
-                                lambda x, k: element(t.b, {j_it: b.add(n_lo, x)}, k))
+                e = b.add(lane, i64(q * BLOCK))
+                return (b.udiv(e, i64(KTILE)), b.urem(e, i64(KTILE))), (b.urem(e, i64(TILE)), b.udiv(e, i64(TILE)))
+
+            def fetch(kv, q: int) -> None:
+                """Read element q of this thread's share of the slice of A[rows, kv ..]
+                and B[kv .., columns] into registers (zeros past the edges)."""
+                b = self.b
+                (r, ka), (c, kb) = share(q)
+                self._fetch(staged[0][q], b.add(r0, r), m, b.add(kv, ka), k_hi,
+                            lambda x, k: element(t.a, {i_it: b.add(m_lo, x)}, k))
+                self._fetch(staged[1][q], b.add(c0, c), n, b.add(kv, kb), k_hi,
+                            lambda x, k: element(t.b, {j_it: b.add(n_lo, x)}, k))
+
+            def k_step() -> None:
+                for q in range(STAGED):
+                    if not prefetch:
+                        fetch(self.b.load(k0, typ=I64), q)
+                    b = self.b
+                    (r, ka), (c, kb) = share(q)
+                    b.store(b.load(staged[0][q], typ=F32), self._shared_at(shared[0], b.add(b.mul(ka, i64(TILE)), r)))
+                    b.store(b.load(staged[1][q], typ=F32), self._shared_at(shared[1], b.add(b.mul(kb, i64(TILE)), c)))
                 self.barrier()
+                for q in range(STAGED if prefetch else 0):
+                    fetch(self.b.add(self.b.load(k0, typ=I64), i64(KTILE)), q)
+                b = self.b
                 sums = [b.load(slot, typ=F32) for slot in acc]
                 for kk in range(KTILE):
                     a = [b.load(self._shared_at(shared[0], b.add(i64(kk * TILE + q), b.mul(ty, i64(4)))), typ=F32)
@@ -594,6 +615,8 @@ class GpuEmitter(Emitter):
                 for slot, v in zip(acc, sums):
                     b.store(v, slot)
                 self.barrier()
+            for q in range(STAGED if prefetch else 0):
+                fetch(k_lo, q)
             self.strided_loop(k0, k_lo, k_hi, i64(KTILE), "ktile", k_step)
             b = self.b
             out = self.prog.arrays[t.st.array]
@@ -610,10 +633,9 @@ class GpuEmitter(Emitter):
         shift = i64(BLOCK.bit_length() - 1)
         self.strided_loop(tile, b.lshr(self.part, shift), total, b.lshr(self.parts, shift), "tiles", one_tile)
 
-    def _stage(self, shared, at, x, extent, k, k_end, read) -> None:
-        """shared[at] = read(x, k) where x < extent and k < k_end, else 0."""
+    def _fetch(self, slot, x, extent, k, k_end, read) -> None:
+        """slot = read(x, k) where x < extent and k < k_end, else 0."""
         b = self.b
-        slot = self.var("gpu.staged", F32)
         b.store(ir.Constant(F32, 0.0), slot)
         inside = b.and_(b.icmp_signed("<", x, extent), b.icmp_signed("<", k, k_end))
         then, after = self.fn.append_basic_block("stage.read"), self.fn.append_basic_block("stage.next")
@@ -622,7 +644,6 @@ class GpuEmitter(Emitter):
         b.store(read(x, k), slot)
         b.branch(after)
         b.position_at_end(after)
-        b.store(b.load(slot, typ=F32), self._shared_at(shared, at))
 
     def shared_array(self, name: str, elem: ir.Type, count: int, align: int | None = None) -> ir.GlobalVariable:
         """A block's shared-memory array (one per module: kernels run one at a time)."""
