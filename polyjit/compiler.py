@@ -38,6 +38,9 @@ def compile_graph(graph: Graph, options: CompileOptions, name: str = "fn") -> Ex
     prog = lower(graph, GPU_RECOMPUTE_LIMIT if gpu else RECOMPUTE_LIMIT)
     sched = schedule_program(prog, options.fusion, options.tile_sizes, options.target)
     emitter = emitter_class(prog, sched, name)
+    if gpu:
+        emitter.tile_sizes = options.tile_sizes
+        emitter.multiprocessors = _multiprocessors()
     module = emitter.emit()
     if gpu:
         from .codegen.nvgpu import ptx
@@ -108,6 +111,16 @@ def _device_arch() -> str:
     from .cuda import device
     from .cuda import default_ordinal
     return device(default_ordinal()).arch
+
+
+def _multiprocessors() -> int | None:
+    """The multiprocessors of the GPU in use (None without one: PTX for gpu_arch)."""
+    from .cuda import default_ordinal, device
+    from .errors import DeviceError
+    try:
+        return device(default_ordinal()).multiprocessors
+    except DeviceError:
+        return None
 
 
 def dump(exe: Executable, folder: str) -> str:

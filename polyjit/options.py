@@ -8,6 +8,7 @@ from typing import Any, Mapping
 from .errors import CompileOptionError
 
 TARGETS = ("cpu", "nvgpu")
+GPU_TILES, GPU_KTILES = (32, 64, 128), (8, 16, 32)  # what nvgpu contraction tiles can be
 FUSION = ("max", "none")
 
 
@@ -69,8 +70,12 @@ def parse_options(opts: Mapping[str, Any] | CompileOptions | None,
             raise CompileOptionError(f"compile option 'tile_sizes' is {ts!r}; expected {_KEYS['tile_sizes']}")
         kw["tile_sizes"] = tuple(ts)
     if t == "nvgpu" and kw.get("tile_sizes") is not None:
-        raise CompileOptionError("compile option 'tile_sizes' is not supported by target 'nvgpu' (its loops are "
-                                 "mapped to threads, not tiled); allowed value: None")
+        ts = kw["tile_sizes"]
+        if len(ts) > 2 or ts[0] not in GPU_TILES or (len(ts) == 2 and ts[1] not in GPU_KTILES):
+            raise CompileOptionError(f"compile option 'tile_sizes' is {list(ts)!r} for target 'nvgpu'; expected "
+                                     f"[tile] or [tile, ktile] for contractions: tile (the side of the output "
+                                     f"tile a block computes) one of {list(GPU_TILES)}, ktile (the reduction "
+                                     f"slice staged in shared memory) one of {list(GPU_KTILES)}")
     ga = kw.get("gpu_arch")
     if ga is not None and not (isinstance(ga, str) and ga.startswith("sm_") and ga[3:].rstrip("a").isdigit()):
         raise CompileOptionError(f"compile option 'gpu_arch' is {ga!r}; expected {_KEYS['gpu_arch']}")

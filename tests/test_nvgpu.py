@@ -225,6 +225,35 @@ def test_tiled_matmul_thread_by_thread(m, k, n, transposed, rng):
     np.testing.assert_allclose(got, a.astype(np.float64) @ (b.T if transposed else b), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("tiles", [[128], [32, 8], [128, 32]])
+def test_tile_sizes_option_thread_by_thread(tiles, rng):
+    """tile_sizes picks the contraction tile (8 x 8 outputs per thread at 128,
+    in groups 64 apart; 2 x 2 at 32) and the staged slice; edges not tile multiples."""
+    a, b = rng.standard_normal((150, 37)).astype(F32), rng.standard_normal((37, 133)).astype(F32)
+    exe = polyjit.compile(ops.matmul, [InputInfo(a.shape, F32), InputInfo(b.shape, F32)],
+                          {**PTX_ONLY, "tile_sizes": tiles})
+    side, depth = tiles[0], (tiles[1:] or [16])[0]
+    assert f".shared .align 16 .b8 polyjit_tile_a{side}x{depth}[{4 * side * depth}]" in exe.ir("ptx")
+    got = run_threads_on_cpu(exe, [a, b], grid=2, block=256)[0]
+    np.testing.assert_allclose(got, a.astype(np.float64) @ b, rtol=1e-4, atol=1e-4)
+
+
+def test_contraction_tiles_follow_the_device(monkeypatch):
+    """128 x 128 tiles where i and j are that long and there is a tile for each
+    multiprocessor; 64 x 64 for smaller products and where i is short (a
+    convolution over 64-wide images)."""
+    from polyjit import compiler
+    monkeypatch.setattr(compiler, "_multiprocessors", lambda: 132)
+
+    def tile_of(fn, *shapes):
+        ptx = polyjit.compile(fn, [InputInfo(list(s), F32) for s in shapes], PTX_ONLY).ir("ptx")
+        return [side for side in (32, 64, 128) if f"polyjit_tile_a{side}x16" in ptx]
+    assert tile_of(ops.matmul, (1536, 64), (64, 1536)) == [128]
+    assert tile_of(ops.matmul, (1024, 64), (64, 1024)) == [64]  # 64 tiles of 128 for 132 multiprocessors
+    assert tile_of(lambda a, b: ops.conv(a, b, (1, 1), ((1, 1), (1, 1)), layout="NHWC", kernel_layout="HWIO"),
+                   (8, 64, 64, 64), (3, 3, 64, 256)) == [64]
+
+
 def test_tiled_batched_matmul_thread_by_thread(rng):
     """A batch of contractions, one operand shared by the batch (attention's
     scores and a broadcast weight), as tiles with real barriers."""
@@ -263,8 +292,10 @@ def test_tiled_convolution_thread_by_thread(layout, rng):
 def test_gpu_options_are_checked():
     with pytest.raises(CompileOptionError, match="gpu_arch"):
         polyjit.compile(ops.exp, [InputInfo([3], F32)], {"target": "nvgpu", "gpu_arch": "ampere"})
-    with pytest.raises(CompileOptionError, match="'tile_sizes' is not supported by target 'nvgpu'"):
-        polyjit.compile(ops.exp, [InputInfo([3], F32)], {**PTX_ONLY, "tile_sizes": [32, 32]})
+    with pytest.raises(CompileOptionError, match=r"'tile_sizes' is \[48\] for target 'nvgpu'.*\[32, 64, 128\]"):
+        polyjit.compile(ops.exp, [InputInfo([3], F32)], {**PTX_ONLY, "tile_sizes": [48]})
+    with pytest.raises(CompileOptionError, match=r"ktile.*\[8, 16, 32\]"):
+        polyjit.compile(ops.exp, [InputInfo([3], F32)], {**PTX_ONLY, "tile_sizes": [32, 12]})
 
 
 def _gpu():
