@@ -211,3 +211,14 @@ def test_convolution_register_block_inside_its_whole_reduction(rng):
     assert sum("// parallel:" in line for line in lines) == 2  # the initialization's nest and the convolution's
     want = refs.conv2d(x.transpose(0, 3, 1, 2), w.transpose(3, 2, 0, 1), padding=((1, 1), (1, 1)))
     np.testing.assert_allclose(exe(x, w), want.transpose(0, 2, 3, 1), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+def test_few_images_share_threads_by_row_strips(threads, rng):
+    """Three images cannot keep more threads busy: each image's rows are cut
+    into one strip per thread, and every strip first recomputes the blur_x
+    rows of its halo in its own rolling buffer."""
+    img = rng.random((3, 37, 70), dtype=F32)
+    exe = polyjit.compile(blur, [InputInfo(list(img.shape), F32)], {"num_threads": threads})
+    assert "strip.item" in exe.ir("llvm") and exe.stats["contracted_buffers"] == 1
+    np.testing.assert_allclose(exe(img), refs.blur(img.astype(np.float64)), rtol=1e-5, atol=1e-6)

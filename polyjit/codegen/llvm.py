@@ -11,7 +11,7 @@ Contracted arrays live inside the kernel, so each part has its own.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import islpy as isl
@@ -20,7 +20,7 @@ from llvmlite import ir
 from .. import sizes as sz
 from ..affine import AffineProgram, Array, Statement
 from ..dtypes import DataType
-from ..expr import Const, Expr, Load, Op, Var
+from ..expr import Const, Expr, Load, Op, Var, loads, walk
 from ..schedule import Scheduled
 from . import mathlib
 
@@ -33,6 +33,7 @@ COMPUTE = {DataType.Bool: I1, DataType.Int32: I32, DataType.UInt32: I32, DataTyp
            DataType.BFloat16: F32, DataType.Float: F32, DataType.Double: F64}
 STORAGE = {DataType.Bool: I8, DataType.Int32: I32, DataType.UInt32: I32, DataType.Int: I64, DataType.Half: F16,
            DataType.BFloat16: BF16, DataType.Float: F32, DataType.Double: F64}
+MIN_PARALLEL_EXTENT = 8  # a parallel loop shorter than this shares its inner loop's strips too
 STACK_LIMIT = 16384  # bytes: smaller contracted buffers go on the stack
 
 _FCMP = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
@@ -55,6 +56,43 @@ class KernelInfo:
     zeroed: tuple[str, ...] = ()  # nvgpu: arrays to zero before the launch (atomic sums)
     strips: bool = False  # nvgpu: strips of a sum, more threads than elements written
     fn: Any = None  # cpu: the compiled function, once JIT-compiled (nvgpu kernels load in polyjit.cuda)
+
+
+@dataclass
+class Strips:
+    """A sequential loop cut into strips of size iterations that run in
+    parallel: with a halo of private values recomputed (zeroed None), or as
+    partial sums added atomically (zeroed: the arrays to zero first)."""
+
+    loop: isl.AstNode
+    size: int
+    halo: int = 0
+    zeroed: tuple[str, ...] | None = None
+    calls: list = field(default_factory=list)  # the summing statements' calls
+    ring: int | None = None  # the one modulus of the private buffers' rolling dimensions
+
+
+def static_extent(loop: isl.AstNode) -> int | None:
+    """The trip count of a unit-step loop whose bounds are numbers."""
+    init, cond = loop.for_get_init(), loop.for_get_cond()
+    hi = cond.get_op_arg(1)
+    if init.get_type() != isl.ast_expr_type.int or hi.get_type() != isl.ast_expr_type.int \
+            or loop.for_get_inc().get_type() != isl.ast_expr_type.int or loop.for_get_inc().get_val().to_python() != 1:
+        return None
+    last = hi.get_val().to_python() - (cond.get_op_type() == isl.ast_expr_op_type.lt)
+    return max(last - init.get_val().to_python() + 1, 0)
+
+
+def ast_uses(e: isl.AstExpr, names: set[str]) -> bool:
+    """Whether an isl AST expression reads any of the iterators in names."""
+    if not names:
+        return False
+    t = e.get_type()
+    if t == isl.ast_expr_type.id:
+        return e.get_id().get_name() in names
+    if t == isl.ast_expr_type.op:
+        return any(ast_uses(e.get_op_arg(i), names) for i in range(e.get_op_n_arg()))
+    return False
 
 
 class Emitter:
@@ -198,7 +236,11 @@ class Emitter:
                     and child.get_type() == isl.ast_node_type.for_ and self.splittable(child) \
                     and n.mark_get_id().get_name() == "parallel:" + child.for_get_iterator().get_id().get_name():
                 self.in_parallel = self.parallel = True
-                self.loop(child, split=True)
+                strips = self.row_strips(child)
+                if strips is not None:
+                    self.strip_parallel(child, strips)
+                else:
+                    self.loop(child, split=True)
                 self.in_parallel = False
             else:
                 self.node(child)
@@ -247,6 +289,68 @@ class Emitter:
         self.b.position_at_end(body)
         self.node(n.for_get_body())
         self.b.store(self.b.add(self.b.load(slot, typ=I64), inc), slot)
+        self.b.branch(head)
+        self.b.position_at_end(done)
+
+    def row_strips(self, loop: isl.AstNode) -> Strips | None:
+        """Strips of the sequential loop under a parallel loop too short to keep
+        every thread busy (three images of a blur for two threads), when its
+        iterations depend on each other only through private buffers."""
+        extent = static_extent(loop)
+        if extent is None or extent >= MIN_PARALLEL_EXTENT:
+            return None
+        return self.strip_plan(loop.for_get_body(), {loop.for_get_iterator().get_id().get_name()}, 0)
+
+    def strip_parallel(self, outer: isl.AstNode, strip: Strips) -> None:
+        """Each iteration of outer cut into parts strips of the inner loop, and
+        the (iteration, strip) pairs shared between the parts; a strip first
+        recomputes the halo of private values it needs."""
+        b = self.b
+        one = ir.Constant(I64, 1)
+        lo, inc, hi = self.loop_bounds(outer)
+        inner = strip.loop
+        lo2, inc2, hi2 = self.loop_bounds(inner)
+        per = self.parts
+        trips = lambda first, step, end: b.sdiv(b.add(b.sub(end, first), b.sub(step, one)), step)  # noqa: E731
+        size = b.sdiv(b.add(trips(lo2, inc2, hi2), b.sub(per, one)), per)
+        first, last = self.split_range(ir.Constant(I64, 0), b.mul(trips(lo, inc, hi), per), one)
+        item = self.var("strip.item")
+        it, it2 = (x.for_get_iterator().get_id().get_name() for x in (outer, inner))
+
+        def one_strip() -> None:
+            b = self.b
+            k = b.load(item, typ=I64)
+            b.store(b.add(lo, b.mul(b.sdiv(k, per), inc)), self.var(it))
+            start = b.add(lo2, b.mul(b.mul(b.srem(k, per), size), inc2))
+            begin = b.sub(start, b.mul(inc2, ir.Constant(I64, strip.halo)))
+            begin = b.select(b.icmp_signed("<", begin, lo2), lo2, begin)
+            end = b.add(start, b.mul(size, inc2))
+            end = b.select(b.icmp_signed("<", end, hi2), end, hi2)
+            self.strip_start = (self.var(it2), start)
+            self.range_loop(self.var(it2), begin, end, inc2, lambda: self.node(inner.for_get_body()))
+            self.strip_start = None
+        self.range_loop(item, first, last, one, one_strip)
+
+    def loop_bounds(self, loop: isl.AstNode) -> tuple:
+        """(first, step, end) of an isl for loop, end exclusive."""
+        lo, inc = self.aexpr(loop.for_get_init()), self.aexpr(loop.for_get_inc())
+        cond = loop.for_get_cond()
+        hi = self.aexpr(cond.get_op_arg(1))
+        if cond.get_op_type() == isl.ast_expr_op_type.le:
+            hi = self.b.add(hi, ir.Constant(I64, 1))
+        return lo, inc, hi
+
+    def range_loop(self, slot, begin, end, step, body) -> None:
+        """slot = begin, begin + step, ... < end, running body() each time."""
+        b = self.b
+        b.store(begin, slot)
+        head, block, done = (self.fn.append_basic_block(f"range.{x}") for x in ("head", "body", "done"))
+        b.branch(head)
+        b.position_at_end(head)
+        b.cbranch(b.icmp_signed("<", b.load(slot, typ=I64), end), block, done)
+        b.position_at_end(block)
+        body()
+        self.b.store(self.b.add(self.b.load(slot, typ=I64), step), slot)
         self.b.branch(head)
         self.b.position_at_end(done)
 
@@ -328,10 +432,78 @@ class Emitter:
                                       b.icmp_signed("<", y, ir.Constant(I64, 0))))
         return b.sub(q, b.zext(adjust, I64))
 
+    # ------------------------------------------------------------ strips
+    def _free(self, loop: isl.AstNode, grid_iters: set[str]) -> bool:
+        """Whether loop's bounds are known before the grid loop's iterators."""
+        return self.splittable(loop) and not ast_uses(loop.for_get_init(), grid_iters) \
+            and not ast_uses(loop.for_get_cond(), grid_iters)
+
+    def _write_moves(self, loop: isl.AstNode, st, it: str) -> list[bool]:
+        """For each call of st under loop, whether the element it writes moves with it."""
+        used = {x.name for i in st.index for x in walk(i) if isinstance(x, Var) and x.kind == "iter"}
+        found = []
+
+        def visit(n):
+            if n.get_type() == isl.ast_node_type.user:
+                call = n.user_get_expr()
+                if call.get_op_arg(0).get_id().get_name() == st.name:
+                    found.append(any(ast_uses(call.get_op_arg(k + 1), {it}) for k, x in enumerate(st.iters) if x in used))
+            return True
+        loop.foreach_descendant_top_down(visit)
+        return found
+
+    def strip_plan(self, rest: isl.AstNode, grid_iters: set[str], size: int,
+                   bounded: bool = False) -> "Strips | None":
+        """Strips of rest when it is one sequential loop whose iterations
+        depend on each other only through buffers private to the thread (a
+        stencil's rolling rows): strips of size iterations can then run in
+        parallel, each first recomputing the halo of private values it
+        needs. bounded: only private buffers of a fixed size (a GPU thread's)."""
+        from ..schedule import statements_in
+        if rest.get_type() != isl.ast_node_type.for_ or not self._free(rest, grid_iters):
+            return None
+        it = rest.for_get_iterator().get_id().get_name()
+        names = statements_in(rest)
+        inside = [st for st in self.prog.statements if st.name in names]
+        private = {st.array for st in inside if st.array in self.sched.contracted}
+        if any(st.array in private for st in self.prog.statements if st.name not in names):
+            return None
+        written = {st.array for st in inside}
+        halo = 0
+        for st in inside:
+            if any(ld.array in written and ld.array not in private for ld in loads(st.body)):
+                return None
+            moves = self._write_moves(rest, st, it)
+            if st.array not in private and (st.combine is not None or not moves or not all(moves)):
+                return None
+        rings = set()
+        for a in private:
+            moduli = self.sched.contracted[a]
+            if None in moduli and bounded:
+                return None
+            halo = max([halo] + [m - 1 for m in moduli if m is not None])
+            rings |= {m for m in moduli if m is not None and m > 1}
+        ring = rings.pop() if len(rings) == 1 and rest.for_get_inc().get_val().to_python() == 1 else None
+        return Strips(rest, size, halo, ring=ring) if private else None
+
+
     # --------------------------------------------------------- statements
     def statement(self, call: isl.AstExpr) -> None:
         name = call.get_op_arg(0).get_id().get_name()
         s: Statement = self.stmts[name]
+        strip = getattr(self, "strip_start", None)
+        if strip is not None and s.array not in self.sched.contracted:
+            slot, start = strip  # halo iterations of a strip compute private values only
+            then = self.fn.append_basic_block("strip.own")
+            after = self.fn.append_basic_block("strip.next")
+            self.b.cbranch(self.b.icmp_signed(">=", self.b.load(slot, typ=I64), start), then, after)
+            self.b.position_at_end(then)
+            self.strip_start = None
+            self.statement(call)
+            self.strip_start = strip
+            self.b.branch(after)
+            self.b.position_at_end(after)
+            return
         env = {it: self.aexpr(call.get_op_arg(i + 1)) for i, it in enumerate(s.iters)}
         cache: dict[int, ir.Value] = {}
         val = self.value(s.body, env, cache)

@@ -35,7 +35,7 @@ from ..dtypes import DataType
 from ..errors import UnsupportedOpError
 from ..expr import Const, Load, Op, Var, loads, walk
 from . import mathlib
-from .llvm import COMPUTE, F32, F64, I32, I64, PTR, STORAGE, Emitter, KernelInfo
+from .llvm import COMPUTE, F32, F64, I32, I64, PTR, STORAGE, Emitter, KernelInfo, Strips, ast_uses, static_extent
 
 TRIPLE = "nvptx64-nvidia-cuda"
 DEFAULT_ARCH = "sm_90"
@@ -111,7 +111,7 @@ class GpuEmitter(Emitter):
             child = rest.mark_get_node()
             if child.get_type() == isl.ast_node_type.for_:
                 if child.for_get_iterator().get_id().get_name() != want or not self.splittable(child) \
-                        or _uses(child.for_get_init(), seen) or _uses(child.for_get_cond(), seen):
+                        or ast_uses(child.for_get_init(), seen) or ast_uses(child.for_get_cond(), seen):
                     rest = child
                     break
                 loops.append(child)
@@ -132,7 +132,7 @@ class GpuEmitter(Emitter):
             self.tiled_contraction(tiles, [b_[1:] for b_ in bounds])
             return
         plan = _WarpPlan.of(self, rest, [it for it, *_ in bounds]) if bounds else None
-        strip = (self.strip_plan(rest, seen) or self.atomic_plan(rest, seen)) if plan is None else None
+        strip = (self.strip_plan(rest, seen, STRIP, bounded=True) or self.atomic_plan(rest, seen)) if plan is None else None
         if strip is not None:  # strips of the sequential loop become a parallel dimension
             strip_range = self.loop_range(strip.loop)
             strips = self.trip_count(zero, one, self.trip_count(*strip_range), strip.size)
@@ -220,10 +220,10 @@ class GpuEmitter(Emitter):
             st = self.stmts[call.get_op_arg(0).get_id().get_name()]
             args = [call.get_op_arg(i + 1) for i in range(len(st.iters))]
             along = [(x, a) for x, a in zip(st.iters, args) if _steps_with(a, it)]
-            if len(along) != 1 or sum(_uses(a, {it}) for a in args) != 1:
+            if len(along) != 1 or sum(ast_uses(a, {it}) for a in args) != 1:
                 continue
             along, start = along[0]
-            if _uses(start, unset - {it}):
+            if ast_uses(start, unset - {it}):
                 continue
             for name, index in [(ld.array, ld.index) for ld in loads(st.body)] + [(st.array, st.index)]:
                 arr = self.prog.arrays[name]
@@ -309,40 +309,7 @@ class GpuEmitter(Emitter):
             b.position_at_end(done)
 
     # ------------------------------------------------------------ strips
-    def strip_plan(self, rest: isl.AstNode, grid_iters: set[str]) -> "_Strips | None":
-        """Strips of rest when it is one sequential loop whose iterations
-        depend on each other only through buffers private to the thread (a
-        stencil's rolling rows): strips of STRIP iterations can then run in
-        parallel, each first recomputing the halo of private values it
-        needs."""
-        from ..schedule import statements_in
-        if rest.get_type() != isl.ast_node_type.for_ or not self._free(rest, grid_iters):
-            return None
-        it = rest.for_get_iterator().get_id().get_name()
-        names = statements_in(rest)
-        inside = [st for st in self.prog.statements if st.name in names]
-        private = {st.array for st in inside if st.array in self.sched.contracted}
-        if any(st.array in private for st in self.prog.statements if st.name not in names):
-            return None
-        written = {st.array for st in inside}
-        halo = 0
-        for st in inside:
-            if any(ld.array in written and ld.array not in private for ld in loads(st.body)):
-                return None
-            moves = self._write_moves(rest, st, it)
-            if st.array not in private and (st.combine is not None or not moves or not all(moves)):
-                return None
-        rings = set()
-        for a in private:
-            moduli = self.sched.contracted[a]
-            if None in moduli:
-                return None
-            halo = max(halo, max(moduli) - 1)
-            rings |= {m for m in moduli if m > 1}
-        ring = rings.pop() if len(rings) == 1 and rest.for_get_inc().get_val().to_python() == 1 else None
-        return _Strips(rest, STRIP, halo, ring=ring) if private else None
-
-    def atomic_plan(self, rest: isl.AstNode, grid_iters: set[str]) -> "_Strips | None":
+    def atomic_plan(self, rest: isl.AstNode, grid_iters: set[str]) -> "Strips | None":
         """Strips of a sum when rest zeroes some arrays and then one loop (or
         perfect nest) sums into elements that do not move with it (a column
         sum): strips run in parallel, each adding its partial sums
@@ -381,10 +348,10 @@ class GpuEmitter(Emitter):
         if not zeroed <= targets or any(ld.array in targets for c in calls for ld in loads(
                 self.stmts[c.user_get_expr().get_op_arg(0).get_id().get_name()].body)):
             return None
-        return _Strips(loop, STRIP_REDUCE if len(nest) == 1 else 1, 0, tuple(sorted(zeroed)),
+        return Strips(loop, STRIP_REDUCE if len(nest) == 1 else 1, 0, tuple(sorted(zeroed)),
                        [c.user_get_expr() for c in calls])
 
-    def atomic_loop(self, strip: "_Strips", lo, inc, hi) -> None:
+    def atomic_loop(self, strip: "Strips", lo, inc, hi) -> None:
         """This thread's strip of a summing loop into registers, then one
         atomic add per target element."""
         b = self.b
@@ -423,26 +390,7 @@ class GpuEmitter(Emitter):
         env = {x: self.aexpr(call.get_op_arg(i + 1)) for i, x in enumerate(st.iters) if x in used}
         return self.address(self.prog.arrays[st.array], st.index, env, {})
 
-    def _free(self, loop: isl.AstNode, grid_iters: set[str]) -> bool:
-        """Whether loop's bounds are known before the grid loop's iterators."""
-        return self.splittable(loop) and not _uses(loop.for_get_init(), grid_iters) \
-            and not _uses(loop.for_get_cond(), grid_iters)
-
-    def _write_moves(self, loop: isl.AstNode, st, it: str) -> list[bool]:
-        """For each call of st under loop, whether the element it writes moves with it."""
-        used = {x for i in st.index for x in _vars(i)}
-        found = []
-
-        def visit(n):
-            if n.get_type() == isl.ast_node_type.user:
-                call = n.user_get_expr()
-                if call.get_op_arg(0).get_id().get_name() == st.name:
-                    found.append(any(_uses(call.get_op_arg(k + 1), {it}) for k, x in enumerate(st.iters) if x in used))
-            return True
-        loop.foreach_descendant_top_down(visit)
-        return found
-
-    def strip_loop(self, strip: "_Strips", lo, inc, hi) -> None:
+    def strip_loop(self, strip: "Strips", lo, inc, hi) -> None:
         """This thread's strip of the loop, from halo iterations before it;
         statements writing shared memory run only inside the strip."""
         b = self.b
@@ -852,18 +800,7 @@ class GpuEmitter(Emitter):
         self.current_call = call
         partial = getattr(self, "partials", {}).get(name)
         if partial is None and not shared:
-            st = self.stmts[name]
-            if getattr(self, "strip_start", None) is None or st.array in self.sched.contracted:
-                return super().statement(call)
-            slot, start = self.strip_start  # halo iterations compute private values only
-            then = self.fn.append_basic_block("strip.own")
-            after = self.fn.append_basic_block("strip.next")
-            self.b.cbranch(self.b.icmp_signed(">=", self.b.load(slot, typ=I64), start), then, after)
-            self.b.position_at_end(then)
-            super().statement(call)
-            self.b.branch(after)
-            self.b.position_at_end(after)
-            return
+            return super().statement(call)
         s = self.stmts[name]
         env = {it: self.aexpr(call.get_op_arg(i + 1)) for i, it in enumerate(s.iters)}
         cache: dict = {}
@@ -952,8 +889,8 @@ class _Tiles:
             return None
         names = [x.for_get_iterator().get_id().get_name() for x in loops + reds]
         if any(x.for_get_inc().get_val().to_python() != 1 for x in loops + reds) \
-                or any(_uses(x.for_get_init(), set(names))
-                       or _uses(x.for_get_cond(), set(names) - {x.for_get_iterator().get_id().get_name()})
+                or any(ast_uses(x.for_get_init(), set(names))
+                       or ast_uses(x.for_get_cond(), set(names) - {x.for_get_iterator().get_id().get_name()})
                        for x in reds):
             return None
         call = rest.user_get_expr()
@@ -987,7 +924,7 @@ class _Tiles:
         rows = [q for q in range(j) if grid_its[q] in used(a) and grid_its[q] not in used(bb)]
         if not rows:
             return None
-        return cls(reds, st, a, bb, grid_its, red_its, rows[-1], j, [_static_extent(x) for x in loops])
+        return cls(reds, st, a, bb, grid_its, red_its, rows[-1], j, [static_extent(x) for x in loops])
 
 
 @dataclass
@@ -995,20 +932,6 @@ class _Vector:
     claims: dict = field(default_factory=dict)  # id(index) -> alignment of a group's first access
     arrays: dict = field(default_factory=dict)  # array -> alignment its base must have
     starts: dict = field(default_factory=dict)  # the claimed accesses' last index, as AST expressions
-
-
-@dataclass
-class _Strips:
-    """A sequential loop cut into strips of size iterations that run in
-    parallel: with a halo of private values recomputed (zeroed None), or as
-    partial sums added atomically (zeroed: the arrays to zero first)."""
-
-    loop: isl.AstNode
-    size: int
-    halo: int = 0
-    zeroed: tuple[str, ...] | None = None
-    calls: list = field(default_factory=list)  # the summing statements' calls
-    ring: int | None = None  # the one modulus of the private buffers' rolling dimensions
 
 
 class _WarpPlan:
@@ -1049,7 +972,7 @@ class _WarpPlan:
                 if g.if_has_else_node() or then.get_type() != isl.ast_node_type.user:
                     return None
                 call = then.user_get_expr()
-                if any(_uses(call.get_op_arg(i), {it}) for i in range(1, call.get_op_n_arg())):
+                if any(ast_uses(call.get_op_arg(i), {it}) for i in range(1, call.get_op_n_arg())):
                     return None
                 inits.append(call)
             if any(c.get_type() != isl.ast_node_type.user for c in calls):
@@ -1062,8 +985,8 @@ class _WarpPlan:
                 call = c.user_get_expr()
                 s = e.stmts[call.get_op_arg(0).get_id().get_name()]
                 args = [call.get_op_arg(i + 1) for i in range(len(s.iters))]
-                along = {x for x, a in zip(s.iters, args) if _uses(a, {it})}
-                grid = {x for x, a in zip(s.iters, args) if _uses(a, {grid_iters[-1]})}
+                along = {x for x, a in zip(s.iters, args) if ast_uses(a, {it})}
+                grid = {x for x, a in zip(s.iters, args) if ast_uses(a, {grid_iters[-1]})}
                 text = {x: a.to_C_str() for x, a in zip(s.iters, args)}
                 stmts.append((s, along, grid, text))
                 deps = _depends(s.index, along)
@@ -1122,8 +1045,8 @@ def _steps_with(e: isl.AstExpr, it: str) -> bool:
         return False
     x, y = e.get_op_arg(0), e.get_op_arg(1)
     if e.get_op_type() == isl.ast_expr_op_type.add:
-        return (_steps_with(x, it) and not _uses(y, {it})) or (_steps_with(y, it) and not _uses(x, {it}))
-    return e.get_op_type() == isl.ast_expr_op_type.sub and _steps_with(x, it) and not _uses(y, {it})
+        return (_steps_with(x, it) and not ast_uses(y, {it})) or (_steps_with(y, it) and not ast_uses(x, {it}))
+    return e.get_op_type() == isl.ast_expr_op_type.sub and _steps_with(x, it) and not ast_uses(y, {it})
 
 
 def _ast_offset(e: isl.AstExpr, it: str) -> int | None:
@@ -1275,27 +1198,6 @@ def _atan2(e: GpuEmitter, y, x):
 
 
 _COMPOSED = {"log1p": _log1p, "expm1": _expm1, "pow": _pow, "atan2": _atan2}
-
-
-def _static_extent(loop: isl.AstNode) -> int | None:
-    """The trip count of a unit-step loop whose bounds are numbers."""
-    init, cond = loop.for_get_init(), loop.for_get_cond()
-    hi = cond.get_op_arg(1)
-    if init.get_type() != isl.ast_expr_type.int or hi.get_type() != isl.ast_expr_type.int:
-        return None
-    last = hi.get_val().to_python() - (cond.get_op_type() == isl.ast_expr_op_type.lt)
-    return max(last - init.get_val().to_python() + 1, 0)
-
-
-def _uses(e: isl.AstExpr, names: set[str]) -> bool:
-    if not names:
-        return False
-    t = e.get_type()
-    if t == isl.ast_expr_type.id:
-        return e.get_id().get_name() in names
-    if t == isl.ast_expr_type.op:
-        return any(_uses(e.get_op_arg(i), names) for i in range(e.get_op_n_arg()))
-    return False
 
 
 def _parallel_top(node: isl.AstNode) -> str | None:
