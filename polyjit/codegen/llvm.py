@@ -307,13 +307,12 @@ class Emitter:
         recomputes the halo of private values it needs."""
         b = self.b
         one = ir.Constant(I64, 1)
-        lo, inc, hi = self.loop_bounds(outer)
+        lo, inc, hi = self.loop_range(outer)
         inner = strip.loop
-        lo2, inc2, hi2 = self.loop_bounds(inner)
+        lo2, inc2, hi2 = self.loop_range(inner)
         per = self.parts
-        trips = lambda first, step, end: b.sdiv(b.add(b.sub(end, first), b.sub(step, one)), step)  # noqa: E731
-        size = b.sdiv(b.add(trips(lo2, inc2, hi2), b.sub(per, one)), per)
-        first, last = self.split_range(ir.Constant(I64, 0), b.mul(trips(lo, inc, hi), per), one)
+        size = b.sdiv(b.add(self.trip_count(lo2, inc2, hi2), b.sub(per, one)), per)
+        first, last = self.split_range(ir.Constant(I64, 0), b.mul(self.trip_count(lo, inc, hi), per), one)
         item = self.var("strip.item")
         it, it2 = (x.for_get_iterator().get_id().get_name() for x in (outer, inner))
 
@@ -322,16 +321,13 @@ class Emitter:
             k = b.load(item, typ=I64)
             b.store(b.add(lo, b.mul(b.sdiv(k, per), inc)), self.var(it))
             start = b.add(lo2, b.mul(b.mul(b.srem(k, per), size), inc2))
-            begin = b.sub(start, b.mul(inc2, ir.Constant(I64, strip.halo)))
-            begin = b.select(b.icmp_signed("<", begin, lo2), lo2, begin)
-            end = b.add(start, b.mul(size, inc2))
-            end = b.select(b.icmp_signed("<", end, hi2), end, hi2)
+            begin, end = self.strip_bounds(start, size, strip.halo, lo2, inc2, hi2)
             self.strip_start = (self.var(it2), start)
             self.range_loop(self.var(it2), begin, end, inc2, lambda: self.node(inner.for_get_body()))
             self.strip_start = None
         self.range_loop(item, first, last, one, one_strip)
 
-    def loop_bounds(self, loop: isl.AstNode) -> tuple:
+    def loop_range(self, loop: isl.AstNode) -> tuple:
         """(first, step, end) of an isl for loop, end exclusive."""
         lo, inc = self.aexpr(loop.for_get_init()), self.aexpr(loop.for_get_inc())
         cond = loop.for_get_cond()
@@ -339,6 +335,23 @@ class Emitter:
         if cond.get_op_type() == isl.ast_expr_op_type.le:
             hi = self.b.add(hi, ir.Constant(I64, 1))
         return lo, inc, hi
+
+    def trip_count(self, first, step, end, per: int = 1):
+        """How many times of per iterations first, first + step, ... < end takes (at least 0)."""
+        b = self.b
+        trips = b.sdiv(b.add(b.sub(end, first), b.sub(step, ir.Constant(I64, 1))), step)
+        if per > 1:
+            trips = b.sdiv(b.add(trips, ir.Constant(I64, per - 1)), ir.Constant(I64, per))
+        return b.select(b.icmp_signed("<", trips, ir.Constant(I64, 0)), ir.Constant(I64, 0), trips)
+
+    def strip_bounds(self, start, size, halo: int, lo, inc, hi) -> tuple:
+        """[begin, end) of the strip of size iterations from start, with halo
+        iterations before it, inside the loop lo, lo + inc, ... < hi."""
+        b = self.b
+        begin = b.sub(start, b.mul(inc, ir.Constant(I64, halo)))
+        begin = b.select(b.icmp_signed("<", begin, lo), lo, begin)
+        end = b.add(start, b.mul(inc, size))
+        return begin, b.select(b.icmp_signed("<", end, hi), end, hi)
 
     def range_loop(self, slot, begin, end, step, body) -> None:
         """slot = begin, begin + step, ... < end, running body() each time."""

@@ -266,23 +266,6 @@ class GpuEmitter(Emitter):
         return all(st.combine is None and not any(ld.array in written for ld in loads(st.body)) for st in stmts)
 
     # ------------------------------------------------------------ loops
-    def loop_range(self, loop: isl.AstNode) -> tuple:
-        """(first, step, end) of an isl for loop, end exclusive."""
-        lo, inc = self.aexpr(loop.for_get_init()), self.aexpr(loop.for_get_inc())
-        cond = loop.for_get_cond()
-        hi = self.aexpr(cond.get_op_arg(1))
-        if cond.get_op_type() == isl.ast_expr_op_type.le:
-            hi = self.b.add(hi, ir.Constant(I64, 1))
-        return lo, inc, hi
-
-    def trip_count(self, first, step, end, per: int = 1):
-        """How many times of per iterations first, first + step, ... < end takes (at least 0)."""
-        b = self.b
-        trips = b.sdiv(b.add(b.sub(end, first), b.sub(step, ir.Constant(I64, 1))), step)
-        if per > 1:
-            trips = b.sdiv(b.add(trips, ir.Constant(I64, per - 1)), ir.Constant(I64, per))
-        return b.select(b.icmp_signed("<", trips, ir.Constant(I64, 0)), ir.Constant(I64, 0), trips)
-
     def strided_loop(self, slot, begin, end, step, label: str, body, unroll: int = 1, defer: bool = False) -> None:
         """slot = begin, begin + step, ... while < end, running body() each
         time; with unroll, unroll bodies per trip while all of them fit, then
@@ -397,10 +380,7 @@ class GpuEmitter(Emitter):
         loop = strip.loop
         size = ir.Constant(I64, strip.size)
         start = b.add(lo, b.mul(b.load(self.var("gpu.strip"), typ=I64), b.mul(inc, size)))
-        begin = b.sub(start, b.mul(inc, ir.Constant(I64, strip.halo)))
-        begin = b.select(b.icmp_signed("<", begin, lo), lo, begin)
-        end = b.add(start, b.mul(inc, size))
-        end = b.select(b.icmp_signed("<", end, hi), end, hi)
+        begin, end = self.strip_bounds(start, size, strip.halo, lo, inc, hi)
         it = loop.for_get_iterator().get_id().get_name()
         slot = self.var(it)
         self.strip_start = (slot, start)
