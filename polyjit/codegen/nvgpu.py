@@ -395,29 +395,22 @@ class GpuEmitter(Emitter):
         guarded: copy c of a trip is ring slot c of the private buffers
         (whose rows are numbered from begin), so their indices are constants
         and the buffers live in registers."""
-        b = self.b
         slot = self.var(it)
         trip = self.var(it + ".trip")
-        b.store(begin, trip)
-        head, block, done = (self.fn.append_basic_block(f"ring.{x}") for x in ("head", "body", "done"))
-        b.branch(head)
-        b.position_at_end(head)
-        b.cbranch(b.icmp_signed("<", b.load(trip, typ=I64), end), block, done)
-        b.position_at_end(block)
-        for c in range(ring):
-            i = self.b.add(self.b.load(trip, typ=I64), ir.Constant(I64, c))
-            then, after = self.fn.append_basic_block("ring.copy"), self.fn.append_basic_block("ring.next")
-            self.b.cbranch(self.b.icmp_signed("<", i, end), then, after)
-            self.b.position_at_end(then)
-            self.b.store(i, slot)
-            self.ring = (it, begin, ring, c)
-            body()
-            self.ring = None
-            self.b.branch(after)
-            self.b.position_at_end(after)
-        self.b.store(self.b.add(self.b.load(trip, typ=I64), ir.Constant(I64, ring)), trip)
-        self.b.branch(head)
-        self.b.position_at_end(done)
+
+        def copies() -> None:
+            for c in range(ring):
+                i = self.b.add(self.b.load(trip, typ=I64), ir.Constant(I64, c))
+                then, after = self.fn.append_basic_block("ring.copy"), self.fn.append_basic_block("ring.next")
+                self.b.cbranch(self.b.icmp_signed("<", i, end), then, after)
+                self.b.position_at_end(then)
+                self.b.store(i, slot)
+                self.ring = (it, begin, ring, c)
+                body()
+                self.ring = None
+                self.b.branch(after)
+                self.b.position_at_end(after)
+        self.range_loop(trip, begin, end, ir.Constant(I64, ring), copies)
 
     def private_index(self, arr, d: int, e, v, modulus: int) -> ir.Value:
         """In a ring loop, a rolling row's slot is (row - begin) mod ring: a
