@@ -254,6 +254,7 @@ def distribute_inits(schedule, prog, validity) -> isl.Schedule:
 
 REG_ROWS, REG_COLS = 4, 64  # a register block of a contraction: rows x contiguous columns
 TILE_ROWS, TILE_RED, TILE_COLS = 64, 128, 256
+UNTILED = 1 << 30  # a tile size no loop reaches
 
 
 def _block_sizes(node, prog, n):
@@ -362,6 +363,9 @@ def tile(schedule, prog, validity, tile_sizes) -> isl.Schedule:
             sizes = (list(tile_sizes) + [tile_sizes[-1]] * n)[:n]
         elif contraction:
             sizes = [TILE_RED if r == "red" else TILE_COLS if r == "col" else TILE_ROWS for r in roles]
+        if "red" in roles:  # tiling an inner reduction loop would reorder the reduction: only the outermost
+            first = roles.index("red")
+            sizes = [UNTILED if r == "red" and m != first else t for m, (r, t) in enumerate(zip(roles, sizes))]
         node = node.band_tile(_sizes(node, sizes))
         if contraction and "red" in roles:
             node = register_block(node.child(0), roles, row).parent()

@@ -198,11 +198,14 @@ def test_linear_reads_a_packed_copy_of_its_weight(rng):
     np.testing.assert_allclose(exe(x, w), x.astype(np.float64) @ w.T, rtol=1e-5, atol=1e-4)
 
 
-def test_convolution_register_block_inside_its_whole_reduction(rng):
+@pytest.mark.parametrize("cin,cout", [(3, 70), (160, 64)])
+def test_convolution_register_block_inside_its_whole_reduction(cin, cout, rng):
     """isl gives a convolution's later reduction loops (window, channels) bands
     of their own; they join the contraction's band, so the unrolled block of
-    outputs sits inside every reduction loop, and the output loops stay parallel."""
-    x, w = rng.standard_normal((2, 9, 10, 3), dtype=F32), rng.standard_normal((3, 3, 3, 70), dtype=F32)
+    outputs sits inside every reduction loop, and the output loops stay parallel.
+    Only the outermost reduction loop may be tiled (more than 128 channels must
+    not reorder the sum, which would leave the whole program untiled)."""
+    x, w = rng.standard_normal((2, 9, 10, cin), dtype=F32), rng.standard_normal((3, 3, cin, cout), dtype=F32)
     exe = polyjit.compile(lambda a, b: ops.conv(a, b, (1, 1), ((1, 1), (1, 1)), layout="NHWC", kernel_layout="HWIO"),
                           [InputInfo(x.shape, F32), InputInfo(w.shape, F32)])
     lines = exe.ir("ast").splitlines()
