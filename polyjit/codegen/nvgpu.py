@@ -451,7 +451,8 @@ class GpuEmitter(Emitter):
             return self.tile_sizes[0], (self.tile_sizes[1:] or (KTILE,))[0]
         if self.multiprocessors and None not in t.extents:
             m, n = t.extents[t.i], t.extents[t.j]
-            count = -(-m // BIG_TILE) * -(-n // BIG_TILE) * math.prod(t.extents) // (m * n or 1)
+            batch = math.prod(x for q, x in enumerate(t.extents) if q not in (t.i, t.j))
+            count = -(-m // BIG_TILE) * -(-n // BIG_TILE) * batch
             if m >= BIG_TILE and n >= BIG_TILE and count >= self.multiprocessors:
                 return BIG_TILE, KTILE
         return TILE, KTILE
@@ -509,8 +510,8 @@ class GpuEmitter(Emitter):
                 k = b.udiv(k, extent)
             return env
 
-        def element(x, own: dict, k) -> ir.Value:
-            return self.value(x, {**env0, **own, **reduction_env(k)}, {})
+        def element(x, fixed: dict, k) -> ir.Value:
+            return self.value(x, {**env0, **fixed, **reduction_env(k)}, {})
 
         def one_tile() -> None:
             b = self.b
