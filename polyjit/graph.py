@@ -528,7 +528,8 @@ class Graph:
         reduction would otherwise be a second pass over memory. A reshape that
         only drops the kept axes of a reduction used nowhere else becomes the
         reduction without them, so that no copy follows the sum (a bias
-        gradient summed with keepdim, then reshaped)."""
+        gradient summed with keepdim, then reshaped); a transpose that swaps a
+        product's free dimensions becomes the product of swapped operands."""
         canon: dict[int, Node] = {}
         table: dict[tuple, Node] = {}
         order = self.nodes()
@@ -540,6 +541,8 @@ class Graph:
             if r is not None and r.op == "reduce" and r.attrs["keepdim"] and users[old.inputs[0].id] == 1 \
                     and n.shape == tuple(s for d, s in enumerate(r.shape) if d not in r.attrs["axes"]):
                 n = Node("reduce", r.inputs, {**r.attrs, "keepdim": False}, n.shape, n.dtype)
+            if n.op == "transpose" and ins[0].op == "dot_general" and users[old.inputs[0].id] == 1:
+                n = _swapped_product(ins[0], n.attrs["perm"]) or n
             key = (n.op, tuple(i.id for i in n.inputs), _freeze(n.attrs), n.shape, n.dtype)
             canon[old.id] = table.setdefault(key, n) if n.op != "input" else n
         g = copy.copy(self)
@@ -583,6 +586,21 @@ class Graph:
         lines = [str(n) for n in self.nodes()]
         lines.append("return " + ", ".join(f"%{o.id}" for o in self.outputs))
         return "\n".join(lines)
+
+
+def _swapped_product(d: Node, perm: tuple) -> Node | None:
+    """dot_general(a, b) transposed to (batch, b's free dims, a's free dims)
+    is dot_general(b, a): a gradient written as a product and a transpose
+    (JAX's and AOTAutograd's weight gradients) needs no transposing pass."""
+    a, b = d.inputs
+    at = d.attrs
+    nb = len(at["lb"])
+    nf = a.rank - nb - len(at["lc"])
+    mf = b.rank - nb - len(at["rc"])
+    if tuple(perm) != tuple(range(nb)) + tuple(range(nb + nf, nb + nf + mf)) + tuple(range(nb, nb + nf)):
+        return None
+    attrs = {"lc": at["rc"], "rc": at["lc"], "lb": at["rb"], "rb": at["lb"]}
+    return Node("dot_general", (b, a), attrs, tuple(d.shape[p] for p in perm), d.dtype)
 
 
 def _innermost(n: Node, d: int) -> bool:

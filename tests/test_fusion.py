@@ -225,3 +225,16 @@ def test_few_images_share_threads_by_row_strips(threads, rng):
     exe = polyjit.compile(blur, [InputInfo(list(img.shape), F32)], {"num_threads": threads})
     assert "strip.item" in exe.ir("llvm") and exe.stats["contracted_buffers"] == 1
     np.testing.assert_allclose(exe(img), refs.blur(img.astype(np.float64)), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape_a,shape_b", [((30, 41), (41, 23)), ((3, 30, 41), (3, 41, 23))])
+def test_transposed_product_is_the_product_of_swapped_operands(shape_a, shape_b, rng):
+    """(A @ B).T, as JAX writes a weight gradient, is computed as B.T @ A.T
+    straight into the output: no transposing pass over the result."""
+    a, b = rng.standard_normal(shape_a, dtype=F32), rng.standard_normal(shape_b, dtype=F32)
+    last = len(shape_a) - 1
+    exe = polyjit.compile(lambda x, y: ops.transpose(ops.matmul(x, y), last - 1, last),
+                          [InputInfo(list(shape_a), F32), InputInfo(list(shape_b), F32)])
+    writes = [line for line in exe.ir("affine").splitlines() if line.strip().startswith("out0[")]
+    assert len(writes) == 2 and "sum=" in writes[1]  # initialization and update only
+    np.testing.assert_allclose(exe(a, b), np.swapaxes(a.astype(np.float64) @ b, -1, -2), rtol=1e-5, atol=1e-4)
