@@ -238,3 +238,16 @@ def test_transposed_product_is_the_product_of_swapped_operands(shape_a, shape_b,
     writes = [line for line in exe.ir("affine").splitlines() if line.strip().startswith("out0[")]
     assert len(writes) == 2 and "sum=" in writes[1]  # initialization and update only
     np.testing.assert_allclose(exe(a, b), np.swapaxes(a.astype(np.float64) @ b, -1, -2), rtol=1e-5, atol=1e-4)
+
+
+def test_kernels_ask_for_wide_vectors_on_avx512_hosts(rng):
+    """LLVM tunes Intel's AVX-512 cores to 256-bit vectors, where the 4 x 64
+    register blocks of contractions spill; kernels ask for 512 bits."""
+    import llvmlite.binding as llvm
+    if "+avx512f" not in llvm.get_host_cpu_features().flatten():
+        pytest.skip("the host has no AVX-512")
+    a, b = rng.standard_normal((70, 90), dtype=F32), rng.standard_normal((90, 130), dtype=F32)
+    exe = polyjit.compile(ops.matmul, [InputInfo(a.shape, F32), InputInfo(b.shape, F32)])
+    opt = exe.ir("llvm_opt")
+    assert '"prefer-vector-width"="512"' in opt and "<16 x float>" in opt
+    np.testing.assert_allclose(exe(a, b), a.astype(np.float64) @ b, rtol=1e-5, atol=1e-4)

