@@ -29,14 +29,17 @@ def compile_graph(graph: Graph, options: CompileOptions, name: str = "fn") -> Ex
     if gpu:
         from .codegen.nvgpu import GpuEmitter as emitter_class
         arch = options.gpu_arch or _device_arch()
+        bits = 512  # unused: the nvgpu schedule has no register blocks
     else:
         from .codegen.cpu import CpuEmitter as emitter_class
+        from .codegen.cpu import vector_bits
+        bits = vector_bits()
 
     graph = graph.deduplicated()
     if not gpu:
         graph = graph.packed()
     prog = lower(graph, GPU_RECOMPUTE_LIMIT if gpu else RECOMPUTE_LIMIT)
-    sched = schedule_program(prog, options.fusion, options.tile_sizes, options.target)
+    sched = schedule_program(prog, options.fusion, options.tile_sizes, options.target, bits)
     emitter = emitter_class(prog, sched, name)
     if gpu:
         emitter.tile_sizes = options.tile_sizes

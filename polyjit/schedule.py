@@ -252,7 +252,8 @@ def distribute_inits(schedule, prog, validity) -> isl.Schedule:
     return new if is_legal(new, validity) else schedule
 
 
-REG_ROWS, REG_COLS = 4, 64  # a register block of a contraction: rows x contiguous columns
+REG_ROWS = 4  # a register block of a contraction: rows x four vectors of contiguous columns
+REG_VECTORS = 4  # (16 accumulators: half of AVX-512's registers)
 TILE_ROWS, TILE_RED, TILE_COLS = 64, 128, 256
 UNTILED = 1 << 30  # a tile size no loop reaches
 
@@ -327,11 +328,11 @@ def merge_reductions(node, prog) -> isl.ScheduleNode:
     return node
 
 
-def register_block(point, roles, row) -> isl.ScheduleNode:
+def register_block(point, roles, row, cols: int) -> isl.ScheduleNode:
     """Within a tile: loop over register blocks, then the reduction, with the
     block itself unrolled, so its accumulators stay in vector registers."""
     n = len(roles)
-    sizes = [REG_COLS if r == "col" else REG_ROWS if m == row else 1 for m, r in enumerate(roles)]
+    sizes = [cols if r == "col" else REG_ROWS if m == row else 1 for m, r in enumerate(roles)]
     node = point.band_tile(_sizes(point, sizes))
     order = [m for m in range(n) if roles[m] != "red"] + [m for m in range(n) if roles[m] == "red"]
     coinc = [node.band_member_get_coincident(m) for m in range(n)]
@@ -342,9 +343,11 @@ def register_block(point, roles, row) -> isl.ScheduleNode:
     return inner.parent()
 
 
-def tile(schedule, prog, validity, tile_sizes) -> isl.Schedule:
+def tile(schedule, prog, validity, tile_sizes, vector_bits: int = 512) -> isl.Schedule:
     """Tile outer permutable bands with reuse (contractions), or every one when
-    tile_sizes is given; contractions also get register blocks."""
+    tile_sizes is given; contractions also get register blocks of REG_ROWS x
+    REG_VECTORS vectors of the host's width (float32 lanes)."""
+    cols = REG_VECTORS * vector_bits // 32
     def fn(node):
         if node.get_type() != isl.schedule_node_type.band or not node.band_get_permutable():
             return node
@@ -368,7 +371,7 @@ def tile(schedule, prog, validity, tile_sizes) -> isl.Schedule:
             sizes = [UNTILED if r == "red" and m != first else t for m, (r, t) in enumerate(zip(roles, sizes))]
         node = node.band_tile(_sizes(node, sizes))
         if contraction and "red" in roles:
-            node = register_block(node.child(0), roles, row).parent()
+            node = register_block(node.child(0), roles, row, cols).parent()
         return node
     new = _visit(schedule.get_root(), fn).get_schedule()
     return new if is_legal(new, validity) else schedule
@@ -659,10 +662,11 @@ GPU_PRIVATE_BYTES = 256  # a contracted buffer a GPU thread keeps to itself
 
 
 def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None,
-                     target: str = "cpu") -> Scheduled:
-    """The cpu target tiles, balances threads and sinks inner loops; nvgpu
-    puts every coincident loop outside (they become the thread grid) and
-    keeps only contracted buffers small enough for a thread's registers."""
+                     target: str = "cpu", vector_bits: int = 512) -> Scheduled:
+    """The cpu target tiles (register blocks sized for vectors of
+    vector_bits), balances threads and sinks inner loops; nvgpu puts every
+    coincident loop outside (they become the thread grid) and keeps only
+    contracted buffers small enough for a thread's registers."""
     ctx = make_context()
     if fusion == "none":
         ctx.set_schedule_whole_component(0)
@@ -679,7 +683,7 @@ def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None,
         sched = coincident_outside(sched, validity)
         sched = mark_parallel(sched, all_coincident=True)
     else:
-        sched = tile(sched, prog, validity, tile_sizes)
+        sched = tile(sched, prog, validity, tile_sizes, vector_bits)
         sched = balance_parallel(sched, prog, validity)
         sched = sink_inner(sched, validity)
         sched = mark_parallel(sched)

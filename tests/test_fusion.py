@@ -251,3 +251,15 @@ def test_kernels_ask_for_wide_vectors_on_avx512_hosts(rng):
     opt = exe.ir("llvm_opt")
     assert '"prefer-vector-width"="512"' in opt and "<16 x float>" in opt
     np.testing.assert_allclose(exe(a, b), a.astype(np.float64) @ b, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("bits,cols", [(512, 64), (256, 32)])
+def test_register_blocks_follow_the_vector_width(bits, cols):
+    """Four rows of four vectors: 64 float32 columns with AVX-512, 32 with
+    AVX2 (64 would need 32 accumulators, twice AVX2's registers)."""
+    from polyjit.lowering import lower
+    from polyjit.schedule import schedule_program
+    graph = polyjit.compile(ops.matmul, [InputInfo([256, 256], F32)] * 2).graph
+    ast = schedule_program(lower(graph.deduplicated()), vector_bits=bits).ast_text()
+    block = [line for line in ast.splitlines() if line.strip().startswith("S1(")]
+    assert len(block) == 4 * cols

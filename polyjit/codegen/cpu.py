@@ -49,12 +49,17 @@ class CpuEmitter(Emitter):
 WIDE = 1000  # the attribute group number for the kernels' vector width
 
 
+def vector_bits() -> int:
+    """The width of the host's vectors: 512 with AVX-512, else 256."""
+    return 512 if "+avx512f" in llvm.get_host_cpu_features().flatten() else 256
+
+
 def prefer_wide_vectors(ir_text: str) -> str:
     """On an AVX-512 host, every function asks for 512-bit vectors: LLVM tunes
     Intel's cores to 256 bits, but register blocks of contractions are sized
     for 512 (4 x 64 floats in 16 registers; at 256 bits they spill). Emerald
     Rapids, matmul 1024^3: 47 -> 60 GFLOP/s on one core, 439 -> 615 on 16."""
-    if "+avx512f" not in llvm.get_host_cpu_features().flatten():
+    if vector_bits() < 512:
         return ir_text
     text = re.sub(r"^(define [^\n]*\))$", rf"\1 #{WIDE}", ir_text, flags=re.M)
     return text + f'\nattributes #{WIDE} = {{ "prefer-vector-width"="512" }}\n'
