@@ -211,18 +211,22 @@ def test_vector_groups_thread_by_thread(shape, offset, rng):
     np.testing.assert_allclose(got, np.cos(x) * b + c, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("m,k,n,transposed", [(70, 33, 130, False), (5, 37, 200, True), (64, 40, 64, False)])
+@pytest.mark.parametrize("m,k,n,transposed", [(70, 33, 130, ""), (5, 37, 200, "b"), (64, 40, 64, ""),
+                                               (70, 33, 130, "a"), (40, 20, 70, "ab")])
 def test_tiled_matmul_thread_by_thread(m, k, n, transposed, rng):
     """C = A @ B as tiles of C staged through shared memory: several tiles per
-    block (a grid of 2), edges that are not multiples of the tile, B read
-    transposed; run with each block's 256 threads meeting at its barriers."""
-    a = rng.standard_normal((m, k)).astype(F32)
-    b = rng.standard_normal((n, k) if transposed else (k, n)).astype(F32)
-    fn = (lambda x, y: ops.matmul(x, ops.transpose(y, 0, 1))) if transposed else ops.matmul
-    exe = polyjit.compile(fn, [InputInfo(a.shape, F32), InputInfo(b.shape, F32)], PTX_ONLY)
+    block (a grid of 2), edges that are not multiples of the tile, A or B read
+    transposed (their lanes then stage along the other dimension); run with
+    each block's 256 threads meeting at its barriers."""
+    a = rng.standard_normal((k, m) if "a" in transposed else (m, k)).astype(F32)
+    b = rng.standard_normal((n, k) if "b" in transposed else (k, n)).astype(F32)
+    t = lambda x, flip: ops.transpose(x, 0, 1) if flip else x  # noqa: E731
+    exe = polyjit.compile(lambda x, y: ops.matmul(t(x, "a" in transposed), t(y, "b" in transposed)),
+                          [InputInfo(a.shape, F32), InputInfo(b.shape, F32)], PTX_ONLY)
     assert "bar.sync" in exe.ir("ptx") and "ld.shared" in exe.ir("ptx")
     got = run_threads_on_cpu(exe, [a, b], grid=2, block=256)[0]
-    np.testing.assert_allclose(got, a.astype(np.float64) @ (b.T if transposed else b), rtol=1e-4, atol=1e-4)
+    want = (a.T if "a" in transposed else a).astype(np.float64) @ (b.T if "b" in transposed else b)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("tiles", [[128], [32, 8], [128, 32]])

@@ -499,6 +499,11 @@ class GpuEmitter(Emitter):
         # plain factors read the next slice while the block computes on this one; computed
         # factors (a convolution's guarded input) would hold too many registers meanwhile
         prefetch = isinstance(t.a, Load) and isinstance(t.b, Load)
+        innermost_red = t.red_its[-1]
+        # A walks memory along k unless it is a plain load whose last index is i (A.T @ B);
+        # B along j unless it is a plain load whose last index is k (x @ W.T)
+        a_along_k = not (isinstance(t.a, Load) and getattr(t.a.index[-1], "name", None) == t.grid_its[t.i])
+        b_along_k = isinstance(t.b, Load) and getattr(t.b.index[-1], "name", None) == innermost_red
         tile, k0 = self.var("gpu.tile"), self.var("gpu.k0")
         env0: dict = {}
 
@@ -527,10 +532,14 @@ class GpuEmitter(Emitter):
                 b.store(ir.Constant(F32, 0.0), slot)
 
             def share(q: int) -> tuple:
-                """Element q of this thread's share of a slice: A's (row, k) and B's (k, column)."""
+                """Element q of this thread's share of a slice: A's (row, k) and B's
+                (column, k), consecutive lanes taking consecutive elements of the
+                dimension each factor holds contiguously, so that reads coalesce."""
                 b = self.b
                 e = b.add(lane, i64(q * BLOCK))
-                return (b.udiv(e, i64(depth)), b.urem(e, i64(depth))), (b.urem(e, i64(side)), b.udiv(e, i64(side)))
+                along_k = (b.udiv(e, i64(depth)), b.urem(e, i64(depth)))
+                along_side = (b.urem(e, i64(side)), b.udiv(e, i64(side)))
+                return along_k if a_along_k else along_side, along_k if b_along_k else along_side
 
             def fetch(kv, q: int) -> None:
                 """Read element q of this thread's share of the slice of A[rows, kv ..]
