@@ -183,6 +183,7 @@ class Emitter:
         self.b.position_at_end(body)
         self.in_parallel = False
         self.parallel = False
+        self.strip_start = None  # (iterator slot, first own iteration) inside a strip with a halo
         self.node(node)
         for ptr in self.freed:
             self.free(ptr)
@@ -504,7 +505,7 @@ class Emitter:
     def statement(self, call: isl.AstExpr) -> None:
         name = call.get_op_arg(0).get_id().get_name()
         s: Statement = self.stmts[name]
-        strip = getattr(self, "strip_start", None)
+        strip = self.strip_start
         if strip is not None and s.array not in self.sched.contracted:
             slot, start = strip  # halo iterations of a strip compute private values only
             then = self.fn.append_basic_block("strip.own")
