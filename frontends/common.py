@@ -41,7 +41,8 @@ class Stats:
     fallback_ops: set = field(default_factory=set)
 
     def record(self, name: str, stats: dict) -> None:
-        self.graphs[name] = dict(stats)
+        """Keep a graph's live stats (the dict its program updates at each call)."""
+        self.graphs[name] = stats
 
     def as_dict(self) -> dict:
         out = {"graphs": len(self.graphs), "fallbacks": self.fallbacks,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 import threading
 import weakref
@@ -60,7 +61,7 @@ class BufferCache:
 
     def empty(self, shape: tuple[int, ...], dtype) -> np.ndarray:
         dtype = np.dtype(dtype)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         if nbytes < self.MIN_BYTES:
             return np.empty(shape, dtype)
         size = -(-nbytes // 4096) * 4096
@@ -113,6 +114,7 @@ class Executable:
     stats: dict = field(default_factory=dict)
     contracted_bytes: Any = None
     keepalive: Any = None
+    _plans: dict = field(default_factory=dict, repr=False)  # call plans by shape signature
 
     def bind(self, args: Sequence[np.ndarray]) -> dict[str, int]:
         """Size parameters from the arguments; raises InputError on any mismatch."""
@@ -151,41 +153,83 @@ class Executable:
                 raise InputError(f"{self.name}: sizes {a} = {va} and {b} = {vb} must be equal")
         return env
 
+    PLANS = 64  # call plans kept per program (one per shape signature)
+
     def __call__(self, *args: np.ndarray) -> list[np.ndarray]:
-        env = self.bind(args)
-        arrays: dict[str, np.ndarray] = {}
-        for spec, a in zip(self.inputs, args):
-            arrays[spec.name] = a if spec.strided or a.flags.c_contiguous else np.ascontiguousarray(a)
-        outs = []
-        for spec in self.outputs:
-            shape = tuple(sz.evaluate(s, env) for s in spec.shape)
-            arrays[spec.name] = _new_buffer(shape, spec.dtype.numpy)
-        temp_bytes = 0
-        for spec in self.buffers:
-            if spec.kind == "temp":
-                shape = tuple(sz.evaluate(s, env) for s in spec.shape)
-                arrays[spec.name] = _new_buffer(shape, spec.dtype.numpy)
-                temp_bytes += arrays[spec.name].nbytes
-            elif spec.kind == "const":
-                arrays[spec.name] = self.constants[spec.index]
-        ptrs = (ctypes.c_void_p * max(len(self.buffers), 1))(
-            *[arrays[b.name].ctypes.data for b in self.buffers])
-        ints = []
-        for name, d in self.int_slots:
-            if d < 0:
-                ints.append(env[name])
-            else:
-                a = arrays[name]
-                ints.append(a.strides[d] // a.itemsize)
-        ivec = (ctypes.c_int64 * max(len(ints), 1))(*ints)
-        work = sum(a.size for a in arrays.values())
-        threads = self.num_threads if work >= PARALLEL_MIN_ELEMENTS else 1
-        team = thread_team() if threads > 1 else None
+        try:
+            key = tuple((a.shape, a.strides, a.dtype) for a in args)
+        except AttributeError:
+            key = None
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plan(args, key)
+        keep = [np.ascontiguousarray(args[k]) for k in plan.copied]
+        pointers = list(plan.pointers)
+        for slot, a in zip(plan.input_slots, args):
+            pointers[slot] = a.__array_interface__["data"][0]
+        for k, a in zip(plan.copied, keep):
+            pointers[plan.input_slots[k]] = a.__array_interface__["data"][0]
+        made = {}
+        for name, slot, shape, dt in plan.fresh:
+            a = made[name] = _new_buffer(shape, dt)
+            pointers[slot] = a.__array_interface__["data"][0]
+        ptrs = plan.pointer_type(*pointers)
+        team = thread_team() if plan.threads > 1 else None
         for k in self.kernels:
-            if k.parallel and threads > 1:
-                team.run(k.fn, ptrs, ivec, threads)
+            if k.parallel and team is not None:
+                team.run(k.fn, ptrs, plan.ints, plan.threads)
             else:
-                k.fn(ptrs, ivec, 0, 1)
-        self.stats["intermediate_bytes"] = temp_bytes + (self.contracted_bytes(env) if self.contracted_bytes else 0)
-        outs = [arrays[n] for n in self.output_arrays]
-        return outs
+                k.fn(ptrs, plan.ints, 0, 1)
+        self.stats["intermediate_bytes"] = plan.intermediate_bytes
+        return [made[n] for n in self.output_arrays]
+
+    def _plan(self, args: Sequence[np.ndarray], key) -> "_CallPlan":
+        """What a call with these shapes, strides and dtypes needs, worked out
+        once: sizes, integer arguments, allocations, the thread count.
+        Raises InputError before anything runs."""
+        env = self.bind(args)
+        slot = {b.name: i for i, b in enumerate(self.buffers)}
+        strides: dict[str, tuple] = {}
+        copied = []
+        for k, (spec, a) in enumerate(zip(self.inputs, args)):
+            if not spec.strided and not a.flags.c_contiguous:
+                copied.append(k)
+            strides[spec.name] = tuple(s // a.itemsize for s in a.strides)
+        pointers: list = [None] * len(self.buffers)
+        fresh = []
+        temp_bytes, work = 0, sum(a.size for a in args)
+        for spec in self.buffers:
+            if spec.kind in ("output", "temp"):
+                shape = tuple(sz.evaluate(s, env) for s in spec.shape)
+                fresh.append((spec.name, slot[spec.name], shape, np.dtype(spec.dtype.numpy)))
+                if spec.kind == "temp":
+                    temp_bytes += math.prod(shape) * spec.dtype.itemsize
+                work += math.prod(shape)
+            elif spec.kind == "const":
+                c = self.constants[spec.index]
+                pointers[slot[spec.name]] = c.ctypes.data
+                work += c.size
+        ints = [env[name] if d < 0 else strides[name][d] for name, d in self.int_slots]
+        plan = _CallPlan(
+            input_slots=[slot[spec.name] for spec in self.inputs], copied=copied, fresh=fresh, pointers=pointers,
+            pointer_type=ctypes.c_void_p * max(len(self.buffers), 1),
+            ints=(ctypes.c_int64 * max(len(ints), 1))(*ints),
+            threads=self.num_threads if work >= PARALLEL_MIN_ELEMENTS else 1,
+            intermediate_bytes=temp_bytes + (self.contracted_bytes(env) if self.contracted_bytes else 0))
+        if key is not None:
+            if len(self._plans) >= self.PLANS:
+                self._plans.clear()
+            self._plans[key] = plan
+        return plan
+
+
+@dataclass
+class _CallPlan:
+    input_slots: list[int]  # the buffer slot of each input
+    copied: list[int]  # inputs passed with strides a row-major program cannot read: copied first
+    fresh: list  # (array, slot, shape, dtype) of the outputs and temporaries to allocate
+    pointers: list  # buffer pointers, constants filled in
+    pointer_type: Any
+    ints: Any  # sizes and strides, fixed for the plan
+    threads: int
+    intermediate_bytes: int

@@ -44,6 +44,19 @@ def test_not_an_array(exe):
         exe([[1.0]], np.zeros(3, F32))
 
 
+def test_checked_after_a_good_call(exe, rng):
+    """Calls are planned once per signature; a later bad call still fails, and
+    a strided view gets the plan of its own layout."""
+    a, b = rng.random((4, 3), dtype=F32), rng.random(6, dtype=F32)
+    np.testing.assert_array_equal(exe(a, b[:3]), a + b[:3])
+    np.testing.assert_array_equal(exe(a, b[::2]), a + b[::2])
+    with pytest.raises(InputError, match="input 1 dimension 0 is 6"):
+        exe(a, b)
+    with pytest.raises(InputError, match="input 0 has dtype float64"):
+        exe(a.astype(np.float64), b[:3])
+    np.testing.assert_array_equal(exe(a[:, :2], b[:2]), a[:, :2] + b[:2])
+
+
 def test_outputs_untouched_inputs_unmodified(exe, rng):
     a, b = rng.random((4, 3), dtype=F32), rng.random(3, dtype=F32)
     a0, b0 = a.copy(), b.copy()
