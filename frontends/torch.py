@@ -571,7 +571,8 @@ class _Translation:
     graph: Graph
     tensor_inputs: list[int]  # positions of FX placeholders that are tensors
     seed_index: int | None
-    outputs: list  # ('tensor', k) | ('input', argument position) | ('const', value)
+    outputs: list  # ('tensor', k) | ('input', argument position) | ('const', value) | ('size', Lin)
+    symbols: dict  # symbolic size name -> (argument position, dimension or None for an integer argument)
 
 
 def translate(gm: torch.fx.GraphModule) -> _Translation:
@@ -579,6 +580,7 @@ def translate(gm: torch.fx.GraphModule) -> _Translation:
     env: dict[torch.fx.Node, Any] = {}
     tensor_inputs = []
     input_pos: dict[int, int] = {}
+    symbols: dict[str, tuple] = {}
     pos = 0
     for node in gm.graph.nodes:
         if node.op == "placeholder":
@@ -586,12 +588,17 @@ def translate(gm: torch.fx.GraphModule) -> _Translation:
             if isinstance(val, torch.Tensor):
                 if val.dtype not in _DTYPES:
                     raise UnsupportedOpError(f"input {node.name} of dtype {val.dtype}")
+                for d, s in enumerate(val.shape):
+                    if isinstance(s, torch.SymInt) and s.node.expr.is_Symbol:
+                        symbols.setdefault(str(s.node.expr), (pos, d))
                 n = cx.graph.input(tuple(_placeholder_shape(val, cx)), _DTYPES[val.dtype], node.name)
                 n.attrs["declared_strided"] = False
                 env[node] = ops.Tensor(cx.graph, n)
                 tensor_inputs.append(pos)
                 input_pos[n.id] = pos
             else:
+                if isinstance(val, torch.SymInt) and val.node.expr.is_Symbol:
+                    symbols.setdefault(str(val.node.expr), (pos, None))
                 env[node] = cx.size(val) if isinstance(val, torch.SymInt) else val
             pos += 1
         elif node.op == "get_attr":
@@ -619,9 +626,14 @@ def translate(gm: torch.fx.GraphModule) -> _Translation:
                 elif isinstance(v, ops.Tensor):
                     cx.graph.add_output(v.node)
                     outs.append(("tensor", len(cx.graph.outputs) - 1))
+                elif isinstance(v, Lin):  # a size saved for the backward graph
+                    missing = [n for n, _ in v.terms if n not in symbols]
+                    if missing:
+                        raise UnsupportedOpError(f"the output size {v} depends on sizes {missing} of no input")
+                    outs.append(("size", v))
                 else:
                     outs.append(("const", v))
-            return _Translation(cx.graph, tensor_inputs, cx.seed_index, outs)
+            return _Translation(cx.graph, tensor_inputs, cx.seed_index, outs, symbols)
         else:
             raise UnsupportedOpError(f"FX node kind {node.op}")
     raise UnsupportedOpError("graph without output")
@@ -665,6 +677,9 @@ class CompiledGraph:
             if kind == "tensor":
                 o = outs[v]
                 result.append(o if isinstance(o, torch.Tensor) else torch.from_numpy(o))
+            elif kind == "size":
+                result.append(v.evaluate({n: int(args[k]) if d is None else args[k].shape[d]
+                                          for n, (k, d) in self.t.symbols.items()}))
             else:
                 result.append(args[v] if kind == "input" else v)
         return tuple(result)

@@ -210,6 +210,26 @@ def test_dynamic_shapes_do_not_recompile():
     assert jf.stats["graphs"] == 1
 
 
+def test_training_with_a_new_size_compiles_once_more():
+    """A second size recompiles with symbolic sizes (torch's automatic dynamic
+    shapes); the forward graph hands sizes to the backward graph as ints, and a
+    third size reuses the code."""
+    jf = polyjit.jit_torch(bdal, compile_options={"target": TARGET})
+    for n, m in ((4, 8), (2, 3), (5, 7)):
+        args = [r(n, m, 64, grad=True), r(64, grad=True), r(n, m, 64), r(64, grad=True), r(64, grad=True)]
+        a1 = [a.detach().to(DEVICE).requires_grad_(a.requires_grad) for a in args]
+        a2 = [a.detach().to(DEVICE).requires_grad_(a.requires_grad) for a in args]
+        out, ref = jf(*a1), bdal(*a2)
+        g = torch.randn_like(ref)
+        out.backward(g)
+        ref.backward(g)
+        assert_close(out, ref)
+        for x, y in zip(a1, a2):
+            if x.requires_grad:
+                assert_close(x.grad, y.grad, atol=2e-5)
+    assert jf.stats["graphs"] == 4 and jf.stats["fallbacks"] == 0
+
+
 def test_new_dtype_recompiles():
     jf = polyjit.jit_torch(lambda x: torch.exp(x) + 1)
     for dt in (torch.float32, torch.float64):
