@@ -267,11 +267,10 @@ class Graph:
         shape = list(shape)
         if -1 in shape:
             k = shape.index(-1)
-            rest = sz.static_product(s for i, s in enumerate(shape) if i != k)
-            total = sz.static_product(x.shape)
-            if rest is None or total is None or rest == 0:
-                raise DefinitionError("reshape: -1 can only be inferred among static sizes")
-            shape[k] = total // rest
+            inferred = sz.quotient(x.shape, [s for i, s in enumerate(shape) if i != k])
+            if inferred is None:
+                raise DefinitionError(f"reshape: cannot infer the -1 of {shape} from {list(x.shape)}")
+            shape[k] = inferred
         a, b = sz.static_product(x.shape), sz.static_product(shape)
         if a is not None and b is not None and a != b:
             raise DefinitionError(f"reshape: cannot reshape {list(x.shape)} into {shape}")

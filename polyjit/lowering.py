@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from . import expr as E
 from . import sizes as sz
@@ -364,25 +364,43 @@ def reshape_index(in_shape, out_shape, idx) -> list[Expr]:
         if in_shape[gi[0]] == out_shape[gj[0]]:
             src[gi[0]] = idx[gj[0]]
             continue
-        pi, pj = in_shape[gi[0]], out_shape[gj[0]]
-        while pi != pj:
-            if isinstance(pi, Lin) or isinstance(pj, Lin):
+        (ci, si), (cj, sj) = _split_size(in_shape[gi[0]]), _split_size(out_shape[gj[0]])
+        while (ci, si) != (cj, sj):
+            if si != sj:
                 raise DefinitionError(
-                    f"reshape from {list(in_shape)} to {list(out_shape)} mixes symbolic sizes; "
-                    "only whole symbolic dimensions may pass through a reshape")
-            if pi < pj:
-                gi.append(ins[i]); pi *= in_shape[ins[i]]; i += 1
+                    f"reshape from {list(in_shape)} to {list(out_shape)} mixes symbolic sizes; only whole "
+                    "symbolic dimensions, or a leading one merged with or split from static ones, may pass "
+                    "through a reshape")
+            side, shape, dims, k = (gi, in_shape, ins, i) if ci < cj else (gj, out_shape, outs, j)
+            if k >= len(dims) or isinstance(shape[dims[k]], Lin):
+                raise DefinitionError(
+                    f"reshape from {list(in_shape)} to {list(out_shape)} mixes symbolic sizes; only whole "
+                    "symbolic dimensions, or a leading one merged with or split from static ones, may pass "
+                    "through a reshape")
+            side.append(dims[k])
+            if ci < cj:
+                ci *= int(in_shape[ins[i]]); i += 1
             else:
-                gj.append(outs[j]); pj *= out_shape[outs[j]]; j += 1
-        linear: Expr = E.const(0)
-        for d in gj:
+                cj *= int(out_shape[outs[j]]); j += 1
+        linear: Expr = idx[gj[0]]  # the group's row-major position: only its leading size may be symbolic
+        for d in gj[1:]:
             linear = E.iadd(E.imul(linear, int(out_shape[d])), idx[d])
         inner = 1
         for d in reversed(gi):
             v = E.ifloordiv(linear, inner)
             src[d] = v if d == gi[0] else E.imod(v, int(in_shape[d]))
-            inner *= int(in_shape[d])
+            if d != gi[0]:
+                inner *= int(in_shape[d])
     return src
+
+
+def _split_size(s) -> tuple[int, Any]:
+    """A size as (static factor, symbolic factor): 8*s -> (8, s), 6 -> (6, None)."""
+    if not isinstance(s, Lin):
+        return int(s), None
+    if len(s.terms) == 1 and s.const == 0:
+        return s.terms[0][1], s.terms[0][0]
+    return 1, s
 
 
 def _position(L, index: Node, at, size) -> Expr:

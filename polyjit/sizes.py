@@ -46,6 +46,14 @@ class Lin:
 
     __rmul__ = __mul__
 
+    def __floordiv__(self, k: "Size") -> "Size":
+        """Exact division only: floor(s / 2) is not affine in s."""
+        if not isinstance(k, Lin) and k and self.const % k == 0 and all(c % k == 0 for _, c in self.terms):
+            return _make({n: c // k for n, c in self.terms}, self.const // k)
+        from .errors import UnsupportedOpError
+        raise UnsupportedOpError(f"the size ({self}) // {k} is not affine in the symbolic sizes; "
+                                 "compile with static sizes")
+
     def params(self) -> set[str]:
         return {n for n, _ in self.terms}
 
@@ -99,6 +107,36 @@ def product(sizes) -> Size:
             raise ValueError(f"the product of symbolic sizes {out} and {s} is not affine")
         out = s * out if isinstance(s, Lin) else out * s
     return out
+
+
+def quotient(total, part) -> Size | None:
+    """The size q with product(part) * q == product(total) (a reshape's -1),
+    or None if there is none that is affine. Each size splits into a static
+    factor and a symbolic one (8*s -> 8, s); the symbolic factors of part
+    cancel against those of total, and the static factors divide."""
+    def split(sizes):
+        static, symbolic = 1, []
+        for s in sizes:
+            if not isinstance(s, Lin):
+                static *= int(s)
+            elif len(s.terms) == 1 and s.const == 0:
+                static *= s.terms[0][1]
+                symbolic.append(Lin.param(s.terms[0][0]))
+            else:
+                symbolic.append(s)
+        return static, symbolic
+    t_static, t_sym = split(total)
+    p_static, p_sym = split(part)
+    for s in p_sym:
+        if s not in t_sym:
+            return None
+        t_sym.remove(s)
+    if p_static == 0 or t_static % p_static:
+        return None
+    try:
+        return product(t_sym + [t_static // p_static])
+    except ValueError:
+        return None
 
 
 def static_product(sizes) -> int | None:

@@ -7,6 +7,7 @@ import pytest
 
 import polyjit
 from polyjit import InputInfo, ops
+from polyjit.errors import UnsupportedOpError
 
 import refs
 
@@ -250,6 +251,24 @@ def test_symbolic_reshape_and_concat(rng):
         a = rng.standard_normal((n, 3, 4)).astype(F32)
         r = exe(a)
         close(r[0], a.reshape(n, 12)); close(r[1], np.concatenate([a, 2 * a], 0))
+
+
+def test_symbolic_leading_size_merges_and_splits(rng):
+    """A symbolic leading size merges with static ones and splits off again
+    (a flatten and its inverse, -1 inferred); floor(s / 2) is refused, not
+    miscompiled."""
+    def fn(t):
+        flat = ops.reshape(t, [t.shape[0] * 3, -1])
+        return flat * 2, ops.reshape(flat, [-1, 12]) + 1, ops.reshape(t, [-1])
+    exe = polyjit.compile(fn, [InputInfo([-1, 3, 4], F32)])
+    for n in (1, 5, 9):
+        a = rng.standard_normal((n, 3, 4)).astype(F32)
+        r = exe(a)
+        close(r[0], a.reshape(n * 3, 4) * 2)
+        close(r[1], a.reshape(n, 12) + 1)
+        close(r[2], a.reshape(-1))
+    with pytest.raises(UnsupportedOpError, match="not affine"):
+        polyjit.compile(lambda t: ops.reshape(t, [t.shape[0] // 2, -1]), [InputInfo([-1, 4], F32)])
 
 
 @pytest.mark.parametrize("shape_a,shape_b", [((33, 70), (70, 45)), ((3, 20, 30), (3, 30, 7)),

@@ -230,6 +230,36 @@ def test_training_with_a_new_size_compiles_once_more():
     assert jf.stats["graphs"] == 4 and jf.stats["fallbacks"] == 0
 
 
+def test_cnn_training_with_a_new_batch_size():
+    """A batch size that changes flows through conv, pooling and a flatten
+    (the symbolic batch merged with static sizes) without fallbacks; with
+    every size symbolic, pooling's floor(h / 2) is not affine: the graph runs
+    in eager, counted (and warned), and results still match."""
+    def net():
+        return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                             nn.Linear(8 * 4 * 4, 5)).to(DEVICE)
+    mod = net()
+    ref = copy.deepcopy(mod)
+    jm = polyjit.jit_torch(mod, compile_options={"target": TARGET})
+    for n in (2, 3, 4):
+        x = torch.randn(n, 3, 8, 8, device=DEVICE)
+        out, want = jm(x), ref(x)
+        assert_close(out, want)
+        out.sum().backward()
+        want.sum().backward()
+        for p, q in zip(mod.parameters(), ref.parameters()):
+            assert_close(p.grad, q.grad, 1e-4, 1e-4)
+    assert jm.polyjit_stats.as_dict()["fallbacks"] == 0
+    mod = net()
+    jm = polyjit.jit_torch(mod, compile_options={"target": TARGET}, dynamic=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for n in (2, 3):
+            x = torch.randn(n, 3, 8, 8, device=DEVICE)
+            assert_close(jm(x), mod(x))
+    assert jm.polyjit_stats.as_dict()["fallbacks"] > 0
+
+
 def test_new_dtype_recompiles():
     jf = polyjit.jit_torch(lambda x: torch.exp(x) + 1)
     for dt in (torch.float32, torch.float64):
