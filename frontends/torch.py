@@ -651,13 +651,13 @@ class CompiledGraph:
 
     def __call__(self, *args):
         gpu = self.options.target == "nvgpu"
-        arrays, devices = [], set()
+        arrays, index = [], None
         for k in self.t.tensor_inputs:
             a = args[k]
             if a.is_cuda and gpu:  # read through its pointer: no detached copy of the tensor object
-                devices.add(a.device)
                 arrays.append(_gpu_view(a))
-            elif a.device.type == "cpu":
+                index = a.get_device()
+            elif a.is_cpu:
                 arrays.append(a.detach().numpy())
             else:
                 raise InputError(f"{self.name}: argument {k} is on {a.device}, but target "
@@ -666,10 +666,8 @@ class CompiledGraph:
             seed = int(torch.randint(0, 2 ** 62, (), dtype=torch.int64).item())
             arrays.insert(self.t.seed_index, np.asarray(seed, np.int64))
         launch = {}
-        if devices:
-            dev = next(iter(devices))
-            launch = {"stream": _current_stream(dev.index), "ordinal": dev.index,
-                      "empty": lambda shape, dt: torch.empty(shape, dtype=_NUMPY_TO_TORCH[dt], device=dev)}
+        if index is not None:
+            launch = {"stream": _current_stream(index), "ordinal": index, "empty": _allocator(index)}
         outs = self.exe(*arrays, **launch)
         self.stats.record(self.name, self.exe.stats)
         result = []
@@ -694,13 +692,24 @@ def _current_stream(index: int) -> int:
     return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
 
 
+@functools.cache
+def _allocator(index: int):
+    """``empty(shape, dtype)`` for polyjit's outputs and temporaries: torch's
+    caching allocator on GPU ``index``."""
+    dev = torch.device("cuda", index)
+
+    def empty(shape, dt):
+        return torch.empty(shape, dtype=_NUMPY_TO_TORCH[dt], device=dev)
+    return empty
+
+
 def _gpu_view(t: torch.Tensor):
     """A CUDA tensor as polyjit's GPU view, built directly: torch's
     ``__cuda_array_interface__`` costs tens of microseconds per call."""
     if t.dtype not in _DTYPES:
         raise InputError(f"a tensor of dtype {t.dtype} is not supported by target 'nvgpu'")
     return GpuView(t.data_ptr(), tuple(t.shape), None if t.is_contiguous() else tuple(t.stride()),
-                   _NUMPY_DTYPES[t.dtype], t.device.index, t)
+                   _NUMPY_DTYPES[t.dtype], t.get_device(), t)
 
 
 class _Supported(OperatorSupport):

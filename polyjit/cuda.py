@@ -27,6 +27,7 @@ from .runtime import POISON, Executable
 
 WAVES = 2  # grids of this many times the blocks that fit on the device at once
 _lock = threading.Lock()
+_SUCCESS: Any = None  # CUresult.CUDA_SUCCESS, once the driver is loaded
 
 
 @functools.cache
@@ -45,6 +46,8 @@ def driver():
     err, n = cu.cuDeviceGetCount()
     if err != cu.CUresult.CUDA_SUCCESS or n == 0:
         raise DeviceError("no NVIDIA GPU visible (check CUDA_VISIBLE_DEVICES); target 'nvgpu' needs one")
+    global _SUCCESS
+    _SUCCESS = cu.CUresult.CUDA_SUCCESS
     return cu
 
 
@@ -81,10 +84,11 @@ class Device:
                     f"{get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)}"
         self.multiprocessors = get(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
         self.context = check(cu.cuDevicePrimaryCtxRetain(self.handle), "cuDevicePrimaryCtxRetain")
+        self._context = int(self.context)
 
     def activate(self) -> None:
         cu = driver()
-        if int(check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")) != int(self.context):
+        if int(check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")) != self._context:
             check(cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
 
     def load(self, ptx: str, names: Sequence[str]) -> tuple[Any, dict[str, Any]]:
@@ -339,31 +343,20 @@ class GpuExecutable(Executable):
         ``ordinal``: the device of the GPU arrays, when the caller knows it.
         Host inputs come back as numpy arrays."""
         cu = driver()
-        views = [as_device_array(a, ordinal) for a in args]
-        gpu = [v for v in views if v is not None]
-        if len(gpu) < len(views):
-            on_host = [k for k, v in enumerate(views) if v is None and np.ndim(args[k]) > 0]
-            if on_host and gpu:
-                on_gpu = [k for k, v in enumerate(views) if v is not None]
-                raise InputError(f"{self.name}: inputs {on_gpu} are on the GPU but inputs {on_host} are on the "
-                                 "host; pass all inputs on one device")
-        if any(v.device != gpu[0].device for v in gpu):
-            devices = sorted({v.device for v in gpu})
-            where = {d: [k for k, v in enumerate(views) if v is not None and v.device == d] for d in devices}
-            raise InputError(f"{self.name}: inputs are on several GPUs ({where}); pass all inputs on one device")
-        dev = device(gpu[0].device if gpu else default_ordinal())
-        if dev.arch != self.arch and int(dev.arch[3:]) < int(self.arch[3:]):
-            raise DeviceError(f"{self.name} was compiled for {self.arch}, but the GPU is {dev.arch}")
-        _used.add(dev.ordinal)
-        dev.activate()
+        views = [a if type(a) is GpuView else as_device_array(a, ordinal) for a in args]
         stream = int(stream or 0)
-        s = _stream(stream)
-        host = not gpu
-        key = (dev.ordinal, host) + tuple((v.shape, v.strides, v.dtype) if v is not None else
-                                          (np.shape(a), None, np.asarray(a).dtype) for v, a in zip(views, args))
+        try:  # all on the GPU: the plan for these shapes, layouts and device
+            key = tuple((v.shape, v.strides, v.dtype, v.device) for v in views)
+        except AttributeError:  # some on the host
+            key = (False, default_ordinal()) + tuple((v.shape, v.strides, v.dtype, v.device) if v is not None else
+                                   (np.shape(a), None, np.asarray(a).dtype) for v, a in zip(views, args))
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plan(key, views, args, dev, stream)
+            plan = self._plan(key, views, args, stream)
+        dev = plan.device
+        dev.activate()
+        s = _stream(stream)
+        host = plan.host
         keep: list = []
         made: dict[str, Any] = {}
         with plan.lock:  # the plan's argument block is filled, then copied by each launch
@@ -379,15 +372,16 @@ class GpuExecutable(Executable):
                 else:
                     pointers[slot] = v.ptr
             for slot, name, shape, dt in plan.fresh:
-                buf = empty(shape, dt) if (empty and not host) else DeviceBuffer(shape, dt, dev, stream)
-                made[name] = buf
+                buf = made[name] = empty(shape, dt) if (empty and not host) else DeviceBuffer(shape, dt, dev, stream)
                 pointers[slot] = _data_ptr(buf)
                 if POISON and shape:
                     poison(pointers[slot], math.prod(shape) * dt.itemsize, dt.kind, stream)
-            for fn, grid, block, name, zeroed in plan.launches:
+            for fn, grid, block, what, zeroed in plan.launches:
                 for slot, nbytes in zeroed:
                     check(cu.cuMemsetD8Async(pointers[slot], 0, nbytes, s), "cuMemsetD8Async")
-                check(cu.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, 0, s, plan.argv, 0), f"launching {name}")
+                result = cu.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, 0, s, plan.argv, 0)
+                if result[0] is not _SUCCESS:
+                    check(result, what)
         self.stats["intermediate_bytes"] = plan.temp_bytes
         outs = [made[n] for n in self.output_arrays]
         if host:
@@ -395,13 +389,34 @@ class GpuExecutable(Executable):
         del keep, made  # stream-ordered frees: the kernels above still see the memory
         return outs
 
+    def _device(self, views, args, ordinal: int | None) -> Device:
+        """The one device all GPU arguments are on (InputError for mixed placements)."""
+        gpu = [v for v in views if v is not None]
+        if len(gpu) < len(views):
+            on_host = [k for k, v in enumerate(views) if v is None and np.ndim(args[k]) > 0]
+            if on_host and gpu:
+                on_gpu = [k for k, v in enumerate(views) if v is not None]
+                raise InputError(f"{self.name}: inputs {on_gpu} are on the GPU but inputs {on_host} are on the "
+                                 "host; pass all inputs on one device")
+        if any(v.device != gpu[0].device for v in gpu):
+            devices = sorted({v.device for v in gpu})
+            where = {d: [k for k, v in enumerate(views) if v is not None and v.device == d] for d in devices}
+            raise InputError(f"{self.name}: inputs are on several GPUs ({where}); pass all inputs on one device")
+        dev = device(gpu[0].device if gpu else default_ordinal())
+        if dev.arch != self.arch and int(dev.arch[3:]) < int(self.arch[3:]):
+            raise DeviceError(f"{self.name} was compiled for {self.arch}, but the GPU is {dev.arch}")
+        return dev
+
     PLANS = 64  # launch plans kept per program (one per shape signature)
 
-    def _plan(self, key, views, args, dev: Device, stream: int) -> "_Plan":
-        """What a call with these shapes and layouts needs, worked out once:
-        sizes, the integer arguments, allocations, launch configurations and
-        the kernels' argument block (constants' pointers filled in).
+    def _plan(self, key, views, args, stream: int) -> "_Plan":
+        """What a call with these shapes, layouts and device needs, worked out
+        once: sizes, the integer arguments, allocations, launch configurations
+        and the kernels' argument block (constants' pointers filled in).
         Raises InputError before anything runs."""
+        dev = self._device(views, args, None)
+        _used.add(dev.ordinal)
+        dev.activate()
         shapes = [v.shape if v is not None else np.shape(a) for v, a in zip(views, args)]
         env = self.bind([_ShapeOnly(sh, v.dtype if v is not None else np.asarray(a).dtype)
                          for sh, v, a in zip(shapes, views, args)])
@@ -428,10 +443,11 @@ class GpuExecutable(Executable):
         ints = [env[name] if d < 0 else strides[name][d] for name, d in self.int_slots]
         fns = self._functions(dev)
         nbytes = {name: math.prod(shape) * dt.itemsize for _, name, shape, dt in fresh}
-        launches = [(fns[k.name][0], self._grid(i, env, dev, fns[k.name][1]), BLOCK if k.parallel else 1, k.name,
-                     [(slot[a], nbytes[a]) for a in k.zeroed if nbytes[a]]) for i, k in enumerate(self.kernels)]
-        plan = _Plan(fresh, launches, temp_bytes, [slot[spec.name] for spec in self.inputs], pointers,
-                     (ctypes.c_int64 * max(len(ints), 1))(*ints))
+        launches = [(fns[k.name][0], self._grid(i, env, dev, fns[k.name][1]), BLOCK if k.parallel else 1,
+                     f"launching {k.name}", [(slot[a], nbytes[a]) for a in k.zeroed if nbytes[a]])
+                    for i, k in enumerate(self.kernels)]
+        plan = _Plan(dev, not any(v is not None for v in views), fresh, launches, temp_bytes,
+                     [slot[spec.name] for spec in self.inputs], pointers, (ctypes.c_int64 * max(len(ints), 1))(*ints))
         places = [ctypes.addressof(plan.pointers) + 8 * i for i in range(len(self.buffers))]
         places += [ctypes.addressof(plan.ints) + 8 * i for i in range(len(ints))]
         plan.block = (ctypes.c_void_p * max(len(places), 1))(*places)
@@ -466,8 +482,10 @@ class GpuExecutable(Executable):
 
 @dataclass
 class _Plan:
+    device: Device
+    host: bool  # every argument on the host: copied in, results copied back
     fresh: list  # (argument slot, array, shape, dtype) of outputs and temporaries to allocate
-    launches: list  # (function, grid, block, name, (slot, bytes) to zero)
+    launches: list  # (function, grid, block, what it is (for errors), (slot, bytes) to zero)
     temp_bytes: int
     input_slots: list  # the argument slot of each input
     pointers: Any  # the kernels' arguments: buffer pointers (inputs and fresh set at each call),
