@@ -259,7 +259,7 @@ PRIMITIVES: dict[str, Callable] = {
         ("ceil", "ceil"), ("sign", "sign"), ("is_finite", "isfinite"), ("erf_inv", "erf_inv")]},
     **{name: _binary(op) for name, op in [
         ("add", "add"), ("add_any", "add"), ("sub", "sub"), ("mul", "mul"), ("max", "maximum"),
-        ("min", "minimum"), ("pow", "pow"), ("atan2", "atan2"), ("eq", "eq"), ("ne", "ne"),
+        ("min", "minimum"), ("pow", "pow"), ("atan2", "atan2"), ("rem", "fmod"), ("eq", "eq"), ("ne", "ne"),
         ("lt", "lt"), ("le", "le"), ("gt", "gt"), ("ge", "ge")]},
     "div": _float_binary("div"),
     "and": _logical("logical_and"), "or": _logical("logical_or"), "xor": _logical("logical_xor"),

@@ -89,7 +89,8 @@ for _name, _op in [("add", ops.add), ("sub", ops.sub), ("mul", ops.mul), ("div",
                    ("maximum", ops.maximum), ("minimum", ops.minimum), ("eq", ops.eq), ("ne", ops.ne),
                    ("lt", ops.lt), ("le", ops.le), ("gt", ops.gt), ("ge", ops.ge),
                    ("logical_and", ops.logical_and), ("logical_or", ops.logical_or),
-                   ("logical_xor", ops.logical_xor), ("atan2", ops.atan2), ("remainder", ops.remainder)]:
+                   ("logical_xor", ops.logical_xor), ("atan2", ops.atan2), ("remainder", ops.remainder),
+                   ("fmod", ops.fmod)]:
     _packet = getattr(aten, _name)
     for _ov in ("Tensor", "Scalar", "default"):
         if hasattr(_packet, _ov):

@@ -140,8 +140,8 @@ shift_left, shift_right_logical, shift_right_arithmetic = map(
     _binary, ("shift_left", "shift_right_logical", "shift_right_arithmetic"))
 bitwise_not = _unary("bitwise_not")
 erf_inv = _unary("erf_inv")
+fmod = _binary("fmod")  # C's remainder: the sign of the dividend (remainder's is the divisor's)
 truediv = div
-fmod = remainder
 
 
 def where(cond, a, b) -> Tensor:

@@ -163,8 +163,9 @@ def test_captured_values_are_constants_arguments_stay_inputs(rng):
     lambda x: x[1:3, 2:7:2], lambda x: lax.dynamic_slice(x, (1, 2), (2, 3)),
     lambda x: jnp.split(x, 2, axis=1)[1], lambda x: (x.astype(jnp.int32) * 3).sum(0),
     lambda x: jnp.round(x * 3), lambda x: jax.nn.sigmoid(x) + jnp.exp2(x) + jnp.log1p(jnp.abs(x)),
+    lambda x: (lax.rem(x * 5, 1.5), lax.rem((x * 9).astype(jnp.int32), 4)),
 ], ids=["argmax", "cumsum", "cumsum_rev", "maxpool", "clip_pow", "concat_rev", "pad", "where", "slice",
-        "dynamic_slice", "split", "int_sum", "round", "misc"])
+        "dynamic_slice", "split", "int_sum", "round", "misc", "rem"])
 def test_primitives(rng, fn):
     check(fn, rnd(rng, 4, 10))
 

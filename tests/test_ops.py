@@ -81,7 +81,7 @@ BINARY = [
     ("add", ops.add, np.add), ("sub", ops.sub, np.subtract), ("mul", ops.mul, np.multiply),
     ("div", ops.div, np.divide), ("maximum", ops.maximum, np.maximum),
     ("minimum", ops.minimum, np.minimum), ("pow", ops.pow, lambda a, b: np.abs(a) ** b),
-    ("remainder", ops.remainder, np.mod), ("atan2", ops.atan2, np.arctan2),
+    ("remainder", ops.remainder, np.mod), ("fmod", ops.fmod, np.fmod), ("atan2", ops.atan2, np.arctan2),
 ]
 
 
@@ -94,6 +94,25 @@ def test_binary_broadcast(name, op, ref, rng):
     else:
         got, _ = run(op, a, b)
     close(got, ref(a.astype(np.float64), b.astype(np.float64)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dt", [np.int32, np.int64, F32])
+def test_signed_remainders_and_integer_division_by_zero(dt):
+    """remainder takes the divisor's sign (np.mod), fmod the dividend's
+    (np.fmod); an integer divisor of 0 gives 0 as numpy does, and MIN % -1 is
+    0, where the machine's divide would trap and kill the process."""
+    a = np.array([7, -7, 7, -7, 5, -5, 0, 3], dt)
+    b = np.array([3, 3, -3, -3, 2, -2, 4, 7], dt)
+    got, _ = run(lambda x, y: (ops.remainder(x, y), ops.fmod(x, y)), a, b)
+    np.testing.assert_array_equal(got[0], np.mod(a, b))
+    np.testing.assert_array_equal(got[1], np.fmod(a, b))
+    if dt != F32:
+        lo = np.iinfo(dt).min
+        a = np.array([7, -7, lo, lo], dt)
+        b = np.array([0, 0, -1, 0], dt)
+        got, _ = run(lambda x, y: (ops.remainder(x, y), ops.fmod(x, y)), a, b)
+        np.testing.assert_array_equal(got[0], [0, 0, 0, 0])
+        np.testing.assert_array_equal(got[1], [0, 0, 0, 0])
 
 
 def test_maximum_propagates_nan():

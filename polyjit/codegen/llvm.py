@@ -437,6 +437,28 @@ class Emitter:
             return b.icmp_signed(cmp[op], *args)
         raise NotImplementedError(f"isl AST expression {op}")
 
+    def int_division(self, op: str, x, y) -> ir.Value:
+        """Signed quotient (floor for int64, truncated for narrower types) or
+        remainder (fmod: with the dividend's sign; else the divisor's). Division by zero gives 0, as in
+        numpy, and MIN / -1 wraps: the machine's divide would trap on both and
+        kill the process."""
+        b = self.b
+        t = y.type
+        zero, one = ir.Constant(t, 0), ir.Constant(t, 1)
+        by_zero = b.icmp_signed("==", y, zero)
+        by_minus_one = b.icmp_signed("==", y, ir.Constant(t, -1))
+        safe = b.select(b.or_(by_zero, by_minus_one), one, y)
+        if op in ("div", "floordiv"):
+            q = self.floordiv(x, safe) if t == I64 else b.sdiv(x, safe)
+            q = b.select(by_minus_one, b.sub(zero, x), q)
+            return b.select(by_zero, zero, q)
+        r = b.srem(x, safe)  # 0 where y is -1
+        if op == "fmod":
+            return b.select(by_zero, zero, r)
+        fix = b.and_(b.icmp_signed("!=", r, zero),
+                     b.xor(b.icmp_signed("<", r, zero), b.icmp_signed("<", y, zero)))
+        return b.select(by_zero, zero, b.select(fix, b.add(r, y), r))
+
     def floordiv(self, x, y):
         b = self.b
         q = b.sdiv(x, y)
@@ -668,6 +690,8 @@ class Emitter:
             return b.select(b.fcmp_unordered("uno", a[0], a[0]), a[0], r)
         if op == "erf_inv":
             return self.erf_inv(a[0])
+        if op == "fmod":
+            return b.frem(*a)
         if op == "remainder":
             r = b.frem(*a)
             fix = b.and_(b.fcmp_ordered("!=", r, ir.Constant(t, 0.0)),
@@ -724,14 +748,8 @@ class Emitter:
             return b.sub(*a)
         if op == "mul":
             return b.mul(*a)
-        if op in ("div", "floordiv"):
-            return self.floordiv(*a) if a[0].type == I64 else b.sdiv(*a)
-        if op in ("mod", "remainder"):
-            r = b.srem(*a)
-            zero = ir.Constant(r.type, 0)
-            fix = b.and_(b.icmp_signed("!=", r, zero),
-                         b.xor(b.icmp_signed("<", r, zero), b.icmp_signed("<", a[1], zero)))
-            return b.select(fix, b.add(r, a[1]), r)
+        if op in ("div", "floordiv", "mod", "remainder", "fmod"):
+            return self.int_division(op, *a)
         if op in ("max", "maximum"):
             if a[0].type == I1:
                 return b.or_(*a)
@@ -774,10 +792,12 @@ class Emitter:
                 return b.ashr(a[0], b.select(over, ir.Constant(t, t.width - 1), a[1]))
             shifted = b.shl(*a) if op == "shift_left" else b.lshr(*a)
             return b.select(over, ir.Constant(t, 0), shifted)
-        if op in ("div", "floordiv"):
-            return b.udiv(*a)
-        if op in ("mod", "remainder"):
-            return b.urem(*a)
+        if op in ("div", "floordiv", "mod", "remainder", "fmod"):
+            zero = ir.Constant(a[1].type, 0)
+            by_zero = b.icmp_unsigned("==", a[1], zero)
+            safe = b.select(by_zero, ir.Constant(a[1].type, 1), a[1])
+            v = b.udiv(a[0], safe) if op in ("div", "floordiv") else b.urem(a[0], safe)
+            return b.select(by_zero, zero, v)
         if op in ("max", "maximum", "min", "minimum"):
             return b.select(b.icmp_unsigned(">" if op.startswith("max") else "<", a[0], a[1]), a[0], a[1])
         if op in ("abs", "relu", "floor", "ceil", "round"):
