@@ -609,7 +609,7 @@ def _to_tensor(x) -> tf.Tensor:
     if isinstance(x, tf.Tensor):
         return x
     x = np.asarray(x)
-    if x.flags.c_contiguous and x.ctypes.data % 64 == 0 and x.size:
+    if x.flags.c_contiguous and x.flags.writeable and x.ctypes.data % 64 == 0 and x.size:  # DLPack refuses read-only
         return tf.experimental.dlpack.from_dlpack(x.__dlpack__())
     return tf.convert_to_tensor(x)
 
