@@ -19,7 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from polyjit.dtypes import DataType
-from polyjit.errors import CompileOptionError, InputError, UnsupportedOpError
+from polyjit.errors import CompileOptionError, DefinitionError, InputError, UnsupportedOpError
 from polyjit.options import CompileOptions, parse_options
 
 from .common import Const, Op, SegmentedProgram, Stats, Value, core_dtype, static_value
@@ -102,15 +102,10 @@ def _select(g, ins, o):
 
 def _reshape(g, ins, o):
     x, shape = ins[0], [int(s) for s in _static(ins[1], "reshape's shape")]
-    if -1 in shape:
-        known = int(np.prod([s for s in shape if s != -1]))
-        total = 1
-        for s in x.shape:
-            if not isinstance(s, int):
-                raise UnsupportedOpError("reshape with -1 of a symbolic size")
-            total *= s
-        shape[shape.index(-1)] = total // max(known, 1)
-    return g.reshape(x, shape)
+    try:
+        return g.reshape(x, shape)
+    except DefinitionError as e:
+        raise UnsupportedOpError(str(e)) from None
 
 
 def _expand_dims(g, ins, o):
@@ -403,7 +398,9 @@ TF_OPS: dict[str, Callable] = {
         ("Add", "add"), ("AddV2", "add"), ("Sub", "sub"), ("Mul", "mul"), ("Maximum", "maximum"),
         ("Minimum", "minimum"), ("Pow", "pow"), ("Atan2", "atan2"), ("Less", "lt"), ("LessEqual", "le"),
         ("Greater", "gt"), ("GreaterEqual", "ge"), ("Equal", "eq"), ("NotEqual", "ne"),
-        ("LogicalAnd", "logical_and"), ("LogicalOr", "logical_or")]},
+        ("LogicalAnd", "logical_and"), ("LogicalOr", "logical_or"), ("FloorMod", "remainder"),
+        ("TruncateMod", "fmod")]},
+    "FloorDiv": lambda g, ins, o: g.unary("floor", _float_div(g, ins, o)),
     "RealDiv": _float_div, "Div": _float_div, "DivNoNan": None,
     "Square": lambda g, ins, o: g.binary("mul", ins[0], ins[0]),
     "SquaredDifference": lambda g, ins, o: (lambda d: g.binary("mul", d, d))(g.binary("sub", *ins)),
@@ -511,6 +508,8 @@ class _Trace:
                 env[o.outputs[0].name] = Const(tf.make_ndarray(o.get_attr("value")))
                 continue
             ins = [env[t.name] for t in o.inputs]
+            if o.type == "Reshape" and not isinstance(ins[1], Const):
+                ins[1] = _inferred_shape(o) or ins[1]
             if o.type in _FOLDABLE and all(isinstance(x, Const) for x in ins) or o.type in ("Shape", "Size", "Rank"):
                 vals = [tf.get_static_value(t) for t in o.outputs]
                 if all(v is not None for v in vals):
@@ -526,6 +525,30 @@ class _Trace:
         self.out_positions = [k for k, t in enumerate(flat) if isinstance(t, tf.Tensor)]
         self.outvars = [env[flat[k].name] for k in self.out_positions]
         self.flat = flat
+        self.ops = _live(self.ops, self.outvars)
+
+
+def _inferred_shape(o: tf.Operation) -> Const | None:
+    """A Reshape whose shape is computed at run time (Keras' Flatten of a
+    batch of unknown size: Shape, StridedSlice, Pack), as the constant shape
+    TensorFlow inferred for its result, when that leaves at most one size
+    unknown: the element count fixes it (-1)."""
+    dims = o.outputs[0].shape
+    if dims.rank is None or sum(d is None for d in dims.as_list()) > 1:
+        return None
+    return Const(np.array([-1 if d is None else d for d in dims.as_list()], np.int64))
+
+
+def _live(ops: list[Op], outvars: list) -> list[Op]:
+    """The ops whose results are used (an output, or an input of a live op),
+    and stateful ones: shape arithmetic a folded Reshape no longer reads goes."""
+    used = {id(v) for v in outvars}
+    keep = []
+    for op in reversed(ops):
+        if op.params.op_def.is_stateful or not op.outs or any(id(v) in used for v in op.outs):
+            keep.append(op)
+            used.update(id(x) for x in op.ins)
+    return keep[::-1]
 
 
 class TFFunction:

@@ -84,6 +84,20 @@ def test_keras_cnn_inference(rng):
     check(lambda x: cnn(x, training=False), rnd(rng, 2, 16, 16, 3), rtol=1e-4, atol=1e-4)
 
 
+def test_keras_cnn_batch_of_unknown_size(rng):
+    """Flatten of a batch of unknown size computes its shape at run time
+    (Shape, StridedSlice, Pack); the Reshape takes the shape TensorFlow
+    inferred, so every batch size runs one program without fallbacks."""
+    cnn = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(4, 3, strides=2, padding="same",
+                                                                          activation="relu"),
+                            keras.layers.Flatten(), keras.layers.Dense(5), keras.layers.Softmax()])
+    jf = polyjit.jit_tf(lambda x: cnn(x), input_signature=[tf.TensorSpec([None, 8, 8, 3], tf.float32)])
+    for n in (1, 3, 6):
+        x = rnd(rng, n, 8, 8, 3)
+        assert_close(jf(x), cnn(x), 1e-5, 1e-5)
+    assert jf.stats["fallbacks"] == 0 and jf.stats["graphs"] == 1
+
+
 def test_fused_batch_norm_inference(rng):
     s, o, m, v = rnd(rng, 5), rnd(rng, 5), rnd(rng, 5), tf.constant(rng.random(5, dtype=np.float32) + 0.5)
 
@@ -104,9 +118,11 @@ def test_fused_batch_norm_inference(rng):
     lambda x: tf.where(x > 0, x, -x), lambda x: tf.squeeze(tf.expand_dims(x, 0)) * tf.cast(x > 0, tf.float32),
     lambda x: tf.concat([x, tf.transpose(x)[:4, :4] @ x], 0), lambda x: tf.reduce_max(x, [0, 1]),
     lambda x: tf.matmul(x, x, transpose_b=True), lambda x: tf.math.sigmoid(x) * tf.math.tanh(x),
+    lambda x: (tf.math.floormod(x, 0.7), tf.truncatemod(x, 0.7), tf.math.floordiv(x, 0.7),
+               tf.math.floormod(tf.cast(x * 9, tf.int32), 4), tf.truncatemod(tf.cast(x * 9, tf.int32), 4)),
 ], ids=["slice", "shrink", "reverse", "ellipsis_newaxis", "pack", "unpack", "split", "splitv", "pad", "mean",
         "argmax", "avgpool_same", "tile", "batch_matmul", "elu_selu_softplus_relu6", "select", "squeeze_cast",
-        "concat_transpose", "max_all", "matmul_t", "sigmoid_tanh"])
+        "concat_transpose", "max_all", "matmul_t", "sigmoid_tanh", "mod_floordiv"])
 def test_ops(rng, fn):
     check(fn, rnd(rng, 4, 10))
 
