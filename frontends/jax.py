@@ -17,6 +17,8 @@ On the CPU, arrays cross in both directions without copies.
 from __future__ import annotations
 
 import functools
+import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -28,6 +30,7 @@ from jax.extend import core as jcore
 from polyjit.dtypes import DataType
 from polyjit.errors import CompileOptionError, InputError, UnsupportedOpError
 from polyjit.options import CompileOptions, parse_options
+from polyjit.sizes import Lin
 
 from .common import Const, Op, SegmentedProgram, Stats, Value, core_dtype, static_value
 
@@ -221,6 +224,43 @@ def _reduce_window(op):
     return rule
 
 
+def _select_and_scatter_add(g, ins, p):
+    """Max pooling's gradient: each window's source value is added at the
+    position of the window's first maximum (select ge keeps the earlier of
+    equal values). Windows unroll into strided slices of the operand padded
+    with -inf; a running (maximum, flat position) picks each window's
+    element, and one scatter_add over the flat padded operand sums them."""
+    src, x = ins
+    if getattr(p["select_prim"], "name", "") != "ge":
+        raise UnsupportedOpError(f"select_and_scatter_add selecting with {p['select_prim']}")
+    lo, hi = [a for a, _ in p["padding"]], [b for _, b in p["padding"]]
+    if any(isinstance(s, Lin) for s in x.shape + src.shape):
+        raise UnsupportedOpError("select_and_scatter_add over symbolic sizes")
+    xp = g.pad(x, lo, hi, -math.inf) if any(lo) or any(hi) else x
+    padded = [int(s) for s in xp.shape]
+    flat_strides = [math.prod(padded[d + 1:]) for d in range(x.rank)]
+    windows, strides = p["window_dimensions"], p["window_strides"]
+    best = where = None
+    for offset in itertools.product(*[range(w) for w in windows]):
+        end = [k + s * (n - 1) + 1 for k, s, n in zip(offset, strides, src.shape)]
+        value = g.slice(xp, list(offset), end, list(strides))
+        at = g.constant(sum(k * f for k, f in zip(offset, flat_strides)), DataType.Int)
+        for d in range(x.rank):
+            if src.shape[d] != 1:
+                step = g.constant(strides[d] * flat_strides[d], DataType.Int)
+                at = g.binary("add", at, g.binary("mul", g.iota(src.shape, d), step))
+        at = g.broadcast_in_dim(at, src.shape, []) if at.rank == 0 else at
+        if best is None:
+            best, where = value, at
+            continue
+        keep = g.binary("ge", best, value)
+        best, where = g.where(keep, best, value), g.where(keep, where, at)
+    total = math.prod(padded)
+    flat = g.scatter_add([total], g.reshape(where, [-1]), g.reshape(src, [-1]), 0, along=True)
+    out = g.reshape(flat, padded)
+    return g.slice(out, lo, [a + int(n) for a, n in zip(lo, x.shape)]) if any(lo) or any(hi) else out
+
+
 def _dot_general(g, ins, p):
     (lc, rc), (lb, rb) = p["dimension_numbers"]
     return g.dot_general(ins[0], ins[1], (lc, rc), (lb, rb))
@@ -298,6 +338,7 @@ PRIMITIVES: dict[str, Callable] = {
     "argmax": _argreduce("argmax"), "argmin": _argreduce("argmin"),
     "cumsum": _cumsum,
     "reduce_window_sum": _reduce_window("sum"), "reduce_window_max": _reduce_window("max"),
+    "select_and_scatter_add": _select_and_scatter_add,
     "reduce_window_min": _reduce_window("min"),
     # contractions
     "dot_general": _dot_general,

@@ -115,7 +115,9 @@ class AffineProgram:
         return r
 
     def statement_loads(self, s: Statement) -> list[Load]:
-        out = loads(s.body)
+        """What s reads: its body's loads, those its write position reads (a
+        scatter's index), and its own target when it accumulates."""
+        out = loads(s.body) + [ld for i in s.index for ld in loads(i)]
         if s.combine is not None:
             out.append(Load(self.arrays[s.array].dtype, s.array, s.index))
         return out
