@@ -55,14 +55,6 @@ def _binary(op):
     return lambda g, ins, p: g.binary(op, *ins)
 
 
-def _float_binary(op):
-    def rule(g, ins, p):
-        if not ins[0].dtype.is_float:
-            raise UnsupportedOpError(f"{op} of {ins[0].dtype} operands")
-        return g.binary(op, *ins)
-    return rule
-
-
 def _logical(op):
     """and/or/xor/not: logical on booleans, bitwise on integers."""
     def rule(g, ins, p):
@@ -301,7 +293,7 @@ PRIMITIVES: dict[str, Callable] = {
         ("add", "add"), ("add_any", "add"), ("sub", "sub"), ("mul", "mul"), ("max", "maximum"),
         ("min", "minimum"), ("pow", "pow"), ("atan2", "atan2"), ("rem", "fmod"), ("eq", "eq"), ("ne", "ne"),
         ("lt", "lt"), ("le", "le"), ("gt", "gt"), ("ge", "ge")]},
-    "div": _float_binary("div"),
+    "div": lambda g, ins, p: g.binary("div" if ins[0].dtype.is_float else "trunc_divide", *ins),
     "and": _logical("logical_and"), "or": _logical("logical_or"), "xor": _logical("logical_xor"),
     "not": _logical("logical_not"),
     "integer_pow": _integer_pow,

@@ -400,7 +400,7 @@ TF_OPS: dict[str, Callable] = {
         ("Greater", "gt"), ("GreaterEqual", "ge"), ("Equal", "eq"), ("NotEqual", "ne"),
         ("LogicalAnd", "logical_and"), ("LogicalOr", "logical_or"), ("FloorMod", "remainder"),
         ("TruncateMod", "fmod")]},
-    "FloorDiv": lambda g, ins, o: g.unary("floor", _float_div(g, ins, o)),
+    "FloorDiv": _binary("floor_divide"), "TruncateDiv": _binary("trunc_divide"),
     "RealDiv": _float_div, "Div": _float_div, "DivNoNan": None,
     "Square": lambda g, ins, o: g.binary("mul", ins[0], ins[0]),
     "SquaredDifference": lambda g, ins, o: (lambda d: g.binary("mul", d, d))(g.binary("sub", *ins)),

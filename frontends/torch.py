@@ -123,13 +123,14 @@ def _rsub(cx, a, b, alpha=1):
 
 @_reg(aten.div.Tensor_mode, aten.div.Scalar_mode)
 def _div_mode(cx, a, b, rounding_mode=None):
-    q = a / b
     if rounding_mode == "floor":
-        q = ops.floor(q)
-    elif rounding_mode == "trunc":
-        q = ops.where(q < 0, ops.ceil(q), ops.floor(q))
-    int_in = isinstance(a, ops.Tensor) and not a.dtype.is_float
-    return ops.cast(q, a.dtype) if int_in and rounding_mode else q
+        return ops.floor_divide(a, b)
+    if rounding_mode == "trunc":
+        return ops.trunc_divide(a, b)
+    return a / b
+
+
+ATEN[aten.floor_divide.default] = lambda cx, a, b: ops.floor_divide(a, b)
 
 
 @_reg(aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor, aten.pow.Scalar)

@@ -213,7 +213,8 @@ def to_isl(e: Expr) -> str | None:
 
 _COST = {"exp": 8, "log": 8, "log1p": 10, "expm1": 10, "sin": 10, "cos": 10, "tan": 14,
          "tanh": 12, "erf": 12, "sigmoid": 10, "pow": 16, "div": 4, "sqrt": 4, "rsqrt": 4,
-         "rand": 30, "atan2": 20, "remainder": 4, "fmod": 4}
+         "rand": 30, "atan2": 20, "remainder": 4, "fmod": 4, "floor_divide": 8,
+         "trunc_divide": 4}
 
 
 def cost(e: Expr) -> int:

@@ -25,7 +25,7 @@ UNARY_OPS = ("neg", "abs", "exp", "log", "log1p", "expm1", "sqrt", "rsqrt", "sin
              "tan", "tanh", "erf", "sigmoid", "floor", "ceil", "round", "sign", "logical_not",
              "reciprocal", "isnan", "isinf", "isfinite", "relu", "bitwise_not", "erf_inv")
 BINARY_OPS = ("add", "sub", "mul", "div", "pow", "maximum", "minimum", "remainder",
-              "fmod", "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_xor",
+              "fmod", "floor_divide", "trunc_divide", "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_xor",
               "atan2", "bitwise_and", "bitwise_or", "bitwise_xor", "shift_left", "shift_right_logical",
               "shift_right_arithmetic")
 BITWISE = ("bitwise_not", "bitwise_and", "bitwise_or", "bitwise_xor", "shift_left", "shift_right_logical",

@@ -53,6 +53,8 @@ class Tensor:
     def __pow__(self, o): return pow(self, o)
     def __rpow__(self, o): return pow(o, self)
     def __mod__(self, o): return remainder(self, o)
+    def __floordiv__(self, o): return floor_divide(self, o)
+    def __rfloordiv__(self, o): return floor_divide(o, self)
     def __matmul__(self, o): return matmul(self, o)
     def __neg__(self): return neg(self)
     def __abs__(self): return abs(self)
@@ -141,6 +143,8 @@ shift_left, shift_right_logical, shift_right_arithmetic = map(
 bitwise_not = _unary("bitwise_not")
 erf_inv = _unary("erf_inv")
 fmod = _binary("fmod")  # C's remainder: the sign of the dividend (remainder's is the divisor's)
+floor_divide = _binary("floor_divide")  # a // b, exact for integers of any width
+trunc_divide = _binary("trunc_divide")  # C's integer division: rounds toward zero
 truediv = div
 
 
@@ -546,5 +550,5 @@ __all__ = [n for n, v in list(globals().items())
            "sign", "logical_not", "reciprocal", "isnan", "isinf", "isfinite", "relu", "add", "sub",
            "mul", "div", "pow", "maximum", "minimum", "remainder", "eq", "ne", "lt", "le", "gt", "ge",
            "logical_and", "logical_or", "logical_xor", "atan2", "sum", "max", "min", "prod",
-           "truediv", "fmod", "concatenate", "flip"]
+           "truediv", "fmod", "floor_divide", "trunc_divide", "concatenate", "flip"]
 __all__ = sorted(set(__all__))

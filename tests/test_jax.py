@@ -163,7 +163,8 @@ def test_captured_values_are_constants_arguments_stay_inputs(rng):
     lambda x: x[1:3, 2:7:2], lambda x: lax.dynamic_slice(x, (1, 2), (2, 3)),
     lambda x: jnp.split(x, 2, axis=1)[1], lambda x: (x.astype(jnp.int32) * 3).sum(0),
     lambda x: jnp.round(x * 3), lambda x: jax.nn.sigmoid(x) + jnp.exp2(x) + jnp.log1p(jnp.abs(x)),
-    lambda x: (lax.rem(x * 5, 1.5), lax.rem((x * 9).astype(jnp.int32), 4)),
+    lambda x: (lax.rem(x * 5, 1.5), lax.rem((x * 9).astype(jnp.int32), 4), (x * 9).astype(jnp.int32) // -4,
+               lax.div((x * 9).astype(jnp.int32), 4), (x * 9) // 2.5),
     jax.grad(lambda x: (lax.reduce_window(x, -jnp.inf, lax.max, (2, 2), (2, 2), "VALID") * jnp.arange(10.0)
                         .reshape(2, 5)).sum()),
     jax.grad(lambda x: (lax.reduce_window(x, -jnp.inf, lax.max, (3, 3), (2, 2), "SAME") ** 2).sum()),

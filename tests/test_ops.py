@@ -115,6 +115,25 @@ def test_signed_remainders_and_integer_division_by_zero(dt):
         np.testing.assert_array_equal(got[1], [0, 0, 0, 0])
 
 
+@pytest.mark.parametrize("dt", [np.int32, np.int64, F32, np.float64])
+def test_floor_and_trunc_divide(dt, rng):
+    """Integer quotients are exact at any magnitude (not through floats);
+    float floor division follows numpy's remainder-based rounding."""
+    if dt in (np.int32, np.int64):
+        big = np.iinfo(dt).max // 3
+        a = np.concatenate([rng.integers(-50, 50, 40), [big, -big, big - 1, 7, -7]]).astype(dt)
+        b = np.concatenate([rng.choice([-7, -3, -1, 1, 2, 5], 40), [3, 7, -5, 0, 0]]).astype(dt)
+        want_floor = np.where(b == 0, 0, np.floor_divide(a, np.where(b == 0, 1, b)))
+        want_trunc = np.where(b == 0, 0, np.sign(a) * np.sign(b) * (np.abs(a) // np.abs(np.where(b == 0, 1, b))))
+    else:
+        a = (rng.standard_normal(64) * 10).astype(dt)
+        b = np.where(rng.random(64) < 0.5, -1, 1) * rng.uniform(0.1, 3, 64).astype(dt)
+        want_floor, want_trunc = np.floor_divide(a, b), np.trunc(a / b)
+    got, _ = run(lambda x, y: (x // y, ops.trunc_divide(x, y)), a, b)
+    np.testing.assert_array_equal(got[0], want_floor.astype(dt))
+    np.testing.assert_array_equal(got[1], want_trunc.astype(dt))
+
+
 def test_maximum_propagates_nan():
     a = np.array([np.nan, 1.0, 2.0], F32)
     b = np.array([0.0, np.nan, 1.0], F32)

@@ -119,7 +119,8 @@ def test_fused_batch_norm_inference(rng):
     lambda x: tf.concat([x, tf.transpose(x)[:4, :4] @ x], 0), lambda x: tf.reduce_max(x, [0, 1]),
     lambda x: tf.matmul(x, x, transpose_b=True), lambda x: tf.math.sigmoid(x) * tf.math.tanh(x),
     lambda x: (tf.math.floormod(x, 0.7), tf.truncatemod(x, 0.7), tf.math.floordiv(x, 0.7),
-               tf.math.floormod(tf.cast(x * 9, tf.int32), 4), tf.truncatemod(tf.cast(x * 9, tf.int32), 4)),
+               tf.math.floormod(tf.cast(x * 9, tf.int32), 4), tf.truncatemod(tf.cast(x * 9, tf.int32), 4),
+               tf.math.floordiv(tf.cast(x * 9, tf.int32), -4), tf.truncatediv(tf.cast(x * 9, tf.int32), 4)),
 ], ids=["slice", "shrink", "reverse", "ellipsis_newaxis", "pack", "unpack", "split", "splitv", "pad", "mean",
         "argmax", "avgpool_same", "tile", "batch_matmul", "elu_selu_softplus_relu6", "select", "squeeze_cast",
         "concat_transpose", "max_all", "matmul_t", "sigmoid_tanh", "mod_floordiv"])

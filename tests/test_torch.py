@@ -87,6 +87,17 @@ def blur(img):
     return F.conv2d(F.conv2d(img, kx), ky)
 
 
+def test_integer_and_float_division_modes():
+    """Integer quotients are exact beyond float precision (2**40 // 3);
+    floor and trunc division and fmod follow torch on both signs."""
+    def f(a, b, x, y):
+        return (a // b, torch.div(a, b, rounding_mode="trunc"), torch.fmod(a, b), a % b,
+                torch.div(x, y, rounding_mode="floor"), torch.div(x, y, rounding_mode="trunc"), torch.fmod(x, y))
+    a = torch.cat([torch.randint(-100, 100, (30,)), torch.tensor([2 ** 40 + 1, -(2 ** 40) - 7])])
+    b = torch.cat([torch.randint(1, 9, (30,)) * (torch.randint(0, 2, (30,)) * 2 - 1), torch.tensor([3, 5])])
+    check(f, a, b, r(32) * 10, r(32) + 3)
+
+
 def test_blur_one_loop_nest():
     jf = check(blur, torch.rand(3, 1, 64, 80))
     assert jf.stats["kernels"] == 1 and jf.stats["contracted_buffers"] == 1

@@ -438,8 +438,9 @@ class Emitter:
         raise NotImplementedError(f"isl AST expression {op}")
 
     def int_division(self, op: str, x, y) -> ir.Value:
-        """Signed quotient (floor for int64, truncated for narrower types) or
-        remainder (fmod: with the dividend's sign; else the divisor's). Division by zero gives 0, as in
+        """Signed quotient (floor_divide: floor; trunc_divide: toward zero;
+        div and floordiv, index arithmetic: floor for int64, else toward zero)
+        or remainder (fmod: with the dividend's sign; else the divisor's). Division by zero gives 0, as in
         numpy, and MIN / -1 wraps: the machine's divide would trap on both and
         kill the process."""
         b = self.b
@@ -448,8 +449,9 @@ class Emitter:
         by_zero = b.icmp_signed("==", y, zero)
         by_minus_one = b.icmp_signed("==", y, ir.Constant(t, -1))
         safe = b.select(b.or_(by_zero, by_minus_one), one, y)
-        if op in ("div", "floordiv"):
-            q = self.floordiv(x, safe) if t == I64 else b.sdiv(x, safe)
+        if op.endswith(("div", "divide")):
+            floor = op == "floor_divide" or (op != "trunc_divide" and t == I64)
+            q = self.floordiv(x, safe) if floor else b.sdiv(x, safe)
             q = b.select(by_minus_one, b.sub(zero, x), q)
             return b.select(by_zero, zero, q)
         r = b.srem(x, safe)  # 0 where y is -1
@@ -463,10 +465,10 @@ class Emitter:
         b = self.b
         q = b.sdiv(x, y)
         r = b.srem(x, y)
-        adjust = b.and_(b.icmp_signed("!=", r, ir.Constant(I64, 0)),
-                        b.icmp_signed("!=", b.icmp_signed("<", r, ir.Constant(I64, 0)),
-                                      b.icmp_signed("<", y, ir.Constant(I64, 0))))
-        return b.sub(q, b.zext(adjust, I64))
+        zero = ir.Constant(x.type, 0)
+        adjust = b.and_(b.icmp_signed("!=", r, zero),
+                        b.icmp_signed("!=", b.icmp_signed("<", r, zero), b.icmp_signed("<", y, zero)))
+        return b.sub(q, b.zext(adjust, x.type))
 
     # ------------------------------------------------------------ strips
     def _free(self, loop: isl.AstNode, grid_iters: set[str]) -> bool:
@@ -692,6 +694,10 @@ class Emitter:
             return self.erf_inv(a[0])
         if op == "fmod":
             return b.frem(*a)
+        if op == "trunc_divide":
+            return self.call("llvm.trunc", [b.fdiv(*a)])
+        if op == "floor_divide":
+            return self.float_floor_divide(*a)
         if op == "remainder":
             r = b.frem(*a)
             fix = b.and_(b.fcmp_ordered("!=", r, ir.Constant(t, 0.0)),
@@ -699,6 +705,23 @@ class Emitter:
                                b.fcmp_ordered("<", a[1], ir.Constant(t, 0.0))))
             return b.select(fix, b.fadd(r, a[1]), r)
         return self.math(op, a)
+
+    def float_floor_divide(self, x, y) -> ir.Value:
+        """floor(x / y) as numpy and torch compute it: from the exact
+        remainder, so that a quotient rounded up to an integer is not off by
+        one; y = 0 gives x / y (inf or nan)."""
+        b = self.b
+        t = x.type
+        zero, one = ir.Constant(t, 0.0), ir.Constant(t, 1.0)
+        mod = b.frem(x, y)
+        div = b.fdiv(b.fsub(x, mod), y)
+        fix = b.and_(b.fcmp_ordered("!=", mod, zero),
+                     b.xor(b.fcmp_ordered("<", y, zero), b.fcmp_ordered("<", mod, zero)))
+        div = b.select(fix, b.fsub(div, one), div)
+        fl = self.call("llvm.floor", [div])
+        fl = b.select(b.fcmp_ordered(">", b.fsub(div, fl), ir.Constant(t, 0.5)), b.fadd(fl, one), fl)
+        fl = b.select(b.fcmp_ordered("==", div, zero), self.call("llvm.copysign", [zero, b.fdiv(x, y)]), fl)
+        return b.select(b.fcmp_ordered("==", y, zero), b.fdiv(x, y), fl)
 
     def erf_inv(self, x) -> ir.Value:
         """Giles' single-precision inverse error function (the polynomials XLA
@@ -748,7 +771,7 @@ class Emitter:
             return b.sub(*a)
         if op == "mul":
             return b.mul(*a)
-        if op in ("div", "floordiv", "mod", "remainder", "fmod"):
+        if op in ("div", "floordiv", "mod", "remainder", "fmod", "floor_divide", "trunc_divide"):
             return self.int_division(op, *a)
         if op in ("max", "maximum"):
             if a[0].type == I1:
@@ -792,11 +815,11 @@ class Emitter:
                 return b.ashr(a[0], b.select(over, ir.Constant(t, t.width - 1), a[1]))
             shifted = b.shl(*a) if op == "shift_left" else b.lshr(*a)
             return b.select(over, ir.Constant(t, 0), shifted)
-        if op in ("div", "floordiv", "mod", "remainder", "fmod"):
+        if op in ("div", "floordiv", "mod", "remainder", "fmod", "floor_divide", "trunc_divide"):
             zero = ir.Constant(a[1].type, 0)
             by_zero = b.icmp_unsigned("==", a[1], zero)
             safe = b.select(by_zero, ir.Constant(a[1].type, 1), a[1])
-            v = b.udiv(a[0], safe) if op in ("div", "floordiv") else b.urem(a[0], safe)
+            v = b.udiv(a[0], safe) if op.endswith(("div", "divide")) else b.urem(a[0], safe)
             return b.select(by_zero, zero, v)
         if op in ("max", "maximum", "min", "minimum"):
             return b.select(b.icmp_unsigned(">" if op.startswith("max") else "<", a[0], a[1]), a[0], a[1])
