@@ -185,8 +185,8 @@ def substitute(e: Expr, f: Callable[[Expr], Expr | None]) -> Expr:
 
 def to_isl(e: Expr) -> str | None:
     """isl syntax for a quasi-affine index expression, or None."""
-    if isinstance(e, Const):
-        return str(int(e.value))
+    if isinstance(e, Const):  # a float constant belongs to data (a computed scatter position), not to an index
+        return str(int(e.value)) if e.dtype.is_int else None
     if isinstance(e, Var):
         return e.name
     if not isinstance(e, Op):

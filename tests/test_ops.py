@@ -391,6 +391,18 @@ def test_take_and_scatter_along_axis(rng):
     close(got[1], want, rtol=1e-5, atol=1e-5)
 
 
+def test_scatter_to_positions_computed_from_data(rng):
+    """A scatter position computed inline from float data (constants such as
+    inf included) is a data-dependent write, not an affine index."""
+    x = rng.uniform(0, 2.99, size=40).astype(F32)
+    src = rng.standard_normal(40).astype(F32)
+    got, _ = run(lambda t, s: ops.scatter_add([3], ops.cast(ops.minimum(ops.floor(t), float("inf")), "int64"), s, 0,
+                                              along=True), x, src)
+    want = np.zeros(3)
+    np.add.at(want, np.floor(x).astype(np.int64), src)
+    close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_iota_and_random(rng):
     x = rng.standard_normal((64, 1000)).astype(F32)
     seed = np.asarray(1234, np.int64)
