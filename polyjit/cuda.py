@@ -389,7 +389,7 @@ class GpuExecutable(Executable):
         del keep, made  # stream-ordered frees: the kernels above still see the memory
         return outs
 
-    def _device(self, views, args, ordinal: int | None) -> Device:
+    def _device(self, views, args) -> Device:
         """The one device all GPU arguments are on (InputError for mixed placements)."""
         gpu = [v for v in views if v is not None]
         if len(gpu) < len(views):
@@ -414,7 +414,7 @@ class GpuExecutable(Executable):
         once: sizes, the integer arguments, allocations, launch configurations
         and the kernels' argument block (constants' pointers filled in).
         Raises InputError before anything runs."""
-        dev = self._device(views, args, None)
+        dev = self._device(views, args)
         _used.add(dev.ordinal)
         dev.activate()
         shapes = [v.shape if v is not None else np.shape(a) for v, a in zip(views, args)]
