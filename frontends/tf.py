@@ -232,6 +232,41 @@ def _reduce(op):
     return rule
 
 
+def _any_all(op):
+    def rule(g, ins, o):
+        x = g.cast(ins[0], DataType.Int32)
+        return g.cast(g.reduce(op, x, _axes(ins[1], x.rank), o.get_attr("keep_dims")), DataType.Bool)
+    return rule
+
+
+def _cumsum(g, ins, o):
+    x = ins[0]
+    axis = int(_static(ins[1], "cumsum axis")) % x.rank
+    if o.get_attr("reverse"):
+        x = g.reverse(x, [axis])
+    y = g.cumsum(x, axis)
+    if o.get_attr("exclusive"):
+        y = g.binary("sub", y, g.cast(x, y.dtype))
+    return g.reverse(y, [axis]) if o.get_attr("reverse") else y
+
+
+def _gather(g, ins, o):
+    if o.get_attr("batch_dims"):
+        raise UnsupportedOpError("GatherV2 with batch_dims")
+    x = ins[0]
+    return g.gather(x, ins[1], int(_static(ins[2], "gather axis")) % x.rank)
+
+
+def _one_hot(g, ins, o):
+    index, depth = ins[0], int(_static(ins[1], "one_hot depth"))
+    axis = o.get_attr("axis") % (index.rank + 1)
+    shape = list(index.shape[:axis]) + [depth] + list(index.shape[axis:])
+    spread = g.broadcast_in_dim(index, shape, [d for d in range(len(shape)) if d != axis])
+    hit = g.binary("eq", g.iota(shape, axis, index.dtype), spread)
+    on, off = ins[2], ins[3]
+    return g.where(hit, g.broadcast_in_dim(on, shape, []), g.broadcast_in_dim(off, shape, []))
+
+
 def _mean(g, ins, o):
     x = ins[0]
     if not x.dtype.is_float:
@@ -427,6 +462,9 @@ TF_OPS: dict[str, Callable] = {
     # reductions
     "Sum": _reduce("sum"), "Max": _reduce("max"), "Min": _reduce("min"), "Prod": _reduce("prod"),
     "Mean": _mean, "ArgMax": _argreduce("argmax"), "ArgMin": _argreduce("argmin"),
+    "Any": _any_all("max"), "All": _any_all("min"), "Cumsum": _cumsum,
+    "GatherV2": _gather, "OneHot": _one_hot,
+    "ReverseV2": lambda g, ins, o: g.reverse(ins[0], [int(a) for a in np.atleast_1d(_static(ins[1], "axes"))]),
     "Softmax": _softmax(False), "LogSoftmax": _softmax(True),
     "MaxPool": _pool("max"), "AvgPool": _pool("avg"),
     "FusedBatchNormV3": _fused_batch_norm, "FusedBatchNorm": _fused_batch_norm,

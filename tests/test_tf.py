@@ -121,9 +121,15 @@ def test_fused_batch_norm_inference(rng):
     lambda x: (tf.math.floormod(x, 0.7), tf.truncatemod(x, 0.7), tf.math.floordiv(x, 0.7),
                tf.math.floormod(tf.cast(x * 9, tf.int32), 4), tf.truncatemod(tf.cast(x * 9, tf.int32), 4),
                tf.math.floordiv(tf.cast(x * 9, tf.int32), -4), tf.truncatediv(tf.cast(x * 9, tf.int32), 4)),
+    lambda x: (tf.gather(x, [3, 0, 3], axis=1), tf.gather(x, tf.argmax(x, 0)), tf.reverse(x, [0, 1]),
+               tf.one_hot(tf.argmax(x, 1), 10, 2.0, -1.0), tf.one_hot(tf.argmin(x, 1), 5, axis=0)),
+    lambda x: (tf.math.cumsum(x, 1, exclusive=True), tf.math.cumsum(x, 0, reverse=True),
+               tf.math.cumsum(x, 1, exclusive=True, reverse=True), tf.reduce_any(x > 1, 1),
+               tf.reduce_all(x > -1, 0, keepdims=True)),
 ], ids=["slice", "shrink", "reverse", "ellipsis_newaxis", "pack", "unpack", "split", "splitv", "pad", "mean",
         "argmax", "avgpool_same", "tile", "batch_matmul", "elu_selu_softplus_relu6", "select", "squeeze_cast",
-        "concat_transpose", "max_all", "matmul_t", "sigmoid_tanh", "mod_floordiv"])
+        "concat_transpose", "max_all", "matmul_t", "sigmoid_tanh", "mod_floordiv", "gather_reverse_one_hot",
+        "cumsum_any_all"])
 def test_ops(rng, fn):
     check(fn, rnd(rng, 4, 10))
 
