@@ -57,7 +57,11 @@ DECOMPOSITIONS = {
         aten.native_dropout, aten.native_dropout_backward, aten.addmm, aten.threshold_backward,
         aten.silu, aten.silu_backward, aten.sigmoid_backward, aten.tanh_backward, aten.mse_loss,
         aten.mse_loss_backward, aten.nll_loss_forward, aten.nll_loss_backward, aten._to_copy,
-        aten.rms_norm, aten.embedding_dense_backward,
+        aten.rms_norm, aten.embedding_dense_backward, aten.repeat, aten.elu, aten.elu_backward,
+        aten.native_group_norm, aten.native_group_norm_backward, aten._native_batch_norm_legit,
+        aten._native_batch_norm_legit_functional, aten._native_batch_norm_legit_no_training,
+        aten.linalg_vector_norm, aten.reflection_pad2d, aten.upsample_nearest2d,
+        aten.upsample_bilinear2d,
     ]),
 }
 for _keep in (aten.max_pool2d_with_indices.default, aten.max_pool2d_with_indices_backward.default,
@@ -414,6 +418,103 @@ def _max_pool_backward(cx, grad, x, kernel, stride, padding, dilation, ceil_mode
     i = ops.reshape(indices, [n, -1])
     out = ops.scatter_add([n, hw], i, g, 1, along=True)
     return ops.reshape(out, list(x.shape))
+
+
+@_reg(aten.avg_pool2d.default)
+def _avg_pool(cx, x, kernel, stride=(), padding=(0,), ceil_mode=False, count_include_pad=True,
+              divisor_override=None):
+    k, s, p, _ = _window_args(kernel, stride, padding, (1,), ceil_mode)
+    lead = [1] * (x.ndim - 2)
+    total = ops.reduce_window("sum", x, lead + k, lead + s, [(0, 0)] * (x.ndim - 2) + [(p[0], p[0]), (p[1], p[1])])
+    if divisor_override:
+        return total / float(divisor_override)
+    if count_include_pad or not any(p):
+        return total / float(k[0] * k[1])
+    ones = ops.full_like(x, 1.0)
+    count = ops.reduce_window("sum", ones, lead + k, lead + s, [(0, 0)] * (x.ndim - 2) + [(p[0], p[0]), (p[1], p[1])])
+    return total / count
+
+
+@_reg(aten.avg_pool2d_backward.default)
+def _avg_pool_backward(cx, grad, x, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override=None):
+    """Each window's gradient, divided as the forward divided, added to every
+    cell of the window: one scatter_add per window offset into the padded
+    image, whose border is then cut."""
+    k, s, p, _ = _window_args(kernel, stride, padding, (1,), ceil_mode)
+    if divisor_override:
+        g = grad / float(divisor_override)
+    elif count_include_pad or not any(p):
+        g = grad / float(k[0] * k[1])
+    else:
+        lead = [1] * (x.ndim - 2)
+        count = ops.reduce_window("sum", ops.full_like(x, 1.0), lead + k, lead + s,
+                                  [(0, 0)] * (x.ndim - 2) + [(p[0], p[0]), (p[1], p[1])])
+        g = grad / count
+    h, w = x.shape[-2] + 2 * p[0], x.shape[-1] + 2 * p[1]
+    oh, ow = grad.shape[-2], grad.shape[-1]
+    row = ops.iota(list(grad.shape), x.ndim - 2, like=grad)
+    col = ops.iota(list(grad.shape), x.ndim - 1, like=grad)
+    lead_shape = list(x.shape[:-2])
+    gf = ops.reshape(g, lead_shape + [oh * ow])
+    out = None
+    for i in range(k[0]):
+        for j in range(k[1]):
+            at = ops.reshape((row * s[0] + i) * w + col * s[1] + j, lead_shape + [oh * ow])
+            part = ops.scatter_add(lead_shape + [h * w], at, gf, x.ndim - 2, along=True)
+            out = part if out is None else out + part
+    out = ops.reshape(out, lead_shape + [h, w])
+    if any(p):
+        out = ops.slice(out, [0] * len(lead_shape) + [p[0], p[1]],
+                        lead_shape + [p[0] + x.shape[-2], p[1] + x.shape[-1]])
+    return out
+
+
+def _flat_index(shape, indices, what: str):
+    """The index tensors of x[..., i, j, ...] on consecutive dimensions as one
+    row-major position over them: (first dimension, last, position)."""
+    dims = [d for d, i in enumerate(indices) if i is not None]
+    if not dims or dims != list(range(dims[0], dims[-1] + 1)):
+        raise UnsupportedOpError(f"{what} with index tensors on dimensions that are not consecutive")
+    flat = None
+    for d in dims:
+        i = ops.cast(indices[d], "int64")
+        i = ops.where(i < 0, i + shape[d], i)
+        flat = i if flat is None else flat * shape[d] + i
+    return dims[0], dims[-1], flat
+
+
+@_reg(aten.index.Tensor, aten._unsafe_index.Tensor)
+def _index(cx, x, indices):
+    """x[..., i, j, ...] with index tensors on consecutive dimensions (what
+    upsampling and reflection padding decompose into): one take over those
+    dimensions flattened, at the row-major position the indices name."""
+    shape = list(x.shape)
+    first, last, flat = _flat_index(shape, indices, "aten.index")
+    n = 1
+    for d in range(first, last + 1):
+        n = n * shape[d]
+    return ops.take(ops.reshape(x, shape[:first] + [n] + shape[last + 1:]), flat, first)
+
+
+@_reg(aten.index_put.default, aten._unsafe_index_put.default)
+def _index_put(cx, x, indices, values, accumulate=False):
+    """x with values added at x[..., i, j, ...] (accumulate=True: the
+    backward of indexing); replacing values at repeated positions has no
+    defined winner, so only accumulation compiles."""
+    if not accumulate:
+        raise UnsupportedOpError("index_put without accumulate")
+    shape = list(x.shape)
+    first, last, flat = _flat_index(shape, indices, "aten.index_put")
+    n = 1
+    for d in range(first, last + 1):
+        n = n * shape[d]
+    lead, rest = shape[:first], shape[last + 1:]
+    m = 1
+    for s in flat.shape:
+        m = m * s
+    v = ops.broadcast_to(values, lead + list(flat.shape) + rest)
+    added = ops.scatter_add(lead + [n] + rest, ops.reshape(flat, [-1]), ops.reshape(v, lead + [m] + rest), first)
+    return x + ops.reshape(ops.cast(added, x.dtype), shape)
 
 
 # indexing

@@ -271,6 +271,19 @@ def test_cnn_training_with_a_new_batch_size():
     assert jm.polyjit_stats.as_dict()["fallbacks"] > 0
 
 
+def test_vision_layers_train_without_fallbacks():
+    """Layers whose ATen ops decompose into indexing (upsampling, reflection
+    padding: aten.index and its backward index_put), average pooling and its
+    backward, batch norm in training, ELU and repeat."""
+    mod = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.ELU(), nn.AvgPool2d(2), nn.BatchNorm2d(6),
+                        nn.Upsample(scale_factor=2, mode="bilinear"), nn.ReflectionPad2d(1),
+                        nn.AvgPool2d(3, 2, 1, count_include_pad=False), nn.Upsample(scale_factor=2),
+                        nn.Conv2d(6, 2, 3))
+    check_module(mod, torch.randn(2, 3, 8, 8), rtol=1e-4, atol=1e-4)
+    check(lambda x: (F.group_norm(x, 3), x.repeat(1, 2, 1, 1), torch.linalg.vector_norm(x, dim=1)),
+          torch.randn(2, 6, 4, 4), rtol=1e-4, atol=1e-4)
+
+
 def test_new_dtype_recompiles():
     jf = polyjit.jit_torch(lambda x: torch.exp(x) + 1)
     for dt in (torch.float32, torch.float64):
