@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
+from polyjit import ops
 from polyjit.dtypes import DataType
 from polyjit.errors import CompileOptionError, InputError, UnsupportedOpError
 from polyjit.options import CompileOptions, parse_options
@@ -262,13 +263,27 @@ _SPATIAL = "HWDUVZ"
 
 
 def _conv(g, ins, p):
+    """conv_general_dilated; lhs dilation (the input gradient of a strided
+    convolution) spreads the input with zeros first, and negative padding
+    (which that gradient may carry) crops it."""
     x, w = ins
-    if any(d != 1 for d in p["lhs_dilation"]) or p["batch_group_count"] != 1:
-        raise UnsupportedOpError("conv_general_dilated with lhs dilation or batch groups")
-    if any(lo < 0 or hi < 0 for lo, hi in p["padding"]):
-        raise UnsupportedOpError("conv_general_dilated with negative padding")
+    if p["batch_group_count"] != 1:
+        raise UnsupportedOpError("conv_general_dilated with batch groups")
     dn = p["dimension_numbers"]
     nsp = x.rank - 2
+    padding = [tuple(pr) for pr in p["padding"]]
+    if any(d != 1 for d in p["lhs_dilation"]):
+        factors = [1] * x.rank
+        for k, d in enumerate(p["lhs_dilation"]):
+            factors[dn.lhs_spec[2 + k]] = d
+        x = ops.dilate(ops.Tensor(g, x), factors).node
+    if any(lo < 0 or hi < 0 for lo, hi in padding):
+        start, end = [0] * x.rank, list(x.shape)
+        for k, (lo, hi) in enumerate(padding):
+            d = dn.lhs_spec[2 + k]
+            start[d], end[d] = max(-lo, 0), end[d] - max(-hi, 0)
+        x = g.slice(x, start, end)
+        padding = [(max(lo, 0), max(hi, 0)) for lo, hi in padding]
 
     def layout(spec, a, b):
         out = [""] * len(spec)
@@ -277,7 +292,7 @@ def _conv(g, ins, p):
             out[spec[2 + k]] = _SPATIAL[k]
         return "".join(out)
     lhs, rhs, want = layout(dn.lhs_spec, "N", "C"), layout(dn.rhs_spec, "O", "I"), layout(dn.out_spec, "N", "C")
-    y = g.conv(x, w, p["window_strides"], p["padding"], p["rhs_dilation"], p["feature_group_count"], lhs, rhs)
+    y = g.conv(x, w, p["window_strides"], padding, p["rhs_dilation"], p["feature_group_count"], lhs, rhs)
     perm = [lhs.index(c) for c in want]
     return y if perm == list(range(len(perm))) else g.transpose(y, perm)
 

@@ -312,14 +312,21 @@ ATEN[aten.dot.default] = lambda cx, a, b: ops.sum(a * b)
 
 @_reg(aten.convolution.default)
 def _convolution(cx, x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
-    if transposed:
-        raise UnsupportedOpError("transposed convolution")
     nsp = x.ndim - 2
     letters = "DHW"[-nsp:] if nsp <= 3 else None
     if letters is None:
         raise UnsupportedOpError(f"{nsp}-d convolution")
-    y = ops.conv(x, w, list(stride), [(p, p) for p in padding], list(dilation), groups,
-                 "NC" + letters, "OI" + letters)
+    if transposed:  # the adjoint of a strided convolution: dilated input, flipped kernel, stride 1
+        ks = list(w.shape[2:])
+        lo = [d * (k - 1) - p for d, k, p in zip(dilation, ks, padding)]
+        if groups != 1 or any(v < 0 for v in lo):
+            raise UnsupportedOpError("transposed convolution with groups or padding larger than the kernel")
+        y = ops.conv(ops.dilate(x, [1, 1] + list(stride)), ops.reverse(w, list(range(2, 2 + nsp))), [1] * nsp,
+                     [(v, v + o) for v, o in zip(lo, output_padding)], list(dilation), 1,
+                     "NC" + letters, "IO" + letters)
+    else:
+        y = ops.conv(x, w, list(stride), [(p, p) for p in padding], list(dilation), groups,
+                     "NC" + letters, "OI" + letters)
     if bias is not None:
         y = y + ops.reshape(bias, [1, -1] + [1] * nsp)
     return y
@@ -328,24 +335,29 @@ def _convolution(cx, x, w, bias, stride, padding, dilation, transposed, output_p
 @_reg(aten.convolution_backward.default)
 def _convolution_backward(cx, grad, x, w, bias_sizes, stride, padding, dilation, transposed,
                           output_padding, groups, output_mask):
-    """Gradients of a convolution, as convolutions (dilated, flipped, transposed)."""
-    if transposed or groups != 1:
-        raise UnsupportedOpError("convolution_backward of grouped or transposed convolutions")
+    """Gradients of a convolution, as convolutions (dilated, flipped, transposed).
+    A transposed convolution's are those of the convolution it is the adjoint
+    of: its input gradient a strided convolution of the gradient, its weight
+    gradient the same as a convolution's with input and gradient swapped."""
+    if groups != 1:
+        raise UnsupportedOpError("convolution_backward of grouped convolutions")
     nsp = x.ndim - 2
     letters = "DHW"[-nsp:]
     ks = list(w.shape[2:])
     gx = gw = gb = None
+    if transposed:
+        if output_mask[0]:
+            gx = ops.conv(grad, w, list(stride), [(p, p) for p in padding], list(dilation), 1,
+                          "NC" + letters, "OI" + letters)
+        if output_mask[1]:
+            gw = ops.conv(grad, x, list(dilation), [(p, p) for p in padding], list(stride), 1,
+                          "CN" + letters, "IO" + letters)
+            gw = ops.slice(gw, [0] * (2 + nsp), list(gw.shape[:2]) + ks)
+        if output_mask[2]:
+            gb = ops.sum(grad, [0] + list(range(2, 2 + nsp)))
+        return gx, gw, gb
     if output_mask[0]:
-        g = grad
-        for k, s in enumerate(stride):  # put stride-1 zeros between gradient rows
-            if s > 1:
-                d = 2 + k
-                shape = list(g.shape)
-                g = ops.unsqueeze(g, d + 1)
-                g = ops.pad(g, [0, 0] * (g.ndim - d - 2) + [0, s - 1])
-                shape[d] = shape[d] * s
-                g = ops.reshape(g, shape)
-                g = _slice(cx, g, d, 0, shape[d] - (s - 1))
+        g = ops.dilate(grad, [1, 1] + list(stride))  # stride - 1 zeros between gradient rows
         pads = []
         for k in range(nsp):
             lo = dilation[k] * (ks[k] - 1) - padding[k]

@@ -251,6 +251,22 @@ def unsqueeze(x: Tensor, dim: int) -> Tensor:
     return reshape(x, shape)
 
 
+def dilate(x: Tensor, factors: Sequence[int]) -> Tensor:
+    """x with factor - 1 zeros between neighbours along each dimension (XLA's
+    lhs_dilation; the adjoint of a strided access): each element gets a
+    padded axis of its own, merged back, and the trailing zeros cut."""
+    for d, f in enumerate(factors):
+        if f > 1:
+            shape = list(x.shape)
+            y = pad(unsqueeze(x, d + 1), [0, 0] * (x.ndim - d - 1) + [0, f - 1])
+            shape[d] = shape[d] * f
+            x = reshape(y, shape)
+            end = list(x.shape)
+            end[d] = end[d] - (f - 1)
+            x = slice(x, [0] * x.ndim, end)
+    return x
+
+
 def getitem(x: Tensor, key) -> Tensor:
     """Basic indexing: ints, slices with positive steps, None and Ellipsis."""
     if not isinstance(key, tuple):
@@ -550,5 +566,5 @@ __all__ = [n for n, v in list(globals().items())
            "sign", "logical_not", "reciprocal", "isnan", "isinf", "isfinite", "relu", "add", "sub",
            "mul", "div", "pow", "maximum", "minimum", "remainder", "eq", "ne", "lt", "le", "gt", "ge",
            "logical_and", "logical_or", "logical_xor", "atan2", "sum", "max", "min", "prod",
-           "truediv", "fmod", "floor_divide", "trunc_divide", "concatenate", "flip"]
+           "truediv", "fmod", "floor_divide", "trunc_divide", "dilate", "concatenate", "flip"]
 __all__ = sorted(set(__all__))

@@ -155,6 +155,16 @@ def test_captured_values_are_constants_arguments_stay_inputs(rng):
     assert len(prog.segments[0].graph.inputs) == 1  # w was folded in, x stays an input
 
 
+@pytest.mark.parametrize("strides,padding", [((2, 2), "SAME"), ((2, 2), "VALID"), ((3, 2), ((1, 2), (0, 1)))])
+def test_strided_convolution_gradients(rng, strides, padding):
+    """The input gradient of a strided convolution is one with lhs dilation
+    (and, for VALID, negative padding)."""
+    def loss(x, w):
+        y = lax.conv_general_dilated(x, w, strides, padding, dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return (jnp.tanh(y) * jnp.arange(y.size).reshape(y.shape) / y.size).sum()
+    check(jax.grad(loss, argnums=(0, 1)), rnd(rng, 2, 11, 10, 3), rnd(rng, 3, 3, 3, 4), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("fn", [
     lambda x: jnp.argmax(x, -1), lambda x: jnp.cumsum(x, 1), lambda x: lax.cumsum(x, 0, reverse=True),
     lambda x: lax.reduce_window(x, -jnp.inf, lax.max, (2, 2), (2, 2), "VALID"),

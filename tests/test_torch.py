@@ -284,6 +284,12 @@ def test_vision_layers_train_without_fallbacks():
           torch.randn(2, 6, 4, 4), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("kw", [dict(stride=2), dict(stride=2, padding=1, output_padding=1),
+                                dict(stride=3, dilation=2, padding=2)], ids=["s2", "s2_p1_op1", "s3_d2_p2"])
+def test_transposed_convolution_trains(kw):
+    check_module(nn.ConvTranspose2d(3, 4, 3, **kw), torch.randn(2, 3, 5, 6), rtol=1e-4, atol=1e-4)
+
+
 def test_new_dtype_recompiles():
     jf = polyjit.jit_torch(lambda x: torch.exp(x) + 1)
     for dt in (torch.float32, torch.float64):
