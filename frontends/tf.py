@@ -13,11 +13,13 @@ symbolic size. Tensors cross through DLPack, without copies.
 from __future__ import annotations
 
 import functools
+import types
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
 
+from polyjit import ops
 from polyjit.dtypes import DataType
 from polyjit.errors import CompileOptionError, DefinitionError, InputError, UnsupportedOpError
 from polyjit.options import CompileOptions, parse_options
@@ -341,6 +343,31 @@ def _conv2d(g, ins, o):
     return g.conv(x, w, strides, pads, dil, 1, layout, "HWIO")
 
 
+def _conv2d_backprop_input(g, ins, o):
+    """A transposed convolution (conv2d_transpose, Keras' Conv2DTranspose):
+    the output gradient spread with zeros by the strides, padded so that the
+    result has input_sizes, convolved with the flipped filter, its channel
+    roles swapped."""
+    sizes, w, dy = ins
+    sizes = [int(v) for v in _static(sizes, "Conv2DBackpropInput's input_sizes")]
+    layout, sp, strides, dil, pads = _window(o, types.SimpleNamespace(shape=tuple(sizes), rank=len(sizes)),
+                                             [w.shape[0], w.shape[1]])
+    if any(sizes[d] < 0 for d in sp):
+        raise UnsupportedOpError("Conv2DBackpropInput with spatial sizes known only at run time")
+    factors = [1] * dy.rank
+    for i, d in enumerate(sp):
+        factors[d] = strides[i]
+    x = ops.dilate(ops.Tensor(g, dy), factors).node
+    new_pads = []
+    for i, d in enumerate(sp):
+        span = dil[i] * (int(w.shape[i]) - 1)
+        lo = span - pads[i][0]
+        new_pads.append((lo, sizes[d] - x.shape[d] - lo + span))
+    if any(v < 0 for pr in new_pads for v in pr):
+        raise UnsupportedOpError("Conv2DBackpropInput with padding larger than the filter")
+    return g.conv(x, g.reverse(w, [0, 1]), [1, 1], new_pads, dil, 1, layout, "HWOI")
+
+
 def _depthwise(g, ins, o):
     x, w = ins
     layout, _, strides, dil, pads = _window(o, x, [w.shape[0], w.shape[1]])
@@ -470,7 +497,7 @@ TF_OPS: dict[str, Callable] = {
     "FusedBatchNormV3": _fused_batch_norm, "FusedBatchNorm": _fused_batch_norm,
     # contractions
     "MatMul": _matmul, "BatchMatMulV2": _batch_matmul, "BatchMatMulV3": _batch_matmul,
-    "Conv2D": _conv2d, "DepthwiseConv2dNative": _depthwise,
+    "Conv2D": _conv2d, "DepthwiseConv2dNative": _depthwise, "Conv2DBackpropInput": _conv2d_backprop_input,
 }
 TF_OPS = {k: v for k, v in TF_OPS.items() if v is not None}
 # integer ops on compile-time values (shape arithmetic) that TensorFlow folds
@@ -546,8 +573,9 @@ class _Trace:
                 env[o.outputs[0].name] = Const(tf.make_ndarray(o.get_attr("value")))
                 continue
             ins = [env[t.name] for t in o.inputs]
-            if o.type == "Reshape" and not isinstance(ins[1], Const):
-                ins[1] = _inferred_shape(o) or ins[1]
+            shape_input = _SHAPE_INPUTS.get(o.type)
+            if shape_input is not None and not isinstance(ins[shape_input], Const):
+                ins[shape_input] = _inferred_shape(o) or ins[shape_input]
             if o.type in _FOLDABLE and all(isinstance(x, Const) for x in ins) or o.type in ("Shape", "Size", "Rank"):
                 vals = [tf.get_static_value(t) for t in o.outputs]
                 if all(v is not None for v in vals):
@@ -566,11 +594,15 @@ class _Trace:
         self.ops = _live(self.ops, self.outvars)
 
 
+_SHAPE_INPUTS = {"Reshape": 1, "Conv2DBackpropInput": 0}  # ops whose result's shape is an input
+
+
 def _inferred_shape(o: tf.Operation) -> Const | None:
-    """A Reshape whose shape is computed at run time (Keras' Flatten of a
-    batch of unknown size: Shape, StridedSlice, Pack), as the constant shape
-    TensorFlow inferred for its result, when that leaves at most one size
-    unknown: the element count fixes it (-1)."""
+    """The shape input of a Reshape (or a transposed convolution's output
+    size) computed at run time (Keras' Flatten of a batch of unknown size:
+    Shape, StridedSlice, Pack), as the constant shape TensorFlow inferred for
+    its result, when that leaves at most one size unknown: for a reshape the
+    element count fixes it (-1); a convolution reads only spatial sizes."""
     dims = o.outputs[0].shape
     if dims.rank is None or sum(d is None for d in dims.as_list()) > 1:
         return None

@@ -98,6 +98,18 @@ def test_keras_cnn_batch_of_unknown_size(rng):
     assert jf.stats["fallbacks"] == 0 and jf.stats["graphs"] == 1
 
 
+@pytest.mark.parametrize("padding,stride", [("same", 2), ("valid", 2), ("valid", 3)])
+def test_keras_conv2d_transpose(rng, padding, stride):
+    """Conv2DBackpropInput: a transposed convolution, for every batch size."""
+    layer = keras.layers.Conv2DTranspose(4, 3, strides=stride, padding=padding)
+    model = keras.Sequential([keras.Input((5, 6, 3)), layer])
+    jf = polyjit.jit_tf(lambda x: model(x), input_signature=[tf.TensorSpec([None, 5, 6, 3], tf.float32)])
+    for n in (1, 3):
+        x = rnd(rng, n, 5, 6, 3)
+        assert_close(jf(x), model(x), 1e-4, 1e-4)
+    assert jf.stats["fallbacks"] == 0 and jf.stats["graphs"] == 1
+
+
 def test_fused_batch_norm_inference(rng):
     s, o, m, v = rnd(rng, 5), rnd(rng, 5), rnd(rng, 5), tf.constant(rng.random(5, dtype=np.float32) + 0.5)
 
