@@ -313,6 +313,7 @@ PRIMITIVES: dict[str, Callable] = {
     "not": _logical("logical_not"),
     "integer_pow": _integer_pow,
     "square": lambda g, ins, p: g.binary("mul", ins[0], ins[0]),
+    "one_minus_square": lambda g, ins, p: g.binary("sub", g.constant(1, ins[0].dtype), g.binary("mul", ins[0], ins[0])),
     "exp2": _exp2,
     "erfc": _erfc,
     "round": _round,
