@@ -345,18 +345,10 @@ def _convolution_backward(cx, grad, x, w, bias_sizes, stride, padding, dilation,
     letters = "DHW"[-nsp:]
     ks = list(w.shape[2:])
     gx = gw = gb = None
-    if transposed:
-        if output_mask[0]:
-            gx = ops.conv(grad, w, list(stride), [(p, p) for p in padding], list(dilation), 1,
-                          "NC" + letters, "OI" + letters)
-        if output_mask[1]:
-            gw = ops.conv(grad, x, list(dilation), [(p, p) for p in padding], list(stride), 1,
-                          "CN" + letters, "IO" + letters)
-            gw = ops.slice(gw, [0] * (2 + nsp), list(gw.shape[:2]) + ks)
-        if output_mask[2]:
-            gb = ops.sum(grad, [0] + list(range(2, 2 + nsp)))
-        return gx, gw, gb
-    if output_mask[0]:
+    if output_mask[0] and transposed:
+        gx = ops.conv(grad, w, list(stride), [(p, p) for p in padding], list(dilation), 1,
+                      "NC" + letters, "OI" + letters)
+    elif output_mask[0]:
         g = ops.dilate(grad, [1, 1] + list(stride))  # stride - 1 zeros between gradient rows
         pads = []
         for k in range(nsp):
@@ -369,8 +361,10 @@ def _convolution_backward(cx, grad, x, w, bias_sizes, stride, padding, dilation,
         wf = ops.reverse(w, list(range(2, 2 + nsp)))
         gx = ops.conv(g, wf, [1] * nsp, pads, list(dilation), 1, "NC" + letters, "IO" + letters)
     if output_mask[1]:
-        # dW[o, i, k] = sum_{n, p} x[n, i, p*s + k*d - pad] * g[n, o, p]
-        gw = ops.conv(x, grad, list(dilation), [(p, p) for p in padding], list(stride), 1,
+        # dW[o, i, k] = sum_{n, p} a[n, i, p*s + k*d - pad] * b[n, o, p], with (a, b) the input and the
+        # gradient, swapped for a transposed convolution
+        a, b = (grad, x) if transposed else (x, grad)
+        gw = ops.conv(a, b, list(dilation), [(p, p) for p in padding], list(stride), 1,
                       "CN" + letters, "IO" + letters)
         gw = ops.slice(gw, [0] * (2 + nsp), list(gw.shape[:2]) + ks)
     if output_mask[2]:
