@@ -35,6 +35,7 @@ from polyjit.dtypes import DataType
 from polyjit.errors import InputError, UnsupportedOpError
 from polyjit.graph import Graph
 from polyjit.options import CompileOptions, parse_options
+from polyjit import sizes as sz
 from polyjit.sizes import Lin
 
 from .common import Stats, fallback
@@ -426,19 +427,26 @@ def _max_pool_backward(cx, grad, x, kernel, stride, padding, dilation, ceil_mode
     return ops.reshape(out, list(x.shape))
 
 
+def _avg_divisor(x, k, s, p, count_include_pad, divisor_override):
+    """What average pooling divides each window's sum by: a number, or per
+    window the cells inside the image (count_include_pad=False with padding)."""
+    if divisor_override:
+        return float(divisor_override)
+    if count_include_pad or not any(p):
+        return float(k[0] * k[1])
+    return _window_sum(ops.full_like(x, 1.0), k, s, p)
+
+
+def _window_sum(x, k, s, p):
+    lead = [1] * (x.ndim - 2)
+    return ops.reduce_window("sum", x, lead + k, lead + s, [(0, 0)] * (x.ndim - 2) + [(p[0], p[0]), (p[1], p[1])])
+
+
 @_reg(aten.avg_pool2d.default)
 def _avg_pool(cx, x, kernel, stride=(), padding=(0,), ceil_mode=False, count_include_pad=True,
               divisor_override=None):
     k, s, p, _ = _window_args(kernel, stride, padding, (1,), ceil_mode)
-    lead = [1] * (x.ndim - 2)
-    total = ops.reduce_window("sum", x, lead + k, lead + s, [(0, 0)] * (x.ndim - 2) + [(p[0], p[0]), (p[1], p[1])])
-    if divisor_override:
-        return total / float(divisor_override)
-    if count_include_pad or not any(p):
-        return total / float(k[0] * k[1])
-    ones = ops.full_like(x, 1.0)
-    count = ops.reduce_window("sum", ones, lead + k, lead + s, [(0, 0)] * (x.ndim - 2) + [(p[0], p[0]), (p[1], p[1])])
-    return total / count
+    return _window_sum(x, k, s, p) / _avg_divisor(x, k, s, p, count_include_pad, divisor_override)
 
 
 @_reg(aten.avg_pool2d_backward.default)
@@ -447,15 +455,7 @@ def _avg_pool_backward(cx, grad, x, kernel, stride, padding, ceil_mode, count_in
     cell of the window: one scatter_add per window offset into the padded
     image, whose border is then cut."""
     k, s, p, _ = _window_args(kernel, stride, padding, (1,), ceil_mode)
-    if divisor_override:
-        g = grad / float(divisor_override)
-    elif count_include_pad or not any(p):
-        g = grad / float(k[0] * k[1])
-    else:
-        lead = [1] * (x.ndim - 2)
-        count = ops.reduce_window("sum", ops.full_like(x, 1.0), lead + k, lead + s,
-                                  [(0, 0)] * (x.ndim - 2) + [(p[0], p[0]), (p[1], p[1])])
-        g = grad / count
+    g = grad / _avg_divisor(x, k, s, p, count_include_pad, divisor_override)
     h, w = x.shape[-2] + 2 * p[0], x.shape[-1] + 2 * p[1]
     oh, ow = grad.shape[-2], grad.shape[-1]
     row = ops.iota(list(grad.shape), x.ndim - 2, like=grad)
@@ -477,7 +477,8 @@ def _avg_pool_backward(cx, grad, x, kernel, stride, padding, ceil_mode, count_in
 
 def _flat_index(shape, indices, what: str):
     """The index tensors of x[..., i, j, ...] on consecutive dimensions as one
-    row-major position over them: (first dimension, last, position)."""
+    row-major position over them: (first dimension, last, how many positions
+    those dimensions hold, position)."""
     dims = [d for d, i in enumerate(indices) if i is not None]
     if not dims or dims != list(range(dims[0], dims[-1] + 1)):
         raise UnsupportedOpError(f"{what} with index tensors on dimensions that are not consecutive")
@@ -486,7 +487,7 @@ def _flat_index(shape, indices, what: str):
         i = ops.cast(indices[d], "int64")
         i = ops.where(i < 0, i + shape[d], i)
         flat = i if flat is None else flat * shape[d] + i
-    return dims[0], dims[-1], flat
+    return dims[0], dims[-1], sz.product(shape[d] for d in dims), flat
 
 
 @_reg(aten.index.Tensor, aten._unsafe_index.Tensor)
@@ -495,10 +496,7 @@ def _index(cx, x, indices):
     upsampling and reflection padding decompose into): one take over those
     dimensions flattened, at the row-major position the indices name."""
     shape = list(x.shape)
-    first, last, flat = _flat_index(shape, indices, "aten.index")
-    n = 1
-    for d in range(first, last + 1):
-        n = n * shape[d]
+    first, last, n, flat = _flat_index(shape, indices, "aten.index")
     return ops.take(ops.reshape(x, shape[:first] + [n] + shape[last + 1:]), flat, first)
 
 
@@ -510,16 +508,11 @@ def _index_put(cx, x, indices, values, accumulate=False):
     if not accumulate:
         raise UnsupportedOpError("index_put without accumulate")
     shape = list(x.shape)
-    first, last, flat = _flat_index(shape, indices, "aten.index_put")
-    n = 1
-    for d in range(first, last + 1):
-        n = n * shape[d]
+    first, last, n, flat = _flat_index(shape, indices, "aten.index_put")
     lead, rest = shape[:first], shape[last + 1:]
-    m = 1
-    for s in flat.shape:
-        m = m * s
     v = ops.broadcast_to(values, lead + list(flat.shape) + rest)
-    added = ops.scatter_add(lead + [n] + rest, ops.reshape(flat, [-1]), ops.reshape(v, lead + [m] + rest), first)
+    added = ops.scatter_add(lead + [n] + rest, ops.reshape(flat, [-1]),
+                            ops.reshape(v, lead + [sz.product(flat.shape)] + rest), first)
     return x + ops.reshape(ops.cast(added, x.dtype), shape)
 
 
