@@ -316,7 +316,6 @@ class GpuExecutable(Executable):
     ptx: str = ""
     arch: str = ""
     writes: list = field(default_factory=list)  # per kernel: the arrays its statements write
-    _plans: dict = field(default_factory=dict, repr=False)  # launch plans by shape signature
     _loaded: dict = field(default_factory=dict, repr=False)  # kernels by device ordinal
     _consts: dict = field(default_factory=dict, repr=False)  # constants on each device
 
@@ -407,8 +406,6 @@ class GpuExecutable(Executable):
             raise DeviceError(f"{self.name} was compiled for {self.arch}, but the GPU is {dev.arch}")
         return dev
 
-    PLANS = 64  # launch plans kept per program (one per shape signature)
-
     def _plan(self, key, views, args, stream: int) -> "_Plan":
         """What a call with these shapes, layouts and device needs, worked out
         once: sizes, the integer arguments, allocations, launch configurations
@@ -452,9 +449,7 @@ class GpuExecutable(Executable):
         places += [ctypes.addressof(plan.ints) + 8 * i for i in range(len(ints))]
         plan.block = (ctypes.c_void_p * max(len(places), 1))(*places)
         plan.argv = ctypes.addressof(plan.block)
-        if len(self._plans) >= self.PLANS:
-            self._plans.clear()
-        self._plans[key] = plan
+        self._remember(key, plan)
         return plan
 
     def _functions(self, dev: Device) -> dict:

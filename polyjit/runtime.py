@@ -114,7 +114,7 @@ class Executable:
     stats: dict = field(default_factory=dict)
     contracted_bytes: Any = None
     keepalive: Any = None
-    _plans: dict = field(default_factory=dict, repr=False)  # call plans by shape signature
+    _plans: dict = field(default_factory=dict, repr=False)  # call (or launch) plans by shape signature
 
     def bind(self, args: Sequence[np.ndarray]) -> dict[str, int]:
         """Size parameters from the arguments; raises InputError on any mismatch."""
@@ -217,10 +217,14 @@ class Executable:
             threads=self.num_threads if work >= PARALLEL_MIN_ELEMENTS else 1,
             intermediate_bytes=temp_bytes + (self.contracted_bytes(env) if self.contracted_bytes else 0))
         if key is not None:
-            if len(self._plans) >= self.PLANS:
-                self._plans.clear()
-            self._plans[key] = plan
+            self._remember(key, plan)
         return plan
+
+    def _remember(self, key, plan) -> None:
+        """Keep a plan for its signature; past PLANS signatures, start over."""
+        if len(self._plans) >= self.PLANS:
+            self._plans.clear()
+        self._plans[key] = plan
 
 
 @dataclass
