@@ -254,6 +254,135 @@ def _select_and_scatter_add(g, ins, p):
     return g.slice(out, lo, [a + int(n) for a, n in zip(lo, x.shape)]) if any(lo) or any(hi) else out
 
 
+def _mode(p) -> str:
+    """A gather's or scatter's out-of-bounds mode: "clip", "fill" or "promise"."""
+    name = getattr(p.get("mode"), "name", str(p.get("mode"))).upper()
+    return "fill" if "FILL" in name else "promise" if "PROMISE" in name else "clip"
+
+
+def _fill_value(dtype: DataType, value):
+    """FILL_OR_DROP's default: NaN for floats, the lowest signed, the highest unsigned, True."""
+    if value is not None:
+        return value
+    np_dtype = np.dtype(dtype.numpy)
+    if np_dtype.kind == "f":
+        return math.nan
+    if np_dtype.kind == "b":
+        return True
+    return int(np.iinfo(np_dtype).max if np_dtype.kind == "u" else np.iinfo(np_dtype).min)
+
+
+def _static_sizes(what: str, *nodes) -> None:
+    if any(isinstance(s, Lin) for n in nodes for s in n.shape):
+        raise UnsupportedOpError(f"{what} over symbolic sizes")
+
+
+def _window_positions(g, x_shape, indices, starts_to_operand, operand_batching, indices_batching,
+                      window_sizes, out_shape, batch_at, window_at, window_dims, mode):
+    """Flat positions in an operand of x_shape, of out_shape, for a gather's
+    output or a scatter's updates (the two share their index arithmetic):
+    the window of operand dims window_dims (sizes window_sizes) runs along
+    out_shape's dims window_at, the indices' batch dims along batch_at; a
+    window's start comes from the index vector (starts_to_operand), from a
+    batch position (operand batching dims) or is 0. Starts are clamped so
+    the window fits, as XLA does; also returns, for mode "fill", where the
+    unclamped start was in bounds (None otherwise)."""
+    start: dict = {}
+    valid = None
+    for k, d in enumerate(starts_to_operand):
+        idx = g.slice(indices, [0] * (indices.rank - 1) + [k], list(indices.shape[:-1]) + [k + 1])
+        idx = g.cast(g.reshape(idx, indices.shape[:-1]), DataType.Int)
+        idx = g.broadcast_in_dim(idx, out_shape, batch_at)
+        top = g.constant(int(x_shape[d]) - int(window_sizes[d]), DataType.Int)
+        if mode == "fill":
+            ok = g.binary("logical_and", g.binary("ge", idx, g.constant(0, DataType.Int)), g.binary("le", idx, top))
+            valid = ok if valid is None else g.binary("logical_and", valid, ok)
+        start[d] = g.binary("minimum", g.binary("maximum", idx, g.constant(0, DataType.Int)), top)
+    for d, i in zip(operand_batching, indices_batching):
+        start[d] = g.iota(out_shape, batch_at[i])
+    for d, at in zip(window_dims, window_at):
+        offset = g.iota(out_shape, at)
+        start[d] = g.binary("add", start[d], offset) if d in start else offset
+    flat = None
+    for d, pos in start.items():
+        stride = math.prod(int(s) for s in x_shape[d + 1:])
+        term = g.binary("mul", pos, g.constant(stride, DataType.Int)) if stride != 1 else pos
+        flat = term if flat is None else g.binary("add", flat, term)
+    if flat is None:
+        flat = g.constant(0, DataType.Int)
+    return g.expand(flat, out_shape) if flat.rank == 0 else flat, valid
+
+
+def _gather(g, ins, p):
+    """lax.gather in any dimension numbers: a take along one operand axis
+    when that is what it is (``x[idx]``, embeddings), otherwise a take from
+    the flattened operand at computed positions (``take_along_axis``);
+    out-of-bounds starts clamp, or with mode fill give the fill value."""
+    x, indices = ins
+    dn, sizes, mode = p["dimension_numbers"], tuple(p["slice_sizes"]), _mode(p)
+    _static_sizes("gather", x, indices)
+    batch = tuple(indices.shape[:-1])
+    window_dims = [d for d in range(x.rank) if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims]
+    out_rank = len(batch) + len(dn.offset_dims)
+    batch_at = [q for q in range(out_rank) if q not in dn.offset_dims]
+    out_shape = [0] * out_rank
+    for q, d in zip(dn.offset_dims, window_dims):
+        out_shape[q] = sizes[d]
+    for q, n in zip(batch_at, batch):
+        out_shape[q] = n
+    axis = dn.start_index_map[0] if len(dn.start_index_map) == 1 else None
+    if axis is not None and not dn.operand_batching_dims and axis in dn.collapsed_slice_dims \
+            and all(sizes[d] == x.shape[d] for d in range(x.rank) if d != axis):
+        # a take along axis: its result's dims are x's with the batch dims in place of axis
+        idx = g.cast(g.reshape(indices, batch), DataType.Int)
+        n = g.constant(int(x.shape[axis]) - 1, DataType.Int)
+        zero = g.constant(0, DataType.Int)
+        out = g.gather(x, g.binary("minimum", g.binary("maximum", idx, zero), n), axis)
+        labels = [("w", d) for d in range(axis)] + [("b", i) for i in range(len(batch))] + \
+                 [("w", d) for d in range(axis + 1, x.rank)]
+        want = [None] * out_rank
+        for q, d in zip(dn.offset_dims, window_dims):
+            want[q] = ("w", d)
+        for i, q in enumerate(batch_at):
+            want[q] = ("b", i)
+        perm = [labels.index(w) for w in want]
+        out = out if perm == list(range(out_rank)) else g.transpose(out, perm)
+        if mode != "fill":
+            return out
+        ok = g.binary("logical_and", g.binary("ge", idx, zero), g.binary("le", idx, n))
+        valid = g.broadcast_in_dim(ok, out_shape, batch_at)
+    else:
+        flat, valid = _window_positions(g, x.shape, indices, dn.start_index_map, dn.operand_batching_dims,
+                                        dn.start_indices_batching_dims, sizes, out_shape, batch_at,
+                                        dn.offset_dims, window_dims, mode)
+        out = g.gather(g.reshape(x, [-1]), flat, 0)
+        if valid is None:
+            return out
+    return g.where(valid, out, g.constant(_fill_value(x.dtype, p.get("fill_value")), x.dtype))
+
+
+def _scatter_add(g, ins, p):
+    """lax.scatter_add (a gather's adjoint): updates added into the operand
+    at positions worked out as for a gather, summed by one scatter_add over
+    the flattened operand; with mode fill, out-of-bounds updates drop."""
+    x, indices, updates = ins
+    dn, mode = p["dimension_numbers"], _mode(p)
+    _static_sizes("scatter_add", x, indices, updates)
+    window_dims = [d for d in range(x.rank) if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims]
+    batch_at = [q for q in range(updates.rank) if q not in dn.update_window_dims]
+    sizes = [1] * x.rank
+    for q, d in zip(dn.update_window_dims, window_dims):
+        sizes[d] = updates.shape[q]
+    flat, valid = _window_positions(g, x.shape, indices, dn.scatter_dims_to_operand_dims, dn.operand_batching_dims,
+                                    dn.scatter_indices_batching_dims, sizes, list(updates.shape), batch_at,
+                                    dn.update_window_dims, window_dims, mode)
+    if valid is not None:
+        updates = g.where(valid, updates, g.constant(0, updates.dtype))
+    total = math.prod(int(s) for s in x.shape)
+    added = g.scatter_add([total], g.reshape(flat, [-1]), g.reshape(updates, [-1]), 0, along=True)
+    return g.binary("add", x, g.reshape(added, x.shape))
+
+
 def _dot_general(g, ins, p):
     (lc, rc), (lb, rb) = p["dimension_numbers"]
     return g.dot_general(ins[0], ins[1], (lc, rc), (lb, rb))
@@ -348,6 +477,8 @@ PRIMITIVES: dict[str, Callable] = {
     "reduce_window_sum": _reduce_window("sum"), "reduce_window_max": _reduce_window("max"),
     "select_and_scatter_add": _select_and_scatter_add,
     "reduce_window_min": _reduce_window("min"),
+    # indexing
+    "gather": _gather, "scatter-add": _scatter_add, "scatter_add": _scatter_add,
     # contractions
     "dot_general": _dot_general,
     "conv_general_dilated": _conv,

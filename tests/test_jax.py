@@ -184,6 +184,22 @@ def test_primitives(rng, fn):
     check(fn, rnd(rng, 4, 10))
 
 
+@pytest.mark.parametrize("fn", [
+    lambda x, i: x[i], lambda x, i: x[:, i], lambda x, i: x[i, i % 3], lambda x, i: x[i.reshape(2, 3)],
+    lambda x, i: jnp.take(x, i + 4, axis=1), lambda x, i: jnp.take(x, i * 3, axis=1, mode="clip"),
+    lambda x, i: jnp.take_along_axis(x, i[:4, None] % 10, axis=1),
+    lambda x, i: jnp.take_along_axis(x.reshape(2, 2, 10), (i * 7 % 12).reshape(2, 1, 3), axis=2),
+    lambda x, i: x.at[i].add(1.5), lambda x, i: x.at[:, i].add(x[:, :6] * 2, mode="drop"),
+    jax.grad(lambda x, i: (jnp.tanh(x[i]) * jnp.arange(10.0)).sum()),
+    jax.grad(lambda x, i: -jnp.take_along_axis(jax.nn.log_softmax(x), i[:4, None] % 10, axis=1).mean()),
+], ids=["rows", "columns", "points", "embedding", "fill_nan", "clip", "along", "along_batched", "add_at",
+        "add_drop", "embedding_grad", "cross_entropy_grad"])
+def test_gather_and_scatter(rng, fn):
+    """Indexing with integer arrays (negative and out-of-bounds indices
+    too, as each mode treats them) and its gradient."""
+    check(fn, rnd(rng, 4, 10), jnp.asarray([0, 3, -1, 2, 1, 3]))
+
+
 @pytest.mark.parametrize("typed", [False, True], ids=["raw_key", "typed_key"])
 def test_bernoulli_dropout_and_uniform_bit_for_bit(rng, typed):
     """jax.random's threefry bits, bit for bit: the same dropout mask and the
