@@ -103,6 +103,14 @@ def static_value(n: Node) -> np.ndarray:
         return np.asarray(n.attrs["value"])
     if n.op == "tensor_constant":
         return n.attrs["value"]
+    if n.op in ("broadcast_in_dim", "reshape") and all(isinstance(s, int) for s in n.shape):
+        v = static_value(n.inputs[0])
+        if n.op == "reshape":
+            return v.reshape(n.shape)
+        shape = [1] * len(n.shape)
+        for k, d in enumerate(n.attrs["dims"]):
+            shape[d] = v.shape[k]
+        return np.broadcast_to(v.reshape(shape), n.shape)
     raise UnsupportedOpError("an operand that must be known at compile time is computed at run time")
 
 

@@ -177,6 +177,26 @@ def _dynamic_slice(g, ins, p):
     return g.slice(x, starts, [s + n for s, n in zip(starts, sizes)])
 
 
+def _dynamic_update_slice(g, ins, p):
+    """x with update written at constant start indices (clamped, as XLA
+    does): the update padded out to x's shape, selected where it lands."""
+    x, update = ins[0], ins[1]
+    _static_sizes("dynamic_update_slice", x, update)
+    lo = [min(max(int(static_value(i)), 0), int(n) - int(m)) for i, n, m in zip(ins[2:], x.shape, update.shape)]
+    hi = [int(n) - a - int(m) for a, n, m in zip(lo, x.shape, update.shape)]
+    inside = g.pad(g.expand(g.constant(True, DataType.Bool), update.shape), lo, hi, False)
+    return g.where(inside, g.pad(update, lo, hi, 0), x)
+
+
+def _tile(g, ins, p):
+    """jnp.tile: each dimension repeated reps times, as a broadcast and a reshape."""
+    x, reps = ins[0], list(p["reps"])
+    reps = [1] * (x.rank - len(reps)) + reps
+    shape = [s for r, n in zip(reps, x.shape) for s in (r, n)]
+    y = g.broadcast_in_dim(x, shape, [2 * d + 1 for d in range(x.rank)])
+    return g.reshape(y, [r * n for r, n in zip(reps, x.shape)])
+
+
 def _pad(g, ins, p):
     x, value = ins[0], static_value(ins[1])
     config = p["padding_config"]
@@ -201,11 +221,13 @@ def _split(g, ins, p):
     return out
 
 
-def _cumsum(g, ins, p):
-    x, axis = ins[0], p["axis"]
-    if p.get("reverse"):
-        return g.reverse(g.cumsum(g.reverse(x, [axis]), axis), [axis])
-    return g.cumsum(x, axis)
+def _cumulative(op):
+    def rule(g, ins, p):
+        x, axis = ins[0], p["axis"]
+        if p.get("reverse"):
+            return g.reverse(g.cumulative(op, g.reverse(x, [axis]), axis), [axis])
+        return g.cumulative(op, x, axis)
+    return rule
 
 
 def _reduce_window(op):
@@ -361,26 +383,44 @@ def _gather(g, ins, p):
     return g.where(valid, out, g.constant(_fill_value(x.dtype, p.get("fill_value")), x.dtype))
 
 
-def _scatter_add(g, ins, p):
-    """lax.scatter_add (a gather's adjoint): updates added into the operand
-    at positions worked out as for a gather, summed by one scatter_add over
-    the flattened operand; with mode fill, out-of-bounds updates drop."""
-    x, indices, updates = ins
-    dn, mode = p["dimension_numbers"], _mode(p)
-    _static_sizes("scatter_add", x, indices, updates)
-    window_dims = [d for d in range(x.rank) if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims]
-    batch_at = [q for q in range(updates.rank) if q not in dn.update_window_dims]
-    sizes = [1] * x.rank
-    for q, d in zip(dn.update_window_dims, window_dims):
-        sizes[d] = updates.shape[q]
-    flat, valid = _window_positions(g, x.shape, indices, dn.scatter_dims_to_operand_dims, dn.operand_batching_dims,
-                                    dn.scatter_indices_batching_dims, sizes, list(updates.shape), batch_at,
-                                    dn.update_window_dims, window_dims, mode)
-    if valid is not None:
-        updates = g.where(valid, updates, g.constant(0, updates.dtype))
-    total = math.prod(int(s) for s in x.shape)
-    added = g.scatter_add([total], g.reshape(flat, [-1]), g.reshape(updates, [-1]), 0, along=True)
-    return g.binary("add", x, g.reshape(added, x.shape))
+def _scatter(replace: bool):
+    """lax.scatter_add (a gather's adjoint), or with replace lax.scatter
+    (``x.at[i].set(v)``): updates go into the operand at positions worked
+    out as for a gather, through one scatter_add over the flattened operand;
+    with mode fill, out-of-bounds updates drop. A replacing scatter needs
+    positions that are known not to repeat (JAX's unique_indices, or
+    distinct constant indices): XLA leaves the winner of repeats undefined."""
+    def rule(g, ins, p):
+        x, indices, updates = ins
+        dn, mode = p["dimension_numbers"], _mode(p)
+        _static_sizes("scatter", x, indices, updates)
+        if replace and not p.get("unique_indices"):
+            rows = static_value(indices).reshape(-1, int(indices.shape[-1]))
+            if len({tuple(r) for r in rows.tolist()}) != len(rows):
+                raise UnsupportedOpError("scatter with indices that may repeat")
+        window_dims = [d for d in range(x.rank) if d not in dn.inserted_window_dims
+                       and d not in dn.operand_batching_dims]
+        batch_at = [q for q in range(updates.rank) if q not in dn.update_window_dims]
+        sizes = [1] * x.rank
+        for q, d in zip(dn.update_window_dims, window_dims):
+            sizes[d] = updates.shape[q]
+        flat, valid = _window_positions(g, x.shape, indices, dn.scatter_dims_to_operand_dims,
+                                        dn.operand_batching_dims, dn.scatter_indices_batching_dims, sizes,
+                                        list(updates.shape), batch_at, dn.update_window_dims, window_dims, mode)
+        if valid is not None:
+            updates = g.where(valid, updates, g.constant(0, updates.dtype))
+        total = [math.prod(int(s) for s in x.shape)]
+        flat = g.reshape(flat, [-1])
+        added = g.reshape(g.scatter_add(total, flat, g.reshape(updates, [-1]), 0, along=True), x.shape)
+        if not replace:
+            return g.binary("add", x, added)
+        ones = g.expand(g.constant(1, DataType.Int32), updates.shape)
+        if valid is not None:
+            ones = g.where(valid, ones, g.constant(0, DataType.Int32))
+        written = g.scatter_add(total, flat, g.reshape(ones, [-1]), 0, along=True)
+        written = g.binary("gt", g.reshape(written, x.shape), g.constant(0, DataType.Int32))
+        return g.where(written, added, x)
+    return rule
 
 
 def _dot_general(g, ins, p):
@@ -464,6 +504,8 @@ PRIMITIVES: dict[str, Callable] = {
     "transpose": lambda g, ins, p: g.transpose(ins[0], p["permutation"]),
     "slice": _slice,
     "dynamic_slice": _dynamic_slice,
+    "dynamic_update_slice": _dynamic_update_slice,
+    "tile": _tile,
     "pad": _pad,
     "concatenate": lambda g, ins, p: g.concatenate(list(ins), p["dimension"]),
     "split": _split,
@@ -473,12 +515,14 @@ PRIMITIVES: dict[str, Callable] = {
     "reduce_sum": _reduce("sum"), "reduce_max": _reduce("max"), "reduce_min": _reduce("min"),
     "reduce_prod": _reduce("prod"), "reduce_and": _reduce_bool("min"), "reduce_or": _reduce_bool("max"),
     "argmax": _argreduce("argmax"), "argmin": _argreduce("argmin"),
-    "cumsum": _cumsum,
+    "cumsum": _cumulative("sum"), "cumprod": _cumulative("prod"), "cummax": _cumulative("max"),
+    "cummin": _cumulative("min"),
     "reduce_window_sum": _reduce_window("sum"), "reduce_window_max": _reduce_window("max"),
     "select_and_scatter_add": _select_and_scatter_add,
     "reduce_window_min": _reduce_window("min"),
     # indexing
-    "gather": _gather, "scatter-add": _scatter_add, "scatter_add": _scatter_add,
+    "gather": _gather, "scatter-add": _scatter(replace=False), "scatter_add": _scatter(replace=False),
+    "scatter": _scatter(replace=True),
     # contractions
     "dot_general": _dot_general,
     "conv_general_dilated": _conv,
@@ -553,12 +597,31 @@ def _flatten(closed, args: list, out: list[Op]) -> list:
             results = _flatten(sub, ins[len(ins) - n_in:], out)
         elif name == "scan" and eqn.params["length"] <= SCAN_UNROLL_LIMIT:
             results = _unroll_scan(eqn, ins, out)
+        elif (folded := _folded(eqn, ins)) is not None:
+            results = folded
         else:
             results = [_value(v.aval) for v in eqn.outvars]
             out.append(_eqn_op(eqn.primitive, dict(eqn.params), ins, results, _where(eqn), eqn))
         for v, r in zip(eqn.outvars, results):
             env[v] = r
     return [read(v) for v in jaxpr.outvars]
+
+
+FOLD_LIMIT = 1 << 12  # elements: an equation of constants with results up to this size is evaluated while tracing
+
+
+def _folded(eqn, ins: list) -> list | None:
+    """The results of an equation whose operands are all constants (index
+    arithmetic on captured arrays, as ``x.at[np.array(...)]`` makes), as
+    constants; None where it must stay an equation."""
+    if not ins or not all(isinstance(x, Const) for x in ins) or eqn.effects:
+        return None
+    if any(_is_key(v.aval) or math.prod(v.aval.shape) > FOLD_LIMIT for v in eqn.outvars):
+        return None
+    with jax.ensure_compile_time_eval():
+        out = eqn.primitive.bind(*[x.value for x in ins], **eqn.params)
+    out = out if eqn.primitive.multiple_results else [out]
+    return [Const(np.asarray(o)) for o in out]
 
 
 def _unroll_scan(eqn, ins, out: list[Op]) -> list:

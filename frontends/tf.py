@@ -241,15 +241,23 @@ def _any_all(op):
     return rule
 
 
-def _cumsum(g, ins, o):
-    x = ins[0]
-    axis = int(_static(ins[1], "cumsum axis")) % x.rank
-    if o.get_attr("reverse"):
-        x = g.reverse(x, [axis])
-    y = g.cumsum(x, axis)
-    if o.get_attr("exclusive"):
-        y = g.binary("sub", y, g.cast(x, y.dtype))
-    return g.reverse(y, [axis]) if o.get_attr("reverse") else y
+def _cumulative(op):
+    """Cumsum and Cumprod; exclusive shifts the running values by one, the
+    first being op's identity."""
+    def rule(g, ins, o):
+        x = ins[0]
+        axis = int(_static(ins[1], "cumulative axis")) % x.rank
+        if o.get_attr("reverse"):
+            x = g.reverse(x, [axis])
+        y = g.cumulative(op, x, axis)
+        if o.get_attr("exclusive"):
+            end = list(y.shape)
+            end[axis] = y.shape[axis] - 1
+            lo = [0] * y.rank
+            lo[axis] = 1
+            y = g.pad(g.slice(y, [0] * y.rank, end), lo, [0] * y.rank, 0 if op == "sum" else 1)
+        return g.reverse(y, [axis]) if o.get_attr("reverse") else y
+    return rule
 
 
 def _gather(g, ins, o):
@@ -489,7 +497,7 @@ TF_OPS: dict[str, Callable] = {
     # reductions
     "Sum": _reduce("sum"), "Max": _reduce("max"), "Min": _reduce("min"), "Prod": _reduce("prod"),
     "Mean": _mean, "ArgMax": _argreduce("argmax"), "ArgMin": _argreduce("argmin"),
-    "Any": _any_all("max"), "All": _any_all("min"), "Cumsum": _cumsum,
+    "Any": _any_all("max"), "All": _any_all("min"), "Cumsum": _cumulative("sum"), "Cumprod": _cumulative("prod"),
     "GatherV2": _gather, "OneHot": _one_hot,
     "ReverseV2": lambda g, ins, o: g.reverse(ins[0], [int(a) for a in np.atleast_1d(_static(ins[1], "axes"))]),
     "Softmax": _softmax(False), "LogSoftmax": _softmax(True),

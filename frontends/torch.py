@@ -107,8 +107,27 @@ for _name, _op in [("neg", ops.neg), ("abs", ops.abs), ("exp", ops.exp), ("log",
                    ("erf", ops.erf), ("sigmoid", ops.sigmoid), ("floor", ops.floor), ("ceil", ops.ceil),
                    ("round", ops.round), ("sign", ops.sign), ("reciprocal", ops.reciprocal),
                    ("relu", ops.relu), ("logical_not", ops.logical_not), ("isnan", ops.isnan),
-                   ("isinf", ops.isinf), ("bitwise_not", ops.logical_not)]:
+                   ("isinf", ops.isinf)]:
     ATEN[getattr(aten, _name).default] = (lambda op: lambda cx, a: op(a))(_op)
+
+
+def _bitwise(name: str):
+    """torch's bitwise ops: logical on booleans, on the bits of integers."""
+    logical, bits = getattr(ops, "logical_" + name), getattr(ops, "bitwise_" + name)
+    if name == "not":
+        return lambda cx, a: (logical if a.dtype == DataType.Bool else bits)(a)
+    return lambda cx, a, b: (logical if a.dtype == DataType.Bool else bits)(a, b)
+
+
+for _name in ("and", "or", "xor", "not"):
+    _packet = getattr(aten, "bitwise_" + _name)
+    for _ov in ("Tensor", "Scalar", "default"):
+        if hasattr(_packet, _ov):
+            ATEN[getattr(_packet, _ov)] = _bitwise(_name)
+for _ov in (aten.bitwise_left_shift.Tensor, aten.__lshift__.Scalar, aten.__lshift__.Tensor):
+    ATEN[_ov] = lambda cx, a, b: ops.shift_left(a, b)
+for _ov in (aten.bitwise_right_shift.Tensor, aten.__rshift__.Scalar, aten.__rshift__.Tensor):
+    ATEN[_ov] = lambda cx, a, b: ops.shift_right_arithmetic(a, b)
 
 
 @_reg(aten.add.Tensor, aten.add.Scalar)
@@ -294,6 +313,8 @@ ATEN[aten.any.dim] = ATEN[aten.any.dims] = lambda cx, x, dim=None, keepdim=False
     ops.cast(x, DataType.Bool), _dims(x, dim), keepdim)
 ATEN[aten.all.dim] = lambda cx, x, dim=None, keepdim=False: ops.min(ops.cast(x, DataType.Bool), _dims(x, dim), keepdim)
 ATEN[aten.cumsum.default] = lambda cx, x, dim, dtype=None: ops.cumsum(
+    ops.cast(x, cx.dtype(dtype)) if dtype is not None else x, dim)
+ATEN[aten.cumprod.default] = lambda cx, x, dim, dtype=None: ops.cumprod(
     ops.cast(x, cx.dtype(dtype)) if dtype is not None else x, dim)
 
 

@@ -177,8 +177,8 @@ def _call(n: Node, names) -> str:
     if n.op == "reduce_window":
         return (f"fd.ops.reduce_window({at['op']!r}, {a[0]}, {list(at['window'])}, {list(at['strides'])}, "
                 f"{[list(p) for p in at['padding']]}, {list(at['dilation'])})")
-    if n.op == "cumsum":
-        return f"fd.ops.cumsum({a[0]}, {at['axis']})"
+    if n.op == "cumulative":
+        return f"fd.ops.cumulative({at['op']!r}, {a[0]}, {at['axis']})"
     if n.op == "gather":
         if at["along"]:
             return f"fd.ops.take_along_axis({a[0]}, {a[1]}, {at['axis']})"

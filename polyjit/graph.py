@@ -368,10 +368,19 @@ class Graph:
         big = self.constant(2 ** 62, DataType.Int)
         return self.reduce("min", self.where(hit, pos, big), [axis], keepdim)
 
-    def cumsum(self, x: Node, axis: int) -> Node:
+    def cumulative(self, op: str, x: Node, axis: int) -> Node:
+        """Running sum, product, maximum or minimum along axis; sums and
+        products of booleans and int32 accumulate in int64, as torch's do."""
+        if op not in ("sum", "prod", "max", "min"):
+            raise DefinitionError(f"cumulative: op {op!r} is not one of sum, prod, max, min")
         axis = _norm_axis(axis, x.rank)
-        dt = DataType.Int if x.dtype in (DataType.Bool, DataType.Int32) else x.dtype
-        return Node("cumsum", (self.cast(x, dt),), {"axis": axis}, x.shape, dt)
+        dt = x.dtype
+        if op in ("sum", "prod") and x.dtype in (DataType.Bool, DataType.Int32):
+            dt = DataType.Int
+        return Node("cumulative", (self.cast(x, dt),), {"op": op, "axis": axis}, x.shape, dt)
+
+    def cumsum(self, x: Node, axis: int) -> Node:
+        return self.cumulative("sum", x, axis)
 
     def reduce_window(self, op: str, x: Node, window: Sequence[int], strides: Sequence[int],
                       padding: Sequence[tuple[int, int]] | None = None,

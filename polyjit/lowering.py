@@ -559,15 +559,15 @@ REDUCTIONS: dict[str, Callable[[Lowering, Node], ReductionSpec]] = {
 
 
 # ======================================================= statement ops
-def _cumsum(L: Lowering, n: Node, name, iters, bounds):
-    """A first-order recurrence: out[i] = out[i-1] + x[i], one statement."""
-    axis = n.attrs["axis"]
+def _cumulative(L: Lowering, n: Node, name, iters, bounds):
+    """A first-order recurrence: out[i] = out[i-1] (op) x[i], one statement."""
+    axis, op = n.attrs["axis"], n.attrs["op"]
     idx = tuple(E.it(i) for i in iters)
     prev = list(idx)
     prev[axis] = Op(DataType.Int, "max", (E.isub(idx[axis], E.const(1)), E.const(0)))
     first = Op(DataType.Bool, "gt", (idx[axis], E.const(0)))
-    carry = Op(n.dtype, "select", (first, Load(n.dtype, name, tuple(prev)), identity("sum", n.dtype)))
-    L.add(name, iters, bounds, idx, Op(n.dtype, "add", (carry, L.value(n.inputs[0], idx))), "cumsum")
+    carry = Op(n.dtype, "select", (first, Load(n.dtype, name, tuple(prev)), identity(op, n.dtype)))
+    L.add(name, iters, bounds, idx, Op(n.dtype, _COMBINE[op], (carry, L.value(n.inputs[0], idx))), "cumulative")
 
 
 def _scatter_add(L: Lowering, n: Node, name, iters, bounds):
@@ -589,4 +589,4 @@ def _scatter_add(L: Lowering, n: Node, name, iters, bounds):
           "scatter_add", combine="sum", reduction_iters=siters)
 
 
-STATEMENT_OPS: dict[str, Callable] = {"cumsum": _cumsum, "scatter_add": _scatter_add}
+STATEMENT_OPS: dict[str, Callable] = {"cumulative": _cumulative, "scatter_add": _scatter_add}

@@ -374,9 +374,26 @@ def argmin(x: Tensor, dim: int, keepdim: bool = False) -> Tensor:
     return _wrap(g, g.argreduce("argmin", _node(g, x), dim, keepdim))
 
 
-def cumsum(x: Tensor, dim: int) -> Tensor:
+def cumulative(op: str, x: Tensor, dim: int) -> Tensor:
+    """Running op ("sum", "prod", "max", "min") along dim."""
     g = _graph(x)
-    return _wrap(g, g.cumsum(_node(g, x), dim))
+    return _wrap(g, g.cumulative(op, _node(g, x), dim))
+
+
+def cumsum(x: Tensor, dim: int) -> Tensor:
+    return cumulative("sum", x, dim)
+
+
+def cumprod(x: Tensor, dim: int) -> Tensor:
+    return cumulative("prod", x, dim)
+
+
+def cummax(x: Tensor, dim: int) -> Tensor:
+    return cumulative("max", x, dim)
+
+
+def cummin(x: Tensor, dim: int) -> Tensor:
+    return cumulative("min", x, dim)
 
 
 def reduce_window(op: str, x: Tensor, window: Sequence[int], strides: Sequence[int],

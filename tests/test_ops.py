@@ -366,6 +366,22 @@ def test_cumsum(rng):
     close(got[1], np.cumsum(x.astype(np.float64), 0), rtol=1e-5, atol=1e-4)
 
 
+def test_cumulative_products_maxima_minima(rng):
+    """Running products, maxima and minima; a NaN carries on from where it
+    appears (as numpy's fmax would not: np.maximum.accumulate does)."""
+    x = (rng.standard_normal((4, 30)) * 0.3 + 1).astype(F32)
+    x[1, 7], x[2, 0] = np.nan, -np.inf
+    n = rng.integers(-3, 4, (4, 30)).astype(np.int32)
+    got, _ = run(lambda t, i: (ops.cumprod(t, 1), ops.cummax(t, 1), ops.cummin(t, 0), ops.cummax(i, 1),
+                               ops.cumprod(i, 1)), x, n)
+    close(got[0], np.cumprod(x.astype(np.float64), 1), rtol=1e-5, atol=1e-6)
+    close(got[1], np.maximum.accumulate(x, 1))
+    close(got[2], np.minimum.accumulate(x, 0))
+    close(got[3], np.maximum.accumulate(n, 1))
+    assert got[4].dtype == np.int64
+    close(got[4], np.cumprod(n.astype(np.int64), 1))
+
+
 def test_gather_and_scatter_add(rng):
     table = rng.standard_normal((20, 8)).astype(F32)
     idx = rng.integers(0, 20, size=(5, 3)).astype(np.int64)

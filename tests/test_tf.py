@@ -138,10 +138,12 @@ def test_fused_batch_norm_inference(rng):
     lambda x: (tf.math.cumsum(x, 1, exclusive=True), tf.math.cumsum(x, 0, reverse=True),
                tf.math.cumsum(x, 1, exclusive=True, reverse=True), tf.reduce_any(x > 1, 1),
                tf.reduce_all(x > -1, 0, keepdims=True)),
+    lambda x: (tf.math.cumprod(x, 1, exclusive=True), tf.math.cumprod(x, 0, reverse=True),
+               tf.math.cumsum(tf.where(x > 1.5, np.inf, x), 1, exclusive=True)),
 ], ids=["slice", "shrink", "reverse", "ellipsis_newaxis", "pack", "unpack", "split", "splitv", "pad", "mean",
         "argmax", "avgpool_same", "tile", "batch_matmul", "elu_selu_softplus_relu6", "select", "squeeze_cast",
         "concat_transpose", "max_all", "matmul_t", "sigmoid_tanh", "mod_floordiv", "gather_reverse_one_hot",
-        "cumsum_any_all"])
+        "cumsum_any_all", "cumprod_exclusive_inf"])
 def test_ops(rng, fn):
     check(fn, rnd(rng, 4, 10))
 

@@ -98,6 +98,13 @@ def test_integer_and_float_division_modes():
     check(f, a, b, r(32) * 10, r(32) + 3)
 
 
+def test_bitwise_ops_on_integers_and_booleans():
+    """~, &, |, ^ act on the bits of integers and logically on booleans; shifts."""
+    def f(a, b, m):
+        return ~a, a & b, a | 3, a ^ b, ~m, m & (a > 0), m ^ (b > 0), a << 2, a >> 1, b >> (a.abs() % 5)
+    check(f, torch.randint(-100, 100, (20,)), torch.randint(-100, 100, (20,)), torch.rand(20) > 0.5)
+
+
 def test_blur_one_loop_nest():
     jf = check(blur, torch.rand(3, 1, 64, 80))
     assert jf.stats["kernels"] == 1 and jf.stats["contracted_buffers"] == 1
@@ -282,6 +289,10 @@ def test_vision_layers_train_without_fallbacks():
     check_module(mod, torch.randn(2, 3, 8, 8), rtol=1e-4, atol=1e-4)
     check(lambda x: (F.group_norm(x, 3), x.repeat(1, 2, 1, 1), torch.linalg.vector_norm(x, dim=1)),
           torch.randn(2, 6, 4, 4), rtol=1e-4, atol=1e-4)
+
+
+def test_cumulative_products_train():
+    check(lambda x: torch.cumprod(x, 1) + torch.cumsum(x, 0), r(4, 7, grad=True), backward=True, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("kw", [dict(stride=2), dict(stride=2, padding=1, output_padding=1),
