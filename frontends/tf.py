@@ -13,6 +13,7 @@ symbolic size. Tensors cross through DLPack, without copies.
 from __future__ import annotations
 
 import functools
+import math
 import types
 from typing import Any, Callable, Sequence
 
@@ -401,6 +402,66 @@ def _pool(op):
     return rule
 
 
+def _max_pool_grad(g, ins, o):
+    """MaxPoolGrad: each window's gradient added at its first maximum in the
+    original input (padding never wins), through the channels-first pooling
+    composites."""
+    x, _, dy = ins
+    k = o.get_attr("ksize")
+    layout, sp, strides, _, pads = _window(o, x, [k[d] for d in (range(2, 4) if _channel_axis(o, x.rank) == 1
+                                                                 else range(1, 3))])
+    if any(lo != hi for lo, hi in pads):
+        raise UnsupportedOpError("MaxPoolGrad with uneven SAME padding")
+    to_first = [0, x.rank - 1] + list(range(1, x.rank - 1)) if layout == "NHWC" else list(range(x.rank))
+    back = [to_first.index(d) for d in range(x.rank)]
+    xt = ops.Tensor(g, g.transpose(x, to_first))
+    _, at = ops.max_pool_with_positions(xt, [k[d] for d in sp], strides, [lo for lo, _ in pads])
+    dx = ops.max_pool_grad(ops.Tensor(g, g.transpose(dy, to_first)), at, list(xt.shape), len(sp))
+    return g.transpose(dx.node, back)
+
+
+def _conv2d_backprop_filter(g, ins, o):
+    """The kernel's gradient of a Conv2D (HWIO), through the core's conv_weight_grad."""
+    x, sizes, dy = ins
+    sizes = [int(v) for v in _static(sizes, "Conv2DBackpropFilter's filter_sizes")]
+    layout, _, strides, dil, pads = _window(o, x, sizes[:2])
+    return ops.conv_weight_grad(ops.Tensor(g, x), ops.Tensor(g, dy), sizes[:2], strides, pads, dil,
+                                layout, "HWIO").node
+
+
+def _bias_add_grad(g, ins, o):
+    dy = ins[0]
+    axis = _channel_axis(o, dy.rank)
+    return g.reduce("sum", dy, [d for d in range(dy.rank) if d != axis])
+
+
+def _softmax_cross_entropy(sparse: bool):
+    """(Sparse)SoftmaxCrossEntropyWithLogits: per row, the loss and its
+    gradient softmax(x) - labels (one-hot labels when sparse; a label out
+    of range gives NaN, as on a GPU)."""
+    def rule(g, ins, o):
+        x, labels = ins
+        ax = x.rank - 1
+        z = g.binary("sub", x, g.expand(g.reduce("max", x, [ax], True), x.shape))
+        total = g.reduce("sum", g.unary("exp", z), [ax], True)
+        logp = g.binary("sub", z, g.expand(g.unary("log", total), x.shape))
+        if sparse:
+            lab = g.cast(labels, DataType.Int)
+            n = x.shape[ax]
+            hit = g.binary("eq", g.iota(x.shape, ax), g.broadcast_in_dim(lab, x.shape, list(range(ax))))
+            labels = g.cast(hit, x.dtype)
+            bad = g.binary("logical_or", g.binary("lt", lab, g.constant(0, DataType.Int)),
+                           g.binary("ge", lab, g.constant(n, DataType.Int)))
+        loss = g.unary("neg", g.reduce("sum", g.binary("mul", labels, logp), [ax]))
+        grad = g.binary("sub", g.unary("exp", logp), labels)
+        if sparse:
+            nan = g.constant(math.nan, x.dtype)
+            loss = g.where(bad, nan, loss)
+            grad = g.where(g.broadcast_in_dim(bad, x.shape, list(range(ax))), nan, grad)
+        return [loss, grad]
+    return rule
+
+
 def _fused_batch_norm(g, ins, o):
     if o.get_attr("is_training"):
         raise UnsupportedOpError("FusedBatchNorm in training mode")
@@ -506,6 +567,16 @@ TF_OPS: dict[str, Callable] = {
     # contractions
     "MatMul": _matmul, "BatchMatMulV2": _batch_matmul, "BatchMatMulV3": _batch_matmul,
     "Conv2D": _conv2d, "DepthwiseConv2dNative": _depthwise, "Conv2DBackpropInput": _conv2d_backprop_input,
+    # gradients (a GradientTape in a tf.function)
+    "ReluGrad": lambda g, ins, o: g.where(g.binary("gt", ins[1], g.constant(0, ins[1].dtype)), ins[0],
+                                          g.constant(0, ins[0].dtype)),
+    "SigmoidGrad": lambda g, ins, o: g.binary("mul", ins[1], g.binary(
+        "mul", ins[0], g.binary("sub", g.constant(1, ins[0].dtype), ins[0]))),
+    "TanhGrad": lambda g, ins, o: g.binary("mul", ins[1], g.binary(
+        "sub", g.constant(1, ins[0].dtype), g.binary("mul", ins[0], ins[0]))),
+    "BiasAddGrad": _bias_add_grad, "MaxPoolGrad": _max_pool_grad, "Conv2DBackpropFilter": _conv2d_backprop_filter,
+    "SoftmaxCrossEntropyWithLogits": _softmax_cross_entropy(False),
+    "SparseSoftmaxCrossEntropyWithLogits": _softmax_cross_entropy(True),
 }
 TF_OPS = {k: v for k, v in TF_OPS.items() if v is not None}
 # integer ops on compile-time values (shape arithmetic) that TensorFlow folds
@@ -584,8 +655,10 @@ class _Trace:
             shape_input = _SHAPE_INPUTS.get(o.type)
             if shape_input is not None and not isinstance(ins[shape_input], Const):
                 ins[shape_input] = _inferred_shape(o) or ins[shape_input]
-            if o.type in _FOLDABLE and all(isinstance(x, Const) for x in ins) or o.type in ("Shape", "Size", "Rank"):
-                vals = [tf.get_static_value(t) for t in o.outputs]
+            if o.type in _FOLDABLE and all(isinstance(x, Const) for x in ins) or o.type in ("Shape", "ShapeN", "Size", "Rank"):
+                vals = [tf.get_static_value(t) for t in o.outputs] if o.type != "ShapeN" else \
+                    [np.asarray(t.shape.as_list(), o.get_attr("out_type").as_numpy_dtype)
+                     if t.shape.is_fully_defined() else None for t in o.inputs]
                 if all(v is not None for v in vals):
                     for t, v in zip(o.outputs, vals):
                         env[t.name] = Const(np.asarray(v))

@@ -383,12 +383,9 @@ def _convolution_backward(cx, grad, x, w, bias_sizes, stride, padding, dilation,
         wf = ops.reverse(w, list(range(2, 2 + nsp)))
         gx = ops.conv(g, wf, [1] * nsp, pads, list(dilation), 1, "NC" + letters, "IO" + letters)
     if output_mask[1]:
-        # dW[o, i, k] = sum_{n, p} a[n, i, p*s + k*d - pad] * b[n, o, p], with (a, b) the input and the
-        # gradient, swapped for a transposed convolution
         a, b = (grad, x) if transposed else (x, grad)
-        gw = ops.conv(a, b, list(dilation), [(p, p) for p in padding], list(stride), 1,
-                      "CN" + letters, "IO" + letters)
-        gw = ops.slice(gw, [0] * (2 + nsp), list(gw.shape[:2]) + ks)
+        gw = ops.conv_weight_grad(a, b, ks, list(stride), [(p, p) for p in padding], list(dilation),
+                                  "NC" + letters, "OI" + letters)
     if output_mask[2]:
         gb = ops.sum(grad, [0] + list(range(2, 2 + nsp)))
     return gx, gw, gb
@@ -408,44 +405,13 @@ def _window_args(kernel, stride, padding, dilation, ceil_mode):
 
 @_reg(aten.max_pool2d_with_indices.default)
 def _max_pool(cx, x, kernel, stride=(), padding=(0,), dilation=(1,), ceil_mode=False):
-    """Max over each window and the flat input position of its first maximum
-    (NaN counts as the maximum), as torch returns them: the window unrolled
-    into strided slices, so values and indices fuse into one pass."""
     k, s, p, d = _window_args(kernel, stride, padding, dilation, ceil_mode)
-    h, w = x.shape[-2], x.shape[-1]
-    oh = (h + 2 * p[0] - d[0] * (k[0] - 1) - 1) // s[0] + 1
-    ow = (w + 2 * p[1] - d[1] * (k[1] - 1) - 1) // s[1] + 1
-    xp = ops.pad(x, [p[1], p[1], p[0], p[0]], -math.inf) if any(p) else x
-    lead = [0] * (x.ndim - 2)
-    out_shape = list(x.shape[:-2]) + [oh, ow]
-    row = ops.iota(out_shape, x.ndim - 2, like=x)
-    col = ops.iota(out_shape, x.ndim - 1, like=x)
-    best = pos = None
-    for i in range(k[0]):
-        for j in range(k[1]):
-            start = lead + [i * d[0], j * d[1]]
-            end = list(x.shape[:-2]) + [i * d[0] + s[0] * (oh - 1) + 1, j * d[1] + s[1] * (ow - 1) + 1]
-            v = ops.slice(xp, start, end, [1] * (x.ndim - 2) + s)
-            here = (row * s[0] + (i * d[0] - p[0])) * w + col * s[1] + (j * d[1] - p[1])
-            if best is None:
-                best, pos = v, here
-                continue
-            take = ops.logical_or(v > best, ops.logical_and(ops.isnan(v), ops.logical_not(ops.isnan(best))))
-            best = ops.where(take, v, best)
-            pos = ops.where(take, here, pos)
-    return best, pos
+    return ops.max_pool_with_positions(x, k, s, p, d)
 
 
 @_reg(aten.max_pool2d_with_indices_backward.default)
 def _max_pool_backward(cx, grad, x, kernel, stride, padding, dilation, ceil_mode, indices):
-    n = 1
-    for s in x.shape[:-2]:
-        n = n * s
-    hw = x.shape[-2] * x.shape[-1]
-    g = ops.reshape(grad, [n, -1])
-    i = ops.reshape(indices, [n, -1])
-    out = ops.scatter_add([n, hw], i, g, 1, along=True)
-    return ops.reshape(out, list(x.shape))
+    return ops.max_pool_grad(grad, indices, list(x.shape), 2)
 
 
 def _avg_divisor(x, k, s, p, count_include_pad, divisor_override):

@@ -8,6 +8,7 @@ op.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Sequence
 
@@ -437,6 +438,25 @@ def conv(x: Tensor, w: Tensor, strides, padding, dilation=None, groups: int = 1,
     return _wrap(g, g.conv(_node(g, x), _node(g, w), strides, padding, dilation, groups, layout, kernel_layout))
 
 
+def conv_weight_grad(x: Tensor, grad: Tensor, kernel_sizes: Sequence[int], strides, padding, dilation=None,
+                     layout: str = "NCHW", kernel_layout: str = "OIHW") -> Tensor:
+    """The gradient of conv(x, w, ...)'s kernel, given the gradient of its
+    output (in layout): a convolution of x by the gradient, with the batch
+    contracted (x's N and C swap roles), strides and dilation exchanged,
+    cut to the kernel's sizes, in kernel_layout.
+    dW[o, i, k] = sum_{n, p} x[n, i, p * stride + k * dilation - pad] * grad[n, o, p]."""
+    nsp = x.ndim - 2
+    dilation = list(dilation) if dilation is not None else [1] * nsp
+    swapped = layout.translate(str.maketrans("NC", "CN"))
+    as_kernel = layout.translate(str.maketrans("NC", "IO"))
+    gw = conv(x, grad, list(dilation), padding, list(strides), 1, swapped, as_kernel)
+    letters = swapped.translate(str.maketrans("CN", "OI"))  # what each of gw's dims holds
+    gw = permute(gw, [letters.index(c) for c in kernel_layout])
+    spatial = [c for c in layout if c not in "NC"]
+    sizes = [kernel_sizes[spatial.index(c)] if c in spatial else n for c, n in zip(kernel_layout, gw.shape)]
+    return slice(gw, [0] * gw.ndim, sizes)
+
+
 def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padding=0,
            dilation=1, groups: int = 1) -> Tensor:
     """torch.nn.functional.conv2d: NCHW input, OIHW weight."""
@@ -465,6 +485,59 @@ def avg_pool2d(x: Tensor, kernel_size, stride=None, padding=0) -> Tensor:
     p = pair(padding)
     total = reduce_window("sum", x, (1, 1) + k, (1, 1) + s, ((0, 0), (0, 0), (p[0], p[0]), (p[1], p[1])))
     return total / float(k[0] * k[1])
+
+
+def max_pool_with_positions(x: Tensor, window: Sequence[int], strides: Sequence[int],
+                            padding: Sequence[int], dilation: Sequence[int] | None = None) -> tuple[Tensor, Tensor]:
+    """Max over windows of x's trailing len(window) dims (symmetric padding)
+    and, as torch's max_pool returns them, the row-major position within
+    those dims of each window's first maximum; NaN counts as the maximum and
+    padding never wins. The window unrolls into strided slices, so values
+    and positions fuse into one pass."""
+    nsp = len(window)
+    lead = list(x.shape[:-nsp])
+    dilation = list(dilation) if dilation is not None else [1] * nsp
+    spatial = list(x.shape[-nsp:])
+    out = [(n + 2 * p - d * (k - 1) - 1) // s + 1 for n, k, s, p, d in zip(spatial, window, strides, padding, dilation)]
+    xp = pad(x, [w for p in reversed(padding) for w in (p, p)], -math.inf) if any(padding) else x
+    shape = lead + out
+    at = [iota(shape, x.ndim - nsp + k, like=x) * s - p for k, (s, p) in enumerate(zip(strides, padding))]
+    best = pos = found = None
+    for offset in itertools.product(*[range(k) for k in window]):
+        start = [0] * len(lead) + [o * d for o, d in zip(offset, dilation)]
+        end = lead + [o * d + s * (n - 1) + 1 for o, d, s, n in zip(offset, dilation, strides, out)]
+        v = slice(xp, start, end, [1] * len(lead) + list(strides))
+        coords = [a + o * d for a, o, d in zip(at, offset, dilation)]
+        here = coords[0]
+        for c, n in zip(coords[1:], spatial[1:]):
+            here = here * n + c
+        inside = None
+        for c, n, p in zip(coords, spatial, padding):
+            if p:
+                ok = logical_and(c >= 0, c < n)
+                inside = ok if inside is None else logical_and(inside, ok)
+        if best is None and inside is None:
+            best, pos = v, here
+            continue
+        beats = logical_or(v > best, logical_and(isnan(v), logical_not(isnan(best)))) if best is not None else None
+        if found is not None:
+            beats = logical_or(beats, logical_not(found)) if beats is not None else logical_not(found)
+        take = beats if inside is None else (inside if beats is None else logical_and(inside, beats))
+        best = v if best is None else where(take, v, best)
+        pos = here if pos is None else where(take, here, pos)
+        if inside is not None:
+            found = inside if found is None else logical_or(found, inside)
+    return best, pos
+
+
+def max_pool_grad(grad: Tensor, positions: Tensor, shape: Sequence, nsp: int) -> Tensor:
+    """The adjoint of max_pool_with_positions over x's trailing nsp dims: each
+    window's gradient added at its position, in a tensor of x's shape."""
+    lead = list(shape[:-nsp])
+    n = sz.product(lead) if lead else 1
+    out = scatter_add([n, sz.product(shape[-nsp:])], reshape(positions, [n, -1]), reshape(grad, [n, -1]), 1,
+                      along=True)
+    return reshape(out, list(shape))
 
 
 # -------------------------------------------------------------- indexing

@@ -84,6 +84,26 @@ def test_keras_cnn_inference(rng):
     check(lambda x: cnn(x, training=False), rnd(rng, 2, 16, 16, 3), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("padding,pool", [("same", 3)])
+def test_keras_cnn_training_step_with_gradient_tape(rng, padding, pool):
+    """A training step as TF users write it: loss and gradients from a
+    GradientTape inside the tf.function (ReluGrad, MaxPoolGrad,
+    Conv2DBackpropFilter, BiasAddGrad, SparseSoftmaxCrossEntropyWithLogits,
+    ShapeN), compiled with no op left to TensorFlow."""
+    cnn = keras.Sequential([keras.Input((9, 9, 3)), keras.layers.Conv2D(4, 3, padding=padding, activation="relu"),
+                            keras.layers.MaxPooling2D(pool, 2, padding=padding), keras.layers.Flatten(),
+                            keras.layers.Dense(6, activation="tanh"), keras.layers.Dense(5)])
+
+    def step(x, labels):
+        with tf.GradientTape() as tape:
+            logits = cnn(x)
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits))
+            loss += tf.reduce_mean(tf.nn.softmax_cross_entropy_with_logits(tf.nn.softmax(logits * 2), logits))
+            loss += tf.reduce_mean(tf.sigmoid(logits))
+        return loss, tape.gradient(loss, cnn.trainable_variables)
+    check(step, rnd(rng, 4, 9, 9, 3), tf.constant(rng.integers(0, 5, 4)), rtol=1e-4, atol=1e-5)
+
+
 def test_keras_cnn_batch_of_unknown_size(rng):
     """Flatten of a batch of unknown size computes its shape at run time
     (Shape, StridedSlice, Pack); the Reshape takes the shape TensorFlow
