@@ -206,8 +206,12 @@ def sink_inner(schedule, validity) -> isl.Schedule:
         if node.get_type() != isl.schedule_node_type.band or node.band_n_member() < 2 \
                 or not node.has_children():
             return node
-        if node.child(0).get_type() not in (isl.schedule_node_type.sequence, isl.schedule_node_type.set):
+        seq = node.child(0)
+        if seq.get_type() not in (isl.schedule_node_type.sequence, isl.schedule_node_type.set):
             return node
+        if any(seq.child(i).child(0).get_type() in (isl.schedule_node_type.sequence, isl.schedule_node_type.set)
+               for i in range(seq.n_children())):
+            return node  # isl sinks to the leaves: statements that share a loop (a row's exp and sum) would part
         n = node.band_n_member()
         return node.band_split(n - 1).child(0).band_sink().parent()
     new = _visit(schedule.get_root(), fn).get_schedule()
@@ -447,6 +451,31 @@ def coincident_outside(schedule, validity) -> isl.Schedule:
     return new if is_legal(new, validity) else schedule
 
 
+def order_sets(schedule, validity) -> isl.Schedule:
+    """Each set node as a sequence, producers first, then smaller children
+    first. A set's children may run in any order, and isl's AST builder
+    picks one that the schedule's flattened map (what legality checks and
+    contraction read) does not show: a row buffer's slot was overwritten
+    before its last read. A sequence in dependence order keeps the code, the
+    map and later moves (sinking a band below the children) in agreement."""
+    def fn(node):
+        if node.get_type() != isl.schedule_node_type.set:
+            return node
+        kids = [node.child(i).filter_get_filter() for i in range(node.n_children())]
+        after = {i: {j for j in range(len(kids)) if j != i and not validity.intersect_domain(kids[j])
+                     .intersect_range(kids[i]).is_empty()} for i in range(len(kids))}
+        order: list[int] = []
+        while len(order) < len(kids):
+            left = [i for i in range(len(kids)) if i not in order]
+            ready = [i for i in left if after[i] <= set(order)] or left
+            order.append(min(ready, key=lambda i: kids[i].n_set()))  # an accumulator's initialization first
+        filters = isl.UnionSetList.alloc(node.get_ctx(), len(kids))
+        for i in order:
+            filters = filters.add(kids[i])
+        return node.insert_sequence(filters)
+    return _visit(schedule.get_root(), fn).get_schedule()
+
+
 def mark_parallel(schedule, all_coincident: bool = False) -> isl.Schedule:
     """Mark the outermost loop of each nest that carries no dependence (with
     all_coincident, each loop of the outer band's coincident prefix).
@@ -653,7 +682,7 @@ def _schedule_one_group(ctx, prog, dom, validity, raw, names, fusion) -> isl.Sch
     sc = isl.ScheduleConstraints.on_domain(gdom).set_validity(gval).set_coincidence(gval)
     if fusion != "none":
         sc = sc.set_proximity(graw)
-    sched = sc.compute_schedule()
+    sched = order_sets(sc.compute_schedule(), gval)
     sched = innermost_contiguous(sched, prog, ctx, gval)
     return distribute_inits(sched, prog, gval)
 
@@ -687,6 +716,7 @@ def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None,
         sched = balance_parallel(sched, prog, validity)
         sched = sink_inner(sched, validity)
         sched = mark_parallel(sched)
+    sched = order_sets(sched, validity)
     params = prog.prefix() + "{ : " + (" and ".join(f"{p} >= 0" for p in prog.params) or "1 = 1") + " }"
     build = isl.AstBuild.from_context(isl.Set.read_from_str(ctx, params))
     ast = build.node_from_schedule(sched)
