@@ -38,6 +38,10 @@ def _static(n, what: str) -> np.ndarray:
         raise UnsupportedOpError(f"{what} computed at run time") from None
 
 
+def _text(v) -> str:
+    return v.decode() if isinstance(v, bytes) else v
+
+
 def _axes(n, rank: int) -> list[int]:
     return sorted({int(a) % max(rank, 1) for a in np.atleast_1d(_static(n, "axes"))})
 
@@ -566,6 +570,7 @@ TF_OPS: dict[str, Callable] = {
     "FusedBatchNormV3": _fused_batch_norm, "FusedBatchNorm": _fused_batch_norm,
     # contractions
     "MatMul": _matmul, "BatchMatMulV2": _batch_matmul, "BatchMatMulV3": _batch_matmul,
+    "Einsum": lambda g, ins, o: ops.einsum(_text(o.get_attr("equation")), *[ops.Tensor(g, x) for x in ins]).node,
     "Conv2D": _conv2d, "DepthwiseConv2dNative": _depthwise, "Conv2DBackpropInput": _conv2d_backprop_input,
     # gradients (a GradientTape in a tf.function)
     "ReluGrad": lambda g, ins, o: g.where(g.binary("gt", ins[1], g.constant(0, ins[1].dtype)), ins[0],

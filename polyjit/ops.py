@@ -409,6 +409,45 @@ def dot_general(a: Tensor, b: Tensor, contracting, batch=((), ())) -> Tensor:
     return _wrap(g, g.dot_general(_node(g, a), _node(g, b), contracting, batch))
 
 
+def einsum(equation: str, *operands: Tensor) -> Tensor:
+    """numpy's einsum for one or two operands (``...`` and the implicit
+    output included): labels only one operand has and the output lacks are
+    summed first, the rest is one dot_general (batch labels shared and kept,
+    contracted labels shared and dropped) and a permutation."""
+    eq = equation.replace(" ", "")
+    lhs, out = eq.split("->") if "->" in eq else (eq, None)
+    specs = lhs.split(",")
+    if len(specs) != len(operands) or len(specs) not in (1, 2):
+        raise DefinitionError(f"einsum {equation!r}: {len(operands)} operands (one or two are supported)")
+    ell_rank = _b.max([x.ndim - len(sp) + 3 for sp, x in zip(specs, operands) if "..." in sp] or [0])
+    ell = "0123456789"[:ell_rank]  # labels for the dims ... stands for
+    specs = [sp.replace("...", ell[ell_rank - (x.ndim - len(sp) + 3):]) for sp, x in zip(specs, operands)]
+    if out is None:
+        counts = "".join(specs)
+        out = ell + "".join(sorted(c for c in set(counts) if counts.count(c) == 1 and c not in ell))
+    out = out.replace("...", ell)
+    for sp, x in zip(specs, operands):
+        if len(sp) != x.ndim or len(set(sp)) != len(sp):
+            raise DefinitionError(f"einsum {equation!r}: subscripts {sp!r} for an operand of rank {x.ndim} "
+                                  "(repeated labels are not supported)")
+    xs = list(operands)
+    for k, (sp, x) in enumerate(zip(specs, xs)):  # labels nothing else needs are summed first
+        others = out + "".join(o for j, o in enumerate(specs) if j != k)
+        gone = [d for d, c in enumerate(sp) if c not in others]
+        if gone:
+            xs[k] = sum(x, gone)
+            specs[k] = "".join(c for c in sp if c in others)
+    if len(xs) == 1:
+        return permute(xs[0], [specs[0].index(c) for c in out])
+    (a, b), (sa, sb) = xs, specs
+    batch = [c for c in sa if c in sb and c in out]
+    contract = [c for c in sa if c in sb and c not in out]
+    y = dot_general(a, b, ([sa.index(c) for c in contract], [sb.index(c) for c in contract]),
+                    ([sa.index(c) for c in batch], [sb.index(c) for c in batch]))
+    have = "".join(batch) + "".join(c for c in sa if c not in sb) + "".join(c for c in sb if c not in sa)
+    return permute(y, [have.index(c) for c in out])
+
+
 def matmul(a: Tensor, b: Tensor) -> Tensor:
     """numpy matmul: batched over leading dims, which broadcast."""
     if a.ndim == 1:

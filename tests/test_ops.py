@@ -366,6 +366,17 @@ def test_cumsum(rng):
     close(got[1], np.cumsum(x.astype(np.float64), 0), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("eq,shapes", [
+    ("bij,bjk->bik", [(3, 4, 5), (3, 5, 2)]), ("ij,jk", [(4, 5), (5, 6)]),
+    ("bqhd,bkhd->bhqk", [(2, 3, 4, 5), (2, 6, 4, 5)]), ("...ij,...jk->...ik", [(2, 3, 4, 5), (2, 3, 5, 2)]),
+    ("ijk->ki", [(2, 3, 4)]), ("ij,ij->i", [(3, 4), (3, 4)]), ("i,j->ij", [(3,), (4,)]),
+    ("abc,b->ac", [(2, 3, 4), (3,)]), ("ab,bc->", [(2, 3), (3, 4)])])
+def test_einsum(eq, shapes, rng):
+    xs = [rng.standard_normal(s).astype(F32) for s in shapes]
+    got, _ = run(lambda *t: ops.einsum(eq, *t), *xs)
+    close(got, np.einsum(eq, *[x.astype(np.float64) for x in xs]), rtol=1e-5, atol=1e-5)
+
+
 def test_cumulative_products_maxima_minima(rng):
     """Running products, maxima and minima; a NaN carries on from where it
     appears (as numpy's fmax would not: np.maximum.accumulate does)."""

@@ -106,6 +106,14 @@ def test_keras_cnn_training_step_with_gradient_tape(rng, padding, pool):
     check(step, rnd(rng, 4, 9, 9, 3), tf.constant(rng.integers(0, 5, 4)), rtol=1e-4, atol=1e-5)
 
 
+def test_keras_multi_head_attention_einsums(rng):
+    mha = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)
+    x = rnd(rng, 2, 5, 8)
+    mha(x, x)
+    check(lambda x: mha(x, x), x, rtol=1e-4, atol=1e-5)
+    check(lambda a, b: (tf.einsum("bij,bjk->bik", a, b), tf.einsum("bij->jb", a)), rnd(rng, 2, 3, 4), rnd(rng, 2, 4, 5))
+
+
 def test_keras_cnn_batch_of_unknown_size(rng):
     """Flatten of a batch of unknown size computes its shape at run time
     (Shape, StridedSlice, Pack); the Reshape takes the shape TensorFlow
