@@ -272,6 +272,29 @@ def _gather(g, ins, o):
     return g.gather(x, ins[1], int(_static(ins[2], "gather axis")) % x.rank)
 
 
+def _gather_nd(g, ins, o):
+    """GatherNd: the index vectors name positions in params' leading dims,
+    taken as one row-major position over those dims flattened; an index out
+    of range gives zeros, as on a GPU (the CPU kernel raises)."""
+    params, idx = ins
+    if not isinstance(idx.shape[-1], int) or not all(isinstance(n, int) for n in params.shape[:idx.shape[-1]]):
+        raise UnsupportedOpError("GatherNd over symbolic sizes")
+    k = idx.shape[-1]
+    lead = params.shape[:k]
+    batch = list(idx.shape[:-1])
+    flat = valid = None
+    for d in range(k):
+        i = g.cast(g.reshape(g.slice(idx, [0] * (idx.rank - 1) + [d], batch + [d + 1]), batch), DataType.Int)
+        ok = g.binary("logical_and", g.binary("ge", i, g.constant(0, DataType.Int)),
+                      g.binary("lt", i, g.constant(int(lead[d]), DataType.Int)))
+        valid = ok if valid is None else g.binary("logical_and", valid, ok)
+        flat = i if flat is None else g.binary("add", g.binary("mul", flat, g.constant(int(lead[d]), DataType.Int)), i)
+    rest = list(params.shape[k:])
+    out = g.gather(g.reshape(params, [math.prod(int(n) for n in lead)] + rest), flat, 0)
+    keep = g.broadcast_in_dim(valid, batch + rest, list(range(len(batch))))
+    return g.where(keep, out, g.constant(0, params.dtype))
+
+
 def _one_hot(g, ins, o):
     index, depth = ins[0], int(_static(ins[1], "one_hot depth"))
     axis = o.get_attr("axis") % (index.rank + 1)
@@ -563,7 +586,7 @@ TF_OPS: dict[str, Callable] = {
     "Sum": _reduce("sum"), "Max": _reduce("max"), "Min": _reduce("min"), "Prod": _reduce("prod"),
     "Mean": _mean, "ArgMax": _argreduce("argmax"), "ArgMin": _argreduce("argmin"),
     "Any": _any_all("max"), "All": _any_all("min"), "Cumsum": _cumulative("sum"), "Cumprod": _cumulative("prod"),
-    "GatherV2": _gather, "OneHot": _one_hot,
+    "GatherV2": _gather, "GatherNd": _gather_nd, "OneHot": _one_hot,
     "ReverseV2": lambda g, ins, o: g.reverse(ins[0], [int(a) for a in np.atleast_1d(_static(ins[1], "axes"))]),
     "Softmax": _softmax(False), "LogSoftmax": _softmax(True),
     "MaxPool": _pool("max"), "AvgPool": _pool("avg"),

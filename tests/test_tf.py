@@ -170,10 +170,12 @@ def test_fused_batch_norm_inference(rng):
                tf.reduce_all(x > -1, 0, keepdims=True)),
     lambda x: (tf.math.cumprod(x, 1, exclusive=True), tf.math.cumprod(x, 0, reverse=True),
                tf.math.cumsum(tf.where(x > 1.5, np.inf, x), 1, exclusive=True)),
+    lambda x: (tf.gather_nd(x, [[0, 1], [3, 9]]), tf.gather_nd(x, [[[1], [3]]]),
+               tf.gather_nd(x, tf.stack([tf.range(4), tf.cast(tf.argmax(x, 1), tf.int32)], 1))),
 ], ids=["slice", "shrink", "reverse", "ellipsis_newaxis", "pack", "unpack", "split", "splitv", "pad", "mean",
         "argmax", "avgpool_same", "tile", "batch_matmul", "elu_selu_softplus_relu6", "select", "squeeze_cast",
         "concat_transpose", "max_all", "matmul_t", "sigmoid_tanh", "mod_floordiv", "gather_reverse_one_hot",
-        "cumsum_any_all", "cumprod_exclusive_inf"])
+        "cumsum_any_all", "cumprod_exclusive_inf", "gather_nd"])
 def test_ops(rng, fn):
     check(fn, rnd(rng, 4, 10))
 
