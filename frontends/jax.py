@@ -423,6 +423,21 @@ def _scatter(replace: bool):
     return rule
 
 
+def _sort(g, ins, p):
+    """lax.sort by its first operand (num_keys=1), stable; the other
+    operands (argsort's iota) follow the same permutation."""
+    if p["num_keys"] != 1:
+        raise UnsupportedOpError(f"sort with {p['num_keys']} keys")
+    axis = p["dimension"]
+    values, at = ops.sort(ops.Tensor(g, ins[0]), axis)
+    return [values.node] + [ops.take_along_axis(ops.Tensor(g, x), at, axis).node for x in ins[1:]]
+
+
+def _top_k(g, ins, p):
+    values, at = ops.topk(ops.Tensor(g, ins[0]), p["k"], p.get("axis", -1))
+    return [values.node, g.cast(at.node, DataType.Int32)]
+
+
 def _dot_general(g, ins, p):
     (lc, rc), (lb, rb) = p["dimension_numbers"]
     return g.dot_general(ins[0], ins[1], (lc, rc), (lb, rb))
@@ -519,6 +534,7 @@ PRIMITIVES: dict[str, Callable] = {
     "cummin": _cumulative("min"),
     "reduce_window_sum": _reduce_window("sum"), "reduce_window_max": _reduce_window("max"),
     "select_and_scatter_add": _select_and_scatter_add,
+    "sort": _sort, "top_k": _top_k,
     "reduce_window_min": _reduce_window("min"),
     # indexing
     "gather": _gather, "scatter-add": _scatter(replace=False), "scatter_add": _scatter(replace=False),

@@ -295,6 +295,14 @@ def _gather_nd(g, ins, o):
     return g.where(keep, out, g.constant(0, params.dtype))
 
 
+def _top_k(g, ins, o):
+    x = ops.Tensor(g, ins[0])
+    k = o.outputs[0].shape[-1]  # as TensorFlow inferred it (tf.sort computes k from a shape)
+    k = k if k is not None else int(_static(ins[1], "TopKV2's k"))
+    values, at = ops.topk(x, k, -1)
+    return [values.node, g.cast(at.node, core_dtype(o.outputs[1].dtype))]
+
+
 def _one_hot(g, ins, o):
     index, depth = ins[0], int(_static(ins[1], "one_hot depth"))
     axis = o.get_attr("axis") % (index.rank + 1)
@@ -586,7 +594,7 @@ TF_OPS: dict[str, Callable] = {
     "Sum": _reduce("sum"), "Max": _reduce("max"), "Min": _reduce("min"), "Prod": _reduce("prod"),
     "Mean": _mean, "ArgMax": _argreduce("argmax"), "ArgMin": _argreduce("argmin"),
     "Any": _any_all("max"), "All": _any_all("min"), "Cumsum": _cumulative("sum"), "Cumprod": _cumulative("prod"),
-    "GatherV2": _gather, "GatherNd": _gather_nd, "OneHot": _one_hot,
+    "GatherV2": _gather, "GatherNd": _gather_nd, "OneHot": _one_hot, "TopKV2": _top_k,
     "ReverseV2": lambda g, ins, o: g.reverse(ins[0], [int(a) for a in np.atleast_1d(_static(ins[1], "axes"))]),
     "Softmax": _softmax(False), "LogSoftmax": _softmax(True),
     "MaxPool": _pool("max"), "AvgPool": _pool("avg"),

@@ -314,6 +314,9 @@ ATEN[aten.any.dim] = ATEN[aten.any.dims] = lambda cx, x, dim=None, keepdim=False
 ATEN[aten.all.dim] = lambda cx, x, dim=None, keepdim=False: ops.min(ops.cast(x, DataType.Bool), _dims(x, dim), keepdim)
 ATEN[aten.cumsum.default] = lambda cx, x, dim, dtype=None: ops.cumsum(
     ops.cast(x, cx.dtype(dtype)) if dtype is not None else x, dim)
+ATEN[aten.sort.default] = lambda cx, x, dim=-1, descending=False: ops.sort(x, dim, descending)
+ATEN[aten.sort.stable] = lambda cx, x, *, stable=None, dim=-1, descending=False: ops.sort(x, dim, descending)
+ATEN[aten.topk.default] = lambda cx, x, k, dim=-1, largest=True, sorted=True: ops.topk(x, k, dim, largest)
 ATEN[aten.cumprod.default] = lambda cx, x, dim, dtype=None: ops.cumprod(
     ops.cast(x, cx.dtype(dtype)) if dtype is not None else x, dim)
 

@@ -606,6 +606,40 @@ def scatter_add(shape: Sequence, index: Tensor, src: Tensor, axis: int = 0, alon
     return _wrap(g, g.scatter_add(tuple(shape), _node(g, index), _node(g, src), axis, along))
 
 
+def sort(x: Tensor, axis: int = -1, descending: bool = False) -> tuple[Tensor, Tensor]:
+    """Values sorted along axis and their original positions, stable, NaN
+    ordered as the largest value (numpy's, torch's and JAX's order). Each
+    element's rank counts the elements that come before it (all pairs of a
+    row compared: n^2 work, meant for rows up to a few thousand long), and
+    one scatter per result puts each element at its rank."""
+    axis = axis % x.ndim
+    n = x.shape[axis]
+    key = cast(x, DataType.Int32) if x.dtype == DataType.Bool else x
+    pairs = list(x.shape[:axis]) + [n, n] + list(x.shape[axis + 1:])
+    rest = list(range(axis)), list(range(axis + 2, x.ndim + 1))
+    mine = broadcast_in_dim(key, pairs, rest[0] + [axis] + rest[1])  # element i along axis
+    other = broadcast_in_dim(key, pairs, rest[0] + [axis + 1] + rest[1])  # element j along axis + 1
+    first, tie = (other > mine) if descending else (other < mine), other == mine
+    if key.dtype.is_float:
+        o_nan, m_nan = isnan(other), isnan(mine)
+        first = logical_or(first, logical_and(o_nan, logical_not(m_nan)) if descending
+                           else logical_and(m_nan, logical_not(o_nan)))
+        tie = logical_or(tie, logical_and(o_nan, m_nan))
+    earlier = iota(pairs, axis + 1, like=x) < iota(pairs, axis, like=x)
+    rank = sum(cast(logical_or(first, logical_and(tie, earlier)), DataType.Int), [axis + 1])
+    values = scatter_add(x.shape, rank, x, axis, along=True)
+    return values, scatter_add(x.shape, rank, iota(x.shape, axis, like=x), axis, along=True)
+
+
+def topk(x: Tensor, k: int, axis: int = -1, largest: bool = True) -> tuple[Tensor, Tensor]:
+    """The k largest (or smallest) values along axis, in order, and their positions."""
+    axis = axis % x.ndim
+    values, positions = sort(x, axis, largest)
+    end = list(x.shape)
+    end[axis] = k
+    return slice(values, [0] * x.ndim, end), slice(positions, [0] * x.ndim, end)
+
+
 # ---------------------------------------------------------------- random
 def rand_uniform(shape: Sequence, seed, offset: int = 0, *, like: Tensor | None = None) -> Tensor:
     """Counter-based uniform numbers in [0, 1): the same (seed, offset) give the same numbers."""

@@ -377,6 +377,26 @@ def test_einsum(eq, shapes, rng):
     close(got, np.einsum(eq, *[x.astype(np.float64) for x in xs]), rtol=1e-5, atol=1e-5)
 
 
+def test_sort_and_topk(rng):
+    """Stable sorts both ways with NaN as the largest value, ties in their
+    original order, integers."""
+    x = rng.standard_normal((4, 9)).astype(F32)
+    x[0, 2], x[1, :3], x[2, 1], x[2, 4] = np.nan, 1.0, np.inf, -np.inf
+    n = rng.integers(0, 4, (5, 7)).astype(np.int32)
+    got, _ = run(lambda t, i: ops.sort(t, 1) + ops.sort(t, 0, descending=True) + ops.topk(t, 3, 1)
+                 + ops.sort(i, 1), x, n)
+    close(got[0], np.sort(x, 1))
+    close(got[1], np.argsort(x, 1, kind="stable"))
+    order = np.argsort(-np.where(np.isnan(x), np.inf, x), 0, kind="stable")
+    close(got[3], order)
+    close(got[2], np.take_along_axis(x, order, 0))
+    best = np.argsort(-np.where(np.isnan(x), np.inf, x), 1, kind="stable")[:, :3]
+    close(got[5], best)
+    close(got[4], np.take_along_axis(x, best, 1))
+    close(got[6], np.sort(n, 1))
+    close(got[7], np.argsort(n, 1, kind="stable"))
+
+
 def test_cumulative_products_maxima_minima(rng):
     """Running products, maxima and minima; a NaN carries on from where it
     appears (as numpy's fmax would not: np.maximum.accumulate does)."""
