@@ -303,6 +303,41 @@ def _top_k(g, ins, o):
     return [values.node, g.cast(at.node, core_dtype(o.outputs[1].dtype))]
 
 
+def _resize_bilinear(g, ins, o):
+    """ResizeBilinear (NHWC, float32 result) with TensorFlow's sample
+    positions (align_corners, half_pixel_centers): the two source rows and
+    columns of each output cell and their weights are compile-time
+    constants; gathers along H and W, then the blend."""
+    x, size = ins
+    out = [int(v) for v in _static(size, "ResizeBilinear's size")]
+    if not all(isinstance(n, int) for n in x.shape[1:3]):
+        raise UnsupportedOpError("ResizeBilinear over symbolic image sizes")
+    align, half = o.get_attr("align_corners"), o.get_attr("half_pixel_centers")
+    x = g.cast(x, DataType.Float)
+
+    def samples(n_in: int, n_out: int):
+        scale = (n_in - 1) / (n_out - 1) if align and n_out > 1 else n_in / n_out
+        pos = np.arange(n_out, dtype=np.float64)
+        at = (pos + 0.5) * scale - 0.5 if half else pos * scale
+        lo = np.maximum(np.floor(at), 0).astype(np.int64)
+        hi = np.minimum(np.ceil(at) if half else lo + 1, n_in - 1).astype(np.int64)
+        return lo, hi, (at - np.floor(at)).astype(np.float32)
+    blend = []
+    for axis, (n_in, n_out) in enumerate(zip(x.shape[1:3], out), 1):
+        lo, hi, w = samples(n_in, n_out)
+        shape = [1, 1, 1, 1]
+        shape[axis] = n_out
+        blend.append((axis, g.tensor_constant(lo), g.tensor_constant(hi), g.tensor_constant(w.reshape(shape))))
+
+    def lerp(a, b, w):
+        return g.binary("add", a, g.binary("mul", g.binary("sub", b, a), w))
+    (ay, y0, y1, wy), (ax, x0, x1, wx) = blend
+    top, bottom = g.gather(x, y0, ay), g.gather(x, y1, ay)
+    top = lerp(g.gather(top, x0, ax), g.gather(top, x1, ax), wx)
+    bottom = lerp(g.gather(bottom, x0, ax), g.gather(bottom, x1, ax), wx)
+    return lerp(top, bottom, wy)
+
+
 def _one_hot(g, ins, o):
     index, depth = ins[0], int(_static(ins[1], "one_hot depth"))
     axis = o.get_attr("axis") % (index.rank + 1)
@@ -595,6 +630,7 @@ TF_OPS: dict[str, Callable] = {
     "Mean": _mean, "ArgMax": _argreduce("argmax"), "ArgMin": _argreduce("argmin"),
     "Any": _any_all("max"), "All": _any_all("min"), "Cumsum": _cumulative("sum"), "Cumprod": _cumulative("prod"),
     "GatherV2": _gather, "GatherNd": _gather_nd, "OneHot": _one_hot, "TopKV2": _top_k,
+    "ResizeBilinear": _resize_bilinear,
     "ReverseV2": lambda g, ins, o: g.reverse(ins[0], [int(a) for a in np.atleast_1d(_static(ins[1], "axes"))]),
     "Softmax": _softmax(False), "LogSoftmax": _softmax(True),
     "MaxPool": _pool("max"), "AvgPool": _pool("avg"),
@@ -750,6 +786,8 @@ class TFFunction:
         if backend != "polyjit":
             self._tf = tf.function(fn, input_signature=input_signature, jit_compile=backend == "xla")
         functools.update_wrapper(self, fn)
+        if not hasattr(self, "__name__"):  # a Keras layer or model, any callable object
+            self.__name__ = getattr(fn, "name", type(fn).__name__)
 
     @property
     def stats(self) -> dict:

@@ -114,6 +114,16 @@ def test_keras_multi_head_attention_einsums(rng):
     check(lambda a, b: (tf.einsum("bij,bjk->bik", a, b), tf.einsum("bij->jb", a)), rnd(rng, 2, 3, 4), rnd(rng, 2, 4, 5))
 
 
+def test_bilinear_resizing_and_a_layer_object(rng):
+    """ResizeBilinear with each of TensorFlow's sample-position rules, and a
+    Keras layer object given to jit_tf directly."""
+    x = rnd(rng, 2, 5, 7, 3)
+    check(lambda x: (tf.image.resize(x, (9, 4)), tf.image.resize(x, (10, 14)),
+                     tf.compat.v1.image.resize_bilinear(x, (11, 13), align_corners=True),
+                     tf.compat.v1.image.resize_bilinear(x, (3, 14))), x, rtol=1e-5, atol=1e-5)
+    check(keras.layers.UpSampling2D(2, interpolation="bilinear"), x)
+
+
 def test_keras_cnn_batch_of_unknown_size(rng):
     """Flatten of a batch of unknown size computes its shape at run time
     (Shape, StridedSlice, Pack); the Reshape takes the shape TensorFlow
