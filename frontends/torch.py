@@ -465,6 +465,28 @@ def _avg_pool_backward(cx, grad, x, kernel, stride, padding, ceil_mode, count_in
     return out
 
 
+@_reg(aten.as_strided.default)
+def _as_strided(cx, x, size, stride, storage_offset=None):
+    """A strided view of a contiguous tensor's elements (group norm's
+    backward takes one): a reshape when the strides are row-major, else a
+    take at the positions the strides name."""
+    src = _node_val(cx.node.args[0])
+    if not isinstance(src, torch.Tensor) or not src.is_contiguous() or src.storage_offset() != 0:
+        raise UnsupportedOpError("as_strided of a tensor that is not contiguous")
+    size, stride, offset = [cx.size(v) for v in size], [int(v) for v in stride], int(storage_offset or 0)
+    if not all(isinstance(v, int) for v in list(size) + list(x.shape)):
+        raise UnsupportedOpError("as_strided over symbolic sizes")
+    row_major = [math.prod(size[d + 1:]) for d in range(len(size))]
+    if offset == 0 and math.prod(size) == math.prod(x.shape) and \
+            all(a == b for a, b, n in zip(stride, row_major, size) if n != 1):
+        return ops.reshape(x, size)
+    at = ops.full_like(ops.reshape(x, [-1])[0:1], offset, "int64")
+    at = ops.reshape(at, [1] * len(size)) if size else ops.reshape(at, [])
+    for d, st in enumerate(stride):
+        at = at + ops.iota(size, d, like=x) * st
+    return ops.take(ops.reshape(x, [-1]), at, 0)
+
+
 def _flat_index(shape, indices, what: str):
     """The index tensors of x[..., i, j, ...] on consecutive dimensions as one
     row-major position over them: (first dimension, last, how many positions
@@ -589,6 +611,7 @@ class _Context:
         self._offset = 0
         self._anchor: ops.Tensor | None = None
         self.target = None
+        self.node: torch.fx.Node | None = None  # the FX node being translated
 
     def dtype(self, dt) -> DataType:
         if isinstance(dt, DataType):
@@ -706,7 +729,7 @@ def translate(gm: torch.fx.GraphModule) -> _Translation:
             args = torch.fx.node.map_arg(node.args, lambda a: env[a])
             kwargs = torch.fx.node.map_arg(node.kwargs, lambda a: env[a])
             kwargs = {k: v for k, v in kwargs.items() if k not in ("layout", "device", "pin_memory", "memory_format")}
-            cx.target = node.target
+            cx.target, cx.node = node.target, node
             env[node] = fn(cx, *args, **kwargs)
         elif node.op == "output":
             outs = []

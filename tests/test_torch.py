@@ -291,6 +291,12 @@ def test_vision_layers_train_without_fallbacks():
           torch.randn(2, 6, 4, 4), rtol=1e-4, atol=1e-4)
 
 
+def test_group_norm_trains_and_as_strided():
+    """Group norm's backward takes a row-major as_strided view; other strides take elements."""
+    check_module(nn.GroupNorm(2, 4), torch.randn(2, 4, 3, 3), rtol=1e-4, atol=1e-4)
+    check(lambda t: torch.as_strided(t, (3, 2), (1, 3), 1) * 2, r(4, 3))
+
+
 def test_sort_topk_argsort():
     x = r(5, 9)
     check(lambda x: (torch.sort(x, -1).values, torch.sort(x, 0, descending=True).indices, torch.topk(x, 3).values,
