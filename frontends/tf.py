@@ -90,8 +90,7 @@ def _leaky_relu(g, ins, o):
 
 
 def _channel_axis(o, rank: int) -> int:
-    fmt = o.get_attr("data_format")
-    fmt = fmt.decode() if isinstance(fmt, bytes) else fmt
+    fmt = _text(o.get_attr("data_format"))
     return 1 if fmt.startswith("NC") else rank - 1
 
 
@@ -402,8 +401,7 @@ def _window(o, x, ksizes):
     sp = list(range(2, x.rank)) if nchw else list(range(1, x.rank - 1))
     strides = [o.get_attr("strides")[d] for d in sp]
     dil = [o.get_attr("dilations")[d] for d in sp] if "dilations" in o.node_def.attr else [1] * len(sp)
-    padding = o.get_attr("padding")
-    padding = padding.decode() if isinstance(padding, bytes) else padding
+    padding = _text(o.get_attr("padding"))
     if padding == "SAME":
         pads = _same_padding([x.shape[d] for d in sp], ksizes, strides, dil)
     elif padding == "VALID":

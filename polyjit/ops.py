@@ -531,16 +531,17 @@ def max_pool_with_positions(x: Tensor, window: Sequence[int], strides: Sequence[
     """Max over windows of x's trailing len(window) dims (symmetric padding)
     and, as torch's max_pool returns them, the row-major position within
     those dims of each window's first maximum; NaN counts as the maximum and
-    padding never wins. The window unrolls into strided slices, so values
-    and positions fuse into one pass."""
+    padding never wins (XLA's select_and_scatter lets padding win: JAX's
+    gradient keeps its own). The window unrolls into strided slices, so
+    values and positions fuse into one pass."""
     nsp = len(window)
     lead = list(x.shape[:-nsp])
     dilation = list(dilation) if dilation is not None else [1] * nsp
     spatial = list(x.shape[-nsp:])
     out = [(n + 2 * p - d * (k - 1) - 1) // s + 1 for n, k, s, p, d in zip(spatial, window, strides, padding, dilation)]
-    xp = pad(x, [w for p in reversed(padding) for w in (p, p)], -math.inf) if any(padding) else x
-    shape = lead + out
-    at = [iota(shape, x.ndim - nsp + k, like=x) * s - p for k, (s, p) in enumerate(zip(strides, padding))]
+    padded = any(padding)
+    xp = pad(x, [w for p in reversed(padding) for w in (p, p)], -math.inf) if padded else x
+    at = [iota(lead + out, len(lead) + k, like=x) * s - p for k, (s, p) in enumerate(zip(strides, padding))]
     best = pos = found = None
     for offset in itertools.product(*[range(k) for k in window]):
         start = [0] * len(lead) + [o * d for o, d in zip(offset, dilation)]
@@ -551,21 +552,18 @@ def max_pool_with_positions(x: Tensor, window: Sequence[int], strides: Sequence[
         for c, n in zip(coords[1:], spatial[1:]):
             here = here * n + c
         inside = None
-        for c, n, p in zip(coords, spatial, padding):
-            if p:
+        if padded:
+            for c, n in zip(coords, spatial):
                 ok = logical_and(c >= 0, c < n)
                 inside = ok if inside is None else logical_and(inside, ok)
-        if best is None and inside is None:
-            best, pos = v, here
+        if best is None:
+            best, pos, found = v, here, inside
             continue
-        beats = logical_or(v > best, logical_and(isnan(v), logical_not(isnan(best)))) if best is not None else None
-        if found is not None:
-            beats = logical_or(beats, logical_not(found)) if beats is not None else logical_not(found)
-        take = beats if inside is None else (inside if beats is None else logical_and(inside, beats))
-        best = v if best is None else where(take, v, best)
-        pos = here if pos is None else where(take, here, pos)
-        if inside is not None:
-            found = inside if found is None else logical_or(found, inside)
+        take = logical_or(v > best, logical_and(isnan(v), logical_not(isnan(best))))
+        if padded:
+            take = logical_and(inside, logical_or(take, logical_not(found)))
+            found = logical_or(found, inside)
+        best, pos = where(take, v, best), where(take, here, pos)
     return best, pos
 
 
