@@ -382,6 +382,7 @@ def tile(schedule, prog, validity, tile_sizes, vector_bits: int = 512) -> isl.Sc
 
 
 STRIP = 512  # columns per parallel strip when the outer loop is too short to share
+ROW_STRIP = 16  # rows per parallel strip, likewise, when an outer dimension can be cut instead
 MIN_PARALLEL_EXTENT = 8
 
 
@@ -409,9 +410,11 @@ def _member_extent(node, m: int) -> int | None:
 
 
 def balance_parallel(schedule, prog, validity) -> isl.Schedule:
-    """Share work between threads when a nest's outer loop cannot: strip-mine
-    another coincident loop (e.g. the columns of an image whose rows carry a
-    stencil's rolling buffer) and run the strips outermost, in parallel."""
+    """Share work between threads when a nest's outer loop cannot (three
+    images for two threads leave one idle a third of the time): strip-mine
+    another coincident loop, rows where one is long enough, else columns (of
+    an image whose rows carry a stencil's rolling buffer), and run the strips
+    outermost, in parallel."""
     def fn(node):
         if node.get_type() != isl.schedule_node_type.band or not node.band_get_permutable() \
                 or node.get_parent_type() == isl.schedule_node_type.band or node.band_n_member() < 2:
@@ -422,15 +425,16 @@ def balance_parallel(schedule, prog, validity) -> isl.Schedule:
         ext0 = _member_extent(node, 0)
         if node.band_member_get_coincident(0) and (ext0 is None or ext0 >= MIN_PARALLEL_EXTENT):
             return node
-        cands = [m for m in range(1, n) if node.band_member_get_coincident(m)]
-        cands = [m for m in cands if (_member_extent(node, m) or STRIP * MIN_PARALLEL_EXTENT) > 2 * STRIP]
-        if not cands:
+        coincident = [m for m in range(1, n) if node.band_member_get_coincident(m)]
+        rows = [m for m in coincident if m < n - 1
+                and (_member_extent(node, m) or ROW_STRIP * MIN_PARALLEL_EXTENT) >= ROW_STRIP * MIN_PARALLEL_EXTENT]
+        cols = [m for m in coincident if (_member_extent(node, m) or STRIP * MIN_PARALLEL_EXTENT) > 2 * STRIP]
+        if not rows and not cols:
             return node
-        m = cands[-1]
-        sizes = [STRIP if k == m else 1 for k in range(n)]
-        node = node.band_tile(_sizes(node, sizes))
-        coinc = [node.band_member_get_coincident(k) for k in range(n)]
-        return _rebuild_band(node, [m] + [k for k in range(n) if k != m], coinc, True)
+        m, size = (rows[0], ROW_STRIP) if rows else (cols[-1], STRIP)
+        upa = node.band_get_partial_schedule().get_at(m).scale_down_val(isl.Val.int_from_si(node.get_ctx(), size))
+        outer = isl.MultiUnionPwAff.from_union_pw_aff(upa.floor())
+        return node.insert_partial_schedule(outer).band_set_permutable(True).band_member_set_coincident(0, True)
     new = _visit(schedule.get_root(), fn).get_schedule()
     return new if is_legal(new, validity) else schedule
 

@@ -1,4 +1,6 @@
 """Fusion, contraction and their legality, asserted through compile stats."""
+import re
+
 import numpy as np
 import pytest
 
@@ -169,6 +171,19 @@ def test_parallel_loop_never_carries_a_reduction(rng):
     want = a.astype(np.float64) @ b
     for _ in range(20):
         np.testing.assert_allclose(exe(a, b), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape", [(3, 256, 64), (3, 2, 4096)])
+def test_short_outer_loop_shares_strips_between_threads(rng, shape):
+    """Three images for two threads would leave one idle a third of the time:
+    the parallel loop runs over strips of rows (or, with few rows, of columns)."""
+    x = rng.standard_normal(shape, dtype=F32)
+    exe = polyjit.compile(lambda a: ops.exp(a) * 2.0, [InputInfo(x.shape, F32)], {"num_threads": 2})
+    lines = exe.ir("ast").splitlines()
+    at = next(i for i, line in enumerate(lines) if "// parallel:" in line)
+    m = re.match(r"\s*for \(int c0 = 0; c0 <= (\d+);", lines[at + 1])
+    assert m and int(m.group(1)) + 1 >= 8, lines[at:at + 3]
+    np.testing.assert_allclose(exe(x), np.exp(x.astype(np.float64)) * 2, rtol=1e-5)
 
 
 def test_reshape_dropping_kept_axes_of_a_sum_is_no_copy(rng):
