@@ -351,14 +351,7 @@ def _mean(g, ins, o):
     x = ins[0]
     if not x.dtype.is_float:
         raise UnsupportedOpError("integer mean")
-    axes = _axes(ins[1], x.rank)
-    count = 1
-    for a in axes:
-        if not isinstance(x.shape[a], int):
-            raise UnsupportedOpError("mean over a symbolic size")
-        count *= x.shape[a]
-    s = g.reduce("sum", x, axes, o.get_attr("keep_dims"))
-    return g.binary("div", s, g.constant(float(count), x.dtype))
+    return ops.mean(ops.Tensor(g, x), _axes(ins[1], x.rank), o.get_attr("keep_dims")).node
 
 
 def _argreduce(op):
@@ -484,7 +477,8 @@ def _max_pool_grad(g, ins, o):
     back = [to_first.index(d) for d in range(x.rank)]
     xt = ops.Tensor(g, g.transpose(x, to_first))
     _, at = ops.max_pool_with_positions(xt, [k[d] for d in sp], strides, [lo for lo, _ in pads])
-    dx = ops.max_pool_grad(ops.Tensor(g, g.transpose(dy, to_first)), at, list(xt.shape), len(sp))
+    dx = ops.max_pool_grad(ops.Tensor(g, g.transpose(dy, to_first)), at, list(xt.shape), [k[d] for d in sp], strides,
+                           [lo for lo, _ in pads])
     return g.transpose(dx.node, back)
 
 

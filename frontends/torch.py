@@ -414,7 +414,8 @@ def _max_pool(cx, x, kernel, stride=(), padding=(0,), dilation=(1,), ceil_mode=F
 
 @_reg(aten.max_pool2d_with_indices_backward.default)
 def _max_pool_backward(cx, grad, x, kernel, stride, padding, dilation, ceil_mode, indices):
-    return ops.max_pool_grad(grad, indices, list(x.shape), 2)
+    k, s, p, d = _window_args(kernel, stride, padding, dilation, ceil_mode)
+    return ops.max_pool_grad(grad, indices, list(x.shape), k, s, p, d)
 
 
 def _avg_divisor(x, k, s, p, count_include_pad, divisor_override):
@@ -441,28 +442,10 @@ def _avg_pool(cx, x, kernel, stride=(), padding=(0,), ceil_mode=False, count_inc
 
 @_reg(aten.avg_pool2d_backward.default)
 def _avg_pool_backward(cx, grad, x, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override=None):
-    """Each window's gradient, divided as the forward divided, added to every
-    cell of the window: one scatter_add per window offset into the padded
-    image, whose border is then cut."""
+    """Each window's gradient, divided as the forward divided, to every cell of the window."""
     k, s, p, _ = _window_args(kernel, stride, padding, (1,), ceil_mode)
     g = grad / _avg_divisor(x, k, s, p, count_include_pad, divisor_override)
-    h, w = x.shape[-2] + 2 * p[0], x.shape[-1] + 2 * p[1]
-    oh, ow = grad.shape[-2], grad.shape[-1]
-    row = ops.iota(list(grad.shape), x.ndim - 2, like=grad)
-    col = ops.iota(list(grad.shape), x.ndim - 1, like=grad)
-    lead_shape = list(x.shape[:-2])
-    gf = ops.reshape(g, lead_shape + [oh * ow])
-    out = None
-    for i in range(k[0]):
-        for j in range(k[1]):
-            at = ops.reshape((row * s[0] + i) * w + col * s[1] + j, lead_shape + [oh * ow])
-            part = ops.scatter_add(lead_shape + [h * w], at, gf, x.ndim - 2, along=True)
-            out = part if out is None else out + part
-    out = ops.reshape(out, lead_shape + [h, w])
-    if any(p):
-        out = ops.slice(out, [0] * len(lead_shape) + [p[0], p[1]],
-                        lead_shape + [p[0] + x.shape[-2], p[1] + x.shape[-1]])
-    return out
+    return ops.window_adjoint(lambda offset: g, list(x.shape), k, s, p)
 
 
 @_reg(aten.as_strided.default)
@@ -667,6 +650,8 @@ def _sym_to_lin(expr, cx: _Context):
             name = str(term)
             cx.symbols.setdefault(name, Lin.param(name))
             out = out + cx.symbols[name] * int(coeff)
+        elif type(term).__name__ == "FloorDiv" and term.args[1].is_Integer:  # a strided window's size
+            out = out + (_sym_to_lin(term.args[0], cx) // int(term.args[1])) * int(coeff)
         else:
             raise UnsupportedOpError(f"the size expression {expr} is not affine")
     return out + const
@@ -742,7 +727,7 @@ def translate(gm: torch.fx.GraphModule) -> _Translation:
                     cx.graph.add_output(v.node)
                     outs.append(("tensor", len(cx.graph.outputs) - 1))
                 elif isinstance(v, Lin):  # a size saved for the backward graph
-                    missing = [n for n, _ in v.terms if n not in symbols]
+                    missing = sorted(v.base_params() - set(symbols))
                     if missing:
                         raise UnsupportedOpError(f"the output size {v} depends on sizes {missing} of no input")
                     outs.append(("size", v))

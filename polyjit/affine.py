@@ -73,10 +73,10 @@ class AffineProgram:
         for s in self.statements:
             c = s.domain_constraints()
             parts.append(f"{s.name}[{', '.join(s.iters)}]" + (f" : {c}" if c else ""))
-        ctxc = " and ".join(f"{p} >= 0" for p in self.params)
         text = self.prefix() + "{ " + "; ".join(parts) + " }"
         dom = isl.UnionSet.read_from_str(ctx, text)
-        if ctxc:
+        if self.params:
+            ctxc = sz.param_context(self.params, derived=False)
             dom = dom.intersect_params(isl.Set.read_from_str(ctx, self.prefix() + "{ : " + ctxc + " }"))
         return dom
 

@@ -136,6 +136,13 @@ class Graph:
         dt = to_dtype(dtype) if dtype is not None else scalar_dtype(value)
         return Node("constant", (), {"value": _py(value, dt), "weak": dtype is None}, (), dt)
 
+    def size_value(self, s: Size) -> Node:
+        """A size's value as an int64 scalar: a window's flat position in an
+        image of any width multiplies by the width."""
+        if sz.is_static(s):
+            return self.constant(int(s))
+        return Node("size", (), {"size": s}, (), DataType.Int)
+
     def tensor_constant(self, array) -> Node:
         arr = np.ascontiguousarray(array)
         return Node("tensor_constant", (), {"value": arr}, tuple(arr.shape), to_dtype(arr.dtype))
@@ -216,8 +223,8 @@ class Graph:
         return Node("cast", (x,), {}, x.shape, dt)
 
     def _result_dtype(self, a: Node, b: Node) -> DataType:
-        wa = a.op == "constant" and a.attrs.get("weak")
-        wb = b.op == "constant" and b.attrs.get("weak")
+        wa = a.op == "size" or a.op == "constant" and a.attrs.get("weak")
+        wb = b.op == "size" or b.op == "constant" and b.attrs.get("weak")
         if wa and not wb:
             return promote_weak(b.dtype, a.dtype)
         if wb and not wa:
@@ -296,9 +303,7 @@ class Graph:
             if st < 1:
                 raise DefinitionError(f"slice: stride {st} in dimension {d} must be positive")
             if isinstance(e, Lin) or isinstance(s, Lin) or isinstance(x.shape[d], Lin):
-                n = e - s
-                if st != 1:
-                    raise DefinitionError("slice: strides over symbolic sizes are not affine")
+                n = (e - s + st - 1) // st
             else:
                 e = min(int(e), int(x.shape[d]))
                 if not 0 <= s <= max(e, 0):
@@ -396,12 +401,7 @@ class Graph:
         shape = []
         for d in range(r):
             ext = x.shape[d] + padding[d][0] + padding[d][1] - dilation[d] * (window[d] - 1) - 1
-            if isinstance(ext, Lin):
-                if strides[d] != 1:
-                    raise DefinitionError("reduce_window: strides over symbolic sizes are not affine")
-                shape.append(ext + 1)
-            else:
-                shape.append(max(0, ext // strides[d] + 1))
+            shape.append(ext // strides[d] + 1 if isinstance(ext, Lin) else max(0, ext // strides[d] + 1))
         attrs = {"op": op, "window": tuple(window), "strides": tuple(strides),
                  "padding": tuple(map(tuple, padding)), "dilation": tuple(dilation)}
         return Node("reduce_window", (x,), attrs, tuple(shape), x.dtype)
@@ -460,16 +460,9 @@ class Graph:
                 shape.append(cout)
             else:
                 k = sp.index(c)
-                ks = w.shape[kernel_layout.index(c)]
-                if isinstance(ks, Lin):
-                    raise DefinitionError("conv: kernel sizes must be static")
+                ks = w.shape[kernel_layout.index(c)]  # symbolic in a weight gradient: the output's gradient
                 ext = x.shape[layout.index(c)] + padding[k][0] + padding[k][1] - dilation[k] * (ks - 1) - 1
-                if isinstance(ext, Lin):
-                    if strides[k] != 1:
-                        raise DefinitionError("conv: strides over symbolic sizes are not affine")
-                    shape.append(ext + 1)
-                else:
-                    shape.append(max(0, ext // strides[k] + 1))
+                shape.append(ext // strides[k] + 1 if isinstance(ext, Lin) else max(0, ext // strides[k] + 1))
         attrs = {"strides": tuple(strides), "padding": tuple(map(tuple, padding)),
                  "dilation": tuple(dilation), "groups": groups, "layout": layout,
                  "kernel_layout": kernel_layout}

@@ -226,6 +226,10 @@ class Lowering:
             for s in a.shape:
                 if isinstance(s, Lin):
                     params.extend(p for p in self.g.resolve(s).params() if p not in params)
+        for st in self.statements:  # sizes read as values
+            params.extend(x.name for e in (st.body, *st.index) for x in E.walk(e)
+                          if isinstance(x, E.Var) and x.kind == "param")
+        params.extend(p for p in list(params) for p in Lin.param(p).base_params())
         constraints = [(self.g.resolve(a), self.g.resolve(b)) for a, b in self.g.constraints]
         return AffineProgram(sorted(set(params)), self.arrays, self.statements, outputs,
                              constraints, self.inlined)
@@ -259,6 +263,10 @@ def _cast(L, n, idx):
 
 def _constant(L, n, idx):
     return E.const(n.attrs["value"], n.dtype)
+
+
+def _size(L, n, idx):
+    return E.size_expr(L.g.resolve(n.attrs["size"]))
 
 
 def _iota(L, n, idx):
@@ -395,12 +403,11 @@ def reshape_index(in_shape, out_shape, idx) -> list[Expr]:
 
 
 def _split_size(s) -> tuple[int, Any]:
-    """A size as (static factor, symbolic factor): 8*s -> (8, s), 6 -> (6, None)."""
+    """A size as (static factor, symbolic factor): 8*s -> (8, s), 2*q + 2 -> (2, q + 1), 6 -> (6, None)."""
     if not isinstance(s, Lin):
         return int(s), None
-    if len(s.terms) == 1 and s.const == 0:
-        return s.terms[0][1], s.terms[0][0]
-    return 1, s
+    k = math.gcd(s.const, *(c for _, c in s.terms))
+    return k, s // k
 
 
 def _position(L, index: Node, at, size) -> Expr:
@@ -453,13 +460,13 @@ def _rand(L, n, idx):
 
 
 INLINE: dict[str, Callable] = {op: _elementwise for op in UNARY_OPS + BINARY_OPS}
-INLINE.update({"where": _where, "cast": _cast, "constant": _constant, "iota": _iota,
+INLINE.update({"where": _where, "cast": _cast, "constant": _constant, "size": _size, "iota": _iota,
                "broadcast_in_dim": _broadcast, "transpose": _transpose, "slice": _slice,
                "reverse": _reverse, "pad": _pad, "concatenate": _concatenate,
                "reshape": _reshape, "gather": _gather, "rand_uniform": _rand, "random_bits": _random_bits,
                "bitcast": _bitcast})
 LAYOUT_OPS = ("broadcast_in_dim", "transpose", "slice", "reverse", "reshape", "iota",
-              "constant")
+              "constant", "size")
 
 
 # ================================================== reduction-shaped ops

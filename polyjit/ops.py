@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 from . import sizes as sz
 from .dtypes import DataType, to_dtype
@@ -106,6 +106,8 @@ def _node(g: Graph, x) -> Node:
         return x.node
     if isinstance(x, (bool, int, float)):
         return g.constant(x)
+    if isinstance(x, sz.Lin):
+        return g.size_value(x)
     raise DefinitionError(f"expected a Tensor or a Python number, got {type(x).__name__}")
 
 
@@ -340,25 +342,39 @@ sum, max, min, prod = map(_reduce, ("sum", "max", "min", "prod"))
 _pymax = _b.max
 
 
-def _count(x: Tensor, dims) -> float:
+def _count(x: Tensor, dims):
+    """How many elements of x the reduction over dims takes: a number, or an
+    int64 scalar tensor when a size is symbolic (a product of sizes is not
+    affine, but as a value it is only a product)."""
     dims = range(x.ndim) if dims is None else [dims] if isinstance(dims, int) else dims
-    n = 1
+    g = _graph(x)
+    n, symbolic = 1, None
     for d in dims:
         s = x.shape[d]
-        if not sz.is_static(s):
-            raise DefinitionError("mean/var over a symbolic size: divide by a size input instead")
-        n *= int(s)
-    return float(n)
+        if sz.is_static(s):
+            n *= int(s)
+        else:
+            v = _wrap(g, g.size_value(s))
+            symbolic = v if symbolic is None else symbolic * v
+    return float(n) if symbolic is None else symbolic * n
+
+
+def _per(total: Tensor, count) -> Tensor:
+    """total / count in total's dtype (a symbolic count in its compute type)."""
+    if isinstance(count, float):
+        return total / count
+    dt = total.dtype.compute
+    return cast(cast(total, dt) / cast(count, dt), total.dtype)
 
 
 def mean(x: Tensor, dims=None, keepdim: bool = False) -> Tensor:
-    return sum(x, dims, keepdim) / _count(x, dims)
+    return _per(sum(x, dims, keepdim), _count(x, dims))
 
 
 def var(x: Tensor, dims=None, correction: int = 1, keepdim: bool = False) -> Tensor:
     m = mean(x, dims, keepdim=True)
     d = x - m
-    return sum(d * d, dims, keepdim) / (_count(x, dims) - correction)
+    return _per(sum(d * d, dims, keepdim), _count(x, dims) - correction)
 
 
 def var_mean(x: Tensor, dims=None, correction: int = 1, keepdim: bool = False):
@@ -541,16 +557,14 @@ def max_pool_with_positions(x: Tensor, window: Sequence[int], strides: Sequence[
     out = [(n + 2 * p - d * (k - 1) - 1) // s + 1 for n, k, s, p, d in zip(spatial, window, strides, padding, dilation)]
     padded = any(padding)
     xp = pad(x, [w for p in reversed(padding) for w in (p, p)], -math.inf) if padded else x
-    at = [iota(lead + out, len(lead) + k, like=x) * s - p for k, (s, p) in enumerate(zip(strides, padding))]
+    cell = _window_cells(x, lead + out, strides, padding, dilation)
     best = pos = found = None
     for offset in itertools.product(*[range(k) for k in window]):
         start = [0] * len(lead) + [o * d for o, d in zip(offset, dilation)]
         end = lead + [o * d + s * (n - 1) + 1 for o, d, s, n in zip(offset, dilation, strides, out)]
         v = slice(xp, start, end, [1] * len(lead) + list(strides))
-        coords = [a + o * d for a, o, d in zip(at, offset, dilation)]
-        here = coords[0]
-        for c, n in zip(coords[1:], spatial[1:]):
-            here = here * n + c
+        coords = cell(offset)
+        here = _flat_position(coords, spatial)
         inside = None
         if padded:
             for c, n in zip(coords, spatial):
@@ -567,14 +581,56 @@ def max_pool_with_positions(x: Tensor, window: Sequence[int], strides: Sequence[
     return best, pos
 
 
-def max_pool_grad(grad: Tensor, positions: Tensor, shape: Sequence, nsp: int) -> Tensor:
-    """The adjoint of max_pool_with_positions over x's trailing nsp dims: each
-    window's gradient added at its position, in a tensor of x's shape."""
-    lead = list(shape[:-nsp])
-    n = sz.product(lead) if lead else 1
-    out = scatter_add([n, sz.product(shape[-nsp:])], reshape(positions, [n, -1]), reshape(grad, [n, -1]), 1,
-                      along=True)
-    return reshape(out, list(shape))
+def _window_cells(like: Tensor, shape: Sequence, strides, padding, dilation):
+    """offset -> for each window (over shape's trailing dims), the
+    coordinates of its cell at offset in the unpadded image."""
+    lead = len(shape) - len(strides)
+    at = [iota(list(shape), lead + k, like=like) * s - p for k, (s, p) in enumerate(zip(strides, padding))]
+    return lambda offset: [a + o * d for a, o, d in zip(at, offset, dilation)]
+
+
+def _flat_position(coords, spatial) -> Tensor:
+    """The row-major position of coords in an image of sizes spatial."""
+    here = coords[0]
+    for c, n in zip(coords[1:], spatial[1:]):
+        here = here * n + c
+    return here
+
+
+def window_adjoint(per_offset: Callable, shape: Sequence, window: Sequence[int], strides: Sequence[int],
+                   padding: Sequence[int], dilation: Sequence[int] | None = None) -> Tensor:
+    """The adjoint of reading the windows of an image (shape's trailing
+    len(window) dims, symmetric padding): per_offset(offset) gives, at the
+    windows' resolution, what flows back to each window's cell at offset; it
+    is spread by the strides, shifted by the offset into the padded image and
+    added, and the padding is cut. Elementwise throughout (every offset fuses
+    into one pass, no scatter), and affine in symbolic sizes."""
+    nsp = len(window)
+    lead = len(shape) - nsp
+    dilation = list(dilation) if dilation is not None else [1] * nsp
+    canvas = [n + 2 * p for n, p in zip(shape[lead:], padding)]
+    out = None
+    for offset in itertools.product(*[range(k) for k in window]):
+        spread = dilate(per_offset(offset), [1] * lead + list(strides))
+        lo = [o * d for o, d in zip(offset, dilation)]
+        hi = [c - b - e for c, b, e in zip(canvas, lo, spread.shape[lead:])]
+        part = pad(spread, [w for b, e in zip(reversed(lo), reversed(hi)) for w in (b, e)])
+        out = part if out is None else out + part
+    if any(padding):
+        out = slice(out, [0] * lead + list(padding), list(shape[:lead]) + [p + n for p, n in zip(padding, shape[lead:])])
+    return out
+
+
+def max_pool_grad(grad: Tensor, positions: Tensor, shape: Sequence, window: Sequence[int], strides: Sequence[int],
+                  padding: Sequence[int], dilation: Sequence[int] | None = None) -> Tensor:
+    """The adjoint of max_pool_with_positions: each window's gradient flows
+    to the cell at its position, in a tensor of shape."""
+    nsp = len(window)
+    dilation = list(dilation) if dilation is not None else [1] * nsp
+    cell = _window_cells(grad, grad.shape, strides, padding, dilation)
+    spatial = list(shape[-nsp:])
+    return window_adjoint(lambda offset: where(positions == _flat_position(cell(offset), spatial), grad, 0.0),
+                          shape, window, strides, padding, dilation)
 
 
 # -------------------------------------------------------------- indexing

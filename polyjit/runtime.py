@@ -139,6 +139,7 @@ class Executable:
                 elif sz.is_static(s) and s != n:
                     raise InputError(f"{self.name}: input {k} has shape {list(a.shape)}, expected size {s} "
                                      f"in dimension {d} (shape {list(spec.shape)})")
+        sz.with_derived(env, self.params)
         for k, (a, spec) in enumerate(zip(args, self.inputs)):
             for d, (n, s) in enumerate(zip(a.shape, spec.shape)):
                 if isinstance(s, Lin) and sz.evaluate(s, env) != n:

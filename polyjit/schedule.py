@@ -721,7 +721,7 @@ def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None,
         sched = sink_inner(sched, validity)
         sched = mark_parallel(sched)
     sched = order_sets(sched, validity)
-    params = prog.prefix() + "{ : " + (" and ".join(f"{p} >= 0" for p in prog.params) or "1 = 1") + " }"
+    params = prog.prefix() + "{ : " + sz.param_context(prog.params) + " }"
     build = isl.AstBuild.from_context(isl.Set.read_from_str(ctx, params))
     ast = build.node_from_schedule(sched)
     kernels = [statements_in(k) for k in _kernels(ast)]

@@ -2,12 +2,17 @@
 
 Symbolic sizes become isl parameters, so one compiled program serves every
 size. Sums and integer multiples stay affine; a product of two symbolic sizes
-does not, and is refused where it would arise.
+does not, and is refused where it would arise. The floor of a quotient by a
+number (a strided window's output size, (s - 1) // 2 + 1) is a parameter of
+its own, derived from the others at each call; isl learns how it bounds them.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Mapping, Union
+
+_DERIVED: dict[str, tuple["Lin", int]] = {}  # parameter -> (numerator, divisor): floor(numerator / divisor)
 
 
 @dataclass(frozen=True)
@@ -41,31 +46,46 @@ class Lin:
 
     def __mul__(self, k: "Size") -> "Size":
         if isinstance(k, Lin):
-            raise ValueError(f"the product of symbolic sizes {self} and {k} is not affine")
+            raise _not_affine(f"the product of symbolic sizes {self} and {k} is not affine")
         return _make({n: c * k for n, c in self.terms}, self.const * k)
 
     __rmul__ = __mul__
 
     def __floordiv__(self, k: "Size") -> "Size":
-        """Exact division only: floor(s / 2) is not affine in s."""
-        if not isinstance(k, Lin) and k and self.const % k == 0 and all(c % k == 0 for _, c in self.terms):
+        """floor(self / k) for a positive number k: exact where every
+        coefficient divides, else a derived parameter."""
+        if isinstance(k, Lin) or int(k) <= 0:
+            raise _not_affine(f"the size ({self}) // {k} is not affine in the symbolic sizes")
+        k = int(k)
+        if all(c % k == 0 for _, c in self.terms):
             return _make({n: c // k for n, c in self.terms}, self.const // k)
-        from .errors import UnsupportedOpError
-        raise UnsupportedOpError(f"the size ({self}) // {k} is not affine in the symbolic sizes; "
-                                 "compile with static sizes")
+        name = re.sub(r"[^A-Za-z0-9_]", "", str(self).replace(" - ", "_m").replace(" + ", "_p")
+                      .replace("*", "x").replace("-", "m")) + f"_div{k}"
+        _DERIVED.setdefault(name, (self, k))
+        return Lin.param(name)
 
     def params(self) -> set[str]:
         return {n for n, _ in self.terms}
 
+    def base_params(self) -> set[str]:
+        """The parameters this size depends on, derived ones replaced by theirs."""
+        out: set[str] = set()
+        for n, _ in self.terms:
+            out |= _DERIVED[n][0].base_params() if n in _DERIVED else {n}
+        return out
+
     def evaluate(self, env: Mapping[str, int]) -> int:
-        return self.const + sum(c * env[n] for n, c in self.terms)
+        return self.const + sum(c * _value(n, env) for n, c in self.terms)
 
     def rename(self, mapping: Mapping[str, str]) -> "Size":
-        d: dict[str, int] = {}
+        out: Size = self.const
         for n, c in self.terms:
-            m = mapping.get(n, n)
-            d[m] = d.get(m, 0) + c
-        return _make(d, self.const)
+            if n in _DERIVED:  # a quotient of renamed sizes
+                num, k = _DERIVED[n]
+                out = out + c * (num.rename(mapping) // k)
+            else:
+                out = out + c * Lin.param(mapping.get(n, n))
+        return out
 
     def __str__(self) -> str:
         parts = [(f"{c}*{n}" if c != 1 else n) for n, c in self.terms]
@@ -82,6 +102,44 @@ Size = Union[int, Lin]
 def _make(d: dict, const: int) -> Size:
     terms = tuple(sorted((n, c) for n, c in d.items() if c != 0))
     return Lin(terms, const) if terms else const
+
+
+def _not_affine(what: str) -> Exception:
+    """The error for a size outside affine expressions: frontends run such a
+    graph in the framework (a counted fallback) unless strict."""
+    from .errors import UnsupportedOpError
+    return UnsupportedOpError(what + "; compile with static sizes")
+
+
+def _value(name: str, env: Mapping[str, int]) -> int:
+    if name in env or name not in _DERIVED:
+        return env[name]
+    num, k = _DERIVED[name]
+    return num.evaluate(env) // k
+
+
+def is_derived(name: str) -> bool:
+    return name in _DERIVED
+
+
+def with_derived(env: dict[str, int], params) -> dict[str, int]:
+    """env with the values of the derived parameters among params."""
+    for p in params:
+        if p in _DERIVED and p not in env:
+            env[p] = _value(p, env)
+    return env
+
+
+def param_context(params, derived: bool = True) -> str:
+    """isl constraints on params: sizes are not negative, and (derived) a
+    derived parameter q = floor(n / k) satisfies k*q <= n <= k*q + k - 1."""
+    out = [f"{p} >= 0" for p in params]
+    for p in params if derived else ():
+        if p in _DERIVED:
+            num, k = _DERIVED[p]
+            if num.base_params() <= set(params) and num.params() <= set(params):
+                out.append(f"{k}*{p} <= {num} <= {k}*{p} + {k - 1}")
+    return " and ".join(out) or "1 = 1"
 
 
 def as_lin(s: Size) -> Lin:
@@ -104,7 +162,7 @@ def product(sizes) -> Size:
     out: Size = 1
     for s in sizes:
         if isinstance(out, Lin) and isinstance(s, Lin):
-            raise ValueError(f"the product of symbolic sizes {out} and {s} is not affine")
+            raise _not_affine(f"the product of symbolic sizes {out} and {s} is not affine")
         out = s * out if isinstance(s, Lin) else out * s
     return out
 
@@ -135,7 +193,7 @@ def quotient(total, part) -> Size | None:
         return None
     try:
         return product(t_sym + [t_static // p_static])
-    except ValueError:
+    except NotImplementedError:
         return None
 
 

@@ -293,8 +293,8 @@ def test_symbolic_reshape_and_concat(rng):
 
 def test_symbolic_leading_size_merges_and_splits(rng):
     """A symbolic leading size merges with static ones and splits off again
-    (a flatten and its inverse, -1 inferred); floor(s / 2) is refused, not
-    miscompiled."""
+    (a flatten and its inverse, -1 inferred); a reshape whose -1 would be
+    4s / floor(s / 2) is refused, not miscompiled."""
     def fn(t):
         flat = ops.reshape(t, [t.shape[0] * 3, -1])
         return flat * 2, ops.reshape(flat, [-1, 12]) + 1, ops.reshape(t, [-1])
@@ -305,8 +305,33 @@ def test_symbolic_leading_size_merges_and_splits(rng):
         close(r[0], a.reshape(n * 3, 4) * 2)
         close(r[1], a.reshape(n, 12) + 1)
         close(r[2], a.reshape(-1))
-    with pytest.raises(UnsupportedOpError, match="not affine"):
+    with pytest.raises(polyjit.errors.DefinitionError, match="cannot infer"):
         polyjit.compile(lambda t: ops.reshape(t, [t.shape[0] // 2, -1]), [InputInfo([-1, 4], F32)])
+
+
+def test_strided_windows_over_symbolic_sizes(rng):
+    """Strides over a symbolic size give floor-quotient sizes ((s - 3) // 2 + 1),
+    parameters derived from s at each call: strided slices, pooling windows
+    (whose flat positions multiply by the symbolic width) and a mean over
+    symbolic sizes, one program for every size, odd and even."""
+    def fn(t):
+        pooled, where = ops.max_pool_with_positions(t, [3, 3], [2, 2], [1, 1])
+        return t[:, 1::2, ::3] * 2.0, pooled, where, ops.mean(pooled, [1, 2])
+    exe = polyjit.compile(fn, [InputInfo([2, -1, -1], F32)])
+    for h, w in ((1, 1), (5, 8), (9, 7), (16, 13)):
+        a = rng.standard_normal((2, h, w)).astype(F32)
+        a[0, 0, 0] = np.nan
+        sl, pooled, where, mean = exe(a)
+        close(sl, a[:, 1::2, ::3] * 2)
+        ap = np.pad(a, ((0, 0), (1, 1), (1, 1)), constant_values=-np.inf)
+        oh, ow = (h - 1) // 2 + 1, (w - 1) // 2 + 1
+        wins = np.stack([ap[:, i:i + 2 * oh - 1:2, j:j + 2 * ow - 1:2] for i in range(3) for j in range(3)], -1)
+        want = np.where(np.isnan(wins).any(-1), np.nan, wins.max(-1))
+        close(pooled, want)
+        assert pooled.shape == (2, oh, ow) and where.shape == (2, oh, ow)
+        flat = a.reshape(2, -1)
+        np.testing.assert_array_equal(flat[np.arange(2)[:, None], where.reshape(2, -1)], want.reshape(2, -1))
+        close(mean, want.mean((1, 2)))
 
 
 @pytest.mark.parametrize("shape_a,shape_b", [((33, 70), (70, 45)), ((3, 20, 30), (3, 30, 7)),

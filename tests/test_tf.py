@@ -203,6 +203,23 @@ def test_input_signature_symbolic_and_checked(rng):
         jf(np.ones((3, 7), np.float64))
 
 
+def test_strided_windows_over_unknown_image_sizes(rng):
+    """None spatial sizes in the input_signature: a strided convolution and
+    pooling give floor-quotient sizes, and a mean divides by a product of
+    sizes; one program, no fallbacks, for images of several sizes."""
+    w = tf.constant(rnd(rng, 3, 3, 3, 4))
+
+    def f(x):
+        y = tf.nn.relu(tf.nn.conv2d(x, w, 2, "VALID"))
+        return tf.nn.max_pool2d(y, 3, 2, "VALID"), tf.reduce_mean(tf.nn.avg_pool2d(y, 2, 2, "VALID"), [1, 2])
+    jf = polyjit.jit_tf(f, input_signature=[tf.TensorSpec([None, None, None, 3], tf.float32)])
+    for shape in ((2, 17, 19, 3), (1, 30, 25, 3), (3, 12, 12, 3)):
+        x = rnd(rng, *shape)
+        for got, want in zip(jf(x), f(tf.constant(x))):
+            assert_close(got, want)
+    assert len(jf._programs) == 1 and jf.stats["fallbacks"] == 0
+
+
 def test_no_signature_caches_per_shape(rng):
     jf = polyjit.jit_tf(lambda x: x * 3)
     for shape in [(2, 3), (2, 3), (4, 3)]:

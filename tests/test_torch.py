@@ -251,8 +251,8 @@ def test_training_with_a_new_size_compiles_once_more():
 def test_cnn_training_with_a_new_batch_size():
     """A batch size that changes flows through conv, pooling and a flatten
     (the symbolic batch merged with static sizes) without fallbacks; with
-    every size symbolic, pooling's floor(h / 2) is not affine: the graph runs
-    in eager, counted (and warned), and results still match."""
+    every size symbolic, the flatten's product of sizes is not affine: the
+    graph runs in eager, counted (and warned), and results still match."""
     def net():
         return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
                              nn.Linear(8 * 4 * 4, 5)).to(DEVICE)
@@ -276,6 +276,27 @@ def test_cnn_training_with_a_new_batch_size():
             x = torch.randn(n, 3, 8, 8, device=DEVICE)
             assert_close(jm(x), mod(x))
     assert jm.polyjit_stats.as_dict()["fallbacks"] > 0
+
+
+def test_strided_convolution_and_pooling_train_with_every_size_symbolic():
+    """dynamic=True: strided conv, max and average pooling give sizes like
+    (h - 1) // 2 + 1, parameters derived from h at each call; one forward
+    and one backward program serve images of every size, odd and even."""
+    mod = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, stride=2), nn.ReLU(), nn.MaxPool2d(3, 2, 1),
+                        nn.Conv2d(8, 4, 1), nn.AvgPool2d(2)).to(DEVICE)
+    ref = copy.deepcopy(mod)
+    jm = polyjit.jit_torch(mod, compile_options={"target": TARGET}, dynamic=True)
+    for shape in ((2, 3, 16, 18), (3, 3, 21, 19), (2, 3, 33, 40)):
+        x = torch.randn(*shape, device=DEVICE)
+        out, want = jm(x), ref(x)
+        assert_close(out, want, 1e-4, 1e-5)
+        g = torch.randn_like(want)
+        out.backward(g)
+        want.backward(g)
+        for p, q in zip(mod.parameters(), ref.parameters()):
+            assert_close(p.grad, q.grad, 1e-4, 1e-4)
+    stats = jm.polyjit_stats.as_dict()
+    assert stats["fallbacks"] == 0 and stats["graphs"] == 2
 
 
 def test_vision_layers_train_without_fallbacks():
