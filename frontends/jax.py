@@ -244,7 +244,8 @@ def _select_and_scatter_add(g, ins, p):
     position of the window's first maximum (select ge keeps the earlier of
     equal values). Windows unroll into strided slices of the operand padded
     with -inf; a running (maximum, flat position) picks each window's
-    element, and one scatter_add over the flat padded operand sums them."""
+    element, and each window's source value flows back to the cell whose
+    position won (ops.window_adjoint)."""
     src, x = ins
     if getattr(p["select_prim"], "name", "") != "ge":
         raise UnsupportedOpError(f"select_and_scatter_add selecting with {p['select_prim']}")
@@ -256,6 +257,7 @@ def _select_and_scatter_add(g, ins, p):
     flat_strides = [math.prod(padded[d + 1:]) for d in range(x.rank)]
     windows, strides = p["window_dimensions"], p["window_strides"]
     best = where = None
+    cells = {}
     for offset in itertools.product(*[range(w) for w in windows]):
         end = [k + s * (n - 1) + 1 for k, s, n in zip(offset, strides, src.shape)]
         value = g.slice(xp, list(offset), end, list(strides))
@@ -264,16 +266,15 @@ def _select_and_scatter_add(g, ins, p):
             if src.shape[d] != 1:
                 step = g.constant(strides[d] * flat_strides[d], DataType.Int)
                 at = g.binary("add", at, g.binary("mul", g.iota(src.shape, d), step))
-        at = g.broadcast_in_dim(at, src.shape, []) if at.rank == 0 else at
+        at = cells[offset] = g.broadcast_in_dim(at, src.shape, []) if at.rank == 0 else at
         if best is None:
             best, where = value, at
             continue
         keep = g.binary("ge", best, value)
         best, where = g.where(keep, best, value), g.where(keep, where, at)
-    total = math.prod(padded)
-    flat = g.scatter_add([total], g.reshape(where, [-1]), g.reshape(src, [-1]), 0, along=True)
-    out = g.reshape(flat, padded)
-    return g.slice(out, lo, [a + int(n) for a, n in zip(lo, x.shape)]) if any(lo) or any(hi) else out
+    won, grad = ops.Tensor(g, where), ops.Tensor(g, src)
+    return ops.window_adjoint(lambda offset: ops.where(won == ops.Tensor(g, cells[offset]), grad, 0.0), list(x.shape),
+                              windows, strides, list(zip(lo, hi))).node
 
 
 def _mode(p) -> str:
@@ -383,21 +384,17 @@ def _gather(g, ins, p):
     return g.where(valid, out, g.constant(_fill_value(x.dtype, p.get("fill_value")), x.dtype))
 
 
-def _scatter(replace: bool):
-    """lax.scatter_add (a gather's adjoint), or with replace lax.scatter
-    (``x.at[i].set(v)``): updates go into the operand at positions worked
-    out as for a gather, through one scatter_add over the flattened operand;
-    with mode fill, out-of-bounds updates drop. A replacing scatter needs
-    positions that are known not to repeat (JAX's unique_indices, or
-    distinct constant indices): XLA leaves the winner of repeats undefined."""
+def _scatter(how: str):
+    """lax.scatter_add / scatter_mul / scatter_min / scatter_max (how: sum,
+    prod, min, max; with sum, a gather's adjoint), or lax.scatter (how: set,
+    ``x.at[i].set(v)``, the last of repeated positions winning: XLA leaves
+    the winner undefined): updates go into the operand at positions worked
+    out as for a gather, over the flattened operand; with mode fill,
+    out-of-bounds updates drop."""
     def rule(g, ins, p):
         x, indices, updates = ins
         dn, mode = p["dimension_numbers"], _mode(p)
         _static_sizes("scatter", x, indices, updates)
-        if replace and not p.get("unique_indices"):
-            rows = static_value(indices).reshape(-1, int(indices.shape[-1]))
-            if len({tuple(r) for r in rows.tolist()}) != len(rows):
-                raise UnsupportedOpError("scatter with indices that may repeat")
         window_dims = [d for d in range(x.rank) if d not in dn.inserted_window_dims
                        and d not in dn.operand_batching_dims]
         batch_at = [q for q in range(updates.rank) if q not in dn.update_window_dims]
@@ -407,19 +404,20 @@ def _scatter(replace: bool):
         flat, valid = _window_positions(g, x.shape, indices, dn.scatter_dims_to_operand_dims,
                                         dn.operand_batching_dims, dn.scatter_indices_batching_dims, sizes,
                                         list(updates.shape), batch_at, dn.update_window_dims, window_dims, mode)
-        if valid is not None:
-            updates = g.where(valid, updates, g.constant(0, updates.dtype))
-        total = [math.prod(int(s) for s in x.shape)]
-        flat = g.reshape(flat, [-1])
-        added = g.reshape(g.scatter_add(total, flat, g.reshape(updates, [-1]), 0, along=True), x.shape)
-        if not replace:
-            return g.binary("add", x, added)
-        ones = g.expand(g.constant(1, DataType.Int32), updates.shape)
-        if valid is not None:
-            ones = g.where(valid, ones, g.constant(0, DataType.Int32))
-        written = g.scatter_add(total, flat, g.reshape(ones, [-1]), 0, along=True)
-        written = g.binary("gt", g.reshape(written, x.shape), g.constant(0, DataType.Int32))
-        return g.where(written, added, x)
+        total = math.prod(int(s) for s in x.shape)
+        if valid is not None:  # a dropped update goes to a slot past the operand's end
+            flat = g.where(valid, flat, g.constant(total, flat.dtype))
+        flat = ops.Tensor(g, g.reshape(flat, [-1]))
+        values = ops.Tensor(g, g.reshape(updates, [-1]))
+        if how == "set":
+            canvas = ops.pad(ops.reshape(ops.Tensor(g, x), [-1]), [0, 1])
+            out = ops.scatter(canvas, flat, values, 0)
+        else:
+            out = ops.scatter_reduce(how, [total + 1], flat, values, 0, along=True)
+        out = ops.reshape(ops.slice(out, [0], [total]), list(x.shape))
+        if how == "set":
+            return out.node
+        return {"sum": ops.add, "prod": ops.mul, "min": ops.minimum, "max": ops.maximum}[how](ops.Tensor(g, x), out).node
     return rule
 
 
@@ -537,8 +535,9 @@ PRIMITIVES: dict[str, Callable] = {
     "sort": _sort, "top_k": _top_k,
     "reduce_window_min": _reduce_window("min"),
     # indexing
-    "gather": _gather, "scatter-add": _scatter(replace=False), "scatter_add": _scatter(replace=False),
-    "scatter": _scatter(replace=True),
+    "gather": _gather, "scatter-add": _scatter("sum"), "scatter_add": _scatter("sum"), "scatter": _scatter("set"),
+    "scatter-mul": _scatter("prod"), "scatter_mul": _scatter("prod"), "scatter-min": _scatter("min"),
+    "scatter_min": _scatter("min"), "scatter-max": _scatter("max"), "scatter_max": _scatter("max"),
     # contractions
     "dot_general": _dot_general,
     "conv_general_dilated": _conv,

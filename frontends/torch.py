@@ -522,6 +522,25 @@ def _scatter_add(cx, x, dim, index, src):
     return x + ops.scatter_add(list(x.shape), index, src, dim, along=True)
 
 
+ATEN[aten.scatter.src] = lambda cx, x, dim, index, src: ops.scatter(x, index, src, dim)
+
+
+@_reg(aten.scatter_reduce.two)
+def _scatter_reduce(cx, x, dim, index, src, reduce, include_self=True):
+    """sum, prod, mean, amax, amin of src's values at each index, with x's
+    own value (include_self) or in its place where an index hits."""
+    op = {"sum": "sum", "mean": "sum", "prod": "prod", "amax": "max", "amin": "min"}[reduce]
+    src = ops.slice(src, [0] * src.ndim, list(index.shape)) if list(src.shape) != list(index.shape) else src
+    got = ops.scatter_reduce(op, list(x.shape), index, src, dim, along=True)
+    hits = ops.scatter_add(list(x.shape), index, ops.full_like(index, 1, DataType.Int), dim, along=True)
+    if reduce == "mean":
+        total, count = (got + x, hits + 1) if include_self else (got, ops.maximum(hits, ops.full_like(hits, 1)))
+        got = total / ops.cast(count, x.dtype) if x.dtype.is_float else ops.floor_divide(total, ops.cast(count, x.dtype))
+    elif include_self:
+        return {"sum": ops.add, "prod": ops.mul, "max": ops.maximum, "min": ops.minimum}[op](x, got)
+    return got if include_self else ops.where(hits > 0, got, x)
+
+
 @_reg(aten.scatter.value)
 def _scatter_value(cx, x, dim, index, value):
     hits = ops.scatter_add(list(x.shape), index, ops.full_like(index, 1, DataType.Int32), dim, along=True)

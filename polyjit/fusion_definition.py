@@ -183,8 +183,8 @@ def _call(n: Node, names) -> str:
         if at["along"]:
             return f"fd.ops.take_along_axis({a[0]}, {a[1]}, {at['axis']})"
         return f"fd.ops.index_select({a[0]}, {at['axis']}, {a[1]})"
-    if n.op == "scatter_add":
-        return f"fd.ops.scatter_add({list(n.shape)}, {a[0]}, {a[1]}, {at['axis']}, {at['along']})"
+    if n.op == "scatter":
+        return f"fd.ops.scatter_reduce({at['op']!r}, {list(n.shape)}, {a[0]}, {a[1]}, {at['axis']}, {at['along']})"
     if n.op == "iota":
         return f"fd.ops.iota({list(n.shape)}, {at['dim']}, {n.dtype!r})"
     if n.op == "rand_uniform":

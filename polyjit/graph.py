@@ -483,24 +483,27 @@ class Graph:
             shape = x.shape[:axis] + index.shape + x.shape[axis + 1:]
         return Node("gather", (x, index), {"axis": axis, "along": along}, shape, x.dtype)
 
-    def scatter_add(self, shape: Sequence[Size], index: Node, src: Node, axis: int,
-                    along: bool = False) -> Node:
-        """zeros(shape) with src added at index along axis: gather's adjoint
-        (index_add, or with along=True torch.scatter_add)."""
+    def scatter(self, shape: Sequence[Size], index: Node, src: Node, axis: int,
+                along: bool = False, op: str = "sum") -> Node:
+        """op's identity in shape, with src combined in by op (sum, prod, max,
+        min) at index along axis: with sum, gather's adjoint (index_add, or
+        with along=True torch.scatter_add)."""
+        if op not in ("sum", "prod", "max", "min"):
+            raise DefinitionError(f"scatter: unknown op {op!r}")
         shape = tuple(shape)
         axis = _norm_axis(axis, len(shape))
         if along:
             if not index.rank == src.rank == len(shape):
-                raise DefinitionError("scatter_add: index, src and the result must have one rank")
+                raise DefinitionError("scatter: index, src and the result must have one rank")
             want = index.shape
         else:
             want = shape[:axis] + index.shape + shape[axis + 1:]
         if len(want) != src.rank:
-            raise DefinitionError(f"scatter_add: src has rank {src.rank}, expected {len(want)}")
+            raise DefinitionError(f"scatter: src has rank {src.rank}, expected {len(want)}")
         if not along:
             for d, (a, b) in enumerate(zip(want, src.shape)):
-                self.unify(a, b, f"scatter_add, src dimension {d}")
-        return Node("scatter_add", (index, src), {"axis": axis, "along": along}, shape, src.dtype)
+                self.unify(a, b, f"scatter, src dimension {d}")
+        return Node("scatter", (index, src), {"axis": axis, "along": along, "op": op}, shape, src.dtype)
 
     # ---------------------------------------------------------------- output
     def add_output(self, x: Node) -> None:

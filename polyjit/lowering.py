@@ -577,11 +577,11 @@ def _cumulative(L: Lowering, n: Node, name, iters, bounds):
     L.add(name, iters, bounds, idx, Op(n.dtype, _COMBINE[op], (carry, L.value(n.inputs[0], idx))), "cumulative")
 
 
-def _scatter_add(L: Lowering, n: Node, name, iters, bounds):
+def _scatter(L: Lowering, n: Node, name, iters, bounds):
     index, src = n.inputs
-    axis = n.attrs["axis"]
+    axis, op = n.attrs["axis"], n.attrs["op"]
     idx = tuple(E.it(i) for i in iters)
-    L.add(name, iters, bounds, idx, identity("sum", n.dtype), "scatter_init")
+    L.add(name, iters, bounds, idx, identity(op, n.dtype), "scatter_init")
     space = L.shape(index) if n.attrs["along"] else L.shape(src)
     siters = tuple(f"j{d}" for d in range(len(space)))
     sidx = tuple(E.it(i) for i in siters)
@@ -593,7 +593,7 @@ def _scatter_add(L: Lowering, n: Node, name, iters, bounds):
         k = index.rank
         target = list(sidx[:axis]) + [_position(L, index, sidx[axis:axis + k], size)] + list(sidx[axis + k:])
     L.add(name, siters, tuple((0, s) for s in space), target, L.value(src, sidx),
-          "scatter_add", combine="sum", reduction_iters=siters)
+          "scatter_add" if op == "sum" else "scatter", combine=op, reduction_iters=siters)
 
 
-STATEMENT_OPS: dict[str, Callable] = {"cumulative": _cumulative, "scatter_add": _scatter_add}
+STATEMENT_OPS: dict[str, Callable] = {"cumulative": _cumulative, "scatter": _scatter}

@@ -12,6 +12,8 @@ import itertools
 import math
 from typing import Callable, Sequence
 
+import numpy as np
+
 from . import sizes as sz
 from .dtypes import DataType, to_dtype
 from .errors import DefinitionError
@@ -600,7 +602,7 @@ def _flat_position(coords, spatial) -> Tensor:
 def window_adjoint(per_offset: Callable, shape: Sequence, window: Sequence[int], strides: Sequence[int],
                    padding: Sequence[int], dilation: Sequence[int] | None = None) -> Tensor:
     """The adjoint of reading the windows of an image (shape's trailing
-    len(window) dims, symmetric padding): per_offset(offset) gives, at the
+    len(window) dims; padding per dim: a number, or (low, high)): per_offset(offset) gives, at the
     windows' resolution, what flows back to each window's cell at offset; it
     is spread by the strides, shifted by the offset into the padded image and
     added, and the padding is cut. Elementwise throughout (every offset fuses
@@ -608,7 +610,8 @@ def window_adjoint(per_offset: Callable, shape: Sequence, window: Sequence[int],
     nsp = len(window)
     lead = len(shape) - nsp
     dilation = list(dilation) if dilation is not None else [1] * nsp
-    canvas = [n + 2 * p for n, p in zip(shape[lead:], padding)]
+    padding = [(p, p) if isinstance(p, int) else tuple(p) for p in padding]
+    canvas = [n + a + b for n, (a, b) in zip(shape[lead:], padding)]
     out = None
     for offset in itertools.product(*[range(k) for k in window]):
         spread = dilate(per_offset(offset), [1] * lead + list(strides))
@@ -616,8 +619,9 @@ def window_adjoint(per_offset: Callable, shape: Sequence, window: Sequence[int],
         hi = [c - b - e for c, b, e in zip(canvas, lo, spread.shape[lead:])]
         part = pad(spread, [w for b, e in zip(reversed(lo), reversed(hi)) for w in (b, e)])
         out = part if out is None else out + part
-    if any(padding):
-        out = slice(out, [0] * lead + list(padding), list(shape[:lead]) + [p + n for p, n in zip(padding, shape[lead:])])
+    if any(a or b for a, b in padding):
+        out = slice(out, [0] * lead + [a for a, _ in padding],
+                    list(shape[:lead]) + [a + n for (a, _), n in zip(padding, shape[lead:])])
     return out
 
 
@@ -653,11 +657,35 @@ def embedding(index: Tensor, weight: Tensor) -> Tensor:
     return index_select(weight, 0, index)
 
 
+def scatter_reduce(op: str, shape: Sequence, index: Tensor, src: Tensor, axis: int = 0,
+                   along: bool = False) -> Tensor:
+    """op's identity (0, 1, -inf, inf) in shape, with src's slices combined
+    by op ("sum", "prod", "max", "min") at index along axis; with along=True,
+    src[i] goes to index[i] (torch.scatter_reduce without self)."""
+    g = _graph(index, src)
+    return _wrap(g, g.scatter(tuple(shape), _node(g, index), _node(g, src), axis, along, op))
+
+
 def scatter_add(shape: Sequence, index: Tensor, src: Tensor, axis: int = 0, along: bool = False) -> Tensor:
     """zeros(shape) with src's slices added at index along axis (index_add);
     with along=True, src[i] is added at index[i] (torch.scatter_add)."""
-    g = _graph(index, src)
-    return _wrap(g, g.scatter_add(tuple(shape), _node(g, index), _node(g, src), axis, along))
+    return scatter_reduce("sum", shape, index, src, axis, along)
+
+
+def scatter(x: Tensor, index: Tensor, src: Tensor, axis: int = 0) -> Tensor:
+    """x with src[i] written at index[i] along axis (torch.scatter, JAX's
+    x.at[i].set); where indices repeat, the last of them along axis wins (the
+    frameworks leave the winner undefined). The winner's position is a max
+    scatter; a second one takes the winner's value and the lowest value of
+    the dtype from every other (so -0.0, NaN and inf pass unchanged)."""
+    src = slice(src, [0] * src.ndim, list(index.shape)) if list(src.shape) != list(index.shape) else src
+    k = iota(list(index.shape), axis, like=index)
+    winner = scatter_reduce("max", x.shape, index, k, axis, along=True)
+    mine = take_along_axis(winner, index, axis) == k
+    lowest = -math.inf if src.dtype.is_float else False if src.dtype == DataType.Bool else \
+        int(np.iinfo(src.dtype.numpy).min)
+    written = scatter_reduce("max", x.shape, index, where(mine, src, full_like(src, lowest)), axis, along=True)
+    return where(winner >= 0, written, x)
 
 
 def sort(x: Tensor, axis: int = -1, descending: bool = False) -> tuple[Tensor, Tensor]:

@@ -197,10 +197,12 @@ def test_primitives(rng, fn):
     lambda x, i: jnp.take_along_axis(x.reshape(2, 2, 10), (i * 7 % 12).reshape(2, 1, 3), axis=2),
     lambda x, i: x.at[i].add(1.5), lambda x, i: x.at[:, i].add(x[:, :6] * 2, mode="drop"),
     lambda x, i: x.at[1:3].set(-x[:2] * 2).at[np.array([3, 0]), 9].set(jnp.nan),
+    lambda x, i: x.at[i].multiply(2.0).at[:, i].min(x[:, :6] * 0.5).at[i % 4, i].max(0.3, mode="drop"),
+    lambda x, i: x.at[:, i].set(x[:, :6] * 3),  # the runtime indices repeat: the last wins
     jax.grad(lambda x, i: (jnp.tanh(x[i]) * jnp.arange(10.0)).sum()),
     jax.grad(lambda x, i: -jnp.take_along_axis(jax.nn.log_softmax(x), i[:4, None] % 10, axis=1).mean()),
 ], ids=["rows", "columns", "points", "embedding", "fill_nan", "clip", "along", "along_batched", "add_at",
-        "add_drop", "set", "embedding_grad", "cross_entropy_grad"])
+        "add_drop", "set", "mul_min_max", "set_repeats", "embedding_grad", "cross_entropy_grad"])
 def test_gather_and_scatter(rng, fn):
     """Indexing with integer arrays (negative and out-of-bounds indices
     too, as each mode treats them) and its gradient."""

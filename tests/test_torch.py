@@ -29,7 +29,7 @@ DEVICE = "cuda" if TARGET == "nvgpu" else "cpu"
 
 
 def assert_close(a, b, rtol=1e-5, atol=1e-5):
-    torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+    torch.testing.assert_close(a, b, rtol=rtol, atol=atol, equal_nan=True)  # NaN where eager has NaN
 
 
 def check(fn, *args, backward=False, rtol=1e-5, atol=1e-5):
@@ -322,6 +322,21 @@ def test_sort_topk_argsort():
     x = r(5, 9)
     check(lambda x: (torch.sort(x, -1).values, torch.sort(x, 0, descending=True).indices, torch.topk(x, 3).values,
                      torch.argsort(x, dim=1, stable=True)), x)
+
+
+def test_scatter_and_scatter_reduce():
+    """torch.scatter (which sort's backward writes through) and scatter_reduce
+    in every reduction, with and without self, over repeated indices; NaN
+    and inf pass as in eager."""
+    x, src = r(4, 6), r(4, 9)
+    src[0, 0], x[1, 2] = float("nan"), float("inf")
+    perm = torch.argsort(torch.rand(4, 6), 1).to(DEVICE)
+    idx = torch.randint(0, 6, (4, 9), device=DEVICE)
+    check(lambda x, s: (x.scatter(1, perm, s), x.scatter(1, perm[:, :3], s * 2)), x, src)
+    check(lambda x, s: tuple(x.scatter_reduce(1, idx, s, how, include_self=inc)
+                             for how in ("sum", "prod", "mean", "amax", "amin") for inc in (True, False)), x, src)
+    check(lambda v: (torch.sort(v, 1).values * torch.arange(9.0, device=v.device)).sum(), r(3, 9, grad=True),
+          backward=True)
 
 
 def test_cumulative_products_train():
