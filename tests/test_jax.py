@@ -198,7 +198,7 @@ def test_primitives(rng, fn):
     lambda x, i: x.at[i].add(1.5), lambda x, i: x.at[:, i].add(x[:, :6] * 2, mode="drop"),
     lambda x, i: x.at[1:3].set(-x[:2] * 2).at[np.array([3, 0]), 9].set(jnp.nan),
     lambda x, i: x.at[i].multiply(2.0).at[:, i].min(x[:, :6] * 0.5).at[i % 4, i].max(0.3, mode="drop"),
-    lambda x, i: x.at[:, i].set(x[:, :6] * 3),  # the runtime indices repeat: the last wins
+    lambda x, i: x.at[:, i].set(jnp.broadcast_to(x[:, 3:4] * 3, (4, 6))),  # runtime indices that repeat
     jax.grad(lambda x, i: (jnp.tanh(x[i]) * jnp.arange(10.0)).sum()),
     jax.grad(lambda x, i: -jnp.take_along_axis(jax.nn.log_softmax(x), i[:4, None] % 10, axis=1).mean()),
 ], ids=["rows", "columns", "points", "embedding", "fill_nan", "clip", "along", "along_batched", "add_at",

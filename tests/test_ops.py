@@ -309,6 +309,31 @@ def test_symbolic_leading_size_merges_and_splits(rng):
         polyjit.compile(lambda t: ops.reshape(t, [t.shape[0] // 2, -1]), [InputInfo([-1, 4], F32)])
 
 
+def test_scatter_last_of_repeated_indices_wins(rng):
+    """ops.scatter writes src[i] at index[i] along an axis; of repeated
+    indices the last along the axis wins, as numpy's fancy assignment does
+    (the frameworks leave it undefined); NaN, -0.0 and inf pass unchanged;
+    scatter_reduce combines repeats by each op."""
+    x = rng.standard_normal((3, 7)).astype(F32)
+    src = rng.standard_normal((3, 9)).astype(F32)
+    src[0, 4], src[1, 0], src[2, 8] = np.nan, -0.0, np.inf
+    index = rng.integers(0, 7, (3, 9))
+    exe = polyjit.compile(lambda x, i, s: (ops.scatter(x, i, s, 1), ops.scatter_reduce("max", [3, 7], i, s, 1, True),
+                                           ops.scatter_reduce("prod", [3, 7], i, s, 1, True)),
+                          [InputInfo(x.shape, F32), InputInfo(index.shape, np.int64), InputInfo(src.shape, F32)])
+    got, top, prod = exe(x, index, src)
+    want, wtop, wprod = x.copy(), np.full((3, 7), -np.inf, F32), np.ones((3, 7), F32)
+    for r in range(3):
+        want[r, index[r]] = src[r]
+        for k in range(9):
+            wtop[r, index[r, k]] = np.maximum(wtop[r, index[r, k]], src[r, k])
+            wprod[r, index[r, k]] *= src[r, k]
+    np.testing.assert_array_equal(got, want)
+    assert np.array_equal(np.signbit(got), np.signbit(want))
+    np.testing.assert_array_equal(top, wtop)
+    close(prod, wprod)
+
+
 def test_strided_windows_over_symbolic_sizes(rng):
     """Strides over a symbolic size give floor-quotient sizes ((s - 3) // 2 + 1),
     parameters derived from s at each call: strided slices, pooling windows
