@@ -17,7 +17,7 @@ import functools
 import logging
 import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -525,6 +525,13 @@ def _scatter_add(cx, x, dim, index, src):
 ATEN[aten.scatter.src] = lambda cx, x, dim, index, src: ops.scatter(x, index, src, dim)
 
 
+@_reg(aten._assert_async.msg, aten._assert_async.default)
+def _assert_async(cx, cond, msg="Expected a true condition (torch._assert_async)"):
+    """A condition on values (one_hot's class range): the compiled graph
+    returns it and the call raises where it is false, as eager does."""
+    cx.asserts.append((ops.cast(cond, DataType.Bool), msg))
+
+
 @_reg(aten.scatter_reduce.two)
 def _scatter_reduce(cx, x, dim, index, src, reduce, include_self=True):
     """sum, prod, mean, amax, amin of src's values at each index, with x's
@@ -613,6 +620,7 @@ class _Context:
         self._offset = 0
         self._anchor: ops.Tensor | None = None
         self.target = None
+        self.asserts: list[tuple[ops.Tensor, str]] = []  # conditions checked after each call, with their messages
         self.node: torch.fx.Node | None = None  # the FX node being translated
 
     def dtype(self, dt) -> DataType:
@@ -692,6 +700,7 @@ class _Translation:
     seed_index: int | None
     outputs: list  # ('tensor', k) | ('input', argument position) | ('const', value) | ('size', Lin)
     symbols: dict  # symbolic size name -> (argument position, dimension or None for an integer argument)
+    asserts: list = field(default_factory=list)  # (graph output, message): torch._assert_async conditions
 
 
 def translate(gm: torch.fx.GraphModule) -> _Translation:
@@ -752,7 +761,11 @@ def translate(gm: torch.fx.GraphModule) -> _Translation:
                     outs.append(("size", v))
                 else:
                     outs.append(("const", v))
-            return _Translation(cx.graph, tensor_inputs, cx.seed_index, outs, symbols)
+            asserts = []
+            for cond, msg in cx.asserts:
+                cx.graph.add_output(cond.node)
+                asserts.append((len(cx.graph.outputs) - 1, msg))
+            return _Translation(cx.graph, tensor_inputs, cx.seed_index, outs, symbols, asserts)
         else:
             raise UnsupportedOpError(f"FX node kind {node.op}")
     raise UnsupportedOpError("graph without output")
@@ -789,6 +802,9 @@ class CompiledGraph:
             launch = {"stream": _current_stream(index), "ordinal": index, "empty": _allocator(index)}
         outs = self.exe(*arrays, **launch)
         self.stats.record(self.name, self.exe.stats)
+        for k, msg in self.t.asserts:  # value checks (one_hot's class range): the results are not handed out
+            if not bool(outs[k]):
+                raise RuntimeError(msg)
         result = []
         for kind, v in self.t.outputs:
             if kind == "tensor":

@@ -340,6 +340,14 @@ def test_scatter_and_scatter_reduce():
           backward=True)
 
 
+def test_one_hot_checks_its_classes_like_eager():
+    """one_hot asserts its class range (torch._assert_async): the compiled
+    graph returns the condition and the call raises eager's error."""
+    jf = check(lambda i: F.one_hot(i, 5).float() * 2, torch.randint(0, 5, (7,)))
+    with pytest.raises(RuntimeError, match="Class values must be smaller than num_classes"):
+        jf(torch.tensor([1, 7], device=DEVICE))
+
+
 def test_cumulative_products_train():
     check(lambda x: torch.cumprod(x, 1) + torch.cumsum(x, 0), r(4, 7, grad=True), backward=True, rtol=1e-4, atol=1e-4)
 
