@@ -156,8 +156,8 @@ def _broadcast_in_dim(g, ins, p):
 
 
 def _reshape(g, ins, p):
-    if p.get("dimensions") is not None:
-        raise UnsupportedOpError("reshape with dimensions")
+    if p.get("dimensions") is not None:  # the operand transposed first (a grouped convolution's weight gradient)
+        return g.reshape(g.transpose(ins[0], p["dimensions"]), p["new_sizes"])
     return g.reshape(ins[0], p["new_sizes"])
 
 
@@ -447,10 +447,10 @@ _SPATIAL = "HWDUVZ"
 def _conv(g, ins, p):
     """conv_general_dilated; lhs dilation (the input gradient of a strided
     convolution) spreads the input with zeros first, and negative padding
-    (which that gradient may carry) crops it."""
+    (which that gradient may carry) crops it. Batch groups (a grouped
+    convolution's weight gradient) move into the channels: group j's
+    batch rows become channels j*C..(j+1)*C of one feature-grouped convolution."""
     x, w = ins
-    if p["batch_group_count"] != 1:
-        raise UnsupportedOpError("conv_general_dilated with batch groups")
     dn = p["dimension_numbers"]
     nsp = x.rank - 2
     padding = [tuple(pr) for pr in p["padding"]]
@@ -474,7 +474,15 @@ def _conv(g, ins, p):
             out[spec[2 + k]] = _SPATIAL[k]
         return "".join(out)
     lhs, rhs, want = layout(dn.lhs_spec, "N", "C"), layout(dn.rhs_spec, "O", "I"), layout(dn.out_spec, "N", "C")
-    y = g.conv(x, w, p["window_strides"], padding, p["rhs_dilation"], p["feature_group_count"], lhs, rhs)
+    groups = p["feature_group_count"]
+    if p["batch_group_count"] > 1:
+        groups = p["batch_group_count"]
+        canon = "NC" + _SPATIAL[:nsp]
+        t = ops.permute(ops.Tensor(g, x), [lhs.index(c) for c in canon])
+        n, c, sp = int(t.shape[0]) // groups, t.shape[1], list(t.shape[2:])
+        t = ops.permute(ops.reshape(t, [groups, n, c] + sp), [1, 0, 2] + list(range(3, 3 + nsp)))
+        x, lhs = ops.reshape(t, [n, groups * c] + sp).node, canon
+    y = g.conv(x, w, p["window_strides"], padding, p["rhs_dilation"], groups, lhs, rhs)
     perm = [lhs.index(c) for c in want]
     return y if perm == list(range(len(perm))) else g.transpose(y, perm)
 

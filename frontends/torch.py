@@ -344,11 +344,12 @@ def _convolution(cx, x, w, bias, stride, padding, dilation, transposed, output_p
     if transposed:  # the adjoint of a strided convolution: dilated input, flipped kernel, stride 1
         ks = list(w.shape[2:])
         lo = [d * (k - 1) - p for d, k, p in zip(dilation, ks, padding)]
-        if groups != 1 or any(v < 0 for v in lo):
-            raise UnsupportedOpError("transposed convolution with groups or padding larger than the kernel")
-        y = ops.conv(ops.dilate(x, [1, 1] + list(stride)), ops.reverse(w, list(range(2, 2 + nsp))), [1] * nsp,
-                     [(v, v + o) for v, o in zip(lo, output_padding)], list(dilation), 1,
-                     "NC" + letters, "IO" + letters)
+        if any(v < 0 for v in lo):
+            raise UnsupportedOpError("transposed convolution with padding larger than the kernel")
+        wf = ops.reverse(ops.group_transpose(w, groups) if groups > 1 else w, list(range(2, 2 + nsp)))
+        y = ops.conv(ops.dilate(x, [1, 1] + list(stride)), wf, [1] * nsp,
+                     [(v, v + o) for v, o in zip(lo, output_padding)], list(dilation), groups,
+                     "NC" + letters, ("OI" if groups > 1 else "IO") + letters)
     else:
         y = ops.conv(x, w, list(stride), [(p, p) for p in padding], list(dilation), groups,
                      "NC" + letters, "OI" + letters)
@@ -364,14 +365,12 @@ def _convolution_backward(cx, grad, x, w, bias_sizes, stride, padding, dilation,
     A transposed convolution's are those of the convolution it is the adjoint
     of: its input gradient a strided convolution of the gradient, its weight
     gradient the same as a convolution's with input and gradient swapped."""
-    if groups != 1:
-        raise UnsupportedOpError("convolution_backward of grouped convolutions")
     nsp = x.ndim - 2
     letters = "DHW"[-nsp:]
     ks = list(w.shape[2:])
     gx = gw = gb = None
     if output_mask[0] and transposed:
-        gx = ops.conv(grad, w, list(stride), [(p, p) for p in padding], list(dilation), 1,
+        gx = ops.conv(grad, w, list(stride), [(p, p) for p in padding], list(dilation), groups,
                       "NC" + letters, "OI" + letters)
     elif output_mask[0]:
         g = ops.dilate(grad, [1, 1] + list(stride))  # stride - 1 zeros between gradient rows
@@ -383,12 +382,13 @@ def _convolution_backward(cx, grad, x, w, bias_sizes, stride, padding, dilation,
             pads.append((lo, lo + (want - have)))
         if any(p < 0 for pr in pads for p in pr):
             raise UnsupportedOpError("convolution_backward with padding larger than the kernel")
-        wf = ops.reverse(w, list(range(2, 2 + nsp)))
-        gx = ops.conv(g, wf, [1] * nsp, pads, list(dilation), 1, "NC" + letters, "IO" + letters)
+        wf = ops.reverse(ops.group_transpose(w, groups) if groups > 1 else w, list(range(2, 2 + nsp)))
+        gx = ops.conv(g, wf, [1] * nsp, pads, list(dilation), groups, "NC" + letters,
+                      ("OI" if groups > 1 else "IO") + letters)
     if output_mask[1]:
         a, b = (grad, x) if transposed else (x, grad)
         gw = ops.conv_weight_grad(a, b, ks, list(stride), [(p, p) for p in padding], list(dilation),
-                                  "NC" + letters, "OI" + letters)
+                                  "NC" + letters, "OI" + letters, groups)
     if output_mask[2]:
         gb = ops.sum(grad, [0] + list(range(2, 2 + nsp)))
     return gx, gw, gb

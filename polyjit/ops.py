@@ -495,19 +495,41 @@ def conv(x: Tensor, w: Tensor, strides, padding, dilation=None, groups: int = 1,
     return _wrap(g, g.conv(_node(g, x), _node(g, w), strides, padding, dilation, groups, layout, kernel_layout))
 
 
+def group_transpose(w: Tensor, groups: int) -> Tensor:
+    """A grouped kernel's two channel dims exchanged within each group:
+    (groups * a, b, ...) -> (groups * b, a, ...). A grouped convolution's
+    adjoint (its input gradient, or a grouped transposed convolution) is the
+    grouped convolution by this kernel, flipped."""
+    a, b, rest = w.shape[0] // groups, w.shape[1], list(w.shape[2:])
+    w = permute(reshape(w, [groups, a, b] + rest), [0, 2, 1] + list(range(3, 3 + len(rest))))
+    return reshape(w, [groups * b, a] + rest)
+
+
 def conv_weight_grad(x: Tensor, grad: Tensor, kernel_sizes: Sequence[int], strides, padding, dilation=None,
-                     layout: str = "NCHW", kernel_layout: str = "OIHW") -> Tensor:
+                     layout: str = "NCHW", kernel_layout: str = "OIHW", groups: int = 1) -> Tensor:
     """The gradient of conv(x, w, ...)'s kernel, given the gradient of its
     output (in layout): a convolution of x by the gradient, with the batch
     contracted (x's N and C swap roles), strides and dilation exchanged,
     cut to the kernel's sizes, in kernel_layout.
-    dW[o, i, k] = sum_{n, p} x[n, i, p * stride + k * dilation - pad] * grad[n, o, p]."""
+    dW[o, i, k] = sum_{n, p} x[n, i, p * stride + k * dilation - pad] * grad[n, o, p].
+    With groups, x's channels of group j move next to the batch as channels
+    j*N..(j+1)*N, so that a convolution of groups groups pairs each output
+    channel with its own group's inputs only."""
     nsp = x.ndim - 2
     dilation = list(dilation) if dilation is not None else [1] * nsp
-    swapped = layout.translate(str.maketrans("NC", "CN"))
-    as_kernel = layout.translate(str.maketrans("NC", "IO"))
-    gw = conv(x, grad, list(dilation), padding, list(strides), 1, swapped, as_kernel)
-    letters = swapped.translate(str.maketrans("CN", "OI"))  # what each of gw's dims holds
+    if groups > 1:
+        canon = "NC" + "".join(c for c in layout if c not in "NC")
+        to = [layout.index(c) for c in canon]
+        x, grad, layout = permute(x, to), permute(grad, to), canon
+        n, c, sp = x.shape[0], x.shape[1] // groups, list(x.shape[2:])
+        x = permute(reshape(x, [n, groups, c] + sp), [2, 1, 0] + list(range(3, 3 + nsp)))
+        gw = conv(reshape(x, [c, groups * n] + sp), grad, list(dilation), padding, list(strides), groups,
+                  layout, layout.translate(str.maketrans("NC", "IO")))
+        letters = "IO" + canon[2:]  # gw: (channels per group, output channels, window)
+    else:
+        swapped = layout.translate(str.maketrans("NC", "CN"))
+        gw = conv(x, grad, list(dilation), padding, list(strides), 1, swapped, layout.translate(str.maketrans("NC", "IO")))
+        letters = swapped.translate(str.maketrans("CN", "OI"))  # what each of gw's dims holds
     gw = permute(gw, [letters.index(c) for c in kernel_layout])
     spatial = [c for c in layout if c not in "NC"]
     sizes = [kernel_sizes[spatial.index(c)] if c in spatial else n for c, n in zip(kernel_layout, gw.shape)]

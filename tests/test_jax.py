@@ -76,6 +76,17 @@ def test_depthwise_conv_feature_groups(rng):
     check(dw, rnd(rng, 2, 9, 11, 4), rnd(rng, 3, 3, 1, 8), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("groups", [2, 4])
+def test_grouped_conv_gradients(rng, groups):
+    """The kernel's gradient of a grouped convolution is a convolution with
+    batch groups (and a reshape that transposes first)."""
+    def loss(x, w):
+        y = lax.conv_general_dilated(x, w, (2, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                     feature_group_count=groups)
+        return (jnp.tanh(y) * jnp.linspace(-1.0, 1.0, y.size).reshape(y.shape)).sum()
+    check(jax.grad(loss, argnums=(0, 1)), rnd(rng, 2, 9, 8, 4), rnd(rng, 3, 3, 4 // groups, 8), rtol=1e-4, atol=1e-4)
+
+
 def gradient_descent(w, x, num_steps, lr):
     y = jnp.sum(x, 1)
 

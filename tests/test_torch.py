@@ -352,6 +352,19 @@ def test_cumulative_products_train():
     check(lambda x: torch.cumprod(x, 1) + torch.cumsum(x, 0), r(4, 7, grad=True), backward=True, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("make", [lambda: nn.Conv2d(6, 9, 3, padding=1, groups=3),
+                                  lambda: nn.Conv2d(6, 6, 3, stride=2, padding=1, groups=6),
+                                  lambda: nn.Conv2d(4, 8, (3, 2), dilation=2, groups=2),
+                                  lambda: nn.ConvTranspose2d(6, 4, 3, stride=2, padding=1, output_padding=1, groups=2)],
+                         ids=["groups3", "depthwise_s2", "dilated", "transposed"])
+def test_grouped_convolution_trains(make):
+    """Grouped and depthwise convolutions: the input gradient convolves by the
+    kernel transposed within each group, the weight gradient pairs each output
+    channel with its own group's inputs."""
+    mod = make()
+    check_module(mod, torch.randn(2, mod.in_channels, 9, 8), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("kw", [dict(stride=2), dict(stride=2, padding=1, output_padding=1),
                                 dict(stride=3, dilation=2, padding=2)], ids=["s2", "s2_p1_op1", "s3_d2_p2"])
 def test_transposed_convolution_trains(kw):
