@@ -140,13 +140,6 @@ def _reduce(op):
     return lambda g, ins, p: g.reduce(op, ins[0], p["axes"])
 
 
-def _reduce_bool(op):
-    def rule(g, ins, p):
-        x = g.cast(ins[0], DataType.Int32)
-        return g.cast(g.reduce(op, x, p["axes"]), DataType.Bool)
-    return rule
-
-
 def _argreduce(op):
     return lambda g, ins, p: g.argreduce(op, ins[0], p["axes"][0])
 
@@ -534,7 +527,8 @@ PRIMITIVES: dict[str, Callable] = {
     "iota": lambda g, ins, p: g.iota(p["shape"], p["dimension"], core_dtype(p["dtype"])),
     # reductions and windows
     "reduce_sum": _reduce("sum"), "reduce_max": _reduce("max"), "reduce_min": _reduce("min"),
-    "reduce_prod": _reduce("prod"), "reduce_and": _reduce_bool("min"), "reduce_or": _reduce_bool("max"),
+    "reduce_prod": _reduce("prod"), "reduce_and": lambda g, ins, p: ops.reduce_all(ops.Tensor(g, ins[0]), p["axes"]).node,
+    "reduce_or": lambda g, ins, p: ops.reduce_any(ops.Tensor(g, ins[0]), p["axes"]).node,
     "argmax": _argreduce("argmax"), "argmin": _argreduce("argmin"),
     "cumsum": _cumulative("sum"), "cumprod": _cumulative("prod"), "cummax": _cumulative("max"),
     "cummin": _cumulative("min"),

@@ -238,11 +238,9 @@ def _reduce(op):
     return rule
 
 
-def _any_all(op):
-    def rule(g, ins, o):
-        x = g.cast(ins[0], DataType.Int32)
-        return g.cast(g.reduce(op, x, _axes(ins[1], x.rank), o.get_attr("keep_dims")), DataType.Bool)
-    return rule
+def _boolean(reduce):
+    """Any and All, through the core's reduce_any / reduce_all."""
+    return lambda g, ins, o: reduce(ops.Tensor(g, ins[0]), _axes(ins[1], ins[0].rank), o.get_attr("keep_dims")).node
 
 
 def _cumulative(op):
@@ -620,7 +618,8 @@ TF_OPS: dict[str, Callable] = {
     # reductions
     "Sum": _reduce("sum"), "Max": _reduce("max"), "Min": _reduce("min"), "Prod": _reduce("prod"),
     "Mean": _mean, "ArgMax": _argreduce("argmax"), "ArgMin": _argreduce("argmin"),
-    "Any": _any_all("max"), "All": _any_all("min"), "Cumsum": _cumulative("sum"), "Cumprod": _cumulative("prod"),
+    "Any": _boolean(ops.reduce_any), "All": _boolean(ops.reduce_all),
+    "Cumsum": _cumulative("sum"), "Cumprod": _cumulative("prod"),
     "GatherV2": _gather, "GatherNd": _gather_nd, "OneHot": _one_hot, "TopKV2": _top_k,
     "ResizeBilinear": _resize_bilinear,
     "ReverseV2": lambda g, ins, o: g.reverse(ins[0], [int(a) for a in np.atleast_1d(_static(ins[1], "axes"))]),

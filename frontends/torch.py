@@ -309,9 +309,12 @@ ATEN[aten.max.dim] = lambda cx, x, dim, keepdim=False: (ops.max(x, [dim], keepdi
 ATEN[aten.min.dim] = lambda cx, x, dim, keepdim=False: (ops.min(x, [dim], keepdim), ops.argmin(x, dim, keepdim))
 ATEN[aten.max.default] = lambda cx, x: ops.max(x)
 ATEN[aten.min.default] = lambda cx, x: ops.min(x)
-ATEN[aten.any.dim] = ATEN[aten.any.dims] = lambda cx, x, dim=None, keepdim=False: ops.max(
-    ops.cast(x, DataType.Bool), _dims(x, dim), keepdim)
-ATEN[aten.all.dim] = lambda cx, x, dim=None, keepdim=False: ops.min(ops.cast(x, DataType.Bool), _dims(x, dim), keepdim)
+ATEN[aten.any.dim] = ATEN[aten.any.dims] = lambda cx, x, dim=None, keepdim=False: ops.reduce_any(
+    x, _dims(x, dim), keepdim)
+ATEN[aten.all.dim] = ATEN[aten.all.dims] = lambda cx, x, dim=None, keepdim=False: ops.reduce_all(
+    x, _dims(x, dim), keepdim)
+ATEN[aten.any.default] = lambda cx, x: ops.reduce_any(x)
+ATEN[aten.all.default] = lambda cx, x: ops.reduce_all(x)
 ATEN[aten.cumsum.default] = lambda cx, x, dim, dtype=None: ops.cumsum(
     ops.cast(x, cx.dtype(dtype)) if dtype is not None else x, dim)
 ATEN[aten.sort.default] = lambda cx, x, dim=-1, descending=False: ops.sort(x, dim, descending)

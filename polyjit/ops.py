@@ -344,6 +344,16 @@ sum, max, min, prod = map(_reduce, ("sum", "max", "min", "prod"))
 _pymax = _b.max
 
 
+def reduce_any(x: Tensor, dims=None, keepdim: bool = False) -> Tensor:
+    """Whether any element over dims is nonzero (a max of booleans)."""
+    return max(cast(x, DataType.Bool), dims, keepdim)
+
+
+def reduce_all(x: Tensor, dims=None, keepdim: bool = False) -> Tensor:
+    """Whether every element over dims is nonzero (a min of booleans)."""
+    return min(cast(x, DataType.Bool), dims, keepdim)
+
+
 def _count(x: Tensor, dims):
     """How many elements of x the reduction over dims takes: a number, or an
     int64 scalar tensor when a size is symbolic (a product of sizes is not

@@ -340,6 +340,10 @@ def test_scatter_and_scatter_reduce():
           backward=True)
 
 
+def test_any_all():
+    check(lambda x: ((x > 1).any(1), (x > -1).all(0), torch.any(x > 0)), r(5, 7))
+
+
 def test_one_hot_checks_its_classes_like_eager():
     """one_hot asserts its class range (torch._assert_async): the compiled
     graph returns the condition and the call raises eager's error."""
