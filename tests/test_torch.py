@@ -345,9 +345,10 @@ def test_any_all():
 
 
 def test_one_hot_checks_its_classes_like_eager():
-    """one_hot asserts its class range on the CPU (torch._assert_async; on
-    CUDA eager checks nothing): the compiled graph returns the condition and
-    the call raises eager's error."""
+    """one_hot asserts its class range on the CPU (torch._assert_async; the
+    graph torch traces on CUDA carries no check, eager relying on a device
+    assert there): the compiled graph returns the condition and the call
+    raises eager's error."""
     jf = check(lambda i: F.one_hot(i, 5).float() * 2, torch.randint(0, 5, (7,)))
     if DEVICE == "cpu":
         with pytest.raises(RuntimeError, match="Class values must be smaller than num_classes"):
