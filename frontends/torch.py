@@ -32,7 +32,7 @@ from polyjit import ops
 from polyjit.api import Executable
 from polyjit.cuda import GpuView
 from polyjit.dtypes import DataType
-from polyjit.errors import InputError, UnsupportedOpError
+from polyjit.errors import DefinitionError, InputError, UnsupportedOpError
 from polyjit.graph import Graph
 from polyjit.options import CompileOptions, parse_options
 from polyjit import sizes as sz
@@ -876,8 +876,8 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: CompileOptions
     unsupported = [n for n in gm.graph.nodes if n.op == "call_function" and not support.is_node_supported({}, n)]
     if not unsupported:
         try:
-            return CompiledGraph(gm, options, name, stats)
-        except UnsupportedOpError as e:
+            return _compiled(gm, options, name, stats)
+        except (UnsupportedOpError, DefinitionError) as e:
             if options.strict:
                 raise
             log.debug("whole-graph translation failed (%s); partitioning", e)
@@ -888,13 +888,22 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: CompileOptions
     for sub_name, sub in list(fused.named_children()):
         if isinstance(sub, torch.fx.GraphModule):
             try:
-                setattr(fused, sub_name, _as_module(CompiledGraph(sub, options, f"{name}_{sub_name}", stats)))
-            except UnsupportedOpError as e:  # an op the table has, with arguments it refuses
+                setattr(fused, sub_name, _as_module(_compiled(sub, options, f"{name}_{sub_name}", stats)))
+            except (UnsupportedOpError, DefinitionError) as e:  # an op the table has, with arguments it refuses
                 if options.strict:
                     raise
                 fallback(stats, str(e), "eager PyTorch")
     fused.recompile()
     return fused
+
+
+def _compiled(gm, options: CompileOptions, name: str, stats: Stats) -> CompiledGraph:
+    """A graph translated and compiled for contiguous inputs now, so that
+    what the compiler refuses (a size that is not affine) becomes a counted
+    fallback here rather than an error at the first call."""
+    compiled = CompiledGraph(gm, options, name, stats)
+    compiled.exe.compile_default()
+    return compiled
 
 
 def _as_module(compiled: CompiledGraph) -> torch.nn.Module:

@@ -16,7 +16,7 @@ import numpy as np
 
 from . import sizes as sz
 from .dtypes import DataType, to_dtype
-from .errors import DefinitionError
+from .errors import DefinitionError, UnsupportedOpError
 from .graph import Graph, Node
 
 
@@ -528,6 +528,8 @@ def conv_weight_grad(x: Tensor, grad: Tensor, kernel_sizes: Sequence[int], strid
     nsp = x.ndim - 2
     dilation = list(dilation) if dilation is not None else [1] * nsp
     if groups > 1:
+        if not sz.is_static(x.shape[layout.index("N")]):  # group j's channels j*N.. would not be affine
+            raise UnsupportedOpError("the weight gradient of a grouped convolution over a symbolic batch")
         canon = "NC" + "".join(c for c in layout if c not in "NC")
         to = [layout.index(c) for c in canon]
         x, grad, layout = permute(x, to), permute(grad, to), canon

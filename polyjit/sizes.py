@@ -59,9 +59,11 @@ class Lin:
         k = int(k)
         if all(c % k == 0 for _, c in self.terms):
             return _make({n: c // k for n, c in self.terms}, self.const // k)
-        name = re.sub(r"[^A-Za-z0-9_]", "", str(self).replace(" - ", "_m").replace(" + ", "_p")
+        base = re.sub(r"[^A-Za-z0-9_]", "", str(self).replace(" - ", "_m").replace(" + ", "_p")
                       .replace("*", "x").replace("-", "m")) + f"_div{k}"
-        _DERIVED.setdefault(name, (self, k))
+        name, n = base, 1
+        while _DERIVED.setdefault(name, (self, k)) != (self, k):  # a name another quotient took
+            name, n = f"{base}_{n}", n + 1
         return Lin.param(name)
 
     def params(self) -> set[str]:
@@ -116,10 +118,6 @@ def _value(name: str, env: Mapping[str, int]) -> int:
         return env[name]
     num, k = _DERIVED[name]
     return num.evaluate(env) // k
-
-
-def is_derived(name: str) -> bool:
-    return name in _DERIVED
 
 
 def with_derived(env: dict[str, int], params) -> dict[str, int]:
