@@ -487,6 +487,8 @@ PRIMITIVES: dict[str, Callable] = {
         ("expm1", "expm1"), ("sqrt", "sqrt"), ("rsqrt", "rsqrt"), ("sin", "sin"), ("cos", "cos"),
         ("tan", "tan"), ("tanh", "tanh"), ("erf", "erf"), ("logistic", "sigmoid"), ("floor", "floor"),
         ("ceil", "ceil"), ("sign", "sign"), ("is_finite", "isfinite"), ("erf_inv", "erf_inv")]},
+    "lgamma": lambda g, ins, p: ops.lgamma(ops.Tensor(g, ins[0])).node,
+    "digamma": lambda g, ins, p: ops.digamma(ops.Tensor(g, ins[0])).node,
     **{name: _binary(op) for name, op in [
         ("add", "add"), ("add_any", "add"), ("sub", "sub"), ("mul", "mul"), ("max", "maximum"),
         ("min", "minimum"), ("pow", "pow"), ("atan2", "atan2"), ("rem", "fmod"), ("eq", "eq"), ("ne", "ne"),

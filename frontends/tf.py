@@ -585,6 +585,8 @@ TF_OPS: dict[str, Callable] = {
         ("Ceil", "ceil"), ("Round", "round"), ("Sign", "sign"), ("IsNan", "isnan"), ("IsInf", "isinf"),
         ("IsFinite", "isfinite"), ("Relu", "relu"), ("LogicalNot", "logical_not"),
         ("Reciprocal", "reciprocal"), ("Inv", "reciprocal")]},
+    "Lgamma": lambda g, ins, o: ops.lgamma(ops.Tensor(g, ins[0])).node,
+    "Digamma": lambda g, ins, o: ops.digamma(ops.Tensor(g, ins[0])).node,
     **{name: _binary(op) for name, op in [
         ("Add", "add"), ("AddV2", "add"), ("Sub", "sub"), ("Mul", "mul"), ("Maximum", "maximum"),
         ("Minimum", "minimum"), ("Pow", "pow"), ("Atan2", "atan2"), ("Less", "lt"), ("LessEqual", "le"),

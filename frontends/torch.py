@@ -107,7 +107,7 @@ for _name, _op in [("neg", ops.neg), ("abs", ops.abs), ("exp", ops.exp), ("log",
                    ("erf", ops.erf), ("sigmoid", ops.sigmoid), ("floor", ops.floor), ("ceil", ops.ceil),
                    ("round", ops.round), ("sign", ops.sign), ("reciprocal", ops.reciprocal),
                    ("relu", ops.relu), ("logical_not", ops.logical_not), ("isnan", ops.isnan),
-                   ("isinf", ops.isinf)]:
+                   ("isinf", ops.isinf), ("lgamma", ops.lgamma), ("digamma", ops.digamma)]:
     ATEN[getattr(aten, _name).default] = (lambda op: lambda cx, a: op(a))(_op)
 
 

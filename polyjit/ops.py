@@ -829,6 +829,74 @@ def gelu(x: Tensor, approximate: str = "none") -> Tensor:
     return 0.5 * x * (1.0 + erf(x * (1.0 / math.sqrt(2.0))))
 
 
+_SHIFT = 8  # lgamma and digamma step small arguments up this far, where their asymptotic series converge
+
+
+def _special(x: Tensor, fn) -> Tensor:
+    """fn(x) computed in x's compute type (integers as float32)."""
+    out = x.dtype if x.dtype.is_float else DataType.Float
+    return cast(fn(cast(x, out.compute)), out)
+
+
+def _reflected(x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(z, sin(pi x), cos(pi x), whether x is a pole), z = x for x >= 0.5,
+    else 1 - x (the reflection formulas' argument). The sine and cosine take
+    x - 2 round(x / 2) folded into [0, 1/2] (exact steps), so they stay
+    accurate near integers, where the reflection needs them most."""
+    r = x - 2.0 * round(x * 0.5)
+    a = abs(r)
+    flip = a > 0.5
+    t = math.pi * where(flip, 1.0 - a, a)
+    s = where(r < 0.0, -sin(t), sin(t))
+    c = where(flip, -cos(t), cos(t))
+    return where(x < 0.5, 1.0 - x, x), s, c, logical_and(x <= 0.0, x == floor(x))
+
+
+def lgamma(x: Tensor) -> Tensor:
+    """log|Gamma(x)|: for z >= 8 Stirling's series, smaller z stepped up by
+    the recurrence Gamma(z + 8) = z (z + 1) ... (z + 7) Gamma(z), and x < 0.5
+    reflected (Gamma(x) Gamma(1 - x) = pi / sin(pi x)); inf at the poles
+    (0, -1, -2, ...) and at +-inf. Computed in float64."""
+    def f(x):
+        z, s, _, pole = _reflected(x)
+        small = z < _SHIFT
+        zz = where(small, z + float(_SHIFT), z)
+        prod = z
+        for k in range(1, _SHIFT):
+            prod = prod * (z + float(k))
+        r = reciprocal(zz)
+        r2 = r * r
+        series = r * (1 / 12 + r2 * (-1 / 360 + r2 * (1 / 1260 + r2 * (-1 / 1680 + r2 * (1 / 1188)))))
+        big = (zz - 0.5) * log(zz) - zz + 0.5 * math.log(2 * math.pi) + series
+        lg = where(small, big - log(where(small, prod, full_like(prod, 1.0))), big)
+        out = where(x < 0.5, math.log(math.pi) - log(abs(s)) - lg, lg)
+        return where(logical_or(pole, isinf(x)), full_like(x, math.inf), out)
+    return _special(x, f)
+
+
+def digamma(x: Tensor) -> Tensor:
+    """d/dx log Gamma(x): the asymptotic series for z >= 8, smaller z by
+    psi(z) = psi(z + 8) - sum 1/(z + k), x < 0.5 reflected (psi(1 - x) -
+    psi(x) = pi cot(pi x)); -inf at 0 and NaN at the negative integers, as
+    torch and SciPy give. Computed in float64."""
+    def f(x):
+        z, s, c, pole = _reflected(x)
+        small = z < _SHIFT
+        zz = where(small, z + float(_SHIFT), z)
+        steps = None
+        for k in range(_SHIFT):
+            t = reciprocal(z + float(k))
+            steps = t if steps is None else steps + t
+        r = reciprocal(zz)
+        r2 = r * r
+        series = r2 * (1 / 12 + r2 * (-1 / 120 + r2 * (1 / 252 + r2 * (-1 / 240 + r2 * (1 / 132)))))
+        psi = log(zz) - 0.5 * r - series
+        psi = where(small, psi - steps, psi)
+        out = where(x < 0.5, psi - math.pi * c / s, psi)
+        return where(pole, where(x == 0.0, full_like(x, -math.inf), full_like(x, math.nan)), out)
+    return _special(x, f)
+
+
 def silu(x: Tensor) -> Tensor:
     return x * sigmoid(x)
 
