@@ -26,6 +26,7 @@ def fresh_dynamo():
 
 TARGET = os.environ.get("POLYJIT_TEST_TARGET", "cpu")  # nvgpu: the checks below run on the GPU
 DEVICE = "cuda" if TARGET == "nvgpu" else "cpu"
+torch.backends.cudnn.allow_tf32 = False  # eager's reference convolutions in full float32 (cuDNN may pick TF32)
 
 
 def assert_close(a, b, rtol=1e-5, atol=1e-5):
