@@ -540,7 +540,6 @@ def _scatter_reduce(cx, x, dim, index, src, reduce, include_self=True):
     """sum, prod, mean, amax, amin of src's values at each index, with x's
     own value (include_self) or in its place where an index hits."""
     op = {"sum": "sum", "mean": "sum", "prod": "prod", "amax": "max", "amin": "min"}[reduce]
-    src = ops.slice(src, [0] * src.ndim, list(index.shape)) if list(src.shape) != list(index.shape) else src
     got = ops.scatter_reduce(op, list(x.shape), index, src, dim, along=True)
     hits = ops.scatter_add(list(x.shape), index, ops.full_like(index, 1, DataType.Int), dim, along=True)
     if reduce == "mean":
