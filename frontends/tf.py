@@ -411,11 +411,12 @@ def _conv2d(g, ins, o):
     return g.conv(x, w, strides, pads, dil, 1, layout, "HWIO")
 
 
-def _conv2d_backprop_input(g, ins, o):
+def _conv2d_backprop_input(g, ins, o, depthwise: bool = False):
     """A transposed convolution (conv2d_transpose, Keras' Conv2DTranspose):
     the output gradient spread with zeros by the strides, padded so that the
     result has input_sizes, convolved with the flipped filter, its channel
-    roles swapped."""
+    roles swapped. A depthwise filter (H, W, C, M) read that way is a
+    grouped kernel: C groups of M gradient channels each."""
     sizes, w, dy = ins
     sizes = [int(v) for v in _static(sizes, "Conv2DBackpropInput's input_sizes")]
     layout, sp, strides, dil, pads = _window(o, types.SimpleNamespace(shape=tuple(sizes), rank=len(sizes)),
@@ -433,7 +434,7 @@ def _conv2d_backprop_input(g, ins, o):
         new_pads.append((lo, sizes[d] - x.shape[d] - lo + span))
     if any(v < 0 for pr in new_pads for v in pr):
         raise UnsupportedOpError("Conv2DBackpropInput with padding larger than the filter")
-    return g.conv(x, g.reverse(w, [0, 1]), [1, 1], new_pads, dil, 1, layout, "HWOI")
+    return g.conv(x, g.reverse(w, [0, 1]), [1, 1], new_pads, dil, int(w.shape[2]) if depthwise else 1, layout, "HWOI")
 
 
 def _depthwise(g, ins, o):
@@ -487,6 +488,16 @@ def _conv2d_backprop_filter(g, ins, o):
     layout, _, strides, dil, pads = _window(o, x, sizes[:2])
     return ops.conv_weight_grad(ops.Tensor(g, x), ops.Tensor(g, dy), sizes[:2], strides, pads, dil,
                                 layout, "HWIO").node
+
+
+def _depthwise_backprop_filter(g, ins, o):
+    """A depthwise filter's gradient: the grouped kernel's (C groups), shaped back to (H, W, C, M)."""
+    x, sizes, dy = ins
+    sizes = [int(v) for v in _static(sizes, "DepthwiseConv2dNativeBackpropFilter's filter_sizes")]
+    layout, _, strides, dil, pads = _window(o, x, sizes[:2])
+    gw = ops.conv_weight_grad(ops.Tensor(g, x), ops.Tensor(g, dy), sizes[:2], strides, pads, dil, layout, "HWIO",
+                              groups=sizes[2])
+    return g.reshape(gw.node, sizes)
 
 
 def _bias_add_grad(g, ins, o):
@@ -640,6 +651,8 @@ TF_OPS: dict[str, Callable] = {
     "TanhGrad": lambda g, ins, o: g.binary("mul", ins[1], g.binary(
         "sub", g.constant(1, ins[0].dtype), g.binary("mul", ins[0], ins[0]))),
     "BiasAddGrad": _bias_add_grad, "MaxPoolGrad": _max_pool_grad, "Conv2DBackpropFilter": _conv2d_backprop_filter,
+    "DepthwiseConv2dNativeBackpropInput": lambda g, ins, o: _conv2d_backprop_input(g, ins, o, depthwise=True),
+    "DepthwiseConv2dNativeBackpropFilter": _depthwise_backprop_filter,
     "SoftmaxCrossEntropyWithLogits": _softmax_cross_entropy(False),
     "SparseSoftmaxCrossEntropyWithLogits": _softmax_cross_entropy(True),
 }

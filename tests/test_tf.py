@@ -106,6 +106,21 @@ def test_keras_cnn_training_step_with_gradient_tape(rng, padding, pool):
     check(step, rnd(rng, 4, 9, 9, 3), tf.constant(rng.integers(0, 5, 4)), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("strides,multiplier", [(1, 1), (2, 2)])
+def test_depthwise_convolution_training_step(rng, strides, multiplier):
+    """A Keras DepthwiseConv2D's gradients (DepthwiseConv2dNativeBackpropInput
+    and ...Filter) as grouped convolutions."""
+    model = keras.Sequential([keras.Input((8, 9, 3)), keras.layers.Conv2D(4, 1),
+                              keras.layers.DepthwiseConv2D(3, strides, padding="same", depth_multiplier=multiplier),
+                              keras.layers.Flatten(), keras.layers.Dense(2)])
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.tanh(model(x)))
+        return loss, tape.gradient(loss, model.trainable_variables)
+    check(step, rnd(rng, 2, 8, 9, 3), rtol=1e-4, atol=1e-5)
+
+
 def test_keras_multi_head_attention_einsums(rng):
     mha = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)
     x = rnd(rng, 2, 5, 8)
