@@ -169,8 +169,8 @@ def test_parallel_loop_never_carries_a_reduction(rng):
             it = line.split("parallel:")[1].strip()
             assert lines[i + 1].strip().startswith(f"for (int {it} ="), lines[i:i + 2]
     want = a.astype(np.float64) @ b
-    for _ in range(20):
-        np.testing.assert_allclose(exe(a, b), want, rtol=1e-4, atol=1e-4)
+    for _ in range(20):  # a race loses whole partial sums; float32 rounding over 2048 terms is up to ~2e-4
+        np.testing.assert_allclose(exe(a, b), want, rtol=1e-4, atol=1e-3)
 
 
 @pytest.mark.parametrize("shape", [(3, 256, 64), (3, 2, 4096)])
