@@ -402,15 +402,9 @@ def _scatter(how: str):
             flat = g.where(valid, flat, g.constant(total, flat.dtype))
         flat = ops.Tensor(g, g.reshape(flat, [-1]))
         values = ops.Tensor(g, g.reshape(updates, [-1]))
-        if how == "set":
-            canvas = ops.pad(ops.reshape(ops.Tensor(g, x), [-1]), [0, 1])
-            out = ops.scatter(canvas, flat, values, 0)
-        else:
-            out = ops.scatter_reduce(how, [total + 1], flat, values, 0, along=True)
-        out = ops.reshape(ops.slice(out, [0], [total]), list(x.shape))
-        if how == "set":
-            return out.node
-        return {"sum": ops.add, "prod": ops.mul, "min": ops.minimum, "max": ops.maximum}[how](ops.Tensor(g, x), out).node
+        canvas = ops.pad(ops.reshape(ops.Tensor(g, x), [-1]), [0, 1])
+        out = ops.scatter(canvas, flat, values) if how == "set" else ops.scatter_combine(canvas, how, flat, values)
+        return ops.reshape(ops.slice(out, [0], [total]), list(x.shape)).node
     return rule
 
 

@@ -522,7 +522,7 @@ ATEN[aten.embedding.default] = lambda cx, w, index, *rest: ops.index_select(w, 0
 
 @_reg(aten.scatter_add.default)
 def _scatter_add(cx, x, dim, index, src):
-    return x + ops.scatter_add(list(x.shape), index, src, dim, along=True)
+    return ops.scatter_combine(x, "sum", index, src, dim)
 
 
 ATEN[aten.scatter.src] = lambda cx, x, dim, index, src: ops.scatter(x, index, src, dim)
@@ -546,7 +546,7 @@ def _scatter_reduce(cx, x, dim, index, src, reduce, include_self=True):
         total, count = (got + x, hits + 1) if include_self else (got, ops.maximum(hits, ops.full_like(hits, 1)))
         got = total / ops.cast(count, x.dtype) if x.dtype.is_float else ops.floor_divide(total, ops.cast(count, x.dtype))
     elif include_self:
-        return {"sum": ops.add, "prod": ops.mul, "max": ops.maximum, "min": ops.minimum}[op](x, got)
+        return ops.scatter_combine(x, op, index, src, dim)
     return got if include_self else ops.where(hits > 0, got, x)
 
 

@@ -401,7 +401,7 @@ class Graph:
         shape = []
         for d in range(r):
             ext = x.shape[d] + padding[d][0] + padding[d][1] - dilation[d] * (window[d] - 1) - 1
-            shape.append(ext // strides[d] + 1 if isinstance(ext, Lin) else max(0, ext // strides[d] + 1))
+            shape.append(sz.windows(ext, strides[d]))
         attrs = {"op": op, "window": tuple(window), "strides": tuple(strides),
                  "padding": tuple(map(tuple, padding)), "dilation": tuple(dilation)}
         return Node("reduce_window", (x,), attrs, tuple(shape), x.dtype)
@@ -462,7 +462,7 @@ class Graph:
                 k = sp.index(c)
                 ks = w.shape[kernel_layout.index(c)]  # symbolic in a weight gradient: the output's gradient
                 ext = x.shape[layout.index(c)] + padding[k][0] + padding[k][1] - dilation[k] * (ks - 1) - 1
-                shape.append(ext // strides[k] + 1 if isinstance(ext, Lin) else max(0, ext // strides[k] + 1))
+                shape.append(sz.windows(ext, strides[k]))
         attrs = {"strides": tuple(strides), "padding": tuple(map(tuple, padding)),
                  "dilation": tuple(dilation), "groups": groups, "layout": layout,
                  "kernel_layout": kernel_layout}

@@ -527,20 +527,21 @@ def conv_weight_grad(x: Tensor, grad: Tensor, kernel_sizes: Sequence[int], strid
     channel with its own group's inputs only."""
     nsp = x.ndim - 2
     dilation = list(dilation) if dilation is not None else [1] * nsp
+    as_kernel = layout.translate(str.maketrans("NC", "IO"))  # the gradient read as the kernel
     if groups > 1:
         if not sz.is_static(x.shape[layout.index("N")]):  # group j's channels j*N.. would not be affine
             raise UnsupportedOpError("the weight gradient of a grouped convolution over a symbolic batch")
         canon = "NC" + "".join(c for c in layout if c not in "NC")
         to = [layout.index(c) for c in canon]
-        x, grad, layout = permute(x, to), permute(grad, to), canon
+        x, grad, layout, as_kernel = permute(x, to), permute(grad, to), canon, "IO" + canon[2:]
         n, c, sp = x.shape[0], x.shape[1] // groups, list(x.shape[2:])
         x = permute(reshape(x, [n, groups, c] + sp), [2, 1, 0] + list(range(3, 3 + nsp)))
         gw = conv(reshape(x, [c, groups * n] + sp), grad, list(dilation), padding, list(strides), groups,
-                  layout, layout.translate(str.maketrans("NC", "IO")))
-        letters = "IO" + canon[2:]  # gw: (channels per group, output channels, window)
+                  layout, as_kernel)
+        letters = as_kernel  # gw: (channels per group, output channels, window)
     else:
         swapped = layout.translate(str.maketrans("NC", "CN"))
-        gw = conv(x, grad, list(dilation), padding, list(strides), 1, swapped, layout.translate(str.maketrans("NC", "IO")))
+        gw = conv(x, grad, list(dilation), padding, list(strides), 1, swapped, as_kernel)
         letters = swapped.translate(str.maketrans("CN", "OI"))  # what each of gw's dims holds
     gw = permute(gw, [letters.index(c) for c in kernel_layout])
     spatial = [c for c in layout if c not in "NC"]
@@ -590,7 +591,7 @@ def max_pool_with_positions(x: Tensor, window: Sequence[int], strides: Sequence[
     lead = list(x.shape[:-nsp])
     dilation = list(dilation) if dilation is not None else [1] * nsp
     spatial = list(x.shape[-nsp:])
-    out = [(n + 2 * p - d * (k - 1) - 1) // s + 1 for n, k, s, p, d in zip(spatial, window, strides, padding, dilation)]
+    out = [sz.windows(n + 2 * p - d * (k - 1) - 1, s) for n, k, s, p, d in zip(spatial, window, strides, padding, dilation)]
     padded = any(padding)
     xp = pad(x, [w for p in reversed(padding) for w in (p, p)], -math.inf) if padded else x
     cell = _window_cells(x, lead + out, strides, padding, dilation)
@@ -704,6 +705,16 @@ def scatter_add(shape: Sequence, index: Tensor, src: Tensor, axis: int = 0, alon
     """zeros(shape) with src's slices added at index along axis (index_add);
     with along=True, src[i] is added at index[i] (torch.scatter_add)."""
     return scatter_reduce("sum", shape, index, src, axis, along)
+
+
+_COMBINE = {"sum": add, "prod": mul, "max": maximum, "min": minimum}
+
+
+def scatter_combine(x: Tensor, op: str, index: Tensor, src: Tensor, axis: int = 0) -> Tensor:
+    """x with src[i] combined into it by op at index[i] along axis
+    (torch.scatter_add / scatter_reduce with self, JAX's scatter_add, _mul,
+    _min and _max)."""
+    return _COMBINE[op](x, scatter_reduce(op, x.shape, index, src, axis, along=True))
 
 
 def scatter(x: Tensor, index: Tensor, src: Tensor, axis: int = 0) -> Tensor:
@@ -838,6 +849,12 @@ def _special(x: Tensor, fn) -> Tensor:
     return cast(fn(cast(x, out.compute)), out)
 
 
+def _stepped(z: Tensor) -> tuple[Tensor, Tensor]:
+    """(whether z < 8, z or z + 8): where the asymptotic series is evaluated."""
+    small = z < _SHIFT
+    return small, where(small, z + float(_SHIFT), z)
+
+
 def _reflected(x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(z, sin(pi x), cos(pi x), whether x is a pole), z = x for x >= 0.5,
     else 1 - x (the reflection formulas' argument). The sine and cosine take
@@ -856,11 +873,10 @@ def lgamma(x: Tensor) -> Tensor:
     """log|Gamma(x)|: for z >= 8 Stirling's series, smaller z stepped up by
     the recurrence Gamma(z + 8) = z (z + 1) ... (z + 7) Gamma(z), and x < 0.5
     reflected (Gamma(x) Gamma(1 - x) = pi / sin(pi x)); inf at the poles
-    (0, -1, -2, ...) and at +-inf. Computed in float64."""
+    (0, -1, -2, ...) and at +-inf."""
     def f(x):
         z, s, _, pole = _reflected(x)
-        small = z < _SHIFT
-        zz = where(small, z + float(_SHIFT), z)
+        small, zz = _stepped(z)
         prod = z
         for k in range(1, _SHIFT):
             prod = prod * (z + float(k))
@@ -878,11 +894,10 @@ def digamma(x: Tensor) -> Tensor:
     """d/dx log Gamma(x): the asymptotic series for z >= 8, smaller z by
     psi(z) = psi(z + 8) - sum 1/(z + k), x < 0.5 reflected (psi(1 - x) -
     psi(x) = pi cot(pi x)); -inf at 0 and NaN at the negative integers, as
-    torch and SciPy give. Computed in float64."""
+    torch and SciPy give."""
     def f(x):
         z, s, c, pole = _reflected(x)
-        small = z < _SHIFT
-        zz = where(small, z + float(_SHIFT), z)
+        small, zz = _stepped(z)
         steps = None
         for k in range(_SHIFT):
             t = reciprocal(z + float(k))

@@ -106,6 +106,12 @@ def _make(d: dict, const: int) -> Size:
     return Lin(terms, const) if terms else const
 
 
+def windows(span: Size, stride: int) -> Size:
+    """How many windows a stride places where span = the padded extent minus
+    the window's own (dilated) extent: span // stride + 1, at least 0 when known."""
+    return span // stride + 1 if isinstance(span, Lin) else max(0, int(span) // stride + 1)
+
+
 def _not_affine(what: str) -> Exception:
     """The error for a size outside affine expressions: frontends run such a
     graph in the framework (a counted fallback) unless strict."""
