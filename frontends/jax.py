@@ -712,6 +712,12 @@ def _norm_static(static, where: str) -> tuple[int, ...]:
     raise CompileOptionError(f"{where} 'static_argnums' is {static!r}; expected {_FRONTEND_KEYS['static_argnums']}")
 
 
+def _path(tree, leaves, k: int) -> str:
+    """How leaf k of the arguments is reached, as ``jax.tree_util.keystr`` writes it (for messages)."""
+    path, _ = jax.tree_util.tree_flatten_with_path(jax.tree_util.tree_unflatten(tree, leaves))[0][k]
+    return jax.tree_util.keystr(path)
+
+
 @dataclass
 class _Signature:
     tree: Any
@@ -759,27 +765,27 @@ class JaxFunction:
         return statics, leaves, tree
 
     def _check_leaves(self, leaves, tree) -> list:
-        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
-            jax.tree_util.tree_unflatten(tree, leaves))[0]]
-        devices = {}
+        devices = {}  # leaf index -> device
         out = []
-        for path, x in zip(paths, leaves):
+        scalars = 0  # Python numbers: they go wherever the arrays are
+        for k, x in enumerate(leaves):
             if isinstance(x, (bool, int, float)):
                 x = np.asarray(x, dtype=jnp.asarray(x).dtype)
-            elif isinstance(x, jax.Array) and _is_key(x):  # a typed key: its data, a raw key to jax.random
-                devices[path] = next(iter(x.devices()))
-                x = jax.random.key_data(x)
+                scalars += 1
             elif isinstance(x, jax.Array):
-                devices[path] = next(iter(x.devices()))
+                devices[k] = next(iter(x.devices()))
+                if _is_key(x):  # a typed key: its data, a raw key to jax.random
+                    x = jax.random.key_data(x)
             elif not isinstance(x, np.ndarray):
-                raise InputError(f"{self.__name__}: argument {path} is a {type(x).__name__}; expected a "
-                                 f"jax.Array, a numpy array or a scalar")
+                raise InputError(f"{self.__name__}: argument {_path(tree, leaves, k)} is a {type(x).__name__}; "
+                                 "expected a jax.Array, a numpy array or a scalar")
             out.append(x)
         platforms = {d.platform for d in devices.values()}
-        if devices and (len(set(devices.values())) > 1 or (platforms != {"cpu"} and len(devices) < len(leaves))):
-            where = ", ".join(f"{p} on {d}" for p, d in devices.items())
+        host = len(leaves) - len(devices) - scalars
+        if devices and (len(set(devices.values())) > 1 or (platforms != {"cpu"} and host)):
+            where = ", ".join(f"{_path(tree, leaves, k)} on {d}" for k, d in devices.items())
             raise InputError(f"{self.__name__}: inputs must be all on the host or all on one device; got {where} "
-                             f"and {len(leaves) - len(devices)} host arrays")
+                             f"and {host} host arrays")
         if platforms - {"cpu"} and self.options.target == "cpu":
             raise InputError(f"{self.__name__}: arguments are on {platforms.pop()}, but target 'cpu' runs on the host")
         return out

@@ -85,11 +85,30 @@ class Device:
         self.multiprocessors = get(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
         self.context = check(cu.cuDevicePrimaryCtxRetain(self.handle), "cuDevicePrimaryCtxRetain")
         self._context = int(self.context)
+        self._pool = None
 
     def activate(self) -> None:
         cu = driver()
         if int(check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")) != self._context:
             check(cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+
+    def pool(self):
+        """polyjit's memory pool on this device. It keeps what is freed (no
+        release threshold): the default pool hands freed memory back to the
+        driver at each synchronization, and mapping 32 MB again cost more than
+        the kernel that used it."""
+        if self._pool is None:
+            cu = driver()
+            props = cu.CUmemPoolProps()
+            props.allocType = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+            props.handleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
+            props.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            props.location.id = self.ordinal
+            pool = check(cu.cuMemPoolCreate(props), "cuMemPoolCreate")
+            check(cu.cuMemPoolSetAttribute(pool, cu.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                                           cu.cuuint64_t(2 ** 64 - 1)), "cuMemPoolSetAttribute")
+            self._pool = pool
+        return self._pool
 
     def load(self, ptx: str, names: Sequence[str]) -> tuple[Any, dict[str, Any]]:
         """A PTX module and its kernels, by name."""
@@ -103,6 +122,20 @@ class Device:
         n = check(driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, block, 0),
                   "cuOccupancyMaxActiveBlocksPerMultiprocessor")
         return max(1, int(n))
+
+
+def _order_before(dev: "Device", producer: int, consumer: int) -> None:
+    """Make stream consumer wait for the work queued so far on stream producer
+    (an event of its own each time: this also runs from finalizers, inside
+    another call's use of an event)."""
+    cu = driver()
+    dev.activate()
+    event = check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+    try:
+        check(cu.cuEventRecord(event, _stream(producer)), "cuEventRecord")
+        check(cu.cuStreamWaitEvent(_stream(consumer), event, 0), "cuStreamWaitEvent")
+    finally:
+        cu.cuEventDestroy(event)
 
 
 def synchronize() -> None:
@@ -125,7 +158,7 @@ def _stream(handle: int):
 
 
 class DeviceBuffer:
-    """GPU memory polyjit allocated (cuMemAllocAsync), freed on the same stream
+    """GPU memory polyjit allocated (from the device's pool), freed on the same stream
     when the last reference goes; exposes ``__cuda_array_interface__``."""
 
     def __init__(self, shape: tuple[int, ...], dtype, dev: Device, stream: int) -> None:
@@ -133,9 +166,11 @@ class DeviceBuffer:
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
         self.nbytes = max(int(np.prod(shape, dtype=np.int64)) * self.dtype.itemsize, 1)
         dev.activate()
-        self.ptr = int(check(cu.cuMemAllocAsync(self.nbytes, _stream(stream)), "cuMemAllocAsync"))
+        self.ptr = int(check(cu.cuMemAllocFromPoolAsync(self.nbytes, dev.pool(), _stream(stream)),
+                             "cuMemAllocFromPoolAsync"))
         self.device, self.stream = dev, stream
-        weakref.finalize(self, _free, self.ptr, stream)
+        self.consumers: list[int] = []  # streams of frameworks that took it by DLPack
+        weakref.finalize(self, _free, self.ptr, dev, stream, self.consumers)
 
     def data_ptr(self) -> int:
         return self.ptr
@@ -150,9 +185,16 @@ class DeviceBuffer:
 
     def __dlpack__(self, stream=None, **kwargs):
         """A DLPack capsule that shares this memory (JAX and PyTorch take it
-        with from_dlpack); the work queued on it finishes first."""
+        with from_dlpack). The work queued on it is ordered before the
+        consumer's ``stream`` (DLPack's protocol: a handle, 1 for the legacy
+        stream, 2 per-thread, -1 for none) without waiting on the host; with
+        no stream named, the host waits for it."""
         cu = driver()
-        check(cu.cuStreamSynchronize(_stream(self.stream)), "cuStreamSynchronize")
+        if stream is None:
+            check(cu.cuStreamSynchronize(_stream(self.stream)), "cuStreamSynchronize")
+        elif stream != -1 and int(stream) != self.stream:
+            _order_before(self.device, self.stream, int(stream))
+            self.consumers.append(int(stream))
         return _dlpack.export(self)
 
     def numpy(self, stream: int = 0) -> np.ndarray:
@@ -230,9 +272,12 @@ def _unload(mod) -> None:
         pass
 
 
-def _free(ptr: int, stream: int) -> None:
+def _free(ptr: int, dev: Device, stream: int, consumers: list[int]) -> None:
+    """Free on stream, after the work consumers queued on their streams."""
     try:
         cu = driver()
+        for c in consumers:
+            _order_before(dev, c, stream)
         cu.cuMemFreeAsync(ptr, _stream(stream))
     except Exception:  # interpreter shutdown
         pass
@@ -260,6 +305,11 @@ class GpuView:
         strides = None if self.strides is None else tuple(x * self.dtype.itemsize for x in self.strides)
         return {"shape": self.shape, "typestr": self.dtype.str, "data": (self.ptr, False), "version": 3,
                 "strides": strides}
+
+
+@functools.cache
+def _device_count() -> int:
+    return int(check(driver().cuDeviceGetCount(), "cuDeviceGetCount"))
 
 
 def _device_of(ptr: int) -> int:
@@ -292,7 +342,7 @@ def as_device_array(a, ordinal: int | None = None) -> GpuView | None:
         strides = tuple(s // dtype.itemsize for s in strides)
     ptr = cai["data"][0]
     if ordinal is None:
-        ordinal = _device_of(ptr) if ptr else 0
+        ordinal = 0 if not ptr or _device_count() == 1 else _device_of(ptr)
     return GpuView(ptr, shape, strides, dtype, ordinal, a)
 
 

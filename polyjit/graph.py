@@ -283,6 +283,8 @@ class Graph:
             raise DefinitionError(f"reshape: cannot reshape {list(x.shape)} into {shape}")
         if tuple(shape) == x.shape:
             return x
+        if x.op == "reshape":  # a reshape of a reshape reads the first one's operand
+            return self.reshape(x.inputs[0], shape)
         return Node("reshape", (x,), {}, tuple(shape), x.dtype)
 
     def transpose(self, x: Node, perm: Sequence[int]) -> Node:
@@ -358,6 +360,8 @@ class Graph:
             return self.cast(inner, dt)
         x = self.cast(x, dt)
         shape = tuple((1 if d in axes else s) for d, s in enumerate(x.shape) if keepdim or d not in axes)
+        if op in ("sum", "prod", "max", "min") and all(x.shape[d] == 1 for d in axes):
+            return self.reshape(x, shape)  # nothing to combine (JAX sums a gradient's unit axes away)
         return Node("reduce", (x,), {"op": op, "axes": axes, "keepdim": keepdim}, shape, dt)
 
     def argreduce(self, op: str, x: Node, axis: int, keepdim: bool = False) -> Node:

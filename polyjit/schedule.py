@@ -43,6 +43,10 @@ def make_context() -> isl.Context:
     ctx = isl.Context()
     ctx.set_schedule_whole_component(1)
     ctx.set_schedule_serialize_sccs(0)
+    # Fuse only where the fused band's outer loop stays parallel: a layer
+    # norm's row sums fused with its weight gradient's column sums had no
+    # parallel loop left and ran on one GPU thread (1.5 s instead of ~0.1 ms).
+    ctx.set_schedule_outer_coincidence(1)
     ctx.set_tile_scale_tile_loops(0)
     ctx.set_tile_shift_point_loops(0)
     return ctx

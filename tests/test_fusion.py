@@ -202,6 +202,18 @@ def test_reshape_dropping_kept_axes_of_a_sum_is_no_copy(rng):
     np.testing.assert_allclose(flat, x.astype(np.float64).sum((0, 1)), rtol=1e-5, atol=1e-5)
 
 
+def test_sum_over_unit_axes_is_no_copy(rng):
+    """A bias gradient as JAX writes it: the sum, reshaped to (1, 1, n), then
+    summed over the unit axes; that last sum combines nothing and costs no statement."""
+    x = rng.standard_normal((6, 7, 33)).astype(F32)
+    exe = polyjit.compile(lambda x: ops.sum(ops.reshape(ops.sum(x * 2.0, [0, 1]), [1, 1, 33]), [0, 1]),
+                          [InputInfo(x.shape, F32)])
+    np.testing.assert_allclose(exe(x), (2 * x.astype(np.float64)).sum((0, 1)), rtol=1e-5, atol=1e-5)
+    assert exe.stats["statements"] == 2
+    kept = polyjit.compile(lambda x: ops.max(ops.reshape(x, [6, 1, 7, 33]), [1], True), [InputInfo(x.shape, F32)])
+    np.testing.assert_array_equal(kept(x), x.reshape(6, 1, 7, 33))
+
+
 def test_linear_reads_a_packed_copy_of_its_weight(rng):
     """x @ W.T (nn.Linear's form): register blocks load vectors along the
     output's columns, which W holds with a stride, so W is copied once into
