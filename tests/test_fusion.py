@@ -32,6 +32,17 @@ def test_blur_is_one_nest_without_full_intermediate(shape, rng):
     assert exe.stats["intermediate_bytes"] < full_intermediate / 2 or shape[1] < 12
 
 
+def test_large_blur_streams_its_output(rng):
+    """Rows of a large output are written with streaming stores from their first
+    64-byte boundary (odd widths start each row elsewhere); small outputs are not."""
+    img = rng.random((3, 1030, 1029), dtype=F32)
+    exe = polyjit.compile(blur, [InputInfo(list(img.shape), F32)], {"num_threads": 2})
+    np.testing.assert_allclose(exe(img), refs.blur(img.astype(np.float64)), rtol=1e-5, atol=1e-6)
+    assert "!nontemporal" in exe.ir("llvm_opt")
+    small = polyjit.compile(blur, [InputInfo([3, 64, 80], F32)])
+    assert "!nontemporal" not in small.ir("llvm_opt")
+
+
 @pytest.mark.parametrize("shape", [(1, 5, 5), (1, 6, 5), (2, 5, 40)])
 def test_blur_tiny(shape, rng):
     img = rng.random(shape, dtype=F32)

@@ -12,14 +12,20 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import math
 import os
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import islpy as isl
 import llvmlite.binding as llvm
+from llvmlite import ir
 
-from .llvm import Emitter
+from .. import sizes as sz
+from ..dtypes import DataType
+from ..expr import Var, walk
+from .llvm import I64, Emitter, ast_children, ast_uses
 
 KERNEL_T = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
 _lock = threading.Lock()
@@ -42,8 +48,155 @@ def target_machine():
                                          opt=3, codemodel="jitdefault")
 
 
+STREAM_BYTES = 8 << 20  # outputs at least this large are written with streaming stores
+STREAM_GROUP = 64  # elements per trip of a streamed loop: whole vector iterations, no remainder
+STREAM_TAG = "polyjit.stream"
+
+
 class CpuEmitter(Emitter):
     triple = llvm.get_process_triple()
+    streaming: str | None = None  # the array whose stores the loop being emitted streams
+    streamed = False  # the body being emitted has streaming stores
+    private = False  # the kernel being emitted keeps private buffers
+
+    def loop(self, n: isl.AstNode, split: bool) -> None:
+        """In a kernel that keeps private buffers (a fused stencil's rolling
+        rows), an innermost loop that writes a row of a large output in order
+        runs in three parts: up to the first 64-byte boundary, whole groups of
+        STREAM_GROUP elements whose stores are tagged to become streaming
+        (nontemporal) stores once vectorized, and the rest. Streaming stores
+        neither read the written lines first nor push the private rows out of
+        the cache: blur 3x1024x1024 1.28 -> 1.0 ms on 2 cores. A plain
+        elementwise pass keeps cached stores (x*0.2 went 0.48 -> 0.52 ms: its
+        12 MB output fits in this host's last-level cache)."""
+        target = None if split or self.streaming or not self.private else self.stream_target(n)
+        if target is None:
+            return super().loop(n, split)
+        arr, call = target
+        b = self.b
+        slot = self.var(n.for_get_iterator().get_id().get_name())
+        lo = self.aexpr(n.for_get_init())
+        cond = n.for_get_cond()
+        hi = self.aexpr(cond.get_op_arg(1))
+        if cond.get_op_type() == isl.ast_expr_op_type.le:
+            hi = b.add(hi, ir.Constant(I64, 1))
+        b.store(lo, slot)
+        s = self.stmts[call.get_op_arg(0).get_id().get_name()]
+        env = {it: self.aexpr(call.get_op_arg(i + 1)) for i, it in enumerate(s.iters)}
+        first = b.ptrtoint(self.address(arr, s.index, env, {}), I64)
+        per = 64 // arr.dtype.itemsize
+        skip = b.and_(b.lshr(b.sub(ir.Constant(I64, 0), first), ir.Constant(I64, int(math.log2(arr.dtype.itemsize)))),
+                      ir.Constant(I64, per - 1))
+        start = b.add(lo, skip)
+        start = b.select(b.icmp_signed("<", start, hi), start, hi)
+        end = b.add(start, b.and_(b.sub(hi, start), ir.Constant(I64, -STREAM_GROUP)))
+        body = lambda: self.node(n.for_get_body())  # noqa: E731
+        self.range_loop(slot, lo, start, ir.Constant(I64, 1), body)
+        self.streaming = arr.name
+        self.range_loop(slot, start, end, ir.Constant(I64, 1), body)
+        self.streaming = None
+        self.range_loop(slot, end, hi, ir.Constant(I64, 1), body)
+        self.streamed = True
+
+    def body(self, fn, node) -> None:
+        """A body with streaming stores ends with a fence: they are weakly
+        ordered, and the thread that joins this one reads what they wrote."""
+        k = len(self.kernels)
+        self.private = any(self.sched.kernel_of_array.get(a) == k for a in self.sched.contracted)
+        self.streamed = False
+        super().body(fn, node)
+        if self.streamed:
+            self.b.position_before(self.b.block.terminator)
+            self.b.fence("seq_cst")
+
+    def stream_target(self, n: isl.AstNode):
+        """(array, call) when loop n is innermost with unit step and its body
+        stores one large float32/float64 output along n, element after element."""
+        if not self.splittable(n) or n.for_get_inc().get_val().to_python() != 1:
+            return None
+        calls = _calls(n.for_get_body())
+        if calls is None:
+            return None
+        it = n.for_get_iterator().get_id().get_name()
+        found = None
+        for call in calls:
+            s = self.stmts[call.get_op_arg(0).get_id().get_name()]
+            arr = self.prog.arrays[s.array]
+            if arr.kind != "output" or s.array in self.sched.contracted:
+                continue
+            if found is not None or s.combine is not None or arr.strided \
+                    or arr.dtype not in (DataType.Float, DataType.Double):
+                return None
+            nbytes = sz.static_product(arr.shape)
+            if nbytes is None or nbytes * arr.dtype.itemsize < STREAM_BYTES:
+                return None
+            args = [call.get_op_arg(i + 1) for i in range(len(s.iters))]
+            moving = [k for k, a in enumerate(args) if ast_uses(a, {it})]
+            if len(moving) != 1 or args[moving[0]].get_type() != isl.ast_expr_type.id:
+                return None
+            var = s.iters[moving[0]]
+            *outer, last = s.index
+            uses = lambda e: any(isinstance(x, Var) and x.name == var for x in walk(e))  # noqa: E731
+            if not (isinstance(last, Var) and last.name == var) or any(uses(e) for e in outer):
+                return None
+            found = (arr, call)
+        return found
+
+    def store_element(self, arr, index, ptr, val) -> None:
+        store = self.b.store(self.to_storage(val, arr.dtype), ptr)
+        if arr.name == self.streaming:
+            store.set_metadata("alias.scope", self.stream_scope())
+
+    def stream_scope(self):
+        """The tag of streamed stores: a scope list that LLVM's vectorizer keeps
+        on the vector stores it makes from them (see streaming_stores)."""
+        if not hasattr(self, "_stream_scope"):
+            m = self.module
+            domain = m.add_metadata([ir.MetaDataString(m, STREAM_TAG)])
+            scope = m.add_metadata([ir.MetaDataString(m, STREAM_TAG + ".scope"), domain])
+            self._stream_scope = m.add_metadata([scope])
+        return self._stream_scope
+
+
+def _calls(node: isl.AstNode) -> list | None:
+    """The statement calls of a loop body without loops or branches (None otherwise)."""
+    kids = ast_children(node)
+    if kids is None or any(k.get_type() != isl.ast_node_type.user for k in kids):
+        return None
+    return [k.user_get_expr() for k in kids]
+
+
+_MD = re.compile(r"^!(\d+) = (?:distinct )?!\{(.*)\}$", re.M)
+_VECTOR_STORE = re.compile(r"^(\s*store <(\d+) x (float|double)> [^\n]*?), align \d+(, [^\n]*?!alias\.scope !(\d+)[^\n]*)$")
+
+
+def streaming_stores(ir_text: str) -> str:
+    """The optimized module with the tagged stores of vectorized loop bodies
+    made nontemporal and aligned to their width. Those loops start on a
+    64-byte boundary and run whole vector iterations (CpuEmitter.loop), so
+    every vector store in them is aligned; LLVM's vectorizer would not make
+    vector stores of nontemporal scalar ones it cannot prove aligned, hence
+    the tag and this rewrite after it."""
+    if STREAM_TAG not in ir_text:
+        return ir_text
+    nodes = {int(k): body for k, body in _MD.findall(ir_text)}
+    domain = next(k for k, body in nodes.items() if body == f'!"{STREAM_TAG}"')
+    scope = next(k for k, body in nodes.items() if f'!"{STREAM_TAG}.scope"' in body and f"!{domain}" in body)
+    tagged = {k for k, body in nodes.items() if f"!{scope}" in re.split(r",\s*", body)}
+    nt = max(nodes) + 1
+    out, block = [], ""
+    for line in ir_text.split("\n"):
+        label = re.match(r"^([\w.]+):", line)
+        if label:
+            block = label.group(1)
+        elif line.startswith("define"):
+            block = ""
+        m = _VECTOR_STORE.match(line)
+        if m and block.startswith("vector.body") and int(m.group(5)) in tagged:
+            width = int(m.group(2)) * (4 if m.group(3) == "float" else 8)
+            line = f"{m.group(1)}, align {width}{m.group(4)}, !nontemporal !{nt}"
+        out.append(line)
+    return "\n".join(out) + f"\n!{nt} = !{{i32 1}}\n"
 
 
 WIDE = 1000  # the attribute group number for the kernels' vector width
@@ -86,7 +239,10 @@ class JitModule:
             mod.triple = tm.triple
             mod.data_layout = str(tm.target_data)
             optimize(mod, tm)
-            self.optimized_ir = str(mod)
+            self.optimized_ir = streaming_stores(str(mod))
+            if self.optimized_ir != str(mod):
+                mod = llvm.parse_assembly(self.optimized_ir)
+                mod.verify()
             self.engine = llvm.create_mcjit_compiler(mod, tm)
             self.engine.finalize_object()
             self.assembly = None

@@ -83,6 +83,22 @@ def static_extent(loop: isl.AstNode) -> int | None:
     return max(last - init.get_val().to_python() + 1, 0)
 
 
+def ast_children(n: isl.AstNode) -> list[isl.AstNode] | None:
+    """The loops, statements and branches of n, blocks flattened (None for other nodes)."""
+    if n.get_type() == isl.ast_node_type.block:
+        lst = n.block_get_children()
+        out = []
+        for i in range(lst.n_ast_node()):
+            kids = ast_children(lst.get_at(i))
+            if kids is None:
+                return None
+            out += kids
+        return out
+    if n.get_type() in (isl.ast_node_type.for_, isl.ast_node_type.user, isl.ast_node_type.if_):
+        return [n]
+    return None
+
+
 def ast_uses(e: isl.AstExpr, names: set[str]) -> bool:
     """Whether an isl AST expression reads any of the iterators in names."""
     if not names:

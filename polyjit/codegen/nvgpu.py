@@ -35,7 +35,8 @@ from ..dtypes import DataType
 from ..errors import UnsupportedOpError
 from ..expr import Const, Load, Op, Var, loads, walk
 from . import mathlib
-from .llvm import COMPUTE, F32, F64, I32, I64, PTR, STORAGE, Emitter, KernelInfo, Strips, ast_uses, static_extent
+from .llvm import (COMPUTE, F32, F64, I32, I64, PTR, STORAGE, Emitter, KernelInfo, Strips, ast_children, ast_uses,
+                   static_extent)
 
 TRIPLE = "nvptx64-nvidia-cuda"
 DEFAULT_ARCH = "sm_90"
@@ -258,7 +259,7 @@ class GpuEmitter(Emitter):
     def deferrable(self, rest: isl.AstNode) -> bool:
         """Whether rest's stores may wait until the end of a trip: straight-line
         statements that read none of the arrays they write."""
-        kids = _children(rest)
+        kids = ast_children(rest)
         if not kids or any(k.get_type() != isl.ast_node_type.user for k in kids):
             return False
         stmts = [self.stmts[k.user_get_expr().get_op_arg(0).get_id().get_name()] for k in kids]
@@ -297,17 +298,17 @@ class GpuEmitter(Emitter):
         perfect nest) sums into elements that do not move with it (a column
         sum): strips run in parallel, each adding its partial sums
         atomically; the runtime zeroes the arrays before the launch."""
-        kids = _children(rest)
+        kids = ast_children(rest)
         if not kids or kids[-1].get_type() != isl.ast_node_type.for_:
             return None
         loop, inits = kids[-1], kids[:-1]
         if not self._free(loop, grid_iters):
             return None
-        calls = _children(loop.for_get_body())
+        calls = ast_children(loop.for_get_body())
         nest = [loop.for_get_iterator().get_id().get_name()]
         while calls and len(calls) == 1 and calls[0].get_type() == isl.ast_node_type.for_:
             nest.append(calls[0].for_get_iterator().get_id().get_name())  # a perfect nest: each
-            calls = _children(calls[0].for_get_body())  # thread takes one outer iteration
+            calls = ast_children(calls[0].for_get_body())  # thread takes one outer iteration
         if not calls or any(c.get_type() != isl.ast_node_type.user for c in calls):
             return None
         targets = set()
@@ -934,7 +935,7 @@ class _WarpPlan:
     @classmethod
     def of(cls, e: "GpuEmitter", rest: isl.AstNode, grid_iters: list[str]) -> "_WarpPlan | None":
         plan = cls()
-        kids = _children(rest)
+        kids = ast_children(rest)
         if kids is None or not any(k.get_type() == isl.ast_node_type.for_ for k in kids):
             return None
         lanes_contiguous = threads_contiguous = 0
@@ -943,7 +944,7 @@ class _WarpPlan:
                 continue
             if k.get_type() != isl.ast_node_type.for_ or not e.splittable(k):
                 return None
-            calls = _children(k.for_get_body())
+            calls = ast_children(k.for_get_body())
             if calls is None:
                 return None
             it = k.for_get_iterator().get_id().get_name()
@@ -1071,21 +1072,6 @@ def _static_trips(loop: isl.AstNode) -> int | None:
         return None
     last = hi.get_val().to_python() + (1 if cond.get_op_type() == isl.ast_expr_op_type.le else 0)
     return last - init.get_val().to_python()
-
-
-def _children(n: isl.AstNode) -> list[isl.AstNode] | None:
-    if n.get_type() == isl.ast_node_type.block:
-        lst = n.block_get_children()
-        out = []
-        for i in range(lst.n_ast_node()):
-            kids = _children(lst.get_at(i))
-            if kids is None:
-                return None
-            out += kids
-        return out
-    if n.get_type() in (isl.ast_node_type.for_, isl.ast_node_type.user, isl.ast_node_type.if_):
-        return [n]
-    return None
 
 
 def _vars(e) -> set[str]:
