@@ -132,7 +132,7 @@ class CpuEmitter(Emitter):
                 return None
             args = [call.get_op_arg(i + 1) for i in range(len(s.iters))]
             moving = [k for k, a in enumerate(args) if ast_uses(a, {it})]
-            if len(moving) != 1 or args[moving[0]].get_type() != isl.ast_expr_type.id:
+            if len(moving) != 1 or not _unit_step(args[moving[0]], it):
                 return None
             var = s.iters[moving[0]]
             *outer, last = s.index
@@ -156,6 +156,19 @@ class CpuEmitter(Emitter):
             scope = m.add_metadata([ir.MetaDataString(m, STREAM_TAG + ".scope"), domain])
             self._stream_scope = m.add_metadata([scope])
         return self._stream_scope
+
+
+def _unit_step(e: isl.AstExpr, it: str) -> bool:
+    """Whether e is iterator it plus or minus terms without it (it moves by one as it does)."""
+    if e.get_type() == isl.ast_expr_type.id:
+        return e.get_id().get_name() == it
+    if e.get_type() != isl.ast_expr_type.op or e.get_op_type() not in (isl.ast_expr_op_type.add,
+                                                                       isl.ast_expr_op_type.sub):
+        return False
+    a, b = e.get_op_arg(0), e.get_op_arg(1)
+    if e.get_op_type() == isl.ast_expr_op_type.sub:
+        return _unit_step(a, it) and not ast_uses(b, {it})
+    return (_unit_step(a, it) and not ast_uses(b, {it})) or (_unit_step(b, it) and not ast_uses(a, {it}))
 
 
 def _calls(node: isl.AstNode) -> list | None:
