@@ -22,6 +22,7 @@ def timeit(fn, reps: int = 15) -> float:
     return compare({"fn": fn}, reps)["fn"]
 
 
+WARM = 0.02  # seconds of untimed calls before each timed block
 SETTLE = 0.2  # seconds: OpenBLAS's threads spin about 0.1 s after a call, on the cores the next contender needs
 
 
@@ -29,13 +30,19 @@ def compare(fns: dict, reps: int = 21, block: int = 3) -> dict:
     """Median seconds per call of each function, timed in alternating blocks so
     that the machine's drift (a shared VM) falls on every contender alike;
     before a block, a pause lets the last contender's threads, still
-    spinning, go idle, and an untimed call warms the caches."""
+    spinning, go idle, and untimed calls for WARM seconds bring the caches
+    and the cores back up to speed (after the pause, the first five calls
+    of a 1 ms layer norm took 3.2, 1.8, 1.5, 1.2, 1.1 ms on the 2-core VM,
+    whichever compiler made it)."""
     ts: dict = {k: [] for k in fns}
     for _ in range(max(reps // block, 1)):
         for k, fn in fns.items():
             if len(fns) > 1:
                 time.sleep(SETTLE)
+            start = time.perf_counter()
             fn()
+            while time.perf_counter() - start < WARM:
+                fn()
             for _ in range(block):
                 t = time.perf_counter()
                 fn()
