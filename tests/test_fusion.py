@@ -41,6 +41,9 @@ def test_large_blur_streams_its_output(rng):
     assert "!nontemporal" in exe.ir("llvm_opt")
     small = polyjit.compile(blur, [InputInfo([3, 64, 80], F32)])
     assert "!nontemporal" not in small.ir("llvm_opt")
+    nhwc = polyjit.compile(lambda x: ops.reshape(blur(x), [3, 1026, 1025, 1]), [InputInfo(list(img.shape), F32)])
+    np.testing.assert_allclose(nhwc(img)[..., 0], refs.blur(img.astype(np.float64)), rtol=1e-5, atol=1e-6)
+    assert "!nontemporal" in nhwc.ir("llvm_opt")  # a unit channel after the row keeps it contiguous
 
 
 @pytest.mark.parametrize("shape", [(1, 5, 5), (1, 6, 5), (2, 5, 40)])

@@ -135,9 +135,10 @@ class CpuEmitter(Emitter):
             if len(moving) != 1 or not _unit_step(args[moving[0]], it):
                 return None
             var = s.iters[moving[0]]
-            *outer, last = s.index
             uses = lambda e: any(isinstance(x, Var) and x.name == var for x in walk(e))  # noqa: E731
-            if not (isinstance(last, Var) and last.name == var) or any(uses(e) for e in outer):
+            along = [d for d, e in enumerate(s.index) if uses(e)]  # the one dimension n moves along,
+            if len(along) != 1 or s.index[along[0]] != Var(s.index[along[0]].dtype, var) \
+                    or any(x != 1 for x in arr.shape[along[0] + 1:]):  # contiguous: unit dimensions after it
                 return None
             found = (arr, call)
         return found
