@@ -56,8 +56,11 @@ def _isnan(b, x):
 
 
 def exp(b: ir.IRBuilder, m: ir.Module, x):
-    xc = b.select(b.fcmp_ordered(">", x, c(88.72283935546875)), c(88.72283935546875), x)
-    xc = b.select(b.fcmp_ordered("<", xc, c(-103.0)), c(-103.0), xc)
+    """Cody-Waite reduction by ln 2 and a degree-7 polynomial. The argument is
+    clamped to [-104, 89], where the scaling by 2**n itself overflows to inf
+    and rounds to 0 (no selects for the ends); NaN passes through."""
+    xc = b.select(b.fcmp_ordered(">", x, c(89.0)), c(89.0), x)
+    xc = b.select(b.fcmp_ordered("<", xc, c(-104.0)), c(-104.0), xc)
     n = _floor(b, m, b.fadd(b.fmul(xc, c(1.44269504088896341)), c(0.5)))
     r = b.fsub(b.fsub(xc, b.fmul(n, c(0.693359375))), b.fmul(n, c(-2.12194440e-4)))
     z = b.fmul(r, r)
@@ -67,8 +70,6 @@ def exp(b: ir.IRBuilder, m: ir.Module, x):
     ni = b.fptosi(n, I32)
     n1 = b.ashr(ni, ir.Constant(I32, 1))
     y = b.fmul(b.fmul(p, _pow2(b, n1)), _pow2(b, b.sub(ni, n1)))
-    y = b.select(b.fcmp_ordered(">", x, c(88.72283935546875)), c(math.inf), y)
-    y = b.select(b.fcmp_ordered("<", x, c(-103.0)), c(0.0), y)
     return b.select(_isnan(b, x), x, y)
 
 
