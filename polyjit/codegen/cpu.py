@@ -194,8 +194,10 @@ def streaming_stores(ir_text: str) -> str:
     if STREAM_TAG not in ir_text:
         return ir_text
     nodes = {int(k): body for k, body in _MD.findall(ir_text)}
-    domain = next(k for k, body in nodes.items() if body == f'!"{STREAM_TAG}"')
-    scope = next(k for k, body in nodes.items() if f'!"{STREAM_TAG}.scope"' in body and f"!{domain}" in body)
+    domain = next((k for k, body in nodes.items() if body == f'!"{STREAM_TAG}"'), None)
+    scope = next((k for k, body in nodes.items() if f'!"{STREAM_TAG}.scope"' in body and f"!{domain}" in body), None)
+    if scope is None:  # the tagged stores were optimized away: nothing to stream
+        return ir_text
     tagged = {k for k, body in nodes.items() if f"!{scope}" in re.split(r",\s*", body)}
     nt = max(nodes) + 1
     out, block = [], ""
