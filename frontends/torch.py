@@ -540,14 +540,16 @@ def _scatter_reduce(cx, x, dim, index, src, reduce, include_self=True):
     """sum, prod, mean, amax, amin of src's values at each index, with x's
     own value (include_self) or in its place where an index hits."""
     op = {"sum": "sum", "mean": "sum", "prod": "prod", "amax": "max", "amin": "min"}[reduce]
+    if include_self and reduce != "mean":
+        return ops.scatter_combine(x, op, index, src, dim)
     got = ops.scatter_reduce(op, list(x.shape), index, src, dim, along=True)
     hits = ops.scatter_add(list(x.shape), index, ops.full_like(index, 1, DataType.Int), dim, along=True)
     if reduce == "mean":
         total, count = (got + x, hits + 1) if include_self else (got, ops.maximum(hits, ops.full_like(hits, 1)))
         got = total / ops.cast(count, x.dtype) if x.dtype.is_float else ops.floor_divide(total, ops.cast(count, x.dtype))
-    elif include_self:
-        return ops.scatter_combine(x, op, index, src, dim)
-    return got if include_self else ops.where(hits > 0, got, x)
+        if include_self:
+            return got
+    return ops.where(hits > 0, got, x)  # x where no index hits
 
 
 @_reg(aten.scatter.value)

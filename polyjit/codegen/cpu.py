@@ -58,6 +58,7 @@ class CpuEmitter(Emitter):
     streaming: str | None = None  # the array whose stores the loop being emitted streams
     streamed = False  # the body being emitted has streaming stores
     private = False  # the kernel being emitted keeps private buffers
+    _stream_scope = None  # the tag's metadata, made once per module
 
     def loop(self, n: isl.AstNode, split: bool) -> None:
         """In a kernel that keeps private buffers (a fused stencil's rolling
@@ -75,11 +76,7 @@ class CpuEmitter(Emitter):
         arr, call = target
         b = self.b
         slot = self.var(n.for_get_iterator().get_id().get_name())
-        lo = self.aexpr(n.for_get_init())
-        cond = n.for_get_cond()
-        hi = self.aexpr(cond.get_op_arg(1))
-        if cond.get_op_type() == isl.ast_expr_op_type.le:
-            hi = b.add(hi, ir.Constant(I64, 1))
+        lo, one, hi = self.loop_range(n)
         b.store(lo, slot)
         s = self.stmts[call.get_op_arg(0).get_id().get_name()]
         env = {it: self.aexpr(call.get_op_arg(i + 1)) for i, it in enumerate(s.iters)}
@@ -91,11 +88,11 @@ class CpuEmitter(Emitter):
         start = b.select(b.icmp_signed("<", start, hi), start, hi)
         end = b.add(start, b.and_(b.sub(hi, start), ir.Constant(I64, -STREAM_GROUP)))
         body = lambda: self.node(n.for_get_body())  # noqa: E731
-        self.range_loop(slot, lo, start, ir.Constant(I64, 1), body)
+        self.range_loop(slot, lo, start, one, body)
         self.streaming = arr.name
-        self.range_loop(slot, start, end, ir.Constant(I64, 1), body)
+        self.range_loop(slot, start, end, one, body)
         self.streaming = None
-        self.range_loop(slot, end, hi, ir.Constant(I64, 1), body)
+        self.range_loop(slot, end, hi, one, body)
         self.streamed = True
 
     def body(self, fn, node) -> None:
@@ -127,8 +124,8 @@ class CpuEmitter(Emitter):
             if found is not None or s.combine is not None or arr.strided \
                     or arr.dtype not in (DataType.Float, DataType.Double):
                 return None
-            nbytes = sz.static_product(arr.shape)
-            if nbytes is None or nbytes * arr.dtype.itemsize < STREAM_BYTES:
+            elements = sz.static_product(arr.shape)
+            if elements is None or elements * arr.dtype.itemsize < STREAM_BYTES:
                 return None
             args = [call.get_op_arg(i + 1) for i in range(len(s.iters))]
             moving = [k for k, a in enumerate(args) if ast_uses(a, {it})]
@@ -143,15 +140,16 @@ class CpuEmitter(Emitter):
             found = (arr, call)
         return found
 
-    def store_element(self, arr, index, ptr, val) -> None:
-        store = self.b.store(self.to_storage(val, arr.dtype), ptr)
+    def store_element(self, arr, index, ptr, val):
+        store = super().store_element(arr, index, ptr, val)
         if arr.name == self.streaming:
             store.set_metadata("alias.scope", self.stream_scope())
+        return store
 
     def stream_scope(self):
         """The tag of streamed stores: a scope list that LLVM's vectorizer keeps
         on the vector stores it makes from them (see streaming_stores)."""
-        if not hasattr(self, "_stream_scope"):
+        if self._stream_scope is None:
             m = self.module
             domain = m.add_metadata([ir.MetaDataString(m, STREAM_TAG)])
             scope = m.add_metadata([ir.MetaDataString(m, STREAM_TAG + ".scope"), domain])

@@ -572,8 +572,9 @@ class Emitter:
         """arr[index], read from ptr (a hook: targets may add alignment)."""
         return self.from_storage(self.b.load(ptr, typ=STORAGE[arr.dtype]), arr.dtype)
 
-    def store_element(self, arr: Array, index, ptr, val) -> None:
-        self.b.store(self.to_storage(val, arr.dtype), ptr)
+    def store_element(self, arr: Array, index, ptr, val):
+        """Store val at ptr (a hook: targets may add alignment or metadata); the store."""
+        return self.b.store(self.to_storage(val, arr.dtype), ptr)
 
     def address(self, arr: Array, index, env, cache) -> ir.Value:
         moduli = self.sched.contracted.get(arr.name)
