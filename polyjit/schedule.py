@@ -198,7 +198,7 @@ def innermost_contiguous(schedule, prog, ctx, validity) -> isl.Schedule:
     return new if is_legal(new, validity) else schedule
 
 
-def sink_inner(schedule, validity) -> isl.Schedule:
+def sink_inner(schedule, prog, validity) -> isl.Schedule:
     """Give each statement under a band its own innermost loop.
 
     A band over a sequence of statements runs them interleaved in its
@@ -208,8 +208,8 @@ def sink_inner(schedule, validity) -> isl.Schedule:
     """
     def fn(node):
         if node.get_type() != isl.schedule_node_type.band or node.band_n_member() < 2 \
-                or not node.has_children():
-            return node
+                or not node.has_children() or _contractions(node, prog):
+            return node  # a contraction's blocks already end in a clean loop per statement
         seq = node.child(0)
         if seq.get_type() not in (isl.schedule_node_type.sequence, isl.schedule_node_type.set):
             return node
@@ -228,10 +228,12 @@ def _statement_names(node) -> set[str]:
     return names
 
 
+CONTRACTIONS = ("dot_general", "conv")
+
+
 def _contractions(node, prog):
     names = _statement_names(node)
-    return [s for s in prog.statements
-            if s.name in names and s.combine and s.label in ("dot_general", "conv")]
+    return [s for s in prog.statements if s.name in names and _is_update(s)]
 
 
 def distribute_inits(schedule, prog, validity) -> isl.Schedule:
@@ -258,6 +260,78 @@ def distribute_inits(schedule, prog, validity) -> isl.Schedule:
     filters = isl.UnionSetList.alloc(root.get_ctx(), 2).add(first).add(rest)
     new = root.child(0).insert_sequence(filters).get_schedule()
     return new if is_legal(new, validity) else schedule
+
+
+def fuse_contraction(schedule, prog, dom, validity) -> isl.Schedule | None:
+    """One nest for a contraction whose reduction is not tiled: each block of
+    outputs is zeroed, runs its whole reduction and its elementwise epilogue
+    (bias, activation) in turn, all inside the block's loops, so the
+    accumulators start from zero in registers and leave finished, instead of
+    a pass over the whole result before the contraction and one after.
+
+    schedule is isl's for the contraction (the update's loop order is taken
+    from its bands), dom the group's with its epilogue; tile() then blocks
+    the shared output band. None where the nest cannot be built."""
+    names: list[str] = []
+    dom.foreach_set(lambda st: names.append(st.get_tuple_name()))
+    stmts = [s for s in prog.statements if s.name in names]
+    updates = [s for s in stmts if _is_update(s)]
+    if len(updates) != 1 or not _reduction_fits_tile(updates[0]):
+        return None
+    up = updates[0]
+    point = {s.name: _plain(s.index) for s in stmts if s.label.endswith("_init") and s.array == up.array}
+    point[up.name] = _plain(up.index)
+    for s in stmts:
+        if s.name not in point:
+            point[s.name] = _plain(next(ld for ld in prog.statement_loads(s) if ld.array == up.array).index)
+    order: list[str] = []
+
+    def follow(node):
+        if node.get_type() == isl.schedule_node_type.band and up.name in _statement_names(node):
+            mupa = node.band_get_partial_schedule()
+            for m in range(node.band_n_member()):
+                d = _member_iter(mupa.get_at(m)).get(up.name)
+                if d is not None and up.iters[d] not in order:
+                    order.append(up.iters[d])
+        return node
+    _visit(schedule.get_root(), follow)
+    order += [it for it in up.iters if it not in order]
+    red = [it for it in order if it in up.reduction_iters]
+    outs = [it for it in order if it not in up.reduction_iters]
+    if len(point) != len(stmts) or None in point.values() or sorted(outs) != sorted(point[up.name]) \
+            or len(outs) < 2 or not red:
+        return None
+    ctx = schedule.get_ctx()
+
+    def band(members, among):
+        text = ", ".join("{ " + "; ".join(f"{s.name}[{', '.join(s.iters)}] -> [({m(s)})]" for s in among) + " }"
+                         for m in members)
+        # ("[] -> [...]" reads as an empty tuple: the prefix only with parameters)
+        return isl.MultiUnionPwAff.read_from_str(ctx, (prog.prefix() if prog.params else "") + "[" + text + "]")
+    k_of = {it: point[up.name].index(it) for it in outs}
+    outer = band([lambda s, it=it: point[s.name][k_of[it]] for it in outs], stmts)
+    node = isl.Schedule.from_domain(dom).get_root().child(0).insert_partial_schedule(outer).band_set_permutable(True)
+    for m in range(len(outs)):
+        node = node.band_member_set_coincident(m, True)
+    filters = isl.UnionSetList.alloc(ctx, len(stmts))
+    for s in stmts:
+        filters = filters.add(dom.intersect(isl.UnionSet.read_from_str(ctx, prog.prefix() + f"{{ {s.name}[{', '.join(s.iters)}] }}")))
+    node = node.child(0).insert_sequence(filters)
+    at = stmts.index(up)
+    node = node.child(at).child(0).insert_partial_schedule(band([lambda s, r=r: r for r in red], [up]))
+    new = node.get_schedule()
+    return new if is_legal(new, validity) else None
+
+
+def _is_update(s) -> bool:
+    return s.combine is not None and s.label in CONTRACTIONS
+
+
+def _reduction_fits_tile(s) -> bool:
+    """Whether the contraction's reduction stays whole inside each register
+    block: tile() tiles only its outermost loop, and that fits one tile."""
+    lo, hi = dict(zip(s.iters, s.bounds))[s.reduction_iters[0]]
+    return sz.is_static(lo) and sz.is_static(hi) and int(hi) - int(lo) <= TILE_RED
 
 
 REG_ROWS = 4  # a register block of a contraction: rows x four vectors of contiguous columns
@@ -351,6 +425,20 @@ def register_block(point, roles, row, cols: int) -> isl.ScheduleNode:
     return inner.parent()
 
 
+def block_fused(node, prog, cols: int) -> isl.ScheduleNode:
+    """Tile and register-block the output band of fuse_contraction's nest;
+    the unrolled block sinks below each statement (below the reduction's
+    loops for the update), so a block's initialization, reduction and
+    epilogue run one after another on the same registers."""
+    roles = _block_sizes(node, prog, node.band_n_member())
+    if "red" in roles:
+        return node
+    row = _row_member(node, prog, roles)
+    node = node.band_tile(_sizes(node, [TILE_COLS if r == "col" else TILE_ROWS for r in roles]))
+    block = register_block(node.child(0), roles, row, cols)
+    return block.child(0).band_sink().parent().parent()
+
+
 def tile(schedule, prog, validity, tile_sizes, vector_bits: int = 512) -> isl.Schedule:
     """Tile outer permutable bands with reuse (contractions), or every one when
     tile_sizes is given; contractions also get register blocks of REG_ROWS x
@@ -363,6 +451,8 @@ def tile(schedule, prog, validity, tile_sizes, vector_bits: int = 512) -> isl.Sc
         if n < 2 or node.get_parent_type() == isl.schedule_node_type.band:
             return node
         contraction = bool(_contractions(node, prog)) and len(_statement_names(node)) == 1
+        if tile_sizes is None and _contractions(node, prog) and node.child(0).get_type() == isl.schedule_node_type.sequence:
+            return block_fused(node, prog, cols)  # fuse_contraction's nest
         if tile_sizes is None and not contraction:
             return node
         if contraction:
@@ -616,17 +706,22 @@ def statements_in(node: isl.AstNode) -> set[str]:
 MAX_GROUP = 6  # statements the isl scheduler fuses at once; its cost grows steeply
 
 
-def fusion_groups(prog: AffineProgram) -> list[list[str]]:
+def fusion_groups(prog: AffineProgram, epilogues: bool = False) -> list[list[str]]:
     """Runs of statements, in program order, that isl may fuse together.
 
     Program order is a topological order of the dataflow, so consecutive runs
     can always run one after another. A contraction (its initialization and
-    update) is a group of its own; other runs are cut at MAX_GROUP statements.
+    update, with epilogues its elementwise consumers) is a group of its own;
+    other runs are cut at MAX_GROUP statements.
     """
     groups: list[list[str]] = []
     current: list[str] = []
+    update = None
     for s in prog.statements:
-        update = s.combine is not None and s.label in ("dot_general", "conv")
+        if update is not None and epilogues and _reduction_fits_tile(update) and _epilogue_of(s, update, prog):
+            groups[-1].append(s.name)
+            continue
+        update = s if _is_update(s) else None
         if update or s.label in ("dot_general_init", "conv_init"):
             if current and not (update and current[-1] in _inits(prog)):
                 groups.append(current)
@@ -645,6 +740,27 @@ def fusion_groups(prog: AffineProgram) -> list[list[str]]:
     return groups
 
 
+def _plain(index) -> list[str] | None:
+    """The iterators of an index made of distinct plain iterators, else None."""
+    its = [e.name for e in index if isinstance(e, Var) and e.kind == "iter"]
+    return its if len(its) == len(index) == len(set(its)) else None
+
+
+def _epilogue_of(s, update, prog: AffineProgram) -> bool:
+    """Whether s applies elementwise to the contraction's result: it reads
+    the result only at its own point, over the result's whole extent."""
+    if s.combine is not None or s.extra or s.label.endswith("_init"):
+        return False
+    reads = [ld for ld in prog.statement_loads(s) if ld.array == update.array]
+    its = _plain(reads[0].index) if reads else None
+    if its is None or sorted(its) != sorted(s.iters) or any(ld.index != reads[0].index for ld in reads):
+        return False
+    bounds = dict(zip(s.iters, s.bounds))
+    shape = prog.arrays[update.array].shape
+    return all(sz.isl_str(bounds[it][0]) == "0" and sz.isl_str(bounds[it][1]) == sz.isl_str(shape[k])
+               for k, it in enumerate(its))
+
+
 def _reads_reshaped(s, group: list[str], prog: AffineProgram) -> bool:
     written = {t.array for t in prog.statements if t.name in group}
     return any(ld.array in written and any(isinstance(x, Op) and x.op in ("floordiv", "mod")
@@ -659,7 +775,7 @@ def _inits(prog: AffineProgram) -> set[str]:
 SCHEDULE_BUDGET = 3_000_000  # isl operations one group may take before it is split
 
 
-def _schedule_group(ctx, prog, dom, validity, raw, names, fusion) -> isl.Schedule:
+def _schedule_group(ctx, prog, dom, validity, raw, names, fusion, fuse: bool) -> isl.Schedule:
     """isl's schedule for a group; a group whose problem exceeds the budget is
     split in two and each half scheduled alone, one after the other. A single
     statement over budget (accesses full of integer divisions, e.g. a
@@ -667,7 +783,7 @@ def _schedule_group(ctx, prog, dom, validity, raw, names, fusion) -> isl.Schedul
     ctx.set_max_operations(SCHEDULE_BUDGET)
     ctx.reset_operations()
     try:
-        return _schedule_one_group(ctx, prog, dom, validity, raw, names, fusion)
+        return _schedule_one_group(ctx, prog, dom, validity, raw, names, fusion, fuse)
     except isl.Error:
         log.debug("schedule of %d statements over budget; splitting", len(names))
     finally:
@@ -677,22 +793,38 @@ def _schedule_group(ctx, prog, dom, validity, raw, names, fusion) -> isl.Schedul
                                               if s.name in names) + " }"
         return isl.Schedule.from_domain(dom.intersect(isl.UnionSet.read_from_str(ctx, text)))
     half = len(names) // 2
-    first = _schedule_group(ctx, prog, dom, validity, raw, names[:half], fusion)
-    return first.sequence(_schedule_group(ctx, prog, dom, validity, raw, names[half:], fusion))
+    first = _schedule_group(ctx, prog, dom, validity, raw, names[:half], fusion, fuse)
+    return first.sequence(_schedule_group(ctx, prog, dom, validity, raw, names[half:], fusion, fuse))
 
 
-def _schedule_one_group(ctx, prog, dom, validity, raw, names, fusion) -> isl.Schedule:
-    sub = [s for s in prog.statements if s.name in names]
-    text = prog.prefix() + "{ " + "; ".join(f"{s.name}[{', '.join(s.iters)}]" for s in sub) + " }"
-    gdom = dom.intersect(isl.UnionSet.read_from_str(ctx, text))
-    gval = validity.intersect_domain(gdom).intersect_range(gdom).coalesce()
-    graw = raw.intersect_domain(gdom).intersect_range(gdom).coalesce()
-    sc = isl.ScheduleConstraints.on_domain(gdom).set_validity(gval).set_coincidence(gval)
+def _group_domain(ctx, prog, dom, names) -> isl.UnionSet:
+    text = prog.prefix() + "{ " + "; ".join(f"{s.name}[{', '.join(s.iters)}]" for s in prog.statements
+                                          if s.name in names) + " }"
+    return dom.intersect(isl.UnionSet.read_from_str(ctx, text))
+
+
+def _schedule_one_group(ctx, prog, dom, validity, raw, names, fusion, fuse: bool) -> isl.Schedule:
+    """isl's schedule of the group; a contraction's group (its epilogue
+    aside, which isl need not see) then shares one nest with its
+    initialization and epilogue where fuse_contraction can build it."""
+    core = [s.name for s in prog.statements if s.name in names and (s.name in _inits(prog) or _is_update(s))]
+    epilogue = [n for n in names if n not in core] if core else []
+    cdom = _group_domain(ctx, prog, dom, [n for n in names if n not in epilogue])
+    cval = validity.intersect_domain(cdom).intersect_range(cdom).coalesce()
+    sc = isl.ScheduleConstraints.on_domain(cdom).set_validity(cval).set_coincidence(cval)
     if fusion != "none":
-        sc = sc.set_proximity(graw)
-    sched = order_sets(sc.compute_schedule(), gval)
-    sched = innermost_contiguous(sched, prog, ctx, gval)
-    return distribute_inits(sched, prog, gval)
+        sc = sc.set_proximity(raw.intersect_domain(cdom).intersect_range(cdom).coalesce())
+    sched = order_sets(sc.compute_schedule(), cval)
+    sched = innermost_contiguous(sched, prog, ctx, cval)
+    if fuse and core:
+        gdom = _group_domain(ctx, prog, dom, names)
+        fused = fuse_contraction(sched, prog, gdom, validity.intersect_domain(gdom).intersect_range(gdom))
+        if fused is not None:
+            return fused
+    sched = distribute_inits(sched, prog, cval)
+    if epilogue:  # consumers that could not share the contraction's nest follow it
+        sched = sched.sequence(_schedule_one_group(ctx, prog, dom, validity, raw, epilogue, fusion, False))
+    return sched
 
 
 GPU_PRIVATE_BYTES = 256  # a contracted buffer a GPU thread keeps to itself
@@ -711,8 +843,9 @@ def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None,
     dom = prog.domain(ctx)
     validity, raw = dependences(ctx, prog, dom)
     sched = None
-    for group in fusion_groups(prog):
-        part = _schedule_group(ctx, prog, dom, validity, raw, group, fusion)
+    fuse = target == "cpu" and fusion != "none" and not tile_sizes
+    for group in fusion_groups(prog, epilogues=fuse):
+        part = _schedule_group(ctx, prog, dom, validity, raw, group, fusion, fuse)
         sched = part if sched is None else sched.sequence(part)
     if sched is None:
         sched = isl.Schedule.from_domain(dom)
@@ -722,7 +855,7 @@ def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None,
     else:
         sched = tile(sched, prog, validity, tile_sizes, vector_bits)
         sched = balance_parallel(sched, prog, validity)
-        sched = sink_inner(sched, validity)
+        sched = sink_inner(sched, prog, validity)
         sched = mark_parallel(sched)
     sched = order_sets(sched, validity)
     params = prog.prefix() + "{ : " + sz.param_context(prog.params) + " }"

@@ -25,7 +25,7 @@ from llvmlite import ir
 from .. import sizes as sz
 from ..dtypes import DataType
 from ..expr import Var, walk
-from .llvm import I64, Emitter, ast_children, ast_uses
+from .llvm import I64, STORAGE, Emitter, ast_children, ast_uses
 
 KERNEL_T = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
 _lock = threading.Lock()
@@ -145,6 +145,23 @@ class CpuEmitter(Emitter):
         if arr.name == self.streaming:
             store.set_metadata("alias.scope", self.stream_scope())
         return store
+
+    def padded_load(self, cond, load, fill, env, cache):
+        """Load from a cell holding fill where cond fails: the load then feeds a
+        vector broadcast straight from memory, where a select of the loaded
+        value needs a shuffle on the pipes the FMAs use (a padded convolution's
+        register block: 16 FMAs and four such broadcasts per step)."""
+        arr = self.prog.arrays[load.array]
+        ptr = self.address(arr, load.index, env, cache)
+        name = f"polyjit.fill.{arr.dtype.name}.{fill.value!r}"
+        cell = self.module.globals.get(name)
+        if cell is None:
+            ty = STORAGE[arr.dtype]
+            cell = ir.GlobalVariable(self.module, ty, name)
+            cell.global_constant = True
+            cell.linkage = "private"
+            cell.initializer = ir.Constant(ty, float(fill.value) if arr.dtype.is_float else int(fill.value))
+        return self.load_element(arr, load.index, self.b.select(self.value(cond, env, cache), ptr, cell))
 
     def stream_scope(self):
         """The tag of streamed stores: a scope list that LLVM's vectorizer keeps

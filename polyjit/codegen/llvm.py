@@ -72,6 +72,9 @@ class Strips:
     ring: int | None = None  # the one modulus of the private buffers' rolling dimensions
 
 
+REGISTER_BLOCK_MIN = 4  # statements in a loop body that make it an unrolled block
+
+
 def static_extent(loop: isl.AstNode) -> int | None:
     """The trip count of a unit-step loop whose bounds are numbers."""
     init, cond = loop.for_get_init(), loop.for_get_cond()
@@ -97,6 +100,22 @@ def ast_children(n: isl.AstNode) -> list[isl.AstNode] | None:
     if n.get_type() in (isl.ast_node_type.for_, isl.ast_node_type.user, isl.ast_node_type.if_):
         return [n]
     return None
+
+
+def unrolled_block(body: isl.AstNode) -> bool:
+    """Whether a loop body is a register block: several instances of one
+    statement, some under guards (a partial block), and no loop."""
+    calls: list[str] = []
+
+    def visit(n):
+        if n.get_type() == isl.ast_node_type.for_:
+            calls.append("")  # a loop: not a block
+            return False
+        if n.get_type() == isl.ast_node_type.user:
+            calls.append(n.user_get_expr().get_op_arg(0).get_id().get_name())
+        return True
+    body.foreach_descendant_top_down(visit)
+    return len(calls) >= REGISTER_BLOCK_MIN and len(set(calls)) == 1 and calls[0] != ""
 
 
 def ast_uses(e: isl.AstExpr, names: set[str]) -> bool:
@@ -306,8 +325,22 @@ class Emitter:
         self.b.position_at_end(body)
         self.node(n.for_get_body())
         self.b.store(self.b.add(self.b.load(slot, typ=I64), inc), slot)
-        self.b.branch(head)
+        latch = self.b.branch(head)
+        if unrolled_block(n.for_get_body()):
+            latch.set_metadata("llvm.loop", self.scalar_loop())
         self.b.position_at_end(done)
+
+    def scalar_loop(self):
+        """Loop metadata that keeps LLVM's loop vectorizer off a loop whose body
+        is an unrolled register block: the block already is the vector (its
+        columns become vectors, its rows their registers), and vectorizing the
+        reduction loop around it would make every accumulator a vector of its own."""
+        width = self.module.add_metadata([ir.MetaDataString(self.module, "llvm.loop.vectorize.width"),
+                                          ir.Constant(ir.IntType(32), 1)])
+        loop = self.module.add_metadata([width])
+        if loop.operands[0] is not loop:  # a loop's metadata names itself first (LLVM's loop id)
+            loop.operands = (loop,) + loop.operands
+        return loop
 
     def row_strips(self, loop: isl.AstNode) -> Strips | None:
         """Strips of the sequential loop under a parallel loop too short to keep
@@ -568,6 +601,12 @@ class Emitter:
             val = self.combine(s.combine, old, val, arr.dtype)
         self.store_element(arr, s.index, ptr, val)
 
+    def padded_load(self, cond: Expr, load: Load, fill: Const, env, cache) -> ir.Value:
+        """select(cond, load, fill) with cond on iterators only: a convolution's
+        padding (a hook: the CPU selects the address instead)."""
+        return self.b.select(self.value(cond, env, cache), self.value(load, env, cache),
+                             self.value(fill, env, cache))
+
     def load_element(self, arr: Array, index, ptr) -> ir.Value:
         """arr[index], read from ptr (a hook: targets may add alignment)."""
         return self.from_storage(self.b.load(ptr, typ=STORAGE[arr.dtype]), arr.dtype)
@@ -636,6 +675,9 @@ class Emitter:
             arr = self.prog.arrays[e.array]
             return self.load_element(arr, e.index, self.address(arr, e.index, env, cache))
         assert isinstance(e, Op)
+        if e.op == "select" and isinstance(e.args[1], Load) and isinstance(e.args[2], Const) \
+                and not loads(e.args[0]):
+            return self.padded_load(e.args[0], e.args[1], e.args[2], env, cache)
         args = [self.value(a, env, cache) for a in e.args]
         return self.op(e.op, args, e.dtype, [a.dtype for a in e.args])
 
