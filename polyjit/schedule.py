@@ -233,7 +233,7 @@ CONTRACTIONS = ("dot_general", "conv")
 
 def _contractions(node, prog):
     names = _statement_names(node)
-    return [s for s in prog.statements if s.name in names and _is_update(s)]
+    return [s for s in prog.statements if s.name in names and is_update(s)]
 
 
 def distribute_inits(schedule, prog, validity) -> isl.Schedule:
@@ -275,7 +275,7 @@ def fuse_contraction(schedule, prog, dom, validity) -> isl.Schedule | None:
     names: list[str] = []
     dom.foreach_set(lambda st: names.append(st.get_tuple_name()))
     stmts = [s for s in prog.statements if s.name in names]
-    updates = [s for s in stmts if _is_update(s)]
+    updates = [s for s in stmts if is_update(s)]
     if len(updates) != 1 or not _reduction_fits_tile(updates[0]):
         return None
     up = updates[0]
@@ -323,7 +323,7 @@ def fuse_contraction(schedule, prog, dom, validity) -> isl.Schedule | None:
     return new if is_legal(new, validity) else None
 
 
-def _is_update(s) -> bool:
+def is_update(s) -> bool:
     return s.combine is not None and s.label in CONTRACTIONS
 
 
@@ -436,7 +436,18 @@ def block_fused(node, prog, cols: int) -> isl.ScheduleNode:
     row = _row_member(node, prog, roles)
     node = node.band_tile(_sizes(node, [TILE_COLS if r == "col" else TILE_ROWS for r in roles]))
     block = register_block(node.child(0), roles, row, cols)
-    return block.child(0).band_sink().parent().parent()
+    seq = block.child(0).band_sink()
+    inits = _inits(prog)
+    for i in range(seq.n_children()):
+        band = seq.child(i).child(0)
+        if _statement_names(band) & inits or _contractions(band, prog):
+            continue
+        # the epilogue loops over the block instead: LLVM vectorizes its math
+        # along the columns (unrolled, tanh's code was left scalar: 3x slower)
+        for m in range(band.band_n_member()):
+            band = band.band_member_set_ast_loop_type(m, isl.ast_loop_type.default)
+        seq = band.parent().parent()
+    return seq.parent().parent()
 
 
 def tile(schedule, prog, validity, tile_sizes, vector_bits: int = 512) -> isl.Schedule:
@@ -721,7 +732,7 @@ def fusion_groups(prog: AffineProgram, epilogues: bool = False) -> list[list[str
         if update is not None and epilogues and _reduction_fits_tile(update) and _epilogue_of(s, update, prog):
             groups[-1].append(s.name)
             continue
-        update = s if _is_update(s) else None
+        update = s if is_update(s) else None
         if update or s.label in ("dot_general_init", "conv_init"):
             if current and not (update and current[-1] in _inits(prog)):
                 groups.append(current)
@@ -807,7 +818,7 @@ def _schedule_one_group(ctx, prog, dom, validity, raw, names, fusion, fuse: bool
     """isl's schedule of the group; a contraction's group (its epilogue
     aside, which isl need not see) then shares one nest with its
     initialization and epilogue where fuse_contraction can build it."""
-    core = [s.name for s in prog.statements if s.name in names and (s.name in _inits(prog) or _is_update(s))]
+    core = [s.name for s in prog.statements if s.name in names and (s.name in _inits(prog) or is_update(s))]
     epilogue = [n for n in names if n not in core] if core else []
     cdom = _group_domain(ctx, prog, dom, [n for n in names if n not in epilogue])
     cval = validity.intersect_domain(cdom).intersect_range(cdom).coalesce()

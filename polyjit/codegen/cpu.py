@@ -25,6 +25,7 @@ from llvmlite import ir
 from .. import sizes as sz
 from ..dtypes import DataType
 from ..expr import Var, walk
+from ..schedule import is_update
 from .llvm import I64, STORAGE, Emitter, ast_children, ast_uses
 
 KERNEL_T = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
@@ -99,7 +100,11 @@ class CpuEmitter(Emitter):
         """A body with streaming stores ends with a fence: they are weakly
         ordered, and the thread that joins this one reads what they wrote."""
         k = len(self.kernels)
-        self.private = any(self.sched.kernel_of_array.get(a) == k for a in self.sched.contracted)
+        # (a contraction's private block is no stencil's rows: its epilogue
+        # writes rows of one block's width, and tagging them kept LLVM from
+        # holding the accumulators in registers)
+        self.private = any(self.sched.kernel_of_array.get(a) == k for a in self.sched.contracted) \
+            and not any(is_update(self.stmts[n]) for n in self.sched.kernels[k])
         self.streamed = False
         super().body(fn, node)
         if self.streamed:

@@ -72,9 +72,6 @@ class Strips:
     ring: int | None = None  # the one modulus of the private buffers' rolling dimensions
 
 
-REGISTER_BLOCK_MIN = 4  # statements in a loop body that make it an unrolled block
-
-
 def static_extent(loop: isl.AstNode) -> int | None:
     """The trip count of a unit-step loop whose bounds are numbers."""
     init, cond = loop.for_get_init(), loop.for_get_cond()
@@ -100,22 +97,6 @@ def ast_children(n: isl.AstNode) -> list[isl.AstNode] | None:
     if n.get_type() in (isl.ast_node_type.for_, isl.ast_node_type.user, isl.ast_node_type.if_):
         return [n]
     return None
-
-
-def unrolled_block(body: isl.AstNode) -> bool:
-    """Whether a loop body is a register block: several instances of one
-    statement, some under guards (a partial block), and no loop."""
-    calls: list[str] = []
-
-    def visit(n):
-        if n.get_type() == isl.ast_node_type.for_:
-            calls.append("")  # a loop: not a block
-            return False
-        if n.get_type() == isl.ast_node_type.user:
-            calls.append(n.user_get_expr().get_op_arg(0).get_id().get_name())
-        return True
-    body.foreach_descendant_top_down(visit)
-    return len(calls) >= REGISTER_BLOCK_MIN and len(set(calls)) == 1 and calls[0] != ""
 
 
 def ast_uses(e: isl.AstExpr, names: set[str]) -> bool:
@@ -325,22 +306,8 @@ class Emitter:
         self.b.position_at_end(body)
         self.node(n.for_get_body())
         self.b.store(self.b.add(self.b.load(slot, typ=I64), inc), slot)
-        latch = self.b.branch(head)
-        if unrolled_block(n.for_get_body()):
-            latch.set_metadata("llvm.loop", self.scalar_loop())
+        self.b.branch(head)
         self.b.position_at_end(done)
-
-    def scalar_loop(self):
-        """Loop metadata that keeps LLVM's loop vectorizer off a loop whose body
-        is an unrolled register block: the block already is the vector (its
-        columns become vectors, its rows their registers), and vectorizing the
-        reduction loop around it would make every accumulator a vector of its own."""
-        width = self.module.add_metadata([ir.MetaDataString(self.module, "llvm.loop.vectorize.width"),
-                                          ir.Constant(ir.IntType(32), 1)])
-        loop = self.module.add_metadata([width])
-        if loop.operands[0] is not loop:  # a loop's metadata names itself first (LLVM's loop id)
-            loop.operands = (loop,) + loop.operands
-        return loop
 
     def row_strips(self, loop: isl.AstNode) -> Strips | None:
         """Strips of the sequential loop under a parallel loop too short to keep
