@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from polyjit.api import Executable
+from polyjit.cuda import GpuView
 from polyjit.dtypes import DataType
 from polyjit.errors import UnsupportedOpError
 from polyjit.graph import Graph, Node
@@ -192,11 +193,27 @@ class _Segment:
 def _array(x, target: str):
     """An argument as the compiled code takes it: GPU arrays stay where they
     are on nvgpu (once the framework's work on them is done); the rest as numpy."""
-    if target == "nvgpu" and hasattr(x, "__cuda_array_interface__"):
-        if hasattr(x, "block_until_ready"):
-            x.block_until_ready()
-        return x
+    if target == "nvgpu":
+        view = _jax_gpu_view(x)
+        if view is not None:
+            return view
+        if hasattr(x, "__cuda_array_interface__"):
+            return x
     return np.asarray(x)
+
+
+def _jax_gpu_view(x) -> GpuView | None:
+    """A JAX array on a GPU as polyjit's view, once JAX's work on it is done,
+    read from the array directly: its CUDA array interface costs microseconds
+    and the call would ask for it three times per argument."""
+    pointer = getattr(x, "unsafe_buffer_pointer", None)
+    if pointer is None:
+        return None
+    dev = next(iter(x.devices()))
+    if dev.platform != "gpu":
+        return None
+    x.block_until_ready()
+    return GpuView(pointer(), tuple(x.shape), None, np.dtype(x.dtype), dev.local_hardware_id, x)
 
 
 class _Fallback:

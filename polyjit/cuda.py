@@ -124,18 +124,24 @@ class Device:
         return max(1, int(n))
 
 
+_events: dict[int, list] = {}  # idle events by device ordinal
+
+
 def _order_before(dev: "Device", producer: int, consumer: int) -> None:
-    """Make stream consumer wait for the work queued so far on stream producer
-    (an event of its own each time: this also runs from finalizers, inside
-    another call's use of an event)."""
+    """Make stream consumer wait for the work queued so far on stream producer.
+    The event is taken from the device's idle ones for the two calls and then
+    given back (a wait keeps the state the event had when it was queued), so
+    a finalizer that runs in between takes another."""
     cu = driver()
     dev.activate()
-    event = check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+    idle = _events.setdefault(dev.ordinal, [])
+    event = idle.pop() if idle else check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING),
+                                          "cuEventCreate")
     try:
         check(cu.cuEventRecord(event, _stream(producer)), "cuEventRecord")
         check(cu.cuStreamWaitEvent(_stream(consumer), event, 0), "cuStreamWaitEvent")
     finally:
-        cu.cuEventDestroy(event)
+        idle.append(event)
 
 
 def synchronize() -> None:
