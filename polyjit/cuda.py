@@ -170,7 +170,7 @@ class DeviceBuffer:
     def __init__(self, shape: tuple[int, ...], dtype, dev: Device, stream: int) -> None:
         cu = driver()
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
-        self.nbytes = max(math.prod(self.shape) * self.dtype.itemsize, 1)
+        self.nbytes = max(int(math.prod(self.shape)) * self.dtype.itemsize, 1)
         dev.activate()
         self.ptr = int(check(cu.cuMemAllocFromPoolAsync(self.nbytes, dev.pool(), _stream(stream)),
                              "cuMemAllocFromPoolAsync"))
