@@ -231,6 +231,11 @@ def _statement_names(node) -> set[str]:
 CONTRACTIONS = ("dot_general", "conv")
 
 
+def is_update(s) -> bool:
+    """Whether statement s accumulates a contraction's products."""
+    return s.combine is not None and s.label in CONTRACTIONS
+
+
 def _contractions(node, prog):
     names = _statement_names(node)
     return [s for s in prog.statements if s.name in names and is_update(s)]
@@ -315,16 +320,12 @@ def fuse_contraction(schedule, prog, dom, validity) -> isl.Schedule | None:
         node = node.band_member_set_coincident(m, True)
     filters = isl.UnionSetList.alloc(ctx, len(stmts))
     for s in stmts:
-        filters = filters.add(dom.intersect(isl.UnionSet.read_from_str(ctx, prog.prefix() + f"{{ {s.name}[{', '.join(s.iters)}] }}")))
+        filters = filters.add(_group_domain(ctx, prog, dom, [s.name]))
     node = node.child(0).insert_sequence(filters)
     at = stmts.index(up)
     node = node.child(at).child(0).insert_partial_schedule(band([lambda s, r=r: r for r in red], [up]))
     new = node.get_schedule()
     return new if is_legal(new, validity) else None
-
-
-def is_update(s) -> bool:
-    return s.combine is not None and s.label in CONTRACTIONS
 
 
 def _reduction_fits_tile(s) -> bool:
@@ -462,8 +463,9 @@ def tile(schedule, prog, validity, tile_sizes, vector_bits: int = 512) -> isl.Sc
         if n < 2 or node.get_parent_type() == isl.schedule_node_type.band:
             return node
         contraction = bool(_contractions(node, prog)) and len(_statement_names(node)) == 1
-        if tile_sizes is None and _contractions(node, prog) and node.child(0).get_type() == isl.schedule_node_type.sequence:
-            return block_fused(node, prog, cols)  # fuse_contraction's nest
+        fused = node.child(0).get_type() == isl.schedule_node_type.sequence  # fuse_contraction's nest
+        if tile_sizes is None and fused and _contractions(node, prog):
+            return block_fused(node, prog, cols)
         if tile_sizes is None and not contraction:
             return node
         if contraction:
