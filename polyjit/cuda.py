@@ -238,13 +238,12 @@ class _DLPack:
         self.live: dict[int, tuple] = {}
         self.deleter = deleter_t(lambda addr: self.live.pop(addr, None))
         self.name = b"dltensor"
-        self.capsule_new = c.pythonapi.PyCapsule_New
-        self.capsule_new.restype = c.py_object
-        self.capsule_new.argtypes = [c.c_void_p, c.c_char_p, c.c_void_p]
-        is_valid = c.pythonapi.PyCapsule_IsValid
-        is_valid.argtypes, is_valid.restype = [c.c_void_p, c.c_char_p], c.c_int
-        get_ptr = c.pythonapi.PyCapsule_GetPointer
-        get_ptr.argtypes, get_ptr.restype = [c.c_void_p, c.c_char_p], c.c_void_p
+        # prototypes of our own: ctypes.pythonapi's function objects are shared,
+        # and others (jax.ffi.pycapsule) set their argument types to theirs
+        api = c.pythonapi
+        self.capsule_new = c.PYFUNCTYPE(c.py_object, c.c_void_p, c.c_char_p, c.c_void_p)(("PyCapsule_New", api))
+        is_valid = c.PYFUNCTYPE(c.c_int, c.c_void_p, c.c_char_p)(("PyCapsule_IsValid", api))
+        get_ptr = c.PYFUNCTYPE(c.c_void_p, c.c_void_p, c.c_char_p)(("PyCapsule_GetPointer", api))
 
         def destroy(capsule):  # an unconsumed capsule still owns its tensor
             if is_valid(capsule, self.name):
@@ -347,9 +346,12 @@ def as_device_array(a, ordinal: int | None = None) -> GpuView | None:
     if strides is not None:
         strides = tuple(s // dtype.itemsize for s in strides)
     ptr = cai["data"][0]
-    if ordinal is None:
-        ordinal = 0 if not ptr or _device_count() == 1 else _device_of(ptr)
-    return GpuView(ptr, shape, strides, dtype, ordinal, a)
+    return GpuView(ptr, shape, strides, dtype, pointer_device(ptr) if ordinal is None else ordinal, a)
+
+
+def pointer_device(ptr: int) -> int:
+    """The ordinal of the GPU holding memory at ptr."""
+    return 0 if not ptr or _device_count() == 1 else _device_of(ptr)
 
 
 def _data_ptr(a) -> int:
@@ -391,11 +393,14 @@ class GpuExecutable(Executable):
         return max(1, min(-(-work // BLOCK), full))
 
     def __call__(self, *args, stream: int | None = None,
-                 empty: Callable[[tuple, np.dtype], Any] | None = None, ordinal: int | None = None) -> list:
+                 empty: Callable[[tuple, np.dtype], Any] | None = None, ordinal: int | None = None,
+                 out: Sequence[int] | None = None) -> list:
         """Run on the GPU. ``stream``: a CUstream handle (default: the legacy
         stream); ``empty(shape, dtype)`` allocates outputs and temporaries
         (a framework's caching allocator; default: polyjit's DeviceBuffer);
-        ``ordinal``: the device of the GPU arrays, when the caller knows it.
+        ``ordinal``: the device of the GPU arrays, when the caller knows it;
+        ``out``: device pointers the outputs are written to (XLA's buffers
+        in a custom call), one per output, instead of allocating them.
         Host inputs come back as numpy arrays."""
         cu = driver()
         views = [a if type(a) is GpuView else as_device_array(a, ordinal) for a in args]
@@ -426,9 +431,13 @@ class GpuExecutable(Executable):
                     pointers[slot] = buf.ptr
                 else:
                     pointers[slot] = v.ptr
+            given = dict(zip(self.output_arrays, out)) if out is not None else {}
             for slot, name, shape, dt in plan.fresh:
-                buf = made[name] = empty(shape, dt) if (empty and not host) else DeviceBuffer(shape, dt, dev, stream)
-                pointers[slot] = _data_ptr(buf)
+                if name in given:
+                    made[name] = pointers[slot] = given[name]
+                else:
+                    buf = made[name] = empty(shape, dt) if (empty and not host) else DeviceBuffer(shape, dt, dev, stream)
+                    pointers[slot] = _data_ptr(buf)
                 if POISON and shape:
                     poison(pointers[slot], math.prod(shape) * dt.itemsize, dt.kind, stream)
             for fn, grid, block, what, zeroed in plan.launches:

@@ -338,3 +338,31 @@ def test_scan_with_xs_and_ys_is_unrolled(rng):
         return lax.scan(lambda c, x: (c + x * w, c * 2), jnp.zeros(3, jnp.float32), xs)
     check(f, rnd(rng, 3), rnd(rng, 4, 3))
     check(lambda w, xs: lax.scan(lambda c, x: (c * x + w, c), w, xs, reverse=True), rnd(rng, 3), rnd(rng, 5, 3))
+
+
+def test_xla_custom_call_targets_see_buffers_and_report_errors(rng):
+    """The FFI handler that runs nvgpu programs inside XLA, exercised on the
+    CPU: argument and result buffers arrive as pointers in call order, and an
+    exception becomes an XLA error carrying its message."""
+    import ctypes
+
+    from polyjit.frontends import xla_ffi
+
+    def floats(ptr, n):
+        return np.ctypeslib.as_array((ctypes.c_float * n).from_address(ptr))
+
+    def axpy(args, rets, stream):
+        assert stream is None and len(args) == 2 and len(rets) == 1
+        floats(rets[0], 6)[:] = 2 * floats(args[0], 6) + floats(args[1], 6)
+
+    def broken(args, rets, stream):
+        raise ValueError("no kernel here")
+    name = f"polyjit_test_{rng.integers(1 << 30)}"
+    xla_ffi.register(name + "_axpy", "cpu", axpy)
+    xla_ffi.register(name + "_broken", "cpu", broken)
+    result = jax.ShapeDtypeStruct((6,), jnp.float32)
+    x, y = rnd(rng, 6), rnd(rng, 6)
+    got = jax.jit(lambda a, b: jax.ffi.ffi_call(name + "_axpy", result)(a, b))(x, y)
+    np.testing.assert_allclose(np.asarray(got), 2 * np.asarray(x) + np.asarray(y), rtol=1e-6)
+    with pytest.raises(Exception, match="no kernel here"):
+        jax.block_until_ready(jax.jit(lambda a: jax.ffi.ffi_call(name + "_broken", result)(a))(x))

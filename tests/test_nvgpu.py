@@ -402,6 +402,39 @@ def test_results_handed_to_jax_stay_valid_while_memory_is_reused():
         np.testing.assert_allclose(float(got), base * k + 4096 * 4096, rtol=1e-4)
 
 
+@pytest.mark.gpu
+def test_jax_programs_run_as_xla_custom_calls():
+    """With every argument a JAX array on the GPU, a program runs as an XLA
+    custom call inside a jitted function: its kernels on XLA's stream, its
+    results written into XLA's buffers (which the suite poisons first).
+    Several results (a layer norm's gradients), and results of earlier calls
+    read after later ones, match XLA's. A call with a Python number still
+    hands its result over by DLPack (registering the target once changed
+    the argument types of ctypes' shared PyCapsule_New under it)."""
+    jax = pytest.importorskip("jax")
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("JAX has no GPU here")
+    jnp = jax.numpy
+
+    def ln(x, w, b):
+        m = x.mean(-1, keepdims=True)
+        v = ((x - m) ** 2).mean(-1, keepdims=True)
+        return (x - m) * jax.lax.rsqrt(v + 1e-5) * w + b
+    grad = jax.grad(lambda *a: ln(*a).sum(), argnums=(0, 1, 2))
+    f = polyjit.jit_jax(grad, compile_options={"target": "nvgpu"})
+    keys = jax.random.split(jax.random.key(int.from_bytes(os.urandom(2), "little")), 3)
+    x, w, b = jax.random.normal(keys[0], (64, 1000)), jax.random.normal(keys[1], (1000,)), \
+        jax.random.normal(keys[2], (1000,))
+    outs = [f(x * k, w, b) for k in (1.0, 2.0, 3.0)]
+    assert [c for c in f._calls.values() if c is not None]
+    for k, got in zip((1.0, 2.0, 3.0), outs):
+        for g, r in zip(got, jax.jit(grad)(x * k, w, b)):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-4)
+    assert f.stats["fallbacks"] == 0
+    scaled = polyjit.jit_jax(lambda a, k: a * k, compile_options={"target": "nvgpu"})
+    np.testing.assert_allclose(np.asarray(scaled(x, 2.0)), np.asarray(x) * 2, rtol=1e-6)
+
+
 def _two_gpus():
     torch = pytest.importorskip("torch")
     if torch.cuda.device_count() < 2:
