@@ -874,28 +874,35 @@ class JaxFunction:
         seg = prog.segments[0] if len(prog.steps) == 1 and prog.segments else None
         made = {id(v): k for k, v in enumerate(seg.outputs)} if seg is not None else {}
         gpu = [x for x in leaves if isinstance(x, jax.Array) and next(iter(x.devices())).platform == "gpu"]
+        outs = [id(v) for v in prog.outvars]
         if seg is None or seg.aliases or len(gpu) != len(leaves) or len(made) != len(seg.outputs) \
-                or any(id(v) not in made for v in prog.outvars) or len({id(v) for v in prog.outvars}) != len(prog.outvars):
+                or any(v not in made for v in outs) or len(set(outs)) != len(outs):
             return None
-        exe = seg.exe
+        exe = seg.exe.variant((False,) * len(seg.exe.graph.inputs))  # for row-major arrays, as XLA's are
+        if len(set(exe.output_arrays)) != len(exe.output_arrays):
+            return None
         position = {id(v): k for k, v in enumerate(prog.invars)}
         take = [position[id(v)] for v in seg.inputs]
         views = [(tuple(v.shape), np.dtype(v.dtype)) for v in seg.inputs]
+        # temporaries are further results, dropped: XLA's allocator serves them
+        temps = [a for a in exe.buffers if a.kind == "temp" and all(isinstance(x, int) for x in a.shape)]
+        names = list(exe.output_arrays) + [a.name for a in temps]
         name = f"polyjit_{exe.name}_{id(self):x}"
 
         def run(args, rets, stream):
             device = pointer_device(args[0] if args else rets[0])
             exe(*[GpuView(p, shape, None, dt, device, None) for p, (shape, dt) in zip(args, views)],
-                stream=stream, ordinal=device, out=rets)
+                stream=stream, ordinal=device, out=dict(zip(names, rets)))
         xla_ffi.register(name, "CUDA", run)
         results = [jax.ShapeDtypeStruct(tuple(v.shape), v.dtype) for v in seg.outputs]
-        order = [made[id(v)] for v in prog.outvars]
+        results += [jax.ShapeDtypeStruct(tuple(a.shape), a.dtype.numpy) for a in temps]
+        order = [made[v] for v in outs]
 
         def call(*xs):
             outs = jax.ffi.ffi_call(name, results)(*[xs[k] for k in take])
             return [outs[k] for k in order]
         self._calls[sig.key] = jax.jit(call)
-        prog.stats.record(exe.name, exe.compile_default().stats)
+        prog.stats.record(seg.exe.name, exe.stats)
         return self._calls[sig.key]
 
     def lower(self, *args, **kwargs) -> "Lowered":

@@ -16,7 +16,7 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -394,13 +394,13 @@ class GpuExecutable(Executable):
 
     def __call__(self, *args, stream: int | None = None,
                  empty: Callable[[tuple, np.dtype], Any] | None = None, ordinal: int | None = None,
-                 out: Sequence[int] | None = None) -> list:
+                 out: Mapping[str, int] | None = None) -> list:
         """Run on the GPU. ``stream``: a CUstream handle (default: the legacy
         stream); ``empty(shape, dtype)`` allocates outputs and temporaries
         (a framework's caching allocator; default: polyjit's DeviceBuffer);
         ``ordinal``: the device of the GPU arrays, when the caller knows it;
-        ``out``: device pointers the outputs are written to (XLA's buffers
-        in a custom call), one per output, instead of allocating them.
+        ``out``: device pointers by array name for outputs (and temporaries)
+        to use instead of allocating them (XLA's buffers in a custom call).
         Host inputs come back as numpy arrays."""
         cu = driver()
         views = [a if type(a) is GpuView else as_device_array(a, ordinal) for a in args]
@@ -431,7 +431,7 @@ class GpuExecutable(Executable):
                     pointers[slot] = buf.ptr
                 else:
                     pointers[slot] = v.ptr
-            given = dict(zip(self.output_arrays, out)) if out is not None else {}
+            given = out or {}
             for slot, name, shape, dt in plan.fresh:
                 if name in given:
                     made[name] = pointers[slot] = given[name]
