@@ -94,7 +94,7 @@ def register(name: str, platform: str, run: Callable[[Sequence[int], Sequence[in
         if ext and ext.contents.type == METADATA_EXTENSION:  # XLA asks which API the handler speaks
             meta = c.cast(ext, c.POINTER(_MetadataExtension)).contents.metadata.contents
             meta.api_version.major, meta.api_version.minor = API_VERSION
-            meta.traits = 0  # not for command buffers: a call allocates its temporaries
+            meta.traits = 0  # not for command buffers: each call is planned in Python
             return None
         try:
             args = [frame.args.items[i].contents.data or 0 for i in range(frame.args.size)]

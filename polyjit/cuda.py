@@ -436,7 +436,8 @@ class GpuExecutable(Executable):
                 if name in given:
                     made[name] = pointers[slot] = given[name]
                 else:
-                    buf = made[name] = empty(shape, dt) if (empty and not host) else DeviceBuffer(shape, dt, dev, stream)
+                    buf = empty(shape, dt) if (empty and not host) else DeviceBuffer(shape, dt, dev, stream)
+                    made[name] = buf
                     pointers[slot] = _data_ptr(buf)
                 if POISON and shape:
                     poison(pointers[slot], math.prod(shape) * dt.itemsize, dt.kind, stream)
