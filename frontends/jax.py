@@ -38,6 +38,7 @@ from . import xla_ffi
 from .common import Const, Op, SegmentedProgram, Stats, Value, core_dtype, static_value
 
 SCAN_UNROLL_LIMIT = 64  # longest static scan (fori_loop) unrolled into the program
+_target_ids = itertools.count()  # custom-call target names are unique in the process
 
 
 # ====================================================================== table
@@ -887,7 +888,7 @@ class JaxFunction:
         # temporaries are further results, dropped: XLA's allocator serves them
         temps = [a for a in exe.buffers if a.kind == "temp" and all(isinstance(x, int) for x in a.shape)]
         names = list(exe.output_arrays) + [a.name for a in temps]
-        name = f"polyjit_{exe.name}_{id(self):x}"
+        name = f"polyjit_{exe.name}_{next(_target_ids)}"  # XLA keeps every target for the process
 
         def run(args, rets, stream):
             device = pointer_device(args[0] if args else rets[0])
