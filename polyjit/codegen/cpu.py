@@ -26,7 +26,7 @@ from .. import sizes as sz
 from ..dtypes import DataType
 from ..expr import Var, walk
 from ..schedule import is_update
-from .llvm import I64, STORAGE, Emitter, ast_children, ast_uses
+from .llvm import I64, STORAGE, Emitter, ast_calls, ast_uses
 
 KERNEL_T = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
 _lock = threading.Lock()
@@ -116,7 +116,7 @@ class CpuEmitter(Emitter):
         stores one large float32/float64 output along n, element after element."""
         if not self.splittable(n) or n.for_get_inc().get_val().to_python() != 1:
             return None
-        calls = _calls(n.for_get_body())
+        calls = ast_calls(n.for_get_body())
         if calls is None:
             return None
         it = n.for_get_iterator().get_id().get_name()
@@ -190,14 +190,6 @@ def _unit_step(e: isl.AstExpr, it: str) -> bool:
     if e.get_op_type() == isl.ast_expr_op_type.sub:
         return _unit_step(a, it) and not ast_uses(b, {it})
     return (_unit_step(a, it) and not ast_uses(b, {it})) or (_unit_step(b, it) and not ast_uses(a, {it}))
-
-
-def _calls(node: isl.AstNode) -> list | None:
-    """The statement calls of a loop body without loops or branches (None otherwise)."""
-    kids = ast_children(node)
-    if kids is None or any(k.get_type() != isl.ast_node_type.user for k in kids):
-        return None
-    return [k.user_get_expr() for k in kids]
 
 
 _MD = re.compile(r"^!(\d+) = (?:distinct )?!\{(.*)\}$", re.M)

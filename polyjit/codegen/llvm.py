@@ -99,6 +99,14 @@ def ast_children(n: isl.AstNode) -> list[isl.AstNode] | None:
     return None
 
 
+def ast_calls(n: isl.AstNode) -> list[isl.AstExpr] | None:
+    """The statement calls of a straight-line body (None where it has loops or branches)."""
+    kids = ast_children(n)
+    if kids is None or any(k.get_type() != isl.ast_node_type.user for k in kids):
+        return None
+    return [k.user_get_expr() for k in kids]
+
+
 def ast_uses(e: isl.AstExpr, names: set[str]) -> bool:
     """Whether an isl AST expression reads any of the iterators in names."""
     if not names:

@@ -35,8 +35,8 @@ from ..dtypes import DataType
 from ..errors import UnsupportedOpError
 from ..expr import Const, Load, Op, Var, loads, walk
 from . import mathlib
-from .llvm import (COMPUTE, F32, F64, I32, I64, PTR, STORAGE, Emitter, KernelInfo, Strips, ast_children, ast_uses,
-                   static_extent)
+from .llvm import (COMPUTE, F32, F64, I32, I64, PTR, STORAGE, Emitter, KernelInfo, Strips, ast_calls, ast_children,
+                   ast_uses, static_extent)
 
 TRIPLE = "nvptx64-nvidia-cuda"
 DEFAULT_ARCH = "sm_90"
@@ -259,10 +259,10 @@ class GpuEmitter(Emitter):
     def deferrable(self, rest: isl.AstNode) -> bool:
         """Whether rest's stores may wait until the end of a trip: straight-line
         statements that read none of the arrays they write."""
-        kids = ast_children(rest)
-        if not kids or any(k.get_type() != isl.ast_node_type.user for k in kids):
+        calls = ast_calls(rest)
+        if not calls:
             return False
-        stmts = [self.stmts[k.user_get_expr().get_op_arg(0).get_id().get_name()] for k in kids]
+        stmts = [self.stmts[c.get_op_arg(0).get_id().get_name()] for c in calls]
         written = {st.array for st in stmts}
         return all(st.combine is None and not any(ld.array in written for ld in loads(st.body)) for st in stmts)
 
