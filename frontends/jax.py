@@ -855,28 +855,29 @@ class JaxFunction:
             return self._traced(statics, leaves, tree)
         sig, leaves = self._signature(statics, leaves, tree)
         prog, out_tree = self.program(sig)
-        call = self._custom_call(sig, prog, leaves) if self.options.target == "nvgpu" else None
+        on_gpu = self.options.target == "nvgpu" and all(
+            isinstance(x, jax.Array) and next(iter(x.devices())).platform == "gpu" for x in leaves)
+        call = self._custom_call(sig, prog) if on_gpu else None
         if call is not None:
             return jax.tree_util.tree_unflatten(out_tree, call(*leaves))
         outs = prog(leaves)
         device = next((next(iter(x.devices())) for x in leaves if isinstance(x, jax.Array)), None)
         return jax.tree_util.tree_unflatten(out_tree, [_to_jax(o, device) for o in outs])
 
-    def _custom_call(self, sig: "_Signature", prog: SegmentedProgram, leaves) -> Callable | None:
+    def _custom_call(self, sig: "_Signature", prog: SegmentedProgram) -> Callable | None:
         """The program as a jitted JAX function whose one step is an XLA custom
         call (see xla_ffi): the kernels launch on XLA's stream and write XLA's
         result buffers, so a call costs a jitted dispatch instead of a DLPack
         import per result (four of those took longer than XLA's whole layer
-        norm step). For programs run by one segment whose results it computes,
-        called with JAX arrays on one GPU; None otherwise."""
+        norm step). For calls with JAX arrays on one GPU, of programs one
+        segment runs and whose results it computes; None for other programs."""
         if sig.key in self._calls:
             return self._calls[sig.key]
         self._calls[sig.key] = None
         seg = prog.segments[0] if len(prog.steps) == 1 and prog.segments else None
         made = {id(v): k for k, v in enumerate(seg.outputs)} if seg is not None else {}
-        gpu = [x for x in leaves if isinstance(x, jax.Array) and next(iter(x.devices())).platform == "gpu"]
         outs = [id(v) for v in prog.outvars]
-        if seg is None or seg.aliases or len(gpu) != len(leaves) or len(made) != len(seg.outputs) \
+        if seg is None or seg.aliases or len(made) != len(seg.outputs) \
                 or any(v not in made for v in outs) or len(set(outs)) != len(outs):
             return None
         exe = seg.exe.variant((False,) * len(seg.exe.graph.inputs))  # for row-major arrays, as XLA's are

@@ -410,7 +410,9 @@ def test_jax_programs_run_as_xla_custom_calls():
     Several results (a layer norm's gradients), and results of earlier calls
     read after later ones, match XLA's. A call with a Python number still
     hands its result over by DLPack (registering the target once changed
-    the argument types of ctypes' shared PyCapsule_New under it)."""
+    the argument types of ctypes' shared PyCapsule_New under it); a call
+    with host arrays first does not keep a later GPU call of the same
+    signature from the custom call."""
     jax = pytest.importorskip("jax")
     if not any(d.platform == "gpu" for d in jax.devices()):
         pytest.skip("JAX has no GPU here")
@@ -433,6 +435,10 @@ def test_jax_programs_run_as_xla_custom_calls():
     assert f.stats["fallbacks"] == 0
     scaled = polyjit.jit_jax(lambda a, k: a * k, compile_options={"target": "nvgpu"})
     np.testing.assert_allclose(np.asarray(scaled(x, 2.0)), np.asarray(x) * 2, rtol=1e-6)
+    tripled = polyjit.jit_jax(lambda a: a * 3, compile_options={"target": "nvgpu"})
+    np.testing.assert_allclose(np.asarray(tripled(np.asarray(x))), np.asarray(x) * 3, rtol=1e-6)  # host: no custom call
+    np.testing.assert_allclose(np.asarray(tripled(x)), np.asarray(x) * 3, rtol=1e-6)  # same signature, on the GPU
+    assert [c for c in tripled._calls.values() if c is not None]
 
 
 def _two_gpus():
