@@ -285,6 +285,8 @@ def test_contraction_epilogue_runs_inside_its_register_blocks(shape, rng):
 
 
 def test_contraction_result_that_is_also_an_output_is_stored_once(rng):
+    """A convolution returned and also fed to its epilogue: one nest, whose
+    blocks write the returned result (not a private block) and the tanh."""
     x, w = rng.standard_normal((1, 6, 7, 4), dtype=F32), rng.standard_normal((3, 3, 4, 8), dtype=F32)
     exe = polyjit.compile(lambda a, b: (_conv_nhwc(a, b), ops.tanh(_conv_nhwc(a, b))),
                           [InputInfo(x.shape, F32), InputInfo(w.shape, F32)])

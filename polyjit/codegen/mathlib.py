@@ -44,8 +44,10 @@ def _pow2(b, n):
 
 
 def _clamp(b, m, x, bound: float):
-    """x limited to [-bound, bound], for an x that is not NaN: one vector min
-    and max (the nnan flag spares x86 the NaN fix-ups of minnum and maxnum)."""
+    """x limited to [-bound, bound]: one vector min and max (the nnan flag
+    spares x86 the NaN fix-ups of minnum and maxnum). A NaN x gives poison,
+    so callers pass one only where a final select replaces what follows
+    (sin and cos of a non-finite x)."""
     two = ir.FunctionType(F32, [F32, F32])
     lo = b.call(m.declare_intrinsic("llvm.maxnum", [F32], two), [x, c(-bound)], fastmath=("nnan",))
     return b.call(m.declare_intrinsic("llvm.minnum", [F32], two), [lo, c(bound)], fastmath=("nnan",))
