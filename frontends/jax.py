@@ -28,7 +28,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from polyjit import ops
-from polyjit.cuda import GpuView, pointer_device
+from polyjit.cuda import GpuView
 from polyjit.dtypes import DataType
 from polyjit.errors import CompileOptionError, InputError, UnsupportedOpError
 from polyjit.options import CompileOptions, parse_options
@@ -855,25 +855,29 @@ class JaxFunction:
             return self._traced(statics, leaves, tree)
         sig, leaves = self._signature(statics, leaves, tree)
         prog, out_tree = self.program(sig)
-        on_gpu = self.options.target == "nvgpu" and all(
-            isinstance(x, jax.Array) and next(iter(x.devices())).platform == "gpu" for x in leaves)
-        call = self._custom_call(sig, prog) if on_gpu else None
+        call = None
+        if self.options.target == "nvgpu" and all(isinstance(x, jax.Array) for x in leaves):
+            devices = {next(iter(x.devices())) for x in leaves}
+            if len(devices) == 1 and next(iter(devices)).platform == "gpu":
+                call = self._custom_call(sig, prog, next(iter(devices)).local_hardware_id)
         if call is not None:
             return jax.tree_util.tree_unflatten(out_tree, call(*leaves))
         outs = prog(leaves)
         device = next((next(iter(x.devices())) for x in leaves if isinstance(x, jax.Array)), None)
         return jax.tree_util.tree_unflatten(out_tree, [_to_jax(o, device) for o in outs])
 
-    def _custom_call(self, sig: "_Signature", prog: SegmentedProgram) -> Callable | None:
+    def _custom_call(self, sig: "_Signature", prog: SegmentedProgram, ordinal: int) -> Callable | None:
         """The program as a jitted JAX function whose one step is an XLA custom
-        call (see xla_ffi): the kernels launch on XLA's stream and write XLA's
-        result buffers, so a call costs a jitted dispatch instead of a DLPack
-        import per result (four of those took longer than XLA's whole layer
-        norm step). For calls with JAX arrays on one GPU, of programs one
-        segment runs and whose results it computes; None for other programs."""
-        if sig.key in self._calls:
-            return self._calls[sig.key]
-        self._calls[sig.key] = None
+        call (see xla_ffi): native code launches the kernels on XLA's stream
+        into XLA's result buffers, so a call costs a jitted dispatch instead of
+        a DLPack import per result (four of those took longer than XLA's whole
+        layer norm step) and runs no Python. For calls with JAX arrays on GPU
+        ``ordinal``, of programs one segment runs and whose results it
+        computes; None for other programs."""
+        key = (sig.key, ordinal)
+        if key in self._calls:
+            return self._calls[key]
+        self._calls[key] = None
         seg = prog.segments[0] if len(prog.steps) == 1 and prog.segments else None
         made = {id(v): k for k, v in enumerate(seg.outputs)} if seg is not None else {}
         outs = [id(v) for v in prog.outvars]
@@ -881,31 +885,24 @@ class JaxFunction:
                 or any(v not in made for v in outs) or len(set(outs)) != len(outs):
             return None
         exe = seg.exe.variant((False,) * len(seg.exe.graph.inputs))  # for row-major arrays, as XLA's are
-        if len(set(exe.output_arrays)) != len(exe.output_arrays):
-            return None
         position = {id(v): k for k, v in enumerate(prog.invars)}
         take = [position[id(v)] for v in seg.inputs]
-        views = [(tuple(v.shape), np.dtype(v.dtype)) for v in seg.inputs]
-        # temporaries are further results, dropped: XLA's allocator serves them
-        temps = [a for a in exe.buffers if a.kind == "temp" and all(isinstance(x, int) for x in a.shape)]
-        names = list(exe.output_arrays) + [a.name for a in temps]
         name = f"polyjit_{exe.name}_{next(_target_ids)}"  # XLA keeps every target for the process
-
-        def run(args, rets, stream):
-            device = pointer_device(args[0] if args else rets[0])
-            exe(*[GpuView(p, shape, None, dt, device, None) for p, (shape, dt) in zip(args, views)],
-                stream=stream, ordinal=device, out=dict(zip(names, rets)))
-        xla_ffi.register(name, "CUDA", run)
-        results = [jax.ShapeDtypeStruct(tuple(v.shape), v.dtype) for v in seg.outputs]
-        results += [jax.ShapeDtypeStruct(tuple(a.shape), a.dtype.numpy) for a in temps]
+        views = [GpuView(0, tuple(v.shape), None, np.dtype(v.dtype), ordinal, None) for v in seg.inputs]
+        launcher = exe.native_launcher(views, name + "_launch")
+        if launcher is None:
+            return None
+        # the results: the outputs, then the temporaries (dropped: XLA's allocator serves them)
+        results = [jax.ShapeDtypeStruct(shape, dt) for _, shape, dt in launcher.results]
+        xla_ffi.register(name, "CUDA", launcher.address, len(take), len(results), launcher)
         order = [made[v] for v in outs]
 
         def call(*xs):
             outs = jax.ffi.ffi_call(name, results)(*[xs[k] for k in take])
             return [outs[k] for k in order]
-        self._calls[sig.key] = jax.jit(call)
+        self._calls[key] = jax.jit(call)
         prog.stats.record(seg.exe.name, exe.stats)
-        return self._calls[sig.key]
+        return self._calls[key]
 
     def lower(self, *args, **kwargs) -> "Lowered":
         """Fix the signature of these arguments, as ``jax.jit(f).lower(...)``."""

@@ -1,7 +1,8 @@
-"""XLA's FFI (its C API for custom calls, ``xla/ffi/api/c_api.h``) for
-handlers written in Python: ``register`` makes a ctypes callback an XLA
-custom-call target, so that a jitted JAX program calls polyjit's kernels
-on XLA's own stream and buffers, with no DLPack exchange per result.
+"""XLA's FFI (its C API for custom calls, ``xla/ffi/api/c_api.h``):
+``register`` makes a native launch function an XLA custom-call target, so
+that a jitted JAX program calls polyjit's kernels on XLA's own stream and
+buffers, with no DLPack exchange per result and no Python per call (the
+handler, like the launch function, is built with llvmlite).
 
 Only what a handler needs is declared: the call frame, its argument and
 result buffers, the API table's first entries (errors, the stream) and the
@@ -10,10 +11,12 @@ metadata extension XLA queries once when the target is registered.
 from __future__ import annotations
 
 import ctypes
-import traceback
-from typing import Callable, Sequence
 
 import jax
+from llvmlite import ir
+
+from polyjit.codegen.cpu import JitModule
+from polyjit.codegen.launch import LAUNCH_T  # noqa: F401 (the launch function's type, for callers)
 
 c = ctypes
 METADATA_EXTENSION = 1  # XLA_FFI_Extension_Metadata
@@ -80,38 +83,111 @@ class _CallFrame(c.Structure):
                 ("future", c.c_void_p)]
 
 
-_HANDLER_T = c.CFUNCTYPE(c.c_void_p, c.POINTER(_CallFrame))
-_handlers: list = []  # registered callbacks stay alive with the process, as XLA's registry does
+MESSAGE_BYTES = 1024
+_handlers: list = []  # registered handlers stay alive with the process, as XLA's registry does
 
 
-def register(name: str, platform: str, run: Callable[[Sequence[int], Sequence[int], int | None], None]) -> None:
-    """Make ``run(argument pointers, result pointers, stream)`` the custom-call
-    target ``name`` on ``platform`` ("CUDA" or "cpu"); its exceptions become
-    XLA errors carrying their message."""
-    def handler(frame_ptr):
-        frame = frame_ptr.contents
-        ext = frame.extension_start
-        if ext and ext.contents.type == METADATA_EXTENSION:  # XLA asks which API the handler speaks
-            meta = c.cast(ext, c.POINTER(_MetadataExtension)).contents.metadata.contents
-            meta.api_version.major, meta.api_version.minor = API_VERSION
-            meta.traits = 0  # not for command buffers: each call is planned in Python
-            return None
-        try:
-            args = [frame.args.items[i].contents.data or 0 for i in range(frame.args.size)]
-            rets = [frame.rets.items[i].contents.data or 0 for i in range(frame.rets.size)]
-            stream = None
-            if platform != "cpu":
-                query = _StreamArgs(c.sizeof(_StreamArgs), None, frame.ctx, None)
-                if frame.api.contents.stream_get(c.byref(query)):
-                    raise RuntimeError("XLA gave no stream for the call")
-                stream = query.stream or 0
-            run(args, rets, stream)
-            return None
-        except Exception as err:  # noqa: BLE001 (reported to XLA, which raises it in the caller)
-            message = f"polyjit custom call {name}: {type(err).__name__}: {err}\n{traceback.format_exc()}"
-            error = _ErrorArgs(c.sizeof(_ErrorArgs), None, message.encode(), ERROR_UNKNOWN)
-            return frame.api.contents.error_create(c.byref(error))
+def register(name: str, platform: str, launch: int, args: int, rets: int, owner=None) -> None:
+    """Make the C function at address ``launch`` the custom-call target
+    ``name`` on ``platform`` ("CUDA" or "cpu"). It is called as
 
-    callback = _HANDLER_T(handler)
-    _handlers.append(callback)
-    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(c.cast(callback, c.c_void_p).value), platform=platform)
+        int32_t launch(void **args, void **rets, void *stream, char *message, size_t size)
+
+    with the ``args`` argument and ``rets`` result buffers' pointers in call
+    order and XLA's CUDA stream (NULL on the CPU); a nonzero return becomes an
+    XLA error carrying the message it wrote. The handler is native code too,
+    so a call runs no Python. ``owner`` is kept alive with the target."""
+    handler = JitModule(str(_handler_module(name, platform, launch, args, rets)))
+    _handlers.append((handler, owner))
+    address = handler.engine.get_function_address(name)
+    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(address), platform=platform)
+
+
+def _offset(struct, *fields: str) -> int:
+    """The byte offset of a nested field: _offset(_CallFrame, "args", "items")."""
+    total = 0
+    for f in fields:
+        total += getattr(struct, f).offset
+        struct = dict(struct._fields_)[f]
+    return total
+
+
+def _handler_module(name: str, platform: str, launch: int, args: int, rets: int) -> ir.Module:
+    """XLA_FFI_Error *name(XLA_FFI_CallFrame *frame): answers XLA's metadata
+    query, checks the buffer counts, reads the buffers' pointers and the
+    stream, calls launch and turns its failure into an XLA error."""
+    i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+    ptr = i8.as_pointer()
+    mod = ir.Module(name=name)
+    fn = ir.Function(mod, ir.FunctionType(ptr, [ptr]), name)
+    frame, = fn.args
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+
+    def at(base, offset: int, ty: ir.Type) -> ir.Value:  # a typed pointer to base + offset bytes
+        return b.bitcast(b.gep(base, [ir.Constant(i64, offset)]), ty.as_pointer())
+
+    def load(base, offset: int, ty: ir.Type = ptr) -> ir.Value:
+        return b.load(at(base, offset, ty))
+
+    def struct(kind, *values: tuple[str, ir.Value]) -> ir.Value:  # a zeroed struct on the stack, fields set
+        place = b.alloca(ir.ArrayType(i64, -(-c.sizeof(kind) // 8)))
+        b.store(ir.Constant(place.type.pointee, None), place)
+        raw = b.bitcast(place, ptr)
+        b.store(ir.Constant(i64, c.sizeof(kind)), at(raw, 0, i64))
+        for field, v in values:
+            b.store(v, at(raw, _offset(kind, field), v.type))
+        return raw
+
+    message = b.bitcast(b.alloca(ir.ArrayType(i8, MESSAGE_BYTES)), ptr)
+    api = load(frame, _offset(_CallFrame, "api"))
+
+    def error(text: ir.Value) -> None:  # return XLA's error carrying text
+        create = load(api, _offset(_Api, "error_create"))
+        args_ = struct(_ErrorArgs, ("message", text), ("code", ir.Constant(i32, ERROR_UNKNOWN)))
+        b.ret(b.call(b.bitcast(create, ir.FunctionType(ptr, [ptr]).as_pointer()), [args_]))
+
+    def text(value: str) -> ir.Value:
+        data = bytearray(value.encode() + b"\0")
+        g = ir.GlobalVariable(mod, ir.ArrayType(i8, len(data)), f"{name}.s{len(mod.global_values)}")
+        g.global_constant, g.linkage, g.initializer = True, "private", ir.Constant(g.type.pointee, data)
+        return g.bitcast(ptr)
+
+    # XLA asks once, at registration, which API version the handler speaks
+    ext = load(frame, _offset(_CallFrame, "extension_start"))
+    with b.if_then(b.icmp_unsigned("!=", ext, ir.Constant(ptr, None)), likely=False):
+        with b.if_then(b.icmp_unsigned("==", load(ext, _offset(_Extension, "type"), i32),
+                                       ir.Constant(i32, METADATA_EXTENSION))):
+            meta = load(ext, _offset(_MetadataExtension, "metadata"))
+            for field, v in zip(("major", "minor"), API_VERSION):
+                b.store(ir.Constant(i32, v), at(meta, _offset(_Metadata, "api_version", field), i32))
+            b.store(ir.Constant(i32, 0), at(meta, _offset(_Metadata, "traits"), i32))  # no command buffers
+            b.ret(ir.Constant(ptr, None))
+
+    lists = []
+    for which, count in (("args", args), ("rets", rets)):
+        size = load(frame, _offset(_CallFrame, which, "size"), i64)
+        with b.if_then(b.icmp_unsigned("!=", size, ir.Constant(i64, count)), likely=False):
+            error(text(f"polyjit custom call {name}: XLA passed a number of {which} other than {count}"))
+        items = load(frame, _offset(_CallFrame, which, "items"))
+        pointers = b.alloca(ptr, max(count, 1))
+        for k in range(count):
+            buffer = load(items, 8 * k)
+            b.store(load(buffer, _offset(_Buffer, "data")), b.gep(pointers, [ir.Constant(i32, k)]))
+        lists.append(pointers)
+
+    stream = ir.Constant(ptr, None)
+    if platform != "cpu":
+        query = struct(_StreamArgs, ("ctx", load(frame, _offset(_CallFrame, "ctx"))))
+        get = b.bitcast(load(api, _offset(_Api, "stream_get")), ir.FunctionType(ptr, [ptr]).as_pointer())
+        failed = b.call(get, [query])
+        with b.if_then(b.icmp_unsigned("!=", failed, ir.Constant(ptr, None)), likely=False):
+            b.ret(failed)
+        stream = load(query, _offset(_StreamArgs, "stream"))
+
+    run = b.inttoptr(ir.Constant(i64, launch), ir.FunctionType(
+        i32, [ptr.as_pointer(), ptr.as_pointer(), ptr, ptr, i64]).as_pointer())
+    code = b.call(run, [*lists, stream, message, ir.Constant(i64, MESSAGE_BYTES)])
+    with b.if_then(b.icmp_unsigned("!=", code, ir.Constant(i32, 0)), likely=False):
+        error(message)
+    b.ret(ir.Constant(ptr, None))
+    return mod

@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from . import sizes as sz
+from .codegen import launch
 from .codegen.nvgpu import BLOCK
 from .errors import DeviceError, InputError
 from .runtime import POISON, Executable
@@ -358,13 +359,26 @@ def _data_ptr(a) -> int:
     return a.data_ptr() if hasattr(a, "data_ptr") else a.__cuda_array_interface__["data"][0]
 
 
+def _poison_fill(nbytes: int, kind: str) -> tuple[int, int, int]:
+    """(value, count, width in bytes) that fill nbytes with NaN (floats) or 0xFF bytes."""
+    return (0x7FC00000, nbytes // 4, 4) if kind == "f" and nbytes % 4 == 0 else (0xFF, nbytes, 1)
+
+
 def poison(ptr: int, nbytes: int, kind: str, stream: int) -> None:
     """Fill memory with NaN (floats) or 0xFF bytes, as POLYJIT_POISON asks."""
     cu = driver()
-    if kind == "f" and nbytes % 4 == 0:
-        check(cu.cuMemsetD32Async(ptr, 0x7FC00000, nbytes // 4, _stream(stream)), "cuMemsetD32Async")
-    else:
-        check(cu.cuMemsetD8Async(ptr, 0xFF, nbytes, _stream(stream)), "cuMemsetD8Async")
+    value, count, width = _poison_fill(nbytes, kind)
+    memset = cu.cuMemsetD32Async if width == 4 else cu.cuMemsetD8Async
+    check(memset(ptr, value, count, _stream(stream)), "poisoning (cuMemsetAsync)")
+
+
+@functools.cache
+def _symbols() -> dict[str, int]:
+    """The addresses of the functions native launchers call (launch.SYMBOLS)."""
+    driver()
+    libs = [ctypes.CDLL("libcuda.so.1"), ctypes.CDLL(None)]
+    return {n: ctypes.cast(getattr(next(lib for lib in libs if hasattr(lib, n)), n), ctypes.c_void_p).value
+            for n in launch.SYMBOLS}
 
 
 @dataclass
@@ -453,6 +467,36 @@ class GpuExecutable(Executable):
             return [o.numpy(stream) for o in outs]
         del keep, made  # stream-ordered frees: the kernels above still see the memory
         return outs
+
+    def native_launcher(self, views: Sequence[GpuView], name: str) -> launch.NativeLauncher | None:
+        """This program's launches for arguments like ``views`` (their shapes,
+        strides, dtypes and device; not their pointers) as host code named
+        ``name``, for callers outside Python (XLA's custom calls). Its call
+        takes the inputs' pointers and one for each of its ``results``: the
+        outputs, then the temporaries. None where an output is not a buffer
+        of its own (an input, a constant, another output). Raises InputError
+        as a call would."""
+        key = tuple((v.shape, v.strides, v.dtype, v.device) for v in views)
+        plan = self._plans.get(key) or self._plan(key, views, views, 0)
+        fresh = {name: (slot, shape, dt) for slot, name, shape, dt in plan.fresh}
+        if len(set(self.output_arrays)) != len(self.output_arrays) or any(n not in fresh for n in self.output_arrays):
+            return None
+        names = list(self.output_arrays) + [n for n in fresh if n not in self.output_arrays]
+        steps: list = []
+        for n in names:
+            slot, shape, dt = fresh[n]
+            if POISON and shape:
+                steps.append(launch.Memset(slot, *_poison_fill(math.prod(shape) * dt.itemsize, dt.kind),
+                                           f"poisoning {n}"))
+        for fn, grid, block, what, zeroed in plan.launches:
+            steps += [launch.Memset(slot, 0, nbytes, 1, f"zeroing for {what}") for slot, nbytes in zeroed]
+            steps.append(launch.Launch(int(fn), grid, block, what))
+        given = set(plan.input_slots) | {fresh[n][0] for n in names}
+        fixed = {k: plan.pointers[k] or 0 for k in range(len(self.buffers)) if k not in given}
+        lp = launch.LaunchPlan(len(self.buffers), plan.input_slots, [fresh[n][0] for n in names], fixed,
+                               list(plan.ints)[:len(self.int_slots)], steps, plan.device._context)
+        self.stats["intermediate_bytes"] = plan.temp_bytes
+        return launch.NativeLauncher(name, lp, _symbols(), [(n, fresh[n][1], fresh[n][2]) for n in names], self)
 
     def _device(self, views, args) -> Device:
         """The one device all GPU arguments are on (InputError for mixed placements)."""

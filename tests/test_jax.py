@@ -341,9 +341,10 @@ def test_scan_with_xs_and_ys_is_unrolled(rng):
 
 
 def test_xla_custom_call_targets_see_buffers_and_report_errors(rng):
-    """The FFI handler that runs nvgpu programs inside XLA, exercised on the
-    CPU: argument and result buffers arrive as pointers in call order, and an
-    exception becomes an XLA error carrying its message."""
+    """The native FFI handler that runs nvgpu programs inside XLA, exercised
+    on the CPU with launch functions written in Python: argument and result
+    buffers arrive as pointers in call order, and a failed launch becomes an
+    XLA error carrying the message it wrote."""
     import ctypes
 
     from polyjit.frontends import xla_ffi
@@ -351,18 +352,30 @@ def test_xla_custom_call_targets_see_buffers_and_report_errors(rng):
     def floats(ptr, n):
         return np.ctypeslib.as_array((ctypes.c_float * n).from_address(ptr))
 
-    def axpy(args, rets, stream):
-        assert stream is None and len(args) == 2 and len(rets) == 1
-        floats(rets[0], 6)[:] = 2 * floats(args[0], 6) + floats(args[1], 6)
+    @xla_ffi.LAUNCH_T
+    def axpy(args, rets, stream, message, size):
+        assert stream is None
+        floats(rets[1], 6)[:] = 2 * floats(args[0], 6) + floats(args[1], 6)
+        floats(rets[0], 6)[:] = floats(args[1], 6)
+        return 0
 
-    def broken(args, rets, stream):
-        raise ValueError("no kernel here")
+    @xla_ffi.LAUNCH_T
+    def broken(args, rets, stream, message, size):
+        ctypes.memmove(message, b"no kernel here\0", 15)
+        return 7
+
     name = f"polyjit_test_{rng.integers(1 << 30)}"
-    xla_ffi.register(name + "_axpy", "cpu", axpy)
-    xla_ffi.register(name + "_broken", "cpu", broken)
+    address = ctypes.cast(axpy, ctypes.c_void_p).value
+    xla_ffi.register(name + "_axpy", "cpu", address, 2, 2, axpy)
+    xla_ffi.register(name + "_broken", "cpu", ctypes.cast(broken, ctypes.c_void_p).value, 1, 1, broken)
     result = jax.ShapeDtypeStruct((6,), jnp.float32)
-    x, y = rnd(rng, 6), rnd(rng, 6)
-    got = jax.jit(lambda a, b: jax.ffi.ffi_call(name + "_axpy", result)(a, b))(x, y)
-    np.testing.assert_allclose(np.asarray(got), 2 * np.asarray(x) + np.asarray(y), rtol=1e-6)
-    with pytest.raises(Exception, match="no kernel here"):
-        jax.block_until_ready(jax.jit(lambda a: jax.ffi.ffi_call(name + "_broken", result)(a))(x))
+    cpu = jax.devices("cpu")[0]
+    x, y = jax.device_put(rnd(rng, 6), cpu), jax.device_put(rnd(rng, 6), cpu)
+    with jax.default_device(cpu):
+        got = jax.jit(lambda a, b: jax.ffi.ffi_call(name + "_axpy", (result, result))(a, b))(x, y)
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(y))
+        np.testing.assert_allclose(np.asarray(got[1]), 2 * np.asarray(x) + np.asarray(y), rtol=1e-6)
+        with pytest.raises(Exception, match="no kernel here"):
+            jax.block_until_ready(jax.jit(lambda a: jax.ffi.ffi_call(name + "_broken", result)(a))(x))
+        with pytest.raises(Exception, match="number of args other than 2"):
+            jax.block_until_ready(jax.jit(lambda a: jax.ffi.ffi_call(name + "_axpy", (result, result))(a))(x))

@@ -308,6 +308,64 @@ def test_gpu_options_are_checked():
         polyjit.compile(ops.exp, [InputInfo([3], F32)], {**PTX_ONLY, "tile_sizes": [32, 12]})
 
 
+def test_native_launcher_fills_the_argument_block_and_reports_failures():
+    """The launch plan as host code (what XLA's custom calls run), against
+    a driver written in Python: the context is checked and made current,
+    memsets and launches run in order on the caller's stream, every kernel
+    sees inputs, fixed pointers, outputs and integers in their slots, and
+    the first failure stops the steps and names what failed."""
+    import ctypes
+
+    from polyjit.codegen import launch
+    c = ctypes
+    calls, keep, ctx = [], [], 0x1234
+
+    def symbol(restype, *argtypes):
+        def wrap(f):
+            cb = c.CFUNCTYPE(restype, *argtypes)(f)
+            keep.append(cb)
+            return c.cast(cb, c.c_void_p).value
+        return wrap
+
+    def put(out, value):
+        c.cast(out, c.POINTER(c.c_void_p))[0] = value
+        return 0
+
+    def block(params, n):
+        p = c.cast(params, c.POINTER(c.c_void_p))
+        return [c.cast(p[i], c.POINTER(c.c_uint64))[0] for i in range(n)]
+    symbols = {
+        "cuStreamGetCtx": symbol(c.c_int, c.c_void_p, c.c_void_p)(lambda s, out: put(out, ctx)),
+        "cuCtxGetCurrent": symbol(c.c_int, c.c_void_p)(lambda out: put(out, 0)),
+        "cuCtxSetCurrent": symbol(c.c_int, c.c_void_p)(lambda x: calls.append(("current", x)) or 0),
+        "cuMemsetD8Async": symbol(c.c_int, c.c_uint64, c.c_uint8, c.c_size_t, c.c_void_p)(
+            lambda *a: calls.append(("memset8", *a)) or 0),
+        "cuMemsetD32Async": symbol(c.c_int, c.c_uint64, c.c_uint32, c.c_size_t, c.c_void_p)(
+            lambda *a: calls.append(("memset32", *a)) or 0),
+        "cuLaunchKernel": symbol(c.c_int, c.c_void_p, *[c.c_uint] * 7, c.c_void_p, c.c_void_p, c.c_void_p)(
+            lambda f, gx, gy, gz, bx, by, bz, shared, s, params, extra:
+                calls.append(("launch", f, gx, bx, s, block(params, 5))) or (700 if f == 0xBAD else 0)),
+        "snprintf": c.cast(c.CDLL(None).snprintf, c.c_void_p).value,
+    }
+    steps = [launch.Memset(2, 0x7FC00000, 6, 4, "poisoning y"), launch.Launch(0xF00, 5, 256, "launching k1"),
+             launch.Memset(2, 0, 24, 1, "zeroing y"), launch.Launch(0xBAD, 1, 32, "launching k2"),
+             launch.Launch(0xF01, 1, 32, "launching k3")]
+    plan = launch.LaunchPlan(slots=3, inputs=[0], outputs=[2], fixed={1: 0xC0}, ints=[10, 20], steps=steps,
+                             context=ctx)
+    launcher = launch.NativeLauncher("polyjit_test_launch", plan, symbols)  # its code lives as long as it does
+    run = launch.LAUNCH_T(launcher.address)
+    message = c.create_string_buffer(100)
+    code = run((c.c_void_p * 1)(0xA0), (c.c_void_p * 1)(0xB0), 0x55, message, 100)
+    assert code == 700 and message.value == b"launching k2 failed: CUDA error 700"
+    assert calls == [("current", ctx), ("memset32", 0xB0, 0x7FC00000, 6, 0x55),
+                     ("launch", 0xF00, 5, 256, 0x55, [0xA0, 0xC0, 0xB0, 10, 20]), ("memset8", 0xB0, 0, 24, 0x55),
+                     ("launch", 0xBAD, 1, 32, 0x55, [0xA0, 0xC0, 0xB0, 10, 20])]
+    ctx = 0x999  # a stream of another context: nothing runs
+    calls.clear()
+    assert run((c.c_void_p * 1)(0xA0), (c.c_void_p * 1)(0xB0), 0x55, message, 100) == 201
+    assert b"context" in message.value and calls == []
+
+
 def _gpu():
     from conftest import _gpu_visible
     return _gpu_visible()

@@ -14,6 +14,15 @@ import polyjit  # noqa: E402
 from polyjit.errors import InputError, UnsupportedOpError  # noqa: E402
 
 
+TARGET = os.environ.get("POLYJIT_TEST_TARGET", "cpu")  # nvgpu: host tensors are copied to the GPU and back
+
+
+def jit(fn, **kw):
+    if TARGET != "cpu":
+        kw["compile_options"] = {"target": TARGET, **(kw.get("compile_options") or {})}
+    return polyjit.jit_tf(fn, **kw)
+
+
 def rnd(rng, *shape, dtype=np.float32):
     return tf.constant(rng.standard_normal(shape, dtype=np.float32).astype(dtype))
 
@@ -25,7 +34,7 @@ def assert_close(out, ref, rtol=1e-5, atol=1e-5):
 
 
 def check(fn, *args, rtol=1e-5, atol=1e-5, **kw):
-    jf = polyjit.jit_tf(fn, **kw)
+    jf = jit(fn, **kw)
     assert_close(jf(*args), fn(*args), rtol, atol)
     assert jf.stats["fallbacks"] == 0 and jf.stats["graphs"] >= 1
     return jf
@@ -146,7 +155,7 @@ def test_keras_cnn_batch_of_unknown_size(rng):
     cnn = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(4, 3, strides=2, padding="same",
                                                                           activation="relu"),
                             keras.layers.Flatten(), keras.layers.Dense(5), keras.layers.Softmax()])
-    jf = polyjit.jit_tf(lambda x: cnn(x), input_signature=[tf.TensorSpec([None, 8, 8, 3], tf.float32)])
+    jf = jit(lambda x: cnn(x), input_signature=[tf.TensorSpec([None, 8, 8, 3], tf.float32)])
     for n in (1, 3, 6):
         x = rnd(rng, n, 8, 8, 3)
         assert_close(jf(x), cnn(x), 1e-5, 1e-5)
@@ -158,7 +167,7 @@ def test_keras_conv2d_transpose(rng, padding, stride):
     """Conv2DBackpropInput: a transposed convolution, for every batch size."""
     layer = keras.layers.Conv2DTranspose(4, 3, strides=stride, padding=padding)
     model = keras.Sequential([keras.Input((5, 6, 3)), layer])
-    jf = polyjit.jit_tf(lambda x: model(x), input_signature=[tf.TensorSpec([None, 5, 6, 3], tf.float32)])
+    jf = jit(lambda x: model(x), input_signature=[tf.TensorSpec([None, 5, 6, 3], tf.float32)])
     for n in (1, 3):
         x = rnd(rng, n, 5, 6, 3)
         assert_close(jf(x), model(x), 1e-4, 1e-4)
@@ -208,7 +217,7 @@ def test_ops(rng, fn):
 
 
 def test_input_signature_symbolic_and_checked(rng):
-    jf = polyjit.jit_tf(lambda x: tf.reduce_sum(x * 2, axis=1), input_signature=[tf.TensorSpec([None, 7], tf.float32)])
+    jf = jit(lambda x: tf.reduce_sum(x * 2, axis=1), input_signature=[tf.TensorSpec([None, 7], tf.float32)])
     for n in (3, 9, 1):
         x = rnd(rng, n, 7)
         assert_close(jf(x), tf.reduce_sum(x * 2, axis=1))
@@ -228,7 +237,7 @@ def test_strided_windows_over_unknown_image_sizes(rng):
     def f(x):
         y = tf.nn.relu(tf.nn.conv2d(x, w, 2, "VALID"))
         return tf.nn.max_pool2d(y, 3, 2, "VALID"), tf.reduce_mean(tf.nn.avg_pool2d(y, 2, 2, "VALID"), [1, 2])
-    jf = polyjit.jit_tf(f, input_signature=[tf.TensorSpec([None, None, None, 3], tf.float32)])
+    jf = jit(f, input_signature=[tf.TensorSpec([None, None, None, 3], tf.float32)])
     for shape in ((2, 17, 19, 3), (1, 30, 25, 3), (3, 12, 12, 3)):
         x = rnd(rng, *shape)
         for got, want in zip(jf(x), f(tf.constant(x))):
@@ -237,7 +246,7 @@ def test_strided_windows_over_unknown_image_sizes(rng):
 
 
 def test_no_signature_caches_per_shape(rng):
-    jf = polyjit.jit_tf(lambda x: x * 3)
+    jf = jit(lambda x: x * 3)
     for shape in [(2, 3), (2, 3), (4, 3)]:
         jf(np.ones(shape, np.float32))
     assert len(jf._programs) == 2
@@ -246,7 +255,7 @@ def test_no_signature_caches_per_shape(rng):
 
 def test_execution_backends_agree(rng):
     x = rnd(rng, 8, 32)
-    outs = [polyjit.jit_tf(tf.nn.softmax, execution_backend=b)(x) for b in ("polyjit", "std", "xla")]
+    outs = [jit(tf.nn.softmax, execution_backend=b)(x) for b in ("polyjit", "std", "xla")]
     for o in outs[1:]:
         assert_close(outs[0], o)
 
@@ -257,14 +266,14 @@ def test_unsupported_op_falls_back_or_raises_under_strict(rng):
     x = rnd(rng, 3, 7)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        jf = polyjit.jit_tf(f)
+        jf = jit(f)
         assert_close(jf(x), f(x))
     assert jf.stats["fallbacks"] >= 1 and any("BesselI0e" in op for op in jf.stats["fallback_ops"])
     assert any("TensorFlow" in str(m.message) for m in w)
     with pytest.raises(UnsupportedOpError, match="BesselI0e"):
-        polyjit.jit_tf(f, compile_options={"strict": True})(x)
+        jit(f, compile_options={"strict": True})(x)
     with warnings.catch_warnings():  # a fallback's (read-only) result returned as is
         warnings.simplefilter("ignore")
         g = lambda x: (tf.math.bessel_i0e(x * x + 1), tf.reduce_any(x > 0, 0), x * 2)  # noqa: E731
-        for got, want in zip(polyjit.jit_tf(g)(x), g(x)):
+        for got, want in zip(jit(g)(x), g(x)):
             assert_close(got, want)

@@ -1,0 +1,170 @@
+"""A GPU launch plan as host code, compiled once with llvmlite, so that a
+caller outside Python (an XLA custom call) reaches the driver with no
+interpreter in between: on the H100 host, the Python that did these
+launches cost 77 us of a 195 us training step.
+
+The function built is
+
+    int32_t launch(void **inputs, void **outputs, CUstream stream, char *message, size_t size)
+
+It checks that ``stream`` belongs to the plan's context (the kernels were
+loaded there) and makes that context current, places the input and output
+pointers in the kernels' argument block (constants' pointers and the integer
+arguments are fixed in the code), then runs the steps in order. On the first
+failing driver call it writes what failed into ``message`` and returns the
+CUDA error code; 0 when all went well.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from llvmlite import ir
+
+from .cpu import JitModule
+
+I8, I32, I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+PTR = I8.as_pointer()
+LAUNCH_T = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p),
+                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)  # the launch function's type
+CUDA_ERROR_INVALID_CONTEXT = 201
+SYMBOLS = ("cuStreamGetCtx", "cuCtxGetCurrent", "cuCtxSetCurrent", "cuMemsetD8Async", "cuMemsetD32Async",
+           "cuLaunchKernel", "snprintf")  # the functions a launcher calls, by address
+
+
+@dataclass(frozen=True)
+class Memset:
+    """Fill ``count`` elements of ``width`` bytes (1 or 4) at argument slot ``slot``."""
+    slot: int
+    value: int
+    count: int
+    width: int
+    what: str
+
+
+@dataclass(frozen=True)
+class Launch:
+    """cuLaunchKernel of ``function`` (a CUfunction's address) on a 1-D grid."""
+    function: int
+    grid: int
+    block: int
+    what: str
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What a native launcher does: ``slots`` kernel arguments that are
+    pointers (then ``ints``, fixed), of which ``inputs`` and ``outputs`` (by
+    position in the call) are set per call and ``fixed`` maps the others'
+    slots to their addresses."""
+    slots: int
+    inputs: Sequence[int]
+    outputs: Sequence[int]
+    fixed: Mapping[int, int]
+    ints: Sequence[int]
+    steps: Sequence[Memset | Launch]
+    context: int
+
+
+class NativeLauncher:
+    """A LaunchPlan compiled for the host; ``address`` is the launch function's.
+    ``symbols``: the address of each function in SYMBOLS. ``results``: what the
+    caller passes as outputs, as (name, shape, numpy dtype). ``owner`` stays
+    alive with it (the program whose modules hold the kernels)."""
+
+    def __init__(self, name: str, plan: LaunchPlan, symbols: Mapping[str, int], results: Sequence[tuple] = (),
+                 owner=None) -> None:
+        self.plan, self.results, self.owner = plan, list(results), owner
+        self.ir = str(_module(name, plan, symbols))
+        self._jit = JitModule(self.ir)
+        self.address = self._jit.engine.get_function_address(name)
+
+
+def _module(name: str, plan: LaunchPlan, symbols: Mapping[str, int]) -> ir.Module:
+    mod = ir.Module(name=name)
+    fn = ir.Function(mod, ir.FunctionType(I32, [PTR.as_pointer(), PTR.as_pointer(), PTR, PTR, I64]), name)
+    ins, outs, stream, message, size = fn.args
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    fail = fn.append_basic_block("fail")
+    strings: dict[str, ir.GlobalVariable] = {}
+
+    def string(text: str) -> ir.Value:
+        if text not in strings:
+            strings[text] = _global_string(mod, f"{name}.s{len(strings)}", text)
+        return strings[text].bitcast(PTR)
+
+    def function(call: str, *types: ir.Type) -> ir.Value:
+        return b.inttoptr(ir.Constant(I64, symbols[call]), ir.FunctionType(I32, types).as_pointer())
+
+    # on failure: message <- "<what> failed: CUDA error <code>", return code
+    b.position_at_end(fail)
+    what = b.phi(PTR, "what")
+    code = b.phi(I32, "code")
+    fmt = string("%s failed: CUDA error %d")
+    printf = b.inttoptr(ir.Constant(I64, symbols["snprintf"]),
+                        ir.FunctionType(I32, [PTR, I64, PTR], var_arg=True).as_pointer())
+    b.call(printf, [message, size, fmt, what, code])
+    b.ret(code)
+    b.position_at_end(fn.entry_basic_block)
+
+    def checked(result: ir.Value, text: str) -> None:
+        ok = fn.append_basic_block()
+        what.add_incoming(string(text), b.block)
+        code.add_incoming(result, b.block)
+        b.cbranch(b.icmp_unsigned("==", result, ir.Constant(I32, 0)), ok, fail)
+        b.position_at_end(ok)
+
+    ctx = b.alloca(PTR)
+    pointers = b.alloca(ir.ArrayType(PTR, max(plan.slots, 1)))
+    ints = b.alloca(ir.ArrayType(I64, max(len(plan.ints), 1)))
+    params = b.alloca(ir.ArrayType(PTR, max(plan.slots + len(plan.ints), 1)))
+    # the stream's context must be the plan's; make it current
+    checked(b.call(function("cuStreamGetCtx", PTR, PTR.as_pointer()), [stream, ctx]), "cuStreamGetCtx")
+    mine = ir.Constant(I64, plan.context).inttoptr(PTR)
+    other = b.icmp_unsigned("!=", b.load(ctx), mine)
+    result = b.select(other, ir.Constant(I32, CUDA_ERROR_INVALID_CONTEXT), ir.Constant(I32, 0))
+    checked(result, "matching the stream's context to the one the kernels were loaded in")
+    checked(b.call(function("cuCtxGetCurrent", PTR.as_pointer()), [ctx]), "cuCtxGetCurrent")
+    with b.if_then(b.icmp_unsigned("!=", b.load(ctx), mine)):
+        checked(b.call(function("cuCtxSetCurrent", PTR), [mine]), "cuCtxSetCurrent")
+
+    zero = ir.Constant(I32, 0)
+
+    def slot(k: int) -> ir.Value:
+        return b.gep(pointers, [zero, ir.Constant(I32, k)])
+    for given, slots in ((ins, plan.inputs), (outs, plan.outputs)):
+        for k, s in enumerate(slots):
+            b.store(b.load(b.gep(given, [ir.Constant(I32, k)])), slot(s))
+    for s, address in plan.fixed.items():
+        b.store(ir.Constant(I64, address).inttoptr(PTR), slot(s))
+    for k, value in enumerate(plan.ints):
+        b.store(ir.Constant(I64, value), b.gep(ints, [zero, ir.Constant(I32, k)]))
+    places = [slot(k) for k in range(plan.slots)] + [b.gep(ints, [zero, ir.Constant(I32, k)])
+                                                      for k in range(len(plan.ints))]
+    for k, place in enumerate(places):
+        b.store(b.bitcast(place, PTR), b.gep(params, [zero, ir.Constant(I32, k)]))
+    argv = b.bitcast(params, PTR.as_pointer())
+
+    for step in plan.steps:
+        if isinstance(step, Memset):
+            width = I8 if step.width == 1 else I32
+            call = function("cuMemsetD8Async" if step.width == 1 else "cuMemsetD32Async", I64, width, I64, PTR)
+            target = b.ptrtoint(b.load(slot(step.slot)), I64)
+            result = b.call(call, [target, ir.Constant(width, step.value), ir.Constant(I64, step.count), stream])
+        else:
+            call = function("cuLaunchKernel", PTR, I32, I32, I32, I32, I32, I32, I32, PTR, PTR.as_pointer(),
+                            PTR.as_pointer())
+            dims = [ir.Constant(I32, x) for x in (step.grid, 1, 1, step.block, 1, 1, 0)]
+            result = b.call(call, [ir.Constant(I64, step.function).inttoptr(PTR), *dims, stream, argv,
+                                   ir.Constant(PTR.as_pointer(), None)])
+        checked(result, step.what)
+    b.ret(ir.Constant(I32, 0))
+    return mod
+
+
+def _global_string(mod: ir.Module, name: str, text: str) -> ir.GlobalVariable:
+    data = bytearray(text.encode() + b"\0")
+    g = ir.GlobalVariable(mod, ir.ArrayType(I8, len(data)), name)
+    g.global_constant, g.linkage, g.initializer = True, "private", ir.Constant(g.type.pointee, data)
+    return g
