@@ -10,9 +10,10 @@ polyjit program; an equation outside the table runs through JAX between
 them: counted in the stats, warned about once, refused under ``strict``.
 
 Inside a JAX transformation (``jax.grad``, ``jax.jit``, ``vmap``) the
-compiled program runs as a ``pure_callback`` with a custom VJP whose
-backward, the VJP of the same function, is compiled by polyjit too.
-On the CPU, arrays cross in both directions without copies.
+compiled program runs with a custom VJP whose backward, the VJP of the
+same function, is compiled by polyjit too: as an XLA custom call on the
+GPU (see ``xla_ffi``), as a ``pure_callback`` on the CPU, where arrays
+cross in both directions without copies.
 """
 from __future__ import annotations
 
@@ -741,7 +742,7 @@ class JaxFunction:
         self._stats = Stats()
         self._programs: dict[tuple, tuple[SegmentedProgram, Any]] = {}
         self._vjps: dict[tuple, SegmentedProgram] = {}
-        self._calls: dict[tuple, Callable | None] = {}  # signature -> its XLA custom call (nvgpu)
+        self._calls: dict[tuple, Callable | None] = {}  # (program, GPU) -> its XLA custom call (nvgpu)
         self._xla = jax.jit(fn, static_argnums=static_argnums) if backend == "xla" else None
         self.__name__ = getattr(fn, "__name__", "fn")
         functools.update_wrapper(self, fn)
@@ -859,14 +860,14 @@ class JaxFunction:
         if self.options.target == "nvgpu" and all(isinstance(x, jax.Array) for x in leaves):
             devices = {next(iter(x.devices())) for x in leaves}
             if len(devices) == 1 and next(iter(devices)).platform == "gpu":
-                call = self._custom_call(sig, prog, next(iter(devices)).local_hardware_id)
+                call = self._custom_call(prog, next(iter(devices)).local_hardware_id)
         if call is not None:
             return jax.tree_util.tree_unflatten(out_tree, call(*leaves))
         outs = prog(leaves)
         device = next((next(iter(x.devices())) for x in leaves if isinstance(x, jax.Array)), None)
         return jax.tree_util.tree_unflatten(out_tree, [_to_jax(o, device) for o in outs])
 
-    def _custom_call(self, sig: "_Signature", prog: SegmentedProgram, ordinal: int) -> Callable | None:
+    def _custom_call(self, prog: SegmentedProgram, ordinal: int) -> Callable | None:
         """The program as a jitted JAX function whose one step is an XLA custom
         call (see xla_ffi): native code launches the kernels on XLA's stream
         into XLA's result buffers, so a call costs a jitted dispatch instead of
@@ -874,16 +875,15 @@ class JaxFunction:
         layer norm step) and runs no Python. For calls with JAX arrays on GPU
         ``ordinal``, of programs one segment runs and whose results it
         computes; None for other programs."""
-        key = (sig.key, ordinal)
+        key = (id(prog), ordinal)  # programs live as long as this function
         if key in self._calls:
             return self._calls[key]
         self._calls[key] = None
         seg = prog.segments[0] if len(prog.steps) == 1 and prog.segments else None
         made = {id(v): k for k, v in enumerate(seg.outputs)} if seg is not None else {}
         outs = [id(v) for v in prog.outvars]
-        if seg is None or seg.aliases or len(made) != len(seg.outputs) \
-                or any(v not in made for v in outs) or len(set(outs)) != len(outs):
-            return None
+        if seg is None or seg.aliases or len(made) != len(seg.outputs) or any(v not in made for v in outs):
+            return None  # (a result returned twice, as gradients of x and y in x + y are, is one array)
         exe = seg.exe.variant((False,) * len(seg.exe.graph.inputs))  # for row-major arrays, as XLA's are
         position = {id(v): k for k, v in enumerate(prog.invars)}
         take = [position[id(v)] for v in seg.inputs]
@@ -898,7 +898,7 @@ class JaxFunction:
         order = [made[v] for v in outs]
 
         def call(*xs):
-            outs = jax.ffi.ffi_call(name, results)(*[xs[k] for k in take])
+            outs = jax.ffi.ffi_call(name, results, vmap_method="sequential")(*[xs[k] for k in take])
             return [outs[k] for k in order]
         self._calls[key] = jax.jit(call)
         prog.stats.record(seg.exe.name, exe.stats)
@@ -924,12 +924,21 @@ class JaxFunction:
         floats = [i for i, (_, d, _) in enumerate(sig.avals) if jnp.issubdtype(d, jnp.floating)]
         fouts = [k for k, a in enumerate(out_avals) if jnp.issubdtype(a.dtype, jnp.floating)]
 
+        gpu = jax.devices()[0] if self.options.target == "nvgpu" else None
+        ordinal = gpu.local_hardware_id if gpu is not None and gpu.platform == "gpu" else None
+
         def run(p, *xs):
             return [np.asarray(o) for o in p([np.asarray(x) for x in xs])]
 
+        def staged(p, avals, *xs):  # on the GPU an XLA custom call, else a callback through the host
+            call = self._custom_call(p, ordinal) if ordinal is not None else None
+            if call is not None:
+                return call(*xs)
+            return jax.pure_callback(functools.partial(run, p), avals, *xs, vmap_method="sequential")
+
         @jax.custom_vjp
         def f(*xs):
-            return jax.pure_callback(functools.partial(run, prog), out_avals, *xs, vmap_method="sequential")
+            return staged(prog, out_avals, *xs)
 
         def f_fwd(*xs):
             return f(*xs), xs
@@ -937,8 +946,7 @@ class JaxFunction:
         def f_bwd(xs, cts):
             bprog = self.vjp_program(sig, out_avals)
             shapes = [jax.ShapeDtypeStruct(sig.avals[i][0], sig.avals[i][1]) for i in floats]
-            grads = jax.pure_callback(functools.partial(run, bprog), shapes, *xs, *[cts[k] for k in fouts],
-                                      vmap_method="sequential")
+            grads = staged(bprog, shapes, *xs, *[cts[k] for k in fouts])
             out = [None] * len(xs)
             for i, gr in zip(floats, grads):
                 out[i] = gr

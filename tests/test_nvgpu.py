@@ -499,6 +499,39 @@ def test_jax_programs_run_as_xla_custom_calls():
     assert [c for c in tripled._calls.values() if c is not None]
 
 
+@pytest.mark.gpu
+def test_jax_transformations_stage_custom_calls_on_the_gpu():
+    """Under jax.jit, jax.grad and vmap on the GPU, a polyjit function and its
+    compiled VJP are XLA custom calls (no callback through the host) and
+    match XLA's gradients, also where two gradients are one array (x and r
+    in x + r)."""
+    jax = pytest.importorskip("jax")
+    if jax.devices()[0].platform != "gpu":
+        pytest.skip("JAX has no GPU here")
+
+    def ln(x, r, w, b):
+        y = x + r
+        m = y.mean(-1, keepdims=True)
+        v = ((y - m) ** 2).mean(-1, keepdims=True)
+        return (y - m) * jax.lax.rsqrt(v + 1e-5) * w + b
+    f = polyjit.jit_jax(ln, compile_options={"target": "nvgpu"})
+    keys = jax.random.split(jax.random.key(int.from_bytes(os.urandom(2), "little")), 5)
+    x, r, ct = (jax.random.normal(k, (64, 300)) for k in keys[:3])
+    w, b = jax.random.normal(keys[3], (300,)), jax.random.normal(keys[4], (300,))
+    grad = jax.jit(jax.value_and_grad(lambda *a: (f(*a) * ct).sum(), argnums=(0, 1, 2, 3)))
+    text = grad.lower(x, r, w, b).as_text()
+    assert text.count("polyjit_") >= 2 and "callback" not in text  # the function's call and its VJP's
+    want = jax.jit(jax.value_and_grad(lambda *a: (ln(*a) * ct).sum(), argnums=(0, 1, 2, 3)))(x, r, w, b)
+    got = grad(x, r, w, b)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-4, atol=1e-2)
+    for g, ref in zip(got[1], want[1]):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(ref), rtol=1e-4, atol=1e-4)
+    batched = jax.jit(jax.vmap(f, in_axes=(0, 0, None, None)))(x.reshape(4, 16, 300), r.reshape(4, 16, 300), w, b)
+    np.testing.assert_allclose(np.asarray(batched).reshape(64, 300), np.asarray(ln(x, r, w, b)), rtol=1e-5,
+                               atol=1e-5)
+    assert f.stats["fallbacks"] == 0
+
+
 def _two_gpus():
     torch = pytest.importorskip("torch")
     if torch.cuda.device_count() < 2:
