@@ -924,6 +924,8 @@ class JaxFunction:
         floats = [i for i, (_, d, _) in enumerate(sig.avals) if jnp.issubdtype(d, jnp.floating)]
         fouts = [k for k, a in enumerate(out_avals) if jnp.issubdtype(a.dtype, jnp.floating)]
 
+        # traced arrays have no device yet: the default one; a call placed on another GPU gets the
+        # launcher's error (its stream is not in the context the kernels were loaded in)
         gpu = jax.devices()[0] if self.options.target == "nvgpu" else None
         ordinal = gpu.local_hardware_id if gpu is not None and gpu.platform == "gpu" else None
 

@@ -16,7 +16,7 @@ import jax
 from llvmlite import ir
 
 from polyjit.codegen.cpu import JitModule
-from polyjit.codegen.launch import LAUNCH_T  # noqa: F401 (the launch function's type, for callers)
+from polyjit.codegen.launch import string_constant
 
 c = ctypes
 METADATA_EXTENSION = 1  # XLA_FFI_Extension_Metadata
@@ -147,10 +147,7 @@ def _handler_module(name: str, platform: str, launch: int, args: int, rets: int)
         b.ret(b.call(b.bitcast(create, ir.FunctionType(ptr, [ptr]).as_pointer()), [args_]))
 
     def text(value: str) -> ir.Value:
-        data = bytearray(value.encode() + b"\0")
-        g = ir.GlobalVariable(mod, ir.ArrayType(i8, len(data)), f"{name}.s{len(mod.global_values)}")
-        g.global_constant, g.linkage, g.initializer = True, "private", ir.Constant(g.type.pointee, data)
-        return g.bitcast(ptr)
+        return string_constant(mod, f"{name}.s{len(mod.global_values)}", value).bitcast(ptr)
 
     # XLA asks once, at registration, which API version the handler speaks
     ext = load(frame, _offset(_CallFrame, "extension_start"))

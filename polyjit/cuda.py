@@ -494,7 +494,7 @@ class GpuExecutable(Executable):
         given = set(plan.input_slots) | {fresh[n][0] for n in names}
         fixed = {k: plan.pointers[k] or 0 for k in range(len(self.buffers)) if k not in given}
         lp = launch.LaunchPlan(len(self.buffers), plan.input_slots, [fresh[n][0] for n in names], fixed,
-                               list(plan.ints)[:len(self.int_slots)], steps, plan.device._context)
+                               list(plan.ints)[:len(self.int_slots)], steps, int(plan.device.context))
         self.stats["intermediate_bytes"] = plan.temp_bytes
         return launch.NativeLauncher(name, lp, _symbols(), [(n, fresh[n][1], fresh[n][2]) for n in names], self)
 

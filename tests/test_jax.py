@@ -347,19 +347,20 @@ def test_xla_custom_call_targets_see_buffers_and_report_errors(rng):
     XLA error carrying the message it wrote."""
     import ctypes
 
+    from polyjit.codegen.launch import LAUNCH_T
     from polyjit.frontends import xla_ffi
 
     def floats(ptr, n):
         return np.ctypeslib.as_array((ctypes.c_float * n).from_address(ptr))
 
-    @xla_ffi.LAUNCH_T
+    @LAUNCH_T
     def axpy(args, rets, stream, message, size):
         assert stream is None
         floats(rets[1], 6)[:] = 2 * floats(args[0], 6) + floats(args[1], 6)
         floats(rets[0], 6)[:] = floats(args[1], 6)
         return 0
 
-    @xla_ffi.LAUNCH_T
+    @LAUNCH_T
     def broken(args, rets, stream, message, size):
         ctypes.memmove(message, b"no kernel here\0", 15)
         return 7

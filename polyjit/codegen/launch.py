@@ -91,7 +91,7 @@ def _module(name: str, plan: LaunchPlan, symbols: Mapping[str, int]) -> ir.Modul
 
     def string(text: str) -> ir.Value:
         if text not in strings:
-            strings[text] = _global_string(mod, f"{name}.s{len(strings)}", text)
+            strings[text] = string_constant(mod, f"{name}.s{len(strings)}", text)
         return strings[text].bitcast(PTR)
 
     def function(call: str, *types: ir.Type) -> ir.Value:
@@ -163,7 +163,8 @@ def _module(name: str, plan: LaunchPlan, symbols: Mapping[str, int]) -> ir.Modul
     return mod
 
 
-def _global_string(mod: ir.Module, name: str, text: str) -> ir.GlobalVariable:
+def string_constant(mod: ir.Module, name: str, text: str) -> ir.GlobalVariable:
+    """A private NUL-terminated string in mod."""
     data = bytearray(text.encode() + b"\0")
     g = ir.GlobalVariable(mod, ir.ArrayType(I8, len(data)), name)
     g.global_constant, g.linkage, g.initializer = True, "private", ir.Constant(g.type.pointee, data)
