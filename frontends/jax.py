@@ -9,11 +9,13 @@ JAX primitives to polyjit ops. Runs of supported equations compile into one
 polyjit program; an equation outside the table runs through JAX between
 them: counted in the stats, warned about once, refused under ``strict``.
 
-Inside a JAX transformation (``jax.grad``, ``jax.jit``, ``vmap``) the
-compiled program runs with a custom VJP whose backward, the VJP of the
-same function, is compiled by polyjit too: as an XLA custom call on the
-GPU (see ``xla_ffi``), as a ``pure_callback`` on the CPU, where arrays
-cross in both directions without copies.
+Called with JAX arrays on the target's device, a program runs as an XLA
+custom call (see ``xla_ffi``): native code runs its kernels on XLA's
+buffers (and stream). Inside a JAX transformation (``jax.grad``,
+``jax.jit``, ``vmap``) the program runs with a custom VJP whose backward,
+the VJP of the same function, is compiled by polyjit too; each is such a
+custom call, or a ``pure_callback`` where JAX's default device is not the
+target's or the program has fallbacks.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from jax.extend import core as jcore
 
 from polyjit import ops
 from polyjit.cuda import GpuView
+from polyjit.runtime import RowMajor
 from polyjit.dtypes import DataType
 from polyjit.errors import CompileOptionError, InputError, UnsupportedOpError
 from polyjit.options import CompileOptions, parse_options
@@ -39,6 +42,10 @@ from . import xla_ffi
 from .common import Const, Op, SegmentedProgram, Stats, Value, core_dtype, static_value
 
 SCAN_UNROLL_LIMIT = 64  # longest static scan (fori_loop) unrolled into the program
+# Results up to this size come from glibc's heap, reused (its dynamic mmap threshold
+# stops at 32 MB); XLA's larger CPU results are fresh pages whose faults cost more
+# than the kernels (softmax 4096x4096: 33 ms a call against 8 through polyjit's cache).
+CPU_CALL_RESULT_BYTES = 32 << 20
 _target_ids = itertools.count()  # custom-call target names are unique in the process
 
 
@@ -742,7 +749,8 @@ class JaxFunction:
         self._stats = Stats()
         self._programs: dict[tuple, tuple[SegmentedProgram, Any]] = {}
         self._vjps: dict[tuple, SegmentedProgram] = {}
-        self._calls: dict[tuple, Callable | None] = {}  # (program, GPU) -> its XLA custom call (nvgpu)
+        self._calls: dict[tuple, Callable | None] = {}  # (program, device) -> its XLA custom call
+        self._largest: dict[tuple, int] = {}  # (program, device) -> bytes of its custom call's largest result
         self._xla = jax.jit(fn, static_argnums=static_argnums) if backend == "xla" else None
         self.__name__ = getattr(fn, "__name__", "fn")
         functools.update_wrapper(self, fn)
@@ -857,25 +865,36 @@ class JaxFunction:
         sig, leaves = self._signature(statics, leaves, tree)
         prog, out_tree = self.program(sig)
         call = None
-        if self.options.target == "nvgpu" and all(isinstance(x, jax.Array) for x in leaves):
+        if all(isinstance(x, jax.Array) for x in leaves):
             devices = {next(iter(x.devices())) for x in leaves}
-            if len(devices) == 1 and next(iter(devices)).platform == "gpu":
-                call = self._custom_call(prog, next(iter(devices)).local_hardware_id)
+            where = self._custom_call_device(next(iter(devices))) if len(devices) == 1 else None
+            call = self._custom_call(prog, where) if where is not None else None
+            if call is not None and where == "cpu" and self._largest[id(prog), where] > CPU_CALL_RESULT_BYTES:
+                call = None  # XLA's fresh result buffers would fault their pages in at every call
         if call is not None:
             return jax.tree_util.tree_unflatten(out_tree, call(*leaves))
         outs = prog(leaves)
         device = next((next(iter(x.devices())) for x in leaves if isinstance(x, jax.Array)), None)
         return jax.tree_util.tree_unflatten(out_tree, [_to_jax(o, device) for o in outs])
 
-    def _custom_call(self, prog: SegmentedProgram, ordinal: int) -> Callable | None:
+    def _custom_call_device(self, device) -> int | str | None:
+        """Where this function's calls on JAX's ``device`` run as XLA custom
+        calls: "cpu", a GPU's ordinal, or None (the target is the other one)."""
+        if self.options.target == "cpu" and device.platform == "cpu":
+            return "cpu"
+        if self.options.target == "nvgpu" and device.platform == "gpu":
+            return device.local_hardware_id
+        return None
+
+    def _custom_call(self, prog: SegmentedProgram, where: int | str) -> Callable | None:
         """The program as a jitted JAX function whose one step is an XLA custom
-        call (see xla_ffi): native code launches the kernels on XLA's stream
-        into XLA's result buffers, so a call costs a jitted dispatch instead of
-        a DLPack import per result (four of those took longer than XLA's whole
-        layer norm step) and runs no Python. For calls with JAX arrays on GPU
-        ``ordinal``, of programs one segment runs and whose results it
-        computes; None for other programs."""
-        key = (id(prog), ordinal)  # programs live as long as this function
+        call (see xla_ffi): native code runs the kernels (on the GPU: launches
+        them on XLA's stream) with XLA's result buffers, so a call costs a
+        jitted dispatch instead of a DLPack import per result (four of those
+        took longer than XLA's whole layer norm step) and runs no Python.
+        ``where``: "cpu" or the GPU's ordinal. For programs one segment runs
+        and whose results it computes; None for other programs."""
+        key = (id(prog), where)  # programs live as long as this function
         if key in self._calls:
             return self._calls[key]
         self._calls[key] = None
@@ -888,19 +907,22 @@ class JaxFunction:
         position = {id(v): k for k, v in enumerate(prog.invars)}
         take = [position[id(v)] for v in seg.inputs]
         name = f"polyjit_{exe.name}_{next(_target_ids)}"  # XLA keeps every target for the process
-        views = [GpuView(0, tuple(v.shape), None, np.dtype(v.dtype), ordinal, None) for v in seg.inputs]
-        launcher = exe.native_launcher(views, name + "_launch")
+        like = [GpuView(0, tuple(v.shape), None, np.dtype(v.dtype), where, None) if where != "cpu"
+                else RowMajor(v.shape, v.dtype) for v in seg.inputs]
+        launcher = exe.native_launcher(like, name + "_launch")
         if launcher is None:
             return None
         # the results: the outputs, then the temporaries (dropped: XLA's allocator serves them)
         results = [jax.ShapeDtypeStruct(shape, dt) for _, shape, dt in launcher.results]
-        xla_ffi.register(name, "CUDA", launcher.address, len(take), len(results), launcher)
+        xla_ffi.register(name, "cpu" if where == "cpu" else "CUDA", launcher.address, len(take), len(results),
+                         launcher)
         order = [made[v] for v in outs]
 
         def call(*xs):
             outs = jax.ffi.ffi_call(name, results, vmap_method="sequential")(*[xs[k] for k in take])
             return [outs[k] for k in order]
         self._calls[key] = jax.jit(call)
+        self._largest[key] = max((math.prod(r.shape) * r.dtype.itemsize for r in results), default=0)
         prog.stats.record(seg.exe.name, exe.stats)
         return self._calls[key]
 
@@ -926,14 +948,14 @@ class JaxFunction:
 
         # traced arrays have no device yet: the default one; a call placed on another GPU gets the
         # launcher's error (its stream is not in the context the kernels were loaded in)
-        gpu = jax.devices()[0] if self.options.target == "nvgpu" else None
-        ordinal = gpu.local_hardware_id if gpu is not None and gpu.platform == "gpu" else None
+        default = jax.config.jax_default_device or jax.devices()[0]  # (jax.default_device sets the first)
+        where = self._custom_call_device(jax.devices(default)[0] if isinstance(default, str) else default)
 
         def run(p, *xs):
             return [np.asarray(o) for o in p([np.asarray(x) for x in xs])]
 
-        def staged(p, avals, *xs):  # on the GPU an XLA custom call, else a callback through the host
-            call = self._custom_call(p, ordinal) if ordinal is not None else None
+        def staged(p, avals, *xs):  # an XLA custom call where it can be, else a callback
+            call = self._custom_call(p, where) if where is not None else None
             if call is not None:
                 return call(*xs)
             return jax.pure_callback(functools.partial(run, p), avals, *xs, vmap_method="sequential")

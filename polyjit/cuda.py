@@ -24,7 +24,7 @@ from . import sizes as sz
 from .codegen import launch
 from .codegen.nvgpu import BLOCK
 from .errors import DeviceError, InputError
-from .runtime import POISON, Executable
+from .runtime import POISON, Executable, RowMajor, native_results, poison_fill
 
 WAVES = 2  # grids of this many times the blocks that fit on the device at once
 _lock = threading.Lock()
@@ -359,15 +359,10 @@ def _data_ptr(a) -> int:
     return a.data_ptr() if hasattr(a, "data_ptr") else a.__cuda_array_interface__["data"][0]
 
 
-def _poison_fill(nbytes: int, kind: str) -> tuple[int, int, int]:
-    """(value, count, width in bytes) that fill nbytes with NaN (floats) or 0xFF bytes."""
-    return (0x7FC00000, nbytes // 4, 4) if kind == "f" and nbytes % 4 == 0 else (0xFF, nbytes, 1)
-
-
 def poison(ptr: int, nbytes: int, kind: str, stream: int) -> None:
     """Fill memory with NaN (floats) or 0xFF bytes, as POLYJIT_POISON asks."""
     cu = driver()
-    value, count, width = _poison_fill(nbytes, kind)
+    value, count, width = poison_fill(nbytes, kind)
     memset = cu.cuMemsetD32Async if width == 4 else cu.cuMemsetD8Async
     check(memset(ptr, value, count, _stream(stream)), "poisoning (cuMemsetAsync)")
 
@@ -479,15 +474,10 @@ class GpuExecutable(Executable):
         key = tuple((v.shape, v.strides, v.dtype, v.device) for v in views)
         plan = self._plans.get(key) or self._plan(key, views, views, 0)
         fresh = {name: (slot, shape, dt) for slot, name, shape, dt in plan.fresh}
-        if len(set(self.output_arrays)) != len(self.output_arrays) or any(n not in fresh for n in self.output_arrays):
+        made = native_results(self.output_arrays, fresh)
+        if made is None:
             return None
-        names = list(self.output_arrays) + [n for n in fresh if n not in self.output_arrays]
-        steps: list = []
-        for n in names:
-            slot, shape, dt = fresh[n]
-            if POISON and shape:
-                steps.append(launch.Memset(slot, *_poison_fill(math.prod(shape) * dt.itemsize, dt.kind),
-                                           f"poisoning {n}"))
+        names, steps = made
         for fn, grid, block, what, zeroed in plan.launches:
             steps += [launch.Memset(slot, 0, nbytes, 1, f"zeroing for {what}") for slot, nbytes in zeroed]
             steps.append(launch.Launch(int(fn), grid, block, what))
@@ -525,7 +515,7 @@ class GpuExecutable(Executable):
         _used.add(dev.ordinal)
         dev.activate()
         shapes = [v.shape if v is not None else np.shape(a) for v, a in zip(views, args)]
-        env = self.bind([_ShapeOnly(sh, v.dtype if v is not None else np.asarray(a).dtype)
+        env = self.bind([RowMajor(sh, v.dtype if v is not None else np.asarray(a).dtype)
                          for sh, v, a in zip(shapes, views, args)])
         strides: dict[str, tuple] = {}
         for spec, v, sh in zip(self.inputs, views, shapes):
@@ -598,11 +588,3 @@ class _Plan:
     block: Any = None  # the address of each argument, as cuLaunchKernel takes them
     argv: int = 0
     lock: Any = field(default_factory=threading.Lock)
-
-
-class _ShapeOnly:
-    """What Executable.bind reads of an argument: its shape and dtype."""
-
-    def __init__(self, shape, dtype) -> None:
-        self.shape, self.dtype, self.ndim = tuple(shape), np.dtype(dtype), len(shape)
-

@@ -20,7 +20,8 @@ import numpy as np
 
 from . import sizes as sz
 from .affine import Array
-from .codegen.cpu import thread_team
+from .codegen import launch
+from .codegen.cpu import OmpTeam, thread_team
 from .codegen.llvm import KernelInfo
 from .errors import InputError
 from .sizes import Lin
@@ -94,6 +95,37 @@ def _new_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         kind = np.dtype(dtype).kind
         a.fill(np.nan if kind == "f" else np.iinfo(dtype).max if kind == "u" else -7777)
     return a
+
+
+def poison_fill(nbytes: int, kind: str) -> tuple[int, int, int]:
+    """(value, count, width in bytes) of a memset that poisons nbytes of a
+    native launcher's result: NaN for 4-byte floats, else 0xFF bytes (NaN for
+    every float width, all ones for integers)."""
+    return (0x7FC00000, nbytes // 4, 4) if kind == "f" and nbytes % 4 == 0 else (0xFF, nbytes, 1)
+
+
+def native_results(output_arrays: Sequence[str], fresh: dict[str, tuple[int, tuple, np.dtype]]):
+    """What a native launcher takes as results, from a plan's fresh buffers
+    (name -> (slot, shape, dtype)): (names: the outputs, then the temporaries;
+    the memsets that poison them when POLYJIT_POISON asks). None where an
+    output is not a buffer of its own (an input, a constant, another output)."""
+    if len(set(output_arrays)) != len(output_arrays) or any(n not in fresh for n in output_arrays):
+        return None
+    names = list(output_arrays) + [n for n in fresh if n not in output_arrays]
+    poisons = [launch.Memset(fresh[n][0], *poison_fill(math.prod(fresh[n][1]) * fresh[n][2].itemsize,
+                                                          fresh[n][2].kind), f"poisoning {n}")
+               for n in names if POISON and fresh[n][1]]
+    return names, poisons
+
+
+class RowMajor:
+    """What planning reads of a row-major argument: its shape and dtype."""
+
+    def __init__(self, shape, dtype) -> None:
+        self.shape, self.dtype, self.ndim = tuple(shape), np.dtype(dtype), len(shape)
+        self.itemsize, self.size = self.dtype.itemsize, math.prod(self.shape)
+        self.strides = tuple(s * self.itemsize for s in sz.row_major(self.shape))
+        self.flags = {"C_CONTIGUOUS": True}
 
 
 @dataclass
@@ -184,6 +216,37 @@ class Executable:
         self.stats["intermediate_bytes"] = plan.intermediate_bytes
         return [made[n] for n in self.output_arrays]
 
+    def native_launcher(self, args: Sequence, name: str):
+        """This program's kernel calls for row-major arguments like ``args``
+        (their shapes and dtypes) as host code named ``name`` (a
+        codegen.launch.NativeLauncher), for callers outside Python (XLA's
+        custom calls): its call takes the inputs' pointers and one for each
+        of its ``results``, the outputs, then the temporaries. None where an
+        output is not a buffer of its own, or parallel kernels would run on
+        a Python thread pool. Raises InputError as a call would."""
+        like = [RowMajor(a.shape, a.dtype) for a in args]
+        key = tuple((a.shape, a.strides, a.dtype) for a in like)
+        plan = self._plans.get(key) or self._plan(like, key)
+        team = thread_team() if plan.threads > 1 else None
+        made = native_results(self.output_arrays, {n: (slot, shape, dt) for n, slot, shape, dt in plan.fresh})
+        if made is None or (team is not None and not isinstance(team, OmpTeam)):
+            return None
+        names, steps = made
+        slots = {n: slot for n, slot, _, _ in plan.fresh}
+        for k in self.kernels:
+            threads = plan.threads if k.parallel and team is not None else 1
+            steps.append(launch.Run(ctypes.cast(k.fn, ctypes.c_void_p).value, threads, f"running {k.name}"))
+        given = set(plan.input_slots) | {slots[n] for n in names}
+        fixed = {k: p or 0 for k, p in enumerate(plan.pointers) if k not in given}
+        lp = launch.LaunchPlan(len(self.buffers), plan.input_slots, [slots[n] for n in names], fixed,
+                               list(plan.ints)[:len(self.int_slots)], steps, None)
+        symbols = {"snprintf": ctypes.cast(ctypes.CDLL(None).snprintf, ctypes.c_void_p).value}
+        if team is not None:
+            symbols.update(team.symbols())
+        self.stats["intermediate_bytes"] = plan.intermediate_bytes
+        results = [(n, shape, dt) for n in names for m, _, shape, dt in plan.fresh if m == n]
+        return launch.NativeLauncher(name, lp, symbols, results, self)
+
     def _plan(self, args: Sequence[np.ndarray], key) -> "_CallPlan":
         """What a call with these shapes, strides and dtypes needs, worked out
         once: sizes, integer arguments, allocations, the thread count.
@@ -193,7 +256,7 @@ class Executable:
         strides: dict[str, tuple] = {}
         copied = []
         for k, (spec, a) in enumerate(zip(self.inputs, args)):
-            if not spec.strided and not a.flags.c_contiguous:
+            if not spec.strided and not a.flags["C_CONTIGUOUS"]:
                 copied.append(k)
             strides[spec.name] = tuple(s // a.itemsize for s in a.strides)
         pointers: list = [None] * len(self.buffers)

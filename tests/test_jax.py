@@ -340,6 +340,35 @@ def test_scan_with_xs_and_ys_is_unrolled(rng):
     check(lambda w, xs: lax.scan(lambda c, x: (c * x + w, c), w, xs, reverse=True), rnd(rng, 3), rnd(rng, 5, 3))
 
 
+@host_target
+def test_jax_arrays_run_as_xla_custom_calls_on_the_cpu(rng):
+    """With JAX arrays on the CPU, a call, and a call staged under jax.jit and
+    jax.grad, is an XLA custom call (native code, no callback through Python)
+    and matches XLA. Subnormals stay IEEE although XLA's threads flush them:
+    nextafter from 0 bit for bit, in a kernel whose parts run on the thread
+    team (over 32k elements) and in one that runs on XLA's thread."""
+    with jax.default_device(jax.devices("cpu")[0]):  # also where JAX's default device is a GPU
+        def ln(x, w, b):
+            m = x.mean(-1, keepdims=True)
+            v = ((x - m) ** 2).mean(-1, keepdims=True)
+            return (x - m) * jax.lax.rsqrt(v + 1e-5) * w + b
+        f = polyjit.jit_jax(ln)
+        x, w, b = rnd(rng, 64, 300), rnd(rng, 300), rnd(rng, 300)
+        assert_tree_close(f(x, w, b), ln(x, w, b), 1e-5, 1e-5)
+        assert [c for c in f._calls.values() if c is not None]
+        grad = jax.jit(jax.grad(lambda *a: (f(*a) * x).sum(), argnums=(0, 1, 2)))
+        text = grad.lower(x, w, b).as_text()
+        assert "polyjit_" in text and "callback" not in text
+        assert_tree_close(grad(x, w, b), jax.grad(lambda *a: (ln(*a) * x).sum(), argnums=(0, 1, 2))(x, w, b), 1e-4, 1e-4)
+        step = polyjit.jit_jax(lambda a, t: lax.nextafter(a, t) * 3)
+        for n in (7, 1 << 16):
+            a, t = jnp.zeros(n, jnp.float32), jnp.ones(n, jnp.float32)
+            got, want = step(a, t), np.nextafter(np.zeros(n, np.float32), np.float32(1)) * np.float32(3)  # IEEE
+            np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))
+            assert np.asarray(got)[0] > 0
+        assert len([c for c in step._calls.values() if c is not None]) == 2
+
+
 def test_xla_custom_call_targets_see_buffers_and_report_errors(rng):
     """The native FFI handler that runs nvgpu programs inside XLA, exercised
     on the CPU with launch functions written in Python: argument and result

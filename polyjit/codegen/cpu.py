@@ -286,10 +286,38 @@ class JitModule:
         return self.assembly
 
 
+MXCSR_FLUSH = 0x8040  # x86 flush-to-zero (bit 15) and denormals-are-zero (bit 6)
+X86 = llvm.get_process_triple().startswith("x86_64")
+
+
+def ieee_floats(b: ir.IRBuilder):
+    """Emit (in the entry block): clear the x86 MXCSR's flush-to-zero and
+    denormals-are-zero bits, so that subnormals round and compare as IEEE
+    says whoever calls; returns a function that emits the restore of the
+    caller's mode. No-op elsewhere."""
+    if not X86:
+        return lambda: None
+    mod = b.module
+    ptr = ir.IntType(8).as_pointer()
+    mxcsr = {n: mod.globals.get(f"llvm.x86.sse.{n}") or ir.Function(
+        mod, ir.FunctionType(ir.VoidType(), [ptr]), f"llvm.x86.sse.{n}") for n in ("stmxcsr", "ldmxcsr")}
+    saved, ieee = b.alloca(ir.IntType(32)), b.alloca(ir.IntType(32))
+    b.call(mxcsr["stmxcsr"], [b.bitcast(saved, ptr)])
+    b.store(b.and_(b.load(saved), ir.Constant(ir.IntType(32), ~MXCSR_FLUSH)), ieee)
+    b.call(mxcsr["ldmxcsr"], [b.bitcast(ieee, ptr)])
+    return lambda: b.call(mxcsr["ldmxcsr"], [b.bitcast(saved, ptr)])
+
+
 # The trampoline each OpenMP thread runs: data = {kernel, buffers, ints,
-# omp_get_thread_num, omp_get_num_threads}; it runs part thread_num of num_threads.
+# omp_get_thread_num, omp_get_num_threads}; it runs part thread_num of num_threads,
+# with IEEE subnormals (a team started from a thread that flushes them, as
+# XLA's do, inherits that mode).
 _TRAMPOLINE = """
+declare void @llvm.x86.sse.stmxcsr(ptr)
+declare void @llvm.x86.sse.ldmxcsr(ptr)
 define void @polyjit_omp_part(ptr %data) {
+  %saved = alloca i32
+  %ieee = alloca i32
   %kp = getelementptr ptr, ptr %data, i64 0
   %k = load ptr, ptr %kp
   %bp = getelementptr ptr, ptr %data, i64 1
@@ -304,10 +332,18 @@ define void @polyjit_omp_part(ptr %data) {
   %n = call i32 %nf()
   %t64 = sext i32 %t to i64
   %n64 = sext i32 %n to i64
+  call void @llvm.x86.sse.stmxcsr(ptr %saved)                  ; x86
+  %mode = load i32, ptr %saved                                 ; x86
+  %cleared = and i32 %mode, MASK                               ; x86
+  store i32 %cleared, ptr %ieee                                ; x86
+  call void @llvm.x86.sse.ldmxcsr(ptr %ieee)                   ; x86
   call void %k(ptr %b, ptr %i, i64 %t64, i64 %n64)
+  call void @llvm.x86.sse.ldmxcsr(ptr %saved)                  ; x86
   ret void
 }
-"""
+""".replace("MASK", str(~MXCSR_FLUSH))
+if not X86:
+    _TRAMPOLINE = "\n".join(line for line in _TRAMPOLINE.splitlines() if "x86" not in line)
 
 
 def _loaded_libgomp() -> str | None:
@@ -335,6 +371,11 @@ class OmpTeam:
                      ctypes.cast(lib.omp_get_num_threads, ctypes.c_void_p).value]
         self._jit = JitModule(_TRAMPOLINE)
         self._entry = self._jit.engine.get_function_address("polyjit_omp_part")
+
+    def symbols(self) -> dict[str, int]:
+        """The addresses native code needs to run parts on this team (launch.CPU_SYMBOLS)."""
+        return {"GOMP_parallel": ctypes.cast(self._parallel, ctypes.c_void_p).value, "polyjit_omp_part": self._entry,
+                "omp_get_thread_num": self._ids[0], "omp_get_num_threads": self._ids[1]}
 
     def run(self, kernel, bufs, ints, threads: int) -> None:
         data = (ctypes.c_void_p * 5)(ctypes.cast(kernel, ctypes.c_void_p).value,

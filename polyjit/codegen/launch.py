@@ -22,7 +22,7 @@ from typing import Mapping, Sequence
 
 from llvmlite import ir
 
-from .cpu import JitModule
+from .cpu import JitModule, ieee_floats
 
 I8, I32, I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
 PTR = I8.as_pointer()
@@ -30,7 +30,8 @@ LAUNCH_T = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.POINTER(ctypes.c_void_p), cty
                             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)  # the launch function's type
 CUDA_ERROR_INVALID_CONTEXT = 201
 SYMBOLS = ("cuStreamGetCtx", "cuCtxGetCurrent", "cuCtxSetCurrent", "cuMemsetD8Async", "cuMemsetD32Async",
-           "cuLaunchKernel", "snprintf")  # the functions a launcher calls, by address
+           "cuLaunchKernel", "snprintf")  # the functions a GPU launcher calls, by address
+CPU_SYMBOLS = ("GOMP_parallel", "polyjit_omp_part", "omp_get_thread_num", "omp_get_num_threads", "snprintf")
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,16 @@ class Launch:
 
 
 @dataclass(frozen=True)
+class Run:
+    """A CPU kernel ``kernel(buffers, ints, part, parts)`` at address ``kernel``:
+    whole (threads 1), or its parts on libgomp's team (GOMP_parallel of the
+    team's trampoline)."""
+    kernel: int
+    threads: int
+    what: str
+
+
+@dataclass(frozen=True)
 class LaunchPlan:
     """What a native launcher does: ``slots`` kernel arguments that are
     pointers (then ``ints``, fixed), of which ``inputs`` and ``outputs`` (by
@@ -63,13 +74,15 @@ class LaunchPlan:
     outputs: Sequence[int]
     fixed: Mapping[int, int]
     ints: Sequence[int]
-    steps: Sequence[Memset | Launch]
-    context: int
+    steps: Sequence[Memset | Launch | Run]
+    context: int | None  # the CUDA context of a GPU plan; None on the CPU
 
 
 class NativeLauncher:
     """A LaunchPlan compiled for the host; ``address`` is the launch function's.
-    ``symbols``: the address of each function in SYMBOLS. ``results``: what the
+    ``symbols``: the address of each function in SYMBOLS (CPU_SYMBOLS for a
+    CPU plan, whose kernels run with IEEE subnormals whatever the calling
+    thread's floating-point mode: XLA's threads flush them). ``results``: what the
     caller passes as outputs, as (name, shape, numpy dtype). ``owner`` stays
     alive with it (the program whose modules hold the kernels)."""
 
@@ -119,15 +132,18 @@ def _module(name: str, plan: LaunchPlan, symbols: Mapping[str, int]) -> ir.Modul
     pointers = b.alloca(ir.ArrayType(PTR, max(plan.slots, 1)))
     ints = b.alloca(ir.ArrayType(I64, max(len(plan.ints), 1)))
     params = b.alloca(ir.ArrayType(PTR, max(plan.slots + len(plan.ints), 1)))
-    # the stream's context must be the plan's; make it current
-    checked(b.call(function("cuStreamGetCtx", PTR, PTR.as_pointer()), [stream, ctx]), "cuStreamGetCtx")
-    mine = ir.Constant(I64, plan.context).inttoptr(PTR)
-    other = b.icmp_unsigned("!=", b.load(ctx), mine)
-    result = b.select(other, ir.Constant(I32, CUDA_ERROR_INVALID_CONTEXT), ir.Constant(I32, 0))
-    checked(result, "matching the stream's context to the one the kernels were loaded in")
-    checked(b.call(function("cuCtxGetCurrent", PTR.as_pointer()), [ctx]), "cuCtxGetCurrent")
-    with b.if_then(b.icmp_unsigned("!=", b.load(ctx), mine)):
-        checked(b.call(function("cuCtxSetCurrent", PTR), [mine]), "cuCtxSetCurrent")
+    cpu = plan.context is None
+    if cpu:
+        restore = ieee_floats(b)
+    else:  # the stream's context must be the plan's; make it current
+        checked(b.call(function("cuStreamGetCtx", PTR, PTR.as_pointer()), [stream, ctx]), "cuStreamGetCtx")
+        mine = ir.Constant(I64, plan.context).inttoptr(PTR)
+        other = b.icmp_unsigned("!=", b.load(ctx), mine)
+        result = b.select(other, ir.Constant(I32, CUDA_ERROR_INVALID_CONTEXT), ir.Constant(I32, 0))
+        checked(result, "matching the stream's context to the one the kernels were loaded in")
+        checked(b.call(function("cuCtxGetCurrent", PTR.as_pointer()), [ctx]), "cuCtxGetCurrent")
+        with b.if_then(b.icmp_unsigned("!=", b.load(ctx), mine)):
+            checked(b.call(function("cuCtxSetCurrent", PTR), [mine]), "cuCtxSetCurrent")
 
     zero = ir.Constant(I32, 0)
 
@@ -146,7 +162,27 @@ def _module(name: str, plan: LaunchPlan, symbols: Mapping[str, int]) -> ir.Modul
         b.store(b.bitcast(place, PTR), b.gep(params, [zero, ir.Constant(I32, k)]))
     argv = b.bitcast(params, PTR.as_pointer())
 
+    kernel_type = ir.FunctionType(ir.VoidType(), [PTR, PTR, I64, I64]).as_pointer()
     for step in plan.steps:
+        if cpu and isinstance(step, Memset):
+            _fill(b, b.load(slot(step.slot)), step)
+            continue
+        if isinstance(step, Run):
+            kernel = b.inttoptr(ir.Constant(I64, step.kernel), kernel_type)
+            buffers, numbers = b.bitcast(pointers, PTR), b.bitcast(ints, PTR)
+            if step.threads > 1:
+                data = b.alloca(ir.ArrayType(PTR, 5))
+                team = [b.bitcast(kernel, PTR), buffers, numbers] + [
+                    ir.Constant(I64, symbols[n]).inttoptr(PTR) for n in ("omp_get_thread_num", "omp_get_num_threads")]
+                for k, v in enumerate(team):
+                    b.store(v, b.gep(data, [zero, ir.Constant(I32, k)]))
+                parallel = b.inttoptr(ir.Constant(I64, symbols["GOMP_parallel"]), ir.FunctionType(
+                    ir.VoidType(), [PTR, PTR, I32, I32]).as_pointer())
+                b.call(parallel, [ir.Constant(I64, symbols["polyjit_omp_part"]).inttoptr(PTR), b.bitcast(data, PTR),
+                                  ir.Constant(I32, step.threads), ir.Constant(I32, 0)])
+            else:
+                b.call(kernel, [buffers, numbers, ir.Constant(I64, 0), ir.Constant(I64, 1)])
+            continue
         if isinstance(step, Memset):
             width = I8 if step.width == 1 else I32
             call = function("cuMemsetD8Async" if step.width == 1 else "cuMemsetD32Async", I64, width, I64, PTR)
@@ -159,8 +195,25 @@ def _module(name: str, plan: LaunchPlan, symbols: Mapping[str, int]) -> ir.Modul
             result = b.call(call, [ir.Constant(I64, step.function).inttoptr(PTR), *dims, stream, argv,
                                    ir.Constant(PTR.as_pointer(), None)])
         checked(result, step.what)
+    if cpu:
+        restore()
     b.ret(ir.Constant(I32, 0))
     return mod
+
+
+def _fill(b: ir.IRBuilder, base: ir.Value, step: Memset) -> None:
+    """A loop storing step.value into step.count elements at base (a CPU memset)."""
+    width = I8 if step.width == 1 else I32
+    start, loop, done = b.block, b.append_basic_block("fill"), b.append_basic_block("filled")
+    b.cbranch(b.icmp_unsigned("!=", ir.Constant(I64, step.count), ir.Constant(I64, 0)), loop, done)
+    b.position_at_end(loop)
+    i = b.phi(I64)
+    i.add_incoming(ir.Constant(I64, 0), start)
+    b.store(ir.Constant(width, step.value), b.gep(b.bitcast(base, width.as_pointer()), [i]))
+    nxt = b.add(i, ir.Constant(I64, 1))
+    i.add_incoming(nxt, b.block)
+    b.cbranch(b.icmp_unsigned("<", nxt, ir.Constant(I64, step.count)), loop, done)
+    b.position_at_end(done)
 
 
 def string_constant(mod: ir.Module, name: str, text: str) -> ir.GlobalVariable:
