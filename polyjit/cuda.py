@@ -486,7 +486,9 @@ class GpuExecutable(Executable):
         lp = launch.LaunchPlan(len(self.buffers), plan.input_slots, [fresh[n][0] for n in names], fixed,
                                list(plan.ints)[:len(self.int_slots)], steps, int(plan.device.context))
         self.stats["intermediate_bytes"] = plan.temp_bytes
-        return launch.NativeLauncher(name, lp, _symbols(), [(n, fresh[n][1], fresh[n][2]) for n in names], self)
+        launcher = launch.NativeLauncher(name, lp, _symbols(), [(n, fresh[n][1], fresh[n][2]) for n in names], self)
+        self.ir[f"launcher {name}"] = launcher.ir  # a stage like the others, for exe.ir and debugging
+        return launcher
 
     def _device(self, views, args) -> Device:
         """The one device all GPU arguments are on (InputError for mixed placements)."""

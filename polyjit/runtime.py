@@ -216,7 +216,7 @@ class Executable:
         self.stats["intermediate_bytes"] = plan.intermediate_bytes
         return [made[n] for n in self.output_arrays]
 
-    def native_launcher(self, args: Sequence, name: str):
+    def native_launcher(self, args: Sequence, name: str) -> "launch.NativeLauncher | None":
         """This program's kernel calls for row-major arguments like ``args``
         (their shapes and dtypes) as host code named ``name`` (a
         codegen.launch.NativeLauncher), for callers outside Python (XLA's
@@ -245,7 +245,9 @@ class Executable:
             symbols.update(team.symbols())
         self.stats["intermediate_bytes"] = plan.intermediate_bytes
         results = [(n, shape, dt) for n in names for m, _, shape, dt in plan.fresh if m == n]
-        return launch.NativeLauncher(name, lp, symbols, results, self)
+        launcher = launch.NativeLauncher(name, lp, symbols, results, self)
+        self.ir[f"launcher {name}"] = launcher.ir  # a stage like the others, for exe.ir and debugging
+        return launcher
 
     def _plan(self, args: Sequence[np.ndarray], key) -> "_CallPlan":
         """What a call with these shapes, strides and dtypes needs, worked out

@@ -254,7 +254,8 @@ def test_convolution_register_block_inside_its_whole_reduction(cin, cout, rng):
     assert len(calls) >= 64 and not any("for (" in line for line in lines[calls[0]:calls[-1]])
     assert sum("// parallel:" in line for line in lines) == 1  # the initialization shares the convolution's nest
     want = refs.conv2d(x.transpose(0, 3, 1, 2), w.transpose(3, 2, 0, 1), padding=((1, 1), (1, 1)))
-    np.testing.assert_allclose(exe(x, w), want.transpose(0, 2, 3, 1), rtol=1e-5, atol=1e-4)
+    # sums of up to 1440 products, of size ~40: float32 rounding reaches 1e-4 where they cancel
+    np.testing.assert_allclose(exe(x, w), want.transpose(0, 2, 3, 1), rtol=1e-5, atol=1e-3)
 
 
 def _conv_nhwc(a, b):

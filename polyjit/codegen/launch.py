@@ -1,18 +1,21 @@
-"""A GPU launch plan as host code, compiled once with llvmlite, so that a
-caller outside Python (an XLA custom call) reaches the driver with no
-interpreter in between: on the H100 host, the Python that did these
-launches cost 77 us of a 195 us training step.
+"""A launch plan as host code, compiled once with llvmlite, so that a caller
+outside Python (an XLA custom call) runs a program's kernels with no
+interpreter in between: on the H100 host, the Python that did these GPU
+launches cost 77 us of a 195 us training step; on the CPU a small layer
+norm's call went from 141 to 38 us.
 
 The function built is
 
     int32_t launch(void **inputs, void **outputs, CUstream stream, char *message, size_t size)
 
-It checks that ``stream`` belongs to the plan's context (the kernels were
-loaded there) and makes that context current, places the input and output
-pointers in the kernels' argument block (constants' pointers and the integer
-arguments are fixed in the code), then runs the steps in order. On the first
-failing driver call it writes what failed into ``message`` and returns the
-CUDA error code; 0 when all went well.
+It places the input and output pointers in the kernels' argument block
+(constants' pointers and the integer arguments are fixed in the code), then
+runs the steps in order. A GPU plan first checks that ``stream`` belongs to
+its context (the kernels were loaded there) and makes that context current;
+on the first failing driver call it writes what failed into ``message`` and
+returns the CUDA error code. A CPU plan (stream NULL) runs its kernels with
+IEEE subnormals and restores the caller's floating-point mode. 0 when all
+went well.
 """
 from __future__ import annotations
 
@@ -31,12 +34,14 @@ LAUNCH_T = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.POINTER(ctypes.c_void_p), cty
 CUDA_ERROR_INVALID_CONTEXT = 201
 SYMBOLS = ("cuStreamGetCtx", "cuCtxGetCurrent", "cuCtxSetCurrent", "cuMemsetD8Async", "cuMemsetD32Async",
            "cuLaunchKernel", "snprintf")  # the functions a GPU launcher calls, by address
-CPU_SYMBOLS = ("GOMP_parallel", "polyjit_omp_part", "omp_get_thread_num", "omp_get_num_threads", "snprintf")
+CPU_SYMBOLS = ("GOMP_parallel", "polyjit_omp_part", "omp_get_thread_num", "omp_get_num_threads",
+               "snprintf")  # a CPU launcher's (the first four where a kernel runs on the team)
 
 
 @dataclass(frozen=True)
 class Memset:
-    """Fill ``count`` elements of ``width`` bytes (1 or 4) at argument slot ``slot``."""
+    """Fill ``count`` elements of ``width`` bytes (1 or 4) at argument slot
+    ``slot``: cuMemsetD8/D32Async on the GPU, a loop on the CPU."""
     slot: int
     value: int
     count: int
