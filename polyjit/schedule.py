@@ -535,7 +535,7 @@ def balance_parallel(schedule, prog, validity) -> isl.Schedule:
         coincident = [m for m in range(1, n) if node.band_member_get_coincident(m)]
         rows = [m for m in coincident if m < n - 1
                 and (_member_extent(node, m) or ROW_STRIP * MIN_PARALLEL_EXTENT) >= ROW_STRIP * MIN_PARALLEL_EXTENT]
-        cols = [m for m in coincident if (_member_extent(node, m) or STRIP * MIN_PARALLEL_EXTENT) > 2 * STRIP]
+        cols = [m for m in coincident if (_member_extent(node, m) or STRIP * MIN_PARALLEL_EXTENT) >= 2 * STRIP]
         if not rows and not cols:
             return node
         m, size = (rows[0], ROW_STRIP) if rows else (cols[-1], STRIP)

@@ -200,6 +200,15 @@ def test_short_outer_loop_shares_strips_between_threads(rng, shape):
     np.testing.assert_allclose(exe(x), np.exp(x.astype(np.float64)) * 2, rtol=1e-5)
 
 
+def test_column_sum_runs_in_parallel_strips_of_columns(rng):
+    """A sum over rows (a bias or weight gradient) carries its reduction on the
+    outer loop: strips of columns, two or more, run in parallel instead."""
+    x = rng.standard_normal((300, 1024), dtype=F32)
+    exe = polyjit.compile(lambda a: ops.sum(a, [0]), [InputInfo(x.shape, F32)], {"num_threads": 2})
+    assert exe.stats["parallel_kernels"] == exe.stats["kernels"] == 1
+    np.testing.assert_allclose(exe(x), x.astype(np.float64).sum(0), rtol=1e-4, atol=1e-4)
+
+
 def test_reshape_dropping_kept_axes_of_a_sum_is_no_copy(rng):
     """A bias gradient as AOTAutograd writes it: sum with keepdim, then reshape;
     the sum writes the reshaped result itself (an init and an update, no copy),
