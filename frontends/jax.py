@@ -948,7 +948,7 @@ class JaxFunction:
 
         # traced arrays have no device yet: the default one; a call placed on another GPU gets the
         # launcher's error (its stream is not in the context the kernels were loaded in)
-        default = jax.config.jax_default_device or jax.devices()[0]  # (jax.default_device sets the first)
+        default = getattr(jax.config, "jax_default_device", None) or jax.devices()[0]  # set by jax.default_device
         where = self._custom_call_device(jax.devices(default)[0] if isinstance(default, str) else default)
 
         def run(p, *xs):
