@@ -356,6 +356,11 @@ def test_jax_arrays_run_as_xla_custom_calls_on_the_cpu(rng):
         x, w, b = rnd(rng, 64, 300), rnd(rng, 300), rnd(rng, 300)
         assert_tree_close(f(x, w, b), ln(x, w, b), 1e-5, 1e-5)
         assert [c for c in f._calls.values() if c is not None]
+        x2 = rnd(rng, 64, 300)  # later calls skip the checks that held for the same shapes, dtypes, placement
+        assert_tree_close(f(x2, w, b), ln(x2, w, b), 1e-5, 1e-5)
+        assert_tree_close(f(np.asarray(x2), w, b), ln(x2, w, b), 1e-5, 1e-5)
+        assert_tree_close(f(x2[:5], w, b), ln(x2[:5], w, b), 1e-5, 1e-5)
+        assert len(f._fast) == 2
         grad = jax.jit(jax.grad(lambda *a: (f(*a) * x).sum(), argnums=(0, 1, 2)))
         text = grad.lower(x, w, b).as_text()
         assert "polyjit_" in text and "callback" not in text
