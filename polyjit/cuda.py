@@ -16,7 +16,7 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -347,12 +347,9 @@ def as_device_array(a, ordinal: int | None = None) -> GpuView | None:
     if strides is not None:
         strides = tuple(s // dtype.itemsize for s in strides)
     ptr = cai["data"][0]
-    return GpuView(ptr, shape, strides, dtype, pointer_device(ptr) if ordinal is None else ordinal, a)
-
-
-def pointer_device(ptr: int) -> int:
-    """The ordinal of the GPU holding memory at ptr."""
-    return 0 if not ptr or _device_count() == 1 else _device_of(ptr)
+    if ordinal is None:
+        ordinal = 0 if not ptr or _device_count() == 1 else _device_of(ptr)
+    return GpuView(ptr, shape, strides, dtype, ordinal, a)
 
 
 def _data_ptr(a) -> int:
@@ -402,14 +399,11 @@ class GpuExecutable(Executable):
         return max(1, min(-(-work // BLOCK), full))
 
     def __call__(self, *args, stream: int | None = None,
-                 empty: Callable[[tuple, np.dtype], Any] | None = None, ordinal: int | None = None,
-                 out: Mapping[str, int] | None = None) -> list:
+                 empty: Callable[[tuple, np.dtype], Any] | None = None, ordinal: int | None = None) -> list:
         """Run on the GPU. ``stream``: a CUstream handle (default: the legacy
         stream); ``empty(shape, dtype)`` allocates outputs and temporaries
         (a framework's caching allocator; default: polyjit's DeviceBuffer);
-        ``ordinal``: the device of the GPU arrays, when the caller knows it;
-        ``out``: device pointers by array name for outputs (and temporaries)
-        to use instead of allocating them (XLA's buffers in a custom call).
+        ``ordinal``: the device of the GPU arrays, when the caller knows it.
         Host inputs come back as numpy arrays."""
         cu = driver()
         views = [a if type(a) is GpuView else as_device_array(a, ordinal) for a in args]
@@ -440,14 +434,9 @@ class GpuExecutable(Executable):
                     pointers[slot] = buf.ptr
                 else:
                     pointers[slot] = v.ptr
-            given = out or {}
             for slot, name, shape, dt in plan.fresh:
-                if name in given:
-                    made[name] = pointers[slot] = given[name]
-                else:
-                    buf = empty(shape, dt) if (empty and not host) else DeviceBuffer(shape, dt, dev, stream)
-                    made[name] = buf
-                    pointers[slot] = _data_ptr(buf)
+                buf = made[name] = empty(shape, dt) if (empty and not host) else DeviceBuffer(shape, dt, dev, stream)
+                pointers[slot] = _data_ptr(buf)
                 if POISON and shape:
                     poison(pointers[slot], math.prod(shape) * dt.itemsize, dt.kind, stream)
             for fn, grid, block, what, zeroed in plan.launches:
