@@ -24,7 +24,7 @@ from . import sizes as sz
 from .codegen import launch
 from .codegen.nvgpu import BLOCK
 from .errors import DeviceError, InputError
-from .runtime import POISON, Executable, RowMajor, native_results, poison_fill
+from .runtime import POISON, Executable, RowMajor, poison_fill
 
 WAVES = 2  # grids of this many times the blocks that fit on the device at once
 _lock = threading.Lock()
@@ -455,29 +455,18 @@ class GpuExecutable(Executable):
     def native_launcher(self, views: Sequence[GpuView], name: str) -> launch.NativeLauncher | None:
         """This program's launches for arguments like ``views`` (their shapes,
         strides, dtypes and device; not their pointers) as host code named
-        ``name``, for callers outside Python (XLA's custom calls). Its call
-        takes the inputs' pointers and one for each of its ``results``: the
-        outputs, then the temporaries. None where an output is not a buffer
-        of its own (an input, a constant, another output). Raises InputError
-        as a call would."""
+        ``name`` (see Executable._native_launcher), for callers outside Python
+        (XLA's custom calls). Raises InputError as a call would."""
         key = tuple((v.shape, v.strides, v.dtype, v.device) for v in views)
         plan = self._plans.get(key) or self._plan(key, views, views, 0)
-        fresh = {name: (slot, shape, dt) for slot, name, shape, dt in plan.fresh}
-        made = native_results(self.output_arrays, fresh)
-        if made is None:
-            return None
-        names, steps = made
+        steps: list = []
         for fn, grid, block, what, zeroed in plan.launches:
             steps += [launch.Memset(slot, 0, nbytes, 1, f"zeroing for {what}") for slot, nbytes in zeroed]
             steps.append(launch.Launch(int(fn), grid, block, what))
-        given = set(plan.input_slots) | {fresh[n][0] for n in names}
-        fixed = {k: plan.pointers[k] or 0 for k in range(len(self.buffers)) if k not in given}
-        lp = launch.LaunchPlan(len(self.buffers), plan.input_slots, [fresh[n][0] for n in names], fixed,
-                               list(plan.ints)[:len(self.int_slots)], steps, int(plan.device.context))
         self.stats["intermediate_bytes"] = plan.temp_bytes
-        launcher = launch.NativeLauncher(name, lp, _symbols(), [(n, fresh[n][1], fresh[n][2]) for n in names], self)
-        self.ir[f"launcher {name}"] = launcher.ir  # a stage like the others, for exe.ir and debugging
-        return launcher
+        return self._native_launcher(name, {n: (slot, shape, dt) for slot, n, shape, dt in plan.fresh},
+                                     plan.input_slots, plan.pointers, plan.ints, steps, int(plan.device.context),
+                                     _symbols())
 
     def _device(self, views, args) -> Device:
         """The one device all GPU arguments are on (InputError for mixed placements)."""

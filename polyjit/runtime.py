@@ -104,20 +104,6 @@ def poison_fill(nbytes: int, kind: str) -> tuple[int, int, int]:
     return (0x7FC00000, nbytes // 4, 4) if kind == "f" and nbytes % 4 == 0 else (0xFF, nbytes, 1)
 
 
-def native_results(output_arrays: Sequence[str], fresh: dict[str, tuple[int, tuple, np.dtype]]):
-    """What a native launcher takes as results, from a plan's fresh buffers
-    (name -> (slot, shape, dtype)): (names: the outputs, then the temporaries;
-    the memsets that poison them when POLYJIT_POISON asks). None where an
-    output is not a buffer of its own (an input, a constant, another output)."""
-    if len(set(output_arrays)) != len(output_arrays) or any(n not in fresh for n in output_arrays):
-        return None
-    names = list(output_arrays) + [n for n in fresh if n not in output_arrays]
-    poisons = [launch.Memset(fresh[n][0], *poison_fill(math.prod(fresh[n][1]) * fresh[n][2].itemsize,
-                                                          fresh[n][2].kind), f"poisoning {n}")
-               for n in names if POISON and fresh[n][1]]
-    return names, poisons
-
-
 class RowMajor:
     """What planning reads of a row-major argument: its shape and dtype."""
 
@@ -218,34 +204,45 @@ class Executable:
 
     def native_launcher(self, args: Sequence, name: str) -> "launch.NativeLauncher | None":
         """This program's kernel calls for row-major arguments like ``args``
-        (their shapes and dtypes) as host code named ``name`` (a
-        codegen.launch.NativeLauncher), for callers outside Python (XLA's
-        custom calls): its call takes the inputs' pointers and one for each
-        of its ``results``, the outputs, then the temporaries. None where an
-        output is not a buffer of its own, or parallel kernels would run on
-        a Python thread pool. Raises InputError as a call would."""
+        (their shapes and dtypes) as host code named ``name`` (see
+        _native_launcher), for callers outside Python (XLA's custom calls).
+        None where parallel kernels would run on a Python thread pool."""
         like = [RowMajor(a.shape, a.dtype) for a in args]
         key = tuple((a.shape, a.strides, a.dtype) for a in like)
         plan = self._plans.get(key) or self._plan(like, key)
         team = thread_team() if plan.threads > 1 else None
-        made = native_results(self.output_arrays, {n: (slot, shape, dt) for n, slot, shape, dt in plan.fresh})
-        if made is None or (team is not None and not isinstance(team, OmpTeam)):
+        if team is not None and not isinstance(team, OmpTeam):
             return None
-        names, steps = made
-        slots = {n: slot for n, slot, _, _ in plan.fresh}
-        for k in self.kernels:
-            threads = plan.threads if k.parallel and team is not None else 1
-            steps.append(launch.Run(ctypes.cast(k.fn, ctypes.c_void_p).value, threads, f"running {k.name}"))
-        given = set(plan.input_slots) | {slots[n] for n in names}
-        fixed = {k: p or 0 for k, p in enumerate(plan.pointers) if k not in given}
-        lp = launch.LaunchPlan(len(self.buffers), plan.input_slots, [slots[n] for n in names], fixed,
-                               list(plan.ints)[:len(self.int_slots)], steps, None)
+        steps = [launch.Run(ctypes.cast(k.fn, ctypes.c_void_p).value,
+                            plan.threads if k.parallel and team is not None else 1, f"running {k.name}")
+                 for k in self.kernels]
         symbols = {"snprintf": ctypes.cast(ctypes.CDLL(None).snprintf, ctypes.c_void_p).value}
         if team is not None:
             symbols.update(team.symbols())
         self.stats["intermediate_bytes"] = plan.intermediate_bytes
-        results = [(n, shape, dt) for n in names for m, _, shape, dt in plan.fresh if m == n]
-        launcher = launch.NativeLauncher(name, lp, symbols, results, self)
+        return self._native_launcher(name, {n: (slot, shape, dt) for n, slot, shape, dt in plan.fresh},
+                                     plan.input_slots, plan.pointers, plan.ints, steps, None, symbols)
+
+    def _native_launcher(self, name: str, fresh: dict, input_slots, pointers, ints, steps: list,
+                         context: int | None, symbols: dict) -> "launch.NativeLauncher | None":
+        """A plan's launcher (codegen.launch): its call takes the inputs'
+        pointers and one for each of its ``results``, the outputs, then the
+        temporaries (``fresh``: name -> (argument slot, shape, dtype)), which
+        it poisons first where POLYJIT_POISON asks, then runs ``steps``.
+        None where an output is not a buffer of its own (an input, a constant,
+        another output)."""
+        outs = self.output_arrays
+        if len(set(outs)) != len(outs) or any(n not in fresh for n in outs):
+            return None
+        names = list(outs) + [n for n in fresh if n not in outs]
+        poisons = [launch.Memset(fresh[n][0], *poison_fill(math.prod(fresh[n][1]) * fresh[n][2].itemsize,
+                                                              fresh[n][2].kind), f"poisoning {n}")
+                   for n in names if POISON and fresh[n][1]]
+        given = set(input_slots) | {fresh[n][0] for n in names}
+        fixed = {k: p or 0 for k, p in enumerate(pointers) if k not in given}
+        plan = launch.LaunchPlan(len(self.buffers), input_slots, [fresh[n][0] for n in names], fixed,
+                                 list(ints)[:len(self.int_slots)], poisons + steps, context)
+        launcher = launch.NativeLauncher(name, plan, symbols, [(n, *fresh[n][1:]) for n in names], self)
         self.ir[f"launcher {name}"] = launcher.ir  # a stage like the others, for exe.ir and debugging
         return launcher
 
