@@ -308,42 +308,25 @@ def ieee_floats(b: ir.IRBuilder):
     return lambda: b.call(mxcsr["ldmxcsr"], [b.bitcast(saved, ptr)])
 
 
-# The trampoline each OpenMP thread runs: data = {kernel, buffers, ints,
-# omp_get_thread_num, omp_get_num_threads}; it runs part thread_num of num_threads,
-# with IEEE subnormals (a team started from a thread that flushes them, as
-# XLA's do, inherits that mode).
-_TRAMPOLINE = """
-declare void @llvm.x86.sse.stmxcsr(ptr)
-declare void @llvm.x86.sse.ldmxcsr(ptr)
-define void @polyjit_omp_part(ptr %data) {
-  %saved = alloca i32
-  %ieee = alloca i32
-  %kp = getelementptr ptr, ptr %data, i64 0
-  %k = load ptr, ptr %kp
-  %bp = getelementptr ptr, ptr %data, i64 1
-  %b = load ptr, ptr %bp
-  %ip = getelementptr ptr, ptr %data, i64 2
-  %i = load ptr, ptr %ip
-  %tp = getelementptr ptr, ptr %data, i64 3
-  %tf = load ptr, ptr %tp
-  %np = getelementptr ptr, ptr %data, i64 4
-  %nf = load ptr, ptr %np
-  %t = call i32 %tf()
-  %n = call i32 %nf()
-  %t64 = sext i32 %t to i64
-  %n64 = sext i32 %n to i64
-  call void @llvm.x86.sse.stmxcsr(ptr %saved)                  ; x86
-  %mode = load i32, ptr %saved                                 ; x86
-  %cleared = and i32 %mode, MASK                               ; x86
-  store i32 %cleared, ptr %ieee                                ; x86
-  call void @llvm.x86.sse.ldmxcsr(ptr %ieee)                   ; x86
-  call void %k(ptr %b, ptr %i, i64 %t64, i64 %n64)
-  call void @llvm.x86.sse.ldmxcsr(ptr %saved)                  ; x86
-  ret void
-}
-""".replace("MASK", str(~MXCSR_FLUSH))
-if not X86:
-    _TRAMPOLINE = "\n".join(line for line in _TRAMPOLINE.splitlines() if "x86" not in line)
+def _trampoline() -> str:
+    """The function each OpenMP thread runs, polyjit_omp_part(data) with data
+    = {kernel, buffers, ints, omp_get_thread_num, omp_get_num_threads}: part
+    thread_num of num_threads, with IEEE subnormals (a team started from a
+    thread that flushes them, as XLA's do, inherits that mode)."""
+    ptr = ir.IntType(8).as_pointer()
+    mod = ir.Module(name="polyjit_omp")
+    fn = ir.Function(mod, ir.FunctionType(ir.VoidType(), [ptr]), "polyjit_omp_part")
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    data = b.bitcast(fn.args[0], ptr.as_pointer())
+    kernel, bufs, ints, num, count = (b.load(b.gep(data, [ir.Constant(I64, k)])) for k in range(5))
+    index = ir.FunctionType(ir.IntType(32), [])
+    part, parts = (b.sext(b.call(b.bitcast(f, index.as_pointer()), []), I64) for f in (num, count))
+    restore = ieee_floats(b)
+    run = ir.FunctionType(ir.VoidType(), [ptr, ptr, I64, I64])
+    b.call(b.bitcast(kernel, run.as_pointer()), [bufs, ints, part, parts])
+    restore()
+    b.ret_void()
+    return str(mod)
 
 
 def _loaded_libgomp() -> str | None:
@@ -369,7 +352,7 @@ class OmpTeam:
         self._parallel.restype = None
         self._ids = [ctypes.cast(lib.omp_get_thread_num, ctypes.c_void_p).value,
                      ctypes.cast(lib.omp_get_num_threads, ctypes.c_void_p).value]
-        self._jit = JitModule(_TRAMPOLINE)
+        self._jit = JitModule(_trampoline())
         self._entry = self._jit.engine.get_function_address("polyjit_omp_part")
 
     def symbols(self) -> dict[str, int]:
