@@ -32,10 +32,10 @@ from jax.extend import core as jcore
 
 from polyjit import ops
 from polyjit.cuda import GpuView
-from polyjit.runtime import RowMajor
 from polyjit.dtypes import DataType
 from polyjit.errors import CompileOptionError, InputError, UnsupportedOpError
 from polyjit.options import CompileOptions, parse_options
+from polyjit.runtime import RowMajor
 from polyjit.sizes import Lin
 
 from . import xla_ffi

@@ -802,9 +802,7 @@ def _schedule_group(ctx, prog, dom, validity, raw, names, fusion, fuse: bool) ->
     finally:
         ctx.set_max_operations(0)
     if len(names) == 1:
-        text = prog.prefix() + "{ " + "; ".join(f"{s.name}[{', '.join(s.iters)}]" for s in prog.statements
-                                              if s.name in names) + " }"
-        return isl.Schedule.from_domain(dom.intersect(isl.UnionSet.read_from_str(ctx, text)))
+        return isl.Schedule.from_domain(_group_domain(ctx, prog, dom, names))
     half = len(names) // 2
     first = _schedule_group(ctx, prog, dom, validity, raw, names[:half], fusion, fuse)
     return first.sequence(_schedule_group(ctx, prog, dom, validity, raw, names[half:], fusion, fuse))
