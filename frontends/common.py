@@ -118,7 +118,8 @@ def static_value(n: Node) -> np.ndarray:
 class _Segment:
     """A run of supported ops, translated into one polyjit graph."""
 
-    def __init__(self) -> None:
+    def __init__(self, gpu_view: Callable[[Any], GpuView | None] | None) -> None:
+        self.gpu_view = gpu_view
         self.graph = Graph()
         self.env: dict[int, Node] = {}
         self.inputs: list[Value] = []
@@ -185,35 +186,20 @@ class _Segment:
             values[id(v)] = values[id(source)]
         if not self.outputs:
             return
-        outs = self.exe(*[_array(values[id(v)], self.exe.options.target) for v in self.inputs])
+        outs = self.exe(*[self._array(values[id(v)]) for v in self.inputs])
         for v, o in zip(self.outputs, outs):
             values[id(v)] = o
 
-
-def _array(x, target: str):
-    """An argument as the compiled code takes it: GPU arrays stay where they
-    are on nvgpu (once the framework's work on them is done); the rest as numpy."""
-    if target == "nvgpu":
-        view = _jax_gpu_view(x)
-        if view is not None:
-            return view
-        if hasattr(x, "__cuda_array_interface__"):
-            return x
-    return np.asarray(x)
-
-
-def _jax_gpu_view(x) -> GpuView | None:
-    """A JAX array on a GPU as polyjit's view, once JAX's work on it is done,
-    read from the array directly: its CUDA array interface costs microseconds
-    and the call would ask for it three times per argument."""
-    pointer = getattr(x, "unsafe_buffer_pointer", None)
-    if pointer is None:
-        return None
-    dev = next(iter(x.devices()))
-    if dev.platform != "gpu":
-        return None
-    x.block_until_ready()
-    return GpuView(pointer(), tuple(x.shape), None, np.dtype(x.dtype), dev.local_hardware_id, x)
+    def _array(self, x):
+        """An argument as the compiled code takes it: GPU arrays stay where they
+        are on nvgpu; the rest as numpy."""
+        if self.exe.options.target == "nvgpu":
+            view = self.gpu_view(x) if self.gpu_view is not None else None
+            if view is not None:
+                return view
+            if hasattr(x, "__cuda_array_interface__"):
+                return x
+        return np.asarray(x)
 
 
 class _Fallback:
@@ -231,7 +217,11 @@ class SegmentedProgram:
     with the framework running each unsupported op between them."""
 
     def __init__(self, invars: list[Value], ops: list[Op], outvars: list, options: CompileOptions,
-                 stats: Stats, name: str, framework: str) -> None:
+                 stats: Stats, name: str, framework: str,
+                 gpu_view: Callable[[Any], GpuView | None] | None = None) -> None:
+        """``gpu_view(x)``: the framework's array on a GPU as a view of its memory
+        (None where it is not one), for frameworks whose arrays say so faster
+        than through ``__cuda_array_interface__``."""
         self.invars, self.outvars, self.stats = invars, outvars, stats
         last: dict[int, int] = {}
         for i, op in enumerate(ops):
@@ -249,7 +239,7 @@ class SegmentedProgram:
 
         for i, op in enumerate(ops):
             if op.rule is not None:
-                seg = seg or _Segment()
+                seg = seg or _Segment(gpu_view)
                 try:
                     seg.add(op)
                     continue

@@ -705,7 +705,21 @@ def program(closed, options: CompileOptions, stats: Stats, name: str) -> Segment
     invars = [_value(v.aval) for v in closed.jaxpr.invars]
     ops: list[Op] = []
     outvars = _flatten(closed, list(invars), ops)
-    return SegmentedProgram(invars, ops, outvars, options, stats, name, "JAX")
+    return SegmentedProgram(invars, ops, outvars, options, stats, name, "JAX", gpu_view=_gpu_view)
+
+
+def _gpu_view(x) -> GpuView | None:
+    """A JAX array on a GPU as polyjit's view, once JAX's work on it is done,
+    read from the array directly: its CUDA array interface costs microseconds
+    and a call would ask for it three times per argument."""
+    pointer = getattr(x, "unsafe_buffer_pointer", None)
+    if pointer is None:
+        return None
+    dev = next(iter(x.devices()))
+    if dev.platform != "gpu":
+        return None
+    x.block_until_ready()
+    return GpuView(pointer(), tuple(x.shape), None, np.dtype(x.dtype), dev.local_hardware_id, x)
 
 
 # ================================================================= wrapper
@@ -749,8 +763,8 @@ class JaxFunction:
         self._stats = Stats()
         self._programs: dict[tuple, tuple[SegmentedProgram, Any]] = {}
         self._vjps: dict[tuple, SegmentedProgram] = {}
-        self._calls: dict[tuple, Callable | None] = {}  # (program, device) -> its XLA custom call
-        self._largest: dict[tuple, int] = {}  # (program, device) -> bytes of its custom call's largest result
+        # (program, device) -> its XLA custom call and the bytes of its largest result
+        self._calls: dict[tuple, tuple[Callable, int] | None] = {}
         self._fast: dict[tuple, tuple] = {}  # (tree, statics, each array's shape, dtype, sharding) -> custom call
         self._xla = jax.jit(fn, static_argnums=static_argnums) if backend == "xla" else None
         self.__name__ = getattr(fn, "__name__", "fn")
@@ -876,9 +890,7 @@ class JaxFunction:
         if all(isinstance(x, jax.Array) for x in checked):
             devices = {next(iter(x.devices())) for x in checked}
             where = self._custom_call_device(next(iter(devices))) if len(devices) == 1 else None
-            call = self._custom_call(prog, where) if where is not None else None
-            if call is not None and where == "cpu" and self._largest[id(prog), where] > CPU_CALL_RESULT_BYTES:
-                call = None  # XLA's fresh result buffers would fault their pages in at every call
+            call = self._custom_call(prog, where, direct=True) if where is not None else None
         if call is not None:
             if fast is not None and all(isinstance(x.dtype, np.dtype) for x in leaves):  # (keys: their data)
                 self._fast[fast] = (call, out_tree)
@@ -897,18 +909,28 @@ class JaxFunction:
             return device.local_hardware_id
         return None
 
-    def _custom_call(self, prog: SegmentedProgram, where: int | str) -> Callable | None:
+    def _custom_call(self, prog: SegmentedProgram, where: int | str, direct: bool = False) -> Callable | None:
         """The program as a jitted JAX function whose one step is an XLA custom
         call (see xla_ffi): native code runs the kernels (on the GPU: launches
         them on XLA's stream) with XLA's result buffers, so a call costs a
         jitted dispatch instead of a DLPack import per result (four of those
         took longer than XLA's whole layer norm step) and runs no Python.
         ``where``: "cpu" or the GPU's ordinal. For programs one segment runs
-        and whose results it computes; None for other programs."""
+        and whose results it computes; None for other programs, and for calls
+        from Python (``direct``) on the CPU with a result over
+        CPU_CALL_RESULT_BYTES: XLA's fresh result buffers would fault their
+        pages in at every call, where polyjit's buffer cache reuses them."""
         key = (id(prog), where)  # programs live as long as this function
-        if key in self._calls:
-            return self._calls[key]
-        self._calls[key] = None
+        if key not in self._calls:
+            self._calls[key] = self._register(prog, where)
+        if self._calls[key] is None:
+            return None
+        call, largest = self._calls[key]
+        return None if direct and where == "cpu" and largest > CPU_CALL_RESULT_BYTES else call
+
+    def _register(self, prog: SegmentedProgram, where: int | str) -> tuple[Callable, int] | None:
+        """Registers prog's native launcher with XLA: the jitted call and the
+        bytes of its largest result, or None where a custom call cannot run it."""
         seg = prog.segments[0] if len(prog.steps) == 1 and prog.segments else None
         made = {id(v): k for k, v in enumerate(seg.outputs)} if seg is not None else {}
         outs = [id(v) for v in prog.outvars]
@@ -932,10 +954,8 @@ class JaxFunction:
         def call(*xs):
             outs = jax.ffi.ffi_call(name, results, vmap_method="sequential")(*[xs[k] for k in take])
             return [outs[k] for k in order]
-        self._calls[key] = jax.jit(call)
-        self._largest[key] = max((math.prod(r.shape) * r.dtype.itemsize for r in results), default=0)
         prog.stats.record(seg.exe.name, exe.stats)
-        return self._calls[key]
+        return jax.jit(call), max((math.prod(r.shape) * r.dtype.itemsize for r in results), default=0)
 
     def lower(self, *args, **kwargs) -> "Lowered":
         """Fix the signature of these arguments, as ``jax.jit(f).lower(...)``."""
