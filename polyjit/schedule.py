@@ -13,6 +13,7 @@ live ranges.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import islpy as isl
@@ -84,21 +85,20 @@ def dependences(ctx, prog: AffineProgram, dom: isl.UnionSet):
     return validity, raw.coalesce()
 
 
+def _items(lst) -> list:
+    """The elements of an isl list. Used instead of isl's foreach callbacks,
+    which swallow exceptions: an operation limit reached inside one would
+    go unnoticed (a legality check would pass)."""
+    return [lst.get_at(i) for i in range(len(lst))]
+
+
 def is_legal(schedule: isl.Schedule, validity: isl.UnionMap) -> bool:
     """Every dependence source runs strictly before its sink."""
     if validity.is_empty():
         return True
     smap = schedule.get_map()
     rel = validity.apply_domain(smap).apply_range(smap)
-    ok = True
-
-    def check(m):
-        nonlocal ok
-        lt = isl.Map.lex_lt(m.get_space().domain())
-        if not m.is_subset(lt):
-            ok = False
-    rel.foreach_map(check)
-    return ok
+    return all(m.is_subset(isl.Map.lex_lt(m.get_space().domain())) for m in _items(rel.get_map_list()))
 
 
 # --------------------------------------------------------------- rewrites
@@ -112,8 +112,7 @@ def _visit(node: isl.ScheduleNode, fn) -> isl.ScheduleNode:
 def _member_iter(upa: isl.UnionPwAff) -> dict[str, int | None]:
     """For each statement, which of its iterators the band member follows."""
     out: dict[str, int | None] = {}
-
-    def one(pa: isl.PwAff):
+    for pa in _items(upa.get_pw_aff_list()):
         name = pa.get_domain_space().get_tuple_name(isl.dim_type.set)
         best = None
         for _, aff in pa.get_pieces()[:1]:
@@ -121,7 +120,6 @@ def _member_iter(upa: isl.UnionPwAff) -> dict[str, int | None]:
                 if aff.get_coefficient_val(isl.dim_type.in_, d).to_python() != 0:
                     best = d
         out[name] = best
-    upa.foreach_pw_aff(one)
     return out
 
 
@@ -223,9 +221,7 @@ def sink_inner(schedule, prog, validity) -> isl.Schedule:
 
 
 def _statement_names(node) -> set[str]:
-    names: set[str] = set()
-    node.get_domain().foreach_set(lambda st: names.add(st.get_tuple_name()))
-    return names
+    return {st.get_tuple_name() for st in _items(node.get_domain().get_set_list())}
 
 
 CONTRACTIONS = ("dot_general", "conv")
@@ -252,14 +248,11 @@ def distribute_inits(schedule, prog, validity) -> isl.Schedule:
     init_names = {s.name for s in inits}
     first = isl.UnionSet.empty(dom.get_space())
     rest = isl.UnionSet.empty(dom.get_space())
-
-    def split(st):
-        nonlocal first, rest
+    for st in _items(dom.get_set_list()):
         if st.get_tuple_name() in init_names:
             first = first.union(isl.UnionSet.from_set(st))
         else:
             rest = rest.union(isl.UnionSet.from_set(st))
-    dom.foreach_set(split)
     if rest.is_empty():
         return schedule
     filters = isl.UnionSetList.alloc(root.get_ctx(), 2).add(first).add(rest)
@@ -277,8 +270,7 @@ def fuse_contraction(schedule, prog, dom, validity) -> isl.Schedule | None:
     schedule is isl's for the contraction (the update's loop order is taken
     from its bands), dom the group's with its epilogue; tile() then blocks
     the shared output band. None where the nest cannot be built."""
-    names: list[str] = []
-    dom.foreach_set(lambda st: names.append(st.get_tuple_name()))
+    names = [st.get_tuple_name() for st in _items(dom.get_set_list())]
     stmts = [s for s in prog.statements if s.name in names]
     updates = [s for s in stmts if is_update(s)]
     if len(updates) != 1 or not _reduction_fits_tile(updates[0]):
@@ -503,14 +495,12 @@ def _member_extent(node, m: int) -> int | None:
     umap = isl.UnionMap.from_union_pw_aff(upa).intersect_domain(node.get_domain())
     rng = umap.range()
     out: list = []
-
-    def one(st):
+    for st in _items(rng.get_set_list()):
         lo, hi = st.dim_min(0), st.dim_max(0)
         if lo.is_cst() and hi.is_cst() and lo.n_piece() == 1 and hi.n_piece() == 1:
             out.append(_cst(hi) - _cst(lo) + 1)
         else:
             out.append(None)
-    rng.foreach_set(one)
     if not out or None in out:
         return None
     return max(out)
@@ -786,6 +776,8 @@ def _inits(prog: AffineProgram) -> set[str]:
 
 
 SCHEDULE_BUDGET = 3_000_000  # isl operations one group may take before it is split
+SOLVER_BUDGET = 32_000  # operations of isl's scheduler's first try on a group (most need fewer than 16000)
+SOLVER_SECONDS = 0.5  # a try that ran out of operations sooner than this gets twice as many
 
 
 def _schedule_group(ctx, prog, dom, validity, raw, names, fusion, fuse: bool) -> isl.Schedule:
@@ -808,6 +800,32 @@ def _schedule_group(ctx, prog, dom, validity, raw, names, fusion, fuse: bool) ->
     return first.sequence(_schedule_group(ctx, prog, dom, validity, raw, names[half:], fusion, fuse))
 
 
+def _compute_schedule(ctx, sc: isl.ScheduleConstraints) -> isl.Schedule:
+    """isl's schedule for sc; isl.Error where its solver gives up. Its budget
+    of operations doubles while tries fail fast: isl counts operations, not
+    time, and on some problems (a transformer layer's backward: a transposed
+    copy feeding a batched product) its integer programs grow numbers whose
+    every operation costs more than the last, 0.25 s for 16000 operations
+    and 4.4 s for 64000, where problems that need 128000 take a tenth of a
+    second. The group's own budget is restored for what follows."""
+    budget = SOLVER_BUDGET
+    while True:
+        ctx.set_max_operations(budget)
+        ctx.reset_operations()
+        start = time.perf_counter()
+        try:
+            return sc.compute_schedule()
+        except isl.Error:
+            spent = time.perf_counter() - start
+            if spent > SOLVER_SECONDS or budget >= SCHEDULE_BUDGET:
+                log.debug("isl's scheduler gave up after %d operations (%.2f s)", budget, spent)
+                raise
+            budget *= 2
+        finally:
+            ctx.set_max_operations(SCHEDULE_BUDGET)
+            ctx.reset_operations()
+
+
 def _group_domain(ctx, prog, dom, names) -> isl.UnionSet:
     text = prog.prefix() + "{ " + "; ".join(f"{s.name}[{', '.join(s.iters)}]" for s in prog.statements
                                           if s.name in names) + " }"
@@ -825,7 +843,7 @@ def _schedule_one_group(ctx, prog, dom, validity, raw, names, fusion, fuse: bool
     sc = isl.ScheduleConstraints.on_domain(cdom).set_validity(cval).set_coincidence(cval)
     if fusion != "none":
         sc = sc.set_proximity(raw.intersect_domain(cdom).intersect_range(cdom).coalesce())
-    sched = order_sets(sc.compute_schedule(), cval)
+    sched = order_sets(_compute_schedule(ctx, sc), cval)
     sched = innermost_contiguous(sched, prog, ctx, cval)
     if fuse and core:
         gdom = _group_domain(ctx, prog, dom, names)

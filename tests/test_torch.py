@@ -203,6 +203,14 @@ def test_transformer_encoder_layer_eval():
     assert stats["graphs"] >= 1
 
 
+def test_transformer_encoder_layer_trains():
+    """Its backward has a group (a transposed copy feeding a batched product
+    with 8 terms) whose isl problem grows numbers without end: the scheduler
+    gives up on it by time, not after millions of operations (it hung)."""
+    enc = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    check_module(enc, torch.randn(8, 16, 32), atol=1e-4)
+
+
 def test_dropout_statistics_and_masks():
     jf = polyjit.jit_torch(lambda x: F.dropout(x, 0.3, True))
     x = (torch.rand(256, 512) + 1).requires_grad_()
