@@ -532,6 +532,8 @@ PRIMITIVES: dict[str, Callable] = {
     "split": _split,
     "rev": lambda g, ins, p: g.reverse(ins[0], p["dimensions"]),
     "iota": lambda g, ins, p: g.iota(p["shape"], p["dimension"], core_dtype(p["dtype"])),
+    # a scalar of no particular value: the residuals of the branch a cond's gradient does not take
+    "empty2": lambda g, ins, p: g.constant(0, core_dtype(p["dtype"])),
     # reductions and windows
     "reduce_sum": _reduce("sum"), "reduce_max": _reduce("max"), "reduce_min": _reduce("min"),
     "reduce_prod": _reduce("prod"), "reduce_and": lambda g, ins, p: ops.reduce_all(ops.Tensor(g, ins[0]), p["axes"]).node,
@@ -621,6 +623,8 @@ def _flatten(closed, args: list, out: list[Op]) -> list:
             results = _flatten(sub, ins[len(ins) - n_in:], out)
         elif name == "scan" and eqn.params["length"] <= SCAN_UNROLL_LIMIT:
             results = _unroll_scan(eqn, ins, out)
+        elif name == "cond" and not eqn.effects:
+            results = _select_branch(eqn, ins, out)
         elif (folded := _folded(eqn, ins)) is not None:
             results = folded
         else:
@@ -646,6 +650,22 @@ def _folded(eqn, ins: list) -> list | None:
         out = eqn.primitive.bind(*[x.value for x in ins], **eqn.params)
     out = out if eqn.primitive.multiple_results else [out]
     return [Const(np.asarray(o)) for o in out]
+
+
+def _select_branch(eqn, ins, out: list[Op]) -> list:
+    """lax.cond and lax.switch: every branch computed, each result chosen by
+    the branch index (what XLA does with small branches on GPUs), rather
+    than a fallback through the host. Branches have no effects, and a value
+    the other branch computes (a NaN, an integer division by zero, which
+    gives 0 here) is never chosen. lax.switch clamps its index before."""
+    index, operands = ins[0], ins[1:]
+    branches = [_flatten(b, operands, out) for b in eqn.params["branches"]]
+    results = []
+    for v, *cases in zip(eqn.outvars, *branches):
+        r = _value(v.aval)
+        out.append(_eqn_op(jax.lax.select_n_p, {}, [index, *cases], [r], _where(eqn)))
+        results.append(r)
+    return results
 
 
 def _unroll_scan(eqn, ins, out: list[Op]) -> list:
@@ -804,6 +824,8 @@ class JaxFunction:
                 devices[k] = next(iter(x.devices()))
                 if _is_key(x):  # a typed key: its data, a raw key to jax.random
                     x = jax.random.key_data(x)
+            elif isinstance(x, np.generic):  # a numpy scalar, as jax.jit takes them
+                x = np.asarray(x)
             elif not isinstance(x, np.ndarray):
                 raise InputError(f"{self.__name__}: argument {_path(tree, leaves, k)} is a {type(x).__name__}; "
                                  "expected a jax.Array, a numpy array or a scalar")

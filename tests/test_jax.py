@@ -340,6 +340,24 @@ def test_scan_with_xs_and_ys_is_unrolled(rng):
     check(lambda w, xs: lax.scan(lambda c, x: (c * x + w, c), w, xs, reverse=True), rnd(rng, 3), rnd(rng, 5, 3))
 
 
+def test_cond_and_switch_compile_every_branch_and_select(rng):
+    """lax.cond, lax.switch and a gradient through cond run compiled (no
+    fallback), on both sides of the predicate and with an index out of
+    range; the branch not taken makes NaN and Inf, which never show."""
+    def f(x, y):
+        return lax.cond(jnp.sum(x) > 0, lambda a, b: jnp.log(a) * b, lambda a, b: a / 0.0 + b, x, y)
+
+    def g(i, x):
+        return lax.switch(i, [jnp.sin, lambda a: a * 2.0, lambda a: jnp.sqrt(-jnp.abs(a) - 1.0)], x)
+    x, y = np.abs(rnd(rng, 5, 7)) + 0.5, rnd(rng, 5, 7)
+    for sign in (1, -1):
+        check(f, sign * x, y)
+        check(jax.grad(lambda a, b: jnp.sum(f(a, b))), sign * x, y)
+    for i in (0, 1, 5):
+        out = check(g, np.int32(i), rnd(rng, 6))(np.int32(i), x)
+        assert np.isnan(out).all() == (i == 5)
+
+
 @host_target
 def test_jax_arrays_run_as_xla_custom_calls_on_the_cpu(rng):
     """With JAX arrays on the CPU, a call, and a call staged under jax.jit and
