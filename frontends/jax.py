@@ -815,7 +815,7 @@ class JaxFunction:
     def _check_leaves(self, leaves, tree) -> list:
         devices = {}  # leaf index -> device
         out = []
-        scalars = 0  # Python numbers: they go wherever the arrays are
+        scalars = 0  # Python and numpy numbers: they go wherever the arrays are
         for k, x in enumerate(leaves):
             if isinstance(x, (bool, int, float)):
                 x = np.asarray(x, dtype=jnp.asarray(x).dtype)
@@ -826,6 +826,7 @@ class JaxFunction:
                     x = jax.random.key_data(x)
             elif isinstance(x, np.generic):  # a numpy scalar, as jax.jit takes them
                 x = np.asarray(x)
+                scalars += 1
             elif not isinstance(x, np.ndarray):
                 raise InputError(f"{self.__name__}: argument {_path(tree, leaves, k)} is a {type(x).__name__}; "
                                  "expected a jax.Array, a numpy array or a scalar")

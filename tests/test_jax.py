@@ -349,7 +349,7 @@ def test_cond_and_switch_compile_every_branch_and_select(rng):
 
     def g(i, x):
         return lax.switch(i, [jnp.sin, lambda a: a * 2.0, lambda a: jnp.sqrt(-jnp.abs(a) - 1.0)], x)
-    x, y = np.abs(rnd(rng, 5, 7)) + 0.5, rnd(rng, 5, 7)
+    x, y = jnp.abs(rnd(rng, 5, 7)) + 0.5, rnd(rng, 5, 7)
     for sign in (1, -1):
         check(f, sign * x, y)
         check(jax.grad(lambda a, b: jnp.sum(f(a, b))), sign * x, y)
