@@ -690,20 +690,32 @@ def _private_bytes(arr, moduli) -> float:
 # ------------------------------------------------------------------ driver
 def _kernels(ast: isl.AstNode) -> list[isl.AstNode]:
     if ast.get_type() == isl.ast_node_type.block:
-        return list(ast.block_get_children().get_list()) if hasattr(ast.block_get_children(), "get_list") \
-            else [ast.block_get_children().get_at(i) for i in range(ast.block_get_children().n_ast_node())]
+        return _items(ast.block_get_children())
     return [ast]
 
 
-def statements_in(node: isl.AstNode) -> set[str]:
-    names: set[str] = set()
+def ast_nodes(node: isl.AstNode) -> list[isl.AstNode]:
+    """node and every node under it, top down (walked in Python: isl's
+    foreach callbacks swallow exceptions, see _items)."""
+    out = [node]
+    t = node.get_type()
+    if t == isl.ast_node_type.block:
+        for kid in _items(node.block_get_children()):
+            out += ast_nodes(kid)
+    elif t == isl.ast_node_type.for_:
+        out += ast_nodes(node.for_get_body())
+    elif t == isl.ast_node_type.if_:
+        out += ast_nodes(node.if_get_then_node())
+        if node.if_has_else_node():
+            out += ast_nodes(node.if_get_else_node())
+    elif t == isl.ast_node_type.mark:
+        out += ast_nodes(node.mark_get_node())
+    return out
 
-    def visit(n):
-        if n.get_type() == isl.ast_node_type.user:
-            names.add(n.user_get_expr().get_op_arg(0).get_id().get_name())
-        return True
-    node.foreach_descendant_top_down(visit)
-    return names
+
+def statements_in(node: isl.AstNode) -> set[str]:
+    return {n.user_get_expr().get_op_arg(0).get_id().get_name()
+            for n in ast_nodes(node) if n.get_type() == isl.ast_node_type.user}
 
 
 MAX_GROUP = 6  # statements the isl scheduler fuses at once; its cost grows steeply

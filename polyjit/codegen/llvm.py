@@ -21,7 +21,7 @@ from .. import sizes as sz
 from ..affine import AffineProgram, Array, Statement
 from ..dtypes import DataType
 from ..expr import Const, Expr, Load, Op, Var, loads, walk
-from ..schedule import Scheduled
+from ..schedule import Scheduled, _kernels, ast_nodes, statements_in
 from . import mathlib
 
 I1, I8, I32, I64 = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.IntType(64)
@@ -140,7 +140,6 @@ class Emitter:
 
     # ------------------------------------------------------------ module
     def emit(self) -> ir.Module:
-        from ..schedule import _kernels
         for k, node in enumerate(_kernels(self.sched.ast)):
             self.kernel(k, node)
         return self.module
@@ -172,7 +171,6 @@ class Emitter:
     def body_function(self, k: int, node: isl.AstNode) -> tuple[set[str], str, ir.Function]:
         """The statements of kernel k, its name, and its (still empty) body
         function ``void (ptr arrays..., i64 ints..., i64 part, i64 parts)``."""
-        from ..schedule import statements_in
         names = statements_in(node)
         name = self.kernel_name(k, names)
         nb, ni = len(self.buffer_arrays), len(self.int_slots)
@@ -503,16 +501,9 @@ class Emitter:
     def _write_moves(self, loop: isl.AstNode, st, it: str) -> list[bool]:
         """For each call of st under loop, whether the element it writes moves with it."""
         used = {x.name for i in st.index for x in walk(i) if isinstance(x, Var) and x.kind == "iter"}
-        found = []
-
-        def visit(n):
-            if n.get_type() == isl.ast_node_type.user:
-                call = n.user_get_expr()
-                if call.get_op_arg(0).get_id().get_name() == st.name:
-                    found.append(any(ast_uses(call.get_op_arg(k + 1), {it}) for k, x in enumerate(st.iters) if x in used))
-            return True
-        loop.foreach_descendant_top_down(visit)
-        return found
+        calls = [n.user_get_expr() for n in ast_nodes(loop) if n.get_type() == isl.ast_node_type.user]
+        return [any(ast_uses(call.get_op_arg(k + 1), {it}) for k, x in enumerate(st.iters) if x in used)
+                for call in calls if call.get_op_arg(0).get_id().get_name() == st.name]
 
     def strip_plan(self, rest: isl.AstNode, grid_iters: set[str], size: int,
                    bounded: bool = False) -> "Strips | None":
@@ -521,7 +512,6 @@ class Emitter:
         stencil's rolling rows): strips of size iterations can then run in
         parallel, each first recomputing the halo of private values it
         needs. bounded: only private buffers of a fixed size (a GPU thread's)."""
-        from ..schedule import statements_in
         if rest.get_type() != isl.ast_node_type.for_ or not self._free(rest, grid_iters):
             return None
         it = rest.for_get_iterator().get_id().get_name()

@@ -32,6 +32,7 @@ import llvmlite.binding as llvm
 from llvmlite import ir
 
 from ..dtypes import DataType
+from ..schedule import ast_nodes
 from ..errors import UnsupportedOpError
 from ..expr import Const, Load, Op, Var, loads, walk
 from . import mathlib
@@ -1011,14 +1012,7 @@ class _WarpPlan:
 
 
 def _has_loop(n: isl.AstNode) -> bool:
-    found = []
-
-    def visit(x):
-        if x.get_type() == isl.ast_node_type.for_:
-            found.append(x)
-        return not found
-    n.foreach_descendant_top_down(visit)
-    return bool(found)
+    return any(x.get_type() == isl.ast_node_type.for_ for x in ast_nodes(n))
 
 
 def _steps_with(e: isl.AstExpr, it: str) -> bool:
