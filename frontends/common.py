@@ -192,8 +192,8 @@ class _Segment:
 
     def _array(self, x):
         """An argument as the compiled code takes it: GPU arrays stay where they
-        are on nvgpu; the rest as numpy."""
-        if self.exe.options.target == "nvgpu":
+        are (unless the target is the CPU); the rest as numpy."""
+        if self.exe.options.target != "cpu":
             view = self.gpu_view(x) if self.gpu_view is not None else None
             if view is not None:
                 return view

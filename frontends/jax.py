@@ -926,9 +926,9 @@ class JaxFunction:
     def _custom_call_device(self, device) -> int | str | None:
         """Where this function's calls on JAX's ``device`` run as XLA custom
         calls: "cpu", a GPU's ordinal, or None (the target is the other one)."""
-        if self.options.target == "cpu" and device.platform == "cpu":
+        if device.platform == "cpu" and self.options.target in (None, "cpu"):
             return "cpu"
-        if self.options.target == "nvgpu" and device.platform == "gpu":
+        if device.platform == "gpu" and self.options.target in (None, "nvgpu"):
             return device.local_hardware_id
         return None
 

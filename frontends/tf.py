@@ -805,8 +805,8 @@ class TFFunction:
         for k, x in enumerate(flat):
             if isinstance(x, tf.Tensor):
                 if "CPU" not in x.device.upper() and x.device:
-                    raise InputError(f"{self.__name__}: argument {k} is on {x.device}, but target "
-                                     f"{self.options.target!r} runs on the host")
+                    raise InputError(f"{self.__name__}: argument {k} is on {x.device}; jit_tf takes tensors "
+                                     f"on the host (target 'nvgpu' copies them to the GPU and back)")
                 x = np.from_dlpack(x)
             elif isinstance(x, tf.Variable):
                 x = np.from_dlpack(x.read_value())

@@ -786,18 +786,18 @@ class CompiledGraph:
         self.options = options
 
     def __call__(self, *args):
-        gpu = self.options.target == "nvgpu"
         arrays, index = [], None
         for k in self.t.tensor_inputs:
             a = args[k]
-            if a.is_cuda and gpu:  # read through its pointer: no detached copy of the tensor object
+            if a.is_cuda and self.options.target != "cpu":  # through its pointer: no detached tensor object
                 arrays.append(_gpu_view(a))
                 index = a.get_device()
             elif a.is_cpu:
                 arrays.append(a.detach().numpy())
             else:
-                raise InputError(f"{self.name}: argument {k} is on {a.device}, but target "
-                                 f"{self.options.target!r} runs on {'an NVIDIA GPU' if gpu else 'the CPU'}")
+                raise InputError(f"{self.name}: argument {k} is on {a.device}, but compile option target="
+                                 f"{self.options.target!r} runs on the CPU; move it to the CPU, or compile "
+                                 f"with target 'nvgpu' or no target (where the tensors are)")
         if self.t.seed_index is not None:
             seed = int(torch.randint(0, 2 ** 62, (), dtype=torch.int64).item())
             arrays.insert(self.t.seed_index, np.asarray(seed, np.int64))
@@ -852,16 +852,15 @@ def _gpu_view(t: torch.Tensor):
 
 
 class _Supported(OperatorSupport):
-    def __init__(self, devices=("cpu",)) -> None:
-        super().__init__()
-        self.devices = devices
+    """Nodes in the table on tensors of supported dtypes (any device: a call
+    runs where its tensors are, or says why it cannot)."""
 
     def is_node_supported(self, submodules, node) -> bool:
         if node.op != "call_function" or node.target not in ATEN:
             return False
         val = _node_val(node)
         vals = val if isinstance(val, (tuple, list)) else [val]
-        return all(not isinstance(v, torch.Tensor) or (v.dtype in _DTYPES and v.device.type in self.devices)
+        return all(not isinstance(v, torch.Tensor) or (v.dtype in _DTYPES and v.device.type in ("cpu", "cuda"))
                    for v in vals)
 
 
@@ -873,7 +872,7 @@ def _where(node) -> str:
 
 def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: CompileOptions, stats: Stats, name: str):
     """Compile an ATen graph: whole if every node is supported, else by partitions."""
-    support = _Supported(("cpu", "cuda") if options.target == "nvgpu" else ("cpu",))
+    support = _Supported()
     unsupported = [n for n in gm.graph.nodes if n.op == "call_function" and not support.is_node_supported({}, n)]
     if not unsupported:
         try:

@@ -34,12 +34,14 @@ class InputInfo:
 
 
 class Executable:
-    """A compiled program; call it with numpy arrays (or, on nvgpu, GPU arrays)."""
+    """A compiled program; call it with numpy arrays or GPU arrays. With no
+    target named, it is compiled (once each) for the device of each call's
+    inputs."""
 
     def __init__(self, graph: Graph, options: CompileOptions, name: str, scalar_inputs=(),
                  single_output: bool = False) -> None:
         self.graph, self.options, self.name = graph, options, name
-        self._variants: dict[tuple, CompiledProgram] = {}
+        self._variants: dict[tuple, CompiledProgram] = {}  # by (layout, target)
         self._scalars = set(scalar_inputs)
         self._single = single_output
         self.stats: dict = {}
@@ -56,31 +58,45 @@ class Executable:
         for k, (a, inp) in enumerate(zip(args, self.graph.inputs)):
             if k in self._scalars and isinstance(a, (bool, int, float, np.generic)):
                 a = np.asarray(a, dtype=inp.dtype.numpy)
-            if not isinstance(a, (np.ndarray, GpuView)) and not (self.options.target == "nvgpu"
-                                                                 and hasattr(a, "__cuda_array_interface__")):
+            if not isinstance(a, (np.ndarray, GpuView)) and not hasattr(a, "__cuda_array_interface__"):
                 raise InputError(f"{self.name}: input {k} is a {type(a).__name__}, expected a numpy array "
-                                 f"of dtype {inp.dtype} and rank {inp.rank}")
+                                 f"(or a GPU array) of dtype {inp.dtype} and rank {inp.rank}")
             out.append(a)
         return out
 
-    def variant(self, layout: tuple) -> CompiledProgram:
-        if layout not in self._variants:
+    def target(self, arrays: Sequence) -> str:
+        """Where a call on these arrays runs: the named target, else the device
+        holding them (any GPU array: nvgpu). Host arrays go to a GPU target
+        and back; GPU arrays are refused by the CPU target."""
+        on_gpu = [k for k, a in enumerate(arrays) if not isinstance(a, np.ndarray)]
+        if self.options.target is None:
+            return "nvgpu" if on_gpu else "cpu"
+        if self.options.target == "cpu" and on_gpu:
+            raise InputError(f"{self.name}: input {on_gpu[0]} is on a GPU, but compile option target='cpu' runs "
+                             "on the host; copy it to the host, or compile with target 'nvgpu' or no target")
+        return self.options.target
+
+    def variant(self, layout: tuple, target: str | None = None) -> CompiledProgram:
+        """The program compiled for inputs of this layout (strided or not,
+        per input) on ``target`` (default: the named one, else the CPU)."""
+        target = target or self.options.target or "cpu"
+        if (layout, target) not in self._variants:
             g = self.graph
             if any(layout):
                 for inp, strided in zip(g.inputs, layout):
                     inp.attrs["strided"] = strided
             try:
-                self._variants[layout] = compile_graph(g, self.options, self.name)
+                self._variants[layout, target] = compile_graph(g, self.options.on(target), self.name)
             finally:
                 for inp in g.inputs:
                     inp.attrs["strided"] = inp.attrs.get("declared_strided", False)
-        return self._variants[layout]
+        return self._variants[layout, target]
 
     def __call__(self, *args, **launch):
         """Run on the arrays (numpy; on nvgpu also GPU arrays, with the
         ``stream=`` and ``empty=`` of :class:`polyjit.cuda.GpuExecutable`)."""
         arrays = self._prepare(args)
-        prog = self.variant(self._layout(arrays))
+        prog = self.variant(self._layout(arrays), self.target(arrays))
         outs = prog(*arrays, **launch)
         self.last = prog
         self.stats = prog.stats
@@ -150,5 +166,6 @@ def compile(fn: Callable, args: Sequence[InputInfo], compile_options: Mapping | 
         g.add_output(r.node)
     name = getattr(fn, "__name__", "fn")
     exe = Executable(g, options, name if name.isidentifier() else "fn", single_output=single)
-    exe.stats = exe.variant(tuple(False for _ in g.inputs)).stats
+    if options.target is not None:  # compiled now, so that its errors come from compile()
+        exe.stats = exe.variant(tuple(False for _ in g.inputs)).stats
     return exe

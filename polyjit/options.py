@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from .errors import CompileOptionError
@@ -14,7 +14,11 @@ FUSION = ("max", "none")
 
 @dataclass(frozen=True)
 class CompileOptions:
-    target: str = "cpu"
+    """Validated compile options. ``target=None`` (the default) compiles for
+    the device that holds the inputs, as Inductor and XLA do; an executable
+    then keeps one compiled program per device it meets."""
+
+    target: str | None = None
     debug: bool = False
     dump_dir: str = "polyjit_dump"
     tile_sizes: tuple[int, ...] | None = None
@@ -23,13 +27,17 @@ class CompileOptions:
     strict: bool = False
     gpu_arch: str | None = None
 
+    def on(self, target: str) -> "CompileOptions":
+        """These options for ``target``: the device a call's inputs resolved to."""
+        return self if self.target == target else replace(self, target=target)
+
     def key(self) -> tuple:
         """What changes the generated code (debug output does not)."""
         return (self.target, self.tile_sizes, self.fusion, self.gpu_arch)
 
 
 _KEYS = {
-    "target": f"one of {TARGETS}",
+    "target": f"one of {TARGETS}, or None (where the inputs are)",
     "debug": "True or False",
     "dump_dir": "a folder path",
     "tile_sizes": "a list of positive ints, or None",
@@ -52,9 +60,10 @@ def parse_options(opts: Mapping[str, Any] | CompileOptions | None,
             allowed = sorted(list(_KEYS) + list(extra))
             raise CompileOptionError(f"unknown compile option {k!r}; allowed keys: {allowed}")
     kw = {k: v for k, v in opts.items() if k in _KEYS}
-    t = kw.get("target", "cpu")
-    if t not in TARGETS:
-        raise CompileOptionError(f"compile option 'target' is {t!r}; allowed values: {list(TARGETS)}")
+    t = kw.get("target")
+    if t is not None and t not in TARGETS:
+        raise CompileOptionError(f"compile option 'target' is {t!r}; allowed values: {list(TARGETS)} or None "
+                                 f"(the device that holds the inputs)")
     for k in ("debug", "strict"):
         if k in kw and not isinstance(kw[k], bool):
             raise CompileOptionError(f"compile option {k!r} is {kw[k]!r}; allowed values: True, False")
