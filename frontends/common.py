@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import warnings
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -14,12 +15,13 @@ import numpy as np
 from polyjit.api import Executable
 from polyjit.cuda import GpuView
 from polyjit.dtypes import DataType
-from polyjit.errors import UnsupportedOpError
+from polyjit.errors import CompileOptionError, DeviceError, InputError, UnsupportedOpError
 from polyjit.graph import Graph, Node
 from polyjit.options import CompileOptions
 from polyjit.sizes import Lin
 
 _warned: set = set()
+USER_ERRORS = (InputError, CompileOptionError, DeviceError)  # what a fallback must not hide
 
 _DTYPES = {"float32": DataType.Float, "float64": DataType.Double, "float16": DataType.Half,
            "int32": DataType.Int32, "uint32": DataType.UInt32, "int64": DataType.Int, "bool": DataType.Bool}
@@ -33,9 +35,10 @@ def core_dtype(dt) -> DataType:
     return _DTYPES[name]
 
 
-@dataclass
-class Stats:
-    """What polyjit did for one decorated function: summed over its graphs."""
+@dataclass(eq=False)
+class Stats(Mapping):
+    """What polyjit did for one decorated function, summed over its graphs;
+    reads as a dict (``stats["fallbacks"]``) that stays current."""
 
     graphs: dict = field(default_factory=dict)
     fallbacks: int = 0
@@ -52,6 +55,18 @@ class Stats:
             out[key] = sum(s.get(key, 0) for s in self.graphs.values())
         return out
 
+    def __getitem__(self, key: str):
+        return self.as_dict()[key]
+
+    def __iter__(self):
+        return iter(self.as_dict())
+
+    def __len__(self) -> int:
+        return len(self.as_dict())
+
+    def __repr__(self) -> str:
+        return repr(self.as_dict())
+
 
 def fallback(stats: Stats, op: str, framework: str, where: str = "", strict: bool = False) -> None:
     """Record that `op` runs in the framework instead of polyjit (raise under strict)."""
@@ -63,6 +78,17 @@ def fallback(stats: Stats, op: str, framework: str, where: str = "", strict: boo
     if op not in _warned:
         _warned.add(op)
         warnings.warn(f"polyjit: {op} runs in {framework}{at}", stacklevel=3)
+
+
+def internal_failure(stats: Stats, what: str, err: Exception, framework: str, strict: bool = False) -> None:
+    """``what`` could not be compiled: an op polyjit refuses (UnsupportedOpError)
+    or a failure inside polyjit. Either is a counted fallback, warned once,
+    so that the user's program runs on; raised under strict. The user's own
+    errors (bad input, bad option, no device) always raise."""
+    if strict or isinstance(err, USER_ERRORS):
+        raise err
+    fallback(stats, str(err) if isinstance(err, UnsupportedOpError) else f"{what} ({type(err).__name__}: {err})",
+             framework)
 
 
 # ====================================================== segmented programs
@@ -125,7 +151,9 @@ class _Segment:
         self.inputs: list[Value] = []
         self.defined: list[Value] = []
         self.outputs: list[Value] = []
+        self.ops: list[Op] = []  # what the framework runs should compiling fail
         self.exe: Executable | None = None
+        self.failed = False
 
     def operand(self, x) -> Node:
         if isinstance(x, Const):
@@ -159,7 +187,7 @@ class _Segment:
                     raise UnsupportedOpError(f"{op.name} (translated to shape {list(n.shape)}, "
                                              f"expected {list(v.shape)})")
                 nodes.append(n)
-        except UnsupportedOpError:
+        except Exception:
             for x in self.inputs[n_inputs:]:
                 del self.env[id(x)]
             del self.inputs[n_inputs:], self.graph.inputs[graph_inputs:]
@@ -167,8 +195,10 @@ class _Segment:
         for v, n in zip(op.outs, nodes):
             self.env[id(v)] = n
             self.defined.append(v)
+        self.ops.append(op)
 
-    def close(self, live: set[int], options: CompileOptions, name: str) -> None:
+    def close(self, live: set[int], options: CompileOptions, name: str, stats: Stats, framework: str) -> None:
+        self.stats, self.framework = stats, framework
         self.aliases = []  # (value, the input it is: an identity op's result)
         for v in self.defined:
             n = self.env[id(v)]
@@ -186,9 +216,19 @@ class _Segment:
             values[id(v)] = values[id(source)]
         if not self.outputs:
             return
-        outs = self.exe(*[self._array(values[id(v)]) for v in self.inputs])
-        for v, o in zip(self.outputs, outs):
-            values[id(v)] = o
+        if not self.failed:
+            try:
+                outs = self.exe(*[self._array(values[id(v)]) for v in self.inputs])
+            except Exception as err:  # compiling for this layout or device failed inside polyjit
+                internal_failure(self.stats, f"segment {self.exe.name}", err, self.framework,
+                                 self.exe.options.strict)
+                self.failed = True
+            else:
+                for v, o in zip(self.outputs, outs):
+                    values[id(v)] = o
+                return
+        for op in self.ops:
+            _Fallback(op).run(values)
 
     def _array(self, x):
         """An argument as the compiled code takes it: GPU arrays stay where they
@@ -234,7 +274,7 @@ class SegmentedProgram:
         count = itertools.count()
 
         def close(i):
-            seg.close({k for k, j in last.items() if j >= i}, options, f"{name}_{next(count)}")
+            seg.close({k for k, j in last.items() if j >= i}, options, f"{name}_{next(count)}", stats, framework)
             self.steps.append(seg)
 
         for i, op in enumerate(ops):
@@ -243,11 +283,16 @@ class SegmentedProgram:
                 try:
                     seg.add(op)
                     continue
-                except UnsupportedOpError as err:
+                except USER_ERRORS:
+                    raise
+                except Exception as err:  # arguments the rule refuses, or a failure of the rule itself
+                    if options.strict and not isinstance(err, UnsupportedOpError):
+                        raise
                     if options.strict:
                         raise UnsupportedOpError(f"{op.name}: {err}; not supported by polyjit"
                                                  + (f" (at {op.where})" if op.where else "")) from None
-                    fallback(stats, f"{op.name} ({err})", framework, op.where)
+                    why = str(err) if isinstance(err, UnsupportedOpError) else f"{type(err).__name__}: {err}"
+                    fallback(stats, f"{op.name} ({why})", framework, op.where)
             else:
                 fallback(stats, op.name, framework, op.where, options.strict)
             if seg is not None:

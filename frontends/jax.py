@@ -39,7 +39,7 @@ from polyjit.runtime import RowMajor
 from polyjit.sizes import Lin
 
 from . import xla_ffi
-from .common import Const, Op, SegmentedProgram, Stats, Value, core_dtype, static_value
+from .common import Const, Op, SegmentedProgram, Stats, Value, core_dtype, internal_failure, static_value
 
 SCAN_UNROLL_LIMIT = 64  # longest static scan (fori_loop) unrolled into the program
 # Results up to this size come from glibc's heap, reused (its dynamic mmap threshold
@@ -945,7 +945,11 @@ class JaxFunction:
         pages in at every call, where polyjit's buffer cache reuses them."""
         key = (id(prog), where)  # programs live as long as this function
         if key not in self._calls:
-            self._calls[key] = self._register(prog, where)
+            try:
+                self._calls[key] = self._register(prog, where)
+            except Exception as err:  # the program runs through its segments instead
+                internal_failure(self._stats, f"custom call of {self.__name__}", err, "JAX", self.options.strict)
+                self._calls[key] = None
         if self._calls[key] is None:
             return None
         call, largest = self._calls[key]

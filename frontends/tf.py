@@ -868,16 +868,22 @@ def _to_tensor(x) -> tf.Tensor:
     return tf.convert_to_tensor(x)
 
 
-def jit_tf(fn: Callable | None = None, *, input_signature=None, compile_options: dict | None = None,
+def jit_tf(fn: Callable | Sequence | None = None, compile_options: dict | None = None, *, input_signature=None,
            execution_backend: str = "polyjit"):
     """Compile a TensorFlow function with polyjit (as ``tf.function`` would).
 
     With ``input_signature`` the code is specialized to it (a ``None``
     dimension is a symbolic size) and calls that violate it raise
     InputError; without, it compiles once per input shapes and dtypes.
+    As a decorator with arguments, the signature may come first, as
+    PolyBlocks writes it: ``@jit_tf([tf.TensorSpec(...)], {"target": "cpu"})``.
     ``execution_backend="std"`` runs a plain ``tf.function`` and ``"xla"``
     one with ``jit_compile=True``, for comparison.
     """
+    if fn is not None and not callable(fn):  # the signature, positionally
+        if input_signature is not None:
+            raise CompileOptionError("jit_tf: input_signature given twice (positionally and by keyword)")
+        fn, input_signature = None, fn
     if execution_backend not in EXECUTION_BACKENDS:
         raise CompileOptionError(f"execution_backend is {execution_backend!r}; allowed values: "
                                  f"{list(EXECUTION_BACKENDS)}")

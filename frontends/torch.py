@@ -14,6 +14,7 @@ shares memory: no copies.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import math
 import operator
@@ -32,13 +33,13 @@ from polyjit import ops
 from polyjit.api import Executable
 from polyjit.cuda import GpuView
 from polyjit.dtypes import DataType
-from polyjit.errors import DefinitionError, InputError, UnsupportedOpError
+from polyjit.errors import InputError, UnsupportedOpError
 from polyjit.graph import Graph
 from polyjit.options import CompileOptions, parse_options
 from polyjit import sizes as sz
 from polyjit.sizes import Lin
 
-from .common import Stats, fallback
+from .common import USER_ERRORS, Stats, fallback, internal_failure
 
 log = logging.getLogger("polyjit.torch")
 aten = torch.ops.aten
@@ -266,7 +267,14 @@ def _split(cx, x, sizes, dim=0):
     return tuple(out)
 
 
-ATEN[aten.cat.default] = lambda cx, xs, dim=0: ops.cat([x for x in xs], dim)
+@_reg(aten.cat.default)
+def _cat(cx, xs, dim=0):
+    """torch.cat leaves out 1-d empty tensors, whatever the others' rank (a
+    cache that starts as ``torch.tensor([])``)."""
+    kept = [x for x in xs if tuple(x.shape) != (0,)] or list(xs[:1])
+    return kept[0] if len(kept) == 1 else ops.cat(kept, dim)
+
+
 ATEN[aten.flip.default] = lambda cx, x, dims: ops.reverse(x, dims)
 
 
@@ -688,6 +696,15 @@ def _sym_to_lin(expr, cx: _Context):
     return out + const
 
 
+def _constant(t: torch.Tensor) -> np.ndarray:
+    """A tensor the graph holds (a model's buffer, a tensor the function
+    built) as a host array. Backends run under AOTAutograd's fake mode,
+    where even reading a real tensor would dispatch to fake kernels."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    with unset_fake_temporarily():
+        return t.detach().cpu().numpy().copy()
+
+
 def _node_val(node):
     v = node.meta.get("val", node.meta.get("example_value"))
     return v
@@ -736,7 +753,7 @@ def translate(gm: torch.fx.GraphModule) -> _Translation:
         elif node.op == "get_attr":
             value = getattr(gm, node.target)
             if isinstance(value, torch.Tensor):
-                env[node] = ops.Tensor(cx.graph, cx.graph.tensor_constant(value.detach().cpu().numpy()))
+                env[node] = ops.Tensor(cx.graph, cx.graph.tensor_constant(_constant(value)))
             else:
                 env[node] = value
         elif node.op == "call_function":
@@ -780,6 +797,7 @@ class CompiledGraph:
 
     def __init__(self, gm: torch.fx.GraphModule, options: CompileOptions, name: str, stats: "Stats") -> None:
         self.t = translate(gm)
+        self.gm, self.failed = gm, False
         self.exe = Executable(self.t.graph, options, name, scalar_inputs=[self.t.seed_index] if self.t.seed_index is not None else [])
         self.stats = stats
         self.name = name
@@ -804,7 +822,14 @@ class CompiledGraph:
         launch = {}
         if index is not None:
             launch = {"stream": _current_stream(index), "ordinal": index, "empty": _allocator(index)}
-        outs = self.exe(*arrays, **launch)
+        if self.failed:
+            return tuple(self.gm(*args))
+        try:
+            outs = self.exe(*arrays, **launch)
+        except Exception as err:  # compiling a new layout or device failed inside polyjit
+            internal_failure(self.stats, f"graph {self.name}", err, "eager PyTorch", self.options.strict)
+            self.failed = True
+            return tuple(self.gm(*args))
         self.stats.record(self.name, self.exe.stats)
         for k, msg in self.t.asserts:  # value checks (one_hot's class range): the results are not handed out
             if not bool(outs[k]):
@@ -877,7 +902,9 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: CompileOptions
     if not unsupported:
         try:
             return _compiled(gm, options, name, stats)
-        except (UnsupportedOpError, DefinitionError) as e:
+        except USER_ERRORS:
+            raise
+        except Exception as e:
             if options.strict:
                 raise
             log.debug("whole-graph translation failed (%s); partitioning", e)
@@ -889,10 +916,8 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: CompileOptions
         if isinstance(sub, torch.fx.GraphModule):
             try:
                 setattr(fused, sub_name, _as_module(_compiled(sub, options, f"{name}_{sub_name}", stats)))
-            except (UnsupportedOpError, DefinitionError) as e:  # an op the table has, with arguments it refuses
-                if options.strict:
-                    raise
-                fallback(stats, str(e), "eager PyTorch")
+            except Exception as e:  # an op the table has, with arguments it refuses; or polyjit failed
+                internal_failure(stats, f"partition {name}_{sub_name}", e, "eager PyTorch", options.strict)
     fused.recompile()
     return fused
 
@@ -922,15 +947,18 @@ def _boxed(fn):
 class PolyjitBackend:
     """A torch.compile backend; keeps the stats of everything it compiled."""
 
-    def __init__(self, options: CompileOptions | None = None) -> None:
+    def __init__(self, options: CompileOptions | None = None, stats: Stats | None = None) -> None:
         self.options = options or CompileOptions()
-        self.stats = Stats()
-        self._count = 0
+        self.stats = stats if stats is not None else Stats()
 
     def _compiler(self, kind: str):
         def compile_graph(gm, example_inputs):
-            self._count += 1
-            compiled = compile_fx(gm, example_inputs, self.options, self.stats, f"{kind}{self._count}")
+            name = f"{kind}{next(_graph_ids)}"
+            try:
+                compiled = compile_fx(gm, example_inputs, self.options, self.stats, name)
+            except Exception as err:  # polyjit's own failure: this graph runs in eager PyTorch
+                internal_failure(self.stats, f"graph {name}", err, "eager PyTorch", self.options.strict)
+                return _boxed(gm.forward)
             if isinstance(compiled, CompiledGraph):
                 return _boxed(compiled)
             return _boxed(compiled.forward)
@@ -944,19 +972,23 @@ class PolyjitBackend:
             return backend(gm, example_inputs)
 
 
-_last_backend: PolyjitBackend | None = None
+_graph_ids = itertools.count(1)  # graph names are unique in the process: stats are kept by name
+_BACKEND_STATS = Stats()
 
 
 def polyjit_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None):
     """The ``torch.compile(backend="polyjit", options=...)`` entry point."""
-    global _last_backend
-    _last_backend = PolyjitBackend(parse_options(options, extra=_FRONTEND_KEYS))
-    return _last_backend(gm, example_inputs)
+    return PolyjitBackend(parse_options(options, extra=_FRONTEND_KEYS), _BACKEND_STATS)(gm, example_inputs)
 
 
-def stats() -> dict:
-    """Stats of the most recent ``backend="polyjit"`` compilation."""
-    return _last_backend.stats.as_dict() if _last_backend else {}
+def stats(reset: bool = False) -> Stats:
+    """What ``torch.compile(..., backend="polyjit")`` compiled in this process
+    (every graph of every model, graph breaks included), read as a dict;
+    ``reset=True`` starts the count again."""
+    global _BACKEND_STATS
+    if reset:
+        _BACKEND_STATS = Stats()
+    return _BACKEND_STATS
 
 
 _FRONTEND_KEYS = {"dynamic": "True, False or None"}
@@ -988,8 +1020,8 @@ def jit_torch(fn=None, *, compile_options: dict | None = None, execution_backend
         else:
             backend = PolyjitBackend(options)
             compiled = torch.compile(f, backend=backend, dynamic=dynamic)
-        if isinstance(f, torch.nn.Module):
-            compiled.polyjit_stats = backend.stats if backend else Stats()
+        if isinstance(f, torch.nn.Module):  # torch.compile's module wrapper, with our stats
+            compiled.stats = backend.stats if backend else Stats()
             return compiled
 
         return _StatsFunction(compiled, backend)
@@ -1008,5 +1040,5 @@ class _StatsFunction:
         return self._call(*args, **kwargs)
 
     @property
-    def stats(self) -> dict:
-        return self._backend.stats.as_dict() if self._backend else {}
+    def stats(self) -> Stats:
+        return self._backend.stats if self._backend else Stats()

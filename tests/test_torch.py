@@ -68,7 +68,7 @@ def check_module(mod, *inputs, backward=True, rtol=1e-5, atol=1e-5):
         for x, y in zip(x1, x2):
             if x.requires_grad:
                 assert_close(x.grad, y.grad, rtol, atol)
-    stats = jm.polyjit_stats.as_dict()
+    stats = jm.stats
     assert stats["fallbacks"] == 0
     return stats
 
@@ -193,7 +193,7 @@ def test_mlp_training_step_with_sgd():
             o.step()
     for p, q in zip(mlp.parameters(), ref.parameters()):
         assert_close(p, q)
-    assert jm.polyjit_stats.as_dict()["fallbacks"] == 0
+    assert jm.stats["fallbacks"] == 0
 
 
 def test_transformer_encoder_layer_eval():
@@ -276,7 +276,7 @@ def test_cnn_training_with_a_new_batch_size():
         want.sum().backward()
         for p, q in zip(mod.parameters(), ref.parameters()):
             assert_close(p.grad, q.grad, 1e-4, 1e-4)
-    assert jm.polyjit_stats.as_dict()["fallbacks"] == 0
+    assert jm.stats["fallbacks"] == 0
     mod = net()
     jm = polyjit.jit_torch(mod, compile_options={"target": TARGET}, dynamic=True)
     with warnings.catch_warnings():
@@ -284,7 +284,7 @@ def test_cnn_training_with_a_new_batch_size():
         for n in (2, 3):
             x = torch.randn(n, 3, 8, 8, device=DEVICE)
             assert_close(jm(x), mod(x))
-    assert jm.polyjit_stats.as_dict()["fallbacks"] > 0
+    assert jm.stats["fallbacks"] > 0
 
 
 def test_strided_convolution_and_pooling_train_with_every_size_symbolic():
@@ -305,7 +305,7 @@ def test_strided_convolution_and_pooling_train_with_every_size_symbolic():
         want.backward(g)
         for p, q in zip(mod.parameters(), ref.parameters()):
             assert_close(p.grad, q.grad, 1e-4, 1e-4)
-    stats = jm.polyjit_stats.as_dict()
+    stats = jm.stats
     assert stats["fallbacks"] == 0 and stats["graphs"] == 2
 
 
@@ -408,7 +408,7 @@ def test_grouped_convolution_with_a_new_batch_size():
             want.sum().backward()
             for p, q in zip(mod.parameters(), ref.parameters()):
                 assert_close(p.grad, q.grad, 1e-4, 1e-4)
-    stats = jm.polyjit_stats.as_dict()
+    stats = jm.stats
     assert stats["fallback_ops"] == ["the weight gradient of a grouped convolution over a symbolic batch"]
 
 
