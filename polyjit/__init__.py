@@ -24,8 +24,10 @@ def cuda_synchronize() -> None:
 
 
 def __getattr__(name: str):
+    import importlib
     if name in ("jit_torch", "jit_jax", "jit_tf"):
-        import importlib
         mod = importlib.import_module(f"polyjit.frontends.{name[4:]}")
         return getattr(mod, name)
+    if name == "frontends":  # its framework modules load when first named
+        return importlib.import_module("polyjit.frontends")
     raise AttributeError(f"module 'polyjit' has no attribute {name!r}")
