@@ -963,7 +963,8 @@ class JaxFunction:
         outs = [id(v) for v in prog.outvars]
         if seg is None or seg.aliases or len(made) != len(seg.outputs) or any(v not in made for v in outs):
             return None  # (a result returned twice, as gradients of x and y in x + y are, is one array)
-        exe = seg.exe.variant((False,) * len(seg.exe.graph.inputs))  # for row-major arrays, as XLA's are
+        exe = seg.exe.variant((False,) * len(seg.exe.graph.inputs),  # for row-major arrays, as XLA's are
+                              "cpu" if where == "cpu" else "nvgpu")
         position = {id(v): k for k, v in enumerate(prog.invars)}
         take = [position[id(v)] for v in seg.inputs]
         name = f"polyjit_{exe.name}_{next(_target_ids)}"  # XLA keeps every target for the process

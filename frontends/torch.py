@@ -898,10 +898,12 @@ def _where(node) -> str:
 def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: CompileOptions, stats: Stats, name: str):
     """Compile an ATen graph: whole if every node is supported, else by partitions."""
     support = _Supported()
+    where = options.target or ("nvgpu" if any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
+                               else "cpu")  # the device the example tensors are on
     unsupported = [n for n in gm.graph.nodes if n.op == "call_function" and not support.is_node_supported({}, n)]
     if not unsupported:
         try:
-            return _compiled(gm, options, name, stats)
+            return _compiled(gm, options, name, stats, where)
         except USER_ERRORS:
             raise
         except Exception as e:
@@ -915,19 +917,19 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: CompileOptions
     for sub_name, sub in list(fused.named_children()):
         if isinstance(sub, torch.fx.GraphModule):
             try:
-                setattr(fused, sub_name, _as_module(_compiled(sub, options, f"{name}_{sub_name}", stats)))
+                setattr(fused, sub_name, _as_module(_compiled(sub, options, f"{name}_{sub_name}", stats, where)))
             except Exception as e:  # an op the table has, with arguments it refuses; or polyjit failed
                 internal_failure(stats, f"partition {name}_{sub_name}", e, "eager PyTorch", options.strict)
     fused.recompile()
     return fused
 
 
-def _compiled(gm, options: CompileOptions, name: str, stats: Stats) -> CompiledGraph:
-    """A graph translated and compiled for contiguous inputs now, so that
-    what the compiler refuses (a size that is not affine) becomes a counted
-    fallback here rather than an error at the first call."""
+def _compiled(gm, options: CompileOptions, name: str, stats: Stats, where: str) -> CompiledGraph:
+    """A graph translated and compiled for contiguous inputs on ``where`` now,
+    so that what the compiler refuses (a size that is not affine) becomes a
+    counted fallback here rather than an error at the first call."""
     compiled = CompiledGraph(gm, options, name, stats)
-    compiled.exe.compile_default()
+    compiled.exe.variant((False,) * len(compiled.exe.graph.inputs), where)
     return compiled
 
 
