@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench-cpu bench-torch bench-jax bench-tf clean
+.PHONY: install demo test bench-cpu bench-torch bench-jax bench-tf bench-models clean
 
 install: $(STAMP)
 
@@ -31,6 +31,9 @@ bench-jax: install
 
 bench-tf: install
 	$(PY) bench/tf_bench.py
+
+bench-models: install
+	$(PY) bench/models.py
 
 clean:
 	rm -rf $(VENV) polyjit_dump .pytest_cache

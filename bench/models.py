@@ -1,0 +1,258 @@
+"""Real models against their frameworks' own compilers, in one run:
+`make bench-models` (CPU) or `python bench/models.py --device cuda`.
+
+For each model and backend, a fresh process builds the model (random
+weights, fixed seed), compiles it on its first call (cold compile seconds:
+the first call's time less a step's) and times steps (median ms). polyjit
+then compiles the same model again in another fresh process: with its
+on-disk cache warm, that second compile is the framework's tracing plus a
+cache lookup. Every backend's output is compared with eager's, so a wrong
+result cannot pass for a fast one.
+
+    python bench/models.py                      # every model on the CPU
+    python bench/models.py --only bert gpt2     # some of them
+    python bench/models.py --device cuda        # PyTorch and JAX models on a GPU
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+TORCH_BACKENDS = ("eager", "aot_eager", "inductor", "polyjit")
+JAX_BACKENDS = ("std", "xla", "polyjit")
+TF_BACKENDS = ("std", "xla", "polyjit")
+
+
+# ---------------------------------------------------------------- the models
+def _torch_transformers(kind: str, train: bool, device: str):
+    import torch
+    import transformers
+    transformers.logging.set_verbosity_error()
+    big = device == "cuda"  # on the GPU: hidden 768, 2 layers, batch 16x256
+    if kind == "bert":
+        cfg = transformers.BertConfig(hidden_size=768 if big else 256, num_hidden_layers=2 if big else 4,
+                                      num_attention_heads=12 if big else 4, intermediate_size=3072 if big else 1024,
+                                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        model, out = transformers.BertModel(cfg), (lambda o: o.last_hidden_state)
+    else:
+        cfg = transformers.GPT2Config(n_embd=768 if big else 256, n_layer=2 if big else 4, n_head=12 if big else 4,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model, out = transformers.GPT2LMHeadModel(cfg), (lambda o: o.logits)
+    batch, seq = (16, 256) if big else (4, 128)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
+    return model.to(device), (ids,), out
+
+
+def _torch_encoder(train: bool, device: str):
+    import torch
+    layer = torch.nn.TransformerEncoderLayer(256, 4, 1024, dropout=0.0, batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
+    return model.to(device), (torch.randn(4, 128, 256, device=device),), (lambda o: o)
+
+
+TORCH_MODELS = {
+    "bert": lambda train, device: _torch_transformers("bert", train, device),
+    "gpt2": lambda train, device: _torch_transformers("gpt2", train, device),
+    "encoder": _torch_encoder,
+}
+
+
+def _keras_model(kind: str):
+    import tensorflow as tf
+    tf.keras.utils.set_random_seed(0)
+    if kind == "mobilenetv2":
+        model = tf.keras.applications.MobileNetV2(alpha=0.35, input_shape=(96, 96, 3), weights=None)
+        x = np.random.default_rng(0).standard_normal((8, 96, 96, 3)).astype(np.float32)
+    else:
+        layers = tf.keras.layers
+        model = tf.keras.Sequential([tf.keras.Input((32, 32, 3)), layers.Conv2D(32, 3, activation="relu"),
+                                     layers.MaxPooling2D(), layers.Conv2D(64, 3, activation="relu"),
+                                     layers.MaxPooling2D(), layers.Flatten(), layers.Dense(10)])
+        x = np.random.default_rng(0).standard_normal((32, 32, 32, 3)).astype(np.float32)
+    return model, tf.constant(x)
+
+
+def _jax_block(train: bool):
+    """A pre-norm transformer block in jax.numpy (and its gradient)."""
+    import jax
+    import jax.numpy as jnp
+    d, h, f = 256, 4, 1024
+    keys = jax.random.split(jax.random.key(0), 6)
+    params = {"wqkv": jax.random.normal(keys[0], (d, 3 * d)) * d ** -0.5,
+              "wo": jax.random.normal(keys[1], (d, d)) * d ** -0.5,
+              "w1": jax.random.normal(keys[2], (d, f)) * d ** -0.5,
+              "w2": jax.random.normal(keys[3], (f, d)) * f ** -0.5,
+              "g1": jnp.ones(d), "g2": jnp.ones(d)}
+    x = jax.random.normal(keys[4], (4, 128, d))
+
+    def norm(x, g):
+        m = x.mean(-1, keepdims=True)
+        return (x - m) * jax.lax.rsqrt(((x - m) ** 2).mean(-1, keepdims=True) + 1e-5) * g
+
+    def block(p, x):
+        b, t, _ = x.shape
+        q, k, v = jnp.split(norm(x, p["g1"]) @ p["wqkv"], 3, -1)
+        heads = lambda z: z.reshape(b, t, h, d // h).transpose(0, 2, 1, 3)  # noqa: E731
+        a = jax.nn.softmax(heads(q) @ heads(k).transpose(0, 1, 3, 2) / (d // h) ** 0.5, -1) @ heads(v)
+        x = x + a.transpose(0, 2, 1, 3).reshape(b, t, d) @ p["wo"]
+        return x + jax.nn.gelu(norm(x, p["g2"]) @ p["w1"]) @ p["w2"]
+
+    fn = jax.grad(lambda p, x: (block(p, x) ** 2).mean()) if train else block
+    return fn, (params, x)
+
+
+# ---------------------------------------------------------------- one measurement
+def _median_ms(step, reps: int, sync=lambda: None) -> float:
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def _torch_run(name: str, backend: str, train: bool, device: str, reps: int) -> dict:
+    import torch
+    import polyjit  # noqa: F401  (the "polyjit" backend is found without it, too)
+    torch.manual_seed(0)
+    model, args, out = TORCH_MODELS[name](train, device)
+    model.train(train)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    fn = model if backend == "eager" else torch.compile(model, backend=backend)
+
+    def step():
+        if train:
+            model.zero_grad(set_to_none=True)
+            y = out(fn(*args))
+            y.float().pow(2).mean().backward()
+            return y
+        with torch.no_grad():
+            return out(fn(*args))
+    t = time.perf_counter()
+    y = step()
+    sync()
+    first = time.perf_counter() - t
+    ms = _median_ms(step, reps, sync)
+    result = {"first_s": first, "ms": ms, "out": y.detach().float().cpu().numpy()}
+    if backend == "polyjit":
+        result["fallbacks"] = polyjit.frontends.torch.stats()["fallbacks"]
+    return result
+
+
+def _jax_run(name: str, backend: str, train: bool, device: str, reps: int) -> dict:
+    import jax
+    import polyjit
+    fn, args = _jax_block(train)
+    f = {"std": fn, "xla": jax.jit(fn), "polyjit": polyjit.jit_jax(fn)}[backend]
+    args = jax.device_put(args, jax.devices("gpu" if device == "cuda" else "cpu")[0])
+
+    def step():
+        return jax.block_until_ready(f(*args))
+    t = time.perf_counter()
+    y = step()
+    first = time.perf_counter() - t
+    ms = _median_ms(step, reps)
+    leaves = jax.tree_util.tree_leaves(y)
+    result = {"first_s": first, "ms": ms, "out": np.concatenate([np.ravel(np.asarray(v)) for v in leaves])}
+    if backend == "polyjit":
+        result["fallbacks"] = f.stats["fallbacks"]
+    return result
+
+
+def _tf_run(name: str, backend: str, train: bool, device: str, reps: int) -> dict:
+    import tensorflow as tf
+    import polyjit
+    model, x = _keras_model(name)
+    fn = lambda x: model(x, training=False)  # noqa: E731
+    f = {"std": tf.function(fn), "xla": tf.function(fn, jit_compile=True), "polyjit": polyjit.jit_tf(fn)}[backend]
+    t = time.perf_counter()
+    y = f(x).numpy()
+    first = time.perf_counter() - t
+    ms = _median_ms(lambda: f(x).numpy(), reps)
+    result = {"first_s": first, "ms": ms, "out": y}
+    if backend == "polyjit":
+        result["fallbacks"] = f.stats["fallbacks"]
+    return result
+
+
+MODELS = {  # name: (framework, runner, training step too, backends)
+    "bert": ("torch", _torch_run, True, TORCH_BACKENDS),
+    "gpt2": ("torch", _torch_run, True, TORCH_BACKENDS),
+    "encoder": ("torch", _torch_run, True, TORCH_BACKENDS),
+    "jax_block": ("jax", _jax_run, True, JAX_BACKENDS),
+    "mobilenetv2": ("tf", _tf_run, False, TF_BACKENDS),
+    "keras_cnn": ("tf", _tf_run, False, TF_BACKENDS),
+}
+
+
+def _one(args) -> None:
+    """Child process: one (model, backend, mode) measurement, as JSON on the last line."""
+    framework, run, _, _ = MODELS[args.one]
+    r = run(args.one, args.backend, args.train, args.device, args.reps)
+    out = r.pop("out")
+    np.save(args.save, out)
+    print(json.dumps(r))
+
+
+def _spawn(name: str, backend: str, train: bool, device: str, reps: int, cache: str) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".npy", delete=False) as f:
+        path = f.name
+    env = dict(os.environ, POLYJIT_CACHE_DIR=cache, PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, __file__, "--one", name, "--backend", backend, "--device", device,
+           "--reps", str(reps), "--save", path] + (["--train"] if train else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["?"]
+        return {"error": tail[0][:160]}
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    r["out"] = np.load(path)
+    os.unlink(path)
+    return r
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--only", nargs="*", default=None, help=f"models: {', '.join(MODELS)}")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--one", help=argparse.SUPPRESS)
+    p.add_argument("--backend", help=argparse.SUPPRESS)
+    p.add_argument("--train", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--save", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.one:
+        return _one(args)
+    names = args.only or [n for n, m in MODELS.items() if args.device == "cpu" or m[0] != "tf"]
+    cache = tempfile.mkdtemp(prefix="polyjit-bench-cache-")
+    print(f"device {args.device}; polyjit's cache in {cache} (cold, then warm in a fresh process)")
+    print(f"{'model':<20}{'backend':<11}{'compile s':>10}{'warm s':>8}{'step ms':>10}{'vs eager':>9}  check")
+    for name in names:
+        framework, _, trains, backends = MODELS[name]
+        for train in (False, True) if trains else (False,):
+            label = f"{name} {'train' if train else 'fwd'}"
+            rows = {b: _spawn(name, b, train, args.device, args.reps, cache) for b in backends}
+            warm = _spawn(name, "polyjit", train, args.device, args.reps, cache) if "polyjit" in rows else {}
+            base = rows[backends[0]]
+            for b, r in rows.items():
+                if "error" in r:
+                    print(f"{label:<20}{b:<11}  error: {r['error']}")
+                    continue
+                compile_s = max(r["first_s"] - r["ms"] / 1e3, 0.0)
+                warm_s = f"{max(warm['first_s'] - warm['ms'] / 1e3, 0.0):8.2f}" if b == "polyjit" and "first_s" in warm else " " * 8
+                ratio = base["ms"] / r["ms"] if "ms" in base else float("nan")
+                ok = "ok" if "out" in base and np.allclose(r["out"], base["out"], rtol=1e-3, atol=1e-3) else "DIFFERS"
+                extra = f", {r['fallbacks']} fallbacks" if r.get("fallbacks") else ""
+                print(f"{label:<20}{b:<11}{compile_s:10.2f}{warm_s}{r['ms']:10.2f}{ratio:8.2f}x  {ok}{extra}")
+
+
+if __name__ == "__main__":
+    main()
