@@ -166,6 +166,6 @@ def compile(fn: Callable, args: Sequence[InputInfo], compile_options: Mapping | 
         g.add_output(r.node)
     name = getattr(fn, "__name__", "fn")
     exe = Executable(g, options, name if name.isidentifier() else "fn", single_output=single)
-    if options.target is not None:  # compiled now, so that its errors come from compile()
-        exe.stats = exe.variant(tuple(False for _ in g.inputs)).stats
+    # compiled now (with no target named, for the host), so that its errors come from compile()
+    exe.stats = exe.variant(tuple(False for _ in g.inputs)).stats
     return exe
