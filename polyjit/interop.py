@@ -107,7 +107,10 @@ class Call:
             if a.is_cuda:
                 self._on_gpu(a.get_device(), sys.modules["torch"].cuda.current_stream(a.device).cuda_stream)
                 return _torch_view(a, name)
-            return a.detach().numpy()
+            try:
+                return a.detach().numpy()
+            except TypeError as e:  # bfloat16: numpy has no such type
+                raise InputError(f"{name} is a CPU tensor of dtype {a.dtype}, which numpy cannot view: {e}") from None
         if k == "jax":
             view = _jax_view(a)
             return view if view is not None else np.asarray(a)

@@ -163,8 +163,8 @@ def python_definition(g: Graph, scalars: Sequence[int] = (), name: str = "fusion
         names[n.id] = f"{'T' if n.rank else 'S'}{len(names)}"
         body.append(f"{names[n.id]} = {_call(n, g, names, refs)}")
     body += [f"fd.add_output({names[o.id]})" for o in g.outputs]
-    return "\n".join(["import base64", "", "import numpy as np", "from polyjit import DataType, FusionDefinition", "", "",
-                      f"def {name}(fd: FusionDefinition) -> None:"] + ["    " + b for b in body]
+    head = ["import base64", "", "import numpy as np", "from polyjit import DataType, FusionDefinition", "", ""]
+    return "\n".join(head + [f"def {name}(fd: FusionDefinition) -> None:"] + ["    " + b for b in body]
                      + ["", "", "with FusionDefinition() as fd:", f"    {name}(fd)", ""])
 
 
