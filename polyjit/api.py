@@ -11,7 +11,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from . import ops
+from . import ops, printing
 from . import sizes as sz
 from .compiler import compile_graph
 from .cuda import GpuView
@@ -46,6 +46,7 @@ class Executable:
         self._single = single_output
         self.stats: dict = {}
         self.last: CompiledProgram | None = None
+        self._dumped = False
 
     def _layout(self, args) -> tuple:
         return tuple(bool(inp.attrs.get("strided")) or _strided(a) for inp, a in zip(self.graph.inputs, args))
@@ -76,12 +77,18 @@ class Executable:
                              "on the host; copy it to the host, or compile with target 'nvgpu' or no target")
         return self.options.target
 
-    def variant(self, layout: tuple, target: str | None = None) -> CompiledProgram:
+    def variant(self, layout: tuple, target: str | None = None, example: Sequence | None = None) -> CompiledProgram:
         """The program compiled for inputs of this layout (strided or not,
-        per input) on ``target`` (default: the named one, else the CPU)."""
+        per input) on ``target`` (default: the named one, else the CPU).
+        ``example``: the arrays of the call that asks, whose shapes a
+        ``POLYJIT_DUMP=python_definition`` reproducer records."""
         target = target or self.options.target or "cpu"
         if (layout, target) not in self._variants:
             g = self.graph
+            if not self._dumped and "python_definition" in printing.dump_kinds():
+                self._dumped = True
+                shapes = None if example is None else [_shape(a) for a in example]
+                printing.dump(g, sorted(self._scalars), self.name, self.options.dump_dir, shapes)
             if any(layout):
                 for inp, strided in zip(g.inputs, layout):
                     inp.attrs["strided"] = strided
@@ -96,7 +103,7 @@ class Executable:
         """Run on the arrays (numpy; on nvgpu also GPU arrays, with the
         ``stream=`` and ``empty=`` of :class:`polyjit.cuda.GpuExecutable`)."""
         arrays = self._prepare(args)
-        prog = self.variant(self._layout(arrays), self.target(arrays))
+        prog = self.variant(self._layout(arrays), self.target(arrays), arrays)
         outs = prog(*arrays, **launch)
         self.last = prog
         self.stats = prog.stats
@@ -115,6 +122,12 @@ class Executable:
     def ir(self, stage: str) -> str:
         """One stage's text: graph, affine, schedule, ast, llvm or llvm_opt."""
         return self.compile_default().ir[stage]
+
+
+def _shape(a) -> tuple:
+    if hasattr(a, "shape"):
+        return tuple(a.shape)
+    return tuple(a.__cuda_array_interface__["shape"])
 
 
 def _strided(a) -> bool:
@@ -149,7 +162,10 @@ def _input_shape(info: InputInfo, k: int, names: dict) -> tuple:
 
 
 def compile(fn: Callable, args: Sequence[InputInfo], compile_options: Mapping | None = None) -> Executable:
-    """Trace fn (written against polyjit.ops and Tensor operators) and compile it."""
+    """Trace fn (a function or callable object written against polyjit.ops
+    and Tensor operators) and compile it. Arrays fn closes over (numpy, or a
+    framework's, through __dlpack__ or __array__) become constants of the
+    program; computations on them alone run once, while tracing."""
     options = parse_options(compile_options)
     g = Graph()
     names: dict = {}
@@ -159,12 +175,12 @@ def compile(fn: Callable, args: Sequence[InputInfo], compile_options: Mapping | 
             raise DefinitionError(f"args[{k}] is a {type(info).__name__}, expected polyjit.InputInfo")
         tensors.append(ops.Tensor(g, g.input(_input_shape(info, k, names), to_dtype(info.dtype))))
     result = fn(*tensors)
+    name = getattr(fn, "__name__", type(fn).__name__)
     single = not isinstance(result, (tuple, list))
     for r in ([result] if single else result):
         if not isinstance(r, ops.Tensor):
-            raise DefinitionError(f"{getattr(fn, '__name__', 'fn')} returned a {type(r).__name__}, expected Tensors")
+            raise DefinitionError(f"{name} returned a {type(r).__name__}, expected Tensors")
         g.add_output(r.node)
-    name = getattr(fn, "__name__", "fn")
     exe = Executable(g, options, name if name.isidentifier() else "fn", single_output=single)
     # compiled now (with no target named, for the host), so that its errors come from compile()
     exe.stats = exe.variant(tuple(False for _ in g.inputs)).stats

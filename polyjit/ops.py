@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from . import interop
 from . import sizes as sz
 from .dtypes import DataType, to_dtype
 from .errors import DefinitionError, UnsupportedOpError
@@ -59,6 +60,7 @@ class Tensor:
     def __floordiv__(self, o): return floor_divide(self, o)
     def __rfloordiv__(self, o): return floor_divide(o, self)
     def __matmul__(self, o): return matmul(self, o)
+    def __rmatmul__(self, o): return matmul(o, self)
     def __neg__(self): return neg(self)
     def __abs__(self): return abs(self)
     def __lt__(self, o): return lt(self, o)
@@ -110,7 +112,12 @@ def _node(g: Graph, x) -> Node:
         return g.constant(x)
     if isinstance(x, sz.Lin):
         return g.size_value(x)
-    raise DefinitionError(f"expected a Tensor or a Python number, got {type(x).__name__}")
+    if isinstance(x, np.generic):  # a numpy scalar keeps its dtype (numpy's rules)
+        return g.constant(x.item(), to_dtype(x.dtype))
+    if isinstance(x, (list, tuple, str)) or x is None:
+        raise DefinitionError(f"expected a Tensor, a Python number or an array, got {type(x).__name__}")
+    # an array the program closes over (numpy, or a framework's): a constant of the program
+    return g.tensor_constant(interop.host_array(x, "an operand"))
 
 
 def _wrap(g: Graph, n: Node) -> Tensor:
@@ -243,6 +250,54 @@ def reverse(x: Tensor, dims: Sequence[int]) -> Tensor:
 
 
 flip = reverse
+
+
+def split(x: Tensor, num_or_sizes: int | Sequence, dim: int = 0) -> list[Tensor]:
+    """x cut along dim into num_or_sizes equal pieces (an int, as Tripy's
+    split: it must divide the size; a symbolic size is checked at each
+    call) or into pieces of the listed sizes (which must add up to it)."""
+    g = _graph(x)
+    dim = dim % _pymax(x.ndim, 1)
+    n = x.shape[dim]
+    if isinstance(num_or_sizes, int):
+        k = num_or_sizes
+        if k < 1:
+            raise DefinitionError(f"split: {k} pieces; expected a positive number")
+        if sz.is_static(n) and int(n) % k:
+            raise DefinitionError(f"split: dimension {dim} of size {n} does not divide into {k} equal pieces")
+        sizes = [n // k] * k
+    else:
+        sizes = list(num_or_sizes)
+    total = 0
+    for s in sizes:
+        total = total + s
+    g.unify(n, total, f"split: the pieces' sizes {sizes} against dimension {dim} of size {n}")
+    return _pieces(x, sizes, dim)
+
+
+def chunk(x: Tensor, chunks: int, dim: int = 0) -> list[Tensor]:
+    """torch.chunk: pieces of ceil(size / chunks) along dim, the last one
+    smaller, and fewer than chunks pieces where they run out."""
+    dim = dim % _pymax(x.ndim, 1)
+    n = x.shape[dim]
+    if chunks < 1:
+        raise DefinitionError(f"chunk: {chunks} chunks; expected a positive number")
+    if not sz.is_static(n):
+        raise DefinitionError(f"chunk: dimension {dim} has symbolic size {n}, so the number of pieces is not "
+                              "known; use split with a number of pieces that divides it")
+    step = -(-int(n) // chunks)
+    sizes = [_b.min(step, int(n) - a) for a in range(0, int(n), step)] if n else [0]
+    return _pieces(x, sizes, dim)
+
+
+def _pieces(x: Tensor, sizes: Sequence, dim: int) -> list[Tensor]:
+    out, at = [], 0
+    for s in sizes:
+        start, end = [0] * x.ndim, list(x.shape)
+        start[dim], end[dim] = at, at + s
+        out.append(slice(x, start, end))
+        at = at + s
+    return out
 
 
 def squeeze(x: Tensor, dims: Sequence[int]) -> Tensor:

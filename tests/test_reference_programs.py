@@ -6,10 +6,323 @@ On the CPU they run as written; the ``gpu`` variants pass CUDA tensors or
 JAX GPU arrays and name no target: the code must run where the data is.
 Each is compared with the framework's own result, with zero fallbacks.
 """
+import math
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
 import polyjit
+from polyjit import DataType, FusionDefinition, InputInfo, ops
+from polyjit.errors import DefinitionError, InputError
+
+F32 = np.float32
+
+
+# =============================================================================
+# FusionDefinition (nvFuser's Python frontend) and polyjit.compile (Tripy's
+# programming model): the core API. Helpers here are local to this section.
+# =============================================================================
+def _nvfuser_first_example() -> FusionDefinition:
+    """nvFuser's first example, as its README writes it."""
+    with FusionDefinition() as fd:
+        t0 = fd.define_tensor(shape=[-1, 1, -1], contiguity=[True, None, True], dtype=DataType.Float)
+        t1 = fd.define_tensor(shape=[-1, -1, -1], contiguity=[True, True, True], dtype=DataType.Float)
+        c0 = fd.define_scalar(3.0)
+        t2 = fd.ops.add(t0, t1)
+        t3 = fd.ops.mul(t2, c0)
+        t4 = fd.ops.sum(t3, [-1], False, DataType.Float)
+        fd.add_output(t4)
+    return fd
+
+
+def _first_example_reference(a, b):
+    return ((np.asarray(a, np.float64) + np.asarray(b, np.float64)) * 3.0).sum(-1)
+
+
+def test_nvfuser_first_example_numpy(rng):
+    fd = _nvfuser_first_example()
+    input1, input2 = rng.random((2, 1, 8), dtype=F32), rng.random((2, 4, 8), dtype=F32)
+    nvf_out = fd.execute([input1, input2])[0]
+    assert isinstance(nvf_out, np.ndarray) and nvf_out.dtype == F32  # the scalar takes the tensor's type
+    np.testing.assert_allclose(nvf_out, _first_example_reference(input1, input2), rtol=1e-5)
+    assert fd.stats["fallbacks"] == 0 and fd.stats["kernels"] == 1
+
+
+def test_nvfuser_first_example_torch_cpu():
+    torch = pytest.importorskip("torch")
+    fd = _nvfuser_first_example()
+    input1, input2 = torch.rand(2, 1, 8), torch.rand(2, 4, 8)
+    nvf_out = fd.execute([input1, input2])[0]
+    assert isinstance(nvf_out, torch.Tensor) and nvf_out.device.type == "cpu" and nvf_out.dtype == torch.float32
+    want = ((input1.double() + input2.double()) * 3.0).sum(-1)
+    torch.testing.assert_close(nvf_out.double(), want, rtol=1e-5, atol=0)
+    x = torch.rand(3, 5, 8).transpose(0, 1)  # a strided tensor: no copy, a strided variant
+    out = fd.execute([torch.rand(5, 1, 8), x])[0]
+    assert out.shape == (5, 3) and fd.stats["fallbacks"] == 0
+
+
+@pytest.mark.gpu
+def test_nvfuser_first_example_cuda_no_target():
+    torch = pytest.importorskip("torch")
+    fd = _nvfuser_first_example()
+    input1 = torch.rand(2, 1, 8, device="cuda")
+    input2 = torch.rand(2, 4, 8, device="cuda")
+    nvf_out = fd.execute([input1, input2])[0]
+    assert isinstance(nvf_out, torch.Tensor) and nvf_out.is_cuda
+    torch.testing.assert_close(nvf_out, (input1 + input2).mul(3.0).sum(-1), rtol=1e-5, atol=1e-5)
+    assert fd.stats["fallbacks"] == 0 and fd.stats["kernels"] == 1
+
+
+def test_nvfuser_first_example_jax_and_dlpack(rng):
+    jax = pytest.importorskip("jax")
+    fd = _nvfuser_first_example()
+    a, b = rng.random((2, 1, 8), dtype=F32), rng.random((2, 4, 8), dtype=F32)
+    out = fd.execute([jax.numpy.asarray(a), jax.numpy.asarray(b)])[0]
+    assert isinstance(out, jax.Array)
+    np.testing.assert_allclose(np.asarray(out), _first_example_reference(a, b), rtol=1e-5)
+
+    class Producer:  # any array with __dlpack__ (here on the host)
+        def __init__(self, x):
+            self.x = x
+
+        def __dlpack__(self, **kw):
+            return self.x.__dlpack__(**kw)
+
+        def __dlpack_device__(self):
+            return self.x.__dlpack_device__()
+    out = fd.execute([Producer(a), Producer(b)])[0]
+    np.testing.assert_allclose(out, _first_example_reference(a, b), rtol=1e-5)
+    with pytest.raises(InputError, match="input 1 is a str"):
+        fd.execute([a, "b"])
+
+
+def test_fusion_definition_id_and_registry(rng):
+    """nvFuser's second example: fd.id(), then FusionDefinition(fid).execute
+    with no definition; equal definitions share one id and one program."""
+    fd = _nvfuser_first_example()
+    fid = fd.id()
+    a, b = rng.random((3, 1, 5), dtype=F32), rng.random((3, 2, 5), dtype=F32)
+    fd.execute([a, b])
+    program = fd.executable().last
+    again = FusionDefinition(fid)
+    np.testing.assert_allclose(again.execute([a, b])[0], _first_example_reference(a, b), rtol=1e-5)
+    assert again.executable().last is program  # one compiled program, not compiled again
+    assert _nvfuser_first_example().id() == fid
+    with FusionDefinition() as other:  # a different definition: another id
+        t = other.define_tensor(shape=[-1], dtype=DataType.Float)
+        other.add_output(other.ops.exp(t))
+    assert other.id() != fid
+    with pytest.raises(DefinitionError, match="registered definition"):
+        again.define_tensor(shape=[-1])
+
+
+def test_fusion_definition_unknown_id():
+    with pytest.raises(DefinitionError, match="12345"):
+        FusionDefinition(12345)
+    with pytest.raises(DefinitionError, match="first argument"):
+        FusionDefinition("12345")
+    assert FusionDefinition({"num_threads": 1}).options.num_threads == 1  # options, as before
+
+
+def _several_ops() -> tuple[FusionDefinition, np.ndarray, np.ndarray]:
+    k = np.linspace(-1.5, 2.0, 24, dtype=F32).reshape(4, 6)
+    big = np.arange(300, dtype=F32) / 7.0  # larger than a literal: printed as base64
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[-1, 4, 6], dtype=DataType.Float)
+        n = fd.define_scalar(dtype=DataType.Float)
+        c = fd.define_constant(k)
+        y = fd.ops.mul(fd.ops.add(x, fd.ops.broadcast_in_dim(c, shape=x.shape, broadcast_dims=[1, 2])), n)
+        r = fd.ops.reshape(y, new_shape=[x.shape[0], 24])
+        s = fd.ops.slice(r, start_indices=[0, 2], end_indices=[x.shape[0], 20], strides=[1, 3])
+        m = fd.ops.max(fd.ops.tanh(s), [1], True)
+        e = fd.ops.sum(fd.ops.exp(fd.ops.sub(s, m)), [1], False)
+        fd.add_output(e)
+        fd.add_output(fd.ops.add(fd.ops.reshape(fd.define_constant(big), new_shape=[-1, 6])[0:2], 1.0))
+        fd.add_output(fd.ops.where(fd.ops.gt(s, 0.5), s, float("-inf")))
+    return fd, k, big
+
+
+def test_print_round_trip(rng):
+    fd, k, big = _several_ops()
+    text = fd.to_python()
+    assert "T0_" not in text and "np.array([[-1.5" in text and "base64.b64decode" in text
+    ns: dict = {}
+    exec(text, ns)  # as a user would run it: the script imports polyjit itself
+    fd2 = ns["fd"]
+    assert fd2.canonical() == fd.canonical() and fd2.id() == fd.id()
+    x, n = rng.standard_normal((3, 4, 6), dtype=F32), 1.7
+    got, again = fd.execute([x, n]), fd2.execute([x, n])
+    for g, h in zip(got, again):
+        np.testing.assert_array_equal(g, h)
+    s = ((x.astype(np.float64) + k) * n).reshape(3, 24)[:, 2:20:3]
+    m = np.tanh(s).max(1, keepdims=True)
+    np.testing.assert_allclose(got[0], np.exp(s - m).sum(1), rtol=1e-5)
+    np.testing.assert_allclose(got[1], big.reshape(-1, 6)[0:2] + 1.0, rtol=1e-6)
+    np.testing.assert_allclose(got[2], np.where(s > 0.5, s, -np.inf), rtol=1e-6)
+    assert fd.stats["fallbacks"] == 0
+
+
+def _run_reproducer(script, inputs, tmp_path) -> list:
+    """Run a dumped script in a fresh interpreter on these inputs; its results."""
+    np.savez(tmp_path / "inputs.npz", *inputs)
+    code = ("import runpy, sys, numpy as np\n"
+            "ns = runpy.run_path(sys.argv[1])\n"
+            "d = np.load(sys.argv[2])\n"
+            "outs = ns['fd'].execute([d[k] for k in d.files])\n"
+            "np.savez(sys.argv[3], *[np.asarray(o) for o in outs])\n")
+    subprocess.run([sys.executable, "-c", code, str(script), str(tmp_path / "inputs.npz"),
+                    str(tmp_path / "outputs.npz")], check=True, cwd=tmp_path, timeout=300,
+                   env={**os.environ, "POLYJIT_DUMP": ""})
+    d = np.load(tmp_path / "outputs.npz")
+    return [d[k] for k in d.files]
+
+
+def test_print_round_trip_of_a_traced_graph(rng):
+    """Sizes shared between dimensions (one input's, two inputs') and sizes
+    derived from them (a strided convolution's output) print as names and
+    expressions, and the script rebuilds the same structure."""
+    from polyjit import printing
+
+    def fn(img, w):
+        y = ops.conv2d(img, w, stride=2, padding=1)
+        return ops.pad(ops.relu(y), [1, 0, 0, 1]) + ops.sum(img, [2], keepdim=True)[:, :2, :, 0:1]
+    exe = polyjit.compile(fn, [InputInfo(["n", 3, "h", "h"], F32), InputInfo([2, 3, 3, 3], F32)])
+    text = printing.python_definition(exe.graph)
+    assert "shape=[-1, 3, 's0', 's0']" in text and "// 2" in text
+    ns: dict = {}
+    exec(text, ns)
+    assert ns["fd"].canonical() == printing.canonical(exe.graph)
+    img, w = rng.standard_normal((2, 3, 9, 9)).astype(F32), rng.standard_normal((2, 3, 3, 3)).astype(F32)
+    np.testing.assert_array_equal(ns["fd"].execute([img, w])[0], exe(img, w))
+
+
+def test_dump_python_definition_torch(tmp_path, monkeypatch, rng, caplog):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setenv("POLYJIT_DUMP", "python_definition")
+    dump = tmp_path / "dump"
+
+    def fn(x, y):
+        return torch.softmax(torch.cos(x) @ y, -1) * 2 + x.sum()
+    f = polyjit.jit_torch(fn, compile_options={"dump_dir": str(dump)}, dynamic=True)
+    x, y = rng.standard_normal((5, 7), dtype=F32), rng.standard_normal((7, 3), dtype=F32)
+    want = f(torch.from_numpy(x), torch.from_numpy(y))
+    torch.testing.assert_close(want, fn(torch.from_numpy(x), torch.from_numpy(y)), rtol=1e-5, atol=1e-5)
+    scripts = list(dump.glob("*.py"))
+    assert len(scripts) == 1, scripts
+    assert str(scripts[0]) in caplog.text  # where it is, on the polyjit.dump logger
+    assert "define_tensor(shape=[-1," in scripts[0].read_text()  # symbolic sizes
+    got = _run_reproducer(scripts[0], [x, y], tmp_path)
+    np.testing.assert_allclose(got[0], want.numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_dump_python_definition_jax(tmp_path, monkeypatch, rng):
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    monkeypatch.setenv("POLYJIT_DUMP", "python_definition")
+    dump = tmp_path / "dump"
+    small = rng.standard_normal(3).astype(F32)
+    big = rng.standard_normal((30, 3)).astype(F32)  # closed over: constants that must carry their values
+
+    def fn(x):
+        return jnp.tanh(x @ big + small) * jnp.float32(0.5)
+    f = polyjit.jit_jax(fn, compile_options={"dump_dir": str(dump)})
+    x = rng.standard_normal((4, 30)).astype(F32)
+    want = np.asarray(f(x))
+    np.testing.assert_allclose(want, np.asarray(fn(x)), rtol=1e-5, atol=1e-6)
+    scripts = list(dump.glob("*.py"))
+    assert len(scripts) == 1, scripts
+    assert "base64.b64decode" in scripts[0].read_text() and "np.array([" in scripts[0].read_text()
+    got = _run_reproducer(scripts[0], [x], tmp_path)
+    np.testing.assert_allclose(got[0], want, rtol=1e-6, atol=1e-7)
+
+
+class GEGLU:
+    """Tripy's GEGLU, in polyjit's terms: the weights are numpy arrays the
+    layer holds, constants of the compiled program."""
+
+    def __init__(self, dim_in, dim_out):
+        self.proj_w = np.random.randn(dim_out * 2, dim_in).astype(np.float32)
+        self.proj_b = np.random.randn(dim_out * 2).astype(np.float32)
+        self.dim_out = dim_out
+
+    def __call__(self, x):
+        proj = polyjit.ops.linear(x, self.proj_w, self.proj_b)
+        x, gate = polyjit.ops.split(proj, 2, proj.ndim - 1)
+        return x * polyjit.ops.gelu(gate)
+
+
+def _geglu_reference(layer, x):
+    proj = x.astype(np.float64) @ layer.proj_w.T.astype(np.float64) + layer.proj_b
+    a, gate = proj[:, :layer.dim_out], proj[:, layer.dim_out:]
+    return a * 0.5 * gate * (1 + np.vectorize(math.erf)(gate / math.sqrt(2)))
+
+
+def test_tripy_geglu_symbolic_batch(rng):
+    layer = GEGLU(2, 8)
+    exe = polyjit.compile(layer, args=[polyjit.InputInfo([-1, 2], np.float32)])
+    assert exe.name == "GEGLU"
+    for batch in (3, 41):
+        x = rng.standard_normal((batch, 2)).astype(F32)
+        out = exe(x)
+        assert out.shape == (batch, 8)
+        np.testing.assert_allclose(out, _geglu_reference(layer, x), rtol=1e-5, atol=1e-5)  # float32 rounding of proj
+        assert exe.stats["fallbacks"] == 0
+    assert len(exe._variants) == 1  # one program for both batch sizes
+    exe2 = polyjit.compile(layer, args=[polyjit.InputInfo([-1, 2], np.float32)], compile_options={"strict": True})
+    np.testing.assert_allclose(exe2(x), _geglu_reference(layer, x), rtol=1e-5, atol=1e-5)
+
+
+def test_traced_programs_close_over_arrays(rng):
+    torch = pytest.importorskip("torch")
+    w = rng.standard_normal((4, 4)).astype(F32)
+    v = rng.standard_normal(4).astype(F32)
+    p = torch.nn.Parameter(torch.from_numpy(rng.standard_normal(4).astype(F32)))  # needs grad: read as a value
+
+    def fn(x):
+        return (w @ x + x @ w) * v - ops.where(x > 0, v, x) + np.float32(2) * x + p
+    exe = polyjit.compile(fn, [InputInfo([4, 4], F32)])
+    x = rng.standard_normal((4, 4)).astype(F32)
+    x64, v64 = x.astype(np.float64), v.astype(np.float64)
+    want = (w @ x64 + x64 @ w) * v64 - np.where(x > 0, v64, x64) + 2 * x64 + p.detach().numpy()
+    out = exe(x)
+    assert out.dtype == F32
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(DefinitionError, match="got list"):
+        polyjit.compile(lambda x: x + [1.0], [InputInfo([4], F32)])
+
+
+def test_split_and_chunk(rng):
+    x = rng.standard_normal((3, 10)).astype(F32)
+    exe = polyjit.compile(lambda t: ops.split(t, [2, 5, 3], 1) + ops.chunk(t, 4, 1) + ops.split(t, 2, -1),
+                          [InputInfo([3, 10], F32)])
+    got = exe(x)
+    want = [x[:, :2], x[:, 2:7], x[:, 7:]] + [x[:, 0:3], x[:, 3:6], x[:, 6:9], x[:, 9:]] + [x[:, :5], x[:, 5:]]
+    assert [g.shape for g in got] == [w.shape for w in want]
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    for n, chunks, sizes in [(5, 4, [2, 2, 1]), (6, 4, [2, 2, 2]), (2, 5, [1, 1]), (7, 1, [7])]:  # torch.chunk's
+        exe = polyjit.compile(lambda t: ops.chunk(t, chunks, 0), [InputInfo([n], F32)])
+        y = rng.standard_normal(n).astype(F32)
+        got = exe(y)
+        assert [g.shape[0] for g in got] == sizes
+        np.testing.assert_array_equal(np.concatenate(got), y)
+    sym = polyjit.compile(lambda t: ops.split(t, 2, 0), [InputInfo([-1, 3], F32)])
+    y = rng.standard_normal((6, 3)).astype(F32)
+    a, b = sym(y)
+    np.testing.assert_array_equal(a, y[:3]) and np.testing.assert_array_equal(b, y[3:])
+    with pytest.raises(InputError, match="must be equal"):
+        sym(rng.standard_normal((5, 3)).astype(F32))
+    with pytest.raises(DefinitionError, match="does not divide"):
+        polyjit.compile(lambda t: ops.split(t, 3, 1), [InputInfo([3, 10], F32)])
+    with pytest.raises(DefinitionError, match="do not match"):
+        polyjit.compile(lambda t: ops.split(t, [4, 4], 1), [InputInfo([3, 10], F32)])
+    with pytest.raises(DefinitionError, match="symbolic"):
+        polyjit.compile(lambda t: ops.chunk(t, 2, 0), [InputInfo([-1], F32)])
+
+
 
 GPU = pytest.mark.gpu
 
