@@ -223,7 +223,7 @@ def _squeeze(cx, x, dims=None):
     if dims is None:
         dims = [d for d, s in enumerate(x.shape) if s == 1]
     dims = [dims] if isinstance(dims, int) else dims
-    return ops.squeeze(x, [d for d in dims if x.shape[d] == 1])
+    return ops.squeeze(x, [d for d in dims if x.ndim and x.shape[d] == 1])
 
 
 @_reg(aten.slice.Tensor)

@@ -246,7 +246,7 @@ flip = reverse
 
 
 def squeeze(x: Tensor, dims: Sequence[int]) -> Tensor:
-    dims = {d % x.ndim for d in dims}
+    dims = {d % x.ndim for d in dims} if x.ndim else set()
     return reshape(x, [s for d, s in enumerate(x.shape) if d not in dims])
 
 
@@ -358,7 +358,7 @@ def _count(x: Tensor, dims):
     """How many elements of x the reduction over dims takes: a number, or an
     int64 scalar tensor when a size is symbolic (a product of sizes is not
     affine, but as a value it is only a product)."""
-    dims = range(x.ndim) if dims is None else [dims] if isinstance(dims, int) else dims
+    dims = range(x.ndim) if dims is None or x.ndim == 0 else [dims] if isinstance(dims, int) else dims
     g = _graph(x)
     n, symbolic = 1, None
     for d in dims:
@@ -739,6 +739,8 @@ def sort(x: Tensor, axis: int = -1, descending: bool = False) -> tuple[Tensor, T
     element's rank counts the elements that come before it (all pairs of a
     row compared: n^2 work, meant for rows up to a few thousand long), and
     one scatter per result puts each element at its rank."""
+    if x.ndim == 0:  # one element, in its place
+        return x, zeros_like(cast(x, DataType.Int))
     axis = axis % x.ndim
     n = x.shape[axis]
     key = cast(x, DataType.Int32) if x.dtype == DataType.Bool else x
@@ -760,6 +762,8 @@ def sort(x: Tensor, axis: int = -1, descending: bool = False) -> tuple[Tensor, T
 
 def topk(x: Tensor, k: int, axis: int = -1, largest: bool = True) -> tuple[Tensor, Tensor]:
     """The k largest (or smallest) values along axis, in order, and their positions."""
+    if x.ndim == 0:
+        return sort(x)
     axis = axis % x.ndim
     values, positions = sort(x, axis, largest)
     end = list(x.shape)

@@ -74,7 +74,7 @@ def check_module(mod, *inputs, backward=True, rtol=1e-5, atol=1e-5):
 
 
 def r(*shape, grad=False):
-    return torch.randn(*shape, requires_grad=grad)
+    return torch.randn(shape, requires_grad=grad)
 
 
 def test_cos_sin():
@@ -471,3 +471,26 @@ def test_torch_compile_finds_backend_without_import():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "ok" in out.stdout
+
+
+ZERO_DIM_DIFFERENTIABLE = [torch.sum, torch.mean, torch.amax, torch.amin, torch.prod, torch.logsumexp, torch.cumsum,
+                           torch.cumprod, torch.softmax, torch.log_softmax, torch.nansum,
+                           lambda x, d: torch.var(x, d, correction=0), lambda x, d: torch.max(x, d).values,
+                           lambda x, d: torch.min(x, d).values, lambda x, d: torch.sort(x, d).values,
+                           lambda x, d: torch.flip(x, [d]), lambda x, d: torch.mean(x, d, keepdim=True)]
+ZERO_DIM_OTHER = [torch.argmax, torch.argmin, lambda x, d: torch.any(x > 0, d), lambda x, d: torch.all(x > 0, d),
+                  lambda x, d: torch.max(x, d).indices, lambda x, d: torch.sort(x, d).indices,
+                  lambda x, d: torch.cumsum(x > 0, d), lambda x, d: torch.sum(x > 0, d),
+                  lambda x, d: torch.std(x, d), lambda x, d: torch.var(x, d)]
+
+
+@pytest.mark.filterwarnings("ignore:.*degrees of freedom")
+@pytest.mark.parametrize("dim", [0, -1])
+def test_zero_dim_tensors_reduce_scan_and_index_like_eager(dim):
+    """torch takes dim 0 and -1 of a 0-d tensor as its one element: every
+    reduction and scan over it, forward and backward, and indexing into it
+    (the compiler raised IndexError)."""
+    check(lambda x: torch.stack([f(x, dim).reshape(()) for f in ZERO_DIM_DIFFERENTIABLE]), r(grad=True), backward=True)
+    check(lambda x: tuple(f(x, dim) for f in ZERO_DIM_OTHER), r())
+    check(lambda x, i: (torch.index_select(x, dim, i), torch.gather(x, dim, i.reshape(())), x.scatter_add(dim, i[0], x),
+                        x.index_add(dim, i, x * 2)), r(grad=True), torch.zeros(1, dtype=torch.int64))
