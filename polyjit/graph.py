@@ -494,7 +494,7 @@ class Graph:
             if sz.static_product(index.shape) != 1:
                 raise DefinitionError(f"gather: a 0-d tensor takes one index, got shape {list(index.shape)}")
             one = self.gather(self.reshape(x, [1]), self.reshape(index, [1]), 0, along)
-            return self.reshape(one, ())
+            return self.reshape(one, index.shape if along else ())
         if along:
             if index.rank != x.rank:
                 raise DefinitionError(f"gather: index has rank {index.rank}, expected {x.rank}")
