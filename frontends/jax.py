@@ -202,11 +202,18 @@ def _tile(g, ins, p):
 
 
 def _pad(g, ins, p):
-    x, value = ins[0], static_value(ins[1])
+    """lax.pad: interior padding (the adjoint of a strided access, as in a
+    strided pooling's gradient) dilates first; negative edges cut."""
+    x, value = ins[0], static_value(ins[1]).item()
     config = p["padding_config"]
     if any(interior for _, _, interior in config):
-        raise UnsupportedOpError("pad with interior padding")
-    y = g.pad(x, [max(lo, 0) for lo, _, _ in config], [max(hi, 0) for _, hi, _ in config], value.item())
+        t = ops.Tensor(g, x)
+        factors = [interior + 1 for _, _, interior in config]
+        spread = ops.dilate(t, factors)
+        if value != 0:  # dilate fills with zeros: the cells it adds take the value
+            spread = ops.where(ops.dilate(ops.full_like(t, True, DataType.Bool), factors), spread, value)
+        x = spread.node
+    y = g.pad(x, [max(lo, 0) for lo, _, _ in config], [max(hi, 0) for _, hi, _ in config], value)
     if any(lo < 0 or hi < 0 for lo, hi, _ in config):
         start = [max(-lo, 0) for lo, _, _ in config]
         end = [n - max(-hi, 0) for n, (_, hi, _) in zip(y.shape, config)]

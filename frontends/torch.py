@@ -67,6 +67,7 @@ DECOMPOSITIONS = {
     ]),
 }
 for _keep in (aten.max_pool2d_with_indices.default, aten.max_pool2d_with_indices_backward.default,
+              aten.max_pool3d_with_indices.default, aten.max_pool3d_with_indices_backward.default,
               aten.split.Tensor, aten.split_with_sizes.default):
     DECOMPOSITIONS.pop(_keep, None)
 
@@ -96,7 +97,8 @@ for _name, _op in [("add", ops.add), ("sub", ops.sub), ("mul", ops.mul), ("div",
                    ("lt", ops.lt), ("le", ops.le), ("gt", ops.gt), ("ge", ops.ge),
                    ("logical_and", ops.logical_and), ("logical_or", ops.logical_or),
                    ("logical_xor", ops.logical_xor), ("atan2", ops.atan2), ("remainder", ops.remainder),
-                   ("fmod", ops.fmod)]:
+                   ("fmod", ops.fmod), ("copysign", ops.copysign), ("hypot", ops.hypot),
+                   ("logaddexp2", ops.logaddexp2)]:
     _packet = getattr(aten, _name)
     for _ov in ("Tensor", "Scalar", "default"):
         if hasattr(_packet, _ov):
@@ -108,7 +110,11 @@ for _name, _op in [("neg", ops.neg), ("abs", ops.abs), ("exp", ops.exp), ("log",
                    ("erf", ops.erf), ("sigmoid", ops.sigmoid), ("floor", ops.floor), ("ceil", ops.ceil),
                    ("round", ops.round), ("sign", ops.sign), ("reciprocal", ops.reciprocal),
                    ("relu", ops.relu), ("logical_not", ops.logical_not), ("isnan", ops.isnan),
-                   ("isinf", ops.isinf), ("lgamma", ops.lgamma), ("digamma", ops.digamma)]:
+                   ("isinf", ops.isinf), ("lgamma", ops.lgamma), ("digamma", ops.digamma),
+                   ("exp2", ops.exp2), ("log2", ops.log2), ("log10", ops.log10), ("trunc", ops.trunc),
+                   ("signbit", ops.signbit), ("erfinv", ops.erf_inv), ("asin", ops.asin), ("acos", ops.acos),
+                   ("atan", ops.atan), ("sinh", ops.sinh), ("cosh", ops.cosh), ("asinh", ops.asinh),
+                   ("acosh", ops.acosh), ("atanh", ops.atanh)]:
     ATEN[getattr(aten, _name).default] = (lambda op: lambda cx, a: op(a))(_op)
 
 
@@ -165,6 +171,13 @@ def _pow(cx, a, b):
     if isinstance(b, (int, float)) and b == 0.5:
         return ops.sqrt(a)
     return ops.pow(a, b)
+
+
+@_reg(aten.round.decimals)
+def _round_decimals(cx, x, decimals=0):
+    """torch's rounding to decimals: scaled, rounded half to even, scaled back."""
+    scale = 10.0 ** abs(decimals)
+    return ops.round(x * scale) / scale if decimals >= 0 else ops.round(x / scale) * scale
 
 
 @_reg(aten.clamp.default, aten.clamp.Tensor)
@@ -224,7 +237,7 @@ def _squeeze(cx, x, dims=None):
     if dims is None:
         dims = [d for d, s in enumerate(x.shape) if s == 1]
     dims = [dims] if isinstance(dims, int) else dims
-    return ops.squeeze(x, [d for d in dims if x.shape[d] == 1])
+    return ops.squeeze(x, [d for d in dims if x.ndim and x.shape[d] == 1])
 
 
 @_reg(aten.slice.Tensor)
@@ -287,7 +300,8 @@ def _pad(cx, x, pad, value=0):
 
 # reductions
 def _dims(x, dims):
-    if dims is None or dims == []:
+    """A reduction's dims: none given (None, [] or ()) means all of them, as in torch."""
+    if dims is None or isinstance(dims, (list, tuple)) and not dims:
         return None
     return [dims] if isinstance(dims, int) else list(dims)
 
@@ -308,7 +322,9 @@ def _mean(cx, x, dims=None, keepdim=False, dtype=None):
 
 ATEN[aten.amax.default] = lambda cx, x, dims=(), keepdim=False: ops.max(x, _dims(x, dims), keepdim)
 ATEN[aten.amin.default] = lambda cx, x, dims=(), keepdim=False: ops.min(x, _dims(x, dims), keepdim)
-ATEN[aten.prod.dim_int] = lambda cx, x, dim, keepdim=False, dtype=None: ops.prod(x, [dim], keepdim)
+ATEN[aten.prod.dim_int] = lambda cx, x, dim, keepdim=False, dtype=None: ops.prod(
+    x, [dim], keepdim, cx.dtype(dtype) if dtype is not None else None)
+ATEN[aten.prod.default] = lambda cx, x, dtype=None: ops.prod(x, None, False, cx.dtype(dtype) if dtype is not None else None)
 ATEN[aten.argmax.default] = lambda cx, x, dim=None, keepdim=False: ops.argmax(
     x if dim is not None else ops.reshape(x, [-1]), dim if dim is not None else 0, keepdim)
 ATEN[aten.argmin.default] = lambda cx, x, dim=None, keepdim=False: ops.argmin(
@@ -406,57 +422,91 @@ def _convolution_backward(cx, grad, x, w, bias_sizes, stride, padding, dilation,
 
 
 # pooling
-def _window_args(kernel, stride, padding, dilation, ceil_mode):
+def _window_args(x, nsp: int, kernel, stride, padding, dilation, ceil_mode):
+    """Kernel, strides, (low, high) padding and dilation of an nsp-d pooling
+    over x's trailing dims. With ceil_mode, a last window that starts inside
+    the image or its low padding pads the high side further."""
+    full = lambda v, fill: [fill] * nsp if not v else list(v) * nsp if len(v) == 1 else list(v)  # noqa: E731
+    k = full(kernel, 1)
+    s, d = full(stride, 1) if stride else k, full(dilation, 1)
+    pads = [(p, p) for p in full(padding, 0)]
     if ceil_mode:
-        raise UnsupportedOpError("max_pool2d with ceil_mode=True")
-    pair = lambda v: list(v) * 2 if len(v) == 1 else list(v)  # noqa: E731
-    k = pair(kernel)
-    s = pair(stride) if stride else k
-    p = pair(padding) if padding else [0, 0]
-    d = pair(dilation) if dilation else [1, 1]
-    return k, s, p, d
+        spatial = list(x.shape[-nsp:])
+        if not all(isinstance(n, int) for n in spatial):
+            raise UnsupportedOpError("pooling with ceil_mode=True over symbolic sizes")
+        for i, (n, kk, ss, (p, _), dd) in enumerate(zip(spatial, k, s, pads, d)):
+            reach = n + 2 * p - dd * (kk - 1) - 1
+            out = -(-reach // ss) + 1
+            out -= (out - 1) * ss >= n + p  # torch's rule: no window starts in the high padding
+            pads[i] = (p, p + max(0, (out - 1) * ss - reach))
+    return k, s, pads, d
 
 
-@_reg(aten.max_pool2d_with_indices.default)
-def _max_pool(cx, x, kernel, stride=(), padding=(0,), dilation=(1,), ceil_mode=False):
-    k, s, p, d = _window_args(kernel, stride, padding, dilation, ceil_mode)
-    return ops.max_pool_with_positions(x, k, s, p, d)
+def _max_pool(nsp: int):
+    def rule(cx, x, kernel, stride=(), padding=(0,), dilation=(1,), ceil_mode=False):
+        k, s, p, d = _window_args(x, nsp, kernel, stride, padding, dilation, ceil_mode)
+        return ops.max_pool_with_positions(x, k, s, p, d)
+    return rule
 
 
-@_reg(aten.max_pool2d_with_indices_backward.default)
-def _max_pool_backward(cx, grad, x, kernel, stride, padding, dilation, ceil_mode, indices):
-    k, s, p, d = _window_args(kernel, stride, padding, dilation, ceil_mode)
-    return ops.max_pool_grad(grad, indices, list(x.shape), k, s, p, d)
+def _max_pool_backward(nsp: int):
+    def rule(cx, grad, x, kernel, stride, padding, dilation, ceil_mode, indices):
+        k, s, p, d = _window_args(x, nsp, kernel, stride, padding, dilation, ceil_mode)
+        return ops.max_pool_grad(grad, indices, list(x.shape), k, s, p, d)
+    return rule
 
 
-def _avg_divisor(x, k, s, p, count_include_pad, divisor_override):
+def _avg_divisor(x, k, s, pads, count_include_pad, divisor_override):
     """What average pooling divides each window's sum by: a number, or per
-    window the cells inside the image (count_include_pad=False with padding)."""
+    window the cells inside the image and, with count_include_pad, its
+    declared padding (never the cells ceil_mode adds past it)."""
     if divisor_override:
         return float(divisor_override)
-    if count_include_pad or not any(p):
-        return float(k[0] * k[1])
-    return _window_sum(ops.full_like(x, 1.0), k, s, p)
+    declared, extra = [a for a, _ in pads], [b - a for a, b in pads]
+    if not any(extra) and (count_include_pad or not any(declared)):
+        return float(math.prod(k))
+    ones = ops.full_like(x, 1.0)
+    if count_include_pad:
+        ones = ops.pad(ones, [w for a in reversed(declared) for w in (a, a)], 1.0)
+        return _window_sum(ones, k, s, [(0, e) for e in extra])
+    return _window_sum(ones, k, s, pads)
 
 
-def _window_sum(x, k, s, p):
-    lead = [1] * (x.ndim - 2)
-    return ops.reduce_window("sum", x, lead + k, lead + s, [(0, 0)] * (x.ndim - 2) + [(p[0], p[0]), (p[1], p[1])])
+def _window_sum(x, k, s, pads):
+    lead = x.ndim - len(k)
+    return ops.reduce_window("sum", x, [1] * lead + k, [1] * lead + s, [(0, 0)] * lead + list(pads))
 
 
-@_reg(aten.avg_pool2d.default)
-def _avg_pool(cx, x, kernel, stride=(), padding=(0,), ceil_mode=False, count_include_pad=True,
-              divisor_override=None):
-    k, s, p, _ = _window_args(kernel, stride, padding, (1,), ceil_mode)
-    return _window_sum(x, k, s, p) / _avg_divisor(x, k, s, p, count_include_pad, divisor_override)
+def _avg_pool(nsp: int):
+    def rule(cx, x, kernel, stride=(), padding=(0,), ceil_mode=False, count_include_pad=True, divisor_override=None):
+        k, s, p, _ = _window_args(x, nsp, kernel, stride, padding, (1,), ceil_mode)
+        return _window_sum(x, k, s, p) / _avg_divisor(x, k, s, p, count_include_pad, divisor_override)
+    return rule
 
 
-@_reg(aten.avg_pool2d_backward.default)
-def _avg_pool_backward(cx, grad, x, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override=None):
-    """Each window's gradient, divided as the forward divided, to every cell of the window."""
-    k, s, p, _ = _window_args(kernel, stride, padding, (1,), ceil_mode)
-    g = grad / _avg_divisor(x, k, s, p, count_include_pad, divisor_override)
-    return ops.window_adjoint(lambda offset: g, list(x.shape), k, s, p)
+def _avg_pool_backward(nsp: int):
+    def rule(cx, grad, x, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override=None):
+        """Each window's gradient, divided as the forward divided, to every cell of the window."""
+        k, s, p, _ = _window_args(x, nsp, kernel, stride, padding, (1,), ceil_mode)
+        g = grad / _avg_divisor(x, k, s, p, count_include_pad, divisor_override)
+        return ops.window_adjoint(lambda offset: g, list(x.shape), k, s, p)
+    return rule
+
+
+for _n, _ops in ((2, (aten.max_pool2d_with_indices, aten.max_pool2d_with_indices_backward, aten.avg_pool2d,
+                      aten.avg_pool2d_backward)),
+                 (3, (aten.max_pool3d_with_indices, aten.max_pool3d_with_indices_backward, aten.avg_pool3d,
+                      aten.avg_pool3d_backward))):
+    for _packet, _rule in zip(_ops, (_max_pool, _max_pool_backward, _avg_pool, _avg_pool_backward)):
+        ATEN[_packet.default] = _rule(_n)
+for _packet in (aten._adaptive_avg_pool2d, aten._adaptive_avg_pool3d):
+    ATEN[_packet.default] = lambda cx, x, size: ops.adaptive_avg_pool(x, cx.sizes(size))
+for _packet in (aten._adaptive_avg_pool2d_backward, aten._adaptive_avg_pool3d_backward):
+    ATEN[_packet.default] = lambda cx, grad, x: ops.adaptive_avg_pool_grad(grad, list(x.shape))
+for _packet in (aten.adaptive_max_pool2d, aten.adaptive_max_pool3d):
+    ATEN[_packet.default] = lambda cx, x, size: ops.adaptive_max_pool_with_positions(x, cx.sizes(size))
+for _packet, _n in ((aten.adaptive_max_pool2d_backward, 2), (aten.adaptive_max_pool3d_backward, 3)):
+    ATEN[_packet.default] = (lambda n: lambda cx, grad, x, indices: ops.positions_grad(grad, indices, list(x.shape), n))(_n)
 
 
 @_reg(aten.as_strided.default)
@@ -587,6 +637,8 @@ ATEN[aten.full_like.default] = lambda cx, x, value, dtype=None, **kw: _full(cx, 
 ATEN[aten.zeros_like.default] = lambda cx, x, dtype=None, **kw: _full(cx, x.shape, 0, dtype or _TORCH[x.dtype])
 ATEN[aten.ones_like.default] = lambda cx, x, dtype=None, **kw: _full(cx, x.shape, 1, dtype or _TORCH[x.dtype])
 ATEN[aten.empty_like.default] = ATEN[aten.zeros_like.default]
+ATEN[aten.empty.memory_format] = ATEN[aten.zeros.default]
+ATEN[aten.empty_permuted.default] = lambda cx, shape, perm, dtype=None, **kw: _full(cx, shape, 0, dtype or torch.float32)
 
 
 @_reg(aten.arange.start_step, aten.arange.default, aten.arange.start)

@@ -81,9 +81,12 @@ def _freeze(v: Any) -> Any:
 
 
 def _norm_axis(axis: int, rank: int, what: str = "axis") -> int:
-    if not -rank <= axis < max(rank, 1):
+    """axis in [0, rank); a 0-d tensor takes 0 and -1, as torch's scalars do
+    (the ops over an axis then treat it as its one element)."""
+    wrap = max(rank, 1)
+    if not -wrap <= axis < wrap:
         raise DefinitionError(f"{what} {axis} is out of range for a tensor of rank {rank}")
-    return axis % rank if rank else 0
+    return axis % wrap
 
 
 class Graph:
@@ -149,6 +152,8 @@ class Graph:
 
     def iota(self, shape: Sequence[Size], dim: int, dtype=DataType.Int) -> Node:
         dim = _norm_axis(dim, len(shape), "iota dimension")
+        if not shape:  # a 0-d tensor's one position
+            return self.constant(0, dtype)
         return Node("iota", (), {"dim": dim}, tuple(shape), to_dtype(dtype))
 
     def rand_uniform(self, shape: Sequence[Size], seed: Node, offset: int = 0,
@@ -344,6 +349,8 @@ class Graph:
 
     def reverse(self, x: Node, axes: Sequence[int]) -> Node:
         axes = tuple(sorted(_norm_axis(a, x.rank) for a in axes))
+        if x.rank == 0:
+            return x
         return Node("reverse", (x,), {"axes": axes}, x.shape, x.dtype)
 
     # ------------------------------------------------------------ reductions
@@ -351,7 +358,7 @@ class Graph:
         if op not in REDUCTIONS:
             raise DefinitionError(f"unknown reduction {op!r}")
         axes = tuple(range(x.rank)) if axes is None else \
-            tuple(sorted({_norm_axis(a, x.rank) for a in axes}))
+            tuple(sorted({_norm_axis(a, x.rank) for a in axes} if x.rank else ()))  # a 0-d tensor: nothing to combine
         dt = x.dtype
         if op in ("sum", "prod") and dt in (DataType.Bool, DataType.Int32):
             dt = DataType.Int
@@ -369,6 +376,8 @@ class Graph:
         if op not in ("argmax", "argmin"):
             raise DefinitionError(f"unknown arg-reduction {op!r}")
         axis = _norm_axis(axis, x.rank)
+        if x.rank == 0:  # the position of a 0-d tensor's one element
+            return self.iota((), 0)
         ext = self.reduce("max" if op == "argmax" else "min", x, [axis], keepdim=True)
         hit = self.binary("eq", x, ext)
         if x.dtype.is_float:
@@ -386,6 +395,8 @@ class Graph:
         dt = x.dtype
         if op in ("sum", "prod") and x.dtype in (DataType.Bool, DataType.Int32):
             dt = DataType.Int
+        if x.rank == 0:  # a 0-d tensor's one element
+            return self.cast(x, dt)
         return Node("cumulative", (self.cast(x, dt),), {"op": op, "axis": axis}, x.shape, dt)
 
     def cumsum(self, x: Node, axis: int) -> Node:
@@ -479,6 +490,11 @@ class Graph:
         if not index.dtype.is_int:
             raise DefinitionError(f"gather: indices must be integers, not {index.dtype}")
         axis = _norm_axis(axis, x.rank)
+        if x.rank == 0:  # torch's scalars: an index of one element picks the one element
+            if sz.static_product(index.shape) != 1:
+                raise DefinitionError(f"gather: a 0-d tensor takes one index, got shape {list(index.shape)}")
+            one = self.gather(self.reshape(x, [1]), self.reshape(index, [1]), 0, along)
+            return self.reshape(one, index.shape if along else ())
         if along:
             if index.rank != x.rank:
                 raise DefinitionError(f"gather: index has rank {index.rank}, expected {x.rank}")
@@ -496,6 +512,11 @@ class Graph:
             raise DefinitionError(f"scatter: unknown op {op!r}")
         shape = tuple(shape)
         axis = _norm_axis(axis, len(shape))
+        if not shape:  # into a 0-d tensor: as into its one element
+            if sz.static_product(index.shape) != 1:
+                raise DefinitionError(f"scatter: a 0-d tensor takes one index, got shape {list(index.shape)}")
+            one = self.scatter((1,), self.reshape(index, [1]), self.reshape(src, [1]), 0, along, op)
+            return self.reshape(one, ())
         if along:
             if not index.rank == src.rank == len(shape):
                 raise DefinitionError("scatter: index, src and the result must have one rank")

@@ -154,6 +154,7 @@ shift_left, shift_right_logical, shift_right_arithmetic = map(
     _binary, ("shift_left", "shift_right_logical", "shift_right_arithmetic"))
 bitwise_not = _unary("bitwise_not")
 erf_inv = _unary("erf_inv")
+erf_inv = _unary("erf_inv")
 fmod = _binary("fmod")  # C's remainder: the sign of the dividend (remainder's is the divisor's)
 floor_divide = _binary("floor_divide")  # a // b, exact for integers of any width
 trunc_divide = _binary("trunc_divide")  # C's integer division: rounds toward zero
@@ -301,7 +302,7 @@ def _pieces(x: Tensor, sizes: Sequence, dim: int) -> list[Tensor]:
 
 
 def squeeze(x: Tensor, dims: Sequence[int]) -> Tensor:
-    dims = {d % x.ndim for d in dims}
+    dims = {d % x.ndim for d in dims} if x.ndim else set()
     return reshape(x, [s for d, s in enumerate(x.shape) if d not in dims])
 
 
@@ -413,7 +414,7 @@ def _count(x: Tensor, dims):
     """How many elements of x the reduction over dims takes: a number, or an
     int64 scalar tensor when a size is symbolic (a product of sizes is not
     affine, but as a value it is only a product)."""
-    dims = range(x.ndim) if dims is None else [dims] if isinstance(dims, int) else dims
+    dims = range(x.ndim) if dims is None or x.ndim == 0 else [dims] if isinstance(dims, int) else dims
     g = _graph(x)
     n, symbolic = 1, None
     for d in dims:
@@ -634,22 +635,29 @@ def avg_pool2d(x: Tensor, kernel_size, stride=None, padding=0) -> Tensor:
     return total / float(k[0] * k[1])
 
 
+def _pairs(padding) -> list[tuple]:
+    """Per-dim padding as (low, high): a number pads both sides alike."""
+    return [(p, p) if isinstance(p, int) else tuple(p) for p in padding]
+
+
 def max_pool_with_positions(x: Tensor, window: Sequence[int], strides: Sequence[int],
-                            padding: Sequence[int], dilation: Sequence[int] | None = None) -> tuple[Tensor, Tensor]:
-    """Max over windows of x's trailing len(window) dims (symmetric padding)
-    and, as torch's max_pool returns them, the row-major position within
-    those dims of each window's first maximum; NaN counts as the maximum and
+                            padding: Sequence, dilation: Sequence[int] | None = None) -> tuple[Tensor, Tensor]:
+    """Max over windows of x's trailing len(window) dims (padding per dim: a
+    number, or (low, high), the high side longer for torch's ceil_mode) and,
+    as torch's max_pool returns them, the row-major position within those
+    dims of each window's first maximum; NaN counts as the maximum and
     padding never wins (XLA's select_and_scatter lets padding win: JAX's
     gradient keeps its own). The window unrolls into strided slices, so
     values and positions fuse into one pass."""
     nsp = len(window)
     lead = list(x.shape[:-nsp])
     dilation = list(dilation) if dilation is not None else [1] * nsp
+    pads = _pairs(padding)
     spatial = list(x.shape[-nsp:])
-    out = [sz.windows(n + 2 * p - d * (k - 1) - 1, s) for n, k, s, p, d in zip(spatial, window, strides, padding, dilation)]
-    padded = any(padding)
-    xp = pad(x, [w for p in reversed(padding) for w in (p, p)], -math.inf) if padded else x
-    cell = _window_cells(x, lead + out, strides, padding, dilation)
+    out = [sz.windows(n + a + b - d * (k - 1) - 1, s) for n, k, s, (a, b), d in zip(spatial, window, strides, pads, dilation)]
+    padded = any(a or b for a, b in pads)
+    xp = pad(x, [w for p in reversed(pads) for w in p], -math.inf) if padded else x
+    cell = _window_cells(x, lead + out, strides, [a for a, _ in pads], dilation)
     best = pos = found = None
     for offset in itertools.product(*[range(k) for k in window]):
         start = [0] * len(lead) + [o * d for o, d in zip(offset, dilation)]
@@ -673,11 +681,12 @@ def max_pool_with_positions(x: Tensor, window: Sequence[int], strides: Sequence[
     return best, pos
 
 
-def _window_cells(like: Tensor, shape: Sequence, strides, padding, dilation):
+def _window_cells(like: Tensor, shape: Sequence, strides, lows, dilation):
     """offset -> for each window (over shape's trailing dims), the
-    coordinates of its cell at offset in the unpadded image."""
+    coordinates of its cell at offset in the unpadded image (lows: the
+    padding before each dim)."""
     lead = len(shape) - len(strides)
-    at = [iota(list(shape), lead + k, like=like) * s - p for k, (s, p) in enumerate(zip(strides, padding))]
+    at = [iota(list(shape), lead + k, like=like) * s - p for k, (s, p) in enumerate(zip(strides, lows))]
     return lambda offset: [a + o * d for a, o, d in zip(at, offset, dilation)]
 
 
@@ -700,7 +709,7 @@ def window_adjoint(per_offset: Callable, shape: Sequence, window: Sequence[int],
     nsp = len(window)
     lead = len(shape) - nsp
     dilation = list(dilation) if dilation is not None else [1] * nsp
-    padding = [(p, p) if isinstance(p, int) else tuple(p) for p in padding]
+    padding = _pairs(padding)
     canvas = [n + a + b for n, (a, b) in zip(shape[lead:], padding)]
     out = None
     for offset in itertools.product(*[range(k) for k in window]):
@@ -716,15 +725,115 @@ def window_adjoint(per_offset: Callable, shape: Sequence, window: Sequence[int],
 
 
 def max_pool_grad(grad: Tensor, positions: Tensor, shape: Sequence, window: Sequence[int], strides: Sequence[int],
-                  padding: Sequence[int], dilation: Sequence[int] | None = None) -> Tensor:
+                  padding: Sequence, dilation: Sequence[int] | None = None) -> Tensor:
     """The adjoint of max_pool_with_positions: each window's gradient flows
     to the cell at its position, in a tensor of shape."""
     nsp = len(window)
     dilation = list(dilation) if dilation is not None else [1] * nsp
-    cell = _window_cells(grad, grad.shape, strides, padding, dilation)
+    cell = _window_cells(grad, grad.shape, strides, [a for a, _ in _pairs(padding)], dilation)
     spatial = list(shape[-nsp:])
     return window_adjoint(lambda offset: where(positions == _flat_position(cell(offset), spatial), grad, 0.0),
                           shape, window, strides, padding, dilation)
+
+
+def _static_sizes(x: Tensor, dims, what: str) -> list[int]:
+    sizes = [x.shape[d] for d in dims]
+    if not all(sz.is_static(n) for n in sizes):
+        raise UnsupportedOpError(f"{what} over symbolic sizes")
+    return [int(n) for n in sizes]
+
+
+def _adaptive_cells(like: Tensor, n: int, o: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Adaptive pooling's windows along a dim of n cells pooled to o: window
+    i covers [floor(i n / o), ceil((i + 1) n / o)), uneven where o does not
+    divide n. (cells (o, k): each window's cells, the last repeated past its
+    end; inside (o, k): whether a cell is the window's own; start and count (o,))."""
+    k = _b.max(-(-((i + 1) * n) // o) - (i * n) // o for i in range(o))
+    i, j = iota([o, k], 0, like=like), iota([o, k], 1, like=like)
+    start, end = floor_divide(i * n, o), floor_divide((i + 1) * n + (o - 1), o)
+    w = iota([o], 0, like=like)
+    first = floor_divide(w * n, o)
+    return minimum(start + j, end - 1), start + j < end, first, floor_divide((w + 1) * n + (o - 1), o) - first
+
+
+def _along(v: Tensor, like: Tensor, axis: int, dtype=None) -> Tensor:
+    """A vector v laid along axis of like's shape, in like's dtype (or dtype)."""
+    return broadcast_in_dim(cast(v, dtype or like.dtype), like.shape, [axis])
+
+
+def adaptive_avg_pool(x: Tensor, output_size: Sequence[int]) -> Tensor:
+    """Mean over torch's adaptive windows of x's trailing len(output_size)
+    dims, one dim at a time (a rectangle's mean is the mean of its rows'
+    means): a window sum where the windows tile the dim evenly, else each
+    window's cells gathered and summed with those past its end masked."""
+    lead = x.ndim - len(output_size)
+    for axis, n, o in zip(range(lead, x.ndim), _static_sizes(x, range(lead, x.ndim), "adaptive pooling"), output_size):
+        if n == o:
+            continue
+        if n % o == 0:
+            w = [1] * x.ndim
+            w[axis] = n // o
+            x = reduce_window("sum", x, w, w) / float(n // o)
+            continue
+        cells, inside, _, count = _adaptive_cells(x, n, o)
+        got = take(x, cells, axis)
+        total = sum(where(broadcast_in_dim(inside, got.shape, [axis, axis + 1]), got, 0.0), [axis + 1])
+        x = total / _along(count, total, axis)
+    return x
+
+
+def adaptive_avg_pool_grad(grad: Tensor, shape: Sequence) -> Tensor:
+    """The adjoint of adaptive_avg_pool to a tensor of shape: each window's
+    gradient, divided by its cells, to each of them (a repeat where the
+    windows tile the dim evenly, else a scatter-add)."""
+    for axis in [d for d in range(len(shape)) if shape[d] != grad.shape[d]]:
+        n, o = int(shape[axis]), int(grad.shape[axis])
+        rest = list(grad.shape[:axis]), list(grad.shape[axis + 1:])
+        if n % o == 0:
+            spread = broadcast_in_dim(grad / float(n // o), rest[0] + [o, n // o] + rest[1],
+                                      [d if d <= axis else d + 1 for d in range(grad.ndim)])
+            grad = reshape(spread, rest[0] + [n] + rest[1])
+            continue
+        cells, inside, _, count = _adaptive_cells(grad, n, o)
+        per = grad / _along(count, grad, axis)
+        wide = rest[0] + [o, cells.shape[1]] + rest[1]
+        spread = where(broadcast_in_dim(inside, wide, [axis, axis + 1]),
+                       broadcast_in_dim(per, wide, [d if d <= axis else d + 1 for d in range(grad.ndim)]), 0.0)
+        grad = scatter_add(rest[0] + [n] + rest[1], cells, spread, axis)
+    return grad
+
+
+def adaptive_max_pool_with_positions(x: Tensor, output_size: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """Max over torch's adaptive windows of x's trailing len(output_size)
+    dims and each window's row-major position of its first maximum within
+    those dims (first NaN, if any). One dim at a time from the last: each
+    window's cells gathered, the first maximum's offset taken, and the
+    positions found along later dims carried with it."""
+    nsp = len(output_size)
+    lead = x.ndim - nsp
+    spatial = _static_sizes(x, range(lead, x.ndim), "adaptive pooling")
+    vals, pos = x, None
+    for k in reversed(range(nsp)):
+        axis, n, o = lead + k, spatial[k], output_size[k]
+        cells, _, start, _ = _adaptive_cells(x, n, o)
+        got = take(vals, cells, axis)
+        at = argmax(got, axis + 1, keepdim=True)
+        vals = squeeze(take_along_axis(got, at, axis + 1), [axis + 1])
+        here = (_along(start, vals, axis, DataType.Int) + squeeze(at, [axis + 1])) * math.prod(spatial[k + 1:])
+        pos = here if pos is None else here + squeeze(take_along_axis(take(pos, cells, axis), at, axis + 1), [axis + 1])
+    return vals, pos
+
+
+def positions_grad(grad: Tensor, positions: Tensor, shape: Sequence, nsp: int) -> Tensor:
+    """The adjoint of picking each window's cell at its row-major position
+    over shape's trailing nsp dims: each window's gradient added at its
+    position (adaptive max pooling's backward)."""
+    lead, cells = list(shape[:-nsp]), sz.static_product(shape[-nsp:])
+    if cells is None:
+        raise UnsupportedOpError("the gradient of adaptive max pooling over symbolic sizes")
+    k = len(lead)
+    out = scatter_add(lead + [cells], reshape(positions, lead + [-1]), reshape(grad, lead + [-1]), k, along=True)
+    return reshape(out, list(shape))
 
 
 # -------------------------------------------------------------- indexing
@@ -794,6 +903,8 @@ def sort(x: Tensor, axis: int = -1, descending: bool = False) -> tuple[Tensor, T
     element's rank counts the elements that come before it (all pairs of a
     row compared: n^2 work, meant for rows up to a few thousand long), and
     one scatter per result puts each element at its rank."""
+    if x.ndim == 0:  # one element, in its place
+        return x, zeros_like(cast(x, DataType.Int))
     axis = axis % x.ndim
     n = x.shape[axis]
     key = cast(x, DataType.Int32) if x.dtype == DataType.Bool else x
@@ -815,6 +926,8 @@ def sort(x: Tensor, axis: int = -1, descending: bool = False) -> tuple[Tensor, T
 
 def topk(x: Tensor, k: int, axis: int = -1, largest: bool = True) -> tuple[Tensor, Tensor]:
     """The k largest (or smallest) values along axis, in order, and their positions."""
+    if x.ndim == 0:
+        return sort(x)
     axis = axis % x.ndim
     values, positions = sort(x, axis, largest)
     end = list(x.shape)
@@ -965,6 +1078,102 @@ def digamma(x: Tensor) -> Tensor:
         out = where(x < 0.5, psi - math.pi * c / s, psi)
         return where(pole, where(x == 0.0, full_like(x, -math.inf), full_like(x, math.nan)), out)
     return _special(x, f)
+
+
+def exp2(x: Tensor) -> Tensor:
+    """2 ** x, as exp(x ln 2): exp's polynomial vectorizes."""
+    return exp(x * math.log(2.0))
+
+
+def log2(x: Tensor) -> Tensor:
+    return log(x) * (1.0 / math.log(2.0))
+
+
+def log10(x: Tensor) -> Tensor:
+    return log(x) * (1.0 / math.log(10.0))
+
+
+def trunc(x: Tensor) -> Tensor:
+    """Rounded toward zero."""
+    return where(x < 0, ceil(x), floor(x)) if x.dtype.is_float else x
+
+
+def signbit(x: Tensor) -> Tensor:
+    """Whether the sign bit is set (-0.0 and negative NaN too)."""
+    if not x.dtype.is_float:
+        return x < 0
+    f = x if x.dtype in (DataType.Float, DataType.Double) else cast(x, DataType.Float)
+    return bitcast(f, DataType.Int32 if f.dtype == DataType.Float else DataType.Int) < 0
+
+
+def _floating(x):
+    """x as a float tensor (integers as float32), a Python number as it is."""
+    return x if not isinstance(x, Tensor) or x.dtype.is_float else cast(x, DataType.Float)
+
+
+def copysign(a, b) -> Tensor:
+    """|a| with b's sign bit."""
+    a, b = _floating(a), _floating(b)
+    neg = signbit(b) if isinstance(b, Tensor) else math.copysign(1.0, b) < 0
+    return where(neg, -abs(a), abs(a)) if isinstance(neg, Tensor) else (-abs(a) if neg else abs(a))
+
+
+def hypot(a, b) -> Tensor:
+    return sqrt(a * a + b * b)
+
+
+def logaddexp2(a, b) -> Tensor:
+    """log2(2^a + 2^b), from the larger; equal arguments (infinities too) give a + 1."""
+    a, b = _floating(a), _floating(b)
+    big = maximum(a, b)
+    return where(a == b, a + 1.0, big + log1p(exp2(-abs(a - b))) * (1.0 / math.log(2.0)))
+
+
+_HUGE = 2.0 ** 28  # past it, x*x in the inverse hyperbolic functions could overflow: log(2x) is exact enough
+
+
+def atan(x: Tensor) -> Tensor:
+    return atan2(x, 1.0)
+
+
+def asin(x: Tensor) -> Tensor:
+    x = _floating(x)
+    return atan2(x, sqrt((1.0 - x) * (1.0 + x)))
+
+
+def acos(x: Tensor) -> Tensor:
+    x = _floating(x)
+    return atan2(sqrt((1.0 - x) * (1.0 + x)), x)
+
+
+def sinh(x: Tensor) -> Tensor:
+    """(e^x - e^-x) / 2 through expm1, exact near zero."""
+    x = _floating(x)
+    return (expm1(x) - expm1(-x)) * 0.5
+
+
+def cosh(x: Tensor) -> Tensor:
+    x = _floating(x)
+    return (exp(x) + exp(-x)) * 0.5
+
+
+def asinh(x: Tensor) -> Tensor:
+    """sign(x) log1p(|x| + x^2 / (1 + sqrt(1 + x^2))), exact near zero."""
+    a = abs(_floating(x))
+    y = where(a > _HUGE, log(a) + math.log(2.0), log1p(a + a * a / (1.0 + sqrt(1.0 + a * a))))
+    return where(x < 0, -y, y)
+
+
+def acosh(x: Tensor) -> Tensor:
+    """log1p(t + sqrt(t (x + 1))), t = x - 1: exact near 1."""
+    x = _floating(x)
+    t = x - 1.0
+    return where(x > _HUGE, log(x) + math.log(2.0), log1p(t + sqrt(t * (x + 1.0))))
+
+
+def atanh(x: Tensor) -> Tensor:
+    x = _floating(x)
+    return log1p(2.0 * x / (1.0 - x)) * 0.5
 
 
 def silu(x: Tensor) -> Tensor:

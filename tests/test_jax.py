@@ -177,6 +177,17 @@ def test_strided_convolution_gradients(rng, strides, padding):
 
 
 @pytest.mark.parametrize("fn", [
+    jax.grad(lambda x: (lax.reduce_window(x, 0.0, lax.add, (1, 2, 2, 1), (1, 2, 2, 1), "VALID") ** 2).sum()),
+    jax.grad(lambda x: (lax.reduce_window(x, 0.0, lax.add, (1, 3, 3, 1), (1, 2, 3, 1), "SAME") * x[:, :4, :3]).sum()),
+    lambda x: lax.pad(x, 1.5, ((1, 2, 1), (-1, 0, 2), (0, 0, 0), (2, -3, 1))),
+], ids=["avg_pool_grad", "avg_pool_same_grad", "pad_interior_value"])
+def test_pad_with_interior_padding(rng, fn):
+    """A strided average pooling's gradient is lax.pad with interior padding
+    (a dilation, with negative edges too); strict mode compiles it."""
+    check(fn, rnd(rng, 2, 7, 9, 3), compile_options={"strict": True})
+
+
+@pytest.mark.parametrize("fn", [
     lambda x: jnp.argmax(x, -1), lambda x: jnp.cumsum(x, 1), lambda x: lax.cumsum(x, 0, reverse=True),
     lambda x: (jnp.cumprod(x, 1), lax.cummax(x, 1), lax.cummin(x, 0, reverse=True)),
     lambda x: (jnp.sort(x.at[1, 2].set(jnp.nan), 1), jnp.argsort(x, 0), lax.top_k(x, 3)),

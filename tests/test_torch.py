@@ -74,7 +74,7 @@ def check_module(mod, *inputs, backward=True, rtol=1e-5, atol=1e-5):
 
 
 def r(*shape, grad=False):
-    return torch.randn(*shape, requires_grad=grad)
+    return torch.randn(shape, requires_grad=grad)
 
 
 def test_cos_sin():
@@ -471,3 +471,88 @@ def test_torch_compile_finds_backend_without_import():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "ok" in out.stdout
+
+
+ZERO_DIM_DIFFERENTIABLE = [torch.sum, torch.mean, torch.amax, torch.amin, torch.prod, torch.logsumexp, torch.cumsum,
+                           torch.cumprod, torch.softmax, torch.log_softmax, torch.nansum,
+                           lambda x, d: torch.var(x, d, correction=0), lambda x, d: torch.max(x, d).values,
+                           lambda x, d: torch.min(x, d).values, lambda x, d: torch.sort(x, d).values,
+                           lambda x, d: torch.flip(x, [d]), lambda x, d: torch.mean(x, d, keepdim=True)]
+ZERO_DIM_OTHER = [torch.argmax, torch.argmin, lambda x, d: torch.any(x > 0, d), lambda x, d: torch.all(x > 0, d),
+                  lambda x, d: torch.max(x, d).indices, lambda x, d: torch.sort(x, d).indices,
+                  lambda x, d: torch.cumsum(x > 0, d), lambda x, d: torch.sum(x > 0, d),
+                  lambda x, d: torch.std(x, d), lambda x, d: torch.var(x, d)]
+
+
+@pytest.mark.filterwarnings("ignore:.*degrees of freedom")
+@pytest.mark.parametrize("dim", [0, -1])
+def test_zero_dim_tensors_reduce_scan_and_index_like_eager(dim):
+    """torch takes dim 0 and -1 of a 0-d tensor as its one element: every
+    reduction and scan over it, forward and backward, and indexing into it
+    (the compiler raised IndexError)."""
+    check(lambda x: torch.stack([f(x, dim).reshape(()) for f in ZERO_DIM_DIFFERENTIABLE]), r(grad=True), backward=True)
+    check(lambda x: tuple(f(x, dim) for f in ZERO_DIM_OTHER), r())
+    check(lambda x, i: (torch.index_select(x, dim, i), torch.gather(x, dim, i.reshape(())), x.scatter_add(dim, i[0], x),
+                        x.index_add(dim, i, x * 2)), r(grad=True), torch.zeros(1, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("fn,shape", [
+    (lambda x: F.max_pool2d(x, 3, 2, 1, ceil_mode=True), (2, 3, 10, 9)),
+    (lambda x: F.max_pool2d(x, (3, 2), (2, 3), (1, 1), dilation=(1, 2), ceil_mode=True), (1, 2, 9, 11)),
+    (lambda x: F.max_pool1d(x, 3, 2, ceil_mode=True), (2, 3, 10)),
+    (lambda x: F.max_pool3d(x, 2, 2, 1, ceil_mode=True), (1, 2, 5, 6, 7)),
+    (lambda x: F.avg_pool2d(x, 3, 2, 1, ceil_mode=True), (2, 3, 10, 9)),
+    (lambda x: F.avg_pool2d(x, 3, 2, 1, ceil_mode=True, count_include_pad=False), (3, 10, 9)),
+    (lambda x: F.avg_pool1d(x, 2, 2, ceil_mode=True), (2, 3, 7)),
+    (lambda x: F.avg_pool3d(x, 3, 2, 1, ceil_mode=True, count_include_pad=False), (1, 2, 6, 7, 5)),
+    (lambda x: F.adaptive_avg_pool2d(x, (3, 4)), (2, 3, 7, 10)),
+    (lambda x: F.adaptive_avg_pool2d(x, (5, 7)), (2, 3, 3, 4)),
+    (lambda x: F.adaptive_avg_pool1d(x, 4), (2, 3, 10)),
+    (lambda x: F.adaptive_avg_pool3d(x, (2, 3, 4)), (1, 2, 5, 7, 9)),
+    (lambda x: F.adaptive_max_pool2d(x, (3, 4)), (2, 3, 7, 10)),
+    (lambda x: F.adaptive_max_pool1d(x, 3), (2, 3, 10)),
+    (lambda x: F.adaptive_max_pool3d(x, (2, 3, 2)), (2, 5, 7, 9)),
+], ids=["max2d_ceil", "max2d_ceil_dilated", "max1d_ceil", "max3d_ceil", "avg2d_ceil", "avg2d_ceil_exclude_pad",
+        "avg1d_ceil", "avg3d_ceil", "adaptive_avg2d", "adaptive_avg2d_up", "adaptive_avg1d", "adaptive_avg3d",
+        "adaptive_max2d", "adaptive_max1d", "adaptive_max3d"])
+def test_pooling_with_ceil_mode_and_uneven_windows_trains(fn, shape):
+    """ceil_mode's last partial window (torch's rule: none starts in the high
+    padding; average pooling counts the declared padding, not the cells past
+    it), 1-d and 3-d pooling, and adaptive pooling whose windows overlap or
+    differ in size where the output size does not divide the input's."""
+    check(fn, r(*shape, grad=True), backward=True)
+
+
+def test_adaptive_max_pool_indices():
+    check(lambda x: F.adaptive_max_pool2d(x, (3, 4), return_indices=True)[1], r(2, 3, 7, 10))
+    check(lambda x: F.max_pool2d(x, 3, 2, 1, ceil_mode=True, return_indices=True)[1], r(2, 3, 10, 9))
+
+
+def test_log2_exp2_log10_prod_and_full_reductions():
+    """log2, exp2 and log10; prod over everything (aten.prod.default) and with
+    a dtype; amax over dims=() reduces everything (it compiled as a copy)."""
+    x = r(4, 5, grad=True)
+    check(lambda x: torch.log2(x.abs() + 0.1) + torch.exp2(x) + torch.log10(x.abs() + 0.5), x, backward=True)
+    check(lambda x: torch.prod(x * 0.5 + 1), r(3, 4, grad=True), backward=True)
+    check(lambda x: (torch.prod(x, dtype=torch.float64), torch.prod(x, 1, dtype=torch.float64), torch.aminmax(x),
+                     torch.amax(x, ())), r(3, 4))
+
+
+def test_inverse_trig_hyperbolic_and_sign_ops():
+    """Composites for ops torch keeps whole (asin ... atanh, trunc, signbit,
+    copysign, hypot, logaddexp2, erfinv, round to decimals): forward on
+    edge values (signed zeros, infinities, NaN, |x| > 1), and backward."""
+    x, y, u = r(6, 7) * 3, r(6, 7), torch.rand(6, 7) * 1.9 - 0.95
+    x[0, :5] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan")])
+    y[0, :3] = torch.tensor([-0.0, 0.0, float("-inf")])
+    check(lambda x, u, y: (torch.trunc(x), torch.frac(x), torch.signbit(x), torch.signbit(y), torch.copysign(x, y),
+                           torch.copysign(x, -2.0), torch.hypot(x, y), torch.logaddexp2(x, y), torch.asin(x),
+                           torch.acos(u), torch.atan(x), torch.sinh(u * 3), torch.cosh(u * 3), torch.asinh(x),
+                           torch.acosh(x.abs() + 1), torch.atanh(x), torch.erfinv(u), torch.round(x, decimals=2),
+                           torch.round(x * 100, decimals=-1)), x, u, y)
+
+    def f(x, u, y):
+        return (torch.trunc(x) + torch.frac(x) + torch.copysign(x, y) + torch.hypot(x, y) + torch.logaddexp2(x, y)
+                + torch.asin(u) + torch.acos(u) + torch.atan(x) + torch.sinh(u * 3) + torch.cosh(u * 3) + torch.asinh(x)
+                + torch.acosh(x.abs() + 1.5) + torch.atanh(u) + torch.erfinv(u))
+    check(f, r(6, 7, grad=True), u.requires_grad_(), r(6, 7, grad=True), backward=True, rtol=1e-4, atol=1e-4)
