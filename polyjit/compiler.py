@@ -9,6 +9,7 @@ import itertools
 import logging
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import replace
 
 from . import sizes as sz
@@ -23,8 +24,46 @@ log = logging.getLogger("polyjit")
 _dump_ids = itertools.count()
 
 
+def _log_from_env() -> None:
+    """POLYJIT_LOG=info (or debug, warning): polyjit's log on stderr, without
+    configuring logging for the whole process."""
+    level = os.environ.get("POLYJIT_LOG", "").upper()
+    if not level or level == "0" or log.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(name)s %(levelname)s: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO if level in ("1", "TRUE") else level)
+
+
+_log_from_env()
+
+
+class StageTimer:
+    """Seconds spent in each compile stage, summed over repeated entries;
+    a stage named "outer/inner" is a part of "outer", kept in ``detail``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.detail: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, stage: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            into = self.detail if "/" in stage else self.seconds
+            into[stage] = into.get(stage, 0.0) + time.perf_counter() - start
+
+    def summary(self) -> str:
+        return ", ".join(f"{k} {v:.3f}" for k, v in self.seconds.items()) + "".join(
+            f"\n  {k} {v:.3f}" for k, v in self.detail.items())
+
+
 def compile_graph(graph: Graph, options: CompileOptions, name: str = "fn") -> Executable:
     t0 = time.perf_counter()
+    timer = StageTimer()
     gpu = options.target == "nvgpu"
     if gpu:
         from .codegen.nvgpu import GpuEmitter as emitter_class
@@ -35,26 +74,31 @@ def compile_graph(graph: Graph, options: CompileOptions, name: str = "fn") -> Ex
         from .codegen.cpu import vector_bits
         bits = vector_bits()
 
-    graph = graph.deduplicated()
-    if not gpu:
-        graph = graph.packed()
-    prog = lower(graph, GPU_RECOMPUTE_LIMIT if gpu else RECOMPUTE_LIMIT)
-    sched = schedule_program(prog, options.fusion, options.tile_sizes, options.target, bits)
-    emitter = emitter_class(prog, sched, name)
-    if gpu:
-        emitter.tile_sizes = options.tile_sizes
-        emitter.multiprocessors = _multiprocessors()
-    module = emitter.emit()
-    if gpu:
-        from .codegen.nvgpu import ptx
-        optimized, ptx_text = ptx(str(module), arch)
-        jit = None
-        kernels = emitter.kernels
-    else:
-        from .codegen.cpu import JitModule
-        jit = JitModule(str(module))
-        optimized = jit.optimized_ir
-        kernels = [replace(k, fn=jit.function(k.name)) for k in emitter.kernels]
+    with timer("lower"):
+        graph = graph.deduplicated()
+        if not gpu:
+            graph = graph.packed()
+        prog = lower(graph, GPU_RECOMPUTE_LIMIT if gpu else RECOMPUTE_LIMIT)
+    with timer("schedule"):
+        sched = schedule_program(prog, options.fusion, options.tile_sizes, options.target, bits, timer)
+    with timer("emit"):
+        emitter = emitter_class(prog, sched, name)
+        if gpu:
+            emitter.tile_sizes = options.tile_sizes
+            emitter.multiprocessors = _multiprocessors()
+        module = emitter.emit()
+        llvm_text = str(module)
+    with timer("llvm"):
+        if gpu:
+            from .codegen.nvgpu import ptx
+            optimized, ptx_text = ptx(llvm_text, arch)
+            jit = None
+            kernels = emitter.kernels
+        else:
+            from .codegen.cpu import JitModule
+            jit = JitModule(llvm_text)
+            optimized = jit.optimized_ir
+            kernels = [replace(k, fn=jit.function(k.name)) for k in emitter.kernels]
     inputs = sorted((a for a in prog.arrays.values() if a.kind == "input"), key=lambda a: a.index)
     outputs = sorted((a for a in prog.arrays.values() if a.kind == "output"), key=lambda a: a.index)
     consts = [n.attrs["value"] for n in graph.nodes() if n.op == "tensor_constant"]
@@ -97,13 +141,15 @@ def compile_graph(graph: Graph, options: CompileOptions, name: str = "fn") -> Ex
         "schedule": str(sched.schedule.get_root()) if hasattr(sched.schedule, "get_root") else str(sched.schedule),
         "ast": sched.ast_text() + ("\ncontracted: " + ", ".join(
             f"{n}{list(m)}" for n, m in sched.contracted.items()) if sched.contracted else ""),
-        "llvm": str(module),
+        "llvm": llvm_text,
         "llvm_opt": optimized,
     }
     if gpu:
         exe.ir["ptx"] = ptx_text
     stats["compile_seconds"] = time.perf_counter() - t0
-    log.debug("compiled %s in %.3fs: %s", name, stats["compile_seconds"], stats)
+    stats["compile_seconds_by_stage"] = timer.seconds
+    log.info("compiled %s (%d kernels) in %.3f s: %s", name, len(kernels), stats["compile_seconds"], timer.summary())
+    log.debug("%s: %s", name, stats)
     if options.debug:
         dump(exe, options.dump_dir)
     return exe

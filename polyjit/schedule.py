@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import islpy as isl
@@ -872,38 +873,36 @@ GPU_PRIVATE_BYTES = 256  # a contracted buffer a GPU thread keeps to itself
 
 
 def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None,
-                     target: str = "cpu", vector_bits: int = 512) -> Scheduled:
+                     target: str = "cpu", vector_bits: int = 512, timer=None) -> Scheduled:
     """The cpu target tiles (register blocks sized for vectors of
     vector_bits), balances threads and sinks inner loops; nvgpu puts every
     coincident loop outside (they become the thread grid) and keeps only
     contracted buffers small enough for a thread's registers."""
+    timer = timer or _no_timer
     ctx = make_context()
     if fusion == "none":
         ctx.set_schedule_whole_component(0)
         ctx.set_schedule_serialize_sccs(1)
-    dom = prog.domain(ctx)
-    validity, raw = dependences(ctx, prog, dom)
+    with timer("schedule/dependences"):
+        dom = prog.domain(ctx)
+        validity, raw = dependences(ctx, prog, dom)
     sched = None
     fuse = target == "cpu" and fusion != "none" and not tile_sizes
-    for group in fusion_groups(prog, epilogues=fuse):
-        part = _schedule_group(ctx, prog, dom, validity, raw, group, fusion, fuse)
-        sched = part if sched is None else sched.sequence(part)
-    if sched is None:
-        sched = isl.Schedule.from_domain(dom)
-    if target == "nvgpu":
-        sched = coincident_outside(sched, validity)
-        sched = mark_parallel(sched, all_coincident=True)
-    else:
-        sched = tile(sched, prog, validity, tile_sizes, vector_bits)
-        sched = balance_parallel(sched, prog, validity)
-        sched = sink_inner(sched, prog, validity)
-        sched = mark_parallel(sched)
-    sched = order_sets(sched, validity)
-    params = prog.prefix() + "{ : " + sz.param_context(prog.params) + " }"
-    build = isl.AstBuild.from_context(isl.Set.read_from_str(ctx, params))
-    ast = build.node_from_schedule(sched)
-    kernels = [statements_in(k) for k in _kernels(ast)]
-    contracted = contract(ctx, prog, sched, dom, kernels)
+    with timer("schedule/groups"):
+        for group in fusion_groups(prog, epilogues=fuse):
+            part = _schedule_group(ctx, prog, dom, validity, raw, group, fusion, fuse)
+            sched = part if sched is None else sched.sequence(part)
+        if sched is None:
+            sched = isl.Schedule.from_domain(dom)
+    with timer("schedule/rewrites"):
+        sched = _rewrites(sched, prog, validity, target, tile_sizes, vector_bits)
+    with timer("schedule/ast"):
+        params = prog.prefix() + "{ : " + sz.param_context(prog.params) + " }"
+        build = isl.AstBuild.from_context(isl.Set.read_from_str(ctx, params))
+        ast = build.node_from_schedule(sched)
+        kernels = [statements_in(k) for k in _kernels(ast)]
+    with timer("schedule/contract"):
+        contracted = contract(ctx, prog, sched, dom, kernels)
     if target == "nvgpu":
         contracted = {n: m for n, m in contracted.items() if _private_bytes(prog.arrays[n], m) <= GPU_PRIVATE_BYTES}
     result = Scheduled(sched, ast, contracted, kernels)
@@ -912,3 +911,22 @@ def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None,
             if s.name in names:
                 result.kernel_of_array.setdefault(s.array, k)
     return result
+
+
+def _rewrites(sched: isl.Schedule, prog: AffineProgram, validity, target: str, tile_sizes,
+              vector_bits: int) -> isl.Schedule:
+    """The target's rewrites of the whole program's schedule, each checked by isl."""
+    if target == "nvgpu":
+        sched = coincident_outside(sched, validity)
+        sched = mark_parallel(sched, all_coincident=True)
+    else:
+        sched = tile(sched, prog, validity, tile_sizes, vector_bits)
+        sched = balance_parallel(sched, prog, validity)
+        sched = sink_inner(sched, prog, validity)
+        sched = mark_parallel(sched)
+    return order_sets(sched, validity)
+
+
+@contextmanager
+def _no_timer(stage: str):
+    yield
