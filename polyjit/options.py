@@ -22,6 +22,7 @@ class CompileOptions:
     num_threads: int = field(default_factory=lambda: os.cpu_count() or 1)
     strict: bool = False
     gpu_arch: str | None = None
+    cache: bool = True  # the on-disk compile cache (polyjit.cache)
 
     def key(self) -> tuple:
         """What changes the generated code (debug output does not)."""
@@ -37,6 +38,7 @@ _KEYS = {
     "num_threads": "a positive int",
     "strict": "True or False",
     "gpu_arch": "'sm_XX' (compile nvgpu code for that GPU without one present), or None (the GPU in use)",
+    "cache": "True or False (keep compiled programs in POLYJIT_CACHE_DIR and load them from there)",
 }
 
 
@@ -55,7 +57,7 @@ def parse_options(opts: Mapping[str, Any] | CompileOptions | None,
     t = kw.get("target", "cpu")
     if t not in TARGETS:
         raise CompileOptionError(f"compile option 'target' is {t!r}; allowed values: {list(TARGETS)}")
-    for k in ("debug", "strict"):
+    for k in ("debug", "strict", "cache"):
         if k in kw and not isinstance(kw[k], bool):
             raise CompileOptionError(f"compile option {k!r} is {kw[k]!r}; allowed values: True, False")
     if "fusion" in kw and kw["fusion"] not in FUSION:

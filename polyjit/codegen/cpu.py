@@ -99,7 +99,7 @@ class CpuEmitter(Emitter):
     def body(self, fn, node) -> None:
         """A body with streaming stores ends with a fence: they are weakly
         ordered, and the thread that joins this one reads what they wrote."""
-        k = len(self.kernels)
+        k = self.k
         # (a contraction's private block is no stencil's rows: its epilogue
         # writes rows of one block's width, and tagging them kept LLVM from
         # holding the accumulators in registers)
@@ -228,6 +228,12 @@ def streaming_stores(ir_text: str) -> str:
 
 
 WIDE = 1000  # the attribute group number for the kernels' vector width
+
+
+@functools.cache
+def host_key() -> str:
+    """What this host's machine code depends on: triple, CPU and its features."""
+    return f"{llvm.get_process_triple()}|{llvm.get_host_cpu_name()}|{llvm.get_host_cpu_features().flatten()}"
 
 
 def vector_bits() -> int:
