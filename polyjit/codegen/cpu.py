@@ -262,21 +262,29 @@ def optimize(mod: "llvm.ModuleRef", tm) -> None:
     pm.run(mod, pb)
 
 
+def optimized_module(ir_text: str, tm) -> tuple["llvm.ModuleRef", str]:
+    """The module of ir_text after O3 for tm's host, and its text (with
+    streaming stores); call with _lock held."""
+    mod = llvm.parse_assembly(prefer_wide_vectors(ir_text))
+    mod.verify()
+    mod.triple = tm.triple
+    mod.data_layout = str(tm.target_data)
+    optimize(mod, tm)
+    text = str(mod)
+    optimized = streaming_stores(text)
+    if optimized != text:
+        mod = llvm.parse_assembly(optimized)
+        mod.verify()
+    return mod, optimized
+
+
 class JitModule:
     """A JIT-compiled LLVM module; keeps the engine alive with its code."""
 
     def __init__(self, ir_text: str) -> None:
         tm = target_machine()
         with _lock:
-            mod = llvm.parse_assembly(prefer_wide_vectors(ir_text))
-            mod.verify()
-            mod.triple = tm.triple
-            mod.data_layout = str(tm.target_data)
-            optimize(mod, tm)
-            self.optimized_ir = streaming_stores(str(mod))
-            if self.optimized_ir != str(mod):
-                mod = llvm.parse_assembly(self.optimized_ir)
-                mod.verify()
+            mod, self.optimized_ir = optimized_module(ir_text, tm)
             self.engine = llvm.create_mcjit_compiler(mod, tm)
             self.engine.finalize_object()
             self.assembly = None

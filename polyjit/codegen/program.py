@@ -20,7 +20,7 @@ from llvmlite import ir
 
 from ..affine import AffineProgram
 from ..schedule import ProgramSchedule, ScheduledGroup
-from .cpu import KERNEL_T, CpuEmitter, _lock, optimize, prefer_wide_vectors, streaming_stores, target_machine
+from .cpu import KERNEL_T, CpuEmitter, _lock, optimized_module, target_machine
 from .llvm import I64, PTR, KernelInfo, buffer_layout, kernel_name
 
 CODE_CACHE = 4096  # compiled kernels kept per process
@@ -69,15 +69,7 @@ def compile_object(ir_text: str) -> tuple[str, bytes]:
     """(optimized IR, object code) of a module, for this host."""
     tm = target_machine()
     with _lock:
-        mod = llvm.parse_assembly(prefer_wide_vectors(ir_text))
-        mod.verify()
-        mod.triple = tm.triple
-        mod.data_layout = str(tm.target_data)
-        optimize(mod, tm)
-        optimized = streaming_stores(str(mod))
-        if "!nontemporal" in optimized:
-            mod = llvm.parse_assembly(optimized)
-            mod.verify()
+        mod, optimized = optimized_module(ir_text, tm)
         return optimized, tm.emit_object(mod)
 
 
