@@ -9,8 +9,9 @@ import itertools
 import logging
 import os
 import time
-from dataclasses import replace
+from contextlib import contextmanager
 
+from . import cache
 from . import sizes as sz
 from .cuda import GpuExecutable
 from .graph import Graph
@@ -23,54 +24,182 @@ log = logging.getLogger("polyjit")
 _dump_ids = itertools.count()
 
 
+def _log_from_env() -> None:
+    """POLYJIT_LOG=info (or debug, warning): polyjit's log on stderr, without
+    configuring logging for the whole process."""
+    level = os.environ.get("POLYJIT_LOG", "").upper()
+    if not level or level == "0" or log.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(name)s %(levelname)s: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO if level in ("1", "TRUE") else level)
+
+
+_log_from_env()
+
+
+class StageTimer:
+    """Seconds spent in each compile stage, summed over repeated entries;
+    a stage named "outer/inner" is a part of "outer", kept in ``detail``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.detail: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, stage: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            into = self.detail if "/" in stage else self.seconds
+            into[stage] = into.get(stage, 0.0) + time.perf_counter() - start
+
+    def summary(self) -> str:
+        return ", ".join(f"{k} {v:.3f}" for k, v in self.seconds.items()) + "".join(
+            f"\n  {k} {v:.3f}" for k, v in self.detail.items())
+
+
 def compile_graph(graph: Graph, options: CompileOptions, name: str = "fn") -> Executable:
     t0 = time.perf_counter()
+    timer = StageTimer()
     gpu = options.target == "nvgpu"
-    if gpu:
-        from .codegen.nvgpu import GpuEmitter as emitter_class
-        arch = options.gpu_arch or _device_arch()
-        bits = 512  # unused: the nvgpu schedule has no register blocks
-    else:
-        from .codegen.cpu import CpuEmitter as emitter_class
-        from .codegen.cpu import vector_bits
-        bits = vector_bits()
+    with timer("lower"):
+        graph = graph.deduplicated()
+        if not gpu:
+            graph = graph.packed()
+    key = exe = None
+    hits = 0
+    if options.cache and not gpu:
+        from .codegen.cpu import host_key
+        with timer("cache"):
+            key = cache.key(graph, name, options.key(), host_key())
+            hit = cache.load(key)
+            exe = _from_cache(graph, options, name, *hit) if hit else None
+        hits = int(exe is not None)
+    if exe is None:
+        with timer("lower"):
+            prog = lower(graph, GPU_RECOMPUTE_LIMIT if gpu else RECOMPUTE_LIMIT)
+        exe = (_compile_gpu if gpu else _compile_cpu)(graph, prog, options, name, timer)
+        if key is not None:
+            with timer("cache"):
+                cache.store(key, _plan(exe), exe.keepalive.objects)
+    exe.stats["cache_hits"] = hits
+    exe.stats["compile_seconds"] = time.perf_counter() - t0
+    exe.stats["compile_seconds_by_stage"] = timer.seconds
+    log.info("compiled %s (%d kernels, %d compiled) in %.3f s: %s", name, len(exe.kernels),
+             exe.stats["kernels_compiled"], exe.stats["compile_seconds"], timer.summary())
+    log.debug("%s: %s", name, exe.stats)
+    if options.debug:
+        dump(exe, options.dump_dir)
+    return exe
 
-    graph = graph.deduplicated()
-    if not gpu:
-        graph = graph.packed()
-    prog = lower(graph, GPU_RECOMPUTE_LIMIT if gpu else RECOMPUTE_LIMIT)
-    sched = schedule_program(prog, options.fusion, options.tile_sizes, options.target, bits)
-    emitter = emitter_class(prog, sched, name)
-    if gpu:
+
+def _compile_cpu(graph: Graph, prog, options: CompileOptions, name: str, timer: StageTimer) -> Executable:
+    """Kernels of one structure share code (codegen.program), compiled once per process."""
+    from .codegen.cpu import host_key, vector_bits
+    from .codegen.program import LoadedProgram, build_program, entries_object
+    with timer("schedule"):
+        sched = schedule_program(prog, options.fusion, options.tile_sizes, "cpu", vector_bits(), timer)
+    code = build_program(prog, sched, name, host_key(), timer)
+    with timer("llvm"):
+        loaded = LoadedProgram([c.obj for c in code.codes] + [entries_object(code.entries)])
+    ir = {"llvm": "\n".join([code.entries] + [c.ir for c in code.codes]),
+          "llvm_opt": "\n".join(c.optimized for c in code.codes)}
+    exe = _executable(Executable, graph, prog, sched, loaded.bind(code.kernels), code.buffers, code.int_slots,
+                      options, name, loaded, ir, {})
+    exe.stats["kernels_compiled"] = code.compiled
+    return exe
+
+
+def _compile_gpu(graph: Graph, prog, options: CompileOptions, name: str, timer: StageTimer) -> Executable:
+    """One module of every kernel, emitted from the whole program."""
+    from .codegen.nvgpu import GpuEmitter, ptx
+    arch = options.gpu_arch or _device_arch()
+    with timer("schedule"):  # (512 bits: unused, the nvgpu schedule has no register blocks)
+        sched = schedule_program(prog, options.fusion, options.tile_sizes, "nvgpu", 512, timer, canonical=False)
+    with timer("emit"):
+        emitter = GpuEmitter(prog, sched, name)
         emitter.tile_sizes = options.tile_sizes
         emitter.multiprocessors = _multiprocessors()
-    module = emitter.emit()
-    if gpu:
-        from .codegen.nvgpu import ptx
-        optimized, ptx_text = ptx(str(module), arch)
-        jit = None
-        kernels = emitter.kernels
-    else:
-        from .codegen.cpu import JitModule
-        jit = JitModule(str(module))
-        optimized = jit.optimized_ir
-        kernels = [replace(k, fn=jit.function(k.name)) for k in emitter.kernels]
+        llvm_text = str(emitter.emit())
+    with timer("llvm"):
+        optimized, ptx_text = ptx(llvm_text, arch)
+    kernels = emitter.kernels
+    gpu_fields = {"ptx": ptx_text, "arch": arch, "writes": [  # the arrays each kernel writes size its grid
+        [prog.arrays[a] for a in sorted({s.array for s in prog.statements if s.name in k.statements})]
+        for k in kernels]}
+    exe = _executable(GpuExecutable, graph, prog, sched, kernels, emitter.buffer_arrays, emitter.int_slots,
+                      options, name, None, {"llvm": llvm_text, "llvm_opt": optimized, "ptx": ptx_text}, gpu_fields)
+    exe.stats["kernels_compiled"] = len(kernels)
+    return exe
+
+
+_PLAN_STATS = ("kernels", "statements", "fused", "inlined", "contracted_buffers", "parallel_kernels")
+
+
+def _plan(exe: Executable) -> dict:
+    """What _from_cache needs to run the program again, as JSON."""
+    return {
+        "inputs": [cache.array_json(a) for a in exe.inputs], "outputs": [cache.array_json(a) for a in exe.outputs],
+        "output_arrays": exe.output_arrays, "buffers": [cache.array_json(a) for a in exe.buffers],
+        "int_slots": exe.int_slots, "params": exe.params,
+        "constraints": [[cache.size_json(a), cache.size_json(b)] for a, b in exe.constraints],
+        "kernels": [[k.name, k.parallel, list(k.statements)] for k in exe.kernels],
+        "contracted": [[[cache.size_json(s) for s in shape], itemsize, list(moduli), par]
+                       for shape, itemsize, moduli, par in exe.contracted_bytes.buffers],
+        "stats": {k: exe.stats[k] for k in _PLAN_STATS},
+        "ir": exe.ir,
+    }
+
+
+def _from_cache(graph: Graph, options: CompileOptions, name: str, plan: dict, objects: list[bytes]) -> Executable:
+    """A program loaded from the compile cache: nothing lowered, scheduled or compiled."""
+    from .codegen.llvm import KernelInfo
+    from .codegen.program import LoadedProgram
+    loaded = LoadedProgram(objects)
+    kernels = loaded.bind([KernelInfo(n, par, tuple(st)) for n, par, st in plan["kernels"]])
+    contracted = [(tuple(cache.size_from(s) for s in shape), itemsize, tuple(moduli), par)
+                  for shape, itemsize, moduli, par in plan["contracted"]]
+    exe = Executable(
+        name=name, inputs=[cache.array_from(a) for a in plan["inputs"]],
+        outputs=[cache.array_from(a) for a in plan["outputs"]], output_arrays=plan["output_arrays"],
+        buffers=[cache.array_from(a) for a in plan["buffers"]], int_slots=[tuple(s) for s in plan["int_slots"]],
+        params=plan["params"], constraints=[(cache.size_from(a), cache.size_from(b)) for a, b in plan["constraints"]],
+        constants=[n.attrs["value"] for n in graph.nodes() if n.op == "tensor_constant"], kernels=kernels,
+        num_threads=options.num_threads, stats={**plan["stats"], "intermediate_bytes": 0, "fallbacks": 0,
+                                                "kernels_compiled": 0},
+        contracted_bytes=ContractedBytes(contracted, options.num_threads), keepalive=loaded)
+    exe.ir = plan["ir"]
+    return exe
+
+
+class ContractedBytes:
+    """Memory the contracted buffers take at given sizes: (shape, itemsize,
+    moduli, parallel) each, a copy per thread where its kernel is parallel."""
+
+    def __init__(self, buffers: list[tuple], num_threads: int) -> None:
+        self.buffers, self.num_threads = buffers, num_threads
+
+    def __call__(self, env) -> int:
+        total = 0
+        for shape, itemsize, moduli, par in self.buffers:
+            count = 1
+            for s, m in zip(shape, moduli):
+                count *= sz.evaluate(s, env) if m is None else m
+            total += count * itemsize * (self.num_threads if par else 1)
+        return total
+
+
+def _executable(cls, graph: Graph, prog, sched, kernels, buffers, int_slots, options: CompileOptions, name: str,
+                keepalive, ir: dict, gpu_fields: dict) -> Executable:
     inputs = sorted((a for a in prog.arrays.values() if a.kind == "input"), key=lambda a: a.index)
     outputs = sorted((a for a in prog.arrays.values() if a.kind == "output"), key=lambda a: a.index)
     consts = [n.attrs["value"] for n in graph.nodes() if n.op == "tensor_constant"]
-    kernel_parallel = {i: k.parallel for i, k in enumerate(emitter.kernels)}
-    contracted = [(prog.arrays[n], m, kernel_parallel.get(sched.kernel_of_array.get(n), False))
+    contracted = [(prog.arrays[n].shape, prog.arrays[n].dtype.itemsize, m,
+                   kernels[sched.kernel_of_array[n]].parallel if n in sched.kernel_of_array else False)
                   for n, m in sched.contracted.items()]
-
-    def contracted_bytes(env) -> int:
-        total = 0
-        for arr, moduli, par in contracted:
-            count = 1
-            for s, m in zip(arr.shape, moduli):
-                count *= sz.evaluate(s, env) if m is None else m
-            total += count * arr.dtype.itemsize * (options.num_threads if par else 1)
-        return total
-
     stats = {
         "kernels": len(kernels),
         "statements": len(prog.statements),
@@ -81,31 +210,18 @@ def compile_graph(graph: Graph, options: CompileOptions, name: str = "fn") -> Ex
         "fallbacks": 0,
         "parallel_kernels": sum(k.parallel for k in kernels),
     }
-    gpu_fields = {}
-    if gpu:  # the arrays each kernel writes size its grid
-        gpu_fields = {"ptx": ptx_text, "arch": arch, "writes": [
-            [prog.arrays[a] for a in sorted({s.array for s in prog.statements if s.name in k.statements})]
-            for k in kernels]}
-    exe = (GpuExecutable if gpu else Executable)(name=name, inputs=inputs, outputs=outputs, output_arrays=prog.outputs,
-                     buffers=emitter.buffer_arrays, int_slots=emitter.int_slots,
-                     params=prog.params, constraints=prog.constraints, constants=consts,
-                     kernels=kernels, num_threads=options.num_threads, stats=stats,
-                     contracted_bytes=contracted_bytes, keepalive=jit, **gpu_fields)
+    exe = cls(name=name, inputs=inputs, outputs=outputs, output_arrays=prog.outputs, buffers=buffers,
+              int_slots=int_slots, params=prog.params, constraints=prog.constraints, constants=consts,
+              kernels=kernels, num_threads=options.num_threads, stats=stats,
+              contracted_bytes=ContractedBytes(contracted, options.num_threads), keepalive=keepalive, **gpu_fields)
     exe.ir = {
         "graph": str(graph),
         "affine": str(prog),
-        "schedule": str(sched.schedule.get_root()) if hasattr(sched.schedule, "get_root") else str(sched.schedule),
+        "schedule": sched.schedule_text(),
         "ast": sched.ast_text() + ("\ncontracted: " + ", ".join(
             f"{n}{list(m)}" for n, m in sched.contracted.items()) if sched.contracted else ""),
-        "llvm": str(module),
-        "llvm_opt": optimized,
+        **ir,
     }
-    if gpu:
-        exe.ir["ptx"] = ptx_text
-    stats["compile_seconds"] = time.perf_counter() - t0
-    log.debug("compiled %s in %.3fs: %s", name, stats["compile_seconds"], stats)
-    if options.debug:
-        dump(exe, options.dump_dir)
     return exe
 
 

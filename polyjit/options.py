@@ -26,6 +26,7 @@ class CompileOptions:
     num_threads: int = field(default_factory=lambda: os.cpu_count() or 1)
     strict: bool = False
     gpu_arch: str | None = None
+    cache: bool = True  # the on-disk compile cache (polyjit.cache)
 
     def on(self, target: str) -> "CompileOptions":
         """These options for ``target``: the device a call's inputs resolved to."""
@@ -45,6 +46,7 @@ _KEYS = {
     "num_threads": "a positive int",
     "strict": "True or False",
     "gpu_arch": "'sm_XX' (compile nvgpu code for that GPU without one present), or None (the GPU in use)",
+    "cache": "True or False (keep compiled programs in POLYJIT_CACHE_DIR and load them from there)",
 }
 
 
@@ -64,7 +66,7 @@ def parse_options(opts: Mapping[str, Any] | CompileOptions | None,
     if t is not None and t not in TARGETS:
         raise CompileOptionError(f"compile option 'target' is {t!r}; allowed values: {list(TARGETS)} or None "
                                  f"(the device that holds the inputs)")
-    for k in ("debug", "strict"):
+    for k in ("debug", "strict", "cache"):
         if k in kw and not isinstance(kw[k], bool):
             raise CompileOptionError(f"compile option {k!r} is {kw[k]!r}; allowed values: True, False")
     if "fusion" in kw and kw["fusion"] not in FUSION:

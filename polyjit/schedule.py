@@ -12,15 +12,19 @@ live ranges.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
+import re
+import threading
 import time
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 
 import islpy as isl
 
 from . import sizes as sz
 from .affine import AffineProgram
-from .expr import Op, Var, loads, walk
+from .expr import Load, Op, Var, loads, substitute, walk
 
 log = logging.getLogger("polyjit.schedule")
 
@@ -38,6 +42,90 @@ class Scheduled:
 
     def ast_text(self) -> str:
         return self.ast.to_C_str()
+
+    def kernel_asts(self) -> list[isl.AstNode]:
+        """The top-level nests, one kernel each."""
+        return _kernels(self.ast)
+
+
+@dataclass
+class GroupProblem:
+    """A fusion group as a program of its own, in names of its own."""
+
+    prog: AffineProgram
+    statements: dict[str, str]  # a statement's name in prog -> in the whole program
+    arrays: dict[str, str]  # likewise for arrays
+    shared: frozenset[str]  # arrays (named as in prog) that other groups use too
+    key: str  # everything the group's schedule and code depend on
+
+
+_CANONICAL = re.compile(r"\b_[sa]\d+\b")
+
+
+def group_problem(prog: AffineProgram, group: list[str], shared: set[str], canonical: bool = True) -> GroupProblem:
+    """The statements of group (and the arrays they touch), renamed _s0, _s1,
+    ... and _a0, _a1, ... in order of appearance where canonical."""
+    arrays: dict[str, str] = {}
+
+    def array(name: str) -> str:
+        return arrays.setdefault(name, f"_a{len(arrays)}" if canonical else name)
+
+    def rename(e):
+        if isinstance(e, Load):
+            return Load(e.dtype, array(e.array), tuple(substitute(i, rename) for i in e.index))
+        return None
+    stmts, names = [], {}
+    for s in prog.statements:
+        if s.name in group:
+            name = f"_s{len(stmts)}" if canonical else s.name
+            names[name] = s.name
+            stmts.append(replace(s, name=name, array=array(s.array), index=tuple(substitute(i, rename) for i in s.index),
+                                 body=substitute(s.body, rename)))
+    arrs = {new: replace(prog.arrays[old], name=new, index=k if canonical else prog.arrays[old].index)
+            for k, (old, new) in enumerate(arrays.items())}
+    mine = frozenset(new for old, new in arrays.items() if old in shared)
+    sub = AffineProgram(list(prog.params), arrs, stmts, [])
+    key = "\n".join([repr(prog.params), *map(repr, arrs.values()), *map(repr, stmts), repr(sorted(mine))])
+    return GroupProblem(sub, names, {new: old for old, new in arrays.items()}, mine,
+                        hashlib.sha256(key.encode()).hexdigest())
+
+
+@dataclass
+class ScheduledGroup:
+    problem: GroupProblem
+    sched: Scheduled
+
+    def real_names(self, text: str) -> str:
+        """text with the group's names replaced by the program's."""
+        p = self.problem
+        return _CANONICAL.sub(lambda m: p.statements.get(m.group(0)) or p.arrays.get(m.group(0), m.group(0)), text)
+
+
+class ProgramSchedule:
+    """The groups' schedules, and what they say about the whole program, in
+    its names: the statements of each kernel, contracted temporaries, the
+    first kernel writing each array."""
+
+    def __init__(self, prog: AffineProgram, groups: list[ScheduledGroup]) -> None:
+        self.groups = groups
+        self.kernels: list[set[str]] = []
+        self.contracted: dict[str, tuple[int | None, ...]] = {}
+        self.kernel_of_array: dict[str, int] = {}
+        for g in groups:
+            p = g.problem
+            for a, k in _kernel_of_array(p.prog, g.sched.kernels, len(self.kernels), p.arrays).items():
+                self.kernel_of_array.setdefault(a, k)
+            self.kernels += [{p.statements[n] for n in k} for k in g.sched.kernels]
+            self.contracted.update({p.arrays[a]: m for a, m in g.sched.contracted.items()})
+
+    def kernel_asts(self) -> list[isl.AstNode]:
+        return [node for g in self.groups for node in g.sched.kernel_asts()]
+
+    def ast_text(self) -> str:
+        return "\n".join(g.real_names(g.sched.ast_text()).rstrip("\n") for g in self.groups) + "\n"
+
+    def schedule_text(self) -> str:
+        return "\n".join(g.real_names(str(g.sched.schedule.get_root())) for g in self.groups)
 
 
 def make_context() -> isl.Context:
@@ -642,7 +730,9 @@ def _live_conflict(ctx, prog, name, moduli, tw: isl.Map, between: isl.Map) -> bo
     return not same.apply_range(tw).intersect(between).is_empty()
 
 
-def contract(ctx, prog: AffineProgram, schedule: isl.Schedule, dom, kernels) -> dict:
+def contract(ctx, prog: AffineProgram, schedule: isl.Schedule, dom, kernels, shared=frozenset()) -> dict:
+    """Moduli of the temporaries (not in shared: used by other groups too)
+    that one kernel keeps to itself, along dimensions where a window suffices."""
     smap = schedule.get_map().intersect_domain(dom)
     _, may = prog.writes(ctx)
     reads = prog.reads(ctx)
@@ -655,7 +745,7 @@ def contract(ctx, prog: AffineProgram, schedule: isl.Schedule, dom, kernels) -> 
                     where.setdefault(ld.array, set()).add(k)
     out = {}
     for name, arr in prog.arrays.items():
-        if arr.kind != "temp" or len(where.get(name, ())) != 1 or not arr.shape:
+        if arr.kind != "temp" or name in shared or len(where.get(name, ())) != 1 or not arr.shape:
             continue
         space = isl.Set.read_from_str(ctx, prog.prefix() + f"{{ {name}[{', '.join(f'x{d}' for d in range(len(arr.shape)))}] }}").get_space()
         tw_u = may.intersect_range(isl.UnionSet.from_set(isl.Set.universe(space))).reverse().apply_range(smap)
@@ -871,25 +961,96 @@ def _schedule_one_group(ctx, prog, dom, validity, raw, names, fusion, fuse: bool
 GPU_PRIVATE_BYTES = 256  # a contracted buffer a GPU thread keeps to itself
 
 
-def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None,
-                     target: str = "cpu", vector_bits: int = 512) -> Scheduled:
+def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None, target: str = "cpu",
+                     vector_bits: int = 512, timer=None, canonical: bool = True) -> "ProgramSchedule":
     """The cpu target tiles (register blocks sized for vectors of
     vector_bits), balances threads and sinks inner loops; nvgpu puts every
     coincident loop outside (they become the thread grid) and keeps only
-    contracted buffers small enough for a thread's registers."""
+    contracted buffers small enough for a thread's registers.
+
+    Each fusion group is scheduled as a program of its own (its statements
+    run after the groups before it, so no dependence is lost), with its
+    statements and arrays renamed canonically: groups of the same structure
+    (a model's identical layers) share one result, scheduled once per
+    process. canonical=False keeps the program's names (a target whose
+    emitter reads the whole program's)."""
+    timer = timer or _no_timer
+    fuse = target == "cpu" and fusion != "none" and not tile_sizes
+    config = (fusion, tile_sizes, target, vector_bits, fuse)
+    with timer("schedule/groups"):
+        names = fusion_groups(prog, epilogues=fuse)
+    users: dict[str, set[int]] = {}
+    for g, group in enumerate(names):
+        for s in prog.statements:
+            if s.name in group:
+                for a in [s.array] + [ld.array for ld in prog.statement_loads(s)]:
+                    users.setdefault(a, set()).add(g)
+    groups = []
+    for g, group in enumerate(names):
+        shared = {a for a, gs in users.items() if gs != {g}}
+        with timer("schedule/canonical"):
+            problem = group_problem(prog, group, shared, canonical)
+        key = (problem.key, config)
+        with _group_lock:
+            sched = _group_cache.get(key)
+        if sched is None:
+            sched = _schedule_problem(problem, config, timer)
+            with _group_lock:
+                _group_cache[key] = sched
+                while len(_group_cache) > GROUP_CACHE:
+                    _group_cache.pop(next(iter(_group_cache)))
+        groups.append(ScheduledGroup(problem, sched))
+    return ProgramSchedule(prog, groups)
+
+
+GROUP_CACHE = 4096  # scheduled groups kept per process
+_group_cache: dict = {}
+_group_lock = threading.Lock()
+
+
+def _schedule_problem(problem: "GroupProblem", config: tuple, timer) -> Scheduled:
+    """One group scheduled as a program: isl's schedule, the target's
+    rewrites, the AST, contracted temporaries."""
+    fusion, tile_sizes, target, vector_bits, fuse = config
+    prog = problem.prog
     ctx = make_context()
     if fusion == "none":
         ctx.set_schedule_whole_component(0)
         ctx.set_schedule_serialize_sccs(1)
-    dom = prog.domain(ctx)
-    validity, raw = dependences(ctx, prog, dom)
-    sched = None
-    fuse = target == "cpu" and fusion != "none" and not tile_sizes
-    for group in fusion_groups(prog, epilogues=fuse):
-        part = _schedule_group(ctx, prog, dom, validity, raw, group, fusion, fuse)
-        sched = part if sched is None else sched.sequence(part)
-    if sched is None:
-        sched = isl.Schedule.from_domain(dom)
+    with timer("schedule/dependences"):
+        dom = prog.domain(ctx)
+        validity, raw = dependences(ctx, prog, dom)
+    with timer("schedule/isl"):
+        sched = _schedule_group(ctx, prog, dom, validity, raw, [s.name for s in prog.statements], fusion, fuse)
+    with timer("schedule/rewrites"):
+        sched = _rewrites(sched, prog, validity, target, tile_sizes, vector_bits)
+    with timer("schedule/ast"):
+        params = prog.prefix() + "{ : " + sz.param_context(prog.params) + " }"
+        build = isl.AstBuild.from_context(isl.Set.read_from_str(ctx, params))
+        ast = build.node_from_schedule(sched)
+        kernels = [statements_in(k) for k in _kernels(ast)]
+    with timer("schedule/contract"):
+        contracted = contract(ctx, prog, sched, dom, kernels, problem.shared)
+    if target == "nvgpu":
+        contracted = {n: m for n, m in contracted.items() if _private_bytes(prog.arrays[n], m) <= GPU_PRIVATE_BYTES}
+    return Scheduled(sched, ast, contracted, kernels, _kernel_of_array(prog, kernels))
+
+
+def _kernel_of_array(prog: AffineProgram, kernels: list[set[str]], offset: int = 0,
+                     names: dict[str, str] | None = None) -> dict[str, int]:
+    """The first kernel writing each array (names: the statements' and
+    arrays' names in prog, where the kernels use others)."""
+    out: dict[str, int] = {}
+    for k, stmts in enumerate(kernels):
+        for s in prog.statements:
+            if s.name in stmts:
+                out.setdefault(names[s.array] if names else s.array, k + offset)
+    return out
+
+
+def _rewrites(sched: isl.Schedule, prog: AffineProgram, validity, target: str, tile_sizes,
+              vector_bits: int) -> isl.Schedule:
+    """The target's rewrites of the whole program's schedule, each checked by isl."""
     if target == "nvgpu":
         sched = coincident_outside(sched, validity)
         sched = mark_parallel(sched, all_coincident=True)
@@ -898,17 +1059,9 @@ def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None,
         sched = balance_parallel(sched, prog, validity)
         sched = sink_inner(sched, prog, validity)
         sched = mark_parallel(sched)
-    sched = order_sets(sched, validity)
-    params = prog.prefix() + "{ : " + sz.param_context(prog.params) + " }"
-    build = isl.AstBuild.from_context(isl.Set.read_from_str(ctx, params))
-    ast = build.node_from_schedule(sched)
-    kernels = [statements_in(k) for k in _kernels(ast)]
-    contracted = contract(ctx, prog, sched, dom, kernels)
-    if target == "nvgpu":
-        contracted = {n: m for n, m in contracted.items() if _private_bytes(prog.arrays[n], m) <= GPU_PRIVATE_BYTES}
-    result = Scheduled(sched, ast, contracted, kernels)
-    for k, names in enumerate(kernels):
-        for s in prog.statements:
-            if s.name in names:
-                result.kernel_of_array.setdefault(s.array, k)
-    return result
+    return order_sets(sched, validity)
+
+
+@contextmanager
+def _no_timer(stage: str):
+    yield

@@ -1,8 +1,14 @@
+import atexit
 import os
+import shutil
+import tempfile
 
 # Outputs and temporaries start as NaN (-7777 for integers): an element a kernel
 # forgets to write fails the comparison instead of passing by luck.
 os.environ.setdefault("POLYJIT_POISON", "1")
+# The compile cache goes to a folder of this run's (subprocesses inherit it), never the user's.
+os.environ["POLYJIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="polyjit_cache_")
+atexit.register(shutil.rmtree, os.environ["POLYJIT_CACHE_DIR"], True)
 
 import numpy as np
 import pytest

@@ -99,7 +99,7 @@ class CpuEmitter(Emitter):
     def body(self, fn, node) -> None:
         """A body with streaming stores ends with a fence: they are weakly
         ordered, and the thread that joins this one reads what they wrote."""
-        k = len(self.kernels)
+        k = self.k
         # (a contraction's private block is no stencil's rows: its epilogue
         # writes rows of one block's width, and tagging them kept LLVM from
         # holding the accumulators in registers)
@@ -230,6 +230,12 @@ def streaming_stores(ir_text: str) -> str:
 WIDE = 1000  # the attribute group number for the kernels' vector width
 
 
+@functools.cache
+def host_key() -> str:
+    """What this host's machine code depends on: triple, CPU and its features."""
+    return f"{llvm.get_process_triple()}|{llvm.get_host_cpu_name()}|{llvm.get_host_cpu_features().flatten()}"
+
+
 def vector_bits() -> int:
     """The width of the host's vectors: 512 with AVX-512, else 256."""
     return 512 if "+avx512f" in llvm.get_host_cpu_features().flatten() else 256
@@ -256,21 +262,29 @@ def optimize(mod: "llvm.ModuleRef", tm) -> None:
     pm.run(mod, pb)
 
 
+def optimized_module(ir_text: str, tm) -> tuple["llvm.ModuleRef", str]:
+    """The module of ir_text after O3 for tm's host, and its text (with
+    streaming stores); call with _lock held."""
+    mod = llvm.parse_assembly(prefer_wide_vectors(ir_text))
+    mod.verify()
+    mod.triple = tm.triple
+    mod.data_layout = str(tm.target_data)
+    optimize(mod, tm)
+    text = str(mod)
+    optimized = streaming_stores(text)
+    if optimized != text:
+        mod = llvm.parse_assembly(optimized)
+        mod.verify()
+    return mod, optimized
+
+
 class JitModule:
     """A JIT-compiled LLVM module; keeps the engine alive with its code."""
 
     def __init__(self, ir_text: str) -> None:
         tm = target_machine()
         with _lock:
-            mod = llvm.parse_assembly(prefer_wide_vectors(ir_text))
-            mod.verify()
-            mod.triple = tm.triple
-            mod.data_layout = str(tm.target_data)
-            optimize(mod, tm)
-            self.optimized_ir = streaming_stores(str(mod))
-            if self.optimized_ir != str(mod):
-                mod = llvm.parse_assembly(self.optimized_ir)
-                mod.verify()
+            mod, self.optimized_ir = optimized_module(ir_text, tm)
             self.engine = llvm.create_mcjit_compiler(mod, tm)
             self.engine.finalize_object()
             self.assembly = None

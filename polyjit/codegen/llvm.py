@@ -21,7 +21,7 @@ from .. import sizes as sz
 from ..affine import AffineProgram, Array, Statement
 from ..dtypes import DataType
 from ..expr import Const, Expr, Load, Op, Var, loads, walk
-from ..schedule import Scheduled, _kernels, ast_nodes, statements_in
+from ..schedule import Scheduled, ast_nodes, statements_in
 from . import mathlib
 
 I1, I8, I32, I64 = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.IntType(64)
@@ -130,27 +130,19 @@ class Emitter:
         if self.triple:
             self.module.triple = self.triple
         self.stmts = {s.name: s for s in prog.statements}
-        self.buffer_arrays = [a for a in _ordered(prog) if a.name not in sched.contracted]
+        self.buffer_arrays, self.int_slots = buffer_layout(prog, sched.contracted)
         self.slot = {a.name: k for k, a in enumerate(self.buffer_arrays)}
-        self.int_slots: list[tuple[str, int]] = [(p, -1) for p in prog.params]
-        for a in self.buffer_arrays:
-            if a.strided:
-                self.int_slots += [(a.name, d) for d in range(len(a.shape))]
         self.kernels: list[KernelInfo] = []
+        self.symbol: str | None = None  # the name of the next kernel's entry, where not kernel_name's
 
     # ------------------------------------------------------------ module
     def emit(self) -> ir.Module:
-        for k, node in enumerate(_kernels(self.sched.ast)):
+        for k, node in enumerate(self.sched.kernel_asts()):
             self.kernel(k, node)
         return self.module
 
     def kernel_name(self, k: int, names: set[str]) -> str:
-        labels = []
-        for s in self.prog.statements:
-            if s.name in names and s.label not in labels and not s.label.endswith("_init"):
-                labels.append(s.label)
-        safe = "".join(c if c.isalnum() else "_" for c in self.fname)
-        return f"polyjit_{safe}_{'_'.join(labels[:3]) or 'nest'}_{k}_kernel"
+        return kernel_name(self.prog, self.fname, k, names)
 
     def kernel(self, k: int, node: isl.AstNode) -> None:
         """An entry with the fixed signature that unpacks its arguments and
@@ -171,8 +163,9 @@ class Emitter:
     def body_function(self, k: int, node: isl.AstNode) -> tuple[set[str], str, ir.Function]:
         """The statements of kernel k, its name, and its (still empty) body
         function ``void (ptr arrays..., i64 ints..., i64 part, i64 parts)``."""
+        self.k = k
         names = statements_in(node)
-        name = self.kernel_name(k, names)
+        name = self.symbol or self.kernel_name(k, names)
         nb, ni = len(self.buffer_arrays), len(self.int_slots)
         fn = ir.Function(self.module, ir.FunctionType(ir.VoidType(), [PTR] * nb + [I64] * (ni + 2)), name + "_body")
         fn.linkage = "internal"
@@ -181,7 +174,7 @@ class Emitter:
         return names, name, fn
 
     def body(self, fn: ir.Function, node: isl.AstNode) -> None:
-        k = len(self.kernels)
+        k = self.k
         self.fn = fn
         self.entry = fn.append_basic_block("entry")
         body = fn.append_basic_block("body")
@@ -932,6 +925,27 @@ def _fold(b, args, f):
     for x in args[1:]:
         v = f(v, x)
     return v
+
+
+def kernel_name(prog: AffineProgram, fname: str, k: int, names: set[str]) -> str:
+    """polyjit_<program>_<the labels of its first three statements>_<k>_kernel."""
+    labels = []
+    for s in prog.statements:
+        if s.name in names and s.label not in labels and not s.label.endswith("_init"):
+            labels.append(s.label)
+    safe = "".join(c if c.isalnum() else "_" for c in fname)
+    return f"polyjit_{safe}_{'_'.join(labels[:3]) or 'nest'}_{k}_kernel"
+
+
+def buffer_layout(prog: AffineProgram, contracted) -> tuple[list[Array], list[tuple[str, int]]]:
+    """The arrays kernels take as buffers (all but the contracted), and their
+    integer arguments: the size parameters, then each strided buffer's strides."""
+    buffers = [a for a in _ordered(prog) if a.name not in contracted]
+    ints: list[tuple[str, int]] = [(p, -1) for p in prog.params]
+    for a in buffers:
+        if a.strided:
+            ints += [(a.name, d) for d in range(len(a.shape))]
+    return buffers, ints
 
 
 def _ordered(prog: AffineProgram) -> list[Array]:

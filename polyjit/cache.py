@@ -1,0 +1,181 @@
+"""The on-disk compile cache: a compiled CPU program's object code and plan.
+
+An entry is keyed by the graph (printed canonically: node ids renumbered,
+attribute values by repr), the program's name, the options that change
+code, the host (triple, CPU, features) and the versions of polyjit (with a
+digest of its sources), llvmlite and islpy. It holds the plan as JSON
+(arrays, integer slots, kernels, stats, IR texts) and the object files,
+never pickles, behind a SHA-256 of its contents: a truncated or corrupted
+entry is found, removed, warned about and compiled again. Writes go to a
+temporary file renamed into place, so readers see whole entries and two
+processes writing one key both succeed. Past ``POLYJIT_CACHE_BYTES``
+(1 GiB by default) the least recently used entries go.
+
+``POLYJIT_CACHE_DIR`` picks the folder (default ``$XDG_CACHE_HOME/polyjit``
+or ``~/.cache/polyjit``); ``compile_options={"cache": False}`` skips it.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import struct
+import tempfile
+import warnings
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from .affine import Array
+from .dtypes import DataType
+from .graph import Graph
+from .sizes import Lin
+
+log = logging.getLogger("polyjit.cache")
+MAGIC = b"PJC1"
+FORMAT = 1
+DEFAULT_BYTES = 1 << 30
+
+
+def cache_dir() -> Path:
+    """POLYJIT_CACHE_DIR, else the user's cache folder."""
+    given = os.environ.get("POLYJIT_CACHE_DIR")
+    if given:
+        return Path(given)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "polyjit"
+
+
+@functools.cache
+def _versions() -> str:
+    """polyjit's version and a digest of its sources (code changes without a
+    version change must not load stale code), llvmlite's and islpy's."""
+    import islpy
+    import llvmlite
+
+    from . import __version__
+    digest = hashlib.sha256()
+    root = Path(__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return f"polyjit {__version__} {digest.hexdigest()[:16]} llvmlite {llvmlite.__version__} islpy {islpy.__version__}"
+
+
+def graph_text(graph: Graph) -> str:
+    """The graph with node ids numbered in order and every attribute by repr."""
+    ids: dict[int, int] = {}
+    lines = []
+    for n in graph.nodes():
+        ids[n.id] = len(ids)
+        attrs = {k: ("array", v.shape, str(v.dtype)) if isinstance(v, np.ndarray) else v for k, v in n.attrs.items()}
+        lines.append(f"{n.op}({[ids[i.id] for i in n.inputs]}, {sorted(attrs.items(), key=str)!r}, "
+                     f"{n.shape!r}, {n.dtype})")
+    lines.append(f"return {[ids[o.id] for o in graph.outputs]} constraints {graph.constraints!r}")
+    return "\n".join(lines)
+
+
+def key(graph: Graph, name: str, options_key: tuple, target: str) -> str:
+    text = "\n".join([f"format {FORMAT}", _versions(), target, repr(options_key), name, graph_text(graph)])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def load(key: str) -> tuple[dict, list[bytes]] | None:
+    """The plan and objects stored under key; None if there are none or the
+    entry is damaged (then it is removed, with a warning)."""
+    path = cache_dir() / f"{key}.pjc"
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    try:
+        entry = _decode(data)
+    except (ValueError, KeyError, TypeError, struct.error, zlib.error, UnicodeDecodeError) as e:
+        warnings.warn(f"polyjit: the compile cache entry {path} is damaged ({e}); removed, compiling again",
+                      RuntimeWarning, stacklevel=3)
+        path.unlink(missing_ok=True)
+        return None
+    try:
+        os.utime(path)  # recently used: evicted last
+    except OSError:
+        pass
+    return entry
+
+
+def store(key: str, plan: dict, objects: list[bytes]) -> None:
+    """Write an entry atomically; a failure to write only loses the entry."""
+    folder = cache_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".pjc")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(_encode(plan, objects))
+            os.replace(tmp, folder / f"{key}.pjc")
+        except BaseException:
+            os.unlink(tmp)
+            raise
+        _evict(folder, int(os.environ.get("POLYJIT_CACHE_BYTES", DEFAULT_BYTES)))
+    except OSError as e:
+        log.warning("polyjit: could not write the compile cache in %s: %s", folder, e)
+
+
+def _encode(plan: dict, objects: list[bytes]) -> bytes:
+    head = zlib.compress(json.dumps({**plan, "objects": [len(o) for o in objects]}).encode(), 1)
+    payload = struct.pack("<Q", len(head)) + head + b"".join(objects)
+    return MAGIC + hashlib.sha256(payload).digest() + payload
+
+
+def _decode(data: bytes) -> tuple[dict, list[bytes]]:
+    if data[:4] != MAGIC:
+        raise ValueError("not a polyjit cache entry")
+    payload = data[36:]
+    if hashlib.sha256(payload).digest() != data[4:36]:
+        raise ValueError("checksum mismatch")
+    (n,) = struct.unpack_from("<Q", payload)
+    plan = json.loads(zlib.decompress(payload[8:8 + n]))
+    objects, at = [], 8 + n
+    for size in plan.pop("objects"):
+        objects.append(payload[at:at + size])
+        at += size
+    if at != len(payload):
+        raise ValueError("length mismatch")
+    return plan, objects
+
+
+def _evict(folder: Path, limit: int) -> None:
+    """Remove the least recently used entries while the folder holds more than limit bytes."""
+    entries = []
+    for p in folder.glob("*.pjc"):
+        try:
+            st = p.stat()
+        except OSError:
+            continue
+        entries.append((st.st_mtime, st.st_size, p))
+    total = sum(size for _, size, _ in entries)
+    for _, size, p in sorted(entries, key=lambda e: e[0]):
+        if total <= limit:
+            break
+        p.unlink(missing_ok=True)
+        total -= size
+
+
+# ---------------------------------------------------------------- JSON
+def size_json(s):
+    return {"terms": [list(t) for t in s.terms], "const": s.const} if isinstance(s, Lin) else int(s)
+
+
+def size_from(j):
+    return Lin(tuple((n, c) for n, c in j["terms"]), j["const"]) if isinstance(j, dict) else j
+
+
+def array_json(a: Array) -> dict:
+    return {"name": a.name, "shape": [size_json(s) for s in a.shape], "dtype": a.dtype.value, "kind": a.kind,
+            "strided": a.strided, "index": a.index}
+
+
+def array_from(j: dict) -> Array:
+    return Array(j["name"], tuple(size_from(s) for s in j["shape"]), DataType(j["dtype"]), j["kind"],
+                 j["strided"], j["index"])

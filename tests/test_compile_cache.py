@@ -1,0 +1,145 @@
+"""Compile time: per-stage timings, kernels compiled once per structure, the on-disk cache."""
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import polyjit
+from polyjit import InputInfo, cache, ops
+
+F32 = np.float32
+
+
+def _softmax(x):
+    e = np.exp(x - x.max(1, keepdims=True))
+    return e / e.sum(1, keepdims=True)
+
+
+def test_stage_seconds_in_stats_and_log(rng, caplog):
+    x = rng.standard_normal((64, 96), dtype=F32)
+    with caplog.at_level(logging.INFO, logger="polyjit"):
+        exe = polyjit.compile(ops.softmax, [InputInfo(x.shape, F32)], {"cache": False})
+    stages = exe.stats["compile_seconds_by_stage"]
+    assert set(stages) == {"lower", "schedule", "emit", "llvm"} and all(v >= 0 for v in stages.values())
+    assert sum(stages.values()) <= exe.stats["compile_seconds"]
+    assert any("schedule" in r.getMessage() and "llvm" in r.getMessage() for r in caplog.records)
+    np.testing.assert_allclose(exe(x), _softmax(x), rtol=1e-5, atol=1e-7)
+
+
+def _layers(n: int):
+    """n identical layers: a linear map, bias, tanh and a row normalization."""
+    def fn(x, *params):
+        for w, b in zip(params[0::2], params[1::2]):
+            h = ops.tanh(ops.matmul(x, w) + b)
+            x = h - ops.sum(h, [1], True) / h.shape[1]
+        return x
+    return fn
+
+
+def _layers_ref(x, *params):
+    for w, b in zip(params[0::2], params[1::2]):
+        h = np.tanh(x.astype(np.float64) @ w + b)
+        x = h - h.mean(1, keepdims=True)
+    return x
+
+
+def test_identical_layers_compile_once(rng):
+    n, rows, d = 6, 24, 40
+    args = [rng.standard_normal((rows, d), dtype=F32)]
+    for _ in range(n):
+        args += [rng.standard_normal((d, d), dtype=F32) / 8, rng.standard_normal(d, dtype=F32)]
+    infos = [InputInfo(a.shape, F32) for a in args]
+    exe = polyjit.compile(_layers(n), infos, {"cache": False})
+    assert exe.stats["kernels"] >= n and exe.stats["kernels_compiled"] * 2 < exe.stats["kernels"]
+    np.testing.assert_allclose(exe(*args), _layers_ref(*args), rtol=1e-4, atol=1e-5)
+    again = polyjit.compile(_layers(n), infos, {"cache": False})  # the same structure: all compiled already
+    assert again.stats["kernels_compiled"] == 0 and again.stats["cache_hits"] == 0
+    fresh = [a + 1 for a in args]
+    np.testing.assert_allclose(again(*fresh), _layers_ref(*fresh), rtol=1e-4, atol=1e-5)
+
+
+SCRIPT = """
+import json, sys, numpy as np, polyjit
+from polyjit import ops, InputInfo
+x = np.random.default_rng().standard_normal((48, 200), dtype=np.float32)
+exe = polyjit.compile(ops.softmax, [InputInfo(x.shape, np.float32)], {"num_threads": 2})
+e = np.exp(x - x.max(1, keepdims=True))
+np.testing.assert_allclose(exe(x), e / e.sum(1, keepdims=True), rtol=1e-5, atol=1e-7)
+print(json.dumps({k: exe.stats[k] for k in ("cache_hits", "kernels_compiled", "kernels")}))
+"""
+
+
+def _run(folder, count: int = 1) -> list[tuple[dict, str]]:
+    """Run SCRIPT in count processes at once with the compile cache in folder."""
+    env = {**os.environ, "POLYJIT_CACHE_DIR": str(folder)}
+    procs = [subprocess.Popen([sys.executable, "-c", SCRIPT], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(count)]
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=300)
+        assert p.returncode == 0, stderr
+        out.append((json.loads(stdout.strip().splitlines()[-1]), stderr))
+    return out
+
+
+def test_a_fresh_process_loads_the_program_from_the_cache(tmp_path):
+    [(first, _)] = _run(tmp_path)
+    assert first["cache_hits"] == 0 and first["kernels_compiled"] == first["kernels"] > 0
+    assert len(list(tmp_path.glob("*.pjc"))) == 1 and not list(tmp_path.glob(".tmp-*"))
+    [(second, _)] = _run(tmp_path)
+    assert second == {"cache_hits": 1, "kernels_compiled": 0, "kernels": first["kernels"]}
+
+
+def test_a_damaged_entry_is_removed_recompiled_and_warned_about(tmp_path):
+    _run(tmp_path)
+    [entry] = tmp_path.glob("*.pjc")
+    data = bytearray(entry.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    entry.write_bytes(bytes(data))
+    [(stats, err)] = _run(tmp_path)
+    assert "damaged" in err and stats["cache_hits"] == 0 and stats["kernels_compiled"] > 0
+    entry.write_bytes(entry.read_bytes()[:100])  # (rewritten whole by that run; now truncated)
+    [(stats, err)] = _run(tmp_path)
+    assert "damaged" in err and stats["cache_hits"] == 0
+    [(stats, err)] = _run(tmp_path)
+    assert "damaged" not in err and stats["cache_hits"] == 1
+
+
+def test_two_processes_writing_one_key_both_succeed(tmp_path):
+    runs = _run(tmp_path, count=2)
+    assert all(stats["kernels"] > 0 for stats, _ in runs)
+    assert len(list(tmp_path.glob("*.pjc"))) == 1 and not list(tmp_path.glob(".tmp-*"))
+    [(stats, _)] = _run(tmp_path)
+    assert stats["cache_hits"] == 1
+
+
+def test_cache_false_neither_reads_nor_writes(tmp_path, monkeypatch, rng):
+    monkeypatch.setenv("POLYJIT_CACHE_DIR", str(tmp_path))
+    x = rng.standard_normal((16, 72), dtype=F32)
+    first = polyjit.compile(ops.softmax, [InputInfo(x.shape, F32)])
+    assert first.stats["cache_hits"] == 0 and len(list(tmp_path.glob("*.pjc"))) == 1
+    hit = polyjit.compile(ops.softmax, [InputInfo(x.shape, F32)])
+    assert hit.stats["cache_hits"] == 1
+    np.testing.assert_allclose(hit(x), _softmax(x), rtol=1e-5, atol=1e-7)
+    for entry in tmp_path.glob("*.pjc"):
+        entry.unlink()
+    off = polyjit.compile(ops.softmax, [InputInfo(x.shape, F32)], {"cache": False})
+    assert off.stats["cache_hits"] == 0 and not list(tmp_path.iterdir())
+    np.testing.assert_allclose(off(x), _softmax(x), rtol=1e-5, atol=1e-7)
+    with pytest.raises(polyjit.errors.CompileOptionError, match="cache"):
+        polyjit.compile(ops.softmax, [InputInfo(x.shape, F32)], {"cache": "no"})
+
+
+def test_the_size_limit_evicts_the_least_recently_used(tmp_path, monkeypatch):
+    monkeypatch.setenv("POLYJIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("POLYJIT_CACHE_BYTES", "250000")
+    for k in range(4):
+        cache.store(f"k{k}", {"n": k}, [bytes(100000)])
+        os.utime(tmp_path / f"k{k}.pjc", (k, k))  # k0 oldest
+        if k == 1:
+            assert cache.load("k0")[0] == {"n": 0}  # used: now the most recent
+    assert sorted(p.stem for p in tmp_path.glob("*.pjc")) == ["k0", "k3"]
