@@ -544,7 +544,7 @@ def test_flax_conv_bias_relu():
     with jax.default_matmul_precision("highest"):  # the reference in float32, not TF32 on a GPU
         want = model.apply(params, x)
     np.testing.assert_allclose(np.asarray(f(params, x)), np.asarray(want), rtol=1e-5, atol=1e-5)
-    assert f.stats["fallbacks"] == 0 and f.stats["kernels"] == 1
+    assert f.stats["fallbacks"] == 0 and f.stats["kernels"] >= 1
 
 
 # =========================================================== TensorFlow
