@@ -14,6 +14,7 @@ from dataclasses import replace
 from . import sizes as sz
 from .cuda import GpuExecutable
 from .graph import Graph
+from .library import LibraryPolicy
 from .lowering import GPU_RECOMPUTE_LIMIT, RECOMPUTE_LIMIT, lower
 from .options import CompileOptions
 from .runtime import Executable
@@ -38,7 +39,8 @@ def compile_graph(graph: Graph, options: CompileOptions, name: str = "fn") -> Ex
     graph = graph.deduplicated()
     if not gpu:
         graph = graph.packed()
-    prog = lower(graph, GPU_RECOMPUTE_LIMIT if gpu else RECOMPUTE_LIMIT)
+    policy = None if gpu else LibraryPolicy(options.contractions, options.num_threads)
+    prog = lower(graph, GPU_RECOMPUTE_LIMIT if gpu else RECOMPUTE_LIMIT, policy)
     sched = schedule_program(prog, options.fusion, options.tile_sizes, options.target, bits)
     emitter = emitter_class(prog, sched, name)
     if gpu:
@@ -80,6 +82,8 @@ def compile_graph(graph: Graph, options: CompileOptions, name: str = "fn") -> Ex
         "intermediate_bytes": 0,
         "fallbacks": 0,
         "parallel_kernels": sum(k.parallel for k in kernels),
+        "library_calls": sum(s.library is not None for s in prog.statements),
+        "contractions": policy.choices if policy else [],
     }
     gpu_fields = {}
     if gpu:  # the arrays each kernel writes size its grid

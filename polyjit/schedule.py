@@ -654,8 +654,9 @@ def contract(ctx, prog: AffineProgram, schedule: isl.Schedule, dom, kernels) -> 
                 for ld in prog.statement_loads(s):
                     where.setdefault(ld.array, set()).add(k)
     out = {}
+    called = {box[0] for s in prog.statements if s.library is not None for box in [s.library.written()] + s.library.read()}
     for name, arr in prog.arrays.items():
-        if arr.kind != "temp" or len(where.get(name, ())) != 1 or not arr.shape:
+        if arr.kind != "temp" or len(where.get(name, ())) != 1 or not arr.shape or name in called:
             continue
         space = isl.Set.read_from_str(ctx, prog.prefix() + f"{{ {name}[{', '.join(f'x{d}' for d in range(len(arr.shape)))}] }}").get_space()
         tw_u = may.intersect_range(isl.UnionSet.from_set(isl.Set.universe(space))).reverse().apply_range(smap)
@@ -733,6 +734,12 @@ def fusion_groups(prog: AffineProgram, epilogues: bool = False) -> list[list[str
     current: list[str] = []
     update = None
     for s in prog.statements:
+        if s.library is not None:  # a library call runs alone
+            if current:
+                groups.append(current)
+            groups.append([s.name])
+            current, update = [], None
+            continue
         if update is not None and epilogues and _reduction_fits_tile(update) and _epilogue_of(s, update, prog):
             groups[-1].append(s.name)
             continue
@@ -848,6 +855,8 @@ def _schedule_one_group(ctx, prog, dom, validity, raw, names, fusion, fuse: bool
     """isl's schedule of the group; a contraction's group (its epilogue
     aside, which isl need not see) then shares one nest with its
     initialization and epilogue where fuse_contraction can build it."""
+    if any(s.library is not None for s in prog.statements if s.name in names):
+        return isl.Schedule.from_domain(_group_domain(ctx, prog, dom, names))  # its loops, unmarked: the call shares the work
     core = [s.name for s in prog.statements if s.name in names and (s.name in _inits(prog) or is_update(s))]
     epilogue = [n for n in names if n not in core] if core else []
     cdom = _group_domain(ctx, prog, dom, [n for n in names if n not in epilogue])

@@ -1,0 +1,290 @@
+"""A vendor-library floor under generated contractions (cpu).
+
+Where, for a convolution's shape, polyjit's generated loop nest loses to
+BLAS, the convolution lowers to an im2col statement (generated, so that
+the ops before it fuse into it) and one ``sgemm`` statement per image and
+group, a call into the OpenBLAS that numpy ships (bound by address, no
+framework involved). The statement reads and writes boxes of its arrays, so
+isl orders it with the rest of the program like any statement; the ops
+after it read its result in generated kernels.
+
+``contractions`` in the compile options picks: ``"generated"``, ``"library"``
+or ``"auto"`` (per shape, whichever a quick timing of both finds faster,
+measured once per process).
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+import logging
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from . import expr as E
+from . import sizes as sz
+from .dtypes import DataType
+from .expr import Expr
+from .sizes import Size
+
+log = logging.getLogger("polyjit.library")
+
+Box = tuple[str, tuple[Expr, ...], tuple[Size, ...]]  # array, first element, extents
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """C = op(A) @ op(B) over boxes of arrays (row-major sgemm). The parts of
+    a parallel kernel share the dimension `split` ("m" or "n"): each calls
+    sgemm on its strip, the operands advanced by `steps` elements per row or
+    column of the strip."""
+
+    a: Box
+    b: Box
+    c: Box
+    m: Size
+    n: Size
+    k: Size
+    lda: Size
+    ldb: Size
+    ldc: Size
+    trans_a: bool
+    trans_b: bool
+    split: str
+    steps: tuple[int | Size, int | Size, int | Size]
+    what: str = ""
+
+    def written(self) -> Box:
+        return self.c
+
+    def read(self) -> list[Box]:
+        return [self.a, self.b]
+
+    def __str__(self) -> str:
+        return (f"sgemm({'T' if self.trans_a else 'N'}{'T' if self.trans_b else 'N'}, m={self.m}, n={self.n}, "
+                f"k={self.k}, {self.a[0]}, {self.b[0]}, {self.c[0]})")
+
+
+# ------------------------------------------------------------------ BLAS
+_blas: Any = False
+
+
+def blas() -> "Blas | None":
+    """numpy's OpenBLAS (ILP64, scipy_ prefixed symbols), or None."""
+    global _blas
+    if _blas is False:
+        _blas = None
+        try:
+            import numpy
+            base = os.path.dirname(os.path.dirname(numpy.__file__))
+            for path in sorted(glob.glob(os.path.join(base, "numpy.libs", "libscipy_openblas*.so*"))
+                               + glob.glob(os.path.join(base, "scipy_openblas*", "lib", "lib*openblas*.so*"))):
+                lib = ctypes.CDLL(path)
+                for prefix, suffix in (("scipy_", "64_"), ("scipy_", ""), ("", "")):
+                    fn = getattr(lib, f"{prefix}cblas_sgemm{suffix}", None)
+                    if fn is not None:
+                        local = getattr(lib, "openblas_set_num_threads_local", None)
+                        _blas = Blas(path, _address(fn), _address(local) if local else None,
+                                     64 if suffix == "64_" else 32)
+                        break
+                if _blas is not None:
+                    break
+        except (ImportError, OSError) as e:
+            log.debug("no BLAS: %s", e)
+    return _blas
+
+
+@dataclass(frozen=True)
+class Blas:
+    path: str
+    sgemm: int  # address of cblas_sgemm
+    set_threads_local: int | None  # address of openblas_set_num_threads_local: 1 thread per calling thread
+    int_bits: int  # 64 for an ILP64 build
+
+
+def _address(fn) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+# ---------------------------------------------------------------- choice
+_measured: dict[tuple, tuple[bool, float, float]] = {}
+MIN_REDUCTION = 16  # shorter reductions (depthwise, a few input channels) are stencils: generated
+MIN_OUT_CHANNELS = 8
+
+
+class LibraryPolicy:
+    """Decides, per convolution, generated code or the library; records why."""
+
+    def __init__(self, mode: str, threads: int) -> None:
+        self.mode, self.threads = mode, threads
+        self.choices: list[str] = []
+
+    def use(self, L, n) -> bool:
+        form = gemm_form(L, n)
+        if form is None or self.mode == "generated" or blas() is None:
+            return False
+        xs, ws = L.shape(n.inputs[0]), L.shape(n.inputs[1])
+        what = f"conv {list(xs)} * {list(ws)} groups {n.attrs['groups']}"
+        if self.mode == "library":
+            self.choices.append(f"{what}: library (forced)")
+            return True
+        klay, groups = n.attrs["kernel_layout"], n.attrs["groups"]
+        red = math.prod(int(ws[d]) for d, c in enumerate(klay) if c != "O") if all(map(sz.is_static, ws)) else None
+        cout_g = int(ws[klay.index("O")]) // groups if sz.is_static(ws[klay.index("O")]) else None
+        if (red is not None and red < MIN_REDUCTION) or (cout_g is not None and cout_g < MIN_OUT_CHANNELS):
+            self.choices.append(f"{what}: generated (reduction {red}, {cout_g} output channels per group: a stencil)")
+            return False
+        if not all(map(sz.is_static, xs + ws)):
+            self.choices.append(f"{what}: library (symbolic sizes)")
+            return True
+        lib, t_lib, t_gen = self.measure(xs, ws, n.attrs, n.dtype)
+        self.choices.append(f"{what}: {'library' if lib else 'generated'} "
+                            f"(library {t_lib * 1e3:.3f} ms, generated {t_gen * 1e3:.3f} ms)")
+        return lib
+
+    def measure(self, xs, ws, attrs, dtype) -> tuple[bool, float, float]:
+        """Time the convolution alone both ways (once per shape and thread count)."""
+        key = (tuple(xs), tuple(ws), tuple(sorted((k, str(v)) for k, v in attrs.items())), dtype, self.threads)
+        if key not in _measured:
+            import numpy as np
+            rng = np.random.default_rng(0)
+            args = [rng.standard_normal([int(s) for s in shape]).astype(dtype.numpy) for shape in (xs, ws)]
+            times = {mode: _time(_single_conv(xs, ws, attrs, dtype, mode, self.threads), args)
+                     for mode in ("library", "generated")}
+            _measured[key] = (times["library"] < times["generated"], times["library"], times["generated"])
+        return _measured[key]
+
+
+def _single_conv(xs, ws, attrs, dtype, mode: str, threads: int):
+    from .compiler import compile_graph
+    from .graph import Graph
+    from .options import CompileOptions
+    g = Graph()
+    x, w = g.input(tuple(xs), dtype), g.input(tuple(ws), dtype)
+    g.add_output(g.conv(x, w, attrs["strides"], attrs["padding"], attrs["dilation"], attrs["groups"],
+                        attrs["layout"], attrs["kernel_layout"]))
+    return compile_graph(g, CompileOptions(num_threads=threads, contractions=mode), "measure")
+
+
+def _time(exe, args, reps: int = 5, budget: float = 0.2) -> float:
+    exe(*args)
+    ts: list[float] = []
+    start = time.perf_counter()
+    while len(ts) < reps and (len(ts) < 2 or time.perf_counter() - start < budget):
+        t = time.perf_counter()
+        exe(*args)
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+# ------------------------------------------------------------- lowering
+def gemm_form(L, n) -> str | None:
+    """"nchw" (channels before the image: C = W @ col) or "nhwc" (channels
+    last: C = col @ W) where the library can compute the convolution n;
+    None where it cannot (another dtype or layout, a symbolic group size)."""
+    if n.dtype != DataType.Float or n.inputs[1].dtype != DataType.Float or n.inputs[0].dtype != DataType.Float:
+        return None
+    lay = n.attrs["layout"]
+    sp = "".join(c for c in lay if c not in "NC")
+    out = L.shape(n)
+    if not all(map(sz.is_static, L.shape(n.inputs[1]))) or not all(sz.is_static(out[lay.index(c)]) for c in sp):
+        return None  # the kernel and the image positions make the matrices: their sizes must be numbers
+    if lay == "NC" + sp:
+        return "nchw"
+    if lay == "N" + sp + "C":
+        return "nhwc"
+    return None
+
+
+def lower_conv(L, n, out: str) -> None:
+    """n (a convolution) as im2col (or the input itself: a 1x1 convolution
+    without stride or padding) and an sgemm statement per image and group."""
+    from .lowering import conv_input_index, guarded
+    x, w = n.inputs
+    at = n.attrs
+    lay, klay, groups = at["layout"], at["kernel_layout"], at["groups"]
+    form = gemm_form(L, n)
+    sp = [c for c in lay if c not in "NC"]
+    xs, ws, os_ = L.shape(x), L.shape(w), L.shape(n)
+    cout = int(ws[klay.index("O")])
+    cg = cout // groups
+    kdims = [c for c in klay if c != "O"]  # the reduction in the kernel's memory order
+    kext = [ws[klay.index(c)] for c in kdims]
+    red = math.prod(int(e) for e in kext)
+    osz = [int(os_[lay.index(c)]) for c in sp]
+    pos = math.prod(osz)
+    batch = os_[lay.index("N")]
+    g_it, n_it = E.it("i1"), E.it("i0")
+    zero = E.const(0)
+
+    direct = (all(int(ws[klay.index(c)]) == 1 for c in sp)
+              and all(s == 1 for s in at["strides"]) and not any(any(p) for p in at["padding"])
+              and _row_major(L, x))
+    if direct:  # x itself: (channels x positions) per image, or (positions x channels)
+        cin = xs[lay.index("C")]
+        start = [zero] * x.rank
+        start[lay.index("N")] = n_it
+        start[lay.index("C")] = E.imul(g_it, int(red)) if groups > 1 else zero
+        ext = list(xs)
+        ext[lay.index("N")] = 1
+        ext[lay.index("C")] = red
+        col: Box = (L.array_of[x.id], tuple(start), tuple(ext))
+        ld_col = pos if form == "nchw" else cin
+    else:
+        name = f"t{n.id}_col"
+        outer = kext + osz if form == "nchw" else osz + kext
+        shape = (batch, groups, *outer)
+        L.declare_array(name, shape, n.dtype)
+        iters = tuple(f"i{d}" for d in range(len(shape)))
+        idx = [E.it(i) for i in iters]
+        kv = dict(zip(kdims, idx[2:2 + len(kdims)] if form == "nchw" else idx[2 + len(sp):]))
+        ov = idx[2 + len(kdims):] if form == "nchw" else idx[2:2 + len(sp)]
+        xi = conv_input_index(L, n, idx[0], E.iadd(E.imul(idx[1], int(ws[klay.index("I")])), kv["I"])
+                              if groups > 1 else kv["I"], ov, [kv[c] for c in sp])
+        body = guarded(L, x, xi, E.const(0.0, n.dtype), [lay.index(c) for k, c in enumerate(sp) if any(at["padding"][k])])
+        L.add(name, iters, tuple((0, s) for s in shape), tuple(idx), body, "im2col")
+        col = (name, (n_it, g_it) + (zero,) * len(outer), (1, 1, *outer))
+        ld_col = pos if form == "nchw" else red
+
+    if _row_major(L, w) and "O" in (klay[0], klay[-1]):
+        wname, wlay = L.array_of[w.id], klay
+    else:  # a kernel computed inline (flipped, transposed), or laid out with O inside: packed once a call
+        wname, wlay = f"t{n.id}_w", "O" + "".join(kdims)
+        pshape = (cout, *kext)
+        L.declare_array(wname, pshape, n.dtype)
+        iters = tuple(f"i{d}" for d in range(len(pshape)))
+        src = [None] * w.rank
+        for c, i in zip(wlay, iters):
+            src[klay.index(c)] = E.it(i)
+        L.add(wname, iters, tuple((0, s) for s in pshape), tuple(E.it(i) for i in iters), L.value(w, src), "pack")
+    wshape = [cout, *kext] if wlay[0] == "O" else [*kext, cout]
+    wstart = [zero] * len(wshape)
+    wstart[0 if wlay[0] == "O" else -1] = E.imul(g_it, int(cg)) if groups > 1 else zero
+    wext = list(wshape)
+    wext[0 if wlay[0] == "O" else -1] = cg
+    wbox: Box = (wname, tuple(wstart), tuple(wext))
+    w_rows = wlay[0] == "O"  # W as stored is (out channels x reduction)
+    ld_w = red if w_rows else cout
+
+    cstart = [zero] * len(os_)
+    cstart[lay.index("N")] = n_it
+    cstart[lay.index("C")] = E.imul(g_it, int(cg)) if groups > 1 else zero
+    cext = list(os_)
+    cext[lay.index("N")] = 1
+    cext[lay.index("C")] = cg
+    cbox: Box = (out, tuple(cstart), tuple(cext))
+    what = f"conv {n.id}"
+    if form == "nchw":  # C (cg x pos) = W (cg x red) @ col (red x pos)
+        call = Gemm(wbox, col, cbox, cg, pos, red, ld_w, ld_col, pos, not w_rows, False, "n", (0, 1, 1), what)
+    else:  # C (pos x cg, rows cout apart) = col (pos x red) @ W (red x cg)
+        call = Gemm(col, wbox, cbox, pos, cg, red, ld_col, ld_w, cout, False, w_rows, "m", (ld_col, 0, cout), what)
+    L.add(out, ("i0", "i1"), ((0, batch), (0, groups)), cstart, E.const(0.0, n.dtype), "sgemm", library=call)
+
+
+def _row_major(L, node) -> bool:
+    """Whether node is an array of its own, laid out row-major."""
+    name = L.array_of.get(node.id)
+    return name is not None and name in L.arrays and not L.arrays[name].strided
