@@ -15,6 +15,7 @@ measured once per process).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import glob
 import logging
 import math
@@ -113,6 +114,7 @@ def _address(fn) -> int:
 _measured: dict[tuple, tuple[bool, float, float]] = {}
 MIN_REDUCTION = 16  # shorter reductions (depthwise, a few input channels) are stencils: generated
 MIN_OUT_CHANNELS = 8
+MIN_MACS = 1 << 20  # multiply-adds below which either way is quick: generated, not worth timing
 
 
 class LibraryPolicy:
@@ -123,49 +125,59 @@ class LibraryPolicy:
         self.choices: list[str] = []
 
     def use(self, L, n) -> bool:
-        form = gemm_form(L, n)
-        if form is None or self.mode == "generated" or blas() is None:
+        """Whether contraction n (a conv or dot_general) runs in the library."""
+        ok = (gemm_form(L, n) if n.op == "conv" else dot_form(L, n)) is not None
+        if not ok or self.mode == "generated" or blas() is None:
             return False
         xs, ws = L.shape(n.inputs[0]), L.shape(n.inputs[1])
-        what = f"conv {list(xs)} * {list(ws)} groups {n.attrs['groups']}"
+        what = f"{n.op} {list(xs)} * {list(ws)}" + (f" groups {n.attrs['groups']}" if n.op == "conv" else "")
         if self.mode == "library":
             self.choices.append(f"{what}: library (forced)")
             return True
-        klay, groups = n.attrs["kernel_layout"], n.attrs["groups"]
-        red = math.prod(int(ws[d]) for d, c in enumerate(klay) if c != "O") if all(map(sz.is_static, ws)) else None
-        cout_g = int(ws[klay.index("O")]) // groups if sz.is_static(ws[klay.index("O")]) else None
-        if (red is not None and red < MIN_REDUCTION) or (cout_g is not None and cout_g < MIN_OUT_CHANNELS):
-            self.choices.append(f"{what}: generated (reduction {red}, {cout_g} output channels per group: a stencil)")
-            return False
-        if not all(map(sz.is_static, xs + ws)):
+        if n.op == "conv":
+            klay, groups = n.attrs["kernel_layout"], n.attrs["groups"]
+            red = math.prod(int(ws[d]) for d, c in enumerate(klay) if c != "O")
+            cout_g = int(ws[klay.index("O")]) // groups
+            if red < MIN_REDUCTION or cout_g < MIN_OUT_CHANNELS:
+                self.choices.append(f"{what}: generated (reduction {red}, {cout_g} output channels per group: "
+                                    "a stencil)")
+                return False
+        else:
+            red = math.prod(int(xs[d]) for d in n.attrs["lc"])
+        if not all(map(sz.is_static, xs + L.shape(n))):
             self.choices.append(f"{what}: library (symbolic sizes)")
             return True
-        lib, t_lib, t_gen = self.measure(xs, ws, n.attrs, n.dtype)
+        macs = math.prod(int(s) for s in L.shape(n)) * red
+        if macs < MIN_MACS:
+            self.choices.append(f"{what}: generated ({macs} multiply-adds)")
+            return False
+        lib, t_lib, t_gen = self.measure(L, n)
         self.choices.append(f"{what}: {'library' if lib else 'generated'} "
                             f"(library {t_lib * 1e3:.3f} ms, generated {t_gen * 1e3:.3f} ms)")
         return lib
 
-    def measure(self, xs, ws, attrs, dtype) -> tuple[bool, float, float]:
-        """Time the convolution alone both ways (once per shape and thread count)."""
-        key = (tuple(xs), tuple(ws), tuple(sorted((k, str(v)) for k, v in attrs.items())), dtype, self.threads)
+    def measure(self, L, n) -> tuple[bool, float, float]:
+        """Time the contraction alone both ways (once per shape and thread count)."""
+        shapes = [tuple(int(s) for s in L.shape(i)) for i in n.inputs]
+        key = (n.op, *shapes, tuple(sorted((k, str(v)) for k, v in n.attrs.items())), n.dtype, self.threads)
         if key not in _measured:
             import numpy as np
             rng = np.random.default_rng(0)
-            args = [rng.standard_normal([int(s) for s in shape]).astype(dtype.numpy) for shape in (xs, ws)]
-            times = {mode: _time(_single_conv(xs, ws, attrs, dtype, mode, self.threads), args)
+            args = [rng.standard_normal(shape).astype(i.dtype.numpy) for shape, i in zip(shapes, n.inputs)]
+            times = {mode: _time(_single(n, shapes, tuple(L.shape(n)), mode, self.threads), args)
                      for mode in ("library", "generated")}
             _measured[key] = (times["library"] < times["generated"], times["library"], times["generated"])
         return _measured[key]
 
 
-def _single_conv(xs, ws, attrs, dtype, mode: str, threads: int):
+def _single(n, shapes, shape, mode: str, threads: int):
+    """A program of contraction n alone, on inputs of the given shapes."""
     from .compiler import compile_graph
     from .graph import Graph
     from .options import CompileOptions
     g = Graph()
-    x, w = g.input(tuple(xs), dtype), g.input(tuple(ws), dtype)
-    g.add_output(g.conv(x, w, attrs["strides"], attrs["padding"], attrs["dilation"], attrs["groups"],
-                        attrs["layout"], attrs["kernel_layout"]))
+    ins = tuple(g.input(s, i.dtype) for s, i in zip(shapes, n.inputs))
+    g.add_output(dataclasses.replace(n, inputs=ins, shape=shape))
     return compile_graph(g, CompileOptions(num_threads=threads, contractions=mode), "measure")
 
 
@@ -288,3 +300,74 @@ def _row_major(L, node) -> bool:
     """Whether node is an array of its own, laid out row-major."""
     name = L.array_of.get(node.id)
     return name is not None and name in L.arrays and not L.arrays[name].strided
+
+
+# ------------------------------------------------------------ matrices
+def _matrix(L, node):
+    """(array, node dim -> array dim) where node reads a row-major array in
+    place (itself, or a transpose of it); None otherwise."""
+    perm = list(range(node.rank))
+    while node.op == "transpose" and not node.attrs.get("materialize") and node.id not in L.array_of:
+        perm = [node.attrs["perm"][p] for p in perm]
+        node = node.inputs[0]
+    return (L.array_of[node.id], perm) if _row_major(L, node) else None
+
+
+def dot_form(L, n) -> tuple | None:
+    """(batch dims, a's free dim, b's free dim) of a float32 dot_general with
+    leading batch dims, one contracting and one free dim per operand, static
+    sizes; None for others (they stay generated)."""
+    at = n.attrs
+    a, b = n.inputs
+    nb = len(at["lb"])
+    if n.dtype != DataType.Float or a.dtype != DataType.Float or b.dtype != DataType.Float:
+        return None
+    if tuple(at["lb"]) != tuple(range(nb)) or tuple(at["rb"]) != tuple(range(nb)) or len(at["lc"]) != 1:
+        return None
+    lf = [d for d in range(a.rank) if d not in at["lc"] and d not in at["lb"]]
+    rf = [d for d in range(b.rank) if d not in at["rc"] and d not in at["rb"]]
+    if len(lf) != 1 or len(rf) != 1 or not all(map(sz.is_static, L.shape(a) + L.shape(b))):
+        return None
+    return nb, lf[0], rf[0]
+
+
+def _operand(L, node, name: str, nb: int, batch_iters, free: int, contract: int):
+    """A dot operand as (box, transposed, leading dimension): read in place
+    where it is a row-major array or a transpose of one with its batch dims
+    outermost, else copied to a temporary first."""
+    m = _matrix(L, node)
+    if m is None or m[1][:nb] != list(range(nb)):
+        L.declare_array(name, L.shape(node), node.dtype)
+        iters = tuple(f"i{d}" for d in range(node.rank))
+        idx = tuple(E.it(i) for i in iters)
+        L.add(name, iters, tuple((0, s) for s in L.shape(node)), idx, L.value(node, idx), "pack")
+        m = (name, list(range(node.rank)))
+    array, perm = m
+    shape = L.arrays[array].shape
+    start = [E.const(0)] * len(shape)
+    ext = list(shape)
+    for k in range(nb):
+        start[perm[k]], ext[perm[k]] = batch_iters[k], 1
+    transposed = perm[contract] < perm[free]  # stored (contracting x free)
+    return (array, tuple(start), tuple(ext)), transposed, int(shape[-1])
+
+
+def lower_dot(L, n, out: str) -> None:
+    """n (a dot_general) as one sgemm statement per batch element."""
+    nb, lf, rf = dot_form(L, n)
+    a, b = n.inputs
+    at = n.attrs
+    shape = L.shape(n)
+    iters = tuple(f"i{k}" for k in range(max(nb, 1)))
+    batch = [E.it(i) for i in iters[:nb]]
+    abox, ta, lda = _operand(L, a, f"t{n.id}_a", nb, batch, lf, at["lc"][0])
+    bbox, tb, ldb = _operand(L, b, f"t{n.id}_b", nb, batch, rf, at["rc"][0])
+    tb = not tb  # b is wanted as (contracting x free): stored so unless its free dim comes first
+    m, nn, k = int(shape[nb]), int(shape[nb + 1]), int(L.shape(a)[at["lc"][0]])
+    cbox = (out, tuple(batch) + (E.const(0), E.const(0)), (1,) * nb + (m, nn))
+    if nn >= m:  # the parts share the longer side
+        call = Gemm(abox, bbox, cbox, m, nn, k, lda, ldb, nn, ta, tb, "n", (0, ldb if tb else 1, 1), f"dot {n.id}")
+    else:
+        call = Gemm(abox, bbox, cbox, m, nn, k, lda, ldb, nn, ta, tb, "m", (1 if ta else lda, 0, nn), f"dot {n.id}")
+    bounds = tuple((0, shape[d]) for d in range(nb)) or ((0, 1),)
+    L.add(out, iters, bounds, cbox[1], E.const(0.0, n.dtype), "sgemm", library=call)

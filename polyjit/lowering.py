@@ -122,7 +122,8 @@ class Lowering:
 
     def plan(self) -> None:
         if self.library is not None:
-            self.library_nodes = {n.id for n in self.nodes if n.op == "conv" and self.library.use(self, n)}
+            self.library_nodes = {n.id for n in self.nodes if n.op in ("conv", "dot_general")
+                                  and self.library.use(self, n)}
         uses: dict[int, int] = {n.id: 0 for n in self.nodes}
         for n in self.nodes:
             for k, i in enumerate(n.inputs):
@@ -178,8 +179,8 @@ class Lowering:
             idx = tuple(E.it(i) for i in iters)
             bounds = tuple((0, s) for s in shape)
             if n.id in self.library_nodes:
-                from .library import lower_conv
-                lower_conv(self, n, name)
+                from .library import lower_conv, lower_dot
+                (lower_conv if n.op == "conv" else lower_dot)(self, n, name)
             elif n.op in STATEMENT_OPS:
                 STATEMENT_OPS[n.op](self, n, name, iters, bounds)
             elif n.op in REDUCTIONS and self.is_statement_op(n):
