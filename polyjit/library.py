@@ -157,27 +157,42 @@ class LibraryPolicy:
         return lib
 
     def measure(self, L, n) -> tuple[bool, float, float]:
-        """Time the contraction alone both ways (once per shape and thread count)."""
-        shapes = [tuple(int(s) for s in L.shape(i)) for i in n.inputs]
-        key = (n.op, *shapes, tuple(sorted((k, str(v)) for k, v in n.attrs.items())), n.dtype, self.threads)
+        """Time the contraction alone both ways (once per shape, operand
+        layout and thread count): its operands as the program holds them,
+        arrays read through the transposes n reads them by."""
+        bases, ins = [], []
+        for i in n.inputs:
+            chain = []
+            while i.op == "transpose" and not i.attrs.get("materialize") and i.id not in L.array_of:
+                chain.append(i.attrs["perm"])
+                i = i.inputs[0]
+            bases.append((tuple(int(s) for s in L.shape(i)), i.dtype))
+            ins.append(tuple(chain))
+        key = (n.op, tuple(bases), tuple(ins), tuple(sorted((k, str(v)) for k, v in n.attrs.items())), self.threads)
         if key not in _measured:
             import numpy as np
             rng = np.random.default_rng(0)
-            args = [rng.standard_normal(shape).astype(i.dtype.numpy) for shape, i in zip(shapes, n.inputs)]
-            times = {mode: _time(_single(n, shapes, tuple(L.shape(n)), mode, self.threads), args)
+            args = [rng.standard_normal(shape).astype(dt.numpy) for shape, dt in bases]
+            times = {mode: _time(_single(n, bases, ins, tuple(L.shape(n)), mode, self.threads), args)
                      for mode in ("library", "generated")}
             _measured[key] = (times["library"] < times["generated"], times["library"], times["generated"])
         return _measured[key]
 
 
-def _single(n, shapes, shape, mode: str, threads: int):
-    """A program of contraction n alone, on inputs of the given shapes."""
+def _single(n, bases, chains, shape, mode: str, threads: int):
+    """A program of contraction n alone, on inputs of the given shapes read
+    through the given transposes."""
     from .compiler import compile_graph
     from .graph import Graph
     from .options import CompileOptions
     g = Graph()
-    ins = tuple(g.input(s, i.dtype) for s, i in zip(shapes, n.inputs))
-    g.add_output(dataclasses.replace(n, inputs=ins, shape=shape))
+    ins = []
+    for (s, dt), chain in zip(bases, chains):
+        node = g.input(s, dt)
+        for perm in reversed(chain):
+            node = g.transpose(node, perm)
+        ins.append(node)
+    g.add_output(dataclasses.replace(n, inputs=tuple(ins), shape=shape))
     return compile_graph(g, CompileOptions(num_threads=threads, contractions=mode), "measure")
 
 
