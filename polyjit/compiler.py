@@ -83,6 +83,8 @@ def compile_graph(graph: Graph, options: CompileOptions, name: str = "fn") -> Ex
         "fallbacks": 0,
         "parallel_kernels": sum(k.parallel for k in kernels),
         "library_calls": sum(s.library is not None for s in prog.statements),
+        "fusions_refused": len(sched.refused),
+        "fusion_refusals": sched.refused,
         "contractions": policy.choices if policy else [],
     }
     gpu_fields = {}

@@ -35,6 +35,7 @@ class Scheduled:
     contracted: dict[str, tuple[int | None, ...]] = field(default_factory=dict)
     kernels: list[set[str]] = field(default_factory=list)  # statement names per top-level nest
     kernel_of_array: dict[str, int] = field(default_factory=dict)
+    refused: list[str] = field(default_factory=list)  # fusions the cost model refused, with why
 
     def ast_text(self) -> str:
         return self.ast.to_C_str()
@@ -260,7 +261,36 @@ def distribute_inits(schedule, prog, validity) -> isl.Schedule:
     return new if is_legal(new, validity) else schedule
 
 
-def fuse_contraction(schedule, prog, dom, validity) -> isl.Schedule | None:
+@dataclass
+class FusionPlan:
+    """What the cpu schedule may fuse into a contraction's nest, and the
+    fusions its cost model refused, each with its reason."""
+
+    refused: list[str] = field(default_factory=list)
+
+
+def fusion_refusal(up, outs: list[str], prog: AffineProgram) -> str | None:
+    """Why sharing one nest with contraction `up` would lose, or None.
+
+    A fused nest runs each register block's whole reduction; its columns
+    run along the last output loop. Where an operand's padding guard
+    depends on that loop (NCHW: the output columns are image columns, and
+    the window's taps step over the border), every vector lane needs its
+    own address: the fused nest ran 2.6-4.4x slower than the tiled,
+    unfused one (2x64x64x64 3x3 NCHW: 51 against 19 ms), while NHWC, whose
+    columns are channels, gained (0.91 -> 0.77 ms)."""
+    if not _reduction_fits_tile(up):
+        lo, hi = dict(zip(up.iters, up.bounds))[up.reduction_iters[0]]
+        return f"{up.name} ({up.label}): its outer reduction loop ({sz.isl_str(hi)} - {sz.isl_str(lo)}) exceeds a tile ({TILE_RED})"
+    col = outs[-1] if outs else None
+    for x in walk(up.body):
+        if isinstance(x, Op) and x.op == "select" and any(isinstance(v, Var) and v.name == col
+                                                          for v in walk(x.args[0])):
+            return f"{up.name} ({up.label}): a padding guard varies along the register block's columns ({col})"
+    return None
+
+
+def fuse_contraction(schedule, prog, dom, validity, plan: FusionPlan | None = None) -> isl.Schedule | None:
     """One nest for a contraction whose reduction is not tiled: each block of
     outputs is zeroed, runs its whole reduction and its elementwise epilogue
     (bias, activation) in turn, all inside the block's loops, so the
@@ -273,7 +303,7 @@ def fuse_contraction(schedule, prog, dom, validity) -> isl.Schedule | None:
     names = [st.get_tuple_name() for st in _items(dom.get_set_list())]
     stmts = [s for s in prog.statements if s.name in names]
     updates = [s for s in stmts if is_update(s)]
-    if len(updates) != 1 or not _reduction_fits_tile(updates[0]):
+    if len(updates) != 1:
         return None
     up = updates[0]
     point = {s.name: _plain(s.index) for s in stmts if s.label.endswith("_init") and s.array == up.array}
@@ -295,6 +325,11 @@ def fuse_contraction(schedule, prog, dom, validity) -> isl.Schedule | None:
     order += [it for it in up.iters if it not in order]
     red = [it for it in order if it in up.reduction_iters]
     outs = [it for it in order if it not in up.reduction_iters]
+    why = fusion_refusal(up, outs, prog)
+    if why is not None:
+        if plan is not None:
+            plan.refused.append(why)
+        return None
     if len(point) != len(stmts) or None in point.values() or sorted(outs) != sorted(point[up.name]) \
             or len(outs) < 2 or not red:
         return None
@@ -799,7 +834,7 @@ SOLVER_BUDGET = 32_000  # operations of isl's scheduler's first try on a group (
 SOLVER_SECONDS = 0.5  # a try that ran out of operations sooner than this gets twice as many
 
 
-def _schedule_group(ctx, prog, dom, validity, raw, names, fusion, fuse: bool) -> isl.Schedule:
+def _schedule_group(ctx, prog, dom, validity, raw, names, fusion, fuse: FusionPlan | None) -> isl.Schedule:
     """isl's schedule for a group; a group whose problem exceeds the budget is
     split in two and each half scheduled alone, one after the other. A single
     statement over budget (accesses full of integer divisions, e.g. a
@@ -851,7 +886,7 @@ def _group_domain(ctx, prog, dom, names) -> isl.UnionSet:
     return dom.intersect(isl.UnionSet.read_from_str(ctx, text))
 
 
-def _schedule_one_group(ctx, prog, dom, validity, raw, names, fusion, fuse: bool) -> isl.Schedule:
+def _schedule_one_group(ctx, prog, dom, validity, raw, names, fusion, fuse: FusionPlan | None) -> isl.Schedule:
     """isl's schedule of the group; a contraction's group (its epilogue
     aside, which isl need not see) then shares one nest with its
     initialization and epilogue where fuse_contraction can build it."""
@@ -866,14 +901,14 @@ def _schedule_one_group(ctx, prog, dom, validity, raw, names, fusion, fuse: bool
         sc = sc.set_proximity(raw.intersect_domain(cdom).intersect_range(cdom).coalesce())
     sched = order_sets(_compute_schedule(ctx, sc), cval)
     sched = innermost_contiguous(sched, prog, ctx, cval)
-    if fuse and core:
+    if fuse is not None and core:
         gdom = _group_domain(ctx, prog, dom, names)
-        fused = fuse_contraction(sched, prog, gdom, validity.intersect_domain(gdom).intersect_range(gdom))
+        fused = fuse_contraction(sched, prog, gdom, validity.intersect_domain(gdom).intersect_range(gdom), fuse)
         if fused is not None:
             return fused
     sched = distribute_inits(sched, prog, cval)
     if epilogue:  # consumers that could not share the contraction's nest follow it
-        sched = sched.sequence(_schedule_one_group(ctx, prog, dom, validity, raw, epilogue, fusion, False))
+        sched = sched.sequence(_schedule_one_group(ctx, prog, dom, validity, raw, epilogue, fusion, None))
     return sched
 
 
@@ -893,9 +928,9 @@ def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None,
     dom = prog.domain(ctx)
     validity, raw = dependences(ctx, prog, dom)
     sched = None
-    fuse = target == "cpu" and fusion != "none" and not tile_sizes
-    for group in fusion_groups(prog, epilogues=fuse):
-        part = _schedule_group(ctx, prog, dom, validity, raw, group, fusion, fuse)
+    plan = FusionPlan() if target == "cpu" and fusion != "none" and not tile_sizes else None
+    for group in fusion_groups(prog, epilogues=plan is not None):
+        part = _schedule_group(ctx, prog, dom, validity, raw, group, fusion, plan)
         sched = part if sched is None else sched.sequence(part)
     if sched is None:
         sched = isl.Schedule.from_domain(dom)
@@ -915,7 +950,7 @@ def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None,
     contracted = contract(ctx, prog, sched, dom, kernels)
     if target == "nvgpu":
         contracted = {n: m for n, m in contracted.items() if _private_bytes(prog.arrays[n], m) <= GPU_PRIVATE_BYTES}
-    result = Scheduled(sched, ast, contracted, kernels)
+    result = Scheduled(sched, ast, contracted, kernels, refused=plan.refused if plan else [])
     for k, names in enumerate(kernels):
         for s in prog.statements:
             if s.name in names:

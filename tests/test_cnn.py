@@ -141,3 +141,28 @@ def test_products_both_ways(kind, rng):
         outs[mode], calls[mode] = exe(*args), exe.compile_default().stats["library_calls"]
     np.testing.assert_allclose(outs["library"], outs["generated"], rtol=1e-5, atol=1e-5)
     assert (calls["generated"], calls["library"]) == (0, 1)
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_fusion_into_a_convolution_is_refused_where_it_loses(layout, rng):
+    """A generated convolution shares its nest with its bias and relu only
+    where the cost model expects a gain: NCHW's register blocks would run
+    along image columns, whose padding guard differs in every lane, so that
+    fusion is refused, counted, and said why; NHWC's (channels) fuses."""
+    nchw = layout == "NCHW"
+    x = rng.standard_normal((2, 16, 12, 12) if nchw else (2, 12, 12, 16), dtype=F32)
+    k = rng.standard_normal((32, 16, 3, 3) if nchw else (3, 3, 16, 32), dtype=F32)
+    b = rng.standard_normal(32, dtype=F32)
+
+    def f(x, k, b):
+        y = ops.conv(x, k, (1, 1), ((1, 1), (1, 1)), layout=layout, kernel_layout="OIHW" if nchw else "HWIO")
+        return ops.relu(y + (ops.reshape(b, [1, 32, 1, 1]) if nchw else b))
+    infos = [InputInfo(a.shape, F32) for a in (x, k, b)]
+    exe = polyjit.compile(f, infos, {"contractions": "generated"}).compile_default()
+    unfused = polyjit.compile(f, infos, {"contractions": "generated", "fusion": "none"})
+    np.testing.assert_allclose(exe(x, k, b)[0], unfused(x, k, b), rtol=1e-5, atol=1e-4)
+    if nchw:
+        assert exe.stats["fusions_refused"] == 1 and exe.stats["kernels"] > 1
+        assert "padding guard" in exe.stats["fusion_refusals"][0]
+    else:
+        assert exe.stats["fusions_refused"] == 0 and exe.stats["kernels"] == 1
