@@ -1,0 +1,394 @@
+"""A vendor-library floor under generated contractions (cpu).
+
+Where, for a convolution's shape, polyjit's generated loop nest loses to
+BLAS, the convolution lowers to an im2col statement (generated, so that
+the ops before it fuse into it) and one ``sgemm`` statement per image and
+group, a call into the OpenBLAS that numpy ships (bound by address, no
+framework involved). The statement reads and writes boxes of its arrays, so
+isl orders it with the rest of the program like any statement; the ops
+after it read its result in generated kernels.
+
+``contractions`` in the compile options picks: ``"generated"``, ``"library"``
+or ``"auto"`` (per shape, whichever a quick timing of both finds faster,
+measured once per process).
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import glob
+import logging
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from . import expr as E
+from . import sizes as sz
+from .dtypes import DataType
+from .expr import Expr
+from .sizes import Size
+
+log = logging.getLogger("polyjit.library")
+
+Box = tuple[str, tuple[Expr, ...], tuple[Size, ...]]  # array, first element, extents
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """C = op(A) @ op(B) over boxes of arrays (row-major sgemm). The parts of
+    a parallel kernel share the dimension `split` ("m" or "n"): each calls
+    sgemm on its strip, the operands advanced by `steps` elements per row or
+    column of the strip."""
+
+    a: Box
+    b: Box
+    c: Box
+    m: Size
+    n: Size
+    k: Size
+    lda: Size
+    ldb: Size
+    ldc: Size
+    trans_a: bool
+    trans_b: bool
+    split: str
+    steps: tuple[int | Size, int | Size, int | Size]
+    what: str = dataclasses.field(default="", repr=False, compare=False)  # not structure: like calls share code
+
+    def renamed(self, rename) -> "Gemm":
+        """This call over the arrays rename(name) names (a group problem's own)."""
+        return dataclasses.replace(self, a=(rename(self.a[0]), *self.a[1:]), b=(rename(self.b[0]), *self.b[1:]),
+                                   c=(rename(self.c[0]), *self.c[1:]))
+
+    def written(self) -> Box:
+        return self.c
+
+    def read(self) -> list[Box]:
+        return [self.a, self.b]
+
+    def __str__(self) -> str:
+        return (f"sgemm({'T' if self.trans_a else 'N'}{'T' if self.trans_b else 'N'}, m={self.m}, n={self.n}, "
+                f"k={self.k}, {self.a[0]}, {self.b[0]}, {self.c[0]})")
+
+
+# ------------------------------------------------------------------ BLAS
+_blas: Any = False
+
+
+def blas() -> "Blas | None":
+    """numpy's OpenBLAS (ILP64, scipy_ prefixed symbols), or None."""
+    global _blas
+    if _blas is False:
+        _blas = None
+        try:
+            import numpy
+            base = os.path.dirname(os.path.dirname(numpy.__file__))
+            for path in sorted(glob.glob(os.path.join(base, "numpy.libs", "libscipy_openblas*.so*"))
+                               + glob.glob(os.path.join(base, "scipy_openblas*", "lib", "lib*openblas*.so*"))):
+                lib = ctypes.CDLL(path)
+                for prefix, suffix in (("scipy_", "64_"), ("scipy_", ""), ("", "")):
+                    fn = getattr(lib, f"{prefix}cblas_sgemm{suffix}", None)
+                    if fn is not None:
+                        local = getattr(lib, "openblas_set_num_threads_local", None)
+                        _blas = Blas(path, _address(fn), _address(local) if local else None,
+                                     64 if suffix == "64_" else 32)
+                        break
+                if _blas is not None:
+                    break
+        except (ImportError, OSError) as e:
+            log.debug("no BLAS: %s", e)
+    return _blas
+
+
+@dataclass(frozen=True)
+class Blas:
+    path: str
+    sgemm: int  # address of cblas_sgemm
+    set_threads_local: int | None  # address of openblas_set_num_threads_local: 1 thread per calling thread
+    int_bits: int  # 64 for an ILP64 build
+
+
+def _address(fn) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+# ---------------------------------------------------------------- choice
+_measured: dict[tuple, tuple[bool, float, float]] = {}
+MIN_REDUCTION = 16  # shorter reductions (depthwise, a few input channels) are stencils: generated
+MIN_OUT_CHANNELS = 8
+MIN_MACS = 1 << 20  # multiply-adds below which either way is quick: generated, not worth timing
+
+
+class LibraryPolicy:
+    """Decides, per convolution, generated code or the library; records why."""
+
+    def __init__(self, mode: str, threads: int) -> None:
+        self.mode, self.threads = mode, threads
+        self.choices: list[str] = []
+
+    def use(self, L, n) -> bool:
+        """Whether contraction n (a conv or dot_general) runs in the library."""
+        ok = (gemm_form(L, n) if n.op == "conv" else dot_form(L, n)) is not None
+        if not ok or self.mode == "generated" or blas() is None:
+            return False
+        xs, ws = L.shape(n.inputs[0]), L.shape(n.inputs[1])
+        what = f"{n.op} {list(xs)} * {list(ws)}" + (f" groups {n.attrs['groups']}" if n.op == "conv" else "")
+        if self.mode == "library":
+            self.choices.append(f"{what}: library (forced)")
+            return True
+        if n.op == "conv":
+            klay, groups = n.attrs["kernel_layout"], n.attrs["groups"]
+            red = math.prod(int(ws[d]) for d, c in enumerate(klay) if c != "O")
+            cout_g = int(ws[klay.index("O")]) // groups
+            if red < MIN_REDUCTION or cout_g < MIN_OUT_CHANNELS:
+                self.choices.append(f"{what}: generated (reduction {red}, {cout_g} output channels per group: "
+                                    "a stencil)")
+                return False
+        else:
+            red = math.prod(int(xs[d]) for d in n.attrs["lc"])
+        if not all(map(sz.is_static, xs + L.shape(n))):
+            self.choices.append(f"{what}: library (symbolic sizes)")
+            return True
+        macs = math.prod(int(s) for s in L.shape(n)) * red
+        if macs < MIN_MACS:
+            self.choices.append(f"{what}: generated ({macs} multiply-adds)")
+            return False
+        lib, t_lib, t_gen = self.measure(L, n)
+        self.choices.append(f"{what}: {'library' if lib else 'generated'} "
+                            f"(library {t_lib * 1e3:.3f} ms, generated {t_gen * 1e3:.3f} ms)")
+        return lib
+
+    def measure(self, L, n) -> tuple[bool, float, float]:
+        """Time the contraction alone both ways (once per shape, operand
+        layout and thread count): its operands as the program holds them,
+        arrays read through the transposes n reads them by."""
+        bases, ins = [], []
+        for i in n.inputs:
+            chain = []
+            while i.op == "transpose" and not i.attrs.get("materialize") and i.id not in L.array_of:
+                chain.append(i.attrs["perm"])
+                i = i.inputs[0]
+            bases.append((tuple(int(s) for s in L.shape(i)), i.dtype))
+            ins.append(tuple(chain))
+        key = (n.op, tuple(bases), tuple(ins), tuple(sorted((k, str(v)) for k, v in n.attrs.items())), self.threads)
+        if key not in _measured:
+            import numpy as np
+            rng = np.random.default_rng(0)
+            args = [rng.standard_normal(shape).astype(dt.numpy) for shape, dt in bases]
+            times = {mode: _time(_single(n, bases, ins, tuple(L.shape(n)), mode, self.threads), args)
+                     for mode in ("library", "generated")}
+            _measured[key] = (times["library"] < times["generated"], times["library"], times["generated"])
+        return _measured[key]
+
+
+def _single(n, bases, chains, shape, mode: str, threads: int):
+    """A program of contraction n alone, on inputs of the given shapes read
+    through the given transposes."""
+    from .compiler import compile_graph
+    from .graph import Graph
+    from .options import CompileOptions
+    g = Graph()
+    ins = []
+    for (s, dt), chain in zip(bases, chains):
+        node = g.input(s, dt)
+        for perm in reversed(chain):
+            node = g.transpose(node, perm)
+        ins.append(node)
+    g.add_output(dataclasses.replace(n, inputs=tuple(ins), shape=shape))
+    return compile_graph(g, CompileOptions(target="cpu", num_threads=threads, contractions=mode, cache=False),
+                         "measure")
+
+
+def _time(exe, args, reps: int = 5, budget: float = 0.2) -> float:
+    exe(*args)
+    ts: list[float] = []
+    start = time.perf_counter()
+    while len(ts) < reps and (len(ts) < 2 or time.perf_counter() - start < budget):
+        t = time.perf_counter()
+        exe(*args)
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+# ------------------------------------------------------------- lowering
+def gemm_form(L, n) -> str | None:
+    """"nchw" (channels before the image: C = W @ col) or "nhwc" (channels
+    last: C = col @ W) where the library can compute the convolution n;
+    None where it cannot (another dtype or layout, a symbolic group size)."""
+    if n.dtype != DataType.Float or n.inputs[1].dtype != DataType.Float or n.inputs[0].dtype != DataType.Float:
+        return None
+    lay = n.attrs["layout"]
+    sp = "".join(c for c in lay if c not in "NC")
+    out = L.shape(n)
+    if not all(map(sz.is_static, L.shape(n.inputs[1]))) or not all(sz.is_static(out[lay.index(c)]) for c in sp):
+        return None  # the kernel and the image positions make the matrices: their sizes must be numbers
+    if lay == "NC" + sp:
+        return "nchw"
+    if lay == "N" + sp + "C":
+        return "nhwc"
+    return None
+
+
+def lower_conv(L, n, out: str) -> None:
+    """n (a convolution) as im2col (or the input itself: a 1x1 convolution
+    without stride or padding) and an sgemm statement per image and group."""
+    from .lowering import conv_input_index, guarded
+    x, w = n.inputs
+    at = n.attrs
+    lay, klay, groups = at["layout"], at["kernel_layout"], at["groups"]
+    form = gemm_form(L, n)
+    sp = [c for c in lay if c not in "NC"]
+    xs, ws, os_ = L.shape(x), L.shape(w), L.shape(n)
+    cout = int(ws[klay.index("O")])
+    cg = cout // groups
+    kdims = [c for c in klay if c != "O"]  # the reduction in the kernel's memory order
+    kext = [ws[klay.index(c)] for c in kdims]
+    red = math.prod(int(e) for e in kext)
+    osz = [int(os_[lay.index(c)]) for c in sp]
+    pos = math.prod(osz)
+    batch = os_[lay.index("N")]
+    g_it, n_it = E.it("i1"), E.it("i0")
+    zero = E.const(0)
+
+    direct = (all(int(ws[klay.index(c)]) == 1 for c in sp)
+              and all(s == 1 for s in at["strides"]) and not any(any(p) for p in at["padding"])
+              and _row_major(L, x))
+    if direct:  # x itself: (channels x positions) per image, or (positions x channels)
+        cin = xs[lay.index("C")]
+        start = [zero] * x.rank
+        start[lay.index("N")] = n_it
+        start[lay.index("C")] = E.imul(g_it, int(red)) if groups > 1 else zero
+        ext = list(xs)
+        ext[lay.index("N")] = 1
+        ext[lay.index("C")] = red
+        col: Box = (L.array_of[x.id], tuple(start), tuple(ext))
+        ld_col = pos if form == "nchw" else cin
+    else:
+        name = f"t{n.id}_col"
+        outer = kext + osz if form == "nchw" else osz + kext
+        shape = (batch, groups, *outer)
+        L.declare_array(name, shape, n.dtype)
+        iters = tuple(f"i{d}" for d in range(len(shape)))
+        idx = [E.it(i) for i in iters]
+        kv = dict(zip(kdims, idx[2:2 + len(kdims)] if form == "nchw" else idx[2 + len(sp):]))
+        ov = idx[2 + len(kdims):] if form == "nchw" else idx[2:2 + len(sp)]
+        xi = conv_input_index(L, n, idx[0], E.iadd(E.imul(idx[1], int(ws[klay.index("I")])), kv["I"])
+                              if groups > 1 else kv["I"], ov, [kv[c] for c in sp])
+        body = guarded(L, x, xi, E.const(0.0, n.dtype), [lay.index(c) for k, c in enumerate(sp) if any(at["padding"][k])])
+        L.add(name, iters, tuple((0, s) for s in shape), tuple(idx), body, "im2col")
+        col = (name, (n_it, g_it) + (zero,) * len(outer), (1, 1, *outer))
+        ld_col = pos if form == "nchw" else red
+
+    if _row_major(L, w) and "O" in (klay[0], klay[-1]):
+        wname, wlay = L.array_of[w.id], klay
+    else:  # a kernel computed inline (flipped, transposed), or laid out with O inside: packed once a call
+        wname, wlay = f"t{n.id}_w", "O" + "".join(kdims)
+        pshape = (cout, *kext)
+        L.declare_array(wname, pshape, n.dtype)
+        iters = tuple(f"i{d}" for d in range(len(pshape)))
+        src = [None] * w.rank
+        for c, i in zip(wlay, iters):
+            src[klay.index(c)] = E.it(i)
+        L.add(wname, iters, tuple((0, s) for s in pshape), tuple(E.it(i) for i in iters), L.value(w, src), "pack")
+    wshape = [cout, *kext] if wlay[0] == "O" else [*kext, cout]
+    wstart = [zero] * len(wshape)
+    wstart[0 if wlay[0] == "O" else -1] = E.imul(g_it, int(cg)) if groups > 1 else zero
+    wext = list(wshape)
+    wext[0 if wlay[0] == "O" else -1] = cg
+    wbox: Box = (wname, tuple(wstart), tuple(wext))
+    w_rows = wlay[0] == "O"  # W as stored is (out channels x reduction)
+    ld_w = red if w_rows else cout
+
+    cstart = [zero] * len(os_)
+    cstart[lay.index("N")] = n_it
+    cstart[lay.index("C")] = E.imul(g_it, int(cg)) if groups > 1 else zero
+    cext = list(os_)
+    cext[lay.index("N")] = 1
+    cext[lay.index("C")] = cg
+    cbox: Box = (out, tuple(cstart), tuple(cext))
+    what = f"conv {n.id}"
+    if form == "nchw":  # C (cg x pos) = W (cg x red) @ col (red x pos)
+        call = Gemm(wbox, col, cbox, cg, pos, red, ld_w, ld_col, pos, not w_rows, False, "n", (0, 1, 1), what)
+    else:  # C (pos x cg, rows cout apart) = col (pos x red) @ W (red x cg)
+        call = Gemm(col, wbox, cbox, pos, cg, red, ld_col, ld_w, cout, False, w_rows, "m", (ld_col, 0, cout), what)
+    L.add(out, ("i0", "i1"), ((0, batch), (0, groups)), cstart, E.const(0.0, n.dtype), "sgemm", library=call)
+
+
+def _row_major(L, node) -> bool:
+    """Whether node is an array of its own, laid out row-major."""
+    name = L.array_of.get(node.id)
+    return name is not None and name in L.arrays and not L.arrays[name].strided
+
+
+# ------------------------------------------------------------ matrices
+def _matrix(L, node):
+    """(array, node dim -> array dim) where node reads a row-major array in
+    place (itself, or a transpose of it); None otherwise."""
+    perm = list(range(node.rank))
+    while node.op == "transpose" and not node.attrs.get("materialize") and node.id not in L.array_of:
+        perm = [node.attrs["perm"][p] for p in perm]
+        node = node.inputs[0]
+    return (L.array_of[node.id], perm) if _row_major(L, node) else None
+
+
+def dot_form(L, n) -> tuple | None:
+    """(batch dims, a's free dim, b's free dim) of a float32 dot_general with
+    leading batch dims, one contracting and one free dim per operand, static
+    sizes; None for others (they stay generated)."""
+    at = n.attrs
+    a, b = n.inputs
+    nb = len(at["lb"])
+    if n.dtype != DataType.Float or a.dtype != DataType.Float or b.dtype != DataType.Float:
+        return None
+    if tuple(at["lb"]) != tuple(range(nb)) or tuple(at["rb"]) != tuple(range(nb)) or len(at["lc"]) != 1:
+        return None
+    lf = [d for d in range(a.rank) if d not in at["lc"] and d not in at["lb"]]
+    rf = [d for d in range(b.rank) if d not in at["rc"] and d not in at["rb"]]
+    if len(lf) != 1 or len(rf) != 1 or not all(map(sz.is_static, L.shape(a) + L.shape(b))):
+        return None
+    return nb, lf[0], rf[0]
+
+
+def _operand(L, node, name: str, nb: int, batch_iters, free: int, contract: int):
+    """A dot operand as (box, transposed, leading dimension): read in place
+    where it is a row-major array or a transpose of one with its batch dims
+    outermost, else copied to a temporary first."""
+    m = _matrix(L, node)
+    if m is None or m[1][:nb] != list(range(nb)):
+        L.declare_array(name, L.shape(node), node.dtype)
+        iters = tuple(f"i{d}" for d in range(node.rank))
+        idx = tuple(E.it(i) for i in iters)
+        L.add(name, iters, tuple((0, s) for s in L.shape(node)), idx, L.value(node, idx), "pack")
+        m = (name, list(range(node.rank)))
+    array, perm = m
+    shape = L.arrays[array].shape
+    start = [E.const(0)] * len(shape)
+    ext = list(shape)
+    for k in range(nb):
+        start[perm[k]], ext[perm[k]] = batch_iters[k], 1
+    transposed = perm[contract] < perm[free]  # stored (contracting x free)
+    return (array, tuple(start), tuple(ext)), transposed, int(shape[-1])
+
+
+def lower_dot(L, n, out: str) -> None:
+    """n (a dot_general) as one sgemm statement per batch element."""
+    nb, lf, rf = dot_form(L, n)
+    a, b = n.inputs
+    at = n.attrs
+    shape = L.shape(n)
+    iters = tuple(f"i{k}" for k in range(max(nb, 1)))
+    batch = [E.it(i) for i in iters[:nb]]
+    abox, ta, lda = _operand(L, a, f"t{n.id}_a", nb, batch, lf, at["lc"][0])
+    bbox, tb, ldb = _operand(L, b, f"t{n.id}_b", nb, batch, rf, at["rc"][0])
+    tb = not tb  # b is wanted as (contracting x free): stored so unless its free dim comes first
+    m, nn, k = int(shape[nb]), int(shape[nb + 1]), int(L.shape(a)[at["lc"][0]])
+    cbox = (out, tuple(batch) + (E.const(0), E.const(0)), (1,) * nb + (m, nn))
+    if nn >= m:  # the parts share the longer side
+        call = Gemm(abox, bbox, cbox, m, nn, k, lda, ldb, nn, ta, tb, "n", (0, ldb if tb else 1, 1), f"dot {n.id}")
+    else:
+        call = Gemm(abox, bbox, cbox, m, nn, k, lda, ldb, nn, ta, tb, "m", (1 if ta else lda, 0, nn), f"dot {n.id}")
+    bounds = tuple((0, shape[d]) for d in range(nb)) or ((0, 1),)
+    L.add(out, iters, bounds, cbox[1], E.const(0.0, n.dtype), "sgemm", library=call)
