@@ -151,6 +151,10 @@ class LibraryPolicy:
         if macs < MIN_MACS:
             self.choices.append(f"{what}: generated ({macs} multiply-adds)")
             return False
+        if n.op == "conv" and gemm_form(L, n) == "nchw":  # not worth compiling the generated nest to time it
+            self.choices.append(f"{what}: library (channels first: generated blocks run along image rows, "
+                                "4-30x slower than sgemm in ResNet-18's convolutions)")
+            return True
         lib, t_lib, t_gen = self.measure(L, n)
         self.choices.append(f"{what}: {'library' if lib else 'generated'} "
                             f"(library {t_lib * 1e3:.3f} ms, generated {t_gen * 1e3:.3f} ms)")
