@@ -156,6 +156,10 @@ class LibraryPolicy:
         if macs < MIN_MACS:
             self.choices.append(f"{what}: generated ({macs} multiply-adds)")
             return False
+        if n.op == "conv" and gemm_form(L, n) == "nchw":  # not worth compiling the generated nest to time it
+            self.choices.append(f"{what}: library (channels first: generated blocks run along image rows, "
+                                "4-30x slower than sgemm in ResNet-18's convolutions)")
+            return True
         lib, t_lib, t_gen = self.measure(L, n)
         self.choices.append(f"{what}: {'library' if lib else 'generated'} "
                             f"(library {t_lib * 1e3:.3f} ms, generated {t_gen * 1e3:.3f} ms)")
@@ -235,86 +239,92 @@ def gemm_form(L, n) -> str | None:
 def lower_conv(L, n, out: str) -> None:
     """n (a convolution) as im2col (or the input itself: a 1x1 convolution
     without stride or padding) and an sgemm statement per image and group."""
-    from .lowering import conv_input_index, guarded
-    x, w = n.inputs
-    at = n.attrs
-    lay, klay, groups = at["layout"], at["kernel_layout"], at["groups"]
+    lay, klay, groups = n.attrs["layout"], n.attrs["kernel_layout"], n.attrs["groups"]
     form = gemm_form(L, n)
-    sp = [c for c in lay if c not in "NC"]
-    xs, ws, os_ = L.shape(x), L.shape(w), L.shape(n)
+    ws, os_ = L.shape(n.inputs[1]), L.shape(n)
     cout = int(ws[klay.index("O")])
     cg = cout // groups
     kdims = [c for c in klay if c != "O"]  # the reduction in the kernel's memory order
-    kext = [ws[klay.index(c)] for c in kdims]
-    red = math.prod(int(e) for e in kext)
-    osz = [int(os_[lay.index(c)]) for c in sp]
-    pos = math.prod(osz)
-    batch = os_[lay.index("N")]
-    g_it, n_it = E.it("i1"), E.it("i0")
-    zero = E.const(0)
+    red = math.prod(int(ws[klay.index(c)]) for c in kdims)
+    pos = math.prod(int(os_[lay.index(c)]) for c in lay if c not in "NC")
+    col, ld_col = _conv_columns(L, n, form, kdims)
+    wbox, w_rows = _conv_kernel(L, n, kdims)
+    ld_w = red if w_rows else cout
+    group_rows = E.imul(E.it("i1"), cg) if groups > 1 else E.const(0)
+    cbox = _box(out, os_, {lay.index("N"): (E.it("i0"), 1), lay.index("C"): (group_rows, cg)})
+    what = f"conv {n.id}"
+    if form == "nchw":  # C (cg x pos) = W (cg x red) @ col (red x pos)
+        call = Gemm(wbox, col, cbox, cg, pos, red, ld_w, ld_col, pos, not w_rows, False, "n", (0, 1, 1), what)
+    else:  # C (pos x cg, rows cout apart) = col (pos x red) @ W (red x cg)
+        call = Gemm(col, wbox, cbox, pos, cg, red, ld_col, ld_w, cout, False, w_rows, "m", (ld_col, 0, cout), what)
+    bounds = ((0, os_[lay.index("N")]), (0, groups))
+    L.add(out, ("i0", "i1"), bounds, cbox[1], E.const(0.0, n.dtype), "sgemm", library=call)
 
-    direct = (all(int(ws[klay.index(c)]) == 1 for c in sp)
-              and all(s == 1 for s in at["strides"]) and not any(any(p) for p in at["padding"])
-              and _row_major(L, x))
-    if direct:  # x itself: (channels x positions) per image, or (positions x channels)
-        cin = xs[lay.index("C")]
-        start = [zero] * x.rank
-        start[lay.index("N")] = n_it
-        start[lay.index("C")] = E.imul(g_it, int(red)) if groups > 1 else zero
-        ext = list(xs)
-        ext[lay.index("N")] = 1
-        ext[lay.index("C")] = red
-        col: Box = (L.array_of[x.id], tuple(start), tuple(ext))
-        ld_col = pos if form == "nchw" else cin
-    else:
-        name = f"t{n.id}_col"
-        outer = kext + osz if form == "nchw" else osz + kext
-        shape = (batch, groups, *outer)
-        L.declare_array(name, shape, n.dtype)
-        iters = tuple(f"i{d}" for d in range(len(shape)))
-        idx = [E.it(i) for i in iters]
-        kv = dict(zip(kdims, idx[2:2 + len(kdims)] if form == "nchw" else idx[2 + len(sp):]))
-        ov = idx[2 + len(kdims):] if form == "nchw" else idx[2:2 + len(sp)]
-        xi = conv_input_index(L, n, idx[0], E.iadd(E.imul(idx[1], int(ws[klay.index("I")])), kv["I"])
-                              if groups > 1 else kv["I"], ov, [kv[c] for c in sp])
-        body = guarded(L, x, xi, E.const(0.0, n.dtype), [lay.index(c) for k, c in enumerate(sp) if any(at["padding"][k])])
-        L.add(name, iters, tuple((0, s) for s in shape), tuple(idx), body, "im2col")
-        col = (name, (n_it, g_it) + (zero,) * len(outer), (1, 1, *outer))
-        ld_col = pos if form == "nchw" else red
 
+def _box(array: str, shape, fixed: dict) -> Box:
+    """The whole of an array but along the dimensions in fixed: d -> (start, extent)."""
+    start, ext = [E.const(0)] * len(shape), list(shape)
+    for d, (first, extent) in fixed.items():
+        start[d], ext[d] = first, extent
+    return array, tuple(start), tuple(ext)
+
+
+def _conv_columns(L, n, form: str, kdims) -> tuple[Box, int]:
+    """The matrix of input taps per image and group, and its leading
+    dimension: (reduction x positions) for nchw, (positions x reduction) for
+    nhwc, reduction in kdims' order. A 1x1 convolution without stride or
+    padding reads its input in place; others fill an im2col temporary."""
+    from .lowering import conv_input_index, guarded
+    x, w = n.inputs
+    at, lay, klay, groups = n.attrs, n.attrs["layout"], n.attrs["kernel_layout"], n.attrs["groups"]
+    sp = [c for c in lay if c not in "NC"]
+    xs, ws = L.shape(x), L.shape(w)
+    kext = [int(ws[klay.index(c)]) for c in kdims]
+    osz = [int(L.shape(n)[lay.index(c)]) for c in sp]
+    red, pos = math.prod(kext), math.prod(osz)
+    if (all(int(ws[klay.index(c)]) == 1 for c in sp) and all(s == 1 for s in at["strides"])
+            and not any(any(p) for p in at["padding"]) and _row_major(L, x)):
+        channels = (E.imul(E.it("i1"), red) if groups > 1 else E.const(0), red)
+        box = _box(L.array_of[x.id], xs, {lay.index("N"): (E.it("i0"), 1), lay.index("C"): channels})
+        return box, pos if form == "nchw" else int(xs[lay.index("C")])
+    name = f"t{n.id}_col"
+    outer = kext + osz if form == "nchw" else osz + kext
+    shape = (L.shape(n)[lay.index("N")], groups, *outer)
+    L.declare_array(name, shape, n.dtype)
+    idx = [E.it(f"i{d}") for d in range(len(shape))]
+    kv = dict(zip(kdims, idx[2:2 + len(kdims)] if form == "nchw" else idx[2 + len(sp):]))
+    ov = idx[2 + len(kdims):] if form == "nchw" else idx[2:2 + len(sp)]
+    channel = E.iadd(E.imul(idx[1], int(ws[klay.index("I")])), kv["I"]) if groups > 1 else kv["I"]
+    xi = conv_input_index(L, n, idx[0], channel, ov, [kv[c] for c in sp])
+    body = guarded(L, x, xi, E.const(0.0, n.dtype), [lay.index(c) for k, c in enumerate(sp) if any(at["padding"][k])])
+    L.add(name, tuple(f"i{d}" for d in range(len(shape))), tuple((0, s) for s in shape), tuple(idx), body, "im2col")
+    return _box(name, shape, {0: (E.it("i0"), 1), 1: (E.it("i1"), 1)}), pos if form == "nchw" else red
+
+
+def _conv_kernel(L, n, kdims) -> tuple[Box, bool]:
+    """The kernel's box per group, and whether it is stored (out channels x
+    reduction) rather than (reduction x out channels); read in place where
+    it is a row-major array with O outermost or innermost, else packed (a
+    kernel computed inline, flipped or transposed) by a statement."""
+    w, klay, groups = n.inputs[1], n.attrs["kernel_layout"], n.attrs["groups"]
+    ws = L.shape(w)
+    cout = int(ws[klay.index("O")])
     if _row_major(L, w) and "O" in (klay[0], klay[-1]):
         wname, wlay = L.array_of[w.id], klay
-    else:  # a kernel computed inline (flipped, transposed), or laid out with O inside: packed once a call
+    else:
         wname, wlay = f"t{n.id}_w", "O" + "".join(kdims)
-        pshape = (cout, *kext)
+        pshape = (cout, *(ws[klay.index(c)] for c in kdims))
         L.declare_array(wname, pshape, n.dtype)
         iters = tuple(f"i{d}" for d in range(len(pshape)))
         src = [None] * w.rank
         for c, i in zip(wlay, iters):
             src[klay.index(c)] = E.it(i)
         L.add(wname, iters, tuple((0, s) for s in pshape), tuple(E.it(i) for i in iters), L.value(w, src), "pack")
-    wshape = [cout, *kext] if wlay[0] == "O" else [*kext, cout]
-    wstart = [zero] * len(wshape)
-    wstart[0 if wlay[0] == "O" else -1] = E.imul(g_it, int(cg)) if groups > 1 else zero
-    wext = list(wshape)
-    wext[0 if wlay[0] == "O" else -1] = cg
-    wbox: Box = (wname, tuple(wstart), tuple(wext))
-    w_rows = wlay[0] == "O"  # W as stored is (out channels x reduction)
-    ld_w = red if w_rows else cout
-
-    cstart = [zero] * len(os_)
-    cstart[lay.index("N")] = n_it
-    cstart[lay.index("C")] = E.imul(g_it, int(cg)) if groups > 1 else zero
-    cext = list(os_)
-    cext[lay.index("N")] = 1
-    cext[lay.index("C")] = cg
-    cbox: Box = (out, tuple(cstart), tuple(cext))
-    what = f"conv {n.id}"
-    if form == "nchw":  # C (cg x pos) = W (cg x red) @ col (red x pos)
-        call = Gemm(wbox, col, cbox, cg, pos, red, ld_w, ld_col, pos, not w_rows, False, "n", (0, 1, 1), what)
-    else:  # C (pos x cg, rows cout apart) = col (pos x red) @ W (red x cg)
-        call = Gemm(col, wbox, cbox, pos, cg, red, ld_col, ld_w, cout, False, w_rows, "m", (ld_col, 0, cout), what)
-    L.add(out, ("i0", "i1"), ((0, batch), (0, groups)), cstart, E.const(0.0, n.dtype), "sgemm", library=call)
+    shape = L.arrays[wname].shape
+    o = 0 if wlay[0] == "O" else len(shape) - 1
+    cg = cout // groups
+    first = E.imul(E.it("i1"), cg) if groups > 1 else E.const(0)
+    return _box(wname, shape, {o: (first, cg)}), wlay[0] == "O"
 
 
 def _row_major(L, node) -> bool:
