@@ -51,7 +51,8 @@ class Stats(Mapping):
     def as_dict(self) -> dict:
         out = {"graphs": len(self.graphs), "fallbacks": self.fallbacks,
                "fallback_ops": sorted(self.fallback_ops)}
-        for key in ("kernels", "statements", "fused", "inlined", "contracted_buffers", "intermediate_bytes"):
+        for key in ("kernels", "statements", "fused", "inlined", "contracted_buffers", "intermediate_bytes",
+                    "library_calls", "fusions_refused"):
             out[key] = sum(s.get(key, 0) for s in self.graphs.values())
         return out
 

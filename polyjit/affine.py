@@ -8,6 +8,7 @@ index expressions. Access relations are derived from the index expressions.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import islpy as isl
 
@@ -43,6 +44,7 @@ class Statement:
     label: str = ""  # the graph op it comes from, for readable kernel names
     reduction_iters: tuple[str, ...] = ()
     extra: str = ""  # further isl constraints on the domain
+    library: "Any" = None  # a vendor library call (polyjit.library.Gemm) over boxes of its arrays
 
     def domain_constraints(self) -> str:
         cs = [f"{sz.isl_str(lo)} <= {i} < {sz.isl_str(hi)}" for i, (lo, hi) in zip(self.iters, self.bounds)]
@@ -96,11 +98,25 @@ class AffineProgram:
                 + (f" : {' and '.join(cons)}" if cons else "") + " }")
         return isl.UnionMap.read_from_str(ctx, text)
 
+    def box_access(self, ctx: isl.Context, s: Statement, array: str, start, extents) -> isl.UnionMap:
+        """{ S[iters] -> A[a] : start <= a < start + extents }: what a library call reads or writes."""
+        outs = [f"a{d}" for d in range(len(start))]
+        cons = [s.domain_constraints()] if s.domain_constraints() else []
+        for v, e, n in zip(outs, start, extents):
+            cons.append(f"{to_isl(e)} <= {v} < {to_isl(e)} + {sz.isl_str(n)}")
+        text = (self.prefix() + f"{{ {s.name}[{', '.join(s.iters)}] -> {array}[{', '.join(outs)}]"
+                + f" : {' and '.join(cons)} }}")
+        return isl.UnionMap.read_from_str(ctx, text)
+
     def writes(self, ctx: isl.Context) -> tuple[isl.UnionMap, isl.UnionMap]:
         """(must-writes, may-writes): a non-affine written index is only a may-write."""
         must = isl.UnionMap.empty(isl.Space.params_alloc(ctx, 0))
         may = must
         for s in self.statements:
+            if s.library is not None:
+                m = self.box_access(ctx, s, *s.library.written())
+                must, may = must.union(m), may.union(m)
+                continue
             m = self.access(ctx, s, s.array, s.index)
             if all(to_isl(e) is not None for e in s.index):
                 must = must.union(m)
@@ -110,6 +126,10 @@ class AffineProgram:
     def reads(self, ctx: isl.Context) -> isl.UnionMap:
         r = isl.UnionMap.empty(isl.Space.params_alloc(ctx, 0))
         for s in self.statements:
+            if s.library is not None:
+                for box in s.library.read():
+                    r = r.union(self.box_access(ctx, s, *box))
+                continue
             for ld in self.statement_loads(s):
                 r = r.union(self.access(ctx, s, ld.array, ld.index))
         return r
@@ -117,6 +137,8 @@ class AffineProgram:
     def statement_loads(self, s: Statement) -> list[Load]:
         """What s reads: its body's loads, those its write position reads (a
         scatter's index), and its own target when it accumulates."""
+        if s.library is not None:
+            return [Load(self.arrays[a].dtype, a, tuple(start)) for a, start, _ in s.library.read()]
         out = loads(s.body) + [ld for i in s.index for ld in loads(i)]
         if s.combine is not None:
             out.append(Load(self.arrays[s.array].dtype, s.array, s.index))

@@ -52,7 +52,7 @@ def cache_dir() -> Path:
 @functools.cache
 def _versions() -> str:
     """polyjit's version and a digest of its sources (code changes without a
-    version change must not load stale code), llvmlite's and islpy's."""
+    version change must not load stale code), llvmlite's, islpy's and numpy's."""
     import islpy
     import llvmlite
 
@@ -61,7 +61,8 @@ def _versions() -> str:
     root = Path(__file__).parent
     for path in sorted(root.rglob("*.py")):
         digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
-    return f"polyjit {__version__} {digest.hexdigest()[:16]} llvmlite {llvmlite.__version__} islpy {islpy.__version__}"
+    return (f"polyjit {__version__} {digest.hexdigest()[:16]} llvmlite {llvmlite.__version__} islpy {islpy.__version__}"
+            f" numpy {np.__version__}")  # whose OpenBLAS library calls bind to (its integer width)
 
 
 def graph_text(graph: Graph) -> str:

@@ -15,6 +15,7 @@ from . import cache
 from . import sizes as sz
 from .cuda import GpuExecutable
 from .graph import Graph
+from .library import LibraryPolicy
 from .lowering import GPU_RECOMPUTE_LIMIT, RECOMPUTE_LIMIT, lower
 from .options import CompileOptions
 from .runtime import Executable
@@ -79,9 +80,11 @@ def compile_graph(graph: Graph, options: CompileOptions, name: str = "fn") -> Ex
             exe = _from_cache(graph, options, name, *hit) if hit else None
         hits = int(exe is not None)
     if exe is None:
+        policy = None if gpu else LibraryPolicy(options.contractions, options.num_threads)
         with timer("lower"):
-            prog = lower(graph, GPU_RECOMPUTE_LIMIT if gpu else RECOMPUTE_LIMIT)
+            prog = lower(graph, GPU_RECOMPUTE_LIMIT if gpu else RECOMPUTE_LIMIT, policy)
         exe = (_compile_gpu if gpu else _compile_cpu)(graph, prog, options, name, timer)
+        exe.stats["contractions"] = policy.choices if policy else []
         if key is not None:
             with timer("cache"):
                 cache.store(key, _plan(exe), exe.keepalive.objects)
@@ -136,7 +139,8 @@ def _compile_gpu(graph: Graph, prog, options: CompileOptions, name: str, timer: 
     return exe
 
 
-_PLAN_STATS = ("kernels", "statements", "fused", "inlined", "contracted_buffers", "parallel_kernels")
+_PLAN_STATS = ("kernels", "statements", "fused", "inlined", "contracted_buffers", "parallel_kernels",
+               "library_calls", "fusions_refused", "fusion_refusals", "contractions")
 
 
 def _plan(exe: Executable) -> dict:
@@ -154,10 +158,14 @@ def _plan(exe: Executable) -> dict:
     }
 
 
-def _from_cache(graph: Graph, options: CompileOptions, name: str, plan: dict, objects: list[bytes]) -> Executable:
+def _from_cache(graph: Graph, options: CompileOptions, name: str, plan: dict,
+                objects: list[bytes]) -> Executable | None:
     """A program loaded from the compile cache: nothing lowered, scheduled or compiled."""
     from .codegen.llvm import KernelInfo
     from .codegen.program import LoadedProgram
+    from .library import blas
+    if plan["stats"].get("library_calls") and blas() is None:
+        return None  # made where a BLAS was: compiled again here
     loaded = LoadedProgram(objects)
     kernels = loaded.bind([KernelInfo(n, par, tuple(st)) for n, par, st in plan["kernels"]])
     contracted = [(tuple(cache.size_from(s) for s in shape), itemsize, tuple(moduli), par)
@@ -209,6 +217,9 @@ def _executable(cls, graph: Graph, prog, sched, kernels, buffers, int_slots, opt
         "intermediate_bytes": 0,
         "fallbacks": 0,
         "parallel_kernels": sum(k.parallel for k in kernels),
+        "library_calls": sum(s.library is not None for s in prog.statements),
+        "fusions_refused": len(sched.refused),
+        "fusion_refusals": sched.refused,
     }
     exe = cls(name=name, inputs=inputs, outputs=outputs, output_arrays=prog.outputs, buffers=buffers,
               int_slots=int_slots, params=prog.params, constraints=prog.constraints, constants=consts,

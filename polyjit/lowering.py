@@ -59,9 +59,11 @@ def identity(combine: str, dt: DataType) -> Const:
 
 
 class Lowering:
-    def __init__(self, graph: Graph, recompute_limit: int = RECOMPUTE_LIMIT) -> None:
+    def __init__(self, graph: Graph, recompute_limit: int = RECOMPUTE_LIMIT, library=None) -> None:
         self.g = graph
         self.recompute_limit = recompute_limit
+        self.library = library  # a polyjit.library.LibraryPolicy, or None: every contraction generated
+        self.library_nodes: set[int] = set()
         self.nodes = graph.nodes()
         self.arrays: dict[str, Array] = {}
         self.statements: list[Statement] = []
@@ -99,7 +101,7 @@ class Lowering:
 
     # ------------------------------------------------------------ decisions
     def is_statement_op(self, n: Node) -> bool:
-        if n.op in STATEMENT_OPS:
+        if n.op in STATEMENT_OPS or n.id in self.library_nodes:
             return True
         if n.op in REDUCTIONS:
             terms = REDUCTIONS[n.op](self, n).static_terms()
@@ -119,6 +121,9 @@ class Lowering:
         return 1
 
     def plan(self) -> None:
+        if self.library is not None:
+            self.library_nodes = {n.id for n in self.nodes if n.op in ("conv", "dot_general")
+                                  and self.library.use(self, n)}
         uses: dict[int, int] = {n.id: 0 for n in self.nodes}
         for n in self.nodes:
             for k, i in enumerate(n.inputs):
@@ -159,6 +164,10 @@ class Lowering:
                                   strided=bool(n.attrs.get("strided")), index=index)
         self.array_of[n.id] = name
 
+    def declare_array(self, name: str, shape, dtype: DataType) -> None:
+        """A temporary of a lowering's own (an im2col matrix, a packed kernel)."""
+        self.arrays[name] = Array(name, tuple(shape), dtype, "temp")
+
     # ---------------------------------------------------------- statements
     def emit(self) -> None:
         for n in self.nodes:
@@ -169,7 +178,10 @@ class Lowering:
             iters = tuple(f"i{d}" for d in range(len(shape)))
             idx = tuple(E.it(i) for i in iters)
             bounds = tuple((0, s) for s in shape)
-            if n.op in STATEMENT_OPS:
+            if n.id in self.library_nodes:
+                from .library import lower_conv, lower_dot
+                (lower_conv if n.op == "conv" else lower_dot)(self, n, name)
+            elif n.op in STATEMENT_OPS:
                 STATEMENT_OPS[n.op](self, n, name, iters, bounds)
             elif n.op in REDUCTIONS and self.is_statement_op(n):
                 spec = REDUCTIONS[n.op](self, n)
@@ -244,8 +256,8 @@ def _product(extents: list[int]):
             yield (head,) + tail
 
 
-def lower(graph: Graph, recompute_limit: int = RECOMPUTE_LIMIT) -> AffineProgram:
-    return Lowering(graph, recompute_limit).run()
+def lower(graph: Graph, recompute_limit: int = RECOMPUTE_LIMIT, library=None) -> AffineProgram:
+    return Lowering(graph, recompute_limit, library).run()
 
 
 # ====================================================== inline lowerings
@@ -532,20 +544,29 @@ def _conv(L: Lowering, n: Node) -> ReductionSpec:
         ci = rv["I"]
         if groups > 1:
             ci = E.iadd(E.imul(E.ifloordiv(co, cout_g), cin_g), rv["I"])
-        xi, wi = [None] * x.rank, [None] * w.rank
-        xi[lay.index("N")] = o[lay.index("N")]
-        xi[lay.index("C")] = ci
+        xi = conv_input_index(L, n, o[lay.index("N")], ci, [o[lay.index(c)] for c in sp], [rv[c] for c in sp])
+        wi = [None] * w.rank
         wi[klay.index("O")] = co
         wi[klay.index("I")] = rv["I"]
-        for k, c in enumerate(sp):
-            pos = E.iadd(E.imul(o[lay.index(c)], at["strides"][k]),
-                         E.isub(E.imul(rv[c], at["dilation"][k]), E.const(at["padding"][k][0])))
-            xi[lay.index(c)] = pos
+        for c in sp:
             wi[klay.index(c)] = rv[c]
         xv = guarded(L, x, xi, E.const(0.0 if n.dtype.is_float else 0, n.dtype),
                      [lay.index(c) for k, c in enumerate(sp) if any(at["padding"][k])])
         return Op(n.dtype, "mul", (xv, L.value(w, wi)))
     return ReductionSpec([cin_g if c == "I" else ksz[sp.index(c)] for c in red], term, "sum")
+
+
+def conv_input_index(L: Lowering, n: Node, batch: Expr, channel: Expr, out, window) -> list:
+    """The input element convolution n reads for an output position (out,
+    per spatial dimension) and kernel tap (window), unguarded."""
+    at, lay = n.attrs, n.attrs["layout"]
+    xi: list = [None] * n.inputs[0].rank
+    xi[lay.index("N")] = batch
+    xi[lay.index("C")] = channel
+    for k, c in enumerate(c for c in lay if c not in "NC"):
+        xi[lay.index(c)] = E.iadd(E.imul(out[k], at["strides"][k]),
+                                  E.isub(E.imul(window[k], at["dilation"][k]), E.const(at["padding"][k][0])))
+    return xi
 
 
 def _reduce_window(L: Lowering, n: Node) -> ReductionSpec:

@@ -10,6 +10,7 @@ from .errors import CompileOptionError
 TARGETS = ("cpu", "nvgpu")
 GPU_TILES, GPU_KTILES = (32, 64, 128), (8, 16, 32)  # what nvgpu contraction tiles can be
 FUSION = ("max", "none")
+CONTRACTIONS = ("auto", "generated", "library")
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class CompileOptions:
     num_threads: int = field(default_factory=lambda: os.cpu_count() or 1)
     strict: bool = False
     gpu_arch: str | None = None
+    contractions: str = "auto"
     cache: bool = True  # the on-disk compile cache (polyjit.cache)
 
     def on(self, target: str) -> "CompileOptions":
@@ -34,7 +36,7 @@ class CompileOptions:
 
     def key(self) -> tuple:
         """What changes the generated code (debug output does not)."""
-        return (self.target, self.tile_sizes, self.fusion, self.gpu_arch)
+        return (self.target, self.tile_sizes, self.fusion, self.gpu_arch, self.contractions)
 
 
 _KEYS = {
@@ -45,6 +47,8 @@ _KEYS = {
     "fusion": f"one of {FUSION}",
     "num_threads": "a positive int",
     "strict": "True or False",
+    "contractions": f"one of {CONTRACTIONS} (generated code, a vendor library, or per shape whichever "
+                    "measures faster)",
     "gpu_arch": "'sm_XX' (compile nvgpu code for that GPU without one present), or None (the GPU in use)",
     "cache": "True or False (keep compiled programs in POLYJIT_CACHE_DIR and load them from there)",
 }
@@ -71,6 +75,9 @@ def parse_options(opts: Mapping[str, Any] | CompileOptions | None,
             raise CompileOptionError(f"compile option {k!r} is {kw[k]!r}; allowed values: True, False")
     if "fusion" in kw and kw["fusion"] not in FUSION:
         raise CompileOptionError(f"compile option 'fusion' is {kw['fusion']!r}; allowed values: {list(FUSION)}")
+    if "contractions" in kw and kw["contractions"] not in CONTRACTIONS:
+        raise CompileOptionError(f"compile option 'contractions' is {kw['contractions']!r}; "
+                                 f"allowed values: {list(CONTRACTIONS)}")
     if "num_threads" in kw and (not isinstance(kw["num_threads"], int) or isinstance(kw["num_threads"], bool)
                                 or kw["num_threads"] < 1):
         raise CompileOptionError(f"compile option 'num_threads' is {kw['num_threads']!r}; expected {_KEYS['num_threads']}")

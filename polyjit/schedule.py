@@ -39,6 +39,7 @@ class Scheduled:
     contracted: dict[str, tuple[int | None, ...]] = field(default_factory=dict)
     kernels: list[set[str]] = field(default_factory=list)  # statement names per top-level nest
     kernel_of_array: dict[str, int] = field(default_factory=dict)
+    refused: list[str] = field(default_factory=list)  # fusions the cost model refused, with why
 
     def ast_text(self) -> str:
         return self.ast.to_C_str()
@@ -80,7 +81,8 @@ def group_problem(prog: AffineProgram, group: list[str], shared: set[str], canon
             name = f"_s{len(stmts)}" if canonical else s.name
             names[name] = s.name
             stmts.append(replace(s, name=name, array=array(s.array), index=tuple(substitute(i, rename) for i in s.index),
-                                 body=substitute(s.body, rename)))
+                                 body=substitute(s.body, rename),
+                                 library=s.library and s.library.renamed(array)))
     arrs = {new: replace(prog.arrays[old], name=new, index=k if canonical else prog.arrays[old].index)
             for k, (old, new) in enumerate(arrays.items())}
     mine = frozenset(new for old, new in arrays.items() if old in shared)
@@ -111,6 +113,7 @@ class ProgramSchedule:
         self.kernels: list[set[str]] = []
         self.contracted: dict[str, tuple[int | None, ...]] = {}
         self.kernel_of_array: dict[str, int] = {}
+        self.refused = [g.real_names(why) for g in groups for why in g.sched.refused]
         for g in groups:
             p = g.problem
             for a, k in _kernel_of_array(p.prog, g.sched.kernels, len(self.kernels), p.arrays).items():
@@ -348,7 +351,36 @@ def distribute_inits(schedule, prog, validity) -> isl.Schedule:
     return new if is_legal(new, validity) else schedule
 
 
-def fuse_contraction(schedule, prog, dom, validity) -> isl.Schedule | None:
+@dataclass
+class FusionPlan:
+    """What the cpu schedule may fuse into a contraction's nest, and the
+    fusions its cost model refused, each with its reason."""
+
+    refused: list[str] = field(default_factory=list)
+
+
+def fusion_refusal(up, outs: list[str], prog: AffineProgram) -> str | None:
+    """Why sharing one nest with contraction `up` would lose, or None.
+
+    A fused nest runs each register block's whole reduction; its columns
+    run along the last output loop. Where an operand's padding guard
+    depends on that loop (NCHW: the output columns are image columns, and
+    the window's taps step over the border), every vector lane needs its
+    own address: the fused nest ran 2.6-4.4x slower than the tiled,
+    unfused one (2x64x64x64 3x3 NCHW: 51 against 19 ms), while NHWC, whose
+    columns are channels, gained (0.91 -> 0.77 ms)."""
+    if not _reduction_fits_tile(up):
+        lo, hi = dict(zip(up.iters, up.bounds))[up.reduction_iters[0]]
+        return f"{up.name} ({up.label}): its outer reduction loop ({sz.isl_str(hi)} - {sz.isl_str(lo)}) exceeds a tile ({TILE_RED})"
+    col = outs[-1] if outs else None
+    for x in walk(up.body):
+        if isinstance(x, Op) and x.op == "select" and any(isinstance(v, Var) and v.name == col
+                                                          for v in walk(x.args[0])):
+            return f"{up.name} ({up.label}): a padding guard varies along the register block's columns ({col})"
+    return None
+
+
+def fuse_contraction(schedule, prog, dom, validity, plan: FusionPlan | None = None) -> isl.Schedule | None:
     """One nest for a contraction whose reduction is not tiled: each block of
     outputs is zeroed, runs its whole reduction and its elementwise epilogue
     (bias, activation) in turn, all inside the block's loops, so the
@@ -361,7 +393,7 @@ def fuse_contraction(schedule, prog, dom, validity) -> isl.Schedule | None:
     names = [st.get_tuple_name() for st in _items(dom.get_set_list())]
     stmts = [s for s in prog.statements if s.name in names]
     updates = [s for s in stmts if is_update(s)]
-    if len(updates) != 1 or not _reduction_fits_tile(updates[0]):
+    if len(updates) != 1:
         return None
     up = updates[0]
     point = {s.name: _plain(s.index) for s in stmts if s.label.endswith("_init") and s.array == up.array}
@@ -383,6 +415,11 @@ def fuse_contraction(schedule, prog, dom, validity) -> isl.Schedule | None:
     order += [it for it in up.iters if it not in order]
     red = [it for it in order if it in up.reduction_iters]
     outs = [it for it in order if it not in up.reduction_iters]
+    why = fusion_refusal(up, outs, prog)
+    if why is not None:
+        if plan is not None:
+            plan.refused.append(why)
+        return None
     if len(point) != len(stmts) or None in point.values() or sorted(outs) != sorted(point[up.name]) \
             or len(outs) < 2 or not red:
         return None
@@ -744,8 +781,9 @@ def contract(ctx, prog: AffineProgram, schedule: isl.Schedule, dom, kernels, sha
                 for ld in prog.statement_loads(s):
                     where.setdefault(ld.array, set()).add(k)
     out = {}
+    called = {box[0] for s in prog.statements if s.library is not None for box in [s.library.written()] + s.library.read()}
     for name, arr in prog.arrays.items():
-        if arr.kind != "temp" or name in shared or len(where.get(name, ())) != 1 or not arr.shape:
+        if arr.kind != "temp" or name in shared or len(where.get(name, ())) != 1 or not arr.shape or name in called:
             continue
         space = isl.Set.read_from_str(ctx, prog.prefix() + f"{{ {name}[{', '.join(f'x{d}' for d in range(len(arr.shape)))}] }}").get_space()
         tw_u = may.intersect_range(isl.UnionSet.from_set(isl.Set.universe(space))).reverse().apply_range(smap)
@@ -823,6 +861,12 @@ def fusion_groups(prog: AffineProgram, epilogues: bool = False) -> list[list[str
     current: list[str] = []
     update = None
     for s in prog.statements:
+        if s.library is not None:  # a library call runs alone
+            if current:
+                groups.append(current)
+            groups.append([s.name])
+            current, update = [], None
+            continue
         if update is not None and epilogues and _reduction_fits_tile(update) and _epilogue_of(s, update, prog):
             groups[-1].append(s.name)
             continue
@@ -882,7 +926,7 @@ SOLVER_BUDGET = 32_000  # operations of isl's scheduler's first try on a group (
 SOLVER_SECONDS = 0.5  # a try that ran out of operations sooner than this gets twice as many
 
 
-def _schedule_group(ctx, prog, dom, validity, raw, names, fusion, fuse: bool) -> isl.Schedule:
+def _schedule_group(ctx, prog, dom, validity, raw, names, fusion, fuse: FusionPlan | None) -> isl.Schedule:
     """isl's schedule for a group; a group whose problem exceeds the budget is
     split in two and each half scheduled alone, one after the other. A single
     statement over budget (accesses full of integer divisions, e.g. a
@@ -934,10 +978,12 @@ def _group_domain(ctx, prog, dom, names) -> isl.UnionSet:
     return dom.intersect(isl.UnionSet.read_from_str(ctx, text))
 
 
-def _schedule_one_group(ctx, prog, dom, validity, raw, names, fusion, fuse: bool) -> isl.Schedule:
+def _schedule_one_group(ctx, prog, dom, validity, raw, names, fusion, fuse: FusionPlan | None) -> isl.Schedule:
     """isl's schedule of the group; a contraction's group (its epilogue
     aside, which isl need not see) then shares one nest with its
     initialization and epilogue where fuse_contraction can build it."""
+    if any(s.library is not None for s in prog.statements if s.name in names):
+        return isl.Schedule.from_domain(_group_domain(ctx, prog, dom, names))  # its loops, unmarked: the call shares the work
     core = [s.name for s in prog.statements if s.name in names and (s.name in _inits(prog) or is_update(s))]
     epilogue = [n for n in names if n not in core] if core else []
     cdom = _group_domain(ctx, prog, dom, [n for n in names if n not in epilogue])
@@ -947,14 +993,14 @@ def _schedule_one_group(ctx, prog, dom, validity, raw, names, fusion, fuse: bool
         sc = sc.set_proximity(raw.intersect_domain(cdom).intersect_range(cdom).coalesce())
     sched = order_sets(_compute_schedule(ctx, sc), cval)
     sched = innermost_contiguous(sched, prog, ctx, cval)
-    if fuse and core:
+    if fuse is not None and core:
         gdom = _group_domain(ctx, prog, dom, names)
-        fused = fuse_contraction(sched, prog, gdom, validity.intersect_domain(gdom).intersect_range(gdom))
+        fused = fuse_contraction(sched, prog, gdom, validity.intersect_domain(gdom).intersect_range(gdom), fuse)
         if fused is not None:
             return fused
     sched = distribute_inits(sched, prog, cval)
     if epilogue:  # consumers that could not share the contraction's nest follow it
-        sched = sched.sequence(_schedule_one_group(ctx, prog, dom, validity, raw, epilogue, fusion, False))
+        sched = sched.sequence(_schedule_one_group(ctx, prog, dom, validity, raw, epilogue, fusion, None))
     return sched
 
 
@@ -1020,8 +1066,9 @@ def _schedule_problem(problem: "GroupProblem", config: tuple, timer) -> Schedule
     with timer("schedule/dependences"):
         dom = prog.domain(ctx)
         validity, raw = dependences(ctx, prog, dom)
+    plan = FusionPlan() if fuse else None
     with timer("schedule/isl"):
-        sched = _schedule_group(ctx, prog, dom, validity, raw, [s.name for s in prog.statements], fusion, fuse)
+        sched = _schedule_group(ctx, prog, dom, validity, raw, [s.name for s in prog.statements], fusion, plan)
     with timer("schedule/rewrites"):
         sched = _rewrites(sched, prog, validity, target, tile_sizes, vector_bits)
     with timer("schedule/ast"):
@@ -1033,7 +1080,7 @@ def _schedule_problem(problem: "GroupProblem", config: tuple, timer) -> Schedule
         contracted = contract(ctx, prog, sched, dom, kernels, problem.shared)
     if target == "nvgpu":
         contracted = {n: m for n, m in contracted.items() if _private_bytes(prog.arrays[n], m) <= GPU_PRIVATE_BYTES}
-    return Scheduled(sched, ast, contracted, kernels, _kernel_of_array(prog, kernels))
+    return Scheduled(sched, ast, contracted, kernels, _kernel_of_array(prog, kernels), plan.refused if plan else [])
 
 
 def _kernel_of_array(prog: AffineProgram, kernels: list[set[str]], offset: int = 0,

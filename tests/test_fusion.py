@@ -10,6 +10,7 @@ from polyjit import DataType, FusionDefinition, InputInfo, ops
 import refs
 
 F32 = np.float32
+GEN = {"contractions": "generated"}  # the generated loop nests these tests look at, not the library floor
 
 
 def blur(img):
@@ -176,7 +177,7 @@ def test_parallel_loop_never_carries_a_reduction(rng):
     iteration, so the first loop in the AST is the reduction's; splitting it across
     threads would race on the accumulators."""
     a, b = rng.standard_normal((20, 2048), dtype=F32), rng.standard_normal((2048, 64), dtype=F32)
-    exe = polyjit.compile(ops.matmul, [InputInfo(a.shape, F32), InputInfo(b.shape, F32)], {"num_threads": 2})
+    exe = polyjit.compile(ops.matmul, [InputInfo(a.shape, F32), InputInfo(b.shape, F32)], {"num_threads": 2, **GEN})
     lines = exe.ir("ast").splitlines()
     for i, line in enumerate(lines):
         if "// parallel:" in line:
@@ -242,7 +243,7 @@ def test_linear_reads_a_packed_copy_of_its_weight(rng):
     output's columns, which W holds with a stride, so W is copied once into
     (contracting, free) order and the contraction reads the copy."""
     x, w = rng.standard_normal((70, 90), dtype=F32), rng.standard_normal((50, 90), dtype=F32)
-    exe = polyjit.compile(lambda a, b: ops.linear(a, b), [InputInfo(x.shape, F32), InputInfo(w.shape, F32)])
+    exe = polyjit.compile(lambda a, b: ops.linear(a, b), [InputInfo(x.shape, F32), InputInfo(w.shape, F32)], GEN)
     assert "materialize=True" in exe.ir("graph")
     assert "= in1[i1, i0]" in exe.ir("affine")
     np.testing.assert_allclose(exe(x, w), x.astype(np.float64) @ w.T, rtol=1e-5, atol=1e-4)
@@ -257,7 +258,7 @@ def test_convolution_register_block_inside_its_whole_reduction(cin, cout, rng):
     not reorder the sum, which would leave the whole program untiled)."""
     x, w = rng.standard_normal((2, 9, 10, cin), dtype=F32), rng.standard_normal((3, 3, cin, cout), dtype=F32)
     exe = polyjit.compile(lambda a, b: ops.conv(a, b, (1, 1), ((1, 1), (1, 1)), layout="NHWC", kernel_layout="HWIO"),
-                          [InputInfo(x.shape, F32), InputInfo(w.shape, F32)])
+                          [InputInfo(x.shape, F32), InputInfo(w.shape, F32)], GEN)
     lines = exe.ir("ast").splitlines()
     calls = [i for i, line in enumerate(lines) if "S1(" in line]
     assert len(calls) >= 64 and not any("for (" in line for line in lines[calls[0]:calls[-1]])
@@ -284,7 +285,7 @@ def test_contraction_epilogue_runs_inside_its_register_blocks(shape, rng):
     bias = rng.standard_normal(64, dtype=F32)
     x[1, 4, 6, 20] = np.nan
     exe = polyjit.compile(lambda a, b, c: ops.relu(_conv_nhwc(a, b) + c),
-                          [InputInfo(x.shape, F32), InputInfo(w.shape, F32), InputInfo(bias.shape, F32)])
+                          [InputInfo(x.shape, F32), InputInfo(w.shape, F32), InputInfo(bias.shape, F32)], GEN)
     assert exe.stats["kernels"] == 1 and exe.stats["fused"] == 2 and exe.stats["contracted_buffers"] == 1
     assert "polyjit.fill" in exe.ir("llvm") and "nontemporal" not in exe.ir("llvm_opt")
     conv = refs.conv2d(x.transpose(0, 3, 1, 2), w.transpose(3, 2, 0, 1), padding=((1, 1), (1, 1)))
@@ -299,7 +300,7 @@ def test_contraction_result_that_is_also_an_output_is_stored_once(rng):
     blocks write the returned result (not a private block) and the tanh."""
     x, w = rng.standard_normal((1, 6, 7, 4), dtype=F32), rng.standard_normal((3, 3, 4, 8), dtype=F32)
     exe = polyjit.compile(lambda a, b: (_conv_nhwc(a, b), ops.tanh(_conv_nhwc(a, b))),
-                          [InputInfo(x.shape, F32), InputInfo(w.shape, F32)])
+                          [InputInfo(x.shape, F32), InputInfo(w.shape, F32)], GEN)
     assert exe.stats["kernels"] == 1 and exe.stats["contracted_buffers"] == 0
     conv = refs.conv2d(x.transpose(0, 3, 1, 2), w.transpose(3, 2, 0, 1), padding=((1, 1), (1, 1))).transpose(0, 2, 3, 1)
     got, act = exe(x, w)
@@ -314,8 +315,9 @@ def test_matmul_bias_fuses_while_its_reduction_fits_one_tile(k, fused, rng):
     initialization and epilogue stay passes of their own."""
     a, b, c = (rng.standard_normal(s, dtype=F32) for s in ((70, k), (k, 130), (130,)))
     exe = polyjit.compile(lambda x, y, z: ops.matmul(x, y) + z,
-                          [InputInfo(a.shape, F32), InputInfo(b.shape, F32), InputInfo(c.shape, F32)])
+                          [InputInfo(a.shape, F32), InputInfo(b.shape, F32), InputInfo(c.shape, F32)], GEN)
     assert (exe.stats["kernels"] == 1) == fused
+    assert exe.stats["fusions_refused"] == (not fused)  # and says why: a reduction longer than a tile
     np.testing.assert_allclose(exe(a, b, c), a.astype(np.float64) @ b + c, rtol=1e-5, atol=1e-4)
 
 
@@ -337,7 +339,7 @@ def test_transposed_product_is_the_product_of_swapped_operands(shape_a, shape_b,
     a, b = rng.standard_normal(shape_a, dtype=F32), rng.standard_normal(shape_b, dtype=F32)
     last = len(shape_a) - 1
     exe = polyjit.compile(lambda x, y: ops.transpose(ops.matmul(x, y), last - 1, last),
-                          [InputInfo(list(shape_a), F32), InputInfo(list(shape_b), F32)])
+                          [InputInfo(list(shape_a), F32), InputInfo(list(shape_b), F32)], GEN)
     writes = [line for line in exe.ir("affine").splitlines() if line.strip().startswith("out0[")]
     assert len(writes) == 2 and "sum=" in writes[1]  # initialization and update only
     np.testing.assert_allclose(exe(a, b), np.swapaxes(a.astype(np.float64) @ b, -1, -2), rtol=1e-5, atol=1e-4)
@@ -350,7 +352,7 @@ def test_kernels_ask_for_wide_vectors_on_avx512_hosts(rng):
     if "+avx512f" not in llvm.get_host_cpu_features().flatten():
         pytest.skip("the host has no AVX-512")
     a, b = rng.standard_normal((70, 90), dtype=F32), rng.standard_normal((90, 130), dtype=F32)
-    exe = polyjit.compile(ops.matmul, [InputInfo(a.shape, F32), InputInfo(b.shape, F32)])
+    exe = polyjit.compile(ops.matmul, [InputInfo(a.shape, F32), InputInfo(b.shape, F32)], GEN)
     opt = exe.ir("llvm_opt")
     assert '"prefer-vector-width"="512"' in opt and "<16 x float>" in opt
     np.testing.assert_allclose(exe(a, b), a.astype(np.float64) @ b, rtol=1e-5, atol=1e-4)

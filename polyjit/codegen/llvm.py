@@ -551,6 +551,10 @@ class Emitter:
             return
         env = {it: self.aexpr(call.get_op_arg(i + 1)) for i, it in enumerate(s.iters)}
         cache: dict[int, ir.Value] = {}
+        if s.library is not None:
+            from .blas import emit_gemm
+            emit_gemm(self, s.library, env, cache)
+            return
         val = self.value(s.body, env, cache)
         arr = self.prog.arrays[s.array]
         ptr = self.address(arr, s.index, env, cache)

@@ -19,7 +19,9 @@ import llvmlite.binding as llvm
 from llvmlite import ir
 
 from ..affine import AffineProgram
+from ..errors import UnsupportedOpError
 from ..schedule import ProgramSchedule, ScheduledGroup
+from .blas import SGEMM, register_symbols
 from .cpu import KERNEL_T, CpuEmitter, _lock, optimized_module, target_machine
 from .llvm import I64, PTR, KernelInfo, buffer_layout, kernel_name
 
@@ -143,6 +145,9 @@ class LoadedProgram:
     def __init__(self, objects: list[bytes]) -> None:
         self.objects = objects
         tm = target_machine()
+        if any(SGEMM.encode() in obj for obj in objects):
+            if not register_symbols():  # code made where a BLAS was, loaded where none is
+                raise UnsupportedOpError("a program calling BLAS, loaded without a BLAS library")
         with _lock:
             mod = llvm.parse_assembly("")
             mod.triple = tm.triple

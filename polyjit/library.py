@@ -1,0 +1,404 @@
+"""A vendor-library floor under generated contractions (cpu).
+
+Where, for a convolution's shape, polyjit's generated loop nest loses to
+BLAS, the convolution lowers to an im2col statement (generated, so that
+the ops before it fuse into it) and one ``sgemm`` statement per image and
+group, a call into the OpenBLAS that numpy ships (bound by address, no
+framework involved). The statement reads and writes boxes of its arrays, so
+isl orders it with the rest of the program like any statement; the ops
+after it read its result in generated kernels.
+
+``contractions`` in the compile options picks: ``"generated"``, ``"library"``
+or ``"auto"`` (per shape, whichever a quick timing of both finds faster,
+measured once per process).
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import glob
+import logging
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from . import expr as E
+from . import sizes as sz
+from .dtypes import DataType
+from .expr import Expr
+from .sizes import Size
+
+log = logging.getLogger("polyjit.library")
+
+Box = tuple[str, tuple[Expr, ...], tuple[Size, ...]]  # array, first element, extents
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """C = op(A) @ op(B) over boxes of arrays (row-major sgemm). The parts of
+    a parallel kernel share the dimension `split` ("m" or "n"): each calls
+    sgemm on its strip, the operands advanced by `steps` elements per row or
+    column of the strip."""
+
+    a: Box
+    b: Box
+    c: Box
+    m: Size
+    n: Size
+    k: Size
+    lda: Size
+    ldb: Size
+    ldc: Size
+    trans_a: bool
+    trans_b: bool
+    split: str
+    steps: tuple[int | Size, int | Size, int | Size]
+    what: str = dataclasses.field(default="", repr=False, compare=False)  # not structure: like calls share code
+
+    def renamed(self, rename) -> "Gemm":
+        """This call over the arrays rename(name) names (a group problem's own)."""
+        return dataclasses.replace(self, a=(rename(self.a[0]), *self.a[1:]), b=(rename(self.b[0]), *self.b[1:]),
+                                   c=(rename(self.c[0]), *self.c[1:]))
+
+    def written(self) -> Box:
+        return self.c
+
+    def read(self) -> list[Box]:
+        return [self.a, self.b]
+
+    def __str__(self) -> str:
+        return (f"sgemm({'T' if self.trans_a else 'N'}{'T' if self.trans_b else 'N'}, m={self.m}, n={self.n}, "
+                f"k={self.k}, {self.a[0]}, {self.b[0]}, {self.c[0]})")
+
+
+# ------------------------------------------------------------------ BLAS
+_blas: Any = False
+
+
+def blas() -> "Blas | None":
+    """numpy's OpenBLAS (ILP64, scipy_ prefixed symbols), or None."""
+    global _blas
+    if _blas is False:
+        _blas = None
+        try:
+            import numpy
+            base = os.path.dirname(os.path.dirname(numpy.__file__))
+            for path in sorted(glob.glob(os.path.join(base, "numpy.libs", "libscipy_openblas*.so*"))
+                               + glob.glob(os.path.join(base, "scipy_openblas*", "lib", "lib*openblas*.so*"))):
+                lib = ctypes.CDLL(path)
+                for prefix, suffix in (("scipy_", "64_"), ("scipy_", ""), ("", "")):
+                    fn = getattr(lib, f"{prefix}cblas_sgemm{suffix}", None)
+                    if fn is not None:
+                        local = getattr(lib, "openblas_set_num_threads_local", None)
+                        _blas = Blas(path, _address(fn), _address(local) if local else None,
+                                     64 if suffix == "64_" else 32)
+                        break
+                if _blas is not None:
+                    break
+        except (ImportError, OSError) as e:
+            log.debug("no BLAS: %s", e)
+    return _blas
+
+
+@dataclass(frozen=True)
+class Blas:
+    path: str
+    sgemm: int  # address of cblas_sgemm
+    set_threads_local: int | None  # address of openblas_set_num_threads_local: 1 thread per calling thread
+    int_bits: int  # 64 for an ILP64 build
+
+
+def _address(fn) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+# ---------------------------------------------------------------- choice
+_measured: dict[tuple, tuple[bool, float, float]] = {}
+MIN_REDUCTION = 16  # shorter reductions (depthwise, a few input channels) are stencils: generated
+MIN_OUT_CHANNELS = 8
+MIN_MACS = 1 << 20  # multiply-adds below which either way is quick: generated, not worth timing
+
+
+class LibraryPolicy:
+    """Decides, per convolution, generated code or the library; records why."""
+
+    def __init__(self, mode: str, threads: int) -> None:
+        self.mode, self.threads = mode, threads
+        self.choices: list[str] = []
+
+    def use(self, L, n) -> bool:
+        """Whether contraction n (a conv or dot_general) runs in the library."""
+        ok = (gemm_form(L, n) if n.op == "conv" else dot_form(L, n)) is not None
+        if not ok or self.mode == "generated" or blas() is None:
+            return False
+        xs, ws = L.shape(n.inputs[0]), L.shape(n.inputs[1])
+        what = f"{n.op} {list(xs)} * {list(ws)}" + (f" groups {n.attrs['groups']}" if n.op == "conv" else "")
+        if self.mode == "library":
+            self.choices.append(f"{what}: library (forced)")
+            return True
+        if n.op == "conv":
+            klay, groups = n.attrs["kernel_layout"], n.attrs["groups"]
+            red = math.prod(int(ws[d]) for d, c in enumerate(klay) if c != "O")
+            cout_g = int(ws[klay.index("O")]) // groups
+            if red < MIN_REDUCTION or cout_g < MIN_OUT_CHANNELS:
+                self.choices.append(f"{what}: generated (reduction {red}, {cout_g} output channels per group: "
+                                    "a stencil)")
+                return False
+        else:
+            red = math.prod(int(xs[d]) for d in n.attrs["lc"])
+        if not all(map(sz.is_static, xs + L.shape(n))):
+            self.choices.append(f"{what}: library (symbolic sizes)")
+            return True
+        macs = math.prod(int(s) for s in L.shape(n)) * red
+        if macs < MIN_MACS:
+            self.choices.append(f"{what}: generated ({macs} multiply-adds)")
+            return False
+        if n.op == "conv" and gemm_form(L, n) == "nchw":  # not worth compiling the generated nest to time it
+            self.choices.append(f"{what}: library (channels first: generated blocks run along image rows, "
+                                "4-30x slower than sgemm in ResNet-18's convolutions)")
+            return True
+        lib, t_lib, t_gen = self.measure(L, n)
+        self.choices.append(f"{what}: {'library' if lib else 'generated'} "
+                            f"(library {t_lib * 1e3:.3f} ms, generated {t_gen * 1e3:.3f} ms)")
+        return lib
+
+    def measure(self, L, n) -> tuple[bool, float, float]:
+        """Time the contraction alone both ways (once per shape, operand
+        layout and thread count): its operands as the program holds them,
+        arrays read through the transposes n reads them by."""
+        bases, ins = [], []
+        for i in n.inputs:
+            chain = []
+            while i.op == "transpose" and not i.attrs.get("materialize") and i.id not in L.array_of:
+                chain.append(i.attrs["perm"])
+                i = i.inputs[0]
+            bases.append((tuple(int(s) for s in L.shape(i)), i.dtype))
+            ins.append(tuple(chain))
+        key = (n.op, tuple(bases), tuple(ins), tuple(sorted((k, str(v)) for k, v in n.attrs.items())), self.threads)
+        if key not in _measured:
+            import numpy as np
+            rng = np.random.default_rng(0)
+            args = [rng.standard_normal(shape).astype(dt.numpy) for shape, dt in bases]
+            times = {mode: _time(_single(n, bases, ins, tuple(L.shape(n)), mode, self.threads), args)
+                     for mode in ("library", "generated")}
+            _measured[key] = (times["library"] < times["generated"], times["library"], times["generated"])
+        return _measured[key]
+
+
+def _single(n, bases, chains, shape, mode: str, threads: int):
+    """A program of contraction n alone, on inputs of the given shapes read
+    through the given transposes."""
+    from .compiler import compile_graph
+    from .graph import Graph
+    from .options import CompileOptions
+    g = Graph()
+    ins = []
+    for (s, dt), chain in zip(bases, chains):
+        node = g.input(s, dt)
+        for perm in reversed(chain):
+            node = g.transpose(node, perm)
+        ins.append(node)
+    g.add_output(dataclasses.replace(n, inputs=tuple(ins), shape=shape))
+    return compile_graph(g, CompileOptions(target="cpu", num_threads=threads, contractions=mode, cache=False),
+                         "measure")
+
+
+def _time(exe, args, reps: int = 5, budget: float = 0.2) -> float:
+    exe(*args)
+    ts: list[float] = []
+    start = time.perf_counter()
+    while len(ts) < reps and (len(ts) < 2 or time.perf_counter() - start < budget):
+        t = time.perf_counter()
+        exe(*args)
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+# ------------------------------------------------------------- lowering
+def gemm_form(L, n) -> str | None:
+    """"nchw" (channels before the image: C = W @ col) or "nhwc" (channels
+    last: C = col @ W) where the library can compute the convolution n;
+    None where it cannot (another dtype or layout, a symbolic group size)."""
+    if n.dtype != DataType.Float or n.inputs[1].dtype != DataType.Float or n.inputs[0].dtype != DataType.Float:
+        return None
+    lay = n.attrs["layout"]
+    sp = "".join(c for c in lay if c not in "NC")
+    out = L.shape(n)
+    if not all(map(sz.is_static, L.shape(n.inputs[1]))) or not all(sz.is_static(out[lay.index(c)]) for c in sp):
+        return None  # the kernel and the image positions make the matrices: their sizes must be numbers
+    if lay == "NC" + sp:
+        return "nchw"
+    if lay == "N" + sp + "C":
+        return "nhwc"
+    return None
+
+
+def lower_conv(L, n, out: str) -> None:
+    """n (a convolution) as im2col (or the input itself: a 1x1 convolution
+    without stride or padding) and an sgemm statement per image and group."""
+    lay, klay, groups = n.attrs["layout"], n.attrs["kernel_layout"], n.attrs["groups"]
+    form = gemm_form(L, n)
+    ws, os_ = L.shape(n.inputs[1]), L.shape(n)
+    cout = int(ws[klay.index("O")])
+    cg = cout // groups
+    kdims = [c for c in klay if c != "O"]  # the reduction in the kernel's memory order
+    red = math.prod(int(ws[klay.index(c)]) for c in kdims)
+    pos = math.prod(int(os_[lay.index(c)]) for c in lay if c not in "NC")
+    col, ld_col = _conv_columns(L, n, form, kdims)
+    wbox, w_rows = _conv_kernel(L, n, kdims)
+    ld_w = red if w_rows else cout
+    group_rows = E.imul(E.it("i1"), cg) if groups > 1 else E.const(0)
+    cbox = _box(out, os_, {lay.index("N"): (E.it("i0"), 1), lay.index("C"): (group_rows, cg)})
+    what = f"conv {n.id}"
+    if form == "nchw":  # C (cg x pos) = W (cg x red) @ col (red x pos)
+        call = Gemm(wbox, col, cbox, cg, pos, red, ld_w, ld_col, pos, not w_rows, False, "n", (0, 1, 1), what)
+    else:  # C (pos x cg, rows cout apart) = col (pos x red) @ W (red x cg)
+        call = Gemm(col, wbox, cbox, pos, cg, red, ld_col, ld_w, cout, False, w_rows, "m", (ld_col, 0, cout), what)
+    bounds = ((0, os_[lay.index("N")]), (0, groups))
+    L.add(out, ("i0", "i1"), bounds, cbox[1], E.const(0.0, n.dtype), "sgemm", library=call)
+
+
+def _box(array: str, shape, fixed: dict) -> Box:
+    """The whole of an array but along the dimensions in fixed: d -> (start, extent)."""
+    start, ext = [E.const(0)] * len(shape), list(shape)
+    for d, (first, extent) in fixed.items():
+        start[d], ext[d] = first, extent
+    return array, tuple(start), tuple(ext)
+
+
+def _conv_columns(L, n, form: str, kdims) -> tuple[Box, int]:
+    """The matrix of input taps per image and group, and its leading
+    dimension: (reduction x positions) for nchw, (positions x reduction) for
+    nhwc, reduction in kdims' order. A 1x1 convolution without stride or
+    padding reads its input in place; others fill an im2col temporary."""
+    from .lowering import conv_input_index, guarded
+    x, w = n.inputs
+    at, lay, klay, groups = n.attrs, n.attrs["layout"], n.attrs["kernel_layout"], n.attrs["groups"]
+    sp = [c for c in lay if c not in "NC"]
+    xs, ws = L.shape(x), L.shape(w)
+    kext = [int(ws[klay.index(c)]) for c in kdims]
+    osz = [int(L.shape(n)[lay.index(c)]) for c in sp]
+    red, pos = math.prod(kext), math.prod(osz)
+    if (all(int(ws[klay.index(c)]) == 1 for c in sp) and all(s == 1 for s in at["strides"])
+            and not any(any(p) for p in at["padding"]) and _row_major(L, x)):
+        channels = (E.imul(E.it("i1"), red) if groups > 1 else E.const(0), red)
+        box = _box(L.array_of[x.id], xs, {lay.index("N"): (E.it("i0"), 1), lay.index("C"): channels})
+        return box, pos if form == "nchw" else int(xs[lay.index("C")])
+    name = f"t{n.id}_col"
+    outer = kext + osz if form == "nchw" else osz + kext
+    shape = (L.shape(n)[lay.index("N")], groups, *outer)
+    L.declare_array(name, shape, n.dtype)
+    idx = [E.it(f"i{d}") for d in range(len(shape))]
+    kv = dict(zip(kdims, idx[2:2 + len(kdims)] if form == "nchw" else idx[2 + len(sp):]))
+    ov = idx[2 + len(kdims):] if form == "nchw" else idx[2:2 + len(sp)]
+    channel = E.iadd(E.imul(idx[1], int(ws[klay.index("I")])), kv["I"]) if groups > 1 else kv["I"]
+    xi = conv_input_index(L, n, idx[0], channel, ov, [kv[c] for c in sp])
+    body = guarded(L, x, xi, E.const(0.0, n.dtype), [lay.index(c) for k, c in enumerate(sp) if any(at["padding"][k])])
+    L.add(name, tuple(f"i{d}" for d in range(len(shape))), tuple((0, s) for s in shape), tuple(idx), body, "im2col")
+    return _box(name, shape, {0: (E.it("i0"), 1), 1: (E.it("i1"), 1)}), pos if form == "nchw" else red
+
+
+def _conv_kernel(L, n, kdims) -> tuple[Box, bool]:
+    """The kernel's box per group, and whether it is stored (out channels x
+    reduction) rather than (reduction x out channels); read in place where
+    it is a row-major array with O outermost or innermost, else packed (a
+    kernel computed inline, flipped or transposed) by a statement."""
+    w, klay, groups = n.inputs[1], n.attrs["kernel_layout"], n.attrs["groups"]
+    ws = L.shape(w)
+    cout = int(ws[klay.index("O")])
+    if _row_major(L, w) and "O" in (klay[0], klay[-1]):
+        wname, wlay = L.array_of[w.id], klay
+    else:
+        wname, wlay = f"t{n.id}_w", "O" + "".join(kdims)
+        pshape = (cout, *(ws[klay.index(c)] for c in kdims))
+        L.declare_array(wname, pshape, n.dtype)
+        iters = tuple(f"i{d}" for d in range(len(pshape)))
+        src = [None] * w.rank
+        for c, i in zip(wlay, iters):
+            src[klay.index(c)] = E.it(i)
+        L.add(wname, iters, tuple((0, s) for s in pshape), tuple(E.it(i) for i in iters), L.value(w, src), "pack")
+    shape = L.arrays[wname].shape
+    o = 0 if wlay[0] == "O" else len(shape) - 1
+    cg = cout // groups
+    first = E.imul(E.it("i1"), cg) if groups > 1 else E.const(0)
+    return _box(wname, shape, {o: (first, cg)}), wlay[0] == "O"
+
+
+def _row_major(L, node) -> bool:
+    """Whether node is an array of its own, laid out row-major."""
+    name = L.array_of.get(node.id)
+    return name is not None and name in L.arrays and not L.arrays[name].strided
+
+
+# ------------------------------------------------------------ matrices
+def _matrix(L, node):
+    """(array, node dim -> array dim) where node reads a row-major array in
+    place (itself, or a transpose of it); None otherwise."""
+    perm = list(range(node.rank))
+    while node.op == "transpose" and not node.attrs.get("materialize") and node.id not in L.array_of:
+        perm = [node.attrs["perm"][p] for p in perm]
+        node = node.inputs[0]
+    return (L.array_of[node.id], perm) if _row_major(L, node) else None
+
+
+def dot_form(L, n) -> tuple | None:
+    """(batch dims, a's free dim, b's free dim) of a float32 dot_general with
+    leading batch dims, one contracting and one free dim per operand, static
+    sizes; None for others (they stay generated)."""
+    at = n.attrs
+    a, b = n.inputs
+    nb = len(at["lb"])
+    if n.dtype != DataType.Float or a.dtype != DataType.Float or b.dtype != DataType.Float:
+        return None
+    if tuple(at["lb"]) != tuple(range(nb)) or tuple(at["rb"]) != tuple(range(nb)) or len(at["lc"]) != 1:
+        return None
+    lf = [d for d in range(a.rank) if d not in at["lc"] and d not in at["lb"]]
+    rf = [d for d in range(b.rank) if d not in at["rc"] and d not in at["rb"]]
+    if len(lf) != 1 or len(rf) != 1 or not all(map(sz.is_static, L.shape(a) + L.shape(b))):
+        return None
+    return nb, lf[0], rf[0]
+
+
+def _operand(L, node, name: str, nb: int, batch_iters, free: int, contract: int):
+    """A dot operand as (box, transposed, leading dimension): read in place
+    where it is a row-major array or a transpose of one with its batch dims
+    outermost, else copied to a temporary first."""
+    m = _matrix(L, node)
+    if m is None or m[1][:nb] != list(range(nb)):
+        L.declare_array(name, L.shape(node), node.dtype)
+        iters = tuple(f"i{d}" for d in range(node.rank))
+        idx = tuple(E.it(i) for i in iters)
+        L.add(name, iters, tuple((0, s) for s in L.shape(node)), idx, L.value(node, idx), "pack")
+        m = (name, list(range(node.rank)))
+    array, perm = m
+    shape = L.arrays[array].shape
+    start = [E.const(0)] * len(shape)
+    ext = list(shape)
+    for k in range(nb):
+        start[perm[k]], ext[perm[k]] = batch_iters[k], 1
+    transposed = perm[contract] < perm[free]  # stored (contracting x free)
+    return (array, tuple(start), tuple(ext)), transposed, int(shape[-1])
+
+
+def lower_dot(L, n, out: str) -> None:
+    """n (a dot_general) as one sgemm statement per batch element."""
+    nb, lf, rf = dot_form(L, n)
+    a, b = n.inputs
+    at = n.attrs
+    shape = L.shape(n)
+    iters = tuple(f"i{k}" for k in range(max(nb, 1)))
+    batch = [E.it(i) for i in iters[:nb]]
+    abox, ta, lda = _operand(L, a, f"t{n.id}_a", nb, batch, lf, at["lc"][0])
+    bbox, tb, ldb = _operand(L, b, f"t{n.id}_b", nb, batch, rf, at["rc"][0])
+    tb = not tb  # b is wanted as (contracting x free): stored so unless its free dim comes first
+    m, nn, k = int(shape[nb]), int(shape[nb + 1]), int(L.shape(a)[at["lc"][0]])
+    cbox = (out, tuple(batch) + (E.const(0), E.const(0)), (1,) * nb + (m, nn))
+    if nn >= m:  # the parts share the longer side
+        call = Gemm(abox, bbox, cbox, m, nn, k, lda, ldb, nn, ta, tb, "n", (0, ldb if tb else 1, 1), f"dot {n.id}")
+    else:
+        call = Gemm(abox, bbox, cbox, m, nn, k, lda, ldb, nn, ta, tb, "m", (1 if ta else lda, 0, nn), f"dot {n.id}")
+    bounds = tuple((0, shape[d]) for d in range(nb)) or ((0, 1),)
+    L.add(out, iters, bounds, cbox[1], E.const(0.0, n.dtype), "sgemm", library=call)

@@ -1,0 +1,203 @@
+"""Convolutions on the CPU both ways (generated loop nests and the BLAS floor),
+against eager PyTorch and against each other; the choice is reported."""
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn as nn  # noqa: E402
+
+import polyjit  # noqa: E402
+from polyjit import InputInfo, ops  # noqa: E402
+from polyjit.errors import CompileOptionError  # noqa: E402
+from polyjit.library import blas  # noqa: E402
+
+F32 = np.float32
+needs_blas = pytest.mark.skipif(blas() is None, reason="no OpenBLAS from numpy to call")
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+CONVS = {  # odd sizes and channel counts
+    "1x1": (lambda: nn.Conv2d(13, 17, 1), (2, 13, 9, 7)),
+    "3x3": (lambda: nn.Conv2d(11, 19, 3, padding=1), (3, 11, 9, 10)),
+    "strided": (lambda: nn.Conv2d(7, 21, 3, stride=2, padding=1), (2, 7, 11, 13)),
+    "strided_1x1": (lambda: nn.Conv2d(9, 20, 1, stride=2, bias=False), (2, 9, 11, 9)),
+    "dilated": (lambda: nn.Conv2d(6, 18, 3, dilation=2, padding=2), (2, 6, 13, 9)),
+    "grouped": (lambda: nn.Conv2d(12, 36, 3, padding=1, groups=3), (2, 12, 9, 11)),
+    "depthwise": (lambda: nn.Conv2d(10, 10, 5, padding=2, groups=10), (2, 10, 11, 9)),
+    "transposed": (lambda: nn.ConvTranspose2d(9, 20, 3, stride=2, padding=1, output_padding=1), (2, 9, 7, 5)),
+}
+
+
+def _train_step(mod, x, mode):
+    """Forward and gradients of (out * r).sum() through polyjit and eager."""
+    ref = copy.deepcopy(mod)
+    jm = polyjit.jit_torch(mod, compile_options={"contractions": mode, "num_threads": 2, "strict": True})
+    x1, x2 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    out, want = jm(x1), ref(x2)
+    r = torch.randn_like(want)
+    (out * r).sum().backward()
+    (want * r).sum().backward()
+    grads = [x1.grad] + [p.grad for p in mod.parameters()]
+    wants = [x2.grad] + [p.grad for p in ref.parameters()]
+    return out, want, grads, wants, jm.stats.as_dict()
+
+
+@needs_blas
+@pytest.mark.parametrize("mode", ["generated", "library"])
+@pytest.mark.parametrize("kind", list(CONVS))
+def test_convolution_forward_and_gradients(kind, mode):
+    """Each kind of convolution, computed by generated code or through the
+    library (im2col and sgemm), equals eager, forward and gradients; strict
+    allows the library (no fallback)."""
+    make, shape = CONVS[kind]
+    mod = make()
+    out, want, grads, wants, stats = _train_step(mod, torch.randn(*shape), mode)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
+    for g, w in zip(grads, wants):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    assert stats["fallbacks"] == 0
+    if mode == "generated" or kind == "depthwise":
+        assert stats["library_calls"] == 0 or mode == "library"
+    if mode == "library":
+        assert stats["library_calls"] >= 1
+
+
+@needs_blas
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("groups", [1, 3])
+def test_forced_choice_gives_equal_results(layout, groups, rng):
+    """contractions="library" and "generated" (and "auto") compute the same
+    convolution + bias + relu; only the library's program makes a call."""
+    n, h, w, cin, cout = 2, 10, 9, 3 * 7, 3 * 5
+    nchw = layout == "NCHW"
+    x = rng.standard_normal((n, cin, h, w) if nchw else (n, h, w, cin), dtype=F32)
+    k = rng.standard_normal((cout, cin // groups, 3, 3) if nchw else (3, 3, cin // groups, cout), dtype=F32)
+    b = rng.standard_normal(cout, dtype=F32)
+
+    def f(x, k, b):
+        y = ops.conv(x, k, (1, 1), ((1, 1), (1, 1)), groups=groups, layout=layout,
+                     kernel_layout="OIHW" if nchw else "HWIO")
+        return ops.relu(y + (ops.reshape(b, [1, cout, 1, 1]) if nchw else b))
+    outs, calls = {}, {}
+    for mode in ("generated", "library", "auto"):
+        exe = polyjit.compile(f, [InputInfo(a.shape, F32) for a in (x, k, b)], {"contractions": mode, "strict": True})
+        outs[mode], calls[mode] = exe(x, k, b), exe.compile_default().stats["library_calls"]
+    np.testing.assert_allclose(outs["library"], outs["generated"], rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(outs["auto"], outs["generated"], rtol=1e-5, atol=1e-4)
+    assert calls["generated"] == 0 and calls["library"] == 1  # one statement: a call per image and group
+
+
+@needs_blas
+def test_library_call_counted_under_strict_and_ops_around_it_generated(rng):
+    """Under strict, a library call is allowed (it is not a fallback) and
+    counted; the batch norm and relu after it, and the padding before it,
+    run in generated kernels; stats say which way each convolution went."""
+    mod = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32), nn.ReLU(),
+                        nn.Conv2d(32, 32, 3, padding=1)).eval()
+    x = torch.randn(2, 16, 12, 12)
+    jm = polyjit.jit_torch(mod, compile_options={"contractions": "library", "strict": True})
+    with torch.no_grad():
+        torch.testing.assert_close(jm(x), mod(x), rtol=1e-5, atol=1e-4)
+    stats = jm.stats.as_dict()
+    assert stats["library_calls"] == 2 and stats["fallbacks"] == 0
+    graph = next(iter(jm.stats.graphs.values()))
+    assert graph["kernels"] > 2 and all("library (forced)" in c for c in graph["contractions"])
+
+
+def test_contractions_option_is_checked():
+    with pytest.raises(CompileOptionError, match="contractions"):
+        polyjit.compile(lambda x: x + 1, [InputInfo([4], F32)], {"contractions": "blas"})
+
+
+DOTS = {
+    "matmul": (lambda a, b: ops.matmul(a, b), [(5, 7), (7, 9)]),
+    "linear": (lambda a, b: ops.linear(a, b), [(2, 33), (20, 33)]),
+    "linear_packed": (lambda a, b: ops.linear(a, b), [(17, 33), (20, 33)]),
+    "batched": (lambda a, b: ops.matmul(a, b), [(3, 5, 7), (3, 7, 9)]),
+    "batched_transposed": (lambda a, b: ops.matmul(a, ops.transpose(b, 1, 2)), [(3, 5, 7), (3, 9, 7)]),
+    "first_transposed": (lambda a, b: ops.matmul(ops.transpose(a, 0, 1), b), [(7, 5), (7, 9)]),
+    "computed_operand": (lambda a, b: ops.matmul(ops.relu(a), b), [(5, 7), (7, 9)]),
+}
+
+
+@needs_blas
+@pytest.mark.parametrize("kind", list(DOTS))
+def test_products_both_ways(kind, rng):
+    """Matrix products through sgemm (operands read in place, transposed in
+    the call, or copied first where computed) equal the generated ones."""
+    f, shapes = DOTS[kind]
+    args = [rng.standard_normal(s, dtype=F32) for s in shapes]
+    outs, calls = {}, {}
+    for mode in ("generated", "library"):
+        exe = polyjit.compile(f, [InputInfo(s, F32) for s in shapes], {"contractions": mode})
+        outs[mode], calls[mode] = exe(*args), exe.compile_default().stats["library_calls"]
+    np.testing.assert_allclose(outs["library"], outs["generated"], rtol=1e-5, atol=1e-5)
+    assert (calls["generated"], calls["library"]) == (0, 1)
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_fusion_into_a_convolution_is_refused_where_it_loses(layout, rng):
+    """A generated convolution shares its nest with its bias and relu only
+    where the cost model expects a gain: NCHW's register blocks would run
+    along image columns, whose padding guard differs in every lane, so that
+    fusion is refused, counted, and said why; NHWC's (channels) fuses."""
+    nchw = layout == "NCHW"
+    x = rng.standard_normal((2, 16, 12, 12) if nchw else (2, 12, 12, 16), dtype=F32)
+    k = rng.standard_normal((32, 16, 3, 3) if nchw else (3, 3, 16, 32), dtype=F32)
+    b = rng.standard_normal(32, dtype=F32)
+
+    def f(x, k, b):
+        y = ops.conv(x, k, (1, 1), ((1, 1), (1, 1)), layout=layout, kernel_layout="OIHW" if nchw else "HWIO")
+        return ops.relu(y + (ops.reshape(b, [1, 32, 1, 1]) if nchw else b))
+    infos = [InputInfo(a.shape, F32) for a in (x, k, b)]
+    exe = polyjit.compile(f, infos, {"contractions": "generated"}).compile_default()
+    unfused = polyjit.compile(f, infos, {"contractions": "generated", "fusion": "none"})
+    np.testing.assert_allclose(exe(x, k, b)[0], unfused(x, k, b), rtol=1e-5, atol=1e-4)
+    if nchw:
+        assert exe.stats["fusions_refused"] == 1 and exe.stats["kernels"] > 1
+        assert "padding guard" in exe.stats["fusion_refusals"][0]
+    else:
+        assert exe.stats["fusions_refused"] == 0 and exe.stats["kernels"] == 1
+
+
+CACHED_CONV = """
+import json, numpy as np, polyjit
+from polyjit import ops, InputInfo
+rng = np.random.default_rng()
+x, k = rng.standard_normal((2, 16, 10, 9), dtype=np.float32), rng.standard_normal((24, 16, 3, 3), dtype=np.float32)
+f = lambda a, b: ops.conv(a, b, (1, 1), ((1, 1), (1, 1)), layout="NCHW", kernel_layout="OIHW")
+exe = polyjit.compile(f, [InputInfo(x.shape, np.float32), InputInfo(k.shape, np.float32)],
+                      {"contractions": "library", "num_threads": 2, "strict": True}).compile_default()
+win = np.lib.stride_tricks.sliding_window_view(np.pad(x, ((0, 0), (0, 0), (1, 1), (1, 1))), (3, 3), (2, 3))
+ref = np.einsum("nchwij,ocij->nohw", win.astype(np.float64), k)
+np.testing.assert_allclose(exe(x, k)[0], ref, rtol=1e-5, atol=1e-4)
+print(json.dumps({key: exe.stats[key] for key in ("cache_hits", "kernels_compiled", "library_calls")}))
+"""
+
+
+@needs_blas
+def test_library_calls_survive_the_compile_cache(tmp_path):
+    """Code calling BLAS names its functions, bound in each process that
+    loads it: a program from the on-disk cache, made by another process
+    (where the library sits elsewhere), runs and gives the right result."""
+    env = {**os.environ, "POLYJIT_CACHE_DIR": str(tmp_path)}
+    runs = []
+    for _ in range(2):
+        p = subprocess.run([sys.executable, "-c", CACHED_CONV], env=env, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr
+        runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    assert first["cache_hits"] == 0 and first["kernels_compiled"] > 0 and first["library_calls"] == 1
+    assert second == {"cache_hits": 1, "kernels_compiled": 0, "library_calls": 1}
