@@ -556,3 +556,16 @@ def test_inverse_trig_hyperbolic_and_sign_ops():
                 + torch.asin(u) + torch.acos(u) + torch.atan(x) + torch.sinh(u * 3) + torch.cosh(u * 3) + torch.asinh(x)
                 + torch.acosh(x.abs() + 1.5) + torch.atanh(u) + torch.erfinv(u))
     check(f, r(6, 7, grad=True), u.requires_grad_(), r(6, 7, grad=True), backward=True, rtol=1e-4, atol=1e-4)
+
+
+def test_cummax_diagonal_and_negative_padding_train():
+    """cummax/cummin with their positions (ties: the latest; NaN stays),
+    diagonals (offsets past the matrix too) and their scatter (the
+    backward), constant padding with negative widths."""
+    x = r(5, 7)
+    x[1, 3], x[2, 2] = float("nan"), x[2, 0]
+    check(lambda x: (torch.cummax(x, 1), torch.cummin(x, 0), torch.diagonal(x), torch.diagonal(x, 2),
+                     torch.diagonal(x, -3), torch.diag(x, 40), torch.cummax(torch.round(x * 2), 1),
+                     torch.diagonal(x.reshape(5, 7, 1).expand(5, 7, 3), 1, 0, 1)), x)
+    check(lambda x: torch.cummax(x, 1).values * 2 + torch.cummin(x, 1).values + torch.diagonal(x, 1).reshape(5, 1) ** 2
+          + F.pad(x, (-1, 1, 1, -1)), r(5, 7, grad=True), backward=True)
