@@ -97,7 +97,7 @@ for _name, _op in [("add", ops.add), ("sub", ops.sub), ("mul", ops.mul), ("div",
                    ("logical_and", ops.logical_and), ("logical_or", ops.logical_or),
                    ("logical_xor", ops.logical_xor), ("atan2", ops.atan2), ("remainder", ops.remainder),
                    ("fmod", ops.fmod), ("copysign", ops.copysign), ("hypot", ops.hypot),
-                   ("logaddexp2", ops.logaddexp2)]:
+                   ("logaddexp2", ops.logaddexp2), ("fmax", ops.fmax), ("fmin", ops.fmin)]:
     _packet = getattr(aten, _name)
     for _ov in ("Tensor", "Scalar", "default"):
         if hasattr(_packet, _ov):
@@ -207,6 +207,9 @@ def _copy(cx, x, dtype=None, **kw):
     if kw.get("device") is not None and torch.device(kw["device"]).type != "cpu":
         raise UnsupportedOpError("a device transfer inside a compiled graph")
     return ops.cast(x, cx.dtype(dtype)) if dtype is not None else x
+
+
+ATEN[aten.copy.default] = lambda cx, dst, src, non_blocking=False: ops.cast(ops.broadcast_to(src, dst.shape), dst.dtype)
 
 
 # layout
