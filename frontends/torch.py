@@ -98,7 +98,7 @@ for _name, _op in [("add", ops.add), ("sub", ops.sub), ("mul", ops.mul), ("div",
                    ("logical_and", ops.logical_and), ("logical_or", ops.logical_or),
                    ("logical_xor", ops.logical_xor), ("atan2", ops.atan2), ("remainder", ops.remainder),
                    ("fmod", ops.fmod), ("copysign", ops.copysign), ("hypot", ops.hypot),
-                   ("logaddexp2", ops.logaddexp2)]:
+                   ("logaddexp2", ops.logaddexp2), ("fmax", ops.fmax), ("fmin", ops.fmin)]:
     _packet = getattr(aten, _name)
     for _ov in ("Tensor", "Scalar", "default"):
         if hasattr(_packet, _ov):
@@ -210,6 +210,9 @@ def _copy(cx, x, dtype=None, **kw):
     return ops.cast(x, cx.dtype(dtype)) if dtype is not None else x
 
 
+ATEN[aten.copy.default] = lambda cx, dst, src, non_blocking=False: ops.cast(ops.broadcast_to(src, dst.shape), dst.dtype)
+
+
 # layout
 @_reg(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 def _view(cx, x, shape):
@@ -293,9 +296,66 @@ ATEN[aten.flip.default] = lambda cx, x, dims: ops.reverse(x, dims)
 
 @_reg(aten.constant_pad_nd.default)
 def _pad(cx, x, pad, value=0):
-    if any(p < 0 for p in pad):
-        raise UnsupportedOpError("constant_pad_nd with negative padding")
-    return ops.pad(x, pad, value)
+    """Padding, negative widths cutting (after the positive ones are added)."""
+    y = ops.pad(x, [max(p, 0) for p in pad], value)
+    if all(p >= 0 for p in pad):
+        return y
+    start, end = [0] * y.ndim, list(y.shape)
+    for k in range(len(pad) // 2):
+        d = y.ndim - 1 - k
+        start[d], end[d] = max(-pad[2 * k], 0), end[d] - max(-pad[2 * k + 1], 0)
+    return ops.slice(y, start, end)
+
+
+def _diagonal_cells(x, offset, dim1, dim2):
+    """A diagonal's place: x permuted (dim1 and dim2 last) and those two
+    merged, the diagonal a strided slice of them: (flat, perm, count, start, step)."""
+    d1, d2 = dim1 % x.ndim, dim2 % x.ndim
+    n, m = x.shape[d1], x.shape[d2]
+    if not isinstance(n, int) or not isinstance(m, int):
+        raise UnsupportedOpError("diagonal over symbolic sizes")
+    perm = [d for d in range(x.ndim) if d not in (d1, d2)] + [d1, d2]
+    flat = ops.reshape(ops.permute(x, perm), [x.shape[d] for d in perm[:-2]] + [n * m])
+    count = max(0, min(n, m - offset) if offset >= 0 else min(n + offset, m))
+    start = 0 if not count else offset if offset >= 0 else -offset * m
+    return flat, perm, count, start, m + 1
+
+
+@_reg(aten.diagonal.default)
+def _diagonal(cx, x, offset=0, dim1=0, dim2=1):
+    flat, _, count, start, step = _diagonal_cells(x, offset, dim1, dim2)
+    lead = list(flat.shape[:-1])
+    return ops.slice(flat, [0] * len(lead) + [start], lead + [start + max(count - 1, 0) * step + min(count, 1)],
+                     [1] * len(lead) + [step])
+
+
+@_reg(aten.diagonal_scatter.default)
+def _diagonal_scatter(cx, x, src, offset=0, dim1=0, dim2=1):
+    """x with src on the diagonal: src spread by the diagonal's step (a
+    dilation) and padded into place, selected where it lands."""
+    flat, perm, count, start, step = _diagonal_cells(x, offset, dim1, dim2)
+    if count == 0:
+        return x
+    factors = [1] * (src.ndim - 1) + [step]
+    spread = ops.dilate(src, factors)
+    widths = [start, flat.shape[-1] - start - spread.shape[-1]]
+    mask = ops.pad(ops.dilate(ops.full_like(src, True, DataType.Bool), factors), widths)
+    y = ops.where(mask, ops.pad(spread, widths), flat)
+    y = ops.reshape(y, [x.shape[d] for d in perm])
+    return ops.permute(y, [perm.index(d) for d in range(x.ndim)])
+
+
+@_reg(aten.cummax.default, aten.cummin.default)
+def _cummax(cx, x, dim):
+    """Running maximum (minimum) and where it was last reached (NaN once
+    seen stays, at the latest NaN), as torch's cummax gives them."""
+    v = ops.cumulative("max" if cx.target is aten.cummax.default else "min", x, dim)
+    if x.ndim == 0:
+        return v, ops.zeros_like(ops.cast(x, DataType.Int))
+    hit = x == v
+    if x.dtype.is_float:
+        hit = ops.logical_or(hit, ops.isnan(x))
+    return v, ops.cumulative("max", ops.where(hit, ops.iota(x.shape, dim, like=x), -1), dim)
 
 
 # reductions

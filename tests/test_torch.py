@@ -541,8 +541,9 @@ def test_log2_exp2_log10_prod_and_full_reductions():
 
 def test_inverse_trig_hyperbolic_and_sign_ops():
     """Composites for ops torch keeps whole (asin ... atanh, trunc, signbit,
-    copysign, hypot, logaddexp2, erfinv, round to decimals): forward on
-    edge values (signed zeros, infinities, NaN, |x| > 1), and backward."""
+    copysign, hypot, logaddexp2, erfinv, round to decimals, fmax, fmin):
+    forward on edge values (signed zeros, infinities, NaN, |x| > 1), and
+    backward; instance norm (its running stats written back by aten.copy)."""
     x, y, u = r(6, 7) * 3, r(6, 7), torch.rand(6, 7) * 1.9 - 0.95
     x[0, :5] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan")])
     y[0, :3] = torch.tensor([-0.0, 0.0, float("-inf")])
@@ -550,10 +551,25 @@ def test_inverse_trig_hyperbolic_and_sign_ops():
                            torch.copysign(x, -2.0), torch.hypot(x, y), torch.logaddexp2(x, y), torch.asin(x),
                            torch.acos(u), torch.atan(x), torch.sinh(u * 3), torch.cosh(u * 3), torch.asinh(x),
                            torch.acosh(x.abs() + 1), torch.atanh(x), torch.erfinv(u), torch.round(x, decimals=2),
-                           torch.round(x * 100, decimals=-1)), x, u, y)
+                           torch.round(x * 100, decimals=-1), torch.fmax(x, y), torch.fmin(y, x)), x, u, y)
 
     def f(x, u, y):
         return (torch.trunc(x) + torch.frac(x) + torch.copysign(x, y) + torch.hypot(x, y) + torch.logaddexp2(x, y)
                 + torch.asin(u) + torch.acos(u) + torch.atan(x) + torch.sinh(u * 3) + torch.cosh(u * 3) + torch.asinh(x)
                 + torch.acosh(x.abs() + 1.5) + torch.atanh(u) + torch.erfinv(u))
     check(f, r(6, 7, grad=True), u.requires_grad_(), r(6, 7, grad=True), backward=True, rtol=1e-4, atol=1e-4)
+    check(lambda x, m, v: F.instance_norm(x, m, v, use_input_stats=True), r(2, 3, 5, grad=True), r(3), r(3).abs(),
+          backward=True, rtol=1e-4, atol=1e-4)
+
+
+def test_cummax_diagonal_and_negative_padding_train():
+    """cummax/cummin with their positions (ties: the latest; NaN stays),
+    diagonals (offsets past the matrix too) and their scatter (the
+    backward), constant padding with negative widths."""
+    x = r(5, 7)
+    x[1, 3], x[2, 2] = float("nan"), x[2, 0]
+    check(lambda x: (torch.cummax(x, 1), torch.cummin(x, 0), torch.diagonal(x), torch.diagonal(x, 2),
+                     torch.diagonal(x, -3), torch.diag(x, 40), torch.cummax(torch.round(x * 2), 1),
+                     torch.diagonal(x.reshape(5, 7, 1).expand(5, 7, 3), 1, 0, 1)), x)
+    check(lambda x: torch.cummax(x, 1).values * 2 + torch.cummin(x, 1).values + torch.diagonal(x, 1).reshape(5, 1) ** 2
+          + F.pad(x, (-1, 1, 1, -1)), r(5, 7, grad=True), backward=True)
