@@ -359,7 +359,7 @@ class FusionPlan:
     refused: list[str] = field(default_factory=list)
 
 
-def fusion_refusal(up, outs: list[str], prog: AffineProgram) -> str | None:
+def fusion_refusal(up, outs: list[str]) -> str | None:
     """Why sharing one nest with contraction `up` would lose, or None.
 
     A fused nest runs each register block's whole reduction; its columns
@@ -371,7 +371,8 @@ def fusion_refusal(up, outs: list[str], prog: AffineProgram) -> str | None:
     columns are channels, gained (0.91 -> 0.77 ms)."""
     if not _reduction_fits_tile(up):
         lo, hi = dict(zip(up.iters, up.bounds))[up.reduction_iters[0]]
-        return f"{up.name} ({up.label}): its outer reduction loop ({sz.isl_str(hi)} - {sz.isl_str(lo)}) exceeds a tile ({TILE_RED})"
+        return (f"{up.name} ({up.label}): its outer reduction loop ({sz.isl_str(hi)} - {sz.isl_str(lo)}) "
+                f"exceeds a tile ({TILE_RED})")
     col = outs[-1] if outs else None
     for x in walk(up.body):
         if isinstance(x, Op) and x.op == "select" and any(isinstance(v, Var) and v.name == col
@@ -415,7 +416,7 @@ def fuse_contraction(schedule, prog, dom, validity, plan: FusionPlan | None = No
     order += [it for it in up.iters if it not in order]
     red = [it for it in order if it in up.reduction_iters]
     outs = [it for it in order if it not in up.reduction_iters]
-    why = fusion_refusal(up, outs, prog)
+    why = fusion_refusal(up, outs)
     if why is not None:
         if plan is not None:
             plan.refused.append(why)
@@ -781,7 +782,8 @@ def contract(ctx, prog: AffineProgram, schedule: isl.Schedule, dom, kernels, sha
                 for ld in prog.statement_loads(s):
                     where.setdefault(ld.array, set()).add(k)
     out = {}
-    called = {box[0] for s in prog.statements if s.library is not None for box in [s.library.written()] + s.library.read()}
+    called = {box[0] for s in prog.statements if s.library is not None  # a library call's operands stay whole
+              for box in [s.library.written()] + s.library.read()}
     for name, arr in prog.arrays.items():
         if arr.kind != "temp" or name in shared or len(where.get(name, ())) != 1 or not arr.shape or name in called:
             continue
@@ -983,7 +985,8 @@ def _schedule_one_group(ctx, prog, dom, validity, raw, names, fusion, fuse: Fusi
     aside, which isl need not see) then shares one nest with its
     initialization and epilogue where fuse_contraction can build it."""
     if any(s.library is not None for s in prog.statements if s.name in names):
-        return isl.Schedule.from_domain(_group_domain(ctx, prog, dom, names))  # its loops, unmarked: the call shares the work
+        # its loops, unmarked: the call itself shares the work between the kernel's parts
+        return isl.Schedule.from_domain(_group_domain(ctx, prog, dom, names))
     core = [s.name for s in prog.statements if s.name in names and (s.name in _inits(prog) or is_update(s))]
     epilogue = [n for n in names if n not in core] if core else []
     cdom = _group_domain(ctx, prog, dom, [n for n in names if n not in epilogue])
