@@ -41,8 +41,9 @@ def test_transformers_model_forward_and_backward(make):
     params = [p for p in model.parameters() if p.requires_grad]
     got = torch.autograd.grad((out * r).sum(), params, allow_unused=True)
     ref = torch.autograd.grad((want * r).sum(), params, allow_unused=True)
-    for g, h in zip(got, ref):
+    for g, h in zip(got, ref):  # sums of many terms in another order: float32 rounding at the gradient's scale
         if h is not None:
-            torch.testing.assert_close(g, h, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(g, h, rtol=1e-4, atol=1e-5 * max(1.0, h.abs().max().item()))
+            assert (g - h).norm() <= 1e-5 * h.norm() + 1e-6
     stats = polyjit.frontends.torch.stats()
     assert stats["fallbacks"] == 0 and stats["graphs"] == 2 and stats["kernels"] > 0

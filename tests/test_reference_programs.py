@@ -404,6 +404,11 @@ def test_layer_norm_follows_its_tensors_forward_and_backward(device):
         torch.testing.assert_close(g, h, rtol=1e-4, atol=1e-4)
     stats = polyjit.frontends.torch.stats()
     assert stats["fallbacks"] == 0 and stats["graphs"] == 2
+    torch._dynamo.reset()
+    polyjit.frontends.torch.stats(reset=True)
+    with torch.no_grad():  # inference: the whole layer norm is one kernel
+        torch.testing.assert_close(compiled(x, w, b), want, rtol=1e-5, atol=1e-5)
+    assert polyjit.frontends.torch.stats()["kernels"] == 1
 
 
 class _Block(torch.nn.Module):
