@@ -114,6 +114,7 @@ def test_library_call_counted_under_strict_and_ops_around_it_generated(rng):
     assert stats["library_calls"] == 2 and stats["fallbacks"] == 0
     graph = next(iter(jm.stats.graphs.values()))
     assert graph["kernels"] > 2 and all("library (forced)" in c for c in graph["contractions"])
+    assert any("im2col" in why for why in graph["fusion_refusals"])  # the batch norm's pass stays its own
 
 
 def test_contractions_option_is_checked():
