@@ -1,6 +1,6 @@
 """Convolutional networks on the CPU: eager PyTorch, TorchInductor and polyjit
 (torch.compile backends) side by side, forward in eval mode, as ratios
-measured in the same run. `python bench/cnn.py [--only NAME] [--threads 2]`.
+measured in the same run. `python bench/cnn.py [--only NAME] [--threads 2] [--train]`.
 
 The networks are written here (torchvision's CPU import fails on the CPU
 torch): a ResNet-18-class network (3x3 convs, batch norm, residuals, strided
@@ -127,14 +127,17 @@ CASES = {
 }
 
 
-def run(name: str, threads: int, options: dict, backends=("eager", "inductor", "polyjit")) -> dict:
+def run(name: str, threads: int, options: dict, backends=("eager", "inductor", "polyjit"),
+        train: bool = False) -> dict:
+    """Forward in eval mode, or with train a training step (batch norms on
+    batch statistics, gradients of the output's mean square)."""
     torch.manual_seed(0)
     make, shape = CASES[name]
-    model = make()
+    model = make().train(train)
     x = torch.randn(*shape)
     fns, compile_s = {}, {}
-    with torch.no_grad():
-        ref = model(x)
+    with torch.set_grad_enabled(train):
+        ref = _step(model, x, train)
         for b in backends:
             torch._dynamo.reset()
             if b == "eager":
@@ -144,12 +147,12 @@ def run(name: str, threads: int, options: dict, backends=("eager", "inductor", "
             else:
                 f = torch.compile(model, backend="polyjit", options={"num_threads": threads, **options})
             t = time.perf_counter()
-            out = f(x)
+            out = _step(f, x, train, model)
             compile_s[b] = time.perf_counter() - t
             err = (out - ref).abs().max().item() / max(ref.abs().max().item(), 1e-30)
             if err > 1e-4:
                 print(f"  {b}: relative error {err:.2e}", file=sys.stderr)
-            fns[b] = lambda f=f: f(x)
+            fns[b] = lambda f=f: _step(f, x, train, model)
         t = compare(fns, reps=12)
         best = best_of(fns)
     base = t["eager"]
@@ -157,6 +160,15 @@ def run(name: str, threads: int, options: dict, backends=("eager", "inductor", "
                     f"{best['eager'] / best[b]:5.2f}x; compile {compile_s[b]:5.1f} s)" for b in backends)
     print(f"{name:30s}{cells}", flush=True)
     return t
+
+
+def _step(f, x, train: bool, model=None):
+    if not train:
+        return f(x)
+    (model or f).zero_grad(set_to_none=True)
+    y = f(x)
+    y.pow(2).mean().backward()
+    return y.detach()
 
 
 def best_of(fns: dict, rounds: int = 20) -> dict:
@@ -178,14 +190,16 @@ def main() -> None:
     p.add_argument("--fusion", default=None, help="polyjit's fusion option")
     p.add_argument("--contractions", default=None, help="polyjit's contractions option")
     p.add_argument("--no-inductor", action="store_true")
+    p.add_argument("--train", action="store_true", help="a training step instead of the forward")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     options = {k: v for k, v in (("fusion", a.fusion), ("contractions", a.contractions)) if v}
     backends = ("eager", "polyjit") if a.no_inductor else ("eager", "inductor", "polyjit")
-    print(f"eager/backend time ratios (>1: faster than eager), {a.threads} threads, polyjit options {options}")
+    print(f"eager/backend time ratios (>1: faster than eager), {a.threads} threads, polyjit options {options}"
+          + (", training steps" if a.train else ""))
     for name in CASES:
         if a.only in name:
-            run(name, a.threads, options, backends)
+            run(name, a.threads, options, backends, a.train)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import time
 import numpy as np
 
 TORCH_BACKENDS = ("eager", "aot_eager", "inductor", "polyjit")
+CNN_BACKENDS = ("eager", "inductor", "polyjit")  # aot_eager says nothing of convolutions' speed
 JAX_BACKENDS = ("std", "xla", "polyjit")
 TF_BACKENDS = ("std", "xla", "polyjit")
 
@@ -58,10 +59,23 @@ def _torch_encoder(train: bool, device: str):
     return model.to(device), (torch.randn(4, 128, 256, device=device),), (lambda o: o)
 
 
+def _torch_cnn(kind: str, train: bool, device: str):
+    """bench/cnn.py's ResNet-18-class and MobileNetV3-small-class networks
+    (batch norms with random statistics): 2x3x112x112 on the CPU, 32x3x224x224
+    on a GPU."""
+    import torch
+    from cnn import mobilenet_v3_small, random_bn, resnet18  # bench/ is the script's folder
+    model = random_bn(resnet18() if kind == "resnet18" else mobilenet_v3_small())
+    shape = (32, 3, 224, 224) if device == "cuda" else (2, 3, 112, 112)
+    return model.to(device), (torch.randn(*shape, device=device),), (lambda o: o)
+
+
 TORCH_MODELS = {
     "bert": lambda train, device: _torch_transformers("bert", train, device),
     "gpt2": lambda train, device: _torch_transformers("gpt2", train, device),
     "encoder": _torch_encoder,
+    "resnet18": lambda train, device: _torch_cnn("resnet18", train, device),
+    "mobilenetv3": lambda train, device: _torch_cnn("mobilenetv3", train, device),
 }
 
 
@@ -188,6 +202,8 @@ MODELS = {  # name: (framework, runner, training step too, backends)
     "bert": ("torch", _torch_run, True, TORCH_BACKENDS),
     "gpt2": ("torch", _torch_run, True, TORCH_BACKENDS),
     "encoder": ("torch", _torch_run, True, TORCH_BACKENDS),
+    "resnet18": ("torch", _torch_run, True, CNN_BACKENDS),
+    "mobilenetv3": ("torch", _torch_run, True, CNN_BACKENDS),
     "jax_block": ("jax", _jax_run, True, JAX_BACKENDS),
     "mobilenetv2": ("tf", _tf_run, False, TF_BACKENDS),
     "keras_cnn": ("tf", _tf_run, False, TF_BACKENDS),
