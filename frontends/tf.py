@@ -25,9 +25,8 @@ from polyjit.dtypes import DataType
 from polyjit.errors import CompileOptionError, DefinitionError, InputError, UnsupportedOpError
 from polyjit.options import CompileOptions, parse_options
 
-from .common import Const, Op, SegmentedProgram, Stats, Value, core_dtype, static_value
+from .common import Const, Op, SegmentedProgram, Stats, Value, check_execution_backend, core_dtype, static_value
 
-EXECUTION_BACKENDS = ("polyjit", "std", "xla")
 
 
 # ====================================================================== table
@@ -595,7 +594,7 @@ TF_OPS: dict[str, Callable] = {
         ("Tan", "tan"), ("Tanh", "tanh"), ("Sigmoid", "sigmoid"), ("Erf", "erf"), ("Floor", "floor"),
         ("Ceil", "ceil"), ("Round", "round"), ("Sign", "sign"), ("IsNan", "isnan"), ("IsInf", "isinf"),
         ("IsFinite", "isfinite"), ("Relu", "relu"), ("LogicalNot", "logical_not"),
-        ("Reciprocal", "reciprocal"), ("Inv", "reciprocal")]},
+        ("Reciprocal", "reciprocal"), ("Inv", "reciprocal"), ("Erfc", "erfc")]},
     "Lgamma": lambda g, ins, o: ops.lgamma(ops.Tensor(g, ins[0])).node,
     "Digamma": lambda g, ins, o: ops.digamma(ops.Tensor(g, ins[0])).node,
     **{name: _binary(op) for name, op in [
@@ -608,7 +607,6 @@ TF_OPS: dict[str, Callable] = {
     "RealDiv": _float_div, "Div": _float_div, "DivNoNan": None,
     "Square": lambda g, ins, o: g.binary("mul", ins[0], ins[0]),
     "SquaredDifference": lambda g, ins, o: (lambda d: g.binary("mul", d, d))(g.binary("sub", *ins)),
-    "Erfc": lambda g, ins, o: g.binary("sub", g.constant(1, ins[0].dtype), g.unary("erf", ins[0])),
     "Relu6": _relu6,
     "Elu": lambda g, ins, o: _elu(g, ins[0]),
     "Selu": lambda g, ins, o: _elu(g, ins[0], 1.0507009873554805, 1.6732632423543772),
@@ -884,9 +882,7 @@ def jit_tf(fn: Callable | Sequence | None = None, compile_options: dict | None =
         if input_signature is not None:
             raise CompileOptionError("jit_tf: input_signature given twice (positionally and by keyword)")
         fn, input_signature = None, fn
-    if execution_backend not in EXECUTION_BACKENDS:
-        raise CompileOptionError(f"execution_backend is {execution_backend!r}; allowed values: "
-                                 f"{list(EXECUTION_BACKENDS)}")
+    check_execution_backend("tf", execution_backend)
     options = parse_options(compile_options)
 
     def wrap(f):

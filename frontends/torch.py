@@ -39,7 +39,7 @@ from polyjit.options import CompileOptions, parse_options
 from polyjit import sizes as sz
 from polyjit.sizes import Lin
 
-from .common import USER_ERRORS, Stats, fallback, internal_failure
+from .common import USER_ERRORS, Stats, check_execution_backend, fallback, internal_failure
 
 log = logging.getLogger("polyjit.torch")
 aten = torch.ops.aten
@@ -107,7 +107,7 @@ for _name, _op in [("add", ops.add), ("sub", ops.sub), ("mul", ops.mul), ("div",
 for _name, _op in [("neg", ops.neg), ("abs", ops.abs), ("exp", ops.exp), ("log", ops.log),
                    ("log1p", ops.log1p), ("expm1", ops.expm1), ("sqrt", ops.sqrt), ("rsqrt", ops.rsqrt),
                    ("sin", ops.sin), ("cos", ops.cos), ("tan", ops.tan), ("tanh", ops.tanh),
-                   ("erf", ops.erf), ("sigmoid", ops.sigmoid), ("floor", ops.floor), ("ceil", ops.ceil),
+                   ("erf", ops.erf), ("erfc", ops.erfc), ("sigmoid", ops.sigmoid), ("floor", ops.floor), ("ceil", ops.ceil),
                    ("round", ops.round), ("sign", ops.sign), ("reciprocal", ops.reciprocal),
                    ("relu", ops.relu), ("logical_not", ops.logical_not), ("isnan", ops.isnan),
                    ("isinf", ops.isinf), ("lgamma", ops.lgamma), ("digamma", ops.digamma),
@@ -1106,7 +1106,6 @@ def stats(reset: bool = False) -> Stats:
 
 
 _FRONTEND_KEYS = {"dynamic": "True, False or None"}
-EXECUTION_BACKENDS = ("polyjit", "std", "inductor")
 
 
 def jit_torch(fn=None, *, compile_options: dict | None = None, execution_backend: str = "polyjit",
@@ -1117,9 +1116,7 @@ def jit_torch(fn=None, *, compile_options: dict | None = None, execution_backend
     TorchInductor, so backends compare by changing one word. The result has
     ``.stats`` (what polyjit did; empty for the other backends).
     """
-    if execution_backend not in EXECUTION_BACKENDS:
-        from polyjit.errors import CompileOptionError
-        raise CompileOptionError(f"execution_backend is {execution_backend!r}; allowed values: {list(EXECUTION_BACKENDS)}")
+    check_execution_backend("torch", execution_backend)
     opts = dict(compile_options or {})
     dynamic = opts.pop("dynamic", dynamic)
     options = parse_options(opts)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from . import expr as E
+from . import scalar
 from . import sizes as sz
 from .affine import AffineProgram, Array, Statement
 from .dtypes import DataType
@@ -27,7 +28,6 @@ RECOMPUTE_LIMIT = 6  # extra work accepted to inline a value read more than once
 GPU_RECOMPUTE_LIMIT = 16  # on a GPU, memory traffic costs more than arithmetic
 MANY = 16  # weight of a read inside a contraction's reduction loop
 
-_COMBINE = {"sum": "add", "prod": "mul", "max": "maximum", "min": "minimum"}
 
 
 @dataclass
@@ -46,16 +46,7 @@ class ReductionSpec:
 
 
 def identity(combine: str, dt: DataType) -> Const:
-    if combine == "sum":
-        return E.const(0 if not dt.is_float else 0.0, dt)
-    if combine == "prod":
-        return E.const(1 if not dt.is_float else 1.0, dt)
-    if dt is DataType.Bool:
-        return E.const(combine == "min", dt)
-    if dt.is_float:
-        return E.const(-math.inf if combine == "max" else math.inf, dt)
-    bits = 8 * dt.itemsize - 1
-    return E.const(-(2 ** bits) if combine == "max" else 2 ** bits - 1, dt)
+    return E.const(scalar.identity(combine, dt), dt)
 
 
 class Lowering:
@@ -96,7 +87,7 @@ class Lowering:
         acc: Expr | None = None
         for combo in _product([int(s) for s in spec.red_sizes]):
             t = spec.term(idx, tuple(E.const(c) for c in combo))
-            acc = t if acc is None else Op(dt, _COMBINE[spec.combine], (acc, t))
+            acc = t if acc is None else Op(dt, scalar.COMBINE[spec.combine], (acc, t))
         return acc if acc is not None else identity(spec.combine, dt)
 
     # ------------------------------------------------------------ decisions
@@ -138,7 +129,7 @@ class Lowering:
             if n.op == "constant":
                 work[n.id] = 0
                 continue
-            own = E._COST.get(n.op, 1) if n.op in UNARY_OPS + BINARY_OPS else (
+            own = scalar.cost(n.op) if n.op in UNARY_OPS + BINARY_OPS else (
                 0 if n.op in LAYOUT_OPS else 1)
             if n.op in REDUCTIONS and not self.is_statement_op(n):
                 own = 2 * (REDUCTIONS[n.op](self, n).static_terms() or 1)
@@ -595,7 +586,7 @@ def _cumulative(L: Lowering, n: Node, name, iters, bounds):
     prev[axis] = Op(DataType.Int, "max", (E.isub(idx[axis], E.const(1)), E.const(0)))
     first = Op(DataType.Bool, "gt", (idx[axis], E.const(0)))
     carry = Op(n.dtype, "select", (first, Load(n.dtype, name, tuple(prev)), identity(op, n.dtype)))
-    L.add(name, iters, bounds, idx, Op(n.dtype, _COMBINE[op], (carry, L.value(n.inputs[0], idx))), "cumulative")
+    L.add(name, iters, bounds, idx, Op(n.dtype, scalar.COMBINE[op], (carry, L.value(n.inputs[0], idx))), "cumulative")
 
 
 def _scatter(L: Lowering, n: Node, name, iters, bounds):

@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from . import interop
+from . import scalar
 from . import sizes as sz
 from .dtypes import DataType, to_dtype
 from .errors import DefinitionError, UnsupportedOpError
@@ -142,22 +143,9 @@ def _binary(op):
     return f
 
 
-neg, abs, exp, log, log1p, expm1, sqrt, rsqrt = map(_unary, ("neg", "abs", "exp", "log", "log1p", "expm1", "sqrt", "rsqrt"))
-sin, cos, tan, tanh, erf, sigmoid = map(_unary, ("sin", "cos", "tan", "tanh", "erf", "sigmoid"))
-floor, ceil, round, sign, logical_not, reciprocal = map(_unary, ("floor", "ceil", "round", "sign", "logical_not", "reciprocal"))
-isnan, isinf, isfinite, relu = map(_unary, ("isnan", "isinf", "isfinite", "relu"))
-add, sub, mul, div, pow, maximum, minimum, remainder = map(_binary, ("add", "sub", "mul", "div", "pow", "maximum", "minimum", "remainder"))
-eq, ne, lt, le, gt, ge = map(_binary, ("eq", "ne", "lt", "le", "gt", "ge"))
-logical_and, logical_or, logical_xor, atan2 = map(_binary, ("logical_and", "logical_or", "logical_xor", "atan2"))
-bitwise_and, bitwise_or, bitwise_xor = map(_binary, ("bitwise_and", "bitwise_or", "bitwise_xor"))
-shift_left, shift_right_logical, shift_right_arithmetic = map(
-    _binary, ("shift_left", "shift_right_logical", "shift_right_arithmetic"))
-bitwise_not = _unary("bitwise_not")
-erf_inv = _unary("erf_inv")
-erf_inv = _unary("erf_inv")
-fmod = _binary("fmod")  # C's remainder: the sign of the dividend (remainder's is the divisor's)
-floor_divide = _binary("floor_divide")  # a // b, exact for integers of any width
-trunc_divide = _binary("trunc_divide")  # C's integer division: rounds toward zero
+# One function per elementwise op of polyjit.scalar (neg, exp, add, maximum, fmod, ...).
+globals().update({op: _unary(op) for op in scalar.UNARY})
+globals().update({op: _binary(op) for op in scalar.BINARY})
 truediv = div
 
 
@@ -1201,12 +1189,6 @@ def leaky_relu(x: Tensor, negative_slope: float = 0.01) -> Tensor:
 
 
 # What polyjit.ops and FusionDefinition.Operators export.
-__all__ = [n for n, v in list(globals().items())
-           if callable(v) and not n.startswith("_") and getattr(v, "__module__", None) == __name__
-           and n not in ("Tensor", "builtins_slice")] + ["neg", "abs", "exp", "log", "log1p", "expm1",
-           "sqrt", "rsqrt", "sin", "cos", "tan", "tanh", "erf", "sigmoid", "floor", "ceil", "round",
-           "sign", "logical_not", "reciprocal", "isnan", "isinf", "isfinite", "relu", "add", "sub",
-           "mul", "div", "pow", "maximum", "minimum", "remainder", "eq", "ne", "lt", "le", "gt", "ge",
-           "logical_and", "logical_or", "logical_xor", "atan2", "sum", "max", "min", "prod",
-           "truediv", "fmod", "floor_divide", "trunc_divide", "dilate", "concatenate", "flip"]
-__all__ = sorted(set(__all__))
+__all__ = sorted({n for n, v in list(globals().items())
+                  if callable(v) and not n.startswith("_") and getattr(v, "__module__", None) == __name__
+                  and n not in ("Tensor", "builtins_slice")})
