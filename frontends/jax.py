@@ -230,10 +230,7 @@ def _split(g, ins, p):
 
 def _cumulative(op):
     def rule(g, ins, p):
-        x, axis = ins[0], p["axis"]
-        if p.get("reverse"):
-            return g.reverse(g.cumulative(op, g.reverse(x, [axis]), axis), [axis])
-        return g.cumulative(op, x, axis)
+        return ops.cumulative(op, ops.Tensor(g, ins[0]), p["axis"], bool(p.get("reverse"))).node
     return rule
 
 

@@ -243,21 +243,10 @@ def _boolean(reduce):
 
 
 def _cumulative(op):
-    """Cumsum and Cumprod; exclusive shifts the running values by one, the
-    first being op's identity."""
     def rule(g, ins, o):
-        x = ins[0]
-        axis = int(_static(ins[1], "cumulative axis")) % x.rank
-        if o.get_attr("reverse"):
-            x = g.reverse(x, [axis])
-        y = g.cumulative(op, x, axis)
-        if o.get_attr("exclusive"):
-            end = list(y.shape)
-            end[axis] = y.shape[axis] - 1
-            lo = [0] * y.rank
-            lo[axis] = 1
-            y = g.pad(g.slice(y, [0] * y.rank, end), lo, [0] * y.rank, 0 if op == "sum" else 1)
-        return g.reverse(y, [axis]) if o.get_attr("reverse") else y
+        axis = int(_static(ins[1], "cumulative axis"))
+        return ops.cumulative(op, ops.Tensor(g, ins[0]), axis, bool(o.get_attr("reverse")),
+                              bool(o.get_attr("exclusive"))).node
     return rule
 
 
@@ -422,18 +411,12 @@ def _conv2d_backprop_input(g, ins, o, depthwise: bool = False):
                                              [w.shape[0], w.shape[1]])
     if any(sizes[d] < 0 for d in sp):
         raise UnsupportedOpError("Conv2DBackpropInput with spatial sizes known only at run time")
-    factors = [1] * dy.rank
-    for i, d in enumerate(sp):
-        factors[d] = strides[i]
-    x = ops.dilate(ops.Tensor(g, dy), factors).node
-    new_pads = []
-    for i, d in enumerate(sp):
-        span = dil[i] * (int(w.shape[i]) - 1)
-        lo = span - pads[i][0]
-        new_pads.append((lo, sizes[d] - x.shape[d] - lo + span))
-    if any(v < 0 for pr in new_pads for v in pr):
-        raise UnsupportedOpError("Conv2DBackpropInput with padding larger than the filter")
-    return g.conv(x, g.reverse(w, [0, 1]), [1, 1], new_pads, dil, int(w.shape[2]) if depthwise else 1, layout, "HWOI")
+    w, groups = ops.Tensor(g, w), 1
+    if depthwise:  # (H, W, C, M) as the grouped kernel (H, W, 1, C * M) of C groups
+        groups = int(w.shape[2])
+        w = ops.reshape(w, [w.shape[0], w.shape[1], 1, groups * w.shape[3]])
+    return ops.conv_input_grad(ops.Tensor(g, dy), w, [sizes[d] for d in sp], strides, pads, dil, groups,
+                               layout, "HWIO").node
 
 
 def _depthwise(g, ins, o):
@@ -456,8 +439,8 @@ def _pool(op):
         y = g.reduce_window("max" if op == "max" else "sum", x, window, st, pd)
         if op == "max":
             return y
-        ones = g.expand(g.constant(1, x.dtype), x.shape)  # TF averages over the cells inside
-        return g.binary("div", y, g.reduce_window("sum", ones, window, st, pd))
+        cells = ops.window_cells(ops.Tensor(g, x), window, st, pd)  # TF averages over the cells inside
+        return g.binary("div", y, cells.node)
     return rule
 
 
