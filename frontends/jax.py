@@ -45,7 +45,7 @@ from .common import (Const, Op, SegmentedProgram, Stats, Value, check_execution_
 SCAN_UNROLL_LIMIT = 64  # longest static scan (fori_loop) unrolled into the program
 # Results up to this size come from glibc's heap, reused (its dynamic mmap threshold
 # stops at 32 MB); XLA's larger CPU results are fresh pages whose faults cost more
-# than the kernels (softmax 4096x4096: 33 ms a call against 8 through polyjit's cache).
+# than the kernels (bench/NOTES.md).
 CPU_CALL_RESULT_BYTES = 32 << 20
 _target_ids = itertools.count()  # custom-call target names are unique in the process
 
@@ -563,7 +563,7 @@ CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_cal
 # ============================================================ flat programs
 def _is_key(x) -> bool:
     """A threefry PRNG key array (or its aval): the keys polyjit reads as their uint32[2] data."""
-    return not isinstance(x.dtype, np.dtype) and str(x.dtype) == "key<fry>"  # (str of a numpy dtype: ~2 us)
+    return not isinstance(x.dtype, np.dtype) and str(x.dtype) == "key<fry>"  # (a numpy dtype's str is slow)
 
 
 def _key_impl(aval):

@@ -947,7 +947,7 @@ class CompiledGraph:
 
 def _current_stream(index: int) -> int:
     """The handle of torch's current stream on a device (torch's raw accessor
-    where it has one: the public Stream object costs ~20 us to build)."""
+    where it has one: the public Stream object costs more to build than a launch)."""
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
 
