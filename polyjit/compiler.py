@@ -80,7 +80,7 @@ def compile_graph(graph: Graph, options: CompileOptions, name: str = "fn") -> Ex
             exe = _from_cache(graph, options, name, *hit) if hit else None
         hits = int(exe is not None)
     if exe is None:
-        policy = None if gpu else LibraryPolicy(options.contractions, options.num_threads)
+        policy = LibraryPolicy(options.contractions, options.num_threads, options.target)
         with timer("lower"):
             prog = lower(graph, GPU_RECOMPUTE_LIMIT if gpu else RECOMPUTE_LIMIT, policy)
         exe = (_compile_gpu if gpu else _compile_cpu)(graph, prog, options, name, timer)

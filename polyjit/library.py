@@ -1,4 +1,4 @@
-"""A vendor-library floor under generated contractions (cpu).
+"""A vendor-library floor under generated contractions (cpu; nvgpu in polyjit.cublas).
 
 Where, for a convolution's shape, polyjit's generated loop nest loses to
 BLAS, the convolution lowers to an im2col statement (generated, so that
@@ -125,14 +125,21 @@ MIN_MACS = 1 << 20  # multiply-adds below which either way is quick: generated, 
 class LibraryPolicy:
     """Decides, per convolution, generated code or the library; records why."""
 
-    def __init__(self, mode: str, threads: int) -> None:
-        self.mode, self.threads = mode, threads
+    def __init__(self, mode: str, threads: int, target: str = "cpu") -> None:
+        self.mode, self.threads, self.gpu = mode, threads, target == "nvgpu"
         self.choices: list[str] = []
+
+    def available(self) -> bool:
+        """Whether the target's library loads: cuBLAS on nvgpu, BLAS on the cpu."""
+        if self.gpu:
+            from .cublas import cublas
+            return cublas() is not None
+        return blas() is not None
 
     def use(self, L, n) -> bool:
         """Whether contraction n (a conv or dot_general) runs in the library."""
         ok = (gemm_form(L, n) if n.op == "conv" else dot_form(L, n)) is not None
-        if not ok or self.mode == "generated" or blas() is None:
+        if not ok or self.mode == "generated" or not self.available():
             return False
         xs, ws = L.shape(n.inputs[0]), L.shape(n.inputs[1])
         what = f"{n.op} {list(xs)} * {list(ws)}" + (f" groups {n.attrs['groups']}" if n.op == "conv" else "")
@@ -156,6 +163,9 @@ class LibraryPolicy:
         if macs < MIN_MACS:
             self.choices.append(f"{what}: generated ({macs} multiply-adds)")
             return False
+        if self.gpu:  # a simple model: timing would compile each shape's generated kernel (seconds) on the device
+            self.choices.append(f"{what}: library (cuBLAS: {macs} multiply-adds, reduction {red})")
+            return True
         if n.op == "conv" and gemm_form(L, n) == "nchw":  # not worth compiling the generated nest to time it
             self.choices.append(f"{what}: library (channels first: generated blocks run along image rows, "
                                 "4-30x slower than sgemm in ResNet-18's convolutions)")

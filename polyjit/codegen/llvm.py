@@ -53,6 +53,7 @@ class KernelInfo:
     lanes: int = 0  # nvgpu: threads per parallel iteration (a warp or a block), 0 for one
     zeroed: tuple[str, ...] = ()  # nvgpu: arrays to zero before the launch (atomic sums)
     strips: bool = False  # nvgpu: strips of a sum, more threads than elements written
+    library: Any = None  # nvgpu: the library statement this step runs on the host's stream (no PTX)
     fn: Any = None  # cpu: the compiled function, once JIT-compiled (nvgpu kernels load in polyjit.cuda)
 
 

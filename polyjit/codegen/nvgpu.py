@@ -33,7 +33,7 @@ from llvmlite import ir
 
 from .. import scalar
 from ..dtypes import DataType
-from ..schedule import ast_nodes
+from ..schedule import ast_nodes, statements_in
 from ..errors import UnsupportedOpError
 from ..expr import Const, Load, Op, Var, loads, walk
 from . import mathlib
@@ -53,6 +53,8 @@ TILE, KTILE = 64, 16  # a contraction's output tile per block, and its reduction
 BIG_TILE = 128  # the tile of long products
 STRIP_REDUCE = 256  # iterations of a summing loop per thread before its atomic add
 STRIP = 64  # iterations of a sequential loop per thread when strips run in parallel
+THREADS_PER_MULTIPROCESSOR = 2048  # resident threads (sm_70 to sm_90)
+DEFAULT_MULTIPROCESSORS = 132  # where no GPU says (PTX for gpu_arch): an H100's
 _SREG = "llvm.nvvm.read.ptx.sreg."
 _GPU_INTRINSIC = {"sqrt": "llvm.sqrt", "floor": "llvm.floor", "ceil": "llvm.ceil", "round": "llvm.roundeven",
                   "abs": "llvm.fabs", "maximum": "llvm.maximum", "minimum": "llvm.minimum"}
@@ -63,7 +65,15 @@ class GpuEmitter(Emitter):
 
     def kernel(self, k: int, node: isl.AstNode) -> None:
         """``ptx_kernel void name(ptr buffers..., i64 ints...)``; the body gets
-        the thread's global index as its part and the thread count as parts."""
+        the thread's global index as its part and the thread count as parts.
+        A library statement (which runs alone) is no kernel: a step that
+        polyjit.cuda runs through cuBLAS."""
+        names = statements_in(node)
+        called = [self.stmts[n] for n in names if self.stmts[n].library is not None]
+        if called:
+            self.kernels.append(KernelInfo(self.kernel_name(k, names), False, tuple(sorted(names)),
+                                           library=called[0]))
+            return
         names, name, body_fn = self.body_function(k, node)
         nb, ni = len(self.buffer_arrays), len(self.int_slots)
         body_fn.attributes.add("alwaysinline")
@@ -135,7 +145,11 @@ class GpuEmitter(Emitter):
             self.tiled_contraction(tiles, [b_[1:] for b_ in bounds])
             return
         plan = _WarpPlan.of(self, rest, [it for it, *_ in bounds]) if bounds else None
-        strip = (self.strip_plan(rest, seen, STRIP, bounded=True) or self.atomic_plan(rest, seen)) if plan is None else None
+        strip = None
+        if plan is None:
+            strip = self.strip_plan(rest, seen, STRIP, bounded=True)
+            if strip is None and not self.fills_device(loops):
+                strip = self.atomic_plan(rest, seen)
         if strip is not None:  # strips of the sequential loop become a parallel dimension
             strip_range = self.loop_range(strip.loop)
             strips = self.trip_count(zero, one, self.trip_count(*strip_range), strip.size)
@@ -194,6 +208,18 @@ class GpuEmitter(Emitter):
                                lambda: self.strided_loop(g, first, total, step, "grid", iteration, UNROLL, defer))
             return
         self.strided_loop(g, first, total, step, "grid", iteration)
+
+    def fills_device(self, loops: list[isl.AstNode]) -> bool:
+        """Whether the grid loops alone have an iteration for a quarter of the
+        threads the device holds at once: then a sum stays whole in each thread, where
+        strips added atomically would only contend (MobileNetV3-small's
+        convolutions, 32x96x7x7 outputs and more, each summed by one atomic
+        add per input channel, took most of its 455 ms)."""
+        extents = [static_extent(loop) for loop in loops]
+        if not loops or None in extents:
+            return False
+        threads = (self.multiprocessors or DEFAULT_MULTIPROCESSORS) * THREADS_PER_MULTIPROCESSOR
+        return math.prod(extents) * 4 >= threads
 
     def vector_branch(self, aligned: ir.Value | None, grouped, scalar) -> None:
         """grouped() where the accesses are aligned at run time, else scalar()."""
