@@ -32,6 +32,9 @@ class Array:
         return f"{self.kind} {self.dtype} {self.name}[{shape}]{' strided' if self.strided else ''}"
 
 
+TAPS = "taps"  # a Statement's role: copies a convolution's input taps for a library call (im2col)
+
+
 @dataclass(frozen=True)
 class Statement:
     name: str
@@ -45,6 +48,7 @@ class Statement:
     reduction_iters: tuple[str, ...] = ()
     extra: str = ""  # further isl constraints on the domain
     library: "Any" = None  # a vendor library call (polyjit.library.Gemm) over boxes of its arrays
+    role: str = ""  # what the scheduler must know of it beyond its accesses: "" or TAPS
 
     def domain_constraints(self) -> str:
         cs = [f"{sz.isl_str(lo)} <= {i} < {sz.isl_str(hi)}" for i, (lo, hi) in zip(self.iters, self.bounds)]

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from . import cache
 from . import sizes as sz
 from .cuda import GpuExecutable
+from .fold import fold_scales
 from .graph import Graph
 from .library import LibraryPolicy
 from .lowering import GPU_RECOMPUTE_LIMIT, RECOMPUTE_LIMIT, lower
@@ -67,7 +68,7 @@ def compile_graph(graph: Graph, options: CompileOptions, name: str = "fn") -> Ex
     timer = StageTimer()
     gpu = options.target == "nvgpu"
     with timer("lower"):
-        graph = graph.deduplicated()
+        graph, folded = fold_scales(graph.deduplicated())
         if not gpu:
             graph = graph.packed()
     key = exe = None
@@ -89,6 +90,7 @@ def compile_graph(graph: Graph, options: CompileOptions, name: str = "fn") -> Ex
             with timer("cache"):
                 cache.store(key, _plan(exe), exe.keepalive.objects)
     exe.stats["cache_hits"] = hits
+    exe.stats["folded"] = folded
     exe.stats["compile_seconds"] = time.perf_counter() - t0
     exe.stats["compile_seconds_by_stage"] = timer.seconds
     log.info("compiled %s (%d kernels, %d compiled) in %.3f s: %s", name, len(exe.kernels),

@@ -27,6 +27,7 @@ from typing import Any
 
 from . import expr as E
 from . import sizes as sz
+from .affine import TAPS
 from .dtypes import DataType
 from .expr import Expr
 from .sizes import Size
@@ -307,7 +308,8 @@ def _conv_columns(L, n, form: str, kdims) -> tuple[Box, int]:
     channel = E.iadd(E.imul(idx[1], int(ws[klay.index("I")])), kv["I"]) if groups > 1 else kv["I"]
     xi = conv_input_index(L, n, idx[0], channel, ov, [kv[c] for c in sp])
     body = guarded(L, x, xi, E.const(0.0, n.dtype), [lay.index(c) for k, c in enumerate(sp) if any(at["padding"][k])])
-    L.add(name, tuple(f"i{d}" for d in range(len(shape))), tuple((0, s) for s in shape), tuple(idx), body, "im2col")
+    L.add(name, tuple(f"i{d}" for d in range(len(shape))), tuple((0, s) for s in shape), tuple(idx), body, "im2col",
+          role=TAPS)
     return _box(name, shape, {0: (E.it("i0"), 1), 1: (E.it("i1"), 1)}), pos if form == "nchw" else red
 
 
