@@ -1011,7 +1011,7 @@ GPU_PRIVATE_BYTES = 256  # a contracted buffer a GPU thread keeps to itself
 
 
 def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None, target: str = "cpu",
-                     vector_bits: int = 512, timer=None, canonical: bool = True) -> "ProgramSchedule":
+                     vector_bits: int = 512, timer=None, canonical: bool = True, each=None) -> "ProgramSchedule":
     """The cpu target tiles (register blocks sized for vectors of
     vector_bits), balances threads and sinks inner loops; nvgpu puts every
     coincident loop outside (they become the thread grid) and keeps only
@@ -1022,7 +1022,8 @@ def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None, 
     statements and arrays renamed canonically: groups of the same structure
     (a model's identical layers) share one result, scheduled once per
     process. canonical=False keeps the program's names (a target whose
-    emitter reads the whole program's)."""
+    emitter reads the whole program's). each(group), where given, is called
+    with each group as soon as it is scheduled (code generation starts)."""
     timer = timer or _no_timer
     fuse = target == "cpu" and fusion != "none" and not tile_sizes
     config = (fusion, tile_sizes, target, vector_bits, fuse)
@@ -1049,6 +1050,8 @@ def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None, 
                 while len(_group_cache) > GROUP_CACHE:
                     _group_cache.pop(next(iter(_group_cache)))
         groups.append(ScheduledGroup(problem, sched))
+        if each is not None:
+            each(groups[-1])
     return ProgramSchedule(prog, groups)
 
 
