@@ -30,6 +30,46 @@ def test_stage_seconds_in_stats_and_log(rng, caplog):
     np.testing.assert_allclose(exe(x), _softmax(x), rtol=1e-5, atol=1e-7)
 
 
+def test_a_nested_stage_is_taken_out_of_the_outer_one():
+    import time
+
+    from polyjit.compiler import StageTimer
+    timer = StageTimer()
+    with timer("schedule"):
+        time.sleep(0.02)
+        with timer("emit"):
+            time.sleep(0.05)
+        with timer("schedule/ast"):
+            time.sleep(0.01)
+    s = timer.seconds
+    assert 0.05 <= s["emit"] < 0.08 and 0.03 <= s["schedule"] < 0.05 and timer.detail["schedule/ast"] >= 0.01
+
+
+def test_llvm_runs_on_its_own_thread_while_groups_are_emitted(rng, monkeypatch):
+    """Each group's kernels go to the LLVM thread as soon as it is
+    scheduled: the first is handed over before the last group is scheduled."""
+    import threading
+
+    from polyjit import schedule
+    from polyjit.codegen import program
+    events, threads = [], set()
+    compile_object, submit = program.compile_object, program._submit
+    monkeypatch.setattr(program, "compile_object", lambda text: (
+        threads.add(threading.current_thread().name), compile_object(text))[1])
+    monkeypatch.setattr(program, "_submit", lambda *a: (events.append(("llvm", None)), submit(*a))[1])
+    scheduled = schedule._schedule_problem
+    monkeypatch.setattr(schedule, "_schedule_problem", lambda *a: (events.append(("schedule", None)),
+                                                                   scheduled(*a))[1])
+    args = [rng.standard_normal((24, 40), dtype=F32), rng.standard_normal((40, 40), dtype=F32) / 8,
+            rng.standard_normal(40, dtype=F32)]
+    exe = polyjit.compile(_layers(1), [InputInfo(a.shape, F32) for a in args], {"cache": False})
+    kinds = [what for what, _ in events]
+    assert kinds.count("schedule") >= 2, kinds  # (groups of different structure)
+    assert kinds.index("llvm") < len(kinds) - 1 - kinds[::-1].index("schedule"), kinds
+    assert threads and all(name.startswith("polyjit-llvm") for name in threads)
+    np.testing.assert_allclose(exe(*args), _layers_ref(*args), rtol=1e-4, atol=1e-5)
+
+
 def _layers(n: int):
     """n identical layers: a linear map, bias, tanh and a row normalization."""
     def fn(x, *params):
@@ -143,3 +183,58 @@ def test_the_size_limit_evicts_the_least_recently_used(tmp_path, monkeypatch):
         if k == 1:
             assert cache.load("k0")[0] == {"n": 0}  # used: now the most recent
     assert sorted(p.stem for p in tmp_path.glob("*.pjc")) == ["k0", "k3"]
+
+
+# ------------------------------------------------------------- GPU programs (PTX, no GPU needed)
+PTX_ONLY = {"target": "nvgpu", "gpu_arch": "sm_90"}
+
+
+def _attention(q, k):
+    return ops.matmul(ops.softmax(ops.matmul(q, ops.transpose(k, 0, 1))), k)
+
+
+def test_a_gpu_program_compiles_once_per_process_and_per_arch():
+    infos = [InputInfo((32, 16), F32), InputInfo((24, 16), F32)]
+    first = polyjit.compile(_attention, infos, {**PTX_ONLY, "cache": False}).compile_default()
+    again = polyjit.compile(_attention, infos, {**PTX_ONLY, "cache": False}).compile_default()
+    assert first.stats["kernels_compiled"] == len(first.kernels) > 0 and again.stats["kernels_compiled"] == 0
+    assert again.ptx == first.ptx and again.kernels == first.kernels and again.writes == first.writes
+    other = polyjit.compile(_attention, infos, {"target": "nvgpu", "gpu_arch": "sm_80", "cache": False})
+    other = other.compile_default()
+    assert other.stats["kernels_compiled"] > 0 and ".target sm_80" in other.ptx and ".target sm_90" in first.ptx
+    bigger = polyjit.compile(_attention, [InputInfo((48, 16), F32), infos[1]], {**PTX_ONLY, "cache": False})
+    assert bigger.compile_default().stats["kernels_compiled"] > 0
+
+
+GPU_SCRIPT = """
+import hashlib, json, sys, numpy as np, polyjit
+from polyjit import ops, InputInfo
+from polyjit.codegen import nvgpu
+if sys.argv[1] == "hit":  # a fresh process that finds the program in the cache generates no PTX
+    def no_ptx(*a):
+        raise AssertionError("PTX generated")
+    nvgpu.ptx = no_ptx
+fn = lambda q, k: ops.matmul(ops.softmax(ops.matmul(q, ops.transpose(k, 0, 1))), k)
+exe = polyjit.compile(fn, [InputInfo((32, 16), np.float32), InputInfo((24, 16), np.float32)],
+                      {"target": "nvgpu", "gpu_arch": "sm_90"}).compile_default()
+print(json.dumps({**{k: exe.stats[k] for k in ("cache_hits", "kernels_compiled", "kernels")},
+                  "ptx": hashlib.sha256(exe.ptx.encode()).hexdigest(), "arch": exe.arch,
+                  "kernel_info": [[k.name, k.lanes, list(k.zeroed), k.strips] for k in exe.kernels]}))
+"""
+
+
+def test_a_fresh_process_loads_a_gpu_program_from_the_cache(tmp_path):
+    env = {**os.environ, "POLYJIT_CACHE_DIR": str(tmp_path)}
+    runs = []
+    for mode in ("cold", "hit"):
+        p = subprocess.run([sys.executable, "-c", GPU_SCRIPT, mode], env=env, capture_output=True, text=True,
+                           timeout=300)
+        assert p.returncode == 0, p.stderr
+        runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
+    cold, hit = runs
+    assert cold["cache_hits"] == 0 and cold["kernels_compiled"] == cold["kernels"] > 0
+    assert hit["cache_hits"] == 1 and hit["kernels_compiled"] == 0
+    assert {k: v for k, v in hit.items() if k not in ("cache_hits", "kernels_compiled")} == \
+        {k: v for k, v in cold.items() if k not in ("cache_hits", "kernels_compiled")}
+    [entry] = tmp_path.glob("*.pjc")
+    assert b".target sm_90" in entry.read_bytes()  # PTX as text, no pickles
