@@ -452,6 +452,8 @@ def cumulative(op: str, x: Tensor, dim: int, reverse: bool = False, exclusive: b
     the end, exclusive shifts the running values by one (the first is op's
     identity)."""
     g = _graph(x)
+    if x.ndim == 0:  # its one element (torch takes dim 0 and -1 of a 0-d tensor)
+        return _wrap(g, g.cumulative(op, _node(g, x), dim))
     dim = dim % x.ndim
     if reverse:
         x = flip(x, [dim])
