@@ -607,9 +607,9 @@ def tile(schedule, prog, validity, tile_sizes, vector_bits: int = 512) -> isl.Sc
     return new if is_legal(new, validity) else schedule
 
 
-STRIP = 512  # columns per parallel strip when the outer loop is too short to share
+STRIP_COLUMNS = 512  # columns per parallel strip when the outer loop is too short to share
 ROW_STRIP = 16  # rows per parallel strip, likewise, when an outer dimension can be cut instead
-MIN_PARALLEL_EXTENT = 8
+MIN_PARALLEL_EXTENT = 8  # a parallel loop shorter than this shares an inner loop's strips too
 
 
 def _cst(pa: isl.PwAff) -> int:
@@ -652,10 +652,11 @@ def balance_parallel(schedule, prog, validity) -> isl.Schedule:
         coincident = [m for m in range(1, n) if node.band_member_get_coincident(m)]
         rows = [m for m in coincident if m < n - 1
                 and (_member_extent(node, m) or ROW_STRIP * MIN_PARALLEL_EXTENT) >= ROW_STRIP * MIN_PARALLEL_EXTENT]
-        cols = [m for m in coincident if (_member_extent(node, m) or STRIP * MIN_PARALLEL_EXTENT) >= 2 * STRIP]
+        cols = [m for m in coincident
+                if (_member_extent(node, m) or STRIP_COLUMNS * MIN_PARALLEL_EXTENT) >= 2 * STRIP_COLUMNS]
         if not rows and not cols:
             return node
-        m, size = (rows[0], ROW_STRIP) if rows else (cols[-1], STRIP)
+        m, size = (rows[0], ROW_STRIP) if rows else (cols[-1], STRIP_COLUMNS)
         upa = node.band_get_partial_schedule().get_at(m).scale_down_val(isl.Val.int_from_si(node.get_ctx(), size))
         outer = isl.MultiUnionPwAff.from_union_pw_aff(upa.floor())
         return node.insert_partial_schedule(outer).band_set_permutable(True).band_member_set_coincident(0, True)
