@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 from . import expr as E
 from . import scalar
 from . import sizes as sz
-from .affine import AffineProgram, Array, Statement
+from .affine import AffineProgram, Array, Role, Statement
 from .dtypes import DataType
 from .errors import DefinitionError
 from .expr import Const, Expr, Load, Op
@@ -176,12 +176,14 @@ class Lowering:
                 STATEMENT_OPS[n.op](self, n, name, iters, bounds)
             elif n.op in REDUCTIONS and self.is_statement_op(n):
                 spec = REDUCTIONS[n.op](self, n)
-                self.add(name, iters, bounds, idx, identity(spec.combine, n.dtype), n.op + "_init")
+                product = n.op in CONTRACTIONS
+                self.add(name, iters, bounds, idx, identity(spec.combine, n.dtype), n.op + "_init", role=Role.INIT,
+                         contraction=product)
                 riters = tuple(f"r{k}" for k in range(len(spec.red_sizes)))
                 body = spec.term(idx, tuple(E.it(r) for r in riters))
                 self.add(name, iters + riters, bounds + tuple((0, s) for s in spec.red_sizes),
                          idx, body, n.attrs.get("op", n.op), combine=spec.combine,
-                         reduction_iters=riters, extra=spec.extra)
+                         reduction_iters=riters, extra=spec.extra, role=Role.UPDATE, contraction=product)
             else:
                 self.add(name, iters, bounds, idx, self.inline(n, idx), n.op)
 
@@ -573,6 +575,7 @@ def _reduce_window(L: Lowering, n: Node) -> ReductionSpec:
     return ReductionSpec(list(at["window"]), term, at["op"])
 
 
+CONTRACTIONS = ("dot_general", "conv")  # products: their statements are marked for the scheduler
 REDUCTIONS: dict[str, Callable[[Lowering, Node], ReductionSpec]] = {
     "reduce": _reduce, "dot_general": _dot, "conv": _conv, "reduce_window": _reduce_window}
 
@@ -593,7 +596,7 @@ def _scatter(L: Lowering, n: Node, name, iters, bounds):
     index, src = n.inputs
     axis, op = n.attrs["axis"], n.attrs["op"]
     idx = tuple(E.it(i) for i in iters)
-    L.add(name, iters, bounds, idx, identity(op, n.dtype), "scatter_init")
+    L.add(name, iters, bounds, idx, identity(op, n.dtype), "scatter_init", role=Role.INIT)
     space = L.shape(index) if n.attrs["along"] else L.shape(src)
     siters = tuple(f"j{d}" for d in range(len(space)))
     sidx = tuple(E.it(i) for i in siters)
@@ -605,7 +608,7 @@ def _scatter(L: Lowering, n: Node, name, iters, bounds):
         k = index.rank
         target = list(sidx[:axis]) + [_position(L, index, sidx[axis:axis + k], size)] + list(sidx[axis + k:])
     L.add(name, siters, tuple((0, s) for s in space), target, L.value(src, sidx),
-          "scatter_add" if op == "sum" else "scatter", combine=op, reduction_iters=siters)
+          "scatter_add" if op == "sum" else "scatter", combine=op, reduction_iters=siters, role=Role.UPDATE)
 
 
 STATEMENT_OPS: dict[str, Callable] = {"cumulative": _cumulative, "scatter": _scatter}

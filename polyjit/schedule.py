@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 import islpy as isl
 
 from . import sizes as sz
-from .affine import TAPS, AffineProgram
+from .affine import TAPS, AffineProgram, Role
 from .expr import Load, Op, Var, loads, substitute, walk
 
 log = logging.getLogger("polyjit.schedule")
@@ -315,12 +315,13 @@ def _statement_names(node) -> set[str]:
     return {st.get_tuple_name() for st in _items(node.get_domain().get_set_list())}
 
 
-CONTRACTIONS = ("dot_general", "conv")
-
-
 def is_update(s) -> bool:
     """Whether statement s accumulates a contraction's products."""
-    return s.combine is not None and s.label in CONTRACTIONS
+    return s.role is Role.UPDATE and s.contraction
+
+
+def is_product_init(s) -> bool:
+    return s.role is Role.INIT and s.contraction
 
 
 def _contractions(node, prog):
@@ -331,7 +332,7 @@ def _contractions(node, prog):
 def distribute_inits(schedule, prog, validity) -> isl.Schedule:
     """Put the initialization of contraction results in a nest of its own,
     so that the contraction's band holds only its update and can be blocked."""
-    inits = [s for s in prog.statements if s.label in ("dot_general_init", "conv_init")]
+    inits = [s for s in prog.statements if is_product_init(s)]
     if not inits:
         return schedule
     root = schedule.get_root()
@@ -397,7 +398,7 @@ def fuse_contraction(schedule, prog, dom, validity, plan: FusionPlan | None = No
     if len(updates) != 1:
         return None
     up = updates[0]
-    point = {s.name: _plain(s.index) for s in stmts if s.label.endswith("_init") and s.array == up.array}
+    point = {s.name: _plain(s.index) for s in stmts if s.role is Role.INIT and s.array == up.array}
     point[up.name] = _plain(up.index)
     for s in stmts:
         if s.name not in point:
@@ -606,9 +607,9 @@ def tile(schedule, prog, validity, tile_sizes, vector_bits: int = 512) -> isl.Sc
     return new if is_legal(new, validity) else schedule
 
 
-STRIP = 512  # columns per parallel strip when the outer loop is too short to share
+STRIP_COLUMNS = 512  # columns per parallel strip when the outer loop is too short to share
 ROW_STRIP = 16  # rows per parallel strip, likewise, when an outer dimension can be cut instead
-MIN_PARALLEL_EXTENT = 8
+MIN_PARALLEL_EXTENT = 8  # a parallel loop shorter than this shares an inner loop's strips too
 
 
 def _cst(pa: isl.PwAff) -> int:
@@ -651,10 +652,11 @@ def balance_parallel(schedule, prog, validity) -> isl.Schedule:
         coincident = [m for m in range(1, n) if node.band_member_get_coincident(m)]
         rows = [m for m in coincident if m < n - 1
                 and (_member_extent(node, m) or ROW_STRIP * MIN_PARALLEL_EXTENT) >= ROW_STRIP * MIN_PARALLEL_EXTENT]
-        cols = [m for m in coincident if (_member_extent(node, m) or STRIP * MIN_PARALLEL_EXTENT) >= 2 * STRIP]
+        cols = [m for m in coincident
+                if (_member_extent(node, m) or STRIP_COLUMNS * MIN_PARALLEL_EXTENT) >= 2 * STRIP_COLUMNS]
         if not rows and not cols:
             return node
-        m, size = (rows[0], ROW_STRIP) if rows else (cols[-1], STRIP)
+        m, size = (rows[0], ROW_STRIP) if rows else (cols[-1], STRIP_COLUMNS)
         upa = node.band_get_partial_schedule().get_at(m).scale_down_val(isl.Val.int_from_si(node.get_ctx(), size))
         outer = isl.MultiUnionPwAff.from_union_pw_aff(upa.floor())
         return node.insert_partial_schedule(outer).band_set_permutable(True).band_member_set_coincident(0, True)
@@ -881,7 +883,7 @@ def fusion_groups(prog: AffineProgram, epilogues: bool = False,
             groups[-1].append(s.name)
             continue
         update = s if is_update(s) else None
-        if update or s.label in ("dot_general_init", "conv_init"):
+        if update or is_product_init(s):
             if current and not (update and current[-1] in _inits(prog)):
                 groups.append(current)
                 current = []
@@ -915,7 +917,7 @@ def _plain(index) -> list[str] | None:
 def _epilogue_of(s, update, prog: AffineProgram) -> bool:
     """Whether s applies elementwise to the contraction's result: it reads
     the result only at its own point, over the result's whole extent."""
-    if s.combine is not None or s.extra or s.label.endswith("_init"):
+    if s.role in (Role.INIT, Role.UPDATE) or s.extra:
         return False
     reads = [ld for ld in prog.statement_loads(s) if ld.array == update.array]
     its = _plain(reads[0].index) if reads else None
@@ -935,7 +937,7 @@ def _reads_reshaped(s, group: list[str], prog: AffineProgram) -> bool:
 
 
 def _inits(prog: AffineProgram) -> set[str]:
-    return {s.name for s in prog.statements if s.label in ("dot_general_init", "conv_init")}
+    return {s.name for s in prog.statements if is_product_init(s)}
 
 
 SCHEDULE_BUDGET = 3_000_000  # isl operations one group may take before it is split

@@ -22,7 +22,7 @@ from .. import sizes as sz
 from ..affine import AffineProgram, Array, Statement
 from ..dtypes import DataType
 from ..expr import Const, Expr, Load, Op, Var, loads, walk
-from ..schedule import Scheduled, ast_nodes, statements_in
+from ..schedule import MIN_PARALLEL_EXTENT, Scheduled, ast_nodes, statements_in
 from ..errors import UnsupportedOpError
 from . import mathlib
 from .rules import rule_for
@@ -36,7 +36,6 @@ COMPUTE = {DataType.Bool: I1, DataType.Int32: I32, DataType.UInt32: I32, DataTyp
            DataType.BFloat16: F32, DataType.Float: F32, DataType.Double: F64}
 STORAGE = {DataType.Bool: I8, DataType.Int32: I32, DataType.UInt32: I32, DataType.Int: I64, DataType.Half: F16,
            DataType.BFloat16: BF16, DataType.Float: F32, DataType.Double: F64}
-MIN_PARALLEL_EXTENT = 8  # a parallel loop shorter than this shares its inner loop's strips too
 STACK_LIMIT = 16384  # bytes: smaller contracted buffers go on the stack
 
 _INTRINSIC = {"exp": "llvm.exp", "log": "llvm.log", "sin": "llvm.sin", "cos": "llvm.cos",

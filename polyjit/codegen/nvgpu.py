@@ -52,7 +52,7 @@ ROW_GROUPS = 8  # a lane loop of at most this many groups per lane is unrolled w
 TILE, KTILE = 64, 16  # a contraction's output tile per block, and its reduction slice in shared memory
 BIG_TILE = 128  # the tile of long products
 STRIP_REDUCE = 256  # iterations of a summing loop per thread before its atomic add
-STRIP = 64  # iterations of a sequential loop per thread when strips run in parallel
+THREAD_STRIP = 64  # iterations of a sequential loop per thread when strips run in parallel
 THREADS_PER_MULTIPROCESSOR = 2048  # resident threads (sm_70 to sm_90)
 DEFAULT_MULTIPROCESSORS = 132  # where no GPU says (PTX for gpu_arch): an H100's
 _SREG = "llvm.nvvm.read.ptx.sreg."
@@ -147,7 +147,7 @@ class GpuEmitter(Emitter):
         plan = _WarpPlan.of(self, rest, [it for it, *_ in bounds]) if bounds else None
         strip = None
         if plan is None:
-            strip = self.strip_plan(rest, seen, STRIP, bounded=True)
+            strip = self.strip_plan(rest, seen, THREAD_STRIP, bounded=True)
             if strip is None and not self.fills_device(loops):
                 strip = self.atomic_plan(rest, seen)
         if strip is not None:  # strips of the sequential loop become a parallel dimension
