@@ -6,7 +6,10 @@ Each measurement is a fresh process: the model's first training step
 step's time. For polyjit the seconds of each compile stage, summed over the
 model's graphs (`stats["compile_seconds_by_stage"]`), and the kernels
 compiled. Backends run interleaved, `--rounds` times, so that a loaded
-machine's drift falls on all of them.
+machine's drift falls on all of them. Cold means cold for every backend:
+polyjit's compile cache and Inductor's (TORCHINDUCTOR_CACHE_DIR) start
+empty; `inductor-warm` keeps Inductor's own cache folder as earlier runs
+left it (kernels of other models, and of this one if it ran before).
 
     python bench/compile_time.py                       # bert and encoder, cold
     python bench/compile_time.py --only bert --warm    # also polyjit from a warm cache
@@ -59,7 +62,9 @@ def _one(name: str, backend: str) -> dict:
 
 def _spawn(name: str, backend: str, cache: str) -> dict:
     env = dict(os.environ, POLYJIT_CACHE_DIR=cache, PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, __file__, "--one", name, "--backend", backend],
+    if backend == "inductor":
+        env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-cold-")
+    proc = subprocess.run([sys.executable, __file__, "--one", name, "--backend", backend.split("-")[0]],
                           capture_output=True, text=True, env=env)
     if proc.returncode:
         return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1][:200]}
@@ -69,7 +74,8 @@ def _spawn(name: str, backend: str, cache: str) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", nargs="*", default=["bert", "encoder"])
-    p.add_argument("--backends", nargs="*", default=["aot_eager", "inductor", "polyjit"])
+    p.add_argument("--backends", nargs="*", default=["aot_eager", "inductor", "polyjit"],
+                   help="aot_eager, inductor (cold), inductor-warm, polyjit")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--warm", action="store_true", help="then polyjit again in a fresh process, its cache warm")
     p.add_argument("--one", help=argparse.SUPPRESS)
@@ -78,6 +84,7 @@ def main() -> None:
     if a.one:
         print(json.dumps(_one(a.one, a.backend)))
         return
+    print("load average %.2f %.2f %.2f" % os.getloadavg(), flush=True)
     for name in a.only:
         for _ in range(a.rounds):
             cache = tempfile.mkdtemp(prefix="polyjit-compile-time-")
@@ -93,6 +100,7 @@ def main() -> None:
                     line += (f"  ({r['compiled']} of {r['kernels']} kernels compiled; "
                              + ", ".join(f"{k} {v:.2f}" for k, v in r["stages"].items()) + ")")
                 print(line, flush=True)
+    print("load average %.2f %.2f %.2f" % os.getloadavg())
 
 
 if __name__ == "__main__":

@@ -118,6 +118,7 @@ def _address(fn) -> int:
 
 # ---------------------------------------------------------------- choice
 _measured: dict[tuple, tuple[bool, float, float]] = {}
+_built: dict[tuple, object] = {}  # programs prefetch() compiled for measure(), by (key, mode)
 MIN_REDUCTION = 16  # shorter reductions (depthwise, a few input channels) are stencils: generated
 MIN_OUT_CHANNELS = 8
 MIN_MACS = 1 << 20  # multiply-adds below which either way is quick: generated, not worth timing
@@ -129,6 +130,25 @@ class LibraryPolicy:
     def __init__(self, mode: str, threads: int, target: str = "cpu") -> None:
         self.mode, self.threads, self.gpu = mode, threads, target == "nvgpu"
         self.choices: list[str] = []
+        self._wanted: dict | None = None  # while prefetching: the timings use() asks for
+
+    def prefetch(self, L, nodes) -> None:
+        """Compile, all at once, the programs that use() will time for nodes:
+        two threads build them, so that LLVM (on its own thread) works on one
+        while isl and Python build the next; nothing runs while they compile."""
+        self._wanted, choices, self.choices = {}, self.choices, []
+        try:
+            for n in nodes:
+                self.use(L, n)
+        finally:
+            wanted, self._wanted, self.choices = self._wanted, None, choices
+        jobs = [(key, mode, spec) for key, spec in wanted.items() for mode in ("library", "generated")]
+        if len(jobs) > 2:
+            from concurrent.futures import ThreadPoolExecutor
+            with ThreadPoolExecutor(2, thread_name_prefix="polyjit-measure") as pool:
+                built = list(pool.map(lambda j: _single(*j[2], j[1], self.threads), jobs))
+            for (key, mode, _), exe in zip(jobs, built):
+                _built[key, mode] = exe
 
     def available(self) -> bool:
         """Whether the target's library loads: cuBLAS on nvgpu, BLAS on the cpu."""
@@ -189,11 +209,16 @@ class LibraryPolicy:
             bases.append((tuple(int(s) for s in L.shape(i)), i.dtype))
             ins.append(tuple(chain))
         key = (n.op, tuple(bases), tuple(ins), tuple(sorted((k, str(v)) for k, v in n.attrs.items())), self.threads)
+        if self._wanted is not None:  # (prefetching: what to compile, no decision yet)
+            if key not in _measured:
+                self._wanted[key] = (n, bases, ins, tuple(L.shape(n)))
+            return False, 0.0, 0.0
         if key not in _measured:
             import numpy as np
             rng = np.random.default_rng(0)
             args = [rng.standard_normal(shape).astype(dt.numpy) for shape, dt in bases]
-            times = {mode: _time(_single(n, bases, ins, tuple(L.shape(n)), mode, self.threads), args)
+            times = {mode: _time(_built.pop((key, mode), None) or _single(n, bases, ins, tuple(L.shape(n)), mode,
+                                                                           self.threads), args)
                      for mode in ("library", "generated")}
             _measured[key] = (times["library"] < times["generated"], times["library"], times["generated"])
         return _measured[key]

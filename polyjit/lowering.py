@@ -126,6 +126,7 @@ class Lowering:
 
     def plan(self) -> None:
         if self.library is not None:
+            self.library.prefetch(self, [n for n in self.nodes if n.op in ("conv", "dot_general")])
             self.library_nodes = {n.id for n in self.nodes if n.op in ("conv", "dot_general")
                                   and self.library.use(self, n)}
         uses: dict[int, int] = {n.id: 0 for n in self.nodes}

@@ -70,6 +70,27 @@ def test_llvm_runs_on_its_own_thread_while_groups_are_emitted(rng, monkeypatch):
     np.testing.assert_allclose(exe(*args), _layers_ref(*args), rtol=1e-4, atol=1e-5)
 
 
+def test_contractions_to_time_are_compiled_together_before_any_is_timed(rng, monkeypatch):
+    """contractions="auto" times both ways of each large product; their
+    programs are built on two threads at once, all before the first timing."""
+    import threading
+
+    from polyjit import library
+    monkeypatch.setattr(library, "_measured", {})
+    events = []
+    single, time_ = library._single, library._time
+    monkeypatch.setattr(library, "_single", lambda *a: (
+        events.append(("compile", threading.current_thread().name)), single(*a))[1])
+    monkeypatch.setattr(library, "_time", lambda *a: (events.append(("time", None)), time_(*a))[1])
+    a, b, c = (rng.standard_normal(s, dtype=F32) for s in ((128, 96), (96, 160), (160, 112)))
+    exe = polyjit.compile(lambda a, b, c: ops.matmul(ops.tanh(ops.matmul(a, b)), c),
+                          [InputInfo(x.shape, F32) for x in (a, b, c)], {"cache": False})
+    np.testing.assert_allclose(exe(a, b, c), np.tanh(a @ b) @ c, rtol=2e-5, atol=2e-5)
+    assert [w for w, _ in events] == ["compile"] * 4 + ["time"] * 4, events
+    assert all(name.startswith("polyjit-measure") for w, name in events if w == "compile")
+    assert len(exe.stats["contractions"]) == 2 and all("ms" in c for c in exe.stats["contractions"])
+
+
 def _layers(n: int):
     """n identical layers: a linear map, bias, tanh and a row normalization."""
     def fn(x, *params):
