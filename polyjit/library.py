@@ -381,7 +381,7 @@ def _matrix(L, node):
     """(array, node dim -> array dim) where node reads a row-major array in
     place (itself, or a transpose of it); None otherwise."""
     perm = list(range(node.rank))
-    while node.op == "transpose" and not node.attrs.get("materialize") and node.id not in L.array_of:
+    while node.op == "transpose" and not L.packed(node) and node.id not in L.array_of:
         perm = [node.attrs["perm"][p] for p in perm]
         node = node.inputs[0]
     return (L.array_of[node.id], perm) if _row_major(L, node) else None

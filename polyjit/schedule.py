@@ -586,7 +586,7 @@ def tile(schedule, prog, validity, tile_sizes, vector_bits: int = 512) -> isl.Sc
         if tile_sizes is None and fused and _contractions(node, prog):
             return block_fused(node, prog, cols)
         if tile_sizes is None and not contraction:
-            return node
+            return _tile_transposition(node, prog)
         if contraction:
             node = merge_reductions(node, prog)
             n = node.band_n_member()
@@ -605,6 +605,36 @@ def tile(schedule, prog, validity, tile_sizes, vector_bits: int = 512) -> isl.Sc
         return node
     new = _visit(schedule.get_root(), fn).get_schedule()
     return new if is_legal(new, validity) else schedule
+
+
+TRANSPOSE_TILE = 32  # a transposing copy walks tiles of this many rows and columns
+
+
+def _tile_transposition(node, prog):
+    """A band of one statement that writes along its innermost loop and reads
+    along another (a transposing copy: a weight's transpose each call) walks
+    square tiles, so that the lines its strided reads bring in are used for
+    a tile's rows before they leave the cache."""
+    names = _statement_names(node)
+    n = node.band_n_member()
+    if len(names) != 1:
+        return node
+    st = next(s for s in prog.statements if s.name in names)
+    if st.role is not Role.ASSIGN or st.library is not None:
+        return node
+    mupa = node.band_get_partial_schedule()
+    follows = [_member_iter(mupa.get_at(m)).get(st.name) for m in range(n)]
+    inner, outer = follows[-1], follows[-2]
+    if inner is None or outer is None:
+        return node
+
+    def uses(index, d) -> bool:
+        return any(isinstance(x, Var) and x.name == st.iters[d] for x in walk(index))
+    along = [ld for ld in loads(st.body) if ld.index and uses(ld.index[-1], outer) and not uses(ld.index[-1], inner)]
+    if not along or not st.index or not uses(st.index[-1], inner):
+        return node
+    sizes = [UNTILED] * (n - 2) + [TRANSPOSE_TILE, TRANSPOSE_TILE]
+    return node.band_tile(_sizes(node, sizes))
 
 
 STRIP_COLUMNS = 512  # columns per parallel strip when the outer loop is too short to share
