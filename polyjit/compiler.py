@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from . import cache
 from . import sizes as sz
 from .cuda import GpuExecutable
+from .fold import fold_scales
 from .graph import Graph
 from .library import LibraryPolicy
 from .lowering import GPU_RECOMPUTE_LIMIT, RECOMPUTE_LIMIT, lower
@@ -86,7 +87,7 @@ def compile_graph(graph: Graph, options: CompileOptions, name: str = "fn") -> Ex
     timer = StageTimer()
     gpu = options.target == "nvgpu"
     with timer("lower"):
-        graph = graph.deduplicated()
+        graph, folded = fold_scales(graph.deduplicated())
         if not gpu:
             graph = graph.packed()
     key = exe = None
@@ -100,7 +101,7 @@ def compile_graph(graph: Graph, options: CompileOptions, name: str = "fn") -> Ex
             exe = _from_cache(graph, options, name, *hit) if hit else None
         hits = hits if exe is not None else 0
     if exe is None:
-        policy = None if gpu else LibraryPolicy(options.contractions, options.num_threads)
+        policy = LibraryPolicy(options.contractions, options.num_threads, options.target)
         with timer("lower"):
             prog = lower(graph, GPU_RECOMPUTE_LIMIT if gpu else RECOMPUTE_LIMIT, policy)
         exe = _compile_gpu(graph, prog, options, name, timer, arch, sms) if gpu else \
@@ -110,6 +111,7 @@ def compile_graph(graph: Graph, options: CompileOptions, name: str = "fn") -> Ex
             with timer("cache"):
                 _keep(key, exe, options.cache)
     exe.stats["cache_hits"] = hits
+    exe.stats["folded"] = folded
     exe.stats["compile_seconds"] = time.perf_counter() - t0
     exe.stats["compile_seconds_by_stage"] = timer.seconds
     log.info("compiled %s (%d kernels, %d compiled) in %.3f s: %s", name, len(exe.kernels),

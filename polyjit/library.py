@@ -1,4 +1,4 @@
-"""A vendor-library floor under generated contractions (cpu).
+"""A vendor-library floor under generated contractions (cpu; nvgpu in polyjit.cublas).
 
 Where, for a convolution's shape, polyjit's generated loop nest loses to
 BLAS, the convolution lowers to an im2col statement (generated, so that
@@ -27,6 +27,7 @@ from typing import Any
 
 from . import expr as E
 from . import sizes as sz
+from .affine import TAPS
 from .dtypes import DataType
 from .expr import Expr
 from .sizes import Size
@@ -126,8 +127,8 @@ MIN_MACS = 1 << 20  # multiply-adds below which either way is quick: generated, 
 class LibraryPolicy:
     """Decides, per convolution, generated code or the library; records why."""
 
-    def __init__(self, mode: str, threads: int) -> None:
-        self.mode, self.threads = mode, threads
+    def __init__(self, mode: str, threads: int, target: str = "cpu") -> None:
+        self.mode, self.threads, self.gpu = mode, threads, target == "nvgpu"
         self.choices: list[str] = []
         self._wanted: dict | None = None  # while prefetching: the timings use() asks for
 
@@ -149,10 +150,17 @@ class LibraryPolicy:
             for (key, mode, _), exe in zip(jobs, built):
                 _built[key, mode] = exe
 
+    def available(self) -> bool:
+        """Whether the target's library loads: cuBLAS on nvgpu, BLAS on the cpu."""
+        if self.gpu:
+            from .cublas import cublas
+            return cublas() is not None
+        return blas() is not None
+
     def use(self, L, n) -> bool:
         """Whether contraction n (a conv or dot_general) runs in the library."""
         ok = (gemm_form(L, n) if n.op == "conv" else dot_form(L, n)) is not None
-        if not ok or self.mode == "generated" or blas() is None:
+        if not ok or self.mode == "generated" or not self.available():
             return False
         xs, ws = L.shape(n.inputs[0]), L.shape(n.inputs[1])
         what = f"{n.op} {list(xs)} * {list(ws)}" + (f" groups {n.attrs['groups']}" if n.op == "conv" else "")
@@ -176,6 +184,9 @@ class LibraryPolicy:
         if macs < MIN_MACS:
             self.choices.append(f"{what}: generated ({macs} multiply-adds)")
             return False
+        if self.gpu:  # a simple model: timing would compile each shape's generated kernel (seconds) on the device
+            self.choices.append(f"{what}: library (cuBLAS: {macs} multiply-adds, reduction {red})")
+            return True
         if n.op == "conv" and gemm_form(L, n) == "nchw":  # not worth compiling the generated nest to time it
             self.choices.append(f"{what}: library (channels first: generated blocks run along image rows, "
                                 "4-30x slower than sgemm in ResNet-18's convolutions)")
@@ -322,7 +333,8 @@ def _conv_columns(L, n, form: str, kdims) -> tuple[Box, int]:
     channel = E.iadd(E.imul(idx[1], int(ws[klay.index("I")])), kv["I"]) if groups > 1 else kv["I"]
     xi = conv_input_index(L, n, idx[0], channel, ov, [kv[c] for c in sp])
     body = guarded(L, x, xi, E.const(0.0, n.dtype), [lay.index(c) for k, c in enumerate(sp) if any(at["padding"][k])])
-    L.add(name, tuple(f"i{d}" for d in range(len(shape))), tuple((0, s) for s in shape), tuple(idx), body, "im2col")
+    L.add(name, tuple(f"i{d}" for d in range(len(shape))), tuple((0, s) for s in shape), tuple(idx), body, "im2col",
+          role=TAPS)
     return _box(name, shape, {0: (E.it("i0"), 1), 1: (E.it("i1"), 1)}), pos if form == "nchw" else red
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 import islpy as isl
 
 from . import sizes as sz
-from .affine import AffineProgram
+from .affine import TAPS, AffineProgram, Role
 from .expr import Load, Op, Var, loads, substitute, walk
 
 log = logging.getLogger("polyjit.schedule")
@@ -108,12 +108,12 @@ class ProgramSchedule:
     its names: the statements of each kernel, contracted temporaries, the
     first kernel writing each array."""
 
-    def __init__(self, prog: AffineProgram, groups: list[ScheduledGroup]) -> None:
+    def __init__(self, prog: AffineProgram, groups: list[ScheduledGroup], refused: list[str] = ()) -> None:
         self.groups = groups
         self.kernels: list[set[str]] = []
         self.contracted: dict[str, tuple[int | None, ...]] = {}
         self.kernel_of_array: dict[str, int] = {}
-        self.refused = [g.real_names(why) for g in groups for why in g.sched.refused]
+        self.refused = list(refused) + [g.real_names(why) for g in groups for why in g.sched.refused]
         for g in groups:
             p = g.problem
             for a, k in _kernel_of_array(p.prog, g.sched.kernels, len(self.kernels), p.arrays).items():
@@ -315,12 +315,13 @@ def _statement_names(node) -> set[str]:
     return {st.get_tuple_name() for st in _items(node.get_domain().get_set_list())}
 
 
-CONTRACTIONS = ("dot_general", "conv")
-
-
 def is_update(s) -> bool:
     """Whether statement s accumulates a contraction's products."""
-    return s.combine is not None and s.label in CONTRACTIONS
+    return s.role is Role.UPDATE and s.contraction
+
+
+def is_product_init(s) -> bool:
+    return s.role is Role.INIT and s.contraction
 
 
 def _contractions(node, prog):
@@ -331,7 +332,7 @@ def _contractions(node, prog):
 def distribute_inits(schedule, prog, validity) -> isl.Schedule:
     """Put the initialization of contraction results in a nest of its own,
     so that the contraction's band holds only its update and can be blocked."""
-    inits = [s for s in prog.statements if s.label in ("dot_general_init", "conv_init")]
+    inits = [s for s in prog.statements if is_product_init(s)]
     if not inits:
         return schedule
     root = schedule.get_root()
@@ -397,7 +398,7 @@ def fuse_contraction(schedule, prog, dom, validity, plan: FusionPlan | None = No
     if len(updates) != 1:
         return None
     up = updates[0]
-    point = {s.name: _plain(s.index) for s in stmts if s.label.endswith("_init") and s.array == up.array}
+    point = {s.name: _plain(s.index) for s in stmts if s.role is Role.INIT and s.array == up.array}
     point[up.name] = _plain(up.index)
     for s in stmts:
         if s.name not in point:
@@ -606,9 +607,9 @@ def tile(schedule, prog, validity, tile_sizes, vector_bits: int = 512) -> isl.Sc
     return new if is_legal(new, validity) else schedule
 
 
-STRIP = 512  # columns per parallel strip when the outer loop is too short to share
+STRIP_COLUMNS = 512  # columns per parallel strip when the outer loop is too short to share
 ROW_STRIP = 16  # rows per parallel strip, likewise, when an outer dimension can be cut instead
-MIN_PARALLEL_EXTENT = 8
+MIN_PARALLEL_EXTENT = 8  # a parallel loop shorter than this shares an inner loop's strips too
 
 
 def _cst(pa: isl.PwAff) -> int:
@@ -651,10 +652,11 @@ def balance_parallel(schedule, prog, validity) -> isl.Schedule:
         coincident = [m for m in range(1, n) if node.band_member_get_coincident(m)]
         rows = [m for m in coincident if m < n - 1
                 and (_member_extent(node, m) or ROW_STRIP * MIN_PARALLEL_EXTENT) >= ROW_STRIP * MIN_PARALLEL_EXTENT]
-        cols = [m for m in coincident if (_member_extent(node, m) or STRIP * MIN_PARALLEL_EXTENT) >= 2 * STRIP]
+        cols = [m for m in coincident
+                if (_member_extent(node, m) or STRIP_COLUMNS * MIN_PARALLEL_EXTENT) >= 2 * STRIP_COLUMNS]
         if not rows and not cols:
             return node
-        m, size = (rows[0], ROW_STRIP) if rows else (cols[-1], STRIP)
+        m, size = (rows[0], ROW_STRIP) if rows else (cols[-1], STRIP_COLUMNS)
         upa = node.band_get_partial_schedule().get_at(m).scale_down_val(isl.Val.int_from_si(node.get_ctx(), size))
         outer = isl.MultiUnionPwAff.from_union_pw_aff(upa.floor())
         return node.insert_partial_schedule(outer).band_set_permutable(True).band_member_set_coincident(0, True)
@@ -851,18 +853,26 @@ def statements_in(node: isl.AstNode) -> set[str]:
 MAX_GROUP = 6  # statements the isl scheduler fuses at once; its cost grows steeply
 
 
-def fusion_groups(prog: AffineProgram, epilogues: bool = False) -> list[list[str]]:
+def fusion_groups(prog: AffineProgram, epilogues: bool = False,
+                  plan: FusionPlan | None = None) -> list[list[str]]:
     """Runs of statements, in program order, that isl may fuse together.
 
     Program order is a topological order of the dataflow, so consecutive runs
     can always run one after another. A contraction (its initialization and
     update, with epilogues its elementwise consumers) is a group of its own;
-    other runs are cut at MAX_GROUP statements.
+    other runs are cut at MAX_GROUP statements. A library call's taps (role
+    TAPS, im2col) start a group: fused with their producer (a batch norm and
+    relu), isl's shifted nest wrote the taps out of memory order, 0.38 ms
+    against 0.15 for the two passes (2x64x28x28, 3x3); plan records it.
     """
     groups: list[list[str]] = []
     current: list[str] = []
     update = None
     for s in prog.statements:
+        if s.role == TAPS and current:
+            _refuse_taps_fusion(prog, s, current, plan)
+            groups.append(current)
+            current = []
         if s.library is not None:  # a library call runs alone
             if current:
                 groups.append(current)
@@ -873,7 +883,7 @@ def fusion_groups(prog: AffineProgram, epilogues: bool = False) -> list[list[str
             groups[-1].append(s.name)
             continue
         update = s if is_update(s) else None
-        if update or s.label in ("dot_general_init", "conv_init"):
+        if update or is_product_init(s):
             if current and not (update and current[-1] in _inits(prog)):
                 groups.append(current)
                 current = []
@@ -891,6 +901,13 @@ def fusion_groups(prog: AffineProgram, epilogues: bool = False) -> list[list[str
     return groups
 
 
+def _refuse_taps_fusion(prog: AffineProgram, s, current: list[str], plan: FusionPlan | None) -> None:
+    written = {t.array for t in prog.statements if t.name in current}
+    if plan is not None and any(ld.array in written for ld in prog.statement_loads(s)):
+        plan.refused.append(f"{s.name} ({s.label}) with its producers ({', '.join(current)}): "
+                            "the taps' copy keeps its memory order")
+
+
 def _plain(index) -> list[str] | None:
     """The iterators of an index made of distinct plain iterators, else None."""
     its = [e.name for e in index if isinstance(e, Var) and e.kind == "iter"]
@@ -900,7 +917,7 @@ def _plain(index) -> list[str] | None:
 def _epilogue_of(s, update, prog: AffineProgram) -> bool:
     """Whether s applies elementwise to the contraction's result: it reads
     the result only at its own point, over the result's whole extent."""
-    if s.combine is not None or s.extra or s.label.endswith("_init"):
+    if s.role in (Role.INIT, Role.UPDATE) or s.extra:
         return False
     reads = [ld for ld in prog.statement_loads(s) if ld.array == update.array]
     its = _plain(reads[0].index) if reads else None
@@ -920,7 +937,7 @@ def _reads_reshaped(s, group: list[str], prog: AffineProgram) -> bool:
 
 
 def _inits(prog: AffineProgram) -> set[str]:
-    return {s.name for s in prog.statements if s.label in ("dot_general_init", "conv_init")}
+    return {s.name for s in prog.statements if is_product_init(s)}
 
 
 SCHEDULE_BUDGET = 3_000_000  # isl operations one group may take before it is split
@@ -1031,8 +1048,9 @@ def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None, 
     timer = timer or _no_timer
     fuse = target == "cpu" and fusion != "none" and not tile_sizes
     config = (fusion, tile_sizes, target, vector_bits, fuse)
+    plan = FusionPlan() if fuse else None
     with timer("schedule/groups"):
-        names = fusion_groups(prog, epilogues=fuse)
+        names = fusion_groups(prog, epilogues=fuse, plan=plan)
     users: dict[str, set[int]] = {}
     for g, group in enumerate(names):
         for s in prog.statements:
@@ -1056,7 +1074,7 @@ def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None, 
         groups.append(ScheduledGroup(problem, sched))
         if each is not None:
             each(groups[-1])
-    return ProgramSchedule(prog, groups)
+    return ProgramSchedule(prog, groups, plan.refused if plan else [])
 
 
 GROUP_CACHE = 4096  # scheduled groups kept per process
@@ -1090,7 +1108,63 @@ def _schedule_problem(problem: "GroupProblem", config: tuple, timer) -> Schedule
         contracted = contract(ctx, prog, sched, dom, kernels, problem.shared)
     if target == "nvgpu":
         contracted = {n: m for n, m in contracted.items() if _private_bytes(prog.arrays[n], m) <= GPU_PRIVATE_BYTES}
+        if fusion != "none" and _starved(ast, prog, contracted):
+            return _schedule_problem(problem, ("none",) + config[1:], timer)
     return Scheduled(sched, ast, contracted, kernels, _kernel_of_array(prog, kernels), plan.refused if plan else [])
+
+
+GPU_GRID_FLOOR = 1 << 16  # parallel iterations below which a GPU kernel leaves most of the device idle
+
+
+def _starved(ast: isl.AstNode, prog: AffineProgram, contracted) -> bool:
+    """nvgpu: whether a kernel's fusion cost the device its parallelism: its
+    marked loops give fewer than GPU_GRID_FLOOR threads where one of its
+    statements alone would have 16 times as many (a producer fused with a
+    stencil or im2col consumer, shifted along image rows, left a thread per
+    image and channel: 10.6 of MobileNetV3-small's 18 ms, 60 of ResNet-18's
+    70). Sums compare their own outputs (a row sum keeps its rows), and
+    kernels with contracted buffers keep them (strips recompute halos)."""
+    stmts = {s.name: s for s in prog.statements}
+    for node in _kernels(ast):
+        names = statements_in(node)
+        own = [stmts[n] for n in names]
+        if len(own) < 2 or any(s.array in contracted for s in own):
+            continue
+        sums = [s for s in own if s.combine is not None]
+        grid = _grid_extent(node)
+        widest = max((_parallel_extent(s) or 0 for s in (sums or own)), default=0)
+        if grid is not None and grid < GPU_GRID_FLOOR and widest >= 16 * grid:
+            return True
+    return False
+
+
+def _grid_extent(node: isl.AstNode) -> int | None:
+    """The iterations of the chain of parallel-marked loops at node's top (None where not numbers)."""
+    total = 1
+    while node.get_type() == isl.ast_node_type.mark and node.mark_get_id().get_name().startswith("parallel:"):
+        loop = node.mark_get_node()
+        if loop.get_type() != isl.ast_node_type.for_:
+            break
+        init, cond = loop.for_get_init(), loop.for_get_cond()
+        hi = cond.get_op_arg(1)
+        if init.get_type() != isl.ast_expr_type.int or hi.get_type() != isl.ast_expr_type.int:
+            return None
+        last = hi.get_val().to_python() - (cond.get_op_type() == isl.ast_expr_op_type.lt)
+        step = loop.for_get_inc().get_val().to_python()
+        total *= max(-(-(last - init.get_val().to_python() + 1) // step), 0)
+        node = loop.for_get_body()
+    return total
+
+
+def _parallel_extent(s) -> int | None:
+    """Iterations of a statement's loops that are not its reduction's."""
+    total = 1
+    for it, (lo, hi) in zip(s.iters, s.bounds):
+        if it not in s.reduction_iters:
+            if not (sz.is_static(lo) and sz.is_static(hi)):
+                return None
+            total *= max(int(hi) - int(lo), 0)
+    return total
 
 
 def _kernel_of_array(prog: AffineProgram, kernels: list[set[str]], offset: int = 0,

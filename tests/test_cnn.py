@@ -114,6 +114,76 @@ def test_library_call_counted_under_strict_and_ops_around_it_generated(rng):
     assert stats["library_calls"] == 2 and stats["fallbacks"] == 0
     graph = next(iter(jm.stats.graphs.values()))
     assert graph["kernels"] > 2 and all("library (forced)" in c for c in graph["contractions"])
+    assert any("im2col" in why for why in graph["fusion_refusals"])  # the batch norm's pass stays its own
+
+
+def _random_batch_norms(mod):
+    for m in mod.modules():
+        if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):
+            m.running_mean.uniform_(-1, 1)
+            m.running_var.uniform_(0.5, 2)
+            m.weight.data.uniform_(0.5, 1.5)
+            m.bias.data.uniform_(-1, 1)
+    return mod
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_batch_norm_folds_into_the_convolution_in_eval_only(training):
+    """In eval mode a batch norm after a convolution (and after a Linear)
+    folds into its weights and bias: equal to eager; in training mode its
+    statistics come from the batch and nothing folds."""
+    mod = _random_batch_norms(nn.Sequential(
+        nn.Conv2d(5, 12, 3, padding=1, bias=False), nn.BatchNorm2d(12), nn.ReLU(),
+        nn.Conv2d(12, 6, 3, stride=2), nn.BatchNorm2d(6), nn.Flatten(), nn.Linear(6 * 4 * 4, 7),
+        nn.BatchNorm1d(7))).train(training)
+    ref = copy.deepcopy(mod)
+    jm = polyjit.jit_torch(mod, compile_options={"strict": True})
+    x = torch.randn(3, 5, 10, 9)
+    with torch.no_grad():
+        torch.testing.assert_close(jm(x), ref(x), rtol=1e-5, atol=1e-5)
+    assert jm.stats["folded"] == (0 if training else 3) and jm.stats["fallbacks"] == 0
+    for a, b in zip(mod.buffers(), ref.buffers()):  # training updates the running statistics alike
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_batch_norm_of_constant_weights_folds_at_compile_time(rng):
+    """With the weights and statistics constants, the folded kernel and bias
+    are constants: the program multiplies nothing outside the convolution."""
+    w, mean, var, gamma, beta = (rng.standard_normal(s, dtype=F32) for s in ((3, 3, 4, 6), 6, 6, 6, 6))
+    inv = gamma / np.sqrt(np.abs(var) + 0.5)
+
+    def f(x):
+        y = ops.conv(x, w, (1, 1), ((1, 1), (1, 1)), layout="NHWC", kernel_layout="HWIO")
+        return ops.relu((y - mean) * inv + beta)
+    x = rng.standard_normal((2, 7, 5, 4), dtype=F32)
+    exe = polyjit.compile(f, [InputInfo(x.shape, F32)], {"strict": True}).compile_default()
+    y = torch.nn.functional.conv2d(torch.from_numpy(x).permute(0, 3, 1, 2), torch.from_numpy(w).permute(3, 2, 0, 1),
+                                   padding=1).permute(0, 2, 3, 1).numpy()
+    np.testing.assert_allclose(exe(x)[0], np.maximum((y - mean) * inv + beta, 0), rtol=1e-5, atol=1e-5)
+    assert exe.stats["folded"] == 1
+    assert not any(op in exe.ir["graph"] for op in ("= mul(", "= sub("))
+
+
+@pytest.mark.parametrize("k,stride", [(3, 1), (5, 2), (7, 1)])
+def test_depthwise_convolution_is_a_stencil_vectorized_along_channels(k, stride, rng):
+    """A channels-last depthwise convolution up to 7x7 unrolls into one
+    statement with its bias and relu (no contraction), whose padded taps are
+    vector loads along channels, not gathers; equal to torch's."""
+    c = 37
+    x = rng.standard_normal((2, 11, 9, c), dtype=F32)
+    w = rng.standard_normal((k, k, 1, c), dtype=F32)
+    b = rng.standard_normal(c, dtype=F32)
+
+    def f(x, w, b):
+        y = ops.conv(x, w, (stride, stride), ((k // 2, k // 2),) * 2, groups=c, layout="NHWC", kernel_layout="HWIO")
+        return ops.relu(y + b)
+    exe = polyjit.compile(f, [InputInfo(a.shape, F32) for a in (x, w, b)], {"strict": True}).compile_default()
+    want = torch.relu(torch.nn.functional.conv2d(torch.from_numpy(x).permute(0, 3, 1, 2),
+                                                 torch.from_numpy(w).permute(3, 2, 0, 1), torch.from_numpy(b),
+                                                 stride, k // 2, groups=c)).permute(0, 2, 3, 1)
+    np.testing.assert_allclose(exe(x, w, b)[0], want.numpy(), rtol=1e-5, atol=1e-5)
+    assert exe.stats["statements"] == 1 and exe.stats["kernels"] == 1
+    assert "gather" not in exe.ir["llvm_opt"]
 
 
 def test_contractions_option_is_checked():

@@ -443,3 +443,27 @@ def test_xla_custom_call_targets_see_buffers_and_report_errors(rng):
             jax.block_until_ready(jax.jit(lambda a: jax.ffi.ffi_call(name + "_broken", result)(a))(x))
         with pytest.raises(Exception, match="number of args other than 2"):
             jax.block_until_ready(jax.jit(lambda a: jax.ffi.ffi_call(name + "_axpy", (result, result))(a))(x))
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_flax_batch_norm_folds_in_eval_only(rng, train):
+    """flax's BatchNorm with running averages after a Conv folds into the
+    convolution's kernel and bias (as a computation of the parameters passed
+    in); with batch statistics (train) nothing folds; both equal jax's."""
+    fnn = pytest.importorskip("flax.linen")
+
+    class ConvBN(fnn.Module):
+        @fnn.compact
+        def __call__(self, x, train):
+            x = fnn.BatchNorm(use_running_average=not train)(fnn.Conv(12, (3, 3))(x))
+            return fnn.relu(x)
+    net, x = ConvBN(), rnd(rng, 2, 9, 7, 5)
+    params = net.init(jax.random.PRNGKey(0), x, False)
+    stats = {"mean": rnd(rng, 12), "var": jnp.abs(rnd(rng, 12)) + 0.5}
+    params = {**params, "batch_stats": {"BatchNorm_0": stats}}
+
+    def f(v, x):
+        return net.apply(v, x, train, mutable=["batch_stats"]) if train else net.apply(v, x, train)
+    jf = polyjit.jit_jax(f, compile_options={"strict": True})
+    assert_tree_close(jf(params, x), f(params, x))
+    assert jf.stats["folded"] == (0 if train else 1) and jf.stats["fallbacks"] == 0

@@ -277,3 +277,15 @@ def test_unsupported_op_falls_back_or_raises_under_strict(rng):
         g = lambda x: (tf.math.bessel_i0e(x * x + 1), tf.reduce_any(x > 0, 0), x * 2)  # noqa: E731
         for got, want in zip(jit(g)(x), g(x)):
             assert_close(got, want)
+
+
+def test_keras_batch_norm_folds_into_the_convolution(rng):
+    """Keras' BatchNormalization in inference after a Conv2D (FusedBatchNormV3
+    with is_training off) folds into the convolution's kernel and bias."""
+    cnn = keras.Sequential([keras.Input((11, 9, 3)), keras.layers.Conv2D(8, 3), keras.layers.BatchNormalization(),
+                            keras.layers.ReLU()])
+    bn = cnn.layers[1]
+    bn.moving_mean.assign(rng.standard_normal(8).astype(np.float32))
+    bn.moving_variance.assign(rng.random(8).astype(np.float32) + 0.5)
+    jf = check(lambda x: cnn(x, training=False), rnd(rng, 2, 11, 9, 3), compile_options={"strict": True})
+    assert jf.stats["folded"] == 1

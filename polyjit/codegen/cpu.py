@@ -24,7 +24,7 @@ from llvmlite import ir
 
 from .. import sizes as sz
 from ..dtypes import DataType
-from ..expr import Var, walk
+from ..expr import Const, Var, walk
 from ..schedule import is_update
 from .llvm import I64, STORAGE, Emitter, ast_calls, ast_uses
 
@@ -59,6 +59,7 @@ class CpuEmitter(Emitter):
     streaming: str | None = None  # the array whose stores the loop being emitted streams
     streamed = False  # the body being emitted has streaming stores
     private = False  # the kernel being emitted keeps private buffers
+    blocked = False  # the statement being emitted is a contraction's update (register blocks)
     _stream_scope = None  # the tag's metadata, made once per module
 
     def loop(self, n: isl.AstNode, split: bool) -> None:
@@ -151,12 +152,23 @@ class CpuEmitter(Emitter):
             store.set_metadata("alias.scope", self.stream_scope())
         return store
 
+    def statement(self, call) -> None:
+        self.blocked = is_update(self.stmts[call.get_op_arg(0).get_id().get_name()])
+        super().statement(call)
+
     def padded_load(self, cond, load, fill, env, cache):
-        """Load from a cell holding fill where cond fails: the load then feeds a
-        vector broadcast straight from memory, where a select of the loaded
-        value needs a shuffle on the pipes the FMAs use (a padded convolution's
-        register block: 16 FMAs and four such broadcasts per step)."""
+        """In a contraction's register block, load from a cell holding fill
+        where cond fails: the load then feeds a vector broadcast straight from
+        memory, where a select of the loaded value needs a shuffle on the pipes
+        the FMAs use (a padded convolution's register block: 16 FMAs and four
+        such broadcasts per step). Elsewhere (an unrolled depthwise stencil,
+        vectorized by LLVM along channels) a selected address is a gather per
+        tap: the value is selected instead, loaded where guarded() clamped the
+        index into the array."""
         arr = self.prog.arrays[load.array]
+        if not self.blocked and all(not isinstance(i, Const) or sz.is_static(n) and 0 <= i.value < int(n)
+                                    for i, n in zip(load.index, arr.shape)):
+            return super().padded_load(cond, load, fill, env, cache)
         ptr = self.address(arr, load.index, env, cache)
         name = f"polyjit.fill.{arr.dtype.name}.{fill.value!r}"
         cell = self.module.globals.get(name)

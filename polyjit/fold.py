@@ -1,0 +1,206 @@
+"""Inference folding: a per-channel scale and shift after a convolution or
+matrix product folds into its weights.
+
+An inference batch norm after a convolution reaches the core graph as
+elementwise adds, subs, muls and divs by per-channel values (torch's
+decomposition of ``_native_batch_norm_legit_no_training``, flax's
+``BatchNorm(use_running_average=True)``, TF's ``FusedBatchNormV3`` with
+``is_training`` off): ``conv(x, w) * s + t`` per output channel, which is
+``conv(x, w * s) + t``. The pass rewrites the chain so: the kernel is scaled
+(one pass over the weights, not one over the activations per op) and one add
+is left to fuse into what follows. Where the weights and the statistics are
+constants (closed-over parameters), the folded kernel is computed here, at
+compile time; otherwise (torch.compile passes parameters as inputs) it is a
+weight-sized graph computation of each call.
+
+Only values used once are rewritten: in training the batch's statistics
+read the convolution's result, which then has other users, and nothing
+folds.
+"""
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+
+import numpy as np
+
+from . import sizes as sz
+from .dtypes import DataType
+from .graph import Graph, Node
+
+_STEPS = ("add", "sub", "mul", "div")
+
+
+def fold_scales(graph: Graph) -> tuple[Graph, int]:
+    """A copy of graph with each contraction's per-channel affine epilogue
+    folded into its weights, and the number of contractions folded."""
+    order = graph.nodes()
+    users = collections.Counter([i.id for n in order for i in n.inputs] + [o.id for o in graph.outputs])
+    user_of = {i.id: n for n in order for i in n.inputs}
+    ends: dict[int, tuple[Node, list[Node]]] = {}  # a chain's last node -> (its contraction, the chain)
+    for n in order:
+        axes = _axes(n)
+        chain, cur, scales = [], n, False
+        while axes is not None and users[cur.id] == 1 and cur.id in user_of:
+            step = _step(user_of[cur.id], cur, n.shape, axes[0])
+            if step is None:
+                break
+            cur = user_of[cur.id]
+            chain.append(cur)
+            scales = scales or step[0] in ("mul", "div") and not _one(step[1])
+        if scales:
+            ends[cur.id] = (n, chain)
+    if not ends:
+        return graph, 0
+    canon: dict[int, Node] = {}
+    for old in order:
+        ins = tuple(canon[i.id] for i in old.inputs)
+        canon[old.id] = old if all(a is b for a, b in zip(ins, old.inputs)) else dataclasses.replace(old, inputs=ins)
+        if old.id in ends:
+            n, chain = ends[old.id]
+            n, chain = canon[n.id], [canon[u.id] for u in chain]
+            axes = _axes(n)
+            steps = [_step(u, y, n.shape, axes[0]) for u, y in zip(chain, [n] + chain)]
+            canon[old.id] = _folded(n, axes, steps)
+    g = copy.copy(graph)
+    g.outputs = [canon[o.id] for o in graph.outputs]
+    return g, len(ends)
+
+
+def _axes(n: Node) -> tuple[int, int] | None:
+    """(the result's channel dim, the weight's dim that makes it) of a float
+    convolution or product whose second operand is a weight (an input or a
+    constant, read through transposes) with one free dim; None for others."""
+    if n.dtype not in (DataType.Float, DataType.Double) or n.op not in ("conv", "dot_general"):
+        return None
+    w = n.inputs[1]
+    while w.op == "transpose" and not w.attrs.get("materialize"):
+        w = w.inputs[0]
+    if w.op not in ("input", "tensor_constant"):
+        return None
+    if n.op == "conv":
+        return n.attrs["layout"].index("C"), n.attrs["kernel_layout"].index("O")
+    at = n.attrs
+    rf = [d for d in range(n.inputs[1].rank) if d not in at["rc"] and d not in at["rb"]]
+    return (n.rank - 1, rf[0]) if len(rf) == 1 else None
+
+
+def _step(u: Node, y: Node, shape, axis: int):
+    """(op, per-channel operand as a [C] node, whether y is u's left operand)
+    where u applies a per-channel add, sub, mul or div to y; None otherwise."""
+    if u.op not in _STEPS or u.dtype != y.dtype or u.shape != shape:
+        return None
+    left = u.inputs[0] is y
+    other = u.inputs[1] if left else u.inputs[0]
+    if other is y or (u.op == "div" and not left):
+        return None
+    p = _per_channel(other, axis)
+    return None if p is None else (u.op, p, left)
+
+
+def _per_channel(p: Node, axis: int) -> Node | None:
+    """p (broadcast along every dim but axis) as a [C] node, C its extent along axis."""
+    if p.op != "broadcast_in_dim" or not sz.is_static(p.shape[axis]):
+        return None
+    x, dims = p.inputs[0], p.attrs["dims"]
+    if any(x.shape[k] != 1 for k, d in enumerate(dims) if d != axis):
+        return None
+    g, c = Graph(), int(p.shape[axis])
+    if axis in dims and x.shape[dims.index(axis)] == c:
+        return g.reshape(x, [c])
+    return g.broadcast_in_dim(g.reshape(x, []), [c], [])
+
+
+def _folded(n: Node, axes: tuple[int, int], steps) -> Node:
+    """contraction(x, w * scale) + shift for contraction n and the steps after it."""
+    g = Graph()
+    scale = shift = None
+    for op, p, left in steps:
+        if op == "add":
+            shift = p if shift is None else g.binary("add", shift, p)
+        elif op == "sub" and left:
+            shift = g.unary("neg", p) if shift is None else g.binary("sub", shift, p)
+        elif op == "sub":  # p - y
+            scale = g.unary("neg", _ones(g, p) if scale is None else scale)
+            shift = p if shift is None else g.binary("sub", p, shift)
+        elif _one(p):  # addmm's decomposition multiplies by a beta and an alpha of 1
+            continue
+        else:  # mul or div
+            scale = p if scale is None and op == "mul" else g.binary(op, _ones(g, p) if scale is None else scale, p)
+            shift = None if shift is None else g.binary(op, shift, p)
+    w = _scaled(g, n.inputs[1], axes[1], scale)
+    out = Node(n.op, (n.inputs[0], w), n.attrs, n.shape, n.dtype)
+    if shift is not None:
+        out = g.binary("add", out, g.broadcast_in_dim(constant_folded(shift), n.shape, [axes[0]]))
+    return out
+
+
+def _one(p: Node) -> bool:
+    while p.op in ("broadcast_in_dim", "reshape"):
+        p = p.inputs[0]
+    return p.op == "constant" and p.attrs["value"] == 1
+
+
+def _ones(g: Graph, p: Node) -> Node:
+    return g.broadcast_in_dim(g.constant(1.0, p.dtype), p.shape, [])
+
+
+def _scaled(g: Graph, w: Node, dim: int, scale: Node) -> Node:
+    """w scaled along dim (through the transposes it is read by, so that the
+    scaling reads the stored weight in order); constant where both are."""
+    perms = []
+    while w.op == "transpose" and not w.attrs.get("materialize"):
+        perms.append(w.attrs["perm"])
+        dim, w = w.attrs["perm"][dim], w.inputs[0]
+    out = constant_folded(g.binary("mul", w, g.broadcast_in_dim(scale, w.shape, [dim])))
+    for perm in reversed(perms):
+        out = g.transpose(out, perm)
+    return out
+
+
+_EVAL = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "neg": np.negative,
+         "sqrt": np.sqrt, "reciprocal": np.reciprocal, "rsqrt": lambda v: 1 / np.sqrt(v)}
+
+
+def constant_folded(n: Node) -> Node:
+    """n as a tensor constant where its value is known at compile time
+    (constants through layout and elementwise arithmetic), else n."""
+    v = _value(n, {})
+    if v is None or not all(map(sz.is_static, n.shape)):
+        return n
+    return Graph().tensor_constant(np.asarray(v, dtype=n.dtype.numpy).reshape(n.shape))
+
+
+def _value(n: Node, memo: dict):
+    if n.id in memo:
+        return memo[n.id]
+    v = None
+    if n.op == "constant":
+        v = np.asarray(n.attrs["value"], dtype=n.dtype.numpy)
+    elif n.op == "tensor_constant":
+        v = n.attrs["value"]
+    else:
+        ins = [_value(i, memo) for i in n.inputs]
+        if all(x is not None for x in ins) and ins and all(map(sz.is_static, n.shape)):
+            v = _apply(n, ins)
+    memo[n.id] = v
+    return v
+
+
+def _apply(n: Node, ins):
+    if n.op in _EVAL:
+        with np.errstate(all="ignore"):
+            return _EVAL[n.op](*ins).astype(n.dtype.numpy)
+    if n.op == "reshape":
+        return ins[0].reshape(n.shape)
+    if n.op == "transpose":
+        return ins[0].transpose(n.attrs["perm"])
+    if n.op == "cast":
+        return ins[0].astype(n.dtype.numpy)
+    if n.op == "broadcast_in_dim":
+        shape = [1] * n.rank
+        for k, d in enumerate(n.attrs["dims"]):
+            shape[d] = ins[0].shape[k]
+        return np.broadcast_to(ins[0].reshape(shape), n.shape)
+    return None
