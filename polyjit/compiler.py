@@ -160,6 +160,8 @@ def _keep(key: str, exe: Executable, disk: bool) -> None:
     """Keep a compiled program under key (on disk where disk; GPU programs
     also in this process). A GPU program's object is its PTX, as text."""
     gpu = isinstance(exe, GpuExecutable)
+    if any(k.library is not None for k in exe.kernels if gpu):
+        return  # (cuBLAS steps hold their statement: not kept as JSON yet)
     plan, objects = _plan(exe), [exe.ptx.encode()] if gpu else exe.keepalive.objects
     if gpu:
         _gpu_programs[key] = (plan, objects)

@@ -80,6 +80,9 @@ def kernel_code(group: ScheduledGroup, j: int, config: tuple, written: frozenset
         emitter.symbol = f"polyjit_gpu_{key[:24]}"
         emitter.kernel(j, group.sched.kernel_asts()[j])
         text = str(emitter.module)
+    if emitter.kernels[0].library is not None:  # a cuBLAS step: no PTX
+        code = GpuKernelCode(emitter.symbol, emitter.kernels[0], "", "", "", "")
+        return code, False
     with timer("llvm"):
         optimized, ptx_text = ptx(text, arch)
     starts = [m.start() for m in _ENTRY.finditer(ptx_text)]
@@ -143,9 +146,14 @@ def build_program(prog: AffineProgram, sched: ProgramSchedule, name: str, config
             code, reused = kernel_code(group, j, config, written, timer)
             if code is None:
                 return None
+            entry = kernel_name(prog, name, k, sched.kernels[k])
+            if code.info.library is not None:  # run by polyjit.cuda, in the program's names
+                kernels.append(KernelInfo(entry, False, tuple(sorted(sched.kernels[k])), library=next(
+                    s for s in prog.statements if s.name in sched.kernels[k] and s.library is not None)))
+                k += 1
+                continue
             compiled += not reused
             codes.setdefault(code.symbol, code)
-            entry = kernel_name(prog, name, k, sched.kernels[k])
             with timer("emit"):
                 entries.append(instance(code, entry, params, count))
                 _entry(module, entry, code.symbol, params, len(buffers), count)
