@@ -160,6 +160,8 @@ def _keep(key: str, exe: Executable, disk: bool) -> None:
     """Keep a compiled program under key (on disk where disk; GPU programs
     also in this process). A GPU program's object is its PTX, as text."""
     gpu = isinstance(exe, GpuExecutable)
+    if any(k.library is not None for k in exe.kernels if gpu):
+        return  # (cuBLAS steps hold their statement: not kept as JSON yet)
     plan, objects = _plan(exe), [exe.ptx.encode()] if gpu else exe.keepalive.objects
     if gpu:
         _gpu_programs[key] = (plan, objects)
@@ -171,10 +173,34 @@ def _keep(key: str, exe: Executable, disk: bool) -> None:
 
 def _compile_gpu(graph: Graph, prog, options: CompileOptions, name: str, timer: StageTimer, arch: str,
                  sms: int | None) -> Executable:
-    """One module of every kernel, emitted from the whole program, for GPU
-    arch with sms multiprocessors (None: not known, no GPU present)."""
-    from .codegen.nvgpu import GpuEmitter, ptx
+    """Kernels of one structure share PTX (codegen.gpu_program), compiled once
+    per process, for GPU arch with sms multiprocessors (None: not known, no
+    GPU present); where one cannot be shared, one module of every kernel,
+    emitted from the whole program."""
+    from .codegen.gpu_program import build_program
     with timer("schedule"):  # (512 bits: unused, the nvgpu schedule has no register blocks)
+        sched = schedule_program(prog, options.fusion, options.tile_sizes, "nvgpu", 512, timer)
+    code = build_program(prog, sched, name, (arch, sms, options.tile_sizes), timer)
+    if code is None:
+        return _compile_gpu_whole(graph, prog, options, name, timer, arch, sms)
+    ir = {"llvm": code.ir, "llvm_opt": code.optimized, "ptx": code.ptx}
+    exe = _executable(GpuExecutable, graph, prog, sched, code.kernels, code.buffers, code.int_slots, options, name,
+                      None, ir, _gpu_fields(prog, code.kernels, code.ptx, arch))
+    exe.stats["kernels_compiled"] = code.compiled
+    return exe
+
+
+def _gpu_fields(prog, kernels, ptx_text: str, arch: str) -> dict:
+    return {"ptx": ptx_text, "arch": arch, "writes": [  # the arrays each kernel writes size its grid
+        [prog.arrays[a] for a in sorted({s.array for s in prog.statements if s.name in k.statements})]
+        for k in kernels]}
+
+
+def _compile_gpu_whole(graph: Graph, prog, options: CompileOptions, name: str, timer: StageTimer, arch: str,
+                       sms: int | None) -> Executable:
+    """One module of every kernel, emitted from the whole program."""
+    from .codegen.nvgpu import GpuEmitter, ptx
+    with timer("schedule"):
         sched = schedule_program(prog, options.fusion, options.tile_sizes, "nvgpu", 512, timer, canonical=False)
     with timer("emit"):
         emitter = GpuEmitter(prog, sched, name)
@@ -184,11 +210,9 @@ def _compile_gpu(graph: Graph, prog, options: CompileOptions, name: str, timer: 
     with timer("llvm"):
         optimized, ptx_text = ptx(llvm_text, arch)
     kernels = emitter.kernels
-    gpu_fields = {"ptx": ptx_text, "arch": arch, "writes": [  # the arrays each kernel writes size its grid
-        [prog.arrays[a] for a in sorted({s.array for s in prog.statements if s.name in k.statements})]
-        for k in kernels]}
     exe = _executable(GpuExecutable, graph, prog, sched, kernels, emitter.buffer_arrays, emitter.int_slots,
-                      options, name, None, {"llvm": llvm_text, "llvm_opt": optimized, "ptx": ptx_text}, gpu_fields)
+                      options, name, None, {"llvm": llvm_text, "llvm_opt": optimized, "ptx": ptx_text},
+                      _gpu_fields(prog, kernels, ptx_text, arch))
     exe.stats["kernels_compiled"] = len(kernels)
     return exe
 

@@ -2,6 +2,7 @@
 programs run on numpy, PyTorch and JAX arrays and match the references."""
 import ctypes
 import os
+import re
 import shutil
 import subprocess
 import threading
@@ -136,9 +137,11 @@ def run_threads_on_cpu(exe, arrays, grid=3, block=64):
     hooks = {"sim_tid_x": i32(lambda: local.tid), "sim_ctaid_x": i32(lambda: local.ctaid),
              "sim_ntid_x": i32(lambda: local.ntid), "sim_nctaid_x": i32(lambda: local.nctaid),
              "sim_barrier": ctypes.CFUNCTYPE(None)(lambda: local.barrier.wait())}
+    ir = re.sub(r'@"(llvm\.nvvm\.[\w.]+)"', r"@\1", ir)  # (as llvmlite quotes them, or LLVM does not)
     for r in ("tid.x", "ctaid.x", "ntid.x", "nctaid.x"):
-        ir = ir.replace(f'@"llvm.nvvm.read.ptx.sreg.{r}"', "@sim_" + r.replace(".", "_"))
-    ir = ir.replace('@"llvm.nvvm.barrier0"', "@sim_barrier")
+        ir = re.sub(rf"@llvm\.nvvm\.read\.ptx\.sreg\.{re.escape(r)}\b", "@sim_" + r.replace(".", "_"), ir)
+    ir = re.sub(r"@llvm\.nvvm\.barrier0\b", "@sim_barrier", ir)
+    ir = re.sub(r"@llvm\.nvvm\.barrier\.cta\.sync\.aligned\.all\(i32( 0)?\)", "@sim_barrier()", ir)  # (LLVM's name)
     assert "llvm.nvvm" not in ir, "warp intrinsics cannot run on the CPU"
     _llvm()
     for name, hook in hooks.items():
