@@ -24,7 +24,7 @@ import os
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 from . import sizes as sz
 from .errors import DeviceError
