@@ -1,6 +1,10 @@
 """Convolutional networks on the CPU: eager PyTorch, TorchInductor and polyjit
 (torch.compile backends) side by side, forward in eval mode, as ratios
-measured in the same run. `python bench/cnn.py [--only NAME] [--threads 2] [--train]`.
+measured in the same run. `python bench/cnn.py [--only NAME] [--threads 2] [--train]`
+(`--train`: a training step instead, on the CPU);
+on a GPU `--device cuda` (the networks at 32x3x224x224: eager with TF32 off
+and on, Inductor and polyjit, CUDA-event medians; `--profile` lists
+polyjit's kernels by GPU time).
 
 The networks are written here (torchvision's CPU import fails on the CPU
 torch): a ResNet-18-class network (3x3 convs, batch norm, residuals, strided
@@ -171,6 +175,48 @@ def _step(f, x, train: bool, model=None):
     return y.detach()
 
 
+def run_cuda(name: str, options: dict, batch: int, size: int, profile: bool) -> None:
+    """One network on the GPU: eager (TF32 off, the float32 reference; and
+    on, PyTorch's default for cuDNN), Inductor (TF32 off) and polyjit."""
+    from gpu import cuda_time  # bench/ is the script's folder
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    make, shape = CASES[name]
+    model = make().cuda()
+    x = torch.randn(batch, 3, size, size, device="cuda") if shape[1] == 3 else torch.randn(*shape, device="cuda")
+    times, compile_s, errs = {}, {}, {}
+    with torch.no_grad():
+        torch.backends.cudnn.allow_tf32 = False
+        ref = model(x)
+        for b in ("eager", "eager_tf32", "inductor", "polyjit"):
+            torch.backends.cudnn.allow_tf32 = b == "eager_tf32"
+            torch._dynamo.reset()
+            f = {"inductor": lambda: torch.compile(model, backend="inductor"),
+                 "polyjit": lambda: torch.compile(model, backend="polyjit", options=options)}.get(b, lambda: model)()
+            t = time.perf_counter()
+            out = f(x)
+            torch.cuda.synchronize()
+            compile_s[b] = time.perf_counter() - t
+            errs[b] = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+            times[b] = cuda_time(lambda: f(x), 10)
+            if b == "polyjit" and profile:
+                _profile(lambda: f(x))
+    cells = "  ".join(f"{b} {times[b] * 1e3:.2f} ms (err {errs[b]:.1e}, compile {compile_s[b]:.1f} s)" for b in times)
+    print(f"{name} {batch}x3x{size}x{size} cuda: {cells}", flush=True)
+
+
+def _profile(fn, top: int = 25) -> None:
+    """GPU time by kernel name over 3 calls (CUPTI sees polyjit's driver launches and cuBLAS's)."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=top), flush=True)
+
+
 def best_of(fns: dict, rounds: int = 20) -> dict:
     """Fastest call of each, called in turn: on a VM shared with other work,
     medians move with the neighbours' load; the fastest of many calls less."""
@@ -190,8 +236,18 @@ def main() -> None:
     p.add_argument("--fusion", default=None, help="polyjit's fusion option")
     p.add_argument("--contractions", default=None, help="polyjit's contractions option")
     p.add_argument("--no-inductor", action="store_true")
-    p.add_argument("--train", action="store_true", help="a training step instead of the forward")
+    p.add_argument("--train", action="store_true", help="cpu: a training step instead of the forward")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda: the networks at --batch x 3 x --size^2")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--size", type=int, default=224)
+    p.add_argument("--profile", action="store_true", help="cuda: polyjit's kernels by GPU time")
     a = p.parse_args()
+    if a.device == "cuda":
+        options = {k: v for k, v in (("fusion", a.fusion), ("contractions", a.contractions)) if v}
+        for name in CASES:
+            if a.only in name:
+                run_cuda(name, options, a.batch, a.size, a.profile)
+        return
     torch.set_num_threads(a.threads)
     options = {k: v for k, v in (("fusion", a.fusion), ("contractions", a.contractions)) if v}
     backends = ("eager", "polyjit") if a.no_inductor else ("eager", "inductor", "polyjit")

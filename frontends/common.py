@@ -23,6 +23,17 @@ from polyjit.sizes import Lin
 _warned: set = set()
 USER_ERRORS = (InputError, CompileOptionError, DeviceError)  # what a fallback must not hide
 
+# What each decorator's execution_backend may name besides polyjit: the
+# framework without a compiler, and its own compiler, to compare against.
+EXECUTION_BACKENDS = {"torch": ("polyjit", "std", "inductor"), "jax": ("polyjit", "std", "xla"),
+                      "tf": ("polyjit", "std", "xla")}
+
+
+def check_execution_backend(framework: str, value: str) -> None:
+    allowed = EXECUTION_BACKENDS[framework]
+    if value not in allowed:
+        raise CompileOptionError(f"execution_backend is {value!r}; allowed values: {list(allowed)}")
+
 _DTYPES = {"float32": DataType.Float, "float64": DataType.Double, "float16": DataType.Half,
            "int32": DataType.Int32, "uint32": DataType.UInt32, "int64": DataType.Int, "bool": DataType.Bool}
 

@@ -39,12 +39,13 @@ from polyjit.runtime import RowMajor
 from polyjit.sizes import Lin
 
 from . import xla_ffi
-from .common import Const, Op, SegmentedProgram, Stats, Value, core_dtype, internal_failure, static_value
+from .common import (Const, Op, SegmentedProgram, Stats, Value, check_execution_backend, core_dtype, internal_failure,
+                     static_value)
 
 SCAN_UNROLL_LIMIT = 64  # longest static scan (fori_loop) unrolled into the program
 # Results up to this size come from glibc's heap, reused (its dynamic mmap threshold
 # stops at 32 MB); XLA's larger CPU results are fresh pages whose faults cost more
-# than the kernels (softmax 4096x4096: 33 ms a call against 8 through polyjit's cache).
+# than the kernels (bench/NOTES.md).
 CPU_CALL_RESULT_BYTES = 32 << 20
 _target_ids = itertools.count()  # custom-call target names are unique in the process
 
@@ -121,11 +122,6 @@ def _round(g, ins, p):
         return g.unary("round", x)
     half = g.binary("add", g.unary("abs", x), g.constant(0.5, x.dtype))
     return g.binary("mul", g.unary("sign", x), g.unary("floor", half))
-
-
-def _erfc(g, ins, p):
-    """1 - erf(x): exact to float32's absolute precision (not relative in the far tail)."""
-    return g.binary("sub", g.constant(1, ins[0].dtype), g.unary("erf", ins[0]))
 
 
 def _exp2(g, ins, p):
@@ -234,10 +230,7 @@ def _split(g, ins, p):
 
 def _cumulative(op):
     def rule(g, ins, p):
-        x, axis = ins[0], p["axis"]
-        if p.get("reverse"):
-            return g.reverse(g.cumulative(op, g.reverse(x, [axis]), axis), [axis])
-        return g.cumulative(op, x, axis)
+        return ops.cumulative(op, ops.Tensor(g, ins[0]), p["axis"], bool(p.get("reverse"))).node
     return rule
 
 
@@ -498,7 +491,8 @@ PRIMITIVES: dict[str, Callable] = {
         ("neg", "neg"), ("abs", "abs"), ("exp", "exp"), ("log", "log"), ("log1p", "log1p"),
         ("expm1", "expm1"), ("sqrt", "sqrt"), ("rsqrt", "rsqrt"), ("sin", "sin"), ("cos", "cos"),
         ("tan", "tan"), ("tanh", "tanh"), ("erf", "erf"), ("logistic", "sigmoid"), ("floor", "floor"),
-        ("ceil", "ceil"), ("sign", "sign"), ("is_finite", "isfinite"), ("erf_inv", "erf_inv")]},
+        ("ceil", "ceil"), ("sign", "sign"), ("is_finite", "isfinite"), ("erf_inv", "erf_inv"),
+        ("erfc", "erfc")]},
     "lgamma": lambda g, ins, p: ops.lgamma(ops.Tensor(g, ins[0])).node,
     "digamma": lambda g, ins, p: ops.digamma(ops.Tensor(g, ins[0])).node,
     **{name: _binary(op) for name, op in [
@@ -512,7 +506,6 @@ PRIMITIVES: dict[str, Callable] = {
     "square": lambda g, ins, p: g.binary("mul", ins[0], ins[0]),
     "one_minus_square": lambda g, ins, p: g.binary("sub", g.constant(1, ins[0].dtype), g.binary("mul", ins[0], ins[0])),
     "exp2": _exp2,
-    "erfc": _erfc,
     "round": _round,
     "select_n": _select_n,
     "clamp": _clamp,
@@ -570,7 +563,7 @@ CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_cal
 # ============================================================ flat programs
 def _is_key(x) -> bool:
     """A threefry PRNG key array (or its aval): the keys polyjit reads as their uint32[2] data."""
-    return not isinstance(x.dtype, np.dtype) and str(x.dtype) == "key<fry>"  # (str of a numpy dtype: ~2 us)
+    return not isinstance(x.dtype, np.dtype) and str(x.dtype) == "key<fry>"  # (a numpy dtype's str is slow)
 
 
 def _key_impl(aval):
@@ -750,7 +743,6 @@ def _gpu_view(x) -> GpuView | None:
 
 
 # ================================================================= wrapper
-EXECUTION_BACKENDS = ("polyjit", "std", "xla")
 _FRONTEND_KEYS = {"static_argnums": "an int or a tuple of ints"}
 
 
@@ -1089,9 +1081,7 @@ def jit_jax(fn: Callable | None = None, *, compile_options: dict | None = None,
     that are compile-time constants. ``execution_backend="std"`` runs the
     function un-jitted and ``"xla"`` through ``jax.jit``, for comparison.
     """
-    if execution_backend not in EXECUTION_BACKENDS:
-        raise CompileOptionError(f"execution_backend is {execution_backend!r}; allowed values: "
-                                 f"{list(EXECUTION_BACKENDS)}")
+    check_execution_backend("jax", execution_backend)
     opts = dict(compile_options or {})
     static = _norm_static(opts.pop("static_argnums", None), "compile option")
     static = static + tuple(i for i in _norm_static(static_argnums, "argument") if i not in static)

@@ -25,9 +25,8 @@ from polyjit.dtypes import DataType
 from polyjit.errors import CompileOptionError, DefinitionError, InputError, UnsupportedOpError
 from polyjit.options import CompileOptions, parse_options
 
-from .common import Const, Op, SegmentedProgram, Stats, Value, core_dtype, static_value
+from .common import Const, Op, SegmentedProgram, Stats, Value, check_execution_backend, core_dtype, static_value
 
-EXECUTION_BACKENDS = ("polyjit", "std", "xla")
 
 
 # ====================================================================== table
@@ -244,21 +243,10 @@ def _boolean(reduce):
 
 
 def _cumulative(op):
-    """Cumsum and Cumprod; exclusive shifts the running values by one, the
-    first being op's identity."""
     def rule(g, ins, o):
-        x = ins[0]
-        axis = int(_static(ins[1], "cumulative axis")) % x.rank
-        if o.get_attr("reverse"):
-            x = g.reverse(x, [axis])
-        y = g.cumulative(op, x, axis)
-        if o.get_attr("exclusive"):
-            end = list(y.shape)
-            end[axis] = y.shape[axis] - 1
-            lo = [0] * y.rank
-            lo[axis] = 1
-            y = g.pad(g.slice(y, [0] * y.rank, end), lo, [0] * y.rank, 0 if op == "sum" else 1)
-        return g.reverse(y, [axis]) if o.get_attr("reverse") else y
+        axis = int(_static(ins[1], "cumulative axis"))
+        return ops.cumulative(op, ops.Tensor(g, ins[0]), axis, bool(o.get_attr("reverse")),
+                              bool(o.get_attr("exclusive"))).node
     return rule
 
 
@@ -423,18 +411,12 @@ def _conv2d_backprop_input(g, ins, o, depthwise: bool = False):
                                              [w.shape[0], w.shape[1]])
     if any(sizes[d] < 0 for d in sp):
         raise UnsupportedOpError("Conv2DBackpropInput with spatial sizes known only at run time")
-    factors = [1] * dy.rank
-    for i, d in enumerate(sp):
-        factors[d] = strides[i]
-    x = ops.dilate(ops.Tensor(g, dy), factors).node
-    new_pads = []
-    for i, d in enumerate(sp):
-        span = dil[i] * (int(w.shape[i]) - 1)
-        lo = span - pads[i][0]
-        new_pads.append((lo, sizes[d] - x.shape[d] - lo + span))
-    if any(v < 0 for pr in new_pads for v in pr):
-        raise UnsupportedOpError("Conv2DBackpropInput with padding larger than the filter")
-    return g.conv(x, g.reverse(w, [0, 1]), [1, 1], new_pads, dil, int(w.shape[2]) if depthwise else 1, layout, "HWOI")
+    w, groups = ops.Tensor(g, w), 1
+    if depthwise:  # (H, W, C, M) as the grouped kernel (H, W, 1, C * M) of C groups
+        groups = int(w.shape[2])
+        w = ops.reshape(w, [w.shape[0], w.shape[1], 1, groups * w.shape[3]])
+    return ops.conv_input_grad(ops.Tensor(g, dy), w, [sizes[d] for d in sp], strides, pads, dil, groups,
+                               layout, "HWIO").node
 
 
 def _depthwise(g, ins, o):
@@ -457,8 +439,8 @@ def _pool(op):
         y = g.reduce_window("max" if op == "max" else "sum", x, window, st, pd)
         if op == "max":
             return y
-        ones = g.expand(g.constant(1, x.dtype), x.shape)  # TF averages over the cells inside
-        return g.binary("div", y, g.reduce_window("sum", ones, window, st, pd))
+        cells = ops.window_cells(ops.Tensor(g, x), window, st, pd)  # TF averages over the cells inside
+        return g.binary("div", y, cells.node)
     return rule
 
 
@@ -595,7 +577,7 @@ TF_OPS: dict[str, Callable] = {
         ("Tan", "tan"), ("Tanh", "tanh"), ("Sigmoid", "sigmoid"), ("Erf", "erf"), ("Floor", "floor"),
         ("Ceil", "ceil"), ("Round", "round"), ("Sign", "sign"), ("IsNan", "isnan"), ("IsInf", "isinf"),
         ("IsFinite", "isfinite"), ("Relu", "relu"), ("LogicalNot", "logical_not"),
-        ("Reciprocal", "reciprocal"), ("Inv", "reciprocal")]},
+        ("Reciprocal", "reciprocal"), ("Inv", "reciprocal"), ("Erfc", "erfc")]},
     "Lgamma": lambda g, ins, o: ops.lgamma(ops.Tensor(g, ins[0])).node,
     "Digamma": lambda g, ins, o: ops.digamma(ops.Tensor(g, ins[0])).node,
     **{name: _binary(op) for name, op in [
@@ -608,7 +590,6 @@ TF_OPS: dict[str, Callable] = {
     "RealDiv": _float_div, "Div": _float_div, "DivNoNan": None,
     "Square": lambda g, ins, o: g.binary("mul", ins[0], ins[0]),
     "SquaredDifference": lambda g, ins, o: (lambda d: g.binary("mul", d, d))(g.binary("sub", *ins)),
-    "Erfc": lambda g, ins, o: g.binary("sub", g.constant(1, ins[0].dtype), g.unary("erf", ins[0])),
     "Relu6": _relu6,
     "Elu": lambda g, ins, o: _elu(g, ins[0]),
     "Selu": lambda g, ins, o: _elu(g, ins[0], 1.0507009873554805, 1.6732632423543772),
@@ -884,9 +865,7 @@ def jit_tf(fn: Callable | Sequence | None = None, compile_options: dict | None =
         if input_signature is not None:
             raise CompileOptionError("jit_tf: input_signature given twice (positionally and by keyword)")
         fn, input_signature = None, fn
-    if execution_backend not in EXECUTION_BACKENDS:
-        raise CompileOptionError(f"execution_backend is {execution_backend!r}; allowed values: "
-                                 f"{list(EXECUTION_BACKENDS)}")
+    check_execution_backend("tf", execution_backend)
     options = parse_options(compile_options)
 
     def wrap(f):

@@ -39,7 +39,7 @@ from polyjit.options import CompileOptions, parse_options
 from polyjit import sizes as sz
 from polyjit.sizes import Lin
 
-from .common import USER_ERRORS, Stats, fallback, internal_failure
+from .common import USER_ERRORS, Stats, check_execution_backend, fallback, internal_failure
 
 log = logging.getLogger("polyjit.torch")
 aten = torch.ops.aten
@@ -107,7 +107,7 @@ for _name, _op in [("add", ops.add), ("sub", ops.sub), ("mul", ops.mul), ("div",
 for _name, _op in [("neg", ops.neg), ("abs", ops.abs), ("exp", ops.exp), ("log", ops.log),
                    ("log1p", ops.log1p), ("expm1", ops.expm1), ("sqrt", ops.sqrt), ("rsqrt", ops.rsqrt),
                    ("sin", ops.sin), ("cos", ops.cos), ("tan", ops.tan), ("tanh", ops.tanh),
-                   ("erf", ops.erf), ("sigmoid", ops.sigmoid), ("floor", ops.floor), ("ceil", ops.ceil),
+                   ("erf", ops.erf), ("erfc", ops.erfc), ("sigmoid", ops.sigmoid), ("floor", ops.floor), ("ceil", ops.ceil),
                    ("round", ops.round), ("sign", ops.sign), ("reciprocal", ops.reciprocal),
                    ("relu", ops.relu), ("logical_not", ops.logical_not), ("isnan", ops.isnan),
                    ("isinf", ops.isinf), ("lgamma", ops.lgamma), ("digamma", ops.digamma),
@@ -428,15 +428,11 @@ def _convolution(cx, x, w, bias, stride, padding, dilation, transposed, output_p
     letters = "DHW"[-nsp:] if nsp <= 3 else None
     if letters is None:
         raise UnsupportedOpError(f"{nsp}-d convolution")
-    if transposed:  # the adjoint of a strided convolution: dilated input, flipped kernel, stride 1
-        ks = list(w.shape[2:])
-        lo = [d * (k - 1) - p for d, k, p in zip(dilation, ks, padding)]
-        if any(v < 0 for v in lo):
-            raise UnsupportedOpError("transposed convolution with padding larger than the kernel")
-        wf = ops.reverse(ops.group_transpose(w, groups) if groups > 1 else w, list(range(2, 2 + nsp)))
-        y = ops.conv(ops.dilate(x, [1, 1] + list(stride)), wf, [1] * nsp,
-                     [(v, v + o) for v, o in zip(lo, output_padding)], list(dilation), groups,
-                     "NC" + letters, ("OI" if groups > 1 else "IO") + letters)
+    if transposed:  # the adjoint of the convolution by w, at the sizes it would have taken
+        sizes = [(x.shape[2 + i] - 1) * s - 2 * p + d * (k - 1) + o + 1
+                 for i, (s, p, d, k, o) in enumerate(zip(stride, padding, dilation, w.shape[2:], output_padding))]
+        y = ops.conv_input_grad(x, w, sizes, list(stride), [(p, p) for p in padding], list(dilation), groups,
+                                "NC" + letters, "OI" + letters)
     else:
         y = ops.conv(x, w, list(stride), [(p, p) for p in padding], list(dilation), groups,
                      "NC" + letters, "OI" + letters)
@@ -460,18 +456,8 @@ def _convolution_backward(cx, grad, x, w, bias_sizes, stride, padding, dilation,
         gx = ops.conv(grad, w, list(stride), [(p, p) for p in padding], list(dilation), groups,
                       "NC" + letters, "OI" + letters)
     elif output_mask[0]:
-        g = ops.dilate(grad, [1, 1] + list(stride))  # stride - 1 zeros between gradient rows
-        pads = []
-        for k in range(nsp):
-            lo = dilation[k] * (ks[k] - 1) - padding[k]
-            want = x.shape[2 + k]
-            have = g.shape[2 + k] + 2 * lo - dilation[k] * (ks[k] - 1)
-            pads.append((lo, lo + (want - have)))
-        if any(p < 0 for pr in pads for p in pr):
-            raise UnsupportedOpError("convolution_backward with padding larger than the kernel")
-        wf = ops.reverse(ops.group_transpose(w, groups) if groups > 1 else w, list(range(2, 2 + nsp)))
-        gx = ops.conv(g, wf, [1] * nsp, pads, list(dilation), groups, "NC" + letters,
-                      ("OI" if groups > 1 else "IO") + letters)
+        gx = ops.conv_input_grad(grad, w, list(x.shape[2:]), list(stride), [(p, p) for p in padding],
+                                 list(dilation), groups, "NC" + letters, "OI" + letters)
     if output_mask[1]:
         a, b = (grad, x) if transposed else (x, grad)
         gw = ops.conv_weight_grad(a, b, ks, list(stride), [(p, p) for p in padding], list(dilation),
@@ -525,11 +511,9 @@ def _avg_divisor(x, k, s, pads, count_include_pad, divisor_override):
     declared, extra = [a for a, _ in pads], [b - a for a, b in pads]
     if not any(extra) and (count_include_pad or not any(declared)):
         return float(math.prod(k))
-    ones = ops.full_like(x, 1.0)
-    if count_include_pad:
-        ones = ops.pad(ones, [w for a in reversed(declared) for w in (a, a)], 1.0)
-        return _window_sum(ones, k, s, [(0, e) for e in extra])
-    return _window_sum(ones, k, s, pads)
+    lead = x.ndim - len(k)
+    counted = [(0, 0)] * lead + [(a, a) for a in declared] if count_include_pad else None
+    return ops.window_cells(x, [1] * lead + k, [1] * lead + s, [(0, 0)] * lead + list(pads), counted)
 
 
 def _window_sum(x, k, s, pads):
@@ -963,7 +947,7 @@ class CompiledGraph:
 
 def _current_stream(index: int) -> int:
     """The handle of torch's current stream on a device (torch's raw accessor
-    where it has one: the public Stream object costs ~20 us to build)."""
+    where it has one: the public Stream object costs more to build than a launch)."""
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
 
@@ -1106,7 +1090,6 @@ def stats(reset: bool = False) -> Stats:
 
 
 _FRONTEND_KEYS = {"dynamic": "True, False or None"}
-EXECUTION_BACKENDS = ("polyjit", "std", "inductor")
 
 
 def jit_torch(fn=None, *, compile_options: dict | None = None, execution_backend: str = "polyjit",
@@ -1117,9 +1100,7 @@ def jit_torch(fn=None, *, compile_options: dict | None = None, execution_backend
     TorchInductor, so backends compare by changing one word. The result has
     ``.stats`` (what polyjit did; empty for the other backends).
     """
-    if execution_backend not in EXECUTION_BACKENDS:
-        from polyjit.errors import CompileOptionError
-        raise CompileOptionError(f"execution_backend is {execution_backend!r}; allowed values: {list(EXECUTION_BACKENDS)}")
+    check_execution_backend("torch", execution_backend)
     opts = dict(compile_options or {})
     dynamic = opts.pop("dynamic", dynamic)
     options = parse_options(opts)

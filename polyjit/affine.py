@@ -7,6 +7,8 @@ index expressions. Access relations are derived from the index expressions.
 """
 from __future__ import annotations
 
+import enum
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +34,19 @@ class Array:
         return f"{self.kind} {self.dtype} {self.name}[{shape}]{' strided' if self.strided else ''}"
 
 
-TAPS = "taps"  # a Statement's role: copies a convolution's input taps for a library call (im2col)
+class Role(enum.Enum):
+    """What the scheduler must know of a statement beyond its accesses."""
+
+    ASSIGN = "assign"  # array[index] = body
+    INIT = "init"  # a reduction's start: its identity, before the updates
+    UPDATE = "update"  # array[index] = combine(array[index], body)
+    TAPS = "taps"  # a copy of a convolution's input taps for a library call (im2col)
+
+    def __repr__(self) -> str:
+        return f"Role.{self.name}"
+
+
+TAPS = Role.TAPS
 
 
 @dataclass(frozen=True)
@@ -44,11 +58,12 @@ class Statement:
     index: tuple[Expr, ...]
     body: Expr
     combine: str | None = None  # reduction: array[index] = combine(array[index], body)
-    label: str = ""  # the graph op it comes from, for readable kernel names
+    label: str = ""  # the graph op it comes from: a readable name, never a decision
     reduction_iters: tuple[str, ...] = ()
     extra: str = ""  # further isl constraints on the domain
     library: "Any" = None  # a vendor library call (polyjit.library.Gemm) over boxes of its arrays
-    role: str = ""  # what the scheduler must know of it beyond its accesses: "" or TAPS
+    role: Role = Role.ASSIGN
+    contraction: bool = False  # the init or update of a product (dot_general, conv)
 
     def domain_constraints(self) -> str:
         cs = [f"{sz.isl_str(lo)} <= {i} < {sz.isl_str(hi)}" for i, (lo, hi) in zip(self.iters, self.bounds)]

@@ -1,8 +1,10 @@
-"""The on-disk compile cache: a compiled CPU program's object code and plan.
+"""The on-disk compile cache: a compiled program's object code (a GPU
+program's PTX, as text) and plan.
 
 An entry is keyed by the graph (printed canonically: node ids renumbered,
 attribute values by repr), the program's name, the options that change
-code, the host (triple, CPU, features) and the versions of polyjit (with a
+code, the target (the host's triple, CPU and features; a GPU's sm_XX and
+multiprocessor count) and the versions of polyjit (with a
 digest of its sources), llvmlite and islpy. It holds the plan as JSON
 (arrays, integer slots, kernels, stats, IR texts) and the object files,
 never pickles, behind a SHA-256 of its contents: a truncated or corrupted

@@ -42,21 +42,40 @@ _log_from_env()
 
 
 class StageTimer:
-    """Seconds spent in each compile stage, summed over repeated entries;
-    a stage named "outer/inner" is a part of "outer", kept in ``detail``."""
+    """Seconds spent in each compile stage, summed over repeated entries; a
+    stage entered inside another (emission started while scheduling) is
+    taken out of the outer one's seconds. A stage named "outer/inner" is a
+    part of "outer", kept in ``detail``."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
         self.detail: dict[str, float] = {}
+        self._open: list[list] = []  # [stage, when its current stretch began], outermost first
 
     @contextmanager
     def __call__(self, stage: str):
         start = time.perf_counter()
+        if "/" in stage:
+            try:
+                yield
+            finally:
+                self.add(stage, time.perf_counter() - start)
+            return
+        if self._open:
+            outer = self._open[-1]
+            self.add(outer[0], start - outer[1])
+        self._open.append([stage, start])
         try:
             yield
         finally:
-            into = self.detail if "/" in stage else self.seconds
-            into[stage] = into.get(stage, 0.0) + time.perf_counter() - start
+            end = time.perf_counter()
+            self.add(stage, end - self._open.pop()[1])
+            if self._open:
+                self._open[-1][1] = end
+
+    def add(self, stage: str, seconds: float) -> None:
+        into = self.detail if "/" in stage else self.seconds
+        into[stage] = into.get(stage, 0.0) + seconds
 
     def summary(self) -> str:
         return ", ".join(f"{k} {v:.3f}" for k, v in self.seconds.items()) + "".join(
@@ -73,22 +92,24 @@ def compile_graph(graph: Graph, options: CompileOptions, name: str = "fn") -> Ex
             graph = graph.packed()
     key = exe = None
     hits = 0
-    if options.cache and not gpu:
+    arch, sms = (options.gpu_arch or _device_arch(), _multiprocessors()) if gpu else (None, None)
+    if options.cache or gpu:  # (GPU programs are also shared within the process, as CPU kernels are)
         from .codegen.cpu import host_key
         with timer("cache"):
-            key = cache.key(graph, name, options.key(), host_key())
-            hit = cache.load(key)
+            key = cache.key(graph, name, options.key(), f"nvgpu|{arch}|{sms}" if gpu else host_key())
+            hit, hits = _lookup(key, gpu, options.cache)
             exe = _from_cache(graph, options, name, *hit) if hit else None
-        hits = int(exe is not None)
+        hits = hits if exe is not None else 0
     if exe is None:
-        policy = None if gpu else LibraryPolicy(options.contractions, options.num_threads)
+        policy = LibraryPolicy(options.contractions, options.num_threads, options.target)
         with timer("lower"):
             prog = lower(graph, GPU_RECOMPUTE_LIMIT if gpu else RECOMPUTE_LIMIT, policy)
-        exe = (_compile_gpu if gpu else _compile_cpu)(graph, prog, options, name, timer)
+        exe = _compile_gpu(graph, prog, options, name, timer, arch, sms) if gpu else \
+            _compile_cpu(graph, prog, options, name, timer)
         exe.stats["contractions"] = policy.choices if policy else []
         if key is not None:
             with timer("cache"):
-                cache.store(key, _plan(exe), exe.keepalive.objects)
+                _keep(key, exe, options.cache)
     exe.stats["cache_hits"] = hits
     exe.stats["folded"] = folded
     exe.stats["compile_seconds"] = time.perf_counter() - t0
@@ -104,10 +125,11 @@ def compile_graph(graph: Graph, options: CompileOptions, name: str = "fn") -> Ex
 def _compile_cpu(graph: Graph, prog, options: CompileOptions, name: str, timer: StageTimer) -> Executable:
     """Kernels of one structure share code (codegen.program), compiled once per process."""
     from .codegen.cpu import host_key, vector_bits
-    from .codegen.program import LoadedProgram, build_program, entries_object
+    from .codegen.program import CodeSet, LoadedProgram, build_program, entries_object
+    codes = CodeSet(host_key(), timer)  # each group's kernels are emitted, and go to LLVM, once it is scheduled
     with timer("schedule"):
-        sched = schedule_program(prog, options.fusion, options.tile_sizes, "cpu", vector_bits(), timer)
-    code = build_program(prog, sched, name, host_key(), timer)
+        sched = schedule_program(prog, options.fusion, options.tile_sizes, "cpu", vector_bits(), timer, each=codes.of)
+    code = build_program(prog, sched, name, codes)
     with timer("llvm"):
         loaded = LoadedProgram([c.obj for c in code.codes] + [entries_object(code.entries)])
     ir = {"llvm": "\n".join([code.entries] + [c.ir for c in code.codes]),
@@ -118,25 +140,79 @@ def _compile_cpu(graph: Graph, prog, options: CompileOptions, name: str, timer: 
     return exe
 
 
-def _compile_gpu(graph: Graph, prog, options: CompileOptions, name: str, timer: StageTimer) -> Executable:
+GPU_PROGRAMS = 256  # GPU programs (plan and PTX) kept per process, by cache key
+_gpu_programs: dict[str, tuple[dict, list[bytes]]] = {}
+
+
+def _lookup(key: str, gpu: bool, disk: bool) -> tuple[tuple | None, int]:
+    """(plan, objects) compiled before under key (GPU programs: in this
+    process too), or None; and 1 where it came from the disk."""
+    hit = _gpu_programs.get(key) if gpu else None
+    if hit is not None or not disk:
+        return hit, 0
+    hit = cache.load(key)
+    if hit and gpu:
+        _gpu_programs[key] = hit
+    return hit, int(hit is not None)
+
+
+def _keep(key: str, exe: Executable, disk: bool) -> None:
+    """Keep a compiled program under key (on disk where disk; GPU programs
+    also in this process). A GPU program's object is its PTX, as text."""
+    gpu = isinstance(exe, GpuExecutable)
+    if any(k.library is not None for k in exe.kernels if gpu):
+        return  # (cuBLAS steps hold their statement: not kept as JSON yet)
+    plan, objects = _plan(exe), [exe.ptx.encode()] if gpu else exe.keepalive.objects
+    if gpu:
+        _gpu_programs[key] = (plan, objects)
+        while len(_gpu_programs) > GPU_PROGRAMS:
+            _gpu_programs.pop(next(iter(_gpu_programs)))
+    if disk:
+        cache.store(key, plan, objects)
+
+
+def _compile_gpu(graph: Graph, prog, options: CompileOptions, name: str, timer: StageTimer, arch: str,
+                 sms: int | None) -> Executable:
+    """Kernels of one structure share PTX (codegen.gpu_program), compiled once
+    per process, for GPU arch with sms multiprocessors (None: not known, no
+    GPU present); where one cannot be shared, one module of every kernel,
+    emitted from the whole program."""
+    from .codegen.gpu_program import build_program
+    with timer("schedule"):  # (512 bits: unused, the nvgpu schedule has no register blocks)
+        sched = schedule_program(prog, options.fusion, options.tile_sizes, "nvgpu", 512, timer)
+    code = build_program(prog, sched, name, (arch, sms, options.tile_sizes), timer)
+    if code is None:
+        return _compile_gpu_whole(graph, prog, options, name, timer, arch, sms)
+    ir = {"llvm": code.ir, "llvm_opt": code.optimized, "ptx": code.ptx}
+    exe = _executable(GpuExecutable, graph, prog, sched, code.kernels, code.buffers, code.int_slots, options, name,
+                      None, ir, _gpu_fields(prog, code.kernels, code.ptx, arch))
+    exe.stats["kernels_compiled"] = code.compiled
+    return exe
+
+
+def _gpu_fields(prog, kernels, ptx_text: str, arch: str) -> dict:
+    return {"ptx": ptx_text, "arch": arch, "writes": [  # the arrays each kernel writes size its grid
+        [prog.arrays[a] for a in sorted({s.array for s in prog.statements if s.name in k.statements})]
+        for k in kernels]}
+
+
+def _compile_gpu_whole(graph: Graph, prog, options: CompileOptions, name: str, timer: StageTimer, arch: str,
+                       sms: int | None) -> Executable:
     """One module of every kernel, emitted from the whole program."""
     from .codegen.nvgpu import GpuEmitter, ptx
-    arch = options.gpu_arch or _device_arch()
-    with timer("schedule"):  # (512 bits: unused, the nvgpu schedule has no register blocks)
+    with timer("schedule"):
         sched = schedule_program(prog, options.fusion, options.tile_sizes, "nvgpu", 512, timer, canonical=False)
     with timer("emit"):
         emitter = GpuEmitter(prog, sched, name)
         emitter.tile_sizes = options.tile_sizes
-        emitter.multiprocessors = _multiprocessors()
+        emitter.multiprocessors = sms
         llvm_text = str(emitter.emit())
     with timer("llvm"):
         optimized, ptx_text = ptx(llvm_text, arch)
     kernels = emitter.kernels
-    gpu_fields = {"ptx": ptx_text, "arch": arch, "writes": [  # the arrays each kernel writes size its grid
-        [prog.arrays[a] for a in sorted({s.array for s in prog.statements if s.name in k.statements})]
-        for k in kernels]}
     exe = _executable(GpuExecutable, graph, prog, sched, kernels, emitter.buffer_arrays, emitter.int_slots,
-                      options, name, None, {"llvm": llvm_text, "llvm_opt": optimized, "ptx": ptx_text}, gpu_fields)
+                      options, name, None, {"llvm": llvm_text, "llvm_opt": optimized, "ptx": ptx_text},
+                      _gpu_fields(prog, kernels, ptx_text, arch))
     exe.stats["kernels_compiled"] = len(kernels)
     return exe
 
@@ -156,7 +232,10 @@ def _plan(exe: Executable) -> dict:
         "contracted": [[[cache.size_json(s) for s in shape], itemsize, list(moduli), par]
                        for shape, itemsize, moduli, par in exe.contracted_bytes.buffers],
         "stats": {k: exe.stats[k] for k in _PLAN_STATS},
-        "ir": exe.ir,
+        "ir": {k: v for k, v in exe.ir.items() if k != "ptx"},  # (a GPU program's PTX is its object)
+        **({"gpu": {"arch": exe.arch, "writes": [[cache.array_json(a) for a in w] for w in exe.writes],
+                    "kernels": [[k.lanes, list(k.zeroed), k.strips] for k in exe.kernels]}}
+           if isinstance(exe, GpuExecutable) else {}),
     }
 
 
@@ -166,13 +245,20 @@ def _from_cache(graph: Graph, options: CompileOptions, name: str, plan: dict,
     from .codegen.llvm import KernelInfo
     from .codegen.program import LoadedProgram
     from .library import blas
-    if plan["stats"].get("library_calls") and blas() is None:
-        return None  # made where a BLAS was: compiled again here
-    loaded = LoadedProgram(objects)
-    kernels = loaded.bind([KernelInfo(n, par, tuple(st)) for n, par, st in plan["kernels"]])
+    gpu = plan.get("gpu")
+    if gpu:  # PTX: loaded on the device at the first call
+        loaded, gpu_fields = None, {"ptx": objects[0].decode(), "arch": gpu["arch"],
+                                    "writes": [[cache.array_from(a) for a in w] for w in gpu["writes"]]}
+        kernels = [KernelInfo(n, par, tuple(st), lanes, tuple(zeroed), strips)
+                   for (n, par, st), (lanes, zeroed, strips) in zip(plan["kernels"], gpu["kernels"])]
+    else:
+        if plan["stats"].get("library_calls") and blas() is None:
+            return None  # made where a BLAS was: compiled again here
+        loaded, gpu_fields = LoadedProgram(objects), {}
+        kernels = loaded.bind([KernelInfo(n, par, tuple(st)) for n, par, st in plan["kernels"]])
     contracted = [(tuple(cache.size_from(s) for s in shape), itemsize, tuple(moduli), par)
                   for shape, itemsize, moduli, par in plan["contracted"]]
-    exe = Executable(
+    exe = (GpuExecutable if gpu else Executable)(
         name=name, inputs=[cache.array_from(a) for a in plan["inputs"]],
         outputs=[cache.array_from(a) for a in plan["outputs"]], output_arrays=plan["output_arrays"],
         buffers=[cache.array_from(a) for a in plan["buffers"]], int_slots=[tuple(s) for s in plan["int_slots"]],
@@ -180,8 +266,8 @@ def _from_cache(graph: Graph, options: CompileOptions, name: str, plan: dict,
         constants=[n.attrs["value"] for n in graph.nodes() if n.op == "tensor_constant"], kernels=kernels,
         num_threads=options.num_threads, stats={**plan["stats"], "intermediate_bytes": 0, "fallbacks": 0,
                                                 "kernels_compiled": 0},
-        contracted_bytes=ContractedBytes(contracted, options.num_threads), keepalive=loaded)
-    exe.ir = plan["ir"]
+        contracted_bytes=ContractedBytes(contracted, options.num_threads), keepalive=loaded, **gpu_fields)
+    exe.ir = {**plan["ir"], **({"ptx": gpu_fields["ptx"]} if gpu else {})}
     return exe
 
 

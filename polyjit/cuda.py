@@ -440,6 +440,9 @@ class GpuExecutable(Executable):
                 if POISON and shape:
                     poison(pointers[slot], math.prod(shape) * dt.itemsize, dt.kind, stream)
             for fn, grid, block, what, zeroed in plan.launches:
+                if not block:  # a library call
+                    fn.run(pointers, stream)
+                    continue
                 for slot, nbytes in zeroed:
                     check(cu.cuMemsetD8Async(pointers[slot], 0, nbytes, s), "cuMemsetD8Async")
                 result = cu.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, 0, s, plan.argv, 0)
@@ -457,6 +460,8 @@ class GpuExecutable(Executable):
         strides, dtypes and device; not their pointers) as host code named
         ``name`` (see Executable._native_launcher), for callers outside Python
         (XLA's custom calls). Raises InputError as a call would."""
+        if any(k.library is not None for k in self.kernels):
+            return None  # the launcher's host code calls no library (yet): the Python path runs it
         key = tuple((v.shape, v.strides, v.dtype, v.device) for v in views)
         plan = self._plans.get(key) or self._plan(key, views, views, 0)
         steps: list = []
@@ -522,6 +527,7 @@ class GpuExecutable(Executable):
         nbytes = {name: math.prod(shape) * dt.itemsize for _, name, shape, dt in fresh}
         launches = [(fns[k.name][0], self._grid(i, env, dev, fns[k.name][1]), BLOCK if k.parallel else 1,
                      f"launching {k.name}", [(slot[a], nbytes[a]) for a in k.zeroed if nbytes[a]])
+                    if k.library is None else (self._library_step(k, env, dev, slot), 0, 0, k.name, [])
                     for i, k in enumerate(self.kernels)]
         plan = _Plan(dev, not any(v is not None for v in views), fresh, launches, temp_bytes,
                      [slot[spec.name] for spec in self.inputs], pointers, (ctypes.c_int64 * max(len(ints), 1))(*ints))
@@ -532,12 +538,20 @@ class GpuExecutable(Executable):
         self._remember(key, plan)
         return plan
 
+    def _library_step(self, k, env: dict, dev: Device, slot: dict):
+        """Kernel k's library call (cuBLAS) at these sizes, run on the caller's stream."""
+        from .cublas import GemmStep, cublas
+        lib = cublas()
+        if lib is None:
+            raise DeviceError(f"{self.name} calls cuBLAS ({k.name}), which no longer loads here")
+        return GemmStep(lib, dev, k.library, env, {b.name: b for b in self.buffers}, slot)
+
     def _functions(self, dev: Device) -> dict:
         """This program's kernels on dev, loaded on first use and unloaded with it,
         each with how many of its blocks fit on a multiprocessor."""
         with _lock:
             if dev.ordinal not in self._loaded:
-                mod, fns = dev.load(self.ptx, [k.name for k in self.kernels])
+                mod, fns = dev.load(self.ptx, [k.name for k in self.kernels if k.library is None])
                 self._loaded[dev.ordinal] = {n: (f, dev.resident_blocks(f, BLOCK)) for n, f in fns.items()}
                 weakref.finalize(self, _unload, mod)
             return self._loaded[dev.ordinal]

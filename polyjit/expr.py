@@ -210,14 +210,3 @@ def to_isl(e: Expr) -> str | None:
         return f"{e.op}({a[0]}, {a[1]})"
     return None
 
-
-_COST = {"exp": 8, "log": 8, "log1p": 10, "expm1": 10, "sin": 10, "cos": 10, "tan": 14,
-         "tanh": 12, "erf": 12, "sigmoid": 10, "pow": 16, "div": 4, "sqrt": 4, "rsqrt": 4,
-         "rand": 30, "atan2": 20, "remainder": 4, "fmod": 4, "floor_divide": 8,
-         "trunc_divide": 4}
-
-
-def cost(e: Expr) -> int:
-    """A rough count of work, to decide between recomputing and storing."""
-    return sum(_COST.get(x.op, 1) if isinstance(x, Op) else (1 if isinstance(x, Load) else 0)
-               for x in walk(e))

@@ -16,26 +16,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from . import scalar
 from . import sizes as sz
 from .dtypes import DataType, promote, promote_weak, scalar_dtype, to_dtype
 from .errors import DefinitionError
 from .sizes import Lin, Size
 
-UNARY_OPS = ("neg", "abs", "exp", "log", "log1p", "expm1", "sqrt", "rsqrt", "sin", "cos",
-             "tan", "tanh", "erf", "sigmoid", "floor", "ceil", "round", "sign", "logical_not",
-             "reciprocal", "isnan", "isinf", "isfinite", "relu", "bitwise_not", "erf_inv")
-BINARY_OPS = ("add", "sub", "mul", "div", "pow", "maximum", "minimum", "remainder",
-              "fmod", "floor_divide", "trunc_divide", "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_xor",
-              "atan2", "bitwise_and", "bitwise_or", "bitwise_xor", "shift_left", "shift_right_logical",
-              "shift_right_arithmetic")
-BITWISE = ("bitwise_not", "bitwise_and", "bitwise_or", "bitwise_xor", "shift_left", "shift_right_logical",
-           "shift_right_arithmetic")
-COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")
-LOGICAL = ("logical_and", "logical_or", "logical_xor", "logical_not", "isnan", "isinf",
-           "isfinite")
-FLOAT_ONLY = ("exp", "log", "log1p", "expm1", "sqrt", "rsqrt", "sin", "cos", "tan", "tanh",
-              "erf", "sigmoid", "reciprocal", "atan2", "erf_inv")
-REDUCTIONS = ("sum", "max", "min", "prod")
+UNARY_OPS, BINARY_OPS = scalar.UNARY, scalar.BINARY  # the elementwise ops: polyjit.scalar
+REDUCTIONS = tuple(scalar.COMBINE)
 
 _ids = itertools.count()
 
@@ -168,34 +156,29 @@ class Graph:
     def unary(self, op: str, x: Node) -> Node:
         if op not in UNARY_OPS:
             raise DefinitionError(f"unknown unary op {op!r}")
-        if op in BITWISE and not x.dtype.is_int:
+        kind = scalar.OPS[op].kind
+        if kind == "bits" and not x.dtype.is_int:
             raise DefinitionError(f"{op} needs an integer operand, got {x.dtype}")
-        if op in LOGICAL:
-            dt = DataType.Bool
-        elif op in FLOAT_ONLY and not x.dtype.is_float:
-            dt = DataType.Float
-        else:
-            dt = x.dtype
-        if op == "logical_not":
+        if kind == "logical":
             x = self.cast(x, DataType.Bool)
-        elif dt != x.dtype and op not in LOGICAL:
-            x = self.cast(x, dt)
-        return Node(op, (x,), {}, x.shape, dt)
+        elif kind == "float" and not x.dtype.is_float:
+            x = self.cast(x, DataType.Float)
+        return Node(op, (x,), {}, x.shape, DataType.Bool if scalar.OPS[op].result_bool else x.dtype)
 
     def binary(self, op: str, a: Node, b: Node) -> Node:
         if op not in BINARY_OPS:
             raise DefinitionError(f"unknown binary op {op!r}")
         dt = self._result_dtype(a, b)
-        if op in BITWISE and not dt.is_int:
+        kind = scalar.OPS[op].kind
+        if kind == "bits" and not dt.is_int:
             raise DefinitionError(f"{op} needs integer operands, got {a.dtype} and {b.dtype}")
-        if op in ("div", "pow", "atan2") and not dt.is_float:
-            dt = DataType.Float if op != "pow" else dt
+        if kind == "float" and not dt.is_float:
+            dt = DataType.Float
         a, b = self.cast(a, dt), self.cast(b, dt)
         a, b = self.broadcast_pair(a, b, op)
-        out = DataType.Bool if op in COMPARISONS or op in LOGICAL else dt
-        if op in LOGICAL:
+        if kind == "logical":
             a, b = self.cast(a, DataType.Bool), self.cast(b, DataType.Bool)
-        return Node(op, (a, b), {}, a.shape, out)
+        return Node(op, (a, b), {}, a.shape, DataType.Bool if scalar.OPS[op].result_bool else dt)
 
     def where(self, cond: Node, a: Node, b: Node) -> Node:
         dt = self._result_dtype(a, b)

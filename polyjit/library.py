@@ -1,4 +1,4 @@
-"""A vendor-library floor under generated contractions (cpu).
+"""A vendor-library floor under generated contractions (cpu; nvgpu in polyjit.cublas).
 
 Where, for a convolution's shape, polyjit's generated loop nest loses to
 BLAS, the convolution lowers to an im2col statement (generated, so that
@@ -20,7 +20,6 @@ import glob
 import logging
 import math
 import os
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -118,6 +117,7 @@ def _address(fn) -> int:
 
 # ---------------------------------------------------------------- choice
 _measured: dict[tuple, tuple[bool, float, float]] = {}
+_built: dict[tuple, object] = {}  # programs prefetch() compiled for measure(), by (key, mode)
 MIN_REDUCTION = 16  # shorter reductions (depthwise, a few input channels) are stencils: generated
 MIN_OUT_CHANNELS = 8
 MIN_MACS = 1 << 20  # multiply-adds below which either way is quick: generated, not worth timing
@@ -126,14 +126,40 @@ MIN_MACS = 1 << 20  # multiply-adds below which either way is quick: generated, 
 class LibraryPolicy:
     """Decides, per convolution, generated code or the library; records why."""
 
-    def __init__(self, mode: str, threads: int) -> None:
-        self.mode, self.threads = mode, threads
+    def __init__(self, mode: str, threads: int, target: str = "cpu") -> None:
+        self.mode, self.threads, self.gpu = mode, threads, target == "nvgpu"
         self.choices: list[str] = []
+        self._wanted: dict | None = None  # while prefetching: the timings use() asks for
+
+    def prefetch(self, L, nodes) -> None:
+        """Compile, all at once, the programs that use() will time for nodes:
+        two threads build them, so that LLVM (on its own thread) works on one
+        while isl and Python build the next; nothing runs while they compile."""
+        self._wanted, choices, self.choices = {}, self.choices, []
+        try:
+            for n in nodes:
+                self.use(L, n)
+        finally:
+            wanted, self._wanted, self.choices = self._wanted, None, choices
+        jobs = [(key, mode, spec) for key, spec in wanted.items() for mode in ("library", "generated")]
+        if len(jobs) > 2:
+            from concurrent.futures import ThreadPoolExecutor
+            with ThreadPoolExecutor(2, thread_name_prefix="polyjit-measure") as pool:
+                built = list(pool.map(lambda j: _single(*j[2], j[1], self.threads), jobs))
+            for (key, mode, _), exe in zip(jobs, built):
+                _built[key, mode] = exe
+
+    def available(self) -> bool:
+        """Whether the target's library loads: cuBLAS on nvgpu, BLAS on the cpu."""
+        if self.gpu:
+            from .cublas import cublas
+            return cublas() is not None
+        return blas() is not None
 
     def use(self, L, n) -> bool:
         """Whether contraction n (a conv or dot_general) runs in the library."""
         ok = (gemm_form(L, n) if n.op == "conv" else dot_form(L, n)) is not None
-        if not ok or self.mode == "generated" or blas() is None:
+        if not ok or self.mode == "generated" or not self.available():
             return False
         xs, ws = L.shape(n.inputs[0]), L.shape(n.inputs[1])
         what = f"{n.op} {list(xs)} * {list(ws)}" + (f" groups {n.attrs['groups']}" if n.op == "conv" else "")
@@ -157,6 +183,9 @@ class LibraryPolicy:
         if macs < MIN_MACS:
             self.choices.append(f"{what}: generated ({macs} multiply-adds)")
             return False
+        if self.gpu:  # a simple model: timing would compile each shape's generated kernel (seconds) on the device
+            self.choices.append(f"{what}: library (cuBLAS: {macs} multiply-adds, reduction {red})")
+            return True
         if n.op == "conv" and gemm_form(L, n) == "nchw":  # not worth compiling the generated nest to time it
             self.choices.append(f"{what}: library (channels first: generated blocks run along image rows, "
                                 "4-30x slower than sgemm in ResNet-18's convolutions)")
@@ -179,13 +208,18 @@ class LibraryPolicy:
             bases.append((tuple(int(s) for s in L.shape(i)), i.dtype))
             ins.append(tuple(chain))
         key = (n.op, tuple(bases), tuple(ins), tuple(sorted((k, str(v)) for k, v in n.attrs.items())), self.threads)
+        if self._wanted is not None:  # (prefetching: what to compile, no decision yet)
+            if key not in _measured:
+                self._wanted[key] = (n, bases, ins, tuple(L.shape(n)))
+            return False, 0.0, 0.0
         if key not in _measured:
             import numpy as np
             rng = np.random.default_rng(0)
             args = [rng.standard_normal(shape).astype(dt.numpy) for shape, dt in bases]
-            times = {mode: _time(_single(n, bases, ins, tuple(L.shape(n)), mode, self.threads), args)
-                     for mode in ("library", "generated")}
-            _measured[key] = (times["library"] < times["generated"], times["library"], times["generated"])
+            exes = [_built.pop((key, mode), None) or _single(n, bases, ins, tuple(L.shape(n)), mode, self.threads)
+                    for mode in ("library", "generated")]
+            t_lib, t_gen = _time(exes, args)
+            _measured[key] = (t_lib < t_gen, t_lib, t_gen)
         return _measured[key]
 
 
@@ -207,15 +241,22 @@ def _single(n, bases, chains, shape, mode: str, threads: int):
                          "measure")
 
 
-def _time(exe, args, reps: int = 5, budget: float = 0.2) -> float:
-    exe(*args)
-    ts: list[float] = []
-    start = time.perf_counter()
-    while len(ts) < reps and (len(ts) < 2 or time.perf_counter() - start < budget):
-        t = time.perf_counter()
+def _time(exes, args, reps: int = 5, budget: float = 0.4) -> list[float]:
+    """Each program's best time over calls taken in turn: the fastest call is
+    the one least disturbed by other work on the machine, and alternating
+    exposes both to the same conditions."""
+    for exe in exes:
         exe(*args)
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+    best = [math.inf] * len(exes)
+    start = time.perf_counter()
+    for r in range(reps):
+        for k, exe in enumerate(exes):
+            t = time.perf_counter()
+            exe(*args)
+            best[k] = min(best[k], time.perf_counter() - t)
+        if r >= 1 and time.perf_counter() - start > budget:
+            break
+    return best
 
 
 # ------------------------------------------------------------- lowering
@@ -340,7 +381,7 @@ def _matrix(L, node):
     """(array, node dim -> array dim) where node reads a row-major array in
     place (itself, or a transpose of it); None otherwise."""
     perm = list(range(node.rank))
-    while node.op == "transpose" and not node.attrs.get("materialize") and node.id not in L.array_of:
+    while node.op == "transpose" and not L.packed(node) and node.id not in L.array_of:
         perm = [node.attrs["perm"][p] for p in perm]
         node = node.inputs[0]
     return (L.array_of[node.id], perm) if _row_major(L, node) else None

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from . import expr as E
+from . import scalar
 from . import sizes as sz
-from .affine import AffineProgram, Array, Statement
+from .affine import AffineProgram, Array, Role, Statement
 from .dtypes import DataType
 from .errors import DefinitionError
 from .expr import Const, Expr, Load, Op
@@ -28,7 +29,6 @@ RECOMPUTE_LIMIT = 6  # extra work accepted to inline a value read more than once
 GPU_RECOMPUTE_LIMIT = 16  # on a GPU, memory traffic costs more than arithmetic
 MANY = 16  # weight of a read inside a contraction's reduction loop
 
-_COMBINE = {"sum": "add", "prod": "mul", "max": "maximum", "min": "minimum"}
 
 
 def unroll_limit(n: Node) -> int:
@@ -59,16 +59,7 @@ class ReductionSpec:
 
 
 def identity(combine: str, dt: DataType) -> Const:
-    if combine == "sum":
-        return E.const(0 if not dt.is_float else 0.0, dt)
-    if combine == "prod":
-        return E.const(1 if not dt.is_float else 1.0, dt)
-    if dt is DataType.Bool:
-        return E.const(combine == "min", dt)
-    if dt.is_float:
-        return E.const(-math.inf if combine == "max" else math.inf, dt)
-    bits = 8 * dt.itemsize - 1
-    return E.const(-(2 ** bits) if combine == "max" else 2 ** bits - 1, dt)
+    return E.const(scalar.identity(combine, dt), dt)
 
 
 class Lowering:
@@ -77,6 +68,7 @@ class Lowering:
         self.recompute_limit = recompute_limit
         self.library = library  # a polyjit.library.LibraryPolicy, or None: every contraction generated
         self.library_nodes: set[int] = set()
+        self.in_place: set[int] = set()  # packed copies only library calls read: not made
         self.nodes = graph.nodes()
         self.arrays: dict[str, Array] = {}
         self.statements: list[Statement] = []
@@ -109,10 +101,16 @@ class Lowering:
         acc: Expr | None = None
         for combo in _product([int(s) for s in spec.red_sizes]):
             t = spec.term(idx, tuple(E.const(c) for c in combo))
-            acc = t if acc is None else Op(dt, _COMBINE[spec.combine], (acc, t))
+            acc = t if acc is None else Op(dt, scalar.COMBINE[spec.combine], (acc, t))
         return acc if acc is not None else identity(spec.combine, dt)
 
     # ------------------------------------------------------------ decisions
+    def packed(self, n: Node) -> bool:
+        """Whether n is an operand's copy laid out for generated register
+        blocks (Graph.packed) that a contraction needs: a library call reads
+        the original through its transposition instead."""
+        return bool(n.attrs.get("materialize")) and n.id not in self.in_place
+
     def is_statement_op(self, n: Node) -> bool:
         if n.op in STATEMENT_OPS or n.id in self.library_nodes:
             return True
@@ -135,8 +133,10 @@ class Lowering:
 
     def plan(self) -> None:
         if self.library is not None:
+            self.library.prefetch(self, [n for n in self.nodes if n.op in ("conv", "dot_general")])
             self.library_nodes = {n.id for n in self.nodes if n.op in ("conv", "dot_general")
                                   and self.library.use(self, n)}
+            self.in_place = _read_in_place(self.nodes, self.library_nodes)
         uses: dict[int, int] = {n.id: 0 for n in self.nodes}
         for n in self.nodes:
             for k, i in enumerate(n.inputs):
@@ -151,12 +151,12 @@ class Lowering:
             if n.op == "constant":
                 work[n.id] = 0
                 continue
-            own = E._COST.get(n.op, 1) if n.op in UNARY_OPS + BINARY_OPS else (
+            own = scalar.cost(n.op) if n.op in UNARY_OPS + BINARY_OPS else (
                 0 if n.op in LAYOUT_OPS else 1)
             if n.op in REDUCTIONS and not self.is_statement_op(n):
                 own = 2 * (REDUCTIONS[n.op](self, n).static_terms() or 1)
             w = own + sum(work[i.id] for i in n.inputs)
-            materialize = (n.id in outputs or self.is_statement_op(n) or n.attrs.get("materialize")
+            materialize = (n.id in outputs or self.is_statement_op(n) or self.packed(n)
                            or (uses[n.id] - 1) * w > self.recompute_limit)
             if materialize:
                 self.declare(n)
@@ -198,12 +198,14 @@ class Lowering:
                 STATEMENT_OPS[n.op](self, n, name, iters, bounds)
             elif n.op in REDUCTIONS and self.is_statement_op(n):
                 spec = REDUCTIONS[n.op](self, n)
-                self.add(name, iters, bounds, idx, identity(spec.combine, n.dtype), n.op + "_init")
+                product = n.op in CONTRACTIONS
+                self.add(name, iters, bounds, idx, identity(spec.combine, n.dtype), n.op + "_init", role=Role.INIT,
+                         contraction=product)
                 riters = tuple(f"r{k}" for k in range(len(spec.red_sizes)))
                 body = spec.term(idx, tuple(E.it(r) for r in riters))
                 self.add(name, iters + riters, bounds + tuple((0, s) for s in spec.red_sizes),
                          idx, body, n.attrs.get("op", n.op), combine=spec.combine,
-                         reduction_iters=riters, extra=spec.extra)
+                         reduction_iters=riters, extra=spec.extra, role=Role.UPDATE, contraction=product)
             else:
                 self.add(name, iters, bounds, idx, self.inline(n, idx), n.op)
 
@@ -595,6 +597,7 @@ def _reduce_window(L: Lowering, n: Node) -> ReductionSpec:
     return ReductionSpec(list(at["window"]), term, at["op"])
 
 
+CONTRACTIONS = ("dot_general", "conv")  # products: their statements are marked for the scheduler
 REDUCTIONS: dict[str, Callable[[Lowering, Node], ReductionSpec]] = {
     "reduce": _reduce, "dot_general": _dot, "conv": _conv, "reduce_window": _reduce_window}
 
@@ -608,14 +611,14 @@ def _cumulative(L: Lowering, n: Node, name, iters, bounds):
     prev[axis] = Op(DataType.Int, "max", (E.isub(idx[axis], E.const(1)), E.const(0)))
     first = Op(DataType.Bool, "gt", (idx[axis], E.const(0)))
     carry = Op(n.dtype, "select", (first, Load(n.dtype, name, tuple(prev)), identity(op, n.dtype)))
-    L.add(name, iters, bounds, idx, Op(n.dtype, _COMBINE[op], (carry, L.value(n.inputs[0], idx))), "cumulative")
+    L.add(name, iters, bounds, idx, Op(n.dtype, scalar.COMBINE[op], (carry, L.value(n.inputs[0], idx))), "cumulative")
 
 
 def _scatter(L: Lowering, n: Node, name, iters, bounds):
     index, src = n.inputs
     axis, op = n.attrs["axis"], n.attrs["op"]
     idx = tuple(E.it(i) for i in iters)
-    L.add(name, iters, bounds, idx, identity(op, n.dtype), "scatter_init")
+    L.add(name, iters, bounds, idx, identity(op, n.dtype), "scatter_init", role=Role.INIT)
     space = L.shape(index) if n.attrs["along"] else L.shape(src)
     siters = tuple(f"j{d}" for d in range(len(space)))
     sidx = tuple(E.it(i) for i in siters)
@@ -627,7 +630,16 @@ def _scatter(L: Lowering, n: Node, name, iters, bounds):
         k = index.rank
         target = list(sidx[:axis]) + [_position(L, index, sidx[axis:axis + k], size)] + list(sidx[axis + k:])
     L.add(name, siters, tuple((0, s) for s in space), target, L.value(src, sidx),
-          "scatter_add" if op == "sum" else "scatter", combine=op, reduction_iters=siters)
+          "scatter_add" if op == "sum" else "scatter", combine=op, reduction_iters=siters, role=Role.UPDATE)
 
 
 STATEMENT_OPS: dict[str, Callable] = {"cumulative": _cumulative, "scatter": _scatter}
+
+
+def _read_in_place(nodes: list[Node], library: set[int]) -> set[int]:
+    """The packed copies (Graph.packed) whose every reader is a library call."""
+    readers: dict[int, set[int]] = {}
+    for n in nodes:
+        for i in n.inputs:
+            readers.setdefault(i.id, set()).add(n.id)
+    return {n.id for n in nodes if n.attrs.get("materialize") and readers.get(n.id) and readers[n.id] <= library}

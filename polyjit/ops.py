@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from . import interop
+from . import scalar
 from . import sizes as sz
 from .dtypes import DataType, to_dtype
 from .errors import DefinitionError, UnsupportedOpError
@@ -142,22 +143,9 @@ def _binary(op):
     return f
 
 
-neg, abs, exp, log, log1p, expm1, sqrt, rsqrt = map(_unary, ("neg", "abs", "exp", "log", "log1p", "expm1", "sqrt", "rsqrt"))
-sin, cos, tan, tanh, erf, sigmoid = map(_unary, ("sin", "cos", "tan", "tanh", "erf", "sigmoid"))
-floor, ceil, round, sign, logical_not, reciprocal = map(_unary, ("floor", "ceil", "round", "sign", "logical_not", "reciprocal"))
-isnan, isinf, isfinite, relu = map(_unary, ("isnan", "isinf", "isfinite", "relu"))
-add, sub, mul, div, pow, maximum, minimum, remainder = map(_binary, ("add", "sub", "mul", "div", "pow", "maximum", "minimum", "remainder"))
-eq, ne, lt, le, gt, ge = map(_binary, ("eq", "ne", "lt", "le", "gt", "ge"))
-logical_and, logical_or, logical_xor, atan2 = map(_binary, ("logical_and", "logical_or", "logical_xor", "atan2"))
-bitwise_and, bitwise_or, bitwise_xor = map(_binary, ("bitwise_and", "bitwise_or", "bitwise_xor"))
-shift_left, shift_right_logical, shift_right_arithmetic = map(
-    _binary, ("shift_left", "shift_right_logical", "shift_right_arithmetic"))
-bitwise_not = _unary("bitwise_not")
-erf_inv = _unary("erf_inv")
-erf_inv = _unary("erf_inv")
-fmod = _binary("fmod")  # C's remainder: the sign of the dividend (remainder's is the divisor's)
-floor_divide = _binary("floor_divide")  # a // b, exact for integers of any width
-trunc_divide = _binary("trunc_divide")  # C's integer division: rounds toward zero
+# One function per elementwise op of polyjit.scalar (neg, exp, add, maximum, fmod, ...).
+globals().update({op: _unary(op) for op in scalar.UNARY})
+globals().update({op: _binary(op) for op in scalar.BINARY})
 truediv = div
 
 
@@ -459,10 +447,23 @@ def argmin(x: Tensor, dim: int, keepdim: bool = False) -> Tensor:
     return _wrap(g, g.argreduce("argmin", _node(g, x), dim, keepdim))
 
 
-def cumulative(op: str, x: Tensor, dim: int) -> Tensor:
-    """Running op ("sum", "prod", "max", "min") along dim."""
+def cumulative(op: str, x: Tensor, dim: int, reverse: bool = False, exclusive: bool = False) -> Tensor:
+    """Running op ("sum", "prod", "max", "min") along dim; reverse runs from
+    the end, exclusive shifts the running values by one (the first is op's
+    identity)."""
     g = _graph(x)
-    return _wrap(g, g.cumulative(op, _node(g, x), dim))
+    if x.ndim == 0:  # its one element (torch takes dim 0 and -1 of a 0-d tensor)
+        return _wrap(g, g.cumulative(op, _node(g, x), dim))
+    dim = dim % x.ndim
+    if reverse:
+        x = flip(x, [dim])
+    y = _wrap(g, g.cumulative(op, _node(g, x), dim))
+    if exclusive:
+        end, lo = list(y.shape), [0] * y.ndim
+        end[dim], lo[dim] = y.shape[dim] - 1, 1
+        y = _wrap(g, g.pad(_node(g, slice(y, [0] * y.ndim, end)), lo, [0] * y.ndim,
+                           scalar.identity(op, y.dtype)))
+    return flip(y, [dim]) if reverse else y
 
 
 def cumsum(x: Tensor, dim: int) -> Tensor:
@@ -479,6 +480,20 @@ def cummax(x: Tensor, dim: int) -> Tensor:
 
 def cummin(x: Tensor, dim: int) -> Tensor:
     return cumulative("min", x, dim)
+
+
+def window_cells(x: Tensor, window: Sequence[int], strides: Sequence[int], padding, counted=None) -> Tensor:
+    """Per window of reduce_window("sum", x, window, strides, padding), how
+    many of its cells lie inside x, or inside x padded by counted ((lo, hi)
+    per dimension, within padding): what average pooling divides by when
+    padding is not counted (TF, torch's count_include_pad=False), or only
+    the declared padding is (torch's, never what ceil_mode adds)."""
+    ones = full_like(x, 1.0)
+    padding = [tuple(p) for p in padding]
+    if counted is not None:
+        ones = pad(ones, [w for lo, hi in reversed(list(counted)) for w in (lo, hi)], 1.0)
+        padding = [(p[0] - c[0], p[1] - c[1]) for p, c in zip(padding, counted)]
+    return reduce_window("sum", ones, window, strides, padding)
 
 
 def reduce_window(op: str, x: Tensor, window: Sequence[int], strides: Sequence[int],
@@ -569,6 +584,36 @@ def group_transpose(w: Tensor, groups: int) -> Tensor:
     a, b, rest = w.shape[0] // groups, w.shape[1], list(w.shape[2:])
     w = permute(reshape(w, [groups, a, b] + rest), [0, 2, 1] + list(range(3, 3 + len(rest))))
     return reshape(w, [groups * b, a] + rest)
+
+
+def conv_input_grad(grad: Tensor, w: Tensor, input_sizes: Sequence, strides, padding, dilation=None,
+                    groups: int = 1, layout: str = "NCHW", kernel_layout: str = "OIHW") -> Tensor:
+    """The gradient of conv(x, w, ...)'s input x, whose spatial sizes are
+    input_sizes, given the gradient of its output: a transposed convolution.
+    The gradient is spread by the strides (stride - 1 zeros between
+    neighbours), padded so that the result has x's sizes, and convolved at
+    stride 1 with w flipped, its channel roles swapped within each group."""
+    sp = [d for d, c in enumerate(layout) if c not in "NC"]
+    ksp = [d for d, c in enumerate(kernel_layout) if c not in "OI"]
+    dilation = list(dilation) if dilation is not None else [1] * len(sp)
+    factors = [1] * grad.ndim
+    for i, d in enumerate(sp):
+        factors[d] = strides[i]
+    g = dilate(grad, factors)
+    pads = []
+    for i, d in enumerate(sp):
+        span = dilation[i] * (w.shape[ksp[i]] - 1)
+        lo = span - padding[i][0]
+        pads.append((lo, input_sizes[i] - g.shape[d] - lo + span))
+    if any(isinstance(v, int) and v < 0 for pr in pads for v in pr):
+        raise UnsupportedOpError("a transposed convolution (or convolution's input gradient) with padding "
+                                 "larger than the kernel")
+    wf = reverse(w, ksp)
+    if groups == 1:
+        return conv(g, wf, [1] * len(sp), pads, dilation, 1, layout, kernel_layout.translate(str.maketrans("OI", "IO")))
+    canon = "OI" + "".join(kernel_layout[d] for d in ksp)
+    wf = group_transpose(permute(wf, [kernel_layout.index(c) for c in canon]), groups)
+    return conv(g, wf, [1] * len(sp), pads, dilation, groups, layout, canon)
 
 
 def conv_weight_grad(x: Tensor, grad: Tensor, kernel_sizes: Sequence[int], strides, padding, dilation=None,
@@ -1201,12 +1246,6 @@ def leaky_relu(x: Tensor, negative_slope: float = 0.01) -> Tensor:
 
 
 # What polyjit.ops and FusionDefinition.Operators export.
-__all__ = [n for n, v in list(globals().items())
-           if callable(v) and not n.startswith("_") and getattr(v, "__module__", None) == __name__
-           and n not in ("Tensor", "builtins_slice")] + ["neg", "abs", "exp", "log", "log1p", "expm1",
-           "sqrt", "rsqrt", "sin", "cos", "tan", "tanh", "erf", "sigmoid", "floor", "ceil", "round",
-           "sign", "logical_not", "reciprocal", "isnan", "isinf", "isfinite", "relu", "add", "sub",
-           "mul", "div", "pow", "maximum", "minimum", "remainder", "eq", "ne", "lt", "le", "gt", "ge",
-           "logical_and", "logical_or", "logical_xor", "atan2", "sum", "max", "min", "prod",
-           "truediv", "fmod", "floor_divide", "trunc_divide", "dilate", "concatenate", "flip"]
-__all__ = sorted(set(__all__))
+__all__ = sorted({n for n, v in list(globals().items())
+                  if callable(v) and not n.startswith("_") and getattr(v, "__module__", None) == __name__
+                  and n not in ("Tensor", "builtins_slice")})

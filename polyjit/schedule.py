@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 import islpy as isl
 
 from . import sizes as sz
-from .affine import TAPS, AffineProgram
+from .affine import TAPS, AffineProgram, Role
 from .expr import Load, Op, Var, loads, substitute, walk
 
 log = logging.getLogger("polyjit.schedule")
@@ -214,12 +214,15 @@ def _member_iter(upa: isl.UnionPwAff) -> dict[str, int | None]:
     return out
 
 
-def _contiguity(prog: AffineProgram) -> dict[tuple[str, int], int]:
-    """(statement, iterator) -> how many accesses walk memory contiguously along it."""
+def _contiguity(prog: AffineProgram, vectors: bool = True) -> dict[tuple[str, int], int]:
+    """(statement, iterator) -> how many accesses walk memory contiguously
+    along it; without vectors, loads of one-dimensional arrays in nests of
+    three loops or more (a batch norm's per-channel parameters, in cache) count none."""
     score: dict[tuple[str, int], int] = {}
     for s in prog.statements:
         # a reduction's target stays in a register while its loop runs innermost
-        accesses = [ld.index for ld in loads(s.body)] + ([] if s.combine else [s.index])
+        accesses = [ld.index for ld in loads(s.body) if vectors or len(ld.index) > 1 or len(s.iters) < 3]
+        accesses += [] if s.combine else [s.index]
         for d, name in enumerate(s.iters):
             n = 0
             for index in accesses:
@@ -315,12 +318,13 @@ def _statement_names(node) -> set[str]:
     return {st.get_tuple_name() for st in _items(node.get_domain().get_set_list())}
 
 
-CONTRACTIONS = ("dot_general", "conv")
-
-
 def is_update(s) -> bool:
     """Whether statement s accumulates a contraction's products."""
-    return s.combine is not None and s.label in CONTRACTIONS
+    return s.role is Role.UPDATE and s.contraction
+
+
+def is_product_init(s) -> bool:
+    return s.role is Role.INIT and s.contraction
 
 
 def _contractions(node, prog):
@@ -331,7 +335,7 @@ def _contractions(node, prog):
 def distribute_inits(schedule, prog, validity) -> isl.Schedule:
     """Put the initialization of contraction results in a nest of its own,
     so that the contraction's band holds only its update and can be blocked."""
-    inits = [s for s in prog.statements if s.label in ("dot_general_init", "conv_init")]
+    inits = [s for s in prog.statements if is_product_init(s)]
     if not inits:
         return schedule
     root = schedule.get_root()
@@ -397,7 +401,7 @@ def fuse_contraction(schedule, prog, dom, validity, plan: FusionPlan | None = No
     if len(updates) != 1:
         return None
     up = updates[0]
-    point = {s.name: _plain(s.index) for s in stmts if s.label.endswith("_init") and s.array == up.array}
+    point = {s.name: _plain(s.index) for s in stmts if s.role is Role.INIT and s.array == up.array}
     point[up.name] = _plain(up.index)
     for s in stmts:
         if s.name not in point:
@@ -585,7 +589,7 @@ def tile(schedule, prog, validity, tile_sizes, vector_bits: int = 512) -> isl.Sc
         if tile_sizes is None and fused and _contractions(node, prog):
             return block_fused(node, prog, cols)
         if tile_sizes is None and not contraction:
-            return node
+            return _tile_transposition(node, prog)
         if contraction:
             node = merge_reductions(node, prog)
             n = node.band_n_member()
@@ -606,9 +610,39 @@ def tile(schedule, prog, validity, tile_sizes, vector_bits: int = 512) -> isl.Sc
     return new if is_legal(new, validity) else schedule
 
 
-STRIP = 512  # columns per parallel strip when the outer loop is too short to share
+TRANSPOSE_TILE = 32  # a transposing copy walks tiles of this many rows and columns
+
+
+def _tile_transposition(node, prog):
+    """A band of one statement that writes along its innermost loop and reads
+    along another (a transposing copy: a weight's transpose each call) walks
+    square tiles, so that the lines its strided reads bring in are used for
+    a tile's rows before they leave the cache."""
+    names = _statement_names(node)
+    n = node.band_n_member()
+    if len(names) != 1:
+        return node
+    st = next(s for s in prog.statements if s.name in names)
+    if st.role is not Role.ASSIGN or st.library is not None:
+        return node
+    mupa = node.band_get_partial_schedule()
+    follows = [_member_iter(mupa.get_at(m)).get(st.name) for m in range(n)]
+    inner, outer = follows[-1], follows[-2]
+    if inner is None or outer is None:
+        return node
+
+    def uses(index, d) -> bool:
+        return any(isinstance(x, Var) and x.name == st.iters[d] for x in walk(index))
+    along = [ld for ld in loads(st.body) if ld.index and uses(ld.index[-1], outer) and not uses(ld.index[-1], inner)]
+    if not along or not st.index or not uses(st.index[-1], inner):
+        return node
+    sizes = [UNTILED] * (n - 2) + [TRANSPOSE_TILE, TRANSPOSE_TILE]
+    return node.band_tile(_sizes(node, sizes))
+
+
+STRIP_COLUMNS = 512  # columns per parallel strip when the outer loop is too short to share
 ROW_STRIP = 16  # rows per parallel strip, likewise, when an outer dimension can be cut instead
-MIN_PARALLEL_EXTENT = 8
+MIN_PARALLEL_EXTENT = 8  # a parallel loop shorter than this shares an inner loop's strips too
 
 
 def _cst(pa: isl.PwAff) -> int:
@@ -651,10 +685,11 @@ def balance_parallel(schedule, prog, validity) -> isl.Schedule:
         coincident = [m for m in range(1, n) if node.band_member_get_coincident(m)]
         rows = [m for m in coincident if m < n - 1
                 and (_member_extent(node, m) or ROW_STRIP * MIN_PARALLEL_EXTENT) >= ROW_STRIP * MIN_PARALLEL_EXTENT]
-        cols = [m for m in coincident if (_member_extent(node, m) or STRIP * MIN_PARALLEL_EXTENT) >= 2 * STRIP]
+        cols = [m for m in coincident
+                if (_member_extent(node, m) or STRIP_COLUMNS * MIN_PARALLEL_EXTENT) >= 2 * STRIP_COLUMNS]
         if not rows and not cols:
             return node
-        m, size = (rows[0], ROW_STRIP) if rows else (cols[-1], STRIP)
+        m, size = (rows[0], ROW_STRIP) if rows else (cols[-1], STRIP_COLUMNS)
         upa = node.band_get_partial_schedule().get_at(m).scale_down_val(isl.Val.int_from_si(node.get_ctx(), size))
         outer = isl.MultiUnionPwAff.from_union_pw_aff(upa.floor())
         return node.insert_partial_schedule(outer).band_set_permutable(True).band_member_set_coincident(0, True)
@@ -662,17 +697,29 @@ def balance_parallel(schedule, prog, validity) -> isl.Schedule:
     return new if is_legal(new, validity) else schedule
 
 
-def coincident_outside(schedule, validity) -> isl.Schedule:
-    """Move the coincident members of each permutable band outside the others
-    (keeping their order): a GPU maps every parallel loop around the
-    sequential ones to threads, so a stencil's rows run down each thread."""
+def coincident_outside(schedule, validity, prog: AffineProgram) -> isl.Schedule:
+    """Move the coincident members of each permutable band outside the others:
+    a GPU maps every parallel loop around the sequential ones to threads, so
+    a stencil's rows run down each thread. The coincident ones go in memory
+    order, the most contiguous last, so that consecutive threads touch
+    consecutive elements (a padded copy of NCHW images, its channel loop
+    innermost for the batch norm's per-channel loads, wrote 12996 floats
+    apart from thread to thread)."""
+    score, depth = _contiguity(prog, vectors=False), _memory_depth(prog)
+
+    def rank(mupa, m):
+        follows = [(st, d) for st, d in _member_iter(mupa.get_at(m)).items() if d is not None]
+        return sum(score.get(k, 0) for k in follows), sum(depth.get(k, 0) for k in follows), m
+
     def fn(node):
         if node.get_type() != isl.schedule_node_type.band or node.band_n_member() < 2 \
                 or not node.band_get_permutable():
             return node
         n = node.band_n_member()
         coinc = [node.band_member_get_coincident(m) for m in range(n)]
-        order = [m for m in range(n) if coinc[m]] + [m for m in range(n) if not coinc[m]]
+        mupa = node.band_get_partial_schedule()
+        order = sorted((m for m in range(n) if coinc[m]), key=lambda m: rank(mupa, m))
+        order += [m for m in range(n) if not coinc[m]]
         return node if order == list(range(n)) else _rebuild_band(node, order, coinc, True)
     new = _visit(schedule.get_root(), fn).get_schedule()
     return new if is_legal(new, validity) else schedule
@@ -881,7 +928,7 @@ def fusion_groups(prog: AffineProgram, epilogues: bool = False,
             groups[-1].append(s.name)
             continue
         update = s if is_update(s) else None
-        if update or s.label in ("dot_general_init", "conv_init"):
+        if update or is_product_init(s):
             if current and not (update and current[-1] in _inits(prog)):
                 groups.append(current)
                 current = []
@@ -915,7 +962,7 @@ def _plain(index) -> list[str] | None:
 def _epilogue_of(s, update, prog: AffineProgram) -> bool:
     """Whether s applies elementwise to the contraction's result: it reads
     the result only at its own point, over the result's whole extent."""
-    if s.combine is not None or s.extra or s.label.endswith("_init"):
+    if s.role in (Role.INIT, Role.UPDATE) or s.extra:
         return False
     reads = [ld for ld in prog.statement_loads(s) if ld.array == update.array]
     its = _plain(reads[0].index) if reads else None
@@ -935,11 +982,11 @@ def _reads_reshaped(s, group: list[str], prog: AffineProgram) -> bool:
 
 
 def _inits(prog: AffineProgram) -> set[str]:
-    return {s.name for s in prog.statements if s.label in ("dot_general_init", "conv_init")}
+    return {s.name for s in prog.statements if is_product_init(s)}
 
 
 SCHEDULE_BUDGET = 3_000_000  # isl operations one group may take before it is split
-SOLVER_BUDGET = 32_000  # operations of isl's scheduler's first try on a group (most need fewer than 16000)
+SOLVER_BUDGET = 8_000  # operations of isl's scheduler's first try on a group (most need fewer than 16000)
 SOLVER_SECONDS = 0.5  # a try that ran out of operations sooner than this gets twice as many
 
 
@@ -970,7 +1017,11 @@ def _compute_schedule(ctx, sc: isl.ScheduleConstraints) -> isl.Schedule:
     copy feeding a batched product) its integer programs grow numbers whose
     every operation costs more than the last, 0.25 s for 16000 operations
     and 4.4 s for 64000, where problems that need 128000 take a tenth of a
-    second. The group's own budget is restored for what follows."""
+    second. The first try is small (a fast failure costs little): BERT's
+    embedding group (a gather, its positions broadcast over the batch) took
+    0.02 s for 8000 operations, 0.56 s for 16000 and 2.1 s for 32000, then
+    was split; from 8000 it is split after 0.6 s, with the same schedule.
+    The group's own budget is restored for what follows."""
     budget = SOLVER_BUDGET
     while True:
         ctx.set_max_operations(budget)
@@ -1026,7 +1077,7 @@ GPU_PRIVATE_BYTES = 256  # a contracted buffer a GPU thread keeps to itself
 
 
 def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None, target: str = "cpu",
-                     vector_bits: int = 512, timer=None, canonical: bool = True) -> "ProgramSchedule":
+                     vector_bits: int = 512, timer=None, canonical: bool = True, each=None) -> "ProgramSchedule":
     """The cpu target tiles (register blocks sized for vectors of
     vector_bits), balances threads and sinks inner loops; nvgpu puts every
     coincident loop outside (they become the thread grid) and keeps only
@@ -1037,7 +1088,8 @@ def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None, 
     statements and arrays renamed canonically: groups of the same structure
     (a model's identical layers) share one result, scheduled once per
     process. canonical=False keeps the program's names (a target whose
-    emitter reads the whole program's)."""
+    emitter reads the whole program's). each(group), where given, is called
+    with each group as soon as it is scheduled (code generation starts)."""
     timer = timer or _no_timer
     fuse = target == "cpu" and fusion != "none" and not tile_sizes
     config = (fusion, tile_sizes, target, vector_bits, fuse)
@@ -1065,6 +1117,8 @@ def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None, 
                 while len(_group_cache) > GROUP_CACHE:
                     _group_cache.pop(next(iter(_group_cache)))
         groups.append(ScheduledGroup(problem, sched))
+        if each is not None:
+            each(groups[-1])
     return ProgramSchedule(prog, groups, plan.refused if plan else [])
 
 
@@ -1099,7 +1153,80 @@ def _schedule_problem(problem: "GroupProblem", config: tuple, timer) -> Schedule
         contracted = contract(ctx, prog, sched, dom, kernels, problem.shared)
     if target == "nvgpu":
         contracted = {n: m for n, m in contracted.items() if _private_bytes(prog.arrays[n], m) <= GPU_PRIVATE_BYTES}
+        if fusion != "none" and _starved(ast, prog, contracted):
+            return _schedule_problem(problem, ("none",) + config[1:], timer)
     return Scheduled(sched, ast, contracted, kernels, _kernel_of_array(prog, kernels), plan.refused if plan else [])
+
+
+GPU_GRID_FLOOR = 1 << 16  # parallel iterations below which a GPU kernel leaves most of the device idle
+GPU_STRIP = 64  # iterations of a sequential loop per strip (codegen.nvgpu.STRIP)
+
+
+def _starved(ast: isl.AstNode, prog: AffineProgram, contracted) -> bool:
+    """nvgpu: whether a kernel's fusion cost the device its parallelism: its
+    marked loops give fewer than GPU_GRID_FLOOR threads where one of its
+    statements alone would have 16 times as many (a producer fused with a
+    stencil, pooling or im2col consumer, shifted along image rows, left a
+    thread per image and channel: 10.6 of MobileNetV3-small's 18 ms, 60 of
+    ResNet-18's 70). Sums compare their own outputs (a row sum keeps its
+    rows). Elementwise statements whose arrays are all kept whole gain
+    nothing from sharing a nest and lose a thread per element (ResNet-18's
+    max pool, fused with its padded input along image rows, ran a row per
+    thread, consecutive threads channels apart: 4.7 ms), whatever the grid.
+    A kernel with contracted buffers may run strips of its next loop in
+    parallel, each recomputing its halo (a blur): those count, against half
+    the floor, and a thread may take four strips' work (ResNet-18's last
+    im2col, fused with its relu, took 0.7 ms a thread per image and channel)."""
+    stmts = {s.name: s for s in prog.statements}
+    for node in _kernels(ast):
+        own = [stmts[n] for n in statements_in(node)]
+        if len(own) < 2:
+            continue
+        grid, inner = _grid_extent(node)
+        sums = [s for s in own if s.combine is not None]
+        floor, per_thread = (GPU_GRID_FLOOR if sums else None), 16
+        if any(s.array in contracted for s in own):
+            grid, floor = grid and grid * -(-(inner or 1) // GPU_STRIP), GPU_GRID_FLOOR // 2
+            per_thread = 4 * GPU_STRIP  # a strip's own rows are no loss
+        widest = max((_parallel_extent(s) or 0 for s in (sums or own)), default=0)
+        if grid is not None and (floor is None or grid < floor) and widest >= per_thread * grid:
+            return True
+    return False
+
+
+def _grid_extent(node: isl.AstNode) -> tuple[int | None, int | None]:
+    """The iterations of the chain of parallel-marked loops at node's top, and
+    of the loop after them (None where not numbers)."""
+    total = 1
+    while True:
+        marked = node.get_type() == isl.ast_node_type.mark and node.mark_get_id().get_name().startswith("parallel:")
+        loop = node.mark_get_node() if marked else node
+        if loop.get_type() != isl.ast_node_type.for_:
+            return total, None
+        init, cond = loop.for_get_init(), loop.for_get_cond()
+        hi = cond.get_op_arg(1)
+        trips = None
+        if init.get_type() == isl.ast_expr_type.int and hi.get_type() == isl.ast_expr_type.int:
+            last = hi.get_val().to_python() - (cond.get_op_type() == isl.ast_expr_op_type.lt)
+            step = loop.for_get_inc().get_val().to_python()
+            trips = max(-(-(last - init.get_val().to_python() + 1) // step), 0)
+        if not marked:
+            return total, trips
+        if trips is None:
+            return None, None
+        total *= trips
+        node = loop.for_get_body()
+
+
+def _parallel_extent(s) -> int | None:
+    """Iterations of a statement's loops that are not its reduction's."""
+    total = 1
+    for it, (lo, hi) in zip(s.iters, s.bounds):
+        if it not in s.reduction_iters:
+            if not (sz.is_static(lo) and sz.is_static(hi)):
+                return None
+            total *= max(int(hi) - int(lo), 0)
+    return total
 
 
 def _kernel_of_array(prog: AffineProgram, kernels: list[set[str]], offset: int = 0,
@@ -1118,7 +1245,7 @@ def _rewrites(sched: isl.Schedule, prog: AffineProgram, validity, target: str, t
               vector_bits: int) -> isl.Schedule:
     """The target's rewrites of the whole program's schedule, each checked by isl."""
     if target == "nvgpu":
-        sched = coincident_outside(sched, validity)
+        sched = coincident_outside(sched, validity, prog)
         sched = mark_parallel(sched, all_coincident=True)
     else:
         sched = tile(sched, prog, validity, tile_sizes, vector_bits)

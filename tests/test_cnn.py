@@ -217,12 +217,16 @@ def test_products_both_ways(kind, rng):
     the call, or copied first where computed) equal the generated ones."""
     f, shapes = DOTS[kind]
     args = [rng.standard_normal(s, dtype=F32) for s in shapes]
-    outs, calls = {}, {}
+    outs, calls, kernels = {}, {}, {}
     for mode in ("generated", "library"):
         exe = polyjit.compile(f, [InputInfo(s, F32) for s in shapes], {"contractions": mode})
         outs[mode], calls[mode] = exe(*args), exe.compile_default().stats["library_calls"]
+        kernels[mode] = exe.compile_default().kernels
     np.testing.assert_allclose(outs["library"], outs["generated"], rtol=1e-5, atol=1e-5)
     assert (calls["generated"], calls["library"]) == (0, 1)
+    if kind == "linear_packed":  # generated blocks read a packed copy of the weight; sgemm reads it transposed
+        assert [k.name.split("_")[2] for k in kernels["generated"]] == ["transpose", "dot"]
+        assert [k.name.split("_")[2] for k in kernels["library"]] == ["sgemm"]
 
 
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])

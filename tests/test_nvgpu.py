@@ -1,8 +1,11 @@
 """The nvgpu target: PTX generated and checked without a GPU; on a GPU, the
 programs run on numpy, PyTorch and JAX arrays and match the references."""
+import ctypes
 import os
+import re
 import shutil
 import subprocess
+import threading
 
 import numpy as np
 import pytest
@@ -134,9 +137,11 @@ def run_threads_on_cpu(exe, arrays, grid=3, block=64):
     hooks = {"sim_tid_x": i32(lambda: local.tid), "sim_ctaid_x": i32(lambda: local.ctaid),
              "sim_ntid_x": i32(lambda: local.ntid), "sim_nctaid_x": i32(lambda: local.nctaid),
              "sim_barrier": ctypes.CFUNCTYPE(None)(lambda: local.barrier.wait())}
+    ir = re.sub(r'@"(llvm\.nvvm\.[\w.]+)"', r"@\1", ir)  # (as llvmlite quotes them, or LLVM does not)
     for r in ("tid.x", "ctaid.x", "ntid.x", "nctaid.x"):
-        ir = ir.replace(f'@"llvm.nvvm.read.ptx.sreg.{r}"', "@sim_" + r.replace(".", "_"))
-    ir = ir.replace('@"llvm.nvvm.barrier0"', "@sim_barrier")
+        ir = re.sub(rf"@llvm\.nvvm\.read\.ptx\.sreg\.{re.escape(r)}\b", "@sim_" + r.replace(".", "_"), ir)
+    ir = re.sub(r"@llvm\.nvvm\.barrier0\b", "@sim_barrier", ir)
+    ir = re.sub(r"@llvm\.nvvm\.barrier\.cta\.sync\.aligned\.all\(i32( 0)?\)", "@sim_barrier()", ir)  # (LLVM's name)
     assert "llvm.nvvm" not in ir, "warp intrinsics cannot run on the CPU"
     _llvm()
     for name, hook in hooks.items():
@@ -156,7 +161,12 @@ def run_threads_on_cpu(exe, arrays, grid=3, block=64):
     ints = [env[n] if d < 0 else int(np.prod(bufs[n].shape[d + 1:])) for n, d in prog.int_slots]
     args = [bufs[b.name].ctypes.data for b in prog.buffers] + ints
     together = "@sim_barrier" in ir
+    slots = {b.name: i for i, b in enumerate(prog.buffers)}
     for k in prog.kernels:
+        if k.library is not None:  # a cuBLAS step, its library patched to one on host memory
+            from polyjit.cublas import GemmStep, cublas
+            GemmStep(cublas(), None, k.library, env, {b.name: b for b in prog.buffers}, slots).run(args, 0)
+            continue
         for a in k.zeroed:
             bufs[a][...] = 0
         fn = ctypes.CFUNCTYPE(None, *([ctypes.c_void_p] * len(prog.buffers) + [ctypes.c_int64] * len(ints)))(
@@ -255,8 +265,9 @@ def test_contraction_tiles_follow_the_device(monkeypatch):
     from polyjit import compiler
     monkeypatch.setattr(compiler, "_multiprocessors", lambda: 132)
 
-    def tile_of(fn, *shapes):
-        ptx = polyjit.compile(fn, [InputInfo(list(s), F32) for s in shapes], PTX_ONLY).ir("ptx")
+    def tile_of(fn, *shapes):  # generated code (where cuBLAS loads, auto would call it)
+        ptx = polyjit.compile(fn, [InputInfo(list(s), F32) for s in shapes],
+                              {**PTX_ONLY, "contractions": "generated"}).ir("ptx")
         return [side for side in (32, 64, 128) if f"polyjit_tile_a{side}x16" in ptx]
     assert tile_of(ops.matmul, (1536, 64), (64, 1536)) == [128]
     assert tile_of(ops.matmul, (1024, 64), (64, 1024)) == [64]  # 64 tiles of 128 for 132 multiprocessors
@@ -380,6 +391,112 @@ def test_no_driver_is_a_device_error():
         exe(np.ones(3, F32))
 
 
+# ------------------------------------------------- the library floor (cuBLAS)
+def _conv_case(x, w, stride=(1, 1), padding=((0, 0), (0, 0)), dilation=(1, 1), groups=1, nhwc=False):
+    """(fn, input shapes, reference) of a convolution; nhwc: NHWC x HWIO."""
+    if nhwc:
+        def fn(a, b):
+            return ops.conv(a, b, stride, padding, dilation, groups, layout="NHWC", kernel_layout="HWIO")
+
+        def ref(a, b):
+            return refs.conv2d(a.transpose(0, 3, 1, 2), b.transpose(3, 2, 0, 1), stride, padding, dilation,
+                               groups).transpose(0, 2, 3, 1)
+        return fn, [x, w], ref
+    return (lambda a, b: ops.conv(a, b, stride, padding, dilation, groups), [x, w],
+            lambda a, b: refs.conv2d(a, b, stride, padding, dilation, groups))
+
+
+LIBRARY_CASES = {  # name: (fn, input shapes, float64 reference)
+    "1x1": _conv_case((2, 16, 9, 11), (24, 16, 1, 1)),  # the input read in place, no im2col
+    "3x3_padded": _conv_case((2, 8, 10, 9), (20, 8, 3, 3), padding=((1, 1), (1, 1))),
+    "1x1_strided": _conv_case((3, 16, 9, 9), (12, 16, 1, 1), stride=(2, 2)),
+    "grouped_dilated": _conv_case((2, 12, 9, 8), (18, 6, 3, 3), (2, 1), ((1, 2), (1, 1)), (2, 1), groups=2),
+    "depthwise": _conv_case((2, 16, 8, 8), (16, 1, 3, 3), padding=((1, 1), (1, 1)), groups=16),
+    "nhwc": _conv_case((2, 9, 10, 16), (3, 3, 16, 24), padding=((1, 1), (0, 0)), nhwc=True),
+    "batched_matmul_bt": (lambda a, b: ops.matmul(a, ops.transpose(b, 1, 2)), [(3, 40, 24), (3, 50, 24)],
+                          lambda a, b: a.astype(np.float64) @ b.transpose(0, 2, 1)),
+    "matmul_broadcast": (ops.matmul, [(2, 33, 17), (17, 45)], lambda a, b: a.astype(np.float64) @ b),
+}
+
+
+class _HostCublas:
+    """cuBLAS's column-major sgemm on host memory (numpy), so that the library
+    steps a GPU program plans run with its kernels on the CPU."""
+
+    lock = threading.Lock()
+    alpha = beta = 0
+
+    def handle(self, dev):
+        return 0
+
+    def set_stream(self, handle, stream):
+        return 0
+
+    def check(self, status, what):
+        assert status == 0, what
+
+    @staticmethod
+    def _matrix(ptr, rows, cols, ld):
+        from numpy.lib.stride_tricks import as_strided
+        flat = np.ctypeslib.as_array((ctypes.c_float * ((cols - 1) * ld + rows)).from_address(ptr))
+        return as_strided(flat, (rows, cols), (4, 4 * ld))
+
+    def gemm(self, h, ta, tb, m, n, k, alpha, a, lda, sa, b, ldb, sb, beta, c, ldc, sc, batch):
+        for i in range(batch):
+            x = self._matrix(a + 4 * i * sa, *((k, m) if ta else (m, k)), lda)
+            y = self._matrix(b + 4 * i * sb, *((n, k) if tb else (k, n)), ldb)
+            self._matrix(c + 4 * i * sc, m, n, ldc)[...] = (x.T if ta else x) @ (y.T if tb else y)
+        return 0
+
+
+@pytest.mark.parametrize("case", list(LIBRARY_CASES))
+def test_library_steps_thread_by_thread(case, rng, monkeypatch):
+    """The floor's plan without a GPU: im2col and epilogues as kernels, each
+    contraction a library step (no PTX entry) whose cuBLAS calls (row-major
+    through column-major, batched along the longest loop) run on host
+    memory; the result is the convolution's or product's."""
+    from polyjit import cublas
+    monkeypatch.setattr(cublas, "cublas", lambda: _HostCublas())
+    fn, shapes, ref = LIBRARY_CASES[case]
+    arrays = [rng.standard_normal(s).astype(F32) for s in shapes]
+    exe = polyjit.compile(lambda *a: ops.relu(fn(*a)), [InputInfo(s, F32) for s in shapes],
+                          {**PTX_ONLY, "contractions": "library"})
+    prog = exe.compile_default()
+    steps = [k for k in prog.kernels if k.library is not None]
+    assert exe.stats["library_calls"] == len(steps) >= 1
+    assert all(f".entry {k.name}" not in exe.ir("ptx") for k in steps)
+    assert any("library (forced)" in c for c in exe.stats["contractions"])
+    got = run_threads_on_cpu(exe, arrays)[0]
+    np.testing.assert_allclose(got, np.maximum(ref(*arrays), 0), rtol=1e-4, atol=1e-4)
+
+
+def test_without_cublas_contractions_are_generated(monkeypatch):
+    """No libcublas (POLYJIT_CUBLAS names none): the lookup is None, and even
+    a forced library contraction compiles to generated kernels."""
+    from polyjit import cublas
+    monkeypatch.setenv("POLYJIT_CUBLAS", "/nonexistent/libcublas.so.13")
+    cublas.reset()
+    try:
+        assert cublas.cublas() is None
+        fn, shapes, _ = LIBRARY_CASES["3x3_padded"]
+        exe = polyjit.compile(fn, [InputInfo(s, F32) for s in shapes], {**PTX_ONLY, "contractions": "library"})
+        assert exe.stats["library_calls"] == 0 and all(k.library is None for k in exe.compile_default().kernels)
+    finally:
+        monkeypatch.delenv("POLYJIT_CUBLAS")
+        cublas.reset()
+
+
+def test_large_grids_sum_in_one_thread_each():
+    """A depthwise convolution with an output for every quarter of the
+    device's threads sums each window in one thread; a small grid (a column
+    sum) still adds strips atomically."""
+    big = polyjit.compile(lambda x, w: ops.conv(x, w, (1, 1), ((2, 2), (2, 2)), groups=576),
+                          [InputInfo((32, 576, 7, 7), F32), InputInfo((576, 1, 5, 5), F32)], PTX_ONLY)
+    assert "atom.global" not in big.ir("ptx") and not any(k.strips for k in big.compile_default().kernels)
+    small = polyjit.compile(lambda x: ops.sum(x, [0]), [InputInfo((4096, 64), F32)], PTX_ONLY)
+    assert "atom.global.add.f32" in small.ir("ptx")
+
+
 # ------------------------------------------------------------------ on a GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,m", [(1000, 1001), (1, 1), (33, 4097), (64, 1024)])
@@ -391,6 +508,65 @@ def test_numpy_on_the_gpu(name, fn, ref, shapes, n, m, rng):
     assert isinstance(got, np.ndarray)
     tol = 1e-4 if name in ("matmul", "sum_all", "column_sum") else 1e-5
     np.testing.assert_allclose(got, ref(*arrays), rtol=tol, atol=tol * max(1, np.sqrt(n * m) / 30))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["library", "generated"])
+@pytest.mark.parametrize("case", list(LIBRARY_CASES))
+def test_library_floor_on_the_gpu(case, mode, rng):
+    """Each contraction forced to cuBLAS or to generated code gives the
+    float64 reference's result within float32 rounding (cuBLAS's default
+    math: no TF32); library calls are counted and allowed under strict."""
+    fn, shapes, ref = LIBRARY_CASES[case]
+    arrays = [rng.standard_normal(s).astype(F32) for s in shapes]
+    exe = polyjit.compile(fn, [InputInfo(s, F32) for s in shapes],
+                          {"target": "nvgpu", "contractions": mode, "strict": True})
+    got = exe(*arrays)
+    assert (exe.stats["library_calls"] >= 1) == (mode == "library") and exe.stats["fallbacks"] == 0
+    np.testing.assert_allclose(got, ref(*arrays), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_library_floor_in_a_torch_network():
+    """A small network of convolutions (3x3, strided 1x1, grouped, depthwise),
+    batch norm, hardswish, a squeeze-excite pool and a classifier through
+    torch.compile under strict: every contraction in the library (forced) or
+    as auto chooses, results as eager's (TF32 off), on the caller's stream."""
+    torch = pytest.importorskip("torch")
+    nn = torch.nn
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(
+                nn.Conv2d(3, 32, 3, 1, 1), nn.BatchNorm2d(32), nn.ReLU(),
+                nn.Conv2d(32, 48, 1, 2), nn.BatchNorm2d(48), nn.Hardswish(),
+                nn.Conv2d(48, 48, 3, 1, 1, groups=4), nn.ReLU(),
+                nn.Conv2d(48, 48, 5, 1, 2, groups=48), nn.BatchNorm2d(48), nn.Hardswish())
+            self.fc = nn.Linear(48, 37)
+
+        def forward(self, x):
+            y = self.body(x)
+            return self.fc(y.mean((2, 3))), y
+
+    net = Net().cuda().eval()
+    for m in net.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.2, 0.2)
+            m.running_var.uniform_(0.5, 1.5)
+    x = torch.randn(4, 3, 23, 19, device="cuda")
+    with torch.no_grad():
+        want = net(x)
+        for mode in ("library", "auto"):
+            torch._dynamo.reset()
+            stats = polyjit.frontends.torch.stats(reset=True)
+            got = torch.compile(net, backend="polyjit", options={"contractions": mode, "strict": True})(x)
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+            assert stats["fallbacks"] == 0 and stats["library_calls"] >= (4 if mode == "library" else 1)
+    polyjit.cuda_synchronize()
 
 
 @pytest.mark.gpu

@@ -1,4 +1,5 @@
 """Every core op and composite, against numpy on fresh random data."""
+import dataclasses
 import math
 import os
 
@@ -6,7 +7,8 @@ import numpy as np
 import pytest
 
 import polyjit
-from polyjit import InputInfo, ops
+from polyjit import InputInfo, ops, scalar
+from polyjit.codegen import llvm, program
 from polyjit.errors import UnsupportedOpError
 
 import refs
@@ -49,6 +51,7 @@ UNARY = [
     ("tan", ops.tan, np.tan, (-1.5, 1.5)),
     ("tanh", ops.tanh, np.tanh, (-10, 10)),
     ("erf", ops.erf, refs.erf, (-4, 4)),
+    ("erfc", ops.erfc, np.vectorize(math.erfc, otypes=[np.float64]), (-4, 10)),
     ("sigmoid", ops.sigmoid, lambda x: 1 / (1 + np.exp(-x)), (-20, 20)),
     ("floor", ops.floor, np.floor, (-5, 5)),
     ("ceil", ops.ceil, np.ceil, (-5, 5)),
@@ -75,6 +78,29 @@ def test_unary_nan_inf(name, op, ref, dom):
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     finite = ~np.isnan(want)
     np.testing.assert_allclose(got[finite], want[finite], rtol=1e-5)
+
+
+
+DECOMPOSED = sorted(n for n, o in scalar.OPS.items() if o.public and o.decompose is not None)
+
+
+@pytest.mark.skipif(TARGET != "cpu", reason="compares with the host's native forms")
+@pytest.mark.parametrize("name", DECOMPOSED)
+def test_decompositions_agree_with_the_native_forms(name, rng, monkeypatch):
+    """A target without a native form of an op (the GPU has no C library)
+    emits its decomposition from polyjit.scalar: forced on the host, it
+    agrees with the C library, NaN and infinities included."""
+    special = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, -1.0, 2.0, -2.0, 0.5], F32)
+    args = [np.concatenate([rng.uniform(-8, 8, 990).astype(F32), np.roll(special, k)]).reshape(40, 25)
+            for k in range(scalar.OPS[name].arity)]
+    fn = getattr(ops, name)
+    native, native_exe = run(fn, *args, cache=False)
+    monkeypatch.setattr(program, "_codes", {})  # no code shared with the native build
+    monkeypatch.setattr(llvm, "_INTRINSIC", {k: v for k, v in llvm._INTRINSIC.items() if k != name})
+    monkeypatch.setitem(scalar.OPS, name, dataclasses.replace(scalar.OPS[name], libm=False))
+    decomposed, exe = run(fn, *args, cache=False)
+    assert exe.ir("llvm") != native_exe.ir("llvm")
+    close(decomposed, native, rtol=3e-6, atol=1e-7)
 
 
 BINARY = [

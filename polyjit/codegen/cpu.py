@@ -248,6 +248,7 @@ def host_key() -> str:
     return f"{llvm.get_process_triple()}|{llvm.get_host_cpu_name()}|{llvm.get_host_cpu_features().flatten()}"
 
 
+@functools.cache
 def vector_bits() -> int:
     """The width of the host's vectors: 512 with AVX-512, else 256."""
     return 512 if "+avx512f" in llvm.get_host_cpu_features().flatten() else 256

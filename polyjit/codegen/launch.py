@@ -1,8 +1,7 @@
 """A launch plan as host code, compiled once with llvmlite, so that a caller
 outside Python (an XLA custom call) runs a program's kernels with no
-interpreter in between: on the H100 host, the Python that did these GPU
-launches cost 77 us of a 195 us training step; on the CPU a small layer
-norm's call went from 141 to 38 us.
+interpreter in between (the Python that did these launches was a large
+part of a small training step's time: bench/NOTES.md).
 
 The function built is
 

@@ -17,12 +17,15 @@ from typing import Any
 import islpy as isl
 from llvmlite import ir
 
+from .. import scalar
 from .. import sizes as sz
 from ..affine import AffineProgram, Array, Statement
 from ..dtypes import DataType
 from ..expr import Const, Expr, Load, Op, Var, loads, walk
-from ..schedule import Scheduled, ast_nodes, statements_in
+from ..schedule import MIN_PARALLEL_EXTENT, Scheduled, ast_nodes, statements_in
+from ..errors import UnsupportedOpError
 from . import mathlib
+from .rules import rule_for
 
 I1, I8, I32, I64 = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.IntType(64)
 F16, F32, F64 = ir.HalfType(), ir.FloatType(), ir.DoubleType()
@@ -33,14 +36,8 @@ COMPUTE = {DataType.Bool: I1, DataType.Int32: I32, DataType.UInt32: I32, DataTyp
            DataType.BFloat16: F32, DataType.Float: F32, DataType.Double: F64}
 STORAGE = {DataType.Bool: I8, DataType.Int32: I32, DataType.UInt32: I32, DataType.Int: I64, DataType.Half: F16,
            DataType.BFloat16: BF16, DataType.Float: F32, DataType.Double: F64}
-MIN_PARALLEL_EXTENT = 8  # a parallel loop shorter than this shares its inner loop's strips too
 STACK_LIMIT = 16384  # bytes: smaller contracted buffers go on the stack
 
-_FCMP = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
-_ICMP = _FCMP
-_BITWISE = ("bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not", "shift_left", "shift_right_logical",
-            "shift_right_arithmetic")
-_LIBM = {"tan", "tanh", "erf", "log1p", "expm1", "atan2"}
 _INTRINSIC = {"exp": "llvm.exp", "log": "llvm.log", "sin": "llvm.sin", "cos": "llvm.cos",
               "sqrt": "llvm.sqrt", "floor": "llvm.floor", "ceil": "llvm.ceil",
               "round": "llvm.roundeven", "abs": "llvm.fabs", "pow": "llvm.pow",
@@ -55,6 +52,7 @@ class KernelInfo:
     lanes: int = 0  # nvgpu: threads per parallel iteration (a warp or a block), 0 for one
     zeroed: tuple[str, ...] = ()  # nvgpu: arrays to zero before the launch (atomic sums)
     strips: bool = False  # nvgpu: strips of a sum, more threads than elements written
+    library: Any = None  # nvgpu: the library statement this step runs on the host's stream (no PTX)
     fn: Any = None  # cpu: the compiled function, once JIT-compiled (nvgpu kernels load in polyjit.cuda)
 
 
@@ -595,8 +593,7 @@ class Emitter:
         return self.b.urem(v, ir.Constant(I64, modulus))
 
     def combine(self, how: str, old, new, dt: DataType) -> ir.Value:
-        op = {"sum": "add", "prod": "mul", "max": "maximum", "min": "minimum"}[how]
-        v = self.op(op, [old, new], dt, [dt, dt])
+        v = self.op(scalar.COMBINE[how], [old, new], dt, [dt, dt])
         if how in ("sum", "prod") and dt.is_float:
             v.flags.append("reassoc")
             if how == "sum" and getattr(new, "opname", "") == "fmul":
@@ -652,80 +649,22 @@ class Emitter:
         return ir.Constant(t, int(value))
 
     def op(self, op: str, a: list, dt: DataType, adts: list[DataType]) -> ir.Value:
-        b = self.b
+        """op on values a of types adts, giving dt: its rule for the operands'
+        class, or its decomposition (polyjit.scalar) where the target has none."""
         src = adts[0] if adts else dt
-        fl = src.is_float
-        if op == "cast":
-            return self.cast(a[0], src, dt)
-        if op == "select":
-            return b.select(*a)
-        if op == "rand":
-            return self.philox_uniform(a[0], a[1])
-        if op == "threefry":
-            return self.threefry_bits(*a)
-        if op == "bitcast":
-            return b.bitcast(a[0], COMPUTE[dt])
-        if op in _FCMP:
-            if fl:
-                return b.fcmp_ordered(_FCMP[op], *a) if op != "ne" else b.fcmp_unordered("!=", *a)
-            return (b.icmp_unsigned if src.is_unsigned else b.icmp_signed)(_ICMP[op], *a)
-        if op in ("logical_and", "logical_or", "logical_xor"):
-            return {"logical_and": b.and_, "logical_or": b.or_, "logical_xor": b.xor}[op](*a)
-        if op == "logical_not":
-            return b.not_(a[0])
-        if op == "isnan":
-            return b.fcmp_unordered("uno", a[0], a[0]) if fl else ir.Constant(I1, 0)
-        if op in ("isinf", "isfinite"):
-            if not fl:
-                return ir.Constant(I1, int(op == "isfinite"))
-            mag = self.call("llvm.fabs", [a[0]])
-            inf = ir.Constant(a[0].type, math.inf)
-            return b.fcmp_ordered("==", mag, inf) if op == "isinf" else b.fcmp_ordered("<", mag, inf)
-        if fl:
-            return self.float_op(op, a)
-        if src.is_unsigned or op in _BITWISE:
-            return self.bits_op(op, a, src)
-        return self.int_op(op, a, dt)
+        rule = rule_for(op, src)
+        if rule is not None:
+            return rule(self, a, dt, src)
+        if src.is_float and op in scalar.OPS and scalar.OPS[op].decompose is not None:
+            return self.decomposed(op, a)
+        raise UnsupportedOpError(f"{op} on {src} has no lowering")
 
-    def float_op(self, op: str, a: list) -> ir.Value:
-        b = self.b
-        t = a[0].type
-        one = ir.Constant(t, 1.0)
-        simple = {"add": b.fadd, "sub": b.fsub, "mul": b.fmul, "div": b.fdiv}
-        if op in simple:
-            return simple[op](*a)
-        if op == "neg":
-            return b.fneg(a[0])
-        if op == "reciprocal":
-            return b.fdiv(one, a[0])
-        if op == "rsqrt":
-            return b.fdiv(one, self.call("llvm.sqrt", a))
-        if op == "sigmoid":
-            return b.fdiv(one, b.fadd(one, self.math("exp", [b.fneg(a[0])])))
-        if op == "relu":
-            zero = ir.Constant(t, 0.0)
-            return b.select(b.fcmp_ordered("<", a[0], zero), zero, a[0])
-        if op == "sign":
-            zero = ir.Constant(t, 0.0)
-            pos = b.uitofp(b.fcmp_ordered(">", a[0], zero), t)
-            neg = b.uitofp(b.fcmp_ordered("<", a[0], zero), t)
-            r = b.fsub(pos, neg)
-            return b.select(b.fcmp_unordered("uno", a[0], a[0]), a[0], r)
-        if op == "erf_inv":
-            return self.erf_inv(a[0])
-        if op == "fmod":
-            return b.frem(*a)
-        if op == "trunc_divide":
-            return self.call("llvm.trunc", [b.fdiv(*a)])
-        if op == "floor_divide":
-            return self.float_floor_divide(*a)
-        if op == "remainder":
-            r = b.frem(*a)
-            fix = b.and_(b.fcmp_ordered("!=", r, ir.Constant(t, 0.0)),
-                         b.xor(b.fcmp_ordered("<", r, ir.Constant(t, 0.0)),
-                               b.fcmp_ordered("<", a[1], ir.Constant(t, 0.0))))
-            return b.select(fix, b.fadd(r, a[1]), r)
-        return self.math(op, a)
+    def decomposed(self, op: str, a: list) -> ir.Value:
+        """op's decomposition in polyjit.scalar, emitted op by op."""
+        dt = DataType.Double if a[0].type == F64 else DataType.Float
+        names = [f"%{k}" for k in range(len(a))]
+        e = scalar.OPS[op].decompose(*(Var(dt, n) for n in names))
+        return self.value(e, dict(zip(names, a)), {})
 
     def float_floor_divide(self, x, y) -> ir.Value:
         """floor(x / y) as numpy and torch compute it: from the exact
@@ -767,90 +706,24 @@ class Emitter:
 
     def math(self, op: str, a: list) -> ir.Value:
         """Transcendental functions: vectorizable float32 kernels, LLVM
-        intrinsics or the C math library."""
+        intrinsics, the C math library, or the op's decomposition."""
         if a[0].type == F32 and op in mathlib.KERNELS:
             return mathlib.KERNELS[op](self.b, self.module, *a)
         if op in _INTRINSIC:
             return self.call(_INTRINSIC[op], a)
-        if op in _LIBM:
+        if scalar.OPS[op].libm:
             name = op + ("f" if a[0].type == F32 else "")
             fn = self.module.globals.get(name) or ir.Function(
                 self.module, ir.FunctionType(a[0].type, [x.type for x in a]), name)
             return self.b.call(fn, a)
-        raise NotImplementedError(f"no lowering for {op}")
+        if scalar.OPS[op].decompose is not None:
+            return self.decomposed(op, a)
+        raise UnsupportedOpError(f"{op} has no lowering")
 
     def call(self, intrinsic: str, a: list) -> ir.Value:
         fn = self.module.declare_intrinsic(intrinsic, [a[0].type],
                                            ir.FunctionType(a[0].type, [x.type for x in a]))
         return self.b.call(fn, a)
-
-    def int_op(self, op: str, a: list, dt: DataType) -> ir.Value:
-        b = self.b
-        if op == "add":
-            return b.add(*a)
-        if op == "sub":
-            return b.sub(*a)
-        if op == "mul":
-            return b.mul(*a)
-        if op in ("div", "floordiv", "mod", "remainder", "fmod", "floor_divide", "trunc_divide"):
-            return self.int_division(op, *a)
-        if op in ("max", "maximum"):
-            if a[0].type == I1:
-                return b.or_(*a)
-            return b.select(b.icmp_signed(">", a[0], a[1]), a[0], a[1])
-        if op in ("min", "minimum"):
-            if a[0].type == I1:
-                return b.and_(*a)
-            return b.select(b.icmp_signed("<", a[0], a[1]), a[0], a[1])
-        if op == "neg":
-            return b.neg(a[0])
-        if op == "abs":
-            return b.select(b.icmp_signed("<", a[0], ir.Constant(a[0].type, 0)), b.neg(a[0]), a[0])
-        if op == "sign":
-            z = ir.Constant(a[0].type, 0)
-            return b.sub(b.zext(b.icmp_signed(">", a[0], z), a[0].type),
-                         b.zext(b.icmp_signed("<", a[0], z), a[0].type))
-        if op == "relu":
-            z = ir.Constant(a[0].type, 0)
-            return b.select(b.icmp_signed("<", a[0], z), z, a[0])
-        if op in ("floor", "ceil", "round"):
-            return a[0]
-        if op == "pow":
-            f = self.call("llvm.pow", [b.sitofp(a[0], F64), b.sitofp(a[1], F64)])
-            return b.fptosi(f, a[0].type)
-        raise NotImplementedError(f"no integer lowering for {op}")
-
-    def bits_op(self, op: str, a: list, dt: DataType) -> ir.Value:
-        """Bitwise and shift ops (JAX's: a shift by the width or more gives 0,
-        or the sign for an arithmetic one), and unsigned arithmetic."""
-        b = self.b
-        if op in ("bitwise_and", "bitwise_or", "bitwise_xor"):
-            return {"bitwise_and": b.and_, "bitwise_or": b.or_, "bitwise_xor": b.xor}[op](*a)
-        if op == "bitwise_not":
-            return b.not_(a[0])
-        if op.startswith("shift_"):
-            t = a[0].type
-            width = ir.Constant(t, t.width)
-            over = b.icmp_unsigned(">=", a[1], width)
-            if op == "shift_right_arithmetic":
-                return b.ashr(a[0], b.select(over, ir.Constant(t, t.width - 1), a[1]))
-            shifted = b.shl(*a) if op == "shift_left" else b.lshr(*a)
-            return b.select(over, ir.Constant(t, 0), shifted)
-        if op in ("div", "floordiv", "mod", "remainder", "fmod", "floor_divide", "trunc_divide"):
-            zero = ir.Constant(a[1].type, 0)
-            by_zero = b.icmp_unsigned("==", a[1], zero)
-            safe = b.select(by_zero, ir.Constant(a[1].type, 1), a[1])
-            v = b.udiv(a[0], safe) if op.endswith(("div", "divide")) else b.urem(a[0], safe)
-            return b.select(by_zero, zero, v)
-        if op in ("max", "maximum", "min", "minimum"):
-            return b.select(b.icmp_unsigned(">" if op.startswith("max") else "<", a[0], a[1]), a[0], a[1])
-        if op in ("abs", "relu", "floor", "ceil", "round"):
-            return a[0]
-        if op == "sign":
-            return b.zext(b.icmp_unsigned("!=", a[0], ir.Constant(a[0].type, 0)), a[0].type)
-        if op in ("add", "sub", "mul", "neg"):
-            return self.int_op(op, a, dt)
-        raise NotImplementedError(f"no unsigned lowering for {op}")
 
     def threefry_bits(self, k0, k1, count) -> ir.Value:
         """JAX's 32 random bits for element count under key (k0, k1): both

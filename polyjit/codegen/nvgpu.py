@@ -31,8 +31,9 @@ import islpy as isl
 import llvmlite.binding as llvm
 from llvmlite import ir
 
+from .. import scalar
 from ..dtypes import DataType
-from ..schedule import ast_nodes
+from ..schedule import ast_nodes, statements_in
 from ..errors import UnsupportedOpError
 from ..expr import Const, Load, Op, Var, loads, walk
 from . import mathlib
@@ -51,7 +52,9 @@ ROW_GROUPS = 8  # a lane loop of at most this many groups per lane is unrolled w
 TILE, KTILE = 64, 16  # a contraction's output tile per block, and its reduction slice in shared memory
 BIG_TILE = 128  # the tile of long products
 STRIP_REDUCE = 256  # iterations of a summing loop per thread before its atomic add
-STRIP = 64  # iterations of a sequential loop per thread when strips run in parallel
+THREAD_STRIP = 64  # iterations of a sequential loop per thread when strips run in parallel
+THREADS_PER_MULTIPROCESSOR = 2048  # resident threads (sm_70 to sm_90)
+DEFAULT_MULTIPROCESSORS = 132  # where no GPU says (PTX for gpu_arch): an H100's
 _SREG = "llvm.nvvm.read.ptx.sreg."
 _GPU_INTRINSIC = {"sqrt": "llvm.sqrt", "floor": "llvm.floor", "ceil": "llvm.ceil", "round": "llvm.roundeven",
                   "abs": "llvm.fabs", "maximum": "llvm.maximum", "minimum": "llvm.minimum"}
@@ -62,7 +65,15 @@ class GpuEmitter(Emitter):
 
     def kernel(self, k: int, node: isl.AstNode) -> None:
         """``ptx_kernel void name(ptr buffers..., i64 ints...)``; the body gets
-        the thread's global index as its part and the thread count as parts."""
+        the thread's global index as its part and the thread count as parts.
+        A library statement (which runs alone) is no kernel: a step that
+        polyjit.cuda runs through cuBLAS."""
+        names = statements_in(node)
+        called = [self.stmts[n] for n in names if self.stmts[n].library is not None]
+        if called:
+            self.kernels.append(KernelInfo(self.kernel_name(k, names), False, tuple(sorted(names)),
+                                           library=called[0]))
+            return
         names, name, body_fn = self.body_function(k, node)
         nb, ni = len(self.buffer_arrays), len(self.int_slots)
         body_fn.attributes.add("alwaysinline")
@@ -134,7 +145,11 @@ class GpuEmitter(Emitter):
             self.tiled_contraction(tiles, [b_[1:] for b_ in bounds])
             return
         plan = _WarpPlan.of(self, rest, [it for it, *_ in bounds]) if bounds else None
-        strip = (self.strip_plan(rest, seen, STRIP, bounded=True) or self.atomic_plan(rest, seen)) if plan is None else None
+        strip = None
+        if plan is None:
+            strip = self.strip_plan(rest, seen, THREAD_STRIP, bounded=True)
+            if strip is None and not self.fills_device(loops):
+                strip = self.atomic_plan(rest, seen)
         if strip is not None:  # strips of the sequential loop become a parallel dimension
             strip_range = self.loop_range(strip.loop)
             strips = self.trip_count(zero, one, self.trip_count(*strip_range), strip.size)
@@ -193,6 +208,18 @@ class GpuEmitter(Emitter):
                                lambda: self.strided_loop(g, first, total, step, "grid", iteration, UNROLL, defer))
             return
         self.strided_loop(g, first, total, step, "grid", iteration)
+
+    def fills_device(self, loops: list[isl.AstNode]) -> bool:
+        """Whether the grid loops alone have an iteration for a quarter of the
+        threads the device holds at once: then a sum stays whole in each thread, where
+        strips added atomically would only contend (MobileNetV3-small's
+        convolutions, 32x96x7x7 outputs and more, each summed by one atomic
+        add per input channel, took most of its 455 ms)."""
+        extents = [static_extent(loop) for loop in loops]
+        if not loops or None in extents:
+            return False
+        threads = (self.multiprocessors or DEFAULT_MULTIPROCESSORS) * THREADS_PER_MULTIPROCESSOR
+        return math.prod(extents) * 4 >= threads
 
     def vector_branch(self, aligned: ir.Value | None, grouped, scalar) -> None:
         """grouped() where the accesses are aligned at run time, else scalar()."""
@@ -365,7 +392,7 @@ class GpuEmitter(Emitter):
         for st in stmts:
             dt = self.prog.arrays[st.array].dtype
             slot = self.var("partial." + st.name, COMPUTE[dt])
-            self.b.store(_identity(st.combine, dt), slot)
+            self.b.store(self.constant(scalar.identity(st.combine, dt), dt), slot)
             self.partials[st.name] = (slot, None)
 
     def reduction_address(self, st, call: isl.AstExpr) -> ir.Value:
@@ -834,8 +861,8 @@ class GpuEmitter(Emitter):
             return mathlib.KERNELS[op](self.b, self.module, *a)
         if op in _GPU_INTRINSIC:
             return self.call(_GPU_INTRINSIC[op], a)
-        if t == F32 and op in _COMPOSED:
-            return _COMPOSED[op](self, *a)
+        if t == F32 and scalar.OPS[op].decompose is not None:
+            return self.decomposed(op, a)
         raise UnsupportedOpError(f"{op} on {'float32' if t == F32 else str(t)} is not supported by target 'nvgpu'")
 
     def malloc(self, nbytes):
@@ -1088,79 +1115,6 @@ def _index_text(index, text: dict[str, str]) -> tuple | None:
         else:
             return None
     return tuple(out)
-
-
-def _identity(how: str, dt: DataType) -> ir.Constant:
-    t = COMPUTE[dt]
-    if how == "sum":
-        return ir.Constant(t, 0.0 if dt.is_float else 0)
-    if how == "prod":
-        return ir.Constant(t, 1.0 if dt.is_float else 1)
-    big = how == "min"
-    if dt.is_float:
-        return ir.Constant(t, math.inf if big else -math.inf)
-    if dt is DataType.Bool:
-        return ir.Constant(t, int(big))
-    return ir.Constant(t, (1 << (t.width - 1)) - 1 if big else -(1 << (t.width - 1)))
-
-
-def _log1p(e: GpuEmitter, x):
-    b, t = e.b, x.type
-    u = b.fadd(ir.Constant(t, 1.0), x)
-    r = b.fmul(e.math("log", [u]), b.fdiv(x, b.fsub(u, ir.Constant(t, 1.0))))  # Kahan's correction
-    r = b.select(b.fcmp_ordered("==", u, ir.Constant(t, 1.0)), x, r)
-    return b.select(b.fcmp_ordered("==", x, ir.Constant(t, math.inf)), x, r)
-
-
-def _expm1(e: GpuEmitter, x):
-    b, t = e.b, x.type
-    u = e.math("exp", [x])
-    um1 = b.fsub(u, ir.Constant(t, 1.0))
-    r = b.fdiv(b.fmul(um1, x), e.math("log", [u]))
-    r = b.select(b.fcmp_ordered("==", um1, ir.Constant(t, -1.0)), um1, r)
-    r = b.select(b.fcmp_ordered("==", u, ir.Constant(t, math.inf)), u, r)
-    return b.select(b.fcmp_ordered("==", u, ir.Constant(t, 1.0)), x, r)
-
-
-def _pow(e: GpuEmitter, x, y):
-    """exp(y log|x|), with the sign of an odd integer power and C's special cases."""
-    b, t = e.b, x.type
-    zero, one = ir.Constant(t, 0.0), ir.Constant(t, 1.0)
-    mag = e.math("exp", [b.fmul(y, e.math("log", [e.call("llvm.fabs", [x])]))])
-    yint = b.fcmp_ordered("==", e.call("llvm.floor", [y]), y)
-    half = b.fmul(y, ir.Constant(t, 0.5))
-    odd = b.and_(yint, b.fcmp_ordered("!=", e.call("llvm.floor", [half]), half))
-    neg = b.fcmp_ordered("<", x, zero)
-    r = b.select(b.and_(neg, odd), b.fneg(mag), mag)
-    r = b.select(b.and_(neg, b.not_(yint)), ir.Constant(t, math.nan), r)
-    return b.select(b.or_(b.fcmp_ordered("==", y, zero), b.fcmp_ordered("==", x, one)), one, r)
-
-
-def _atan2(e: GpuEmitter, y, x):
-    """Cephes' atanf on min/max of |y|, |x| (in [0, 1], reduced by pi/4 when
-    over tan(pi/8)), then moved to its quadrant."""
-    b, t = e.b, x.type
-    c = lambda v: ir.Constant(t, v)  # noqa: E731
-    fabs = lambda v: e.call("llvm.fabs", [v])  # noqa: E731
-    ax, ay = fabs(x), fabs(y)
-    hi = e.call("llvm.maxnum", [ax, ay])
-    lo = e.call("llvm.minnum", [ax, ay])
-    a = b.fdiv(lo, hi)
-    a = b.select(b.fcmp_ordered("==", hi, c(0.0)), c(0.0), a)
-    a = b.select(b.fcmp_ordered("==", lo, c(math.inf)), c(1.0), a)
-    big = b.fcmp_ordered(">", a, c(0.4142135623730950))
-    r = b.select(big, b.fdiv(b.fsub(a, c(1.0)), b.fadd(a, c(1.0))), a)
-    z = b.fmul(r, r)
-    p = mathlib._poly(b, z, [8.05374449538e-2, -1.38776856032e-1, 1.99777106478e-1, -3.33329491539e-1])
-    r = mathlib._muladd(b, b.fmul(p, z), r, r)
-    r = b.select(big, b.fadd(r, c(math.pi / 4)), r)
-    r = b.select(b.fcmp_ordered(">", ay, ax), b.fsub(c(math.pi / 2), r), r)
-    r = b.select(b.icmp_signed("<", b.bitcast(x, I32), ir.Constant(I32, 0)), b.fsub(c(math.pi), r), r)
-    r = e.call("llvm.copysign", [r, y])
-    return b.select(b.fcmp_unordered("uno", x, y), b.fadd(x, y), r)
-
-
-_COMPOSED = {"log1p": _log1p, "expm1": _expm1, "pow": _pow, "atan2": _atan2}
 
 
 def _parallel_top(node: isl.AstNode) -> str | None:

@@ -2,7 +2,10 @@
 
 Kernels of the same structure (a fusion group's canonical statements,
 arrays and schedule, the kernel's place in it: a model's identical layers)
-are emitted and compiled once per process. Each such kernel's code takes
+are emitted and compiled once per process. LLVM's passes and machine code
+run on a thread of their own while the next kernels are scheduled and
+emitted in Python (llvmlite's calls release the GIL; its lock keeps one LLVM
+call at a time, so one thread is all it can use). Each such kernel's code takes
 its group's buffers and integers in the group's own order; a small entry
 per kernel of the program, with the runtime's fixed signature, gathers the
 program's buffers into that order and calls it. The machine code is object
@@ -13,7 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from dataclasses import dataclass, replace
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 
 import llvmlite.binding as llvm
 from llvmlite import ir
@@ -35,20 +40,40 @@ class KernelCode:
     symbol: str
     parallel: bool
     ir: str  # as emitted
-    optimized: str  # after LLVM's passes
-    obj: bytes  # machine code
+    job: Future = field(compare=False)  # (optimized IR, object code, seconds), made on the LLVM thread
+
+    @property
+    def optimized(self) -> str:
+        """The IR after LLVM's passes."""
+        return self.job.result()[0]
+
+    @property
+    def obj(self) -> bytes:
+        """The machine code."""
+        return self.job.result()[1]
 
 
 _codes: dict[str, KernelCode] = {}
 _codes_lock = threading.Lock()
+_llvm_thread: ThreadPoolExecutor | None = None
+
+
+def _submit(fn, *args) -> Future:
+    """Run fn on the LLVM thread (started on first use)."""
+    global _llvm_thread
+    with _codes_lock:
+        if _llvm_thread is None:
+            _llvm_thread = ThreadPoolExecutor(1, thread_name_prefix="polyjit-llvm")
+        return _llvm_thread.submit(fn, *args)
 
 
 def kernel_code(group: ScheduledGroup, j: int, config: str, timer) -> tuple[KernelCode, bool]:
-    """The code of kernel j of group (compiled now, or earlier in this process: second result True)."""
+    """The code of kernel j of group (compiled now, or earlier in this process:
+    second result True); its machine code may still be on the way (KernelCode.job)."""
     key = hashlib.sha256(f"{group.problem.key}|{config}|{j}".encode()).hexdigest()
     with _codes_lock:
         code = _codes.get(key)
-    if code is not None:
+    if code is not None and not (code.job.done() and code.job.exception()):
         return code, True
     with timer("emit"):
         emitter = CpuEmitter(group.problem.prog, group.sched, "k")
@@ -57,14 +82,18 @@ def kernel_code(group: ScheduledGroup, j: int, config: str, timer) -> tuple[Kern
             "_kernel", "_" + key[:16])
         emitter.kernel(j, node)
         text = str(emitter.module)
-    with timer("llvm"):
-        optimized, obj = compile_object(text)
-    code = KernelCode(emitter.symbol, emitter.kernels[0].parallel, text, optimized, obj)
+    code = KernelCode(emitter.symbol, emitter.kernels[0].parallel, text, _submit(_timed_object, text))
     with _codes_lock:
         _codes[key] = code
         while len(_codes) > CODE_CACHE:
             _codes.pop(next(iter(_codes)))
     return code, False
+
+
+def _timed_object(ir_text: str) -> tuple[str, bytes, float]:
+    start = time.perf_counter()
+    optimized, obj = compile_object(ir_text)
+    return optimized, obj, time.perf_counter() - start
 
 
 def compile_object(ir_text: str) -> tuple[str, bytes]:
@@ -75,6 +104,14 @@ def compile_object(ir_text: str) -> tuple[str, bytes]:
         return optimized, tm.emit_object(mod)
 
 
+def finish(codes: list[KernelCode], new: list[KernelCode], timer) -> None:
+    """Wait for the machine code of codes: the wait is the "llvm" stage; the
+    LLVM thread's own seconds for those of them compiled for this program
+    (new) go to "llvm/thread" (in the log's detail)."""
+    with timer("llvm"):
+        for c in codes:
+            c.job.result()
+    timer.add("llvm/thread", sum(c.job.result()[2] for c in new))
 @dataclass
 class ProgramCode:
     """What a CPU program runs: its buffers, integers, kernels and their code."""
@@ -87,28 +124,47 @@ class ProgramCode:
     compiled: int  # kernels whose code was compiled for this program
 
 
-def build_program(prog: AffineProgram, sched: ProgramSchedule, name: str, config: str, timer) -> ProgramCode:
+class CodeSet:
+    """The kernel codes of one program, asked for as its groups are scheduled
+    (of) and again as the program is built; the codes compiled for it (not
+    found in the process's cache) are in ``new``."""
+
+    def __init__(self, config: str, timer) -> None:
+        self.config, self.timer = config, timer
+        self.new: list[KernelCode] = []
+
+    def of(self, group: ScheduledGroup) -> list[KernelCode]:
+        out = []
+        for j in range(len(group.sched.kernels)):
+            code, reused = kernel_code(group, j, self.config, self.timer)
+            if not reused:
+                self.new.append(code)
+            out.append(code)
+        return out
+
+
+def build_program(prog: AffineProgram, sched: ProgramSchedule, name: str, codeset: CodeSet) -> ProgramCode:
+    timer = codeset.timer
     buffers, int_slots = buffer_layout(prog, sched.contracted)
     slot = {a.name: k for k, a in enumerate(buffers)}
     int_slot = {s: k for k, s in enumerate(int_slots)}
     module = ir.Module(name=name)
-    kernels, codes, compiled = [], {}, 0
+    kernels, codes = [], {}
     k = 0
     for group in sched.groups:
         mini_buffers, mini_ints = buffer_layout(group.problem.prog, group.sched.contracted)
         arrays = group.problem.arrays
         bufs = [slot[arrays[a.name]] for a in mini_buffers]
         ints = [int_slot[(p, d) if d < 0 else (arrays[p], d)] for p, d in mini_ints]
-        for j in range(len(group.sched.kernels)):
-            code, reused = kernel_code(group, j, config, timer)
-            compiled += not reused
+        for code in codeset.of(group):
             codes.setdefault(code.symbol, code)
             entry = kernel_name(prog, name, k, sched.kernels[k])
             with timer("emit"):
                 _entry(module, entry, code.symbol, bufs, ints)
             kernels.append(KernelInfo(entry, code.parallel, tuple(sorted(sched.kernels[k]))))
             k += 1
-    return ProgramCode(buffers, int_slots, kernels, list(codes.values()), str(module), compiled)
+    finish(list(codes.values()), codeset.new, timer)
+    return ProgramCode(buffers, int_slots, kernels, list(codes.values()), str(module), len(codeset.new))
 
 
 def _entry(module: ir.Module, name: str, target: str, bufs: list[int], ints: list[int]) -> None:

@@ -1,0 +1,190 @@
+"""A GPU program built from kernel PTX shared by structure.
+
+As on the CPU (codegen.program), kernels of the same structure (a fusion
+group's canonical statements, arrays and schedule, the kernel's place in it,
+the GPU's sm_XX and multiprocessors, and which of the group's arrays the
+program writes anywhere) are emitted, optimized and turned into PTX once
+per process, each in a module of its own whose entry takes its group's
+buffers and integers. The program's PTX then holds one entry per kernel
+of the program, with the runtime's fixed argument list (every buffer of the
+program, then every integer): a copy of the shared entry's text, renamed,
+its parameters declared in the program's order and its reads of them
+(``ld.param``) pointed at the program's slots. Nothing else changes in the
+code, so the launch sequence is the one of a program emitted whole. The
+program's LLVM IR (``ir["llvm"]``) is the kernels' modules linked with one
+entry per kernel of the program, in the runtime's signature, that calls its
+shared kernel.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+import threading
+from dataclasses import dataclass
+
+import llvmlite.binding as llvm
+from llvmlite import ir
+
+from ..affine import AffineProgram
+from ..schedule import ProgramSchedule, ScheduledGroup
+from .llvm import I64, PTR, KernelInfo, buffer_layout, kernel_name
+from .nvgpu import TRIPLE, GpuEmitter, ptx
+
+CODE_CACHE = 4096  # kernels kept per process
+
+
+@dataclass(frozen=True)
+class GpuKernelCode:
+    """One kernel's code, in its group's names: a module whose only entry is symbol."""
+
+    symbol: str
+    info: KernelInfo  # parallel, lanes, zeroed (the group's array names), strips
+    ir: str
+    optimized: str
+    header: str  # the PTX before the entry (.version, .target, .address_size)
+    entry: str  # the entry's PTX, from ".visible .entry"
+
+
+class _SharedEmitter(GpuEmitter):
+    """A group's emitter that also counts as written the arrays other groups
+    of the program write (their loads must not take the read-only cache in
+    the program as emitted whole; kept so, for the same code)."""
+
+    also_written: frozenset = frozenset()
+
+    def body(self, fn, node) -> None:
+        self.written |= self.also_written
+        super().body(fn, node)
+
+
+_codes: dict[str, GpuKernelCode] = {}
+_codes_lock = threading.Lock()
+_ENTRY = re.compile(r"^\.visible \.entry ", re.M)
+_SCOPE = re.compile(r"^\s*(\.(?:shared|global|const|extern|func|weak)\b)", re.M)
+
+
+def kernel_code(group: ScheduledGroup, j: int, config: tuple, written: frozenset, timer) \
+        -> tuple[GpuKernelCode | None, bool]:
+    """Kernel j of group (compiled now, or earlier in this process: second
+    result True); None where its PTX has more than one entry and nothing at
+    module scope, the form build_program can copy."""
+    arch, sms, tile_sizes = config
+    key = hashlib.sha256(f"{group.problem.key}|{config}|{sorted(written)}|{j}".encode()).hexdigest()
+    with _codes_lock:
+        code = _codes.get(key)
+    if code is not None:
+        return code, True
+    with timer("emit"):
+        emitter = _SharedEmitter(group.problem.prog, group.sched, "k")
+        emitter.tile_sizes, emitter.multiprocessors, emitter.also_written = tile_sizes, sms, written
+        emitter.symbol = f"polyjit_gpu_{key[:24]}"
+        emitter.kernel(j, group.sched.kernel_asts()[j])
+        text = str(emitter.module)
+    if emitter.kernels[0].library is not None:  # a cuBLAS step: no PTX
+        code = GpuKernelCode(emitter.symbol, emitter.kernels[0], "", "", "", "")
+        return code, False
+    with timer("llvm"):
+        optimized, ptx_text = ptx(text, arch)
+    starts = [m.start() for m in _ENTRY.finditer(ptx_text)]
+    if len(starts) != 1 or _SCOPE.search(ptx_text[:starts[0]]):
+        return None, False
+    code = GpuKernelCode(emitter.symbol, emitter.kernels[0], text, optimized, ptx_text[:starts[0]],
+                         ptx_text[starts[0]:])
+    with _codes_lock:
+        _codes[key] = code
+        while len(_codes) > CODE_CACHE:
+            _codes.pop(next(iter(_codes)))
+    return code, False
+
+
+def instance(code: GpuKernelCode, name: str, params: list[int], count: int) -> str:
+    """code's entry as name, taking count parameters (the program's), its own
+    parameter k being the program's params[k]."""
+    head, rest = code.entry.split("\n)\n", 1)
+    decls = head.split("\n")[1:]  # ".visible .entry symbol(" then one declaration a line
+    own = f"{code.symbol}_param_"
+    mine = {p: decls[k].strip().rstrip(",") for k, p in enumerate(params)}
+    lines = [f".visible .entry {name}("]
+    for p in range(count):
+        decl = mine[p].replace(f"{own}{params.index(p)}", f"{name}_param_{p}") if p in mine \
+            else f".param .u64 {name}_param_{p}"
+        lines.append("\t" + decl + ("," if p < count - 1 else ""))
+    body = re.sub(rf"\b{re.escape(own)}(\d+)\b", lambda m: f"{name}_param_{params[int(m.group(1))]}", rest)
+    return "\n".join(lines) + "\n)\n" + body.replace(code.symbol, name)
+
+
+@dataclass
+class GpuProgramCode:
+    buffers: list
+    int_slots: list
+    kernels: list[KernelInfo]
+    ptx: str
+    ir: str  # the distinct kernels' modules as emitted
+    optimized: str
+    compiled: int
+
+
+def build_program(prog: AffineProgram, sched: ProgramSchedule, name: str, config: tuple,
+                  timer) -> GpuProgramCode | None:
+    """The program's PTX from kernels shared by structure; None where one of
+    them is not in the form instance() copies (then emit the program whole)."""
+    buffers, int_slots = buffer_layout(prog, sched.contracted)
+    slot = {a.name: k for k, a in enumerate(buffers)}
+    int_slot = {s: len(buffers) + k for k, s in enumerate(int_slots)}
+    count = len(buffers) + len(int_slots)
+    program_writes = {s.array for s in prog.statements}
+    kernels, entries, codes, compiled, k = [], [], {}, 0, 0
+    module = ir.Module(name=name)
+    module.triple = TRIPLE
+    for group in sched.groups:
+        arrays = group.problem.arrays
+        mini_buffers, mini_ints = buffer_layout(group.problem.prog, group.sched.contracted)
+        params = [slot[arrays[a.name]] for a in mini_buffers]
+        params += [int_slot[(p, d) if d < 0 else (arrays[p], d)] for p, d in mini_ints]
+        written = frozenset(a for a, whole in arrays.items() if whole in program_writes)
+        for j in range(len(group.sched.kernels)):
+            code, reused = kernel_code(group, j, config, written, timer)
+            if code is None:
+                return None
+            entry = kernel_name(prog, name, k, sched.kernels[k])
+            if code.info.library is not None:  # run by polyjit.cuda, in the program's names
+                kernels.append(KernelInfo(entry, False, tuple(sorted(sched.kernels[k])), library=next(
+                    s for s in prog.statements if s.name in sched.kernels[k] and s.library is not None)))
+                k += 1
+                continue
+            compiled += not reused
+            codes.setdefault(code.symbol, code)
+            with timer("emit"):
+                entries.append(instance(code, entry, params, count))
+                _entry(module, entry, code.symbol, params, len(buffers), count)
+            i = code.info
+            kernels.append(KernelInfo(entry, i.parallel, tuple(sorted(sched.kernels[k])), i.lanes,
+                                      tuple(arrays[a] for a in i.zeroed), i.strips))
+            k += 1
+    header = next(iter(codes.values())).header if codes else ""
+    with timer("emit"):
+        linked = _linked(module, [c.ir for c in codes.values()])
+    return GpuProgramCode(buffers, int_slots, kernels, header + "\n".join(entries), linked,
+                          "\n".join(c.optimized for c in codes.values()), compiled)
+
+
+def _entry(module: ir.Module, name: str, target: str, params: list[int], buffers: int, count: int) -> None:
+    """name(the program's buffers..., its integers...) calls target with those at params."""
+    types = [PTR if p < buffers else I64 for p in range(count)]
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), types), name)
+    fn.calling_convention = "ptx_kernel"
+    callee = module.globals.get(target) or ir.Function(module, ir.FunctionType(ir.VoidType(),
+                                                                               [types[p] for p in params]), target)
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    b.call(callee, [fn.args[p] for p in params])
+    b.ret_void()
+
+
+def _linked(module: ir.Module, kernels: list[str]) -> str:
+    """module with the kernels' modules linked in, as text."""
+    from .cpu import _lock
+    with _lock:
+        mod = llvm.parse_assembly(str(module))
+        for text in kernels:
+            mod.link_in(llvm.parse_assembly(text))
+        return str(mod)

@@ -1,0 +1,251 @@
+"""LLVM spellings of the scalar ops, by op and operand class.
+
+`RULES[op][cls]` emits op on operands of class ``float``, ``int`` (signed
+integers and bools), ``uint`` or ``any``: a rule takes the emitter, the
+operand values, the result type and the operands' type. Math functions go
+through the emitter's `math` hook, where a target picks its native form
+(a vectorizable kernel, an intrinsic, the C library) or falls back on the
+op's decomposition in polyjit.scalar; an op without a rule for its class
+has no native form at all and is decomposed the same way. What an op
+means (its operand types, its cost) is polyjit.scalar's; this table only
+says how it is written in LLVM.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from llvmlite import ir
+
+from ..dtypes import DataType
+
+I1 = ir.IntType(1)
+
+Rule = Callable[..., ir.Value]  # (emitter, operand values, result dtype, operands' dtype)
+
+
+def operand_class(dt: DataType) -> str:
+    return "float" if dt.is_float else "uint" if dt.is_unsigned else "int"
+
+
+def _const(v, like) -> ir.Constant:
+    return ir.Constant(like.type, v)
+
+
+# --------------------------------------------------------------- floats
+def _sigmoid(e, a, dt, src):
+    one = _const(1.0, a[0])
+    return e.b.fdiv(one, e.b.fadd(one, e.math("exp", [e.b.fneg(a[0])])))
+
+
+def _relu(e, a, dt, src):
+    zero = _const(0.0, a[0])
+    return e.b.select(e.b.fcmp_ordered("<", a[0], zero), zero, a[0])
+
+
+def _sign(e, a, dt, src):
+    b, t, zero = e.b, a[0].type, _const(0.0, a[0])
+    pos = b.uitofp(b.fcmp_ordered(">", a[0], zero), t)
+    neg = b.uitofp(b.fcmp_ordered("<", a[0], zero), t)
+    r = b.fsub(pos, neg)
+    return b.select(b.fcmp_unordered("uno", a[0], a[0]), a[0], r)
+
+
+def _remainder(e, a, dt, src):
+    b, zero = e.b, _const(0.0, a[0])
+    r = b.frem(*a)
+    fix = b.and_(b.fcmp_ordered("!=", r, zero),
+                 b.xor(b.fcmp_ordered("<", r, zero), b.fcmp_ordered("<", a[1], zero)))
+    return b.select(fix, b.fadd(r, a[1]), r)
+
+
+def _signbit(e, a, dt, src):
+    t = ir.IntType(64 if a[0].type == ir.DoubleType() else 32)
+    return e.b.icmp_signed("<", e.b.bitcast(a[0], t), ir.Constant(t, 0))
+
+
+def _isinf(e, a, dt, src):
+    return e.b.fcmp_ordered("==", e.call("llvm.fabs", [a[0]]), _const(math.inf, a[0]))
+
+
+def _isfinite(e, a, dt, src):
+    return e.b.fcmp_ordered("<", e.call("llvm.fabs", [a[0]]), _const(math.inf, a[0]))
+
+
+def _math(op: str) -> Rule:
+    return lambda e, a, dt, src: e.math(op, a)
+
+
+_MATH = ("exp", "log", "log1p", "expm1", "sqrt", "sin", "cos", "tan", "tanh", "erf", "erfc", "atan2", "pow",
+         "floor", "ceil", "round", "abs", "maximum", "minimum")
+
+# ------------------------------------------------------------- integers
+def _int_max(e, a, dt, src):
+    if a[0].type == I1:
+        return e.b.or_(*a)
+    return e.b.select(e.b.icmp_signed(">", a[0], a[1]), a[0], a[1])
+
+
+def _int_min(e, a, dt, src):
+    if a[0].type == I1:
+        return e.b.and_(*a)
+    return e.b.select(e.b.icmp_signed("<", a[0], a[1]), a[0], a[1])
+
+
+def _int_abs(e, a, dt, src):
+    return e.b.select(e.b.icmp_signed("<", a[0], _const(0, a[0])), e.b.neg(a[0]), a[0])
+
+
+def _int_sign(e, a, dt, src):
+    b, z = e.b, _const(0, a[0])
+    return b.sub(b.zext(b.icmp_signed(">", a[0], z), a[0].type), b.zext(b.icmp_signed("<", a[0], z), a[0].type))
+
+
+def _int_relu(e, a, dt, src):
+    z = _const(0, a[0])
+    return e.b.select(e.b.icmp_signed("<", a[0], z), z, a[0])
+
+
+def _int_pow(e, a, dt, src):
+    f64 = ir.DoubleType()
+    f = e.call("llvm.pow", [e.b.sitofp(a[0], f64), e.b.sitofp(a[1], f64)])
+    return e.b.fptosi(f, a[0].type)
+
+
+def _shift(op: str) -> Rule:
+    """JAX's shifts: by the width or more gives 0, or the sign for an arithmetic one."""
+    def rule(e, a, dt, src):
+        b, t = e.b, a[0].type
+        over = b.icmp_unsigned(">=", a[1], ir.Constant(t, t.width))
+        if op == "shift_right_arithmetic":
+            return b.ashr(a[0], b.select(over, ir.Constant(t, t.width - 1), a[1]))
+        shifted = b.shl(*a) if op == "shift_left" else b.lshr(*a)
+        return b.select(over, ir.Constant(t, 0), shifted)
+    return rule
+
+
+def _uint_division(op: str) -> Rule:
+    """Unsigned quotient or remainder; by zero gives 0, as in numpy."""
+    def rule(e, a, dt, src):
+        b, zero = e.b, ir.Constant(a[1].type, 0)
+        by_zero = b.icmp_unsigned("==", a[1], zero)
+        safe = b.select(by_zero, ir.Constant(a[1].type, 1), a[1])
+        v = b.udiv(a[0], safe) if op.endswith(("div", "divide")) else b.urem(a[0], safe)
+        return b.select(by_zero, zero, v)
+    return rule
+
+
+def _uint_pick(pred: str) -> Rule:
+    return lambda e, a, dt, src: e.b.select(e.b.icmp_unsigned(pred, a[0], a[1]), a[0], a[1])
+
+
+def _same(e, a, dt, src):
+    return a[0]
+
+
+def _compare(how: str, sym: str) -> Rule:
+    return lambda e, a, dt, src: getattr(e.b, how)(sym, *a)
+
+
+def _bitcast(e, a, dt, src):
+    from .llvm import COMPUTE
+    return e.b.bitcast(a[0], COMPUTE[dt])
+
+
+_DIVISIONS = ("div", "floordiv", "mod", "remainder", "fmod", "floor_divide", "trunc_divide")
+_FCMP = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
+
+
+RULES: dict[str, dict[str, Rule]] = {}
+
+
+def rule(op: str, cls: str, fn: Rule) -> None:
+    RULES.setdefault(op, {})[cls] = fn
+
+
+def _any_type_rules() -> None:
+    rule("cast", "any", lambda e, a, dt, src: e.cast(a[0], src, dt))
+    rule("select", "any", lambda e, a, dt, src: e.b.select(*a))
+    rule("rand", "any", lambda e, a, dt, src: e.philox_uniform(a[0], a[1]))
+    rule("threefry", "any", lambda e, a, dt, src: e.threefry_bits(*a))
+    rule("bitcast", "any", _bitcast)
+    for op, sym in _FCMP.items():  # ordered, but != is true for NaN
+        rule(op, "float", _compare("fcmp_unordered" if op == "ne" else "fcmp_ordered", sym))
+        rule(op, "int", _compare("icmp_signed", sym))
+        rule(op, "uint", _compare("icmp_unsigned", sym))
+    rule("logical_and", "any", lambda e, a, dt, src: e.b.and_(*a))
+    rule("logical_or", "any", lambda e, a, dt, src: e.b.or_(*a))
+    rule("logical_xor", "any", lambda e, a, dt, src: e.b.xor(*a))
+    rule("logical_not", "any", lambda e, a, dt, src: e.b.not_(a[0]))
+    rule("isnan", "float", lambda e, a, dt, src: e.b.fcmp_unordered("uno", a[0], a[0]))
+    rule("isnan", "any", lambda e, a, dt, src: ir.Constant(I1, 0))
+    rule("isinf", "float", _isinf)
+    rule("isinf", "any", lambda e, a, dt, src: ir.Constant(I1, 0))
+    rule("isfinite", "float", _isfinite)
+    rule("isfinite", "any", lambda e, a, dt, src: ir.Constant(I1, 1))
+
+
+def _float_rules() -> None:
+    for op, name in (("add", "fadd"), ("sub", "fsub"), ("mul", "fmul"), ("div", "fdiv"), ("fmod", "frem")):
+        rule(op, "float", (lambda n: lambda e, a, dt, src: getattr(e.b, n)(*a))(name))
+    rule("neg", "float", lambda e, a, dt, src: e.b.fneg(a[0]))
+    rule("reciprocal", "float", lambda e, a, dt, src: e.b.fdiv(_const(1.0, a[0]), a[0]))
+    rule("rsqrt", "float", lambda e, a, dt, src: e.b.fdiv(_const(1.0, a[0]), e.call("llvm.sqrt", a)))
+    rule("sigmoid", "float", _sigmoid)
+    rule("relu", "float", _relu)
+    rule("sign", "float", _sign)
+    rule("erf_inv", "float", lambda e, a, dt, src: e.erf_inv(a[0]))
+    rule("trunc_divide", "float", lambda e, a, dt, src: e.call("llvm.trunc", [e.b.fdiv(*a)]))
+    rule("floor_divide", "float", lambda e, a, dt, src: e.float_floor_divide(*a))
+    rule("remainder", "float", _remainder)
+    rule("fma", "float", lambda e, a, dt, src: e.call("llvm.fmuladd", a))
+    rule("copysign", "float", lambda e, a, dt, src: e.call("llvm.copysign", a))
+    rule("signbit", "float", _signbit)
+    for op in _MATH:
+        rule(op, "float", _math(op))
+
+
+def _integer_rules() -> None:
+    """Signed integers (and bools), unsigned ones, and bits of either."""
+    rule("add", "int", lambda e, a, dt, src: e.b.add(*a))
+    rule("sub", "int", lambda e, a, dt, src: e.b.sub(*a))
+    rule("mul", "int", lambda e, a, dt, src: e.b.mul(*a))
+    rule("neg", "int", lambda e, a, dt, src: e.b.neg(a[0]))
+    for op in _DIVISIONS:
+        rule(op, "int", (lambda o: lambda e, a, dt, src: e.int_division(o, *a))(op))
+        rule(op, "uint", _uint_division(op))
+    for op in ("max", "maximum"):
+        rule(op, "int", _int_max)
+        rule(op, "uint", _uint_pick(">"))
+    for op in ("min", "minimum"):
+        rule(op, "int", _int_min)
+        rule(op, "uint", _uint_pick("<"))
+    rule("abs", "int", _int_abs)
+    rule("sign", "int", _int_sign)
+    rule("relu", "int", _int_relu)
+    rule("pow", "int", _int_pow)
+    for op in ("floor", "ceil", "round"):
+        rule(op, "int", _same)
+        rule(op, "uint", _same)
+    for op, name in (("bitwise_and", "and_"), ("bitwise_or", "or_"), ("bitwise_xor", "xor")):
+        for cls in ("int", "uint"):
+            rule(op, cls, (lambda n: lambda e, a, dt, src: getattr(e.b, n)(*a))(name))
+    for cls in ("int", "uint"):
+        rule("bitwise_not", cls, lambda e, a, dt, src: e.b.not_(a[0]))
+        for op in ("shift_left", "shift_right_logical", "shift_right_arithmetic"):
+            rule(op, cls, _shift(op))
+    for op in ("add", "sub", "mul", "neg"):
+        rule(op, "uint", RULES[op]["int"])
+    rule("abs", "uint", _same)
+    rule("relu", "uint", _same)
+    rule("sign", "uint", lambda e, a, dt, src: e.b.zext(e.b.icmp_unsigned("!=", a[0], _const(0, a[0])), a[0].type))
+
+
+_any_type_rules()
+_float_rules()
+_integer_rules()
+
+
+def rule_for(op: str, src: DataType) -> Rule | None:
+    by_class = RULES.get(op, {})
+    return by_class.get(operand_class(src)) or by_class.get("any")

@@ -1,0 +1,203 @@
+"""The vendor-library floor on the GPU: a library statement (polyjit.library.Gemm)
+as a step of the launch sequence, calling cuBLAS's sgemm on the caller's stream.
+
+cuBLAS is found at run time, with no framework imported: the ``libcublas``
+of NVIDIA's wheels (site-packages ``nvidia/*/lib*``) or of the loader's path,
+bound with ctypes. Without it the floor is unavailable and every contraction
+runs generated code. Its default math is kept (no TF32): float32 products
+match eager's within float32 rounding.
+
+Row-major through the column-major library by the transposition trick: a
+row-major C = op(A) @ op(B) is, read column-major, C^T = op(B)^T @ op(A)^T,
+so the call takes B's operand first. The statement's loops (images, groups,
+batch dimensions) become one strided batched call along the longest loop,
+repeated on the host for the others.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import glob
+import itertools
+import logging
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from . import sizes as sz
+from .errors import DeviceError
+from .expr import Const, Expr, Op, Var
+
+log = logging.getLogger("polyjit.library")
+
+OP_N, OP_T = 0, 1  # cublasOperation_t
+DEFAULT_MATH = 0  # cublasMath_t: float32 arithmetic, no TF32
+_VERSIONS = ("13", "12", "11")
+_found: Any = False
+_lock = threading.Lock()
+
+
+def _candidates() -> list[str]:
+    """Where libcublas may be: POLYJIT_CUBLAS (a path; "none" for no library),
+    NVIDIA's wheels in each site-packages folder, then the loader's path."""
+    given = os.environ.get("POLYJIT_CUBLAS")
+    if given is not None:
+        return [] if given.lower() in ("", "0", "none") else [given]
+    found = []
+    for base in dict.fromkeys(p for p in sys.path if p and os.path.isdir(os.path.join(p, "nvidia"))):
+        for pattern in ("nvidia/*/lib*/libcublas.so*", "nvidia/*/*/lib*/libcublas.so*"):
+            found += sorted(glob.glob(os.path.join(base, pattern)), reverse=True)
+    name = ctypes.util.find_library("cublas")
+    return found + ([name] if name else []) + [f"libcublas.so.{v}" for v in _VERSIONS]
+
+
+def cublas() -> "Cublas | None":
+    """cuBLAS bound with ctypes, or None where no libcublas loads."""
+    global _found
+    with _lock:
+        if _found is False:
+            _found = None
+            for path in _candidates():
+                try:
+                    _found = Cublas(path)
+                    break
+                except (OSError, AttributeError) as e:
+                    log.debug("no cuBLAS at %s: %s", path, e)
+            log.debug("cuBLAS: %s", _found.path if _found else "none")
+        return _found
+
+
+def reset() -> None:
+    """Look for cuBLAS again at the next cublas() (tests that move POLYJIT_CUBLAS)."""
+    global _found
+    with _lock:
+        _found = False
+
+
+class Cublas:
+    """The few cuBLAS entry points the floor calls; a handle per device."""
+
+    def __init__(self, path: str) -> None:
+        folder = os.path.dirname(path)
+        for lt in sorted(glob.glob(os.path.join(folder, "libcublasLt.so*")))[:1]:
+            ctypes.CDLL(lt, mode=ctypes.RTLD_GLOBAL)  # where the wheel's RPATH does not name it
+        lib = ctypes.CDLL(path)
+        self.path = path
+        c = ctypes
+        self.create = lib.cublasCreate_v2
+        self.create.argtypes = [c.POINTER(c.c_void_p)]
+        self.set_stream = lib.cublasSetStream_v2
+        self.set_stream.argtypes = [c.c_void_p, c.c_void_p]
+        self.set_math = lib.cublasSetMathMode
+        self.set_math.argtypes = [c.c_void_p, c.c_int]
+        self.gemm = lib.cublasSgemmStridedBatched
+        self.gemm.argtypes = [c.c_void_p, c.c_int, c.c_int, c.c_int, c.c_int, c.c_int, c.c_void_p,
+                              c.c_void_p, c.c_int, c.c_longlong, c.c_void_p, c.c_int, c.c_longlong,
+                              c.c_void_p, c.c_void_p, c.c_int, c.c_longlong, c.c_int]
+        self.status = getattr(lib, "cublasGetStatusString", None)
+        if self.status is not None:
+            self.status.restype = c.c_char_p
+        for fn in (self.create, self.set_stream, self.set_math, self.gemm):
+            fn.restype = c.c_int
+        self.one, self.zero = c.c_float(1.0), c.c_float(0.0)
+        self.alpha, self.beta = c.addressof(self.one), c.addressof(self.zero)
+        self.handles: dict[int, int] = {}
+        self.lock = threading.Lock()
+
+    def check(self, status: int, what: str) -> None:
+        if status:
+            text = self.status(status).decode() if self.status is not None else ""
+            raise DeviceError(f"{what} failed: cuBLAS status {status} {text}".rstrip())
+
+    def handle(self, dev) -> int:
+        """This device's handle, made in its primary context at first use."""
+        h = self.handles.get(dev.ordinal)
+        if h is None:
+            dev.activate()
+            ptr = ctypes.c_void_p()
+            self.check(self.create(ctypes.byref(ptr)), "cublasCreate")
+            self.check(self.set_math(ptr, DEFAULT_MATH), "cublasSetMathMode")
+            h = self.handles[dev.ordinal] = ptr.value
+        return h
+
+
+# ------------------------------------------------------------------ steps
+def _value(e: Expr, env: Mapping[str, int]) -> int:
+    """An index expression's value at integer iterators and sizes."""
+    if isinstance(e, Const):
+        return int(e.value)
+    if isinstance(e, Var):
+        return env[e.name]
+    if isinstance(e, Op):
+        a = [_value(x, env) for x in e.args]
+        ops = {"add": lambda: a[0] + a[1], "sub": lambda: a[0] - a[1], "mul": lambda: a[0] * a[1],
+               "floordiv": lambda: a[0] // a[1], "mod": lambda: a[0] % a[1], "min": lambda: min(a),
+               "max": lambda: max(a)}
+        if e.op in ops:
+            return ops[e.op]()
+    raise ValueError(f"not an integer index expression: {e}")
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One strided batched sgemm: slots and element offsets of B, A, C (in the
+    column-major call's order), their batch strides and the batch count."""
+    slots: tuple[int, int, int]
+    offsets: tuple[int, int, int]
+    strides: tuple[int, int, int]
+    batch: int
+
+
+class GemmStep:
+    """A library statement's calls for one plan (sizes fixed): run(pointers,
+    stream) queues them on stream, pointers being the plan's argument slots."""
+
+    def __init__(self, lib: Cublas, dev, statement, env: Mapping[str, int], arrays: Mapping[str, Any],
+                 slot: Mapping[str, int]) -> None:
+        g = statement.library
+        self.lib, self.device, self.what = lib, dev, f"cublasSgemmStridedBatched ({g.what or statement.name})"
+        size = lambda s: sz.evaluate(s, env)  # noqa: E731
+        m, n, k = size(g.m), size(g.n), size(g.k)
+        self.shape = (OP_T if g.trans_b else OP_N, OP_T if g.trans_a else OP_N, n, m, k)
+        self.lds = (size(g.ldb), size(g.lda), size(g.ldc))
+        boxes = (g.b, g.a, g.c)
+        strides = [sz.row_major(tuple(size(s) for s in arrays[box[0]].shape)) for box in boxes]
+        iters = list(statement.iters)
+        trips = [(size(lo), size(hi)) for lo, hi in statement.bounds]
+
+        def offsets(point: dict) -> tuple[int, ...]:
+            full = {**env, **point}
+            return tuple(sum(_value(x, full) * st for x, st in zip(box[1], stride))
+                         for box, stride in zip(boxes, strides))
+        first = {it: lo for it, (lo, _) in zip(iters, trips)}
+        base = offsets(first)
+        steps = {it: tuple(b - a for a, b in zip(base, offsets({**first, it: lo + 1})))
+                 for it, (lo, _) in zip(iters, trips)}  # the offsets are affine in the iterators
+        counts = {it: max(hi - lo, 0) for it, (lo, hi) in zip(iters, trips)}
+        along = max(iters, key=lambda it: counts[it]) if iters else None
+        others = [it for it in iters if it != along]
+        self.calls: list[_Call] = []
+        if not all(counts.values()) or min(m, n) <= 0:
+            return
+        for point in itertools.product(*(range(counts[it]) for it in others)):
+            off = [b + sum(p * steps[it][q] for it, p in zip(others, point)) for q, b in enumerate(base)]
+            self.calls.append(_Call(tuple(slot[box[0]] for box in boxes), tuple(off),
+                                    steps[along] if along else (0, 0, 0), counts[along] if along else 1))
+
+    def run(self, pointers, stream: int) -> None:
+        lib = self.lib
+        ta, tb, m, n, k = self.shape
+        lda, ldb, ldc = self.lds
+        with lib.lock:  # the handles (made once) and their stream are shared state
+            h = lib.handle(self.device)
+            lib.check(lib.set_stream(h, stream or None), "cublasSetStream")
+            for c in self.calls:
+                a, b, out = (pointers[s] + 4 * o for s, o in zip(c.slots, c.offsets))
+                lib.check(lib.gemm(h, ta, tb, m, n, k, lib.alpha, a, lda, c.strides[0], b, ldb, c.strides[1],
+                                   lib.beta, out, ldc, c.strides[2], c.batch), self.what)
+
+    def __repr__(self) -> str:
+        return f"GemmStep({self.what}, {len(self.calls)} calls)"
+
