@@ -738,3 +738,20 @@ def test_inputs_on_two_gpus_name_the_arguments():
     exe = polyjit.compile(lambda a, b: a + b, [InputInfo([4], F32)] * 2, {"target": "nvgpu"})
     with pytest.raises(InputError, match=r"several GPUs \(\{0: \[0\], 1: \[1\]\}\)"):
         exe(torch.ones(4, device="cuda:0"), torch.ones(4, device="cuda:1"))
+
+
+def test_squeeze_excite_is_not_one_thread_per_image():
+    """A squeeze-excite block (a global sum, two small products, a scale of
+    the whole input) fused into one nest left a thread per image (32 threads
+    for 1.6M elements, 4.9 ms on the H100): the sum and the scale run as
+    kernels of their own."""
+    def se(x, w1, w2):
+        s = ops.sum(x, [2, 3], keepdim=True) / 3136.0
+        h = ops.relu(ops.conv(s, w1, [1, 1], [(0, 0), (0, 0)]))
+        return x * ops.sigmoid(ops.conv(h, w2, [1, 1], [(0, 0), (0, 0)]))
+    exe = polyjit.compile(se, [InputInfo([32, 16, 56, 56], F32), InputInfo([8, 16, 1, 1], F32),
+                               InputInfo([16, 8, 1, 1], F32)], PTX_ONLY)
+    prog = exe.compile_default()
+    sums = [k for k in prog.kernels if any(s in k.statements for s in ("S1",))]
+    assert prog.stats["kernels"] >= 3 and len(sums) == 1 and len(sums[0].statements) <= 3, \
+        [k.statements for k in prog.kernels]
