@@ -755,3 +755,19 @@ def test_squeeze_excite_is_not_one_thread_per_image():
     sums = [k for k in prog.kernels if any(s in k.statements for s in ("S1",))]
     assert prog.stats["kernels"] >= 3 and len(sums) == 1 and len(sums[0].statements) <= 3, \
         [k.statements for k in prog.kernels]
+
+
+def test_rows_read_through_gathers_take_a_warp_each():
+    """An embedding's rows normalized (BERT's first layer norm) reduce over
+    768 values a row: a warp per row, whatever the gather indices' loads
+    (counted once each, they outnumbered the row's own accesses: one thread
+    per row, 0.43 ms on the H100 against 0.07 for eager's whole layer norm)."""
+    def embed_norm(ids, pos, table, ptable, w, b):
+        x = ops.index_select(table, 0, ops.reshape(ids, [-1])) + ops.index_select(ptable, 0, ops.reshape(pos, [-1]))
+        return ops.layer_norm(x, [768], w, b, 1e-12)
+    exe = polyjit.compile(embed_norm, [InputInfo([4096], np.int64), InputInfo([4096], np.int64),
+                                       InputInfo([3000, 768], F32), InputInfo([512, 768], F32),
+                                       InputInfo([768], F32), InputInfo([768], F32)], PTX_ONLY)
+    prog = exe.compile_default()
+    rows = [k for k in prog.kernels if "sum" in k.name]
+    assert rows and all(k.lanes >= 32 for k in rows), [(k.name, k.lanes) for k in prog.kernels]
