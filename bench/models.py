@@ -69,7 +69,10 @@ def _keras_model(kind: str):
     import tensorflow as tf
     tf.keras.utils.set_random_seed(0)
     if kind == "mobilenetv2":
-        model = tf.keras.applications.MobileNetV2(alpha=0.35, input_shape=(96, 96, 3), weights=None)
+        # logits, not their softmax: random weights give near-equal logits, whose
+        # softmax is 1/1000 everywhere and would compare equal whatever ran
+        model = tf.keras.applications.MobileNetV2(alpha=0.35, input_shape=(96, 96, 3), weights=None,
+                                                  classifier_activation=None)
         x = np.random.default_rng(0).standard_normal((8, 96, 96, 3)).astype(np.float32)
     else:
         layers = tf.keras.layers
@@ -219,6 +222,14 @@ def _spawn(name: str, backend: str, train: bool, device: str, reps: int, cache: 
     return r
 
 
+def _check(out: np.ndarray, ref: np.ndarray) -> str:
+    """The largest difference relative to the output's scale (which random
+    weights can make tiny): float32 rounding in another order is ~1e-6, the
+    GPU's TF32 convolutions in eager PyTorch ~1e-3."""
+    err = float(np.abs(out.astype(np.float64) - ref).max() / max(np.abs(ref).max(), 1e-30))
+    return f"{'ok' if err < 5e-3 else 'DIFFERS'} ({err:.0e})"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -249,7 +260,7 @@ def main() -> None:
                 compile_s = max(r["first_s"] - r["ms"] / 1e3, 0.0)
                 warm_s = f"{max(warm['first_s'] - warm['ms'] / 1e3, 0.0):8.2f}" if b == "polyjit" and "first_s" in warm else " " * 8
                 ratio = base["ms"] / r["ms"] if "ms" in base else float("nan")
-                ok = "ok" if "out" in base and np.allclose(r["out"], base["out"], rtol=1e-3, atol=1e-3) else "DIFFERS"
+                ok = _check(r["out"], base["out"]) if "out" in base else "?"
                 extra = f", {r['fallbacks']} fallbacks" if r.get("fallbacks") else ""
                 print(f"{label:<20}{b:<11}{compile_s:10.2f}{warm_s}{r['ms']:10.2f}{ratio:8.2f}x  {ok}{extra}")
 

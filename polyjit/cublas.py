@@ -24,7 +24,7 @@ import os
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 from . import sizes as sz
 from .errors import DeviceError
@@ -188,10 +188,10 @@ class GemmStep:
 
     def run(self, pointers, stream: int) -> None:
         lib = self.lib
-        h = lib.handle(self.device)
         ta, tb, m, n, k = self.shape
         lda, ldb, ldc = self.lds
-        with lib.lock:  # the handle's stream is shared state
+        with lib.lock:  # the handles (made once) and their stream are shared state
+            h = lib.handle(self.device)
             lib.check(lib.set_stream(h, stream or None), "cublasSetStream")
             for c in self.calls:
                 a, b, out = (pointers[s] + 4 * o for s, o in zip(c.slots, c.offsets))

@@ -27,7 +27,7 @@ import numpy as np
 
 from . import sizes as sz
 from .dtypes import DataType
-from .graph import Graph, Node
+from .graph import BINARY_OPS, UNARY_OPS, Graph, Node
 
 _STEPS = ("add", "sub", "mul", "div")
 
@@ -54,6 +54,7 @@ def fold_scales(graph: Graph) -> tuple[Graph, int]:
     if not ends:
         return graph, 0
     canon: dict[int, Node] = {}
+    count = 0
     for old in order:
         ins = tuple(canon[i.id] for i in old.inputs)
         canon[old.id] = old if all(a is b for a, b in zip(ins, old.inputs)) else dataclasses.replace(old, inputs=ins)
@@ -62,10 +63,13 @@ def fold_scales(graph: Graph) -> tuple[Graph, int]:
             n, chain = canon[n.id], [canon[u.id] for u in chain]
             axes = _axes(n)
             steps = [_step(u, y, n.shape, axes[0]) for u, y in zip(chain, [n] + chain)]
-            canon[old.id] = _folded(n, axes, steps)
+            folded = _folded(n, axes, steps)
+            if folded is not None:
+                canon[old.id] = folded
+                count += 1
     g = copy.copy(graph)
     g.outputs = [canon[o.id] for o in graph.outputs]
-    return g, len(ends)
+    return g, count
 
 
 def _axes(n: Node) -> tuple[int, int] | None:
@@ -112,8 +116,11 @@ def _per_channel(p: Node, axis: int) -> Node | None:
     return g.broadcast_in_dim(g.reshape(x, []), [c], [])
 
 
-def _folded(n: Node, axes: tuple[int, int], steps) -> Node:
-    """contraction(x, w * scale) + shift for contraction n and the steps after it."""
+def _folded(n: Node, axes: tuple[int, int], steps) -> Node | None:
+    """contraction(x, w * scale) + shift for contraction n and the steps
+    after it; None where scaling the weights at each call would cost more
+    than the steps: the weights have as many elements as the result or more
+    (ResNet-18's later layers at batch 2: folding them doubled its time)."""
     g = Graph()
     scale = shift = None
     for op, p, left in steps:
@@ -129,11 +136,24 @@ def _folded(n: Node, axes: tuple[int, int], steps) -> Node:
         else:  # mul or div
             scale = p if scale is None and op == "mul" else g.binary(op, _ones(g, p) if scale is None else scale, p)
             shift = None if shift is None else g.binary(op, shift, p)
-    w = _scaled(g, n.inputs[1], axes[1], scale)
+    w = _scaled(g, n.inputs[1], axes[1], _once(scale))
+    stored = w
+    while stored.op == "transpose":
+        stored = stored.inputs[0]
+    if stored.op != "tensor_constant" and not sz.static_product(w.shape) < (sz.static_product(n.shape) or 0):
+        return None
     out = Node(n.op, (n.inputs[0], w), n.attrs, n.shape, n.dtype)
     if shift is not None:
-        out = g.binary("add", out, g.broadcast_in_dim(constant_folded(shift), n.shape, [axes[0]]))
+        out = g.binary("add", out, g.broadcast_in_dim(_once(constant_folded(shift)), n.shape, [axes[0]]))
     return out
+
+
+def _once(v: Node) -> Node:
+    """A per-channel value computed once into an array of its own, not again
+    for each weight or output element it is broadcast to."""
+    if v.op in UNARY_OPS + BINARY_OPS:
+        return Node(v.op, v.inputs, {**v.attrs, "materialize": True}, v.shape, v.dtype)
+    return v
 
 
 def _one(p: Node) -> bool:

@@ -68,6 +68,7 @@ class Lowering:
         self.recompute_limit = recompute_limit
         self.library = library  # a polyjit.library.LibraryPolicy, or None: every contraction generated
         self.library_nodes: set[int] = set()
+        self.in_place: set[int] = set()  # packed copies only library calls read: not made
         self.nodes = graph.nodes()
         self.arrays: dict[str, Array] = {}
         self.statements: list[Statement] = []
@@ -104,6 +105,12 @@ class Lowering:
         return acc if acc is not None else identity(spec.combine, dt)
 
     # ------------------------------------------------------------ decisions
+    def packed(self, n: Node) -> bool:
+        """Whether n is an operand's copy laid out for generated register
+        blocks (Graph.packed) that a contraction needs: a library call reads
+        the original through its transposition instead."""
+        return bool(n.attrs.get("materialize")) and n.id not in self.in_place
+
     def is_statement_op(self, n: Node) -> bool:
         if n.op in STATEMENT_OPS or n.id in self.library_nodes:
             return True
@@ -129,6 +136,7 @@ class Lowering:
             self.library.prefetch(self, [n for n in self.nodes if n.op in ("conv", "dot_general")])
             self.library_nodes = {n.id for n in self.nodes if n.op in ("conv", "dot_general")
                                   and self.library.use(self, n)}
+            self.in_place = _read_in_place(self.nodes, self.library_nodes)
         uses: dict[int, int] = {n.id: 0 for n in self.nodes}
         for n in self.nodes:
             for k, i in enumerate(n.inputs):
@@ -148,7 +156,7 @@ class Lowering:
             if n.op in REDUCTIONS and not self.is_statement_op(n):
                 own = 2 * (REDUCTIONS[n.op](self, n).static_terms() or 1)
             w = own + sum(work[i.id] for i in n.inputs)
-            materialize = (n.id in outputs or self.is_statement_op(n) or n.attrs.get("materialize")
+            materialize = (n.id in outputs or self.is_statement_op(n) or self.packed(n)
                            or (uses[n.id] - 1) * w > self.recompute_limit)
             if materialize:
                 self.declare(n)
@@ -626,3 +634,12 @@ def _scatter(L: Lowering, n: Node, name, iters, bounds):
 
 
 STATEMENT_OPS: dict[str, Callable] = {"cumulative": _cumulative, "scatter": _scatter}
+
+
+def _read_in_place(nodes: list[Node], library: set[int]) -> set[int]:
+    """The packed copies (Graph.packed) whose every reader is a library call."""
+    readers: dict[int, set[int]] = {}
+    for n in nodes:
+        for i in n.inputs:
+            readers.setdefault(i.id, set()).add(n.id)
+    return {n.id for n in nodes if n.attrs.get("materialize") and readers.get(n.id) and readers[n.id] <= library}

@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -31,6 +32,7 @@ PARALLEL_MIN_ELEMENTS = 1 << 15
 
 
 POISON = os.environ.get("POLYJIT_POISON", "") not in ("", "0")
+PROFILE = os.environ.get("POLYJIT_PROFILE", "") not in ("", "0")  # kernel seconds in stats
 
 
 class _Lease:
@@ -195,10 +197,14 @@ class Executable:
         ptrs = plan.pointer_type(*pointers)
         team = thread_team() if plan.threads > 1 else None
         for k in self.kernels:
+            t0 = time.perf_counter() if PROFILE else 0.0
             if k.parallel and team is not None:
                 team.run(k.fn, ptrs, plan.ints, plan.threads)
             else:
                 k.fn(ptrs, plan.ints, 0, 1)
+            if PROFILE:
+                spent = self.stats.setdefault("kernel_seconds", {})
+                spent[k.name] = spent.get(k.name, 0.0) + time.perf_counter() - t0
         self.stats["intermediate_bytes"] = plan.intermediate_bytes
         return [made[n] for n in self.output_arrays]
 

@@ -214,12 +214,15 @@ def _member_iter(upa: isl.UnionPwAff) -> dict[str, int | None]:
     return out
 
 
-def _contiguity(prog: AffineProgram) -> dict[tuple[str, int], int]:
-    """(statement, iterator) -> how many accesses walk memory contiguously along it."""
+def _contiguity(prog: AffineProgram, vectors: bool = True) -> dict[tuple[str, int], int]:
+    """(statement, iterator) -> how many accesses walk memory contiguously
+    along it; without vectors, loads of one-dimensional arrays in nests of
+    three loops or more (a batch norm's per-channel parameters, in cache) count none."""
     score: dict[tuple[str, int], int] = {}
     for s in prog.statements:
         # a reduction's target stays in a register while its loop runs innermost
-        accesses = [ld.index for ld in loads(s.body)] + ([] if s.combine else [s.index])
+        accesses = [ld.index for ld in loads(s.body) if vectors or len(ld.index) > 1 or len(s.iters) < 3]
+        accesses += [] if s.combine else [s.index]
         for d, name in enumerate(s.iters):
             n = 0
             for index in accesses:
@@ -586,7 +589,7 @@ def tile(schedule, prog, validity, tile_sizes, vector_bits: int = 512) -> isl.Sc
         if tile_sizes is None and fused and _contractions(node, prog):
             return block_fused(node, prog, cols)
         if tile_sizes is None and not contraction:
-            return node
+            return _tile_transposition(node, prog)
         if contraction:
             node = merge_reductions(node, prog)
             n = node.band_n_member()
@@ -605,6 +608,36 @@ def tile(schedule, prog, validity, tile_sizes, vector_bits: int = 512) -> isl.Sc
         return node
     new = _visit(schedule.get_root(), fn).get_schedule()
     return new if is_legal(new, validity) else schedule
+
+
+TRANSPOSE_TILE = 32  # a transposing copy walks tiles of this many rows and columns
+
+
+def _tile_transposition(node, prog):
+    """A band of one statement that writes along its innermost loop and reads
+    along another (a transposing copy: a weight's transpose each call) walks
+    square tiles, so that the lines its strided reads bring in are used for
+    a tile's rows before they leave the cache."""
+    names = _statement_names(node)
+    n = node.band_n_member()
+    if len(names) != 1:
+        return node
+    st = next(s for s in prog.statements if s.name in names)
+    if st.role is not Role.ASSIGN or st.library is not None:
+        return node
+    mupa = node.band_get_partial_schedule()
+    follows = [_member_iter(mupa.get_at(m)).get(st.name) for m in range(n)]
+    inner, outer = follows[-1], follows[-2]
+    if inner is None or outer is None:
+        return node
+
+    def uses(index, d) -> bool:
+        return any(isinstance(x, Var) and x.name == st.iters[d] for x in walk(index))
+    along = [ld for ld in loads(st.body) if ld.index and uses(ld.index[-1], outer) and not uses(ld.index[-1], inner)]
+    if not along or not st.index or not uses(st.index[-1], inner):
+        return node
+    sizes = [UNTILED] * (n - 2) + [TRANSPOSE_TILE, TRANSPOSE_TILE]
+    return node.band_tile(_sizes(node, sizes))
 
 
 STRIP_COLUMNS = 512  # columns per parallel strip when the outer loop is too short to share
@@ -664,17 +697,29 @@ def balance_parallel(schedule, prog, validity) -> isl.Schedule:
     return new if is_legal(new, validity) else schedule
 
 
-def coincident_outside(schedule, validity) -> isl.Schedule:
-    """Move the coincident members of each permutable band outside the others
-    (keeping their order): a GPU maps every parallel loop around the
-    sequential ones to threads, so a stencil's rows run down each thread."""
+def coincident_outside(schedule, validity, prog: AffineProgram) -> isl.Schedule:
+    """Move the coincident members of each permutable band outside the others:
+    a GPU maps every parallel loop around the sequential ones to threads, so
+    a stencil's rows run down each thread. The coincident ones go in memory
+    order, the most contiguous last, so that consecutive threads touch
+    consecutive elements (a padded copy of NCHW images, its channel loop
+    innermost for the batch norm's per-channel loads, wrote 12996 floats
+    apart from thread to thread)."""
+    score, depth = _contiguity(prog, vectors=False), _memory_depth(prog)
+
+    def rank(mupa, m):
+        follows = [(st, d) for st, d in _member_iter(mupa.get_at(m)).items() if d is not None]
+        return sum(score.get(k, 0) for k in follows), sum(depth.get(k, 0) for k in follows), m
+
     def fn(node):
         if node.get_type() != isl.schedule_node_type.band or node.band_n_member() < 2 \
                 or not node.band_get_permutable():
             return node
         n = node.band_n_member()
         coinc = [node.band_member_get_coincident(m) for m in range(n)]
-        order = [m for m in range(n) if coinc[m]] + [m for m in range(n) if not coinc[m]]
+        mupa = node.band_get_partial_schedule()
+        order = sorted((m for m in range(n) if coinc[m]), key=lambda m: rank(mupa, m))
+        order += [m for m in range(n) if not coinc[m]]
         return node if order == list(range(n)) else _rebuild_band(node, order, coinc, True)
     new = _visit(schedule.get_root(), fn).get_schedule()
     return new if is_legal(new, validity) else schedule
@@ -1114,46 +1159,63 @@ def _schedule_problem(problem: "GroupProblem", config: tuple, timer) -> Schedule
 
 
 GPU_GRID_FLOOR = 1 << 16  # parallel iterations below which a GPU kernel leaves most of the device idle
+GPU_STRIP = 64  # iterations of a sequential loop per strip (codegen.nvgpu.STRIP)
 
 
 def _starved(ast: isl.AstNode, prog: AffineProgram, contracted) -> bool:
     """nvgpu: whether a kernel's fusion cost the device its parallelism: its
     marked loops give fewer than GPU_GRID_FLOOR threads where one of its
     statements alone would have 16 times as many (a producer fused with a
-    stencil or im2col consumer, shifted along image rows, left a thread per
-    image and channel: 10.6 of MobileNetV3-small's 18 ms, 60 of ResNet-18's
-    70). Sums compare their own outputs (a row sum keeps its rows), and
-    kernels with contracted buffers keep them (strips recompute halos)."""
+    stencil, pooling or im2col consumer, shifted along image rows, left a
+    thread per image and channel: 10.6 of MobileNetV3-small's 18 ms, 60 of
+    ResNet-18's 70). Sums compare their own outputs (a row sum keeps its
+    rows). Elementwise statements whose arrays are all kept whole gain
+    nothing from sharing a nest and lose a thread per element (ResNet-18's
+    max pool, fused with its padded input along image rows, ran a row per
+    thread, consecutive threads channels apart: 4.7 ms), whatever the grid.
+    A kernel with contracted buffers may run strips of its next loop in
+    parallel, each recomputing its halo (a blur): those count, against half
+    the floor, and a thread may take four strips' work (ResNet-18's last
+    im2col, fused with its relu, took 0.7 ms a thread per image and channel)."""
     stmts = {s.name: s for s in prog.statements}
     for node in _kernels(ast):
-        names = statements_in(node)
-        own = [stmts[n] for n in names]
-        if len(own) < 2 or any(s.array in contracted for s in own):
+        own = [stmts[n] for n in statements_in(node)]
+        if len(own) < 2:
             continue
+        grid, inner = _grid_extent(node)
         sums = [s for s in own if s.combine is not None]
-        grid = _grid_extent(node)
+        floor, per_thread = (GPU_GRID_FLOOR if sums else None), 16
+        if any(s.array in contracted for s in own):
+            grid, floor = grid and grid * -(-(inner or 1) // GPU_STRIP), GPU_GRID_FLOOR // 2
+            per_thread = 4 * GPU_STRIP  # a strip's own rows are no loss
         widest = max((_parallel_extent(s) or 0 for s in (sums or own)), default=0)
-        if grid is not None and grid < GPU_GRID_FLOOR and widest >= 16 * grid:
+        if grid is not None and (floor is None or grid < floor) and widest >= per_thread * grid:
             return True
     return False
 
 
-def _grid_extent(node: isl.AstNode) -> int | None:
-    """The iterations of the chain of parallel-marked loops at node's top (None where not numbers)."""
+def _grid_extent(node: isl.AstNode) -> tuple[int | None, int | None]:
+    """The iterations of the chain of parallel-marked loops at node's top, and
+    of the loop after them (None where not numbers)."""
     total = 1
-    while node.get_type() == isl.ast_node_type.mark and node.mark_get_id().get_name().startswith("parallel:"):
-        loop = node.mark_get_node()
+    while True:
+        marked = node.get_type() == isl.ast_node_type.mark and node.mark_get_id().get_name().startswith("parallel:")
+        loop = node.mark_get_node() if marked else node
         if loop.get_type() != isl.ast_node_type.for_:
-            break
+            return total, None
         init, cond = loop.for_get_init(), loop.for_get_cond()
         hi = cond.get_op_arg(1)
-        if init.get_type() != isl.ast_expr_type.int or hi.get_type() != isl.ast_expr_type.int:
-            return None
-        last = hi.get_val().to_python() - (cond.get_op_type() == isl.ast_expr_op_type.lt)
-        step = loop.for_get_inc().get_val().to_python()
-        total *= max(-(-(last - init.get_val().to_python() + 1) // step), 0)
+        trips = None
+        if init.get_type() == isl.ast_expr_type.int and hi.get_type() == isl.ast_expr_type.int:
+            last = hi.get_val().to_python() - (cond.get_op_type() == isl.ast_expr_op_type.lt)
+            step = loop.for_get_inc().get_val().to_python()
+            trips = max(-(-(last - init.get_val().to_python() + 1) // step), 0)
+        if not marked:
+            return total, trips
+        if trips is None:
+            return None, None
+        total *= trips
         node = loop.for_get_body()
-    return total
 
 
 def _parallel_extent(s) -> int | None:
@@ -1183,7 +1245,7 @@ def _rewrites(sched: isl.Schedule, prog: AffineProgram, validity, target: str, t
               vector_bits: int) -> isl.Schedule:
     """The target's rewrites of the whole program's schedule, each checked by isl."""
     if target == "nvgpu":
-        sched = coincident_outside(sched, validity)
+        sched = coincident_outside(sched, validity, prog)
         sched = mark_parallel(sched, all_coincident=True)
     else:
         sched = tile(sched, prog, validity, tile_sizes, vector_bits)

@@ -127,21 +127,29 @@ def _random_batch_norms(mod):
     return mod
 
 
+BN_NETS = {  # name: (network, input shape, batch norms that fold in eval)
+    "conv": (lambda: nn.Sequential(nn.Conv2d(5, 12, 3, padding=1, bias=False), nn.BatchNorm2d(12), nn.ReLU(),
+                                   nn.Conv2d(12, 6, 3, stride=2), nn.BatchNorm2d(6), nn.Flatten(),
+                                   nn.Linear(6 * 9 * 8, 7), nn.BatchNorm1d(7)), (3, 5, 20, 18), 2),
+    "linear": (lambda: nn.Sequential(nn.Linear(8, 5), nn.BatchNorm1d(5)), (64, 8), 1),
+}
+
+
 @pytest.mark.parametrize("training", [False, True])
-def test_batch_norm_folds_into_the_convolution_in_eval_only(training):
+@pytest.mark.parametrize("net", list(BN_NETS))
+def test_batch_norm_folds_into_the_convolution_in_eval_only(net, training):
     """In eval mode a batch norm after a convolution (and after a Linear)
-    folds into its weights and bias: equal to eager; in training mode its
-    statistics come from the batch and nothing folds."""
-    mod = _random_batch_norms(nn.Sequential(
-        nn.Conv2d(5, 12, 3, padding=1, bias=False), nn.BatchNorm2d(12), nn.ReLU(),
-        nn.Conv2d(12, 6, 3, stride=2), nn.BatchNorm2d(6), nn.Flatten(), nn.Linear(6 * 4 * 4, 7),
-        nn.BatchNorm1d(7))).train(training)
+    folds into its weights and bias: equal to eager; not where the weights
+    outnumber the outputs (the Linear of 7 outputs a row); in training mode
+    its statistics come from the batch and nothing folds."""
+    make, shape, folds = BN_NETS[net]
+    mod = _random_batch_norms(make()).train(training)
     ref = copy.deepcopy(mod)
     jm = polyjit.jit_torch(mod, compile_options={"strict": True})
-    x = torch.randn(3, 5, 10, 9)
+    x = torch.randn(*shape)
     with torch.no_grad():
         torch.testing.assert_close(jm(x), ref(x), rtol=1e-5, atol=1e-5)
-    assert jm.stats["folded"] == (0 if training else 3) and jm.stats["fallbacks"] == 0
+    assert jm.stats["folded"] == (0 if training else folds) and jm.stats["fallbacks"] == 0
     for a, b in zip(mod.buffers(), ref.buffers()):  # training updates the running statistics alike
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
@@ -209,12 +217,16 @@ def test_products_both_ways(kind, rng):
     the call, or copied first where computed) equal the generated ones."""
     f, shapes = DOTS[kind]
     args = [rng.standard_normal(s, dtype=F32) for s in shapes]
-    outs, calls = {}, {}
+    outs, calls, kernels = {}, {}, {}
     for mode in ("generated", "library"):
         exe = polyjit.compile(f, [InputInfo(s, F32) for s in shapes], {"contractions": mode})
         outs[mode], calls[mode] = exe(*args), exe.compile_default().stats["library_calls"]
+        kernels[mode] = exe.compile_default().kernels
     np.testing.assert_allclose(outs["library"], outs["generated"], rtol=1e-5, atol=1e-5)
     assert (calls["generated"], calls["library"]) == (0, 1)
+    if kind == "linear_packed":  # generated blocks read a packed copy of the weight; sgemm reads it transposed
+        assert [k.name.split("_")[2] for k in kernels["generated"]] == ["transpose", "dot"]
+        assert [k.name.split("_")[2] for k in kernels["library"]] == ["sgemm"]
 
 
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])

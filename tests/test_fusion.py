@@ -368,3 +368,17 @@ def test_register_blocks_follow_the_vector_width(bits, cols):
     ast = schedule_program(lower(graph.deduplicated()), vector_bits=bits).ast_text()
     block = [line for line in ast.splitlines() if line.strip().startswith("S1(")]
     assert len(block) == 4 * cols
+
+
+@pytest.mark.parametrize("shape", [(70, 33), (3, 256, 100)])
+def test_transposing_copies_walk_square_tiles(shape, rng):
+    """A copy that reads along another dimension than it writes (a weight's
+    transpose) walks 32x32 tiles, so its strided reads reuse cache lines."""
+    perm = list(range(len(shape) - 2)) + [len(shape) - 1, len(shape) - 2]
+    exe = polyjit.compile(lambda x: ops.permute(x, perm) * 2.0, [InputInfo(list(shape), F32)],
+                          {"target": "cpu", "cache": False})
+    x = rng.standard_normal(shape, dtype=F32)
+    np.testing.assert_array_equal(exe(x), np.transpose(x, perm) * 2)
+    assert len(re.findall(r"32 \* c\d", exe.ir("ast"))) >= 2
+    plain = polyjit.compile(lambda x: x * 2.0, [InputInfo(list(shape), F32)], {"target": "cpu", "cache": False})
+    assert "32 *" not in plain.ir("ast")  # a copy in memory order keeps its loops

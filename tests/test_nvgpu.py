@@ -265,8 +265,9 @@ def test_contraction_tiles_follow_the_device(monkeypatch):
     from polyjit import compiler
     monkeypatch.setattr(compiler, "_multiprocessors", lambda: 132)
 
-    def tile_of(fn, *shapes):
-        ptx = polyjit.compile(fn, [InputInfo(list(s), F32) for s in shapes], PTX_ONLY).ir("ptx")
+    def tile_of(fn, *shapes):  # generated code (where cuBLAS loads, auto would call it)
+        ptx = polyjit.compile(fn, [InputInfo(list(s), F32) for s in shapes],
+                              {**PTX_ONLY, "contractions": "generated"}).ir("ptx")
         return [side for side in (32, 64, 128) if f"polyjit_tile_a{side}x16" in ptx]
     assert tile_of(ops.matmul, (1536, 64), (64, 1536)) == [128]
     assert tile_of(ops.matmul, (1024, 64), (64, 1024)) == [64]  # 64 tiles of 128 for 132 multiprocessors

@@ -61,3 +61,18 @@ def test_thread_pool_team_matches(rng):
     env = {**os.environ, "POLYJIT_THREADS": "pool"}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_profile_counts_each_kernels_seconds(rng, monkeypatch):
+    """POLYJIT_PROFILE=1: stats["kernel_seconds"] adds up each kernel's time per call."""
+    from polyjit import runtime
+    monkeypatch.setattr(runtime, "PROFILE", True)
+    exe = polyjit.compile(lambda x: ops.sum(ops.exp(x), 1) + ops.sum(x * x), [InputInfo([64, 300], F32)],
+                          {"target": "cpu", "fusion": "none"})
+    x = rng.standard_normal((64, 300), dtype=F32)
+    exe(x)
+    prog = exe.last
+    first = dict(prog.stats["kernel_seconds"])
+    exe(x)
+    assert sorted(first) == sorted(k.name for k in prog.kernels) and len(first) >= 2
+    assert all(prog.stats["kernel_seconds"][k] > v > 0 for k, v in first.items())

@@ -156,13 +156,14 @@ _DIVISIONS = ("div", "floordiv", "mod", "remainder", "fmod", "floor_divide", "tr
 _FCMP = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
 
 
-def _table() -> dict[str, dict[str, Rule]]:
-    t: dict[str, dict[str, Rule]] = {}
+RULES: dict[str, dict[str, Rule]] = {}
 
-    def rule(op: str, cls: str, fn: Rule) -> None:
-        t.setdefault(op, {})[cls] = fn
 
-    # any type
+def rule(op: str, cls: str, fn: Rule) -> None:
+    RULES.setdefault(op, {})[cls] = fn
+
+
+def _any_type_rules() -> None:
     rule("cast", "any", lambda e, a, dt, src: e.cast(a[0], src, dt))
     rule("select", "any", lambda e, a, dt, src: e.b.select(*a))
     rule("rand", "any", lambda e, a, dt, src: e.philox_uniform(a[0], a[1]))
@@ -182,7 +183,9 @@ def _table() -> dict[str, dict[str, Rule]]:
     rule("isinf", "any", lambda e, a, dt, src: ir.Constant(I1, 0))
     rule("isfinite", "float", _isfinite)
     rule("isfinite", "any", lambda e, a, dt, src: ir.Constant(I1, 1))
-    # floats
+
+
+def _float_rules() -> None:
     for op, name in (("add", "fadd"), ("sub", "fsub"), ("mul", "fmul"), ("div", "fdiv"), ("fmod", "frem")):
         rule(op, "float", (lambda n: lambda e, a, dt, src: getattr(e.b, n)(*a))(name))
     rule("neg", "float", lambda e, a, dt, src: e.b.fneg(a[0]))
@@ -200,7 +203,10 @@ def _table() -> dict[str, dict[str, Rule]]:
     rule("signbit", "float", _signbit)
     for op in _MATH:
         rule(op, "float", _math(op))
-    # signed integers (and bools)
+
+
+def _integer_rules() -> None:
+    """Signed integers (and bools), unsigned ones, and bits of either."""
     rule("add", "int", lambda e, a, dt, src: e.b.add(*a))
     rule("sub", "int", lambda e, a, dt, src: e.b.sub(*a))
     rule("mul", "int", lambda e, a, dt, src: e.b.mul(*a))
@@ -221,7 +227,6 @@ def _table() -> dict[str, dict[str, Rule]]:
     for op in ("floor", "ceil", "round"):
         rule(op, "int", _same)
         rule(op, "uint", _same)
-    # bits (signed or not) and unsigned arithmetic
     for op, name in (("bitwise_and", "and_"), ("bitwise_or", "or_"), ("bitwise_xor", "xor")):
         for cls in ("int", "uint"):
             rule(op, cls, (lambda n: lambda e, a, dt, src: getattr(e.b, n)(*a))(name))
@@ -230,14 +235,15 @@ def _table() -> dict[str, dict[str, Rule]]:
         for op in ("shift_left", "shift_right_logical", "shift_right_arithmetic"):
             rule(op, cls, _shift(op))
     for op in ("add", "sub", "mul", "neg"):
-        rule(op, "uint", t[op]["int"])
+        rule(op, "uint", RULES[op]["int"])
     rule("abs", "uint", _same)
     rule("relu", "uint", _same)
     rule("sign", "uint", lambda e, a, dt, src: e.b.zext(e.b.icmp_unsigned("!=", a[0], _const(0, a[0])), a[0].type))
-    return t
 
 
-RULES = _table()
+_any_type_rules()
+_float_rules()
+_integer_rules()
 
 
 def rule_for(op: str, src: DataType) -> Rule | None:
