@@ -105,7 +105,8 @@ def test_contractions_to_time_are_compiled_together_before_any_is_timed(rng, mon
     exe = polyjit.compile(lambda a, b, c: ops.matmul(ops.tanh(ops.matmul(a, b)), c),
                           [InputInfo(x.shape, F32) for x in (a, b, c)], {"cache": False})
     np.testing.assert_allclose(exe(a, b, c), np.tanh(a @ b) @ c, rtol=2e-5, atol=2e-5)
-    assert [w for w, _ in events] == ["compile"] * 4 + ["time"] * 4, events
+    kinds = [w for w, _ in events]
+    assert kinds.count("compile") == 4 and "time" in kinds and kinds.index("time") == 4, events
     assert all(name.startswith("polyjit-measure") for w, name in events if w == "compile")
     assert len(exe.stats["contractions"]) == 2 and all("ms" in c for c in exe.stats["contractions"])
 
