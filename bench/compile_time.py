@@ -13,6 +13,7 @@ left it (kernels of other models, and of this one if it ran before).
 
     python bench/compile_time.py                       # bert and encoder, cold
     python bench/compile_time.py --only bert --warm    # also polyjit from a warm cache
+    python bench/compile_time.py --only bert --backends aot_eager polyjit --rounds 3 --cache DIR  # warm, interleaved
 """
 from __future__ import annotations
 
@@ -78,6 +79,7 @@ def main() -> None:
                    help="aot_eager, inductor (cold), inductor-warm, polyjit")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--warm", action="store_true", help="then polyjit again in a fresh process, its cache warm")
+    p.add_argument("--cache", help="polyjit's cache folder for every round (default: a fresh one per round)")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--backend", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -87,7 +89,7 @@ def main() -> None:
     print("load average %.2f %.2f %.2f" % os.getloadavg(), flush=True)
     for name in a.only:
         for _ in range(a.rounds):
-            cache = tempfile.mkdtemp(prefix="polyjit-compile-time-")
+            cache = a.cache or tempfile.mkdtemp(prefix="polyjit-compile-time-")
             runs = [(b, _spawn(name, b, cache)) for b in a.backends]
             if a.warm:
                 runs.append(("polyjit warm", _spawn(name, "polyjit", cache)))

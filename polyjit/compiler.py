@@ -140,7 +140,7 @@ def _compile_cpu(graph: Graph, prog, options: CompileOptions, name: str, timer: 
     return exe
 
 
-GPU_PROGRAMS = 256  # GPU programs (plan and PTX) kept per process, by cache key
+GPU_PROGRAMS = 32  # GPU programs (plan, IR texts and PTX: megabytes for a model) kept per process, by key
 _gpu_programs: dict[str, tuple[dict, list[bytes]]] = {}
 
 

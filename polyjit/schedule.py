@@ -1176,7 +1176,9 @@ def _starved(ast: isl.AstNode, prog: AffineProgram, contracted) -> bool:
     A kernel with contracted buffers may run strips of its next loop in
     parallel, each recomputing its halo (a blur): those count, against half
     the floor, and a thread may take four strips' work (ResNet-18's last
-    im2col, fused with its relu, took 0.7 ms a thread per image and channel)."""
+    im2col, fused with its relu, took 0.7 ms a thread per image and channel),
+    where one loop follows the grid: a sequence of nests under it has no
+    strips (a squeeze-excite block fused whole ran a thread per image)."""
     stmts = {s.name: s for s in prog.statements}
     for node in _kernels(ast):
         own = [stmts[n] for n in statements_in(node)]
@@ -1185,8 +1187,8 @@ def _starved(ast: isl.AstNode, prog: AffineProgram, contracted) -> bool:
         grid, inner = _grid_extent(node)
         sums = [s for s in own if s.combine is not None]
         floor, per_thread = (GPU_GRID_FLOOR if sums else None), 16
-        if any(s.array in contracted for s in own):
-            grid, floor = grid and grid * -(-(inner or 1) // GPU_STRIP), GPU_GRID_FLOOR // 2
+        if inner is not None and any(s.array in contracted for s in own):
+            grid, floor = grid and grid * -(-inner // GPU_STRIP), GPU_GRID_FLOOR // 2
             per_thread = 4 * GPU_STRIP  # a strip's own rows are no loss
         widest = max((_parallel_extent(s) or 0 for s in (sums or own)), default=0)
         if grid is not None and (floor is None or grid < floor) and widest >= per_thread * grid:

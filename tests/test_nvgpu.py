@@ -738,3 +738,36 @@ def test_inputs_on_two_gpus_name_the_arguments():
     exe = polyjit.compile(lambda a, b: a + b, [InputInfo([4], F32)] * 2, {"target": "nvgpu"})
     with pytest.raises(InputError, match=r"several GPUs \(\{0: \[0\], 1: \[1\]\}\)"):
         exe(torch.ones(4, device="cuda:0"), torch.ones(4, device="cuda:1"))
+
+
+def test_squeeze_excite_is_not_one_thread_per_image():
+    """A squeeze-excite block (a global sum, two small products, a scale of
+    the whole input) fused into one nest left a thread per image (32 threads
+    for 1.6M elements, 4.9 ms on the H100): the sum and the scale run as
+    kernels of their own."""
+    def se(x, w1, w2):
+        s = ops.sum(x, [2, 3], keepdim=True) / 3136.0
+        h = ops.relu(ops.conv(s, w1, [1, 1], [(0, 0), (0, 0)]))
+        return x * ops.sigmoid(ops.conv(h, w2, [1, 1], [(0, 0), (0, 0)]))
+    exe = polyjit.compile(se, [InputInfo([32, 16, 56, 56], F32), InputInfo([8, 16, 1, 1], F32),
+                               InputInfo([16, 8, 1, 1], F32)], PTX_ONLY)
+    prog = exe.compile_default()
+    sums = [k for k in prog.kernels if any(s in k.statements for s in ("S1",))]
+    assert prog.stats["kernels"] >= 3 and len(sums) == 1 and len(sums[0].statements) <= 3, \
+        [k.statements for k in prog.kernels]
+
+
+def test_rows_read_through_gathers_take_a_warp_each():
+    """An embedding's rows normalized (BERT's first layer norm) reduce over
+    768 values a row: a warp per row, whatever the gather indices' loads
+    (counted once each, they outnumbered the row's own accesses: one thread
+    per row, 0.43 ms on the H100 against 0.07 for eager's whole layer norm)."""
+    def embed_norm(ids, pos, table, ptable, w, b):
+        x = ops.index_select(table, 0, ops.reshape(ids, [-1])) + ops.index_select(ptable, 0, ops.reshape(pos, [-1]))
+        return ops.layer_norm(x, [768], w, b, 1e-12)
+    exe = polyjit.compile(embed_norm, [InputInfo([4096], np.int64), InputInfo([4096], np.int64),
+                                       InputInfo([3000, 768], F32), InputInfo([512, 768], F32),
+                                       InputInfo([768], F32), InputInfo([768], F32)], PTX_ONLY)
+    prog = exe.compile_default()
+    rows = [k for k in prog.kernels if "sum" in k.name]
+    assert rows and all(k.lanes >= 32 for k in rows), [(k.name, k.lanes) for k in prog.kernels]

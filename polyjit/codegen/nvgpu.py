@@ -1025,8 +1025,11 @@ class _WarpPlan:
                         return None
                     if ld.array in written and _index_text(ld.index, text) != written[ld.array]:
                         return None
-                for index in [ld.index for ld in loads(s.body)] + ([] if s.combine else [s.index]):
-                    if index:
+                accesses = {(ld.array, str(ld.index)): ld.index for ld in loads(s.body)}
+                if not s.combine:
+                    accesses[s.array, str(s.index)] = s.index
+                for index in accesses.values():  # once each; a row's own scalars (gather indices) do not count
+                    if index and _depends(index, along):
                         lanes_contiguous += _depends(index[-1:], along)
                         threads_contiguous += _depends(index[-1:], grid)
         if lanes_contiguous <= threads_contiguous:

@@ -15,6 +15,7 @@ disk as it is (polyjit.cache).
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -56,6 +57,15 @@ class KernelCode:
 _codes: dict[str, KernelCode] = {}
 _codes_lock = threading.Lock()
 _llvm_thread: ThreadPoolExecutor | None = None
+
+
+def _forget_thread() -> None:
+    """In a forked child the LLVM thread is gone: start another on demand."""
+    global _llvm_thread, _codes_lock
+    _llvm_thread, _codes_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_thread)
 
 
 def _submit(fn, *args) -> Future:
