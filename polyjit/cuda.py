@@ -551,7 +551,11 @@ class GpuExecutable(Executable):
         each with how many of its blocks fit on a multiprocessor."""
         with _lock:
             if dev.ordinal not in self._loaded:
-                mod, fns = dev.load(self.ptx, [k.name for k in self.kernels if k.library is None])
+                names = [k.name for k in self.kernels if k.library is None]
+                if not names:  # only library steps: no module (the driver refuses an empty one)
+                    self._loaded[dev.ordinal] = {}
+                    return {}
+                mod, fns = dev.load(self.ptx, names)
                 self._loaded[dev.ordinal] = {n: (f, dev.resident_blocks(f, BLOCK)) for n, f in fns.items()}
                 weakref.finalize(self, _unload, mod)
             return self._loaded[dev.ordinal]
