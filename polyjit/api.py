@@ -19,7 +19,7 @@ from .dtypes import DataType, to_dtype
 from .errors import DefinitionError, InputError
 from .graph import Graph
 from .options import CompileOptions, parse_options
-from .runtime import Executable as CompiledProgram
+from .runtime import CompiledProgram
 from .sizes import Lin
 
 
@@ -101,7 +101,7 @@ class Executable:
 
     def __call__(self, *args, **launch):
         """Run on the arrays (numpy; on nvgpu also GPU arrays, with the
-        ``stream=`` and ``empty=`` of :class:`polyjit.cuda.GpuExecutable`)."""
+        ``stream=`` and ``empty=`` of :class:`polyjit.cuda.GpuProgram`)."""
         arrays = self._prepare(args)
         prog = self.variant(self._layout(arrays), self.target(arrays), arrays)
         outs = prog(*arrays, **launch)

@@ -1,6 +1,6 @@
-"""The pipeline driver: graph -> affine program -> schedule -> LLVM -> Executable.
+"""The pipeline driver: graph -> affine program -> schedule -> LLVM -> CompiledProgram.
 
-Each stage's output is kept as text on the Executable (``exe.ir``); with
+Each stage's output is kept as text on the CompiledProgram (``exe.ir``); with
 ``debug`` they are also written to ``dump_dir``.
 """
 from __future__ import annotations
@@ -13,13 +13,13 @@ from contextlib import contextmanager
 
 from . import cache
 from . import sizes as sz
-from .cuda import GpuExecutable
+from .cuda import GpuProgram
 from .fold import fold_scales
 from .graph import Graph
 from .library import LibraryPolicy
 from .lowering import GPU_RECOMPUTE_LIMIT, RECOMPUTE_LIMIT, lower
 from .options import CompileOptions
-from .runtime import Executable
+from .runtime import CompiledProgram
 from .schedule import schedule_program
 
 log = logging.getLogger("polyjit")
@@ -82,7 +82,7 @@ class StageTimer:
             f"\n  {k} {v:.3f}" for k, v in self.detail.items())
 
 
-def compile_graph(graph: Graph, options: CompileOptions, name: str = "fn") -> Executable:
+def compile_graph(graph: Graph, options: CompileOptions, name: str = "fn") -> CompiledProgram:
     t0 = time.perf_counter()
     timer = StageTimer()
     gpu = options.target == "nvgpu"
@@ -122,7 +122,7 @@ def compile_graph(graph: Graph, options: CompileOptions, name: str = "fn") -> Ex
     return exe
 
 
-def _compile_cpu(graph: Graph, prog, options: CompileOptions, name: str, timer: StageTimer) -> Executable:
+def _compile_cpu(graph: Graph, prog, options: CompileOptions, name: str, timer: StageTimer) -> CompiledProgram:
     """Kernels of one structure share code (codegen.program), compiled once per process."""
     from .codegen.cpu import host_key, vector_bits
     from .codegen.program import CodeSet, LoadedProgram, build_program, entries_object
@@ -134,7 +134,7 @@ def _compile_cpu(graph: Graph, prog, options: CompileOptions, name: str, timer: 
         loaded = LoadedProgram([c.obj for c in code.codes] + [entries_object(code.entries)])
     ir = {"llvm": "\n".join([code.entries] + [c.ir for c in code.codes]),
           "llvm_opt": "\n".join(c.optimized for c in code.codes)}
-    exe = _executable(Executable, graph, prog, sched, loaded.bind(code.kernels), code.buffers, code.int_slots,
+    exe = _executable(CompiledProgram, graph, prog, sched, loaded.bind(code.kernels), code.buffers, code.int_slots,
                       options, name, loaded, ir, {})
     exe.stats["kernels_compiled"] = code.compiled
     return exe
@@ -156,10 +156,10 @@ def _lookup(key: str, gpu: bool, disk: bool) -> tuple[tuple | None, int]:
     return hit, int(hit is not None)
 
 
-def _keep(key: str, exe: Executable, disk: bool) -> None:
+def _keep(key: str, exe: CompiledProgram, disk: bool) -> None:
     """Keep a compiled program under key (on disk where disk; GPU programs
     also in this process). A GPU program's object is its PTX, as text."""
-    gpu = isinstance(exe, GpuExecutable)
+    gpu = isinstance(exe, GpuProgram)
     if any(k.library is not None for k in exe.kernels if gpu):
         return  # (cuBLAS steps hold their statement: not kept as JSON yet)
     plan, objects = _plan(exe), [exe.ptx.encode()] if gpu else exe.keepalive.objects
@@ -172,7 +172,7 @@ def _keep(key: str, exe: Executable, disk: bool) -> None:
 
 
 def _compile_gpu(graph: Graph, prog, options: CompileOptions, name: str, timer: StageTimer, arch: str,
-                 sms: int | None) -> Executable:
+                 sms: int | None) -> CompiledProgram:
     """Kernels of one structure share PTX (codegen.gpu_program), compiled once
     per process, for GPU arch with sms multiprocessors (None: not known, no
     GPU present); where one cannot be shared, one module of every kernel,
@@ -184,7 +184,7 @@ def _compile_gpu(graph: Graph, prog, options: CompileOptions, name: str, timer: 
     if code is None:
         return _compile_gpu_whole(graph, prog, options, name, timer, arch, sms)
     ir = {"llvm": code.ir, "llvm_opt": code.optimized, "ptx": code.ptx}
-    exe = _executable(GpuExecutable, graph, prog, sched, code.kernels, code.buffers, code.int_slots, options, name,
+    exe = _executable(GpuProgram, graph, prog, sched, code.kernels, code.buffers, code.int_slots, options, name,
                       None, ir, _gpu_fields(prog, code.kernels, code.ptx, arch))
     exe.stats["kernels_compiled"] = code.compiled
     return exe
@@ -197,7 +197,7 @@ def _gpu_fields(prog, kernels, ptx_text: str, arch: str) -> dict:
 
 
 def _compile_gpu_whole(graph: Graph, prog, options: CompileOptions, name: str, timer: StageTimer, arch: str,
-                       sms: int | None) -> Executable:
+                       sms: int | None) -> CompiledProgram:
     """One module of every kernel, emitted from the whole program."""
     from .codegen.nvgpu import GpuEmitter, ptx
     with timer("schedule"):
@@ -210,7 +210,7 @@ def _compile_gpu_whole(graph: Graph, prog, options: CompileOptions, name: str, t
     with timer("llvm"):
         optimized, ptx_text = ptx(llvm_text, arch)
     kernels = emitter.kernels
-    exe = _executable(GpuExecutable, graph, prog, sched, kernels, emitter.buffer_arrays, emitter.int_slots,
+    exe = _executable(GpuProgram, graph, prog, sched, kernels, emitter.buffer_arrays, emitter.int_slots,
                       options, name, None, {"llvm": llvm_text, "llvm_opt": optimized, "ptx": ptx_text},
                       _gpu_fields(prog, kernels, ptx_text, arch))
     exe.stats["kernels_compiled"] = len(kernels)
@@ -221,7 +221,7 @@ _PLAN_STATS = ("kernels", "statements", "fused", "inlined", "contracted_buffers"
                "library_calls", "fusions_refused", "fusion_refusals", "contractions")
 
 
-def _plan(exe: Executable) -> dict:
+def _plan(exe: CompiledProgram) -> dict:
     """What _from_cache needs to run the program again, as JSON."""
     return {
         "inputs": [cache.array_json(a) for a in exe.inputs], "outputs": [cache.array_json(a) for a in exe.outputs],
@@ -235,12 +235,12 @@ def _plan(exe: Executable) -> dict:
         "ir": {k: v for k, v in exe.ir.items() if k != "ptx"},  # (a GPU program's PTX is its object)
         **({"gpu": {"arch": exe.arch, "writes": [[cache.array_json(a) for a in w] for w in exe.writes],
                     "kernels": [[k.lanes, list(k.zeroed), k.strips] for k in exe.kernels]}}
-           if isinstance(exe, GpuExecutable) else {}),
+           if isinstance(exe, GpuProgram) else {}),
     }
 
 
 def _from_cache(graph: Graph, options: CompileOptions, name: str, plan: dict,
-                objects: list[bytes]) -> Executable | None:
+                objects: list[bytes]) -> CompiledProgram | None:
     """A program loaded from the compile cache: nothing lowered, scheduled or compiled."""
     from .codegen.llvm import KernelInfo
     from .codegen.program import LoadedProgram
@@ -258,7 +258,7 @@ def _from_cache(graph: Graph, options: CompileOptions, name: str, plan: dict,
         kernels = loaded.bind([KernelInfo(n, par, tuple(st)) for n, par, st in plan["kernels"]])
     contracted = [(tuple(cache.size_from(s) for s in shape), itemsize, tuple(moduli), par)
                   for shape, itemsize, moduli, par in plan["contracted"]]
-    exe = (GpuExecutable if gpu else Executable)(
+    exe = (GpuProgram if gpu else CompiledProgram)(
         name=name, inputs=[cache.array_from(a) for a in plan["inputs"]],
         outputs=[cache.array_from(a) for a in plan["outputs"]], output_arrays=plan["output_arrays"],
         buffers=[cache.array_from(a) for a in plan["buffers"]], int_slots=[tuple(s) for s in plan["int_slots"]],
@@ -289,7 +289,7 @@ class ContractedBytes:
 
 
 def _executable(cls, graph: Graph, prog, sched, kernels, buffers, int_slots, options: CompileOptions, name: str,
-                keepalive, ir: dict, gpu_fields: dict) -> Executable:
+                keepalive, ir: dict, gpu_fields: dict) -> CompiledProgram:
     inputs = sorted((a for a in prog.arrays.values() if a.kind == "input"), key=lambda a: a.index)
     outputs = sorted((a for a in prog.arrays.values() if a.kind == "output"), key=lambda a: a.index)
     consts = [n.attrs["value"] for n in graph.nodes() if n.op == "tensor_constant"]
@@ -341,7 +341,7 @@ def _multiprocessors() -> int | None:
         return None
 
 
-def dump(exe: Executable, folder: str) -> str:
+def dump(exe: CompiledProgram, folder: str) -> str:
     """Write every stage of exe to folder/<name>_<n>/ and return that path."""
     path = os.path.join(folder, f"{exe.name}_{next(_dump_ids)}")
     os.makedirs(path, exist_ok=True)

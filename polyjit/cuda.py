@@ -24,7 +24,7 @@ from . import sizes as sz
 from .codegen import launch
 from .codegen.nvgpu import BLOCK
 from .errors import DeviceError, InputError
-from .runtime import POISON, Executable, RowMajor, poison_fill
+from .runtime import POISON, CompiledProgram, RowMajor, poison_fill
 
 WAVES = 2  # grids of this many times the blocks that fit on the device at once
 _lock = threading.Lock()
@@ -374,8 +374,8 @@ def _symbols() -> dict[str, int]:
 
 
 @dataclass
-class GpuExecutable(Executable):
-    """An Executable whose kernels are PTX; called with GPU or host arrays."""
+class GpuProgram(CompiledProgram):
+    """A compiled program whose kernels are PTX; called with GPU or host arrays."""
 
     ptx: str = ""
     arch: str = ""
@@ -458,7 +458,7 @@ class GpuExecutable(Executable):
     def native_launcher(self, views: Sequence[GpuView], name: str) -> launch.NativeLauncher | None:
         """This program's launches for arguments like ``views`` (their shapes,
         strides, dtypes and device; not their pointers) as host code named
-        ``name`` (see Executable._native_launcher), for callers outside Python
+        ``name`` (see CompiledProgram._native_launcher), for callers outside Python
         (XLA's custom calls). Raises InputError as a call would."""
         if any(k.library is not None for k in self.kernels):
             return None  # the launcher's host code calls no library (yet): the Python path runs it

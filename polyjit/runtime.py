@@ -1,6 +1,6 @@
 """Running compiled kernels on the caller's arrays.
 
-An :class:`Executable` checks every argument before any kernel runs, binds
+A :class:`CompiledProgram` checks every argument before any kernel runs, binds
 the size parameters from the argument shapes, allocates outputs and the
 temporaries that were not contracted, and calls each kernel; the parallel
 loop of a kernel is split across the target's thread team (ctypes releases the GIL).
@@ -117,7 +117,7 @@ class RowMajor:
 
 
 @dataclass
-class Executable:
+class CompiledProgram:
     """A compiled program for one target and one layout of its inputs."""
 
     name: str
