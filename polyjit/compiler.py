@@ -20,6 +20,7 @@ from .library import LibraryPolicy
 from .lowering import GPU_RECOMPUTE_LIMIT, RECOMPUTE_LIMIT, lower
 from .options import CompileOptions
 from .runtime import CompiledProgram
+from .targets.cpu import packed_operands
 from .schedule import schedule_program
 
 log = logging.getLogger("polyjit")
@@ -89,7 +90,7 @@ def compile_graph(graph: Graph, options: CompileOptions, name: str = "fn") -> Co
     with timer("lower"):
         graph, folded = fold_scales(graph.deduplicated())
         if not gpu:
-            graph = graph.packed()
+            graph = packed_operands(graph)
     key = exe = None
     hits = 0
     arch, sms = (options.gpu_arch or _device_arch(), _multiprocessors()) if gpu else (None, None)

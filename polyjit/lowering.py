@@ -107,7 +107,7 @@ class Lowering:
     # ------------------------------------------------------------ decisions
     def packed(self, n: Node) -> bool:
         """Whether n is an operand's copy laid out for generated register
-        blocks (Graph.packed) that a contraction needs: a library call reads
+        blocks (targets.cpu.packed_operands) that a contraction needs: a library call reads
         the original through its transposition instead."""
         return bool(n.attrs.get("materialize")) and n.id not in self.in_place
 
@@ -637,7 +637,7 @@ STATEMENT_OPS: dict[str, Callable] = {"cumulative": _cumulative, "scatter": _sca
 
 
 def _read_in_place(nodes: list[Node], library: set[int]) -> set[int]:
-    """The packed copies (Graph.packed) whose every reader is a library call."""
+    """The packed copies (targets.cpu.packed_operands) whose every reader is a library call."""
     readers: dict[int, set[int]] = {}
     for n in nodes:
         for i in n.inputs:

@@ -1,0 +1,1 @@
+"""Targets: what each one (cpu, nvgpu) does to a program that the others do not."""
