@@ -597,3 +597,16 @@ def test_outputs_that_are_constants():
         g.add_output(out)
     a, b, c = Executable(g, parse_options({"target": TARGET}), "consts")(np.ones(4, F32))
     close(a, np.full(4, 2.0, F32)); close(b, np.float32(2.0)); close(c, np.full((2, 3), 3, np.int32))
+
+
+@pytest.mark.parametrize("n", [2.0, 3.0, 4.0, 2.5])
+def test_small_integer_powers_are_products(n, rng):
+    """x ** 2, 3, 4 (GELU's tanh form cubes its input) are products, not
+    calls to pow, with pow's values, NaN and infinities included."""
+    x = np.concatenate([rng.uniform(-10, 10, 500), [np.nan, np.inf, -np.inf, 0.0, -0.0, 1e20, -1e20]]).astype(F32)
+    got, exe = run(lambda t: ops.pow(t, n), x)
+    with np.errstate(all="ignore"):
+        want = np.power(x.astype(np.float64), n).astype(F32)  # (overflows to inf as float32 does)
+    close(got, want, rtol=2e-6, atol=0)
+    if TARGET == "cpu":
+        assert ("llvm.pow" in exe.ir("llvm")) == (n == 2.5)

@@ -72,11 +72,22 @@ def _isfinite(e, a, dt, src):
     return e.b.fcmp_ordered("<", e.call("llvm.fabs", [a[0]]), _const(math.inf, a[0]))
 
 
+def _pow(e, a, dt, src):
+    """x ** 2, 3 or 4 as products (GELU's tanh form cubes its input): a call
+    to pow keeps a loop scalar, and the products round as exactly (within an
+    ulp), with NaN and infinities as pow has them."""
+    n = a[1].constant if isinstance(a[1], ir.Constant) else None
+    if n in (2.0, 3.0, 4.0):
+        sq = e.b.fmul(a[0], a[0])
+        return sq if n == 2.0 else e.b.fmul(sq, a[0]) if n == 3.0 else e.b.fmul(sq, sq)
+    return e.math("pow", a)
+
+
 def _math(op: str) -> Rule:
     return lambda e, a, dt, src: e.math(op, a)
 
 
-_MATH = ("exp", "log", "log1p", "expm1", "sqrt", "sin", "cos", "tan", "tanh", "erf", "erfc", "atan2", "pow",
+_MATH = ("exp", "log", "log1p", "expm1", "sqrt", "sin", "cos", "tan", "tanh", "erf", "erfc", "atan2",
          "floor", "ceil", "round", "abs", "maximum", "minimum")
 
 # ------------------------------------------------------------- integers
@@ -203,6 +214,7 @@ def _float_rules() -> None:
     rule("signbit", "float", _signbit)
     for op in _MATH:
         rule(op, "float", _math(op))
+    rule("pow", "float", _pow)
 
 
 def _integer_rules() -> None:
