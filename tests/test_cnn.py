@@ -37,6 +37,7 @@ CONVS = {  # odd sizes and channel counts
     "grouped": (lambda: nn.Conv2d(12, 36, 3, padding=1, groups=3), (2, 12, 9, 11)),
     "depthwise": (lambda: nn.Conv2d(10, 10, 5, padding=2, groups=10), (2, 10, 11, 9)),
     "transposed": (lambda: nn.ConvTranspose2d(9, 20, 3, stride=2, padding=1, output_padding=1), (2, 9, 7, 5)),
+    "small_image": (lambda: nn.Conv2d(24, 72, 3, padding=1), (2, 24, 4, 3)),  # sgemm's parts take channels
 }
 
 
