@@ -607,6 +607,6 @@ def test_small_integer_powers_are_products(n, rng):
     got, exe = run(lambda t: ops.pow(t, n), x)
     with np.errstate(all="ignore"):
         want = np.power(x.astype(np.float64), n).astype(F32)  # (overflows to inf as float32 does)
-    close(got, want, rtol=2e-6, atol=0)
+    close(got, want, rtol=2e-6 if n != 2.5 else 1e-5, atol=0)  # (2.5: pow itself, the GPU's composed one)
     if TARGET == "cpu":
         assert ("llvm.pow" in exe.ir("llvm")) == (n == 2.5)
