@@ -78,15 +78,19 @@ def _expm1(x: Expr) -> Expr:
 
 
 def _pow(x: Expr, y: Expr) -> Expr:
-    """exp(y log|x|), with the sign of an odd integer power and C's special cases."""
+    """exp(y log|x|), with the sign of an odd integer power (of -0.0 too) and
+    C's special cases: NaN for a finite negative base and a non-integer
+    exponent, 1 for y = 0, x = 1 and x = -1 with y infinite."""
     mag = _op("exp", _op("mul", y, _op("log", _op("abs", x))))
     yint = _op("eq", _op("floor", y), y)
     half = _op("mul", y, _c(0.5, y))
     odd = _op("logical_and", yint, _op("ne", _op("floor", half), half))
-    neg = _op("lt", x, _c(0.0, x))
-    r = _select(_op("logical_and", neg, odd), _op("neg", mag), mag)
-    r = _select(_op("logical_and", neg, _op("logical_not", yint)), _c(math.nan, x), r)
-    return _select(_op("logical_or", _op("eq", y, _c(0.0, y)), _op("eq", x, _c(1.0, x))), _c(1.0, x), r)
+    r = _select(_op("logical_and", _op("signbit", x), odd), _op("neg", mag), mag)
+    finite_neg = _op("logical_and", _op("lt", x, _c(0.0, x)), _op("isfinite", x))
+    r = _select(_op("logical_and", finite_neg, _op("logical_not", yint)), _c(math.nan, x), r)
+    one = _op("logical_or", _op("eq", y, _c(0.0, y)), _op("eq", x, _c(1.0, x)))
+    one = _op("logical_or", one, _op("logical_and", _op("eq", x, _c(-1.0, x)), _op("isinf", y)))
+    return _select(one, _c(1.0, x), r)
 
 
 def _atan2(y: Expr, x: Expr) -> Expr:

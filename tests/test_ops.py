@@ -90,9 +90,9 @@ def test_decompositions_agree_with_the_native_forms(name, rng, monkeypatch):
     """A target without a native form of an op (the GPU has no C library)
     emits its decomposition from polyjit.scalar: forced on the host, it
     agrees with the C library, NaN and infinities included."""
-    special = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, -1.0, 2.0, -2.0, 0.5], F32)
-    args = [np.concatenate([rng.uniform(-8, 8, 990).astype(F32), np.roll(special, k)]).reshape(40, 25)
-            for k in range(scalar.OPS[name].arity)]
+    special = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, -1.0, 2.0, -2.0, 0.5, 2.5, -3.0], F32)
+    pairs = np.stack(np.meshgrid(*[special] * scalar.OPS[name].arity, indexing="ij")).reshape(scalar.OPS[name].arity, -1)
+    args = [np.concatenate([rng.uniform(-8, 8, 1000 - p.size).astype(F32), p]).reshape(40, 25) for p in pairs]
     fn = getattr(ops, name)
     native, native_exe = run(fn, *args, cache=False)
     monkeypatch.setattr(program, "_codes", {})  # no code shared with the native build
