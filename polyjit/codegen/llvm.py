@@ -655,8 +655,8 @@ class Emitter:
         rule = rule_for(op, src)
         if rule is not None:
             return rule(self, a, dt, src)
-        if src.is_float and op in scalar.OPS and scalar.OPS[op].decompose is not None:
-            return self.decomposed(op, a)
+        if src.is_float and op in scalar.OPS:  # the target's math: a kernel, an intrinsic, libm, a decomposition
+            return self.math(op, a)
         raise UnsupportedOpError(f"{op} on {src} has no lowering")
 
     def decomposed(self, op: str, a: list) -> ir.Value:

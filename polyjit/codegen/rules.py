@@ -87,7 +87,7 @@ def _math(op: str) -> Rule:
     return lambda e, a, dt, src: e.math(op, a)
 
 
-_MATH = ("exp", "log", "log1p", "expm1", "sqrt", "sin", "cos", "tan", "tanh", "erf", "erfc", "atan2",
+_MATH = ("exp", "log", "log1p", "expm1", "sqrt", "sin", "cos", "tan", "tanh", "erf", "atan2",
          "floor", "ceil", "round", "abs", "maximum", "minimum")
 
 # ------------------------------------------------------------- integers
