@@ -295,12 +295,10 @@ def lower_conv(L, n, out: str) -> None:
     group_rows = E.imul(E.it("i1"), cg) if groups > 1 else E.const(0)
     cbox = _box(out, os_, {lay.index("N"): (E.it("i0"), 1), lay.index("C"): (group_rows, cg)})
     what = f"conv {n.id}"
-    if form == "nchw" and pos >= cg:  # C (cg x pos) = W (cg x red) @ col (red x pos), parts by positions
-        call = Gemm(wbox, col, cbox, cg, pos, red, ld_w, ld_col, pos, not w_rows, False, "n", (0, 1, 1), what)
-    elif form == "nchw":  # the same, parts by output channels: a small image (a 4x4 of 512 channels) has
-        # too few positions to share
-        call = Gemm(wbox, col, cbox, cg, pos, red, ld_w, ld_col, pos, not w_rows, False, "m",
-                    (ld_w if w_rows else 1, 0, pos), what)
+    if form == "nchw":  # C (cg x pos) = W (cg x red) @ col (red x pos); the parts share positions, or
+        # output channels where an image has fewer (a 4x4 of 512 channels)
+        split, steps = ("n", (0, 1, 1)) if pos >= cg else ("m", (ld_w if w_rows else 1, 0, pos))
+        call = Gemm(wbox, col, cbox, cg, pos, red, ld_w, ld_col, pos, not w_rows, False, split, steps, what)
     else:  # C (pos x cg, rows cout apart) = col (pos x red) @ W (red x cg)
         call = Gemm(col, wbox, cbox, pos, cg, red, ld_col, ld_w, cout, False, w_rows, "m", (ld_col, 0, cout), what)
     bounds = ((0, os_[lay.index("N")]), (0, groups))
