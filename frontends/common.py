@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from polyjit import ops
 from polyjit.api import Executable
 from polyjit.cuda import GpuView
 from polyjit.dtypes import DataType
@@ -123,9 +124,13 @@ class Const:
 
 @dataclass
 class Op:
-    """One framework op: ``rule(graph, operand nodes, params)`` translates it
-    (raising UnsupportedOpError for arguments it refuses; None: not in the
-    table) and ``run(values)`` executes it in the framework instead."""
+    """One framework op: ``rule(params, *operands)`` translates it, as torch's
+    rules do: its operands as :class:`polyjit.ops.Tensor` (compile-time values
+    too, which :func:`static_value` reads), its result a Tensor or a list of
+    them; an op without operands (an iota) gets ``like=``, a Tensor of the
+    graph, as ``ops.iota`` takes it. The rule raises UnsupportedOpError for
+    arguments it refuses; None: not in the table. ``run(values)`` executes
+    the op in the framework instead."""
 
     name: str
     rule: Callable | None
@@ -136,8 +141,15 @@ class Op:
     where: str = ""
 
 
-def static_value(n: Node) -> np.ndarray:
-    """The value of a node known at compile time, or UnsupportedOpError."""
+def elementwise(name: str) -> Callable:
+    """The rule of a framework op that is the core elementwise op ``name``."""
+    fn = getattr(ops, name)
+    return lambda params, *xs: fn(*xs)
+
+
+def static_value(x: ops.Tensor | Node) -> np.ndarray:
+    """The value of a tensor known at compile time, or UnsupportedOpError."""
+    n = x.node if isinstance(x, ops.Tensor) else x
     if n.op == "constant":
         return np.asarray(n.attrs["value"])
     if n.op == "tensor_constant":
@@ -181,19 +193,24 @@ class _Segment:
             self.inputs.append(x)
         return self.env[id(x)]
 
+    def anchor(self) -> ops.Tensor:
+        """A Tensor of this segment's graph, for rules that make values from nothing."""
+        return ops.Tensor(self.graph, self.graph.constant(0))
+
     def add(self, op: Op) -> None:
         """Translate op, or raise UnsupportedOpError leaving the segment unchanged."""
         n_inputs, graph_inputs = len(self.inputs), len(self.graph.inputs)
         try:
             for v in op.outs:
                 core_dtype(v.dtype)
-            result = op.rule(self.graph, [self.operand(x) for x in op.ins], op.params)
-            results = result if isinstance(result, list) else [result]
+            xs = [ops.Tensor(self.graph, self.operand(x)) for x in op.ins]
+            result = op.rule(op.params, *xs) if xs else op.rule(op.params, like=self.anchor())
+            results = list(result) if isinstance(result, (list, tuple)) else [result]
             if len(results) != len(op.outs):
                 raise UnsupportedOpError(f"{op.name} with {len(op.outs)} results")
             nodes = []
-            for v, n in zip(op.outs, results):
-                n = self.graph.cast(n, core_dtype(v.dtype))
+            for v, t in zip(op.outs, results):
+                n = self.graph.cast(t.node, core_dtype(v.dtype))
                 if v.shape is not None and (len(n.shape) != len(v.shape) or any(
                         s is not None and s != t for s, t in zip(v.shape, n.shape))):
                     raise UnsupportedOpError(f"{op.name} (translated to shape {list(n.shape)}, "

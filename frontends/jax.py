@@ -39,8 +39,8 @@ from polyjit.runtime import RowMajor
 from polyjit.sizes import Lin
 
 from . import xla_ffi
-from .common import (Const, Op, SegmentedProgram, Stats, Value, check_execution_backend, core_dtype, internal_failure,
-                     static_value)
+from .common import (Const, Op, SegmentedProgram, Stats, Value, check_execution_backend, core_dtype, elementwise,
+                     internal_failure, static_value)
 
 SCAN_UNROLL_LIMIT = 64  # longest static scan (fori_loop) unrolled into the program
 # Results up to this size come from glibc's heap, reused (its dynamic mmap threshold
@@ -60,225 +60,169 @@ def _is_gpu_result(o) -> bool:
     return hasattr(o, "__dlpack__") and not isinstance(o, (np.ndarray, jax.Array))
 
 
-def _unary(op):
-    return lambda g, ins, p: g.unary(op, ins[0])
-
-
-def _binary(op):
-    return lambda g, ins, p: g.binary(op, *ins)
-
-
-def _logical(op):
+def _logical(name: str):
     """and/or/xor/not: logical on booleans, bitwise on integers."""
-    def rule(g, ins, p):
-        name = op if all(x.dtype == DataType.Bool for x in ins) else "bitwise_" + op.split("_")[1]
-        return g.unary(name, ins[0]) if op == "logical_not" else g.binary(name, *ins)
+    def rule(p, *xs):
+        kind = "logical_" if all(x.dtype == DataType.Bool for x in xs) else "bitwise_"
+        return getattr(ops, kind + name)(*xs)
     return rule
 
 
-def _nextafter(g, ins, p):
+def _nextafter(p, x, y):
     """The next float after x towards y, on the bits: one step away from zero
     or towards it; from zero the smallest subnormal with y's sign."""
-    x, y = ins
     if x.dtype not in (DataType.Float, DataType.Double):
         raise UnsupportedOpError(f"nextafter of {x.dtype}")
     it = DataType.Int32 if x.dtype == DataType.Float else DataType.Int
-    bits, zero = g.bitcast(x, it), g.constant(0, x.dtype)
-    away = g.binary("eq", g.binary("gt", y, x), g.binary("gt", x, zero))
-    step = g.where(away, g.binary("add", bits, g.constant(1, it)), g.binary("sub", bits, g.constant(1, it)))
-    smallest = g.where(g.binary("gt", y, zero), g.constant(1, it), g.constant(-(2 ** (8 * it.itemsize - 1)) + 1, it))
-    out = g.bitcast(g.where(g.binary("eq", x, zero), smallest, step), x.dtype)
-    out = g.where(g.binary("eq", x, y), y, out)
-    return g.where(g.binary("logical_or", g.unary("isnan", x), g.unary("isnan", y)), g.binary("add", x, y), out)
+    bits, zero, one = ops.bitcast(x, it), ops.full([], 0, x.dtype, like=x), ops.full([], 1, it, like=x)
+    step = ops.where((y > x) == (x > zero), bits + one, bits - one)
+    smallest = ops.where(y > zero, one, ops.full([], -(2 ** (8 * it.itemsize - 1)) + 1, it, like=x))
+    out = ops.bitcast(ops.where(x == zero, smallest, step), x.dtype)
+    out = ops.where(x == y, y, out)
+    return ops.where(ops.isnan(x) | ops.isnan(y), x + y, out)
 
 
-def _random_bits(g, ins, p):
-    if p["bit_width"] != 32 or ins[0].rank != 1:
-        raise UnsupportedOpError(f"random_bits of {p['bit_width']} bits from a key of shape {list(ins[0].shape[:-1])}")
-    return g.random_bits(ins[0], p["shape"])
+def _random_bits(p, key):
+    if p["bit_width"] != 32 or key.ndim != 1:
+        raise UnsupportedOpError(f"random_bits of {p['bit_width']} bits from a key of shape {list(key.shape[:-1])}")
+    return ops.random_bits(key, p["shape"])
 
 
-def _identity(g, ins, p):
-    return ins[0] if len(ins) == 1 else list(ins)
+def _identity(p, *xs):
+    return xs[0] if len(xs) == 1 else list(xs)
 
 
-def _integer_pow(g, ins, p):
-    x, y = ins[0], p["y"]
+def _integer_pow(p, x):
+    y = p["y"]
     acc, base, n = None, x, abs(y)
     while n:
         if n & 1:
-            acc = base if acc is None else g.binary("mul", acc, base)
+            acc = base if acc is None else acc * base
         n >>= 1
         if n:
-            base = g.binary("mul", base, base)
+            base = base * base
     if acc is None:
-        return g.expand(g.constant(1, x.dtype), x.shape)
-    return g.binary("div", g.constant(1, x.dtype), acc) if y < 0 else acc
+        return ops.full_like(x, 1)
+    return 1 / acc if y < 0 else acc
 
 
-def _round(g, ins, p):
-    x = ins[0]
+def _round(p, x):
     if int(p.get("rounding_method", 0)) == 1:  # to nearest even
-        return g.unary("round", x)
-    half = g.binary("add", g.unary("abs", x), g.constant(0.5, x.dtype))
-    return g.binary("mul", g.unary("sign", x), g.unary("floor", half))
+        return ops.round(x)
+    return ops.sign(x) * ops.floor(abs(x) + 0.5)
 
 
-def _exp2(g, ins, p):
-    return g.binary("pow", g.constant(2, ins[0].dtype), ins[0])
-
-
-def _select_n(g, ins, p):
-    pred, cases = ins[0], ins[1:]
+def _select_n(p, pred, *cases):
     if pred.dtype == DataType.Bool:
-        return g.where(pred, cases[1], cases[0]) if len(cases) == 2 else cases[0]
+        return ops.where(pred, cases[1], cases[0]) if len(cases) == 2 else cases[0]
     out = cases[0]
     for i, c in enumerate(cases[1:], 1):
-        out = g.where(g.binary("eq", pred, g.constant(i, pred.dtype)), c, out)
+        out = ops.where(pred == i, c, out)
     return out
 
 
-def _clamp(g, ins, p):
-    lo, x, hi = ins
-    return g.binary("minimum", g.binary("maximum", x, lo), hi)
+def _reduce(reduce):
+    return lambda p, x: reduce(x, p["axes"])
 
 
-def _reduce(op):
-    return lambda g, ins, p: g.reduce(op, ins[0], p["axes"])
+def _argreduce(argreduce):
+    return lambda p, x: argreduce(x, p["axes"][0])
 
 
-def _argreduce(op):
-    return lambda g, ins, p: g.argreduce(op, ins[0], p["axes"][0])
-
-
-def _broadcast_in_dim(g, ins, p):
-    return g.broadcast_in_dim(ins[0], p["shape"], p["broadcast_dimensions"])
-
-
-def _reshape(g, ins, p):
+def _reshape(p, x):
     if p.get("dimensions") is not None:  # the operand transposed first (a grouped convolution's weight gradient)
-        return g.reshape(g.transpose(ins[0], p["dimensions"]), p["new_sizes"])
-    return g.reshape(ins[0], p["new_sizes"])
+        x = ops.permute(x, p["dimensions"])
+    return ops.reshape(x, p["new_sizes"])
 
 
-def _squeeze(g, ins, p):
-    x = ins[0]
-    drop = {d % x.rank for d in p["dimensions"]}
-    return g.reshape(x, [s for d, s in enumerate(x.shape) if d not in drop])
+def _dynamic_slice(p, x, *at):
+    sizes = p["slice_sizes"]
+    starts = [min(max(int(static_value(i)), 0), x.shape[d] - sizes[d]) for d, i in enumerate(at)]
+    return ops.slice(x, starts, [s + n for s, n in zip(starts, sizes)])
 
 
-def _slice(g, ins, p):
-    return g.slice(ins[0], p["start_indices"], p["limit_indices"], p.get("strides"))
-
-
-def _dynamic_slice(g, ins, p):
-    x, sizes = ins[0], p["slice_sizes"]
-    starts = [min(max(int(static_value(i)), 0), x.shape[d] - sizes[d]) for d, i in enumerate(ins[1:])]
-    return g.slice(x, starts, [s + n for s, n in zip(starts, sizes)])
-
-
-def _dynamic_update_slice(g, ins, p):
+def _dynamic_update_slice(p, x, update, *at):
     """x with update written at constant start indices (clamped, as XLA
     does): the update padded out to x's shape, selected where it lands."""
-    x, update = ins[0], ins[1]
     _static_sizes("dynamic_update_slice", x, update)
-    lo = [min(max(int(static_value(i)), 0), int(n) - int(m)) for i, n, m in zip(ins[2:], x.shape, update.shape)]
+    lo = [min(max(int(static_value(i)), 0), int(n) - int(m)) for i, n, m in zip(at, x.shape, update.shape)]
     hi = [int(n) - a - int(m) for a, n, m in zip(lo, x.shape, update.shape)]
-    inside = g.pad(g.expand(g.constant(True, DataType.Bool), update.shape), lo, hi, False)
-    return g.where(inside, g.pad(update, lo, hi, 0), x)
+    inside = ops.pad_edges(ops.full_like(update, True, DataType.Bool), lo, hi, False)
+    return ops.where(inside, ops.pad_edges(update, lo, hi, 0), x)
 
 
-def _tile(g, ins, p):
+def _tile(p, x):
     """jnp.tile: each dimension repeated reps times, as a broadcast and a reshape."""
-    x, reps = ins[0], list(p["reps"])
-    reps = [1] * (x.rank - len(reps)) + reps
+    reps = list(p["reps"])
+    reps = [1] * (x.ndim - len(reps)) + reps
     shape = [s for r, n in zip(reps, x.shape) for s in (r, n)]
-    y = g.broadcast_in_dim(x, shape, [2 * d + 1 for d in range(x.rank)])
-    return g.reshape(y, [r * n for r, n in zip(reps, x.shape)])
+    y = ops.broadcast_in_dim(x, shape, [2 * d + 1 for d in range(x.ndim)])
+    return ops.reshape(y, [r * n for r, n in zip(reps, x.shape)])
 
 
-def _pad(g, ins, p):
+def _pad(p, x, value):
     """lax.pad: interior padding (the adjoint of a strided access, as in a
     strided pooling's gradient) dilates first; negative edges cut."""
-    x, value = ins[0], static_value(ins[1]).item()
-    config = p["padding_config"]
+    value, config = static_value(value).item(), p["padding_config"]
     if any(interior for _, _, interior in config):
-        t = ops.Tensor(g, x)
         factors = [interior + 1 for _, _, interior in config]
-        spread = ops.dilate(t, factors)
+        spread = ops.dilate(x, factors)
         if value != 0:  # dilate fills with zeros: the cells it adds take the value
-            spread = ops.where(ops.dilate(ops.full_like(t, True, DataType.Bool), factors), spread, value)
-        x = spread.node
-    y = g.pad(x, [max(lo, 0) for lo, _, _ in config], [max(hi, 0) for _, hi, _ in config], value)
+            spread = ops.where(ops.dilate(ops.full_like(x, True, DataType.Bool), factors), spread, value)
+        x = spread
+    y = ops.pad_edges(x, [max(lo, 0) for lo, _, _ in config], [max(hi, 0) for _, hi, _ in config], value)
     if any(lo < 0 or hi < 0 for lo, hi, _ in config):
         start = [max(-lo, 0) for lo, _, _ in config]
         end = [n - max(-hi, 0) for n, (_, hi, _) in zip(y.shape, config)]
-        y = g.slice(y, start, end)
+        y = ops.slice(y, start, end)
     return y
 
 
-def _split(g, ins, p):
-    x, axis, out, start = ins[0], p["axis"], [], 0
-    for n in p["sizes"]:
-        lo = [0] * x.rank
-        hi = list(x.shape)
-        lo[axis], hi[axis] = start, start + n
-        out.append(g.slice(x, lo, hi))
-        start += n
-    return out
+def _cumulative(op: str):
+    return lambda p, x: ops.cumulative(op, x, p["axis"], bool(p.get("reverse")))
 
 
-def _cumulative(op):
-    def rule(g, ins, p):
-        return ops.cumulative(op, ops.Tensor(g, ins[0]), p["axis"], bool(p.get("reverse"))).node
-    return rule
-
-
-def _reduce_window(op):
-    def rule(g, ins, p):
+def _reduce_window(op: str):
+    def rule(p, x):
         if any(d != 1 for d in p["base_dilation"]):
             raise UnsupportedOpError("reduce_window with base dilation")
-        return g.reduce_window(op, ins[0], p["window_dimensions"], p["window_strides"], p["padding"],
-                               p["window_dilation"])
+        return ops.reduce_window(op, x, p["window_dimensions"], p["window_strides"], p["padding"],
+                                 p["window_dilation"])
     return rule
 
 
-def _select_and_scatter_add(g, ins, p):
+def _select_and_scatter_add(p, src, x):
     """Max pooling's gradient: each window's source value is added at the
     position of the window's first maximum (select ge keeps the earlier of
     equal values). Windows unroll into strided slices of the operand padded
     with -inf; a running (maximum, flat position) picks each window's
     element, and each window's source value flows back to the cell whose
     position won (ops.window_adjoint)."""
-    src, x = ins
     if getattr(p["select_prim"], "name", "") != "ge":
         raise UnsupportedOpError(f"select_and_scatter_add selecting with {p['select_prim']}")
     lo, hi = [a for a, _ in p["padding"]], [b for _, b in p["padding"]]
-    if any(isinstance(s, Lin) for s in x.shape + src.shape):
-        raise UnsupportedOpError("select_and_scatter_add over symbolic sizes")
-    xp = g.pad(x, lo, hi, -math.inf) if any(lo) or any(hi) else x
-    padded = [int(s) for s in xp.shape]
-    flat_strides = [math.prod(padded[d + 1:]) for d in range(x.rank)]
+    _static_sizes("select_and_scatter_add", x, src)
+    xp = ops.pad_edges(x, lo, hi, -math.inf) if any(lo) or any(hi) else x
+    flat_strides = [math.prod(int(s) for s in xp.shape[d + 1:]) for d in range(x.ndim)]
     windows, strides = p["window_dimensions"], p["window_strides"]
-    best = where = None
+    best = won = None
     cells = {}
     for offset in itertools.product(*[range(w) for w in windows]):
         end = [k + s * (n - 1) + 1 for k, s, n in zip(offset, strides, src.shape)]
-        value = g.slice(xp, list(offset), end, list(strides))
-        at = g.constant(sum(k * f for k, f in zip(offset, flat_strides)), DataType.Int)
-        for d in range(x.rank):
+        value = ops.slice(xp, list(offset), end, list(strides))
+        at = ops.full([], sum(k * f for k, f in zip(offset, flat_strides)), DataType.Int, like=x)
+        for d in range(x.ndim):
             if src.shape[d] != 1:
-                step = g.constant(strides[d] * flat_strides[d], DataType.Int)
-                at = g.binary("add", at, g.binary("mul", g.iota(src.shape, d), step))
-        at = cells[offset] = g.broadcast_in_dim(at, src.shape, []) if at.rank == 0 else at
+                at = at + ops.iota(src.shape, d, like=x) * ops.full([], strides[d] * flat_strides[d], DataType.Int,
+                                                                     like=x)
+        at = cells[offset] = ops.broadcast_in_dim(at, src.shape, []) if at.ndim == 0 else at
         if best is None:
-            best, where = value, at
+            best, won = value, at
             continue
-        keep = g.binary("ge", best, value)
-        best, where = g.where(keep, best, value), g.where(keep, where, at)
-    won, grad = ops.Tensor(g, where), ops.Tensor(g, src)
-    return ops.window_adjoint(lambda offset: ops.where(won == ops.Tensor(g, cells[offset]), grad, 0.0), list(x.shape),
-                              windows, strides, list(zip(lo, hi))).node
+        keep = best >= value
+        best, won = ops.where(keep, best, value), ops.where(keep, won, at)
+    return ops.window_adjoint(lambda offset: ops.where(won == cells[offset], src, 0.0), list(x.shape),
+                              windows, strides, list(zip(lo, hi)))
 
 
 def _mode(p) -> str:
@@ -299,12 +243,12 @@ def _fill_value(dtype: DataType, value):
     return int(np.iinfo(np_dtype).max if np_dtype.kind == "u" else np.iinfo(np_dtype).min)
 
 
-def _static_sizes(what: str, *nodes) -> None:
-    if any(isinstance(s, Lin) for n in nodes for s in n.shape):
+def _static_sizes(what: str, *xs: ops.Tensor) -> None:
+    if any(isinstance(s, Lin) for x in xs for s in x.shape):
         raise UnsupportedOpError(f"{what} over symbolic sizes")
 
 
-def _window_positions(g, x_shape, indices, starts_to_operand, operand_batching, indices_batching,
+def _window_positions(x_shape, indices, starts_to_operand, operand_batching, indices_batching,
                       window_sizes, out_shape, batch_at, window_at, window_dims, mode):
     """Flat positions in an operand of x_shape, of out_shape, for a gather's
     output or a scatter's updates (the two share their index arithmetic):
@@ -315,41 +259,34 @@ def _window_positions(g, x_shape, indices, starts_to_operand, operand_batching, 
     the window fits, as XLA does; also returns, for mode "fill", where the
     unclamped start was in bounds (None otherwise)."""
     start: dict = {}
-    valid = None
+    valid, zero = None, ops.full([], 0, DataType.Int, like=indices)
     for k, d in enumerate(starts_to_operand):
-        idx = g.slice(indices, [0] * (indices.rank - 1) + [k], list(indices.shape[:-1]) + [k + 1])
-        idx = g.cast(g.reshape(idx, indices.shape[:-1]), DataType.Int)
-        idx = g.broadcast_in_dim(idx, out_shape, batch_at)
-        top = g.constant(int(x_shape[d]) - int(window_sizes[d]), DataType.Int)
+        idx = ops.slice(indices, [0] * (indices.ndim - 1) + [k], list(indices.shape[:-1]) + [k + 1])
+        idx = ops.broadcast_in_dim(ops.cast(ops.reshape(idx, indices.shape[:-1]), DataType.Int), out_shape, batch_at)
+        top = ops.full([], int(x_shape[d]) - int(window_sizes[d]), DataType.Int, like=indices)
         if mode == "fill":
-            ok = g.binary("logical_and", g.binary("ge", idx, g.constant(0, DataType.Int)), g.binary("le", idx, top))
-            valid = ok if valid is None else g.binary("logical_and", valid, ok)
-        start[d] = g.binary("minimum", g.binary("maximum", idx, g.constant(0, DataType.Int)), top)
+            ok = (idx >= zero) & (idx <= top)
+            valid = ok if valid is None else valid & ok
+        start[d] = ops.minimum(ops.maximum(idx, zero), top)
     for d, i in zip(operand_batching, indices_batching):
-        start[d] = g.iota(out_shape, batch_at[i])
+        start[d] = ops.iota(out_shape, batch_at[i], like=indices)
     for d, at in zip(window_dims, window_at):
-        offset = g.iota(out_shape, at)
-        start[d] = g.binary("add", start[d], offset) if d in start else offset
+        offset = ops.iota(out_shape, at, like=indices)
+        start[d] = start[d] + offset if d in start else offset
     flat = None
     for d, pos in start.items():
         stride = math.prod(int(s) for s in x_shape[d + 1:])
-        term = g.binary("mul", pos, g.constant(stride, DataType.Int)) if stride != 1 else pos
-        flat = term if flat is None else g.binary("add", flat, term)
+        term = pos * ops.full([], stride, DataType.Int, like=indices) if stride != 1 else pos
+        flat = term if flat is None else flat + term
     if flat is None:
-        flat = g.constant(0, DataType.Int)
-    return g.expand(flat, out_shape) if flat.rank == 0 else flat, valid
+        flat = zero
+    return ops.broadcast_to(flat, out_shape) if flat.ndim == 0 else flat, valid
 
 
-def _gather(g, ins, p):
-    """lax.gather in any dimension numbers: a take along one operand axis
-    when that is what it is (``x[idx]``, embeddings), otherwise a take from
-    the flattened operand at computed positions (``take_along_axis``);
-    out-of-bounds starts clamp, or with mode fill give the fill value."""
-    x, indices = ins
-    dn, sizes, mode = p["dimension_numbers"], tuple(p["slice_sizes"]), _mode(p)
-    _static_sizes("gather", x, indices)
+def _gather_dims(dn, sizes, x, indices):
+    """A gather's result shape, where its batch dims go, and the operand's window dims."""
     batch = tuple(indices.shape[:-1])
-    window_dims = [d for d in range(x.rank) if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims]
+    window_dims = [d for d in range(x.ndim) if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims]
     out_rank = len(batch) + len(dn.offset_dims)
     batch_at = [q for q in range(out_rank) if q not in dn.offset_dims]
     out_shape = [0] * out_rank
@@ -357,35 +294,50 @@ def _gather(g, ins, p):
         out_shape[q] = sizes[d]
     for q, n in zip(batch_at, batch):
         out_shape[q] = n
+    return out_shape, batch_at, window_dims
+
+
+def _take_along(x, indices, axis, dn, out_shape, batch_at, window_dims, mode):
+    """A gather that takes along one axis (``x[idx]``, embeddings): one take,
+    its dims put in place; also where an index was in bounds, for mode fill."""
+    batch = tuple(indices.shape[:-1])
+    idx = ops.cast(ops.reshape(indices, batch), DataType.Int)
+    zero, n = ops.full([], 0, DataType.Int, like=x), ops.full([], int(x.shape[axis]) - 1, DataType.Int, like=x)
+    out = ops.take(x, ops.minimum(ops.maximum(idx, zero), n), axis)
+    labels = [("w", d) for d in range(axis)] + [("b", i) for i in range(len(batch))] + \
+             [("w", d) for d in range(axis + 1, x.ndim)]
+    want = [None] * len(out_shape)
+    for q, d in zip(dn.offset_dims, window_dims):
+        want[q] = ("w", d)
+    for i, q in enumerate(batch_at):
+        want[q] = ("b", i)
+    perm = [labels.index(w) for w in want]
+    out = out if perm == list(range(len(out_shape))) else ops.permute(out, perm)
+    if mode != "fill":
+        return out, None
+    return out, ops.broadcast_in_dim((idx >= zero) & (idx <= n), out_shape, batch_at)
+
+
+def _gather(p, x, indices):
+    """lax.gather in any dimension numbers: a take along one operand axis
+    when that is what it is (``x[idx]``, embeddings), otherwise a take from
+    the flattened operand at computed positions (``take_along_axis``);
+    out-of-bounds starts clamp, or with mode fill give the fill value."""
+    dn, sizes, mode = p["dimension_numbers"], tuple(p["slice_sizes"]), _mode(p)
+    _static_sizes("gather", x, indices)
+    out_shape, batch_at, window_dims = _gather_dims(dn, sizes, x, indices)
     axis = dn.start_index_map[0] if len(dn.start_index_map) == 1 else None
     if axis is not None and not dn.operand_batching_dims and axis in dn.collapsed_slice_dims \
-            and all(sizes[d] == x.shape[d] for d in range(x.rank) if d != axis):
-        # a take along axis: its result's dims are x's with the batch dims in place of axis
-        idx = g.cast(g.reshape(indices, batch), DataType.Int)
-        n = g.constant(int(x.shape[axis]) - 1, DataType.Int)
-        zero = g.constant(0, DataType.Int)
-        out = g.gather(x, g.binary("minimum", g.binary("maximum", idx, zero), n), axis)
-        labels = [("w", d) for d in range(axis)] + [("b", i) for i in range(len(batch))] + \
-                 [("w", d) for d in range(axis + 1, x.rank)]
-        want = [None] * out_rank
-        for q, d in zip(dn.offset_dims, window_dims):
-            want[q] = ("w", d)
-        for i, q in enumerate(batch_at):
-            want[q] = ("b", i)
-        perm = [labels.index(w) for w in want]
-        out = out if perm == list(range(out_rank)) else g.transpose(out, perm)
-        if mode != "fill":
-            return out
-        ok = g.binary("logical_and", g.binary("ge", idx, zero), g.binary("le", idx, n))
-        valid = g.broadcast_in_dim(ok, out_shape, batch_at)
+            and all(sizes[d] == x.shape[d] for d in range(x.ndim) if d != axis):
+        out, valid = _take_along(x, indices, axis, dn, out_shape, batch_at, window_dims, mode)
     else:
-        flat, valid = _window_positions(g, x.shape, indices, dn.start_index_map, dn.operand_batching_dims,
+        flat, valid = _window_positions(x.shape, indices, dn.start_index_map, dn.operand_batching_dims,
                                         dn.start_indices_batching_dims, sizes, out_shape, batch_at,
                                         dn.offset_dims, window_dims, mode)
-        out = g.gather(g.reshape(x, [-1]), flat, 0)
-        if valid is None:
-            return out
-    return g.where(valid, out, g.constant(_fill_value(x.dtype, p.get("fill_value")), x.dtype))
+        out = ops.take(ops.reshape(x, [-1]), flat, 0)
+    if valid is None:
+        return out
+    return ops.where(valid, out, ops.full([], _fill_value(x.dtype, p.get("fill_value")), x.dtype, like=x))
 
 
 def _scatter(how: str):
@@ -395,75 +347,71 @@ def _scatter(how: str):
     the winner undefined): updates go into the operand at positions worked
     out as for a gather, over the flattened operand; with mode fill,
     out-of-bounds updates drop."""
-    def rule(g, ins, p):
-        x, indices, updates = ins
+    def rule(p, x, indices, updates):
         dn, mode = p["dimension_numbers"], _mode(p)
         _static_sizes("scatter", x, indices, updates)
-        window_dims = [d for d in range(x.rank) if d not in dn.inserted_window_dims
+        window_dims = [d for d in range(x.ndim) if d not in dn.inserted_window_dims
                        and d not in dn.operand_batching_dims]
-        batch_at = [q for q in range(updates.rank) if q not in dn.update_window_dims]
-        sizes = [1] * x.rank
+        batch_at = [q for q in range(updates.ndim) if q not in dn.update_window_dims]
+        sizes = [1] * x.ndim
         for q, d in zip(dn.update_window_dims, window_dims):
             sizes[d] = updates.shape[q]
-        flat, valid = _window_positions(g, x.shape, indices, dn.scatter_dims_to_operand_dims,
+        flat, valid = _window_positions(x.shape, indices, dn.scatter_dims_to_operand_dims,
                                         dn.operand_batching_dims, dn.scatter_indices_batching_dims, sizes,
                                         list(updates.shape), batch_at, dn.update_window_dims, window_dims, mode)
         total = math.prod(int(s) for s in x.shape)
         if valid is not None:  # a dropped update goes to a slot past the operand's end
-            flat = g.where(valid, flat, g.constant(total, flat.dtype))
-        flat = ops.Tensor(g, g.reshape(flat, [-1]))
-        values = ops.Tensor(g, g.reshape(updates, [-1]))
-        canvas = ops.pad(ops.reshape(ops.Tensor(g, x), [-1]), [0, 1])
+            flat = ops.where(valid, flat, ops.full([], total, flat.dtype, like=flat))
+        flat, values = ops.reshape(flat, [-1]), ops.reshape(updates, [-1])
+        canvas = ops.pad(ops.reshape(x, [-1]), [0, 1])
         out = ops.scatter(canvas, flat, values) if how == "set" else ops.scatter_combine(canvas, how, flat, values)
-        return ops.reshape(ops.slice(out, [0], [total]), list(x.shape)).node
+        return ops.reshape(ops.slice(out, [0], [total]), list(x.shape))
     return rule
 
 
-def _sort(g, ins, p):
+def _sort(p, *xs):
     """lax.sort by its first operand (num_keys=1), stable; the other
     operands (argsort's iota) follow the same permutation."""
     if p["num_keys"] != 1:
         raise UnsupportedOpError(f"sort with {p['num_keys']} keys")
-    axis = p["dimension"]
-    values, at = ops.sort(ops.Tensor(g, ins[0]), axis)
-    return [values.node] + [ops.take_along_axis(ops.Tensor(g, x), at, axis).node for x in ins[1:]]
+    values, at = ops.sort(xs[0], p["dimension"])
+    return [values] + [ops.take_along_axis(x, at, p["dimension"]) for x in xs[1:]]
 
 
-def _top_k(g, ins, p):
-    values, at = ops.topk(ops.Tensor(g, ins[0]), p["k"], p.get("axis", -1))
-    return [values.node, g.cast(at.node, DataType.Int32)]
-
-
-def _dot_general(g, ins, p):
-    (lc, rc), (lb, rb) = p["dimension_numbers"]
-    return g.dot_general(ins[0], ins[1], (lc, rc), (lb, rb))
+def _top_k(p, x):
+    values, at = ops.topk(x, p["k"], p.get("axis", -1))
+    return [values, ops.cast(at, DataType.Int32)]
 
 
 _SPATIAL = "HWDUVZ"
 
 
-def _conv(g, ins, p):
-    """conv_general_dilated; lhs dilation (the input gradient of a strided
-    convolution) spreads the input with zeros first, and negative padding
-    (which that gradient may carry) crops it. Batch groups (a grouped
-    convolution's weight gradient) move into the channels: group j's
-    batch rows become channels j*C..(j+1)*C of one feature-grouped convolution."""
-    x, w = ins
+def _conv_operand(p, x, padding):
+    """conv_general_dilated's operand made plain: lhs dilation (the input
+    gradient of a strided convolution) spreads it with zeros, and negative
+    padding (which that gradient may carry) crops it. Returns it and the padding left."""
     dn = p["dimension_numbers"]
-    nsp = x.rank - 2
-    padding = [tuple(pr) for pr in p["padding"]]
     if any(d != 1 for d in p["lhs_dilation"]):
-        factors = [1] * x.rank
+        factors = [1] * x.ndim
         for k, d in enumerate(p["lhs_dilation"]):
             factors[dn.lhs_spec[2 + k]] = d
-        x = ops.dilate(ops.Tensor(g, x), factors).node
+        x = ops.dilate(x, factors)
     if any(lo < 0 or hi < 0 for lo, hi in padding):
-        start, end = [0] * x.rank, list(x.shape)
+        start, end = [0] * x.ndim, list(x.shape)
         for k, (lo, hi) in enumerate(padding):
             d = dn.lhs_spec[2 + k]
             start[d], end[d] = max(-lo, 0), end[d] - max(-hi, 0)
-        x = g.slice(x, start, end)
+        x = ops.slice(x, start, end)
         padding = [(max(lo, 0), max(hi, 0)) for lo, hi in padding]
+    return x, padding
+
+
+def _conv(p, x, w):
+    """conv_general_dilated (see _conv_operand). Batch groups (a grouped
+    convolution's weight gradient) move into the channels: group j's
+    batch rows become channels j*C..(j+1)*C of one feature-grouped convolution."""
+    dn, nsp = p["dimension_numbers"], x.ndim - 2
+    x, padding = _conv_operand(p, x, [tuple(pr) for pr in p["padding"]])
 
     def layout(spec, a, b):
         out = [""] * len(spec)
@@ -476,83 +424,78 @@ def _conv(g, ins, p):
     if p["batch_group_count"] > 1:
         groups = p["batch_group_count"]
         canon = "NC" + _SPATIAL[:nsp]
-        t = ops.permute(ops.Tensor(g, x), [lhs.index(c) for c in canon])
+        t = ops.permute(x, [lhs.index(c) for c in canon])
         n, c, sp = int(t.shape[0]) // groups, t.shape[1], list(t.shape[2:])
         t = ops.permute(ops.reshape(t, [groups, n, c] + sp), [1, 0, 2] + list(range(3, 3 + nsp)))
-        x, lhs = ops.reshape(t, [n, groups * c] + sp).node, canon
-    y = g.conv(x, w, p["window_strides"], padding, p["rhs_dilation"], groups, lhs, rhs)
+        x, lhs = ops.reshape(t, [n, groups * c] + sp), canon
+    y = ops.conv(x, w, p["window_strides"], padding, p["rhs_dilation"], groups, lhs, rhs)
     perm = [lhs.index(c) for c in want]
-    return y if perm == list(range(len(perm))) else g.transpose(y, perm)
+    return y if perm == list(range(len(perm))) else ops.permute(y, perm)
 
 
 PRIMITIVES: dict[str, Callable] = {
     # elementwise
-    **{name: _unary(op) for name, op in [
+    **{name: elementwise(op) for name, op in [
         ("neg", "neg"), ("abs", "abs"), ("exp", "exp"), ("log", "log"), ("log1p", "log1p"),
         ("expm1", "expm1"), ("sqrt", "sqrt"), ("rsqrt", "rsqrt"), ("sin", "sin"), ("cos", "cos"),
         ("tan", "tan"), ("tanh", "tanh"), ("erf", "erf"), ("logistic", "sigmoid"), ("floor", "floor"),
         ("ceil", "ceil"), ("sign", "sign"), ("is_finite", "isfinite"), ("erf_inv", "erf_inv"),
-        ("erfc", "erfc")]},
-    "lgamma": lambda g, ins, p: ops.lgamma(ops.Tensor(g, ins[0])).node,
-    "digamma": lambda g, ins, p: ops.digamma(ops.Tensor(g, ins[0])).node,
-    **{name: _binary(op) for name, op in [
+        ("erfc", "erfc"), ("lgamma", "lgamma"), ("digamma", "digamma"),
         ("add", "add"), ("add_any", "add"), ("sub", "sub"), ("mul", "mul"), ("max", "maximum"),
         ("min", "minimum"), ("pow", "pow"), ("atan2", "atan2"), ("rem", "fmod"), ("eq", "eq"), ("ne", "ne"),
-        ("lt", "lt"), ("le", "le"), ("gt", "gt"), ("ge", "ge")]},
-    "div": lambda g, ins, p: g.binary("div" if ins[0].dtype.is_float else "trunc_divide", *ins),
-    "and": _logical("logical_and"), "or": _logical("logical_or"), "xor": _logical("logical_xor"),
-    "not": _logical("logical_not"),
+        ("lt", "lt"), ("le", "le"), ("gt", "gt"), ("ge", "ge"), ("shift_left", "shift_left"),
+        ("shift_right_logical", "shift_right_logical"), ("shift_right_arithmetic", "shift_right_arithmetic")]},
+    "div": lambda p, a, b: (ops.div if a.dtype.is_float else ops.trunc_divide)(a, b),
+    "and": _logical("and"), "or": _logical("or"), "xor": _logical("xor"), "not": _logical("not"),
     "integer_pow": _integer_pow,
-    "square": lambda g, ins, p: g.binary("mul", ins[0], ins[0]),
-    "one_minus_square": lambda g, ins, p: g.binary("sub", g.constant(1, ins[0].dtype), g.binary("mul", ins[0], ins[0])),
-    "exp2": _exp2,
+    "square": lambda p, x: x * x,
+    "one_minus_square": lambda p, x: 1 - x * x,
+    "exp2": lambda p, x: 2 ** x,
     "round": _round,
     "select_n": _select_n,
-    "clamp": _clamp,
-    "convert_element_type": lambda g, ins, p: g.cast(ins[0], core_dtype(p["new_dtype"])),
-    "bitcast_convert_type": lambda g, ins, p: g.bitcast(ins[0], core_dtype(p["new_dtype"])),
-    "shift_left": _binary("shift_left"), "shift_right_logical": _binary("shift_right_logical"),
-    "shift_right_arithmetic": _binary("shift_right_arithmetic"),
+    "clamp": lambda p, lo, x, hi: ops.minimum(ops.maximum(x, lo), hi),
+    "convert_element_type": lambda p, x: ops.cast(x, core_dtype(p["new_dtype"])),
+    "bitcast_convert_type": lambda p, x: ops.bitcast(x, core_dtype(p["new_dtype"])),
     "nextafter": _nextafter,
     # random numbers: a threefry key is its uint32[2] data here
     "random_wrap": _identity, "random_unwrap": _identity, "random_bits": _random_bits,
     "stop_gradient": _identity, "copy": _identity, "copy_p": _identity,
     "optimization_barrier": _identity, "sharding_constraint": _identity,
     # layout
-    "broadcast_in_dim": _broadcast_in_dim,
+    "broadcast_in_dim": lambda p, x: ops.broadcast_in_dim(x, p["shape"], p["broadcast_dimensions"]),
     "reshape": _reshape,
-    "squeeze": _squeeze,
-    "transpose": lambda g, ins, p: g.transpose(ins[0], p["permutation"]),
-    "slice": _slice,
+    "squeeze": lambda p, x: ops.squeeze(x, p["dimensions"]),
+    "transpose": lambda p, x: ops.permute(x, p["permutation"]),
+    "slice": lambda p, x: ops.slice(x, p["start_indices"], p["limit_indices"], p.get("strides")),
     "dynamic_slice": _dynamic_slice,
     "dynamic_update_slice": _dynamic_update_slice,
     "tile": _tile,
     "pad": _pad,
-    "concatenate": lambda g, ins, p: g.concatenate(list(ins), p["dimension"]),
-    "split": _split,
-    "rev": lambda g, ins, p: g.reverse(ins[0], p["dimensions"]),
-    "iota": lambda g, ins, p: g.iota(p["shape"], p["dimension"], core_dtype(p["dtype"])),
+    "concatenate": lambda p, *xs: ops.cat(xs, p["dimension"]),
+    "split": lambda p, x: ops.split(x, list(p["sizes"]), p["axis"]),
+    "rev": lambda p, x: ops.reverse(x, p["dimensions"]),
+    "iota": lambda p, *, like: ops.iota(p["shape"], p["dimension"], core_dtype(p["dtype"]), like=like),
     # a scalar of no particular value: the residuals of the branch a cond's gradient does not take
-    "empty2": lambda g, ins, p: g.constant(0, core_dtype(p["dtype"])),
+    "empty2": lambda p, *, like: ops.full([], 0, core_dtype(p["dtype"]), like=like),
     # reductions and windows
-    "reduce_sum": _reduce("sum"), "reduce_max": _reduce("max"), "reduce_min": _reduce("min"),
-    "reduce_prod": _reduce("prod"), "reduce_and": lambda g, ins, p: ops.reduce_all(ops.Tensor(g, ins[0]), p["axes"]).node,
-    "reduce_or": lambda g, ins, p: ops.reduce_any(ops.Tensor(g, ins[0]), p["axes"]).node,
-    "argmax": _argreduce("argmax"), "argmin": _argreduce("argmin"),
+    "reduce_sum": _reduce(ops.sum), "reduce_max": _reduce(ops.max), "reduce_min": _reduce(ops.min),
+    "reduce_prod": _reduce(ops.prod), "reduce_and": _reduce(ops.reduce_all), "reduce_or": _reduce(ops.reduce_any),
+    "argmax": _argreduce(ops.argmax), "argmin": _argreduce(ops.argmin),
     "cumsum": _cumulative("sum"), "cumprod": _cumulative("prod"), "cummax": _cumulative("max"),
     "cummin": _cumulative("min"),
     "reduce_window_sum": _reduce_window("sum"), "reduce_window_max": _reduce_window("max"),
+    "reduce_window_min": _reduce_window("min"),
     "select_and_scatter_add": _select_and_scatter_add,
     "sort": _sort, "top_k": _top_k,
-    "reduce_window_min": _reduce_window("min"),
     # indexing
     "gather": _gather, "scatter-add": _scatter("sum"), "scatter_add": _scatter("sum"), "scatter": _scatter("set"),
     "scatter-mul": _scatter("prod"), "scatter_mul": _scatter("prod"), "scatter-min": _scatter("min"),
     "scatter_min": _scatter("min"), "scatter-max": _scatter("max"), "scatter_max": _scatter("max"),
     # contractions
-    "dot_general": _dot_general,
+    "dot_general": lambda p, a, b: ops.dot_general(a, b, *p["dimension_numbers"]),
     "conv_general_dilated": _conv,
 }
+
 
 # primitives whose body is another jaxpr, inlined before translation: name -> param holding it
 CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",

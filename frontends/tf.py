@@ -637,7 +637,17 @@ TF_OPS: dict[str, Callable] = {
     "SoftmaxCrossEntropyWithLogits": _softmax_cross_entropy(False),
     "SparseSoftmaxCrossEntropyWithLogits": _softmax_cross_entropy(True),
 }
-TF_OPS = {k: v for k, v in TF_OPS.items() if v is not None}
+
+
+def _on_nodes(rule):
+    """A rule on graph nodes under the Tensor convention (until the table moves to it)."""
+    def on_tensors(o, *xs):
+        out = rule(xs[0].graph, [x.node for x in xs], o)
+        return [ops.Tensor(xs[0].graph, n) for n in out] if isinstance(out, list) else ops.Tensor(xs[0].graph, out)
+    return on_tensors
+
+
+TF_OPS = {k: _on_nodes(v) for k, v in TF_OPS.items() if v is not None}
 # integer ops on compile-time values (shape arithmetic) that TensorFlow folds
 _FOLDABLE = {"Shape", "Size", "Rank", "Range", "StridedSlice", "Pack", "Prod", "ConcatV2", "Cast", "Mul",
              "Add", "AddV2", "Sub", "Fill", "Reshape", "GatherV2", "FloorDiv", "Maximum", "Minimum"}

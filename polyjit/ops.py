@@ -184,6 +184,15 @@ def zeros_like(x: Tensor) -> Tensor:
     return full_like(x, 0)
 
 
+def full(shape: Sequence, value, dtype=None, *, like: Tensor) -> Tensor:
+    """value broadcast to shape (``[]``: the scalar itself) in like's
+    definition; without dtype, a Python number is weakly typed (it takes
+    the type of the tensor it meets, as in ``x * 2``)."""
+    g = like.graph
+    return _wrap(g, g.broadcast_in_dim(g.constant(value, to_dtype(dtype) if dtype is not None else None),
+                                       tuple(shape), []))
+
+
 # ---------------------------------------------------------------- layout
 def broadcast_in_dim(x: Tensor, shape: Sequence, broadcast_dims: Sequence[int]) -> Tensor:
     g = _graph(x)
@@ -223,6 +232,13 @@ def pad(x: Tensor, pad_widths: Sequence[int], value=0) -> Tensor:
     for k in range(len(pad_widths) // 2):
         lo[x.ndim - 1 - k], hi[x.ndim - 1 - k] = pad_widths[2 * k], pad_widths[2 * k + 1]
     return _wrap(g, g.pad(_node(g, x), lo, hi, value))
+
+
+def pad_edges(x: Tensor, low: Sequence[int], high: Sequence[int], value=0) -> Tensor:
+    """x padded with value by low and high cells per dimension (XLA's and
+    TensorFlow's order; :func:`pad` takes torch's)."""
+    g = _graph(x)
+    return _wrap(g, g.pad(_node(g, x), list(low), list(high), value))
 
 
 def cat(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
