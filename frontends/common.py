@@ -147,6 +147,11 @@ def elementwise(name: str) -> Callable:
     return lambda params, *xs: fn(*xs)
 
 
+def identity(params, *xs):
+    """The rule of an op that passes its operands through (Identity, stop_gradient)."""
+    return xs[0] if len(xs) == 1 else list(xs)
+
+
 def static_value(x: ops.Tensor | Node) -> np.ndarray:
     """The value of a tensor known at compile time, or UnsupportedOpError."""
     n = x.node if isinstance(x, ops.Tensor) else x

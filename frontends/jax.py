@@ -40,7 +40,7 @@ from polyjit.sizes import Lin
 
 from . import xla_ffi
 from .common import (Const, Op, SegmentedProgram, Stats, Value, check_execution_backend, core_dtype, elementwise,
-                     internal_failure, static_value)
+                     identity, internal_failure, static_value)
 
 SCAN_UNROLL_LIMIT = 64  # longest static scan (fori_loop) unrolled into the program
 # Results up to this size come from glibc's heap, reused (its dynamic mmap threshold
@@ -86,10 +86,6 @@ def _random_bits(p, key):
     if p["bit_width"] != 32 or key.ndim != 1:
         raise UnsupportedOpError(f"random_bits of {p['bit_width']} bits from a key of shape {list(key.shape[:-1])}")
     return ops.random_bits(key, p["shape"])
-
-
-def _identity(p, *xs):
-    return xs[0] if len(xs) == 1 else list(xs)
 
 
 def _integer_pow(p, x):
@@ -149,15 +145,6 @@ def _dynamic_update_slice(p, x, update, *at):
     hi = [int(n) - a - int(m) for a, n, m in zip(lo, x.shape, update.shape)]
     inside = ops.pad_edges(ops.full_like(update, True, DataType.Bool), lo, hi, False)
     return ops.where(inside, ops.pad_edges(update, lo, hi, 0), x)
-
-
-def _tile(p, x):
-    """jnp.tile: each dimension repeated reps times, as a broadcast and a reshape."""
-    reps = list(p["reps"])
-    reps = [1] * (x.ndim - len(reps)) + reps
-    shape = [s for r, n in zip(reps, x.shape) for s in (r, n)]
-    y = ops.broadcast_in_dim(x, shape, [2 * d + 1 for d in range(x.ndim)])
-    return ops.reshape(y, [r * n for r, n in zip(reps, x.shape)])
 
 
 def _pad(p, x, value):
@@ -453,14 +440,14 @@ PRIMITIVES: dict[str, Callable] = {
     "exp2": lambda p, x: 2 ** x,
     "round": _round,
     "select_n": _select_n,
-    "clamp": lambda p, lo, x, hi: ops.minimum(ops.maximum(x, lo), hi),
+    "clamp": lambda p, lo, x, hi: ops.clamp(x, lo, hi),
     "convert_element_type": lambda p, x: ops.cast(x, core_dtype(p["new_dtype"])),
     "bitcast_convert_type": lambda p, x: ops.bitcast(x, core_dtype(p["new_dtype"])),
     "nextafter": _nextafter,
     # random numbers: a threefry key is its uint32[2] data here
-    "random_wrap": _identity, "random_unwrap": _identity, "random_bits": _random_bits,
-    "stop_gradient": _identity, "copy": _identity, "copy_p": _identity,
-    "optimization_barrier": _identity, "sharding_constraint": _identity,
+    "random_wrap": identity, "random_unwrap": identity, "random_bits": _random_bits,
+    "stop_gradient": identity, "copy": identity, "copy_p": identity,
+    "optimization_barrier": identity, "sharding_constraint": identity,
     # layout
     "broadcast_in_dim": lambda p, x: ops.broadcast_in_dim(x, p["shape"], p["broadcast_dimensions"]),
     "reshape": _reshape,
@@ -469,7 +456,7 @@ PRIMITIVES: dict[str, Callable] = {
     "slice": lambda p, x: ops.slice(x, p["start_indices"], p["limit_indices"], p.get("strides")),
     "dynamic_slice": _dynamic_slice,
     "dynamic_update_slice": _dynamic_update_slice,
-    "tile": _tile,
+    "tile": lambda p, x: ops.tile(x, p["reps"]),
     "pad": _pad,
     "concatenate": lambda p, *xs: ops.cat(xs, p["dimension"]),
     "split": lambda p, x: ops.split(x, list(p["sizes"]), p["axis"]),

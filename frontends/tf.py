@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import math
-import types
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -25,14 +24,14 @@ from polyjit.dtypes import DataType
 from polyjit.errors import CompileOptionError, DefinitionError, InputError, UnsupportedOpError
 from polyjit.options import CompileOptions, parse_options
 
-from .common import Const, Op, SegmentedProgram, Stats, Value, check_execution_backend, core_dtype, static_value
-
+from .common import (Const, Op, SegmentedProgram, Stats, Value, check_execution_backend, core_dtype, elementwise,
+                     identity, static_value)
 
 
 # ====================================================================== table
-def _static(n, what: str) -> np.ndarray:
+def _static(x: ops.Tensor, what: str) -> np.ndarray:
     try:
-        return static_value(n)
+        return static_value(x)
     except UnsupportedOpError:
         raise UnsupportedOpError(f"{what} computed at run time") from None
 
@@ -41,51 +40,22 @@ def _text(v) -> str:
     return v.decode() if isinstance(v, bytes) else v
 
 
-def _axes(n, rank: int) -> list[int]:
-    return sorted({int(a) % max(rank, 1) for a in np.atleast_1d(_static(n, "axes"))})
+def _axes(x: ops.Tensor, rank: int) -> list[int]:
+    return sorted({int(a) % max(rank, 1) for a in np.atleast_1d(_static(x, "axes"))})
 
 
-def _unary(op):
-    return lambda g, ins, o: g.unary(op, ins[0])
-
-
-def _binary(op):
-    return lambda g, ins, o: g.binary(op, *ins)
-
-
-def _float_div(g, ins, o):
-    if not ins[0].dtype.is_float:
+def _float_div(o, a, b):
+    if not a.dtype.is_float:
         raise UnsupportedOpError("integer division")
-    return g.binary("div", *ins)
+    return a / b
 
 
-def _identity(g, ins, o):
-    return ins[0] if len(o.outputs) == 1 else list(ins)
-
-
-def _relu6(g, ins, o):
-    x = ins[0]
-    return g.binary("minimum", g.binary("maximum", x, g.constant(0, x.dtype)), g.constant(6, x.dtype))
-
-
-def _elu(g, x, scale=1.0, alpha=1.0):
-    neg = g.unary("expm1", x)
+def _elu(x, scale=1.0, alpha=1.0):
+    neg = ops.expm1(x)
     if alpha != 1.0:
-        neg = g.binary("mul", neg, g.constant(alpha, x.dtype))
-    y = g.where(g.binary("gt", x, g.constant(0, x.dtype)), x, neg)
-    return y if scale == 1.0 else g.binary("mul", y, g.constant(scale, x.dtype))
-
-
-def _softplus(g, ins, o):
-    x = ins[0]
-    tail = g.unary("log1p", g.unary("exp", g.unary("neg", g.unary("abs", x))))
-    return g.binary("add", tail, g.binary("maximum", x, g.constant(0, x.dtype)))
-
-
-def _leaky_relu(g, ins, o):
-    x = ins[0]
-    return g.where(g.binary("gt", x, g.constant(0, x.dtype)), x,
-                   g.binary("mul", x, g.constant(o.get_attr("alpha"), x.dtype)))
+        neg = neg * alpha
+    y = ops.where(x > 0, x, neg)
+    return y if scale == 1.0 else y * scale
 
 
 def _channel_axis(o, rank: int) -> int:
@@ -93,49 +63,28 @@ def _channel_axis(o, rank: int) -> int:
     return 1 if fmt.startswith("NC") else rank - 1
 
 
-def _bias_add(g, ins, o):
-    x, b = ins
-    return g.binary("add", x, g.broadcast_in_dim(b, x.shape, [_channel_axis(o, x.rank)]))
+def _select(o, c, a, b):
+    if o.type == "Select" and c.ndim == 1 and a.ndim > 1:  # selects rows
+        c = ops.broadcast_in_dim(c, [c.shape[0]] + list(a.shape[1:]), [0])
+    return ops.where(c, a, b)
 
 
-def _select(g, ins, o):
-    c, a, b = ins
-    if o.type == "Select" and c.rank == 1 and a.rank > 1:  # selects rows
-        c = g.broadcast_in_dim(c, [c.shape[0]] + list(a.shape[1:]), [0])
-    return g.where(c, a, b)
-
-
-def _reshape(g, ins, o):
-    x, shape = ins[0], [int(s) for s in _static(ins[1], "reshape's shape")]
+def _reshape(o, x, shape):
     try:
-        return g.reshape(x, shape)
+        return ops.reshape(x, [int(s) for s in _static(shape, "reshape's shape")])
     except DefinitionError as e:
         raise UnsupportedOpError(str(e)) from None
 
 
-def _expand_dims(g, ins, o):
-    x = ins[0]
-    axis = int(_static(ins[1], "axis")) % (x.rank + 1)
-    return g.reshape(x, list(x.shape[:axis]) + [1] + list(x.shape[axis:]))
-
-
-def _squeeze(g, ins, o):
-    x = ins[0]
-    dims = {d % x.rank for d in o.get_attr("squeeze_dims")} or {d for d, s in enumerate(x.shape) if s == 1}
-    return g.reshape(x, [s for d, s in enumerate(x.shape) if d not in dims])
-
-
-def _slice_op(g, ins, o):
-    x = ins[0]
-    begin = [int(b) for b in _static(ins[1], "slice begin")]
-    size = [int(s) for s in _static(ins[2], "slice size")]
+def _slice_op(o, x, begin, size):
+    begin = [int(b) for b in _static(begin, "slice begin")]
+    size = [int(s) for s in _static(size, "slice size")]
     end = [x.shape[d] if s == -1 else b + s for d, (b, s) in enumerate(zip(begin, size))]
-    return g.slice(x, begin, end)
+    return ops.slice(x, begin, end)
 
 
-def _strided_slice(g, ins, o):
-    x = ins[0]
-    begin, end, strides = (list(map(int, _static(n, "strided_slice bounds"))) for n in ins[1:])
+def _strided_slice(o, x, *bounds):
+    begin, end, strides = (list(map(int, _static(n, "strided_slice bounds"))) for n in bounds)
     masks = {k: o.get_attr(k) for k in ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask",
                                         "shrink_axis_mask")}
     lo, hi, st, flip, final = [], [], [], [], []
@@ -143,7 +92,7 @@ def _strided_slice(g, ins, o):
     for i in range(len(begin)):
         bit = 1 << i
         if masks["ellipsis_mask"] & bit:
-            n = x.rank - (len(begin) - i - 1 - sum(1 for j in range(i + 1, len(begin))
+            n = x.ndim - (len(begin) - i - 1 - sum(1 for j in range(i + 1, len(begin))
                                                    if masks["new_axis_mask"] & (1 << j))) - d
             for _ in range(n):
                 lo.append(0), hi.append(x.shape[d]), st.append(1), final.append(x.shape[d])
@@ -174,131 +123,100 @@ def _strided_slice(g, ins, o):
                 flip.append(d)
                 final.append(max(0, -(-(max(re, rb) - rb) // -s)))
         d += 1
-    while d < x.rank:
+    while d < x.ndim:
         lo.append(0), hi.append(x.shape[d]), st.append(1), final.append(x.shape[d])
         d += 1
-    y = g.reverse(x, flip) if flip else x
-    y = g.slice(y, lo, hi, st)
-    return g.reshape(y, final)
+    y = ops.reverse(x, flip) if flip else x
+    return ops.reshape(ops.slice(y, lo, hi, st), final)
 
 
-def _pad(g, ins, o):
-    pads = _static(ins[1], "paddings").astype(int)
-    value = _static(ins[2], "pad value").item() if len(ins) > 2 else 0
-    return g.pad(ins[0], [int(p[0]) for p in pads], [int(p[1]) for p in pads], value)
+def _pad(o, x, paddings, value=None):
+    pads = _static(paddings, "paddings").astype(int)
+    value = _static(value, "pad value").item() if value is not None else 0
+    return ops.pad_edges(x, [int(p[0]) for p in pads], [int(p[1]) for p in pads], value)
 
 
-def _concat(g, ins, o):
-    axis = int(_static(ins[-1], "axis"))
-    return g.concatenate(list(ins[:-1]), axis % ins[0].rank)
+def _concat(o, *xs):
+    return ops.cat(xs[:-1], int(_static(xs[-1], "axis")) % xs[0].ndim)
 
 
-def _pack(g, ins, o):
-    axis = o.get_attr("axis") % (ins[0].rank + 1)
-    rows = [g.reshape(x, list(x.shape[:axis]) + [1] + list(x.shape[axis:])) for x in ins]
-    return g.concatenate(rows, axis)
+def _pack(o, *xs):
+    axis = o.get_attr("axis") % (xs[0].ndim + 1)
+    return ops.cat([ops.unsqueeze(x, axis) for x in xs], axis)
 
 
-def _pieces(g, x, axis: int, sizes: Sequence[int]) -> list:
-    out, start = [], 0
-    for n in sizes:
-        lo, hi = [0] * x.rank, list(x.shape)
-        lo[axis], hi[axis] = start, start + n
-        out.append(g.slice(x, lo, hi))
-        start += n
-    return out
+def _unpack(o, x):
+    axis = o.get_attr("axis") % x.ndim
+    return [ops.squeeze(p, [axis]) for p in ops.split(x, [1] * x.shape[axis], axis)]
 
 
-def _unpack(g, ins, o):
-    x, axis = ins[0], o.get_attr("axis") % ins[0].rank
-    rest = list(x.shape[:axis]) + list(x.shape[axis + 1:])
-    return [g.reshape(p, rest) for p in _pieces(g, x, axis, [1] * x.shape[axis])]
-
-
-def _split(g, ins, o):
-    axis, x = int(_static(ins[0], "axis")) % ins[1].rank, ins[1]
-    n = o.get_attr("num_split")
-    return _pieces(g, x, axis, [x.shape[axis] // n] * n)
-
-
-def _split_v(g, ins, o):
-    x = ins[0]
-    axis = int(_static(ins[2], "axis")) % x.rank
-    sizes = [int(s) for s in _static(ins[1], "split sizes")]
+def _split_v(o, x, sizes, axis):
+    axis = int(_static(axis, "axis")) % x.ndim
+    sizes = [int(s) for s in _static(sizes, "split sizes")]
     if -1 in sizes:
         sizes[sizes.index(-1)] = x.shape[axis] - sum(s for s in sizes if s != -1)
-    return _pieces(g, x, axis, sizes)
+    return ops.split(x, sizes, axis)
 
 
-def _reduce(op):
-    def rule(g, ins, o):
-        x = ins[0]
-        return g.reduce(op, x, _axes(ins[1], x.rank), o.get_attr("keep_dims"))
+def _reduce(reduce):
+    return lambda o, x, axes: reduce(x, _axes(axes, x.ndim), o.get_attr("keep_dims"))
+
+
+def _mean(o, x, axes):
+    if not x.dtype.is_float:
+        raise UnsupportedOpError("integer mean")
+    return ops.mean(x, _axes(axes, x.ndim), o.get_attr("keep_dims"))
+
+
+def _cumulative(op: str):
+    def rule(o, x, axis):
+        return ops.cumulative(op, x, int(_static(axis, "cumulative axis")), bool(o.get_attr("reverse")),
+                              bool(o.get_attr("exclusive")))
     return rule
 
 
-def _boolean(reduce):
-    """Any and All, through the core's reduce_any / reduce_all."""
-    return lambda g, ins, o: reduce(ops.Tensor(g, ins[0]), _axes(ins[1], ins[0].rank), o.get_attr("keep_dims")).node
-
-
-def _cumulative(op):
-    def rule(g, ins, o):
-        axis = int(_static(ins[1], "cumulative axis"))
-        return ops.cumulative(op, ops.Tensor(g, ins[0]), axis, bool(o.get_attr("reverse")),
-                              bool(o.get_attr("exclusive"))).node
-    return rule
-
-
-def _gather(g, ins, o):
+def _gather(o, x, index, axis):
     if o.get_attr("batch_dims"):
         raise UnsupportedOpError("GatherV2 with batch_dims")
-    x = ins[0]
-    return g.gather(x, ins[1], int(_static(ins[2], "gather axis")) % x.rank)
+    return ops.take(x, index, int(_static(axis, "gather axis")) % x.ndim)
 
 
-def _gather_nd(g, ins, o):
+def _gather_nd(o, params, idx):
     """GatherNd: the index vectors name positions in params' leading dims,
     taken as one row-major position over those dims flattened; an index out
     of range gives zeros, as on a GPU (the CPU kernel raises)."""
-    params, idx = ins
     if not isinstance(idx.shape[-1], int) or not all(isinstance(n, int) for n in params.shape[:idx.shape[-1]]):
         raise UnsupportedOpError("GatherNd over symbolic sizes")
     k = idx.shape[-1]
-    lead = params.shape[:k]
-    batch = list(idx.shape[:-1])
+    lead, batch = params.shape[:k], list(idx.shape[:-1])
     flat = valid = None
     for d in range(k):
-        i = g.cast(g.reshape(g.slice(idx, [0] * (idx.rank - 1) + [d], batch + [d + 1]), batch), DataType.Int)
-        ok = g.binary("logical_and", g.binary("ge", i, g.constant(0, DataType.Int)),
-                      g.binary("lt", i, g.constant(int(lead[d]), DataType.Int)))
-        valid = ok if valid is None else g.binary("logical_and", valid, ok)
-        flat = i if flat is None else g.binary("add", g.binary("mul", flat, g.constant(int(lead[d]), DataType.Int)), i)
+        i = ops.cast(ops.reshape(ops.slice(idx, [0] * (idx.ndim - 1) + [d], batch + [d + 1]), batch), DataType.Int)
+        n = ops.full([], int(lead[d]), DataType.Int, like=idx)
+        ok = (i >= ops.full([], 0, DataType.Int, like=idx)) & (i < n)
+        valid = ok if valid is None else valid & ok
+        flat = i if flat is None else flat * n + i
     rest = list(params.shape[k:])
-    out = g.gather(g.reshape(params, [math.prod(int(n) for n in lead)] + rest), flat, 0)
-    keep = g.broadcast_in_dim(valid, batch + rest, list(range(len(batch))))
-    return g.where(keep, out, g.constant(0, params.dtype))
+    out = ops.take(ops.reshape(params, [math.prod(int(n) for n in lead)] + rest), flat, 0)
+    return ops.where(ops.broadcast_in_dim(valid, batch + rest, list(range(len(batch)))), out, 0)
 
 
-def _top_k(g, ins, o):
-    x = ops.Tensor(g, ins[0])
-    k = o.outputs[0].shape[-1]  # as TensorFlow inferred it (tf.sort computes k from a shape)
-    k = k if k is not None else int(_static(ins[1], "TopKV2's k"))
-    values, at = ops.topk(x, k, -1)
-    return [values.node, g.cast(at.node, core_dtype(o.outputs[1].dtype))]
+def _top_k(o, x, k):
+    n = o.outputs[0].shape[-1]  # as TensorFlow inferred it (tf.sort computes k from a shape)
+    values, at = ops.topk(x, n if n is not None else int(_static(k, "TopKV2's k")), -1)
+    return [values, ops.cast(at, core_dtype(o.outputs[1].dtype))]
 
 
-def _resize_bilinear(g, ins, o):
+def _resize_bilinear(o, x, size):
     """ResizeBilinear (NHWC, float32 result) with TensorFlow's sample
     positions (align_corners, half_pixel_centers): the two source rows and
     columns of each output cell and their weights are compile-time
     constants; gathers along H and W, then the blend."""
-    x, size = ins
     out = [int(v) for v in _static(size, "ResizeBilinear's size")]
     if not all(isinstance(n, int) for n in x.shape[1:3]):
         raise UnsupportedOpError("ResizeBilinear over symbolic image sizes")
     align, half = o.get_attr("align_corners"), o.get_attr("half_pixel_centers")
-    x = g.cast(x, DataType.Float)
+    x = ops.cast(x, DataType.Float)
 
     def samples(n_in: int, n_out: int):
         scale = (n_in - 1) / (n_out - 1) if align and n_out > 1 else n_in / n_out
@@ -312,55 +230,43 @@ def _resize_bilinear(g, ins, o):
         lo, hi, w = samples(n_in, n_out)
         shape = [1, 1, 1, 1]
         shape[axis] = n_out
-        blend.append((axis, g.tensor_constant(lo), g.tensor_constant(hi), g.tensor_constant(w.reshape(shape))))
+        blend.append((axis, lo, hi, w.reshape(shape)))  # arrays: constants of the graph, each one node
 
     def lerp(a, b, w):
-        return g.binary("add", a, g.binary("mul", g.binary("sub", b, a), w))
+        return a + (b - a) * w
     (ay, y0, y1, wy), (ax, x0, x1, wx) = blend
-    top, bottom = g.gather(x, y0, ay), g.gather(x, y1, ay)
-    top = lerp(g.gather(top, x0, ax), g.gather(top, x1, ax), wx)
-    bottom = lerp(g.gather(bottom, x0, ax), g.gather(bottom, x1, ax), wx)
+    top, bottom = ops.take(x, y0, ay), ops.take(x, y1, ay)
+    top = lerp(ops.take(top, x0, ax), ops.take(top, x1, ax), wx)
+    bottom = lerp(ops.take(bottom, x0, ax), ops.take(bottom, x1, ax), wx)
     return lerp(top, bottom, wy)
 
 
-def _one_hot(g, ins, o):
-    index, depth = ins[0], int(_static(ins[1], "one_hot depth"))
-    axis = o.get_attr("axis") % (index.rank + 1)
+def _one_hot(o, index, depth, on, off):
+    depth = int(_static(depth, "one_hot depth"))
+    axis = o.get_attr("axis") % (index.ndim + 1)
     shape = list(index.shape[:axis]) + [depth] + list(index.shape[axis:])
-    spread = g.broadcast_in_dim(index, shape, [d for d in range(len(shape)) if d != axis])
-    hit = g.binary("eq", g.iota(shape, axis, index.dtype), spread)
-    on, off = ins[2], ins[3]
-    return g.where(hit, g.broadcast_in_dim(on, shape, []), g.broadcast_in_dim(off, shape, []))
+    spread = ops.broadcast_in_dim(index, shape, [d for d in range(len(shape)) if d != axis])
+    hit = ops.iota(shape, axis, index.dtype, like=index) == spread
+    return ops.where(hit, ops.broadcast_in_dim(on, shape, []), ops.broadcast_in_dim(off, shape, []))
 
 
-def _mean(g, ins, o):
-    x = ins[0]
-    if not x.dtype.is_float:
-        raise UnsupportedOpError("integer mean")
-    return ops.mean(ops.Tensor(g, x), _axes(ins[1], x.rank), o.get_attr("keep_dims")).node
+def _argreduce(argreduce):
+    return lambda o, x, axis: argreduce(x, int(_static(axis, "axis")))
 
 
-def _argreduce(op):
-    def rule(g, ins, o):
-        return g.argreduce(op, ins[0], int(_static(ins[1], "axis")))
-    return rule
-
-
-def _matmul(g, ins, o):
-    a, b = ins
+def _matmul(o, a, b):
     ta, tb = o.get_attr("transpose_a"), o.get_attr("transpose_b")
-    return g.dot_general(a, b, ([0 if ta else 1], [1 if tb else 0]))
+    return ops.dot_general(a, b, ([0 if ta else 1], [1 if tb else 0]))
 
 
-def _batch_matmul(g, ins, o):
-    a, b = ins
+def _batch_matmul(o, a, b):
     adj_x, adj_y = o.get_attr("adj_x"), o.get_attr("adj_y")
     batch = list(np.broadcast_shapes(tuple(a.shape[:-2]), tuple(b.shape[:-2])))
-    a = g.expand(a, batch + list(a.shape[-2:])) if list(a.shape[:-2]) != batch else a
-    b = g.expand(b, batch + list(b.shape[-2:])) if list(b.shape[:-2]) != batch else b
+    a = ops.broadcast_to(a, batch + list(a.shape[-2:])) if list(a.shape[:-2]) != batch else a
+    b = ops.broadcast_to(b, batch + list(b.shape[-2:])) if list(b.shape[:-2]) != batch else b
     r = len(batch)
     bd = list(range(r))
-    return g.dot_general(a, b, ([r if adj_x else r + 1], [r + 1 if adj_y else r]), (bd, bd))
+    return ops.dot_general(a, b, ([r if adj_x else r + 1], [r + 1 if adj_y else r]), (bd, bd))
 
 
 def _same_padding(sizes, ksizes, strides, dilations):
@@ -374,15 +280,17 @@ def _same_padding(sizes, ksizes, strides, dilations):
     return pads
 
 
-def _window(o, x, ksizes):
-    """Layout letters, spatial strides, dilations and padding of a conv or pool op."""
-    nchw = _channel_axis(o, x.rank) == 1
-    sp = list(range(2, x.rank)) if nchw else list(range(1, x.rank - 1))
+def _window(o, shape, ksizes):
+    """Layout letters, spatial dims, strides, dilations and padding of a conv
+    or pool op over an input of this shape."""
+    rank = len(shape)
+    nchw = _channel_axis(o, rank) == 1
+    sp = list(range(2, rank)) if nchw else list(range(1, rank - 1))
     strides = [o.get_attr("strides")[d] for d in sp]
     dil = [o.get_attr("dilations")[d] for d in sp] if "dilations" in o.node_def.attr else [1] * len(sp)
     padding = _text(o.get_attr("padding"))
     if padding == "SAME":
-        pads = _same_padding([x.shape[d] for d in sp], ksizes, strides, dil)
+        pads = _same_padding([shape[d] for d in sp], ksizes, strides, dil)
     elif padding == "VALID":
         pads = [(0, 0)] * len(sp)
     elif padding == "EXPLICIT":
@@ -393,261 +301,201 @@ def _window(o, x, ksizes):
     return ("NCHW" if nchw else "NHWC"), sp, strides, dil, pads
 
 
-def _conv2d(g, ins, o):
-    x, w = ins
-    layout, _, strides, dil, pads = _window(o, x, [w.shape[0], w.shape[1]])
-    return g.conv(x, w, strides, pads, dil, 1, layout, "HWIO")
+def _conv2d(o, x, w):
+    layout, _, strides, dil, pads = _window(o, x.shape, [w.shape[0], w.shape[1]])
+    return ops.conv(x, w, strides, pads, dil, 1, layout, "HWIO")
 
 
-def _conv2d_backprop_input(g, ins, o, depthwise: bool = False):
+def _depthwise_kernel(w):
+    """A depthwise filter (H, W, C, M) as the grouped kernel (H, W, 1, C * M) of C groups."""
+    return ops.reshape(w, [w.shape[0], w.shape[1], 1, w.shape[2] * w.shape[3]]), int(w.shape[2])
+
+
+def _conv2d_backprop_input(o, sizes, w, dy, depthwise: bool = False):
     """A transposed convolution (conv2d_transpose, Keras' Conv2DTranspose):
     the output gradient spread with zeros by the strides, padded so that the
     result has input_sizes, convolved with the flipped filter, its channel
-    roles swapped. A depthwise filter (H, W, C, M) read that way is a
-    grouped kernel: C groups of M gradient channels each."""
-    sizes, w, dy = ins
+    roles swapped. A depthwise filter read that way is a grouped kernel."""
     sizes = [int(v) for v in _static(sizes, "Conv2DBackpropInput's input_sizes")]
-    layout, sp, strides, dil, pads = _window(o, types.SimpleNamespace(shape=tuple(sizes), rank=len(sizes)),
-                                             [w.shape[0], w.shape[1]])
+    layout, sp, strides, dil, pads = _window(o, sizes, [w.shape[0], w.shape[1]])
     if any(sizes[d] < 0 for d in sp):
         raise UnsupportedOpError("Conv2DBackpropInput with spatial sizes known only at run time")
-    w, groups = ops.Tensor(g, w), 1
-    if depthwise:  # (H, W, C, M) as the grouped kernel (H, W, 1, C * M) of C groups
-        groups = int(w.shape[2])
-        w = ops.reshape(w, [w.shape[0], w.shape[1], 1, groups * w.shape[3]])
-    return ops.conv_input_grad(ops.Tensor(g, dy), w, [sizes[d] for d in sp], strides, pads, dil, groups,
-                               layout, "HWIO").node
+    w, groups = _depthwise_kernel(w) if depthwise else (w, 1)
+    return ops.conv_input_grad(dy, w, [sizes[d] for d in sp], strides, pads, dil, groups, layout, "HWIO")
 
 
-def _depthwise(g, ins, o):
-    x, w = ins
-    layout, _, strides, dil, pads = _window(o, x, [w.shape[0], w.shape[1]])
-    kh, kw, cin, m = w.shape
-    w = g.reshape(w, [kh, kw, 1, cin * m])
-    return g.conv(x, w, strides, pads, dil, cin, layout, "HWIO")
+def _depthwise(o, x, w):
+    layout, _, strides, dil, pads = _window(o, x.shape, [w.shape[0], w.shape[1]])
+    w, groups = _depthwise_kernel(w)
+    return ops.conv(x, w, strides, pads, dil, groups, layout, "HWIO")
 
 
-def _pool(op):
-    def rule(g, ins, o):
-        x = ins[0]
-        k = o.get_attr("ksize")
-        layout, sp, strides, _, pads = _window(o, x, [k[d] for d in (range(2, 4) if x.rank == 4 and
-                                                                       _channel_axis(o, x.rank) == 1 else range(1, 3))])
-        window, st, pd = [1] * x.rank, [1] * x.rank, [(0, 0)] * x.rank
+def _pool_window(o, x):
+    """A pooling op's layout, spatial dims, and its window sizes, strides and padding there."""
+    k = o.get_attr("ksize")
+    spatial = range(2, 4) if x.ndim == 4 and _channel_axis(o, x.ndim) == 1 else range(1, 3)
+    layout, sp, strides, _, pads = _window(o, x.shape, [k[d] for d in spatial])
+    return layout, sp, [k[d] for d in sp], strides, pads
+
+
+def _pool(op: str):
+    def rule(o, x):
+        _, sp, ks, strides, pads = _pool_window(o, x)
+        window, st, pd = [1] * x.ndim, [1] * x.ndim, [(0, 0)] * x.ndim
         for i, d in enumerate(sp):
-            window[d], st[d], pd[d] = k[d], strides[i], pads[i]
-        y = g.reduce_window("max" if op == "max" else "sum", x, window, st, pd)
+            window[d], st[d], pd[d] = ks[i], strides[i], pads[i]
+        y = ops.reduce_window("max" if op == "max" else "sum", x, window, st, pd)
         if op == "max":
             return y
-        cells = ops.window_cells(ops.Tensor(g, x), window, st, pd)  # TF averages over the cells inside
-        return g.binary("div", y, cells.node)
+        return y / ops.window_cells(x, window, st, pd)  # TF averages over the cells inside
     return rule
 
 
-def _max_pool_grad(g, ins, o):
+def _max_pool_grad(o, x, _, dy):
     """MaxPoolGrad: each window's gradient added at its first maximum in the
     original input (padding never wins), through the channels-first pooling
     composites."""
-    x, _, dy = ins
-    k = o.get_attr("ksize")
-    layout, sp, strides, _, pads = _window(o, x, [k[d] for d in (range(2, 4) if _channel_axis(o, x.rank) == 1
-                                                                 else range(1, 3))])
+    layout, _, ks, strides, pads = _pool_window(o, x)
     if any(lo != hi for lo, hi in pads):
         raise UnsupportedOpError("MaxPoolGrad with uneven SAME padding")
-    to_first = [0, x.rank - 1] + list(range(1, x.rank - 1)) if layout == "NHWC" else list(range(x.rank))
-    back = [to_first.index(d) for d in range(x.rank)]
-    xt = ops.Tensor(g, g.transpose(x, to_first))
-    _, at = ops.max_pool_with_positions(xt, [k[d] for d in sp], strides, [lo for lo, _ in pads])
-    dx = ops.max_pool_grad(ops.Tensor(g, g.transpose(dy, to_first)), at, list(xt.shape), [k[d] for d in sp], strides,
-                           [lo for lo, _ in pads])
-    return g.transpose(dx.node, back)
+    lows = [lo for lo, _ in pads]
+    to_first = [0, x.ndim - 1] + list(range(1, x.ndim - 1)) if layout == "NHWC" else list(range(x.ndim))
+    xt = ops.permute(x, to_first)
+    _, at = ops.max_pool_with_positions(xt, ks, strides, lows)
+    dx = ops.max_pool_grad(ops.permute(dy, to_first), at, list(xt.shape), ks, strides, lows)
+    return ops.permute(dx, [to_first.index(d) for d in range(x.ndim)])
 
 
-def _conv2d_backprop_filter(g, ins, o):
+def _conv2d_backprop_filter(o, x, sizes, dy):
     """The kernel's gradient of a Conv2D (HWIO), through the core's conv_weight_grad."""
-    x, sizes, dy = ins
     sizes = [int(v) for v in _static(sizes, "Conv2DBackpropFilter's filter_sizes")]
-    layout, _, strides, dil, pads = _window(o, x, sizes[:2])
-    return ops.conv_weight_grad(ops.Tensor(g, x), ops.Tensor(g, dy), sizes[:2], strides, pads, dil,
-                                layout, "HWIO").node
+    layout, _, strides, dil, pads = _window(o, x.shape, sizes[:2])
+    return ops.conv_weight_grad(x, dy, sizes[:2], strides, pads, dil, layout, "HWIO")
 
 
-def _depthwise_backprop_filter(g, ins, o):
+def _depthwise_backprop_filter(o, x, sizes, dy):
     """A depthwise filter's gradient: the grouped kernel's (C groups), shaped back to (H, W, C, M)."""
-    x, sizes, dy = ins
     sizes = [int(v) for v in _static(sizes, "DepthwiseConv2dNativeBackpropFilter's filter_sizes")]
-    layout, _, strides, dil, pads = _window(o, x, sizes[:2])
-    gw = ops.conv_weight_grad(ops.Tensor(g, x), ops.Tensor(g, dy), sizes[:2], strides, pads, dil, layout, "HWIO",
-                              groups=sizes[2])
-    return g.reshape(gw.node, sizes)
+    layout, _, strides, dil, pads = _window(o, x.shape, sizes[:2])
+    return ops.reshape(ops.conv_weight_grad(x, dy, sizes[:2], strides, pads, dil, layout, "HWIO", groups=sizes[2]),
+                       sizes)
 
 
-def _bias_add_grad(g, ins, o):
-    dy = ins[0]
-    axis = _channel_axis(o, dy.rank)
-    return g.reduce("sum", dy, [d for d in range(dy.rank) if d != axis])
+def _bias_add_grad(o, dy):
+    axis = _channel_axis(o, dy.ndim)
+    return ops.sum(dy, [d for d in range(dy.ndim) if d != axis])
 
 
 def _softmax_cross_entropy(sparse: bool):
     """(Sparse)SoftmaxCrossEntropyWithLogits: per row, the loss and its
     gradient softmax(x) - labels (one-hot labels when sparse; a label out
     of range gives NaN, as on a GPU)."""
-    def rule(g, ins, o):
-        x, labels = ins
-        ax = x.rank - 1
-        z = g.binary("sub", x, g.expand(g.reduce("max", x, [ax], True), x.shape))
-        total = g.reduce("sum", g.unary("exp", z), [ax], True)
-        logp = g.binary("sub", z, g.expand(g.unary("log", total), x.shape))
+    def rule(o, x, labels):
+        ax = x.ndim - 1
+        logp = ops.log_softmax(x, ax)
         if sparse:
-            lab = g.cast(labels, DataType.Int)
-            n = x.shape[ax]
-            hit = g.binary("eq", g.iota(x.shape, ax), g.broadcast_in_dim(lab, x.shape, list(range(ax))))
-            labels = g.cast(hit, x.dtype)
-            bad = g.binary("logical_or", g.binary("lt", lab, g.constant(0, DataType.Int)),
-                           g.binary("ge", lab, g.constant(n, DataType.Int)))
-        loss = g.unary("neg", g.reduce("sum", g.binary("mul", labels, logp), [ax]))
-        grad = g.binary("sub", g.unary("exp", logp), labels)
+            lab = ops.cast(labels, DataType.Int)
+            labels = ops.cast(ops.iota(x.shape, ax, like=x) == ops.broadcast_in_dim(lab, x.shape, list(range(ax))),
+                              x.dtype)
+            zero, n = ops.full([], 0, DataType.Int, like=x), ops.full([], x.shape[ax], DataType.Int, like=x)
+            bad = (lab < zero) | (lab >= n)
+        loss = -ops.sum(labels * logp, [ax])
+        grad = ops.exp(logp) - labels
         if sparse:
-            nan = g.constant(math.nan, x.dtype)
-            loss = g.where(bad, nan, loss)
-            grad = g.where(g.broadcast_in_dim(bad, x.shape, list(range(ax))), nan, grad)
+            loss = ops.where(bad, math.nan, loss)
+            grad = ops.where(ops.broadcast_in_dim(bad, x.shape, list(range(ax))), math.nan, grad)
         return [loss, grad]
     return rule
 
 
-def _fused_batch_norm(g, ins, o):
+def _fused_batch_norm(o, x, scale, offset, mean, var):
     if o.get_attr("is_training"):
         raise UnsupportedOpError("FusedBatchNorm in training mode")
-    x, scale, offset, mean, var = ins
-    axis = _channel_axis(o, x.rank)
-    eps = o.get_attr("epsilon")
+    axis = _channel_axis(o, x.ndim)
     dt = DataType.Float if x.dtype in (DataType.Half, DataType.BFloat16) else x.dtype
-    inv = g.binary("mul", g.unary("rsqrt", g.binary("add", g.cast(var, dt), g.constant(eps, dt))), g.cast(scale, dt))
-    shift = g.binary("sub", g.cast(offset, dt), g.binary("mul", g.cast(mean, dt), inv))
-    y = g.binary("add", g.binary("mul", g.cast(x, dt), g.broadcast_in_dim(inv, x.shape, [axis])),
-                 g.broadcast_in_dim(shift, x.shape, [axis]))
-    rest = [mean, var] + [g.expand(g.constant(0, DataType.Float), _shape(t) or [])  # reserve spaces
+    inv = ops.rsqrt(ops.cast(var, dt) + ops.full([], o.get_attr("epsilon"), dt, like=x)) * ops.cast(scale, dt)
+    shift = ops.cast(offset, dt) - ops.cast(mean, dt) * inv
+    y = ops.cast(x, dt) * ops.broadcast_in_dim(inv, x.shape, [axis]) + ops.broadcast_in_dim(shift, x.shape, [axis])
+    rest = [mean, var] + [ops.full(_shape(t) or [], 0, DataType.Float, like=x)  # reserve spaces
                           for t in o.outputs[3:]]
     return [y] + rest
 
 
-def _softmax(log: bool):
-    def rule(g, ins, o):
-        x = ins[0]
-        ax = x.rank - 1
-        m = g.reduce("max", x, [ax], True)
-        z = g.binary("sub", x, g.expand(m, x.shape))
-        s = g.reduce("sum", g.unary("exp", z), [ax], True)
-        if log:
-            return g.binary("sub", z, g.expand(g.unary("log", s), x.shape))
-        return g.binary("div", g.unary("exp", z), g.expand(s, x.shape))
-    return rule
-
-
-def _fill(g, ins, o):
-    shape = [int(s) for s in _static(ins[0], "fill dims")]
-    return g.expand(ins[1], shape)
-
-
-def _like(value):
-    return lambda g, ins, o: g.expand(g.constant(value, ins[0].dtype), ins[0].shape)
-
-
-def _tile(g, ins, o):
-    x, reps = ins[0], [int(r) for r in _static(ins[1], "multiples")]
-    inter, wide = [], []
-    for s, r in zip(x.shape, reps):
-        inter += [1, s]
-        wide += [r, s]
-    y = g.expand(g.reshape(x, inter), wide)
-    return g.reshape(y, [s * r for s, r in zip(x.shape, reps)])
-
-
-def _add_n(g, ins, o):
-    acc = ins[0]
-    for x in ins[1:]:
-        acc = g.binary("add", acc, x)
+def _add_n(o, *xs):
+    acc = xs[0]
+    for x in xs[1:]:
+        acc = acc + x
     return acc
 
 
 TF_OPS: dict[str, Callable] = {
-    **{name: _unary(op) for name, op in [
+    **{name: elementwise(op) for name, op in [
         ("Neg", "neg"), ("Abs", "abs"), ("Exp", "exp"), ("Log", "log"), ("Log1p", "log1p"),
         ("Expm1", "expm1"), ("Sqrt", "sqrt"), ("Rsqrt", "rsqrt"), ("Sin", "sin"), ("Cos", "cos"),
         ("Tan", "tan"), ("Tanh", "tanh"), ("Sigmoid", "sigmoid"), ("Erf", "erf"), ("Floor", "floor"),
         ("Ceil", "ceil"), ("Round", "round"), ("Sign", "sign"), ("IsNan", "isnan"), ("IsInf", "isinf"),
         ("IsFinite", "isfinite"), ("Relu", "relu"), ("LogicalNot", "logical_not"),
-        ("Reciprocal", "reciprocal"), ("Inv", "reciprocal"), ("Erfc", "erfc")]},
-    "Lgamma": lambda g, ins, o: ops.lgamma(ops.Tensor(g, ins[0])).node,
-    "Digamma": lambda g, ins, o: ops.digamma(ops.Tensor(g, ins[0])).node,
-    **{name: _binary(op) for name, op in [
+        ("Reciprocal", "reciprocal"), ("Inv", "reciprocal"), ("Erfc", "erfc"), ("Lgamma", "lgamma"),
+        ("Digamma", "digamma"),
         ("Add", "add"), ("AddV2", "add"), ("Sub", "sub"), ("Mul", "mul"), ("Maximum", "maximum"),
         ("Minimum", "minimum"), ("Pow", "pow"), ("Atan2", "atan2"), ("Less", "lt"), ("LessEqual", "le"),
         ("Greater", "gt"), ("GreaterEqual", "ge"), ("Equal", "eq"), ("NotEqual", "ne"),
         ("LogicalAnd", "logical_and"), ("LogicalOr", "logical_or"), ("FloorMod", "remainder"),
-        ("TruncateMod", "fmod")]},
-    "FloorDiv": _binary("floor_divide"), "TruncateDiv": _binary("trunc_divide"),
+        ("TruncateMod", "fmod"), ("FloorDiv", "floor_divide"), ("TruncateDiv", "trunc_divide")]},
     "RealDiv": _float_div, "Div": _float_div, "DivNoNan": None,
-    "Square": lambda g, ins, o: g.binary("mul", ins[0], ins[0]),
-    "SquaredDifference": lambda g, ins, o: (lambda d: g.binary("mul", d, d))(g.binary("sub", *ins)),
-    "Relu6": _relu6,
-    "Elu": lambda g, ins, o: _elu(g, ins[0]),
-    "Selu": lambda g, ins, o: _elu(g, ins[0], 1.0507009873554805, 1.6732632423543772),
-    "Softplus": _softplus,
-    "LeakyRelu": _leaky_relu,
-    "BiasAdd": _bias_add,
-    "Cast": lambda g, ins, o: g.cast(ins[0], core_dtype(o.get_attr("DstT"))),
+    "Square": lambda o, x: x * x,
+    "SquaredDifference": lambda o, a, b: (lambda d: d * d)(a - b),
+    "Relu6": lambda o, x: ops.minimum(ops.maximum(x, 0), 6),
+    "Elu": lambda o, x: _elu(x),
+    "Selu": lambda o, x: _elu(x, 1.0507009873554805, 1.6732632423543772),
+    "Softplus": lambda o, x: ops.log1p(ops.exp(-abs(x))) + ops.maximum(x, 0),
+    "LeakyRelu": lambda o, x: ops.leaky_relu(x, o.get_attr("alpha")),
+    "BiasAdd": lambda o, x, b: x + ops.broadcast_in_dim(b, x.shape, [_channel_axis(o, x.ndim)]),
+    "Cast": lambda o, x: ops.cast(x, core_dtype(o.get_attr("DstT"))),
     "Select": _select, "SelectV2": _select,
-    "ClipByValue": lambda g, ins, o: g.binary("minimum", g.binary("maximum", ins[0], ins[1]), ins[2]),
+    "ClipByValue": lambda o, x, lo, hi: ops.clamp(x, lo, hi),
     "AddN": _add_n,
-    "Identity": _identity, "IdentityN": _identity, "StopGradient": _identity, "Snapshot": _identity,
-    "ReadVariableOp": _identity, "PreventGradient": _identity,
+    "Identity": identity, "IdentityN": identity, "StopGradient": identity, "Snapshot": identity,
+    "ReadVariableOp": identity, "PreventGradient": identity,
     # layout
-    "Reshape": _reshape, "ExpandDims": _expand_dims, "Squeeze": _squeeze,
-    "Transpose": lambda g, ins, o: g.transpose(ins[0], [int(p) for p in _static(ins[1], "perm")]),
+    "Reshape": _reshape, "ExpandDims": lambda o, x, axis: ops.unsqueeze(x, int(_static(axis, "axis"))),
+    "Squeeze": lambda o, x: ops.squeeze(x, {d % x.ndim for d in o.get_attr("squeeze_dims")}
+                                        or {d for d, s in enumerate(x.shape) if s == 1}),
+    "Transpose": lambda o, x, perm: ops.permute(x, [int(p) for p in _static(perm, "perm")]),
     "StridedSlice": _strided_slice, "Slice": _slice_op, "Pad": _pad, "PadV2": _pad,
-    "ConcatV2": _concat, "Pack": _pack, "Unpack": _unpack, "Split": _split, "SplitV": _split_v,
-    "Fill": _fill, "ZerosLike": _like(0), "OnesLike": _like(1), "Tile": _tile,
-    "BroadcastTo": lambda g, ins, o: g.expand(ins[0], [int(s) for s in _static(ins[1], "shape")]),
+    "ConcatV2": _concat, "Pack": _pack, "Unpack": _unpack, "SplitV": _split_v,
+    "Split": lambda o, axis, x: ops.split(x, o.get_attr("num_split"), int(_static(axis, "axis")) % x.ndim),
+    "Fill": lambda o, dims, value: ops.broadcast_to(value, [int(s) for s in _static(dims, "fill dims")]),
+    "ZerosLike": lambda o, x: ops.full_like(x, 0), "OnesLike": lambda o, x: ops.full_like(x, 1),
+    "Tile": lambda o, x, reps: ops.tile(x, [int(r) for r in _static(reps, "multiples")]),
+    "BroadcastTo": lambda o, x, shape: ops.broadcast_to(x, [int(s) for s in _static(shape, "shape")]),
     # reductions
-    "Sum": _reduce("sum"), "Max": _reduce("max"), "Min": _reduce("min"), "Prod": _reduce("prod"),
-    "Mean": _mean, "ArgMax": _argreduce("argmax"), "ArgMin": _argreduce("argmin"),
-    "Any": _boolean(ops.reduce_any), "All": _boolean(ops.reduce_all),
+    "Sum": _reduce(ops.sum), "Max": _reduce(ops.max), "Min": _reduce(ops.min), "Prod": _reduce(ops.prod),
+    "Mean": _mean, "ArgMax": _argreduce(ops.argmax), "ArgMin": _argreduce(ops.argmin),
+    "Any": _reduce(ops.reduce_any), "All": _reduce(ops.reduce_all),
     "Cumsum": _cumulative("sum"), "Cumprod": _cumulative("prod"),
     "GatherV2": _gather, "GatherNd": _gather_nd, "OneHot": _one_hot, "TopKV2": _top_k,
     "ResizeBilinear": _resize_bilinear,
-    "ReverseV2": lambda g, ins, o: g.reverse(ins[0], [int(a) for a in np.atleast_1d(_static(ins[1], "axes"))]),
-    "Softmax": _softmax(False), "LogSoftmax": _softmax(True),
+    "ReverseV2": lambda o, x, axes: ops.reverse(x, [int(a) for a in np.atleast_1d(_static(axes, "axes"))]),
+    "Softmax": lambda o, x: ops.softmax(x, x.ndim - 1),
+    "LogSoftmax": lambda o, x: ops.log_softmax(x, x.ndim - 1),
     "MaxPool": _pool("max"), "AvgPool": _pool("avg"),
     "FusedBatchNormV3": _fused_batch_norm, "FusedBatchNorm": _fused_batch_norm,
     # contractions
     "MatMul": _matmul, "BatchMatMulV2": _batch_matmul, "BatchMatMulV3": _batch_matmul,
-    "Einsum": lambda g, ins, o: ops.einsum(_text(o.get_attr("equation")), *[ops.Tensor(g, x) for x in ins]).node,
+    "Einsum": lambda o, *xs: ops.einsum(_text(o.get_attr("equation")), *xs),
     "Conv2D": _conv2d, "DepthwiseConv2dNative": _depthwise, "Conv2DBackpropInput": _conv2d_backprop_input,
     # gradients (a GradientTape in a tf.function)
-    "ReluGrad": lambda g, ins, o: g.where(g.binary("gt", ins[1], g.constant(0, ins[1].dtype)), ins[0],
-                                          g.constant(0, ins[0].dtype)),
-    "SigmoidGrad": lambda g, ins, o: g.binary("mul", ins[1], g.binary(
-        "mul", ins[0], g.binary("sub", g.constant(1, ins[0].dtype), ins[0]))),
-    "TanhGrad": lambda g, ins, o: g.binary("mul", ins[1], g.binary(
-        "sub", g.constant(1, ins[0].dtype), g.binary("mul", ins[0], ins[0]))),
+    "ReluGrad": lambda o, dy, x: ops.where(x > 0, dy, 0),
+    "SigmoidGrad": lambda o, y, dy: dy * (y * (1 - y)),
+    "TanhGrad": lambda o, y, dy: dy * (1 - y * y),
     "BiasAddGrad": _bias_add_grad, "MaxPoolGrad": _max_pool_grad, "Conv2DBackpropFilter": _conv2d_backprop_filter,
-    "DepthwiseConv2dNativeBackpropInput": lambda g, ins, o: _conv2d_backprop_input(g, ins, o, depthwise=True),
+    "DepthwiseConv2dNativeBackpropInput": lambda o, *xs: _conv2d_backprop_input(o, *xs, depthwise=True),
     "DepthwiseConv2dNativeBackpropFilter": _depthwise_backprop_filter,
     "SoftmaxCrossEntropyWithLogits": _softmax_cross_entropy(False),
     "SparseSoftmaxCrossEntropyWithLogits": _softmax_cross_entropy(True),
 }
-
-
-def _on_nodes(rule):
-    """A rule on graph nodes under the Tensor convention (until the table moves to it)."""
-    def on_tensors(o, *xs):
-        out = rule(xs[0].graph, [x.node for x in xs], o)
-        return [ops.Tensor(xs[0].graph, n) for n in out] if isinstance(out, list) else ops.Tensor(xs[0].graph, out)
-    return on_tensors
-
-
-TF_OPS = {k: _on_nodes(v) for k, v in TF_OPS.items() if v is not None}
+TF_OPS = {k: v for k, v in TF_OPS.items() if v is not None}
 # integer ops on compile-time values (shape arithmetic) that TensorFlow folds
 _FOLDABLE = {"Shape", "Size", "Rank", "Range", "StridedSlice", "Pack", "Prod", "ConcatV2", "Cast", "Mul",
              "Add", "AddV2", "Sub", "Fill", "Reshape", "GatherV2", "FloorDiv", "Maximum", "Minimum"}

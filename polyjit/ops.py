@@ -149,6 +149,13 @@ globals().update({op: _binary(op) for op in scalar.BINARY})
 truediv = div
 
 
+def clamp(x, lo=None, hi=None) -> Tensor:
+    """x held within [lo, hi] (either may be None: no bound): min(max(x, lo), hi)."""
+    if lo is not None:
+        x = maximum(x, lo)
+    return minimum(x, hi) if hi is not None else x
+
+
 def where(cond, a, b) -> Tensor:
     """Select a where cond holds, else b (with broadcasting)."""
     g = _graph(cond, a, b)
@@ -239,6 +246,16 @@ def pad_edges(x: Tensor, low: Sequence[int], high: Sequence[int], value=0) -> Te
     TensorFlow's order; :func:`pad` takes torch's)."""
     g = _graph(x)
     return _wrap(g, g.pad(_node(g, x), list(low), list(high), value))
+
+
+def tile(x: Tensor, reps: Sequence[int]) -> Tensor:
+    """numpy's tile: x repeated reps[d] times along each dimension (reps
+    shorter than x's rank is padded with ones on the left), as one broadcast
+    and a reshape."""
+    reps = [1] * (x.ndim - len(reps)) + list(reps)
+    shape = [s for r, n in zip(reps, x.shape) for s in (r, n)]
+    y = broadcast_in_dim(x, shape, [2 * d + 1 for d in range(x.ndim)])
+    return reshape(y, [r * n for r, n in zip(reps, x.shape)])
 
 
 def cat(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
