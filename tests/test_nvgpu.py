@@ -377,6 +377,54 @@ def test_native_launcher_fills_the_argument_block_and_reports_failures():
     assert b"context" in message.value and calls == []
 
 
+def test_native_launcher_runs_library_steps_holding_its_lock():
+    """A Gemm step in host code: cublasSetStream to the caller's stream, then
+    each strided batched call with its matrices at slot + offset; a failing
+    call names the step and its cuBLAS status and leaves the lock free."""
+    import ctypes as c
+
+    from polyjit.codegen import launch
+    calls, keep, fail = [], [], []
+
+    def symbol(restype, *argtypes):
+        def wrap(f):
+            cb = c.CFUNCTYPE(restype, *argtypes)(f)
+            keep.append(cb)
+            return c.cast(cb, c.c_void_p).value
+        return wrap
+
+    def gemm(h, ta, tb, m, n, k, alpha, a, lda, sa, b, ldb, sb, beta, out, ldc, sc, batch):
+        calls.append(("gemm", h, ta, tb, m, n, k, alpha, a, lda, sa, b, ldb, sb, beta, out, ldc, sc, batch))
+        return fail.pop() if fail else 0
+    i, p, q = c.c_int, c.c_void_p, c.c_longlong
+    symbols = {
+        "cuStreamGetCtx": symbol(i, p, p)(lambda s, out: c.cast(out, c.POINTER(p)).__setitem__(0, 0x77) or 0),
+        "cuCtxGetCurrent": symbol(i, p)(lambda out: c.cast(out, c.POINTER(p)).__setitem__(0, 0x77) or 0),
+        "cuCtxSetCurrent": symbol(i, p)(lambda x: 0),
+        "cublasSetStream_v2": symbol(i, p, p)(lambda h, s: calls.append(("stream", h, s)) or 0),
+        "cublasSgemmStridedBatched": symbol(i, p, i, i, i, i, i, p, p, i, q, p, i, q, p, p, i, q, i)(gemm),
+        "snprintf": c.cast(c.CDLL(None).snprintf, c.c_void_p).value,
+    }
+    step = launch.Gemm(0xAB, (1, 0, 8, 4, 16), (16, 8, 8),
+                       (launch.GemmCall((1, 0, 2), (0, 0, 0), (128, 0, 32), 3),
+                        launch.GemmCall((1, 0, 2), (384, 64, 96), (128, 0, 32), 3)),
+                       0x10, 0x14, "cublasSgemmStridedBatched (x @ w)")
+    plan = launch.LaunchPlan(slots=3, inputs=[0, 1], outputs=[2], fixed={}, ints=[], steps=[step], context=0x77)
+    launcher = launch.NativeLauncher("polyjit_test_gemm", plan, symbols)
+    run = launch.LAUNCH_T(launcher.address)
+    message = c.create_string_buffer(100)
+    assert run((c.c_void_p * 2)(0x1000, 0x2000), (c.c_void_p * 1)(0x3000,), 0x55, message, 100) == 0
+    assert calls == [("stream", 0xAB, 0x55),
+                     ("gemm", 0xAB, 1, 0, 8, 4, 16, 0x10, 0x2000, 16, 128, 0x1000, 8, 0, 0x14, 0x3000, 8, 32, 3),
+                     ("gemm", 0xAB, 1, 0, 8, 4, 16, 0x10, 0x2000 + 4 * 384, 16, 128, 0x1000 + 4 * 64, 8, 0, 0x14,
+                      0x3000 + 4 * 96, 8, 32, 3)]
+    fail.append(13)
+    assert run((c.c_void_p * 2)(0x1000, 0x2000), (c.c_void_p * 1)(0x3000,), 0x55, message, 100) == 13
+    assert message.value == b"cublasSgemmStridedBatched (x @ w) failed: cuBLAS status 13"
+    lock = launcher._jit.engine.get_global_value_address("polyjit_test_gemm.lock")
+    assert c.c_int32.from_address(lock).value == 0
+
+
 def _gpu():
     from conftest import _gpu_visible
     return _gpu_visible()
@@ -634,6 +682,7 @@ def test_results_handed_to_jax_stay_valid_while_memory_is_reused():
     base = float(jax.numpy.sum(jax.numpy.cos(x)))
     for k, got in enumerate(sums):
         np.testing.assert_allclose(float(got), base * k + 4096 * 4096, rtol=1e-4)
+    assert f.stats["fallbacks"] == 0
 
 
 @pytest.mark.gpu
