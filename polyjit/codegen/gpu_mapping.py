@@ -129,29 +129,35 @@ class PointPerThread:
 
 
 @dataclass
-class HaloStrips:
-    """Strips of a sequential loop in parallel, each recomputing its halo."""
+class _StripForm:
+    """Strips of a sequential loop, each a grid iteration of its own."""
 
     grid: Grid
     strips: Strips
 
     def __str__(self) -> str:
         s = self.strips
-        ring = f", ring {s.ring}" if s.ring else ""
-        return f"halo strips: {self.grid}, strips of {s.size} iterations of {_it(s.loop)} (halo {s.halo}{ring})"
+        return f"{self.what}: {self.grid}, strips of {_n(s.size, 'iteration')} of {_it(s.loop)}{self.detail()}"
 
 
-@dataclass
-class AtomicStrips:
+class HaloStrips(_StripForm):
+    """Strips of a loop that carries values only through private buffers, in
+    parallel, each recomputing its halo of them."""
+
+    what = "halo strips"
+
+    def detail(self) -> str:
+        return f" (halo {self.strips.halo}{f', ring {self.strips.ring}' if self.strips.ring else ''})"
+
+
+class AtomicStrips(_StripForm):
     """Strips of a summing loop in parallel, each adding its partial sums atomically."""
 
-    grid: Grid
-    strips: Strips
+    what = "atomic strips"
 
-    def __str__(self) -> str:
+    def detail(self) -> str:
         s = self.strips
-        return (f"atomic strips: {self.grid}, strips of {_n(s.size, 'iteration')} of {_it(s.loop)}, "
-                f"{_n(len(s.calls), 'sum')} added atomically, {_n(len(s.zeroed), 'array')} zeroed first")
+        return f", {_n(len(s.calls), 'sum')} added atomically, {_n(len(s.zeroed), 'array')} zeroed first"
 
 
 @dataclass

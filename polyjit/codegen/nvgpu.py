@@ -648,7 +648,8 @@ class _TileEmission:
         self.a_along_k = not (isinstance(t.a, Load) and getattr(t.a.index[-1], "name", None) == t.grid_its[t.i])
         self.b_along_k = isinstance(t.b, Load) and getattr(t.b.index[-1], "name", None) == t.red_its[-1]
         self.tile, self.k0 = e.var("gpu.tile"), e.var("gpu.k0")
-        self.env0: dict = {}
+        self.env0: dict = {}  # the batch iterators of the tile being emitted
+        self.r0 = self.c0 = None  # its first row and column
 
     def emit(self) -> None:
         e = self.e
