@@ -41,7 +41,7 @@ from typing import Any, Union
 
 import islpy as isl
 
-from ..affine import AffineProgram
+from ..affine import AffineProgram, Statement
 from ..dtypes import DataType
 from ..expr import Const, Op, Var, loads, walk
 from ..schedule import Scheduled, ast_nodes, statements_in
@@ -311,7 +311,8 @@ class GpuMapper:
                 return BIG_TILE, KTILE
         return TILE, KTILE
 
-    def call_statement(self, call: isl.AstExpr):
+    def call_statement(self, call: isl.AstExpr) -> Statement:
+        """The statement an AST call runs."""
         return self.stmts[call.get_op_arg(0).get_id().get_name()]
 
 
