@@ -120,7 +120,8 @@ class Executable:
             print(prog.ir[stage], file=file)
 
     def ir(self, stage: str) -> str:
-        """One stage's text: graph, affine, schedule, ast, llvm or llvm_opt."""
+        """One stage's text: graph, affine, schedule, ast, llvm or llvm_opt; on
+        nvgpu also mapping (each kernel's plan) and ptx."""
         return self.compile_default().ir[stage]
 
 

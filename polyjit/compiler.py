@@ -184,7 +184,7 @@ def _compile_gpu(graph: Graph, prog, options: CompileOptions, name: str, timer: 
     code = build_program(prog, sched, name, (arch, sms, options.tile_sizes), timer)
     if code is None:
         return _compile_gpu_whole(graph, prog, options, name, timer, arch, sms)
-    ir = {"llvm": code.ir, "llvm_opt": code.optimized, "ptx": code.ptx}
+    ir = {"mapping": code.mapping, "llvm": code.ir, "llvm_opt": code.optimized, "ptx": code.ptx}
     exe = _executable(GpuProgram, graph, prog, sched, code.kernels, code.buffers, code.int_slots, options, name,
                       None, ir, _gpu_fields(prog, code.kernels, code.ptx, arch))
     exe.stats["kernels_compiled"] = code.compiled
@@ -212,7 +212,8 @@ def _compile_gpu_whole(graph: Graph, prog, options: CompileOptions, name: str, t
         optimized, ptx_text = ptx(llvm_text, arch)
     kernels = emitter.kernels
     exe = _executable(GpuProgram, graph, prog, sched, kernels, emitter.buffer_arrays, emitter.int_slots,
-                      options, name, None, {"llvm": llvm_text, "llvm_opt": optimized, "ptx": ptx_text},
+                      options, name, None, {"mapping": emitter.mapping_text(), "llvm": llvm_text,
+                                            "llvm_opt": optimized, "ptx": ptx_text},
                       _gpu_fields(prog, kernels, ptx_text, arch))
     exe.stats["kernels_compiled"] = len(kernels)
     return exe

@@ -115,6 +115,37 @@ def test_row_reductions_use_warp_shuffles_and_stencils_use_strips():
     assert "strip" in bl.ir("llvm")  # rows in parallel strips, each recomputing its halo
 
 
+def _mapping(fn, shapes, **options):
+    exe = polyjit.compile(fn, [InputInfo(list(s), F32) for s in shapes], {**PTX_ONLY, **options})
+    lines = exe.ir("mapping").splitlines()
+    assert len(lines) == exe.stats["kernels"]
+    return [line.split(": ", 1)[1] for line in lines]
+
+
+def test_mapping_stage_names_each_kernels_form(tmp_path, monkeypatch):
+    """The mapping stage, decided before emission, prints a line per kernel:
+    its name, its form and the form's parameters."""
+    rows = _mapping(layernorm, [(64, 1024), (1024,), (1024,)])
+    assert rows == ["warp rows: grid c0, 32 lanes, 3 lane loops (3 in groups of 4, 3 unrolled), 2 reductions"]
+    assert _mapping(lambda x: ops.softmax(x, -1), [(4, 8192)])[0].startswith("warp rows: grid c0, 256 lanes")
+    mm = _mapping(ops.matmul, [(70, 33), (33, 130)], contractions="generated")
+    assert mm[-1] == "tiled contraction: grid c0 x c1, tiles 64x64 of c0 x c1, k slices of 16 over 1 reduction loop"
+    assert _mapping(ops.matmul, [(64, 64), (64, 64)], contractions="generated", tile_sizes=[32, 8])[-1] \
+        .startswith("tiled contraction: grid c0 x c1, tiles 32x32 of c0 x c1, k slices of 8")
+    pointwise = _mapping(lambda x: ops.exp(x) * 2.0, [(37, 44)])
+    assert pointwise == ["point per thread: grid c0 x c1, groups of 4 where aligned (2 accesses), stores deferred"]
+    assert _mapping(lambda x: ops.sum(x, [0]), [(4096, 64)])[0].startswith(
+        "atomic strips: grid c0, strips of 256 iterations of c1, 1 sum added atomically, 1 array zeroed first")
+    assert _mapping(blur, [(3, 68, 68)])[0].startswith("halo strips: grid c0 x c1, strips of 64 iterations of c2")
+    assert "nest per thread" in _mapping(lambda x: ops.softmax(x, -1), [(8, 8)])[0]
+    exe = polyjit.compile(blur, [InputInfo([3, 12, 12], F32)], {**PTX_ONLY, "debug": True, "dump_dir": str(tmp_path)})
+    dumped = [f for d in tmp_path.iterdir() for f in d.iterdir() if f.name.endswith("_mapping.txt")]
+    assert len(dumped) == 1 and dumped[0].read_text() == exe.ir("mapping") + "\n"
+    from polyjit.codegen import gpu_program
+    monkeypatch.setattr(gpu_program, "build_program", lambda *args: None)  # the program emitted whole
+    assert _mapping(ops.matmul, [(70, 33), (33, 130)], contractions="generated") == mm
+
+
 def run_threads_on_cpu(exe, arrays, grid=3, block=64):
     """Run an nvgpu program's kernels on the CPU to check the generated code
     without a GPU: blocks one after another; a block's threads one after
