@@ -114,7 +114,7 @@ class ProgramSchedule:
 
 
 def kernel_of_each_array(prog: AffineProgram, kernels: list[set[str]], offset: int = 0,
-                     names: dict[str, str] | None = None) -> dict[str, int]:
+                         names: dict[str, str] | None = None) -> dict[str, int]:
     """The first kernel writing each array (names: the statements' and
     arrays' names in prog, where the kernels use others)."""
     out: dict[str, int] = {}
