@@ -9,6 +9,7 @@ from .tree import isl_items
 
 
 def kernel_nodes(ast: isl.AstNode) -> list[isl.AstNode]:
+    """The top-level nests of an AST, one kernel each."""
     if ast.get_type() == isl.ast_node_type.block:
         return isl_items(ast.block_get_children())
     return [ast]
@@ -34,6 +35,7 @@ def ast_nodes(node: isl.AstNode) -> list[isl.AstNode]:
 
 
 def statements_in(node: isl.AstNode) -> set[str]:
+    """The statements called under node."""
     return {n.user_get_expr().get_op_arg(0).get_id().get_name()
             for n in ast_nodes(node) if n.get_type() == isl.ast_node_type.user}
 

@@ -77,6 +77,7 @@ GPU_PRIVATE_BYTES = 256  # a contracted buffer a GPU thread keeps to itself
 
 
 def private_bytes(arr, moduli) -> float:
+    """The bytes arr takes, contracted to moduli (inf where a size is symbolic)."""
     count = 1
     for s, m in zip(arr.shape, moduli):
         if m is None and not sz.is_static(s):

@@ -9,6 +9,7 @@ from .tree import isl_items
 
 
 def make_context() -> isl.Context:
+    """A fresh isl context with the scheduler's and tiler's options."""
     ctx = isl.Context()
     ctx.set_schedule_whole_component(1)
     ctx.set_schedule_serialize_sccs(0)
@@ -26,6 +27,7 @@ def _empty(ctx) -> isl.UnionMap:
 
 
 def program_order(ctx, prog: AffineProgram) -> isl.UnionMap:
+    """The statements' instances in program order: statement by statement."""
     depth = max([len(s.iters) for s in prog.statements] + [0])
     parts = []
     for k, s in enumerate(prog.statements):

@@ -16,6 +16,8 @@ def isl_items(lst) -> list:
 
 
 def visit(node: isl.ScheduleNode, fn) -> isl.ScheduleNode:
+    """node and every node under it rewritten by fn, top down; fn returns
+    the node it was given, rewritten, at the same place."""
     node = fn(node)
     for i in range(node.n_children()):
         node = visit(node.child(i), fn).parent()
@@ -37,10 +39,13 @@ def member_iter(upa: isl.UnionPwAff) -> dict[str, int | None]:
 
 
 def statement_names(node) -> set[str]:
+    """The statements a schedule node's domain holds."""
     return {st.get_tuple_name() for st in isl_items(node.get_domain().get_set_list())}
 
 
 def rebuild_band(node, members, coincident, permutable):
+    """node's band with its members in the order members gives (coincident:
+    per old member)."""
     mupa = node.band_get_partial_schedule()
     ups = isl.UnionPwAffList.alloc(node.get_ctx(), len(members))
     for m in members:
@@ -54,6 +59,7 @@ def rebuild_band(node, members, coincident, permutable):
 
 
 def band_sizes(node, values) -> isl.MultiVal:
+    """values as the MultiVal band_tile takes for node's band."""
     mv = isl.MultiVal.zero(node.band_get_space())
     for i, t in enumerate(values):
         mv = mv.set_val(i, isl.Val.int_from_si(node.get_ctx(), int(t)))
@@ -87,15 +93,18 @@ def is_update(s) -> bool:
 
 
 def is_product_init(s) -> bool:
+    """Whether statement s initializes a contraction's result."""
     return s.role is Role.INIT and s.contraction
 
 
 def contractions_in(node, prog):
+    """The contraction updates under a schedule node."""
     names = statement_names(node)
     return [s for s in prog.statements if s.name in names and is_update(s)]
 
 
 def product_inits(prog: AffineProgram) -> set[str]:
+    """The names of the statements that initialize contraction results."""
     return {s.name for s in prog.statements if is_product_init(s)}
 
 
@@ -106,6 +115,7 @@ def plain_iters(index) -> list[str] | None:
 
 
 def group_domain(ctx, prog, dom, names) -> isl.UnionSet:
+    """dom restricted to the statements names."""
     text = prog.prefix() + "{ " + "; ".join(f"{s.name}[{', '.join(s.iters)}]" for s in prog.statements
                                           if s.name in names) + " }"
     return dom.intersect(isl.UnionSet.read_from_str(ctx, text))
