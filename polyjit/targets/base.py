@@ -111,6 +111,11 @@ class Target:
         """Schedule, emit, build and load prog's code: the executable."""
         raise NotImplementedError
 
+    def variant(self, options: CompileOptions) -> tuple:
+        """What, besides a fusion group's statements, chose its schedule: kernels
+        shared by structure within the process are shared only within it."""
+        return (self.name, options.fusion, options.tile_sizes)
+
     def library_available(self) -> bool:
         """Whether the vendor library loads here."""
         return False

@@ -101,7 +101,8 @@ class CpuTarget(Target):
         """Kernels of one structure share code (codegen.program), compiled once per process."""
         from ..codegen.program import CodeSet, LoadedProgram, build_program, entries_object
         from ..schedule import schedule_program
-        codes = CodeSet(machine, timer)  # each group's kernels are emitted, and go to LLVM, once it is scheduled
+        codes = CodeSet(machine, timer, self.variant(options))  # each group's kernels are emitted, and go to
+        # LLVM, once it is scheduled
         with timer("schedule"):
             sched = schedule_program(prog, options.fusion, options.tile_sizes, self, self.vector_bits(), timer,
                                      each=codes.of)

@@ -73,7 +73,7 @@ class NvgpuTarget(Target):
         arch, sms = machine
         with timer("schedule"):  # (vector_bits: unused, the nvgpu schedule has no register blocks)
             sched = schedule_program(prog, options.fusion, options.tile_sizes, self, self.vector_bits(), timer)
-        code = build_program(prog, sched, name, (arch, sms, options.tile_sizes), timer)
+        code = build_program(prog, sched, name, (arch, sms, options.tile_sizes), timer, self.variant(options))
         if code is None:
             return self._build_whole(graph, prog, options, name, timer, arch, sms)
         ir = {"llvm": code.ir, "llvm_opt": code.optimized, "ptx": code.ptx}
