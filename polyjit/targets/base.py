@@ -40,6 +40,7 @@ class Target:
     thread_grid: bool = False  # parallel loops become a grid of threads (the scheduler keeps what fits a thread)
     library: str = ""  # the vendor library under generated contractions
     times_library: bool = False  # time each contraction both ways (else the library wherever it applies)
+    keeps_programs: bool = False  # compiled programs are also shared within the process (by cache key)
 
     def __repr__(self) -> str:
         return f"<target {self.name}>"
@@ -121,7 +122,6 @@ class Target:
         return False
 
     # ---------------------------------------------------------------- the compile cache
-    keeps_programs: bool = False  # compiled programs are also shared within the process (by cache key)
 
     def lookup(self, key: str, disk: bool) -> tuple[tuple | None, int]:
         """(plan, objects) compiled before under key, or None; and 1 where it came from the disk."""

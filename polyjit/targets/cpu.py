@@ -10,10 +10,14 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from .. import sizes as sz
+from ..codegen.cpu import host_key, vector_bits
+from ..codegen.llvm import KernelInfo
+from ..codegen.program import CodeSet, LoadedProgram, build_program, entries_object
 from ..compiler import executable, from_plan
 from ..graph import Graph, Node
 from ..library import blas
 from ..runtime import CompiledProgram
+from ..schedule import balance_parallel, mark_parallel, schedule_program, sink_inner, tile
 from .base import Target
 
 if TYPE_CHECKING:
@@ -82,27 +86,22 @@ class CpuTarget(Target):
     def schedule_rewrites(self, sched: isl.Schedule, prog: AffineProgram, validity, tile_sizes,
                           vector_bits: int) -> isl.Schedule:
         """Register blocks and cache tiles, threads balanced, inner loops sunk, the parallel loop marked."""
-        from ..schedule import balance_parallel, mark_parallel, sink_inner, tile
         sched = tile(sched, prog, validity, tile_sizes, vector_bits)
         sched = balance_parallel(sched, prog, validity)
         sched = sink_inner(sched, prog, validity)
         return mark_parallel(sched)
 
     def vector_bits(self) -> int:
-        from ..codegen.cpu import vector_bits
         return vector_bits()
 
     def machine(self, options: CompileOptions) -> str:
-        from ..codegen.cpu import host_key
         return host_key()
 
     def build(self, graph: Graph, prog: AffineProgram, options: CompileOptions, name: str, timer,
               machine: str) -> CompiledProgram:
         """Kernels of one structure share code (codegen.program), compiled once per process."""
-        from ..codegen.program import CodeSet, LoadedProgram, build_program, entries_object
-        from ..schedule import schedule_program
-        codes = CodeSet(machine, timer, self.variant(options))  # each group's kernels are emitted, and go to
-        # LLVM, once it is scheduled
+        # each group's kernels are emitted, and go to LLVM, once it is scheduled
+        codes = CodeSet(machine, timer, self.variant(options))
         with timer("schedule"):
             sched = schedule_program(prog, options.fusion, options.tile_sizes, self, self.vector_bits(), timer,
                                      each=codes.of)
@@ -111,7 +110,7 @@ class CpuTarget(Target):
             loaded = LoadedProgram([c.obj for c in code.codes] + [entries_object(code.entries)])
         ir = {"llvm": "\n".join([code.entries] + [c.ir for c in code.codes]),
               "llvm_opt": "\n".join(c.optimized for c in code.codes)}
-        exe = executable(CompiledProgram, graph, prog, sched, loaded.bind(code.kernels), code.buffers,
+        exe = executable(self.executable, graph, prog, sched, loaded.bind(code.kernels), code.buffers,
                          code.int_slots, options, name, loaded, ir, {})
         exe.stats["kernels_compiled"] = code.compiled
         return exe
@@ -124,10 +123,8 @@ class CpuTarget(Target):
 
     def load(self, graph: Graph, options: CompileOptions, name: str, plan: dict,
              objects: list[bytes]) -> CompiledProgram | None:
-        from ..codegen.llvm import KernelInfo
-        from ..codegen.program import LoadedProgram
         if plan["stats"].get("library_calls") and blas() is None:
             return None  # made where a BLAS was: compiled again here
         loaded = LoadedProgram(objects)
         kernels = loaded.bind([KernelInfo(n, par, tuple(st)) for n, par, st in plan["kernels"]])
-        return from_plan(CompiledProgram, graph, options, name, plan, kernels, loaded, {})
+        return from_plan(self.executable, graph, options, name, plan, kernels, loaded, {})

@@ -10,10 +10,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .. import cache
-from ..compiler import executable, from_plan, plan as plan_of
-from ..cuda import GpuProgram
-from ..errors import CompileOptionError
+from ..codegen.gpu_program import build_program
+from ..codegen.llvm import KernelInfo
+from ..codegen.nvgpu import GpuEmitter, ptx
+from ..compiler import executable, from_plan
+from ..compiler import plan as plan_of
+from ..cuda import GpuProgram, default_ordinal, device
+from ..errors import CompileOptionError, DeviceError
 from ..graph import Graph
+from ..schedule import coincident_outside, mark_parallel, schedule_program
 from .base import Target
 
 if TYPE_CHECKING:
@@ -41,7 +46,6 @@ class NvgpuTarget(Target):
     def schedule_rewrites(self, sched: isl.Schedule, prog: AffineProgram, validity, tile_sizes,
                           vector_bits: int) -> isl.Schedule:
         """Every coincident loop outside (they become the thread grid), all of them marked."""
-        from ..schedule import coincident_outside, mark_parallel
         sched = coincident_outside(sched, validity, prog)
         return mark_parallel(sched, all_coincident=True)
 
@@ -68,8 +72,6 @@ class NvgpuTarget(Target):
         per process, for GPU arch with sms multiprocessors (None: not known, no
         GPU present); where one cannot be shared, one module of every kernel,
         emitted from the whole program."""
-        from ..codegen.gpu_program import build_program
-        from ..schedule import schedule_program
         arch, sms = machine
         with timer("schedule"):  # (vector_bits: unused, the nvgpu schedule has no register blocks)
             sched = schedule_program(prog, options.fusion, options.tile_sizes, self, self.vector_bits(), timer)
@@ -77,7 +79,7 @@ class NvgpuTarget(Target):
         if code is None:
             return self._build_whole(graph, prog, options, name, timer, arch, sms)
         ir = {"llvm": code.ir, "llvm_opt": code.optimized, "ptx": code.ptx}
-        exe = executable(GpuProgram, graph, prog, sched, code.kernels, code.buffers, code.int_slots, options, name,
+        exe = executable(self.executable, graph, prog, sched, code.kernels, code.buffers, code.int_slots, options, name,
                          None, ir, _fields(prog, code.kernels, code.ptx, arch))
         exe.stats["kernels_compiled"] = code.compiled
         return exe
@@ -85,8 +87,6 @@ class NvgpuTarget(Target):
     def _build_whole(self, graph: Graph, prog: AffineProgram, options: CompileOptions, name: str, timer,
                      arch: str, sms: int | None) -> GpuProgram:
         """One module of every kernel, emitted from the whole program."""
-        from ..codegen.nvgpu import GpuEmitter, ptx
-        from ..schedule import schedule_program
         with timer("schedule"):
             sched = schedule_program(prog, options.fusion, options.tile_sizes, self, self.vector_bits(), timer,
                                      canonical=False)
@@ -98,7 +98,7 @@ class NvgpuTarget(Target):
         with timer("llvm"):
             optimized, ptx_text = ptx(llvm_text, arch)
         kernels = emitter.kernels
-        exe = executable(GpuProgram, graph, prog, sched, kernels, emitter.buffer_arrays, emitter.int_slots,
+        exe = executable(self.executable, graph, prog, sched, kernels, emitter.buffer_arrays, emitter.int_slots,
                          options, name, None, {"llvm": llvm_text, "llvm_opt": optimized, "ptx": ptx_text},
                          _fields(prog, kernels, ptx_text, arch))
         exe.stats["kernels_compiled"] = len(kernels)
@@ -139,13 +139,12 @@ class NvgpuTarget(Target):
     def load(self, graph: Graph, options: CompileOptions, name: str, plan: dict,
              objects: list[bytes]) -> GpuProgram:
         """PTX, loaded on the device at the first call."""
-        from ..codegen.llvm import KernelInfo
         gpu = plan["gpu"]
         fields = {"ptx": objects[0].decode(), "arch": gpu["arch"],
                   "writes": [[cache.array_from(a) for a in w] for w in gpu["writes"]]}
         kernels = [KernelInfo(n, par, tuple(st), lanes, tuple(zeroed), strips)
                    for (n, par, st), (lanes, zeroed, strips) in zip(plan["kernels"], gpu["kernels"])]
-        exe = from_plan(GpuProgram, graph, options, name, plan, kernels, None, fields)
+        exe = from_plan(self.executable, graph, options, name, plan, kernels, None, fields)
         exe.ir["ptx"] = fields["ptx"]
         return exe
 
@@ -158,14 +157,11 @@ def _fields(prog: AffineProgram, kernels, ptx_text: str, arch: str) -> dict:
 
 def _device_arch() -> str:
     """The sm_XX of the GPU in use; DeviceError without a driver or GPU."""
-    from ..cuda import default_ordinal, device
     return device(default_ordinal()).arch
 
 
 def _multiprocessors() -> int | None:
     """The multiprocessors of the GPU in use (None without one: PTX for gpu_arch)."""
-    from ..cuda import default_ordinal, device
-    from ..errors import DeviceError
     try:
         return device(default_ordinal()).multiprocessors
     except DeviceError:
