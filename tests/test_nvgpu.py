@@ -293,8 +293,8 @@ def test_contraction_tiles_follow_the_device(monkeypatch):
     """128 x 128 tiles where i and j are that long and there is a tile for each
     multiprocessor; 64 x 64 for smaller products and where i is short (a
     convolution over 64-wide images)."""
-    from polyjit import compiler
-    monkeypatch.setattr(compiler, "_multiprocessors", lambda: 132)
+    from polyjit.targets import nvgpu
+    monkeypatch.setattr(nvgpu, "_multiprocessors", lambda: 132)
 
     def tile_of(fn, *shapes):  # generated code (where cuBLAS loads, auto would call it)
         ptx = polyjit.compile(fn, [InputInfo(list(s), F32) for s in shapes],

@@ -47,21 +47,22 @@ class GpuKernelCode:
     entry: str  # the entry's PTX, from ".visible .entry"
 
 
-_codes: dict[str, GpuKernelCode] = {}
+_codes: dict[tuple[str, tuple], GpuKernelCode] = {}
 _codes_lock = threading.Lock()
 _ENTRY = re.compile(r"^\.visible \.entry ", re.M)
 _SCOPE = re.compile(r"^\s*(\.(?:shared|global|const|extern|func|weak)\b)", re.M)
 
 
-def kernel_code(group: ScheduledGroup, j: int, config: tuple, written: frozenset, timer) \
+def kernel_code(group: ScheduledGroup, j: int, config: tuple, written: frozenset, timer, variant: tuple = ()) \
         -> tuple[GpuKernelCode | None, bool]:
-    """Kernel j of group (compiled now, or earlier in this process: second
-    result True); None where its PTX has more than one entry and nothing at
-    module scope, the form build_program can copy."""
+    """Kernel j of group (compiled now, or earlier in this process for the
+    same variant, what else chose its schedule: second result True); None
+    where its PTX has more than one entry and nothing at module scope, the
+    form build_program can copy."""
     arch, sms, tile_sizes = config
     key = hashlib.sha256(f"{group.problem.key}|{config}|{sorted(written)}|{j}".encode()).hexdigest()
     with _codes_lock:
-        code = _codes.get(key)
+        code = _codes.get((key, variant))
     if code is not None:
         return code, True
     node = group.sched.kernel_asts()[j]
@@ -87,7 +88,7 @@ def kernel_code(group: ScheduledGroup, j: int, config: tuple, written: frozenset
     code = GpuKernelCode(emitter.symbol, emitter.kernels[0], str(plan), text, optimized, ptx_text[:starts[0]],
                          ptx_text[starts[0]:])
     with _codes_lock:
-        _codes[key] = code
+        _codes[key, variant] = code
         while len(_codes) > CODE_CACHE:
             _codes.pop(next(iter(_codes)))
     return code, False
@@ -121,10 +122,11 @@ class GpuProgramCode:
     mapping: str  # the mapping stage: a line per kernel
 
 
-def build_program(prog: AffineProgram, sched: ProgramSchedule, name: str, config: tuple,
-                  timer) -> GpuProgramCode | None:
-    """The program's PTX from kernels shared by structure; None where one of
-    them is not in the form instance() copies (then emit the program whole)."""
+def build_program(prog: AffineProgram, sched: ProgramSchedule, name: str, config: tuple, timer,
+                  variant: tuple = ()) -> GpuProgramCode | None:
+    """The program's PTX from kernels shared by structure (variant: what else
+    than a group's statements chose its schedule); None where one of them
+    is not in the form instance() copies (then emit the program whole)."""
     buffers, int_slots = buffer_layout(prog, sched.contracted)
     slot = {a.name: k for k, a in enumerate(buffers)}
     int_slot = {s: len(buffers) + k for k, s in enumerate(int_slots)}
@@ -141,7 +143,7 @@ def build_program(prog: AffineProgram, sched: ProgramSchedule, name: str, config
         params += [int_slot[(p, d) if d < 0 else (arrays[p], d)] for p, d in mini_ints]
         written = frozenset(a for a, whole in arrays.items() if whole in program_writes)
         for j in range(len(group.sched.kernels)):
-            code, reused = kernel_code(group, j, config, written, timer)
+            code, reused = kernel_code(group, j, config, written, timer, variant)
             if code is None:
                 return None
             entry = kernel_name(prog, name, k, sched.kernels[k])

@@ -8,7 +8,7 @@ import islpy as isl
 from ..affine import AffineProgram, Role
 from ..expr import Var, loads, walk
 from .dependences import is_legal
-from .rewrites import mark_parallel, order_sets
+from .rewrites import mark_parallel
 from .tree import (band_sizes, contractions_in, member_extent, member_iter, product_inits, rebuild_band,
                    statement_names, visit)
 
@@ -250,9 +250,8 @@ def sink_inner(schedule, prog, validity) -> isl.Schedule:
 
 
 def rewrite(sched: isl.Schedule, prog: AffineProgram, validity, tile_sizes, vector_bits: int) -> isl.Schedule:
-    """The cpu target's rewrites of a group's schedule, each checked by isl."""
+    """The cpu target's rewrites of a group's schedule, each checked by isl (the driver then orders sets)."""
     sched = tile(sched, prog, validity, tile_sizes, vector_bits)
     sched = balance_parallel(sched, prog, validity)
     sched = sink_inner(sched, prog, validity)
-    sched = mark_parallel(sched)
-    return order_sets(sched, validity)
+    return mark_parallel(sched)

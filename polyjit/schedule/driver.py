@@ -12,7 +12,6 @@ import islpy as isl
 
 from .. import sizes as sz
 from ..affine import AffineProgram
-from . import cpu_rewrites, gpu_rewrites
 from .ast import kernel_nodes, statements_in
 from .contraction import GPU_PRIVATE_BYTES, contract, private_bytes
 from .dependences import dependences, make_context
@@ -106,12 +105,14 @@ def _schedule_one_group(ctx, prog, dom, validity, raw, names, fusion, fuse: Fusi
     return sched
 
 
-def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None, target: str = "cpu",
+def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None, target=None,
                      vector_bits: int = 512, timer=None, canonical: bool = True, each=None) -> "ProgramSchedule":
-    """The cpu target tiles (register blocks sized for vectors of
-    vector_bits), balances threads and sinks inner loops; nvgpu puts every
-    coincident loop outside (they become the thread grid) and keeps only
-    contracted buffers small enough for a thread's registers.
+    """target (a polyjit.targets.Target; None: the host's) gives its rewrites
+    (the cpu's tile with register blocks sized for vectors of vector_bits,
+    balance threads and sink inner loops; nvgpu's put every coincident loop
+    outside), whether contractions may own their epilogues, and whether
+    parallel loops become a thread grid (then only contracted buffers small
+    enough for a thread's registers are kept).
 
     Each fusion group is scheduled as a program of its own (its statements
     run after the groups before it, so no dependence is lost), with its
@@ -121,7 +122,10 @@ def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None, 
     emitter reads the whole program's). each(group), where given, is called
     with each group as soon as it is scheduled (code generation starts)."""
     timer = timer or _no_timer
-    fuse = target == "cpu" and fusion != "none" and not tile_sizes
+    if target is None:
+        from ..targets import target as named
+        target = named(None)
+    fuse = target.fuses_epilogues and fusion != "none" and not tile_sizes
     config = (fusion, tile_sizes, target, vector_bits, fuse)
     plan = FusionPlan() if fuse else None
     with timer("schedule/groups"):
@@ -173,7 +177,7 @@ def _schedule_problem(problem: "GroupProblem", config: tuple, timer) -> Schedule
     with timer("schedule/isl"):
         sched = _schedule_group(ctx, prog, dom, validity, raw, [s.name for s in prog.statements], fusion, plan)
     with timer("schedule/rewrites"):
-        sched = _rewrites(sched, prog, validity, target, tile_sizes, vector_bits)
+        sched = order_sets(target.schedule_rewrites(sched, prog, validity, tile_sizes, vector_bits), validity)
     with timer("schedule/ast"):
         params = prog.prefix() + "{ : " + sz.param_context(prog.params) + " }"
         build = isl.AstBuild.from_context(isl.Set.read_from_str(ctx, params))
@@ -181,19 +185,11 @@ def _schedule_problem(problem: "GroupProblem", config: tuple, timer) -> Schedule
         kernels = [statements_in(k) for k in kernel_nodes(ast)]
     with timer("schedule/contract"):
         contracted = contract(ctx, prog, sched, dom, kernels, problem.shared)
-    if target == "nvgpu":
+    if target.thread_grid:
         contracted = {n: m for n, m in contracted.items() if private_bytes(prog.arrays[n], m) <= GPU_PRIVATE_BYTES}
         if fusion != "none" and starved(ast, prog, contracted):
             return _schedule_problem(problem, ("none",) + config[1:], timer)
     return Scheduled(sched, ast, contracted, kernels, kernel_of_each_array(prog, kernels), plan.refused if plan else [])
-
-
-def _rewrites(sched: isl.Schedule, prog: AffineProgram, validity, target: str, tile_sizes,
-              vector_bits: int) -> isl.Schedule:
-    """The target's rewrites of the whole program's schedule, each checked by isl."""
-    if target == "nvgpu":
-        return gpu_rewrites.rewrite(sched, prog, validity)
-    return cpu_rewrites.rewrite(sched, prog, validity, tile_sizes, vector_bits)
 
 
 @contextmanager
