@@ -21,6 +21,7 @@ from .graph import Graph
 from .options import CompileOptions, parse_options
 from .runtime import CompiledProgram
 from .sizes import Lin
+from .targets import HOST, TARGETS, holding
 
 
 @dataclass(frozen=True)
@@ -71,10 +72,11 @@ class Executable:
         and back; GPU arrays are refused by the CPU target."""
         on_gpu = [k for k, a in enumerate(arrays) if not isinstance(a, np.ndarray)]
         if self.options.target is None:
-            return "nvgpu" if on_gpu else "cpu"
-        if self.options.target == "cpu" and on_gpu:
-            raise InputError(f"{self.name}: input {on_gpu[0]} is on a GPU, but compile option target='cpu' runs "
-                             "on the host; copy it to the host, or compile with target 'nvgpu' or no target")
+            return holding(bool(on_gpu))
+        if on_gpu and not TARGETS[self.options.target].device_arrays:
+            raise InputError(f"{self.name}: input {on_gpu[0]} is on a GPU, but compile option "
+                             f"target={self.options.target!r} runs on the host; copy it to the host, or compile "
+                             f"with target {holding(True)!r} or no target")
         return self.options.target
 
     def variant(self, layout: tuple, target: str | None = None, example: Sequence | None = None) -> CompiledProgram:
@@ -82,7 +84,7 @@ class Executable:
         per input) on ``target`` (default: the named one, else the CPU).
         ``example``: the arrays of the call that asks, whose shapes a
         ``POLYJIT_DUMP=python_definition`` reproducer records."""
-        target = target or self.options.target or "cpu"
+        target = target or self.options.target or HOST
         if (layout, target) not in self._variants:
             g = self.graph
             if not self._dumped and "python_definition" in printing.dump_kinds():
@@ -120,7 +122,8 @@ class Executable:
             print(prog.ir[stage], file=file)
 
     def ir(self, stage: str) -> str:
-        """One stage's text: graph, affine, schedule, ast, llvm or llvm_opt."""
+        """One stage's text: graph, affine, schedule, ast, llvm or llvm_opt; on
+        nvgpu also mapping (each kernel's plan) and ptx."""
         return self.compile_default().ir[stage]
 
 

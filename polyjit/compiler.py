@@ -1,7 +1,11 @@
-"""The pipeline driver: graph -> affine program -> schedule -> LLVM -> CompiledProgram.
+"""The pipeline's entry, and what every target's compile shares.
 
-Each stage's output is kept as text on the CompiledProgram (``exe.ir``); with
-``debug`` they are also written to ``dump_dir``.
+``compile_graph`` hands a graph to its target (``polyjit.targets``), whose
+``compile`` runs the stages: graph passes, lowering, scheduling, emission,
+building and loading the code. Each stage's output is kept as text on the
+CompiledProgram (``exe.ir``); with ``debug`` they are also written to
+``dump_dir``. Here: the stage timer, the executable a target's code makes,
+its plan for the compile cache, and the dump.
 """
 from __future__ import annotations
 
@@ -10,18 +14,15 @@ import logging
 import os
 import time
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from . import cache
 from . import sizes as sz
-from .cuda import GpuProgram
-from .fold import fold_scales
 from .graph import Graph
-from .library import LibraryPolicy
-from .lowering import GPU_RECOMPUTE_LIMIT, RECOMPUTE_LIMIT, lower
-from .options import CompileOptions
 from .runtime import CompiledProgram
-from .targets.cpu import packed_operands
-from .schedule import schedule_program
+
+if TYPE_CHECKING:
+    from .options import CompileOptions
 
 log = logging.getLogger("polyjit")
 _dump_ids = itertools.count()
@@ -84,146 +85,18 @@ class StageTimer:
 
 
 def compile_graph(graph: Graph, options: CompileOptions, name: str = "fn") -> CompiledProgram:
-    t0 = time.perf_counter()
-    timer = StageTimer()
-    gpu = options.target == "nvgpu"
-    with timer("lower"):
-        graph, folded = fold_scales(graph.deduplicated())
-        if not gpu:
-            graph = packed_operands(graph)
-    key = exe = None
-    hits = 0
-    arch, sms = (options.gpu_arch or _device_arch(), _multiprocessors()) if gpu else (None, None)
-    if options.cache or gpu:  # (GPU programs are also shared within the process, as CPU kernels are)
-        from .codegen.cpu import host_key
-        with timer("cache"):
-            key = cache.key(graph, name, options.key(), f"nvgpu|{arch}|{sms}" if gpu else host_key())
-            hit, hits = _lookup(key, gpu, options.cache)
-            exe = _from_cache(graph, options, name, *hit) if hit else None
-        hits = hits if exe is not None else 0
-    if exe is None:
-        policy = LibraryPolicy(options.contractions, options.num_threads, options.target)
-        with timer("lower"):
-            prog = lower(graph, GPU_RECOMPUTE_LIMIT if gpu else RECOMPUTE_LIMIT, policy)
-        exe = _compile_gpu(graph, prog, options, name, timer, arch, sms) if gpu else \
-            _compile_cpu(graph, prog, options, name, timer)
-        exe.stats["contractions"] = policy.choices if policy else []
-        if key is not None:
-            with timer("cache"):
-                _keep(key, exe, options.cache)
-    exe.stats["cache_hits"] = hits
-    exe.stats["folded"] = folded
-    exe.stats["compile_seconds"] = time.perf_counter() - t0
-    exe.stats["compile_seconds_by_stage"] = timer.seconds
-    log.info("compiled %s (%d kernels, %d compiled) in %.3f s: %s", name, len(exe.kernels),
-             exe.stats["kernels_compiled"], exe.stats["compile_seconds"], timer.summary())
-    log.debug("%s: %s", name, exe.stats)
-    if options.debug:
-        dump(exe, options.dump_dir)
-    return exe
+    """graph compiled by its target (options.target; None: the host's)."""
+    from .targets import target
+    return target(options.target).compile(graph, options, name)
 
 
-def _compile_cpu(graph: Graph, prog, options: CompileOptions, name: str, timer: StageTimer) -> CompiledProgram:
-    """Kernels of one structure share code (codegen.program), compiled once per process."""
-    from .codegen.cpu import host_key, vector_bits
-    from .codegen.program import CodeSet, LoadedProgram, build_program, entries_object
-    codes = CodeSet(host_key(), timer)  # each group's kernels are emitted, and go to LLVM, once it is scheduled
-    with timer("schedule"):
-        sched = schedule_program(prog, options.fusion, options.tile_sizes, "cpu", vector_bits(), timer, each=codes.of)
-    code = build_program(prog, sched, name, codes)
-    with timer("llvm"):
-        loaded = LoadedProgram([c.obj for c in code.codes] + [entries_object(code.entries)])
-    ir = {"llvm": "\n".join([code.entries] + [c.ir for c in code.codes]),
-          "llvm_opt": "\n".join(c.optimized for c in code.codes)}
-    exe = _executable(CompiledProgram, graph, prog, sched, loaded.bind(code.kernels), code.buffers, code.int_slots,
-                      options, name, loaded, ir, {})
-    exe.stats["kernels_compiled"] = code.compiled
-    return exe
+PLAN_STATS = ("kernels", "statements", "fused", "inlined", "contracted_buffers", "parallel_kernels",
+              "library_calls", "fusions_refused", "fusion_refusals", "contractions")
 
 
-GPU_PROGRAMS = 32  # GPU programs (plan, IR texts and PTX: megabytes for a model) kept per process, by key
-_gpu_programs: dict[str, tuple[dict, list[bytes]]] = {}
-
-
-def _lookup(key: str, gpu: bool, disk: bool) -> tuple[tuple | None, int]:
-    """(plan, objects) compiled before under key (GPU programs: in this
-    process too), or None; and 1 where it came from the disk."""
-    hit = _gpu_programs.get(key) if gpu else None
-    if hit is not None or not disk:
-        return hit, 0
-    hit = cache.load(key)
-    if hit and gpu:
-        _gpu_programs[key] = hit
-    return hit, int(hit is not None)
-
-
-def _keep(key: str, exe: CompiledProgram, disk: bool) -> None:
-    """Keep a compiled program under key (on disk where disk; GPU programs
-    also in this process). A GPU program's object is its PTX, as text."""
-    gpu = isinstance(exe, GpuProgram)
-    if any(k.library is not None for k in exe.kernels if gpu):
-        return  # (cuBLAS steps hold their statement: not kept as JSON yet)
-    plan, objects = _plan(exe), [exe.ptx.encode()] if gpu else exe.keepalive.objects
-    if gpu:
-        _gpu_programs[key] = (plan, objects)
-        while len(_gpu_programs) > GPU_PROGRAMS:
-            _gpu_programs.pop(next(iter(_gpu_programs)))
-    if disk:
-        cache.store(key, plan, objects)
-
-
-def _compile_gpu(graph: Graph, prog, options: CompileOptions, name: str, timer: StageTimer, arch: str,
-                 sms: int | None) -> CompiledProgram:
-    """Kernels of one structure share PTX (codegen.gpu_program), compiled once
-    per process, for GPU arch with sms multiprocessors (None: not known, no
-    GPU present); where one cannot be shared, one module of every kernel,
-    emitted from the whole program."""
-    from .codegen.gpu_program import build_program
-    with timer("schedule"):  # (512 bits: unused, the nvgpu schedule has no register blocks)
-        sched = schedule_program(prog, options.fusion, options.tile_sizes, "nvgpu", 512, timer)
-    code = build_program(prog, sched, name, (arch, sms, options.tile_sizes), timer)
-    if code is None:
-        return _compile_gpu_whole(graph, prog, options, name, timer, arch, sms)
-    ir = {"llvm": code.ir, "llvm_opt": code.optimized, "ptx": code.ptx}
-    exe = _executable(GpuProgram, graph, prog, sched, code.kernels, code.buffers, code.int_slots, options, name,
-                      None, ir, _gpu_fields(prog, code.kernels, code.ptx, arch))
-    exe.stats["kernels_compiled"] = code.compiled
-    return exe
-
-
-def _gpu_fields(prog, kernels, ptx_text: str, arch: str) -> dict:
-    return {"ptx": ptx_text, "arch": arch, "writes": [  # the arrays each kernel writes size its grid
-        [prog.arrays[a] for a in sorted({s.array for s in prog.statements if s.name in k.statements})]
-        for k in kernels]}
-
-
-def _compile_gpu_whole(graph: Graph, prog, options: CompileOptions, name: str, timer: StageTimer, arch: str,
-                       sms: int | None) -> CompiledProgram:
-    """One module of every kernel, emitted from the whole program."""
-    from .codegen.nvgpu import GpuEmitter, ptx
-    with timer("schedule"):
-        sched = schedule_program(prog, options.fusion, options.tile_sizes, "nvgpu", 512, timer, canonical=False)
-    with timer("emit"):
-        emitter = GpuEmitter(prog, sched, name)
-        emitter.tile_sizes = options.tile_sizes
-        emitter.multiprocessors = sms
-        llvm_text = str(emitter.emit())
-    with timer("llvm"):
-        optimized, ptx_text = ptx(llvm_text, arch)
-    kernels = emitter.kernels
-    exe = _executable(GpuProgram, graph, prog, sched, kernels, emitter.buffer_arrays, emitter.int_slots,
-                      options, name, None, {"llvm": llvm_text, "llvm_opt": optimized, "ptx": ptx_text},
-                      _gpu_fields(prog, kernels, ptx_text, arch))
-    exe.stats["kernels_compiled"] = len(kernels)
-    return exe
-
-
-_PLAN_STATS = ("kernels", "statements", "fused", "inlined", "contracted_buffers", "parallel_kernels",
-               "library_calls", "fusions_refused", "fusion_refusals", "contractions")
-
-
-def _plan(exe: CompiledProgram) -> dict:
-    """What _from_cache needs to run the program again, as JSON."""
+def plan(exe: CompiledProgram, fields: dict) -> dict:
+    """What from_plan needs to run the program again, as JSON; fields: the
+    target's own (under a key of its own)."""
     return {
         "inputs": [cache.array_json(a) for a in exe.inputs], "outputs": [cache.array_json(a) for a in exe.outputs],
         "output_arrays": exe.output_arrays, "buffers": [cache.array_json(a) for a in exe.buffers],
@@ -232,34 +105,19 @@ def _plan(exe: CompiledProgram) -> dict:
         "kernels": [[k.name, k.parallel, list(k.statements)] for k in exe.kernels],
         "contracted": [[[cache.size_json(s) for s in shape], itemsize, list(moduli), par]
                        for shape, itemsize, moduli, par in exe.contracted_bytes.buffers],
-        "stats": {k: exe.stats[k] for k in _PLAN_STATS},
+        "stats": {k: exe.stats[k] for k in PLAN_STATS},
         "ir": {k: v for k, v in exe.ir.items() if k != "ptx"},  # (a GPU program's PTX is its object)
-        **({"gpu": {"arch": exe.arch, "writes": [[cache.array_json(a) for a in w] for w in exe.writes],
-                    "kernels": [[k.lanes, list(k.zeroed), k.strips] for k in exe.kernels]}}
-           if isinstance(exe, GpuProgram) else {}),
+        **fields,
     }
 
 
-def _from_cache(graph: Graph, options: CompileOptions, name: str, plan: dict,
-                objects: list[bytes]) -> CompiledProgram | None:
-    """A program loaded from the compile cache: nothing lowered, scheduled or compiled."""
-    from .codegen.llvm import KernelInfo
-    from .codegen.program import LoadedProgram
-    from .library import blas
-    gpu = plan.get("gpu")
-    if gpu:  # PTX: loaded on the device at the first call
-        loaded, gpu_fields = None, {"ptx": objects[0].decode(), "arch": gpu["arch"],
-                                    "writes": [[cache.array_from(a) for a in w] for w in gpu["writes"]]}
-        kernels = [KernelInfo(n, par, tuple(st), lanes, tuple(zeroed), strips)
-                   for (n, par, st), (lanes, zeroed, strips) in zip(plan["kernels"], gpu["kernels"])]
-    else:
-        if plan["stats"].get("library_calls") and blas() is None:
-            return None  # made where a BLAS was: compiled again here
-        loaded, gpu_fields = LoadedProgram(objects), {}
-        kernels = loaded.bind([KernelInfo(n, par, tuple(st)) for n, par, st in plan["kernels"]])
+def from_plan(cls, graph: Graph, options: CompileOptions, name: str, plan: dict, kernels, keepalive,
+              fields: dict) -> CompiledProgram:
+    """A program of class cls loaded from the compile cache: nothing lowered,
+    scheduled or compiled; kernels, keepalive and fields are the target's."""
     contracted = [(tuple(cache.size_from(s) for s in shape), itemsize, tuple(moduli), par)
                   for shape, itemsize, moduli, par in plan["contracted"]]
-    exe = (GpuProgram if gpu else CompiledProgram)(
+    exe = cls(
         name=name, inputs=[cache.array_from(a) for a in plan["inputs"]],
         outputs=[cache.array_from(a) for a in plan["outputs"]], output_arrays=plan["output_arrays"],
         buffers=[cache.array_from(a) for a in plan["buffers"]], int_slots=[tuple(s) for s in plan["int_slots"]],
@@ -267,8 +125,8 @@ def _from_cache(graph: Graph, options: CompileOptions, name: str, plan: dict,
         constants=[n.attrs["value"] for n in graph.nodes() if n.op == "tensor_constant"], kernels=kernels,
         num_threads=options.num_threads, stats={**plan["stats"], "intermediate_bytes": 0, "fallbacks": 0,
                                                 "kernels_compiled": 0},
-        contracted_bytes=ContractedBytes(contracted, options.num_threads), keepalive=loaded, **gpu_fields)
-    exe.ir = {**plan["ir"], **({"ptx": gpu_fields["ptx"]} if gpu else {})}
+        contracted_bytes=ContractedBytes(contracted, options.num_threads), keepalive=keepalive, **fields)
+    exe.ir = dict(plan["ir"])
     return exe
 
 
@@ -289,8 +147,9 @@ class ContractedBytes:
         return total
 
 
-def _executable(cls, graph: Graph, prog, sched, kernels, buffers, int_slots, options: CompileOptions, name: str,
-                keepalive, ir: dict, gpu_fields: dict) -> CompiledProgram:
+def executable(cls, graph: Graph, prog, sched, kernels, buffers, int_slots, options: CompileOptions, name: str,
+               keepalive, ir: dict, fields: dict) -> CompiledProgram:
+    """A program of class cls running kernels; ir: the target's stages' texts, fields: its own."""
     inputs = sorted((a for a in prog.arrays.values() if a.kind == "input"), key=lambda a: a.index)
     outputs = sorted((a for a in prog.arrays.values() if a.kind == "output"), key=lambda a: a.index)
     consts = [n.attrs["value"] for n in graph.nodes() if n.op == "tensor_constant"]
@@ -313,7 +172,7 @@ def _executable(cls, graph: Graph, prog, sched, kernels, buffers, int_slots, opt
     exe = cls(name=name, inputs=inputs, outputs=outputs, output_arrays=prog.outputs, buffers=buffers,
               int_slots=int_slots, params=prog.params, constraints=prog.constraints, constants=consts,
               kernels=kernels, num_threads=options.num_threads, stats=stats,
-              contracted_bytes=ContractedBytes(contracted, options.num_threads), keepalive=keepalive, **gpu_fields)
+              contracted_bytes=ContractedBytes(contracted, options.num_threads), keepalive=keepalive, **fields)
     exe.ir = {
         "graph": str(graph),
         "affine": str(prog),
@@ -323,23 +182,6 @@ def _executable(cls, graph: Graph, prog, sched, kernels, buffers, int_slots, opt
         **ir,
     }
     return exe
-
-
-def _device_arch() -> str:
-    """The sm_XX of the GPU in use; DeviceError without a driver or GPU."""
-    from .cuda import device
-    from .cuda import default_ordinal
-    return device(default_ordinal()).arch
-
-
-def _multiprocessors() -> int | None:
-    """The multiprocessors of the GPU in use (None without one: PTX for gpu_arch)."""
-    from .cuda import default_ordinal, device
-    from .errors import DeviceError
-    try:
-        return device(default_ordinal()).multiprocessors
-    except DeviceError:
-        return None
 
 
 def dump(exe: CompiledProgram, folder: str) -> str:

@@ -23,10 +23,10 @@ import logging
 import os
 import sys
 import threading
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 from . import sizes as sz
+from .codegen.launch import GEMM_SYMBOLS, Gemm, GemmCall
 from .errors import DeviceError
 from .expr import Const, Expr, Op, Var
 
@@ -103,6 +103,8 @@ class Cublas:
             fn.restype = c.c_int
         self.one, self.zero = c.c_float(1.0), c.c_float(0.0)
         self.alpha, self.beta = c.addressof(self.one), c.addressof(self.zero)
+        self.destroy = lib.cublasDestroy_v2
+        self.destroy.argtypes = [c.c_void_p]
         self.handles: dict[int, int] = {}
         self.lock = threading.Lock()
 
@@ -112,15 +114,24 @@ class Cublas:
             raise DeviceError(f"{what} failed: cuBLAS status {status} {text}".rstrip())
 
     def handle(self, dev) -> int:
-        """This device's handle, made in its primary context at first use."""
+        """This device's shared handle (the Python launch path's), made at first use."""
         h = self.handles.get(dev.ordinal)
         if h is None:
-            dev.activate()
-            ptr = ctypes.c_void_p()
-            self.check(self.create(ctypes.byref(ptr)), "cublasCreate")
-            self.check(self.set_math(ptr, DEFAULT_MATH), "cublasSetMathMode")
-            h = self.handles[dev.ordinal] = ptr.value
+            h = self.handles[dev.ordinal] = self.new_handle(dev)
         return h
+
+    def new_handle(self, dev) -> int:
+        """A handle in dev's primary context, default math; cublasDestroy_v2 frees it."""
+        dev.activate()
+        ptr = ctypes.c_void_p()
+        self.check(self.create(ctypes.byref(ptr)), "cublasCreate")
+        self.check(self.set_math(ptr, DEFAULT_MATH), "cublasSetMathMode")
+        return ptr.value
+
+    def symbols(self) -> dict[str, int]:
+        """The addresses of the functions a native Gemm step calls (launch.GEMM_SYMBOLS)."""
+        return {name: ctypes.cast(fn, ctypes.c_void_p).value
+                for name, fn in zip(GEMM_SYMBOLS, (self.set_stream, self.gemm))}
 
 
 # ------------------------------------------------------------------ steps
@@ -138,16 +149,6 @@ def _value(e: Expr, env: Mapping[str, int]) -> int:
         if e.op in ops:
             return ops[e.op]()
     raise ValueError(f"not an integer index expression: {e}")
-
-
-@dataclass(frozen=True)
-class _Call:
-    """One strided batched sgemm: slots and element offsets of B, A, C (in the
-    column-major call's order), their batch strides and the batch count."""
-    slots: tuple[int, int, int]
-    offsets: tuple[int, int, int]
-    strides: tuple[int, int, int]
-    batch: int
 
 
 class GemmStep:
@@ -178,12 +179,12 @@ class GemmStep:
         counts = {it: max(hi - lo, 0) for it, (lo, hi) in zip(iters, trips)}
         along = max(iters, key=lambda it: counts[it]) if iters else None
         others = [it for it in iters if it != along]
-        self.calls: list[_Call] = []
+        self.calls: list[GemmCall] = []
         if not all(counts.values()) or min(m, n) <= 0:
             return
         for point in itertools.product(*(range(counts[it]) for it in others)):
             off = [b + sum(p * steps[it][q] for it, p in zip(others, point)) for q, b in enumerate(base)]
-            self.calls.append(_Call(tuple(slot[box[0]] for box in boxes), tuple(off),
+            self.calls.append(GemmCall(tuple(slot[box[0]] for box in boxes), tuple(off),
                                     steps[along] if along else (0, 0, 0), counts[along] if along else 1))
 
     def run(self, pointers, stream: int) -> None:
@@ -197,6 +198,10 @@ class GemmStep:
                 a, b, out = (pointers[s] + 4 * o for s, o in zip(c.slots, c.offsets))
                 lib.check(lib.gemm(h, ta, tb, m, n, k, lib.alpha, a, lda, c.strides[0], b, ldb, c.strides[1],
                                    lib.beta, out, ldc, c.strides[2], c.batch), self.what)
+
+    def native(self, handle: int) -> Gemm:
+        """These calls as a native launcher's step, through ``handle``."""
+        return Gemm(handle, self.shape, self.lds, tuple(self.calls), self.lib.alpha, self.lib.beta, self.what)
 
     def __repr__(self) -> str:
         return f"GemmStep({self.what}, {len(self.calls)} calls)"

@@ -27,6 +27,8 @@ from .errors import DeviceError, InputError
 from .runtime import POISON, CompiledProgram, RowMajor, poison_fill
 
 WAVES = 2  # grids of this many times the blocks that fit on the device at once
+NATIVE = os.environ.get("POLYJIT_NATIVE_LAUNCH", "1") != "0"  # calls run their steps from host code, not Python
+_launchers = 0  # native launchers built (their names are unique)
 _lock = threading.Lock()
 _SUCCESS: Any = None  # CUresult.CUDA_SUCCESS, once the driver is loaded
 
@@ -418,6 +420,10 @@ class GpuProgram(CompiledProgram):
             plan = self._plan(key, views, args, stream)
         dev = plan.device
         dev.activate()
+        if plan.native is None:
+            plan.native = NATIVE and all(v is not None for v in views) and self._native(plan)
+        if plan.native:
+            return self._run_native(plan, plan.native, views, stream, empty)
         s = _stream(stream)
         host = plan.host
         keep: list = []
@@ -460,18 +466,76 @@ class GpuProgram(CompiledProgram):
         strides, dtypes and device; not their pointers) as host code named
         ``name`` (see CompiledProgram._native_launcher), for callers outside Python
         (XLA's custom calls). Raises InputError as a call would."""
-        if any(k.library is not None for k in self.kernels):
-            return None  # the launcher's host code calls no library (yet): the Python path runs it
         key = tuple((v.shape, v.strides, v.dtype, v.device) for v in views)
         plan = self._plans.get(key) or self._plan(key, views, views, 0)
+        self.stats["intermediate_bytes"] = plan.temp_bytes
+        return self._launcher(plan, name)
+
+    def _launcher(self, plan: "_Plan", name: str) -> launch.NativeLauncher | None:
+        """A plan's steps as host code; library steps get a cuBLAS handle of their own."""
         steps: list = []
+        symbols = _symbols()
+        handle = None
         for fn, grid, block, what, zeroed in plan.launches:
+            if not block:  # a library call
+                if handle is None:
+                    lib = fn.lib
+                    handle = lib.new_handle(plan.device)
+                    symbols.update(lib.symbols())
+                steps.append(fn.native(handle))
+                continue
             steps += [launch.Memset(slot, 0, nbytes, 1, f"zeroing for {what}") for slot, nbytes in zeroed]
             steps.append(launch.Launch(int(fn), grid, block, what))
+        launcher = self._native_launcher(name, {n: (slot, shape, dt) for slot, n, shape, dt in plan.fresh},
+                                         plan.input_slots, plan.pointers, plan.ints, steps,
+                                         int(plan.device.context), symbols)
+        if handle is not None:
+            if launcher is None:
+                lib.destroy(handle)
+            else:
+                weakref.finalize(launcher, lib.destroy, handle)
+        return launcher
+
+    def _native(self, plan: "_Plan") -> "_Native | bool":
+        """How calls with this plan run through a native launcher (one ctypes
+        call for all the steps; temporaries in one workspace), or False where
+        none can be built."""
+        global _launchers
+        _launchers += 1
+        launcher = self._launcher(plan, f"{self.name}_host{_launchers}")
+        if launcher is None:
+            return False
+        outs = len(self.output_arrays)
+        offsets, total = [], 0
+        for _, shape, dt in launcher.results[outs:]:
+            offsets.append(total)
+            total += -(-math.prod(shape) * dt.itemsize // 256) * 256
+        return _Native(launcher, launch.LAUNCH_T(launcher.address), launcher.results[:outs], offsets, total,
+                       (ctypes.c_void_p * max(len(self.inputs), 1))(),
+                       (ctypes.c_void_p * max(len(launcher.results), 1))(), ctypes.create_string_buffer(256))
+
+    def _run_native(self, plan: "_Plan", native: "_Native", views, stream: int, empty) -> list:
+        dev = plan.device
+        with plan.lock:  # the pointer arrays are the plan's
+            made = [empty(shape, dt) if empty else DeviceBuffer(shape, dt, dev, stream)
+                    for _, shape, dt in native.outputs]
+            results = native.results
+            for k, buf in enumerate(made):
+                results[k] = _data_ptr(buf)
+            if native.workspace:
+                work = (empty((native.workspace // 4,), np.dtype(np.float32)) if empty else
+                        DeviceBuffer((native.workspace // 4,), np.dtype(np.float32), dev, stream))
+                base = _data_ptr(work)
+                for k, offset in enumerate(native.temps, len(made)):
+                    results[k] = base + offset
+            inputs = native.inputs
+            for k, v in enumerate(views):
+                inputs[k] = v.ptr
+            code = native.run(inputs, results, stream, native.message, len(native.message))
+            if code:
+                raise DeviceError(f"{self.name}: {native.message.value.decode(errors='replace')}")
         self.stats["intermediate_bytes"] = plan.temp_bytes
-        return self._native_launcher(name, {n: (slot, shape, dt) for slot, n, shape, dt in plan.fresh},
-                                     plan.input_slots, plan.pointers, plan.ints, steps, int(plan.device.context),
-                                     _symbols())
+        return made
 
     def _device(self, views, args) -> Device:
         """The one device all GPU arguments are on (InputError for mixed placements)."""
@@ -586,3 +650,19 @@ class _Plan:
     block: Any = None  # the address of each argument, as cuLaunchKernel takes them
     argv: int = 0
     lock: Any = field(default_factory=threading.Lock)
+    native: "_Native | bool | None" = None  # the native launcher's call (None: not built yet; False: none)
+
+
+@dataclass
+class _Native:
+    """A plan's native launcher and what a call hands it: the outputs' (name,
+    shape, dtype), the temporaries' byte offsets in one workspace of
+    ``workspace`` bytes, and the pointer arrays and message buffer it fills."""
+    launcher: launch.NativeLauncher
+    run: Any
+    outputs: list
+    temps: list
+    workspace: int
+    inputs: Any
+    results: Any
+    message: Any

@@ -126,8 +126,8 @@ MIN_MACS = 1 << 20  # multiply-adds below which either way is quick: generated, 
 class LibraryPolicy:
     """Decides, per convolution, generated code or the library; records why."""
 
-    def __init__(self, mode: str, threads: int, target: str = "cpu") -> None:
-        self.mode, self.threads, self.gpu = mode, threads, target == "nvgpu"
+    def __init__(self, mode: str, threads: int, target) -> None:
+        self.mode, self.threads, self.target = mode, threads, target  # a polyjit.targets.Target
         self.choices: list[str] = []
         self._wanted: dict | None = None  # while prefetching: the timings use() asks for
 
@@ -151,10 +151,7 @@ class LibraryPolicy:
 
     def available(self) -> bool:
         """Whether the target's library loads: cuBLAS on nvgpu, BLAS on the cpu."""
-        if self.gpu:
-            from .cublas import cublas
-            return cublas() is not None
-        return blas() is not None
+        return self.target.library_available()
 
     def use(self, L, n) -> bool:
         """Whether contraction n (a conv or dot_general) runs in the library."""
@@ -183,8 +180,8 @@ class LibraryPolicy:
         if macs < MIN_MACS:
             self.choices.append(f"{what}: generated ({macs} multiply-adds)")
             return False
-        if self.gpu:  # a simple model: timing would compile each shape's generated kernel (seconds) on the device
-            self.choices.append(f"{what}: library (cuBLAS: {macs} multiply-adds, reduction {red})")
+        if not self.target.times_library:  # a model: timing would compile each shape's kernel (seconds) on a GPU
+            self.choices.append(f"{what}: library ({self.target.library}: {macs} multiply-adds, reduction {red})")
             return True
         if n.op == "conv" and gemm_form(L, n) == "nchw":  # not worth compiling the generated nest to time it
             self.choices.append(f"{what}: library (channels first: generated blocks run along image rows, "

@@ -26,7 +26,6 @@ from .sizes import Lin, Size
 UNROLL_LIMIT = 16  # reductions with at most this many static terms unroll into expressions
 STENCIL_UNROLL_LIMIT = 49  # likewise a convolution over its window alone (depthwise, up to 7x7)
 RECOMPUTE_LIMIT = 6  # extra work accepted to inline a value read more than once
-GPU_RECOMPUTE_LIMIT = 16  # on a GPU, memory traffic costs more than arithmetic
 MANY = 16  # weight of a read inside a contraction's reduction loop
 
 

@@ -7,8 +7,8 @@ from typing import Any, Mapping
 
 from .errors import CompileOptionError
 
-TARGETS = ("cpu", "nvgpu")
-GPU_TILES, GPU_KTILES = (32, 64, 128), (8, 16, 32)  # what nvgpu contraction tiles can be
+from .targets import TARGETS
+
 FUSION = ("max", "none")
 CONTRACTIONS = ("auto", "generated", "library")
 
@@ -40,7 +40,7 @@ class CompileOptions:
 
 
 _KEYS = {
-    "target": f"one of {TARGETS}, or None (where the inputs are)",
+    "target": f"one of {tuple(TARGETS)}, or None (where the inputs are)",
     "debug": "True or False",
     "dump_dir": "a folder path",
     "tile_sizes": "a list of positive ints, or None",
@@ -87,13 +87,8 @@ def parse_options(opts: Mapping[str, Any] | CompileOptions | None,
                 isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in ts):
             raise CompileOptionError(f"compile option 'tile_sizes' is {ts!r}; expected {_KEYS['tile_sizes']}")
         kw["tile_sizes"] = tuple(ts)
-    if t == "nvgpu" and kw.get("tile_sizes") is not None:
-        ts = kw["tile_sizes"]
-        if len(ts) > 2 or ts[0] not in GPU_TILES or (len(ts) == 2 and ts[1] not in GPU_KTILES):
-            raise CompileOptionError(f"compile option 'tile_sizes' is {list(ts)!r} for target 'nvgpu'; expected "
-                                     f"[tile] or [tile, ktile] for contractions: tile (the side of the output "
-                                     f"tile a block computes) one of {list(GPU_TILES)}, ktile (the reduction "
-                                     f"slice staged in shared memory) one of {list(GPU_KTILES)}")
+    if t is not None and kw.get("tile_sizes") is not None:
+        TARGETS[t].check_tile_sizes(kw["tile_sizes"])
     ga = kw.get("gpu_arch")
     if ga is not None and not (isinstance(ga, str) and ga.startswith("sm_") and ga[3:].rstrip("a").isdigit()):
         raise CompileOptionError(f"compile option 'gpu_arch' is {ga!r}; expected {_KEYS['gpu_arch']}")

@@ -50,8 +50,8 @@ def test_llvm_runs_on_its_own_thread_while_groups_are_emitted(rng, monkeypatch):
     scheduled: the first is handed over before the last group is scheduled."""
     import threading
 
-    from polyjit import schedule
     from polyjit.codegen import program
+    from polyjit.schedule import driver as schedule
     events, threads = [], set()
     compile_object, submit = program.compile_object, program._submit
     monkeypatch.setattr(program, "compile_object", lambda text: (

@@ -115,6 +115,37 @@ def test_row_reductions_use_warp_shuffles_and_stencils_use_strips():
     assert "strip" in bl.ir("llvm")  # rows in parallel strips, each recomputing its halo
 
 
+def _mapping(fn, shapes, **options):
+    exe = polyjit.compile(fn, [InputInfo(list(s), F32) for s in shapes], {**PTX_ONLY, **options})
+    lines = exe.ir("mapping").splitlines()
+    assert len(lines) == exe.stats["kernels"]
+    return [line.split(": ", 1)[1] for line in lines]
+
+
+def test_mapping_stage_names_each_kernels_form(tmp_path, monkeypatch):
+    """The mapping stage, decided before emission, prints a line per kernel:
+    its name, its form and the form's parameters."""
+    rows = _mapping(layernorm, [(64, 1024), (1024,), (1024,)])
+    assert rows == ["warp rows: grid c0, 32 lanes, 3 lane loops (3 in groups of 4, 3 unrolled), 2 reductions"]
+    assert _mapping(lambda x: ops.softmax(x, -1), [(4, 8192)])[0].startswith("warp rows: grid c0, 256 lanes")
+    mm = _mapping(ops.matmul, [(70, 33), (33, 130)], contractions="generated")
+    assert mm[-1] == "tiled contraction: grid c0 x c1, tiles 64x64 of c0 x c1, k slices of 16 over 1 reduction loop"
+    assert _mapping(ops.matmul, [(64, 64), (64, 64)], contractions="generated", tile_sizes=[32, 8])[-1] \
+        .startswith("tiled contraction: grid c0 x c1, tiles 32x32 of c0 x c1, k slices of 8")
+    pointwise = _mapping(lambda x: ops.exp(x) * 2.0, [(37, 44)])
+    assert pointwise == ["point per thread: grid c0 x c1, groups of 4 where aligned (2 accesses), stores deferred"]
+    assert _mapping(lambda x: ops.sum(x, [0]), [(4096, 64)])[0].startswith(
+        "atomic strips: grid c0, strips of 256 iterations of c1, 1 sum added atomically, 1 array zeroed first")
+    assert _mapping(blur, [(3, 68, 68)])[0].startswith("halo strips: grid c0 x c1, strips of 64 iterations of c2")
+    assert "nest per thread" in _mapping(lambda x: ops.softmax(x, -1), [(8, 8)])[0]
+    exe = polyjit.compile(blur, [InputInfo([3, 12, 12], F32)], {**PTX_ONLY, "debug": True, "dump_dir": str(tmp_path)})
+    dumped = [f for d in tmp_path.iterdir() for f in d.iterdir() if f.name.endswith("_mapping.txt")]
+    assert len(dumped) == 1 and dumped[0].read_text() == exe.ir("mapping") + "\n"
+    from polyjit.codegen import gpu_program
+    monkeypatch.setattr(gpu_program, "build_program", lambda *args: None)  # the program emitted whole
+    assert _mapping(ops.matmul, [(70, 33), (33, 130)], contractions="generated") == mm
+
+
 def run_threads_on_cpu(exe, arrays, grid=3, block=64):
     """Run an nvgpu program's kernels on the CPU to check the generated code
     without a GPU: blocks one after another; a block's threads one after
@@ -262,8 +293,8 @@ def test_contraction_tiles_follow_the_device(monkeypatch):
     """128 x 128 tiles where i and j are that long and there is a tile for each
     multiprocessor; 64 x 64 for smaller products and where i is short (a
     convolution over 64-wide images)."""
-    from polyjit import compiler
-    monkeypatch.setattr(compiler, "_multiprocessors", lambda: 132)
+    from polyjit.targets import nvgpu
+    monkeypatch.setattr(nvgpu, "_multiprocessors", lambda: 132)
 
     def tile_of(fn, *shapes):  # generated code (where cuBLAS loads, auto would call it)
         ptx = polyjit.compile(fn, [InputInfo(list(s), F32) for s in shapes],
@@ -375,6 +406,54 @@ def test_native_launcher_fills_the_argument_block_and_reports_failures():
     calls.clear()
     assert run((c.c_void_p * 1)(0xA0), (c.c_void_p * 1)(0xB0), 0x55, message, 100) == 201
     assert b"context" in message.value and calls == []
+
+
+def test_native_launcher_runs_library_steps_holding_its_lock():
+    """A Gemm step in host code: cublasSetStream to the caller's stream, then
+    each strided batched call with its matrices at slot + offset; a failing
+    call names the step and its cuBLAS status and leaves the lock free."""
+    import ctypes as c
+
+    from polyjit.codegen import launch
+    calls, keep, fail = [], [], []
+
+    def symbol(restype, *argtypes):
+        def wrap(f):
+            cb = c.CFUNCTYPE(restype, *argtypes)(f)
+            keep.append(cb)
+            return c.cast(cb, c.c_void_p).value
+        return wrap
+
+    def gemm(h, ta, tb, m, n, k, alpha, a, lda, sa, b, ldb, sb, beta, out, ldc, sc, batch):
+        calls.append(("gemm", h, ta, tb, m, n, k, alpha, a, lda, sa, b, ldb, sb, beta, out, ldc, sc, batch))
+        return fail.pop() if fail else 0
+    i, p, q = c.c_int, c.c_void_p, c.c_longlong
+    symbols = {
+        "cuStreamGetCtx": symbol(i, p, p)(lambda s, out: c.cast(out, c.POINTER(p)).__setitem__(0, 0x77) or 0),
+        "cuCtxGetCurrent": symbol(i, p)(lambda out: c.cast(out, c.POINTER(p)).__setitem__(0, 0x77) or 0),
+        "cuCtxSetCurrent": symbol(i, p)(lambda x: 0),
+        "cublasSetStream_v2": symbol(i, p, p)(lambda h, s: calls.append(("stream", h, s)) or 0),
+        "cublasSgemmStridedBatched": symbol(i, p, i, i, i, i, i, p, p, i, q, p, i, q, p, p, i, q, i)(gemm),
+        "snprintf": c.cast(c.CDLL(None).snprintf, c.c_void_p).value,
+    }
+    step = launch.Gemm(0xAB, (1, 0, 8, 4, 16), (16, 8, 8),
+                       (launch.GemmCall((1, 0, 2), (0, 0, 0), (128, 0, 32), 3),
+                        launch.GemmCall((1, 0, 2), (384, 64, 96), (128, 0, 32), 3)),
+                       0x10, 0x14, "cublasSgemmStridedBatched (x @ w)")
+    plan = launch.LaunchPlan(slots=3, inputs=[0, 1], outputs=[2], fixed={}, ints=[], steps=[step], context=0x77)
+    launcher = launch.NativeLauncher("polyjit_test_gemm", plan, symbols)
+    run = launch.LAUNCH_T(launcher.address)
+    message = c.create_string_buffer(100)
+    assert run((c.c_void_p * 2)(0x1000, 0x2000), (c.c_void_p * 1)(0x3000,), 0x55, message, 100) == 0
+    assert calls == [("stream", 0xAB, 0x55),
+                     ("gemm", 0xAB, 1, 0, 8, 4, 16, 0x10, 0x2000, 16, 128, 0x1000, 8, 0, 0x14, 0x3000, 8, 32, 3),
+                     ("gemm", 0xAB, 1, 0, 8, 4, 16, 0x10, 0x2000 + 4 * 384, 16, 128, 0x1000 + 4 * 64, 8, 0, 0x14,
+                      0x3000 + 4 * 96, 8, 32, 3)]
+    fail.append(13)
+    assert run((c.c_void_p * 2)(0x1000, 0x2000), (c.c_void_p * 1)(0x3000,), 0x55, message, 100) == 13
+    assert message.value == b"cublasSgemmStridedBatched (x @ w) failed: cuBLAS status 13"
+    lock = launcher._jit.engine.get_global_value_address("polyjit_test_gemm.lock")
+    assert c.c_int32.from_address(lock).value == 0
 
 
 def _gpu():
@@ -634,6 +713,7 @@ def test_results_handed_to_jax_stay_valid_while_memory_is_reused():
     base = float(jax.numpy.sum(jax.numpy.cos(x)))
     for k, got in enumerate(sums):
         np.testing.assert_allclose(float(got), base * k + 4096 * 4096, rtol=1e-4)
+    assert f.stats["fallbacks"] == 0
 
 
 @pytest.mark.gpu

@@ -11,8 +11,8 @@ It places the input and output pointers in the kernels' argument block
 (constants' pointers and the integer arguments are fixed in the code), then
 runs the steps in order. A GPU plan first checks that ``stream`` belongs to
 its context (the kernels were loaded there) and makes that context current;
-on the first failing driver call it writes what failed into ``message`` and
-returns the CUDA error code. A CPU plan (stream NULL) runs its kernels with
+on the first failing driver or library call it writes what failed into
+``message`` and returns the error code (CUDA's, or cuBLAS's status). A CPU plan (stream NULL) runs its kernels with
 IEEE subnormals and restores the caller's floating-point mode. 0 when all
 went well.
 """
@@ -27,12 +27,14 @@ from llvmlite import ir
 from .cpu import JitModule, ieee_floats
 
 I8, I32, I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+ZERO = ir.Constant(I32, 0)
 PTR = I8.as_pointer()
 LAUNCH_T = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p),
                             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)  # the launch function's type
 CUDA_ERROR_INVALID_CONTEXT = 201
 SYMBOLS = ("cuStreamGetCtx", "cuCtxGetCurrent", "cuCtxSetCurrent", "cuMemsetD8Async", "cuMemsetD32Async",
            "cuLaunchKernel", "snprintf")  # the functions a GPU launcher calls, by address
+GEMM_SYMBOLS = ("cublasSetStream_v2", "cublasSgemmStridedBatched")  # a plan with Gemm steps
 CPU_SYMBOLS = ("GOMP_parallel", "polyjit_omp_part", "omp_get_thread_num", "omp_get_num_threads",
                "snprintf")  # a CPU launcher's (the first four where a kernel runs on the team)
 
@@ -58,6 +60,32 @@ class Launch:
 
 
 @dataclass(frozen=True)
+class GemmCall:
+    """One cublasSgemmStridedBatched of a Gemm step: the argument slots and
+    element offsets of its three matrices (in the column-major call's order),
+    their batch strides and the batch count."""
+    slots: tuple[int, int, int]
+    offsets: tuple[int, int, int]
+    strides: tuple[int, int, int]
+    batch: int
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """A library step (polyjit.cublas.GemmStep): its calls through ``handle``
+    on the launch stream. ``shape`` is (transa, transb, m, n, k), ``lds`` the
+    leading dimensions, ``alpha``/``beta`` the addresses of float 1 and 0.
+    The handle's stream is shared state: the steps hold the launcher's lock."""
+    handle: int
+    shape: tuple[int, int, int, int, int]
+    lds: tuple[int, int, int]
+    calls: tuple[GemmCall, ...]
+    alpha: int
+    beta: int
+    what: str
+
+
+@dataclass(frozen=True)
 class Run:
     """A CPU kernel ``kernel(buffers, ints, part, parts)`` at address ``kernel``:
     whole (threads 1), or its parts on libgomp's team (GOMP_parallel of the
@@ -78,7 +106,7 @@ class LaunchPlan:
     outputs: Sequence[int]
     fixed: Mapping[int, int]
     ints: Sequence[int]
-    steps: Sequence[Memset | Launch | Run]
+    steps: Sequence[Memset | Launch | Run | Gemm]
     context: int | None  # the CUDA context of a GPU plan; None on the CPU
 
 
@@ -99,110 +127,184 @@ class NativeLauncher:
 
 
 def _module(name: str, plan: LaunchPlan, symbols: Mapping[str, int]) -> ir.Module:
-    mod = ir.Module(name=name)
-    fn = ir.Function(mod, ir.FunctionType(I32, [PTR.as_pointer(), PTR.as_pointer(), PTR, PTR, I64]), name)
-    ins, outs, stream, message, size = fn.args
-    b = ir.IRBuilder(fn.append_basic_block("entry"))
-    fail = fn.append_basic_block("fail")
-    strings: dict[str, ir.GlobalVariable] = {}
+    return _Builder(name, plan, symbols).build()
 
-    def string(text: str) -> ir.Value:
-        if text not in strings:
-            strings[text] = string_constant(mod, f"{name}.s{len(strings)}", text)
-        return strings[text].bitcast(PTR)
 
-    def function(call: str, *types: ir.Type) -> ir.Value:
-        return b.inttoptr(ir.Constant(I64, symbols[call]), ir.FunctionType(I32, types).as_pointer())
+class _Builder:
+    """The launch function's IR: a prologue placing the pointers and integers
+    in the argument block, one emitter per step kind, a shared failure exit."""
 
-    # on failure: message <- "<what> failed: CUDA error <code>", return code
-    b.position_at_end(fail)
-    what = b.phi(PTR, "what")
-    code = b.phi(I32, "code")
-    fmt = string("%s failed: CUDA error %d")
-    printf = b.inttoptr(ir.Constant(I64, symbols["snprintf"]),
-                        ir.FunctionType(I32, [PTR, I64, PTR], var_arg=True).as_pointer())
-    b.call(printf, [message, size, fmt, what, code])
-    b.ret(code)
-    b.position_at_end(fn.entry_basic_block)
+    def __init__(self, name: str, plan: LaunchPlan, symbols: Mapping[str, int]) -> None:
+        self.name, self.plan, self.symbols = name, plan, symbols
+        self.mod = ir.Module(name=name)
+        self.fn = ir.Function(self.mod, ir.FunctionType(I32, [PTR.as_pointer(), PTR.as_pointer(), PTR, PTR, I64]),
+                              name)
+        self.b = ir.IRBuilder(self.fn.append_basic_block("entry"))
+        self.strings: dict[str, ir.GlobalVariable] = {}
+        self.lock: ir.GlobalVariable | None = None
 
-    def checked(result: ir.Value, text: str) -> None:
-        ok = fn.append_basic_block()
-        what.add_incoming(string(text), b.block)
-        code.add_incoming(result, b.block)
-        b.cbranch(b.icmp_unsigned("==", result, ir.Constant(I32, 0)), ok, fail)
+    def build(self) -> ir.Module:
+        b, plan = self.b, self.plan
+        ins, outs, self.stream, message, size = self.fn.args
+        self._failure_exit(message, size)
+        cpu = plan.context is None
+        restore = ieee_floats(b) if cpu else None
+        if not cpu:
+            self._enter_context()
+        self.pointers = b.alloca(ir.ArrayType(PTR, max(plan.slots, 1)))
+        self.ints = b.alloca(ir.ArrayType(I64, max(len(plan.ints), 1)))
+        for given, slots in ((ins, plan.inputs), (outs, plan.outputs)):
+            for k, s in enumerate(slots):
+                b.store(b.load(b.gep(given, [ir.Constant(I32, k)])), self.slot(s))
+        for s, address in plan.fixed.items():
+            b.store(ir.Constant(I64, address).inttoptr(PTR), self.slot(s))
+        for k, value in enumerate(plan.ints):
+            b.store(ir.Constant(I64, value), b.gep(self.ints, [ZERO, ir.Constant(I32, k)]))
+        places = [self.slot(k) for k in range(plan.slots)] + [b.gep(self.ints, [ZERO, ir.Constant(I32, k)])
+                                                              for k in range(len(plan.ints))]
+        params = b.alloca(ir.ArrayType(PTR, max(len(places), 1)))
+        for k, place in enumerate(places):
+            b.store(b.bitcast(place, PTR), b.gep(params, [ZERO, ir.Constant(I32, k)]))
+        self.argv = b.bitcast(params, PTR.as_pointer())
+        for step in plan.steps:
+            if isinstance(step, Run):
+                self._run(step)
+            elif isinstance(step, Gemm):
+                self._gemm(step)
+            elif cpu:  # a Memset
+                _fill(b, b.load(self.slot(step.slot)), step)
+            elif isinstance(step, Memset):
+                self._memset(step)
+            else:
+                self._launch(step)
+        if restore is not None:
+            restore()
+        b.ret(ir.Constant(I32, 0))
+        return self.mod
+
+    # -------------------------------------------------------------- helpers
+    def string(self, text: str) -> ir.Value:
+        if text not in self.strings:
+            self.strings[text] = string_constant(self.mod, f"{self.name}.s{len(self.strings)}", text)
+        return self.strings[text].bitcast(PTR)
+
+    def function(self, call: str, *types: ir.Type, result: ir.Type = I32) -> ir.Value:
+        return self.b.inttoptr(ir.Constant(I64, self.symbols[call]), ir.FunctionType(result, types).as_pointer())
+
+    def slot(self, k: int) -> ir.Value:
+        return self.b.gep(self.pointers, [ZERO, ir.Constant(I32, k)])
+
+    def _failure_exit(self, message: ir.Value, size: ir.Value) -> None:
+        """message <- "<what> failed: <kind> <code>"; return code."""
+        b = self.b
+        self.fail = self.fn.append_basic_block("fail")
+        entry = b.block
+        b.position_at_end(self.fail)
+        self.what, self.kind, self.code = b.phi(PTR, "what"), b.phi(PTR, "kind"), b.phi(I32, "code")
+        printf = b.inttoptr(ir.Constant(I64, self.symbols["snprintf"]),
+                            ir.FunctionType(I32, [PTR, I64, PTR], var_arg=True).as_pointer())
+        b.call(printf, [message, size, self.string("%s failed: %s %d"), self.what, self.kind, self.code])
+        b.ret(self.code)
+        b.position_at_end(entry)
+
+    def checked(self, result: ir.Value, text: str, kind: str = "CUDA error", unlock: bool = False) -> None:
+        """Go on where result is 0, else to the failure exit (releasing the lock first)."""
+        b = self.b
+        ok = self.fn.append_basic_block()
+        exit_from = self.fn.append_basic_block() if unlock else b.block
+        b.cbranch(b.icmp_unsigned("==", result, ir.Constant(I32, 0)), ok, exit_from if unlock else self.fail)
+        if unlock:
+            b.position_at_end(exit_from)
+            self._release()
+            b.branch(self.fail)
+        for phi, value in ((self.what, self.string(text)), (self.kind, self.string(kind)), (self.code, result)):
+            phi.add_incoming(value, exit_from)
         b.position_at_end(ok)
 
-    ctx = b.alloca(PTR)
-    pointers = b.alloca(ir.ArrayType(PTR, max(plan.slots, 1)))
-    ints = b.alloca(ir.ArrayType(I64, max(len(plan.ints), 1)))
-    params = b.alloca(ir.ArrayType(PTR, max(plan.slots + len(plan.ints), 1)))
-    cpu = plan.context is None
-    if cpu:
-        restore = ieee_floats(b)
-    else:  # the stream's context must be the plan's; make it current
-        checked(b.call(function("cuStreamGetCtx", PTR, PTR.as_pointer()), [stream, ctx]), "cuStreamGetCtx")
-        mine = ir.Constant(I64, plan.context).inttoptr(PTR)
+    def _enter_context(self) -> None:
+        """The stream's context must be the plan's; make it current."""
+        b = self.b
+        ctx = b.alloca(PTR)
+        self.checked(b.call(self.function("cuStreamGetCtx", PTR, PTR.as_pointer()), [self.stream, ctx]),
+                     "cuStreamGetCtx")
+        mine = ir.Constant(I64, self.plan.context).inttoptr(PTR)
         other = b.icmp_unsigned("!=", b.load(ctx), mine)
         result = b.select(other, ir.Constant(I32, CUDA_ERROR_INVALID_CONTEXT), ir.Constant(I32, 0))
-        checked(result, "matching the stream's context to the one the kernels were loaded in")
-        checked(b.call(function("cuCtxGetCurrent", PTR.as_pointer()), [ctx]), "cuCtxGetCurrent")
+        self.checked(result, "matching the stream's context to the one the kernels were loaded in")
+        self.checked(b.call(self.function("cuCtxGetCurrent", PTR.as_pointer()), [ctx]), "cuCtxGetCurrent")
         with b.if_then(b.icmp_unsigned("!=", b.load(ctx), mine)):
-            checked(b.call(function("cuCtxSetCurrent", PTR), [mine]), "cuCtxSetCurrent")
+            self.checked(b.call(self.function("cuCtxSetCurrent", PTR), [mine]), "cuCtxSetCurrent")
 
-    zero = ir.Constant(I32, 0)
+    # ---------------------------------------------------------------- steps
+    def _memset(self, step: Memset) -> None:
+        b = self.b
+        width = I8 if step.width == 1 else I32
+        call = self.function("cuMemsetD8Async" if step.width == 1 else "cuMemsetD32Async", I64, width, I64, PTR)
+        target = b.ptrtoint(b.load(self.slot(step.slot)), I64)
+        self.checked(b.call(call, [target, ir.Constant(width, step.value), ir.Constant(I64, step.count),
+                                   self.stream]), step.what)
 
-    def slot(k: int) -> ir.Value:
-        return b.gep(pointers, [zero, ir.Constant(I32, k)])
-    for given, slots in ((ins, plan.inputs), (outs, plan.outputs)):
-        for k, s in enumerate(slots):
-            b.store(b.load(b.gep(given, [ir.Constant(I32, k)])), slot(s))
-    for s, address in plan.fixed.items():
-        b.store(ir.Constant(I64, address).inttoptr(PTR), slot(s))
-    for k, value in enumerate(plan.ints):
-        b.store(ir.Constant(I64, value), b.gep(ints, [zero, ir.Constant(I32, k)]))
-    places = [slot(k) for k in range(plan.slots)] + [b.gep(ints, [zero, ir.Constant(I32, k)])
-                                                      for k in range(len(plan.ints))]
-    for k, place in enumerate(places):
-        b.store(b.bitcast(place, PTR), b.gep(params, [zero, ir.Constant(I32, k)]))
-    argv = b.bitcast(params, PTR.as_pointer())
+    def _launch(self, step: Launch) -> None:
+        b = self.b
+        call = self.function("cuLaunchKernel", PTR, I32, I32, I32, I32, I32, I32, I32, PTR, PTR.as_pointer(),
+                             PTR.as_pointer())
+        dims = [ir.Constant(I32, x) for x in (step.grid, 1, 1, step.block, 1, 1, 0)]
+        self.checked(b.call(call, [ir.Constant(I64, step.function).inttoptr(PTR), *dims, self.stream, self.argv,
+                                   ir.Constant(PTR.as_pointer(), None)]), step.what)
 
-    kernel_type = ir.FunctionType(ir.VoidType(), [PTR, PTR, I64, I64]).as_pointer()
-    for step in plan.steps:
-        if cpu and isinstance(step, Memset):
-            _fill(b, b.load(slot(step.slot)), step)
-            continue
-        if isinstance(step, Run):
-            kernel = b.inttoptr(ir.Constant(I64, step.kernel), kernel_type)
-            buffers, numbers = b.bitcast(pointers, PTR), b.bitcast(ints, PTR)
-            if step.threads > 1:
-                data = b.alloca(ir.ArrayType(PTR, 5))
-                team = [b.bitcast(kernel, PTR), buffers, numbers] + [
-                    ir.Constant(I64, symbols[n]).inttoptr(PTR) for n in ("omp_get_thread_num", "omp_get_num_threads")]
-                for k, v in enumerate(team):
-                    b.store(v, b.gep(data, [zero, ir.Constant(I32, k)]))
-                parallel = b.inttoptr(ir.Constant(I64, symbols["GOMP_parallel"]), ir.FunctionType(
-                    ir.VoidType(), [PTR, PTR, I32, I32]).as_pointer())
-                b.call(parallel, [ir.Constant(I64, symbols["polyjit_omp_part"]).inttoptr(PTR), b.bitcast(data, PTR),
-                                  ir.Constant(I32, step.threads), ir.Constant(I32, 0)])
-            else:
-                b.call(kernel, [buffers, numbers, ir.Constant(I64, 0), ir.Constant(I64, 1)])
-            continue
-        if isinstance(step, Memset):
-            width = I8 if step.width == 1 else I32
-            call = function("cuMemsetD8Async" if step.width == 1 else "cuMemsetD32Async", I64, width, I64, PTR)
-            target = b.ptrtoint(b.load(slot(step.slot)), I64)
-            result = b.call(call, [target, ir.Constant(width, step.value), ir.Constant(I64, step.count), stream])
-        else:
-            call = function("cuLaunchKernel", PTR, I32, I32, I32, I32, I32, I32, I32, PTR, PTR.as_pointer(),
-                            PTR.as_pointer())
-            dims = [ir.Constant(I32, x) for x in (step.grid, 1, 1, step.block, 1, 1, 0)]
-            result = b.call(call, [ir.Constant(I64, step.function).inttoptr(PTR), *dims, stream, argv,
-                                   ir.Constant(PTR.as_pointer(), None)])
-        checked(result, step.what)
-    if cpu:
-        restore()
-    b.ret(ir.Constant(I32, 0))
-    return mod
+    def _run(self, step: Run) -> None:
+        """A CPU kernel, whole or on libgomp's team."""
+        b = self.b
+        kernel = b.inttoptr(ir.Constant(I64, step.kernel),
+                            ir.FunctionType(ir.VoidType(), [PTR, PTR, I64, I64]).as_pointer())
+        buffers, numbers = b.bitcast(self.pointers, PTR), b.bitcast(self.ints, PTR)
+        if step.threads <= 1:
+            b.call(kernel, [buffers, numbers, ir.Constant(I64, 0), ir.Constant(I64, 1)])
+            return
+        data = b.alloca(ir.ArrayType(PTR, 5))
+        team = [b.bitcast(kernel, PTR), buffers, numbers] + [
+            ir.Constant(I64, self.symbols[n]).inttoptr(PTR) for n in ("omp_get_thread_num", "omp_get_num_threads")]
+        for k, v in enumerate(team):
+            b.store(v, b.gep(data, [ZERO, ir.Constant(I32, k)]))
+        parallel = self.function("GOMP_parallel", PTR, PTR, I32, I32, result=ir.VoidType())
+        b.call(parallel, [ir.Constant(I64, self.symbols["polyjit_omp_part"]).inttoptr(PTR), b.bitcast(data, PTR),
+                          ir.Constant(I32, step.threads), ir.Constant(I32, 0)])
+
+    def _gemm(self, step: Gemm) -> None:
+        """cublasSetStream then the calls, holding the launcher's lock (a spin
+        lock: the handle's stream must not change between the two)."""
+        b = self.b
+        self._acquire()
+        handle = ir.Constant(I64, step.handle).inttoptr(PTR)
+        self.checked(b.call(self.function("cublasSetStream_v2", PTR, PTR), [handle, self.stream]),
+                     f"cublasSetStream ({step.what})", "cuBLAS status", unlock=True)
+        gemm = self.function("cublasSgemmStridedBatched", PTR, I32, I32, I32, I32, I32, PTR, PTR, I32, I64, PTR,
+                             I32, I64, PTR, PTR, I32, I64, I32)
+        ta, tb, m, n, k = (ir.Constant(I32, x) for x in step.shape)
+        lda, ldb, ldc = (ir.Constant(I32, x) for x in step.lds)
+        alpha, beta = (ir.Constant(I64, x).inttoptr(PTR) for x in (step.alpha, step.beta))
+        for c in step.calls:
+            a, bm, out = (b.gep(b.load(self.slot(s)), [ir.Constant(I64, 4 * o)]) for s, o in zip(c.slots, c.offsets))
+            sa, sb, sc = (ir.Constant(I64, x) for x in c.strides)
+            self.checked(b.call(gemm, [handle, ta, tb, m, n, k, alpha, a, lda, sa, bm, ldb, sb, beta, out, ldc, sc,
+                                       ir.Constant(I32, c.batch)]), step.what, "cuBLAS status", unlock=True)
+        self._release()
+
+    def _acquire(self) -> None:
+        b = self.b
+        if self.lock is None:
+            self.lock = ir.GlobalVariable(self.mod, I32, f"{self.name}.lock")
+            self.lock.linkage, self.lock.initializer = "internal", ir.Constant(I32, 0)
+        spin = self.fn.append_basic_block("spin")
+        held = self.fn.append_basic_block("held")
+        b.branch(spin)
+        b.position_at_end(spin)
+        pair = b.cmpxchg(self.lock, ir.Constant(I32, 0), ir.Constant(I32, 1), "acquire", "monotonic")
+        b.cbranch(b.extract_value(pair, 1), held, spin)
+        b.position_at_end(held)
+
+    def _release(self) -> None:
+        self.b.store_atomic(ir.Constant(I32, 0), self.lock, "release", 4)
 
 
 def _fill(b: ir.IRBuilder, base: ir.Value, step: Memset) -> None:

@@ -54,7 +54,7 @@ class KernelCode:
         return self.job.result()[1]
 
 
-_codes: dict[str, KernelCode] = {}
+_codes: dict[tuple[str, tuple], KernelCode] = {}
 _codes_lock = threading.Lock()
 _llvm_thread: ThreadPoolExecutor | None = None
 
@@ -77,12 +77,13 @@ def _submit(fn, *args) -> Future:
         return _llvm_thread.submit(fn, *args)
 
 
-def kernel_code(group: ScheduledGroup, j: int, config: str, timer) -> tuple[KernelCode, bool]:
-    """The code of kernel j of group (compiled now, or earlier in this process:
-    second result True); its machine code may still be on the way (KernelCode.job)."""
+def kernel_code(group: ScheduledGroup, j: int, config: str, timer, variant: tuple = ()) -> tuple[KernelCode, bool]:
+    """The code of kernel j of group (compiled now, or earlier in this process
+    for the same variant, what else chose its schedule: second result True);
+    its machine code may still be on the way (KernelCode.job)."""
     key = hashlib.sha256(f"{group.problem.key}|{config}|{j}".encode()).hexdigest()
     with _codes_lock:
-        code = _codes.get(key)
+        code = _codes.get((key, variant))
     if code is not None and not (code.job.done() and code.job.exception()):
         return code, True
     with timer("emit"):
@@ -94,7 +95,7 @@ def kernel_code(group: ScheduledGroup, j: int, config: str, timer) -> tuple[Kern
         text = str(emitter.module)
     code = KernelCode(emitter.symbol, emitter.kernels[0].parallel, text, _submit(_timed_object, text))
     with _codes_lock:
-        _codes[key] = code
+        _codes[key, variant] = code
         while len(_codes) > CODE_CACHE:
             _codes.pop(next(iter(_codes)))
     return code, False
@@ -137,16 +138,17 @@ class ProgramCode:
 class CodeSet:
     """The kernel codes of one program, asked for as its groups are scheduled
     (of) and again as the program is built; the codes compiled for it (not
-    found in the process's cache) are in ``new``."""
+    found in the process's cache) are in ``new``. variant: what else than
+    a group's statements chose its schedule (target, fusion, tile sizes)."""
 
-    def __init__(self, config: str, timer) -> None:
-        self.config, self.timer = config, timer
+    def __init__(self, config: str, timer, variant: tuple = ()) -> None:
+        self.config, self.timer, self.variant = config, timer, variant
         self.new: list[KernelCode] = []
 
     def of(self, group: ScheduledGroup) -> list[KernelCode]:
         out = []
         for j in range(len(group.sched.kernels)):
-            code, reused = kernel_code(group, j, self.config, self.timer)
+            code, reused = kernel_code(group, j, self.config, self.timer, self.variant)
             if not reused:
                 self.new.append(code)
             out.append(code)

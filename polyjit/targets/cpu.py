@@ -1,16 +1,30 @@
-"""The CPU target's graph passes.
+"""The CPU target: its graph passes, scheduling rewrites, code and executable.
 
-A target owns the rewrites its code needs; the CPU's generated contractions
-load vectors of the product's columns, so an operand that does not run
-along them is packed first.
+The CPU's generated contractions load vectors of the product's columns, so
+an operand that does not run along them is packed first (packed_operands).
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
+from typing import TYPE_CHECKING
 
 from .. import sizes as sz
+from ..codegen.cpu import host_key, vector_bits
+from ..codegen.llvm import KernelInfo
+from ..codegen.program import CodeSet, LoadedProgram, build_program, entries_object
+from ..compiler import executable, from_plan
 from ..graph import Graph, Node
+from ..library import blas
+from ..runtime import CompiledProgram
+from ..schedule import cpu_rewrites, schedule_program
+from .base import Target
+
+if TYPE_CHECKING:
+    import islpy as isl
+
+    from ..affine import AffineProgram
+    from ..options import CompileOptions
 
 
 def packed_operands(graph: Graph, min_rows: int = 8) -> Graph:
@@ -53,3 +67,61 @@ def _innermost(n: Node, d: int) -> bool:
     while n.op == "transpose" and not n.attrs.get("materialize"):
         d, n = n.attrs["perm"][d], n.inputs[0]
     return d == n.rank - 1
+
+
+class CpuTarget(Target):
+    """The host: kernels shared by structure, compiled by LLVM on a thread
+    of its own into object code, loaded into an MCJIT engine, run by the
+    thread team (codegen.program, runtime.CompiledProgram)."""
+
+    name = "cpu"
+    executable = CompiledProgram
+    fuses_epilogues = True
+    library = "BLAS"
+    times_library = True
+
+    def graph_passes(self, graph: Graph) -> Graph:
+        return packed_operands(graph)
+
+    def schedule_rewrites(self, sched: isl.Schedule, prog: AffineProgram, validity, tile_sizes,
+                          vector_bits: int) -> isl.Schedule:
+        """Register blocks and cache tiles, threads balanced, inner loops sunk, the parallel loop marked."""
+        return cpu_rewrites.rewrite(sched, prog, validity, tile_sizes, vector_bits)
+
+    def vector_bits(self) -> int:
+        return vector_bits()
+
+    def machine(self, options: CompileOptions) -> str:
+        return host_key()
+
+    def build(self, graph: Graph, prog: AffineProgram, options: CompileOptions, name: str, timer,
+              machine: str) -> CompiledProgram:
+        """Kernels of one structure share code (codegen.program), compiled once per process."""
+        # each group's kernels are emitted, and go to LLVM, once it is scheduled
+        codes = CodeSet(machine, timer, self.variant(options))
+        with timer("schedule"):
+            sched = schedule_program(prog, options.fusion, options.tile_sizes, self, self.vector_bits(), timer,
+                                     each=codes.of)
+        code = build_program(prog, sched, name, codes)
+        with timer("llvm"):
+            loaded = LoadedProgram([c.obj for c in code.codes] + [entries_object(code.entries)])
+        ir = {"llvm": "\n".join([code.entries] + [c.ir for c in code.codes]),
+              "llvm_opt": "\n".join(c.optimized for c in code.codes)}
+        exe = executable(self.executable, graph, prog, sched, loaded.bind(code.kernels), code.buffers,
+                         code.int_slots, options, name, loaded, ir, {})
+        exe.stats["kernels_compiled"] = code.compiled
+        return exe
+
+    def library_available(self) -> bool:
+        return blas() is not None
+
+    def objects(self, exe: CompiledProgram) -> list[bytes]:
+        return exe.keepalive.objects
+
+    def load(self, graph: Graph, options: CompileOptions, name: str, plan: dict,
+             objects: list[bytes]) -> CompiledProgram | None:
+        if plan["stats"].get("library_calls") and blas() is None:
+            return None  # made where a BLAS was: compiled again here
+        loaded = LoadedProgram(objects)
+        kernels = loaded.bind([KernelInfo(n, par, tuple(st)) for n, par, st in plan["kernels"]])
+        return from_plan(self.executable, graph, options, name, plan, kernels, loaded, {})

@@ -1,0 +1,709 @@
+"""The GPU mapping stage: how each kernel's loop nest runs on the grid.
+
+Between the isl AST and emission, each kernel gets a typed plan, decided
+from the AST and the statements' accesses before any IR is emitted; the
+emitter (codegen.nvgpu) then only emits what the plan says, and the plans
+print as a stage of their own (``exe.ir("mapping")``, the debug folder).
+
+It lives in codegen, beside the emitter, because it reads the isl AST with
+the helpers codegen has for it (and a plan holds AST nodes the emitter then
+walks); it decides nothing the emitter could not, and imports no LLVM.
+
+The scheduler puts a nest's coincident loops outermost and marks each; the
+chain of those loops under the mark that encloses the kernel collapses into
+one index space (a :class:`Grid`) that a grid-stride loop shares among all
+threads. What runs for each of its iterations takes the first form that
+fits:
+
+- :class:`TiledContraction`: a block per tile of a float32 contraction, its
+  operands staged in shared memory;
+- :class:`WarpRows`: a warp, or a block for long static rows, whose lanes
+  share the inner loops, reductions combined with warp shuffles and shared
+  memory;
+- :class:`HaloStrips`: strips of a sequential loop that carries values only
+  through buffers private to the thread, each strip recomputing its halo
+  (a stencil);
+- :class:`AtomicStrips`: strips of a loop that only sums, added with atomics
+  (a column sum; a sum of everything, which has no parallel loop, too);
+- :class:`PointPerThread`: straight-line code, several iterations per trip
+  and groups of VECTOR consecutive ones where the accesses allow;
+- :class:`NestPerThread`: one thread per iteration, running the inner loops
+  in order.
+
+A kernel with none of these runs on one thread (:class:`OneThread`); a
+library statement is a step of its own (:class:`Library`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import islpy as isl
+
+from ..affine import AffineProgram, Statement
+from ..dtypes import DataType
+from ..expr import Const, Op, Var, loads, walk
+from ..schedule import Scheduled, ast_nodes, statements_in
+from .llvm import Emitter, Strips, ast_calls, ast_children, ast_uses, static_extent
+
+WARP = 32
+BLOCK = 256  # threads per block (polyjit.cuda launches this many)
+BLOCK_ROW = 4096  # rows at least this long get a block of lanes rather than a warp
+VECTOR = 4  # consecutive iterations of an elementwise loop per group (16 bytes of float32)
+ROW_GROUPS = 8  # a lane loop of at most this many groups per lane is unrolled whole
+TILE, KTILE = 64, 16  # a contraction's output tile per block, and its reduction slice in shared memory
+BIG_TILE = 128  # the tile of long products
+STRIP_REDUCE = 256  # iterations of a summing loop per thread before its atomic add
+THREAD_STRIP = 64  # iterations of a sequential loop per thread when strips run in parallel
+THREADS_PER_MULTIPROCESSOR = 2048  # resident threads (sm_70 to sm_90)
+DEFAULT_MULTIPROCESSORS = 132  # where no GPU says (PTX for gpu_arch): an H100's
+
+
+# ------------------------------------------------------------------ plans
+@dataclass
+class Grid:
+    """The collapsed parallel loops and what each iteration runs."""
+
+    top: str | None  # the parallel mark the grid replaces; None: the kernel's root (a sum of everything)
+    loops: list  # the collapsed loops, outermost first
+    rest: isl.AstNode  # the nest under them
+    iters: set[str]  # their iterators
+
+    def __str__(self) -> str:
+        return "grid " + " x ".join(_it(x) for x in self.loops) if self.loops else "no grid loop"
+
+
+@dataclass
+class Vector:
+    """Accesses that move with a loop's iterator: in a group of VECTOR
+    iterations they are consecutive, the group's first aligned when the
+    arrays and starts are (checked at run time)."""
+
+    claims: dict = field(default_factory=dict)  # id(index) -> alignment of a group's first access
+    arrays: dict = field(default_factory=dict)  # array -> alignment its base must have
+    starts: dict = field(default_factory=dict)  # the claimed accesses' last index, as AST expressions
+
+
+@dataclass
+class Library:
+    """A library statement (which runs alone): a step polyjit.cuda runs through cuBLAS."""
+
+    statement: Any
+
+    def __str__(self) -> str:
+        return f"library: {self.statement.library}"
+
+
+@dataclass
+class OneThread:
+    """No parallel loop encloses the kernel: one thread runs all of it."""
+
+    def __str__(self) -> str:
+        return "one thread"
+
+
+@dataclass
+class NestPerThread:
+    """One thread per grid iteration, running the inner loops in order."""
+
+    grid: Grid
+
+    def __str__(self) -> str:
+        return f"nest per thread: {self.grid}"
+
+
+@dataclass
+class PointPerThread:
+    """Straight-line code per grid iteration: UNROLL iterations per trip, or
+    groups of VECTOR consecutive ones where vector's accesses are aligned;
+    with defer, a trip's stores after all its loads."""
+
+    grid: Grid
+    defer: bool
+    vector: Vector | None
+
+    def __str__(self) -> str:
+        vector = f", groups of {VECTOR} where aligned ({_n(len(self.vector.claims), 'access')})" if self.vector else ""
+        return f"point per thread: {self.grid}{vector}{', stores deferred' if self.defer else ''}"
+
+
+@dataclass
+class _StripForm:
+    """Strips of a sequential loop, each a grid iteration of its own."""
+
+    grid: Grid
+    strips: Strips
+
+    def __str__(self) -> str:
+        s = self.strips
+        return f"{self.what}: {self.grid}, strips of {_n(s.size, 'iteration')} of {_it(s.loop)}{self.detail()}"
+
+
+class HaloStrips(_StripForm):
+    """Strips of a loop that carries values only through private buffers, in
+    parallel, each recomputing its halo of them."""
+
+    what = "halo strips"
+
+    def detail(self) -> str:
+        return f" (halo {self.strips.halo}{f', ring {self.strips.ring}' if self.strips.ring else ''})"
+
+
+class AtomicStrips(_StripForm):
+    """Strips of a summing loop in parallel, each adding its partial sums atomically."""
+
+    what = "atomic strips"
+
+    def detail(self) -> str:
+        s = self.strips
+        return f", {_n(len(s.calls), 'sum')} added atomically, {_n(len(s.zeroed), 'array')} zeroed first"
+
+
+@dataclass
+class WarpRows:
+    """A warp (or block) per grid iteration, its lanes sharing the inner loops."""
+
+    grid: Grid
+    lanes: int
+    children: list  # the statements and loops of a row, in order
+    hoisted: dict  # id(loop) -> initialization calls run before it
+    reductions: dict  # id(loop) -> the reduction statements in it
+    vectors: dict  # id(loop) -> its accesses in groups of VECTOR
+    deferred: set = field(default_factory=set)  # id(loop) of the loops whose stores may go last in a trip
+    unrolled: dict = field(default_factory=dict)  # id(loop) -> groups per lane, where unrolled whole
+
+    def __str__(self) -> str:
+        loops = [k for k in self.children if k.get_type() == isl.ast_node_type.for_]
+        sums = sum(len(r) for r in self.reductions.values())
+        return (f"warp rows: {self.grid}, {self.lanes} lanes, {_n(len(loops), 'lane loop')} ({len(self.vectors)} "
+                f"in groups of {VECTOR}, {len(self.unrolled)} unrolled), {_n(sums, 'reduction')}")
+
+
+@dataclass
+class TiledContraction:
+    """A float32 contraction nest as a matrix product, a block per side x side
+    tile of C: parallel loops around one or more reduction loops (their
+    iterations, flattened, are the k of the product) whose only statement is
+    C[...] sum= A * B, C indexed by the parallel iterators. The last parallel
+    loop is j, the columns; B is the factor that reads along j, and A, which
+    must not, reads along i, the last parallel loop B does not read along;
+    the other parallel loops (a batch, or a convolution's image and row) are
+    fixed per tile. A and B may be any expressions: a convolution's input,
+    read through its padding guard, is one."""
+
+    grid: Grid
+    reds: list  # the reduction loops, outermost first
+    st: Any
+    a: Any
+    b: Any
+    grid_its: list  # per parallel loop: the statement iterator it runs
+    red_its: list  # per reduction loop: the statement iterator it runs
+    i: int  # the positions of i and j among the parallel loops
+    j: int
+    extents: list  # per parallel loop: its trip count where the AST fixes it, else None
+    side: int = TILE
+    depth: int = KTILE  # the reduction slice staged at once
+
+    def __str__(self) -> str:
+        i, j = (_it(self.grid.loops[q]) for q in (self.i, self.j))
+        return (f"tiled contraction: {self.grid}, tiles {self.side}x{self.side} of {i} x {j}, k slices of "
+                f"{self.depth} over {_n(len(self.reds), 'reduction loop')}")
+
+
+KernelPlan = Union[Library, OneThread, NestPerThread, PointPerThread, HaloStrips, AtomicStrips, WarpRows,
+                   TiledContraction]
+
+
+# --------------------------------------------------------------- mapping
+class GpuMapper:
+    """What a kernel is mapped for: the program, its schedule and the device."""
+
+    def __init__(self, prog: AffineProgram, sched: Scheduled, multiprocessors: int | None = None,
+                 tile_sizes: tuple[int, ...] | None = None) -> None:
+        self.prog, self.sched = prog, sched
+        self.stmts = {s.name: s for s in prog.statements}
+        self.multiprocessors, self.tile_sizes = multiprocessors, tile_sizes
+
+    # halo strips are the CPU emitter's row strips, on a thread's bounded buffers:
+    # one test, shared from there (until the CPU's mapping moves out of its emitter too)
+    splittable = staticmethod(Emitter.splittable)
+    _free = Emitter._free
+    _write_moves = Emitter._write_moves
+    strip_plan = Emitter.strip_plan
+
+    def kernel(self, node: isl.AstNode) -> KernelPlan:
+        """The plan of the kernel whose nest is node."""
+        called = [self.stmts[n] for n in statements_in(node) if self.stmts[n].library is not None]
+        if called:
+            return Library(called[0])
+        top = _parallel_top(node)
+        if top is not None:
+            return self.grid_form(top)
+        if atomic_strips(self, node, set()) is not None:  # a sum of everything: strips of it in parallel
+            return self.grid_form(None, node)
+        return OneThread()
+
+    def grid_form(self, mark: isl.AstNode | None, root: isl.AstNode | None = None) -> KernelPlan:
+        """The form of the grid under mark (or, without one, of the whole sum at root)."""
+        grid = self.grid(mark, root)
+        loops, rest, seen = grid.loops, grid.rest, grid.iters
+        tiles = tiled_contraction(self, grid)
+        if tiles is not None:
+            return tiles
+        rows = warp_rows(self, grid) if loops else None
+        if rows is not None:
+            return rows
+        strip = self.strip_plan(rest, seen, THREAD_STRIP, bounded=True)
+        if strip is not None:
+            return HaloStrips(grid, strip)
+        strip = atomic_strips(self, rest, seen) if not self.fills_device(loops) else None
+        if strip is not None:
+            return AtomicStrips(grid, strip)
+        if _has_loop(rest):
+            return NestPerThread(grid)
+        return PointPerThread(grid, deferrable(self, rest), vector_plan(self, rest, loops[-1], seen) if loops else None)
+
+    def grid(self, mark: isl.AstNode | None, root: isl.AstNode | None) -> Grid:
+        """The chain of marked loops under mark that may collapse into one
+        (each splittable, its bounds free of the outer ones' iterators)."""
+        loops, seen = [], set()
+        rest = mark if mark is not None else root
+        while rest.get_type() == isl.ast_node_type.mark and rest.mark_get_id().get_name().startswith("parallel:"):
+            want = rest.mark_get_id().get_name()[len("parallel:"):]
+            child = rest.mark_get_node()
+            if child.get_type() == isl.ast_node_type.for_:
+                if _it(child) != want or not self.splittable(child) \
+                        or ast_uses(child.for_get_init(), seen) or ast_uses(child.for_get_cond(), seen):
+                    rest = child
+                    break
+                loops.append(child)
+                seen.add(want)
+                rest = child.for_get_body()
+            else:
+                rest = child
+        return Grid(mark.mark_get_id().get_name() if mark is not None else None, loops, rest, seen)
+
+    def fills_device(self, loops: list[isl.AstNode]) -> bool:
+        """Whether the grid loops alone have an iteration for a quarter of the
+        threads the device holds at once: then a sum stays whole in each thread, where
+        strips added atomically would only contend (MobileNetV3-small's
+        convolutions, 32x96x7x7 outputs and more, each summed by one atomic
+        add per input channel, took most of its time)."""
+        extents = [static_extent(loop) for loop in loops]
+        if not loops or None in extents:
+            return False
+        threads = (self.multiprocessors or DEFAULT_MULTIPROCESSORS) * THREADS_PER_MULTIPROCESSOR
+        return math.prod(extents) * 4 >= threads
+
+    def contraction_tiles(self, extents: list, i: int, j: int) -> tuple[int, int]:
+        """(tile, ktile): as the options say, else 128 x 128 tiles (half the
+        shared-memory reads per multiply-add) where i and j are both that long
+        and there are tiles for every multiprocessor, else 64 x 64 (the larger
+        tiles pay only on long products)."""
+        if self.tile_sizes:
+            return self.tile_sizes[0], (self.tile_sizes[1:] or (KTILE,))[0]
+        if self.multiprocessors and None not in extents:
+            m, n = extents[i], extents[j]
+            batch = math.prod(x for q, x in enumerate(extents) if q not in (i, j))
+            count = -(-m // BIG_TILE) * -(-n // BIG_TILE) * batch
+            if m >= BIG_TILE and n >= BIG_TILE and count >= self.multiprocessors:
+                return BIG_TILE, KTILE
+        return TILE, KTILE
+
+    def call_statement(self, call: isl.AstExpr) -> Statement:
+        """The statement an AST call runs."""
+        return self.stmts[call.get_op_arg(0).get_id().get_name()]
+
+
+def mapping_text(lines: list[tuple[str, KernelPlan | str]]) -> str:
+    """The mapping stage as printed: a line per kernel, its name and plan."""
+    return "\n".join(f"{name}: {plan}" for name, plan in lines)
+
+
+# ------------------------------------------------------ straight-line code
+def deferrable(m: GpuMapper, rest: isl.AstNode) -> bool:
+    """Whether rest's stores may wait until the end of a trip: straight-line
+    statements that read none of the arrays they write."""
+    calls = ast_calls(rest)
+    if not calls:
+        return False
+    stmts = [m.call_statement(c) for c in calls]
+    written = {st.array for st in stmts}
+    return all(st.combine is None and not any(ld.array in written for ld in loads(st.body)) for st in stmts)
+
+
+def vector_plan(m: GpuMapper, rest: isl.AstNode, inner: isl.AstNode, unset: set[str]) -> Vector | None:
+    """The accesses of rest's statements whose last index moves with
+    inner's iterator (and no other index does), from a start known before
+    the loop (free of the iterators in unset): in a group of VECTOR
+    iterations these are consecutive, and with VECTOR-aligned rows and
+    start the first one is aligned to the group's width."""
+    if inner.for_get_inc().get_val().to_python() != 1:
+        return None
+    it = _it(inner)
+    out = Vector()
+    for node in _users(rest):
+        call = node.user_get_expr()
+        st = m.call_statement(call)
+        args = [call.get_op_arg(i + 1) for i in range(len(st.iters))]
+        along = [(x, a) for x, a in zip(st.iters, args) if _steps_with(a, it)]
+        if len(along) != 1 or sum(ast_uses(a, {it}) for a in args) != 1:
+            continue
+        along, start = along[0]
+        if ast_uses(start, unset - {it}):
+            continue
+        for name, index in [(ld.array, ld.index) for ld in loads(st.body)] + [(st.array, st.index)]:
+            arr = m.prog.arrays[name]
+            last = index[-1] if index else None
+            if name in m.sched.contracted or arr.strided or not isinstance(last, Var) \
+                    or last.kind != "iter" or last.name != along or _depends(index[:-1], {along}):
+                continue
+            align = min(16, VECTOR * arr.dtype.itemsize)
+            out.claims[id(index)] = align
+            out.arrays[name] = max(out.arrays.get(name, 1), align)
+            out.starts[start.to_C_str()] = start
+    return out if out.claims else None
+
+
+# ---------------------------------------------------------------- strips
+def atomic_strips(m: GpuMapper, rest: isl.AstNode, grid_iters: set[str]) -> Strips | None:
+    """Strips of a sum when rest zeroes some arrays and then one loop (or
+    perfect nest) sums into elements that do not move with it (a column
+    sum): strips run in parallel, each adding its partial sums
+    atomically; the runtime zeroes the arrays before the launch."""
+    kids = ast_children(rest)
+    if not kids or kids[-1].get_type() != isl.ast_node_type.for_:
+        return None
+    loop, inits = kids[-1], kids[:-1]
+    if not m._free(loop, grid_iters):
+        return None
+    calls = ast_children(loop.for_get_body())
+    nest = [_it(loop)]
+    while calls and len(calls) == 1 and calls[0].get_type() == isl.ast_node_type.for_:
+        nest.append(_it(calls[0]))  # a perfect nest: each thread takes one outer iteration
+        calls = ast_children(calls[0].for_get_body())
+    if not calls or any(c.get_type() != isl.ast_node_type.user for c in calls):
+        return None
+    targets = set()
+    for c in calls:
+        st = m.call_statement(c.user_get_expr())
+        dt = m.prog.arrays[st.array].dtype
+        if st.combine != "sum" or st.array in m.sched.contracted \
+                or any(any(m._write_moves(loop, st, x)) for x in nest) \
+                or dt not in (DataType.Float, DataType.Double, DataType.Int32, DataType.Int):
+            return None
+        targets.add(st.array)
+    zeroed = _zeroed_first(m, inits, targets)
+    if zeroed is None or any(ld.array in targets for c in calls
+                             for ld in loads(m.call_statement(c.user_get_expr()).body)):
+        return None
+    return Strips(loop, STRIP_REDUCE if len(nest) == 1 else 1, 0, tuple(sorted(zeroed)),
+                  [c.user_get_expr() for c in calls])
+
+
+def _zeroed_first(m: GpuMapper, inits: list, targets: set[str]) -> set[str] | None:
+    """The arrays the statements inits set to zero, where each is one of targets."""
+    zeroed = set()
+    for k in inits:
+        if k.get_type() != isl.ast_node_type.user:
+            return None
+        st = m.call_statement(k.user_get_expr())
+        if st.array not in targets or not isinstance(st.body, Const) or st.body.value != 0:
+            return None
+        zeroed.add(st.array)
+    return zeroed
+
+
+# ------------------------------------------------------------- warp rows
+def warp_rows(m: GpuMapper, grid: Grid) -> WarpRows | None:
+    """A warp per grid iteration where the nest below is a sequence of
+    statements and one-level loops whose statements either write elements
+    along the loop (read back only at the same element) or reduce into one
+    element; and lanes walking the loops touch contiguous memory more often
+    than threads walking the parallel loop would."""
+    kids = ast_children(grid.rest)
+    if kids is None or not any(k.get_type() == isl.ast_node_type.for_ for k in kids):
+        return None
+    plan = WarpRows(grid, WARP, kids, {}, {}, {})
+    grid_it = _it(grid.loops[-1])
+    lanes_contiguous = threads_contiguous = 0
+    for k in kids:
+        if k.get_type() == isl.ast_node_type.user:
+            continue
+        if k.get_type() != isl.ast_node_type.for_ or not m.splittable(k):
+            return None
+        counts = _lane_loop(m, plan, k, grid_it)
+        if counts is None:
+            return None
+        lanes_contiguous += counts[0]
+        threads_contiguous += counts[1]
+    if lanes_contiguous <= threads_contiguous:
+        return None
+    trips = [_static_trips(k) for k in kids if k.get_type() == isl.ast_node_type.for_]
+    if all(t is not None and t >= BLOCK_ROW for t in trips):
+        plan.lanes = BLOCK  # long rows: a block each, so that rereading one hits the cache
+    for loop in kids:
+        if loop.get_type() == isl.ast_node_type.for_:
+            _lane_groups(m, plan, loop)
+    return plan
+
+
+def _lane_groups(m: GpuMapper, plan: WarpRows, loop: isl.AstNode) -> None:
+    """How a lane loop runs: in groups of VECTOR where its accesses allow (one
+    check at the row's start finds every lane loop's groups aligned), unrolled
+    whole where it has at most ROW_GROUPS groups per lane (a row read again
+    then comes from registers), its stores last in a trip where they may be."""
+    trips = _static_trips(loop)
+    per = plan.lanes * VECTOR
+    vector = vector_plan(m, loop.for_get_body(), loop, set())
+    if vector is not None:
+        plan.vectors[id(loop)] = vector
+        if trips and trips % per == 0 and 0 < trips // per <= ROW_GROUPS:
+            plan.unrolled[id(loop)] = trips // per
+    if deferrable(m, loop.for_get_body()):
+        plan.deferred.add(id(loop))
+
+
+def _lane_loop(m: GpuMapper, plan: WarpRows, k: isl.AstNode, grid_it: str) -> tuple[int, int] | None:
+    """Whether the lanes may share loop k (its initializations and reductions
+    noted in plan); and how many of its accesses are contiguous along it and
+    along the grid's innermost iterator grid_it."""
+    calls = ast_children(k.for_get_body())
+    if calls is None:
+        return None
+    it = _it(k)
+    inits = _hoisted(k, calls, it)
+    calls = [c for c in calls if c.get_type() != isl.ast_node_type.if_]
+    if inits is None or any(c.get_type() != isl.ast_node_type.user for c in calls):
+        return None
+    plan.reductions[id(k)] = []
+    found = _row_statements(m, calls, it, grid_it, plan.reductions[id(k)])
+    if found is None:
+        return None
+    stmts, written, reduced = found
+    for call in inits:
+        st = m.call_statement(call)
+        if st.combine is not None or not isinstance(st.body, Const) or st.array not in reduced:
+            return None
+    plan.hoisted[id(k)] = inits
+    return _contiguity(stmts, written, reduced)
+
+
+def _hoisted(k: isl.AstNode, calls: list, it: str) -> list | None:
+    """The initializations isl placed at one iteration of loop k (guarded
+    calls whose indices are free of it): they run before the loop."""
+    inits = []
+    for g in calls:
+        if g.get_type() != isl.ast_node_type.if_:
+            continue
+        then = g.if_get_then_node()
+        if g.if_has_else_node() or then.get_type() != isl.ast_node_type.user:
+            return None
+        call = then.user_get_expr()
+        if any(ast_uses(call.get_op_arg(i), {it}) for i in range(1, call.get_op_n_arg())):
+            return None
+        inits.append(call)
+    return inits
+
+
+def _row_statements(m: GpuMapper, calls: list, it: str, grid_it: str, reductions: list[str]) -> tuple | None:
+    """What a lane loop's statements write (along the loop, by index) and
+    reduce (appended to reductions); None where one does neither."""
+    written: dict[str, tuple] = {}
+    reduced: set[str] = set()
+    stmts = []
+    for c in calls:
+        call = c.user_get_expr()
+        s = m.call_statement(call)
+        args = [call.get_op_arg(i + 1) for i in range(len(s.iters))]
+        along = {x for x, a in zip(s.iters, args) if ast_uses(a, {it})}
+        grid = {x for x, a in zip(s.iters, args) if ast_uses(a, {grid_it})}
+        text = {x: a.to_C_str() for x, a in zip(s.iters, args)}
+        stmts.append((s, along, grid, text))
+        deps = _depends(s.index, along)
+        if s.combine is not None and not deps:
+            reduced.add(s.array)
+            reductions.append(s.name)
+        elif s.combine is None and deps:
+            moduli = m.sched.contracted.get(s.array)
+            key = _index_text(s.index, text)
+            if key is None or (moduli is not None and any(x != 1 for x in moduli)) or s.array in written:
+                return None
+            written[s.array] = key
+        else:
+            return None
+    return stmts, written, reduced
+
+
+def _contiguity(stmts: list, written: dict, reduced: set[str]) -> tuple[int, int] | None:
+    """(accesses contiguous along the lane loop, along the grid loop); None
+    where a statement reads a reduction's target, or a written element
+    elsewhere than where it was written."""
+    lanes_contiguous = threads_contiguous = 0
+    for s, along, grid, text in stmts:
+        for ld in loads(s.body):
+            if ld.array in reduced:
+                return None
+            if ld.array in written and _index_text(ld.index, text) != written[ld.array]:
+                return None
+        accesses = {(ld.array, str(ld.index)): ld.index for ld in loads(s.body)}
+        if not s.combine:
+            accesses[s.array, str(s.index)] = s.index
+        for index in accesses.values():  # once each; a row's own scalars (gather indices) do not count
+            if index and _depends(index, along):
+                lanes_contiguous += _depends(index[-1:], along)
+                threads_contiguous += _depends(index[-1:], grid)
+    return lanes_contiguous, threads_contiguous
+
+
+# ---------------------------------------------------------- contractions
+def tiled_contraction(m: GpuMapper, grid: Grid) -> TiledContraction | None:
+    """The grid's nest as a tiled contraction (see TiledContraction), where it is one."""
+    loops, rest = grid.loops, grid.rest
+    reds = []
+    while rest.get_type() == isl.ast_node_type.for_:
+        reds.append(rest)
+        rest = rest.for_get_body()
+    if len(loops) < 2 or not reds or rest.get_type() != isl.ast_node_type.user:
+        return None
+    names = [_it(x) for x in loops + reds]
+    if any(x.for_get_inc().get_val().to_python() != 1 for x in loops + reds) \
+            or any(ast_uses(x.for_get_init(), set(names)) or ast_uses(x.for_get_cond(), set(names) - {_it(x)})
+                   for x in reds):
+        return None
+    call = rest.user_get_expr()
+    st = m.call_statement(call)
+    args = [call.get_op_arg(q + 1) for q in range(call.get_op_n_arg() - 1)]
+    if len(args) != len(names) or any(a.get_type() != isl.ast_expr_type.id for a in args):
+        return None
+    loop_of = {it: names.index(a.get_id().get_name()) if a.get_id().get_name() in names else -1
+               for it, a in zip(st.iters, args)}
+    if sorted(loop_of.values()) != list(range(len(names))):
+        return None
+    its = sorted(st.iters, key=lambda it: loop_of[it])
+    grid_its, red_its = its[:len(loops)], its[len(loops):]
+    if not _product(m, st, grid_its):
+        return None
+    factors = _factors(st.body, grid_its)
+    if factors is None:
+        return None
+    a, b, i = factors
+    j = len(loops) - 1
+    extents = [static_extent(x) for x in loops]
+    side, depth = m.contraction_tiles(extents, i, j)
+    return TiledContraction(grid, reds, st, a, b, grid_its, red_its, i, j, extents, side, depth)
+
+
+def _product(m: GpuMapper, st, grid_its: list[str]) -> bool:
+    """Whether st is C[grid iterators] sum= x * y on float32 arrays, C not read."""
+    body, arrays = st.body, m.prog.arrays
+    return not (st.combine != "sum" or not isinstance(body, Op) or body.op != "mul" or len(body.args) != 2
+                or st.array in m.sched.contracted
+                or sorted(getattr(x, "name", "") for x in st.index) != sorted(grid_its)
+                or any(arrays[x].dtype is not DataType.Float for x in [st.array] + [ld.array for ld in loads(body)])
+                or any(ld.array in m.sched.contracted or ld.array == st.array for ld in loads(body)))
+
+
+def _factors(body: Op, grid_its: list[str]) -> tuple | None:
+    """(A, B, i): B the one factor that reads along j (the last grid
+    iterator), i the last grid loop A reads along and B does not."""
+    j = len(grid_its) - 1
+    reading = [x for x in body.args if grid_its[j] in iter_vars(x)]
+    if len(reading) != 1:
+        return None
+    b = reading[0]
+    a = body.args[1] if body.args[0] is b else body.args[0]
+    rows = [q for q in range(j) if grid_its[q] in iter_vars(a) and grid_its[q] not in iter_vars(b)]
+    return (a, b, rows[-1]) if rows else None
+
+
+# --------------------------------------------------------------- helpers
+def _n(count: int, what: str) -> str:
+    return f"{count} {what}{'' if count == 1 else 'es' if what.endswith('s') else 's'}"
+
+
+def _it(loop: isl.AstNode) -> str:
+    return loop.for_get_iterator().get_id().get_name()
+
+
+def _has_loop(n: isl.AstNode) -> bool:
+    return any(x.get_type() == isl.ast_node_type.for_ for x in ast_nodes(n))
+
+
+def _steps_with(e: isl.AstExpr, it: str) -> bool:
+    """Whether the AST expression e is it plus terms free of it."""
+    if e.get_type() == isl.ast_expr_type.id:
+        return e.get_id().get_name() == it
+    if e.get_type() != isl.ast_expr_type.op or e.get_op_n_arg() != 2:
+        return False
+    x, y = e.get_op_arg(0), e.get_op_arg(1)
+    if e.get_op_type() == isl.ast_expr_op_type.add:
+        return (_steps_with(x, it) and not ast_uses(y, {it})) or (_steps_with(y, it) and not ast_uses(x, {it}))
+    return e.get_op_type() == isl.ast_expr_op_type.sub and _steps_with(x, it) and not ast_uses(y, {it})
+
+
+def _users(n: isl.AstNode) -> list[isl.AstNode]:
+    """The statement calls under n, in order."""
+    t = n.get_type()
+    if t == isl.ast_node_type.user:
+        return [n]
+    if t == isl.ast_node_type.block:
+        lst = n.block_get_children()
+        return [u for i in range(lst.n_ast_node()) for u in _users(lst.get_at(i))]
+    if t == isl.ast_node_type.for_:
+        return _users(n.for_get_body())
+    if t == isl.ast_node_type.mark:
+        return _users(n.mark_get_node())
+    if t == isl.ast_node_type.if_:
+        return _users(n.if_get_then_node()) + (_users(n.if_get_else_node()) if n.if_has_else_node() else [])
+    return []
+
+
+def _static_trips(loop: isl.AstNode) -> int | None:
+    init, cond = loop.for_get_init(), loop.for_get_cond()
+    hi = cond.get_op_arg(1)
+    if init.get_type() != isl.ast_expr_type.int or hi.get_type() != isl.ast_expr_type.int \
+            or loop.for_get_inc().get_val().to_python() != 1:
+        return None
+    last = hi.get_val().to_python() + (1 if cond.get_op_type() == isl.ast_expr_op_type.le else 0)
+    return last - init.get_val().to_python()
+
+
+def iter_vars(e) -> set[str]:
+    """The statement iterators e reads."""
+    return {x.name for x in walk(e) if isinstance(x, Var) and x.kind == "iter"}
+
+
+def _depends(index, names: set[str]) -> bool:
+    return any(iter_vars(i) & names for i in index)
+
+
+def _index_text(index, text: dict[str, str]) -> tuple | None:
+    """An index in terms of the AST's loop iterators, when each component is a
+    plain iterator or constant; None otherwise."""
+    out = []
+    for i in index:
+        if isinstance(i, Var) and i.kind == "iter":
+            out.append(text[i.name])
+        elif isinstance(i, Const):
+            out.append(str(i.value))
+        else:
+            return None
+    return tuple(out)
+
+
+def _parallel_top(node: isl.AstNode) -> isl.AstNode | None:
+    """The parallel mark that encloses all of the kernel (below guards on
+    sizes only), or None: only such a loop may be dealt to threads without
+    a barrier between its iterations and the rest of the nest."""
+    while True:
+        t = node.get_type()
+        if t == isl.ast_node_type.if_ and not node.if_has_else_node():
+            node = node.if_get_then_node()
+        elif t == isl.ast_node_type.mark:
+            if node.mark_get_id().get_name().startswith("parallel:"):
+                return node
+            node = node.mark_get_node()
+        else:
+            return None

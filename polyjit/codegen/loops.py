@@ -1,0 +1,201 @@
+"""Emission of isl's AST: nodes, loops (a parallel loop split into the
+parts' shares), branches and the integer expressions of bounds and indices."""
+from __future__ import annotations
+
+import islpy as isl
+from llvmlite import ir
+
+from .irtypes import I64
+
+
+class LoopEmission:
+    """Emitter's walk of the AST, into the function ``self.fn`` at the
+    builder ``self.b``; iterators live in entry-block slots (``self.var``)."""
+
+    def node(self, n: isl.AstNode) -> None:
+        t = n.get_type()
+        if t == isl.ast_node_type.block:
+            lst = n.block_get_children()
+            for i in range(lst.n_ast_node()):
+                self.node(lst.get_at(i))
+        elif t == isl.ast_node_type.for_:
+            self.loop(n, split=False)
+        elif t == isl.ast_node_type.if_:
+            self.branch(n)
+        elif t == isl.ast_node_type.mark:
+            child = n.mark_get_node()
+            if n.mark_get_id().get_name().startswith("parallel:") and not self.in_parallel \
+                    and child.get_type() == isl.ast_node_type.for_ and self.splittable(child) \
+                    and n.mark_get_id().get_name() == "parallel:" + child.for_get_iterator().get_id().get_name():
+                self.in_parallel = self.parallel = True
+                strips = self.row_strips(child)
+                if strips is not None:
+                    self.strip_parallel(child, strips)
+                else:
+                    self.loop(child, split=True)
+                self.in_parallel = False
+            else:
+                self.node(child)
+        elif t == isl.ast_node_type.user:
+            self.statement(n.user_get_expr())
+        else:
+            raise NotImplementedError(f"isl AST node {t}")
+
+    def var(self, name: str, typ: ir.Type = I64) -> ir.AllocaInstr:
+        """A named slot in the entry block (mem2reg makes it a register)."""
+        if name not in self.vars:
+            with self.b.goto_block(self.entry):
+                self.b.position_at_start(self.entry)
+                self.vars[name] = self.b.alloca(typ, name=name)
+        return self.vars[name]
+
+    @staticmethod
+    def splittable(n: isl.AstNode) -> bool:
+        c = n.for_get_cond()
+        return c.get_op_type() in (isl.ast_expr_op_type.le, isl.ast_expr_op_type.lt) and \
+            n.for_get_inc().get_type() == isl.ast_expr_type.int
+
+    def loop(self, n: isl.AstNode, split: bool) -> None:
+        it = n.for_get_iterator().get_id().get_name()
+        slot = self.var(it)
+        lo = self.aexpr(n.for_get_init())
+        inc = self.aexpr(n.for_get_inc())
+        hi = None
+        if split:
+            cond = n.for_get_cond()
+            hi = self.aexpr(cond.get_op_arg(1))
+            if cond.get_op_type() == isl.ast_expr_op_type.le:
+                hi = self.b.add(hi, ir.Constant(I64, 1))
+            lo, hi = self.split_range(lo, hi, inc)
+        self.b.store(lo, slot)
+        head = self.fn.append_basic_block(f"{it}.head")
+        body = self.fn.append_basic_block(f"{it}.body")
+        done = self.fn.append_basic_block(f"{it}.done")
+        self.b.branch(head)
+        self.b.position_at_end(head)
+        if split:
+            c = self.b.icmp_signed("<", self.b.load(slot, typ=I64), hi)
+        else:
+            c = self.aexpr(n.for_get_cond())
+        self.b.cbranch(c, body, done)
+        self.b.position_at_end(body)
+        self.node(n.for_get_body())
+        self.b.store(self.b.add(self.b.load(slot, typ=I64), inc), slot)
+        self.b.branch(head)
+        self.b.position_at_end(done)
+
+    def branch(self, n: isl.AstNode) -> None:
+        c = self.aexpr(n.if_get_cond())
+        then = self.fn.append_basic_block("then")
+        other = self.fn.append_basic_block("else") if n.if_has_else_node() else None
+        done = self.fn.append_basic_block("endif")
+        self.b.cbranch(c, then, other or done)
+        self.b.position_at_end(then)
+        self.node(n.if_get_then_node())
+        self.b.branch(done)
+        if other is not None:
+            self.b.position_at_end(other)
+            self.node(n.if_get_else_node())
+            self.b.branch(done)
+        self.b.position_at_end(done)
+
+    def loop_range(self, loop: isl.AstNode) -> tuple:
+        """(first, step, end) of an isl for loop, end exclusive."""
+        lo, inc = self.aexpr(loop.for_get_init()), self.aexpr(loop.for_get_inc())
+        cond = loop.for_get_cond()
+        hi = self.aexpr(cond.get_op_arg(1))
+        if cond.get_op_type() == isl.ast_expr_op_type.le:
+            hi = self.b.add(hi, ir.Constant(I64, 1))
+        return lo, inc, hi
+
+    def trip_count(self, first, step, end, per: int = 1):
+        """How many times of per iterations first, first + step, ... < end takes (at least 0)."""
+        b = self.b
+        trips = b.sdiv(b.add(b.sub(end, first), b.sub(step, ir.Constant(I64, 1))), step)
+        if per > 1:
+            trips = b.sdiv(b.add(trips, ir.Constant(I64, per - 1)), ir.Constant(I64, per))
+        return b.select(b.icmp_signed("<", trips, ir.Constant(I64, 0)), ir.Constant(I64, 0), trips)
+
+    def range_loop(self, slot, begin, end, step, body) -> None:
+        """slot = begin, begin + step, ... < end, running body() each time."""
+        b = self.b
+        b.store(begin, slot)
+        head, block, done = (self.fn.append_basic_block(f"range.{x}") for x in ("head", "body", "done"))
+        b.branch(head)
+        b.position_at_end(head)
+        b.cbranch(b.icmp_signed("<", b.load(slot, typ=I64), end), block, done)
+        b.position_at_end(block)
+        body()
+        self.b.store(self.b.add(self.b.load(slot, typ=I64), step), slot)
+        self.b.branch(head)
+        self.b.position_at_end(done)
+
+    def split_range(self, lo, hi, inc):
+        """This part's share [lo', hi') of the iterations lo, lo+inc, ... < hi."""
+        b = self.b
+        span = b.sub(hi, lo)
+        trips = b.sdiv(b.add(span, b.sub(inc, ir.Constant(I64, 1))), inc)
+        trips = b.select(b.icmp_signed("<", trips, ir.Constant(I64, 0)), ir.Constant(I64, 0), trips)
+        chunk = b.sdiv(b.add(trips, b.sub(self.parts, ir.Constant(I64, 1))), self.parts)
+        first = b.mul(self.part, chunk)
+        last = b.add(first, chunk)
+        last = b.select(b.icmp_signed("<", last, trips), last, trips)
+        return b.add(lo, b.mul(first, inc)), b.add(lo, b.mul(last, inc))
+
+    def aexpr(self, e: isl.AstExpr) -> ir.Value:
+        t = e.get_type()
+        b = self.b
+        if t == isl.ast_expr_type.int:
+            return ir.Constant(I64, e.get_val().to_python())
+        if t == isl.ast_expr_type.id:
+            name = e.get_id().get_name()
+            if name in self.params:
+                return self.params[name]
+            return b.load(self.var(name), typ=I64)
+        op = e.get_op_type()
+        args = [self.aexpr(e.get_op_arg(i)) for i in range(e.get_op_n_arg())]
+        T = isl.ast_expr_op_type
+        if op == T.add:
+            return b.add(*args)
+        if op == T.sub:
+            return b.sub(*args)
+        if op == T.mul:
+            return b.mul(*args)
+        if op == T.minus:
+            return b.neg(args[0])
+        if op in (T.div, T.pdiv_q):
+            return b.sdiv(*args)
+        if op == T.fdiv_q:
+            return self.floordiv(*args)
+        if op in (T.pdiv_r, T.zdiv_r):
+            return b.srem(*args)
+        if op == T.max:
+            return _fold(b, args, lambda x, y: b.select(b.icmp_signed(">", x, y), x, y))
+        if op == T.min:
+            return _fold(b, args, lambda x, y: b.select(b.icmp_signed("<", x, y), x, y))
+        if op in (T.and_, T.and_then):
+            return b.and_(*args)
+        if op in (T.or_, T.or_else):
+            return b.or_(*args)
+        if op in (T.cond, T.select):
+            return b.select(*args)
+        cmp = {T.eq: "==", T.le: "<=", T.lt: "<", T.ge: ">=", T.gt: ">"}
+        if op in cmp:
+            return b.icmp_signed(cmp[op], *args)
+        raise NotImplementedError(f"isl AST expression {op}")
+
+    def floordiv(self, x, y):
+        b = self.b
+        q = b.sdiv(x, y)
+        r = b.srem(x, y)
+        zero = ir.Constant(x.type, 0)
+        adjust = b.and_(b.icmp_signed("!=", r, zero),
+                        b.icmp_signed("!=", b.icmp_signed("<", r, zero), b.icmp_signed("<", y, zero)))
+        return b.sub(q, b.zext(adjust, x.type))
+
+
+def _fold(b, args, f):
+    v = args[0]
+    for x in args[1:]:
+        v = f(v, x)
+    return v

@@ -1,0 +1,87 @@
+"""Queries of isl's AST: its top-level nests (one kernel each), its nodes,
+the statements under a node, loops' static extents, the iterators an
+expression reads."""
+from __future__ import annotations
+
+import islpy as isl
+
+from .tree import isl_items
+
+
+def kernel_nodes(ast: isl.AstNode) -> list[isl.AstNode]:
+    """The top-level nests of an AST, one kernel each."""
+    if ast.get_type() == isl.ast_node_type.block:
+        return isl_items(ast.block_get_children())
+    return [ast]
+
+
+def ast_nodes(node: isl.AstNode) -> list[isl.AstNode]:
+    """node and every node under it, top down (walked in Python: isl's
+    foreach callbacks swallow exceptions, see isl_items)."""
+    out = [node]
+    t = node.get_type()
+    if t == isl.ast_node_type.block:
+        for kid in isl_items(node.block_get_children()):
+            out += ast_nodes(kid)
+    elif t == isl.ast_node_type.for_:
+        out += ast_nodes(node.for_get_body())
+    elif t == isl.ast_node_type.if_:
+        out += ast_nodes(node.if_get_then_node())
+        if node.if_has_else_node():
+            out += ast_nodes(node.if_get_else_node())
+    elif t == isl.ast_node_type.mark:
+        out += ast_nodes(node.mark_get_node())
+    return out
+
+
+def statements_in(node: isl.AstNode) -> set[str]:
+    """The statements called under node."""
+    return {n.user_get_expr().get_op_arg(0).get_id().get_name()
+            for n in ast_nodes(node) if n.get_type() == isl.ast_node_type.user}
+
+
+def static_extent(loop: isl.AstNode) -> int | None:
+    """The trip count of a unit-step loop whose bounds are numbers."""
+    init, cond = loop.for_get_init(), loop.for_get_cond()
+    hi = cond.get_op_arg(1)
+    if init.get_type() != isl.ast_expr_type.int or hi.get_type() != isl.ast_expr_type.int \
+            or loop.for_get_inc().get_type() != isl.ast_expr_type.int or loop.for_get_inc().get_val().to_python() != 1:
+        return None
+    last = hi.get_val().to_python() - (cond.get_op_type() == isl.ast_expr_op_type.lt)
+    return max(last - init.get_val().to_python() + 1, 0)
+
+
+def ast_children(n: isl.AstNode) -> list[isl.AstNode] | None:
+    """The loops, statements and branches of n, blocks flattened (None for other nodes)."""
+    if n.get_type() == isl.ast_node_type.block:
+        lst = n.block_get_children()
+        out = []
+        for i in range(lst.n_ast_node()):
+            kids = ast_children(lst.get_at(i))
+            if kids is None:
+                return None
+            out += kids
+        return out
+    if n.get_type() in (isl.ast_node_type.for_, isl.ast_node_type.user, isl.ast_node_type.if_):
+        return [n]
+    return None
+
+
+def ast_calls(n: isl.AstNode) -> list[isl.AstExpr] | None:
+    """The statement calls of a straight-line body (None where it has loops or branches)."""
+    kids = ast_children(n)
+    if kids is None or any(k.get_type() != isl.ast_node_type.user for k in kids):
+        return None
+    return [k.user_get_expr() for k in kids]
+
+
+def ast_uses(e: isl.AstExpr, names: set[str]) -> bool:
+    """Whether an isl AST expression reads any of the iterators in names."""
+    if not names:
+        return False
+    t = e.get_type()
+    if t == isl.ast_expr_type.id:
+        return e.get_id().get_name() in names
+    if t == isl.ast_expr_type.op:
+        return any(ast_uses(e.get_op_arg(i), names) for i in range(e.get_op_n_arg()))
+    return False

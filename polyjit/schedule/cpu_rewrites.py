@@ -1,0 +1,257 @@
+"""The cpu target's rewrites: contractions tiled and blocked in registers,
+transposing copies tiled, short parallel loops helped by strips of an inner
+one, and an innermost loop per statement."""
+from __future__ import annotations
+
+import islpy as isl
+
+from ..affine import AffineProgram, Role
+from ..expr import Var, loads, walk
+from .dependences import is_legal
+from .rewrites import mark_parallel
+from .tree import (band_sizes, contractions_in, member_extent, member_iter, product_inits, rebuild_band,
+                   statement_names, visit)
+
+
+REG_ROWS = 4  # a register block of a contraction: rows x four vectors of contiguous columns
+REG_VECTORS = 4  # (16 accumulators: half of AVX-512's registers)
+TILE_ROWS, TILE_RED, TILE_COLS = 64, 128, 256
+UNTILED = 1 << 30  # a tile size no loop reaches
+
+
+def _block_sizes(node, prog, n):
+    """Per member: (role, tile size) with roles 'red', 'col' (innermost), 'row'."""
+    mupa = node.band_get_partial_schedule()
+    red = set()
+    for s in contractions_in(node, prog):
+        for m in range(n):
+            d = member_iter(mupa.get_at(m)).get(s.name)
+            if d is not None and s.iters[d] in s.reduction_iters:
+                red.add(m)
+    col = max((m for m in range(n) if m not in red), default=None)
+    return ["red" if m in red else "col" if m == col else "row" for m in range(n)]
+
+
+def _row_member(node, prog, roles) -> int | None:
+    """The member a register block spans as its rows: the one the most
+    operands do not depend on while they walk the columns (those operands'
+    vectors then serve every row: B[k, j] for rows i of A[i, k] * B[k, j]);
+    the innermost such member on a tie."""
+    st = contractions_in(node, prog)[0]
+    mupa = node.band_get_partial_schedule()
+    follows = [member_iter(mupa.get_at(m)).get(st.name) for m in range(len(roles))]
+    col = follows[roles.index("col")] if "col" in roles else None
+    operands = [ld.index for ld in loads(st.body)]
+
+    def uses(index, d):
+        return d is not None and any(isinstance(x, Var) and x.name == st.iters[d] for i in index for x in walk(i))
+    best, best_score = None, -1
+    for m, r in enumerate(roles):
+        if r != "row" or follows[m] is None:
+            continue
+        score = sum(1 for index in operands if uses(index, col) and not uses(index, follows[m]))
+        if score >= best_score:
+            best, best_score = m, score
+    return best
+
+
+def merge_reductions(node, prog) -> isl.ScheduleNode:
+    """Fold the bands below a contraction's band that only run its reduction
+    (isl puts each later reduction loop in a band of its own, since the
+    reduction's order is not permutable) into that band, in their order, so
+    that a register block holds the whole reduction inside it."""
+    st = contractions_in(node, prog)[0]
+    mupa = node.band_get_partial_schedule()
+    n = node.band_n_member()
+    coinc = [node.band_member_get_coincident(m) for m in range(n)]
+    child = node.child(0)
+    merged = 0
+    while child.get_type() == isl.schedule_node_type.band:
+        cm = child.band_get_partial_schedule()
+        its = [member_iter(cm.get_at(m)).get(st.name) for m in range(child.band_n_member())]
+        if any(d is None or st.iters[d] not in st.reduction_iters for d in its):
+            break
+        mupa = mupa.flat_range_product(cm)
+        coinc += [False] * len(its)
+        child = child.delete()
+        merged += 1
+    if merged:
+        node = child.parent().delete().insert_partial_schedule(mupa).band_set_permutable(True)
+        for m, c in enumerate(coinc):
+            node = node.band_member_set_coincident(m, c)
+    return node
+
+
+def register_block(point, roles, row, cols: int) -> isl.ScheduleNode:
+    """Within a tile: loop over register blocks, then the reduction, with the
+    block itself unrolled, so its accumulators stay in vector registers."""
+    n = len(roles)
+    sizes = [cols if r == "col" else REG_ROWS if m == row else 1 for m, r in enumerate(roles)]
+    node = point.band_tile(band_sizes(point, sizes))
+    order = [m for m in range(n) if roles[m] != "red"] + [m for m in range(n) if roles[m] == "red"]
+    coinc = [node.band_member_get_coincident(m) for m in range(n)]
+    node = rebuild_band(node, order, coinc, True)
+    inner = node.child(0)
+    for m in range(n):
+        inner = inner.band_member_set_ast_loop_type(m, isl.ast_loop_type.unroll)
+    return inner.parent()
+
+
+def block_fused(node, prog, cols: int) -> isl.ScheduleNode:
+    """Tile and register-block the output band of fuse_contraction's nest;
+    the unrolled block sinks below each statement (below the reduction's
+    loops for the update), so a block's initialization, reduction and
+    epilogue run one after another on the same registers."""
+    roles = _block_sizes(node, prog, node.band_n_member())
+    if "red" in roles:
+        return node
+    row = _row_member(node, prog, roles)
+    node = node.band_tile(band_sizes(node, [TILE_COLS if r == "col" else TILE_ROWS for r in roles]))
+    block = register_block(node.child(0), roles, row, cols)
+    seq = block.child(0).band_sink()
+    inits = product_inits(prog)
+    for i in range(seq.n_children()):
+        band = seq.child(i).child(0)
+        if statement_names(band) & inits or contractions_in(band, prog):
+            continue
+        # the epilogue loops over the block instead: LLVM vectorizes its math
+        # along the columns (unrolled, tanh's code was left scalar: 3x slower)
+        for m in range(band.band_n_member()):
+            band = band.band_member_set_ast_loop_type(m, isl.ast_loop_type.default)
+        seq = band.parent().parent()
+    return seq.parent().parent()
+
+
+def tile(schedule, prog, validity, tile_sizes, vector_bits: int = 512) -> isl.Schedule:
+    """Tile outer permutable bands with reuse (contractions), or every one when
+    tile_sizes is given; contractions also get register blocks of REG_ROWS x
+    REG_VECTORS vectors of the host's width (float32 lanes)."""
+    cols = REG_VECTORS * vector_bits // 32
+    def fn(node):
+        if node.get_type() != isl.schedule_node_type.band or not node.band_get_permutable():
+            return node
+        n = node.band_n_member()
+        if n < 2 or node.get_parent_type() == isl.schedule_node_type.band:
+            return node
+        contraction = bool(contractions_in(node, prog)) and len(statement_names(node)) == 1
+        fused = node.child(0).get_type() == isl.schedule_node_type.sequence  # fuse_contraction's nest
+        if tile_sizes is None and fused and contractions_in(node, prog):
+            return block_fused(node, prog, cols)
+        if tile_sizes is None and not contraction:
+            return _tile_transposition(node, prog)
+        if contraction:
+            node = merge_reductions(node, prog)
+            n = node.band_n_member()
+        roles = _block_sizes(node, prog, n) if contraction else []
+        row = _row_member(node, prog, roles) if contraction else None
+        if tile_sizes:
+            sizes = (list(tile_sizes) + [tile_sizes[-1]] * n)[:n]
+        elif contraction:
+            sizes = [TILE_RED if r == "red" else TILE_COLS if r == "col" else TILE_ROWS for r in roles]
+        if "red" in roles:  # tiling an inner reduction loop would reorder the reduction: only the outermost
+            first = roles.index("red")
+            sizes = [UNTILED if r == "red" and m != first else t for m, (r, t) in enumerate(zip(roles, sizes))]
+        node = node.band_tile(band_sizes(node, sizes))
+        if contraction and "red" in roles:
+            node = register_block(node.child(0), roles, row, cols).parent()
+        return node
+    new = visit(schedule.get_root(), fn).get_schedule()
+    return new if is_legal(new, validity) else schedule
+
+
+TRANSPOSE_TILE = 32  # a transposing copy walks tiles of this many rows and columns
+
+
+def _tile_transposition(node, prog):
+    """A band of one statement that writes along its innermost loop and reads
+    along another (a transposing copy: a weight's transpose each call) walks
+    square tiles, so that the lines its strided reads bring in are used for
+    a tile's rows before they leave the cache."""
+    names = statement_names(node)
+    n = node.band_n_member()
+    if len(names) != 1:
+        return node
+    st = next(s for s in prog.statements if s.name in names)
+    if st.role is not Role.ASSIGN or st.library is not None:
+        return node
+    mupa = node.band_get_partial_schedule()
+    follows = [member_iter(mupa.get_at(m)).get(st.name) for m in range(n)]
+    inner, outer = follows[-1], follows[-2]
+    if inner is None or outer is None:
+        return node
+
+    def uses(index, d) -> bool:
+        return any(isinstance(x, Var) and x.name == st.iters[d] for x in walk(index))
+    along = [ld for ld in loads(st.body) if ld.index and uses(ld.index[-1], outer) and not uses(ld.index[-1], inner)]
+    if not along or not st.index or not uses(st.index[-1], inner):
+        return node
+    sizes = [UNTILED] * (n - 2) + [TRANSPOSE_TILE, TRANSPOSE_TILE]
+    return node.band_tile(band_sizes(node, sizes))
+
+
+STRIP_COLUMNS = 512  # columns per parallel strip when the outer loop is too short to share
+ROW_STRIP = 16  # rows per parallel strip, likewise, when an outer dimension can be cut instead
+MIN_PARALLEL_EXTENT = 8  # a parallel loop shorter than this shares an inner loop's strips too
+
+
+def balance_parallel(schedule, prog, validity) -> isl.Schedule:
+    """Share work between threads when a nest's outer loop cannot (three
+    images for two threads leave one idle a third of the time): strip-mine
+    another coincident loop, rows where one is long enough, else columns (of
+    an image whose rows carry a stencil's rolling buffer), and run the strips
+    outermost, in parallel."""
+    def fn(node):
+        if node.get_type() != isl.schedule_node_type.band or not node.band_get_permutable() \
+                or node.get_parent_type() == isl.schedule_node_type.band or node.band_n_member() < 2:
+            return node
+        if contractions_in(node, prog):
+            return node
+        n = node.band_n_member()
+        ext0 = member_extent(node, 0)
+        if node.band_member_get_coincident(0) and (ext0 is None or ext0 >= MIN_PARALLEL_EXTENT):
+            return node
+        coincident = [m for m in range(1, n) if node.band_member_get_coincident(m)]
+        rows = [m for m in coincident if m < n - 1
+                and (member_extent(node, m) or ROW_STRIP * MIN_PARALLEL_EXTENT) >= ROW_STRIP * MIN_PARALLEL_EXTENT]
+        cols = [m for m in coincident
+                if (member_extent(node, m) or STRIP_COLUMNS * MIN_PARALLEL_EXTENT) >= 2 * STRIP_COLUMNS]
+        if not rows and not cols:
+            return node
+        m, size = (rows[0], ROW_STRIP) if rows else (cols[-1], STRIP_COLUMNS)
+        upa = node.band_get_partial_schedule().get_at(m).scale_down_val(isl.Val.int_from_si(node.get_ctx(), size))
+        outer = isl.MultiUnionPwAff.from_union_pw_aff(upa.floor())
+        return node.insert_partial_schedule(outer).band_set_permutable(True).band_member_set_coincident(0, True)
+    new = visit(schedule.get_root(), fn).get_schedule()
+    return new if is_legal(new, validity) else schedule
+
+
+def sink_inner(schedule, prog, validity) -> isl.Schedule:
+    """Give each statement under a band its own innermost loop.
+
+    A band over a sequence of statements runs them interleaved in its
+    innermost loop; sinking that loop below the sequence yields one clean,
+    vectorizable inner loop per statement (e.g. a row of blur_x, then a row
+    of blur_y) and hoists guards out of it.
+    """
+    def fn(node):
+        if node.get_type() != isl.schedule_node_type.band or node.band_n_member() < 2 \
+                or not node.has_children() or contractions_in(node, prog):
+            return node  # a contraction's blocks already end in a clean loop per statement
+        seq = node.child(0)
+        if seq.get_type() not in (isl.schedule_node_type.sequence, isl.schedule_node_type.set):
+            return node
+        if any(seq.child(i).child(0).get_type() in (isl.schedule_node_type.sequence, isl.schedule_node_type.set)
+               for i in range(seq.n_children())):
+            return node  # isl sinks to the leaves: statements that share a loop (a row's exp and sum) would part
+        n = node.band_n_member()
+        return node.band_split(n - 1).child(0).band_sink().parent()
+    new = visit(schedule.get_root(), fn).get_schedule()
+    return new if is_legal(new, validity) else schedule
+
+
+def rewrite(sched: isl.Schedule, prog: AffineProgram, validity, tile_sizes, vector_bits: int) -> isl.Schedule:
+    """The cpu target's rewrites of a group's schedule, each checked by isl (the driver then orders sets)."""
+    sched = tile(sched, prog, validity, tile_sizes, vector_bits)
+    sched = balance_parallel(sched, prog, validity)
+    sched = sink_inner(sched, prog, validity)
+    return mark_parallel(sched)

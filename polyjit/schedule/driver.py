@@ -1,0 +1,197 @@
+"""schedule_program: each fusion group scheduled by isl within a budget of
+operations, rewritten for the target, built into an AST, its temporaries
+contracted; results kept per process."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from contextlib import contextmanager
+
+import islpy as isl
+
+from .. import sizes as sz
+from ..affine import AffineProgram
+from .ast import kernel_nodes, statements_in
+from .contraction import GPU_PRIVATE_BYTES, contract, private_bytes
+from .dependences import dependences, make_context
+from .fusion import FusionPlan, fuse_contraction, fusion_groups, starved
+from .groups import GroupProblem, ProgramSchedule, Scheduled, ScheduledGroup, group_problem, kernel_of_each_array
+from .rewrites import distribute_inits, innermost_contiguous, order_sets
+from .tree import group_domain, is_update, product_inits
+
+log = logging.getLogger("polyjit.schedule")
+
+
+SCHEDULE_BUDGET = 3_000_000  # isl operations one group may take before it is split
+SOLVER_BUDGET = 8_000  # operations of isl's scheduler's first try on a group (most need fewer than 16000)
+SOLVER_SECONDS = 0.5  # a try that ran out of operations sooner than this gets twice as many
+
+
+def _schedule_group(ctx, prog, dom, validity, raw, names, fusion, fuse: FusionPlan | None) -> isl.Schedule:
+    """isl's schedule for a group; a group whose problem exceeds the budget is
+    split in two and each half scheduled alone, one after the other. A single
+    statement over budget (accesses full of integer divisions, e.g. a
+    flattened pooling window feeding a matmul) runs in its own loop order."""
+    ctx.set_max_operations(SCHEDULE_BUDGET)
+    ctx.reset_operations()
+    try:
+        return _schedule_one_group(ctx, prog, dom, validity, raw, names, fusion, fuse)
+    except isl.Error:
+        log.debug("schedule of %d statements over budget; splitting", len(names))
+    finally:
+        ctx.set_max_operations(0)
+    if len(names) == 1:
+        return isl.Schedule.from_domain(group_domain(ctx, prog, dom, names))
+    half = len(names) // 2
+    first = _schedule_group(ctx, prog, dom, validity, raw, names[:half], fusion, fuse)
+    return first.sequence(_schedule_group(ctx, prog, dom, validity, raw, names[half:], fusion, fuse))
+
+
+def _compute_schedule(ctx, sc: isl.ScheduleConstraints) -> isl.Schedule:
+    """isl's schedule for sc; isl.Error where its solver gives up. Its budget
+    of operations doubles while tries fail fast: isl counts operations, not
+    time, and on some problems (a transformer layer's backward: a transposed
+    copy feeding a batched product) its integer programs grow numbers whose
+    every operation costs more than the last, 0.25 s for 16000 operations
+    and 4.4 s for 64000, where problems that need 128000 take a tenth of a
+    second. The first try is small (a fast failure costs little): BERT's
+    embedding group (a gather, its positions broadcast over the batch) took
+    0.02 s for 8000 operations, 0.56 s for 16000 and 2.1 s for 32000, then
+    was split; from 8000 it is split after 0.6 s, with the same schedule.
+    The group's own budget is restored for what follows."""
+    budget = SOLVER_BUDGET
+    while True:
+        ctx.set_max_operations(budget)
+        ctx.reset_operations()
+        start = time.perf_counter()
+        try:
+            return sc.compute_schedule()
+        except isl.Error:
+            spent = time.perf_counter() - start
+            if spent > SOLVER_SECONDS or budget >= SCHEDULE_BUDGET:
+                log.debug("isl's scheduler gave up after %d operations (%.2f s)", budget, spent)
+                raise
+            budget *= 2
+        finally:
+            ctx.set_max_operations(SCHEDULE_BUDGET)
+            ctx.reset_operations()
+
+
+def _schedule_one_group(ctx, prog, dom, validity, raw, names, fusion, fuse: FusionPlan | None) -> isl.Schedule:
+    """isl's schedule of the group; a contraction's group (its epilogue
+    aside, which isl need not see) then shares one nest with its
+    initialization and epilogue where fuse_contraction can build it."""
+    if any(s.library is not None for s in prog.statements if s.name in names):
+        # its loops, unmarked: the call itself shares the work between the kernel's parts
+        return isl.Schedule.from_domain(group_domain(ctx, prog, dom, names))
+    core = [s.name for s in prog.statements if s.name in names and (s.name in product_inits(prog) or is_update(s))]
+    epilogue = [n for n in names if n not in core] if core else []
+    cdom = group_domain(ctx, prog, dom, [n for n in names if n not in epilogue])
+    cval = validity.intersect_domain(cdom).intersect_range(cdom).coalesce()
+    sc = isl.ScheduleConstraints.on_domain(cdom).set_validity(cval).set_coincidence(cval)
+    if fusion != "none":
+        sc = sc.set_proximity(raw.intersect_domain(cdom).intersect_range(cdom).coalesce())
+    sched = order_sets(_compute_schedule(ctx, sc), cval)
+    sched = innermost_contiguous(sched, prog, ctx, cval)
+    if fuse is not None and core:
+        gdom = group_domain(ctx, prog, dom, names)
+        fused = fuse_contraction(sched, prog, gdom, validity.intersect_domain(gdom).intersect_range(gdom), fuse)
+        if fused is not None:
+            return fused
+    sched = distribute_inits(sched, prog, cval)
+    if epilogue:  # consumers that could not share the contraction's nest follow it
+        sched = sched.sequence(_schedule_one_group(ctx, prog, dom, validity, raw, epilogue, fusion, None))
+    return sched
+
+
+def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None, target=None,
+                     vector_bits: int = 512, timer=None, canonical: bool = True, each=None) -> "ProgramSchedule":
+    """target (a polyjit.targets.Target; None: the host's) gives its rewrites
+    (the cpu's tile with register blocks sized for vectors of vector_bits,
+    balance threads and sink inner loops; nvgpu's put every coincident loop
+    outside), whether contractions may own their epilogues, and whether
+    parallel loops become a thread grid (then only contracted buffers small
+    enough for a thread's registers are kept).
+
+    Each fusion group is scheduled as a program of its own (its statements
+    run after the groups before it, so no dependence is lost), with its
+    statements and arrays renamed canonically: groups of the same structure
+    (a model's identical layers) share one result, scheduled once per
+    process. canonical=False keeps the program's names (a target whose
+    emitter reads the whole program's). each(group), where given, is called
+    with each group as soon as it is scheduled (code generation starts)."""
+    timer = timer or _no_timer
+    if target is None:
+        from ..targets import target as named
+        target = named(None)
+    fuse = target.fuses_epilogues and fusion != "none" and not tile_sizes
+    config = (fusion, tile_sizes, target, vector_bits, fuse)
+    plan = FusionPlan() if fuse else None
+    with timer("schedule/groups"):
+        names = fusion_groups(prog, epilogues=fuse, plan=plan)
+    users: dict[str, set[int]] = {}
+    for g, group in enumerate(names):
+        for s in prog.statements:
+            if s.name in group:
+                for a in [s.array] + [ld.array for ld in prog.statement_loads(s)]:
+                    users.setdefault(a, set()).add(g)
+    groups = []
+    for g, group in enumerate(names):
+        shared = {a for a, gs in users.items() if gs != {g}}
+        with timer("schedule/canonical"):
+            problem = group_problem(prog, group, shared, canonical)
+        key = (problem.key, config)
+        with _group_lock:
+            sched = _group_cache.get(key)
+        if sched is None:
+            sched = _schedule_problem(problem, config, timer)
+            with _group_lock:
+                _group_cache[key] = sched
+                while len(_group_cache) > GROUP_CACHE:
+                    _group_cache.pop(next(iter(_group_cache)))
+        groups.append(ScheduledGroup(problem, sched))
+        if each is not None:
+            each(groups[-1])
+    return ProgramSchedule(prog, groups, plan.refused if plan else [])
+
+
+GROUP_CACHE = 4096  # scheduled groups kept per process
+_group_cache: dict = {}
+_group_lock = threading.Lock()
+
+
+def _schedule_problem(problem: "GroupProblem", config: tuple, timer) -> Scheduled:
+    """One group scheduled as a program: isl's schedule, the target's
+    rewrites, the AST, contracted temporaries."""
+    fusion, tile_sizes, target, vector_bits, fuse = config
+    prog = problem.prog
+    ctx = make_context()
+    if fusion == "none":
+        ctx.set_schedule_whole_component(0)
+        ctx.set_schedule_serialize_sccs(1)
+    with timer("schedule/dependences"):
+        dom = prog.domain(ctx)
+        validity, raw = dependences(ctx, prog, dom)
+    plan = FusionPlan() if fuse else None
+    with timer("schedule/isl"):
+        sched = _schedule_group(ctx, prog, dom, validity, raw, [s.name for s in prog.statements], fusion, plan)
+    with timer("schedule/rewrites"):
+        sched = order_sets(target.schedule_rewrites(sched, prog, validity, tile_sizes, vector_bits), validity)
+    with timer("schedule/ast"):
+        params = prog.prefix() + "{ : " + sz.param_context(prog.params) + " }"
+        build = isl.AstBuild.from_context(isl.Set.read_from_str(ctx, params))
+        ast = build.node_from_schedule(sched)
+        kernels = [statements_in(k) for k in kernel_nodes(ast)]
+    with timer("schedule/contract"):
+        contracted = contract(ctx, prog, sched, dom, kernels, problem.shared)
+    if target.thread_grid:
+        contracted = {n: m for n, m in contracted.items() if private_bytes(prog.arrays[n], m) <= GPU_PRIVATE_BYTES}
+        if fusion != "none" and starved(ast, prog, contracted):
+            return _schedule_problem(problem, ("none",) + config[1:], timer)
+    return Scheduled(sched, ast, contracted, kernels, kernel_of_each_array(prog, kernels), plan.refused if plan else [])
+
+
+@contextmanager
+def _no_timer(stage: str):
+    yield

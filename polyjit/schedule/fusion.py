@@ -1,0 +1,277 @@
+"""Which statements share loop nests: fusion groups in program order, a
+contraction's nest shared with its elementwise epilogue (cpu), and the cost
+models that refuse a fusion (cpu) or undo one that starves the GPU."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import islpy as isl
+
+from .. import sizes as sz
+from ..affine import TAPS, AffineProgram, Role
+from ..expr import Op, Var, loads, walk
+from .ast import kernel_nodes, statements_in
+from .cpu_rewrites import TILE_RED
+from .dependences import is_legal
+from .tree import (group_domain, is_product_init, is_update, isl_items, member_iter, plain_iters, product_inits,
+                   statement_names, visit)
+
+
+MAX_GROUP = 6  # statements the isl scheduler fuses at once; its cost grows steeply
+
+
+@dataclass
+class FusionPlan:
+    """What the cpu schedule may fuse into a contraction's nest, and the
+    fusions its cost model refused, each with its reason."""
+
+    refused: list[str] = field(default_factory=list)
+
+
+def fusion_groups(prog: AffineProgram, epilogues: bool = False,
+                  plan: FusionPlan | None = None) -> list[list[str]]:
+    """Runs of statements, in program order, that isl may fuse together.
+
+    Program order is a topological order of the dataflow, so consecutive runs
+    can always run one after another. A contraction (its initialization and
+    update, with epilogues its elementwise consumers) is a group of its own;
+    other runs are cut at MAX_GROUP statements. A library call's taps (role
+    TAPS, im2col) start a group: fused with their producer (a batch norm and
+    relu), isl's shifted nest wrote the taps out of memory order, 0.38 ms
+    against 0.15 for the two passes (2x64x28x28, 3x3); plan records it.
+    """
+    groups: list[list[str]] = []
+    current: list[str] = []
+    update = None
+    for s in prog.statements:
+        if s.role == TAPS and current:
+            _refuse_taps_fusion(prog, s, current, plan)
+            groups.append(current)
+            current = []
+        if s.library is not None:  # a library call runs alone
+            if current:
+                groups.append(current)
+            groups.append([s.name])
+            current, update = [], None
+            continue
+        if update is not None and epilogues and reduction_fits_tile(update) and _epilogue_of(s, update, prog):
+            groups[-1].append(s.name)
+            continue
+        update = s if is_update(s) else None
+        if update or is_product_init(s):
+            if current and not (update and current[-1] in product_inits(prog)):
+                groups.append(current)
+                current = []
+            current.append(s.name)
+            if update:
+                groups.append(current)
+                current = []
+            continue
+        if len(current) >= MAX_GROUP or _reads_reshaped(s, current, prog):
+            groups.append(current)
+            current = []
+        current.append(s.name)
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _refuse_taps_fusion(prog: AffineProgram, s, current: list[str], plan: FusionPlan | None) -> None:
+    written = {t.array for t in prog.statements if t.name in current}
+    if plan is not None and any(ld.array in written for ld in prog.statement_loads(s)):
+        plan.refused.append(f"{s.name} ({s.label}) with its producers ({', '.join(current)}): "
+                            "the taps' copy keeps its memory order")
+
+
+def _epilogue_of(s, update, prog: AffineProgram) -> bool:
+    """Whether s applies elementwise to the contraction's result: it reads
+    the result only at its own point, over the result's whole extent."""
+    if s.role in (Role.INIT, Role.UPDATE) or s.extra:
+        return False
+    reads = [ld for ld in prog.statement_loads(s) if ld.array == update.array]
+    its = plain_iters(reads[0].index) if reads else None
+    if its is None or sorted(its) != sorted(s.iters) or any(ld.index != reads[0].index for ld in reads):
+        return False
+    bounds = dict(zip(s.iters, s.bounds))
+    shape = prog.arrays[update.array].shape
+    return all(sz.isl_str(bounds[it][0]) == "0" and sz.isl_str(bounds[it][1]) == sz.isl_str(shape[k])
+               for k, it in enumerate(its))
+
+
+def _reads_reshaped(s, group: list[str], prog: AffineProgram) -> bool:
+    written = {t.array for t in prog.statements if t.name in group}
+    return any(ld.array in written and any(isinstance(x, Op) and x.op in ("floordiv", "mod")
+                                           for i in ld.index for x in walk(i))
+               for ld in loads(s.body))
+
+
+def fusion_refusal(up, outs: list[str]) -> str | None:
+    """Why sharing one nest with contraction `up` would lose, or None.
+
+    A fused nest runs each register block's whole reduction; its columns
+    run along the last output loop. Where an operand's padding guard
+    depends on that loop (NCHW: the output columns are image columns, and
+    the window's taps step over the border), every vector lane needs its
+    own address: the fused nest ran 2.6-4.4x slower than the tiled,
+    unfused one (2x64x64x64 3x3 NCHW: 51 against 19 ms), while NHWC, whose
+    columns are channels, gained (0.91 -> 0.77 ms)."""
+    if not reduction_fits_tile(up):
+        lo, hi = dict(zip(up.iters, up.bounds))[up.reduction_iters[0]]
+        return (f"{up.name} ({up.label}): its outer reduction loop ({sz.isl_str(hi)} - {sz.isl_str(lo)}) "
+                f"exceeds a tile ({TILE_RED})")
+    col = outs[-1] if outs else None
+    for x in walk(up.body):
+        if isinstance(x, Op) and x.op == "select" and any(isinstance(v, Var) and v.name == col
+                                                          for v in walk(x.args[0])):
+            return f"{up.name} ({up.label}): a padding guard varies along the register block's columns ({col})"
+    return None
+
+
+def _loop_order(schedule: isl.Schedule, up) -> list[str]:
+    """The update's iterators in the order schedule's bands run them."""
+    order: list[str] = []
+
+    def follow(node):
+        if node.get_type() == isl.schedule_node_type.band and up.name in statement_names(node):
+            mupa = node.band_get_partial_schedule()
+            for m in range(node.band_n_member()):
+                d = member_iter(mupa.get_at(m)).get(up.name)
+                if d is not None and up.iters[d] not in order:
+                    order.append(up.iters[d])
+        return node
+    visit(schedule.get_root(), follow)
+    return order + [it for it in up.iters if it not in order]
+
+
+def fuse_contraction(schedule, prog, dom, validity, plan: FusionPlan | None = None) -> isl.Schedule | None:
+    """One nest for a contraction whose reduction is not tiled: each block of
+    outputs is zeroed, runs its whole reduction and its elementwise epilogue
+    (bias, activation) in turn, all inside the block's loops, so the
+    accumulators start from zero in registers and leave finished, instead of
+    a pass over the whole result before the contraction and one after.
+
+    schedule is isl's for the contraction (the update's loop order is taken
+    from its bands), dom the group's with its epilogue; tile() then blocks
+    the shared output band. None where the nest cannot be built."""
+    names = [st.get_tuple_name() for st in isl_items(dom.get_set_list())]
+    stmts = [s for s in prog.statements if s.name in names]
+    updates = [s for s in stmts if is_update(s)]
+    if len(updates) != 1:
+        return None
+    up = updates[0]
+    point = {s.name: plain_iters(s.index) for s in stmts if s.role is Role.INIT and s.array == up.array}
+    point[up.name] = plain_iters(up.index)
+    for s in stmts:
+        if s.name not in point:
+            point[s.name] = plain_iters(next(ld for ld in prog.statement_loads(s) if ld.array == up.array).index)
+    order = _loop_order(schedule, up)
+    red = [it for it in order if it in up.reduction_iters]
+    outs = [it for it in order if it not in up.reduction_iters]
+    why = fusion_refusal(up, outs)
+    if why is not None:
+        if plan is not None:
+            plan.refused.append(why)
+        return None
+    if len(point) != len(stmts) or None in point.values() or sorted(outs) != sorted(point[up.name]) \
+            or len(outs) < 2 or not red:
+        return None
+    ctx = schedule.get_ctx()
+
+    def band(members, among):
+        text = ", ".join("{ " + "; ".join(f"{s.name}[{', '.join(s.iters)}] -> [({m(s)})]" for s in among) + " }"
+                         for m in members)
+        # ("[] -> [...]" reads as an empty tuple: the prefix only with parameters)
+        return isl.MultiUnionPwAff.read_from_str(ctx, (prog.prefix() if prog.params else "") + "[" + text + "]")
+    k_of = {it: point[up.name].index(it) for it in outs}
+    outer = band([lambda s, it=it: point[s.name][k_of[it]] for it in outs], stmts)
+    node = isl.Schedule.from_domain(dom).get_root().child(0).insert_partial_schedule(outer).band_set_permutable(True)
+    for m in range(len(outs)):
+        node = node.band_member_set_coincident(m, True)
+    filters = isl.UnionSetList.alloc(ctx, len(stmts))
+    for s in stmts:
+        filters = filters.add(group_domain(ctx, prog, dom, [s.name]))
+    node = node.child(0).insert_sequence(filters)
+    at = stmts.index(up)
+    node = node.child(at).child(0).insert_partial_schedule(band([lambda s, r=r: r for r in red], [up]))
+    new = node.get_schedule()
+    return new if is_legal(new, validity) else None
+
+
+def reduction_fits_tile(s) -> bool:
+    """Whether the contraction's reduction stays whole inside each register
+    block: tile() tiles only its outermost loop, and that fits one tile."""
+    lo, hi = dict(zip(s.iters, s.bounds))[s.reduction_iters[0]]
+    return sz.is_static(lo) and sz.is_static(hi) and int(hi) - int(lo) <= TILE_RED
+
+
+GPU_GRID_FLOOR = 1 << 16  # parallel iterations below which a GPU kernel leaves most of the device idle
+GPU_STRIP = 64  # iterations of a sequential loop per strip (codegen.nvgpu.STRIP)
+
+
+def starved(ast: isl.AstNode, prog: AffineProgram, contracted) -> bool:
+    """nvgpu: whether a kernel's fusion cost the device its parallelism: its
+    marked loops give fewer than GPU_GRID_FLOOR threads where one of its
+    statements alone would have 16 times as many (a producer fused with a
+    stencil, pooling or im2col consumer, shifted along image rows, left a
+    thread per image and channel: 10.6 of MobileNetV3-small's 18 ms, 60 of
+    ResNet-18's 70). Sums compare their own outputs (a row sum keeps its
+    rows). Elementwise statements whose arrays are all kept whole gain
+    nothing from sharing a nest and lose a thread per element (ResNet-18's
+    max pool, fused with its padded input along image rows, ran a row per
+    thread, consecutive threads channels apart: 4.7 ms), whatever the grid.
+    A kernel with contracted buffers may run strips of its next loop in
+    parallel, each recomputing its halo (a blur): those count, against half
+    the floor, and a thread may take four strips' work (ResNet-18's last
+    im2col, fused with its relu, took 0.7 ms a thread per image and channel),
+    where one loop follows the grid: a sequence of nests under it has no
+    strips (a squeeze-excite block fused whole ran a thread per image)."""
+    stmts = {s.name: s for s in prog.statements}
+    for node in kernel_nodes(ast):
+        own = [stmts[n] for n in statements_in(node)]
+        if len(own) < 2:
+            continue
+        grid, inner = _grid_extent(node)
+        sums = [s for s in own if s.combine is not None]
+        floor, per_thread = (GPU_GRID_FLOOR if sums else None), 16
+        if inner is not None and any(s.array in contracted for s in own):
+            grid, floor = grid and grid * -(-inner // GPU_STRIP), GPU_GRID_FLOOR // 2
+            per_thread = 4 * GPU_STRIP  # a strip's own rows are no loss
+        widest = max((_parallel_extent(s) or 0 for s in (sums or own)), default=0)
+        if grid is not None and (floor is None or grid < floor) and widest >= per_thread * grid:
+            return True
+    return False
+
+
+def _grid_extent(node: isl.AstNode) -> tuple[int | None, int | None]:
+    """The iterations of the chain of parallel-marked loops at node's top, and
+    of the loop after them (None where not numbers)."""
+    total = 1
+    while True:
+        marked = node.get_type() == isl.ast_node_type.mark and node.mark_get_id().get_name().startswith("parallel:")
+        loop = node.mark_get_node() if marked else node
+        if loop.get_type() != isl.ast_node_type.for_:
+            return total, None
+        init, cond = loop.for_get_init(), loop.for_get_cond()
+        hi = cond.get_op_arg(1)
+        trips = None
+        if init.get_type() == isl.ast_expr_type.int and hi.get_type() == isl.ast_expr_type.int:
+            last = hi.get_val().to_python() - (cond.get_op_type() == isl.ast_expr_op_type.lt)
+            step = loop.for_get_inc().get_val().to_python()
+            trips = max(-(-(last - init.get_val().to_python() + 1) // step), 0)
+        if not marked:
+            return total, trips
+        if trips is None:
+            return None, None
+        total *= trips
+        node = loop.for_get_body()
+
+
+def _parallel_extent(s) -> int | None:
+    """Iterations of a statement's loops that are not its reduction's."""
+    total = 1
+    for it, (lo, hi) in zip(s.iters, s.bounds):
+        if it not in s.reduction_iters:
+            if not (sz.is_static(lo) and sz.is_static(hi)):
+                return None
+            total *= max(int(hi) - int(lo), 0)
+    return total

@@ -1,0 +1,125 @@
+"""Fusion groups as programs of their own (canonical names, so that groups
+of the same structure share one schedule), their schedules, and the whole
+program's view of them."""
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field, replace
+
+import islpy as isl
+
+from ..affine import AffineProgram
+from ..expr import Load, substitute
+from .ast import kernel_nodes
+
+
+@dataclass
+class Scheduled:
+    schedule: isl.Schedule
+    ast: isl.AstNode
+    contracted: dict[str, tuple[int | None, ...]] = field(default_factory=dict)
+    kernels: list[set[str]] = field(default_factory=list)  # statement names per top-level nest
+    kernel_of_array: dict[str, int] = field(default_factory=dict)
+    refused: list[str] = field(default_factory=list)  # fusions the cost model refused, with why
+
+    def ast_text(self) -> str:
+        return self.ast.to_C_str()
+
+    def kernel_asts(self) -> list[isl.AstNode]:
+        """The top-level nests, one kernel each."""
+        return kernel_nodes(self.ast)
+
+
+@dataclass
+class GroupProblem:
+    """A fusion group as a program of its own, in names of its own."""
+
+    prog: AffineProgram
+    statements: dict[str, str]  # a statement's name in prog -> in the whole program
+    arrays: dict[str, str]  # likewise for arrays
+    shared: frozenset[str]  # arrays (named as in prog) that other groups use too
+    key: str  # everything the group's schedule and code depend on
+
+
+_CANONICAL = re.compile(r"\b_[sa]\d+\b")
+
+
+def group_problem(prog: AffineProgram, group: list[str], shared: set[str], canonical: bool = True) -> GroupProblem:
+    """The statements of group (and the arrays they touch), renamed _s0, _s1,
+    ... and _a0, _a1, ... in order of appearance where canonical."""
+    arrays: dict[str, str] = {}
+
+    def array(name: str) -> str:
+        return arrays.setdefault(name, f"_a{len(arrays)}" if canonical else name)
+
+    def rename(e):
+        if isinstance(e, Load):
+            return Load(e.dtype, array(e.array), tuple(substitute(i, rename) for i in e.index))
+        return None
+    stmts, names = [], {}
+    for s in prog.statements:
+        if s.name in group:
+            name = f"_s{len(stmts)}" if canonical else s.name
+            names[name] = s.name
+            stmts.append(replace(s, name=name, array=array(s.array), index=tuple(substitute(i, rename) for i in s.index),
+                                 body=substitute(s.body, rename),
+                                 library=s.library and s.library.renamed(array)))
+    arrs = {new: replace(prog.arrays[old], name=new, index=k if canonical else prog.arrays[old].index)
+            for k, (old, new) in enumerate(arrays.items())}
+    mine = frozenset(new for old, new in arrays.items() if old in shared)
+    sub = AffineProgram(list(prog.params), arrs, stmts, [])
+    key = "\n".join([repr(prog.params), *map(repr, arrs.values()), *map(repr, stmts), repr(sorted(mine))])
+    return GroupProblem(sub, names, {new: old for old, new in arrays.items()}, mine,
+                        hashlib.sha256(key.encode()).hexdigest())
+
+
+@dataclass
+class ScheduledGroup:
+    problem: GroupProblem
+    sched: Scheduled
+
+    def real_names(self, text: str) -> str:
+        """text with the group's names replaced by the program's."""
+        p = self.problem
+        return _CANONICAL.sub(lambda m: p.statements.get(m.group(0)) or p.arrays.get(m.group(0), m.group(0)), text)
+
+
+class ProgramSchedule:
+    """The groups' schedules, and what they say about the whole program, in
+    its names: the statements of each kernel, contracted temporaries, the
+    first kernel writing each array."""
+
+    def __init__(self, prog: AffineProgram, groups: list[ScheduledGroup], refused: list[str] = ()) -> None:
+        self.groups = groups
+        self.kernels: list[set[str]] = []
+        self.contracted: dict[str, tuple[int | None, ...]] = {}
+        self.kernel_of_array: dict[str, int] = {}
+        self.refused = list(refused) + [g.real_names(why) for g in groups for why in g.sched.refused]
+        for g in groups:
+            p = g.problem
+            for a, k in kernel_of_each_array(p.prog, g.sched.kernels, len(self.kernels), p.arrays).items():
+                self.kernel_of_array.setdefault(a, k)
+            self.kernels += [{p.statements[n] for n in k} for k in g.sched.kernels]
+            self.contracted.update({p.arrays[a]: m for a, m in g.sched.contracted.items()})
+
+    def kernel_asts(self) -> list[isl.AstNode]:
+        return [node for g in self.groups for node in g.sched.kernel_asts()]
+
+    def ast_text(self) -> str:
+        return "\n".join(g.real_names(g.sched.ast_text()).rstrip("\n") for g in self.groups) + "\n"
+
+    def schedule_text(self) -> str:
+        return "\n".join(g.real_names(str(g.sched.schedule.get_root())) for g in self.groups)
+
+
+def kernel_of_each_array(prog: AffineProgram, kernels: list[set[str]], offset: int = 0,
+                         names: dict[str, str] | None = None) -> dict[str, int]:
+    """The first kernel writing each array (names: the statements' and
+    arrays' names in prog, where the kernels use others)."""
+    out: dict[str, int] = {}
+    for k, stmts in enumerate(kernels):
+        for s in prog.statements:
+            if s.name in stmts:
+                out.setdefault(names[s.array] if names else s.array, k + offset)
+    return out

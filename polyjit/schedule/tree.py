@@ -1,0 +1,121 @@
+"""Helpers shared by the scheduling passes: walking isl lists and schedule
+trees, reading band members, and the statement roles passes key on."""
+from __future__ import annotations
+
+import islpy as isl
+
+from ..affine import AffineProgram, Role
+from ..expr import Var
+
+
+def isl_items(lst) -> list:
+    """The elements of an isl list. Used instead of isl's foreach callbacks,
+    which swallow exceptions: an operation limit reached inside one would
+    go unnoticed (a legality check would pass)."""
+    return [lst.get_at(i) for i in range(len(lst))]
+
+
+def visit(node: isl.ScheduleNode, fn) -> isl.ScheduleNode:
+    """node and every node under it rewritten by fn, top down; fn returns
+    the node it was given, rewritten, at the same place."""
+    node = fn(node)
+    for i in range(node.n_children()):
+        node = visit(node.child(i), fn).parent()
+    return node
+
+
+def member_iter(upa: isl.UnionPwAff) -> dict[str, int | None]:
+    """For each statement, which of its iterators the band member follows."""
+    out: dict[str, int | None] = {}
+    for pa in isl_items(upa.get_pw_aff_list()):
+        name = pa.get_domain_space().get_tuple_name(isl.dim_type.set)
+        best = None
+        for _, aff in pa.get_pieces()[:1]:
+            for d in range(aff.dim(isl.dim_type.in_)):
+                if aff.get_coefficient_val(isl.dim_type.in_, d).to_python() != 0:
+                    best = d
+        out[name] = best
+    return out
+
+
+def statement_names(node) -> set[str]:
+    """The statements a schedule node's domain holds."""
+    return {st.get_tuple_name() for st in isl_items(node.get_domain().get_set_list())}
+
+
+def rebuild_band(node, members, coincident, permutable):
+    """node's band with its members in the order members gives (coincident:
+    per old member)."""
+    mupa = node.band_get_partial_schedule()
+    ups = isl.UnionPwAffList.alloc(node.get_ctx(), len(members))
+    for m in members:
+        ups = ups.add(mupa.get_at(m))
+    new = isl.MultiUnionPwAff.from_union_pw_aff_list(mupa.get_space(), ups)
+    node = node.delete().insert_partial_schedule(new)
+    node = node.band_set_permutable(permutable)
+    for i, m in enumerate(members):
+        node = node.band_member_set_coincident(i, coincident[m])
+    return node
+
+
+def band_sizes(node, values) -> isl.MultiVal:
+    """values as the MultiVal band_tile takes for node's band."""
+    mv = isl.MultiVal.zero(node.band_get_space())
+    for i, t in enumerate(values):
+        mv = mv.set_val(i, isl.Val.int_from_si(node.get_ctx(), int(t)))
+    return mv
+
+
+def _cst(pa: isl.PwAff) -> int:
+    return pa.get_pieces()[0][1].get_constant_val().to_python()
+
+
+def member_extent(node, m: int) -> int | None:
+    """The static trip count of band member m, or None when it depends on sizes."""
+    upa = node.band_get_partial_schedule().get_at(m)
+    umap = isl.UnionMap.from_union_pw_aff(upa).intersect_domain(node.get_domain())
+    rng = umap.range()
+    out: list = []
+    for st in isl_items(rng.get_set_list()):
+        lo, hi = st.dim_min(0), st.dim_max(0)
+        if lo.is_cst() and hi.is_cst() and lo.n_piece() == 1 and hi.n_piece() == 1:
+            out.append(_cst(hi) - _cst(lo) + 1)
+        else:
+            out.append(None)
+    if not out or None in out:
+        return None
+    return max(out)
+
+
+def is_update(s) -> bool:
+    """Whether statement s accumulates a contraction's products."""
+    return s.role is Role.UPDATE and s.contraction
+
+
+def is_product_init(s) -> bool:
+    """Whether statement s initializes a contraction's result."""
+    return s.role is Role.INIT and s.contraction
+
+
+def contractions_in(node, prog):
+    """The contraction updates under a schedule node."""
+    names = statement_names(node)
+    return [s for s in prog.statements if s.name in names and is_update(s)]
+
+
+def product_inits(prog: AffineProgram) -> set[str]:
+    """The names of the statements that initialize contraction results."""
+    return {s.name for s in prog.statements if is_product_init(s)}
+
+
+def plain_iters(index) -> list[str] | None:
+    """The iterators of an index made of distinct plain iterators, else None."""
+    its = [e.name for e in index if isinstance(e, Var) and e.kind == "iter"]
+    return its if len(its) == len(index) == len(set(its)) else None
+
+
+def group_domain(ctx, prog, dom, names) -> isl.UnionSet:
+    """dom restricted to the statements names."""
+    text = prog.prefix() + "{ " + "; ".join(f"{s.name}[{', '.join(s.iters)}]" for s in prog.statements
+                                          if s.name in names) + " }"
+    return dom.intersect(isl.UnionSet.read_from_str(ctx, text))

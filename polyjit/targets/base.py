@@ -1,0 +1,147 @@
+"""What every target does the same way: the stages in order (``Target.compile``).
+
+A target fills in what differs: the graph passes its code needs, how far
+lowering inlines, which rewrites the scheduler applies, the emitter that
+writes its code, how that code is built and loaded, and the executable
+class that runs it.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from .. import cache
+from ..compiler import StageTimer, dump, plan
+from ..fold import fold_scales
+from ..graph import Graph
+from ..library import LibraryPolicy
+from ..lowering import RECOMPUTE_LIMIT, lower
+from ..runtime import CompiledProgram
+
+if TYPE_CHECKING:
+    import islpy as isl
+
+    from ..affine import AffineProgram
+    from ..options import CompileOptions
+
+log = logging.getLogger("polyjit")
+
+
+class Target:
+    """A compilation target. Subclasses set the attributes and override the
+    hooks below compile()."""
+
+    name: str
+    executable: type[CompiledProgram]  # the class that runs its programs
+    device_arrays: bool = False  # whether its programs take arrays in device memory
+    recompute_limit: int = RECOMPUTE_LIMIT  # extra work lowering accepts to inline a value read more than once
+    fuses_epilogues: bool = False  # contractions may share a nest with their elementwise consumers
+    thread_grid: bool = False  # parallel loops become a grid of threads (the scheduler keeps what fits a thread)
+    library: str = ""  # the vendor library under generated contractions
+    times_library: bool = False  # time each contraction both ways (else the library wherever it applies)
+    keeps_programs: bool = False  # compiled programs are also shared within the process (by cache key)
+
+    def __repr__(self) -> str:
+        return f"<target {self.name}>"
+
+    def compile(self, graph: Graph, options: CompileOptions, name: str = "fn") -> CompiledProgram:
+        """graph through every stage, or from the compile cache."""
+        t0 = time.perf_counter()
+        timer = StageTimer()
+        with timer("lower"):
+            graph, folded = fold_scales(graph.deduplicated())
+            graph = self.graph_passes(graph)
+        machine = self.machine(options)
+        key = exe = None
+        hits = 0
+        if options.cache or self.keeps_programs:
+            with timer("cache"):
+                key = cache.key(graph, name, options.key(), self.machine_key(machine))
+                hit, hits = self.lookup(key, options.cache)
+                exe = self.load(graph, options, name, *hit) if hit else None
+            hits = hits if exe is not None else 0
+        if exe is None:
+            policy = LibraryPolicy(options.contractions, options.num_threads, self)
+            with timer("lower"):
+                prog = lower(graph, self.recompute_limit, policy)
+            exe = self.build(graph, prog, options, name, timer, machine)
+            exe.stats["contractions"] = policy.choices
+            if key is not None:
+                with timer("cache"):
+                    self.keep(key, exe, options.cache)
+        exe.stats["cache_hits"] = hits
+        exe.stats["folded"] = folded
+        exe.stats["compile_seconds"] = time.perf_counter() - t0
+        exe.stats["compile_seconds_by_stage"] = timer.seconds
+        log.info("compiled %s (%d kernels, %d compiled) in %.3f s: %s", name, len(exe.kernels),
+                 exe.stats["kernels_compiled"], exe.stats["compile_seconds"], timer.summary())
+        log.debug("%s: %s", name, exe.stats)
+        if options.debug:
+            dump(exe, options.dump_dir)
+        return exe
+
+    # ---------------------------------------------------------------- graph and schedule
+    def graph_passes(self, graph: Graph) -> Graph:
+        """The rewrites this target's code needs, after inference folding."""
+        return graph
+
+    def schedule_rewrites(self, sched: isl.Schedule, prog: AffineProgram, validity, tile_sizes,
+                          vector_bits: int) -> isl.Schedule:
+        """This target's rewrites of a fusion group's isl schedule (each checked by isl)."""
+        raise NotImplementedError
+
+    def vector_bits(self) -> int:
+        """The width the scheduler sizes register blocks for."""
+        return 512
+
+    def check_tile_sizes(self, tile_sizes: tuple[int, ...]) -> None:
+        """Raise CompileOptionError where tile_sizes mean nothing to this target."""
+
+    # ---------------------------------------------------------------- code
+    def machine(self, options: CompileOptions):
+        """What the code depends on besides the program (the host's CPU, a GPU's arch)."""
+        raise NotImplementedError
+
+    def machine_key(self, machine) -> str:
+        """machine, as the compile cache's key holds it."""
+        return str(machine)
+
+    def build(self, graph: Graph, prog: AffineProgram, options: CompileOptions, name: str, timer: StageTimer,
+              machine) -> CompiledProgram:
+        """Schedule, emit, build and load prog's code: the executable."""
+        raise NotImplementedError
+
+    def variant(self, options: CompileOptions) -> tuple:
+        """What, besides a fusion group's statements, chose its schedule: kernels
+        shared by structure within the process are shared only within it."""
+        return (self.name, options.fusion, options.tile_sizes)
+
+    def library_available(self) -> bool:
+        """Whether the vendor library loads here."""
+        return False
+
+    # ---------------------------------------------------------------- the compile cache
+
+    def lookup(self, key: str, disk: bool) -> tuple[tuple | None, int]:
+        """(plan, objects) compiled before under key, or None; and 1 where it came from the disk."""
+        hit = cache.load(key) if disk else None
+        return hit, int(hit is not None)
+
+    def keep(self, key: str, exe: CompiledProgram, disk: bool) -> None:
+        """Keep a compiled program under key (on disk where disk)."""
+        if disk:
+            cache.store(key, plan(exe, self.plan_fields(exe)), self.objects(exe))
+
+    def plan_fields(self, exe: CompiledProgram) -> dict:
+        """The target's own part of a program's plan, as JSON."""
+        return {}
+
+    def objects(self, exe: CompiledProgram) -> list[bytes]:
+        """The program's code, as the compile cache keeps it."""
+        raise NotImplementedError
+
+    def load(self, graph: Graph, options: CompileOptions, name: str, plan: dict,
+             objects: list[bytes]) -> CompiledProgram | None:
+        """A program from its plan and objects (None: compile it again here)."""
+        raise NotImplementedError

@@ -1,0 +1,168 @@
+"""The NVIDIA GPU target: its scheduling rewrites, PTX and executable.
+
+Kernels of one structure share PTX (codegen.gpu_program), loaded on the
+device at a program's first call and run by polyjit.cuda.GpuProgram on
+the caller's stream. Programs are also kept within the process by their
+cache key (plan, IR texts and PTX), as CPU kernels are.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .. import cache
+from ..codegen.gpu_program import build_program
+from ..codegen.llvm import KernelInfo
+from ..codegen.nvgpu import GpuEmitter, ptx
+from ..compiler import executable, from_plan
+from ..compiler import plan as plan_of
+from ..cuda import GpuProgram, default_ordinal, device
+from ..errors import CompileOptionError, DeviceError
+from ..graph import Graph
+from ..schedule import gpu_rewrites, schedule_program
+from .base import Target
+
+if TYPE_CHECKING:
+    import islpy as isl
+
+    from ..affine import AffineProgram
+    from ..options import CompileOptions
+
+GPU_TILES, GPU_KTILES = (32, 64, 128), (8, 16, 32)  # what nvgpu contraction tiles can be
+GPU_PROGRAMS = 32  # GPU programs (plan, IR texts and PTX: megabytes for a model) kept per process, by key
+_programs: dict[str, tuple[dict, list[bytes]]] = {}
+
+
+class NvgpuTarget(Target):
+    """An NVIDIA GPU, through NVPTX and the CUDA driver."""
+
+    name = "nvgpu"
+    executable = GpuProgram
+    device_arrays = True
+    recompute_limit = 16  # on a GPU, memory traffic costs more than arithmetic
+    thread_grid = True
+    library = "cuBLAS"
+    keeps_programs = True
+
+    def schedule_rewrites(self, sched: isl.Schedule, prog: AffineProgram, validity, tile_sizes,
+                          vector_bits: int) -> isl.Schedule:
+        """Every coincident loop outside (they become the thread grid), all of them marked."""
+        return gpu_rewrites.rewrite(sched, prog, validity)
+
+    def check_tile_sizes(self, tile_sizes: tuple[int, ...]) -> None:
+        ts = tile_sizes
+        if len(ts) > 2 or ts[0] not in GPU_TILES or (len(ts) == 2 and ts[1] not in GPU_KTILES):
+            raise CompileOptionError(f"compile option 'tile_sizes' is {list(ts)!r} for target 'nvgpu'; expected "
+                                     f"[tile] or [tile, ktile] for contractions: tile (the side of the output "
+                                     f"tile a block computes) one of {list(GPU_TILES)}, ktile (the reduction "
+                                     f"slice staged in shared memory) one of {list(GPU_KTILES)}")
+
+    def machine(self, options: CompileOptions) -> tuple[str, int | None]:
+        """The GPU's sm_XX (options.gpu_arch, else the GPU in use: DeviceError
+        without one) and multiprocessors (None without a GPU)."""
+        return options.gpu_arch or _device_arch(), _multiprocessors()
+
+    def machine_key(self, machine: tuple[str, int | None]) -> str:
+        arch, sms = machine
+        return f"nvgpu|{arch}|{sms}"
+
+    def build(self, graph: Graph, prog: AffineProgram, options: CompileOptions, name: str, timer,
+              machine: tuple[str, int | None]) -> GpuProgram:
+        """Kernels of one structure share PTX (codegen.gpu_program), compiled once
+        per process, for GPU arch with sms multiprocessors (None: not known, no
+        GPU present); where one cannot be shared, one module of every kernel,
+        emitted from the whole program."""
+        arch, sms = machine
+        with timer("schedule"):  # (vector_bits: unused, the nvgpu schedule has no register blocks)
+            sched = schedule_program(prog, options.fusion, options.tile_sizes, self, self.vector_bits(), timer)
+        code = build_program(prog, sched, name, (arch, sms, options.tile_sizes), timer, self.variant(options))
+        if code is None:
+            return self._build_whole(graph, prog, options, name, timer, arch, sms)
+        ir = {"mapping": code.mapping, "llvm": code.ir, "llvm_opt": code.optimized, "ptx": code.ptx}
+        exe = executable(self.executable, graph, prog, sched, code.kernels, code.buffers, code.int_slots, options, name,
+                         None, ir, _fields(prog, code.kernels, code.ptx, arch))
+        exe.stats["kernels_compiled"] = code.compiled
+        return exe
+
+    def _build_whole(self, graph: Graph, prog: AffineProgram, options: CompileOptions, name: str, timer,
+                     arch: str, sms: int | None) -> GpuProgram:
+        """One module of every kernel, emitted from the whole program."""
+        with timer("schedule"):
+            sched = schedule_program(prog, options.fusion, options.tile_sizes, self, self.vector_bits(), timer,
+                                     canonical=False)
+        with timer("emit"):
+            emitter = GpuEmitter(prog, sched, name)
+            emitter.tile_sizes = options.tile_sizes
+            emitter.multiprocessors = sms
+            llvm_text = str(emitter.emit())
+        with timer("llvm"):
+            optimized, ptx_text = ptx(llvm_text, arch)
+        kernels = emitter.kernels
+        exe = executable(self.executable, graph, prog, sched, kernels, emitter.buffer_arrays, emitter.int_slots,
+                         options, name, None, {"mapping": emitter.mapping_text(), "llvm": llvm_text,
+                                               "llvm_opt": optimized, "ptx": ptx_text},
+                         _fields(prog, kernels, ptx_text, arch))
+        exe.stats["kernels_compiled"] = len(kernels)
+        return exe
+
+    def library_available(self) -> bool:
+        from ..cublas import cublas
+        return cublas() is not None
+
+    # ---------------------------------------------------------------- the compile cache
+    def lookup(self, key: str, disk: bool) -> tuple[tuple | None, int]:
+        """In this process first, then on disk."""
+        hit = _programs.get(key)
+        if hit is not None or not disk:
+            return hit, 0
+        hit, hits = super().lookup(key, disk)
+        if hit:
+            _programs[key] = hit
+        return hit, hits
+
+    def keep(self, key: str, exe: GpuProgram, disk: bool) -> None:
+        """Kept in this process too; its object is its PTX, as text."""
+        if any(k.library is not None for k in exe.kernels):
+            return  # (cuBLAS steps hold their statement: not kept as JSON yet)
+        _programs[key] = (plan_of(exe, self.plan_fields(exe)), self.objects(exe))
+        while len(_programs) > GPU_PROGRAMS:
+            _programs.pop(next(iter(_programs)))
+        if disk:
+            cache.store(key, *_programs[key])
+
+    def plan_fields(self, exe: GpuProgram) -> dict:
+        return {"gpu": {"arch": exe.arch, "writes": [[cache.array_json(a) for a in w] for w in exe.writes],
+                        "kernels": [[k.lanes, list(k.zeroed), k.strips] for k in exe.kernels]}}
+
+    def objects(self, exe: GpuProgram) -> list[bytes]:
+        return [exe.ptx.encode()]
+
+    def load(self, graph: Graph, options: CompileOptions, name: str, plan: dict,
+             objects: list[bytes]) -> GpuProgram:
+        """PTX, loaded on the device at the first call."""
+        gpu = plan["gpu"]
+        fields = {"ptx": objects[0].decode(), "arch": gpu["arch"],
+                  "writes": [[cache.array_from(a) for a in w] for w in gpu["writes"]]}
+        kernels = [KernelInfo(n, par, tuple(st), lanes, tuple(zeroed), strips)
+                   for (n, par, st), (lanes, zeroed, strips) in zip(plan["kernels"], gpu["kernels"])]
+        exe = from_plan(self.executable, graph, options, name, plan, kernels, None, fields)
+        exe.ir["ptx"] = fields["ptx"]
+        return exe
+
+
+def _fields(prog: AffineProgram, kernels, ptx_text: str, arch: str) -> dict:
+    return {"ptx": ptx_text, "arch": arch, "writes": [  # the arrays each kernel writes size its grid
+        [prog.arrays[a] for a in sorted({s.array for s in prog.statements if s.name in k.statements})]
+        for k in kernels]}
+
+
+def _device_arch() -> str:
+    """The sm_XX of the GPU in use; DeviceError without a driver or GPU."""
+    return device(default_ordinal()).arch
+
+
+def _multiprocessors() -> int | None:
+    """The multiprocessors of the GPU in use (None without one: PTX for gpu_arch)."""
+    try:
+        return device(default_ordinal()).multiprocessors
+    except DeviceError:
+        return None
