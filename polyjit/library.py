@@ -74,6 +74,9 @@ class Gemm:
                 f"k={self.k}, {self.a[0]}, {self.b[0]}, {self.c[0]})")
 
 
+CALLS = (Gemm,)  # the library calls a statement may hold: the compile cache writes and reads back these
+
+
 # ------------------------------------------------------------------ BLAS
 _blas: Any = False
 
