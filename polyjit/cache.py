@@ -6,8 +6,9 @@ attribute values by repr), the program's name, the options that change
 code, the target (the host's triple, CPU and features; a GPU's sm_XX and
 multiprocessor count) and the versions of polyjit (with a
 digest of its sources), llvmlite and islpy. It holds the plan as JSON
-(arrays, integer slots, kernels, stats, IR texts) and the object files,
-never pickles, behind a SHA-256 of its contents: a truncated or corrupted
+(arrays, integer slots, kernels, stats, IR texts; a GPU program's library
+steps as their statements, statement_json) and the object files, never
+pickles, behind a SHA-256 of its contents: a truncated or corrupted
 entry is found, removed, warned about and compiled again. Writes go to a
 temporary file renamed into place, so readers see whole entries and two
 processes writing one key both succeed. Past ``POLYJIT_CACHE_BYTES``
