@@ -110,6 +110,9 @@ class Convolution:
                 f"{self.w[0]}, {self.y[0]})")
 
 
+CALLS = (Gemm, Convolution)  # the library calls a statement may hold: the compile cache writes and reads back these
+
+
 # ------------------------------------------------------------------ BLAS
 _blas: Any = False
 
