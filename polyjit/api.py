@@ -24,6 +24,12 @@ from .sizes import Lin
 from .targets import HOST, TARGETS, holding
 
 
+def takes_device_arrays(target: str | None) -> bool:
+    """Whether programs compiled with compile option ``target`` (None: for
+    the device holding the arrays) may take arrays in device memory."""
+    return target is None or TARGETS[target].device_arrays
+
+
 @dataclass(frozen=True)
 class InputInfo:
     """An input's shape and dtype. A dimension is an int (static), -1 or a
