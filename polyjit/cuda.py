@@ -451,13 +451,13 @@ class GpuProgram(CompiledProgram):
                 pointers[slot] = _data_ptr(buf)
                 if POISON and shape:
                     poison(pointers[slot], math.prod(shape) * dt.itemsize, dt.kind, stream)
-            for fn, grid, block, what, zeroed in plan.launches:
+            for (fn, grid, block, what, zeroed), argv in zip(plan.launches, plan.argv):
                 if not block:  # a library call
                     fn.run(pointers, stream)
                     continue
                 for slot, nbytes in zeroed:
                     check(cu.cuMemsetD8Async(pointers[slot], 0, nbytes, s), "cuMemsetD8Async")
-                result = cu.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, 0, s, plan.argv, 0)
+                result = cu.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, 0, s, argv, 0)
                 if result[0] is not _SUCCESS:
                     check(result, what)
         self.stats["intermediate_bytes"] = plan.temp_bytes
@@ -482,14 +482,14 @@ class GpuProgram(CompiledProgram):
         (one per library), freed with it."""
         steps: list = []
         handles: dict = {}  # library -> its handle for this launcher
-        for fn, grid, block, what, zeroed in plan.launches:
+        for (fn, grid, block, what, zeroed), k in zip(plan.launches, self.kernels):
             if not block:  # a library call
                 if fn.lib not in handles:
                     handles[fn.lib] = fn.lib.new_handle(plan.device)
                 steps.append(fn.native(handles[fn.lib]))
                 continue
             steps += [launch.Memset(slot, 0, nbytes, 1, f"zeroing for {what}") for slot, nbytes in zeroed]
-            steps.append(launch.Launch(int(fn), grid, block, what))
+            steps.append(launch.Launch(int(fn), grid, block, what, k.params))
         launcher = self._native_launcher(name, {n: (slot, shape, dt) for slot, n, shape, dt in plan.fresh},
                                          plan.input_slots, plan.pointers, plan.ints, steps,
                                          int(plan.device.context), _symbols(), plan.returned)
@@ -602,8 +602,12 @@ class GpuProgram(CompiledProgram):
                      self.returned_shapes(env))
         places = [ctypes.addressof(plan.pointers) + 8 * i for i in range(len(self.buffers))]
         places += [ctypes.addressof(plan.ints) + 8 * i for i in range(len(ints))]
-        plan.block = (ctypes.c_void_p * max(len(places), 1))(*places)
-        plan.argv = ctypes.addressof(plan.block)
+        blocks = {None: (ctypes.c_void_p * max(len(places), 1))(*places)}  # a kernel's arguments, by its params
+        for k in self.kernels:
+            if k.params is not None and k.params not in blocks:
+                blocks[k.params] = (ctypes.c_void_p * max(len(k.params), 1))(*(places[p] for p in k.params))
+        plan.blocks = blocks
+        plan.argv = [ctypes.addressof(blocks[k.params]) for k in self.kernels]
         self._remember(key, plan)
         return plan
 
@@ -660,8 +664,8 @@ class _Plan:
     pointers: Any  # the kernels' arguments: buffer pointers (inputs and fresh set at each call),
     ints: Any  # and integers (sizes, strides), fixed for the plan
     returned: dict  # outputs handed out reshaped: name -> shape
-    block: Any = None  # the address of each argument, as cuLaunchKernel takes them
-    argv: int = 0
+    blocks: Any = None  # the address of each argument, as cuLaunchKernel takes them: per parameter list
+    argv: list = field(default_factory=list)  # each kernel's (its block's address)
     lock: Any = field(default_factory=threading.Lock)
     native: "_Native | bool | None" = None  # the native launcher's call (None: not built yet; False: none)
 

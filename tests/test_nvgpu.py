@@ -204,13 +204,15 @@ def run_threads_on_cpu(exe, arrays, grid=3, block=64):
             continue
         for a in k.zeroed:
             bufs[a][...] = 0
-        fn = ctypes.CFUNCTYPE(None, *([ctypes.c_void_p] * len(prog.buffers) + [ctypes.c_int64] * len(ints)))(
+        taken = k.params if k.params is not None else range(len(args))  # the arguments its entry takes
+        fn = ctypes.CFUNCTYPE(None, *(ctypes.c_void_p if p < len(prog.buffers) else ctypes.c_int64 for p in taken))(
             engine.get_function_address(k.name))
         blocks, threads = (grid, block) if k.parallel else (1, 1)
+        kernel_args = [args[p] for p in taken]
 
         def thread(c, t, barrier=None):
             local.tid, local.ctaid, local.ntid, local.nctaid, local.barrier = t, c, threads, blocks, barrier
-            fn(*args)
+            fn(*kernel_args)
         for c in range(blocks):
             if together:
                 barrier = threading.Barrier(threads)
@@ -359,7 +361,8 @@ def test_native_launcher_fills_the_argument_block_and_reports_failures():
     a driver written in Python: the context is checked and made current,
     memsets and launches run in order on the caller's stream, every kernel
     sees inputs, fixed pointers, outputs and integers in their slots, and
-    the first failure stops the steps and names what failed."""
+    the first failure stops the steps and names what failed; a kernel that
+    takes some of the arguments gets a block of just those."""
     import ctypes
 
     from polyjit.codegen import launch
@@ -390,10 +393,12 @@ def test_native_launcher_fills_the_argument_block_and_reports_failures():
             lambda *a: calls.append(("memset32", *a)) or 0),
         "cuLaunchKernel": symbol(c.c_int, c.c_void_p, *[c.c_uint] * 7, c.c_void_p, c.c_void_p, c.c_void_p)(
             lambda f, gx, gy, gz, bx, by, bz, shared, s, params, extra:
-                calls.append(("launch", f, gx, bx, s, block(params, 5))) or (700 if f == 0xBAD else 0)),
+                calls.append(("launch", f, gx, bx, s, block(params, 2 if f == 0xF02 else 5)))
+                or (700 if f == 0xBAD else 0)),
         "snprintf": c.cast(c.CDLL(None).snprintf, c.c_void_p).value,
     }
     steps = [launch.Memset(2, 0x7FC00000, 6, 4, "poisoning y"), launch.Launch(0xF00, 5, 256, "launching k1"),
+             launch.Launch(0xF02, 2, 64, "launching k1b", (2, 4)),  # only y and the second integer
              launch.Memset(2, 0, 24, 1, "zeroing y"), launch.Launch(0xBAD, 1, 32, "launching k2"),
              launch.Launch(0xF01, 1, 32, "launching k3")]
     plan = launch.LaunchPlan(slots=3, inputs=[0], outputs=[2], fixed={1: 0xC0}, ints=[10, 20], steps=steps,
@@ -404,7 +409,8 @@ def test_native_launcher_fills_the_argument_block_and_reports_failures():
     code = run((c.c_void_p * 1)(0xA0), (c.c_void_p * 1)(0xB0), 0x55, message, 100)
     assert code == 700 and message.value == b"launching k2 failed: CUDA error 700"
     assert calls == [("current", ctx), ("memset32", 0xB0, 0x7FC00000, 6, 0x55),
-                     ("launch", 0xF00, 5, 256, 0x55, [0xA0, 0xC0, 0xB0, 10, 20]), ("memset8", 0xB0, 0, 24, 0x55),
+                     ("launch", 0xF00, 5, 256, 0x55, [0xA0, 0xC0, 0xB0, 10, 20]),
+                     ("launch", 0xF02, 2, 64, 0x55, [0xB0, 20]), ("memset8", 0xB0, 0, 24, 0x55),
                      ("launch", 0xBAD, 1, 32, 0x55, [0xA0, 0xC0, 0xB0, 10, 20])]
     ctx = 0x999  # a stream of another context: nothing runs
     calls.clear()

@@ -94,20 +94,12 @@ def kernel_code(group: ScheduledGroup, j: int, config: tuple, written: frozenset
     return code, False
 
 
-def instance(code: GpuKernelCode, name: str, params: list[int], count: int) -> str:
-    """code's entry as name, taking count parameters (the program's), its own
-    parameter k being the program's params[k]."""
-    head, rest = code.entry.split("\n)\n", 1)
-    decls = head.split("\n")[1:]  # ".visible .entry symbol(" then one declaration a line
+def instance(code: GpuKernelCode, name: str) -> str:
+    """code's entry as name, taking its own parameters (the program's argument
+    slots KernelInfo.params lists: a launch passes only those)."""
     own = f"{code.symbol}_param_"
-    mine = {p: decls[k].strip().rstrip(",") for k, p in enumerate(params)}
-    lines = [f".visible .entry {name}("]
-    for p in range(count):
-        decl = mine[p].replace(f"{own}{params.index(p)}", f"{name}_param_{p}") if p in mine \
-            else f".param .u64 {name}_param_{p}"
-        lines.append("\t" + decl + ("," if p < count - 1 else ""))
-    body = re.sub(rf"\b{re.escape(own)}(\d+)\b", lambda m: f"{name}_param_{params[int(m.group(1))]}", rest)
-    return "\n".join(lines) + "\n)\n" + body.replace(code.symbol, name)
+    return re.sub(rf"\b{re.escape(own)}(\d+)\b", lambda m: f"{name}_param_{m.group(1)}",
+                  code.entry).replace(code.symbol, name)
 
 
 @dataclass
@@ -130,7 +122,6 @@ def build_program(prog: AffineProgram, sched: ProgramSchedule, name: str, config
     buffers, int_slots = buffer_layout(prog, sched.contracted)
     slot = {a.name: k for k, a in enumerate(buffers)}
     int_slot = {s: len(buffers) + k for k, s in enumerate(int_slots)}
-    count = len(buffers) + len(int_slots)
     program_writes = {s.array for s in prog.statements}
     kernels, entries, codes, compiled, k = [], [], {}, 0, 0
     plans = []  # (kernel name, plan)
@@ -156,11 +147,11 @@ def build_program(prog: AffineProgram, sched: ProgramSchedule, name: str, config
             compiled += not reused
             codes.setdefault(code.symbol, code)
             with timer("emit"):
-                entries.append(instance(code, entry, params, count))
-                _entry(module, entry, code.symbol, params, len(buffers), count)
+                entries.append(instance(code, entry))
+                _entry(module, entry, code.symbol, [PTR if p < len(buffers) else I64 for p in params])
             i = code.info
             kernels.append(KernelInfo(entry, i.parallel, tuple(sorted(sched.kernels[k])), i.lanes,
-                                      tuple(arrays[a] for a in i.zeroed), i.strips))
+                                      tuple(arrays[a] for a in i.zeroed), i.strips, params=tuple(params)))
             plans.append((entry, code.mapping))
             k += 1
     header = next(iter(codes.values())).header if codes else ""
@@ -170,15 +161,13 @@ def build_program(prog: AffineProgram, sched: ProgramSchedule, name: str, config
                           "\n".join(c.optimized for c in codes.values()), compiled, mapping_text(plans))
 
 
-def _entry(module: ir.Module, name: str, target: str, params: list[int], buffers: int, count: int) -> None:
-    """name(the program's buffers..., its integers...) calls target with those at params."""
-    types = [PTR if p < buffers else I64 for p in range(count)]
+def _entry(module: ir.Module, name: str, target: str, types: list) -> None:
+    """name(arguments of these types) calls target with them: the kernel's entry in the program."""
     fn = ir.Function(module, ir.FunctionType(ir.VoidType(), types), name)
     fn.calling_convention = "ptx_kernel"
-    callee = module.globals.get(target) or ir.Function(module, ir.FunctionType(ir.VoidType(),
-                                                                               [types[p] for p in params]), target)
+    callee = module.globals.get(target) or ir.Function(module, ir.FunctionType(ir.VoidType(), types), target)
     b = ir.IRBuilder(fn.append_basic_block("entry"))
-    b.call(callee, [fn.args[p] for p in params])
+    b.call(callee, list(fn.args))
     b.ret_void()
 
 

@@ -51,11 +51,14 @@ class Memset:
 
 @dataclass(frozen=True)
 class Launch:
-    """cuLaunchKernel of ``function`` (a CUfunction's address) on a 1-D grid."""
+    """cuLaunchKernel of ``function`` (a CUfunction's address) on a 1-D grid,
+    with the arguments at ``params`` (indices into the slots then the
+    integers; None: all of them)."""
     function: int
     grid: int
     block: int
     what: str
+    params: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -162,10 +165,8 @@ class _Builder:
             b.store(ir.Constant(I64, value), b.gep(self.ints, [ZERO, ir.Constant(I32, k)]))
         places = [self.slot(k) for k in range(plan.slots)] + [b.gep(self.ints, [ZERO, ir.Constant(I32, k)])
                                                               for k in range(len(plan.ints))]
-        params = b.alloca(ir.ArrayType(PTR, max(len(places), 1)))
-        for k, place in enumerate(places):
-            b.store(b.bitcast(place, PTR), b.gep(params, [ZERO, ir.Constant(I32, k)]))
-        self.argv = b.bitcast(params, PTR.as_pointer())
+        self.places, self.argvs = places, {}
+        self.argv = self._argument_block(None)
         for step in plan.steps:
             if isinstance(step, Run):
                 self._run(step)
@@ -244,12 +245,24 @@ class _Builder:
         self.checked(b.call(call, [target, ir.Constant(width, step.value), ir.Constant(I64, step.count),
                                    self.stream]), step.what)
 
+    def _argument_block(self, params: tuple[int, ...] | None) -> ir.Value:
+        """The addresses of the arguments at params (None: all), built once per list."""
+        if params not in self.argvs:
+            b = self.b
+            chosen = self.places if params is None else [self.places[p] for p in params]
+            block = b.alloca(ir.ArrayType(PTR, max(len(chosen), 1)))
+            for k, place in enumerate(chosen):
+                b.store(b.bitcast(place, PTR), b.gep(block, [ZERO, ir.Constant(I32, k)]))
+            self.argvs[params] = b.bitcast(block, PTR.as_pointer())
+        return self.argvs[params]
+
     def _launch(self, step: Launch) -> None:
         b = self.b
         call = self.function("cuLaunchKernel", PTR, I32, I32, I32, I32, I32, I32, I32, PTR, PTR.as_pointer(),
                              PTR.as_pointer())
         dims = [ir.Constant(I32, x) for x in (step.grid, 1, 1, step.block, 1, 1, 0)]
-        self.checked(b.call(call, [ir.Constant(I64, step.function).inttoptr(PTR), *dims, self.stream, self.argv,
+        argv = self._argument_block(step.params)
+        self.checked(b.call(call, [ir.Constant(I64, step.function).inttoptr(PTR), *dims, self.stream, argv,
                                    ir.Constant(PTR.as_pointer(), None)]), step.what)
 
     def _run(self, step: Run) -> None:

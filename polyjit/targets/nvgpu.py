@@ -143,7 +143,8 @@ class NvgpuTarget(Target):
     def plan_fields(self, exe: GpuProgram) -> dict:
         return {"gpu": {"arch": exe.arch, "writes": [[cache.array_json(a) for a in w] for w in exe.writes],
                         "kernels": [[k.lanes, list(k.zeroed), k.strips,
-                                     None if k.library is None else cache.statement_json(k.library)]
+                                     None if k.library is None else cache.statement_json(k.library),
+                                     None if k.params is None else list(k.params)]
                                     for k in exe.kernels]}}
 
     def objects(self, exe: GpuProgram) -> list[bytes]:
@@ -154,13 +155,14 @@ class NvgpuTarget(Target):
         """PTX, loaded on the device at the first call; None (compiled again)
         where the program has library steps and cuBLAS (or cuDNN) does not load here."""
         gpu = plan["gpu"]
-        if any(lib is not None for *_, lib in gpu["kernels"]) and not self.library_available():
+        if any(lib is not None for _, _, _, lib, _ in gpu["kernels"]) and not self.library_available():
             return None
         fields = {"ptx": objects[0].decode(), "arch": gpu["arch"],
                   "writes": [[cache.array_from(a) for a in w] for w in gpu["writes"]]}
         kernels = [KernelInfo(n, par, tuple(st), lanes, tuple(zeroed), strips,
-                              None if lib is None else cache.statement_from(lib))
-                   for (n, par, st), (lanes, zeroed, strips, lib) in zip(plan["kernels"], gpu["kernels"])]
+                              None if lib is None else cache.statement_from(lib),
+                              None if params is None else tuple(params))
+                   for (n, par, st), (lanes, zeroed, strips, lib, params) in zip(plan["kernels"], gpu["kernels"])]
         if any(isinstance(k.library.library, Convolution) for k in kernels if k.library is not None) \
                 and not self.direct_convolutions():
             return None  # (cuDNN's convolutions, where it no longer loads)
