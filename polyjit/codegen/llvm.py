@@ -36,6 +36,7 @@ __all__ = ["BF16", "COMPUTE", "F16", "F32", "F64", "I1", "I8", "I32", "I64", "PT
            "KernelInfo", "Strips", "ast_calls", "ast_children", "ast_uses", "buffer_layout", "kernel_name",
            "static_extent"]
 
+
 @dataclass
 class KernelInfo:
     name: str
@@ -129,8 +130,8 @@ class Emitter(LoopEmission, StripEmission, ValueEmission):
         self.b.position_at_end(body)
         self.in_parallel = False
         self.parallel = False
-        self.strip_start = None
-        self.at = ()  # the path of the node being emitted (LoopEmission.descend)  # (iterator slot, first own iteration) inside a strip with a halo
+        self.strip_start = None  # (iterator slot, first own iteration) inside a strip with a halo
+        self.at = ()  # the path of the node being emitted (LoopEmission.descend)
         self.node(node)
         for ptr in self.freed:
             self.free(ptr)
