@@ -13,6 +13,7 @@ shares memory: no copies.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -994,6 +995,8 @@ def _where(node) -> str:
 def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: CompileOptions, stats: Stats, name: str):
     """Compile an ATen graph: whole if every node is supported, else by partitions."""
     support = _Supported()
+    if options.tf32 is None:  # convolutions as eager's: TF32 where torch allows cuDNN it
+        options = dataclasses.replace(options, tf32=bool(torch.backends.cudnn.allow_tf32))
     where = options.target or ("nvgpu" if any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
                                else "cpu")  # the device the example tensors are on
     unsupported = [n for n in gm.graph.nodes if n.op == "call_function" and not support.is_node_supported({}, n)]

@@ -176,9 +176,11 @@ def size_from(j):
 
 def array_json(a: Array) -> dict:
     return {"name": a.name, "shape": [size_json(s) for s in a.shape], "dtype": a.dtype.value, "kind": a.kind,
-            "strided": a.strided, "index": a.index}
+            "strided": a.strided, "index": a.index,
+            "returned_as": None if a.returned_as is None else [size_json(s) for s in a.returned_as]}
 
 
 def array_from(j: dict) -> Array:
+    view = j.get("returned_as")
     return Array(j["name"], tuple(size_from(s) for s in j["shape"]), DataType(j["dtype"]), j["kind"],
-                 j["strided"], j["index"])
+                 j["strided"], j["index"], None if view is None else tuple(size_from(s) for s in view))

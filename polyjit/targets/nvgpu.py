@@ -108,6 +108,10 @@ class NvgpuTarget(Target):
         from ..cublas import cublas
         return cublas() is not None
 
+    def direct_convolutions(self) -> bool:
+        from ..cudnn import cudnn
+        return cudnn() is not None
+
     # ---------------------------------------------------------------- the compile cache
     def lookup(self, key: str, disk: bool) -> tuple[tuple | None, int]:
         """In this process first, then on disk."""
