@@ -22,6 +22,10 @@ the plan says, and the plans print as a stage of their own
   it); their padded loads read a fill cell rather than select a value;
 - private buffers, on the stack or the heap.
 
+Which loops are vectorized, and how wide, is LLVM's choice after emission
+(codegen.cpu.optimize; every function prefers 512-bit vectors on an
+AVX-512 host, prefer_wide_vectors): no plan names it.
+
 Decisions are keyed by where they sit in the kernel's AST: a path of child
 positions from its root (a block's i-th child, 0 for a loop's body, a
 mark's node and a branch's then, 1 for its else), which the emitter tracks
@@ -93,7 +97,6 @@ class LibraryCall:
     runs whole in each iteration of a parallel loop already shared."""
 
     statement: Any
-
     split: bool
 
     def __str__(self) -> str:
