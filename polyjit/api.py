@@ -128,8 +128,8 @@ class Executable:
             print(prog.ir[stage], file=file)
 
     def ir(self, stage: str) -> str:
-        """One stage's text: graph, affine, schedule, ast, llvm or llvm_opt; on
-        nvgpu also mapping (each kernel's plan) and ptx."""
+        """One stage's text: graph, affine, schedule, ast, mapping (each
+        kernel's plan), llvm or llvm_opt; on nvgpu also ptx."""
         return self.compile_default().ir[stage]
 
 

@@ -24,7 +24,7 @@ def test_stage_seconds_in_stats_and_log(rng, caplog):
     with caplog.at_level(logging.INFO, logger="polyjit"):
         exe = polyjit.compile(ops.softmax, [InputInfo(x.shape, F32)], {"cache": False})
     stages = exe.stats["compile_seconds_by_stage"]
-    assert set(stages) == {"lower", "schedule", "emit", "llvm"} and all(v >= 0 for v in stages.values())
+    assert set(stages) == {"lower", "schedule", "mapping", "emit", "llvm"} and all(v >= 0 for v in stages.values())
     assert sum(stages.values()) <= exe.stats["compile_seconds"]
     assert any("schedule" in r.getMessage() and "llvm" in r.getMessage() for r in caplog.records)
     np.testing.assert_allclose(exe(x), _softmax(x), rtol=1e-5, atol=1e-7)
