@@ -75,6 +75,39 @@ for _keep in (aten.max_pool2d_with_indices.default, aten.max_pool2d_with_indices
     DECOMPOSITIONS.pop(_keep, None)
 
 
+def _encoder_layer(src, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias, use_gelu, norm_first,
+                   eps, norm_weight_1, norm_bias_1, norm_weight_2, norm_bias_2, ffn_weight_1, ffn_bias_1,
+                   ffn_weight_2, ffn_bias_2, mask=None, mask_type=None):
+    """nn.TransformerEncoderLayer's inference fast path (batch first, no
+    grad) as the layer's own steps, which the table covers; with a mask it
+    stays one op (a counted fallback)."""
+    if mask is not None or src.dim() != 3:
+        return NotImplemented
+    F = torch.nn.functional
+    b, t, e = src.shape
+    d = embed_dim // num_heads
+
+    def attention(x):
+        q, k, v = F.linear(x, qkv_weight, qkv_bias).view(b, t, 3, num_heads, d).permute(2, 0, 3, 1, 4).unbind(0)
+        a = torch.softmax(q @ k.transpose(-2, -1) * d ** -0.5, -1) @ v
+        return F.linear(a.transpose(1, 2).reshape(b, t, e), proj_weight, proj_bias)
+
+    def feed_forward(x):
+        h = F.linear(x, ffn_weight_1, ffn_bias_1)
+        return F.linear(F.gelu(h) if use_gelu else F.relu(h), ffn_weight_2, ffn_bias_2)
+
+    def norm(x, w, bias):
+        return F.layer_norm(x, (e,), w, bias, eps)
+    if norm_first:
+        x = src + attention(norm(src, norm_weight_1, norm_bias_1))
+        return x + feed_forward(norm(x, norm_weight_2, norm_bias_2))
+    x = norm(src + attention(src), norm_weight_1, norm_bias_1)
+    return norm(x + feed_forward(x), norm_weight_2, norm_bias_2)
+
+
+DECOMPOSITIONS[aten._transformer_encoder_layer_fwd.default] = _encoder_layer
+
+
 # --------------------------------------------------------------------------
 # The table: ATen op -> polyjit ops. Each entry takes the translation context
 # and the op's arguments (tensors already translated) and returns a Tensor,
