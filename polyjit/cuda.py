@@ -24,7 +24,8 @@ from . import sizes as sz
 from .codegen import launch
 from .codegen.nvgpu import BLOCK
 from .errors import DeviceError, InputError
-from .runtime import POISON, CompiledProgram, RowMajor, poison_fill
+from .runtime import CompiledProgram, RowMajor
+from .runtime.buffers import POISON, poison_fill
 
 WAVES = 2  # grids of this many times the blocks that fit on the device at once
 NATIVE = os.environ.get("POLYJIT_NATIVE_LAUNCH", "1") != "0"  # calls run their steps from host code, not Python

@@ -65,8 +65,8 @@ def test_thread_pool_team_matches(rng):
 
 def test_profile_counts_each_kernels_seconds(rng, monkeypatch):
     """POLYJIT_PROFILE=1: stats["kernel_seconds"] adds up each kernel's time per call."""
-    from polyjit import runtime
-    monkeypatch.setattr(runtime, "PROFILE", True)
+    from polyjit.runtime import program
+    monkeypatch.setattr(program, "PROFILE", True)
     exe = polyjit.compile(lambda x: ops.sum(ops.exp(x), 1) + ops.sum(x * x), [InputInfo([64, 300], F32)],
                           {"target": "cpu", "fusion": "none"})
     x = rng.standard_normal((64, 300), dtype=F32)
