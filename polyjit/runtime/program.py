@@ -19,11 +19,11 @@ import numpy as np
 from .. import sizes as sz
 from ..affine import Array
 from ..codegen import launch
-from ..codegen.cpu import OmpTeam, thread_team
 from ..codegen.llvm import KernelInfo
 from ..errors import InputError
 from ..sizes import Lin
 from .buffers import POISON, new_buffer, poison_fill
+from .threads import OmpTeam, thread_team
 
 PARALLEL_MIN_ELEMENTS = 1 << 15
 PROFILE = os.environ.get("POLYJIT_PROFILE", "") not in ("", "0")  # kernel seconds in stats
