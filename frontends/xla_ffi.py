@@ -16,7 +16,7 @@ import jax
 from llvmlite import ir
 
 from polyjit.codegen.cpu import JitModule
-from polyjit.codegen.launch import string_constant
+from polyjit.runtime.launch import string_constant
 
 c = ctypes
 METADATA_EXTENSION = 1  # XLA_FFI_Extension_Metadata

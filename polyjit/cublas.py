@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from . import sizes as sz
-from .codegen.launch import Arg, Call, LibraryStep
+from .runtime.launch import Arg, Call, LibraryStep
 from .errors import DeviceError
 from .expr import Const, Expr, Op, Var
 

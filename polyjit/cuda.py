@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from . import sizes as sz
-from .codegen import launch
+from .runtime import launch
 from .codegen.nvgpu import BLOCK
 from .errors import DeviceError, InputError
 from .runtime import CompiledProgram, RowMajor

@@ -19,7 +19,7 @@ import threading
 from typing import Any, Mapping
 
 from . import sizes as sz
-from .codegen.launch import Arg, Call, LibraryStep
+from .runtime.launch import Arg, Call, LibraryStep
 from .cublas import candidates
 from .errors import DeviceError
 

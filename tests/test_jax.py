@@ -410,7 +410,7 @@ def test_xla_custom_call_targets_see_buffers_and_report_errors(rng):
     XLA error carrying the message it wrote."""
     import ctypes
 
-    from polyjit.codegen.launch import LAUNCH_T
+    from polyjit.runtime.launch import LAUNCH_T
     from polyjit.frontends import xla_ffi
 
     def floats(ptr, n):

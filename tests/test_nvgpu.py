@@ -365,7 +365,7 @@ def test_native_launcher_fills_the_argument_block_and_reports_failures():
     takes some of the arguments gets a block of just those."""
     import ctypes
 
-    from polyjit.codegen import launch
+    from polyjit.runtime import launch
     c = ctypes
     calls, keep, ctx = [], [], 0x1234
 
@@ -425,7 +425,7 @@ def test_native_launcher_runs_library_steps_holding_its_lock():
     kind, stops the steps and leaves the launcher's lock free."""
     import ctypes as c
 
-    from polyjit.codegen import launch
+    from polyjit.runtime import launch
     calls, keep, fail = [], [], []
 
     def symbol(restype, *argtypes):

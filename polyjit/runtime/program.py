@@ -18,10 +18,10 @@ import numpy as np
 
 from .. import sizes as sz
 from ..affine import Array
-from ..codegen import launch
 from ..codegen.llvm import KernelInfo
 from ..errors import InputError
 from ..sizes import Lin
+from . import launch
 from .buffers import POISON, new_buffer, poison_fill
 from .threads import OmpTeam, thread_team
 
@@ -164,7 +164,7 @@ class CompiledProgram:
 
     def _native_launcher(self, name: str, fresh: dict, input_slots, pointers, ints, steps: list,
                          context: int | None, symbols: dict, returned: dict) -> "launch.NativeLauncher | None":
-        """A plan's launcher (codegen.launch): its call takes the inputs'
+        """A plan's launcher (runtime.launch): its call takes the inputs'
         pointers and one for each of its ``results``, the outputs, then the
         temporaries (``fresh``: name -> (argument slot, shape, dtype)), which
         it poisons first where POLYJIT_POISON asks, then runs ``steps``.
