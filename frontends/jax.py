@@ -32,11 +32,11 @@ from jax.extend import core as jcore
 
 from polyjit import ops
 from polyjit.api import takes_device_arrays
-from polyjit.cuda import GpuView
 from polyjit.dtypes import DataType
 from polyjit.errors import CompileOptionError, InputError, UnsupportedOpError
 from polyjit.options import CompileOptions, parse_options
 from polyjit.runtime import RowMajor
+from polyjit.runtime.gpu_buffers import GpuView
 from polyjit.sizes import Lin
 from polyjit.targets import holding
 

@@ -124,7 +124,7 @@ class ConvStep:
     algorithm and its workspace; run(pointers, stream) queues the call."""
 
     def __init__(self, lib: Cudnn, dev, statement, env: Mapping[str, int], slot: Mapping[str, int]) -> None:
-        from .cuda import DeviceBuffer
+        from .runtime.gpu_buffers import DeviceBuffer
         c = statement.library
         self.lib, self.device, self.what = lib, dev, f"cudnnConvolutionForward ({c.what or statement.name})"
         size = lambda box: [sz.evaluate(s, env) for s in box[2]]  # noqa: E731

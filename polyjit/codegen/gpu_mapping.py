@@ -49,7 +49,7 @@ from .llvm import Strips, ast_calls, ast_children, ast_uses, static_extent
 from .mapping import StripMapping, mapping_text  # noqa: F401 (mapping_text: the GPU stage prints with it)
 
 WARP = 32
-BLOCK = 256  # threads per block (polyjit.cuda launches this many)
+BLOCK = 256  # threads per block (runtime.gpu_program launches this many)
 BLOCK_ROW = 4096  # rows at least this long get a block of lanes rather than a warp
 VECTOR = 4  # consecutive iterations of an elementwise loop per group (16 bytes of float32)
 ROW_GROUPS = 8  # a lane loop of at most this many groups per lane is unrolled whole
@@ -88,7 +88,7 @@ class Vector:
 
 @dataclass
 class Library:
-    """A library statement (which runs alone): a step polyjit.cuda runs through cuBLAS."""
+    """A library statement (which runs alone): a step runtime.gpu_program runs through cuBLAS."""
 
     statement: Any
 

@@ -47,7 +47,7 @@ class KernelInfo:
     strips: bool = False  # nvgpu: strips of a sum, more threads than elements written
     library: Any = None  # nvgpu: the library statement this step runs on the host's stream (no PTX)
     params: tuple[int, ...] | None = None  # nvgpu: the program's argument slots it takes, in order (None: all)
-    fn: Any = None  # cpu: the compiled function, once JIT-compiled (nvgpu kernels load in polyjit.cuda)
+    fn: Any = None  # cpu: the compiled function, once JIT-compiled (nvgpu kernels load in runtime.gpu_program)
 
 
 class Emitter(LoopEmission, StripEmission, ValueEmission):

@@ -375,7 +375,7 @@ class GpuEmitter(_RowEmission, _StripEmission, Emitter):
         """``ptx_kernel void name(ptr buffers..., i64 ints...)``; the body gets
         the thread's global index as its part and the thread count as parts.
         A library statement (which runs alone) is no kernel: a step that
-        polyjit.cuda runs through cuBLAS."""
+        runtime.gpu_program runs through cuBLAS."""
         self.plans.append(plan)
         if isinstance(plan, Library):
             names = statements_in(node)

@@ -17,7 +17,8 @@ from ..codegen.llvm import KernelInfo
 from ..codegen.nvgpu import GpuEmitter, ptx
 from ..compiler import executable, from_plan
 from ..compiler import plan as plan_of
-from ..cuda import GpuProgram, default_ordinal, device
+from ..runtime.cuda import default_ordinal, device
+from ..runtime.gpu_program import GpuProgram
 from ..errors import CompileOptionError, DeviceError
 from ..graph import Graph
 from ..library import Convolution
