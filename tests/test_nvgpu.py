@@ -195,7 +195,7 @@ def run_threads_on_cpu(exe, arrays, grid=3, block=64):
     slots = {b.name: i for i, b in enumerate(prog.buffers)}
     for k in prog.kernels:
         if k.library is not None:  # a library step, cuBLAS's patched to one on host memory, cuDNN's in numpy
-            from polyjit.cublas import GemmStep, cublas
+            from polyjit.runtime.cublas import GemmStep, cublas
             from polyjit.library import Convolution
             if isinstance(k.library.library, Convolution):
                 _host_convolution(k.library.library, bufs)
@@ -566,7 +566,7 @@ def test_direct_convolutions_thread_by_thread(case, rng, monkeypatch):
     convolution is one call on whole arrays: no im2col; a kernel in neither
     of its layouts (HWIO) packed first; an input computed inline (x * 2)
     made an array by a kernel of its own; the epilogue a kernel after it."""
-    from polyjit import cublas, cudnn
+    from polyjit.runtime import cublas, cudnn
     monkeypatch.setattr(cublas, "cublas", lambda: _HostCublas())  # (the floor needs its library present)
     monkeypatch.setattr(cudnn, "cudnn", lambda: True)
     fn, shapes, ref = LIBRARY_CASES[case]
@@ -588,7 +588,7 @@ def test_library_steps_thread_by_thread(case, rng, monkeypatch):
     through column-major, batched along the longest loop) run on host
     memory; the result is the convolution's or product's (cuDNN, where it
     loads, taken away: its convolutions are one call, tested above)."""
-    from polyjit import cublas, cudnn
+    from polyjit.runtime import cublas, cudnn
     monkeypatch.setattr(cublas, "cublas", lambda: _HostCublas())
     monkeypatch.setattr(cudnn, "cudnn", lambda: None)
     fn, shapes, ref = LIBRARY_CASES[case]
@@ -607,7 +607,7 @@ def test_library_steps_thread_by_thread(case, rng, monkeypatch):
 def test_without_cublas_contractions_are_generated(monkeypatch):
     """No libcublas (POLYJIT_CUBLAS names none): the lookup is None, and even
     a forced library contraction compiles to generated kernels."""
-    from polyjit import cublas
+    from polyjit.runtime import cublas
     monkeypatch.setenv("POLYJIT_CUBLAS", "/nonexistent/libcublas.so.13")
     cublas.reset()
     try:

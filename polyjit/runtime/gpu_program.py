@@ -274,9 +274,9 @@ class GpuProgram(CompiledProgram):
     def _library_step(self, k, env: dict, dev: Device, slot: dict):
         """Kernel k's library call (cuBLAS's product, cuDNN's convolution) at
         these sizes, run on the caller's stream."""
-        from ..cublas import GemmStep, cublas
-        from ..cudnn import ConvStep, cudnn
         from ..library import Convolution
+        from .cublas import GemmStep, cublas
+        from .cudnn import ConvStep, cudnn
         direct = isinstance(k.library.library, Convolution)
         lib = cudnn() if direct else cublas()
         if lib is None:

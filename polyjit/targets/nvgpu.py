@@ -110,11 +110,11 @@ class NvgpuTarget(Target):
         return exe
 
     def library_available(self) -> bool:
-        from ..cublas import cublas
+        from ..runtime.cublas import cublas
         return cublas() is not None
 
     def direct_convolutions(self) -> bool:
-        from ..cudnn import cudnn
+        from ..runtime.cudnn import cudnn
         return cudnn() is not None
 
     # ---------------------------------------------------------------- the compile cache

@@ -26,10 +26,10 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from . import sizes as sz
-from .runtime.launch import Arg, Call, LibraryStep
-from .errors import DeviceError
-from .expr import Const, Expr, Op, Var
+from .. import sizes as sz
+from ..errors import DeviceError
+from ..expr import Const, Expr, Op, Var
+from .launch import Arg, Call, LibraryStep
 
 log = logging.getLogger("polyjit.library")
 

@@ -2,7 +2,7 @@
 (polyjit.library.Convolution) as a step of the launch sequence, one
 cudnnConvolutionForward on the caller's stream.
 
-cuDNN is found at run time as cuBLAS is (polyjit.cublas.candidates: the
+cuDNN is found at run time as cuBLAS is (runtime.cublas.candidates: the
 ``libcudnn`` of NVIDIA's wheels, or ``POLYJIT_CUDNN``), bound with ctypes.
 The legacy convolution API takes descriptors of any strides, so channels
 first or last read the arrays as they are. Its math is restricted to FMA
@@ -18,10 +18,10 @@ import logging
 import threading
 from typing import Any, Mapping
 
-from . import sizes as sz
-from .runtime.launch import Arg, Call, LibraryStep
+from .. import sizes as sz
+from ..errors import DeviceError
 from .cublas import candidates
-from .errors import DeviceError
+from .launch import Arg, Call, LibraryStep
 
 log = logging.getLogger("polyjit.library")
 
@@ -124,7 +124,7 @@ class ConvStep:
     algorithm and its workspace; run(pointers, stream) queues the call."""
 
     def __init__(self, lib: Cudnn, dev, statement, env: Mapping[str, int], slot: Mapping[str, int]) -> None:
-        from .runtime.gpu_buffers import DeviceBuffer
+        from .gpu_buffers import DeviceBuffer
         c = statement.library
         self.lib, self.device, self.what = lib, dev, f"cudnnConvolutionForward ({c.what or statement.name})"
         size = lambda box: [sz.evaluate(s, env) for s in box[2]]  # noqa: E731
