@@ -3,7 +3,8 @@
 A :class:`CompiledProgram` checks every argument before any kernel runs, binds
 the size parameters from the argument shapes, allocates outputs and the
 temporaries that were not contracted, and calls each kernel; the parallel
-loop of a kernel is split across the target's thread team (ctypes releases the GIL).
+loop of a kernel is split across the thread team (runtime.threads; ctypes
+releases the GIL).
 """
 from __future__ import annotations
 
