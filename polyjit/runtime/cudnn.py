@@ -14,16 +14,13 @@ workspace belongs to the step.
 from __future__ import annotations
 
 import ctypes
-import logging
 import threading
 from typing import Any, Mapping
 
 from .. import sizes as sz
 from ..errors import DeviceError
-from .cublas import candidates
+from .cublas import candidates, first_loading
 from .launch import Arg, Call, LibraryStep
-
-log = logging.getLogger("polyjit.library")
 
 FLOAT = 0  # cudnnDataType_t
 NCHW, NHWC = 0, 1  # cudnnTensorFormat_t, of a filter
@@ -45,14 +42,7 @@ def cudnn() -> "Cudnn | None":
     global _found
     with _lock:
         if _found is False:
-            _found = None
-            for path in candidates("cudnn", "POLYJIT_CUDNN", ("9", "8")):
-                try:
-                    _found = Cudnn(path)
-                    break
-                except (OSError, AttributeError) as e:
-                    log.debug("no cuDNN at %s: %s", path, e)
-            log.debug("cuDNN: %s", _found.path if _found else "none")
+            _found = first_loading("cuDNN", candidates("cudnn", "POLYJIT_CUDNN", ("9", "8")), Cudnn)
         return _found
 
 
