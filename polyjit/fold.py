@@ -139,7 +139,7 @@ def _folded(n: Node, axes: tuple[int, int], steps) -> Node | None:
     stored = w
     while stored.is_index_transpose:  # (those _scaled made)
         stored = stored.inputs[0]
-    if stored.op != "tensor_constant" and not sz.static_product(w.shape) < (sz.static_product(n.shape) or 0):
+    if not stored.is_source and not sz.static_product(w.shape) < (sz.static_product(n.shape) or 0):
         return None
     out = Node(n.op, (n.inputs[0], w), n.attrs, n.shape, n.dtype)
     if shift is not None:
