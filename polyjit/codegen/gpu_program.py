@@ -32,6 +32,7 @@ from ..schedule import ProgramSchedule, ScheduledGroup
 from .llvm import I64, PTR, KernelInfo, buffer_layout, kernel_name
 from .gpu_mapping import GpuMapper, Library, mapping_text
 from .nvgpu import TRIPLE, GpuEmitter, ptx
+from . import ptx_workers
 from .program import _submit, finish
 
 CODE_CACHE = 4096  # kernels kept per process
@@ -45,9 +46,7 @@ class GpuKernelCode:
     info: KernelInfo  # parallel, lanes, zeroed (the group's array names), strips
     mapping: str  # its plan as printed (the plan holds AST nodes: not kept)
     ir: str
-    # (optimized IR, (PTX header, entry) or None where not in the form instance() copies, seconds),
-    # made on the LLVM thread; None for a cuBLAS step (no PTX)
-    job: Future | None = field(default=None, compare=False)
+    job: Future | None = field(default=None, compare=False)  # (optimized IR, PTX, seconds); None: a cuBLAS step
 
     @property
     def optimized(self) -> str:
@@ -56,8 +55,13 @@ class GpuKernelCode:
     @property
     def parts(self) -> tuple[str, str] | None:
         """(the PTX before the entry: .version, .target, .address_size; the
-        entry's PTX, from ".visible .entry"), or None."""
-        return self.job.result()[1]
+        entry's PTX, from ".visible .entry"), or None where the PTX has more
+        than one entry or anything at module scope (not the form instance() copies)."""
+        text = self.job.result()[1]
+        starts = [m.start() for m in _ENTRY.finditer(text)]
+        if len(starts) != 1 or _SCOPE.search(text[:starts[0]]):
+            return None
+        return text[:starts[0]], text[starts[0]:]
 
 
 _codes: dict[tuple[str, tuple], GpuKernelCode] = {}
@@ -68,8 +72,8 @@ _SCOPE = re.compile(r"^\s*(\.(?:shared|global|const|extern|func|weak)\b)", re.M)
 
 def kernel_code(group: ScheduledGroup, j: int, config: tuple, written: frozenset, timer, variant: tuple = ()) \
         -> tuple[GpuKernelCode, bool]:
-    """Kernel j of group (emitted now, its PTX made on the LLVM thread, or
-    earlier in this process for the same variant, what else chose its
+    """Kernel j of group (emitted now, its PTX made in a worker process or on
+    the LLVM thread, or earlier in this process for the same variant, what else chose its
     schedule: second result True)."""
     arch, sms, tile_sizes = config
     key = hashlib.sha256(f"{group.problem.key}|{config}|{sorted(written)}|{j}".encode()).hexdigest()
@@ -91,7 +95,7 @@ def kernel_code(group: ScheduledGroup, j: int, config: tuple, written: frozenset
         text = str(emitter.module)
     if emitter.kernels[0].library is not None:  # a cuBLAS step: no PTX
         return GpuKernelCode(emitter.symbol, emitter.kernels[0], str(plan), ""), False
-    code = GpuKernelCode(emitter.symbol, emitter.kernels[0], str(plan), text, _submit(_timed_ptx, text, arch))
+    code = GpuKernelCode(emitter.symbol, emitter.kernels[0], str(plan), text, _ptx_job(text, arch))
     with _codes_lock:
         _codes[key, variant] = code
         while len(_codes) > CODE_CACHE:
@@ -99,22 +103,26 @@ def kernel_code(group: ScheduledGroup, j: int, config: tuple, written: frozenset
     return code, False
 
 
-def _timed_ptx(text: str, arch: str) -> tuple[str, tuple[str, str] | None, float]:
-    """On the LLVM thread: the optimized IR, the PTX split before its entry
-    (None where it has more than one entry or anything at module scope), seconds."""
+def _ptx_job(text: str, arch: str) -> Future:
+    """(optimized IR, PTX, seconds) of a kernel's module, made in a worker
+    process where the host has cores to spare, else on the LLVM thread."""
+    return ptx_workers.workers(_on_thread).submit(text, arch)
+
+
+def _on_thread(text: str, arch: str) -> Future:
+    return _submit(_timed_ptx, text, arch)
+
+
+def _timed_ptx(text: str, arch: str) -> tuple[str, str, float]:
     start = time.perf_counter()
     optimized, ptx_text = ptx(text, arch)
-    starts = [m.start() for m in _ENTRY.finditer(ptx_text)]
-    parts = None
-    if len(starts) == 1 and not _SCOPE.search(ptx_text[:starts[0]]):
-        parts = ptx_text[:starts[0]], ptx_text[starts[0]:]
-    return optimized, parts, time.perf_counter() - start
+    return optimized, ptx_text, time.perf_counter() - start
 
 
 class GpuCodeSet:
     """The kernel codes of one program, asked for as its groups are scheduled
-    (of: emission starts, and PTX on the LLVM thread, while isl schedules the
-    next groups) and again as the program is built; those compiled for it
+    (of: emission starts, and PTX in worker processes or on the LLVM thread,
+    while isl schedules the next groups) and again as the program is built; those compiled for it
     (not found in the process's cache) are in ``new``."""
 
     def __init__(self, prog: AffineProgram, config: tuple, timer, variant: tuple = ()) -> None:
