@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from polyjit import ops
-from polyjit.api import Executable
+from polyjit.api import Executable, takes_device_arrays
 from polyjit.cuda import GpuView
 from polyjit.dtypes import DataType
 from polyjit.errors import CompileOptionError, DeviceError, InputError, UnsupportedOpError
@@ -147,6 +147,13 @@ def elementwise(name: str) -> Callable:
     return lambda params, *xs: fn(*xs)
 
 
+def logical(name: str) -> Callable:
+    """The rule of and/or/xor/not: logical on booleans, on the bits of integers
+    (the first operand's dtype decides: a scalar operand follows it)."""
+    logical_op, bits_op = getattr(ops, "logical_" + name), getattr(ops, "bitwise_" + name)
+    return lambda params, *xs: (logical_op if xs[0].dtype == DataType.Bool else bits_op)(*xs)
+
+
 def identity(params, *xs):
     """The rule of an op that passes its operands through (Identity, stop_gradient)."""
     return xs[0] if len(xs) == 1 else list(xs)
@@ -267,7 +274,7 @@ class _Segment:
     def _array(self, x):
         """An argument as the compiled code takes it: GPU arrays stay where they
         are (unless the target is the CPU); the rest as numpy."""
-        if self.exe.options.target != "cpu":
+        if takes_device_arrays(self.exe.options.target):
             view = self.gpu_view(x) if self.gpu_view is not None else None
             if view is not None:
                 return view

@@ -31,16 +31,18 @@ import numpy as np
 from jax.extend import core as jcore
 
 from polyjit import ops
+from polyjit.api import takes_device_arrays
 from polyjit.cuda import GpuView
 from polyjit.dtypes import DataType
 from polyjit.errors import CompileOptionError, InputError, UnsupportedOpError
 from polyjit.options import CompileOptions, parse_options
 from polyjit.runtime import RowMajor
 from polyjit.sizes import Lin
+from polyjit.targets import holding
 
 from . import xla_ffi
 from .common import (Const, Op, SegmentedProgram, Stats, Value, check_execution_backend, core_dtype, elementwise,
-                     identity, internal_failure, static_value)
+                     identity, internal_failure, logical, static_value)
 
 SCAN_UNROLL_LIMIT = 64  # longest static scan (fori_loop) unrolled into the program
 # Results up to this size come from glibc's heap, reused (its dynamic mmap threshold
@@ -58,14 +60,6 @@ def _to_jax(o, device):
 
 def _is_gpu_result(o) -> bool:
     return hasattr(o, "__dlpack__") and not isinstance(o, (np.ndarray, jax.Array))
-
-
-def _logical(name: str):
-    """and/or/xor/not: logical on booleans, bitwise on integers."""
-    def rule(p, *xs):
-        kind = "logical_" if all(x.dtype == DataType.Bool for x in xs) else "bitwise_"
-        return getattr(ops, kind + name)(*xs)
-    return rule
 
 
 def _nextafter(p, x, y):
@@ -433,7 +427,7 @@ PRIMITIVES: dict[str, Callable] = {
         ("lt", "lt"), ("le", "le"), ("gt", "gt"), ("ge", "ge"), ("shift_left", "shift_left"),
         ("shift_right_logical", "shift_right_logical"), ("shift_right_arithmetic", "shift_right_arithmetic")]},
     "div": lambda p, a, b: (ops.div if a.dtype.is_float else ops.trunc_divide)(a, b),
-    "and": _logical("and"), "or": _logical("or"), "xor": _logical("xor"), "not": _logical("not"),
+    **{name: logical(name) for name in ("and", "or", "xor", "not")},
     "integer_pow": _integer_pow,
     "square": lambda p, x: x * x,
     "one_minus_square": lambda p, x: 1 - x * x,
@@ -766,8 +760,9 @@ class JaxFunction:
             where = ", ".join(f"{_path(tree, leaves, k)} on {d}" for k, d in devices.items())
             raise InputError(f"{self.__name__}: inputs must be all on the host or all on one device; got {where} "
                              f"and {host} host arrays")
-        if platforms - {"cpu"} and self.options.target == "cpu":
-            raise InputError(f"{self.__name__}: arguments are on {platforms.pop()}, but target 'cpu' runs on the host")
+        if platforms - {"cpu"} and not takes_device_arrays(self.options.target):
+            raise InputError(f"{self.__name__}: arguments are on {platforms.pop()}, but target "
+                             f"{self.options.target!r} runs on the host")
         return out
 
     # ------------------------------------------------------------- programs
@@ -855,11 +850,10 @@ class JaxFunction:
     def _custom_call_device(self, device) -> int | str | None:
         """Where this function's calls on JAX's ``device`` run as XLA custom
         calls: "cpu", a GPU's ordinal, or None (the target is the other one)."""
-        if device.platform == "cpu" and self.options.target in (None, "cpu"):
-            return "cpu"
-        if device.platform == "gpu" and self.options.target in (None, "nvgpu"):
-            return device.local_hardware_id
-        return None
+        gpu = device.platform == "gpu"
+        if device.platform not in ("cpu", "gpu") or self.options.target not in (None, holding(gpu)):
+            return None
+        return device.local_hardware_id if gpu else "cpu"
 
     def _custom_call(self, prog: SegmentedProgram, where: int | str, direct: bool = False) -> Callable | None:
         """The program as a jitted JAX function whose one step is an XLA custom
@@ -893,7 +887,7 @@ class JaxFunction:
         if seg is None or seg.aliases or len(made) != len(seg.outputs) or any(v not in made for v in outs):
             return None  # (a result returned twice, as gradients of x and y in x + y are, is one array)
         exe = seg.exe.variant((False,) * len(seg.exe.graph.inputs),  # for row-major arrays, as XLA's are
-                              "cpu" if where == "cpu" else "nvgpu")
+                              holding(where != "cpu"))
         position = {id(v): k for k, v in enumerate(prog.invars)}
         take = [position[id(v)] for v in seg.inputs]
         name = f"polyjit_{exe.name}_{next(_target_ids)}"  # XLA keeps every target for the process

@@ -13,6 +13,7 @@ shares memory: no copies.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -30,7 +31,7 @@ from torch.fx.passes.operator_support import OperatorSupport
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from polyjit import ops
-from polyjit.api import Executable
+from polyjit.api import Executable, takes_device_arrays
 from polyjit.cuda import GpuView
 from polyjit.dtypes import DataType
 from polyjit.errors import InputError, UnsupportedOpError
@@ -38,8 +39,10 @@ from polyjit.graph import Graph
 from polyjit.options import CompileOptions, parse_options
 from polyjit import sizes as sz
 from polyjit.sizes import Lin
+from polyjit.targets import holding
 
-from .common import USER_ERRORS, Stats, check_execution_backend, fallback, internal_failure
+from .common import (USER_ERRORS, Stats, check_execution_backend, elementwise, fallback, internal_failure,
+                     logical)
 
 log = logging.getLogger("polyjit.torch")
 aten = torch.ops.aten
@@ -88,49 +91,27 @@ def _reg(*targets):
     return deco
 
 
-def _scalar_op(op):
-    return lambda cx, a, b, *rest, **kw: op(a, b)
-
-
-for _name, _op in [("add", ops.add), ("sub", ops.sub), ("mul", ops.mul), ("div", ops.div),
-                   ("maximum", ops.maximum), ("minimum", ops.minimum), ("eq", ops.eq), ("ne", ops.ne),
-                   ("lt", ops.lt), ("le", ops.le), ("gt", ops.gt), ("ge", ops.ge),
-                   ("logical_and", ops.logical_and), ("logical_or", ops.logical_or),
-                   ("logical_xor", ops.logical_xor), ("atan2", ops.atan2), ("remainder", ops.remainder),
-                   ("fmod", ops.fmod), ("copysign", ops.copysign), ("hypot", ops.hypot),
-                   ("logaddexp2", ops.logaddexp2), ("fmax", ops.fmax), ("fmin", ops.fmin)]:
+# elementwise: the ATen op -> the core op of that name (unless renamed)
+_RENAMED = {"erfinv": "erf_inv"}
+for _name in ("add", "sub", "mul", "div", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge",
+              "logical_and", "logical_or", "logical_xor", "atan2", "remainder", "fmod", "copysign", "hypot",
+              "logaddexp2", "fmax", "fmin"):
     _packet = getattr(aten, _name)
     for _ov in ("Tensor", "Scalar", "default"):
         if hasattr(_packet, _ov):
-            ATEN[getattr(_packet, _ov)] = _scalar_op(_op)
+            ATEN[getattr(_packet, _ov)] = elementwise(_name)
 
-for _name, _op in [("neg", ops.neg), ("abs", ops.abs), ("exp", ops.exp), ("log", ops.log),
-                   ("log1p", ops.log1p), ("expm1", ops.expm1), ("sqrt", ops.sqrt), ("rsqrt", ops.rsqrt),
-                   ("sin", ops.sin), ("cos", ops.cos), ("tan", ops.tan), ("tanh", ops.tanh),
-                   ("erf", ops.erf), ("erfc", ops.erfc), ("sigmoid", ops.sigmoid), ("floor", ops.floor), ("ceil", ops.ceil),
-                   ("round", ops.round), ("sign", ops.sign), ("reciprocal", ops.reciprocal),
-                   ("relu", ops.relu), ("logical_not", ops.logical_not), ("isnan", ops.isnan),
-                   ("isinf", ops.isinf), ("lgamma", ops.lgamma), ("digamma", ops.digamma),
-                   ("exp2", ops.exp2), ("log2", ops.log2), ("log10", ops.log10), ("trunc", ops.trunc),
-                   ("signbit", ops.signbit), ("erfinv", ops.erf_inv), ("asin", ops.asin), ("acos", ops.acos),
-                   ("atan", ops.atan), ("sinh", ops.sinh), ("cosh", ops.cosh), ("asinh", ops.asinh),
-                   ("acosh", ops.acosh), ("atanh", ops.atanh)]:
-    ATEN[getattr(aten, _name).default] = (lambda op: lambda cx, a: op(a))(_op)
-
-
-def _bitwise(name: str):
-    """torch's bitwise ops: logical on booleans, on the bits of integers."""
-    logical, bits = getattr(ops, "logical_" + name), getattr(ops, "bitwise_" + name)
-    if name == "not":
-        return lambda cx, a: (logical if a.dtype == DataType.Bool else bits)(a)
-    return lambda cx, a, b: (logical if a.dtype == DataType.Bool else bits)(a, b)
-
+for _name in ("neg", "abs", "exp", "log", "log1p", "expm1", "sqrt", "rsqrt", "sin", "cos", "tan", "tanh", "erf",
+              "erfc", "sigmoid", "floor", "ceil", "round", "sign", "reciprocal", "relu", "logical_not", "isnan",
+              "isinf", "lgamma", "digamma", "exp2", "log2", "log10", "trunc", "signbit", "erfinv", "asin", "acos",
+              "atan", "sinh", "cosh", "asinh", "acosh", "atanh"):
+    ATEN[getattr(aten, _name).default] = elementwise(_RENAMED.get(_name, _name))
 
 for _name in ("and", "or", "xor", "not"):
     _packet = getattr(aten, "bitwise_" + _name)
     for _ov in ("Tensor", "Scalar", "default"):
         if hasattr(_packet, _ov):
-            ATEN[getattr(_packet, _ov)] = _bitwise(_name)
+            ATEN[getattr(_packet, _ov)] = logical(_name)
 for _ov in (aten.bitwise_left_shift.Tensor, aten.__lshift__.Scalar, aten.__lshift__.Tensor):
     ATEN[_ov] = lambda cx, a, b: ops.shift_left(a, b)
 for _ov in (aten.bitwise_right_shift.Tensor, aten.__rshift__.Scalar, aten.__rshift__.Tensor):
@@ -180,21 +161,13 @@ def _round_decimals(cx, x, decimals=0):
     return ops.round(x * scale) / scale if decimals >= 0 else ops.round(x / scale) * scale
 
 
-@_reg(aten.clamp.default, aten.clamp.Tensor)
-def _clamp(cx, x, min=None, max=None):
-    if min is not None:
-        x = ops.maximum(x, min)
-    if max is not None:
-        x = ops.minimum(x, max)
-    return x
-
-
-ATEN[aten.clamp_min.default] = lambda cx, x, v: ops.maximum(x, v)
-ATEN[aten.clamp_max.default] = lambda cx, x, v: ops.minimum(x, v)
+ATEN[aten.clamp.default] = ATEN[aten.clamp.Tensor] = lambda cx, x, min=None, max=None: ops.clamp(x, min, max)
+ATEN[aten.clamp_min.default] = lambda cx, x, v: ops.clamp(x, v)
+ATEN[aten.clamp_max.default] = lambda cx, x, v: ops.clamp(x, None, v)
 ATEN[aten.where.self] = lambda cx, c, a, b: ops.where(c, a, b)
 ATEN[aten.where.ScalarSelf] = ATEN[aten.where.ScalarOther] = ATEN[aten.where.Scalar] = ATEN[aten.where.self]
 ATEN[aten.leaky_relu.default] = lambda cx, x, slope=0.01: ops.leaky_relu(x, slope)
-ATEN[aten.hardtanh.default] = lambda cx, x, lo=-1.0, hi=1.0: ops.minimum(ops.maximum(x, lo), hi)
+ATEN[aten.hardtanh.default] = lambda cx, x, lo=-1.0, hi=1.0: ops.clamp(x, lo, hi)
 
 
 @_reg(prims.convert_element_type.default)
@@ -366,18 +339,15 @@ def _dims(x, dims):
     return [dims] if isinstance(dims, int) else list(dims)
 
 
-@_reg(aten.sum.dim_IntList, aten.sum.default)
-def _sum(cx, x, dims=None, keepdim=False, dtype=None):
-    if dtype is not None:
-        x = ops.cast(x, cx.dtype(dtype))
-    return ops.sum(x, _dims(x, dims), keepdim)
+def _in(cx, x, dtype):
+    """x in the dtype a reduction's ``dtype=`` asks for (None: its own)."""
+    return ops.cast(x, cx.dtype(dtype)) if dtype is not None else x
 
 
-@_reg(aten.mean.dim, aten.mean.default)
-def _mean(cx, x, dims=None, keepdim=False, dtype=None):
-    if dtype is not None:
-        x = ops.cast(x, cx.dtype(dtype))
-    return ops.mean(x, _dims(x, dims), keepdim)
+ATEN[aten.sum.dim_IntList] = ATEN[aten.sum.default] = lambda cx, x, dims=None, keepdim=False, dtype=None: ops.sum(
+    _in(cx, x, dtype), _dims(x, dims), keepdim)
+ATEN[aten.mean.dim] = ATEN[aten.mean.default] = lambda cx, x, dims=None, keepdim=False, dtype=None: ops.mean(
+    _in(cx, x, dtype), _dims(x, dims), keepdim)
 
 
 ATEN[aten.amax.default] = lambda cx, x, dims=(), keepdim=False: ops.max(x, _dims(x, dims), keepdim)
@@ -399,13 +369,11 @@ ATEN[aten.all.dim] = ATEN[aten.all.dims] = lambda cx, x, dim=None, keepdim=False
     x, _dims(x, dim), keepdim)
 ATEN[aten.any.default] = lambda cx, x: ops.reduce_any(x)
 ATEN[aten.all.default] = lambda cx, x: ops.reduce_all(x)
-ATEN[aten.cumsum.default] = lambda cx, x, dim, dtype=None: ops.cumsum(
-    ops.cast(x, cx.dtype(dtype)) if dtype is not None else x, dim)
+ATEN[aten.cumsum.default] = lambda cx, x, dim, dtype=None: ops.cumsum(_in(cx, x, dtype), dim)
 ATEN[aten.sort.default] = lambda cx, x, dim=-1, descending=False: ops.sort(x, dim, descending)
 ATEN[aten.sort.stable] = lambda cx, x, *, stable=None, dim=-1, descending=False: ops.sort(x, dim, descending)
 ATEN[aten.topk.default] = lambda cx, x, k, dim=-1, largest=True, sorted=True: ops.topk(x, k, dim, largest)
-ATEN[aten.cumprod.default] = lambda cx, x, dim, dtype=None: ops.cumprod(
-    ops.cast(x, cx.dtype(dtype)) if dtype is not None else x, dim)
+ATEN[aten.cumprod.default] = lambda cx, x, dim, dtype=None: ops.cumprod(_in(cx, x, dtype), dim)
 
 
 @_reg(aten.var_mean.correction, aten.var.correction)
@@ -669,8 +637,7 @@ def _index_add(cx, x, dim, index, src, alpha=1):
 def _full(cx, shape, value, dtype=None):
     dt = cx.dtype(dtype) if dtype is not None else (
         DataType.Float if isinstance(value, float) else DataType.Bool if isinstance(value, bool) else DataType.Int)
-    c = cx.graph.constant(value, dt)
-    return ops.Tensor(cx.graph, cx.graph.broadcast_in_dim(c, tuple(cx.sizes(shape)), []))
+    return ops.full(cx.sizes(shape), value, dt, like=cx.anchor())
 
 
 ATEN[aten.full.default] = lambda cx, shape, value, dtype=None, **kw: _full(cx, shape, value, dtype)
@@ -821,6 +788,7 @@ class _Translation:
 
 
 def translate(gm: torch.fx.GraphModule) -> _Translation:
+    """An ATen graph as a polyjit graph, node by node through :data:`ATEN`."""
     cx = _Context()
     env: dict[torch.fx.Node, Any] = {}
     tensor_inputs = []
@@ -862,30 +830,37 @@ def translate(gm: torch.fx.GraphModule) -> _Translation:
             cx.target, cx.node = node.target, node
             env[node] = fn(cx, *args, **kwargs)
         elif node.op == "output":
-            outs = []
-            flat = node.args[0] if isinstance(node.args[0], (tuple, list)) else (node.args[0],)
-            for o in flat:
-                v = env[o] if isinstance(o, torch.fx.Node) else o
-                if isinstance(v, ops.Tensor) and v.node.op == "input" and v.node.attrs["name"] != "seed":
-                    outs.append(("input", input_pos[v.node.id]))
-                elif isinstance(v, ops.Tensor):
-                    cx.graph.add_output(v.node)
-                    outs.append(("tensor", len(cx.graph.outputs) - 1))
-                elif isinstance(v, Lin):  # a size saved for the backward graph
-                    missing = sorted(v.base_params() - set(symbols))
-                    if missing:
-                        raise UnsupportedOpError(f"the output size {v} depends on sizes {missing} of no input")
-                    outs.append(("size", v))
-                else:
-                    outs.append(("const", v))
-            asserts = []
-            for cond, msg in cx.asserts:
-                cx.graph.add_output(cond.node)
-                asserts.append((len(cx.graph.outputs) - 1, msg))
-            return _Translation(cx.graph, tensor_inputs, cx.seed_index, outs, symbols, asserts)
+            return _outputs(cx, node, env, tensor_inputs, input_pos, symbols)
         else:
             raise UnsupportedOpError(f"FX node kind {node.op}")
     raise UnsupportedOpError("graph without output")
+
+
+def _outputs(cx: _Context, node: torch.fx.Node, env: dict, tensor_inputs: list[int], input_pos: dict[int, int],
+             symbols: dict[str, tuple]) -> _Translation:
+    """The translation of a graph whose output node is ``node``: each result
+    a graph output, an input handed back, a size or a constant."""
+    outs = []
+    flat = node.args[0] if isinstance(node.args[0], (tuple, list)) else (node.args[0],)
+    for o in flat:
+        v = env[o] if isinstance(o, torch.fx.Node) else o
+        if isinstance(v, ops.Tensor) and v.node.op == "input" and v.node.attrs["name"] != "seed":
+            outs.append(("input", input_pos[v.node.id]))
+        elif isinstance(v, ops.Tensor):
+            cx.graph.add_output(v.node)
+            outs.append(("tensor", len(cx.graph.outputs) - 1))
+        elif isinstance(v, Lin):  # a size saved for the backward graph
+            missing = sorted(v.base_params() - set(symbols))
+            if missing:
+                raise UnsupportedOpError(f"the output size {v} depends on sizes {missing} of no input")
+            outs.append(("size", v))
+        else:
+            outs.append(("const", v))
+    asserts = []
+    for cond, msg in cx.asserts:
+        cx.graph.add_output(cond.node)
+        asserts.append((len(cx.graph.outputs) - 1, msg))
+    return _Translation(cx.graph, tensor_inputs, cx.seed_index, outs, symbols, asserts)
 
 
 class CompiledGraph:
@@ -903,7 +878,7 @@ class CompiledGraph:
         arrays, index = [], None
         for k in self.t.tensor_inputs:
             a = args[k]
-            if a.is_cuda and self.options.target != "cpu":  # through its pointer: no detached tensor object
+            if a.is_cuda and takes_device_arrays(self.options.target):  # through its pointer: no detached tensor object
                 arrays.append(_gpu_view(a))
                 index = a.get_device()
             elif a.is_cpu:
@@ -994,8 +969,10 @@ def _where(node) -> str:
 def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: CompileOptions, stats: Stats, name: str):
     """Compile an ATen graph: whole if every node is supported, else by partitions."""
     support = _Supported()
-    where = options.target or ("nvgpu" if any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
-                               else "cpu")  # the device the example tensors are on
+    if options.tf32 is None:  # convolutions as eager's: TF32 where torch allows cuDNN it
+        options = dataclasses.replace(options, tf32=bool(torch.backends.cudnn.allow_tf32))
+    where = options.target or holding(any(isinstance(x, torch.Tensor) and x.is_cuda
+                                          for x in example_inputs))  # the device the example tensors are on
     unsupported = [n for n in gm.graph.nodes if n.op == "call_function" and not support.is_node_supported({}, n)]
     if not unsupported:
         try:

@@ -112,79 +112,103 @@ def _offset(struct, *fields: str) -> int:
     return total
 
 
+I8, I32, I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+PTR = I8.as_pointer()
+NULL = ir.Constant(PTR, None)
+
+
 def _handler_module(name: str, platform: str, launch: int, args: int, rets: int) -> ir.Module:
     """XLA_FFI_Error *name(XLA_FFI_CallFrame *frame): answers XLA's metadata
     query, checks the buffer counts, reads the buffers' pointers and the
     stream, calls launch and turns its failure into an XLA error."""
-    i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
-    ptr = i8.as_pointer()
-    mod = ir.Module(name=name)
-    fn = ir.Function(mod, ir.FunctionType(ptr, [ptr]), name)
-    frame, = fn.args
-    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    h = _Handler(name)
+    b, frame = h.b, h.frame
+    message = b.bitcast(b.alloca(ir.ArrayType(I8, MESSAGE_BYTES)), PTR)
+    api = h.load(frame, _offset(_CallFrame, "api"))
+    h.answer_metadata()
+    lists = [h.buffers(api, which, count) for which, count in (("args", args), ("rets", rets))]
+    stream = h.stream(api) if platform != "cpu" else NULL
+    run = b.inttoptr(ir.Constant(I64, launch), ir.FunctionType(
+        I32, [PTR.as_pointer(), PTR.as_pointer(), PTR, PTR, I64]).as_pointer())
+    code = b.call(run, [*lists, stream, message, ir.Constant(I64, MESSAGE_BYTES)])
+    with b.if_then(b.icmp_unsigned("!=", code, ir.Constant(I32, 0)), likely=False):
+        h.error(api, message)
+    b.ret(NULL)
+    return h.mod
 
-    def at(base, offset: int, ty: ir.Type) -> ir.Value:  # a typed pointer to base + offset bytes
-        return b.bitcast(b.gep(base, [ir.Constant(i64, offset)]), ty.as_pointer())
 
-    def load(base, offset: int, ty: ir.Type = ptr) -> ir.Value:
-        return b.load(at(base, offset, ty))
+class _Handler:
+    """A handler's IR being built: XLA's structs read and written at their
+    ctypes declarations' offsets."""
 
-    def struct(kind, *values: tuple[str, ir.Value]) -> ir.Value:  # a zeroed struct on the stack, fields set
-        place = b.alloca(ir.ArrayType(i64, -(-c.sizeof(kind) // 8)))
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.mod = ir.Module(name=name)
+        fn = ir.Function(self.mod, ir.FunctionType(PTR, [PTR]), name)
+        self.frame, = fn.args
+        self.b = ir.IRBuilder(fn.append_basic_block("entry"))
+
+    def at(self, base, offset: int, ty: ir.Type) -> ir.Value:
+        """A typed pointer to base + offset bytes."""
+        return self.b.bitcast(self.b.gep(base, [ir.Constant(I64, offset)]), ty.as_pointer())
+
+    def load(self, base, offset: int, ty: ir.Type = PTR) -> ir.Value:
+        return self.b.load(self.at(base, offset, ty))
+
+    def struct(self, kind, *values: tuple[str, ir.Value]) -> ir.Value:
+        """A zeroed struct on the stack, its size and these fields set."""
+        b = self.b
+        place = b.alloca(ir.ArrayType(I64, -(-c.sizeof(kind) // 8)))
         b.store(ir.Constant(place.type.pointee, None), place)
-        raw = b.bitcast(place, ptr)
-        b.store(ir.Constant(i64, c.sizeof(kind)), at(raw, 0, i64))
+        raw = b.bitcast(place, PTR)
+        b.store(ir.Constant(I64, c.sizeof(kind)), self.at(raw, 0, I64))
         for field, v in values:
-            b.store(v, at(raw, _offset(kind, field), v.type))
+            b.store(v, self.at(raw, _offset(kind, field), v.type))
         return raw
 
-    message = b.bitcast(b.alloca(ir.ArrayType(i8, MESSAGE_BYTES)), ptr)
-    api = load(frame, _offset(_CallFrame, "api"))
+    def error(self, api: ir.Value, text: ir.Value) -> None:
+        """Return XLA's error carrying text."""
+        create = self.load(api, _offset(_Api, "error_create"))
+        args = self.struct(_ErrorArgs, ("message", text), ("code", ir.Constant(I32, ERROR_UNKNOWN)))
+        self.b.ret(self.b.call(self.b.bitcast(create, ir.FunctionType(PTR, [PTR]).as_pointer()), [args]))
 
-    def error(text: ir.Value) -> None:  # return XLA's error carrying text
-        create = load(api, _offset(_Api, "error_create"))
-        args_ = struct(_ErrorArgs, ("message", text), ("code", ir.Constant(i32, ERROR_UNKNOWN)))
-        b.ret(b.call(b.bitcast(create, ir.FunctionType(ptr, [ptr]).as_pointer()), [args_]))
+    def text(self, value: str) -> ir.Value:
+        return string_constant(self.mod, f"{self.name}.s{len(self.mod.global_values)}", value).bitcast(PTR)
 
-    def text(value: str) -> ir.Value:
-        return string_constant(mod, f"{name}.s{len(mod.global_values)}", value).bitcast(ptr)
+    def answer_metadata(self) -> None:
+        """XLA asks once, at registration, which API version the handler speaks."""
+        b = self.b
+        ext = self.load(self.frame, _offset(_CallFrame, "extension_start"))
+        with b.if_then(b.icmp_unsigned("!=", ext, NULL), likely=False):
+            with b.if_then(b.icmp_unsigned("==", self.load(ext, _offset(_Extension, "type"), I32),
+                                           ir.Constant(I32, METADATA_EXTENSION))):
+                meta = self.load(ext, _offset(_MetadataExtension, "metadata"))
+                for field, v in zip(("major", "minor"), API_VERSION):
+                    b.store(ir.Constant(I32, v), self.at(meta, _offset(_Metadata, "api_version", field), I32))
+                b.store(ir.Constant(I32, 0), self.at(meta, _offset(_Metadata, "traits"), I32))  # no command buffers
+                b.ret(NULL)
 
-    # XLA asks once, at registration, which API version the handler speaks
-    ext = load(frame, _offset(_CallFrame, "extension_start"))
-    with b.if_then(b.icmp_unsigned("!=", ext, ir.Constant(ptr, None)), likely=False):
-        with b.if_then(b.icmp_unsigned("==", load(ext, _offset(_Extension, "type"), i32),
-                                       ir.Constant(i32, METADATA_EXTENSION))):
-            meta = load(ext, _offset(_MetadataExtension, "metadata"))
-            for field, v in zip(("major", "minor"), API_VERSION):
-                b.store(ir.Constant(i32, v), at(meta, _offset(_Metadata, "api_version", field), i32))
-            b.store(ir.Constant(i32, 0), at(meta, _offset(_Metadata, "traits"), i32))  # no command buffers
-            b.ret(ir.Constant(ptr, None))
-
-    lists = []
-    for which, count in (("args", args), ("rets", rets)):
-        size = load(frame, _offset(_CallFrame, which, "size"), i64)
-        with b.if_then(b.icmp_unsigned("!=", size, ir.Constant(i64, count)), likely=False):
-            error(text(f"polyjit custom call {name}: XLA passed a number of {which} other than {count}"))
-        items = load(frame, _offset(_CallFrame, which, "items"))
-        pointers = b.alloca(ptr, max(count, 1))
+    def buffers(self, api: ir.Value, which: str, count: int) -> ir.Value:
+        """The data pointers of the call's ``which`` (args or rets) buffers, as
+        an array on the stack, once their number is checked."""
+        b = self.b
+        size = self.load(self.frame, _offset(_CallFrame, which, "size"), I64)
+        with b.if_then(b.icmp_unsigned("!=", size, ir.Constant(I64, count)), likely=False):
+            self.error(api, self.text(f"polyjit custom call {self.name}: XLA passed a number of {which} "
+                                      f"other than {count}"))
+        items = self.load(self.frame, _offset(_CallFrame, which, "items"))
+        pointers = b.alloca(PTR, max(count, 1))
         for k in range(count):
-            buffer = load(items, 8 * k)
-            b.store(load(buffer, _offset(_Buffer, "data")), b.gep(pointers, [ir.Constant(i32, k)]))
-        lists.append(pointers)
+            buffer = self.load(items, 8 * k)
+            b.store(self.load(buffer, _offset(_Buffer, "data")), b.gep(pointers, [ir.Constant(I32, k)]))
+        return pointers
 
-    stream = ir.Constant(ptr, None)
-    if platform != "cpu":
-        query = struct(_StreamArgs, ("ctx", load(frame, _offset(_CallFrame, "ctx"))))
-        get = b.bitcast(load(api, _offset(_Api, "stream_get")), ir.FunctionType(ptr, [ptr]).as_pointer())
+    def stream(self, api: ir.Value) -> ir.Value:
+        """XLA's stream for this call (XLA's error returned if it has none)."""
+        b = self.b
+        query = self.struct(_StreamArgs, ("ctx", self.load(self.frame, _offset(_CallFrame, "ctx"))))
+        get = b.bitcast(self.load(api, _offset(_Api, "stream_get")), ir.FunctionType(PTR, [PTR]).as_pointer())
         failed = b.call(get, [query])
-        with b.if_then(b.icmp_unsigned("!=", failed, ir.Constant(ptr, None)), likely=False):
+        with b.if_then(b.icmp_unsigned("!=", failed, NULL), likely=False):
             b.ret(failed)
-        stream = load(query, _offset(_StreamArgs, "stream"))
-
-    run = b.inttoptr(ir.Constant(i64, launch), ir.FunctionType(
-        i32, [ptr.as_pointer(), ptr.as_pointer(), ptr, ptr, i64]).as_pointer())
-    code = b.call(run, [*lists, stream, message, ir.Constant(i64, MESSAGE_BYTES)])
-    with b.if_then(b.icmp_unsigned("!=", code, ir.Constant(i32, 0)), likely=False):
-        error(message)
-    b.ret(ir.Constant(ptr, None))
-    return mod
+        return self.load(query, _offset(_StreamArgs, "stream"))

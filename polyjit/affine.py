@@ -28,10 +28,12 @@ class Array:
     kind: str  # 'input' | 'output' | 'temp' | 'const'
     strided: bool = False  # strides are runtime arguments, not derived from the shape
     index: int = -1  # position among the inputs / outputs / constants
+    returned_as: tuple[Size, ...] | None = None  # an output handed out reshaped (a view, no copy)
 
     def __str__(self) -> str:
         shape = ", ".join(map(str, self.shape))
-        return f"{self.kind} {self.dtype} {self.name}[{shape}]{' strided' if self.strided else ''}"
+        view = f" as [{', '.join(map(str, self.returned_as))}]" if self.returned_as is not None else ""
+        return f"{self.kind} {self.dtype} {self.name}[{shape}]{' strided' if self.strided else ''}{view}"
 
 
 class Role(enum.Enum):

@@ -24,6 +24,12 @@ from .sizes import Lin
 from .targets import HOST, TARGETS, holding
 
 
+def takes_device_arrays(target: str | None) -> bool:
+    """Whether programs compiled with compile option ``target`` (None: for
+    the device holding the arrays) may take arrays in device memory."""
+    return target is None or TARGETS[target].device_arrays
+
+
 @dataclass(frozen=True)
 class InputInfo:
     """An input's shape and dtype. A dimension is an int (static), -1 or a
@@ -122,8 +128,8 @@ class Executable:
             print(prog.ir[stage], file=file)
 
     def ir(self, stage: str) -> str:
-        """One stage's text: graph, affine, schedule, ast, llvm or llvm_opt; on
-        nvgpu also mapping (each kernel's plan) and ptx."""
+        """One stage's text: graph, affine, schedule, ast, mapping (each
+        kernel's plan), llvm or llvm_opt; on nvgpu also ptx."""
         return self.compile_default().ir[stage]
 
 

@@ -6,8 +6,9 @@ attribute values by repr), the program's name, the options that change
 code, the target (the host's triple, CPU and features; a GPU's sm_XX and
 multiprocessor count) and the versions of polyjit (with a
 digest of its sources), llvmlite and islpy. It holds the plan as JSON
-(arrays, integer slots, kernels, stats, IR texts) and the object files,
-never pickles, behind a SHA-256 of its contents: a truncated or corrupted
+(arrays, integer slots, kernels, stats, IR texts; a GPU program's library
+steps as their statements, statement_json) and the object files, never
+pickles, behind a SHA-256 of its contents: a truncated or corrupted
 entry is found, removed, warned about and compiled again. Writes go to a
 temporary file renamed into place, so readers see whole entries and two
 processes writing one key both succeed. Past ``POLYJIT_CACHE_BYTES``
@@ -18,6 +19,7 @@ or ``~/.cache/polyjit``); ``compile_options={"cache": False}`` skips it.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -31,9 +33,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .affine import Array
+from . import expr as E
+from .affine import Array, Role, Statement
 from .dtypes import DataType
 from .graph import Graph
+from .library import CALLS
 from .sizes import Lin
 
 log = logging.getLogger("polyjit.cache")
@@ -176,9 +180,91 @@ def size_from(j):
 
 def array_json(a: Array) -> dict:
     return {"name": a.name, "shape": [size_json(s) for s in a.shape], "dtype": a.dtype.value, "kind": a.kind,
-            "strided": a.strided, "index": a.index}
+            "strided": a.strided, "index": a.index,
+            "returned_as": None if a.returned_as is None else [size_json(s) for s in a.returned_as]}
 
 
 def array_from(j: dict) -> Array:
+    view = j.get("returned_as")
     return Array(j["name"], tuple(size_from(s) for s in j["shape"]), DataType(j["dtype"]), j["kind"],
-                 j["strided"], j["index"])
+                 j["strided"], j["index"], None if view is None else tuple(size_from(s) for s in view))
+
+
+def expr_json(e: E.Expr) -> list:
+    """An expression as nested lists: [kind, dtype, ...]; its constants as
+    JSON numbers (read back as the same ints, floats or bools)."""
+    if isinstance(e, E.Const):
+        v = e.value.item() if isinstance(e.value, np.generic) else e.value
+        if not isinstance(v, (bool, int, float)):
+            raise TypeError(f"a constant {v!r} of type {type(v).__name__} in an expression")
+        return ["c", e.dtype.value, v]
+    if isinstance(e, E.Var):
+        return ["v", e.dtype.value, e.name, e.kind]
+    if isinstance(e, E.Load):
+        return ["l", e.dtype.value, e.array, [expr_json(i) for i in e.index]]
+    if isinstance(e, E.Op):
+        return ["o", e.dtype.value, e.op, [expr_json(a) for a in e.args]]
+    raise TypeError(f"not an expression: {e!r}")
+
+
+def expr_from(j: list) -> E.Expr:
+    kind, dt = j[0], DataType(j[1])
+    if kind == "c":
+        return E.Const(dt, j[2])
+    if kind == "v":
+        return E.Var(dt, j[2], j[3])
+    if kind == "l":
+        return E.Load(dt, j[2], tuple(expr_from(i) for i in j[3]))
+    if kind == "o":
+        return E.Op(dt, j[2], tuple(expr_from(a) for a in j[3]))
+    raise ValueError(f"not an expression: {j!r}")
+
+
+# the classes a library statement is made of, by name: only these are read back (never code from an entry)
+_CLASSES = {c.__name__: c for c in (Statement, Role, *CALLS)}
+
+
+def statement_json(s: Statement):
+    """A statement (a library step: its iterators, bounds, call with its
+    boxes and sizes) as JSON, field by field: expressions, sizes, tuples,
+    the call's class and the statement's role tagged, so that statement_from
+    gives back an equal statement."""
+    return _value_json(s)
+
+
+def statement_from(j) -> Statement:
+    return _value_from(j)
+
+
+def _value_json(v):
+    if isinstance(v, E.Expr):
+        return {"expr": expr_json(v)}
+    if isinstance(v, Lin):
+        return {"size": size_json(v)}
+    if isinstance(v, tuple):
+        return {"tuple": [_value_json(x) for x in v]}
+    if isinstance(v, np.generic):
+        v = v.item()
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    cls = _CLASSES.get(type(v).__name__)
+    if cls is not type(v):
+        raise TypeError(f"the compile cache cannot write a {type(v).__name__} (not in polyjit.library.CALLS)")
+    if isinstance(v, Role):
+        return {"enum": cls.__name__, "value": v.value}
+    return {"class": cls.__name__, "fields": {f.name: _value_json(getattr(v, f.name))
+                                              for f in dataclasses.fields(v)}}
+
+
+def _value_from(j):
+    if not isinstance(j, dict):
+        return j
+    if "expr" in j:
+        return expr_from(j["expr"])
+    if "size" in j:
+        return size_from(j["size"])
+    if "tuple" in j:
+        return tuple(_value_from(x) for x in j["tuple"])
+    if "enum" in j:
+        return _CLASSES[j["enum"]](j["value"])
+    return _CLASSES[j["class"]](**{k: _value_from(v) for k, v in j["fields"].items()})

@@ -23,10 +23,11 @@ import logging
 import os
 import sys
 import threading
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from . import sizes as sz
-from .codegen.launch import GEMM_SYMBOLS, Gemm, GemmCall
+from .codegen.launch import Arg, Call, LibraryStep
 from .errors import DeviceError
 from .expr import Const, Expr, Op, Var
 
@@ -39,18 +40,19 @@ _found: Any = False
 _lock = threading.Lock()
 
 
-def _candidates() -> list[str]:
-    """Where libcublas may be: POLYJIT_CUBLAS (a path; "none" for no library),
-    NVIDIA's wheels in each site-packages folder, then the loader's path."""
-    given = os.environ.get("POLYJIT_CUBLAS")
+def candidates(lib: str, variable: str, versions: tuple[str, ...]) -> list[str]:
+    """Where an NVIDIA library (lib: "cublas", "cudnn") may be: the path in
+    the environment variable (a path; "none" for no library), NVIDIA's wheels
+    in each site-packages folder, then the loader's path."""
+    given = os.environ.get(variable)
     if given is not None:
         return [] if given.lower() in ("", "0", "none") else [given]
     found = []
     for base in dict.fromkeys(p for p in sys.path if p and os.path.isdir(os.path.join(p, "nvidia"))):
-        for pattern in ("nvidia/*/lib*/libcublas.so*", "nvidia/*/*/lib*/libcublas.so*"):
+        for pattern in (f"nvidia/*/lib*/lib{lib}.so*", f"nvidia/*/*/lib*/lib{lib}.so*"):
             found += sorted(glob.glob(os.path.join(base, pattern)), reverse=True)
-    name = ctypes.util.find_library("cublas")
-    return found + ([name] if name else []) + [f"libcublas.so.{v}" for v in _VERSIONS]
+    name = ctypes.util.find_library(lib)
+    return found + ([name] if name else []) + [f"lib{lib}.so.{v}" for v in versions]
 
 
 def cublas() -> "Cublas | None":
@@ -59,7 +61,7 @@ def cublas() -> "Cublas | None":
     with _lock:
         if _found is False:
             _found = None
-            for path in _candidates():
+            for path in candidates("cublas", "POLYJIT_CUBLAS", _VERSIONS):
                 try:
                     _found = Cublas(path)
                     break
@@ -128,11 +130,6 @@ class Cublas:
         self.check(self.set_math(ptr, DEFAULT_MATH), "cublasSetMathMode")
         return ptr.value
 
-    def symbols(self) -> dict[str, int]:
-        """The addresses of the functions a native Gemm step calls (launch.GEMM_SYMBOLS)."""
-        return {name: ctypes.cast(fn, ctypes.c_void_p).value
-                for name, fn in zip(GEMM_SYMBOLS, (self.set_stream, self.gemm))}
-
 
 # ------------------------------------------------------------------ steps
 def _value(e: Expr, env: Mapping[str, int]) -> int:
@@ -149,6 +146,17 @@ def _value(e: Expr, env: Mapping[str, int]) -> int:
         if e.op in ops:
             return ops[e.op]()
     raise ValueError(f"not an integer index expression: {e}")
+
+
+@dataclass(frozen=True)
+class GemmCall:
+    """One cublasSgemmStridedBatched of a GemmStep: the argument slots and
+    element offsets of its three matrices (in the column-major call's order),
+    their batch strides and the batch count."""
+    slots: tuple[int, int, int]
+    offsets: tuple[int, int, int]
+    strides: tuple[int, int, int]
+    batch: int
 
 
 class GemmStep:
@@ -199,9 +207,21 @@ class GemmStep:
                 lib.check(lib.gemm(h, ta, tb, m, n, k, lib.alpha, a, lda, c.strides[0], b, ldb, c.strides[1],
                                    lib.beta, out, ldc, c.strides[2], c.batch), self.what)
 
-    def native(self, handle: int) -> Gemm:
+    def native(self, handle: int) -> LibraryStep:
         """These calls as a native launcher's step, through ``handle``."""
-        return Gemm(handle, self.shape, self.lds, tuple(self.calls), self.lib.alpha, self.lib.beta, self.what)
+        lib = self.lib
+        address = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value  # noqa: E731
+        i32 = lambda v: Arg("i32", v)  # noqa: E731
+        ta, tb, m, n, k = self.shape
+        lda, ldb, ldc = self.lds
+        h, alpha, beta = Arg("ptr", handle), Arg("ptr", lib.alpha), Arg("ptr", lib.beta)
+        calls = [Call(address(lib.set_stream), (h, Arg("stream")), f"cublasSetStream ({self.what})")]
+        for c in self.calls:
+            a, b, out = (Arg("slot", s, 4 * o) for s, o in zip(c.slots, c.offsets))
+            sa, sb, sc = (Arg("i64", x) for x in c.strides)
+            calls.append(Call(address(lib.gemm), (h, i32(ta), i32(tb), i32(m), i32(n), i32(k), alpha, a, i32(lda), sa,
+                                                  b, i32(ldb), sb, beta, out, i32(ldc), sc, i32(c.batch)), self.what))
+        return LibraryStep(tuple(calls), "cuBLAS status")
 
     def __repr__(self) -> str:
         return f"GemmStep({self.what}, {len(self.calls)} calls)"

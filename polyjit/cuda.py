@@ -184,6 +184,12 @@ class DeviceBuffer:
     def data_ptr(self) -> int:
         return self.ptr
 
+    def reshape(self, shape: tuple[int, ...]) -> "DeviceBuffer":
+        """The same memory in another shape of as many elements; it keeps this buffer alive."""
+        view = object.__new__(DeviceBuffer)
+        view.__dict__.update(self.__dict__, shape=tuple(shape), base=self)
+        return view
+
     @property
     def __cuda_array_interface__(self) -> dict:
         return {"shape": self.shape, "typestr": self.dtype.str, "data": (self.ptr, False),
@@ -445,17 +451,17 @@ class GpuProgram(CompiledProgram):
                 pointers[slot] = _data_ptr(buf)
                 if POISON and shape:
                     poison(pointers[slot], math.prod(shape) * dt.itemsize, dt.kind, stream)
-            for fn, grid, block, what, zeroed in plan.launches:
+            for (fn, grid, block, what, zeroed), argv in zip(plan.launches, plan.argv):
                 if not block:  # a library call
                     fn.run(pointers, stream)
                     continue
                 for slot, nbytes in zeroed:
                     check(cu.cuMemsetD8Async(pointers[slot], 0, nbytes, s), "cuMemsetD8Async")
-                result = cu.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, 0, s, plan.argv, 0)
+                result = cu.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, 0, s, argv, 0)
                 if result[0] is not _SUCCESS:
                     check(result, what)
         self.stats["intermediate_bytes"] = plan.temp_bytes
-        outs = [made[n] for n in self.output_arrays]
+        outs = self._hand_out(made, plan.returned)
         if host:
             return [o.numpy(stream) for o in outs]
         del keep, made  # stream-ordered frees: the kernels above still see the memory
@@ -472,24 +478,22 @@ class GpuProgram(CompiledProgram):
         return self._launcher(plan, name)
 
     def _launcher(self, plan: "_Plan", name: str) -> launch.NativeLauncher | None:
-        """A plan's steps as host code; library steps get a cuBLAS handle of their own."""
+        """A plan's steps as host code; its library steps get handles of their own
+        (one per library), freed with it."""
         steps: list = []
-        symbols = _symbols()
-        handle = None
-        for fn, grid, block, what, zeroed in plan.launches:
+        handles: dict = {}  # library -> its handle for this launcher
+        for (fn, grid, block, what, zeroed), k in zip(plan.launches, self.kernels):
             if not block:  # a library call
-                if handle is None:
-                    lib = fn.lib
-                    handle = lib.new_handle(plan.device)
-                    symbols.update(lib.symbols())
-                steps.append(fn.native(handle))
+                if fn.lib not in handles:
+                    handles[fn.lib] = fn.lib.new_handle(plan.device)
+                steps.append(fn.native(handles[fn.lib]))
                 continue
             steps += [launch.Memset(slot, 0, nbytes, 1, f"zeroing for {what}") for slot, nbytes in zeroed]
-            steps.append(launch.Launch(int(fn), grid, block, what))
+            steps.append(launch.Launch(int(fn), grid, block, what, k.params))
         launcher = self._native_launcher(name, {n: (slot, shape, dt) for slot, n, shape, dt in plan.fresh},
                                          plan.input_slots, plan.pointers, plan.ints, steps,
-                                         int(plan.device.context), symbols)
-        if handle is not None:
+                                         int(plan.device.context), _symbols(), plan.returned)
+        for lib, handle in handles.items():
             if launcher is None:
                 lib.destroy(handle)
             else:
@@ -594,20 +598,32 @@ class GpuProgram(CompiledProgram):
                     if k.library is None else (self._library_step(k, env, dev, slot), 0, 0, k.name, [])
                     for i, k in enumerate(self.kernels)]
         plan = _Plan(dev, not any(v is not None for v in views), fresh, launches, temp_bytes,
-                     [slot[spec.name] for spec in self.inputs], pointers, (ctypes.c_int64 * max(len(ints), 1))(*ints))
+                     [slot[spec.name] for spec in self.inputs], pointers, (ctypes.c_int64 * max(len(ints), 1))(*ints),
+                     self.returned_shapes(env))
         places = [ctypes.addressof(plan.pointers) + 8 * i for i in range(len(self.buffers))]
         places += [ctypes.addressof(plan.ints) + 8 * i for i in range(len(ints))]
-        plan.block = (ctypes.c_void_p * max(len(places), 1))(*places)
-        plan.argv = ctypes.addressof(plan.block)
+        blocks = {None: (ctypes.c_void_p * max(len(places), 1))(*places)}  # a kernel's arguments, by its params
+        for k in self.kernels:
+            if k.params is not None and k.params not in blocks:
+                blocks[k.params] = (ctypes.c_void_p * max(len(k.params), 1))(*(places[p] for p in k.params))
+        plan.blocks = blocks
+        plan.argv = [ctypes.addressof(blocks[k.params]) for k in self.kernels]
         self._remember(key, plan)
         return plan
 
     def _library_step(self, k, env: dict, dev: Device, slot: dict):
-        """Kernel k's library call (cuBLAS) at these sizes, run on the caller's stream."""
+        """Kernel k's library call (cuBLAS's product, cuDNN's convolution) at
+        these sizes, run on the caller's stream."""
         from .cublas import GemmStep, cublas
-        lib = cublas()
+        from .cudnn import ConvStep, cudnn
+        from .library import Convolution
+        direct = isinstance(k.library.library, Convolution)
+        lib = cudnn() if direct else cublas()
         if lib is None:
-            raise DeviceError(f"{self.name} calls cuBLAS ({k.name}), which no longer loads here")
+            raise DeviceError(f"{self.name} calls {'cuDNN' if direct else 'cuBLAS'} ({k.name}), which no longer "
+                              "loads here")
+        if direct:
+            return ConvStep(lib, dev, k.library, env, slot)
         return GemmStep(lib, dev, k.library, env, {b.name: b for b in self.buffers}, slot)
 
     def _functions(self, dev: Device) -> dict:
@@ -647,8 +663,9 @@ class _Plan:
     input_slots: list  # the argument slot of each input
     pointers: Any  # the kernels' arguments: buffer pointers (inputs and fresh set at each call),
     ints: Any  # and integers (sizes, strides), fixed for the plan
-    block: Any = None  # the address of each argument, as cuLaunchKernel takes them
-    argv: int = 0
+    returned: dict  # outputs handed out reshaped: name -> shape
+    blocks: Any = None  # the address of each argument, as cuLaunchKernel takes them: per parameter list
+    argv: list = field(default_factory=list)  # each kernel's (its block's address)
     lock: Any = field(default_factory=threading.Lock)
     native: "_Native | bool | None" = None  # the native launcher's call (None: not built yet; False: none)
 

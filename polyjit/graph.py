@@ -77,20 +77,20 @@ def _norm_axis(axis: int, rank: int, what: str = "axis") -> int:
     return axis % wrap
 
 
-class Graph:
-    """A tensor program under construction: inputs, nodes, outputs.
+def _accumulated(op: str, dt: DataType) -> DataType:
+    """The type a reduction by op accumulates dt in: sums and products of
+    booleans and int32 in int64, as torch's do."""
+    return DataType.Int if op in scalar.WIDENING and dt in (DataType.Bool, DataType.Int32) else dt
 
-    Symbolic sizes that must be equal (operands of an elementwise op) are
-    unified here; the runtime checks the equalities that remain.
-    """
 
-    def __init__(self) -> None:
-        self.inputs: list[Node] = []
-        self.outputs: list[Node] = []
-        self.aliases: dict[str, str] = {}
-        self.constraints: list[tuple[Size, Size]] = []
+class _Shapes:
+    """Sizes and broadcasting: symbolic sizes that must be equal (operands
+    of an elementwise op) are unified here; the runtime checks the
+    equalities that remain."""
 
-    # ---------------------------------------------------------------- sizes
+    aliases: dict[str, str]
+    constraints: list[tuple[Size, Size]]
+
     def resolve(self, s: Size) -> Size:
         if not isinstance(s, Lin):
             return s
@@ -113,111 +113,6 @@ class Graph:
             return a
         self.constraints.append((a, b))
         return b if sz.is_static(b) else a
-
-    # --------------------------------------------------------------- leaves
-    def input(self, shape: Sequence[Size], dtype, name: str | None = None,
-              strided: bool = False) -> Node:
-        idx = len(self.inputs)
-        n = Node("input", (), {"index": idx, "name": name or f"T{idx}", "strided": strided},
-                 tuple(shape), to_dtype(dtype))
-        self.inputs.append(n)
-        return n
-
-    def constant(self, value, dtype=None) -> Node:
-        dt = to_dtype(dtype) if dtype is not None else scalar_dtype(value)
-        return Node("constant", (), {"value": _py(value, dt), "weak": dtype is None}, (), dt)
-
-    def size_value(self, s: Size) -> Node:
-        """A size's value as an int64 scalar: a window's flat position in an
-        image of any width multiplies by the width."""
-        if sz.is_static(s):
-            return self.constant(int(s))
-        return Node("size", (), {"size": s}, (), DataType.Int)
-
-    def tensor_constant(self, array) -> Node:
-        arr = np.ascontiguousarray(array)
-        return Node("tensor_constant", (), {"value": arr}, tuple(arr.shape), to_dtype(arr.dtype))
-
-    def iota(self, shape: Sequence[Size], dim: int, dtype=DataType.Int) -> Node:
-        dim = _norm_axis(dim, len(shape), "iota dimension")
-        if not shape:  # a 0-d tensor's one position
-            return self.constant(0, dtype)
-        return Node("iota", (), {"dim": dim}, tuple(shape), to_dtype(dtype))
-
-    def rand_uniform(self, shape: Sequence[Size], seed: Node, offset: int = 0,
-                     dtype=DataType.Float) -> Node:
-        """Counter-based (Philox 4x32-10) uniform numbers in [0, 1)."""
-        if seed.rank != 0 or not seed.dtype.is_int:
-            raise DefinitionError("rand_uniform: the seed must be an integer scalar")
-        return Node("rand_uniform", (seed,), {"offset": int(offset)}, tuple(shape),
-                    to_dtype(dtype))
-
-    # ----------------------------------------------------------- elementwise
-    def unary(self, op: str, x: Node) -> Node:
-        if op not in UNARY_OPS:
-            raise DefinitionError(f"unknown unary op {op!r}")
-        kind = scalar.OPS[op].kind
-        if kind == "bits" and not x.dtype.is_int:
-            raise DefinitionError(f"{op} needs an integer operand, got {x.dtype}")
-        if kind == "logical":
-            x = self.cast(x, DataType.Bool)
-        elif kind == "float" and not x.dtype.is_float:
-            x = self.cast(x, DataType.Float)
-        return Node(op, (x,), {}, x.shape, DataType.Bool if scalar.OPS[op].result_bool else x.dtype)
-
-    def binary(self, op: str, a: Node, b: Node) -> Node:
-        if op not in BINARY_OPS:
-            raise DefinitionError(f"unknown binary op {op!r}")
-        dt = self._result_dtype(a, b)
-        kind = scalar.OPS[op].kind
-        if kind == "bits" and not dt.is_int:
-            raise DefinitionError(f"{op} needs integer operands, got {a.dtype} and {b.dtype}")
-        if kind == "float" and not dt.is_float:
-            dt = DataType.Float
-        a, b = self.cast(a, dt), self.cast(b, dt)
-        a, b = self.broadcast_pair(a, b, op)
-        if kind == "logical":
-            a, b = self.cast(a, DataType.Bool), self.cast(b, DataType.Bool)
-        return Node(op, (a, b), {}, a.shape, DataType.Bool if scalar.OPS[op].result_bool else dt)
-
-    def where(self, cond: Node, a: Node, b: Node) -> Node:
-        dt = self._result_dtype(a, b)
-        cond = self.cast(cond, DataType.Bool)
-        a, b = self.cast(a, dt), self.cast(b, dt)
-        shape = self._broadcast_shape([cond.shape, a.shape, b.shape], "where")
-        cond, a, b = (self.expand(t, shape) for t in (cond, a, b))
-        return Node("where", (cond, a, b), {}, shape, dt)
-
-    def bitcast(self, x: Node, dtype) -> Node:
-        """The same bits read as another type of the same size (float32 <-> uint32)."""
-        dt = to_dtype(dtype)
-        if dt.itemsize != x.dtype.itemsize or DataType.Bool in (dt, x.dtype) or dt.compute != dt \
-                or x.dtype.compute != x.dtype:
-            raise DefinitionError(f"bitcast from {x.dtype} to {dt}: only between 32- or 64-bit types")
-        return x if dt == x.dtype else Node("bitcast", (x,), {}, x.shape, dt)
-
-    def random_bits(self, key: Node, shape: Sequence[Size]) -> Node:
-        """JAX's threefry random bits: uint32 per element from a uint32[2] key."""
-        if key.dtype is not DataType.UInt32 or tuple(key.shape) != (2,):
-            raise DefinitionError(f"random_bits: the key must be uint32[2], got {key.dtype}{list(key.shape)}")
-        return Node("random_bits", (key,), {}, tuple(shape), DataType.UInt32)
-
-    def cast(self, x: Node, dtype) -> Node:
-        dt = to_dtype(dtype)
-        if dt == x.dtype:
-            return x
-        if x.op == "constant":
-            return self.constant(x.attrs["value"], dt)
-        return Node("cast", (x,), {}, x.shape, dt)
-
-    def _result_dtype(self, a: Node, b: Node) -> DataType:
-        wa = a.op == "size" or a.op == "constant" and a.attrs.get("weak")
-        wb = b.op == "size" or b.op == "constant" and b.attrs.get("weak")
-        if wa and not wb:
-            return promote_weak(b.dtype, a.dtype)
-        if wb and not wa:
-            return promote_weak(a.dtype, b.dtype)
-        return promote(a.dtype, b.dtype)
 
     def _broadcast_shape(self, shapes, what: str) -> tuple[Size, ...]:
         rank = max(len(s) for s in shapes)
@@ -244,7 +139,11 @@ class Graph:
         off = len(shape) - x.rank
         return self.broadcast_in_dim(x, shape, list(range(off, len(shape))))
 
-    # ---------------------------------------------------------------- layout
+
+class _LayoutOps:
+    """The core ops that move elements: broadcast, reshape, transpose, slice,
+    pad, concatenate, reverse."""
+
     def broadcast_in_dim(self, x: Node, shape: Sequence[Size], dims: Sequence[int]) -> Node:
         shape, dims = tuple(shape), tuple(int(d) % max(len(shape), 1) for d in dims)
         if len(dims) != x.rank:
@@ -336,32 +235,35 @@ class Graph:
             return x
         return Node("reverse", (x,), {"axes": axes}, x.shape, x.dtype)
 
+
+class _StructuredOps:
+    """The core ops with structure beyond one element per element:
+    reductions, windows, contractions, gathers and scatters."""
+
     # ------------------------------------------------------------ reductions
     def reduce(self, op: str, x: Node, axes: Sequence[int] | None, keepdim: bool = False) -> Node:
         if op not in REDUCTIONS:
             raise DefinitionError(f"unknown reduction {op!r}")
         axes = tuple(range(x.rank)) if axes is None else \
             tuple(sorted({_norm_axis(a, x.rank) for a in axes} if x.rank else ()))  # a 0-d tensor: nothing to combine
-        dt = x.dtype
-        if op in ("sum", "prod") and dt in (DataType.Bool, DataType.Int32):
-            dt = DataType.Int
-        if dt in (DataType.Half, DataType.BFloat16) and op in ("sum", "prod"):
+        dt = _accumulated(op, x.dtype)
+        if dt in (DataType.Half, DataType.BFloat16) and op in scalar.WIDENING:
             inner = self.reduce(op, self.cast(x, DataType.Float), axes, keepdim)
             return self.cast(inner, dt)
         x = self.cast(x, dt)
         shape = tuple((1 if d in axes else s) for d, s in enumerate(x.shape) if keepdim or d not in axes)
-        if op in ("sum", "prod", "max", "min") and all(x.shape[d] == 1 for d in axes):
+        if all(x.shape[d] == 1 for d in axes):
             return self.reshape(x, shape)  # nothing to combine (JAX sums a gradient's unit axes away)
         return Node("reduce", (x,), {"op": op, "axes": axes, "keepdim": keepdim}, shape, dt)
 
     def argreduce(self, op: str, x: Node, axis: int, keepdim: bool = False) -> Node:
         """Index of the first extreme value (of the first NaN, if any), as core ops."""
-        if op not in ("argmax", "argmin"):
+        if op not in scalar.ARG_REDUCTIONS:
             raise DefinitionError(f"unknown arg-reduction {op!r}")
         axis = _norm_axis(axis, x.rank)
         if x.rank == 0:  # the position of a 0-d tensor's one element
             return self.iota((), 0)
-        ext = self.reduce("max" if op == "argmax" else "min", x, [axis], keepdim=True)
+        ext = self.reduce(scalar.ARG_REDUCTIONS[op], x, [axis], keepdim=True)
         hit = self.binary("eq", x, ext)
         if x.dtype.is_float:
             hit = self.binary("logical_or", hit, self.unary("isnan", x))
@@ -372,12 +274,10 @@ class Graph:
     def cumulative(self, op: str, x: Node, axis: int) -> Node:
         """Running sum, product, maximum or minimum along axis; sums and
         products of booleans and int32 accumulate in int64, as torch's do."""
-        if op not in ("sum", "prod", "max", "min"):
+        if op not in REDUCTIONS:
             raise DefinitionError(f"cumulative: op {op!r} is not one of sum, prod, max, min")
         axis = _norm_axis(axis, x.rank)
-        dt = x.dtype
-        if op in ("sum", "prod") and x.dtype in (DataType.Bool, DataType.Int32):
-            dt = DataType.Int
+        dt = _accumulated(op, x.dtype)
         if x.rank == 0:  # a 0-d tensor's one element
             return self.cast(x, dt)
         return Node("cumulative", (self.cast(x, dt),), {"op": op, "axis": axis}, x.shape, dt)
@@ -389,7 +289,7 @@ class Graph:
                       padding: Sequence[tuple[int, int]] | None = None,
                       dilation: Sequence[int] | None = None) -> Node:
         """Windowed reduction (pooling); padded cells hold the op's identity."""
-        if op not in ("sum", "max", "min"):
+        if op not in scalar.WINDOW_REDUCTIONS:
             raise DefinitionError(f"reduce_window: unknown op {op!r}")
         r = x.rank
         padding = list(padding) if padding is not None else [(0, 0)] * r
@@ -491,7 +391,7 @@ class Graph:
         """op's identity in shape, with src combined in by op (sum, prod, max,
         min) at index along axis: with sum, gather's adjoint (index_add, or
         with along=True torch.scatter_add)."""
-        if op not in ("sum", "prod", "max", "min"):
+        if op not in REDUCTIONS:
             raise DefinitionError(f"scatter: unknown op {op!r}")
         shape = tuple(shape)
         axis = _norm_axis(axis, len(shape))
@@ -512,6 +412,124 @@ class Graph:
             for d, (a, b) in enumerate(zip(want, src.shape)):
                 self.unify(a, b, f"scatter, src dimension {d}")
         return Node("scatter", (index, src), {"axis": axis, "along": along, "op": op}, shape, src.dtype)
+
+
+class Graph(_Shapes, _LayoutOps, _StructuredOps):
+    """A tensor program under construction: inputs, nodes, outputs.
+
+    Symbolic sizes that must be equal (operands of an elementwise op) are
+    unified here; the runtime checks the equalities that remain.
+    """
+
+    def __init__(self) -> None:
+        self.inputs: list[Node] = []
+        self.outputs: list[Node] = []
+        self.aliases: dict[str, str] = {}
+        self.constraints: list[tuple[Size, Size]] = []
+
+    # --------------------------------------------------------------- leaves
+    def input(self, shape: Sequence[Size], dtype, name: str | None = None,
+              strided: bool = False) -> Node:
+        idx = len(self.inputs)
+        n = Node("input", (), {"index": idx, "name": name or f"T{idx}", "strided": strided},
+                 tuple(shape), to_dtype(dtype))
+        self.inputs.append(n)
+        return n
+
+    def constant(self, value, dtype=None) -> Node:
+        dt = to_dtype(dtype) if dtype is not None else scalar_dtype(value)
+        return Node("constant", (), {"value": _py(value, dt), "weak": dtype is None}, (), dt)
+
+    def size_value(self, s: Size) -> Node:
+        """A size's value as an int64 scalar: a window's flat position in an
+        image of any width multiplies by the width."""
+        if sz.is_static(s):
+            return self.constant(int(s))
+        return Node("size", (), {"size": s}, (), DataType.Int)
+
+    def tensor_constant(self, array) -> Node:
+        arr = np.ascontiguousarray(array)
+        return Node("tensor_constant", (), {"value": arr}, tuple(arr.shape), to_dtype(arr.dtype))
+
+    def iota(self, shape: Sequence[Size], dim: int, dtype=DataType.Int) -> Node:
+        dim = _norm_axis(dim, len(shape), "iota dimension")
+        if not shape:  # a 0-d tensor's one position
+            return self.constant(0, dtype)
+        return Node("iota", (), {"dim": dim}, tuple(shape), to_dtype(dtype))
+
+    def rand_uniform(self, shape: Sequence[Size], seed: Node, offset: int = 0,
+                     dtype=DataType.Float) -> Node:
+        """Counter-based (Philox 4x32-10) uniform numbers in [0, 1)."""
+        if seed.rank != 0 or not seed.dtype.is_int:
+            raise DefinitionError("rand_uniform: the seed must be an integer scalar")
+        return Node("rand_uniform", (seed,), {"offset": int(offset)}, tuple(shape),
+                    to_dtype(dtype))
+
+    # ----------------------------------------------------------- elementwise
+    def unary(self, op: str, x: Node) -> Node:
+        if op not in UNARY_OPS:
+            raise DefinitionError(f"unknown unary op {op!r}")
+        kind = scalar.OPS[op].kind
+        if kind == "bits" and not x.dtype.is_int:
+            raise DefinitionError(f"{op} needs an integer operand, got {x.dtype}")
+        if kind == "logical":
+            x = self.cast(x, DataType.Bool)
+        elif kind == "float" and not x.dtype.is_float:
+            x = self.cast(x, DataType.Float)
+        return Node(op, (x,), {}, x.shape, DataType.Bool if scalar.OPS[op].result_bool else x.dtype)
+
+    def binary(self, op: str, a: Node, b: Node) -> Node:
+        if op not in BINARY_OPS:
+            raise DefinitionError(f"unknown binary op {op!r}")
+        dt = self._result_dtype(a, b)
+        kind = scalar.OPS[op].kind
+        if kind == "bits" and not dt.is_int:
+            raise DefinitionError(f"{op} needs integer operands, got {a.dtype} and {b.dtype}")
+        if kind == "float" and not dt.is_float:
+            dt = DataType.Float
+        a, b = self.cast(a, dt), self.cast(b, dt)
+        a, b = self.broadcast_pair(a, b, op)
+        if kind == "logical":
+            a, b = self.cast(a, DataType.Bool), self.cast(b, DataType.Bool)
+        return Node(op, (a, b), {}, a.shape, DataType.Bool if scalar.OPS[op].result_bool else dt)
+
+    def where(self, cond: Node, a: Node, b: Node) -> Node:
+        dt = self._result_dtype(a, b)
+        cond = self.cast(cond, DataType.Bool)
+        a, b = self.cast(a, dt), self.cast(b, dt)
+        shape = self._broadcast_shape([cond.shape, a.shape, b.shape], "where")
+        cond, a, b = (self.expand(t, shape) for t in (cond, a, b))
+        return Node("where", (cond, a, b), {}, shape, dt)
+
+    def bitcast(self, x: Node, dtype) -> Node:
+        """The same bits read as another type of the same size (float32 <-> uint32)."""
+        dt = to_dtype(dtype)
+        if dt.itemsize != x.dtype.itemsize or DataType.Bool in (dt, x.dtype) or dt.compute != dt \
+                or x.dtype.compute != x.dtype:
+            raise DefinitionError(f"bitcast from {x.dtype} to {dt}: only between 32- or 64-bit types")
+        return x if dt == x.dtype else Node("bitcast", (x,), {}, x.shape, dt)
+
+    def random_bits(self, key: Node, shape: Sequence[Size]) -> Node:
+        """JAX's threefry random bits: uint32 per element from a uint32[2] key."""
+        if key.dtype is not DataType.UInt32 or tuple(key.shape) != (2,):
+            raise DefinitionError(f"random_bits: the key must be uint32[2], got {key.dtype}{list(key.shape)}")
+        return Node("random_bits", (key,), {}, tuple(shape), DataType.UInt32)
+
+    def cast(self, x: Node, dtype) -> Node:
+        dt = to_dtype(dtype)
+        if dt == x.dtype:
+            return x
+        if x.op == "constant":
+            return self.constant(x.attrs["value"], dt)
+        return Node("cast", (x,), {}, x.shape, dt)
+
+    def _result_dtype(self, a: Node, b: Node) -> DataType:
+        wa, wb = _weak(a), _weak(b)
+        if wa and not wb:
+            return promote_weak(b.dtype, a.dtype)
+        if wb and not wa:
+            return promote_weak(a.dtype, b.dtype)
+        return promote(a.dtype, b.dtype)
 
     # ---------------------------------------------------------------- output
     def add_output(self, x: Node) -> None:
@@ -565,6 +583,13 @@ class Graph:
         lines = [str(n) for n in self.nodes()]
         lines.append("return " + ", ".join(f"%{o.id}" for o in self.outputs))
         return "\n".join(lines)
+
+
+
+
+def _weak(n: Node) -> bool:
+    """Whether n is weakly typed (a size, a Python number): it takes the type of the operand it meets."""
+    return n.op == "size" or n.op == "constant" and bool(n.attrs.get("weak"))
 
 
 def _swapped_product(d: Node, perm: tuple) -> Node | None:

@@ -68,6 +68,11 @@ def _dlpack_view(x, name: str):
     return GpuView(t.data + t.byte_offset, shape, strides, dt, t.device.device_id, (x, capsule))
 
 
+def _dlpack_device(x) -> int:
+    """The DLPack device type of an array with ``__dlpack__`` (no device said: the host)."""
+    return x.__dlpack_device__()[0] if hasattr(x, "__dlpack_device__") else _DLPACK_CPU
+
+
 def host_array(x: Any, what: str) -> np.ndarray:
     """A framework's array (or anything with __dlpack__ or __array__) as a
     numpy array on the host: the value of a constant a traced program closes over."""
@@ -79,7 +84,7 @@ def host_array(x: Any, what: str) -> np.ndarray:
     if k == "jax":
         return np.asarray(x)
     if hasattr(x, "__dlpack__"):
-        device = x.__dlpack_device__()[0] if hasattr(x, "__dlpack_device__") else _DLPACK_CPU
+        device = _dlpack_device(x)
         if device == _DLPACK_CPU:
             return np.from_dlpack(x)
     if hasattr(x, "__array__"):
@@ -117,7 +122,7 @@ class Call:
         if k == "numpy" or isinstance(a, (bool, int, float, np.generic)) or hasattr(a, "__cuda_array_interface__"):
             return a
         if hasattr(a, "__dlpack__"):
-            device = a.__dlpack_device__()[0] if hasattr(a, "__dlpack_device__") else _DLPACK_CPU
+            device = _dlpack_device(a)
             if device == _DLPACK_CPU:
                 return np.from_dlpack(a)
             if device == _DLPACK_CUDA:

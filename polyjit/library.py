@@ -74,6 +74,45 @@ class Gemm:
                 f"k={self.k}, {self.a[0]}, {self.b[0]}, {self.c[0]})")
 
 
+@dataclass(frozen=True)
+class Convolution:
+    """y = conv(x, w) in one library call on whole arrays (cuDNN on the GPU):
+    x and y laid out as ``layout`` (N, C and spatial letters), w as
+    ``kernel_layout`` ("OI" or "O...I" around the same spatial letters);
+    symmetric ``padding`` per spatial dimension."""
+
+    x: Box
+    w: Box
+    y: Box
+    layout: str
+    kernel_layout: str
+    strides: tuple[int, ...]
+    padding: tuple[int, ...]
+    dilation: tuple[int, ...]
+    groups: int
+    tf32: bool  # the library may round operands to TF32 (as the framework's eager convolutions do)
+    what: str = dataclasses.field(default="", repr=False, compare=False)
+
+    def renamed(self, rename) -> "Convolution":
+        return dataclasses.replace(self, x=(rename(self.x[0]), *self.x[1:]), w=(rename(self.w[0]), *self.w[1:]),
+                                   y=(rename(self.y[0]), *self.y[1:]))
+
+    def written(self) -> Box:
+        return self.y
+
+    def read(self) -> list[Box]:
+        return [self.x, self.w]
+
+    def __str__(self) -> str:
+        return (f"convolution({self.layout}/{self.kernel_layout}, strides {list(self.strides)}, padding "
+                f"{list(self.padding)}, dilation {list(self.dilation)}, groups {self.groups}, "
+                f"{'tf32' if self.tf32 else 'fp32'}, {self.x[0]}, "
+                f"{self.w[0]}, {self.y[0]})")
+
+
+CALLS = (Gemm, Convolution)  # the library calls a statement may hold: the compile cache writes and reads back these
+
+
 # ------------------------------------------------------------------ BLAS
 _blas: Any = False
 
@@ -126,8 +165,9 @@ MIN_MACS = 1 << 20  # multiply-adds below which either way is quick: generated, 
 class LibraryPolicy:
     """Decides, per convolution, generated code or the library; records why."""
 
-    def __init__(self, mode: str, threads: int, target) -> None:
+    def __init__(self, mode: str, threads: int, target, tf32: bool = False) -> None:
         self.mode, self.threads, self.target = mode, threads, target  # a polyjit.targets.Target
+        self.tf32 = tf32  # direct convolutions may use TF32 tensor cores
         self.choices: list[str] = []
         self._wanted: dict | None = None  # while prefetching: the timings use() asks for
 
@@ -275,9 +315,53 @@ def gemm_form(L, n) -> str | None:
     return None
 
 
+def direct_form(L, n) -> bool:
+    """Whether convolution n, a library call, is one call on whole arrays
+    (the target's library has convolutions, cuDNN): float32, channels first
+    or last, symmetric padding, input not strided."""
+    lay = n.attrs["layout"]
+    sp = "".join(c for c in lay if c not in "NC")
+    x = n.inputs[0]
+    return (L.library is not None and L.library.target.direct_convolutions() and gemm_form(L, n) is not None
+            and 1 <= len(sp) <= 3 and all(lo == hi for lo, hi in n.attrs["padding"])
+            and not (x.op == "input" and x.attrs.get("strided")) and all(i.op != "constant" for i in n.inputs))
+
+
+def direct_operands(L, library: set[int]) -> set[int]:
+    """The operands the direct library convolutions read as arrays: made where computed inline."""
+    return {i.id for n in L.nodes if n.id in library and n.op == "conv" and direct_form(L, n) for i in n.inputs}
+
+
+def _lower_direct(L, n, out: str) -> None:
+    """n as one library call; a kernel in neither of the library's layouts is packed first."""
+    x, w = n.inputs
+    lay, klay = n.attrs["layout"], n.attrs["kernel_layout"]
+    sp = "".join(c for c in lay if c not in "NC")
+    wname = L.array_of[w.id]
+    if klay not in ("OI" + sp, "O" + sp + "I"):
+        wname, shape = f"t{n.id}_w", tuple(L.shape(w)[klay.index(c)] for c in "OI" + sp)
+        L.declare_array(wname, shape, n.dtype)
+        iters = tuple(f"i{d}" for d in range(len(shape)))
+        src = [None] * w.rank
+        for c, i in zip("OI" + sp, iters):
+            src[klay.index(c)] = E.it(i)
+        L.add(wname, iters, tuple((0, s) for s in shape), tuple(E.it(i) for i in iters), L.value(w, src), "pack")
+        klay = "OI" + sp
+    at = n.attrs
+    call = Convolution(_box(L.array_of[x.id], L.shape(x), {}), _box(wname, L.arrays[wname].shape, {}),
+                       _box(out, L.shape(n), {}), lay, klay, tuple(at["strides"]),
+                       tuple(lo for lo, _ in at["padding"]), tuple(at.get("dilation") or [1] * len(sp)),
+                       at["groups"], L.library.tf32, f"conv {n.id}")
+    L.add(out, ("i0",), ((0, 1),), tuple(E.const(0) for _ in L.shape(n)), E.const(0.0, n.dtype), "convolution",
+          library=call)
+
+
 def lower_conv(L, n, out: str) -> None:
-    """n (a convolution) as im2col (or the input itself: a 1x1 convolution
-    without stride or padding) and an sgemm statement per image and group."""
+    """n (a convolution) as one library call (direct_form), else as im2col
+    (or the input itself: a 1x1 convolution without stride or padding) and
+    an sgemm statement per image and group."""
+    if direct_form(L, n):
+        return _lower_direct(L, n, out)
     lay, klay, groups = n.attrs["layout"], n.attrs["kernel_layout"], n.attrs["groups"]
     form = gemm_form(L, n)
     ws, os_ = L.shape(n.inputs[1]), L.shape(n)

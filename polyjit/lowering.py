@@ -68,6 +68,8 @@ class Lowering:
         self.library = library  # a polyjit.library.LibraryPolicy, or None: every contraction generated
         self.library_nodes: set[int] = set()
         self.in_place: set[int] = set()  # packed copies only library calls read: not made
+        self.views: dict[int, int] = {}  # outputs that are reshapes of a temporary: handed out as views of it
+        self.operands: set[int] = set()  # what library calls read as whole arrays: made, never inlined
         self.nodes = graph.nodes()
         self.arrays: dict[str, Array] = {}
         self.statements: list[Statement] = []
@@ -136,6 +138,8 @@ class Lowering:
             self.library_nodes = {n.id for n in self.nodes if n.op in ("conv", "dot_general")
                                   and self.library.use(self, n)}
             self.in_place = _read_in_place(self.nodes, self.library_nodes)
+            from .library import direct_operands
+            self.operands = direct_operands(self, self.library_nodes)
         uses: dict[int, int] = {n.id: 0 for n in self.nodes}
         for n in self.nodes:
             for k, i in enumerate(n.inputs):
@@ -155,7 +159,11 @@ class Lowering:
             if n.op in REDUCTIONS and not self.is_statement_op(n):
                 own = 2 * (REDUCTIONS[n.op](self, n).static_terms() or 1)
             w = own + sum(work[i.id] for i in n.inputs)
-            materialize = (n.id in outputs or self.is_statement_op(n) or self.packed(n)
+            if n.id in outputs and self.returned_as_view(n, outputs):
+                self.views[n.id] = n.inputs[0].id
+                work[n.id] = w
+                continue
+            materialize = (n.id in outputs or self.is_statement_op(n) or self.packed(n) or n.id in self.operands
                            or (uses[n.id] - 1) * w > self.recompute_limit)
             if materialize:
                 self.declare(n)
@@ -163,6 +171,16 @@ class Lowering:
             else:
                 work[n.id] = w
                 self.inlined += 1
+
+    def returned_as_view(self, n: Node, outputs: set[int]) -> bool:
+        """Whether output n is a reshape of a temporary that can be the output
+        itself, handed out reshaped (a library product's result: no copy)."""
+        if n.op != "reshape":
+            return False
+        x = n.inputs[0]
+        name = self.array_of.get(x.id)
+        return (name is not None and self.arrays[name].kind == "temp" and x.id not in outputs
+                and x.id not in self.views.values())
 
     def declare(self, n: Node) -> None:
         if n.op == "input":
@@ -226,6 +244,11 @@ class Lowering:
             out = f"out{k}"
             first[o.id] = out
             outputs.append(out)
+            if o.id in self.views:  # the temporary it reshapes becomes the output
+                arr = self.arrays.pop(self.array_of[self.views[o.id]])
+                self.arrays[out] = Array(out, arr.shape, arr.dtype, "output", index=k, returned_as=self.shape(o))
+                self.array_of[self.views[o.id]] = out
+                continue
             src = self.array_of.get(o.id)
             if src is None:  # a value only ever computed inline (a constant): into the output
                 shape = self.shape(o)

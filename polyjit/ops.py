@@ -1207,20 +1207,19 @@ def logaddexp2(a, b) -> Tensor:
     return where(a == b, a + 1.0, big + log1p(exp2(-abs(a - b))) * (1.0 / math.log(2.0)))
 
 
+def _ignoring_nan(m: Tensor, a, b) -> Tensor:
+    """m (a's and b's combination) where neither is NaN, else the other operand."""
+    return where(isnan(b), a, where(isnan(a), b, m)) if m.dtype.is_float else m
+
+
 def fmax(a, b) -> Tensor:
     """maximum ignoring NaN: the other operand where one is NaN (C's fmax)."""
-    m = maximum(a, b)
-    if not m.dtype.is_float:
-        return m
-    return where(isnan(b), a, where(isnan(a), b, m))
+    return _ignoring_nan(maximum(a, b), a, b)
 
 
 def fmin(a, b) -> Tensor:
     """minimum ignoring NaN (C's fmin)."""
-    m = minimum(a, b)
-    if not m.dtype.is_float:
-        return m
-    return where(isnan(b), a, where(isnan(a), b, m))
+    return _ignoring_nan(minimum(a, b), a, b)
 
 
 _HUGE = 2.0 ** 28  # past it, x*x in the inverse hyperbolic functions could overflow: log(2x) is exact enough

@@ -29,6 +29,7 @@ class CompileOptions:
     gpu_arch: str | None = None
     contractions: str = "auto"
     cache: bool = True  # the on-disk compile cache (polyjit.cache)
+    tf32: bool | None = None  # library convolutions on TF32 tensor cores; None: as the framework's eager does
 
     def on(self, target: str) -> "CompileOptions":
         """These options for ``target``: the device a call's inputs resolved to."""
@@ -36,7 +37,7 @@ class CompileOptions:
 
     def key(self) -> tuple:
         """What changes the generated code (debug output does not)."""
-        return (self.target, self.tile_sizes, self.fusion, self.gpu_arch, self.contractions)
+        return (self.target, self.tile_sizes, self.fusion, self.gpu_arch, self.contractions, bool(self.tf32))
 
 
 _KEYS = {
@@ -51,6 +52,8 @@ _KEYS = {
                     "measures faster)",
     "gpu_arch": "'sm_XX' (compile nvgpu code for that GPU without one present), or None (the GPU in use)",
     "cache": "True or False (keep compiled programs in POLYJIT_CACHE_DIR and load them from there)",
+    "tf32": "True, False, or None (library convolutions on the GPU may round operands to TF32, as "
+            "torch.backends.cudnn.allow_tf32 lets eager's; None: as the framework does, False elsewhere)",
 }
 
 
@@ -70,8 +73,8 @@ def parse_options(opts: Mapping[str, Any] | CompileOptions | None,
     if t is not None and t not in TARGETS:
         raise CompileOptionError(f"compile option 'target' is {t!r}; allowed values: {list(TARGETS)} or None "
                                  f"(the device that holds the inputs)")
-    for k in ("debug", "strict", "cache"):
-        if k in kw and not isinstance(kw[k], bool):
+    for k in ("debug", "strict", "cache", "tf32"):
+        if k in kw and not isinstance(kw[k], bool) and not (k == "tf32" and kw[k] is None):
             raise CompileOptionError(f"compile option {k!r} is {kw[k]!r}; allowed values: True, False")
     if "fusion" in kw and kw["fusion"] not in FUSION:
         raise CompileOptionError(f"compile option 'fusion' is {kw['fusion']!r}; allowed values: {list(FUSION)}")

@@ -215,6 +215,33 @@ _CALLS = {  # op -> the FusionDefinition call that rebuilds it, from operands a 
 }
 
 
+def _slice_call(n: Node, g: Graph, a: list, f: dict, refs: dict) -> str:
+    end = [s + (sh - 1) * st + 1 if not sz.is_static(sh) or sh > 0 else s
+           for s, sh, st in zip(n.attrs["start"], map(g.resolve, n.shape), n.attrs["strides"])]
+    return f"fd.ops.slice({a[0]}, start_indices={f['start']}, end_indices={_lit(end, g, refs)}, strides={f['strides']})"
+
+
+def _pad_call(n: Node, g: Graph, a: list, f: dict, refs: dict) -> str:
+    widths = [w for d in reversed(range(n.rank)) for w in (n.attrs["lo"][d], n.attrs["hi"][d])]
+    return f"fd.ops.pad({a[0]}, {_lit(widths, g, refs)}, {f['value']})"
+
+
+def _gather_call(n: Node, g: Graph, a: list, f: dict, refs: dict) -> str:
+    if n.attrs["along"]:
+        return f"fd.ops.take_along_axis({a[0]}, {a[1]}, {n.attrs['axis']})"
+    return f"fd.ops.index_select({a[0]}, {n.attrs['axis']}, {a[1]})"
+
+
+_BUILT = {  # op -> the function that writes the call rebuilding it, where a format string cannot
+    "constant": lambda n, g, a, f, refs: (f"fd.{'define_scalar' if n.attrs.get('weak') else 'define_constant'}"
+                                          f"({f['value']}, dtype={f['dtype']})"),
+    "slice": _slice_call,
+    "pad": _pad_call,
+    "reduce": lambda n, g, a, f, refs: f"fd.ops.{n.attrs['op']}({a[0]}, {f['axes']}, {f['keepdim']})",
+    "gather": _gather_call,
+}
+
+
 def _call(n: Node, g: Graph, names: dict, refs: dict) -> str:
     a = [names[i.id] for i in n.inputs]
     at = n.attrs
@@ -222,23 +249,10 @@ def _call(n: Node, g: Graph, names: dict, refs: dict) -> str:
     f.update({f"a{k}": x for k, x in enumerate(a)}, args=", ".join(a), dtype=repr(n.dtype),
              shape=_lit(n.shape, g, refs))
     if n.op in _CALLS:
-        return _CALLS[n.op].format(array=_array(at["value"]) if n.op == "tensor_constant" else "", **f)
-    if n.op == "constant":
-        return f"fd.{'define_scalar' if at.get('weak') else 'define_constant'}({f['value']}, dtype={f['dtype']})"
-    if n.op == "slice":
-        end = [s + (sh - 1) * st + 1 if not sz.is_static(sh) or sh > 0 else s
-               for s, sh, st in zip(at["start"], map(g.resolve, n.shape), at["strides"])]
-        return (f"fd.ops.slice({a[0]}, start_indices={f['start']}, end_indices={_lit(end, g, refs)}, "
-                f"strides={f['strides']})")
-    if n.op == "pad":
-        widths = [w for d in reversed(range(n.rank)) for w in (at["lo"][d], at["hi"][d])]
-        return f"fd.ops.pad({a[0]}, {_lit(widths, g, refs)}, {f['value']})"
-    if n.op == "reduce":
-        return f"fd.ops.{at['op']}({a[0]}, {f['axes']}, {f['keepdim']})"
-    if n.op == "gather":
-        if at["along"]:
-            return f"fd.ops.take_along_axis({a[0]}, {a[1]}, {at['axis']})"
-        return f"fd.ops.index_select({a[0]}, {at['axis']}, {a[1]})"
+        array = _array(at["value"]) if isinstance(at.get("value"), np.ndarray) else ""
+        return _CALLS[n.op].format(array=array, **f)
+    if n.op in _BUILT:
+        return _BUILT[n.op](n, g, a, f, refs)
     if set(at) - {"materialize"}:
         raise DefinitionError(f"{n.op} with attributes {sorted(at)} has no printed form")
     return f"fd.ops.{n.op}({', '.join(a)})"

@@ -206,7 +206,7 @@ class CompiledProgram:
                 spent = self.stats.setdefault("kernel_seconds", {})
                 spent[k.name] = spent.get(k.name, 0.0) + time.perf_counter() - t0
         self.stats["intermediate_bytes"] = plan.intermediate_bytes
-        return [made[n] for n in self.output_arrays]
+        return self._hand_out(made, plan.returned)
 
     def native_launcher(self, args: Sequence, name: str) -> "launch.NativeLauncher | None":
         """This program's kernel calls for row-major arguments like ``args``
@@ -227,10 +227,20 @@ class CompiledProgram:
             symbols.update(team.symbols())
         self.stats["intermediate_bytes"] = plan.intermediate_bytes
         return self._native_launcher(name, {n: (slot, shape, dt) for n, slot, shape, dt in plan.fresh},
-                                     plan.input_slots, plan.pointers, plan.ints, steps, None, symbols)
+                                     plan.input_slots, plan.pointers, plan.ints, steps, None, symbols, plan.returned)
+
+    def returned_shapes(self, env: dict) -> dict[str, tuple]:
+        """The outputs handed out in another shape than their array's (views
+        of it: a reshaped library product), at these sizes."""
+        return {a.name: tuple(sz.evaluate(s, env) for s in a.returned_as)
+                for a in self.outputs if a.returned_as is not None}
+
+    def _hand_out(self, made: dict, returned: dict) -> list:
+        """The outputs as the caller gets them: made[name], reshaped where returned says."""
+        return [made[n] if n not in returned else made[n].reshape(returned[n]) for n in self.output_arrays]
 
     def _native_launcher(self, name: str, fresh: dict, input_slots, pointers, ints, steps: list,
-                         context: int | None, symbols: dict) -> "launch.NativeLauncher | None":
+                         context: int | None, symbols: dict, returned: dict) -> "launch.NativeLauncher | None":
         """A plan's launcher (codegen.launch): its call takes the inputs'
         pointers and one for each of its ``results``, the outputs, then the
         temporaries (``fresh``: name -> (argument slot, shape, dtype)), which
@@ -248,7 +258,8 @@ class CompiledProgram:
         fixed = {k: p or 0 for k, p in enumerate(pointers) if k not in given}
         plan = launch.LaunchPlan(len(self.buffers), input_slots, [fresh[n][0] for n in names], fixed,
                                  list(ints)[:len(self.int_slots)], poisons + steps, context)
-        launcher = launch.NativeLauncher(name, plan, symbols, [(n, *fresh[n][1:]) for n in names], self)
+        launcher = launch.NativeLauncher(name, plan, symbols, [(n, returned.get(n, fresh[n][1]), fresh[n][2])
+                                                               for n in names], self)
         self.ir[f"launcher {name}"] = launcher.ir  # a stage like the others, for exe.ir and debugging
         return launcher
 
@@ -284,7 +295,8 @@ class CompiledProgram:
             pointer_type=ctypes.c_void_p * max(len(self.buffers), 1),
             ints=(ctypes.c_int64 * max(len(ints), 1))(*ints),
             threads=self.num_threads if work >= PARALLEL_MIN_ELEMENTS else 1,
-            intermediate_bytes=temp_bytes + (self.contracted_bytes(env) if self.contracted_bytes else 0))
+            intermediate_bytes=temp_bytes + (self.contracted_bytes(env) if self.contracted_bytes else 0),
+            returned=self.returned_shapes(env))
         if key is not None:
             self._remember(key, plan)
         return plan
@@ -306,3 +318,4 @@ class _CallPlan:
     ints: Any  # sizes and strides, fixed for the plan
     threads: int
     intermediate_bytes: int
+    returned: dict  # outputs handed out reshaped: name -> shape

@@ -174,6 +174,9 @@ def cost(op: str) -> int:
 
 # ------------------------------------------------------------- reductions
 COMBINE = {"sum": "add", "prod": "mul", "max": "maximum", "min": "minimum"}
+WIDENING = ("sum", "prod")  # bool and int32 operands accumulate in int64, halves in float32
+WINDOW_REDUCTIONS = ("sum", "max", "min")  # those reduce_window takes (padding holds their identity)
+ARG_REDUCTIONS = {"argmax": "max", "argmin": "min"}  # the first position of the extreme by this reduction
 
 
 def identity(combine: str, dt: DataType):

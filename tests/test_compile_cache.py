@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import polyjit
-from polyjit import InputInfo, cache, ops
+from polyjit import InputInfo, cache, library, ops
 
 F32 = np.float32
 
@@ -24,7 +24,7 @@ def test_stage_seconds_in_stats_and_log(rng, caplog):
     with caplog.at_level(logging.INFO, logger="polyjit"):
         exe = polyjit.compile(ops.softmax, [InputInfo(x.shape, F32)], {"cache": False})
     stages = exe.stats["compile_seconds_by_stage"]
-    assert set(stages) == {"lower", "schedule", "emit", "llvm"} and all(v >= 0 for v in stages.values())
+    assert set(stages) == {"lower", "schedule", "mapping", "emit", "llvm"} and all(v >= 0 for v in stages.values())
     assert sum(stages.values()) <= exe.stats["compile_seconds"]
     assert any("schedule" in r.getMessage() and "llvm" in r.getMessage() for r in caplog.records)
     np.testing.assert_allclose(exe(x), _softmax(x), rtol=1e-5, atol=1e-7)
@@ -249,7 +249,8 @@ def test_a_gpu_program_compiles_once_per_process_and_per_arch():
 
 def test_identical_gpu_kernels_compile_once_and_take_the_programs_arguments(tmp_path):
     """Identical layers share each kernel's PTX; every entry of the program
-    declares the program's whole argument list, and ptxas accepts the module."""
+    declares the arguments it takes (KernelInfo.params: the program's slots it
+    reads and writes, a few of the whole list), and ptxas accepts the module."""
     import re
     import shutil
     n, rows, d = 5, 24, 56
@@ -259,7 +260,8 @@ def test_identical_gpu_kernels_compile_once_and_take_the_programs_arguments(tmp_
     count = len(exe.buffers) + len(exe.int_slots)
     entries = re.findall(r"^\.visible \.entry (\w+)\(([^)]*)\)", exe.ptx, re.M)
     assert [e for e, _ in entries] == [k.name for k in exe.kernels]
-    assert all(params.count(".param") == count for _, params in entries)
+    assert all(params.count(".param") == len(k.params) < count for (_, params), k in zip(entries, exe.kernels))
+    assert all(p < count for k in exe.kernels for p in k.params)
     if shutil.which("ptxas"):
         (tmp_path / "p.ptx").write_text(exe.ptx)
         done = subprocess.run(["ptxas", "-arch=sm_90", str(tmp_path / "p.ptx"), "-o", str(tmp_path / "p.cubin")],
@@ -299,3 +301,165 @@ def test_a_fresh_process_loads_a_gpu_program_from_the_cache(tmp_path):
         {k: v for k, v in cold.items() if k not in ("cache_hits", "kernels_compiled")}
     [entry] = tmp_path.glob("*.pjc")
     assert b".target sm_90" in entry.read_bytes()  # PTX as text, no pickles
+
+
+# ------------------------------------------------------------- library steps (cuBLAS, BLAS) in the cache
+def _block(x, wq, wk, w1, g):
+    """A transformer block's shape: layer norm, attention, an MLP with tanh."""
+    h = x - ops.sum(x, [1], True) / x.shape[1]
+    h = h * g / ops.sqrt(ops.sum(h * h, [1], True) / x.shape[1] + 1e-5)
+    q, k = ops.matmul(h, wq), ops.matmul(h, wk)
+    a = ops.matmul(ops.softmax(ops.matmul(q, ops.transpose(k, 0, 1))), k)
+    return ops.tanh(ops.matmul(a, w1)) + a[:, :1]
+
+
+def _block_ref(x, wq, wk, w1, g):
+    x = x.astype(np.float64)
+    h = x - x.mean(1, keepdims=True)
+    h = h * g / np.sqrt((h * h).mean(1, keepdims=True) + 1e-5)
+    q, k = h @ wq, h @ wk
+    a = _softmax(q @ k.T) @ k
+    return np.tanh(a @ w1) + a[:, :1]
+
+
+BLOCK_SHAPES = [(128, 64), (64, 64), (64, 64), (64, 128), (64,)]
+
+
+def _mlp(x, w1, b, w2, k):
+    """Products around elementwise kernels (no row reductions: their warp
+    shuffles do not run thread by thread on the CPU)."""
+    h = ops.tanh(ops.matmul(x, w1) + b)
+    return ops.matmul(ops.relu(ops.matmul(h, w2)), ops.transpose(k, 0, 1)) * 0.5
+
+
+def _mlp_ref(x, w1, b, w2, k):
+    h = np.tanh(x.astype(np.float64) @ w1 + b)
+    return np.maximum(h @ w2, 0) @ k.T * 0.5
+
+
+MLP_SHAPES = [(128, 64), (64, 128), (128,), (128, 64), (128, 64)]  # products of 2^20 multiply-adds and more
+
+
+def _grouped_conv(x, w):
+    return ops.relu(ops.conv(x, w, (2, 1), ((1, 1), (1, 1)), (2, 1), 2))
+
+
+def test_statements_of_a_program_go_through_json_and_back(monkeypatch):
+    """Every statement lowering makes for a transformer block and a grouped,
+    strided, dilated convolution, library steps among them (cuBLAS products and
+    cuDNN convolutions; a cuBLAS floor
+    on host memory stands in for the GPU's), is written as JSON and read
+    back equal, field by field and type by type."""
+    import dataclasses
+
+    from polyjit import cublas
+    from polyjit.dtypes import DataType
+    from polyjit.graph import Graph
+    from polyjit.library import LibraryPolicy
+    from polyjit.lowering import lower
+    from polyjit.targets import target
+    from test_nvgpu import _HostCublas
+    from polyjit import cudnn
+    monkeypatch.setattr(cublas, "cublas", lambda: _HostCublas())
+    programs = [(_block, BLOCK_SHAPES), (_grouped_conv, [(2, 12, 9, 8), (18, 6, 3, 3)])]
+    calls = set()
+    for fn, shapes, mode, direct in [(f, s, m, d) for f, s in programs for m in ("library", "generated")
+                                     for d in (False, True)]:
+        monkeypatch.setattr(cudnn, "cudnn", lambda: direct or None)  # convolutions as cuDNN's one call, or not
+        graph = Graph()
+        graph.add_output(fn(*(ops.Tensor(graph, graph.input(s, DataType.Float)) for s in shapes)).node)
+        for s in lower(graph, 16, LibraryPolicy(mode, 1, target("nvgpu"))).statements:
+            text = json.dumps(cache.statement_json(s))
+            back = cache.statement_from(json.loads(text))
+            assert back == s and json.dumps(cache.statement_json(back)) == text  # (0, 0.0, False apart)
+            if s.library is not None:
+                assert back.library.what == s.library.what != ""  # (not compared by ==)
+                calls.add((fn.__name__, mode, type(back.library).__name__))
+                assert dataclasses.astuple(back.library) == dataclasses.astuple(s.library)
+    assert calls == {("_block", "library", "Gemm"), ("_grouped_conv", "library", "Gemm"),
+                     ("_grouped_conv", "library", "Convolution")}
+    with pytest.raises(TypeError, match="cannot write"):
+        cache.statement_json(dataclasses.replace(s, library=object()))
+
+
+LIBRARY_SCRIPT = """
+import hashlib, json, sys, numpy as np, polyjit
+sys.path.insert(0, sys.argv[2])
+from polyjit import cublas, library, InputInfo
+from polyjit.codegen import nvgpu, program
+from test_compile_cache import _mlp, _mlp_ref, MLP_SHAPES
+from test_nvgpu import _HostCublas, run_threads_on_cpu
+gpu = sys.argv[3] == "nvgpu"
+cublas.cublas = lambda: _HostCublas()  # cuBLAS's sgemm on host memory: the GPU's steps run on the CPU
+if sys.argv[1] == "hit":  # a fresh process that finds the program in the cache compiles, chooses, times nothing
+    def refuse(*a, **k):
+        raise AssertionError("compiled again")
+    nvgpu.ptx = program.compile_object = library.LibraryPolicy.use = library._time = library._single = refuse
+rng = np.random.default_rng(7)
+args = [rng.standard_normal(s, dtype=np.float32) / 8 for s in MLP_SHAPES]
+fn = polyjit.compile(_mlp, [InputInfo(a.shape, np.float32) for a in args],
+                     {"target": "nvgpu", "gpu_arch": "sm_90"} if gpu else {"contractions": "auto", "num_threads": 2})
+exe = fn.compile_default()
+out = run_threads_on_cpu(fn, args)[0] if gpu else fn(*args)
+np.testing.assert_allclose(out, _mlp_ref(*args), rtol=1e-4, atol=1e-5)
+print(json.dumps({**{k: exe.stats[k] for k in ("cache_hits", "kernels_compiled", "kernels", "library_calls",
+                                              "contractions")},
+                  "steps": [str(k.library) for k in exe.kernels if k.library is not None],
+                  "out": hashlib.sha256(out.tobytes()).hexdigest()}))
+"""
+
+
+def _cold_and_hit(folder, target: str) -> tuple[dict, dict]:
+    """LIBRARY_SCRIPT's stats in two fresh processes, one after the other, sharing the cache in folder."""
+    env = {**os.environ, "POLYJIT_CACHE_DIR": str(folder)}
+    runs = []
+    for mode in ("cold", "hit"):
+        p = subprocess.run([sys.executable, "-c", LIBRARY_SCRIPT, mode, os.path.dirname(__file__), target], env=env,
+                           capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr
+        runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
+    cold, hit = runs
+    assert cold["cache_hits"] == 0 and cold["kernels_compiled"] > 0
+    assert hit["cache_hits"] == 1 and hit["kernels_compiled"] == 0
+    assert {k: v for k, v in hit.items() if k not in ("cache_hits", "kernels_compiled")} == \
+        {k: v for k, v in cold.items() if k not in ("cache_hits", "kernels_compiled")}
+    return cold, hit
+
+
+def test_a_fresh_process_loads_a_gpu_program_with_library_steps(tmp_path):
+    """A GPU program whose products run cuBLAS (chosen by the auto mode's
+    model) is kept with its library steps: a second process compiles
+    nothing, decides nothing again, and its results are the first's."""
+    cold, _ = _cold_and_hit(tmp_path, "nvgpu")
+    assert cold["library_calls"] == len(cold["steps"]) == 3 and len(cold["contractions"]) == 3
+    assert all("library (cuBLAS" in c for c in cold["contractions"]), cold["contractions"]
+    assert cold["kernels_compiled"] < cold["kernels"]  # (library steps have no PTX)
+
+
+@pytest.mark.skipif(library.blas() is None, reason="no OpenBLAS from numpy to call")
+def test_a_fresh_process_keeps_the_timed_choice_of_the_library(tmp_path):
+    """contractions="auto" on the CPU times each product both ways; the
+    program compiled from that choice is what the cache holds, so a second
+    process neither times nor compiles, and computes what the first did."""
+    cold, _ = _cold_and_hit(tmp_path, "cpu")
+    assert len(cold["contractions"]) == 3 and all(" ms" in c for c in cold["contractions"]), cold["contractions"]
+    assert cold["library_calls"] == sum(": library" in c for c in cold["contractions"])  # as the timing chose
+
+
+def test_gpu_library_steps_are_shared_in_process_and_compiled_again_without_cublas(monkeypatch):
+    """Within a process a GPU program with library steps is kept too (the
+    second compile reads its steps back from JSON); where cuBLAS no longer
+    loads, the kept program is not used: compiled again, generated."""
+    from polyjit import cublas
+    from test_nvgpu import _HostCublas
+    monkeypatch.setattr(cublas, "cublas", lambda: _HostCublas())
+    infos = [InputInfo(s, F32) for s in MLP_SHAPES]
+    first = polyjit.compile(_mlp, infos, {**PTX_ONLY, "cache": False}).compile_default()
+    again = polyjit.compile(_mlp, infos, {**PTX_ONLY, "cache": False}).compile_default()
+    steps = [k.library for k in first.kernels if k.library is not None]
+    assert first.stats["kernels_compiled"] > 0 and again.stats["kernels_compiled"] == 0 and len(steps) == 3
+    assert [k.library for k in again.kernels if k.library is not None] == steps
+    assert all(k.library is not s for k, s in zip([k for k in again.kernels if k.library], steps))  # (read back)
+    monkeypatch.setattr(cublas, "cublas", lambda: None)
+    bare = polyjit.compile(_mlp, infos, {**PTX_ONLY, "cache": False}).compile_default()
+    assert bare.stats["kernels_compiled"] > 0 and bare.stats["library_calls"] == 0

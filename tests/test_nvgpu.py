@@ -194,19 +194,25 @@ def run_threads_on_cpu(exe, arrays, grid=3, block=64):
     together = "@sim_barrier" in ir
     slots = {b.name: i for i, b in enumerate(prog.buffers)}
     for k in prog.kernels:
-        if k.library is not None:  # a cuBLAS step, its library patched to one on host memory
+        if k.library is not None:  # a library step, cuBLAS's patched to one on host memory, cuDNN's in numpy
             from polyjit.cublas import GemmStep, cublas
-            GemmStep(cublas(), None, k.library, env, {b.name: b for b in prog.buffers}, slots).run(args, 0)
+            from polyjit.library import Convolution
+            if isinstance(k.library.library, Convolution):
+                _host_convolution(k.library.library, bufs)
+            else:
+                GemmStep(cublas(), None, k.library, env, {b.name: b for b in prog.buffers}, slots).run(args, 0)
             continue
         for a in k.zeroed:
             bufs[a][...] = 0
-        fn = ctypes.CFUNCTYPE(None, *([ctypes.c_void_p] * len(prog.buffers) + [ctypes.c_int64] * len(ints)))(
+        taken = k.params if k.params is not None else range(len(args))  # the arguments its entry takes
+        fn = ctypes.CFUNCTYPE(None, *(ctypes.c_void_p if p < len(prog.buffers) else ctypes.c_int64 for p in taken))(
             engine.get_function_address(k.name))
         blocks, threads = (grid, block) if k.parallel else (1, 1)
+        kernel_args = [args[p] for p in taken]
 
         def thread(c, t, barrier=None):
             local.tid, local.ctaid, local.ntid, local.nctaid, local.barrier = t, c, threads, blocks, barrier
-            fn(*args)
+            fn(*kernel_args)
         for c in range(blocks):
             if together:
                 barrier = threading.Barrier(threads)
@@ -355,7 +361,8 @@ def test_native_launcher_fills_the_argument_block_and_reports_failures():
     a driver written in Python: the context is checked and made current,
     memsets and launches run in order on the caller's stream, every kernel
     sees inputs, fixed pointers, outputs and integers in their slots, and
-    the first failure stops the steps and names what failed."""
+    the first failure stops the steps and names what failed; a kernel that
+    takes some of the arguments gets a block of just those."""
     import ctypes
 
     from polyjit.codegen import launch
@@ -386,10 +393,12 @@ def test_native_launcher_fills_the_argument_block_and_reports_failures():
             lambda *a: calls.append(("memset32", *a)) or 0),
         "cuLaunchKernel": symbol(c.c_int, c.c_void_p, *[c.c_uint] * 7, c.c_void_p, c.c_void_p, c.c_void_p)(
             lambda f, gx, gy, gz, bx, by, bz, shared, s, params, extra:
-                calls.append(("launch", f, gx, bx, s, block(params, 5))) or (700 if f == 0xBAD else 0)),
+                calls.append(("launch", f, gx, bx, s, block(params, 2 if f == 0xF02 else 5)))
+                or (700 if f == 0xBAD else 0)),
         "snprintf": c.cast(c.CDLL(None).snprintf, c.c_void_p).value,
     }
     steps = [launch.Memset(2, 0x7FC00000, 6, 4, "poisoning y"), launch.Launch(0xF00, 5, 256, "launching k1"),
+             launch.Launch(0xF02, 2, 64, "launching k1b", (2, 4)),  # only y and the second integer
              launch.Memset(2, 0, 24, 1, "zeroing y"), launch.Launch(0xBAD, 1, 32, "launching k2"),
              launch.Launch(0xF01, 1, 32, "launching k3")]
     plan = launch.LaunchPlan(slots=3, inputs=[0], outputs=[2], fixed={1: 0xC0}, ints=[10, 20], steps=steps,
@@ -400,7 +409,8 @@ def test_native_launcher_fills_the_argument_block_and_reports_failures():
     code = run((c.c_void_p * 1)(0xA0), (c.c_void_p * 1)(0xB0), 0x55, message, 100)
     assert code == 700 and message.value == b"launching k2 failed: CUDA error 700"
     assert calls == [("current", ctx), ("memset32", 0xB0, 0x7FC00000, 6, 0x55),
-                     ("launch", 0xF00, 5, 256, 0x55, [0xA0, 0xC0, 0xB0, 10, 20]), ("memset8", 0xB0, 0, 24, 0x55),
+                     ("launch", 0xF00, 5, 256, 0x55, [0xA0, 0xC0, 0xB0, 10, 20]),
+                     ("launch", 0xF02, 2, 64, 0x55, [0xB0, 20]), ("memset8", 0xB0, 0, 24, 0x55),
                      ("launch", 0xBAD, 1, 32, 0x55, [0xA0, 0xC0, 0xB0, 10, 20])]
     ctx = 0x999  # a stream of another context: nothing runs
     calls.clear()
@@ -409,9 +419,10 @@ def test_native_launcher_fills_the_argument_block_and_reports_failures():
 
 
 def test_native_launcher_runs_library_steps_holding_its_lock():
-    """A Gemm step in host code: cublasSetStream to the caller's stream, then
-    each strided batched call with its matrices at slot + offset; a failing
-    call names the step and its cuBLAS status and leaves the lock free."""
+    """A library step in host code (cuBLAS's, cuDNN's): its calls in order with
+    integers, fixed addresses, the caller's stream and argument slots'
+    pointers advanced by offsets; a failing call names itself and its status
+    kind, stops the steps and leaves the launcher's lock free."""
     import ctypes as c
 
     from polyjit.codegen import launch
@@ -424,35 +435,36 @@ def test_native_launcher_runs_library_steps_holding_its_lock():
             return c.cast(cb, c.c_void_p).value
         return wrap
 
-    def gemm(h, ta, tb, m, n, k, alpha, a, lda, sa, b, ldb, sb, beta, out, ldc, sc, batch):
-        calls.append(("gemm", h, ta, tb, m, n, k, alpha, a, lda, sa, b, ldb, sb, beta, out, ldc, sc, batch))
+    def library(h, n, a, stride, out):
+        calls.append(("call", h, n, a, stride, out))
         return fail.pop() if fail else 0
     i, p, q = c.c_int, c.c_void_p, c.c_longlong
     symbols = {
         "cuStreamGetCtx": symbol(i, p, p)(lambda s, out: c.cast(out, c.POINTER(p)).__setitem__(0, 0x77) or 0),
         "cuCtxGetCurrent": symbol(i, p)(lambda out: c.cast(out, c.POINTER(p)).__setitem__(0, 0x77) or 0),
         "cuCtxSetCurrent": symbol(i, p)(lambda x: 0),
-        "cublasSetStream_v2": symbol(i, p, p)(lambda h, s: calls.append(("stream", h, s)) or 0),
-        "cublasSgemmStridedBatched": symbol(i, p, i, i, i, i, i, p, p, i, q, p, i, q, p, p, i, q, i)(gemm),
         "snprintf": c.cast(c.CDLL(None).snprintf, c.c_void_p).value,
     }
-    step = launch.Gemm(0xAB, (1, 0, 8, 4, 16), (16, 8, 8),
-                       (launch.GemmCall((1, 0, 2), (0, 0, 0), (128, 0, 32), 3),
-                        launch.GemmCall((1, 0, 2), (384, 64, 96), (128, 0, 32), 3)),
-                       0x10, 0x14, "cublasSgemmStridedBatched (x @ w)")
+    set_stream = symbol(i, p, p)(lambda h, s: calls.append(("stream", h, s)) or 0)
+    call = symbol(i, p, i, p, q, p)(library)
+    A = launch.Arg
+    step = launch.LibraryStep((
+        launch.Call(set_stream, (A("ptr", 0xAB), A("stream")), "setting the stream"),
+        launch.Call(call, (A("ptr", 0xAB), A("i32", 8), A("slot", 1), A("i64", 128), A("slot", 2)), "x @ w"),
+        launch.Call(call, (A("ptr", 0xAB), A("i32", 4), A("slot", 0, 256), A("i64", 0), A("slot", 2, 384)), "x @ w")),
+        "cuBLAS status")
     plan = launch.LaunchPlan(slots=3, inputs=[0, 1], outputs=[2], fixed={}, ints=[], steps=[step], context=0x77)
-    launcher = launch.NativeLauncher("polyjit_test_gemm", plan, symbols)
+    launcher = launch.NativeLauncher("polyjit_test_library", plan, symbols)
     run = launch.LAUNCH_T(launcher.address)
     message = c.create_string_buffer(100)
     assert run((c.c_void_p * 2)(0x1000, 0x2000), (c.c_void_p * 1)(0x3000,), 0x55, message, 100) == 0
-    assert calls == [("stream", 0xAB, 0x55),
-                     ("gemm", 0xAB, 1, 0, 8, 4, 16, 0x10, 0x2000, 16, 128, 0x1000, 8, 0, 0x14, 0x3000, 8, 32, 3),
-                     ("gemm", 0xAB, 1, 0, 8, 4, 16, 0x10, 0x2000 + 4 * 384, 16, 128, 0x1000 + 4 * 64, 8, 0, 0x14,
-                      0x3000 + 4 * 96, 8, 32, 3)]
+    assert calls == [("stream", 0xAB, 0x55), ("call", 0xAB, 8, 0x2000, 128, 0x3000),
+                     ("call", 0xAB, 4, 0x1000 + 256, 0, 0x3000 + 384)]
     fail.append(13)
+    calls.clear()
     assert run((c.c_void_p * 2)(0x1000, 0x2000), (c.c_void_p * 1)(0x3000,), 0x55, message, 100) == 13
-    assert message.value == b"cublasSgemmStridedBatched (x @ w) failed: cuBLAS status 13"
-    lock = launcher._jit.engine.get_global_value_address("polyjit_test_gemm.lock")
+    assert message.value == b"x @ w failed: cuBLAS status 13" and len(calls) == 2
+    lock = launcher._jit.engine.get_global_value_address("polyjit_test_library.lock")
     assert c.c_int32.from_address(lock).value == 0
 
 
@@ -528,14 +540,57 @@ class _HostCublas:
         return 0
 
 
+def _host_convolution(c, bufs) -> None:
+    """What cudnnConvolutionForward computes for a Convolution statement, in numpy (float64)."""
+    sp = "".join(ch for ch in c.layout if ch not in "NC")
+    x = np.transpose(bufs[c.x[0]], [c.layout.index(ch) for ch in "NC" + sp]).astype(np.float64)
+    w = np.transpose(bufs[c.w[0]], [c.kernel_layout.index(ch) for ch in "OI" + sp]).astype(np.float64)
+    (p0, p1), (s0, s1), (d0, d1) = c.padding, c.strides, c.dilation
+    x = np.pad(x, ((0, 0), (0, 0), (p0, p0), (p1, p1)))
+    cout, cin_g, kh, kw = w.shape
+    oh, ow = (x.shape[2] - d0 * (kh - 1) - 1) // s0 + 1, (x.shape[3] - d1 * (kw - 1) - 1) // s1 + 1
+    y = np.zeros((x.shape[0], cout, oh, ow))
+    cg = cout // c.groups
+    for g in range(c.groups):
+        xs = x[:, g * cin_g:(g + 1) * cin_g]
+        for i in range(kh):
+            for j in range(kw):
+                taps = xs[:, :, i * d0:i * d0 + s0 * (oh - 1) + 1:s0, j * d1:j * d1 + s1 * (ow - 1) + 1:s1]
+                y[:, g * cg:(g + 1) * cg] += np.einsum("nchw,oc->nohw", taps, w[g * cg:(g + 1) * cg, :, i, j])
+    bufs[c.y[0]][...] = np.transpose(y, [("NC" + sp).index(ch) for ch in c.layout])
+
+
+@pytest.mark.parametrize("case", ["1x1", "3x3_padded", "1x1_strided", "nhwc"])
+def test_direct_convolutions_thread_by_thread(case, rng, monkeypatch):
+    """Where the target's library has convolutions (cuDNN), a library
+    convolution is one call on whole arrays: no im2col; a kernel in neither
+    of its layouts (HWIO) packed first; an input computed inline (x * 2)
+    made an array by a kernel of its own; the epilogue a kernel after it."""
+    from polyjit import cublas, cudnn
+    monkeypatch.setattr(cublas, "cublas", lambda: _HostCublas())  # (the floor needs its library present)
+    monkeypatch.setattr(cudnn, "cudnn", lambda: True)
+    fn, shapes, ref = LIBRARY_CASES[case]
+    arrays = [rng.standard_normal(s).astype(F32) for s in shapes]
+    exe = polyjit.compile(lambda x, w: ops.relu(fn(ops.mul(x, 2.0), w)), [InputInfo(s, F32) for s in shapes],
+                          {**PTX_ONLY, "contractions": "library"})
+    prog = exe.compile_default()
+    assert [type(k.library.library).__name__ for k in prog.kernels if k.library is not None] == ["Convolution"]
+    affine = exe.ir("affine")
+    assert "_col[" not in affine and ("_w[" in affine) == (case == "nhwc")  # (the im2col, the packed kernel)
+    got = run_threads_on_cpu(exe, arrays)[0]
+    np.testing.assert_allclose(got, np.maximum(ref(arrays[0] * 2, arrays[1]), 0), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("case", list(LIBRARY_CASES))
 def test_library_steps_thread_by_thread(case, rng, monkeypatch):
     """The floor's plan without a GPU: im2col and epilogues as kernels, each
     contraction a library step (no PTX entry) whose cuBLAS calls (row-major
     through column-major, batched along the longest loop) run on host
-    memory; the result is the convolution's or product's."""
-    from polyjit import cublas
+    memory; the result is the convolution's or product's (cuDNN, where it
+    loads, taken away: its convolutions are one call, tested above)."""
+    from polyjit import cublas, cudnn
     monkeypatch.setattr(cublas, "cublas", lambda: _HostCublas())
+    monkeypatch.setattr(cudnn, "cudnn", lambda: None)
     fn, shapes, ref = LIBRARY_CASES[case]
     arrays = [rng.standard_normal(s).astype(F32) for s in shapes]
     exe = polyjit.compile(lambda *a: ops.relu(fn(*a)), [InputInfo(s, F32) for s in shapes],

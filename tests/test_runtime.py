@@ -76,3 +76,22 @@ def test_profile_counts_each_kernels_seconds(rng, monkeypatch):
     exe(x)
     assert sorted(first) == sorted(k.name for k in prog.kernels) and len(first) >= 2
     assert all(prog.stats["kernel_seconds"][k] > v > 0 for k, v in first.items())
+
+
+def test_an_output_reshaping_a_temporary_is_that_array(rng):
+    """A result that reshapes a temporary (here a library product's, on
+    BLAS) is not copied: the product writes the output array, handed out in
+    the result's shape; a result returned as is stays as it was."""
+    def fn(x, w):
+        y = ops.matmul(ops.reshape(x, [8, 16]), w)
+        return ops.reshape(y, [2, 4, 32]), ops.exp(y)
+    exe = polyjit.compile(fn, [InputInfo([2, 4, 16], F32), InputInfo([16, 32], F32)], {"contractions": "library"})
+    x, w = rng.standard_normal((2, 4, 16)).astype(F32), rng.standard_normal((16, 32)).astype(F32)
+    got, e = exe(x, w)
+    ref = x.reshape(8, 16).astype(np.float64) @ w
+    assert got.shape == (2, 4, 32) and e.shape == (8, 32)
+    np.testing.assert_allclose(got, ref.reshape(2, 4, 32), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(e, np.exp(ref), rtol=1e-4)
+    affine = exe.ir("affine")
+    assert "out0[8, 32] as [2, 4, 32]" in affine and "out0[i0, i1, i2] =" not in affine  # (no copy into it)
+    assert exe.stats["library_calls"] == 1

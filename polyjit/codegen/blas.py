@@ -39,7 +39,9 @@ def _extern(em, name: str, fnty: ir.FunctionType) -> ir.Function:
     return em.module.globals.get(name) or ir.Function(em.module, fnty, name)
 
 
-def emit_gemm(em, g: Gemm, env, cache) -> None:
+def emit_gemm(em, g: Gemm, env, cache, split: bool) -> None:
+    """The call of g; split: each part calls it on its own strip (else the
+    kernel's parallel loop already shares the work)."""
     lib = blas()
     if lib is None:
         raise UnsupportedOpError("a library contraction without a BLAS library to call")
@@ -52,8 +54,7 @@ def emit_gemm(em, g: Gemm, env, cache) -> None:
     m, n, k, lda, ldb, ldc = (em.size(v) for v in (g.m, g.n, g.k, g.lda, g.ldb, g.ldc))
     total = m if g.split == "m" else n
     lo, count = ir.Constant(I64, 0), total
-    if not em.in_parallel:  # each part its strip
-        em.parallel = True
+    if split:  # each part its strip
         per = b.sdiv(b.add(total, b.sub(em.parts, ir.Constant(I64, 1))), em.parts)
         per = b.and_(b.add(per, ir.Constant(I64, STRIP_ALIGN - 1)), ir.Constant(I64, -STRIP_ALIGN))
         lo = b.mul(em.part, per)

@@ -17,16 +17,17 @@ import os
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import islpy as isl
 import llvmlite.binding as llvm
 from llvmlite import ir
 
 from .. import sizes as sz
-from ..dtypes import DataType
-from ..expr import Const, Var, walk
-from ..schedule import is_update
-from .llvm import I64, STORAGE, Emitter, ast_calls, ast_uses
+from ..expr import Const
+from .blas import emit_gemm
+from .cpu_mapping import CpuMapper, CpuPlan, SplitStrips
+from .llvm import I64, STORAGE, Emitter
 
 KERNEL_T = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
 _lock = threading.Lock()
@@ -49,33 +50,65 @@ def target_machine():
                                          opt=3, codemodel="jitdefault")
 
 
-STREAM_BYTES = 8 << 20  # outputs at least this large are written with streaming stores
 STREAM_GROUP = 64  # elements per trip of a streamed loop: whole vector iterations, no remainder
 STREAM_TAG = "polyjit.stream"
 
 
-class CpuEmitter(Emitter):
-    triple = llvm.get_process_triple()
+@dataclass
+class CpuContext:
+    """What the emitter tracks while it emits one kernel."""
+
+    plan: CpuPlan
     streaming: str | None = None  # the array whose stores the loop being emitted streams
-    streamed = False  # the body being emitted has streaming stores
-    private = False  # the kernel being emitted keeps private buffers
-    blocked = False  # the statement being emitted is a contraction's update (register blocks)
+    streamed: bool = False  # the body being emitted has streaming stores
+    blocked: bool = False  # the statement being emitted is a contraction's update (register blocks)
+
+
+class CpuEmitter(Emitter):
+    """Emits each kernel as its plan (codegen.cpu_mapping) says."""
+
+    triple = llvm.get_process_triple()
     _stream_scope = None  # the tag's metadata, made once per module
 
+    def __init__(self, prog, sched, name: str = "fn") -> None:
+        super().__init__(prog, sched, name)
+        self.plans: list[CpuPlan] = []  # per kernel emitted, its plan
+        self.ctx: CpuContext | None = None  # the kernel being emitted
+
+    def kernel(self, k: int, node: isl.AstNode, plan: CpuPlan | None = None) -> None:
+        """Kernel k as plan says (mapped now where not given)."""
+        plan = plan or CpuMapper(self.prog, self.sched).kernel(k, node)
+        self.plans.append(plan)
+        self.ctx = CpuContext(plan)
+        super().kernel(k, node)
+
+    def mark(self, n: isl.AstNode) -> None:
+        """A parallel loop the plan splits: in chunks, or in strips with halos."""
+        split = self.ctx.plan.splits.get(self.at)
+        if split is None:
+            return super().mark(n)
+        self.parallel = True
+        at = self.at
+        self.at = at + (0,)
+        if isinstance(split, SplitStrips):
+            self.strip_parallel(n.mark_get_node(), split.strips)
+        else:
+            self.loop(n.mark_get_node(), split=True)
+        self.at = at
+
     def loop(self, n: isl.AstNode, split: bool) -> None:
-        """In a kernel that keeps private buffers (a fused stencil's rolling
-        rows), an innermost loop that writes a row of a large output in order
-        runs in three parts: up to the first 64-byte boundary, whole groups of
-        STREAM_GROUP elements whose stores are tagged to become streaming
-        (nontemporal) stores once vectorized, and the rest. Streaming stores
-        neither read the written lines first nor push the private rows out of
-        the cache: blur 3x1024x1024 1.28 -> 1.0 ms on 2 cores. A plain
-        elementwise pass keeps cached stores (x*0.2 went 0.48 -> 0.52 ms: its
-        12 MB output fits in this host's last-level cache)."""
-        target = None if split or self.streaming or not self.private else self.stream_target(n)
-        if target is None:
+        """A loop whose stores the plan streams runs in three parts: up to the
+        first 64-byte boundary, whole groups of STREAM_GROUP elements whose
+        stores are tagged to become streaming (nontemporal) stores once
+        vectorized, and the rest. Streaming stores neither read the written
+        lines first nor push the private rows out of the cache: blur
+        3x1024x1024 1.28 -> 1.0 ms on 2 cores. A plain elementwise pass
+        keeps cached stores (x*0.2 went 0.48 -> 0.52 ms: its 12 MB output
+        fits in this host's last-level cache)."""
+        stream = None if split else self.ctx.plan.streams.get(self.at)
+        if stream is None:
             return super().loop(n, split)
-        arr, call = target
+        arr, call = self.prog.arrays[stream.array], stream.call
         b = self.b
         slot = self.var(n.for_get_iterator().get_id().get_name())
         lo, one, hi = self.loop_range(n)
@@ -89,72 +122,37 @@ class CpuEmitter(Emitter):
         start = b.add(lo, skip)
         start = b.select(b.icmp_signed("<", start, hi), start, hi)
         end = b.add(start, b.and_(b.sub(hi, start), ir.Constant(I64, -STREAM_GROUP)))
-        body = lambda: self.node(n.for_get_body())  # noqa: E731
+        body = lambda: self.descend(n.for_get_body(), 0)  # noqa: E731
         self.range_loop(slot, lo, start, one, body)
-        self.streaming = arr.name
+        self.ctx.streaming = arr.name
         self.range_loop(slot, start, end, one, body)
-        self.streaming = None
+        self.ctx.streaming = None
         self.range_loop(slot, end, hi, one, body)
-        self.streamed = True
+        self.ctx.streamed = True
 
     def body(self, fn, node) -> None:
         """A body with streaming stores ends with a fence: they are weakly
         ordered, and the thread that joins this one reads what they wrote."""
-        k = self.k
-        # (a contraction's private block is no stencil's rows: its epilogue
-        # writes rows of one block's width, and tagging them kept LLVM from
-        # holding the accumulators in registers)
-        self.private = any(self.sched.kernel_of_array.get(a) == k for a in self.sched.contracted) \
-            and not any(is_update(self.stmts[n]) for n in self.sched.kernels[k])
-        self.streamed = False
         super().body(fn, node)
-        if self.streamed:
+        if self.ctx.streamed:
             self.b.position_before(self.b.block.terminator)
             self.b.fence("seq_cst")
 
-    def stream_target(self, n: isl.AstNode):
-        """(array, call) when loop n is innermost with unit step and its body
-        stores one large float32/float64 output along n, element after element."""
-        if not self.splittable(n) or n.for_get_inc().get_val().to_python() != 1:
-            return None
-        calls = ast_calls(n.for_get_body())
-        if calls is None:
-            return None
-        it = n.for_get_iterator().get_id().get_name()
-        found = None
-        for call in calls:
-            s = self.stmts[call.get_op_arg(0).get_id().get_name()]
-            arr = self.prog.arrays[s.array]
-            if arr.kind != "output" or s.array in self.sched.contracted:
-                continue
-            if found is not None or s.combine is not None or arr.strided \
-                    or arr.dtype not in (DataType.Float, DataType.Double):
-                return None
-            elements = sz.static_product(arr.shape)
-            if elements is None or elements * arr.dtype.itemsize < STREAM_BYTES:
-                return None
-            args = [call.get_op_arg(i + 1) for i in range(len(s.iters))]
-            moving = [k for k, a in enumerate(args) if ast_uses(a, {it})]
-            if len(moving) != 1 or not _unit_step(args[moving[0]], it):
-                return None
-            var = s.iters[moving[0]]
-            uses = lambda e: any(isinstance(x, Var) and x.name == var for x in walk(e))  # noqa: E731
-            along = [d for d, e in enumerate(s.index) if uses(e)]  # the one dimension n moves along,
-            if len(along) != 1 or s.index[along[0]] != Var(s.index[along[0]].dtype, var) \
-                    or any(x != 1 for x in arr.shape[along[0] + 1:]):  # contiguous: unit dimensions after it
-                return None
-            found = (arr, call)
-        return found
-
     def store_element(self, arr, index, ptr, val):
         store = super().store_element(arr, index, ptr, val)
-        if arr.name == self.streaming:
+        if arr.name == self.ctx.streaming:
             store.set_metadata("alias.scope", self.stream_scope())
         return store
 
     def statement(self, call) -> None:
-        self.blocked = is_update(self.stmts[call.get_op_arg(0).get_id().get_name()])
+        self.ctx.blocked = call.get_op_arg(0).get_id().get_name() in self.ctx.plan.blocked
         super().statement(call)
+
+    def library_call(self, s, env, cache) -> None:
+        """BLAS's sgemm, each part on its strip where the plan splits it."""
+        split = self.ctx.plan.library[self.at].split
+        self.parallel |= split
+        emit_gemm(self, s.library, env, cache, split)
 
     def padded_load(self, cond, load, fill, env, cache):
         """In a contraction's register block, load from a cell holding fill
@@ -166,7 +164,7 @@ class CpuEmitter(Emitter):
         tap: the value is selected instead, loaded where guarded() clamped the
         index into the array."""
         arr = self.prog.arrays[load.array]
-        if not self.blocked and all(not isinstance(i, Const) or sz.is_static(n) and 0 <= i.value < int(n)
+        if not self.ctx.blocked and all(not isinstance(i, Const) or sz.is_static(n) and 0 <= i.value < int(n)
                                     for i, n in zip(load.index, arr.shape)):
             return super().padded_load(cond, load, fill, env, cache)
         ptr = self.address(arr, load.index, env, cache)
@@ -189,19 +187,6 @@ class CpuEmitter(Emitter):
             scope = m.add_metadata([ir.MetaDataString(m, STREAM_TAG + ".scope"), domain])
             self._stream_scope = m.add_metadata([scope])
         return self._stream_scope
-
-
-def _unit_step(e: isl.AstExpr, it: str) -> bool:
-    """Whether e is iterator it plus or minus terms without it (it moves by one as it does)."""
-    if e.get_type() == isl.ast_expr_type.id:
-        return e.get_id().get_name() == it
-    if e.get_type() != isl.ast_expr_type.op or e.get_op_type() not in (isl.ast_expr_op_type.add,
-                                                                       isl.ast_expr_op_type.sub):
-        return False
-    a, b = e.get_op_arg(0), e.get_op_arg(1)
-    if e.get_op_type() == isl.ast_expr_op_type.sub:
-        return _unit_step(a, it) and not ast_uses(b, {it})
-    return (_unit_step(a, it) and not ast_uses(b, {it})) or (_unit_step(b, it) and not ast_uses(a, {it}))
 
 
 _MD = re.compile(r"^!(\d+) = (?:distinct )?!\{(.*)\}$", re.M)

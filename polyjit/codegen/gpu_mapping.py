@@ -45,7 +45,8 @@ from ..affine import AffineProgram, Statement
 from ..dtypes import DataType
 from ..expr import Const, Op, Var, loads, walk
 from ..schedule import Scheduled, ast_nodes, statements_in
-from .llvm import Emitter, Strips, ast_calls, ast_children, ast_uses, static_extent
+from .llvm import Strips, ast_calls, ast_children, ast_uses, static_extent
+from .mapping import StripMapping, mapping_text  # noqa: F401 (mapping_text: the GPU stage prints with it)
 
 WARP = 32
 BLOCK = 256  # threads per block (polyjit.cuda launches this many)
@@ -216,21 +217,16 @@ KernelPlan = Union[Library, OneThread, NestPerThread, PointPerThread, HaloStrips
 
 
 # --------------------------------------------------------------- mapping
-class GpuMapper:
-    """What a kernel is mapped for: the program, its schedule and the device."""
+class GpuMapper(StripMapping):
+    """What a kernel is mapped for: the program, its schedule and the device
+    (halo strips are the CPU mapping's row strips, on a thread's bounded
+    buffers: StripMapping's test, shared)."""
 
     def __init__(self, prog: AffineProgram, sched: Scheduled, multiprocessors: int | None = None,
                  tile_sizes: tuple[int, ...] | None = None) -> None:
         self.prog, self.sched = prog, sched
         self.stmts = {s.name: s for s in prog.statements}
         self.multiprocessors, self.tile_sizes = multiprocessors, tile_sizes
-
-    # halo strips are the CPU emitter's row strips, on a thread's bounded buffers:
-    # one test, shared from there (until the CPU's mapping moves out of its emitter too)
-    splittable = staticmethod(Emitter.splittable)
-    _free = Emitter._free
-    _write_moves = Emitter._write_moves
-    strip_plan = Emitter.strip_plan
 
     def kernel(self, node: isl.AstNode) -> KernelPlan:
         """The plan of the kernel whose nest is node."""
@@ -314,11 +310,6 @@ class GpuMapper:
     def call_statement(self, call: isl.AstExpr) -> Statement:
         """The statement an AST call runs."""
         return self.stmts[call.get_op_arg(0).get_id().get_name()]
-
-
-def mapping_text(lines: list[tuple[str, KernelPlan | str]]) -> str:
-    """The mapping stage as printed: a line per kernel, its name and plan."""
-    return "\n".join(f"{name}: {plan}" for name, plan in lines)
 
 
 # ------------------------------------------------------ straight-line code

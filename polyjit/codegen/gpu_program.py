@@ -73,8 +73,8 @@ _SCOPE = re.compile(r"^\s*(\.(?:shared|global|const|extern|func|weak)\b)", re.M)
 def kernel_code(group: ScheduledGroup, j: int, config: tuple, written: frozenset, timer, variant: tuple = ()) \
         -> tuple[GpuKernelCode, bool]:
     """Kernel j of group (emitted now, its PTX made in a worker process or on
-    the LLVM thread, or earlier in this process for the same variant, what else chose its
-    schedule: second result True)."""
+    the LLVM thread; or earlier in this process for the same variant, what
+    else chose its schedule: second result True)."""
     arch, sms, tile_sizes = config
     key = hashlib.sha256(f"{group.problem.key}|{config}|{sorted(written)}|{j}".encode()).hexdigest()
     with _codes_lock:
@@ -122,8 +122,8 @@ def _timed_ptx(text: str, arch: str) -> tuple[str, str, float]:
 class GpuCodeSet:
     """The kernel codes of one program, asked for as its groups are scheduled
     (of: emission starts, and PTX in worker processes or on the LLVM thread,
-    while isl schedules the next groups) and again as the program is built; those compiled for it
-    (not found in the process's cache) are in ``new``."""
+    while isl schedules the next groups) and again as the program is built;
+    those compiled for it (not found in the process's cache) are in ``new``."""
 
     def __init__(self, prog: AffineProgram, config: tuple, timer, variant: tuple = ()) -> None:
         self.config, self.timer, self.variant = config, timer, variant
@@ -142,20 +142,12 @@ class GpuCodeSet:
         return out
 
 
-def instance(code: GpuKernelCode, name: str, params: list[int], count: int) -> str:
-    """code's entry as name, taking count parameters (the program's), its own
-    parameter k being the program's params[k]."""
-    head, rest = code.parts[1].split("\n)\n", 1)
-    decls = head.split("\n")[1:]  # ".visible .entry symbol(" then one declaration a line
+def instance(code: GpuKernelCode, name: str) -> str:
+    """code's entry as name, taking its own parameters (the program's argument
+    slots KernelInfo.params lists: a launch passes only those)."""
     own = f"{code.symbol}_param_"
-    mine = {p: decls[k].strip().rstrip(",") for k, p in enumerate(params)}
-    lines = [f".visible .entry {name}("]
-    for p in range(count):
-        decl = mine[p].replace(f"{own}{params.index(p)}", f"{name}_param_{p}") if p in mine \
-            else f".param .u64 {name}_param_{p}"
-        lines.append("\t" + decl + ("," if p < count - 1 else ""))
-    body = re.sub(rf"\b{re.escape(own)}(\d+)\b", lambda m: f"{name}_param_{params[int(m.group(1))]}", rest)
-    return "\n".join(lines) + "\n)\n" + body.replace(code.symbol, name)
+    return re.sub(rf"\b{re.escape(own)}(\d+)\b", lambda m: f"{name}_param_{m.group(1)}",
+                  code.parts[1]).replace(code.symbol, name)
 
 
 @dataclass
@@ -178,9 +170,8 @@ def build_program(prog: AffineProgram, sched: ProgramSchedule, name: str, codese
     buffers, int_slots = buffer_layout(prog, sched.contracted)
     slot = {a.name: k for k, a in enumerate(buffers)}
     int_slot = {s: len(buffers) + k for k, s in enumerate(int_slots)}
-    count = len(buffers) + len(int_slots)
     kernels, codes, k = [], {}, 0
-    uses = []  # (kernel name, code, params) of each PTX kernel
+    uses = []  # (kernel name, code) of each PTX kernel
     plans = []  # (kernel name, plan)
     module = ir.Module(name=name)
     module.triple = TRIPLE
@@ -198,34 +189,32 @@ def build_program(prog: AffineProgram, sched: ProgramSchedule, name: str, codese
                 k += 1
                 continue
             codes.setdefault(code.symbol, code)
-            uses.append((entry, code, params))
+            uses.append((entry, code))
             with timer("emit"):
-                _entry(module, entry, code.symbol, params, len(buffers), count)
+                _entry(module, entry, code.symbol, [PTR if p < len(buffers) else I64 for p in params])
             i = code.info
             kernels.append(KernelInfo(entry, i.parallel, tuple(sorted(sched.kernels[k])), i.lanes,
-                                      tuple(arrays[a] for a in i.zeroed), i.strips))
+                                      tuple(arrays[a] for a in i.zeroed), i.strips, params=tuple(params)))
             plans.append((entry, code.mapping))
             k += 1
     finish(list(codes.values()), codeset.new, timer)
     if any(c.parts is None for c in codes.values()):
         return None
     with timer("emit"):
-        entries = [instance(code, entry, params, count) for entry, code, params in uses]
+        entries = [instance(code, entry) for entry, code in uses]
         linked = _linked(module, [c.ir for c in codes.values()])
     header = next(iter(codes.values())).parts[0] if codes else ""
     return GpuProgramCode(buffers, int_slots, kernels, header + "\n".join(entries), linked,
                           "\n".join(c.optimized for c in codes.values()), len(codeset.new), mapping_text(plans))
 
 
-def _entry(module: ir.Module, name: str, target: str, params: list[int], buffers: int, count: int) -> None:
-    """name(the program's buffers..., its integers...) calls target with those at params."""
-    types = [PTR if p < buffers else I64 for p in range(count)]
+def _entry(module: ir.Module, name: str, target: str, types: list) -> None:
+    """name(arguments of these types) calls target with them: the kernel's entry in the program."""
     fn = ir.Function(module, ir.FunctionType(ir.VoidType(), types), name)
     fn.calling_convention = "ptx_kernel"
-    callee = module.globals.get(target) or ir.Function(module, ir.FunctionType(ir.VoidType(),
-                                                                               [types[p] for p in params]), target)
+    callee = module.globals.get(target) or ir.Function(module, ir.FunctionType(ir.VoidType(), types), target)
     b = ir.IRBuilder(fn.append_basic_block("entry"))
-    b.call(callee, [fn.args[p] for p in params])
+    b.call(callee, list(fn.args))
     b.ret_void()
 
 

@@ -34,7 +34,6 @@ LAUNCH_T = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.POINTER(ctypes.c_void_p), cty
 CUDA_ERROR_INVALID_CONTEXT = 201
 SYMBOLS = ("cuStreamGetCtx", "cuCtxGetCurrent", "cuCtxSetCurrent", "cuMemsetD8Async", "cuMemsetD32Async",
            "cuLaunchKernel", "snprintf")  # the functions a GPU launcher calls, by address
-GEMM_SYMBOLS = ("cublasSetStream_v2", "cublasSgemmStridedBatched")  # a plan with Gemm steps
 CPU_SYMBOLS = ("GOMP_parallel", "polyjit_omp_part", "omp_get_thread_num", "omp_get_num_threads",
                "snprintf")  # a CPU launcher's (the first four where a kernel runs on the team)
 
@@ -52,37 +51,41 @@ class Memset:
 
 @dataclass(frozen=True)
 class Launch:
-    """cuLaunchKernel of ``function`` (a CUfunction's address) on a 1-D grid."""
+    """cuLaunchKernel of ``function`` (a CUfunction's address) on a 1-D grid,
+    with the arguments at ``params`` (indices into the slots then the
+    integers; None: all of them)."""
     function: int
     grid: int
     block: int
     what: str
+    params: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
-class GemmCall:
-    """One cublasSgemmStridedBatched of a Gemm step: the argument slots and
-    element offsets of its three matrices (in the column-major call's order),
-    their batch strides and the batch count."""
-    slots: tuple[int, int, int]
-    offsets: tuple[int, int, int]
-    strides: tuple[int, int, int]
-    batch: int
+class Arg:
+    """An argument of a library call: an integer (``i32``, ``i64``), a fixed
+    address (``ptr``), an argument slot's pointer advanced by ``offset``
+    bytes (``slot``, value the slot), or the launch stream (``stream``)."""
+    kind: str
+    value: int = 0
+    offset: int = 0
 
 
 @dataclass(frozen=True)
-class Gemm:
-    """A library step (polyjit.cublas.GemmStep): its calls through ``handle``
-    on the launch stream. ``shape`` is (transa, transb, m, n, k), ``lds`` the
-    leading dimensions, ``alpha``/``beta`` the addresses of float 1 and 0.
-    The handle's stream is shared state: the steps hold the launcher's lock."""
-    handle: int
-    shape: tuple[int, int, int, int, int]
-    lds: tuple[int, int, int]
-    calls: tuple[GemmCall, ...]
-    alpha: int
-    beta: int
+class Call:
+    """A library function at address ``function`` returning a status (0: all went well)."""
+    function: int
+    args: tuple[Arg, ...]
     what: str
+
+
+@dataclass(frozen=True)
+class LibraryStep:
+    """A library's calls (cuBLAS, cuDNN): the first usually sets its handle's
+    stream, shared state, so the calls run holding the launcher's lock.
+    ``kind`` names a failure's code ("cuBLAS status")."""
+    calls: tuple[Call, ...]
+    kind: str
 
 
 @dataclass(frozen=True)
@@ -106,7 +109,7 @@ class LaunchPlan:
     outputs: Sequence[int]
     fixed: Mapping[int, int]
     ints: Sequence[int]
-    steps: Sequence[Memset | Launch | Run | Gemm]
+    steps: Sequence[Memset | Launch | Run | LibraryStep]
     context: int | None  # the CUDA context of a GPU plan; None on the CPU
 
 
@@ -162,15 +165,13 @@ class _Builder:
             b.store(ir.Constant(I64, value), b.gep(self.ints, [ZERO, ir.Constant(I32, k)]))
         places = [self.slot(k) for k in range(plan.slots)] + [b.gep(self.ints, [ZERO, ir.Constant(I32, k)])
                                                               for k in range(len(plan.ints))]
-        params = b.alloca(ir.ArrayType(PTR, max(len(places), 1)))
-        for k, place in enumerate(places):
-            b.store(b.bitcast(place, PTR), b.gep(params, [ZERO, ir.Constant(I32, k)]))
-        self.argv = b.bitcast(params, PTR.as_pointer())
+        self.places, self.argvs = places, {}
+        self.argv = self._argument_block(None)
         for step in plan.steps:
             if isinstance(step, Run):
                 self._run(step)
-            elif isinstance(step, Gemm):
-                self._gemm(step)
+            elif isinstance(step, LibraryStep):
+                self._library(step)
             elif cpu:  # a Memset
                 _fill(b, b.load(self.slot(step.slot)), step)
             elif isinstance(step, Memset):
@@ -244,12 +245,24 @@ class _Builder:
         self.checked(b.call(call, [target, ir.Constant(width, step.value), ir.Constant(I64, step.count),
                                    self.stream]), step.what)
 
+    def _argument_block(self, params: tuple[int, ...] | None) -> ir.Value:
+        """The addresses of the arguments at params (None: all), built once per list."""
+        if params not in self.argvs:
+            b = self.b
+            chosen = self.places if params is None else [self.places[p] for p in params]
+            block = b.alloca(ir.ArrayType(PTR, max(len(chosen), 1)))
+            for k, place in enumerate(chosen):
+                b.store(b.bitcast(place, PTR), b.gep(block, [ZERO, ir.Constant(I32, k)]))
+            self.argvs[params] = b.bitcast(block, PTR.as_pointer())
+        return self.argvs[params]
+
     def _launch(self, step: Launch) -> None:
         b = self.b
         call = self.function("cuLaunchKernel", PTR, I32, I32, I32, I32, I32, I32, I32, PTR, PTR.as_pointer(),
                              PTR.as_pointer())
         dims = [ir.Constant(I32, x) for x in (step.grid, 1, 1, step.block, 1, 1, 0)]
-        self.checked(b.call(call, [ir.Constant(I64, step.function).inttoptr(PTR), *dims, self.stream, self.argv,
+        argv = self._argument_block(step.params)
+        self.checked(b.call(call, [ir.Constant(I64, step.function).inttoptr(PTR), *dims, self.stream, argv,
                                    ir.Constant(PTR.as_pointer(), None)]), step.what)
 
     def _run(self, step: Run) -> None:
@@ -270,25 +283,28 @@ class _Builder:
         b.call(parallel, [ir.Constant(I64, self.symbols["polyjit_omp_part"]).inttoptr(PTR), b.bitcast(data, PTR),
                           ir.Constant(I32, step.threads), ir.Constant(I32, 0)])
 
-    def _gemm(self, step: Gemm) -> None:
-        """cublasSetStream then the calls, holding the launcher's lock (a spin
-        lock: the handle's stream must not change between the two)."""
+    def _library(self, step: LibraryStep) -> None:
+        """The calls in order, holding the launcher's lock (a spin lock: a
+        handle's stream must not change between setting it and the calls)."""
         b = self.b
         self._acquire()
-        handle = ir.Constant(I64, step.handle).inttoptr(PTR)
-        self.checked(b.call(self.function("cublasSetStream_v2", PTR, PTR), [handle, self.stream]),
-                     f"cublasSetStream ({step.what})", "cuBLAS status", unlock=True)
-        gemm = self.function("cublasSgemmStridedBatched", PTR, I32, I32, I32, I32, I32, PTR, PTR, I32, I64, PTR,
-                             I32, I64, PTR, PTR, I32, I64, I32)
-        ta, tb, m, n, k = (ir.Constant(I32, x) for x in step.shape)
-        lda, ldb, ldc = (ir.Constant(I32, x) for x in step.lds)
-        alpha, beta = (ir.Constant(I64, x).inttoptr(PTR) for x in (step.alpha, step.beta))
-        for c in step.calls:
-            a, bm, out = (b.gep(b.load(self.slot(s)), [ir.Constant(I64, 4 * o)]) for s, o in zip(c.slots, c.offsets))
-            sa, sb, sc = (ir.Constant(I64, x) for x in c.strides)
-            self.checked(b.call(gemm, [handle, ta, tb, m, n, k, alpha, a, lda, sa, bm, ldb, sb, beta, out, ldc, sc,
-                                       ir.Constant(I32, c.batch)]), step.what, "cuBLAS status", unlock=True)
+        for call in step.calls:
+            values = [self._arg(a) for a in call.args]
+            fn = b.inttoptr(ir.Constant(I64, call.function), ir.FunctionType(I32, [v.type for v in values]).as_pointer())
+            self.checked(b.call(fn, values), call.what, step.kind, unlock=True)
         self._release()
+
+    def _arg(self, a: Arg) -> ir.Value:
+        b = self.b
+        if a.kind == "i32":
+            return ir.Constant(I32, a.value)
+        if a.kind == "i64":
+            return ir.Constant(I64, a.value)
+        if a.kind == "ptr":
+            return ir.Constant(I64, a.value).inttoptr(PTR)
+        if a.kind == "stream":
+            return self.stream
+        return b.gep(b.load(self.slot(a.value)), [ir.Constant(I64, a.offset)])
 
     def _acquire(self) -> None:
         b = self.b

@@ -10,11 +10,11 @@ Contracted arrays live inside the kernel, so each part has its own.
 
 The emitter is split by concern: loops.py walks the AST, strips.py cuts
 short parallel loops' inner loops into strips, values.py emits scalar
-expressions; the types are irtypes.py's.
+expressions; the types are irtypes.py's. What is split, and how, each
+target's mapping stage decides first (codegen.cpu_mapping, codegen.gpu_mapping).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,14 +28,13 @@ from ..schedule import Scheduled, statements_in
 from ..schedule.ast import ast_calls, ast_children, ast_uses, static_extent
 from .irtypes import BF16, COMPUTE, F16, F32, F64, I1, I8, I32, I64, PTR, STORAGE
 from .loops import LoopEmission
-from .strips import Strips, StripEmission
+from .mapping import Strips, on_stack
+from .strips import StripEmission
 from .values import ValueEmission
 
 __all__ = ["BF16", "COMPUTE", "F16", "F32", "F64", "I1", "I8", "I32", "I64", "PTR", "STORAGE", "Emitter",
            "KernelInfo", "Strips", "ast_calls", "ast_children", "ast_uses", "buffer_layout", "kernel_name",
            "static_extent"]
-
-STACK_LIMIT = 16384  # bytes: smaller contracted buffers go on the stack
 
 
 @dataclass
@@ -47,6 +46,7 @@ class KernelInfo:
     zeroed: tuple[str, ...] = ()  # nvgpu: arrays to zero before the launch (atomic sums)
     strips: bool = False  # nvgpu: strips of a sum, more threads than elements written
     library: Any = None  # nvgpu: the library statement this step runs on the host's stream (no PTX)
+    params: tuple[int, ...] | None = None  # nvgpu: the program's argument slots it takes, in order (None: all)
     fn: Any = None  # cpu: the compiled function, once JIT-compiled (nvgpu kernels load in polyjit.cuda)
 
 
@@ -132,6 +132,7 @@ class Emitter(LoopEmission, StripEmission, ValueEmission):
         self.in_parallel = False
         self.parallel = False
         self.strip_start = None  # (iterator slot, first own iteration) inside a strip with a halo
+        self.at = ()  # the path of the node being emitted (LoopEmission.descend)
         self.node(node)
         for ptr in self.freed:
             self.free(ptr)
@@ -153,16 +154,14 @@ class Emitter(LoopEmission, StripEmission, ValueEmission):
         return v
 
     def alloc_contracted(self, a: Array, moduli) -> None:
+        """A private buffer: on the stack where mapping.on_stack says, else on the heap, freed at the end."""
         extents = [self.size(s) if m is None else ir.Constant(I64, m) for s, m in zip(a.shape, moduli)]
         self.strides[a.name] = self.row_major(extents)
         count = ir.Constant(I64, 1)
         for e in extents:
             count = self.b.mul(count, e)
-        ety = STORAGE[a.dtype]
-        static = all(isinstance(e, ir.Constant) for e in extents)
-        nbytes = a.dtype.itemsize * math.prod(e.constant for e in extents) if static else None
-        if nbytes is not None and nbytes <= STACK_LIMIT:
-            self.base[a.name] = self.b.alloca(ety, size=count)
+        if on_stack(a, moduli):
+            self.base[a.name] = self.b.alloca(STORAGE[a.dtype], size=count)
         else:
             ptr = self.malloc(self.b.mul(count, ir.Constant(I64, a.dtype.itemsize)))
             self.base[a.name] = ptr
@@ -188,9 +187,7 @@ class Emitter(LoopEmission, StripEmission, ValueEmission):
         env = {it: self.aexpr(call.get_op_arg(i + 1)) for i, it in enumerate(s.iters)}
         cache: dict[int, ir.Value] = {}
         if s.library is not None:
-            from .blas import emit_gemm
-            emit_gemm(self, s.library, env, cache)
-            return
+            return self.library_call(s, env, cache)
         val = self.value(s.body, env, cache)
         arr = self.prog.arrays[s.array]
         ptr = self.address(arr, s.index, env, cache)
@@ -231,6 +228,10 @@ class Emitter(LoopEmission, StripEmission, ValueEmission):
         return self.b.urem(v, ir.Constant(I64, modulus))
 
     # ------------------------------------------------------ target hooks
+    def library_call(self, s: Statement, env, cache) -> None:
+        """Library statement s's call (a hook: where a target runs them as steps of their own, none is emitted)."""
+        raise NotImplementedError(f"{s.library} in a kernel")
+
     def malloc(self, nbytes) -> ir.Value:
         fn = self.module.globals.get("malloc") or ir.Function(
             self.module, ir.FunctionType(PTR, [I64]), "malloc")

@@ -10,36 +10,37 @@ from .irtypes import I64
 
 class LoopEmission:
     """Emitter's walk of the AST, into the function ``self.fn`` at the
-    builder ``self.b``; iterators live in entry-block slots (``self.var``)."""
+    builder ``self.b``; iterators live in entry-block slots (``self.var``),
+    the path of the node being emitted is ``self.at``."""
 
     def node(self, n: isl.AstNode) -> None:
         t = n.get_type()
         if t == isl.ast_node_type.block:
             lst = n.block_get_children()
             for i in range(lst.n_ast_node()):
-                self.node(lst.get_at(i))
+                self.descend(lst.get_at(i), i)
         elif t == isl.ast_node_type.for_:
             self.loop(n, split=False)
         elif t == isl.ast_node_type.if_:
             self.branch(n)
         elif t == isl.ast_node_type.mark:
-            child = n.mark_get_node()
-            if n.mark_get_id().get_name().startswith("parallel:") and not self.in_parallel \
-                    and child.get_type() == isl.ast_node_type.for_ and self.splittable(child) \
-                    and n.mark_get_id().get_name() == "parallel:" + child.for_get_iterator().get_id().get_name():
-                self.in_parallel = self.parallel = True
-                strips = self.row_strips(child)
-                if strips is not None:
-                    self.strip_parallel(child, strips)
-                else:
-                    self.loop(child, split=True)
-                self.in_parallel = False
-            else:
-                self.node(child)
+            self.mark(n)
         elif t == isl.ast_node_type.user:
             self.statement(n.user_get_expr())
         else:
             raise NotImplementedError(f"isl AST node {t}")
+
+    def descend(self, n: isl.AstNode, *steps: int) -> None:
+        """Emit n, the node at steps below the one at ``self.at`` (the path
+        from the kernel's root that keys the mapping's decisions)."""
+        at = self.at
+        self.at = at + steps
+        self.node(n)
+        self.at = at
+
+    def mark(self, n: isl.AstNode) -> None:
+        """A mark's node (a hook: the CPU splits the parallel loops its mapping says)."""
+        self.descend(n.mark_get_node(), 0)
 
     def var(self, name: str, typ: ir.Type = I64) -> ir.AllocaInstr:
         """A named slot in the entry block (mem2reg makes it a register)."""
@@ -48,12 +49,6 @@ class LoopEmission:
                 self.b.position_at_start(self.entry)
                 self.vars[name] = self.b.alloca(typ, name=name)
         return self.vars[name]
-
-    @staticmethod
-    def splittable(n: isl.AstNode) -> bool:
-        c = n.for_get_cond()
-        return c.get_op_type() in (isl.ast_expr_op_type.le, isl.ast_expr_op_type.lt) and \
-            n.for_get_inc().get_type() == isl.ast_expr_type.int
 
     def loop(self, n: isl.AstNode, split: bool) -> None:
         it = n.for_get_iterator().get_id().get_name()
@@ -79,7 +74,7 @@ class LoopEmission:
             c = self.aexpr(n.for_get_cond())
         self.b.cbranch(c, body, done)
         self.b.position_at_end(body)
-        self.node(n.for_get_body())
+        self.descend(n.for_get_body(), 0)
         self.b.store(self.b.add(self.b.load(slot, typ=I64), inc), slot)
         self.b.branch(head)
         self.b.position_at_end(done)
@@ -91,11 +86,11 @@ class LoopEmission:
         done = self.fn.append_basic_block("endif")
         self.b.cbranch(c, then, other or done)
         self.b.position_at_end(then)
-        self.node(n.if_get_then_node())
+        self.descend(n.if_get_then_node(), 0)
         self.b.branch(done)
         if other is not None:
             self.b.position_at_end(other)
-            self.node(n.if_get_else_node())
+            self.descend(n.if_get_else_node(), 1)
             self.b.branch(done)
         self.b.position_at_end(done)
 

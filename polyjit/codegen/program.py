@@ -29,7 +29,9 @@ from ..errors import UnsupportedOpError
 from ..schedule import ProgramSchedule, ScheduledGroup
 from .blas import SGEMM, register_symbols
 from .cpu import KERNEL_T, CpuEmitter, _lock, optimized_module, target_machine
+from .cpu_mapping import CpuMapper
 from .llvm import I64, PTR, KernelInfo, buffer_layout, kernel_name
+from .mapping import mapping_text
 
 CODE_CACHE = 4096  # compiled kernels kept per process
 
@@ -40,6 +42,7 @@ class KernelCode:
 
     symbol: str
     parallel: bool
+    mapping: str  # its plan as printed (codegen.cpu_mapping; the plan holds AST nodes: not kept)
     ir: str  # as emitted
     job: Future = field(compare=False)  # (optimized IR, object code, seconds), made on the LLVM thread
 
@@ -86,14 +89,16 @@ def kernel_code(group: ScheduledGroup, j: int, config: str, timer, variant: tupl
         code = _codes.get((key, variant))
     if code is not None and not (code.job.done() and code.job.exception()):
         return code, True
+    node = group.sched.kernel_asts()[j]
+    with timer("mapping"):
+        plan = CpuMapper(group.problem.prog, group.sched).kernel(j, node)
     with timer("emit"):
         emitter = CpuEmitter(group.problem.prog, group.sched, "k")
-        node = group.sched.kernel_asts()[j]
         emitter.symbol = kernel_name(group.problem.prog, "", j, group.sched.kernels[j]).replace(
             "_kernel", "_" + key[:16])
-        emitter.kernel(j, node)
+        emitter.kernel(j, node, plan)
         text = str(emitter.module)
-    code = KernelCode(emitter.symbol, emitter.kernels[0].parallel, text, _submit(_timed_object, text))
+    code = KernelCode(emitter.symbol, emitter.kernels[0].parallel, str(plan), text, _submit(_timed_object, text))
     with _codes_lock:
         _codes[key, variant] = code
         while len(_codes) > CODE_CACHE:
@@ -133,6 +138,7 @@ class ProgramCode:
     codes: list[KernelCode]  # each distinct kernel code once
     entries: str  # the entries module's IR
     compiled: int  # kernels whose code was compiled for this program
+    mapping: str  # the mapping stage: a line per kernel
 
 
 class CodeSet:
@@ -161,7 +167,7 @@ def build_program(prog: AffineProgram, sched: ProgramSchedule, name: str, codese
     slot = {a.name: k for k, a in enumerate(buffers)}
     int_slot = {s: k for k, s in enumerate(int_slots)}
     module = ir.Module(name=name)
-    kernels, codes = [], {}
+    kernels, codes, plans = [], {}, []
     k = 0
     for group in sched.groups:
         mini_buffers, mini_ints = buffer_layout(group.problem.prog, group.sched.contracted)
@@ -174,9 +180,11 @@ def build_program(prog: AffineProgram, sched: ProgramSchedule, name: str, codese
             with timer("emit"):
                 _entry(module, entry, code.symbol, bufs, ints)
             kernels.append(KernelInfo(entry, code.parallel, tuple(sorted(sched.kernels[k]))))
+            plans.append((entry, group.real_names(code.mapping)))
             k += 1
     finish(list(codes.values()), codeset.new, timer)
-    return ProgramCode(buffers, int_slots, kernels, list(codes.values()), str(module), len(codeset.new))
+    return ProgramCode(buffers, int_slots, kernels, list(codes.values()), str(module), len(codeset.new),
+                       mapping_text(plans))
 
 
 def _entry(module: ir.Module, name: str, target: str, bufs: list[int], ints: list[int]) -> None:

@@ -62,7 +62,7 @@ class Target:
                 exe = self.load(graph, options, name, *hit) if hit else None
             hits = hits if exe is not None else 0
         if exe is None:
-            policy = LibraryPolicy(options.contractions, options.num_threads, self)
+            policy = LibraryPolicy(options.contractions, options.num_threads, self, bool(options.tf32))
             with timer("lower"):
                 prog = lower(graph, self.recompute_limit, policy)
             exe = self.build(graph, prog, options, name, timer, machine)
@@ -119,6 +119,11 @@ class Target:
 
     def library_available(self) -> bool:
         """Whether the vendor library loads here."""
+        return False
+
+    def direct_convolutions(self) -> bool:
+        """Whether a library convolution is one call on whole arrays (cuDNN),
+        rather than im2col and a product (BLAS, cuBLAS)."""
         return False
 
     # ---------------------------------------------------------------- the compile cache

@@ -105,7 +105,7 @@ class CpuTarget(Target):
         code = build_program(prog, sched, name, codes)
         with timer("llvm"):
             loaded = LoadedProgram([c.obj for c in code.codes] + [entries_object(code.entries)])
-        ir = {"llvm": "\n".join([code.entries] + [c.ir for c in code.codes]),
+        ir = {"mapping": code.mapping, "llvm": "\n".join([code.entries] + [c.ir for c in code.codes]),
               "llvm_opt": "\n".join(c.optimized for c in code.codes)}
         exe = executable(self.executable, graph, prog, sched, loaded.bind(code.kernels), code.buffers,
                          code.int_slots, options, name, loaded, ir, {})

@@ -3,10 +3,12 @@
 Kernels of one structure share PTX (codegen.gpu_program), loaded on the
 device at a program's first call and run by polyjit.cuda.GpuProgram on
 the caller's stream. Programs are also kept within the process by their
-cache key (plan, IR texts and PTX), as CPU kernels are.
+cache key (plan, IR texts and PTX), as CPU kernels are; a cuBLAS step is
+kept as its statement (cache.statement_json), run again from it.
 """
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from .. import cache
@@ -18,6 +20,7 @@ from ..compiler import plan as plan_of
 from ..cuda import GpuProgram, default_ordinal, device
 from ..errors import CompileOptionError, DeviceError
 from ..graph import Graph
+from ..library import Convolution
 from ..schedule import gpu_rewrites, schedule_program
 from .base import Target
 
@@ -27,6 +30,7 @@ if TYPE_CHECKING:
     from ..affine import AffineProgram
     from ..options import CompileOptions
 
+log = logging.getLogger("polyjit")
 GPU_TILES, GPU_KTILES = (32, 64, 128), (8, 16, 32)  # what nvgpu contraction tiles can be
 GPU_PROGRAMS = 32  # GPU programs (plan, IR texts and PTX: megabytes for a model) kept per process, by key
 _programs: dict[str, tuple[dict, list[bytes]]] = {}
@@ -110,6 +114,10 @@ class NvgpuTarget(Target):
         from ..cublas import cublas
         return cublas() is not None
 
+    def direct_convolutions(self) -> bool:
+        from ..cudnn import cudnn
+        return cudnn() is not None
+
     # ---------------------------------------------------------------- the compile cache
     def lookup(self, key: str, disk: bool) -> tuple[tuple | None, int]:
         """In this process first, then on disk."""
@@ -122,10 +130,13 @@ class NvgpuTarget(Target):
         return hit, hits
 
     def keep(self, key: str, exe: GpuProgram, disk: bool) -> None:
-        """Kept in this process too; its object is its PTX, as text."""
-        if any(k.library is not None for k in exe.kernels):
-            return  # (cuBLAS steps hold their statement: not kept as JSON yet)
-        _programs[key] = (plan_of(exe, self.plan_fields(exe)), self.objects(exe))
+        """Kept in this process too; its object is its PTX, as text; a
+        library step's statement is part of its plan."""
+        try:
+            _programs[key] = (plan_of(exe, self.plan_fields(exe)), self.objects(exe))
+        except TypeError as e:  # a library call the cache cannot write (polyjit.library.CALLS)
+            log.warning("polyjit: %s not kept in the compile cache: %s", exe.name, e)
+            return
         while len(_programs) > GPU_PROGRAMS:
             _programs.pop(next(iter(_programs)))
         if disk:
@@ -133,19 +144,30 @@ class NvgpuTarget(Target):
 
     def plan_fields(self, exe: GpuProgram) -> dict:
         return {"gpu": {"arch": exe.arch, "writes": [[cache.array_json(a) for a in w] for w in exe.writes],
-                        "kernels": [[k.lanes, list(k.zeroed), k.strips] for k in exe.kernels]}}
+                        "kernels": [[k.lanes, list(k.zeroed), k.strips,
+                                     None if k.library is None else cache.statement_json(k.library),
+                                     None if k.params is None else list(k.params)]
+                                    for k in exe.kernels]}}
 
     def objects(self, exe: GpuProgram) -> list[bytes]:
         return [exe.ptx.encode()]
 
     def load(self, graph: Graph, options: CompileOptions, name: str, plan: dict,
-             objects: list[bytes]) -> GpuProgram:
-        """PTX, loaded on the device at the first call."""
+             objects: list[bytes]) -> GpuProgram | None:
+        """PTX, loaded on the device at the first call; None (compiled again)
+        where the program has library steps and cuBLAS (or cuDNN) does not load here."""
         gpu = plan["gpu"]
+        if any(lib is not None for _, _, _, lib, _ in gpu["kernels"]) and not self.library_available():
+            return None
         fields = {"ptx": objects[0].decode(), "arch": gpu["arch"],
                   "writes": [[cache.array_from(a) for a in w] for w in gpu["writes"]]}
-        kernels = [KernelInfo(n, par, tuple(st), lanes, tuple(zeroed), strips)
-                   for (n, par, st), (lanes, zeroed, strips) in zip(plan["kernels"], gpu["kernels"])]
+        kernels = [KernelInfo(n, par, tuple(st), lanes, tuple(zeroed), strips,
+                              None if lib is None else cache.statement_from(lib),
+                              None if params is None else tuple(params))
+                   for (n, par, st), (lanes, zeroed, strips, lib, params) in zip(plan["kernels"], gpu["kernels"])]
+        if any(isinstance(k.library.library, Convolution) for k in kernels if k.library is not None) \
+                and not self.direct_convolutions():
+            return None  # (cuDNN's convolutions, where it no longer loads)
         exe = from_plan(self.executable, graph, options, name, plan, kernels, None, fields)
         exe.ir["ptx"] = fields["ptx"]
         return exe

@@ -1,0 +1,266 @@
+"""The CPU mapping stage: how each kernel's loop nest runs on the host.
+
+Between the isl AST and emission, each kernel gets a typed plan
+(:class:`CpuPlan`), decided from the AST and the statements' accesses
+before any IR is emitted; the emitter (codegen.cpu) then only emits what
+the plan says, and the plans print as a stage of their own
+(``exe.ir("mapping")``, the debug folder). A plan names:
+
+- the parallel loops the thread team's parts share: a loop split into
+  chunks (:class:`SplitLoop`), or, under a parallel loop too short to keep
+  every thread busy, (iteration, strip) pairs of the sequential loop below,
+  each strip first recomputing its halo of private values
+  (:class:`SplitStrips`: a blur of three images on two threads);
+- library calls (:class:`LibraryCall`): BLAS's sgemm, each part on its
+  strip of the product unless a parallel loop already shares the kernel;
+- streaming stores (:class:`StreamedLoop`): in a kernel that keeps private
+  buffers (a fused stencil's rolling rows), an innermost loop that writes a
+  row of a large output in order, its stores made nontemporal once LLVM
+  vectorizes them (codegen.cpu.streaming_stores);
+- register blocks: the contraction updates isl unrolled into a block whose
+  accumulators stay in vector registers (the scheduler's cpu_rewrites sized
+  it); their padded loads read a fill cell rather than select a value;
+- private buffers, on the stack or the heap.
+
+Which loops are vectorized, and how wide, is LLVM's choice after emission
+(codegen.cpu.optimize; every function prefers 512-bit vectors on an
+AVX-512 host, prefer_wide_vectors): no plan names it.
+
+Decisions are keyed by where they sit in the kernel's AST: a path of child
+positions from its root (a block's i-th child, 0 for a loop's body, a
+mark's node and a branch's then, 1 for its else), which the emitter tracks
+as it walks (LoopEmission.at). isl's nodes have no identity of their own
+in Python.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import islpy as isl
+
+from .. import sizes as sz
+from ..affine import AffineProgram, Array
+from ..dtypes import DataType
+from ..expr import Var, walk
+from ..schedule import MIN_PARALLEL_EXTENT, Scheduled, is_update
+from ..schedule.ast import ast_calls, ast_nodes, ast_uses, static_extent
+from .mapping import Strips, StripMapping, loop_iterator, on_stack
+
+STREAM_BYTES = 8 << 20  # outputs at least this large are written with streaming stores
+
+Path = tuple[int, ...]
+
+
+# ------------------------------------------------------------------ plans
+@dataclass
+class SplitLoop:
+    """A parallel loop cut into one chunk of iterations per part."""
+
+    iterator: str
+
+    def __str__(self) -> str:
+        return f"parallel {self.iterator}"
+
+
+@dataclass
+class SplitStrips:
+    """A parallel loop too short for the team: each of its iterations cut
+    into one strip of the sequential loop below per part, and the
+    (iteration, strip) pairs shared between the parts."""
+
+    iterator: str
+    strips: Strips
+
+    def __str__(self) -> str:
+        s = self.strips
+        ring = f", ring {s.ring}" if s.ring else ""
+        return f"parallel {self.iterator} x strips of {loop_iterator(s.loop)} (halo {s.halo}{ring})"
+
+
+@dataclass
+class StreamedLoop:
+    """An innermost loop whose stores of array stream: aligned groups of its
+    iterations, their stores tagged to become nontemporal."""
+
+    iterator: str
+    array: str
+    call: isl.AstExpr  # the storing statement's call (its first address sets the alignment)
+
+    def __str__(self) -> str:
+        return f"streaming stores to {self.array} along {self.iterator}"
+
+
+@dataclass
+class LibraryCall:
+    """A library statement: each part calls it on its strip (split), or it
+    runs whole in each iteration of a parallel loop already shared."""
+
+    statement: Any
+    split: bool
+
+    def __str__(self) -> str:
+        g = self.statement.library
+        how = f"strips of {g.split} per part" if self.split else "in the parallel loop"
+        return f"BLAS sgemm of {self.statement.name}, {how}"
+
+
+Split = Union[SplitLoop, SplitStrips]
+
+
+@dataclass
+class CpuPlan:
+    """One kernel's mapping: its decisions, keyed by path in its AST."""
+
+    splits: dict[Path, Split] = field(default_factory=dict)  # parallel marks the parts share
+    streams: dict[Path, StreamedLoop] = field(default_factory=dict)  # loops that stream their stores
+    library: dict[Path, LibraryCall] = field(default_factory=dict)  # library statements' calls
+    blocked: frozenset[str] = frozenset()  # contraction updates, unrolled into register blocks
+    block: int = 0  # the most updates unrolled into one loop body (a register block)
+    buffers: dict[str, bool] = field(default_factory=dict)  # private buffer -> on the stack
+
+    @property
+    def parallel(self) -> bool:
+        """Whether the thread team runs the kernel (else one thread does)."""
+        return bool(self.splits) or any(c.split for c in self.library.values())
+
+    def __str__(self) -> str:
+        parts = [str(x) for x in self.splits.values()] + [str(x) for x in self.library.values()]
+        if self.blocked:
+            parts.append(f"register blocks of {self.block} products")
+        parts += [str(x) for x in self.streams.values()]
+        if self.buffers:
+            parts.append("private " + ", ".join(f"{a} ({'stack' if s else 'heap'})"
+                                                for a, s in self.buffers.items()))
+        return "; ".join(["thread team" if self.parallel else "one thread"] + parts)
+
+
+# --------------------------------------------------------------- mapping
+class CpuMapper(StripMapping):
+    """What a kernel is mapped for: the program and its schedule."""
+
+    def __init__(self, prog: AffineProgram, sched: Scheduled) -> None:
+        self.prog, self.sched = prog, sched
+        self.stmts = {s.name: s for s in prog.statements}
+
+    def kernel(self, k: int, node: isl.AstNode) -> CpuPlan:
+        """The plan of kernel k, whose nest is node."""
+        private = {a: m for a, m in self.sched.contracted.items() if self.sched.kernel_of_array.get(a) == k}
+        blocked = frozenset(n for n in self.sched.kernels[k] if is_update(self.stmts[n]))
+        plan = CpuPlan(blocked=blocked, buffers={a: on_stack(self.prog.arrays[a], m) for a, m in private.items()})
+        self.walk(node, (), plan, False)
+        if blocked:
+            plan.block = max((sum(self.call_name(c) in blocked for c in calls) for calls in
+                              (ast_calls(n.for_get_body()) for n in ast_nodes(node)
+                               if n.get_type() == isl.ast_node_type.for_) if calls), default=0)
+        return plan
+
+    @staticmethod
+    def may_stream(plan: CpuPlan) -> bool:
+        """Only a kernel that keeps private buffers (a fused stencil's rows)
+        streams its stores. A contraction's private block is no stencil's
+        rows: its epilogue writes rows of one block's width, and tagging
+        them kept LLVM from holding the accumulators in registers."""
+        return bool(plan.buffers) and not plan.blocked
+
+    def walk(self, n: isl.AstNode, at: Path, plan: CpuPlan, shared: bool) -> None:
+        """The decisions under n, at path at; shared: inside a loop the parts share."""
+        t = n.get_type()
+        if t == isl.ast_node_type.block:
+            lst = n.block_get_children()
+            for i in range(lst.n_ast_node()):
+                self.walk(lst.get_at(i), at + (i,), plan, shared)
+        elif t == isl.ast_node_type.for_:
+            stream = self.stream_target(n) if self.may_stream(plan) else None
+            if stream is not None:
+                plan.streams[at] = stream
+            self.walk(n.for_get_body(), at + (0,), plan, shared)
+        elif t == isl.ast_node_type.if_:
+            self.walk(n.if_get_then_node(), at + (0,), plan, shared)
+            if n.if_has_else_node():
+                self.walk(n.if_get_else_node(), at + (1,), plan, shared)
+        elif t == isl.ast_node_type.mark:
+            self.mark(n, at, plan, shared)
+        elif t == isl.ast_node_type.user:
+            st = self.stmts[self.call_name(n.user_get_expr())]
+            if st.library is not None:
+                plan.library[at] = LibraryCall(st, not shared)
+
+    def mark(self, n: isl.AstNode, at: Path, plan: CpuPlan, shared: bool) -> None:
+        """A parallel mark outside the loops the parts share, on the loop it
+        names, is split: in chunks, or in strips where the loop is short."""
+        child, name = n.mark_get_node(), n.mark_get_id().get_name()
+        if shared or not name.startswith("parallel:") or child.get_type() != isl.ast_node_type.for_ \
+                or not self.splittable(child) or name != "parallel:" + loop_iterator(child):
+            return self.walk(child, at + (0,), plan, shared)
+        strips = self.row_strips(child)
+        if strips is None:
+            plan.splits[at] = SplitLoop(loop_iterator(child))
+            return self.walk(child.for_get_body(), at + (0, 0), plan, True)  # (a split loop streams nothing)
+        plan.splits[at] = SplitStrips(loop_iterator(child), strips)
+        self.walk(strips.loop.for_get_body(), at + (0, 0, 0), plan, True)
+
+    def row_strips(self, loop: isl.AstNode) -> Strips | None:
+        """Strips of the sequential loop under a parallel loop too short to keep
+        every thread busy (three images of a blur for two threads), when its
+        iterations depend on each other only through private buffers."""
+        extent = static_extent(loop)
+        if extent is None or extent >= MIN_PARALLEL_EXTENT:
+            return None
+        return self.strip_plan(loop.for_get_body(), {loop_iterator(loop)}, 0)
+
+    def call_name(self, call: isl.AstExpr) -> str:
+        return call.get_op_arg(0).get_id().get_name()
+
+    def stream_target(self, n: isl.AstNode) -> StreamedLoop | None:
+        """Loop n's streamed stores, when it is innermost with unit step and
+        its body stores one large float32/float64 output along n, element
+        after element."""
+        if not self.splittable(n) or n.for_get_inc().get_val().to_python() != 1:
+            return None
+        calls = ast_calls(n.for_get_body())
+        if calls is None:
+            return None
+        it = loop_iterator(n)
+        found = None
+        for call in calls:
+            s = self.stmts[self.call_name(call)]
+            arr = self.prog.arrays[s.array]
+            if arr.kind != "output" or s.array in self.sched.contracted:
+                continue
+            if found is not None or s.combine is not None or arr.strided \
+                    or arr.dtype not in (DataType.Float, DataType.Double):
+                return None
+            elements = sz.static_product(arr.shape)
+            if elements is None or elements * arr.dtype.itemsize < STREAM_BYTES:
+                return None
+            if not _along_one_dimension(s, arr, [call.get_op_arg(i + 1) for i in range(len(s.iters))], it):
+                return None
+            found = StreamedLoop(it, arr.name, call)
+        return found
+
+
+def _along_one_dimension(s, arr: Array, args: list, it: str) -> bool:
+    """Whether statement s, called with args, writes arr along iterator it:
+    one of its iterators moves with it, by one step, and indexes the one
+    dimension it moves along, contiguous (unit dimensions after it)."""
+    moving = [k for k, a in enumerate(args) if ast_uses(a, {it})]
+    if len(moving) != 1 or not _unit_step(args[moving[0]], it):
+        return False
+    var = s.iters[moving[0]]
+    along = [d for d, e in enumerate(s.index) if any(isinstance(x, Var) and x.name == var for x in walk(e))]
+    return len(along) == 1 and s.index[along[0]] == Var(s.index[along[0]].dtype, var) \
+        and all(x == 1 for x in arr.shape[along[0] + 1:])
+
+
+def _unit_step(e: isl.AstExpr, it: str) -> bool:
+    """Whether e is iterator it plus or minus terms without it (it moves by one as it does)."""
+    if e.get_type() == isl.ast_expr_type.id:
+        return e.get_id().get_name() == it
+    if e.get_type() != isl.ast_expr_type.op or e.get_op_type() not in (isl.ast_expr_op_type.add,
+                                                                       isl.ast_expr_op_type.sub):
+        return False
+    a, b = e.get_op_arg(0), e.get_op_arg(1)
+    if e.get_op_type() == isl.ast_expr_op_type.sub:
+        return _unit_step(a, it) and not ast_uses(b, {it})
+    return (_unit_step(a, it) and not ast_uses(b, {it})) or (_unit_step(b, it) and not ast_uses(a, {it}))

@@ -1,0 +1,68 @@
+"""The CPU's mapping stage (codegen.cpu_mapping): each kernel's plan,
+decided before emission, printed as exe.ir("mapping") and followed by the
+emitter."""
+import numpy as np
+
+import polyjit
+from polyjit import InputInfo, ops
+from polyjit.codegen import cpu_mapping, program
+from polyjit.codegen.cpu import vector_bits
+from polyjit.library import blas
+from polyjit.schedule.cpu_rewrites import REG_ROWS, REG_VECTORS
+
+import refs
+
+F32 = np.float32
+
+
+def blur(img):
+    k = ops.reshape(ops.full_like(img[0:1, 0:1, 0:5], 0.2), [1, 1, 1, 5])
+    x = ops.reshape(img, [img.shape[0], 1, img.shape[1], img.shape[2]])
+    y = ops.conv2d(ops.conv2d(x, k), ops.reshape(k, [1, 1, 5, 1]))
+    return ops.reshape(y, [y.shape[0], y.shape[2], y.shape[3]])
+
+
+def _mapping(fn, shapes, **options):
+    exe = polyjit.compile(fn, [InputInfo(list(s), F32) for s in shapes], options)
+    lines = exe.ir("mapping").splitlines()
+    assert len(lines) == exe.stats["kernels"]
+    return [line.split(": ", 1)[1] for line in lines]
+
+
+def test_mapping_names_each_kernels_decisions():
+    """A line per kernel: on the thread team or one thread, then its parallel
+    loops, library calls, register blocks, streamed stores, private buffers."""
+    [small_blur] = _mapping(blur, [(3, 64, 80)])  # three images for more threads: strips with halos
+    assert small_blur.startswith("thread team; parallel c0 x strips of c1 (halo 4, ring 5)")
+    assert "streaming" not in small_blur and "(stack)" in small_blur
+    [large_blur] = _mapping(blur, [(3, 1030, 1029)])
+    assert "streaming stores to" in large_blur
+    products = REG_ROWS * REG_VECTORS * vector_bits() // 32
+    mm = _mapping(ops.matmul, [(128, 256), (256, 256)], contractions="generated")
+    assert mm[-1] == f"thread team; parallel c0; register blocks of {products} products"
+    assert _mapping(lambda x: ops.sum(x), [(5,)]) == ["one thread"]  # no parallel loop
+    assert _mapping(lambda x: x * 2.0, [(64, 64)]) == ["thread team; parallel c0"]
+    if blas() is not None:
+        [gemm] = _mapping(ops.matmul, [(128, 256), (256, 256)], contractions="library")
+        assert gemm.startswith("thread team; BLAS sgemm of ") and gemm.endswith("per part")
+
+
+def test_mapping_is_dumped_and_cached(tmp_path, monkeypatch):
+    """The stage is in the debug folder, and in a program loaded from the compile cache."""
+    monkeypatch.setenv("POLYJIT_CACHE_DIR", str(tmp_path / "cache"))
+    exe = polyjit.compile(blur, [InputInfo([3, 12, 12], F32)], {"debug": True, "dump_dir": str(tmp_path / "dump")})
+    dumped = [f for d in (tmp_path / "dump").iterdir() for f in d.iterdir() if f.name.endswith("_mapping.txt")]
+    assert len(dumped) == 1 and dumped[0].read_text() == exe.ir("mapping") + "\n"
+    hit = polyjit.compile(blur, [InputInfo([3, 12, 12], F32)])
+    assert hit.stats["cache_hits"] == 1 and hit.ir("mapping") == exe.ir("mapping")
+
+
+def test_emitter_follows_the_plan(monkeypatch, rng):
+    """A plan without strips is emitted without them (and still computes the blur)."""
+    monkeypatch.setattr(cpu_mapping.CpuMapper, "row_strips", lambda self, loop: None)
+    monkeypatch.setattr(program, "_codes", {})  # no code shared from earlier compiles
+    img = rng.random((3, 40, 50), dtype=F32)
+    exe = polyjit.compile(blur, [InputInfo(list(img.shape), F32)], {"cache": False, "num_threads": 2})
+    assert exe.ir("mapping").split(": ", 1)[1].startswith("thread team; parallel c0; private")
+    assert "strip.item" not in exe.ir("llvm")
+    np.testing.assert_allclose(exe(img), refs.blur(img.astype(np.float64)), rtol=1e-5, atol=1e-6)
