@@ -3,10 +3,10 @@
 llvmlite serializes every call into LLVM with one lock per process, so one
 process makes one kernel's PTX at a time however many threads ask; a model
 of a hundred kernels then waits for LLVM alone at the end of its compile.
-Workers here are plain subprocesses (``python -m polyjit.codegen.ptx_workers``
-reading jobs on stdin, never a fork of the caller, which may hold LLVM's or
-a framework's locks, nor multiprocessing's spawn, which would run the
-caller's main script again), each running the same ``nvgpu.ptx`` as the
+Workers here are plain subprocesses (``main`` below, reading jobs on
+stdin; never a fork of the caller, which may hold LLVM's or a framework's
+locks, nor multiprocessing's spawn, which would run the caller's main
+script again), each running the same ``nvgpu.ptx`` as the
 caller would, so the PTX is the same byte for byte. A thread per worker in
 the caller hands it jobs from one queue. Where no worker starts, or one
 dies, its jobs run on the caller's LLVM thread instead.
@@ -24,6 +24,7 @@ import time
 from concurrent.futures import Future
 
 _SIZE = struct.Struct("<Q")
+_WORKER = "from polyjit.codegen.ptx_workers import main; main()"  # (not -m: the package imports this module)
 
 
 def worker_count() -> int:
@@ -69,7 +70,7 @@ class PtxWorkers:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # polyjit as the caller has it
         for _ in range(count):
             try:
-                proc = subprocess.Popen([sys.executable, "-m", "polyjit.codegen.ptx_workers"], env=env,
+                proc = subprocess.Popen([sys.executable, "-c", _WORKER], env=env,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
             except OSError:
                 break
@@ -157,6 +158,3 @@ def main() -> None:
             return
         _send(stdout, *ptx(job[1], job[0]))
 
-
-if __name__ == "__main__":
-    main()
