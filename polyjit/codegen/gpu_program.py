@@ -197,12 +197,15 @@ def build_program(prog: AffineProgram, sched: ProgramSchedule, name: str, codese
                                       tuple(arrays[a] for a in i.zeroed), i.strips, params=tuple(params)))
             plans.append((entry, code.mapping))
             k += 1
+    # the program's LLVM IR on the LLVM thread, while the PTX is still being made (in workers)
+    linked = _submit(_linked, str(module), [c.ir for c in codes.values()])
     finish(list(codes.values()), codeset.new, timer)
     if any(c.parts is None for c in codes.values()):
         return None
     with timer("emit"):
         entries = [instance(code, entry) for entry, code in uses]
-        linked = _linked(module, [c.ir for c in codes.values()])
+    with timer("llvm"):
+        linked = linked.result()
     header = next(iter(codes.values())).parts[0] if codes else ""
     return GpuProgramCode(buffers, int_slots, kernels, header + "\n".join(entries), linked,
                           "\n".join(c.optimized for c in codes.values()), len(codeset.new), mapping_text(plans))
@@ -218,11 +221,11 @@ def _entry(module: ir.Module, name: str, target: str, types: list) -> None:
     b.ret_void()
 
 
-def _linked(module: ir.Module, kernels: list[str]) -> str:
+def _linked(module: str, kernels: list[str]) -> str:
     """module with the kernels' modules linked in, as text."""
     from .cpu import _lock
     with _lock:
-        mod = llvm.parse_assembly(str(module))
+        mod = llvm.parse_assembly(module)
         for text in kernels:
             mod.link_in(llvm.parse_assembly(text))
         return str(mod)
