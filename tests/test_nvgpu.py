@@ -729,6 +729,39 @@ def test_library_floor_on_the_gpu(case, mode, rng):
 
 
 @pytest.mark.gpu
+def test_torch_convolutions_and_products_through_the_gpu_libraries():
+    """On the GPU a convolution is one cuDNN call: equal to eager's in float32
+    (TF32 off in both), near it with TF32 where torch allows eager's; a
+    product reshaped on its way out is handed out as a view of its result."""
+    torch = pytest.importorskip("torch")
+    from polyjit.targets import target
+    if not target("nvgpu").direct_convolutions():
+        pytest.skip("no cuDNN here")
+    x, w = torch.randn(4, 16, 20, 18, device="cuda"), torch.randn(24, 16, 3, 3, device="cuda")
+
+    def f(x, w):
+        return torch.relu(torch.nn.functional.conv2d(x, w, padding=1))
+    try:
+        for tf32, tol in ((False, 1e-5), (True, 1e-2)):
+            torch.backends.cudnn.allow_tf32 = tf32
+            torch._dynamo.reset()
+            jf = polyjit.jit_torch(f, compile_options={"target": "nvgpu", "strict": True, "dynamic": False})
+            got = jf(x, w)
+            assert jf.stats["library_calls"] == 1 and jf.stats["fallbacks"] == 0
+            torch.testing.assert_close(got, f(x, w), rtol=tol, atol=tol)
+    finally:
+        torch.backends.cudnn.allow_tf32 = False
+    a, b = torch.randn(8, 64, 96, device="cuda"), torch.randn(96, 80, device="cuda")
+
+    def g(a, b):
+        return (a.reshape(-1, 96) @ b).reshape(8, 64, 80)
+    jg = polyjit.jit_torch(g, compile_options={"target": "nvgpu", "strict": True, "dynamic": False})
+    got = jg(a, b)
+    assert got.shape == (8, 64, 80) and jg.stats["library_calls"] == 1
+    torch.testing.assert_close(got, g(a, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
 def test_library_floor_in_a_torch_network():
     """A small network of convolutions (3x3, strided 1x1, grouped, depthwise),
     batch norm, hardswish, a squeeze-excite pool and a classifier through
