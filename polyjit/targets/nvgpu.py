@@ -12,7 +12,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from .. import cache
-from ..codegen.gpu_program import build_program
+from ..codegen.gpu_program import GpuCodeSet, build_program
 from ..codegen.llvm import KernelInfo
 from ..codegen.nvgpu import GpuEmitter, ptx
 from ..compiler import executable, from_plan
@@ -77,9 +77,11 @@ class NvgpuTarget(Target):
         GPU present); where one cannot be shared, one module of every kernel,
         emitted from the whole program."""
         arch, sms = machine
+        codes = GpuCodeSet(prog, (arch, sms, options.tile_sizes), timer, self.variant(options))
         with timer("schedule"):  # (vector_bits: unused, the nvgpu schedule has no register blocks)
-            sched = schedule_program(prog, options.fusion, options.tile_sizes, self, self.vector_bits(), timer)
-        code = build_program(prog, sched, name, (arch, sms, options.tile_sizes), timer, self.variant(options))
+            sched = schedule_program(prog, options.fusion, options.tile_sizes, self, self.vector_bits(), timer,
+                                     each=codes.of)
+        code = build_program(prog, sched, name, codes)
         if code is None:
             return self._build_whole(graph, prog, options, name, timer, arch, sms)
         ir = {"mapping": code.mapping, "llvm": code.ir, "llvm_opt": code.optimized, "ptx": code.ptx}
