@@ -1,4 +1,4 @@
-"""A vendor-library floor under generated contractions (cpu; nvgpu in polyjit.cublas).
+"""A vendor-library floor under generated contractions (cpu; nvgpu in polyjit.runtime.cublas and .cudnn).
 
 Where, for a convolution's shape, polyjit's generated loop nest loses to
 BLAS, the convolution lowers to an im2col statement (generated, so that

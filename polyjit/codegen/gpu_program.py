@@ -182,7 +182,7 @@ def build_program(prog: AffineProgram, sched: ProgramSchedule, name: str, codese
         params += [int_slot[(p, d) if d < 0 else (arrays[p], d)] for p, d in mini_ints]
         for code in codeset.of(group):
             entry = kernel_name(prog, name, k, sched.kernels[k])
-            if code.info.library is not None:  # run by polyjit.cuda, in the program's names
+            if code.info.library is not None:  # run by polyjit.runtime.gpu_program, in the program's names
                 kernels.append(KernelInfo(entry, False, tuple(sorted(sched.kernels[k])), library=next(
                     s for s in prog.statements if s.name in sched.kernels[k] and s.library is not None)))
                 plans.append((entry, Library(kernels[-1].library)))

@@ -1,7 +1,7 @@
 """The NVIDIA GPU target: its scheduling rewrites, PTX and executable.
 
 Kernels of one structure share PTX (codegen.gpu_program), loaded on the
-device at a program's first call and run by polyjit.cuda.GpuProgram on
+device at a program's first call and run by polyjit.runtime.gpu_program.GpuProgram on
 the caller's stream. Programs are also kept within the process by their
 cache key (plan, IR texts and PTX), as CPU kernels are; a cuBLAS step is
 kept as its statement (cache.statement_json), run again from it.
