@@ -22,7 +22,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from . import expr as E
 from . import sizes as sz
@@ -36,8 +36,27 @@ log = logging.getLogger("polyjit.library")
 Box = tuple[str, tuple[Expr, ...], tuple[Size, ...]]  # array, first element, extents
 
 
+class LibraryCall:
+    """What the scheduler asks of a library call: the boxes of its arrays it
+    reads (fields READS) and writes (field WRITES), and the call over renamed arrays."""
+
+    READS: ClassVar[tuple[str, ...]] = ()
+    WRITES: ClassVar[str] = ""
+
+    def renamed(self, rename):
+        """This call over the arrays rename(name) names (a group problem's own)."""
+        return dataclasses.replace(self, **{f: (rename(getattr(self, f)[0]), *getattr(self, f)[1:])
+                                            for f in (*self.READS, self.WRITES)})
+
+    def written(self) -> Box:
+        return getattr(self, self.WRITES)
+
+    def read(self) -> list[Box]:
+        return [getattr(self, f) for f in self.READS]
+
+
 @dataclass(frozen=True)
-class Gemm:
+class Gemm(LibraryCall):
     """C = op(A) @ op(B) over boxes of arrays (row-major sgemm). The parts of
     a parallel kernel share the dimension `split` ("m" or "n"): each calls
     sgemm on its strip, the operands advanced by `steps` elements per row or
@@ -57,17 +76,8 @@ class Gemm:
     split: str
     steps: tuple[int | Size, int | Size, int | Size]
     what: str = dataclasses.field(default="", repr=False, compare=False)  # not structure: like calls share code
-
-    def renamed(self, rename) -> "Gemm":
-        """This call over the arrays rename(name) names (a group problem's own)."""
-        return dataclasses.replace(self, a=(rename(self.a[0]), *self.a[1:]), b=(rename(self.b[0]), *self.b[1:]),
-                                   c=(rename(self.c[0]), *self.c[1:]))
-
-    def written(self) -> Box:
-        return self.c
-
-    def read(self) -> list[Box]:
-        return [self.a, self.b]
+    READS: ClassVar[tuple[str, ...]] = ("a", "b")
+    WRITES: ClassVar[str] = "c"
 
     def __str__(self) -> str:
         return (f"sgemm({'T' if self.trans_a else 'N'}{'T' if self.trans_b else 'N'}, m={self.m}, n={self.n}, "
@@ -75,7 +85,7 @@ class Gemm:
 
 
 @dataclass(frozen=True)
-class Convolution:
+class Convolution(LibraryCall):
     """y = conv(x, w) in one library call on whole arrays (cuDNN on the GPU):
     x and y laid out as ``layout`` (N, C and spatial letters), w as
     ``kernel_layout`` ("OI" or "O...I" around the same spatial letters);
@@ -92,16 +102,8 @@ class Convolution:
     groups: int
     tf32: bool  # the library may round operands to TF32 (as the framework's eager convolutions do)
     what: str = dataclasses.field(default="", repr=False, compare=False)
-
-    def renamed(self, rename) -> "Convolution":
-        return dataclasses.replace(self, x=(rename(self.x[0]), *self.x[1:]), w=(rename(self.w[0]), *self.w[1:]),
-                                   y=(rename(self.y[0]), *self.y[1:]))
-
-    def written(self) -> Box:
-        return self.y
-
-    def read(self) -> list[Box]:
-        return [self.x, self.w]
+    READS: ClassVar[tuple[str, ...]] = ("x", "w")
+    WRITES: ClassVar[str] = "y"
 
     def __str__(self) -> str:
         return (f"convolution({self.layout}/{self.kernel_layout}, strides {list(self.strides)}, padding "

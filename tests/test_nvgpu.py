@@ -356,6 +356,19 @@ def test_gpu_options_are_checked():
         polyjit.compile(ops.exp, [InputInfo([3], F32)], {**PTX_ONLY, "tile_sizes": [32, 12]})
 
 
+def _callbacks(keep: list):
+    """symbol(restype, *argtypes)(f): the address of a C callback running f (kept alive in keep)."""
+    import ctypes as c
+
+    def symbol(restype, *argtypes):
+        def wrap(f):
+            cb = c.CFUNCTYPE(restype, *argtypes)(f)
+            keep.append(cb)
+            return c.cast(cb, c.c_void_p).value
+        return wrap
+    return symbol
+
+
 def test_native_launcher_fills_the_argument_block_and_reports_failures():
     """The launch plan as host code (what XLA's custom calls run), against
     a driver written in Python: the context is checked and made current,
@@ -368,13 +381,7 @@ def test_native_launcher_fills_the_argument_block_and_reports_failures():
     from polyjit.runtime import launch
     c = ctypes
     calls, keep, ctx = [], [], 0x1234
-
-    def symbol(restype, *argtypes):
-        def wrap(f):
-            cb = c.CFUNCTYPE(restype, *argtypes)(f)
-            keep.append(cb)
-            return c.cast(cb, c.c_void_p).value
-        return wrap
+    symbol = _callbacks(keep)
 
     def put(out, value):
         c.cast(out, c.POINTER(c.c_void_p))[0] = value
@@ -427,13 +434,7 @@ def test_native_launcher_runs_library_steps_holding_its_lock():
 
     from polyjit.runtime import launch
     calls, keep, fail = [], [], []
-
-    def symbol(restype, *argtypes):
-        def wrap(f):
-            cb = c.CFUNCTYPE(restype, *argtypes)(f)
-            keep.append(cb)
-            return c.cast(cb, c.c_void_p).value
-        return wrap
+    symbol = _callbacks(keep)
 
     def library(h, n, a, stride, out):
         calls.append(("call", h, n, a, stride, out))
