@@ -14,11 +14,11 @@ import numpy as np
 
 from polyjit import ops
 from polyjit.api import Executable, takes_device_arrays
-from polyjit.cuda import GpuView
 from polyjit.dtypes import DataType
 from polyjit.errors import CompileOptionError, DeviceError, InputError, UnsupportedOpError
 from polyjit.graph import Graph, Node
 from polyjit.options import CompileOptions
+from polyjit.runtime.gpu_buffers import GpuView
 from polyjit.sizes import Lin
 
 _warned: set = set()

@@ -10,8 +10,8 @@ polyjit program; an equation outside the table runs through JAX between
 them: counted in the stats, warned about once, refused under ``strict``.
 
 Called with JAX arrays on the target's device, a program runs as an XLA
-custom call (see ``xla_ffi``): native code runs its kernels on XLA's
-buffers (and stream). Inside a JAX transformation (``jax.grad``,
+custom call (see ``register_custom_call``): native code runs its kernels
+on XLA's buffers (and stream). Inside a JAX transformation (``jax.grad``,
 ``jax.jit``, ``vmap``) the program runs with a custom VJP whose backward,
 the VJP of the same function, is compiled by polyjit too; each is such a
 custom call, or a ``pure_callback`` where JAX's default device is not the
@@ -32,15 +32,14 @@ from jax.extend import core as jcore
 
 from polyjit import ops
 from polyjit.api import takes_device_arrays
-from polyjit.cuda import GpuView
 from polyjit.dtypes import DataType
 from polyjit.errors import CompileOptionError, InputError, UnsupportedOpError
 from polyjit.options import CompileOptions, parse_options
-from polyjit.runtime import RowMajor
+from polyjit.runtime import RowMajor, xla_ffi
+from polyjit.runtime.gpu_buffers import GpuView
 from polyjit.sizes import Lin
 from polyjit.targets import holding
 
-from . import xla_ffi
 from .common import (Const, Op, SegmentedProgram, Stats, Value, check_execution_backend, core_dtype, elementwise,
                      identity, internal_failure, logical, static_value)
 
@@ -686,6 +685,16 @@ def _path(tree, leaves, k: int) -> str:
     return jax.tree_util.keystr(path)
 
 
+def register_custom_call(name: str, platform: str, launch: int, args: int, rets: int, owner=None) -> None:
+    """Make the C function at address ``launch`` (a native launcher's
+    signature, runtime.launch) the XLA custom-call target ``name`` on
+    ``platform`` ("CUDA" or "cpu"), called through a native FFI handler
+    (runtime.xla_ffi.handler) with ``args`` arguments and ``rets`` results;
+    ``owner`` is kept alive with the target."""
+    address = xla_ffi.handler(name, platform, launch, args, rets, owner)
+    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(address), platform=platform)
+
+
 @dataclass
 class _Signature:
     tree: Any
@@ -857,7 +866,7 @@ class JaxFunction:
 
     def _custom_call(self, prog: SegmentedProgram, where: int | str, direct: bool = False) -> Callable | None:
         """The program as a jitted JAX function whose one step is an XLA custom
-        call (see xla_ffi): native code runs the kernels (on the GPU: launches
+        call (see register_custom_call): native code runs the kernels (on the GPU: launches
         them on XLA's stream) with XLA's result buffers, so a call costs a
         jitted dispatch instead of a DLPack import per result (four of those
         took longer than XLA's whole layer norm step) and runs no Python.
@@ -898,8 +907,8 @@ class JaxFunction:
             return None
         # the results: the outputs, then the temporaries (dropped: XLA's allocator serves them)
         results = [jax.ShapeDtypeStruct(shape, dt) for _, shape, dt in launcher.results]
-        xla_ffi.register(name, "cpu" if where == "cpu" else "CUDA", launcher.address, len(take), len(results),
-                         launcher)
+        register_custom_call(name, "cpu" if where == "cpu" else "CUDA", launcher.address, len(take), len(results),
+                             launcher)
         order = [made[v] for v in outs]
 
         def call(*xs):

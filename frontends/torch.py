@@ -32,7 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from polyjit import ops
 from polyjit.api import Executable, takes_device_arrays
-from polyjit.cuda import GpuView
+from polyjit.runtime.gpu_buffers import GpuView
 from polyjit.dtypes import DataType
 from polyjit.errors import InputError, UnsupportedOpError
 from polyjit.graph import Graph

@@ -19,7 +19,7 @@ __all__ = ["FusionDefinition", "DataType", "compile", "InputInfo", "Executable",
 
 def cuda_synchronize() -> None:
     """Wait until all work polyjit queued on GPUs has finished."""
-    from .cuda import synchronize
+    from .runtime.cuda import synchronize
     synchronize()
 
 

@@ -151,8 +151,12 @@ class AffineProgram:
                 for box in s.library.read():
                     r = r.union(self.box_access(ctx, s, *box))
                 continue
+            seen = set()  # each access once as isl sees it (a window's taps through clamped indices widen to one)
             for ld in self.statement_loads(s):
-                r = r.union(self.access(ctx, s, ld.array, ld.index))
+                form = (ld.array, tuple(map(to_isl, ld.index)))
+                if form not in seen:
+                    seen.add(form)
+                    r = r.union(self.access(ctx, s, ld.array, ld.index))
         return r
 
     def statement_loads(self, s: Statement) -> list[Load]:

@@ -14,12 +14,12 @@ import numpy as np
 from . import ops, printing
 from . import sizes as sz
 from .compiler import compile_graph
-from .cuda import GpuView
 from .dtypes import DataType, to_dtype
 from .errors import DefinitionError, InputError
 from .graph import Graph
 from .options import CompileOptions, parse_options
 from .runtime import CompiledProgram
+from .runtime.gpu_buffers import GpuView
 from .sizes import Lin
 from .targets import HOST, TARGETS, holding
 
@@ -109,7 +109,7 @@ class Executable:
 
     def __call__(self, *args, **launch):
         """Run on the arrays (numpy; on nvgpu also GPU arrays, with the
-        ``stream=`` and ``empty=`` of :class:`polyjit.cuda.GpuProgram`)."""
+        ``stream=`` and ``empty=`` of :class:`polyjit.runtime.gpu_program.GpuProgram`)."""
         arrays = self._prepare(args)
         prog = self.variant(self._layout(arrays), self.target(arrays), arrays)
         outs = prog(*arrays, **launch)

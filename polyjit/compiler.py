@@ -122,7 +122,7 @@ def from_plan(cls, graph: Graph, options: CompileOptions, name: str, plan: dict,
         outputs=[cache.array_from(a) for a in plan["outputs"]], output_arrays=plan["output_arrays"],
         buffers=[cache.array_from(a) for a in plan["buffers"]], int_slots=[tuple(s) for s in plan["int_slots"]],
         params=plan["params"], constraints=[(cache.size_from(a), cache.size_from(b)) for a, b in plan["constraints"]],
-        constants=[n.attrs["value"] for n in graph.nodes() if n.op == "tensor_constant"], kernels=kernels,
+        constants=graph.constant_arrays(), kernels=kernels,
         num_threads=options.num_threads, stats={**plan["stats"], "intermediate_bytes": 0, "fallbacks": 0,
                                                 "kernels_compiled": 0},
         contracted_bytes=ContractedBytes(contracted, options.num_threads), keepalive=keepalive, **fields)
@@ -152,7 +152,7 @@ def executable(cls, graph: Graph, prog, sched, kernels, buffers, int_slots, opti
     """A program of class cls running kernels; ir: the target's stages' texts, fields: its own."""
     inputs = sorted((a for a in prog.arrays.values() if a.kind == "input"), key=lambda a: a.index)
     outputs = sorted((a for a in prog.arrays.values() if a.kind == "output"), key=lambda a: a.index)
-    consts = [n.attrs["value"] for n in graph.nodes() if n.op == "tensor_constant"]
+    consts = graph.constant_arrays()
     contracted = [(prog.arrays[n].shape, prog.arrays[n].dtype.itemsize, m,
                    kernels[sched.kernel_of_array[n]].parallel if n in sched.kernel_of_array else False)
                   for n, m in sched.contracted.items()]

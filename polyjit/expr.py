@@ -192,21 +192,41 @@ def to_isl(e: Expr) -> str | None:
     if not isinstance(e, Op):
         return None
     a = [to_isl(x) for x in e.args]
-    if any(x is None for x in a):
+    if any(x is None for x in a) or e.op not in _ISL:
         return None
-    if e.op in ("add", "sub"):
-        return f"({a[0]} {'+' if e.op == 'add' else '-'} {a[1]})"
-    if e.op == "mul":
-        if isinstance(e.args[1], Const):
-            return f"({a[1]} * {a[0]})"
-        if isinstance(e.args[0], Const):
-            return f"({a[0]} * {a[1]})"
-        return None
-    if e.op == "floordiv" and isinstance(e.args[1], Const):
-        return f"floor(({a[0]}) / {a[1]})"
-    if e.op == "mod" and isinstance(e.args[1], Const):
-        return f"(({a[0]}) mod {a[1]})"
-    if e.op in ("min", "max"):
-        return f"{e.op}({a[0]}, {a[1]})"
+    return _ISL[e.op](e, a)
+
+
+def _isl_mul(e: Op, a: list[str]) -> str | None:
+    if isinstance(e.args[1], Const):
+        return f"({a[1]} * {a[0]})"
+    if isinstance(e.args[0], Const):
+        return f"({a[0]} * {a[1]})"
     return None
+
+
+def _by_constant(fmt: str) -> Callable[[Op, list[str]], str | None]:
+    return lambda e, a: fmt.format(*a) if isinstance(e.args[1], Const) else None
+
+
+_ISL: dict[str, Callable[[Op, list[str]], str | None]] = {
+    "add": lambda e, a: f"({a[0]} + {a[1]})", "sub": lambda e, a: f"({a[0]} - {a[1]})", "mul": _isl_mul,
+    "floordiv": _by_constant("floor(({}) / {})"), "mod": _by_constant("(({}) mod {})"),
+    "min": lambda e, a: f"min({a[0]}, {a[1]})", "max": lambda e, a: f"max({a[0]}, {a[1]})"}
+QUASI_AFFINE = ("floordiv", "mod")  # division by a constant: a reshape's index arithmetic
+
+
+def offset(e: Expr) -> tuple[Expr, int]:
+    """(x, k) where e is x + k or x - k for a constant k, else (e, 0)."""
+    if isinstance(e, Op) and e.op in _SIGN and isinstance(e.args[1], Const):
+        return e.args[0], int(e.args[1].value) * _SIGN[e.op]
+    return e, 0
+
+
+_SIGN = {"add": 1, "sub": -1}
+
+
+def select_parts(e: Expr) -> tuple[Expr, Expr, Expr] | None:
+    """(condition, then, else) where e is a select, else None."""
+    return e.args if isinstance(e, Op) and e.op == "select" else None
 

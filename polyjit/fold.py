@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -29,7 +30,7 @@ from . import sizes as sz
 from .dtypes import DataType
 from .graph import BINARY_OPS, UNARY_OPS, Graph, Node
 
-_STEPS = ("add", "sub", "mul", "div")
+_SAME_VALUES = ("broadcast_in_dim", "reshape")  # a scalar's value through them is its own
 
 
 def fold_scales(graph: Graph) -> tuple[Graph, int]:
@@ -48,7 +49,7 @@ def fold_scales(graph: Graph) -> tuple[Graph, int]:
                 break
             cur = user_of[cur.id]
             chain.append(cur)
-            scales = scales or step[0] in ("mul", "div") and not _one(step[1])
+            scales = scales or _STEPS[step[0]].scales and not _one(step[1])
         if scales:
             ends[cur.id] = (n, chain)
     if not ends:
@@ -76,18 +77,27 @@ def _axes(n: Node) -> tuple[int, int] | None:
     """(the result's channel dim, the weight's dim that makes it) of a float
     convolution or product whose second operand is a weight (an input or a
     constant, read through transposes) with one free dim; None for others."""
-    if n.dtype not in (DataType.Float, DataType.Double) or n.op not in ("conv", "dot_general"):
+    if n.dtype not in (DataType.Float, DataType.Double) or n.op not in _CHANNEL_AXES:
         return None
     w = n.inputs[1]
-    while w.op == "transpose" and not w.attrs.get("materialize"):
+    while w.is_index_transpose:
         w = w.inputs[0]
-    if w.op not in ("input", "tensor_constant"):
+    if not w.is_source:
         return None
-    if n.op == "conv":
-        return n.attrs["layout"].index("C"), n.attrs["kernel_layout"].index("O")
+    return _CHANNEL_AXES[n.op](n)
+
+
+def _conv_axes(n: Node) -> tuple[int, int]:
+    return n.attrs["layout"].index("C"), n.attrs["kernel_layout"].index("O")
+
+
+def _dot_axes(n: Node) -> tuple[int, int] | None:
     at = n.attrs
     rf = [d for d in range(n.inputs[1].rank) if d not in at["rc"] and d not in at["rb"]]
     return (n.rank - 1, rf[0]) if len(rf) == 1 else None
+
+
+_CHANNEL_AXES = {"conv": _conv_axes, "dot_general": _dot_axes}
 
 
 def _step(u: Node, y: Node, shape, axis: int):
@@ -97,7 +107,7 @@ def _step(u: Node, y: Node, shape, axis: int):
         return None
     left = u.inputs[0] is y
     other = u.inputs[1] if left else u.inputs[0]
-    if other is y or (u.op == "div" and not left):
+    if other is y or not (left or _STEPS[u.op].either_side):
         return None
     p = _per_channel(other, axis)
     return None if p is None else (u.op, p, left)
@@ -124,28 +134,49 @@ def _folded(n: Node, axes: tuple[int, int], steps) -> Node | None:
     g = Graph()
     scale = shift = None
     for op, p, left in steps:
-        if op == "add":
-            shift = p if shift is None else g.binary("add", shift, p)
-        elif op == "sub" and left:
-            shift = g.unary("neg", p) if shift is None else g.binary("sub", shift, p)
-        elif op == "sub":  # p - y
-            scale = g.unary("neg", _ones(g, p) if scale is None else scale)
-            shift = p if shift is None else g.binary("sub", p, shift)
-        elif _one(p):  # addmm's decomposition multiplies by a beta and an alpha of 1
-            continue
-        else:  # mul or div
-            scale = p if scale is None and op == "mul" else g.binary(op, _ones(g, p) if scale is None else scale, p)
-            shift = None if shift is None else g.binary(op, shift, p)
+        scale, shift = _STEPS[op].fold(g, scale, shift, p, left)
     w = _scaled(g, n.inputs[1], axes[1], _once(scale))
     stored = w
-    while stored.op == "transpose":
+    while stored.is_index_transpose:  # (those _scaled made)
         stored = stored.inputs[0]
-    if stored.op != "tensor_constant" and not sz.static_product(w.shape) < (sz.static_product(n.shape) or 0):
+    if not stored.is_source and not sz.static_product(w.shape) < (sz.static_product(n.shape) or 0):
         return None
     out = Node(n.op, (n.inputs[0], w), n.attrs, n.shape, n.dtype)
     if shift is not None:
         out = g.binary("add", out, g.broadcast_in_dim(_once(constant_folded(shift)), n.shape, [axes[0]]))
     return out
+
+
+def _add(g: Graph, scale, shift, p: Node, left: bool):
+    return scale, p if shift is None else g.binary("add", shift, p)
+
+
+def _sub(g: Graph, scale, shift, p: Node, left: bool):
+    if left:  # y - p
+        return scale, g.unary("neg", p) if shift is None else g.binary("sub", shift, p)
+    return (g.unary("neg", _ones(g, p) if scale is None else scale),  # p - y
+            p if shift is None else g.binary("sub", p, shift))
+
+
+def _scaling(op: str, first_is_p: bool) -> Callable:
+    """A mul or div step: scale and shift by p (the first scale is p itself where first_is_p)."""
+    def fold(g: Graph, scale, shift, p: Node, left: bool):
+        if _one(p):  # addmm's decomposition multiplies by a beta and an alpha of 1
+            return scale, shift
+        scale = p if scale is None and first_is_p else g.binary(op, _ones(g, p) if scale is None else scale, p)
+        return scale, None if shift is None else g.binary(op, shift, p)
+    return fold
+
+
+class _Step(NamedTuple):
+    """A per-channel elementwise op that folds: (g, scale, shift, p, left) -> (scale, shift)."""
+    fold: Callable
+    scales: bool  # multiplies (mul, div) rather than shifts (add, sub)
+    either_side: bool = True  # y may be its right operand (p / y does not fold)
+
+
+_STEPS = {"add": _Step(_add, False), "sub": _Step(_sub, False), "mul": _Step(_scaling("mul", True), True),
+          "div": _Step(_scaling("div", False), True, either_side=False)}
 
 
 def _once(v: Node) -> Node:
@@ -157,9 +188,9 @@ def _once(v: Node) -> Node:
 
 
 def _one(p: Node) -> bool:
-    while p.op in ("broadcast_in_dim", "reshape"):
+    while p.op in _SAME_VALUES:
         p = p.inputs[0]
-    return p.op == "constant" and p.attrs["value"] == 1
+    return p.is_constant and p.attrs["value"] == 1
 
 
 def _ones(g: Graph, p: Node) -> Node:
@@ -170,7 +201,7 @@ def _scaled(g: Graph, w: Node, dim: int, scale: Node) -> Node:
     """w scaled along dim (through the transposes it is read by, so that the
     scaling reads the stored weight in order); constant where both are."""
     perms = []
-    while w.op == "transpose" and not w.attrs.get("materialize"):
+    while w.is_index_transpose:
         perms.append(w.attrs["perm"])
         dim, w = w.attrs["perm"][dim], w.inputs[0]
     out = constant_folded(g.binary("mul", w, g.broadcast_in_dim(scale, w.shape, [dim])))
@@ -196,10 +227,8 @@ def _value(n: Node, memo: dict):
     if n.id in memo:
         return memo[n.id]
     v = None
-    if n.op == "constant":
-        v = np.asarray(n.attrs["value"], dtype=n.dtype.numpy)
-    elif n.op == "tensor_constant":
-        v = n.attrs["value"]
+    if n.op in _LEAVES:
+        v = _LEAVES[n.op](n)
     else:
         ins = [_value(i, memo) for i in n.inputs]
         if all(x is not None for x in ins) and ins and all(map(sz.is_static, n.shape)):
@@ -212,15 +241,17 @@ def _apply(n: Node, ins):
     if n.op in _EVAL:
         with np.errstate(all="ignore"):
             return _EVAL[n.op](*ins).astype(n.dtype.numpy)
-    if n.op == "reshape":
-        return ins[0].reshape(n.shape)
-    if n.op == "transpose":
-        return ins[0].transpose(n.attrs["perm"])
-    if n.op == "cast":
-        return ins[0].astype(n.dtype.numpy)
-    if n.op == "broadcast_in_dim":
-        shape = [1] * n.rank
-        for k, d in enumerate(n.attrs["dims"]):
-            shape[d] = ins[0].shape[k]
-        return np.broadcast_to(ins[0].reshape(shape), n.shape)
-    return None
+    return _LAYOUT[n.op](n, ins[0]) if n.op in _LAYOUT else None
+
+
+def _broadcast(n: Node, v):
+    shape = [1] * n.rank
+    for k, d in enumerate(n.attrs["dims"]):
+        shape[d] = v.shape[k]
+    return np.broadcast_to(v.reshape(shape), n.shape)
+
+
+_LEAVES = {"constant": lambda n: np.asarray(n.attrs["value"], dtype=n.dtype.numpy),
+           "tensor_constant": lambda n: n.attrs["value"]}
+_LAYOUT = {"reshape": lambda n, v: v.reshape(n.shape), "transpose": lambda n, v: v.transpose(n.attrs["perm"]),
+           "cast": lambda n, v: v.astype(n.dtype.numpy), "broadcast_in_dim": _broadcast}

@@ -24,6 +24,8 @@ from .sizes import Lin, Size
 
 UNARY_OPS, BINARY_OPS = scalar.UNARY, scalar.BINARY  # the elementwise ops: polyjit.scalar
 REDUCTIONS = tuple(scalar.COMBINE)
+SOURCES = ("input", "tensor_constant")  # leaves held in arrays: the caller's arguments, the program's constants
+CONTRACTIONS = ("dot_general", "conv")  # products: a library (BLAS, cuDNN) may compute them
 
 _ids = itertools.count()
 
@@ -42,6 +44,25 @@ class Node:
     @property
     def rank(self) -> int:
         return len(self.shape)
+
+    @property
+    def is_input(self) -> bool:
+        return self.op == "input"
+
+    @property
+    def is_constant(self) -> bool:
+        """A scalar constant (a tensor constant is a source)."""
+        return self.op == "constant"
+
+    @property
+    def is_source(self) -> bool:
+        """An input or a tensor constant: a leaf with an array of its own."""
+        return self.op in SOURCES
+
+    @property
+    def is_index_transpose(self) -> bool:
+        """A transpose read through its index function, not copied (packed)."""
+        return self.op == "transpose" and not self.attrs.get("materialize")
 
     def __str__(self) -> str:
         args = ", ".join(f"%{i.id}" for i in self.inputs)
@@ -519,7 +540,7 @@ class Graph(_Shapes, _LayoutOps, _StructuredOps):
         dt = to_dtype(dtype)
         if dt == x.dtype:
             return x
-        if x.op == "constant":
+        if x.is_constant:
             return self.constant(x.attrs["value"], dt)
         return Node("cast", (x,), {}, x.shape, dt)
 
@@ -552,6 +573,10 @@ class Graph(_Shapes, _LayoutOps, _StructuredOps):
             stack.extend((i, False) for i in reversed(n.inputs) if i.id not in seen)
         return order
 
+    def constant_arrays(self) -> list:
+        """The values of the tensor constants, in the order of their arrays c0, c1, ..."""
+        return [n.attrs["value"] for n in self.nodes() if n.op == "tensor_constant"]
+
     def deduplicated(self) -> "Graph":
         """A copy in which nodes computing the same op of the same operands are one
         node: decompositions repeat work (layer_norm's mean), and a repeated
@@ -574,7 +599,7 @@ class Graph(_Shapes, _LayoutOps, _StructuredOps):
             if n.op == "transpose" and ins[0].op == "dot_general" and users[old.inputs[0].id] == 1:
                 n = _swapped_product(ins[0], n.attrs["perm"]) or n
             key = (n.op, tuple(i.id for i in n.inputs), _freeze(n.attrs), n.shape, n.dtype)
-            canon[old.id] = table.setdefault(key, n) if n.op != "input" else n
+            canon[old.id] = table.setdefault(key, n) if not n.is_input else n
         g = copy.copy(self)
         g.outputs = [canon[o.id] for o in self.outputs]
         return g
@@ -589,7 +614,7 @@ class Graph(_Shapes, _LayoutOps, _StructuredOps):
 
 def _weak(n: Node) -> bool:
     """Whether n is weakly typed (a size, a Python number): it takes the type of the operand it meets."""
-    return n.op == "size" or n.op == "constant" and bool(n.attrs.get("weak"))
+    return n.op == "size" or n.is_constant and bool(n.attrs.get("weak"))
 
 
 def _swapped_product(d: Node, perm: tuple) -> Node | None:

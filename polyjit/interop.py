@@ -33,7 +33,7 @@ def kind(x: Any) -> str:
 
 
 def _torch_view(t, name: str):
-    from .cuda import GpuView
+    from .runtime.gpu_buffers import GpuView
     try:
         dt = np.dtype(str(t.dtype).removeprefix("torch."))
     except TypeError:
@@ -44,7 +44,7 @@ def _torch_view(t, name: str):
 
 def _jax_view(x):
     """A JAX array on a GPU as a view, once JAX's work on it is done; None on the host."""
-    from .cuda import GpuView
+    from .runtime.gpu_buffers import GpuView
     dev = next(iter(x.devices()))
     if dev.platform not in ("gpu", "cuda"):
         return None
@@ -54,7 +54,7 @@ def _jax_view(x):
 
 def _dlpack_view(x, name: str):
     """A CUDA DLPack producer's memory as a view (the capsule keeps it alive)."""
-    from .cuda import GpuView, _dlpack
+    from .runtime.gpu_buffers import GpuView, _dlpack
     capsule = x.__dlpack__()
     get = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(("PyCapsule_GetPointer",
                                                                                   ctypes.pythonapi))

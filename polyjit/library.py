@@ -1,4 +1,4 @@
-"""A vendor-library floor under generated contractions (cpu; nvgpu in polyjit.cublas).
+"""A vendor-library floor under generated contractions (cpu; nvgpu in polyjit.runtime.cublas and .cudnn).
 
 Where, for a convolution's shape, polyjit's generated loop nest loses to
 BLAS, the convolution lowers to an im2col statement (generated, so that
@@ -22,7 +22,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from . import expr as E
 from . import sizes as sz
@@ -36,8 +36,27 @@ log = logging.getLogger("polyjit.library")
 Box = tuple[str, tuple[Expr, ...], tuple[Size, ...]]  # array, first element, extents
 
 
+class LibraryCall:
+    """What the scheduler asks of a library call: the boxes of its arrays it
+    reads (fields READS) and writes (field WRITES), and the call over renamed arrays."""
+
+    READS: ClassVar[tuple[str, ...]] = ()
+    WRITES: ClassVar[str] = ""
+
+    def renamed(self, rename):
+        """This call over the arrays rename(name) names (a group problem's own)."""
+        return dataclasses.replace(self, **{f: (rename(getattr(self, f)[0]), *getattr(self, f)[1:])
+                                            for f in (*self.READS, self.WRITES)})
+
+    def written(self) -> Box:
+        return getattr(self, self.WRITES)
+
+    def read(self) -> list[Box]:
+        return [getattr(self, f) for f in self.READS]
+
+
 @dataclass(frozen=True)
-class Gemm:
+class Gemm(LibraryCall):
     """C = op(A) @ op(B) over boxes of arrays (row-major sgemm). The parts of
     a parallel kernel share the dimension `split` ("m" or "n"): each calls
     sgemm on its strip, the operands advanced by `steps` elements per row or
@@ -57,17 +76,8 @@ class Gemm:
     split: str
     steps: tuple[int | Size, int | Size, int | Size]
     what: str = dataclasses.field(default="", repr=False, compare=False)  # not structure: like calls share code
-
-    def renamed(self, rename) -> "Gemm":
-        """This call over the arrays rename(name) names (a group problem's own)."""
-        return dataclasses.replace(self, a=(rename(self.a[0]), *self.a[1:]), b=(rename(self.b[0]), *self.b[1:]),
-                                   c=(rename(self.c[0]), *self.c[1:]))
-
-    def written(self) -> Box:
-        return self.c
-
-    def read(self) -> list[Box]:
-        return [self.a, self.b]
+    READS: ClassVar[tuple[str, ...]] = ("a", "b")
+    WRITES: ClassVar[str] = "c"
 
     def __str__(self) -> str:
         return (f"sgemm({'T' if self.trans_a else 'N'}{'T' if self.trans_b else 'N'}, m={self.m}, n={self.n}, "
@@ -75,7 +85,7 @@ class Gemm:
 
 
 @dataclass(frozen=True)
-class Convolution:
+class Convolution(LibraryCall):
     """y = conv(x, w) in one library call on whole arrays (cuDNN on the GPU):
     x and y laid out as ``layout`` (N, C and spatial letters), w as
     ``kernel_layout`` ("OI" or "O...I" around the same spatial letters);
@@ -92,16 +102,8 @@ class Convolution:
     groups: int
     tf32: bool  # the library may round operands to TF32 (as the framework's eager convolutions do)
     what: str = dataclasses.field(default="", repr=False, compare=False)
-
-    def renamed(self, rename) -> "Convolution":
-        return dataclasses.replace(self, x=(rename(self.x[0]), *self.x[1:]), w=(rename(self.w[0]), *self.w[1:]),
-                                   y=(rename(self.y[0]), *self.y[1:]))
-
-    def written(self) -> Box:
-        return self.y
-
-    def read(self) -> list[Box]:
-        return [self.x, self.w]
+    READS: ClassVar[tuple[str, ...]] = ("x", "w")
+    WRITES: ClassVar[str] = "y"
 
     def __str__(self) -> str:
         return (f"convolution({self.layout}/{self.kernel_layout}, strides {list(self.strides)}, padding "
@@ -195,24 +197,18 @@ class LibraryPolicy:
 
     def use(self, L, n) -> bool:
         """Whether contraction n (a conv or dot_general) runs in the library."""
-        ok = (gemm_form(L, n) if n.op == "conv" else dot_form(L, n)) is not None
+        ok = FORM[n.op](L, n) is not None
         if not ok or self.mode == "generated" or not self.available():
             return False
         xs, ws = L.shape(n.inputs[0]), L.shape(n.inputs[1])
-        what = f"{n.op} {list(xs)} * {list(ws)}" + (f" groups {n.attrs['groups']}" if n.op == "conv" else "")
+        what = f"{n.op} {list(xs)} * {list(ws)}" + (f" groups {n.attrs['groups']}" if "groups" in n.attrs else "")
         if self.mode == "library":
             self.choices.append(f"{what}: library (forced)")
             return True
-        if n.op == "conv":
-            klay, groups = n.attrs["kernel_layout"], n.attrs["groups"]
-            red = math.prod(int(ws[d]) for d, c in enumerate(klay) if c != "O")
-            cout_g = int(ws[klay.index("O")]) // groups
-            if red < MIN_REDUCTION or cout_g < MIN_OUT_CHANNELS:
-                self.choices.append(f"{what}: generated (reduction {red}, {cout_g} output channels per group: "
-                                    "a stencil)")
-                return False
-        else:
-            red = math.prod(int(xs[d]) for d in n.attrs["lc"])
+        red, stencil = REDUCTION[n.op](n, xs, ws)
+        if stencil:
+            self.choices.append(f"{what}: generated ({stencil})")
+            return False
         if not all(map(sz.is_static, xs + L.shape(n))):
             self.choices.append(f"{what}: library (symbolic sizes)")
             return True
@@ -223,7 +219,7 @@ class LibraryPolicy:
         if not self.target.times_library:  # a model: timing would compile each shape's kernel (seconds) on a GPU
             self.choices.append(f"{what}: library ({self.target.library}: {macs} multiply-adds, reduction {red})")
             return True
-        if n.op == "conv" and gemm_form(L, n) == "nchw":  # not worth compiling the generated nest to time it
+        if FORM[n.op](L, n) == "nchw":  # not worth compiling the generated nest to time it
             self.choices.append(f"{what}: library (channels first: generated blocks run along image rows, "
                                 "4-30x slower than sgemm in ResNet-18's convolutions)")
             return True
@@ -239,7 +235,7 @@ class LibraryPolicy:
         bases, ins = [], []
         for i in n.inputs:
             chain = []
-            while i.op == "transpose" and not i.attrs.get("materialize") and i.id not in L.array_of:
+            while i.is_index_transpose and i.id not in L.array_of:
                 chain.append(i.attrs["perm"])
                 i = i.inputs[0]
             bases.append((tuple(int(s) for s in L.shape(i)), i.dtype))
@@ -324,12 +320,12 @@ def direct_form(L, n) -> bool:
     x = n.inputs[0]
     return (L.library is not None and L.library.target.direct_convolutions() and gemm_form(L, n) is not None
             and 1 <= len(sp) <= 3 and all(lo == hi for lo, hi in n.attrs["padding"])
-            and not (x.op == "input" and x.attrs.get("strided")) and all(i.op != "constant" for i in n.inputs))
+            and not (x.is_input and x.attrs.get("strided")) and not any(i.is_constant for i in n.inputs))
 
 
 def direct_operands(L, library: set[int]) -> set[int]:
     """The operands the direct library convolutions read as arrays: made where computed inline."""
-    return {i.id for n in L.nodes if n.id in library and n.op == "conv" and direct_form(L, n) for i in n.inputs}
+    return {i.id for n in L.nodes if n.id in library and DIRECT.get(n.op, _never)(L, n) for i in n.inputs}
 
 
 def _lower_direct(L, n, out: str) -> None:
@@ -528,3 +524,29 @@ def lower_dot(L, n, out: str) -> None:
         call = Gemm(abox, bbox, cbox, m, nn, k, lda, ldb, nn, ta, tb, "m", (1 if ta else lda, 0, nn), f"dot {n.id}")
     bounds = tuple((0, shape[d]) for d in range(nb)) or ((0, 1),)
     L.add(out, iters, bounds, cbox[1], E.const(0.0, n.dtype), "sgemm", library=call)
+
+
+def _conv_reduction(n, xs, ws) -> tuple[int, str | None]:
+    """(the reduction's length, why the library is not worth calling or None) for a convolution."""
+    klay, groups = n.attrs["kernel_layout"], n.attrs["groups"]
+    red = math.prod(int(ws[d]) for d, c in enumerate(klay) if c != "O")
+    cout_g = int(ws[klay.index("O")]) // groups
+    if red < MIN_REDUCTION or cout_g < MIN_OUT_CHANNELS:
+        return red, f"reduction {red}, {cout_g} output channels per group: a stencil"
+    return red, None
+
+
+def _dot_reduction(n, xs, ws) -> tuple[int, str | None]:
+    return math.prod(int(xs[d]) for d in n.attrs["lc"]), None
+
+
+def _never(L, n) -> bool:
+    return False
+
+
+# per contraction op: the library's form of it (None: not one it computes), its
+# reduction's length, the lowering to library calls, and a direct form (cuDNN's)
+FORM = {"conv": gemm_form, "dot_general": dot_form}
+REDUCTION = {"conv": _conv_reduction, "dot_general": _dot_reduction}
+LOWER = {"conv": lower_conv, "dot_general": lower_dot}
+DIRECT = {"conv": direct_form}

@@ -20,26 +20,13 @@ from .affine import AffineProgram, Array, Role, Statement
 from .dtypes import DataType
 from .errors import DefinitionError
 from .expr import Const, Expr, Load, Op
-from .graph import BINARY_OPS, UNARY_OPS, Graph, Node
+from .graph import BINARY_OPS, CONTRACTIONS, UNARY_OPS, Graph, Node
 from .sizes import Lin, Size
 
 UNROLL_LIMIT = 16  # reductions with at most this many static terms unroll into expressions
 STENCIL_UNROLL_LIMIT = 49  # likewise a convolution over its window alone (depthwise, up to 7x7)
 RECOMPUTE_LIMIT = 6  # extra work accepted to inline a value read more than once
 MANY = 16  # weight of a read inside a contraction's reduction loop
-
-
-
-def unroll_limit(n: Node) -> int:
-    """The most terms of reduction n that unroll into one expression. A
-    convolution that reads one input channel per output channel (depthwise)
-    is a stencil: unrolled, its taps are loads along the output's own loops
-    (vectors along channels in NHWC), where the contraction's register
-    blocks, made for reuse across output channels, find none (a 5x5 NHWC
-    depthwise convolution ran 3-6x slower as a contraction)."""
-    if n.op == "conv" and n.inputs[1].shape[n.attrs["kernel_layout"].index("I")] == 1:
-        return STENCIL_UNROLL_LIMIT
-    return UNROLL_LIMIT
 
 
 @dataclass
@@ -50,6 +37,8 @@ class ReductionSpec:
     term: Callable[[tuple[Expr, ...], tuple[Expr, ...]], Expr]
     combine: str
     extra: str = ""  # isl constraints relating reduction and output iterators
+    unroll: int = UNROLL_LIMIT  # the most terms that unroll into one expression
+    reads_once: bool = False  # each operand element feeds one term (a reduce, not a window or product)
 
     def static_terms(self) -> int | None:
         if self.extra or not all(sz.is_static(s) for s in self.red_sizes):
@@ -116,26 +105,28 @@ class Lowering:
         if n.op in STATEMENT_OPS or n.id in self.library_nodes:
             return True
         if n.op in REDUCTIONS:
-            terms = REDUCTIONS[n.op](self, n).static_terms()
-            return terms is None or terms > unroll_limit(n)
+            spec = REDUCTIONS[n.op](self, n)
+            terms = spec.static_terms()
+            return terms is None or terms > spec.unroll
         return False
 
     def read_weight(self, consumer: Node, operand: int) -> int:
         if consumer.op in REDUCTIONS:
-            spec_terms = REDUCTIONS[consumer.op](self, consumer).static_terms()
-            if consumer.op == "reduce":
+            spec = REDUCTIONS[consumer.op](self, consumer)
+            spec_terms = spec.static_terms()
+            if spec.reads_once:
                 return 1
-            if spec_terms is not None and spec_terms <= unroll_limit(consumer):
+            if spec_terms is not None and spec_terms <= spec.unroll:
                 return max(spec_terms, 1)
             return MANY
-        if consumer.op == "gather" and operand == 0:
+        if SCATTERED_READS.get(consumer.op) == operand:
             return MANY
         return 1
 
     def plan(self) -> None:
         if self.library is not None:
-            self.library.prefetch(self, [n for n in self.nodes if n.op in ("conv", "dot_general")])
-            self.library_nodes = {n.id for n in self.nodes if n.op in ("conv", "dot_general")
+            self.library.prefetch(self, [n for n in self.nodes if n.op in CONTRACTIONS])
+            self.library_nodes = {n.id for n in self.nodes if n.op in CONTRACTIONS
                                   and self.library.use(self, n)}
             self.in_place = _read_in_place(self.nodes, self.library_nodes)
             from .library import direct_operands
@@ -147,11 +138,11 @@ class Lowering:
         work: dict[int, int] = {}
         outputs = {o.id for o in self.g.outputs}
         for n in self.nodes:
-            if n.op in ("input", "tensor_constant"):
+            if n.is_source:
                 self.declare(n)
                 work[n.id] = 0
                 continue
-            if n.op == "constant":
+            if n.is_constant:
                 work[n.id] = 0
                 continue
             own = scalar.cost(n.op) if n.op in UNARY_OPS + BINARY_OPS else (
@@ -175,7 +166,7 @@ class Lowering:
     def returned_as_view(self, n: Node, outputs: set[int]) -> bool:
         """Whether output n is a reshape of a temporary that can be the output
         itself, handed out reshaped (a library product's result: no copy)."""
-        if n.op != "reshape":
+        if n.op not in VIEWS:
             return False
         x = n.inputs[0]
         name = self.array_of.get(x.id)
@@ -183,9 +174,9 @@ class Lowering:
                 and x.id not in self.views.values())
 
     def declare(self, n: Node) -> None:
-        if n.op == "input":
+        if n.is_input:
             name, kind, index = f"in{n.attrs['index']}", "input", n.attrs["index"]
-        elif n.op == "tensor_constant":
+        elif n.is_source:  # a tensor constant
             index = sum(a.kind == "const" for a in self.arrays.values())
             name, kind = f"c{index}", "const"
         else:
@@ -209,8 +200,8 @@ class Lowering:
             idx = tuple(E.it(i) for i in iters)
             bounds = tuple((0, s) for s in shape)
             if n.id in self.library_nodes:
-                from .library import lower_conv, lower_dot
-                (lower_conv if n.op == "conv" else lower_dot)(self, n, name)
+                from .library import LOWER
+                LOWER[n.op](self, n, name)
             elif n.op in STATEMENT_OPS:
                 STATEMENT_OPS[n.op](self, n, name, iters, bounds)
             elif n.op in REDUCTIONS and self.is_statement_op(n):
@@ -516,6 +507,8 @@ INLINE.update({"where": _where, "cast": _cast, "constant": _constant, "size": _s
                "bitcast": _bitcast})
 LAYOUT_OPS = ("broadcast_in_dim", "transpose", "slice", "reverse", "reshape", "iota",
               "constant", "size")
+VIEWS = ("reshape",)  # layout ops whose result is the operand's array as it lies (an output may alias it)
+SCATTERED_READS = {"gather": 0}  # op -> the operand it reads at data-dependent positions, often many times
 
 
 # ================================================== reduction-shaped ops
@@ -534,7 +527,7 @@ def _reduce(L: Lowering, n: Node) -> ReductionSpec:
             else:
                 src.append(o[j]); j += 1
         return L.value(x, src)
-    return ReductionSpec([xs[d] for d in axes], term, n.attrs["op"])
+    return ReductionSpec([xs[d] for d in axes], term, n.attrs["op"], reads_once=True)
 
 
 def _dot(L: Lowering, n: Node) -> ReductionSpec:
@@ -590,7 +583,14 @@ def _conv(L: Lowering, n: Node) -> ReductionSpec:
         xv = guarded(L, x, xi, E.const(0.0 if n.dtype.is_float else 0, n.dtype),
                      [lay.index(c) for k, c in enumerate(sp) if any(at["padding"][k])])
         return Op(n.dtype, "mul", (xv, L.value(w, wi)))
-    return ReductionSpec([cin_g if c == "I" else ksz[sp.index(c)] for c in red], term, "sum")
+    # reading one input channel per output channel (depthwise), it is a stencil:
+    # unrolled, its taps are loads along the output's own loops (vectors along
+    # channels in NHWC), where the contraction's register blocks, made for reuse
+    # across output channels, find none (a 5x5 NHWC depthwise convolution ran
+    # 3-6x slower as a contraction)
+    depthwise = w.shape[klay.index("I")] == 1
+    return ReductionSpec([cin_g if c == "I" else ksz[sp.index(c)] for c in red], term, "sum",
+                         unroll=STENCIL_UNROLL_LIMIT if depthwise else UNROLL_LIMIT)
 
 
 def conv_input_index(L: Lowering, n: Node, batch: Expr, channel: Expr, out, window) -> list:
@@ -619,7 +619,6 @@ def _reduce_window(L: Lowering, n: Node) -> ReductionSpec:
     return ReductionSpec(list(at["window"]), term, at["op"])
 
 
-CONTRACTIONS = ("dot_general", "conv")  # products: their statements are marked for the scheduler
 REDUCTIONS: dict[str, Callable[[Lowering, Node], ReductionSpec]] = {
     "reduce": _reduce, "dot_general": _dot, "conv": _conv, "reduce_window": _reduce_window}
 

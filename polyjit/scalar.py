@@ -174,9 +174,18 @@ def cost(op: str) -> int:
 
 # ------------------------------------------------------------- reductions
 COMBINE = {"sum": "add", "prod": "mul", "max": "maximum", "min": "minimum"}
-WIDENING = ("sum", "prod")  # bool and int32 operands accumulate in int64, halves in float32
+ARITHMETIC = ("sum", "prod")  # by + and *: a float result depends on the terms' order, an integer grows
+WIDENING = ARITHMETIC  # so bool and int32 operands accumulate in int64, halves in float32
 WINDOW_REDUCTIONS = ("sum", "max", "min")  # those reduce_window takes (padding holds their identity)
 ARG_REDUCTIONS = {"argmax": "max", "argmin": "min"}  # the first position of the extreme by this reduction
+
+
+def product_factors(combine: str, body: Expr) -> tuple[Expr, Expr] | None:
+    """(x, y) where a reduction by combine of body is a sum of products x * y
+    (a contraction), else None."""
+    if combine == "sum" and isinstance(body, Op) and body.op == "mul" and len(body.args) == 2:
+        return body.args
+    return None
 
 
 def identity(combine: str, dt: DataType):

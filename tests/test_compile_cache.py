@@ -352,14 +352,14 @@ def test_statements_of_a_program_go_through_json_and_back(monkeypatch):
     back equal, field by field and type by type."""
     import dataclasses
 
-    from polyjit import cublas
+    from polyjit.runtime import cublas
     from polyjit.dtypes import DataType
     from polyjit.graph import Graph
     from polyjit.library import LibraryPolicy
     from polyjit.lowering import lower
     from polyjit.targets import target
     from test_nvgpu import _HostCublas
-    from polyjit import cudnn
+    from polyjit.runtime import cudnn
     monkeypatch.setattr(cublas, "cublas", lambda: _HostCublas())
     programs = [(_block, BLOCK_SHAPES), (_grouped_conv, [(2, 12, 9, 8), (18, 6, 3, 3)])]
     calls = set()
@@ -385,7 +385,8 @@ def test_statements_of_a_program_go_through_json_and_back(monkeypatch):
 LIBRARY_SCRIPT = """
 import hashlib, json, sys, numpy as np, polyjit
 sys.path.insert(0, sys.argv[2])
-from polyjit import cublas, library, InputInfo
+from polyjit import library, InputInfo
+from polyjit.runtime import cublas
 from polyjit.codegen import nvgpu, program
 from test_compile_cache import _mlp, _mlp_ref, MLP_SHAPES
 from test_nvgpu import _HostCublas, run_threads_on_cpu
@@ -450,7 +451,7 @@ def test_gpu_library_steps_are_shared_in_process_and_compiled_again_without_cubl
     """Within a process a GPU program with library steps is kept too (the
     second compile reads its steps back from JSON); where cuBLAS no longer
     loads, the kept program is not used: compiled again, generated."""
-    from polyjit import cublas
+    from polyjit.runtime import cublas
     from test_nvgpu import _HostCublas
     monkeypatch.setattr(cublas, "cublas", lambda: _HostCublas())
     infos = [InputInfo(s, F32) for s in MLP_SHAPES]

@@ -410,8 +410,8 @@ def test_xla_custom_call_targets_see_buffers_and_report_errors(rng):
     XLA error carrying the message it wrote."""
     import ctypes
 
-    from polyjit.codegen.launch import LAUNCH_T
-    from polyjit.frontends import xla_ffi
+    from polyjit.runtime.launch import LAUNCH_T
+    from polyjit.frontends.jax import register_custom_call
 
     def floats(ptr, n):
         return np.ctypeslib.as_array((ctypes.c_float * n).from_address(ptr))
@@ -430,8 +430,8 @@ def test_xla_custom_call_targets_see_buffers_and_report_errors(rng):
 
     name = f"polyjit_test_{rng.integers(1 << 30)}"
     address = ctypes.cast(axpy, ctypes.c_void_p).value
-    xla_ffi.register(name + "_axpy", "cpu", address, 2, 2, axpy)
-    xla_ffi.register(name + "_broken", "cpu", ctypes.cast(broken, ctypes.c_void_p).value, 1, 1, broken)
+    register_custom_call(name + "_axpy", "cpu", address, 2, 2, axpy)
+    register_custom_call(name + "_broken", "cpu", ctypes.cast(broken, ctypes.c_void_p).value, 1, 1, broken)
     result = jax.ShapeDtypeStruct((6,), jnp.float32)
     cpu = jax.devices("cpu")[0]
     x, y = jax.device_put(rnd(rng, 6), cpu), jax.device_put(rnd(rng, 6), cpu)

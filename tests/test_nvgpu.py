@@ -195,7 +195,7 @@ def run_threads_on_cpu(exe, arrays, grid=3, block=64):
     slots = {b.name: i for i, b in enumerate(prog.buffers)}
     for k in prog.kernels:
         if k.library is not None:  # a library step, cuBLAS's patched to one on host memory, cuDNN's in numpy
-            from polyjit.cublas import GemmStep, cublas
+            from polyjit.runtime.cublas import GemmStep, cublas
             from polyjit.library import Convolution
             if isinstance(k.library.library, Convolution):
                 _host_convolution(k.library.library, bufs)
@@ -356,6 +356,19 @@ def test_gpu_options_are_checked():
         polyjit.compile(ops.exp, [InputInfo([3], F32)], {**PTX_ONLY, "tile_sizes": [32, 12]})
 
 
+def _callbacks(keep: list):
+    """symbol(restype, *argtypes)(f): the address of a C callback running f (kept alive in keep)."""
+    import ctypes as c
+
+    def symbol(restype, *argtypes):
+        def wrap(f):
+            cb = c.CFUNCTYPE(restype, *argtypes)(f)
+            keep.append(cb)
+            return c.cast(cb, c.c_void_p).value
+        return wrap
+    return symbol
+
+
 def test_native_launcher_fills_the_argument_block_and_reports_failures():
     """The launch plan as host code (what XLA's custom calls run), against
     a driver written in Python: the context is checked and made current,
@@ -365,16 +378,10 @@ def test_native_launcher_fills_the_argument_block_and_reports_failures():
     takes some of the arguments gets a block of just those."""
     import ctypes
 
-    from polyjit.codegen import launch
+    from polyjit.runtime import launch
     c = ctypes
     calls, keep, ctx = [], [], 0x1234
-
-    def symbol(restype, *argtypes):
-        def wrap(f):
-            cb = c.CFUNCTYPE(restype, *argtypes)(f)
-            keep.append(cb)
-            return c.cast(cb, c.c_void_p).value
-        return wrap
+    symbol = _callbacks(keep)
 
     def put(out, value):
         c.cast(out, c.POINTER(c.c_void_p))[0] = value
@@ -425,15 +432,9 @@ def test_native_launcher_runs_library_steps_holding_its_lock():
     kind, stops the steps and leaves the launcher's lock free."""
     import ctypes as c
 
-    from polyjit.codegen import launch
+    from polyjit.runtime import launch
     calls, keep, fail = [], [], []
-
-    def symbol(restype, *argtypes):
-        def wrap(f):
-            cb = c.CFUNCTYPE(restype, *argtypes)(f)
-            keep.append(cb)
-            return c.cast(cb, c.c_void_p).value
-        return wrap
+    symbol = _callbacks(keep)
 
     def library(h, n, a, stride, out):
         calls.append(("call", h, n, a, stride, out))
@@ -566,7 +567,7 @@ def test_direct_convolutions_thread_by_thread(case, rng, monkeypatch):
     convolution is one call on whole arrays: no im2col; a kernel in neither
     of its layouts (HWIO) packed first; an input computed inline (x * 2)
     made an array by a kernel of its own; the epilogue a kernel after it."""
-    from polyjit import cublas, cudnn
+    from polyjit.runtime import cublas, cudnn
     monkeypatch.setattr(cublas, "cublas", lambda: _HostCublas())  # (the floor needs its library present)
     monkeypatch.setattr(cudnn, "cudnn", lambda: True)
     fn, shapes, ref = LIBRARY_CASES[case]
@@ -588,7 +589,7 @@ def test_library_steps_thread_by_thread(case, rng, monkeypatch):
     through column-major, batched along the longest loop) run on host
     memory; the result is the convolution's or product's (cuDNN, where it
     loads, taken away: its convolutions are one call, tested above)."""
-    from polyjit import cublas, cudnn
+    from polyjit.runtime import cublas, cudnn
     monkeypatch.setattr(cublas, "cublas", lambda: _HostCublas())
     monkeypatch.setattr(cudnn, "cudnn", lambda: None)
     fn, shapes, ref = LIBRARY_CASES[case]
@@ -607,7 +608,7 @@ def test_library_steps_thread_by_thread(case, rng, monkeypatch):
 def test_without_cublas_contractions_are_generated(monkeypatch):
     """No libcublas (POLYJIT_CUBLAS names none): the lookup is None, and even
     a forced library contraction compiles to generated kernels."""
-    from polyjit import cublas
+    from polyjit.runtime import cublas
     monkeypatch.setenv("POLYJIT_CUBLAS", "/nonexistent/libcublas.so.13")
     cublas.reset()
     try:
@@ -629,6 +630,74 @@ def test_large_grids_sum_in_one_thread_each():
     assert "atom.global" not in big.ir("ptx") and not any(k.strips for k in big.compile_default().kernels)
     small = polyjit.compile(lambda x: ops.sum(x, [0]), [InputInfo((4096, 64), F32)], PTX_ONLY)
     assert "atom.global.add.f32" in small.ir("ptx")
+
+
+def test_a_windows_repeated_reads_reach_the_dataflow_analysis_once(monkeypatch):
+    """A padded 5x5 depthwise window reads its input through 25 copies of one
+    widened access (a clamped index is not affine); isl's dataflow analysis
+    of the copies took 2 s a group in MobileNetV3, of one 0.05 s."""
+    from polyjit.schedule import driver
+    from polyjit.schedule.tree import isl_items
+    pieces = []
+
+    def spy(ctx, prog, dom):
+        access = accesses(ctx, prog, dom)
+        pieces.append(sum(m.n_basic_map() for m in isl_items(access[2].get_map_list())))
+        return access
+    accesses = driver.accesses
+    monkeypatch.setattr(driver, "accesses", spy)
+    fn = lambda x, w: ops.relu(ops.conv(ops.relu(x), w, (1, 1), ((2, 2), (2, 2)), groups=8))  # noqa: E731
+    exe = polyjit.compile(fn, [InputInfo((2, 8, 9, 11), F32), InputInfo((8, 1, 5, 5), F32)],
+                          {**PTX_ONLY, "cache": False})
+    assert exe.ir("ptx") and pieces and max(pieces) < 25
+
+
+def test_gpu_kernels_get_their_ptx_on_the_llvm_thread(monkeypatch):
+    """Python emits the next kernels while LLVM makes each one's PTX on a thread of its own."""
+    from polyjit.codegen import gpu_program, ptx_workers
+    threads = []
+
+    def spy(text, arch):
+        threads.append(threading.current_thread().name)
+        return ptx(text, arch)
+    ptx = gpu_program.ptx
+    monkeypatch.setattr(gpu_program, "ptx", spy)
+    monkeypatch.setattr(ptx_workers, "_workers", ptx_workers.PtxWorkers(0, gpu_program._on_thread))  # no workers
+    exe = polyjit.compile(lambda x: ops.softmax(ops.exp(x) * 3.0, -1) + 1.0, [InputInfo((40, 24), F32)],
+                          {**PTX_ONLY, "cache": False, "fusion": "none"}).compile_default()
+    assert exe.stats["kernels_compiled"] == len(threads) > 1
+    assert all(t.startswith("polyjit-llvm") for t in threads)
+    assert exe.ptx.count(".visible .entry") == len(exe.kernels)
+
+
+def test_worker_processes_make_the_same_ptx(monkeypatch):
+    """Where the host has cores to spare, worker processes make the kernels'
+    PTX (llvmlite runs one LLVM call at a time per process): the same PTX as
+    the caller's LLVM thread; a worker that died hands its jobs back to it."""
+    from polyjit.codegen import gpu_program, ptx_workers
+    from polyjit.targets import nvgpu
+
+    def build(count: int, kill: bool = False):
+        monkeypatch.setattr(gpu_program, "_codes", {})  # nothing shared with earlier compiles
+        monkeypatch.setattr(nvgpu, "_programs", {})
+        pool = ptx_workers.PtxWorkers(count, gpu_program._on_thread)
+        for proc in pool.procs if kill else ():
+            proc.kill()
+            proc.wait()
+        monkeypatch.setattr(ptx_workers, "_workers", pool)
+        try:
+            exe = polyjit.compile(lambda x, w: ops.softmax(ops.matmul(ops.exp(x), w), -1) * 2.0,
+                                  [InputInfo((40, 24), F32), InputInfo((24, 30), F32)],
+                                  {**PTX_ONLY, "cache": False, "contractions": "generated"}).compile_default()
+        finally:
+            pool.close()
+        return exe, pool
+    local, none = build(0)
+    remote, served = build(2)
+    assert none.served == 0 and served.served == remote.stats["kernels_compiled"] > 1
+    assert remote.ptx == local.ptx and remote.ir["llvm_opt"] == local.ir["llvm_opt"]
+    dead, pool = build(1, kill=True)
+    assert dead.ptx == local.ptx and pool.served == 0 and not pool.procs
 
 
 # ------------------------------------------------------------------ on a GPU
@@ -658,6 +727,39 @@ def test_library_floor_on_the_gpu(case, mode, rng):
     got = exe(*arrays)
     assert (exe.stats["library_calls"] >= 1) == (mode == "library") and exe.stats["fallbacks"] == 0
     np.testing.assert_allclose(got, ref(*arrays), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_torch_convolutions_and_products_through_the_gpu_libraries():
+    """On the GPU a convolution is one cuDNN call: equal to eager's in float32
+    (TF32 off in both), near it with TF32 where torch allows eager's; a
+    product reshaped on its way out is handed out as a view of its result."""
+    torch = pytest.importorskip("torch")
+    from polyjit.targets import target
+    if not target("nvgpu").direct_convolutions():
+        pytest.skip("no cuDNN here")
+    x, w = torch.randn(4, 16, 20, 18, device="cuda"), torch.randn(24, 16, 3, 3, device="cuda")
+
+    def f(x, w):
+        return torch.relu(torch.nn.functional.conv2d(x, w, padding=1))
+    try:
+        for tf32, tol in ((False, 1e-5), (True, 1e-2)):
+            torch.backends.cudnn.allow_tf32 = tf32
+            torch._dynamo.reset()
+            jf = polyjit.jit_torch(f, compile_options={"target": "nvgpu", "strict": True, "dynamic": False})
+            got = jf(x, w)
+            assert jf.stats["library_calls"] == 1 and jf.stats["fallbacks"] == 0
+            torch.testing.assert_close(got, f(x, w), rtol=tol, atol=tol)
+    finally:
+        torch.backends.cudnn.allow_tf32 = False
+    a, b = torch.randn(8, 64, 96, device="cuda"), torch.randn(96, 80, device="cuda")
+
+    def g(a, b):
+        return (a.reshape(-1, 96) @ b).reshape(8, 64, 80)
+    jg = polyjit.jit_torch(g, compile_options={"target": "nvgpu", "strict": True, "dynamic": False})
+    got = jg(a, b)
+    assert got.shape == (8, 64, 80) and jg.stats["library_calls"] == 1
+    torch.testing.assert_close(got, g(a, b), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu

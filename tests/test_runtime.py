@@ -52,7 +52,7 @@ def test_repeated_subexpressions_are_computed_once(rng):
 def test_thread_pool_team_matches(rng):
     """Without libgomp the parts run on Python threads; the results are the same."""
     code = ("import numpy as np, polyjit; from polyjit import ops, InputInfo;"
-            "from polyjit.codegen.cpu import thread_team, PoolTeam;"
+            "from polyjit.runtime.threads import thread_team, PoolTeam;"
             "x = np.random.default_rng(0).standard_normal((256, 4096), dtype=np.float32);"
             "exe = polyjit.compile(ops.softmax, [InputInfo(x.shape, np.float32)], {'num_threads': 2});"
             "e = np.exp(x - x.max(1, keepdims=True));"
@@ -65,8 +65,8 @@ def test_thread_pool_team_matches(rng):
 
 def test_profile_counts_each_kernels_seconds(rng, monkeypatch):
     """POLYJIT_PROFILE=1: stats["kernel_seconds"] adds up each kernel's time per call."""
-    from polyjit import runtime
-    monkeypatch.setattr(runtime, "PROFILE", True)
+    from polyjit.runtime import program
+    monkeypatch.setattr(program, "PROFILE", True)
     exe = polyjit.compile(lambda x: ops.sum(ops.exp(x), 1) + ops.sum(x * x), [InputInfo([64, 300], F32)],
                           {"target": "cpu", "fusion": "none"})
     x = rng.standard_normal((64, 300), dtype=F32)

@@ -41,6 +41,7 @@ from typing import Any, Union
 
 import islpy as isl
 
+from .. import scalar
 from ..affine import AffineProgram, Statement
 from ..dtypes import DataType
 from ..expr import Const, Op, Var, loads, walk
@@ -49,13 +50,14 @@ from .llvm import Strips, ast_calls, ast_children, ast_uses, static_extent
 from .mapping import StripMapping, mapping_text  # noqa: F401 (mapping_text: the GPU stage prints with it)
 
 WARP = 32
-BLOCK = 256  # threads per block (polyjit.cuda launches this many)
+BLOCK = 256  # threads per block (runtime.gpu_program launches this many)
 BLOCK_ROW = 4096  # rows at least this long get a block of lanes rather than a warp
 VECTOR = 4  # consecutive iterations of an elementwise loop per group (16 bytes of float32)
 ROW_GROUPS = 8  # a lane loop of at most this many groups per lane is unrolled whole
 TILE, KTILE = 64, 16  # a contraction's output tile per block, and its reduction slice in shared memory
 BIG_TILE = 128  # the tile of long products
 STRIP_REDUCE = 256  # iterations of a summing loop per thread before its atomic add
+ATOMIC_COMBINES = ("sum",)  # reductions whose strips end in an atomic read-modify-write (an atomic add)
 THREAD_STRIP = 64  # iterations of a sequential loop per thread when strips run in parallel
 THREADS_PER_MULTIPROCESSOR = 2048  # resident threads (sm_70 to sm_90)
 DEFAULT_MULTIPROCESSORS = 132  # where no GPU says (PTX for gpu_arch): an H100's
@@ -88,7 +90,7 @@ class Vector:
 
 @dataclass
 class Library:
-    """A library statement (which runs alone): a step polyjit.cuda runs through cuBLAS."""
+    """A library statement (which runs alone): a step runtime.gpu_program runs through cuBLAS."""
 
     statement: Any
 
@@ -380,7 +382,7 @@ def atomic_strips(m: GpuMapper, rest: isl.AstNode, grid_iters: set[str]) -> Stri
     for c in calls:
         st = m.call_statement(c.user_get_expr())
         dt = m.prog.arrays[st.array].dtype
-        if st.combine != "sum" or st.array in m.sched.contracted \
+        if st.combine not in ATOMIC_COMBINES or st.array in m.sched.contracted \
                 or any(any(m._write_moves(loop, st, x)) for x in nest) \
                 or dt not in (DataType.Float, DataType.Double, DataType.Int32, DataType.Int):
             return None
@@ -589,8 +591,7 @@ def tiled_contraction(m: GpuMapper, grid: Grid) -> TiledContraction | None:
 def _product(m: GpuMapper, st, grid_its: list[str]) -> bool:
     """Whether st is C[grid iterators] sum= x * y on float32 arrays, C not read."""
     body, arrays = st.body, m.prog.arrays
-    return not (st.combine != "sum" or not isinstance(body, Op) or body.op != "mul" or len(body.args) != 2
-                or st.array in m.sched.contracted
+    return not (scalar.product_factors(st.combine, body) is None or st.array in m.sched.contracted
                 or sorted(getattr(x, "name", "") for x in st.index) != sorted(grid_its)
                 or any(arrays[x].dtype is not DataType.Float for x in [st.array] + [ld.array for ld in loads(body)])
                 or any(ld.array in m.sched.contracted or ld.array == st.array for ld in loads(body)))

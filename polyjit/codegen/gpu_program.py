@@ -20,7 +20,9 @@ from __future__ import annotations
 import hashlib
 import re
 import threading
-from dataclasses import dataclass
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import llvmlite.binding as llvm
 from llvmlite import ir
@@ -30,6 +32,8 @@ from ..schedule import ProgramSchedule, ScheduledGroup
 from .llvm import I64, PTR, KernelInfo, buffer_layout, kernel_name
 from .gpu_mapping import GpuMapper, Library, mapping_text
 from .nvgpu import TRIPLE, GpuEmitter, ptx
+from . import ptx_workers
+from .program import _submit, finish
 
 CODE_CACHE = 4096  # kernels kept per process
 
@@ -42,9 +46,22 @@ class GpuKernelCode:
     info: KernelInfo  # parallel, lanes, zeroed (the group's array names), strips
     mapping: str  # its plan as printed (the plan holds AST nodes: not kept)
     ir: str
-    optimized: str
-    header: str  # the PTX before the entry (.version, .target, .address_size)
-    entry: str  # the entry's PTX, from ".visible .entry"
+    job: Future | None = field(default=None, compare=False)  # (optimized IR, PTX, seconds); None: a cuBLAS step
+
+    @property
+    def optimized(self) -> str:
+        return self.job.result()[0] if self.job else ""
+
+    @property
+    def parts(self) -> tuple[str, str] | None:
+        """(the PTX before the entry: .version, .target, .address_size; the
+        entry's PTX, from ".visible .entry"), or None where the PTX has more
+        than one entry or anything at module scope (not the form instance() copies)."""
+        text = self.job.result()[1]
+        starts = [m.start() for m in _ENTRY.finditer(text)]
+        if len(starts) != 1 or _SCOPE.search(text[:starts[0]]):
+            return None
+        return text[:starts[0]], text[starts[0]:]
 
 
 _codes: dict[tuple[str, tuple], GpuKernelCode] = {}
@@ -54,16 +71,15 @@ _SCOPE = re.compile(r"^\s*(\.(?:shared|global|const|extern|func|weak)\b)", re.M)
 
 
 def kernel_code(group: ScheduledGroup, j: int, config: tuple, written: frozenset, timer, variant: tuple = ()) \
-        -> tuple[GpuKernelCode | None, bool]:
-    """Kernel j of group (compiled now, or earlier in this process for the
-    same variant, what else chose its schedule: second result True); None
-    where its PTX has more than one entry and nothing at module scope, the
-    form build_program can copy."""
+        -> tuple[GpuKernelCode, bool]:
+    """Kernel j of group (emitted now, its PTX made in a worker process or on
+    the LLVM thread; or earlier in this process for the same variant, what
+    else chose its schedule: second result True)."""
     arch, sms, tile_sizes = config
     key = hashlib.sha256(f"{group.problem.key}|{config}|{sorted(written)}|{j}".encode()).hexdigest()
     with _codes_lock:
         code = _codes.get((key, variant))
-    if code is not None:
+    if code is not None and not (code.job and code.job.done() and code.job.exception()):
         return code, True
     node = group.sched.kernel_asts()[j]
     with timer("mapping"):
@@ -78,15 +94,8 @@ def kernel_code(group: ScheduledGroup, j: int, config: tuple, written: frozenset
         emitter.kernel(j, node, plan)
         text = str(emitter.module)
     if emitter.kernels[0].library is not None:  # a cuBLAS step: no PTX
-        code = GpuKernelCode(emitter.symbol, emitter.kernels[0], str(plan), "", "", "", "")
-        return code, False
-    with timer("llvm"):
-        optimized, ptx_text = ptx(text, arch)
-    starts = [m.start() for m in _ENTRY.finditer(ptx_text)]
-    if len(starts) != 1 or _SCOPE.search(ptx_text[:starts[0]]):
-        return None, False
-    code = GpuKernelCode(emitter.symbol, emitter.kernels[0], str(plan), text, optimized, ptx_text[:starts[0]],
-                         ptx_text[starts[0]:])
+        return GpuKernelCode(emitter.symbol, emitter.kernels[0], str(plan), ""), False
+    code = GpuKernelCode(emitter.symbol, emitter.kernels[0], str(plan), text, _ptx_job(text, arch))
     with _codes_lock:
         _codes[key, variant] = code
         while len(_codes) > CODE_CACHE:
@@ -94,12 +103,51 @@ def kernel_code(group: ScheduledGroup, j: int, config: tuple, written: frozenset
     return code, False
 
 
+def _ptx_job(text: str, arch: str) -> Future:
+    """(optimized IR, PTX, seconds) of a kernel's module, made in a worker
+    process where the host has cores to spare, else on the LLVM thread."""
+    return ptx_workers.workers(_on_thread).submit(text, arch)
+
+
+def _on_thread(text: str, arch: str) -> Future:
+    return _submit(_timed_ptx, text, arch)
+
+
+def _timed_ptx(text: str, arch: str) -> tuple[str, str, float]:
+    start = time.perf_counter()
+    optimized, ptx_text = ptx(text, arch)
+    return optimized, ptx_text, time.perf_counter() - start
+
+
+class GpuCodeSet:
+    """The kernel codes of one program, asked for as its groups are scheduled
+    (of: emission starts, and PTX in worker processes or on the LLVM thread,
+    while isl schedules the next groups) and again as the program is built;
+    those compiled for it (not found in the process's cache) are in ``new``."""
+
+    def __init__(self, prog: AffineProgram, config: tuple, timer, variant: tuple = ()) -> None:
+        self.config, self.timer, self.variant = config, timer, variant
+        self.writes = {s.array for s in prog.statements}
+        self.new: list[GpuKernelCode] = []
+
+    def of(self, group: ScheduledGroup) -> list[GpuKernelCode]:
+        arrays = group.problem.arrays
+        written = frozenset(a for a, whole in arrays.items() if whole in self.writes)
+        out = []
+        for j in range(len(group.sched.kernels)):
+            code, reused = kernel_code(group, j, self.config, written, self.timer, self.variant)
+            if not reused and code.job is not None:
+                self.new.append(code)
+            out.append(code)
+        return out
+
+
 def instance(code: GpuKernelCode, name: str) -> str:
     """code's entry as name, taking its own parameters (the program's argument
     slots KernelInfo.params lists: a launch passes only those)."""
     own = f"{code.symbol}_param_"
     return re.sub(rf"\b{re.escape(own)}(\d+)\b", lambda m: f"{name}_param_{m.group(1)}",
-                  code.entry).replace(code.symbol, name)
+                  code.parts[1]).replace(code.symbol, name)
 
 
 @dataclass
@@ -114,16 +162,16 @@ class GpuProgramCode:
     mapping: str  # the mapping stage: a line per kernel
 
 
-def build_program(prog: AffineProgram, sched: ProgramSchedule, name: str, config: tuple, timer,
-                  variant: tuple = ()) -> GpuProgramCode | None:
-    """The program's PTX from kernels shared by structure (variant: what else
-    than a group's statements chose its schedule); None where one of them
-    is not in the form instance() copies (then emit the program whole)."""
+def build_program(prog: AffineProgram, sched: ProgramSchedule, name: str, codeset: GpuCodeSet) \
+        -> GpuProgramCode | None:
+    """The program's PTX from kernels shared by structure; None where one of
+    them is not in the form instance() copies (then emit the program whole)."""
+    timer = codeset.timer
     buffers, int_slots = buffer_layout(prog, sched.contracted)
     slot = {a.name: k for k, a in enumerate(buffers)}
     int_slot = {s: len(buffers) + k for k, s in enumerate(int_slots)}
-    program_writes = {s.array for s in prog.statements}
-    kernels, entries, codes, compiled, k = [], [], {}, 0, 0
+    kernels, codes, k = [], {}, 0
+    uses = []  # (kernel name, code) of each PTX kernel
     plans = []  # (kernel name, plan)
     module = ir.Module(name=name)
     module.triple = TRIPLE
@@ -132,33 +180,35 @@ def build_program(prog: AffineProgram, sched: ProgramSchedule, name: str, config
         mini_buffers, mini_ints = buffer_layout(group.problem.prog, group.sched.contracted)
         params = [slot[arrays[a.name]] for a in mini_buffers]
         params += [int_slot[(p, d) if d < 0 else (arrays[p], d)] for p, d in mini_ints]
-        written = frozenset(a for a, whole in arrays.items() if whole in program_writes)
-        for j in range(len(group.sched.kernels)):
-            code, reused = kernel_code(group, j, config, written, timer, variant)
-            if code is None:
-                return None
+        for code in codeset.of(group):
             entry = kernel_name(prog, name, k, sched.kernels[k])
-            if code.info.library is not None:  # run by polyjit.cuda, in the program's names
+            if code.info.library is not None:  # run by polyjit.runtime.gpu_program, in the program's names
                 kernels.append(KernelInfo(entry, False, tuple(sorted(sched.kernels[k])), library=next(
                     s for s in prog.statements if s.name in sched.kernels[k] and s.library is not None)))
                 plans.append((entry, Library(kernels[-1].library)))
                 k += 1
                 continue
-            compiled += not reused
             codes.setdefault(code.symbol, code)
+            uses.append((entry, code))
             with timer("emit"):
-                entries.append(instance(code, entry))
                 _entry(module, entry, code.symbol, [PTR if p < len(buffers) else I64 for p in params])
             i = code.info
             kernels.append(KernelInfo(entry, i.parallel, tuple(sorted(sched.kernels[k])), i.lanes,
                                       tuple(arrays[a] for a in i.zeroed), i.strips, params=tuple(params)))
             plans.append((entry, code.mapping))
             k += 1
-    header = next(iter(codes.values())).header if codes else ""
+    # the program's LLVM IR on the LLVM thread, while the PTX is still being made (in workers)
+    linked = _submit(_linked, str(module), [c.ir for c in codes.values()])
+    finish(list(codes.values()), codeset.new, timer)
+    if any(c.parts is None for c in codes.values()):
+        return None
     with timer("emit"):
-        linked = _linked(module, [c.ir for c in codes.values()])
+        entries = [instance(code, entry) for entry, code in uses]
+    with timer("llvm"):
+        linked = linked.result()
+    header = next(iter(codes.values())).parts[0] if codes else ""
     return GpuProgramCode(buffers, int_slots, kernels, header + "\n".join(entries), linked,
-                          "\n".join(c.optimized for c in codes.values()), compiled, mapping_text(plans))
+                          "\n".join(c.optimized for c in codes.values()), len(codeset.new), mapping_text(plans))
 
 
 def _entry(module: ir.Module, name: str, target: str, types: list) -> None:
@@ -171,11 +221,11 @@ def _entry(module: ir.Module, name: str, target: str, types: list) -> None:
     b.ret_void()
 
 
-def _linked(module: ir.Module, kernels: list[str]) -> str:
+def _linked(module: str, kernels: list[str]) -> str:
     """module with the kernels' modules linked in, as text."""
     from .cpu import _lock
     with _lock:
-        mod = llvm.parse_assembly(str(module))
+        mod = llvm.parse_assembly(module)
         for text in kernels:
             mod.link_in(llvm.parse_assembly(text))
         return str(mod)

@@ -22,7 +22,7 @@ import islpy as isl
 from llvmlite import ir
 
 from .. import sizes as sz
-from ..affine import AffineProgram, Array, Statement
+from ..affine import AffineProgram, Array, Role, Statement
 from ..expr import Const, Expr, Load
 from ..schedule import Scheduled, statements_in
 from ..schedule.ast import ast_calls, ast_children, ast_uses, static_extent
@@ -47,7 +47,7 @@ class KernelInfo:
     strips: bool = False  # nvgpu: strips of a sum, more threads than elements written
     library: Any = None  # nvgpu: the library statement this step runs on the host's stream (no PTX)
     params: tuple[int, ...] | None = None  # nvgpu: the program's argument slots it takes, in order (None: all)
-    fn: Any = None  # cpu: the compiled function, once JIT-compiled (nvgpu kernels load in polyjit.cuda)
+    fn: Any = None  # cpu: the compiled function, once JIT-compiled (nvgpu kernels load in runtime.gpu_program)
 
 
 class Emitter(LoopEmission, StripEmission, ValueEmission):
@@ -244,10 +244,10 @@ class Emitter(LoopEmission, StripEmission, ValueEmission):
 
 
 def kernel_name(prog: AffineProgram, fname: str, k: int, names: set[str]) -> str:
-    """polyjit_<program>_<the labels of its first three statements>_<k>_kernel."""
+    """polyjit_<program>_<the labels of its first three statements but inits>_<k>_kernel."""
     labels = []
     for s in prog.statements:
-        if s.name in names and s.label not in labels and not s.label.endswith("_init"):
+        if s.name in names and s.label not in labels and s.role is not Role.INIT:
             labels.append(s.label)
     safe = "".join(c if c.isalnum() else "_" for c in fname)
     return f"polyjit_{safe}_{'_'.join(labels[:3]) or 'nest'}_{k}_kernel"

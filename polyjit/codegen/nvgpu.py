@@ -23,7 +23,7 @@ from llvmlite import ir
 
 from .. import scalar
 from ..errors import UnsupportedOpError
-from ..expr import Const, Load, Op, Var
+from ..expr import Load, Var, offset
 from ..schedule import statements_in
 from . import mathlib
 from .gpu_mapping import (BLOCK, VECTOR, WARP, AtomicStrips, GpuMapper, HaloStrips, KernelPlan, Library,
@@ -153,10 +153,7 @@ class _StripEmission:
 
     def _ring_offset(self, e, it: str) -> int | None:
         """k when index e of the current statement is the AST iterator it plus k."""
-        k = 0
-        if isinstance(e, Op) and e.op in ("add", "sub") and isinstance(e.args[1], Const):
-            k = int(e.args[1].value) * (1 if e.op == "add" else -1)
-            e = e.args[0]
+        e, k = offset(e)
         if not (isinstance(e, Var) and e.kind == "iter"):
             return None
         call = self.ctx.current_call
@@ -375,7 +372,7 @@ class GpuEmitter(_RowEmission, _StripEmission, Emitter):
         """``ptx_kernel void name(ptr buffers..., i64 ints...)``; the body gets
         the thread's global index as its part and the thread count as parts.
         A library statement (which runs alone) is no kernel: a step that
-        polyjit.cuda runs through cuBLAS."""
+        runtime.gpu_program runs through cuBLAS."""
         self.plans.append(plan)
         if isinstance(plan, Library):
             names = statements_in(node)

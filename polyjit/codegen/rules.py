@@ -123,25 +123,29 @@ def _int_pow(e, a, dt, src):
     return e.b.fptosi(f, a[0].type)
 
 
-def _shift(op: str) -> Rule:
-    """JAX's shifts: by the width or more gives 0, or the sign for an arithmetic one."""
+def _shift(how: str) -> Rule:
+    """JAX's logical shifts: by the width or more gives 0."""
     def rule(e, a, dt, src):
         b, t = e.b, a[0].type
         over = b.icmp_unsigned(">=", a[1], ir.Constant(t, t.width))
-        if op == "shift_right_arithmetic":
-            return b.ashr(a[0], b.select(over, ir.Constant(t, t.width - 1), a[1]))
-        shifted = b.shl(*a) if op == "shift_left" else b.lshr(*a)
-        return b.select(over, ir.Constant(t, 0), shifted)
+        return b.select(over, ir.Constant(t, 0), getattr(b, how)(*a))
     return rule
 
 
-def _uint_division(op: str) -> Rule:
+def _shift_arithmetic(e, a, dt, src):
+    """JAX's arithmetic right shift: by the width or more gives the sign."""
+    b, t = e.b, a[0].type
+    over = b.icmp_unsigned(">=", a[1], ir.Constant(t, t.width))
+    return b.ashr(a[0], b.select(over, ir.Constant(t, t.width - 1), a[1]))
+
+
+def _uint_division(quotient: bool) -> Rule:
     """Unsigned quotient or remainder; by zero gives 0, as in numpy."""
     def rule(e, a, dt, src):
         b, zero = e.b, ir.Constant(a[1].type, 0)
         by_zero = b.icmp_unsigned("==", a[1], zero)
         safe = b.select(by_zero, ir.Constant(a[1].type, 1), a[1])
-        v = b.udiv(a[0], safe) if op.endswith(("div", "divide")) else b.urem(a[0], safe)
+        v = b.udiv(a[0], safe) if quotient else b.urem(a[0], safe)
         return b.select(by_zero, zero, v)
     return rule
 
@@ -163,8 +167,15 @@ def _bitcast(e, a, dt, src):
     return e.b.bitcast(a[0], COMPUTE[dt])
 
 
-_DIVISIONS = ("div", "floordiv", "mod", "remainder", "fmod", "floor_divide", "trunc_divide")
-_FCMP = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
+# integer divisions: (a quotient, not a remainder; floored: True, toward zero: False, None: floored
+# for int64 index arithmetic, else toward zero); a floored remainder has the divisor's sign
+_DIVISIONS = {"div": (True, None), "floordiv": (True, None), "mod": (False, True), "remainder": (False, True),
+              "fmod": (False, False), "floor_divide": (True, True), "trunc_divide": (True, False)}
+# comparisons: (symbol, float predicate: ordered, but != is true for NaN)
+_COMPARE = {"eq": ("==", "fcmp_ordered"), "ne": ("!=", "fcmp_unordered"), "lt": ("<", "fcmp_ordered"),
+            "le": ("<=", "fcmp_ordered"), "gt": (">", "fcmp_ordered"), "ge": (">=", "fcmp_ordered")}
+_SHIFTS = {"shift_left": _shift("shl"), "shift_right_logical": _shift("lshr"),
+           "shift_right_arithmetic": _shift_arithmetic}
 
 
 RULES: dict[str, dict[str, Rule]] = {}
@@ -180,8 +191,8 @@ def _any_type_rules() -> None:
     rule("rand", "any", lambda e, a, dt, src: e.philox_uniform(a[0], a[1]))
     rule("threefry", "any", lambda e, a, dt, src: e.threefry_bits(*a))
     rule("bitcast", "any", _bitcast)
-    for op, sym in _FCMP.items():  # ordered, but != is true for NaN
-        rule(op, "float", _compare("fcmp_unordered" if op == "ne" else "fcmp_ordered", sym))
+    for op, (sym, fcmp) in _COMPARE.items():
+        rule(op, "float", _compare(fcmp, sym))
         rule(op, "int", _compare("icmp_signed", sym))
         rule(op, "uint", _compare("icmp_unsigned", sym))
     rule("logical_and", "any", lambda e, a, dt, src: e.b.and_(*a))
@@ -223,9 +234,9 @@ def _integer_rules() -> None:
     rule("sub", "int", lambda e, a, dt, src: e.b.sub(*a))
     rule("mul", "int", lambda e, a, dt, src: e.b.mul(*a))
     rule("neg", "int", lambda e, a, dt, src: e.b.neg(a[0]))
-    for op in _DIVISIONS:
-        rule(op, "int", (lambda o: lambda e, a, dt, src: e.int_division(o, *a))(op))
-        rule(op, "uint", _uint_division(op))
+    for op, (quotient, floored) in _DIVISIONS.items():
+        rule(op, "int", (lambda q, f: lambda e, a, dt, src: e.int_division(q, f, *a))(quotient, floored))
+        rule(op, "uint", _uint_division(quotient))
     for op in ("max", "maximum"):
         rule(op, "int", _int_max)
         rule(op, "uint", _uint_pick(">"))
@@ -244,8 +255,8 @@ def _integer_rules() -> None:
             rule(op, cls, (lambda n: lambda e, a, dt, src: getattr(e.b, n)(*a))(name))
     for cls in ("int", "uint"):
         rule("bitwise_not", cls, lambda e, a, dt, src: e.b.not_(a[0]))
-        for op in ("shift_left", "shift_right_logical", "shift_right_arithmetic"):
-            rule(op, cls, _shift(op))
+        for op, fn in _SHIFTS.items():
+            rule(op, cls, fn)
     for op in ("add", "sub", "mul", "neg"):
         rule(op, "uint", RULES[op]["int"])
     rule("abs", "uint", _same)

@@ -11,7 +11,7 @@ from llvmlite import ir
 from .. import scalar
 from ..dtypes import DataType
 from ..errors import UnsupportedOpError
-from ..expr import Const, Expr, Load, Op, Var, loads
+from ..expr import Const, Expr, Load, Op, Var, loads, select_parts
 from . import mathlib
 from .irtypes import COMPUTE, F32, F64, I1, I8, I32, I64, STORAGE
 from .rules import rule_for
@@ -44,9 +44,9 @@ class ValueEmission:
             arr = self.prog.arrays[e.array]
             return self.load_element(arr, e.index, self.address(arr, e.index, env, cache))
         assert isinstance(e, Op)
-        if e.op == "select" and isinstance(e.args[1], Load) and isinstance(e.args[2], Const) \
-                and not loads(e.args[0]):
-            return self.padded_load(e.args[0], e.args[1], e.args[2], env, cache)
+        sel = select_parts(e)
+        if sel is not None and isinstance(sel[1], Load) and isinstance(sel[2], Const) and not loads(sel[0]):
+            return self.padded_load(*sel, env, cache)
         args = [self.value(a, env, cache) for a in e.args]
         return self.op(e.op, args, e.dtype, [a.dtype for a in e.args])
 
@@ -123,10 +123,10 @@ class ValueEmission:
             return b.trunc(v, dt_)
         return b.zext(v, dt_) if src.is_unsigned else b.sext(v, dt_)
 
-    def int_division(self, op: str, x, y) -> ir.Value:
-        """Signed quotient (floor_divide: floor; trunc_divide: toward zero;
-        div and floordiv, index arithmetic: floor for int64, else toward zero)
-        or remainder (fmod: with the dividend's sign; else the divisor's). Division by zero gives 0, as in
+    def int_division(self, quotient: bool, floored: bool | None, x, y) -> ir.Value:
+        """Signed quotient (floored, toward zero, or where floored is None,
+        index arithmetic: floored for int64, else toward zero) or remainder
+        (floored: with the divisor's sign; else the dividend's, as fmod). Division by zero gives 0, as in
         numpy, and MIN / -1 wraps: the machine's divide would trap on both and
         kill the process."""
         b = self.b
@@ -135,13 +135,13 @@ class ValueEmission:
         by_zero = b.icmp_signed("==", y, zero)
         by_minus_one = b.icmp_signed("==", y, ir.Constant(t, -1))
         safe = b.select(b.or_(by_zero, by_minus_one), one, y)
-        if op.endswith(("div", "divide")):
-            floor = op == "floor_divide" or (op != "trunc_divide" and t == I64)
+        if quotient:
+            floor = floored or (floored is None and t == I64)
             q = self.floordiv(x, safe) if floor else b.sdiv(x, safe)
             q = b.select(by_minus_one, b.sub(zero, x), q)
             return b.select(by_zero, zero, q)
         r = b.srem(x, safe)  # 0 where y is -1
-        if op == "fmod":
+        if not floored:
             return b.select(by_zero, zero, r)
         fix = b.and_(b.icmp_signed("!=", r, zero),
                      b.xor(b.icmp_signed("<", r, zero), b.icmp_signed("<", y, zero)))
@@ -149,9 +149,9 @@ class ValueEmission:
 
     def combine(self, how: str, old, new, dt: DataType) -> ir.Value:
         v = self.op(scalar.COMBINE[how], [old, new], dt, [dt, dt])
-        if how in ("sum", "prod") and dt.is_float:
+        if how in scalar.ARITHMETIC and dt.is_float:
             v.flags.append("reassoc")
-            if how == "sum" and getattr(new, "opname", "") == "fmul":
+            if v.opname == "fadd" and getattr(new, "opname", "") == "fmul":
                 # a sum of products: one fused multiply-add per term, as BLAS does
                 new.flags.append("contract")
                 v.flags.append("contract")

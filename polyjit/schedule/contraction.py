@@ -33,12 +33,15 @@ def _live_conflict(ctx, prog, name, moduli, tw: isl.Map, between: isl.Map) -> bo
     return not same.apply_range(tw).intersect(between).is_empty()
 
 
-def contract(ctx, prog: AffineProgram, schedule: isl.Schedule, dom, kernels, shared=frozenset()) -> dict:
+def contract(ctx, prog: AffineProgram, schedule: isl.Schedule, dom, kernels, shared=frozenset(), access=None) -> dict:
     """Moduli of the temporaries (not in shared: used by other groups too)
-    that one kernel keeps to itself, along dimensions where a window suffices."""
+    that one kernel keeps to itself, along dimensions where a window suffices
+    (access: dependences.accesses(ctx, prog, dom), where already known)."""
     smap = schedule.get_map().intersect_domain(dom)
-    _, may = prog.writes(ctx)
-    reads = prog.reads(ctx)
+    if access is None:
+        from .dependences import accesses
+        access = accesses(ctx, prog, dom)
+    _, may, reads = access
     where: dict[str, set[int]] = {}
     for k, names in enumerate(kernels):
         for s in prog.statements:

@@ -14,7 +14,7 @@ from .. import sizes as sz
 from ..affine import AffineProgram
 from .ast import kernel_nodes, statements_in
 from .contraction import GPU_PRIVATE_BYTES, contract, private_bytes
-from .dependences import dependences, make_context
+from .dependences import accesses, dependences, make_context
 from .fusion import FusionPlan, fuse_contraction, fusion_groups, starved
 from .groups import GroupProblem, ProgramSchedule, Scheduled, ScheduledGroup, group_problem, kernel_of_each_array
 from .rewrites import distribute_inits, innermost_contiguous, order_sets
@@ -172,7 +172,8 @@ def _schedule_problem(problem: "GroupProblem", config: tuple, timer) -> Schedule
         ctx.set_schedule_serialize_sccs(1)
     with timer("schedule/dependences"):
         dom = prog.domain(ctx)
-        validity, raw = dependences(ctx, prog, dom)
+        access = accesses(ctx, prog, dom)
+        validity, raw = dependences(ctx, prog, dom, access)
     plan = FusionPlan() if fuse else None
     with timer("schedule/isl"):
         sched = _schedule_group(ctx, prog, dom, validity, raw, [s.name for s in prog.statements], fusion, plan)
@@ -184,7 +185,7 @@ def _schedule_problem(problem: "GroupProblem", config: tuple, timer) -> Schedule
         ast = build.node_from_schedule(sched)
         kernels = [statements_in(k) for k in kernel_nodes(ast)]
     with timer("schedule/contract"):
-        contracted = contract(ctx, prog, sched, dom, kernels, problem.shared)
+        contracted = contract(ctx, prog, sched, dom, kernels, problem.shared, access)
     if target.thread_grid:
         contracted = {n: m for n, m in contracted.items() if private_bytes(prog.arrays[n], m) <= GPU_PRIVATE_BYTES}
         if fusion != "none" and starved(ast, prog, contracted):

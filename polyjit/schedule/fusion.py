@@ -9,7 +9,7 @@ import islpy as isl
 
 from .. import sizes as sz
 from ..affine import TAPS, AffineProgram, Role
-from ..expr import Op, Var, loads, walk
+from ..expr import QUASI_AFFINE, Op, Var, loads, select_parts, walk
 from .ast import kernel_nodes, statements_in
 from .cpu_rewrites import TILE_RED
 from .dependences import is_legal
@@ -100,7 +100,7 @@ def _epilogue_of(s, update, prog: AffineProgram) -> bool:
 
 def _reads_reshaped(s, group: list[str], prog: AffineProgram) -> bool:
     written = {t.array for t in prog.statements if t.name in group}
-    return any(ld.array in written and any(isinstance(x, Op) and x.op in ("floordiv", "mod")
+    return any(ld.array in written and any(isinstance(x, Op) and x.op in QUASI_AFFINE
                                            for i in ld.index for x in walk(i))
                for ld in loads(s.body))
 
@@ -121,8 +121,8 @@ def fusion_refusal(up, outs: list[str]) -> str | None:
                 f"exceeds a tile ({TILE_RED})")
     col = outs[-1] if outs else None
     for x in walk(up.body):
-        if isinstance(x, Op) and x.op == "select" and any(isinstance(v, Var) and v.name == col
-                                                          for v in walk(x.args[0])):
+        guard = select_parts(x)
+        if guard is not None and any(isinstance(v, Var) and v.name == col for v in walk(guard[0])):
             return f"{up.name} ({up.label}): a padding guard varies along the register block's columns ({col})"
     return None
 

@@ -49,7 +49,7 @@ def packed_operands(graph: Graph, min_rows: int = 8) -> Graph:
                 perm = tuple(at["rb"]) + tuple(at["rc"]) + tuple(rf)
                 shape = tuple(b.shape[p] for p in perm)
                 src = b
-                while src.op == "transpose" and not src.attrs.get("materialize"):
+                while src.is_index_transpose:
                     perm, src = tuple(src.attrs["perm"][p] for p in perm), src.inputs[0]
                 bt = Node("transpose", (src,), {"perm": perm, "materialize": True}, shape, b.dtype)
                 nb, nc = len(at["rb"]), len(at["rc"])
@@ -64,7 +64,7 @@ def packed_operands(graph: Graph, min_rows: int = 8) -> Graph:
 def _innermost(n: Node, d: int) -> bool:
     """Whether dimension d of n is the innermost of the memory it reads
     (transposes are access relations, not copies)."""
-    while n.op == "transpose" and not n.attrs.get("materialize"):
+    while n.is_index_transpose:
         d, n = n.attrs["perm"][d], n.inputs[0]
     return d == n.rank - 1
 

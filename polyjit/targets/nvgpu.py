@@ -1,7 +1,7 @@
 """The NVIDIA GPU target: its scheduling rewrites, PTX and executable.
 
 Kernels of one structure share PTX (codegen.gpu_program), loaded on the
-device at a program's first call and run by polyjit.cuda.GpuProgram on
+device at a program's first call and run by polyjit.runtime.gpu_program.GpuProgram on
 the caller's stream. Programs are also kept within the process by their
 cache key (plan, IR texts and PTX), as CPU kernels are; a cuBLAS step is
 kept as its statement (cache.statement_json), run again from it.
@@ -12,12 +12,13 @@ import logging
 from typing import TYPE_CHECKING
 
 from .. import cache
-from ..codegen.gpu_program import build_program
+from ..codegen.gpu_program import GpuCodeSet, build_program
 from ..codegen.llvm import KernelInfo
 from ..codegen.nvgpu import GpuEmitter, ptx
 from ..compiler import executable, from_plan
 from ..compiler import plan as plan_of
-from ..cuda import GpuProgram, default_ordinal, device
+from ..runtime.cuda import default_ordinal, device
+from ..runtime.gpu_program import GpuProgram
 from ..errors import CompileOptionError, DeviceError
 from ..graph import Graph
 from ..library import Convolution
@@ -76,9 +77,11 @@ class NvgpuTarget(Target):
         GPU present); where one cannot be shared, one module of every kernel,
         emitted from the whole program."""
         arch, sms = machine
+        codes = GpuCodeSet(prog, (arch, sms, options.tile_sizes), timer, self.variant(options))
         with timer("schedule"):  # (vector_bits: unused, the nvgpu schedule has no register blocks)
-            sched = schedule_program(prog, options.fusion, options.tile_sizes, self, self.vector_bits(), timer)
-        code = build_program(prog, sched, name, (arch, sms, options.tile_sizes), timer, self.variant(options))
+            sched = schedule_program(prog, options.fusion, options.tile_sizes, self, self.vector_bits(), timer,
+                                     each=codes.of)
+        code = build_program(prog, sched, name, codes)
         if code is None:
             return self._build_whole(graph, prog, options, name, timer, arch, sms)
         ir = {"mapping": code.mapping, "llvm": code.ir, "llvm_opt": code.optimized, "ptx": code.ptx}
@@ -109,11 +112,11 @@ class NvgpuTarget(Target):
         return exe
 
     def library_available(self) -> bool:
-        from ..cublas import cublas
+        from ..runtime.cublas import cublas
         return cublas() is not None
 
     def direct_convolutions(self) -> bool:
-        from ..cudnn import cudnn
+        from ..runtime.cudnn import cudnn
         return cudnn() is not None
 
     # ---------------------------------------------------------------- the compile cache

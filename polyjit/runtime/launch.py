@@ -24,7 +24,7 @@ from typing import Mapping, Sequence
 
 from llvmlite import ir
 
-from .cpu import JitModule, ieee_floats
+from ..codegen.cpu import JitModule, ieee_floats
 
 I8, I32, I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
 ZERO = ir.Constant(I32, 0)

@@ -24,12 +24,12 @@ import os
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
-from . import sizes as sz
-from .codegen.launch import Arg, Call, LibraryStep
-from .errors import DeviceError
-from .expr import Const, Expr, Op, Var
+from .. import sizes as sz
+from ..errors import DeviceError
+from ..expr import Const, Expr, Op, Var
+from .launch import Arg, Call, LibraryStep
 
 log = logging.getLogger("polyjit.library")
 
@@ -55,19 +55,26 @@ def candidates(lib: str, variable: str, versions: tuple[str, ...]) -> list[str]:
     return found + ([name] if name else []) + [f"lib{lib}.so.{v}" for v in versions]
 
 
+def first_loading(what: str, paths: list[str], bind: Callable[[str], Any]) -> Any:
+    """bind(path) for the first of paths where it loads (OSError or
+    AttributeError: it does not), or None."""
+    found = None
+    for path in paths:
+        try:
+            found = bind(path)
+            break
+        except (OSError, AttributeError) as e:
+            log.debug("no %s at %s: %s", what, path, e)
+    log.debug("%s: %s", what, found.path if found else "none")
+    return found
+
+
 def cublas() -> "Cublas | None":
     """cuBLAS bound with ctypes, or None where no libcublas loads."""
     global _found
     with _lock:
         if _found is False:
-            _found = None
-            for path in candidates("cublas", "POLYJIT_CUBLAS", _VERSIONS):
-                try:
-                    _found = Cublas(path)
-                    break
-                except (OSError, AttributeError) as e:
-                    log.debug("no cuBLAS at %s: %s", path, e)
-            log.debug("cuBLAS: %s", _found.path if _found else "none")
+            _found = first_loading("cuBLAS", candidates("cublas", "POLYJIT_CUBLAS", _VERSIONS), Cublas)
         return _found
 
 

@@ -2,7 +2,7 @@
 (polyjit.library.Convolution) as a step of the launch sequence, one
 cudnnConvolutionForward on the caller's stream.
 
-cuDNN is found at run time as cuBLAS is (polyjit.cublas.candidates: the
+cuDNN is found at run time as cuBLAS is (runtime.cublas.candidates: the
 ``libcudnn`` of NVIDIA's wheels, or ``POLYJIT_CUDNN``), bound with ctypes.
 The legacy convolution API takes descriptors of any strides, so channels
 first or last read the arrays as they are. Its math is restricted to FMA
@@ -14,16 +14,13 @@ workspace belongs to the step.
 from __future__ import annotations
 
 import ctypes
-import logging
 import threading
 from typing import Any, Mapping
 
-from . import sizes as sz
-from .codegen.launch import Arg, Call, LibraryStep
-from .cublas import candidates
-from .errors import DeviceError
-
-log = logging.getLogger("polyjit.library")
+from .. import sizes as sz
+from ..errors import DeviceError
+from .cublas import candidates, first_loading
+from .launch import Arg, Call, LibraryStep
 
 FLOAT = 0  # cudnnDataType_t
 NCHW, NHWC = 0, 1  # cudnnTensorFormat_t, of a filter
@@ -45,14 +42,7 @@ def cudnn() -> "Cudnn | None":
     global _found
     with _lock:
         if _found is False:
-            _found = None
-            for path in candidates("cudnn", "POLYJIT_CUDNN", ("9", "8")):
-                try:
-                    _found = Cudnn(path)
-                    break
-                except (OSError, AttributeError) as e:
-                    log.debug("no cuDNN at %s: %s", path, e)
-            log.debug("cuDNN: %s", _found.path if _found else "none")
+            _found = first_loading("cuDNN", candidates("cudnn", "POLYJIT_CUDNN", ("9", "8")), Cudnn)
         return _found
 
 
@@ -124,7 +114,7 @@ class ConvStep:
     algorithm and its workspace; run(pointers, stream) queues the call."""
 
     def __init__(self, lib: Cudnn, dev, statement, env: Mapping[str, int], slot: Mapping[str, int]) -> None:
-        from .cuda import DeviceBuffer
+        from .gpu_buffers import DeviceBuffer
         c = statement.library
         self.lib, self.device, self.what = lib, dev, f"cudnnConvolutionForward ({c.what or statement.name})"
         size = lambda box: [sz.evaluate(s, env) for s in box[2]]  # noqa: E731

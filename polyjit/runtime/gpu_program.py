@@ -1,4 +1,7 @@
-"""Running nvgpu kernels with cuda-python's driver API (``cuda.bindings.driver``).
+"""Running nvgpu programs: a GpuProgram checks its arguments, plans each
+shape signature once (sizes, allocations, grids, the kernels' argument
+blocks) and runs the plan's launches and library steps on the caller's
+stream, from Python or through a native launcher (runtime.launch).
 
 Kernels run in the primary context of the device that holds the inputs (the
 one PyTorch and JAX use), on the stream the caller names (PyTorch's current
@@ -10,7 +13,6 @@ results come back as numpy arrays.
 from __future__ import annotations
 
 import ctypes
-import functools
 import math
 import os
 import threading
@@ -20,365 +22,23 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from . import sizes as sz
-from .codegen import launch
-from .codegen.nvgpu import BLOCK
-from .errors import DeviceError, InputError
-from .runtime import POISON, CompiledProgram, RowMajor, poison_fill
+from .. import sizes as sz
+from ..codegen.nvgpu import BLOCK
+from ..errors import DeviceError, InputError
+from . import cuda, launch
+from .buffers import POISON
+from .cuda import Device, check, cu_stream, default_ordinal, device, driver, launch_symbols, poison, unload
+from .gpu_buffers import DeviceBuffer, GpuView, as_device_array
+from .program import CompiledProgram, RowMajor
 
 WAVES = 2  # grids of this many times the blocks that fit on the device at once
 NATIVE = os.environ.get("POLYJIT_NATIVE_LAUNCH", "1") != "0"  # calls run their steps from host code, not Python
 _launchers = 0  # native launchers built (their names are unique)
 _lock = threading.Lock()
-_SUCCESS: Any = None  # CUresult.CUDA_SUCCESS, once the driver is loaded
-
-
-@functools.cache
-def driver():
-    """cuda.bindings.driver, initialized; DeviceError when there is no driver or GPU."""
-    try:
-        from cuda.bindings import driver as cu
-    except ImportError as e:
-        raise DeviceError("target 'nvgpu' needs cuda-python: pip install 'polyjit[cuda]'") from e
-    try:
-        err, = cu.cuInit(0)
-    except Exception as e:  # the bindings raise when libcuda is missing
-        raise DeviceError(f"no NVIDIA driver found ({e}); target 'nvgpu' needs an NVIDIA GPU and driver") from e
-    if err != cu.CUresult.CUDA_SUCCESS:
-        raise DeviceError(f"no NVIDIA driver found (cuInit: {err.name}); target 'nvgpu' needs an NVIDIA GPU and driver")
-    err, n = cu.cuDeviceGetCount()
-    if err != cu.CUresult.CUDA_SUCCESS or n == 0:
-        raise DeviceError("no NVIDIA GPU visible (check CUDA_VISIBLE_DEVICES); target 'nvgpu' needs one")
-    global _SUCCESS
-    _SUCCESS = cu.CUresult.CUDA_SUCCESS
-    return cu
-
-
-def check(result, what: str = "CUDA"):
-    """The values of a driver call's result tuple; DeviceError on failure."""
-    cu = driver()
-    err, *rest = result if isinstance(result, tuple) else (result,)
-    if err != cu.CUresult.CUDA_SUCCESS:
-        _, msg = cu.cuGetErrorString(err)
-        raise DeviceError(f"{what} failed: {err.name}: {msg.decode() if msg else ''}")
-    return rest[0] if len(rest) == 1 else rest
-
-
-def default_ordinal() -> int:
-    """The GPU used when no argument is on one: POLYJIT_DEVICE, else 0."""
-    return int(os.environ.get("POLYJIT_DEVICE", "0"))
-
-
-@functools.cache
-def device(ordinal: int = 0) -> "Device":
-    return Device(ordinal)
-
-
-class Device:
-    """One GPU: its primary context and the properties launches need."""
-
-    def __init__(self, ordinal: int) -> None:
-        cu = driver()
-        self.ordinal = ordinal
-        self.handle = check(cu.cuDeviceGet(ordinal), "cuDeviceGet")
-        attr = cu.CUdevice_attribute
-        get = lambda a: check(cu.cuDeviceGetAttribute(a, self.handle), "cuDeviceGetAttribute")  # noqa: E731
-        self.arch = f"sm_{get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)}" \
-                    f"{get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)}"
-        self.multiprocessors = get(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-        self.context = check(cu.cuDevicePrimaryCtxRetain(self.handle), "cuDevicePrimaryCtxRetain")
-        self._context = int(self.context)
-        self._pool = None
-
-    def activate(self) -> None:
-        cu = driver()
-        if int(check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")) != self._context:
-            check(cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
-
-    def pool(self):
-        """polyjit's memory pool on this device. It keeps what is freed (no
-        release threshold): the default pool hands freed memory back to the
-        driver at each synchronization, and mapping 32 MB again cost more than
-        the kernel that used it."""
-        if self._pool is None:
-            cu = driver()
-            props = cu.CUmemPoolProps()
-            props.allocType = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-            props.handleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
-            props.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-            props.location.id = self.ordinal
-            pool = check(cu.cuMemPoolCreate(props), "cuMemPoolCreate")
-            check(cu.cuMemPoolSetAttribute(pool, cu.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                                           cu.cuuint64_t(2 ** 64 - 1)), "cuMemPoolSetAttribute")
-            self._pool = pool
-        return self._pool
-
-    def load(self, ptx: str, names: Sequence[str]) -> tuple[Any, dict[str, Any]]:
-        """A PTX module and its kernels, by name."""
-        cu = driver()
-        self.activate()
-        mod = check(cu.cuModuleLoadData(ptx.encode() + b"\0"), "loading the PTX (cuModuleLoadData)")
-        return mod, {n: check(cu.cuModuleGetFunction(mod, n.encode()), "cuModuleGetFunction") for n in names}
-
-    def resident_blocks(self, fn, block: int) -> int:
-        """How many blocks of block threads of kernel fn a multiprocessor runs at once."""
-        n = check(driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, block, 0),
-                  "cuOccupancyMaxActiveBlocksPerMultiprocessor")
-        return max(1, int(n))
-
-
-_events: dict[int, list] = {}  # idle events by device ordinal
-
-
-def _order_before(dev: "Device", producer: int, consumer: int) -> None:
-    """Make stream consumer wait for the work queued so far on stream producer.
-    The event is taken from the device's idle ones for the two calls and then
-    given back (a wait keeps the state the event had when it was queued), so
-    a finalizer that runs in between takes another."""
-    cu = driver()
-    dev.activate()
-    idle = _events.setdefault(dev.ordinal, [])
-    event = idle.pop() if idle else check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING),
-                                          "cuEventCreate")
-    try:
-        check(cu.cuEventRecord(event, _stream(producer)), "cuEventRecord")
-        check(cu.cuStreamWaitEvent(_stream(consumer), event, 0), "cuStreamWaitEvent")
-    finally:
-        idle.append(event)
-
-
-def synchronize() -> None:
-    """Wait for all work polyjit queued on every device it used."""
-    for i in sorted(_used):
-        device(i).activate()
-        check(driver().cuCtxSynchronize(), "cuCtxSynchronize")
-
-
-_used: set[int] = set()
-_streams: dict[int, Any] = {}  # CUstream wrappers by handle
-
-
-def _stream(handle: int):
-    """The driver's CUstream for a stream handle (wrappers kept: building one costs per call)."""
-    s = _streams.get(handle)
-    if s is None:
-        s = _streams[handle] = driver().CUstream(handle)
-    return s
-
-
-class DeviceBuffer:
-    """GPU memory polyjit allocated (from the device's pool), freed on the same stream
-    when the last reference goes; exposes ``__cuda_array_interface__``."""
-
-    def __init__(self, shape: tuple[int, ...], dtype, dev: Device, stream: int) -> None:
-        cu = driver()
-        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
-        self.nbytes = max(int(math.prod(self.shape)) * self.dtype.itemsize, 1)
-        dev.activate()
-        self.ptr = int(check(cu.cuMemAllocFromPoolAsync(self.nbytes, dev.pool(), _stream(stream)),
-                             "cuMemAllocFromPoolAsync"))
-        self.device, self.stream = dev, stream
-        self.consumers: list[int] = []  # streams of frameworks that took it by DLPack
-        weakref.finalize(self, _free, self.ptr, dev, stream, self.consumers)
-
-    def data_ptr(self) -> int:
-        return self.ptr
-
-    def reshape(self, shape: tuple[int, ...]) -> "DeviceBuffer":
-        """The same memory in another shape of as many elements; it keeps this buffer alive."""
-        view = object.__new__(DeviceBuffer)
-        view.__dict__.update(self.__dict__, shape=tuple(shape), base=self)
-        return view
-
-    @property
-    def __cuda_array_interface__(self) -> dict:
-        return {"shape": self.shape, "typestr": self.dtype.str, "data": (self.ptr, False),
-                "version": 3, "strides": None}
-
-    def __dlpack_device__(self) -> tuple[int, int]:
-        return (2, self.device.ordinal)  # kDLCUDA
-
-    def __dlpack__(self, stream=None, **kwargs):
-        """A DLPack capsule that shares this memory (JAX and PyTorch take it
-        with from_dlpack). The work queued on it is ordered before the
-        consumer's ``stream`` (DLPack's protocol: a handle, 1 for the legacy
-        stream, 2 per-thread, -1 for none) without waiting on the host; with
-        no stream named, the host waits for it."""
-        cu = driver()
-        if stream is None:
-            check(cu.cuStreamSynchronize(_stream(self.stream)), "cuStreamSynchronize")
-        elif stream != -1 and int(stream) != self.stream:
-            _order_before(self.device, self.stream, int(stream))
-            self.consumers.append(int(stream))
-        return _dlpack.export(self)
-
-    def numpy(self, stream: int = 0) -> np.ndarray:
-        out = np.empty(self.shape, self.dtype)
-        cu = driver()
-        check(cu.cuMemcpyDtoHAsync(out.ctypes.data, self.ptr, out.nbytes, _stream(stream)), "cuMemcpyDtoHAsync")
-        check(cu.cuStreamSynchronize(_stream(stream)), "cuStreamSynchronize")
-        return out
-
-
-class _DLPack:
-    """DLPack export through ctypes: DLManagedTensor structs kept alive in a
-    table until the consumer calls their deleter."""
-
-    def __init__(self) -> None:
-        c = ctypes
-
-        class Device(c.Structure):
-            _fields_ = [("device_type", c.c_int32), ("device_id", c.c_int32)]
-
-        class DType(c.Structure):
-            _fields_ = [("code", c.c_uint8), ("bits", c.c_uint8), ("lanes", c.c_uint16)]
-
-        class Tensor(c.Structure):
-            _fields_ = [("data", c.c_void_p), ("device", Device), ("ndim", c.c_int32), ("dtype", DType),
-                        ("shape", c.POINTER(c.c_int64)), ("strides", c.POINTER(c.c_int64)),
-                        ("byte_offset", c.c_uint64)]
-
-        deleter_t = c.CFUNCTYPE(None, c.c_void_p)
-
-        class Managed(c.Structure):
-            _fields_ = [("dl_tensor", Tensor), ("manager_ctx", c.c_void_p), ("deleter", deleter_t)]
-
-        self.Managed, self.Device, self.DType = Managed, Device, DType
-        self.live: dict[int, tuple] = {}
-        self.deleter = deleter_t(lambda addr: self.live.pop(addr, None))
-        self.name = b"dltensor"
-        # prototypes of our own: ctypes.pythonapi's function objects are shared,
-        # and others (jax.ffi.pycapsule) set their argument types to theirs
-        api = c.pythonapi
-        self.capsule_new = c.PYFUNCTYPE(c.py_object, c.c_void_p, c.c_char_p, c.c_void_p)(("PyCapsule_New", api))
-        is_valid = c.PYFUNCTYPE(c.c_int, c.c_void_p, c.c_char_p)(("PyCapsule_IsValid", api))
-        get_ptr = c.PYFUNCTYPE(c.c_void_p, c.c_void_p, c.c_char_p)(("PyCapsule_GetPointer", api))
-
-        def destroy(capsule):  # an unconsumed capsule still owns its tensor
-            if is_valid(capsule, self.name):
-                self.live.pop(get_ptr(capsule, self.name), None)
-        self.destructor = c.CFUNCTYPE(None, c.c_void_p)(destroy)
-
-    CODES = {"i": 0, "u": 1, "f": 2, "b": 6}
-
-    def export(self, buf: "DeviceBuffer"):
-        c = ctypes
-        shape = (c.c_int64 * max(len(buf.shape), 1))(*buf.shape)
-        m = self.Managed()
-        m.dl_tensor.data = buf.ptr
-        m.dl_tensor.device = self.Device(2, buf.device.ordinal)
-        m.dl_tensor.ndim = len(buf.shape)
-        m.dl_tensor.dtype = self.DType(self.CODES[buf.dtype.kind], buf.dtype.itemsize * 8, 1)
-        m.dl_tensor.shape = shape
-        m.deleter = self.deleter
-        addr = c.addressof(m)
-        self.live[addr] = (m, shape, buf)
-        return self.capsule_new(addr, self.name, c.cast(self.destructor, c.c_void_p))
-
-
-_dlpack = _DLPack()
-
-
-def _unload(mod) -> None:
-    try:
-        driver().cuModuleUnload(mod)
-    except Exception:  # interpreter shutdown
-        pass
-
-
-def _free(ptr: int, dev: Device, stream: int, consumers: list[int]) -> None:
-    """Free on stream, after the work consumers queued on their streams."""
-    try:
-        cu = driver()
-        for c in consumers:
-            _order_before(dev, c, stream)
-        cu.cuMemFreeAsync(ptr, _stream(stream))
-    except Exception:  # interpreter shutdown
-        pass
-
-
-@dataclass
-class GpuView:
-    """A view of an argument on the GPU: pointer, shape and element strides
-    (None when row-major). Frontends that know these build it directly;
-    other arrays come through their ``__cuda_array_interface__``."""
-
-    ptr: int
-    shape: tuple[int, ...]
-    strides: tuple[int, ...] | None
-    dtype: np.dtype
-    device: int
-    owner: Any
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def __cuda_array_interface__(self) -> dict:
-        strides = None if self.strides is None else tuple(x * self.dtype.itemsize for x in self.strides)
-        return {"shape": self.shape, "typestr": self.dtype.str, "data": (self.ptr, False), "version": 3,
-                "strides": strides}
-
-
-@functools.cache
-def _device_count() -> int:
-    return int(check(driver().cuDeviceGetCount(), "cuDeviceGetCount"))
-
-
-def _device_of(ptr: int) -> int:
-    """The ordinal of the device whose context allocated ptr (the driver's
-    DEVICE_ORDINAL attribute read 0 for memory on a second GPU)."""
-    cu = driver()
-    ctx = check(cu.cuPointerGetAttribute(cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_CONTEXT, ptr),
-                "cuPointerGetAttribute")
-    if not int(ctx):
-        return default_ordinal()
-    check(cu.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
-    try:
-        return int(check(cu.cuCtxGetDevice(), "cuCtxGetDevice"))
-    finally:
-        check(cu.cuCtxPopCurrent(), "cuCtxPopCurrent")
-
-
-def as_device_array(a, ordinal: int | None = None) -> GpuView | None:
-    """The GPU view of a (CUDA array interface) argument; None for host arrays.
-    ordinal: the device, when the caller knows it (saves a driver query)."""
-    if isinstance(a, GpuView):
-        return a
-    cai = getattr(a, "__cuda_array_interface__", None)
-    if cai is None:
-        return None
-    dtype = np.dtype(cai["typestr"])
-    shape = tuple(cai["shape"])
-    strides = cai.get("strides")
-    if strides is not None:
-        strides = tuple(s // dtype.itemsize for s in strides)
-    ptr = cai["data"][0]
-    if ordinal is None:
-        ordinal = 0 if not ptr or _device_count() == 1 else _device_of(ptr)
-    return GpuView(ptr, shape, strides, dtype, ordinal, a)
 
 
 def _data_ptr(a) -> int:
     return a.data_ptr() if hasattr(a, "data_ptr") else a.__cuda_array_interface__["data"][0]
-
-
-def poison(ptr: int, nbytes: int, kind: str, stream: int) -> None:
-    """Fill memory with NaN (floats) or 0xFF bytes, as POLYJIT_POISON asks."""
-    cu = driver()
-    value, count, width = poison_fill(nbytes, kind)
-    memset = cu.cuMemsetD32Async if width == 4 else cu.cuMemsetD8Async
-    check(memset(ptr, value, count, _stream(stream)), "poisoning (cuMemsetAsync)")
-
-
-@functools.cache
-def _symbols() -> dict[str, int]:
-    """The addresses of the functions native launchers call (launch.SYMBOLS)."""
-    driver()
-    libs = [ctypes.CDLL("libcuda.so.1"), ctypes.CDLL(None)]
-    return {n: ctypes.cast(getattr(next(lib for lib in libs if hasattr(lib, n)), n), ctypes.c_void_p).value
-            for n in launch.SYMBOLS}
 
 
 @dataclass
@@ -430,7 +90,7 @@ class GpuProgram(CompiledProgram):
             plan.native = NATIVE and all(v is not None for v in views) and self._native(plan)
         if plan.native:
             return self._run_native(plan, plan.native, views, stream, empty)
-        s = _stream(stream)
+        s = cu_stream(stream)
         host = plan.host
         keep: list = []
         made: dict[str, Any] = {}
@@ -458,7 +118,7 @@ class GpuProgram(CompiledProgram):
                 for slot, nbytes in zeroed:
                     check(cu.cuMemsetD8Async(pointers[slot], 0, nbytes, s), "cuMemsetD8Async")
                 result = cu.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, 0, s, argv, 0)
-                if result[0] is not _SUCCESS:
+                if result[0] is not cuda.SUCCESS:
                     check(result, what)
         self.stats["intermediate_bytes"] = plan.temp_bytes
         outs = self._hand_out(made, plan.returned)
@@ -492,7 +152,7 @@ class GpuProgram(CompiledProgram):
             steps.append(launch.Launch(int(fn), grid, block, what, k.params))
         launcher = self._native_launcher(name, {n: (slot, shape, dt) for slot, n, shape, dt in plan.fresh},
                                          plan.input_slots, plan.pointers, plan.ints, steps,
-                                         int(plan.device.context), _symbols(), plan.returned)
+                                         int(plan.device.context), launch_symbols(), plan.returned)
         for lib, handle in handles.items():
             if launcher is None:
                 lib.destroy(handle)
@@ -565,7 +225,7 @@ class GpuProgram(CompiledProgram):
         and the kernels' argument block (constants' pointers filled in).
         Raises InputError before anything runs."""
         dev = self._device(views, args)
-        _used.add(dev.ordinal)
+        cuda.used_devices.add(dev.ordinal)
         dev.activate()
         shapes = [v.shape if v is not None else np.shape(a) for v, a in zip(views, args)]
         env = self.bind([RowMajor(sh, v.dtype if v is not None else np.asarray(a).dtype)
@@ -614,9 +274,9 @@ class GpuProgram(CompiledProgram):
     def _library_step(self, k, env: dict, dev: Device, slot: dict):
         """Kernel k's library call (cuBLAS's product, cuDNN's convolution) at
         these sizes, run on the caller's stream."""
+        from ..library import Convolution
         from .cublas import GemmStep, cublas
         from .cudnn import ConvStep, cudnn
-        from .library import Convolution
         direct = isinstance(k.library.library, Convolution)
         lib = cudnn() if direct else cublas()
         if lib is None:
@@ -637,7 +297,7 @@ class GpuProgram(CompiledProgram):
                     return {}
                 mod, fns = dev.load(self.ptx, names)
                 self._loaded[dev.ordinal] = {n: (f, dev.resident_blocks(f, BLOCK)) for n, f in fns.items()}
-                weakref.finalize(self, _unload, mod)
+                weakref.finalize(self, unload, mod)
             return self._loaded[dev.ordinal]
 
     def _const(self, index: int, dev: Device, stream: int) -> DeviceBuffer:
@@ -647,8 +307,8 @@ class GpuProgram(CompiledProgram):
             h = np.ascontiguousarray(self.constants[index])
             buf = DeviceBuffer(h.shape, h.dtype, dev, stream)
             if h.nbytes:
-                check(cu.cuMemcpyHtoDAsync(buf.ptr, h.ctypes.data, h.nbytes, _stream(stream)), "cuMemcpyHtoDAsync")
-            check(cu.cuStreamSynchronize(_stream(stream)), "cuStreamSynchronize")
+                check(cu.cuMemcpyHtoDAsync(buf.ptr, h.ctypes.data, h.nbytes, cu_stream(stream)), "cuMemcpyHtoDAsync")
+            check(cu.cuStreamSynchronize(cu_stream(stream)), "cuStreamSynchronize")
             self._consts[key] = buf
         return self._consts[key]
 

@@ -3,107 +3,31 @@
 A :class:`CompiledProgram` checks every argument before any kernel runs, binds
 the size parameters from the argument shapes, allocates outputs and the
 temporaries that were not contracted, and calls each kernel; the parallel
-loop of a kernel is split across the target's thread team (ctypes releases the GIL).
+loop of a kernel is split across the thread team (runtime.threads; ctypes
+releases the GIL).
 """
 from __future__ import annotations
 
 import ctypes
-import logging
 import math
 import os
-import threading
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 
-from . import sizes as sz
-from .affine import Array
-from .codegen import launch
-from .codegen.cpu import OmpTeam, thread_team
-from .codegen.llvm import KernelInfo
-from .errors import InputError
-from .sizes import Lin
+from .. import sizes as sz
+from ..affine import Array
+from ..codegen.llvm import KernelInfo
+from ..errors import InputError
+from ..sizes import Lin
+from . import launch
+from .buffers import POISON, new_buffer, poison_fill
+from .threads import OmpTeam, thread_team
 
-log = logging.getLogger("polyjit.runtime")
 PARALLEL_MIN_ELEMENTS = 1 << 15
-
-
-POISON = os.environ.get("POLYJIT_POISON", "") not in ("", "0")
 PROFILE = os.environ.get("POLYJIT_PROFILE", "") not in ("", "0")  # kernel seconds in stats
-
-
-class _Lease:
-    """Owner of a cached block while arrays made from it live: numpy makes it
-    their base, and when the last one is dropped the block goes back."""
-
-    def __init__(self, raw: np.ndarray, nbytes: int, cache: "BufferCache") -> None:
-        self.raw = raw
-        self.__array_interface__ = {"data": (raw.ctypes.data, False), "shape": (nbytes,),
-                                    "typestr": "|u1", "version": 3}
-        weakref.finalize(self, cache.give_back, raw)
-
-
-class BufferCache:
-    """Memory for outputs and temporaries, reused once the caller drops them.
-
-    Fresh multi-megabyte arrays fault every page in again on each call,
-    which can cost more than the kernels; like a framework's caching
-    allocator, this keeps freed blocks by size (up to ``limit`` bytes).
-    """
-
-    MIN_BYTES = 1 << 20
-
-    def __init__(self, limit: int = 1 << 30) -> None:
-        self.free: dict[int, list[np.ndarray]] = {}
-        self.held = 0
-        self.limit = limit
-        self.lock = threading.Lock()
-
-    def empty(self, shape: tuple[int, ...], dtype) -> np.ndarray:
-        dtype = np.dtype(dtype)
-        nbytes = math.prod(shape) * dtype.itemsize
-        if nbytes < self.MIN_BYTES:
-            return np.empty(shape, dtype)
-        size = -(-nbytes // 4096) * 4096
-        with self.lock:
-            blocks = self.free.get(size)
-            raw = blocks.pop() if blocks else None
-            if raw is not None:
-                self.held -= size
-        if raw is None:
-            raw = np.empty(size + 64, np.uint8)
-            raw = raw[-raw.ctypes.data % 64:][:size]  # 64-byte aligned
-        return np.asarray(_Lease(raw, nbytes, self)).view(dtype).reshape(shape)
-
-    def give_back(self, raw: np.ndarray) -> None:
-        with self.lock:
-            if self.held + raw.nbytes <= self.limit:
-                self.free.setdefault(raw.nbytes, []).append(raw)
-                self.held += raw.nbytes
-
-
-_cache = BufferCache()
-
-
-def _new_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """An uninitialized buffer; with POLYJIT_POISON=1 filled with NaN (-7777 for
-    signed integers, all ones for unsigned) so that an element a kernel forgets
-    to write shows up instead of passing by luck."""
-    a = _cache.empty(shape, dtype)
-    if POISON:
-        kind = np.dtype(dtype).kind
-        a.fill(np.nan if kind == "f" else np.iinfo(dtype).max if kind == "u" else -7777)
-    return a
-
-
-def poison_fill(nbytes: int, kind: str) -> tuple[int, int, int]:
-    """(value, count, width in bytes) of a memset that poisons nbytes of a
-    native launcher's result: NaN for 4-byte floats, else 0xFF bytes (NaN for
-    every float width, all ones for integers)."""
-    return (0x7FC00000, nbytes // 4, 4) if kind == "f" and nbytes % 4 == 0 else (0xFF, nbytes, 1)
 
 
 class RowMajor:
@@ -192,7 +116,7 @@ class CompiledProgram:
             pointers[plan.input_slots[k]] = a.__array_interface__["data"][0]
         made = {}
         for name, slot, shape, dt in plan.fresh:
-            a = made[name] = _new_buffer(shape, dt)
+            a = made[name] = new_buffer(shape, dt)
             pointers[slot] = a.__array_interface__["data"][0]
         ptrs = plan.pointer_type(*pointers)
         team = thread_team() if plan.threads > 1 else None
@@ -241,7 +165,7 @@ class CompiledProgram:
 
     def _native_launcher(self, name: str, fresh: dict, input_slots, pointers, ints, steps: list,
                          context: int | None, symbols: dict, returned: dict) -> "launch.NativeLauncher | None":
-        """A plan's launcher (codegen.launch): its call takes the inputs'
+        """A plan's launcher (runtime.launch): its call takes the inputs'
         pointers and one for each of its ``results``, the outputs, then the
         temporaries (``fresh``: name -> (argument slot, shape, dtype)), which
         it poisons first where POLYJIT_POISON asks, then runs ``steps``.

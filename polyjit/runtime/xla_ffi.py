@@ -1,8 +1,10 @@
 """XLA's FFI (its C API for custom calls, ``xla/ffi/api/c_api.h``):
-``register`` makes a native launch function an XLA custom-call target, so
-that a jitted JAX program calls polyjit's kernels on XLA's own stream and
-buffers, with no DLPack exchange per result and no Python per call (the
-handler, like the launch function, is built with llvmlite).
+``handler`` builds the native function through which XLA calls a native
+launch function as a custom-call target, so that a jitted JAX program runs
+polyjit's kernels on XLA's own stream and buffers, with no DLPack exchange
+per result and no Python per call (the handler, like the launch function,
+is built with llvmlite). The JAX frontend registers it with JAX
+(``jax.ffi.register_ffi_target``); this module imports no framework.
 
 Only what a handler needs is declared: the call frame, its argument and
 result buffers, the API table's first entries (errors, the stream) and the
@@ -12,11 +14,10 @@ from __future__ import annotations
 
 import ctypes
 
-import jax
 from llvmlite import ir
 
-from polyjit.codegen.cpu import JitModule
-from polyjit.codegen.launch import string_constant
+from ..codegen.cpu import JitModule
+from .launch import string_constant
 
 c = ctypes
 METADATA_EXTENSION = 1  # XLA_FFI_Extension_Metadata
@@ -87,20 +88,20 @@ MESSAGE_BYTES = 1024
 _handlers: list = []  # registered handlers stay alive with the process, as XLA's registry does
 
 
-def register(name: str, platform: str, launch: int, args: int, rets: int, owner=None) -> None:
-    """Make the C function at address ``launch`` the custom-call target
-    ``name`` on ``platform`` ("CUDA" or "cpu"). It is called as
+def handler(name: str, platform: str, launch: int, args: int, rets: int, owner=None) -> int:
+    """The address of a native XLA FFI handler named ``name`` that calls the C
+    function at address ``launch`` on ``platform`` ("CUDA" or "cpu"), as
 
         int32_t launch(void **args, void **rets, void *stream, char *message, size_t size)
 
     with the ``args`` argument and ``rets`` result buffers' pointers in call
     order and XLA's CUDA stream (NULL on the CPU); a nonzero return becomes an
     XLA error carrying the message it wrote. The handler is native code too,
-    so a call runs no Python. ``owner`` is kept alive with the target."""
-    handler = JitModule(str(_handler_module(name, platform, launch, args, rets)))
-    _handlers.append((handler, owner))
-    address = handler.engine.get_function_address(name)
-    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(address), platform=platform)
+    so a call runs no Python. It lives, with ``owner``, as long as the process
+    (XLA keeps every registered target)."""
+    code = JitModule(str(_handler_module(name, platform, launch, args, rets)))
+    _handlers.append((code, owner))
+    return code.engine.get_function_address(name)
 
 
 def _offset(struct, *fields: str) -> int:

@@ -1,0 +1,85 @@
+"""Host memory for programs' outputs and temporaries: blocks reused once the
+caller drops them (BufferCache), poisoned on request (POLYJIT_POISON=1) so
+that an element a kernel forgets to write shows up.
+"""
+from __future__ import annotations
+
+import math
+import os
+import threading
+import weakref
+
+import numpy as np
+
+POISON = os.environ.get("POLYJIT_POISON", "") not in ("", "0")
+
+
+class _Lease:
+    """Owner of a cached block while arrays made from it live: numpy makes it
+    their base, and when the last one is dropped the block goes back."""
+
+    def __init__(self, raw: np.ndarray, nbytes: int, cache: "BufferCache") -> None:
+        self.raw = raw
+        self.__array_interface__ = {"data": (raw.ctypes.data, False), "shape": (nbytes,),
+                                    "typestr": "|u1", "version": 3}
+        weakref.finalize(self, cache.give_back, raw)
+
+
+class BufferCache:
+    """Memory for outputs and temporaries, reused once the caller drops them.
+
+    Fresh multi-megabyte arrays fault every page in again on each call,
+    which can cost more than the kernels; like a framework's caching
+    allocator, this keeps freed blocks by size (up to ``limit`` bytes).
+    """
+
+    MIN_BYTES = 1 << 20
+
+    def __init__(self, limit: int = 1 << 30) -> None:
+        self.free: dict[int, list[np.ndarray]] = {}
+        self.held = 0
+        self.limit = limit
+        self.lock = threading.Lock()
+
+    def empty(self, shape: tuple[int, ...], dtype) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes < self.MIN_BYTES:
+            return np.empty(shape, dtype)
+        size = -(-nbytes // 4096) * 4096
+        with self.lock:
+            blocks = self.free.get(size)
+            raw = blocks.pop() if blocks else None
+            if raw is not None:
+                self.held -= size
+        if raw is None:
+            raw = np.empty(size + 64, np.uint8)
+            raw = raw[-raw.ctypes.data % 64:][:size]  # 64-byte aligned
+        return np.asarray(_Lease(raw, nbytes, self)).view(dtype).reshape(shape)
+
+    def give_back(self, raw: np.ndarray) -> None:
+        with self.lock:
+            if self.held + raw.nbytes <= self.limit:
+                self.free.setdefault(raw.nbytes, []).append(raw)
+                self.held += raw.nbytes
+
+
+_cache = BufferCache()
+
+
+def new_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialized buffer; with POLYJIT_POISON=1 filled with NaN (-7777 for
+    signed integers, all ones for unsigned) so that an element a kernel forgets
+    to write shows up instead of passing by luck."""
+    a = _cache.empty(shape, dtype)
+    if POISON:
+        kind = np.dtype(dtype).kind
+        a.fill(np.nan if kind == "f" else np.iinfo(dtype).max if kind == "u" else -7777)
+    return a
+
+
+def poison_fill(nbytes: int, kind: str) -> tuple[int, int, int]:
+    """(value, count, width in bytes) of a memset that poisons nbytes of a
+    native launcher's result: NaN for 4-byte floats, else 0xFF bytes (NaN for
+    every float width, all ones for integers)."""
+    return (0x7FC00000, nbytes // 4, 4) if kind == "f" and nbytes % 4 == 0 else (0xFF, nbytes, 1)

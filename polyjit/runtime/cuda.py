@@ -1,0 +1,194 @@
+"""cuda-python's driver API (``cuda.bindings.driver``): initialization and
+errors, devices and their primary contexts (the ones PyTorch and JAX use),
+streams, events ordering one stream after another, and the memsets and
+function addresses that programs and native launchers need.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from typing import Any, Sequence
+
+from ..errors import DeviceError
+from . import launch
+from .buffers import poison_fill
+
+SUCCESS: Any = None  # CUresult.CUDA_SUCCESS, once the driver is loaded
+
+
+@functools.cache
+def driver():
+    """cuda.bindings.driver, initialized; DeviceError when there is no driver or GPU."""
+    try:
+        from cuda.bindings import driver as cu
+    except ImportError as e:
+        raise DeviceError("target 'nvgpu' needs cuda-python: pip install 'polyjit[cuda]'") from e
+    try:
+        err, = cu.cuInit(0)
+    except Exception as e:  # the bindings raise when libcuda is missing
+        raise DeviceError(f"no NVIDIA driver found ({e}); target 'nvgpu' needs an NVIDIA GPU and driver") from e
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise DeviceError(f"no NVIDIA driver found (cuInit: {err.name}); target 'nvgpu' needs an NVIDIA GPU and driver")
+    err, n = cu.cuDeviceGetCount()
+    if err != cu.CUresult.CUDA_SUCCESS or n == 0:
+        raise DeviceError("no NVIDIA GPU visible (check CUDA_VISIBLE_DEVICES); target 'nvgpu' needs one")
+    global SUCCESS
+    SUCCESS = cu.CUresult.CUDA_SUCCESS
+    return cu
+
+
+def check(result, what: str = "CUDA"):
+    """The values of a driver call's result tuple; DeviceError on failure."""
+    cu = driver()
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        _, msg = cu.cuGetErrorString(err)
+        raise DeviceError(f"{what} failed: {err.name}: {msg.decode() if msg else ''}")
+    return rest[0] if len(rest) == 1 else rest
+
+
+def default_ordinal() -> int:
+    """The GPU used when no argument is on one: POLYJIT_DEVICE, else 0."""
+    return int(os.environ.get("POLYJIT_DEVICE", "0"))
+
+
+@functools.cache
+def device(ordinal: int = 0) -> "Device":
+    return Device(ordinal)
+
+
+class Device:
+    """One GPU: its primary context and the properties launches need."""
+
+    def __init__(self, ordinal: int) -> None:
+        cu = driver()
+        self.ordinal = ordinal
+        self.handle = check(cu.cuDeviceGet(ordinal), "cuDeviceGet")
+        attr = cu.CUdevice_attribute
+        get = lambda a: check(cu.cuDeviceGetAttribute(a, self.handle), "cuDeviceGetAttribute")  # noqa: E731
+        self.arch = f"sm_{get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)}" \
+                    f"{get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)}"
+        self.multiprocessors = get(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        self.context = check(cu.cuDevicePrimaryCtxRetain(self.handle), "cuDevicePrimaryCtxRetain")
+        self._context = int(self.context)
+        self._pool = None
+
+    def activate(self) -> None:
+        cu = driver()
+        if int(check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")) != self._context:
+            check(cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+
+    def pool(self):
+        """polyjit's memory pool on this device. It keeps what is freed (no
+        release threshold): the default pool hands freed memory back to the
+        driver at each synchronization, and mapping 32 MB again cost more than
+        the kernel that used it."""
+        if self._pool is None:
+            cu = driver()
+            props = cu.CUmemPoolProps()
+            props.allocType = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+            props.handleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
+            props.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            props.location.id = self.ordinal
+            pool = check(cu.cuMemPoolCreate(props), "cuMemPoolCreate")
+            check(cu.cuMemPoolSetAttribute(pool, cu.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                                           cu.cuuint64_t(2 ** 64 - 1)), "cuMemPoolSetAttribute")
+            self._pool = pool
+        return self._pool
+
+    def load(self, ptx: str, names: Sequence[str]) -> tuple[Any, dict[str, Any]]:
+        """A PTX module and its kernels, by name."""
+        cu = driver()
+        self.activate()
+        mod = check(cu.cuModuleLoadData(ptx.encode() + b"\0"), "loading the PTX (cuModuleLoadData)")
+        return mod, {n: check(cu.cuModuleGetFunction(mod, n.encode()), "cuModuleGetFunction") for n in names}
+
+    def resident_blocks(self, fn, block: int) -> int:
+        """How many blocks of block threads of kernel fn a multiprocessor runs at once."""
+        n = check(driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, block, 0),
+                  "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+        return max(1, int(n))
+
+
+_events: dict[int, list] = {}  # idle events by device ordinal
+
+
+def order_before(dev: "Device", producer: int, consumer: int) -> None:
+    """Make stream consumer wait for the work queued so far on stream producer.
+    The event is taken from the device's idle ones for the two calls and then
+    given back (a wait keeps the state the event had when it was queued), so
+    a finalizer that runs in between takes another."""
+    cu = driver()
+    dev.activate()
+    idle = _events.setdefault(dev.ordinal, [])
+    event = idle.pop() if idle else check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING),
+                                          "cuEventCreate")
+    try:
+        check(cu.cuEventRecord(event, cu_stream(producer)), "cuEventRecord")
+        check(cu.cuStreamWaitEvent(cu_stream(consumer), event, 0), "cuStreamWaitEvent")
+    finally:
+        idle.append(event)
+
+
+def synchronize() -> None:
+    """Wait for all work polyjit queued on every device it used."""
+    for i in sorted(used_devices):
+        device(i).activate()
+        check(driver().cuCtxSynchronize(), "cuCtxSynchronize")
+
+
+used_devices: set[int] = set()
+_streams: dict[int, Any] = {}  # CUstream wrappers by handle
+
+
+def cu_stream(handle: int):
+    """The driver's CUstream for a stream handle (wrappers kept: building one costs per call)."""
+    s = _streams.get(handle)
+    if s is None:
+        s = _streams[handle] = driver().CUstream(handle)
+    return s
+
+
+def unload(mod) -> None:
+    try:
+        driver().cuModuleUnload(mod)
+    except Exception:  # interpreter shutdown
+        pass
+
+
+@functools.cache
+def device_count() -> int:
+    return int(check(driver().cuDeviceGetCount(), "cuDeviceGetCount"))
+
+
+def device_of(ptr: int) -> int:
+    """The ordinal of the device whose context allocated ptr (the driver's
+    DEVICE_ORDINAL attribute read 0 for memory on a second GPU)."""
+    cu = driver()
+    ctx = check(cu.cuPointerGetAttribute(cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_CONTEXT, ptr),
+                "cuPointerGetAttribute")
+    if not int(ctx):
+        return default_ordinal()
+    check(cu.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
+    try:
+        return int(check(cu.cuCtxGetDevice(), "cuCtxGetDevice"))
+    finally:
+        check(cu.cuCtxPopCurrent(), "cuCtxPopCurrent")
+
+
+def poison(ptr: int, nbytes: int, kind: str, stream: int) -> None:
+    """Fill memory with NaN (floats) or 0xFF bytes, as POLYJIT_POISON asks."""
+    cu = driver()
+    value, count, width = poison_fill(nbytes, kind)
+    memset = cu.cuMemsetD32Async if width == 4 else cu.cuMemsetD8Async
+    check(memset(ptr, value, count, cu_stream(stream)), "poisoning (cuMemsetAsync)")
+
+
+@functools.cache
+def launch_symbols() -> dict[str, int]:
+    """The addresses of the functions native launchers call (launch.SYMBOLS)."""
+    driver()
+    libs = [ctypes.CDLL("libcuda.so.1"), ctypes.CDLL(None)]
+    return {n: ctypes.cast(getattr(next(lib for lib in libs if hasattr(lib, n)), n), ctypes.c_void_p).value
+            for n in launch.SYMBOLS}
