@@ -247,7 +247,7 @@ def _window_positions(x_shape, indices, starts_to_operand, operand_batching, ind
         if mode == "fill":
             ok = (idx >= zero) & (idx <= top)
             valid = ok if valid is None else valid & ok
-        start[d] = ops.minimum(ops.maximum(idx, zero), top)
+        start[d] = ops.clamp(idx, zero, top)
     for d, i in zip(operand_batching, indices_batching):
         start[d] = ops.iota(out_shape, batch_at[i], like=indices)
     for d, at in zip(window_dims, window_at):
@@ -283,7 +283,7 @@ def _take_along(x, indices, axis, dn, out_shape, batch_at, window_dims, mode):
     batch = tuple(indices.shape[:-1])
     idx = ops.cast(ops.reshape(indices, batch), DataType.Int)
     zero, n = ops.full([], 0, DataType.Int, like=x), ops.full([], int(x.shape[axis]) - 1, DataType.Int, like=x)
-    out = ops.take(x, ops.minimum(ops.maximum(idx, zero), n), axis)
+    out = ops.take(x, ops.clamp(idx, zero, n), axis)
     labels = [("w", d) for d in range(axis)] + [("b", i) for i in range(len(batch))] + \
              [("w", d) for d in range(axis + 1, x.ndim)]
     want = [None] * len(out_shape)
@@ -422,7 +422,7 @@ PRIMITIVES: dict[str, Callable] = {
         ("ceil", "ceil"), ("sign", "sign"), ("is_finite", "isfinite"), ("erf_inv", "erf_inv"),
         ("erfc", "erfc"), ("lgamma", "lgamma"), ("digamma", "digamma"),
         ("add", "add"), ("add_any", "add"), ("sub", "sub"), ("mul", "mul"), ("max", "maximum"),
-        ("min", "minimum"), ("pow", "pow"), ("atan2", "atan2"), ("rem", "fmod"), ("eq", "eq"), ("ne", "ne"),
+        ("min", "minimum"), ("pow", "pow"), ("atan2", "atan2"), ("exp2", "exp2"), ("rem", "fmod"), ("eq", "eq"), ("ne", "ne"),
         ("lt", "lt"), ("le", "le"), ("gt", "gt"), ("ge", "ge"), ("shift_left", "shift_left"),
         ("shift_right_logical", "shift_right_logical"), ("shift_right_arithmetic", "shift_right_arithmetic")]},
     "div": lambda p, a, b: (ops.div if a.dtype.is_float else ops.trunc_divide)(a, b),
@@ -430,7 +430,6 @@ PRIMITIVES: dict[str, Callable] = {
     "integer_pow": _integer_pow,
     "square": lambda p, x: x * x,
     "one_minus_square": lambda p, x: 1 - x * x,
-    "exp2": lambda p, x: 2 ** x,
     "round": _round,
     "select_n": _select_n,
     "clamp": lambda p, lo, x, hi: ops.clamp(x, lo, hi),

@@ -445,7 +445,7 @@ TF_OPS: dict[str, Callable] = {
     "RealDiv": _float_div, "Div": _float_div, "DivNoNan": None,
     "Square": lambda o, x: x * x,
     "SquaredDifference": lambda o, a, b: (lambda d: d * d)(a - b),
-    "Relu6": lambda o, x: ops.minimum(ops.maximum(x, 0), 6),
+    "Relu6": lambda o, x: ops.clamp(x, 0, 6),
     "Elu": lambda o, x: _elu(x),
     "Selu": lambda o, x: _elu(x, 1.0507009873554805, 1.6732632423543772),
     "Softplus": lambda o, x: ops.log1p(ops.exp(-abs(x))) + ops.maximum(x, 0),

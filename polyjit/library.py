@@ -313,13 +313,13 @@ def gemm_form(L, n) -> str | None:
 
 def direct_form(L, n) -> bool:
     """Whether convolution n, a library call, is one call on whole arrays
-    (the target's library has convolutions, cuDNN): float32, channels first
-    or last, symmetric padding, input not strided."""
+    (the target's library has convolutions, cuDNN): float32, 2-d or 3-d,
+    channels first or last, symmetric padding, input not strided."""
     lay = n.attrs["layout"]
     sp = "".join(c for c in lay if c not in "NC")
     x = n.inputs[0]
     return (L.library is not None and L.library.target.direct_convolutions() and gemm_form(L, n) is not None
-            and 1 <= len(sp) <= 3 and all(lo == hi for lo, hi in n.attrs["padding"])
+            and 2 <= len(sp) <= 3 and all(lo == hi >= 0 for lo, hi in n.attrs["padding"])  # (cuDNN: 4-d, 5-d)
             and not (x.is_input and x.attrs.get("strided")) and not any(i.is_constant for i in n.inputs))
 
 
@@ -329,20 +329,22 @@ def direct_operands(L, library: set[int]) -> set[int]:
 
 
 def _lower_direct(L, n, out: str) -> None:
-    """n as one library call; a kernel in neither of the library's layouts is packed first."""
+    """n as one library call; a kernel not laid out as the data (OI.. for
+    channels first, O..I for channels last) is packed so first."""
     x, w = n.inputs
     lay, klay = n.attrs["layout"], n.attrs["kernel_layout"]
     sp = "".join(c for c in lay if c not in "NC")
+    want = "OI" + sp if lay == "NC" + sp else "O" + sp + "I"
     wname = L.array_of[w.id]
-    if klay not in ("OI" + sp, "O" + sp + "I"):
-        wname, shape = f"t{n.id}_w", tuple(L.shape(w)[klay.index(c)] for c in "OI" + sp)
+    if klay != want:
+        wname, shape = f"t{n.id}_w", tuple(L.shape(w)[klay.index(c)] for c in want)
         L.declare_array(wname, shape, n.dtype)
         iters = tuple(f"i{d}" for d in range(len(shape)))
         src = [None] * w.rank
-        for c, i in zip("OI" + sp, iters):
+        for c, i in zip(want, iters):
             src[klay.index(c)] = E.it(i)
         L.add(wname, iters, tuple((0, s) for s in shape), tuple(E.it(i) for i in iters), L.value(w, src), "pack")
-        klay = "OI" + sp
+        klay = want
     at = n.attrs
     call = Convolution(_box(L.array_of[x.id], L.shape(x), {}), _box(wname, L.arrays[wname].shape, {}),
                        _box(out, L.shape(n), {}), lay, klay, tuple(at["strides"]),

@@ -171,7 +171,7 @@ class Lowering:
         x = n.inputs[0]
         name = self.array_of.get(x.id)
         return (name is not None and self.arrays[name].kind == "temp" and x.id not in outputs
-                and x.id not in self.views.values())
+                and x.id not in self.views.values() and n.id not in self.operands)  # (a library call reads n whole)
 
     def declare(self, n: Node) -> None:
         if n.is_input:

@@ -37,7 +37,8 @@ class CompileOptions:
 
     def key(self) -> tuple:
         """What changes the generated code (debug output does not)."""
-        return (self.target, self.tile_sizes, self.fusion, self.gpu_arch, self.contractions, bool(self.tf32))
+        return (self.target, self.tile_sizes, self.fusion, self.gpu_arch, self.contractions,
+                bool(self.tf32) and self.target != "cpu")  # (TF32 only on GPU libraries)
 
 
 _KEYS = {

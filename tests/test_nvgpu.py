@@ -446,7 +446,9 @@ def test_native_launcher_runs_library_steps_holding_its_lock():
         "cuCtxSetCurrent": symbol(i, p)(lambda x: 0),
         "snprintf": c.cast(c.CDLL(None).snprintf, c.c_void_p).value,
     }
-    set_stream = symbol(i, p, p)(lambda h, s: calls.append(("stream", h, s)) or 0)
+    lock = []  # the launcher's lock word, read while a call runs: held
+    set_stream = symbol(i, p, p)(lambda h, s: calls.append(("stream", h, s, c.c_int32.from_address(lock[0]).value))
+                                 or 0)
     call = symbol(i, p, i, p, q, p)(library)
     A = launch.Arg
     step = launch.LibraryStep((
@@ -456,17 +458,17 @@ def test_native_launcher_runs_library_steps_holding_its_lock():
         "cuBLAS status")
     plan = launch.LaunchPlan(slots=3, inputs=[0, 1], outputs=[2], fixed={}, ints=[], steps=[step], context=0x77)
     launcher = launch.NativeLauncher("polyjit_test_library", plan, symbols)
+    lock.append(launcher._jit.engine.get_global_value_address("polyjit_test_library.lock"))
     run = launch.LAUNCH_T(launcher.address)
     message = c.create_string_buffer(100)
     assert run((c.c_void_p * 2)(0x1000, 0x2000), (c.c_void_p * 1)(0x3000,), 0x55, message, 100) == 0
-    assert calls == [("stream", 0xAB, 0x55), ("call", 0xAB, 8, 0x2000, 128, 0x3000),
+    assert calls == [("stream", 0xAB, 0x55, 1), ("call", 0xAB, 8, 0x2000, 128, 0x3000),
                      ("call", 0xAB, 4, 0x1000 + 256, 0, 0x3000 + 384)]
     fail.append(13)
     calls.clear()
     assert run((c.c_void_p * 2)(0x1000, 0x2000), (c.c_void_p * 1)(0x3000,), 0x55, message, 100) == 13
     assert message.value == b"x @ w failed: cuBLAS status 13" and len(calls) == 2
-    lock = launcher._jit.engine.get_global_value_address("polyjit_test_library.lock")
-    assert c.c_int32.from_address(lock).value == 0
+    assert c.c_int32.from_address(lock[0]).value == 0
 
 
 def _gpu():
@@ -730,7 +732,7 @@ def test_library_floor_on_the_gpu(case, mode, rng):
 
 
 @pytest.mark.gpu
-def test_torch_convolutions_and_products_through_the_gpu_libraries():
+def test_torch_convolutions_and_products_through_the_gpu_libraries(monkeypatch):
     """On the GPU a convolution is one cuDNN call: equal to eager's in float32
     (TF32 off in both), near it with TF32 where torch allows eager's; a
     product reshaped on its way out is handed out as a view of its result."""
@@ -742,16 +744,14 @@ def test_torch_convolutions_and_products_through_the_gpu_libraries():
 
     def f(x, w):
         return torch.relu(torch.nn.functional.conv2d(x, w, padding=1))
-    try:
-        for tf32, tol in ((False, 1e-5), (True, 1e-2)):
-            torch.backends.cudnn.allow_tf32 = tf32
-            torch._dynamo.reset()
-            jf = polyjit.jit_torch(f, compile_options={"target": "nvgpu", "strict": True, "dynamic": False})
-            got = jf(x, w)
-            assert jf.stats["library_calls"] == 1 and jf.stats["fallbacks"] == 0
-            torch.testing.assert_close(got, f(x, w), rtol=tol, atol=tol)
-    finally:
-        torch.backends.cudnn.allow_tf32 = False
+    for tf32, tol in ((False, 1e-5), (True, 1e-2)):
+        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", tf32)
+        torch._dynamo.reset()
+        jf = polyjit.jit_torch(f, compile_options={"target": "nvgpu", "strict": True, "dynamic": False})
+        got = jf(x, w)
+        assert jf.stats["library_calls"] == 1 and jf.stats["fallbacks"] == 0
+        torch.testing.assert_close(got, f(x, w), rtol=tol, atol=tol)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     a, b = torch.randn(8, 64, 96, device="cuda"), torch.randn(96, 80, device="cuda")
 
     def g(a, b):

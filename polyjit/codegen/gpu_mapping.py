@@ -47,7 +47,7 @@ from ..dtypes import DataType
 from ..expr import Const, Op, Var, loads, walk
 from ..schedule import Scheduled, ast_nodes, statements_in
 from .llvm import Strips, ast_calls, ast_children, ast_uses, static_extent
-from .mapping import StripMapping, mapping_text  # noqa: F401 (mapping_text: the GPU stage prints with it)
+from .mapping import StripMapping, loop_iterator
 
 WARP = 32
 BLOCK = 256  # threads per block (runtime.gpu_program launches this many)
@@ -74,7 +74,7 @@ class Grid:
     iters: set[str]  # their iterators
 
     def __str__(self) -> str:
-        return "grid " + " x ".join(_it(x) for x in self.loops) if self.loops else "no grid loop"
+        return "grid " + " x ".join(loop_iterator(x) for x in self.loops) if self.loops else "no grid loop"
 
 
 @dataclass
@@ -140,7 +140,8 @@ class _StripForm:
 
     def __str__(self) -> str:
         s = self.strips
-        return f"{self.what}: {self.grid}, strips of {_n(s.size, 'iteration')} of {_it(s.loop)}{self.detail()}"
+        strips = f"strips of {_n(s.size, 'iteration')} of {loop_iterator(s.loop)}"
+        return f"{self.what}: {self.grid}, {strips}{self.detail()}"
 
 
 class HaloStrips(_StripForm):
@@ -209,7 +210,7 @@ class TiledContraction:
     depth: int = KTILE  # the reduction slice staged at once
 
     def __str__(self) -> str:
-        i, j = (_it(self.grid.loops[q]) for q in (self.i, self.j))
+        i, j = (loop_iterator(self.grid.loops[q]) for q in (self.i, self.j))
         return (f"tiled contraction: {self.grid}, tiles {self.side}x{self.side} of {i} x {j}, k slices of "
                 f"{self.depth} over {_n(len(self.reds), 'reduction loop')}")
 
@@ -271,7 +272,7 @@ class GpuMapper(StripMapping):
             want = rest.mark_get_id().get_name()[len("parallel:"):]
             child = rest.mark_get_node()
             if child.get_type() == isl.ast_node_type.for_:
-                if _it(child) != want or not self.splittable(child) \
+                if loop_iterator(child) != want or not self.splittable(child) \
                         or ast_uses(child.for_get_init(), seen) or ast_uses(child.for_get_cond(), seen):
                     rest = child
                     break
@@ -334,9 +335,9 @@ def vector_plan(m: GpuMapper, rest: isl.AstNode, inner: isl.AstNode, unset: set[
     start the first one is aligned to the group's width."""
     if inner.for_get_inc().get_val().to_python() != 1:
         return None
-    it = _it(inner)
+    it = loop_iterator(inner)
     out = Vector()
-    for node in _users(rest):
+    for node in [n for n in ast_nodes(rest) if n.get_type() == isl.ast_node_type.user]:
         call = node.user_get_expr()
         st = m.call_statement(call)
         args = [call.get_op_arg(i + 1) for i in range(len(st.iters))]
@@ -372,9 +373,9 @@ def atomic_strips(m: GpuMapper, rest: isl.AstNode, grid_iters: set[str]) -> Stri
     if not m._free(loop, grid_iters):
         return None
     calls = ast_children(loop.for_get_body())
-    nest = [_it(loop)]
+    nest = [loop_iterator(loop)]
     while calls and len(calls) == 1 and calls[0].get_type() == isl.ast_node_type.for_:
-        nest.append(_it(calls[0]))  # a perfect nest: each thread takes one outer iteration
+        nest.append(loop_iterator(calls[0]))  # a perfect nest: each thread takes one outer iteration
         calls = ast_children(calls[0].for_get_body())
     if not calls or any(c.get_type() != isl.ast_node_type.user for c in calls):
         return None
@@ -419,7 +420,7 @@ def warp_rows(m: GpuMapper, grid: Grid) -> WarpRows | None:
     if kids is None or not any(k.get_type() == isl.ast_node_type.for_ for k in kids):
         return None
     plan = WarpRows(grid, WARP, kids, {}, {}, {})
-    grid_it = _it(grid.loops[-1])
+    grid_it = loop_iterator(grid.loops[-1])
     lanes_contiguous = threads_contiguous = 0
     for k in kids:
         if k.get_type() == isl.ast_node_type.user:
@@ -433,7 +434,7 @@ def warp_rows(m: GpuMapper, grid: Grid) -> WarpRows | None:
         threads_contiguous += counts[1]
     if lanes_contiguous <= threads_contiguous:
         return None
-    trips = [_static_trips(k) for k in kids if k.get_type() == isl.ast_node_type.for_]
+    trips = [static_extent(k) for k in kids if k.get_type() == isl.ast_node_type.for_]
     if all(t is not None and t >= BLOCK_ROW for t in trips):
         plan.lanes = BLOCK  # long rows: a block each, so that rereading one hits the cache
     for loop in kids:
@@ -447,7 +448,7 @@ def _lane_groups(m: GpuMapper, plan: WarpRows, loop: isl.AstNode) -> None:
     check at the row's start finds every lane loop's groups aligned), unrolled
     whole where it has at most ROW_GROUPS groups per lane (a row read again
     then comes from registers), its stores last in a trip where they may be."""
-    trips = _static_trips(loop)
+    trips = static_extent(loop)
     per = plan.lanes * VECTOR
     vector = vector_plan(m, loop.for_get_body(), loop, set())
     if vector is not None:
@@ -465,7 +466,7 @@ def _lane_loop(m: GpuMapper, plan: WarpRows, k: isl.AstNode, grid_it: str) -> tu
     calls = ast_children(k.for_get_body())
     if calls is None:
         return None
-    it = _it(k)
+    it = loop_iterator(k)
     inits = _hoisted(k, calls, it)
     calls = [c for c in calls if c.get_type() != isl.ast_node_type.if_]
     if inits is None or any(c.get_type() != isl.ast_node_type.user for c in calls):
@@ -560,9 +561,9 @@ def tiled_contraction(m: GpuMapper, grid: Grid) -> TiledContraction | None:
         rest = rest.for_get_body()
     if len(loops) < 2 or not reds or rest.get_type() != isl.ast_node_type.user:
         return None
-    names = [_it(x) for x in loops + reds]
+    names = [loop_iterator(x) for x in loops + reds]
     if any(x.for_get_inc().get_val().to_python() != 1 for x in loops + reds) \
-            or any(ast_uses(x.for_get_init(), set(names)) or ast_uses(x.for_get_cond(), set(names) - {_it(x)})
+            or any(ast_uses(x.for_get_init(), set(names)) or ast_uses(x.for_get_cond(), set(names) - {loop_iterator(x)})
                    for x in reds):
         return None
     call = rest.user_get_expr()
@@ -615,10 +616,6 @@ def _n(count: int, what: str) -> str:
     return f"{count} {what}{'' if count == 1 else 'es' if what.endswith('s') else 's'}"
 
 
-def _it(loop: isl.AstNode) -> str:
-    return loop.for_get_iterator().get_id().get_name()
-
-
 def _has_loop(n: isl.AstNode) -> bool:
     return any(x.get_type() == isl.ast_node_type.for_ for x in ast_nodes(n))
 
@@ -633,33 +630,6 @@ def _steps_with(e: isl.AstExpr, it: str) -> bool:
     if e.get_op_type() == isl.ast_expr_op_type.add:
         return (_steps_with(x, it) and not ast_uses(y, {it})) or (_steps_with(y, it) and not ast_uses(x, {it}))
     return e.get_op_type() == isl.ast_expr_op_type.sub and _steps_with(x, it) and not ast_uses(y, {it})
-
-
-def _users(n: isl.AstNode) -> list[isl.AstNode]:
-    """The statement calls under n, in order."""
-    t = n.get_type()
-    if t == isl.ast_node_type.user:
-        return [n]
-    if t == isl.ast_node_type.block:
-        lst = n.block_get_children()
-        return [u for i in range(lst.n_ast_node()) for u in _users(lst.get_at(i))]
-    if t == isl.ast_node_type.for_:
-        return _users(n.for_get_body())
-    if t == isl.ast_node_type.mark:
-        return _users(n.mark_get_node())
-    if t == isl.ast_node_type.if_:
-        return _users(n.if_get_then_node()) + (_users(n.if_get_else_node()) if n.if_has_else_node() else [])
-    return []
-
-
-def _static_trips(loop: isl.AstNode) -> int | None:
-    init, cond = loop.for_get_init(), loop.for_get_cond()
-    hi = cond.get_op_arg(1)
-    if init.get_type() != isl.ast_expr_type.int or hi.get_type() != isl.ast_expr_type.int \
-            or loop.for_get_inc().get_val().to_python() != 1:
-        return None
-    last = hi.get_val().to_python() + (1 if cond.get_op_type() == isl.ast_expr_op_type.le else 0)
-    return last - init.get_val().to_python()
 
 
 def iter_vars(e) -> set[str]:

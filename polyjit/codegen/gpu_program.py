@@ -30,7 +30,8 @@ from llvmlite import ir
 from ..affine import AffineProgram
 from ..schedule import ProgramSchedule, ScheduledGroup
 from .llvm import I64, PTR, KernelInfo, buffer_layout, kernel_name
-from .gpu_mapping import GpuMapper, Library, mapping_text
+from .gpu_mapping import GpuMapper, Library
+from .mapping import mapping_text
 from .nvgpu import TRIPLE, GpuEmitter, ptx
 from . import ptx_workers
 from .program import _submit, finish

@@ -27,7 +27,8 @@ from ..expr import Load, Var, offset
 from ..schedule import statements_in
 from . import mathlib
 from .gpu_mapping import (BLOCK, VECTOR, WARP, AtomicStrips, GpuMapper, HaloStrips, KernelPlan, Library,
-                          PointPerThread, TiledContraction, Vector, WarpRows, iter_vars, mapping_text)
+                          PointPerThread, TiledContraction, Vector, WarpRows, iter_vars)
+from .mapping import mapping_text
 from .llvm import COMPUTE, F32, F64, I32, I64, PTR, STORAGE, Emitter, KernelInfo, Strips
 
 TRIPLE = "nvptx64-nvidia-cuda"

@@ -114,6 +114,7 @@ class ConvStep:
     algorithm and its workspace; run(pointers, stream) queues the call."""
 
     def __init__(self, lib: Cudnn, dev, statement, env: Mapping[str, int], slot: Mapping[str, int]) -> None:
+        from .cuda import check, cu_stream, driver
         from .gpu_buffers import DeviceBuffer
         c = statement.library
         self.lib, self.device, self.what = lib, dev, f"cudnnConvolutionForward ({c.what or statement.name})"
@@ -134,6 +135,8 @@ class ConvStep:
         self.slots = (slot[c.x[0]], slot[c.w[0]], slot[c.y[0]])
         self.algo, nbytes = self._algorithm(lib.handle(dev))
         self.workspace = DeviceBuffer((max(nbytes, 1),), "uint8", dev, 0) if nbytes else None
+        if self.workspace is not None:  # allocated on the legacy stream: ready before any stream's call uses it
+            check(driver().cuStreamSynchronize(cu_stream(0)), "cuStreamSynchronize")
         self.workspace_bytes = nbytes
 
     def _made(self, kind: str, setter, *args) -> ctypes.c_void_p:

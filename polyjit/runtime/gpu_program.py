@@ -135,7 +135,7 @@ class GpuProgram(CompiledProgram):
         key = tuple((v.shape, v.strides, v.dtype, v.device) for v in views)
         plan = self._plans.get(key) or self._plan(key, views, views, 0)
         self.stats["intermediate_bytes"] = plan.temp_bytes
-        return self._launcher(plan, name)
+        return self._shown(self._launcher(plan, name))
 
     def _launcher(self, plan: "_Plan", name: str) -> launch.NativeLauncher | None:
         """A plan's steps as host code; its library steps get handles of their own
@@ -158,6 +158,8 @@ class GpuProgram(CompiledProgram):
                 lib.destroy(handle)
             else:
                 weakref.finalize(launcher, lib.destroy, handle)
+        if launcher is not None:
+            launcher.owner = (self, plan)  # its code holds the plan's library steps' descriptors and workspaces
         return launcher
 
     def _native(self, plan: "_Plan") -> "_Native | bool":

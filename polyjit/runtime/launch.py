@@ -12,7 +12,7 @@ It places the input and output pointers in the kernels' argument block
 runs the steps in order. A GPU plan first checks that ``stream`` belongs to
 its context (the kernels were loaded there) and makes that context current;
 on the first failing driver or library call it writes what failed into
-``message`` and returns the error code (CUDA's, or cuBLAS's status). A CPU plan (stream NULL) runs its kernels with
+``message`` and returns the error code (CUDA's, or cuBLAS's or cuDNN's status). A CPU plan (stream NULL) runs its kernels with
 IEEE subnormals and restores the caller's floating-point mode. 0 when all
 went well.
 """
@@ -123,7 +123,7 @@ class NativeLauncher:
 
     def __init__(self, name: str, plan: LaunchPlan, symbols: Mapping[str, int], results: Sequence[tuple] = (),
                  owner=None) -> None:
-        self.plan, self.results, self.owner = plan, list(results), owner
+        self.name, self.plan, self.results, self.owner = name, plan, list(results), owner
         self.ir = str(_module(name, plan, symbols))
         self._jit = JitModule(self.ir)
         self.address = self._jit.engine.get_function_address(name)
@@ -166,7 +166,6 @@ class _Builder:
         places = [self.slot(k) for k in range(plan.slots)] + [b.gep(self.ints, [ZERO, ir.Constant(I32, k)])
                                                               for k in range(len(plan.ints))]
         self.places, self.argvs = places, {}
-        self.argv = self._argument_block(None)
         for step in plan.steps:
             if isinstance(step, Run):
                 self._run(step)

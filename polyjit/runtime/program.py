@@ -150,8 +150,9 @@ class CompiledProgram:
         if team is not None:
             symbols.update(team.symbols())
         self.stats["intermediate_bytes"] = plan.intermediate_bytes
-        return self._native_launcher(name, {n: (slot, shape, dt) for n, slot, shape, dt in plan.fresh},
-                                     plan.input_slots, plan.pointers, plan.ints, steps, None, symbols, plan.returned)
+        return self._shown(self._native_launcher(name, {n: (slot, shape, dt) for n, slot, shape, dt in plan.fresh},
+                                                 plan.input_slots, plan.pointers, plan.ints, steps, None, symbols,
+                                                 plan.returned))
 
     def returned_shapes(self, env: dict) -> dict[str, tuple]:
         """The outputs handed out in another shape than their array's (views
@@ -182,9 +183,13 @@ class CompiledProgram:
         fixed = {k: p or 0 for k, p in enumerate(pointers) if k not in given}
         plan = launch.LaunchPlan(len(self.buffers), input_slots, [fresh[n][0] for n in names], fixed,
                                  list(ints)[:len(self.int_slots)], poisons + steps, context)
-        launcher = launch.NativeLauncher(name, plan, symbols, [(n, returned.get(n, fresh[n][1]), fresh[n][2])
-                                                               for n in names], self)
-        self.ir[f"launcher {name}"] = launcher.ir  # a stage like the others, for exe.ir and debugging
+        return launch.NativeLauncher(name, plan, symbols, [(n, returned.get(n, fresh[n][1]), fresh[n][2])
+                                                           for n in names], self)
+
+    def _shown(self, launcher: "launch.NativeLauncher | None") -> "launch.NativeLauncher | None":
+        """An XLA custom call's launcher, its IR kept as a stage (exe.ir, debugging)."""
+        if launcher is not None:
+            self.ir[f"launcher {launcher.name}"] = launcher.ir
         return launcher
 
     def _plan(self, args: Sequence[np.ndarray], key) -> "_CallPlan":

@@ -120,7 +120,7 @@ class CpuTarget(Target):
 
     def load(self, graph: Graph, options: CompileOptions, name: str, plan: dict,
              objects: list[bytes]) -> CompiledProgram | None:
-        if plan["stats"].get("library_calls") and blas() is None:
+        if plan["stats"].get("library_calls") and not self.library_available():
             return None  # made where a BLAS was: compiled again here
         loaded = LoadedProgram(objects)
         kernels = loaded.bind([KernelInfo(n, par, tuple(st)) for n, par, st in plan["kernels"]])

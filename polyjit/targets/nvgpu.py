@@ -67,8 +67,9 @@ class NvgpuTarget(Target):
         return options.gpu_arch or _device_arch(), _multiprocessors()
 
     def machine_key(self, machine: tuple[str, int | None]) -> str:
+        """The GPU, and which libraries load (their steps are in the program)."""
         arch, sms = machine
-        return f"nvgpu|{arch}|{sms}"
+        return f"nvgpu|{arch}|{sms}|cublas {self.library_available()}|cudnn {self.direct_convolutions()}"
 
     def build(self, graph: Graph, prog: AffineProgram, options: CompileOptions, name: str, timer,
               machine: tuple[str, int | None]) -> GpuProgram:
