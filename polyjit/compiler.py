@@ -103,6 +103,7 @@ def plan(exe: CompiledProgram, fields: dict) -> dict:
         "int_slots": exe.int_slots, "params": exe.params,
         "constraints": [[cache.size_json(a), cache.size_json(b)] for a, b in exe.constraints],
         "kernels": [[k.name, k.parallel, list(k.statements)] for k in exe.kernels],
+        "lifetimes": {n: list(span) for n, span in exe.lifetimes.items()},
         "contracted": [[[cache.size_json(s) for s in shape], itemsize, list(moduli), par]
                        for shape, itemsize, moduli, par in exe.contracted_bytes.buffers],
         "stats": {k: exe.stats[k] for k in PLAN_STATS},
@@ -125,7 +126,8 @@ def from_plan(cls, graph: Graph, options: CompileOptions, name: str, plan: dict,
         constants=graph.constant_arrays(), kernels=kernels,
         num_threads=options.num_threads, stats={**plan["stats"], "intermediate_bytes": 0, "fallbacks": 0,
                                                 "kernels_compiled": 0},
-        contracted_bytes=ContractedBytes(contracted, options.num_threads), keepalive=keepalive, **fields)
+        contracted_bytes=ContractedBytes(contracted, options.num_threads), keepalive=keepalive,
+        lifetimes={n: tuple(span) for n, span in plan["lifetimes"].items()}, **fields)
     exe.ir = dict(plan["ir"])
     return exe
 
@@ -172,7 +174,8 @@ def executable(cls, graph: Graph, prog, sched, kernels, buffers, int_slots, opti
     exe = cls(name=name, inputs=inputs, outputs=outputs, output_arrays=prog.outputs, buffers=buffers,
               int_slots=int_slots, params=prog.params, constraints=prog.constraints, constants=consts,
               kernels=kernels, num_threads=options.num_threads, stats=stats,
-              contracted_bytes=ContractedBytes(contracted, options.num_threads), keepalive=keepalive, **fields)
+              contracted_bytes=ContractedBytes(contracted, options.num_threads), keepalive=keepalive,
+              lifetimes=lifetimes(prog, kernels), **fields)
     exe.ir = {
         "graph": str(graph),
         "affine": str(prog),
@@ -182,6 +185,22 @@ def executable(cls, graph: Graph, prog, sched, kernels, buffers, int_slots, opti
         **ir,
     }
     return exe
+
+
+def lifetimes(prog, kernels) -> dict[str, tuple[int, int]]:
+    """The first and last kernel (by position) that touch each temporary, so
+    that temporaries whose spans are disjoint can share memory."""
+    stmts = {s.name: s for s in prog.statements}
+    spans: dict[str, tuple[int, int]] = {}
+    for k, info in enumerate(kernels):
+        for name in info.statements:
+            s = stmts[name]
+            written = s.library.written()[0] if s.library is not None else s.array
+            for a in {written, *(ld.array for ld in prog.statement_loads(s))}:
+                if prog.arrays[a].kind == "temp":
+                    first, _ = spans.get(a, (k, k))
+                    spans[a] = (first, k)
+    return spans
 
 
 def dump(exe: CompiledProgram, folder: str) -> str:

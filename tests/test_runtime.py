@@ -95,3 +95,46 @@ def test_an_output_reshaping_a_temporary_is_that_array(rng):
     affine = exe.ir("affine")
     assert "out0[8, 32] as [2, 4, 32]" in affine and "out0[i0, i1, i2] =" not in affine  # (no copy into it)
     assert exe.stats["library_calls"] == 1
+
+
+def _layered(x):
+    for _ in range(6):
+        x = ops.tanh(x - ops.sum(x, [1], True) / 300.0) + ops.max(x, [1], True)
+    return x
+
+
+def _layered_ref(x):
+    x = x.astype(np.float64)
+    for _ in range(6):
+        x = np.tanh(x - x.sum(1, keepdims=True) / 300.0) + x.max(1, keepdims=True)
+    return x
+
+
+def test_workspace_layout_shares_bytes_of_disjoint_lifetimes():
+    from polyjit.runtime.buffers import workspace_layout
+    offsets, total = workspace_layout({"a": 100, "b": 100, "c": 100, "d": 10},
+                                      {"a": (0, 1), "b": (2, 3), "c": (1, 2)})
+    assert offsets["a"] == offsets["b"] == 0 and offsets["c"] == 128  # c meets both; b follows a
+    assert offsets["d"] == 256 and total == 320  # d: no span, its own bytes
+    assert all(o % 64 == 0 for o in offsets.values())
+
+
+def test_temporaries_share_one_workspace_and_later_calls_run_from_host_code(rng, monkeypatch):
+    """Temporaries whose kernels do not overlap share the bytes of one
+    workspace, the same block from call to call (no fresh pages); from a
+    plan's second call its kernels run from host code (runtime.launch).
+    The results are the same each way, and with POLYJIT_POISON each
+    temporary has bytes of its own, NaN before its kernel writes it."""
+    from polyjit.runtime import program
+    x = rng.standard_normal((64, 300)).astype(F32)
+    ref = _layered_ref(x)
+    for poison in (False, True):
+        monkeypatch.setattr(program, "POISON", poison)
+        exe = polyjit.compile(_layered, [InputInfo(x.shape, F32)], {"target": "cpu", "fusion": "none"})
+        outs = [exe(x) for _ in range(3)]
+        for y in outs:
+            np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
+        plan = next(iter(exe.last._plans.values()))
+        assert len(exe.last.kernels) >= program.NATIVE_MIN_KERNELS and plan.native
+        shared = exe.stats["workspace_bytes"] < exe.stats["intermediate_bytes"] / 2
+        assert shared != poison

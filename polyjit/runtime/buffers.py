@@ -1,6 +1,7 @@
 """Host memory for programs' outputs and temporaries: blocks reused once the
-caller drops them (BufferCache), poisoned on request (POLYJIT_POISON=1) so
-that an element a kernel forgets to write shows up.
+caller drops them (BufferCache), temporaries packed into one workspace by
+their lifetimes (workspace_layout), poisoned on request (POLYJIT_POISON=1)
+so that an element a kernel forgets to write shows up.
 """
 from __future__ import annotations
 
@@ -73,9 +74,42 @@ def new_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     to write shows up instead of passing by luck."""
     a = _cache.empty(shape, dtype)
     if POISON:
-        kind = np.dtype(dtype).kind
-        a.fill(np.nan if kind == "f" else np.iinfo(dtype).max if kind == "u" else -7777)
+        poison(a)
     return a
+
+
+def poison(a: np.ndarray) -> None:
+    """Fill a with what POLYJIT_POISON writes (see new_buffer)."""
+    kind = a.dtype.kind
+    a.fill(np.nan if kind == "f" else np.iinfo(a.dtype).max if kind == "u" else -7777 if kind == "i" else True)
+
+
+ALIGN = 64  # bytes: a cache line, an AVX-512 vector
+
+
+def workspace_layout(sizes: dict[str, int], spans: dict[str, tuple[int, int]]) -> tuple[dict[str, int], int]:
+    """Byte offsets of temporaries (name -> bytes) in one workspace, and its
+    size. Two share bytes only where both have a span (the first and last
+    kernel that touch them; kernels run one after another) and the spans are
+    disjoint: a model's temporaries then take a few of its layers' worth of
+    memory, which stays in cache from one kernel to the next, instead of
+    fresh pages for each (tens of megabytes a call for a small BERT).
+    Largest first, each at the lowest offset clear of the placed ones whose
+    spans meet its own."""
+    placed: list[tuple[int, int, tuple[int, int] | None]] = []
+    offsets: dict[str, int] = {}
+    for name in sorted(sizes, key=lambda n: -sizes[n]):
+        size = -(-sizes[name] // ALIGN) * ALIGN
+        span = spans.get(name)
+        at = 0
+        for start, end in sorted((o, e) for o, e, sp in placed
+                                 if span is None or sp is None or (sp[0] <= span[1] and span[0] <= sp[1])):
+            if at + size <= start:
+                break
+            at = max(at, end)
+        offsets[name] = at
+        placed.append((at, at + size, span))
+    return offsets, max((e for _, e, _ in placed), default=0)
 
 
 def poison_fill(nbytes: int, kind: str) -> tuple[int, int, int]:

@@ -9,6 +9,7 @@ releases the GIL).
 from __future__ import annotations
 
 import ctypes
+import itertools
 import math
 import os
 import time
@@ -23,10 +24,12 @@ from ..codegen.llvm import KernelInfo
 from ..errors import InputError
 from ..sizes import Lin
 from . import launch
-from .buffers import POISON, new_buffer, poison_fill
+from .buffers import POISON, new_buffer, poison, poison_fill, workspace_layout
 from .threads import OmpTeam, thread_team
 
 PARALLEL_MIN_ELEMENTS = 1 << 15
+_launchers = itertools.count(1)  # native launchers' names are unique
+NATIVE_MIN_KERNELS = 8  # programs of this many kernels run a plan's second and later calls from host code
 PROFILE = os.environ.get("POLYJIT_PROFILE", "") not in ("", "0")  # kernel seconds in stats
 
 
@@ -58,6 +61,7 @@ class CompiledProgram:
     stats: dict = field(default_factory=dict)
     contracted_bytes: Any = None
     keepalive: Any = None
+    lifetimes: dict = field(default_factory=dict)  # temporary -> (first, last) kernel touching it: shared memory
     _plans: dict = field(default_factory=dict, repr=False)  # call (or launch) plans by shape signature
 
     def bind(self, args: Sequence[np.ndarray]) -> dict[str, int]:
@@ -105,20 +109,40 @@ class CompiledProgram:
             key = tuple((a.shape, a.strides, a.dtype) for a in args)
         except AttributeError:
             key = None
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._plan(args, key)
+        plan = self._plan(args, key) if key not in self._plans else self._plans[key]
         keep = [np.ascontiguousarray(args[k]) for k in plan.copied]
-        pointers = list(plan.pointers)
-        for slot, a in zip(plan.input_slots, args):
-            pointers[slot] = a.__array_interface__["data"][0]
+        inputs = [a.__array_interface__["data"][0] for a in args]
         for k, a in zip(plan.copied, keep):
-            pointers[plan.input_slots[k]] = a.__array_interface__["data"][0]
-        made = {}
-        for name, slot, shape, dt in plan.fresh:
-            a = made[name] = new_buffer(shape, dt)
-            pointers[slot] = a.__array_interface__["data"][0]
-        ptrs = plan.pointer_type(*pointers)
+            inputs[k] = a.__array_interface__["data"][0]
+        made = {name: new_buffer(shape, dt) for name, _, shape, dt in plan.fresh}
+        work = new_buffer((plan.workspace,), np.dtype(np.uint8)) if plan.workspace else None
+        base = work.__array_interface__["data"][0] if work is not None else 0
+        if POISON:
+            for _, offset, shape, dt in plan.temps:
+                poison(work[offset:offset + math.prod(shape) * dt.itemsize].view(dt))
+        if plan.native is None and plan.calls:  # (a program called once is not worth the launcher's compile)
+            plan.native = self._native_call(plan)
+        plan.calls += 1
+        if plan.native:
+            results = [made[n].__array_interface__["data"][0] for n in self.output_arrays]
+            results += [base + offset for _, offset, _, _ in plan.temps]
+            self._run_native(plan.native, inputs, results)
+        else:
+            pointers = list(plan.pointers)
+            for slot, p in zip(plan.input_slots, inputs):
+                pointers[slot] = p
+            for name, slot, _, _ in plan.fresh:
+                pointers[slot] = made[name].__array_interface__["data"][0]
+            for slot, offset, _, _ in plan.temps:
+                pointers[slot] = base + offset
+            self._run_kernels(plan, plan.pointer_type(*pointers))
+        self.stats["intermediate_bytes"] = plan.intermediate_bytes
+        self.stats["workspace_bytes"] = plan.workspace
+        return self._hand_out(made, plan.returned)
+
+    def _run_kernels(self, plan: "_CallPlan", ptrs) -> None:
+        """Each kernel called from Python (on the thread team where parallel);
+        with POLYJIT_PROFILE, each one's seconds summed in stats."""
         team = thread_team() if plan.threads > 1 else None
         for k in self.kernels:
             t0 = time.perf_counter() if PROFILE else 0.0
@@ -129,8 +153,25 @@ class CompiledProgram:
             if PROFILE:
                 spent = self.stats.setdefault("kernel_seconds", {})
                 spent[k.name] = spent.get(k.name, 0.0) + time.perf_counter() - t0
-        self.stats["intermediate_bytes"] = plan.intermediate_bytes
-        return self._hand_out(made, plan.returned)
+
+    def _native_call(self, plan: "_CallPlan"):
+        """The plan's kernels as one host-code call (runtime.launch), which
+        saves a model of a hundred kernels the Python and ctypes work around
+        each; False where that does not pay or cannot be built (few kernels,
+        POLYJIT_PROFILE timing each kernel, a Python thread pool, an output
+        that is not a buffer of its own)."""
+        if PROFILE or len(self.kernels) < NATIVE_MIN_KERNELS:
+            return False
+        launcher = self._launcher(plan, f"{self.name}_call{next(_launchers)}")
+        return False if launcher is None else (launcher, launch.LAUNCH_T(launcher.address))
+
+    def _run_native(self, native, inputs: list[int], results: list[int]) -> None:
+        launcher, run = native
+        message = ctypes.create_string_buffer(256)
+        code = run((ctypes.c_void_p * max(len(inputs), 1))(*inputs),
+                   (ctypes.c_void_p * max(len(results), 1))(*results), None, message, len(message))
+        if code:
+            raise RuntimeError(f"{self.name}: {message.value.decode(errors='replace')}")
 
     def native_launcher(self, args: Sequence, name: str) -> "launch.NativeLauncher | None":
         """This program's kernel calls for row-major arguments like ``args``
@@ -140,6 +181,13 @@ class CompiledProgram:
         like = [RowMajor(a.shape, a.dtype) for a in args]
         key = tuple((a.shape, a.strides, a.dtype) for a in like)
         plan = self._plans.get(key) or self._plan(like, key)
+        self.stats["intermediate_bytes"] = plan.intermediate_bytes
+        return self._shown(self._launcher(plan, name))
+
+    def _launcher(self, plan: "_CallPlan", name: str) -> "launch.NativeLauncher | None":
+        """A plan's kernel calls as host code: its results are the outputs,
+        then the temporaries (which a caller may place in one workspace at
+        the plan's offsets)."""
         team = thread_team() if plan.threads > 1 else None
         if team is not None and not isinstance(team, OmpTeam):
             return None
@@ -149,10 +197,10 @@ class CompiledProgram:
         symbols = {"snprintf": ctypes.cast(ctypes.CDLL(None).snprintf, ctypes.c_void_p).value}
         if team is not None:
             symbols.update(team.symbols())
-        self.stats["intermediate_bytes"] = plan.intermediate_bytes
-        return self._shown(self._native_launcher(name, {n: (slot, shape, dt) for n, slot, shape, dt in plan.fresh},
-                                                 plan.input_slots, plan.pointers, plan.ints, steps, None, symbols,
-                                                 plan.returned))
+        fresh = {n: (slot, shape, dt) for n, slot, shape, dt in plan.fresh}
+        fresh.update({n: (slot, shape, dt) for (slot, _, shape, dt), n in zip(plan.temps, plan.temp_names)})
+        return self._native_launcher(name, fresh, plan.input_slots, plan.pointers, plan.ints, steps, None, symbols,
+                                     plan.returned)
 
     def returned_shapes(self, env: dict) -> dict[str, tuple]:
         """The outputs handed out in another shape than their array's (views
@@ -205,22 +253,29 @@ class CompiledProgram:
                 copied.append(k)
             strides[spec.name] = tuple(s // a.itemsize for s in a.strides)
         pointers: list = [None] * len(self.buffers)
-        fresh = []
+        fresh, temps = [], {}
         temp_bytes, work = 0, sum(a.size for a in args)
         for spec in self.buffers:
             if spec.kind in ("output", "temp"):
                 shape = tuple(sz.evaluate(s, env) for s in spec.shape)
-                fresh.append((spec.name, slot[spec.name], shape, np.dtype(spec.dtype.numpy)))
+                made = (spec.name, slot[spec.name], shape, np.dtype(spec.dtype.numpy))
                 if spec.kind == "temp":
+                    temps[spec.name] = made
                     temp_bytes += math.prod(shape) * spec.dtype.itemsize
+                else:
+                    fresh.append(made)
                 work += math.prod(shape)
             elif spec.kind == "const":
                 c = self.constants[spec.index]
                 pointers[slot[spec.name]] = c.ctypes.data
                 work += c.size
         ints = [env[name] if d < 0 else strides[name][d] for name, d in self.int_slots]
+        offsets, workspace = workspace_layout({n: math.prod(t[2]) * t[3].itemsize for n, t in temps.items()},
+                                              {} if POISON else self.lifetimes)  # poison: each its own bytes
         plan = _CallPlan(
-            input_slots=[slot[spec.name] for spec in self.inputs], copied=copied, fresh=fresh, pointers=pointers,
+            input_slots=[slot[spec.name] for spec in self.inputs], copied=copied, fresh=fresh,
+            temps=[(t[1], offsets[n], t[2], t[3]) for n, t in temps.items()], temp_names=list(temps),
+            workspace=workspace, pointers=pointers,
             pointer_type=ctypes.c_void_p * max(len(self.buffers), 1),
             ints=(ctypes.c_int64 * max(len(ints), 1))(*ints),
             threads=self.num_threads if work >= PARALLEL_MIN_ELEMENTS else 1,
@@ -241,10 +296,15 @@ class CompiledProgram:
 class _CallPlan:
     input_slots: list[int]  # the buffer slot of each input
     copied: list[int]  # inputs passed with strides a row-major program cannot read: copied first
-    fresh: list  # (array, slot, shape, dtype) of the outputs and temporaries to allocate
+    fresh: list  # (array, slot, shape, dtype) of the outputs to allocate
+    temps: list  # (slot, byte offset in the workspace, shape, dtype) of each temporary
+    temp_names: list  # their arrays
+    workspace: int  # bytes, allocated at each call (reused: buffers.BufferCache)
     pointers: list  # buffer pointers, constants filled in
     pointer_type: Any
     ints: Any  # sizes and strides, fixed for the plan
     threads: int
     intermediate_bytes: int
     returned: dict  # outputs handed out reshaped: name -> shape
+    native: Any = None  # (launcher, its function) running the kernels; False: none; None: not tried
+    calls: int = 0
