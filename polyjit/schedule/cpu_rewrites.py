@@ -164,27 +164,37 @@ TRANSPOSE_TILE = 32  # a transposing copy walks tiles of this many rows and colu
 
 def _tile_transposition(node, prog):
     """A band of one statement that writes along its innermost loop and reads
-    along another (a transposing copy: a weight's transpose each call) walks
-    square tiles, so that the lines its strided reads bring in are used for
-    a tile's rows before they leave the cache."""
+    along another, or reads along it and writes along another (a transposing
+    copy: a weight's transpose each call, the keys of attention laid out
+    transposed), walks square tiles of those two loops, so that the lines
+    its strided accesses touch are used for a tile's rows before they leave
+    the cache. The other loop moves next to the innermost where it is not."""
     names = statement_names(node)
     n = node.band_n_member()
     if len(names) != 1:
         return node
     st = next(s for s in prog.statements if s.name in names)
-    if st.role is not Role.ASSIGN or st.library is not None:
+    if st.role is not Role.ASSIGN or st.library is not None or not st.index:
         return node
     mupa = node.band_get_partial_schedule()
     follows = [member_iter(mupa.get_at(m)).get(st.name) for m in range(n)]
-    inner, outer = follows[-1], follows[-2]
-    if inner is None or outer is None:
+    if follows[-1] is None:
         return node
 
-    def uses(index, d) -> bool:
-        return any(isinstance(x, Var) and x.name == st.iters[d] for x in walk(index))
-    along = [ld for ld in loads(st.body) if ld.index and uses(ld.index[-1], outer) and not uses(ld.index[-1], inner)]
-    if not along or not st.index or not uses(st.index[-1], inner):
+    def along(index, m) -> bool:  # whether index's last dimension moves with band member m
+        return follows[m] is not None and any(isinstance(x, Var) and x.name == st.iters[follows[m]]
+                                              for x in walk(index[-1]))
+    reads = [ld.index for ld in loads(st.body) if ld.index]
+    inner = n - 1
+    if along(st.index, inner):  # written along the innermost loop: a load along another
+        other = [m for m in range(inner) if any(along(i, m) and not along(i, inner) for i in reads)]
+    else:  # read along it: written along another
+        other = [m for m in range(inner) if along(st.index, m)] if any(along(i, inner) for i in reads) else []
+    if not other:
         return node
+    if other[-1] != inner - 1:
+        order = [m for m in range(n) if m not in (other[-1], inner)] + [other[-1], inner]
+        node = rebuild_band(node, order, [node.band_member_get_coincident(m) for m in range(n)], True)
     sizes = [UNTILED] * (n - 2) + [TRANSPOSE_TILE, TRANSPOSE_TILE]
     return node.band_tile(band_sizes(node, sizes))
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import islpy as isl
 
 from ..affine import AffineProgram
-from ..expr import Var, loads, walk
+from ..expr import Load, Op, Var, loads, walk
 from .dependences import is_legal
 from .tree import is_product_init, isl_items, member_extent, member_iter, rebuild_band, visit
 
@@ -15,11 +15,14 @@ from .tree import is_product_init, isl_items, member_extent, member_iter, rebuil
 def contiguity(prog: AffineProgram, vectors: bool = True) -> dict[tuple[str, int], int]:
     """(statement, iterator) -> how many accesses walk memory contiguously
     along it; without vectors, loads of one-dimensional arrays in nests of
-    three loops or more (a batch norm's per-channel parameters, in cache) count none."""
+    three loops or more (a batch norm's per-channel parameters, in cache) count none.
+    A gather's indices count none either: read once per gathered row, they
+    outvoted the rows themselves (BERT's embeddings walked the table down
+    its columns, the token loop innermost: 4x slower than along the rows)."""
     score: dict[tuple[str, int], int] = {}
     for s in prog.statements:
         # a reduction's target stays in a register while its loop runs innermost
-        accesses = [ld.index for ld in loads(s.body) if vectors or len(ld.index) > 1 or len(s.iters) < 3]
+        accesses = [ld.index for ld in data_loads(s.body) if vectors or len(ld.index) > 1 or len(s.iters) < 3]
         accesses += [] if s.combine else [s.index]
         for d, name in enumerate(s.iters):
             n = 0
@@ -30,6 +33,13 @@ def contiguity(prog: AffineProgram, vectors: bool = True) -> dict[tuple[str, int
                     n -= 1
             score[(s.name, d)] = n
     return score
+
+
+def data_loads(e) -> list[Load]:
+    """The loads of e but those inside another load's index (a gather's indices)."""
+    if isinstance(e, Load):
+        return [e]
+    return [ld for a in e.args for ld in data_loads(a)] if isinstance(e, Op) else []
 
 
 def memory_depth(prog: AffineProgram) -> dict[tuple[str, int], int]:
