@@ -3,6 +3,7 @@ against eager PyTorch and against each other; the choice is reported."""
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -284,3 +285,36 @@ def test_library_calls_survive_the_compile_cache(tmp_path):
     first, second = runs
     assert first["cache_hits"] == 0 and first["kernels_compiled"] > 0 and first["library_calls"] == 1
     assert second == {"cache_hits": 1, "kernels_compiled": 0, "library_calls": 1}
+
+
+@needs_blas
+def test_a_library_product_reads_an_operand_reshaped_from_an_array_in_place(rng):
+    """A product's operand that merges a computed array's leading dims
+    ([4, 32, 64] as [128, 64], BERT's hidden states into a Linear) is the
+    same memory: the library call reads it in place, with no copy first."""
+    def f(x, w):
+        t = ops.tanh(x)  # (a value of its own, read again: the residual of a transformer layer)
+        return ops.matmul(ops.reshape(t, [128, 64]), w), ops.sum(t, [2])
+    x, w = rng.standard_normal((4, 32, 64), dtype=F32), rng.standard_normal((64, 48), dtype=F32)
+    exe = polyjit.compile(f, [InputInfo(x.shape, F32), InputInfo(w.shape, F32)],
+                          {"contractions": "library", "strict": True, "cache": False})
+    t = np.tanh(x.astype(np.float64))
+    y, s = exe(x, w)
+    np.testing.assert_allclose(y, t.reshape(128, 64) @ w, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(s, t.sum(2), rtol=1e-5, atol=1e-5)
+    assert exe.stats["library_calls"] == 1 and not re.search(r"t\d+_a\[", exe.ir("affine")), exe.ir("affine")
+
+
+@needs_blas
+def test_the_library_timing_counts_the_weight_the_generated_nest_packs(rng, monkeypatch):
+    """contractions="auto" times x @ W.T from W itself: the generated nest's
+    program then packs W.T at each call, as it would in the model, while the
+    library reads it in place."""
+    from polyjit import library
+    monkeypatch.setattr(library, "_measured", {})
+    x, w = rng.standard_normal((128, 256), dtype=F32), rng.standard_normal((64, 256), dtype=F32)
+    exe = polyjit.compile(lambda x, w: ops.matmul(x, ops.permute(w, [1, 0])), [InputInfo(x.shape, F32),
+                                                                              InputInfo(w.shape, F32)], {"cache": False})
+    np.testing.assert_allclose(exe(x, w), x.astype(np.float64) @ w.T, rtol=1e-4, atol=1e-4)
+    (key,) = library._measured
+    assert key[1][1][0] == (64, 256) and key[2][1] == ((1, 0),), key

@@ -370,6 +370,38 @@ def test_register_blocks_follow_the_vector_width(bits, cols):
     assert len(block) == 4 * cols
 
 
+def test_a_transposing_copy_that_reads_in_order_walks_square_tiles_too(rng):
+    """A copy whose loads run along the innermost loop and whose store does
+    not (two loads against one store: attention's keys laid out transposed
+    with their bias) walks the same square tiles."""
+    exe = polyjit.compile(lambda x, b: ops.permute(x + b, [1, 0]), [InputInfo([128, 256], F32), InputInfo([256], F32)],
+                          {"target": "cpu", "cache": False})
+    x, b = rng.standard_normal((128, 256), dtype=F32), rng.standard_normal(256, dtype=F32)
+    np.testing.assert_array_equal(exe(x, b), (x + b).T)
+    assert len(re.findall(r"32 \* c\d", exe.ir("ast"))) >= 2
+
+
+def test_gathered_rows_run_along_the_innermost_loop(rng):
+    """Embeddings summed and normalized (BERT's first layer norm, its
+    positions gathered from a buffer): the loop over a gathered row's
+    elements runs innermost, not the token loop that the indices' loads run
+    along (which walked the tables down their columns)."""
+    def embed(ids, types, buf, table, ttable, ptable):
+        x = ops.embedding(ids, table) + ops.embedding(types, ttable) + ops.embedding(ops.take(buf, types[0], 0), ptable)
+        return ops.layer_norm(x, [x.shape[-1]])
+    ids, types, buf = rng.integers(0, 1000, (4, 128)), rng.integers(0, 2, (4, 128)), np.arange(512)
+    tables = [rng.standard_normal((n, 256), dtype=F32) for n in (1000, 2, 512)]
+    args = (ids, types, buf, *tables)
+    exe = polyjit.compile(embed, [InputInfo(a.shape, a.dtype) for a in args], {"target": "cpu", "cache": False})
+    x = tables[0][ids].astype(np.float64) + tables[1][types] + tables[2][buf[types[0]]]
+    ref = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(exe(*args), ref, rtol=1e-4, atol=1e-4)
+    lines = exe.ir("ast").splitlines()
+    inner = [a for a, b in zip(lines, lines[1:]) if "for (" in a and b.strip().startswith("S")
+             and not a.rstrip().endswith("{")]  # loops around one statement: over a row's elements
+    assert len(inner) >= 2 and all(re.search(r"<= (255|510|765);", a) for a in inner), exe.ir("ast")
+
+
 @pytest.mark.parametrize("shape", [(70, 33), (3, 256, 100)])
 def test_transposing_copies_walk_square_tiles(shape, rng):
     """A copy that reads along another dimension than it writes (a weight's
