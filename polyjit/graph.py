@@ -584,7 +584,9 @@ class Graph(_Shapes, _LayoutOps, _StructuredOps):
         only drops the kept axes of a reduction used nowhere else becomes the
         reduction without them, so that no copy follows the sum (a bias
         gradient summed with keepdim, then reshaped); a transpose that swaps a
-        product's free dimensions becomes the product of swapped operands."""
+        product's free dimensions becomes the product of swapped operands; zero
+        plus a sum is the sum (an embedding's gradient added to zeros: a copy
+        of the whole table)."""
         canon: dict[int, Node] = {}
         table: dict[tuple, Node] = {}
         order = self.nodes()
@@ -598,6 +600,8 @@ class Graph(_Shapes, _LayoutOps, _StructuredOps):
                 n = Node("reduce", r.inputs, {**r.attrs, "keepdim": False}, n.shape, n.dtype)
             if n.op == "transpose" and ins[0].op == "dot_general" and users[old.inputs[0].id] == 1:
                 n = _swapped_product(ins[0], n.attrs["perm"]) or n
+            if n.op == "add":
+                n = _sum_plus_zero(n) or n
             key = (n.op, tuple(i.id for i in n.inputs), _freeze(n.attrs), n.shape, n.dtype)
             canon[old.id] = table.setdefault(key, n) if not n.is_input else n
         g = copy.copy(self)
@@ -615,6 +619,20 @@ class Graph(_Shapes, _LayoutOps, _StructuredOps):
 def _weak(n: Node) -> bool:
     """Whether n is weakly typed (a size, a Python number): it takes the type of the operand it meets."""
     return n.op == "size" or n.is_constant and bool(n.attrs.get("weak"))
+
+
+def _sum_plus_zero(n: Node) -> Node | None:
+    """The sum n adds a zero to, where that is exact: a float sum (a
+    reduction, or a scatter into zeros) starts from +0.0 and so is never
+    -0.0, and +0.0 + s is s bit for bit (NaN and infinities too)."""
+    for z, x in (n.inputs, n.inputs[::-1]):
+        while z.op == "broadcast_in_dim":
+            z = z.inputs[0]
+        if (z.is_constant and np.ndim(z.attrs["value"]) == 0 and z.attrs["value"] == 0 and x.dtype == n.dtype
+                and x.shape == n.shape and n.dtype.is_float and x.op in ("reduce", "scatter")
+                and x.attrs["op"] == "sum"):
+            return x
+    return None
 
 
 def _swapped_product(d: Node, perm: tuple) -> Node | None:

@@ -414,3 +414,21 @@ def test_transposing_copies_walk_square_tiles(shape, rng):
     assert len(re.findall(r"32 \* c\d", exe.ir("ast"))) >= 2
     plain = polyjit.compile(lambda x: x * 2.0, [InputInfo(list(shape), F32)], {"target": "cpu", "cache": False})
     assert "32 *" not in plain.ir("ast")  # a copy in memory order keeps its loops
+
+
+def test_a_scatter_runs_alone_and_zero_plus_its_sum_is_the_sum(rng):
+    """An embedding's gradient (rows added into a zeroed table, then added
+    to zeros, as AOTAutograd writes it): the scatter, whose colliding writes
+    keep its loop on one thread, is a kernel of its own, so zeroing the
+    table runs on the thread team; and +0.0 plus a sum is the sum exactly
+    (no copy of the table)."""
+    idx, g = rng.integers(0, 3000, 512), rng.standard_normal((512, 64), dtype=F32)
+    g[0, 0] = np.nan
+    exe = polyjit.compile(lambda idx, g: ops.scatter_add([3000, 64], idx, g, 0) + 0.0,
+                          [InputInfo(idx.shape, idx.dtype), InputInfo(g.shape, F32)],
+                          {"target": "cpu", "cache": False, "num_threads": 2})
+    ref = np.zeros((3000, 64))
+    np.add.at(ref, idx, g.astype(np.float64))
+    np.testing.assert_allclose(exe(idx, g), ref, rtol=1e-5, atol=1e-6)
+    assert "add(" not in exe.ir("graph") and exe.stats["kernels"] == 2
+    assert exe.ir("mapping").splitlines()[0].split(": ")[1].startswith("thread team"), exe.ir("mapping")
