@@ -138,3 +138,17 @@ def test_temporaries_share_one_workspace_and_later_calls_run_from_host_code(rng,
         assert len(exe.last.kernels) >= program.NATIVE_MIN_KERNELS and plan.native
         shared = exe.stats["workspace_bytes"] < exe.stats["intermediate_bytes"] / 2
         assert shared != poison
+
+
+def test_an_output_handed_out_twice_still_runs_from_host_code(rng):
+    """A result returned twice (a training forward's output that it also
+    saves for the backward) is one result of the native call."""
+    x = rng.standard_normal((64, 300)).astype(F32)
+    exe = polyjit.compile(lambda x: (_layered(x), _layered(x)), [InputInfo(x.shape, F32)],
+                          {"target": "cpu", "fusion": "none"})
+    for _ in range(3):
+        a, b = exe(x)
+        np.testing.assert_allclose(a, _layered_ref(x), rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(a, b)
+    prog = exe.last
+    assert len(prog.output_arrays) == 2 > len(set(prog.output_arrays)) and next(iter(prog._plans.values())).native
