@@ -462,19 +462,19 @@ def _row_major(L, node) -> bool:
 
 # ------------------------------------------------------------ matrices
 def _matrix(L, node, whole: bool = False):
-    """(array, node dim -> array dim) where node reads a row-major array in
-    place (itself, or a transpose of it); None otherwise. With ``whole`` (an
-    operand read whole, no batch dims) also a reshape of a row-major array
-    that keeps its rows' length ([4, 128, 256] as [512, 256]: the same
-    memory), its dims then those of the reshape."""
+    """(array, node dim -> view dim, the view's row length) where node reads
+    a row-major array in place (itself, or a transpose of it; the view is
+    the array); None otherwise. With ``whole`` (an operand read whole, no
+    batch dims) also a reshape of a row-major array, which is the same
+    memory in the reshape's shape, the view ([4, 128, 256] as [512, 256],
+    [128, 4, 3, 256] as [512, 768])."""
     perm = list(range(node.rank))
     while node.op == "transpose" and not L.packed(node) and node.id not in L.array_of:
         perm = [node.attrs["perm"][p] for p in perm]
         node = node.inputs[0]
-    if (whole and node.op == "reshape" and node.id not in L.array_of and _row_major(L, node.inputs[0])
-            and L.shape(node)[-1] == L.shape(node.inputs[0])[-1]):
-        return L.array_of[node.inputs[0].id], perm
-    return (L.array_of[node.id], perm) if _row_major(L, node) else None
+    if whole and node.op == "reshape" and node.id not in L.array_of and _row_major(L, node.inputs[0]):
+        return L.array_of[node.inputs[0].id], perm, int(L.shape(node)[-1])
+    return (L.array_of[node.id], perm, int(L.shape(node)[-1])) if _row_major(L, node) else None
 
 
 def dot_form(L, n) -> tuple | None:
@@ -505,15 +505,15 @@ def _operand(L, node, name: str, nb: int, batch_iters, free: int, contract: int)
         iters = tuple(f"i{d}" for d in range(node.rank))
         idx = tuple(E.it(i) for i in iters)
         L.add(name, iters, tuple((0, s) for s in L.shape(node)), idx, L.value(node, idx), "pack")
-        m = (name, list(range(node.rank)))
-    array, perm = m
+        m = (name, list(range(node.rank)), int(L.shape(node)[-1]))
+    array, perm, ld = m
     shape = L.arrays[array].shape
     start = [E.const(0)] * len(shape)
     ext = list(shape)
     for k in range(nb):
         start[perm[k]], ext[perm[k]] = batch_iters[k], 1
     transposed = perm[contract] < perm[free]  # stored (contracting x free)
-    return (array, tuple(start), tuple(ext)), transposed, int(shape[-1])
+    return (array, tuple(start), tuple(ext)), transposed, ld
 
 
 def lower_dot(L, n, out: str) -> None:

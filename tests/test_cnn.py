@@ -289,20 +289,22 @@ def test_library_calls_survive_the_compile_cache(tmp_path):
 
 @needs_blas
 def test_a_library_product_reads_an_operand_reshaped_from_an_array_in_place(rng):
-    """A product's operand that merges a computed array's leading dims
-    ([4, 32, 64] as [128, 64], BERT's hidden states into a Linear) is the
+    """A product's operand that reshapes a computed array ([4, 32, 64] as
+    [128, 64]: BERT's hidden states into a Linear; [4, 32, 3, 16] as
+    [128, 48], or its transpose: attention's packed projections) is the
     same memory: the library call reads it in place, with no copy first."""
-    def f(x, w):
-        t = ops.tanh(x)  # (a value of its own, read again: the residual of a transformer layer)
-        return ops.matmul(ops.reshape(t, [128, 64]), w), ops.sum(t, [2])
+    def f(x, w, z, v):
+        t, u = ops.tanh(x), ops.tanh(z)  # (values of their own, read again: a transformer layer's residual)
+        return (ops.matmul(ops.reshape(t, [128, 64]), w), ops.sum(t, [2]),
+                ops.matmul(ops.permute(ops.reshape(u, [128, 48]), [1, 0]), v), ops.sum(u, [3]))
     x, w = rng.standard_normal((4, 32, 64), dtype=F32), rng.standard_normal((64, 48), dtype=F32)
-    exe = polyjit.compile(f, [InputInfo(x.shape, F32), InputInfo(w.shape, F32)],
+    z, v = rng.standard_normal((4, 32, 3, 16), dtype=F32), rng.standard_normal((128, 40), dtype=F32)
+    exe = polyjit.compile(f, [InputInfo(a.shape, F32) for a in (x, w, z, v)],
                           {"contractions": "library", "strict": True, "cache": False})
-    t = np.tanh(x.astype(np.float64))
-    y, s = exe(x, w)
-    np.testing.assert_allclose(y, t.reshape(128, 64) @ w, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(s, t.sum(2), rtol=1e-5, atol=1e-5)
-    assert exe.stats["library_calls"] == 1 and not re.search(r"t\d+_a\[", exe.ir("affine")), exe.ir("affine")
+    t, u = np.tanh(x.astype(np.float64)), np.tanh(z.astype(np.float64))
+    for got, ref in zip(exe(x, w, z, v), (t.reshape(128, 64) @ w, t.sum(2), u.reshape(128, 48).T @ v, u.sum(3))):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    assert exe.stats["library_calls"] == 2 and not re.search(r"t\d+_[ab]\[", exe.ir("affine")), exe.ir("affine")
 
 
 @needs_blas
