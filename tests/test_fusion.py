@@ -1,4 +1,5 @@
 """Fusion, contraction and their legality, asserted through compile stats."""
+import os
 import re
 
 import numpy as np
@@ -133,6 +134,15 @@ def test_num_threads(threads, rng):
     x = rng.standard_normal((300, 200), dtype=F32)
     exe = polyjit.compile(ops.softmax, [InputInfo([300, 200], F32)], {"num_threads": threads})
     np.testing.assert_allclose(exe(x), refs.softmax(x.astype(np.float64)), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no CPU affinity on this OS")
+def test_default_threads_are_the_cores_the_process_may_use(monkeypatch):
+    """Under taskset or a container's cpuset, as many threads as usable cores,
+    not the machine's: more would spin against each other."""
+    from polyjit.options import CompileOptions
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 3})
+    assert CompileOptions().num_threads == 2
 
 
 def test_fusion_definition_example():
