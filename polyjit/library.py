@@ -219,9 +219,8 @@ class LibraryPolicy:
         if not self.target.times_library:  # a model: timing would compile each shape's kernel (seconds) on a GPU
             self.choices.append(f"{what}: library ({self.target.library}: {macs} multiply-adds, reduction {red})")
             return True
-        if FORM[n.op](L, n) == "nchw":  # not worth compiling the generated nest to time it
-            self.choices.append(f"{what}: library (channels first: generated blocks run along image rows, "
-                                "4-30x slower than sgemm in ResNet-18's convolutions)")
+        if FORM[n.op](L, n) in UNTIMED:  # not worth compiling the generated nest to time it
+            self.choices.append(f"{what}: library ({UNTIMED[FORM[n.op](L, n)]})")
             return True
         lib, t_lib, t_gen = self.measure(L, n)
         self.choices.append(f"{what}: {'library' if lib else 'generated'} "
@@ -294,9 +293,11 @@ def _time(exes, args, reps: int = 5, budget: float = 0.4) -> list[float]:
 
 # ------------------------------------------------------------- lowering
 def gemm_form(L, n) -> str | None:
-    """"nchw" (channels before the image: C = W @ col) or "nhwc" (channels
-    last: C = col @ W) where the library can compute the convolution n;
-    None where it cannot (another dtype or layout, a symbolic group size)."""
+    """"nchw" (channels before the image: C = W @ col), "nhwc" (channels
+    last: C = col @ W) or "cfirst" (output channels outermost, the batch
+    among the rest: a weight gradient, C = W @ col over all images at once)
+    where the library can compute the convolution n; None where it cannot
+    (another dtype or layout, a symbolic group size)."""
     if n.dtype != DataType.Float or n.inputs[1].dtype != DataType.Float or n.inputs[0].dtype != DataType.Float:
         return None
     lay = n.attrs["layout"]
@@ -308,6 +309,8 @@ def gemm_form(L, n) -> str | None:
         return "nchw"
     if lay == "N" + sp + "C":
         return "nhwc"
+    if lay[0] == "C" and n.attrs["groups"] == 1 and all(map(sz.is_static, L.shape(n.inputs[0]))):
+        return "cfirst"
     return None
 
 
@@ -318,7 +321,7 @@ def direct_form(L, n) -> bool:
     lay = n.attrs["layout"]
     sp = "".join(c for c in lay if c not in "NC")
     x = n.inputs[0]
-    return (L.library is not None and L.library.target.direct_convolutions() and gemm_form(L, n) is not None
+    return (L.library is not None and L.library.target.direct_convolutions() and gemm_form(L, n) in ("nchw", "nhwc")
             and 2 <= len(sp) <= 3 and all(lo == hi >= 0 for lo, hi in n.attrs["padding"])  # (cuDNN: 4-d, 5-d)
             and not (x.is_input and x.attrs.get("strided")) and not any(i.is_constant for i in n.inputs))
 
@@ -360,8 +363,10 @@ def lower_conv(L, n, out: str) -> None:
     an sgemm statement per image and group."""
     if direct_form(L, n):
         return _lower_direct(L, n, out)
-    lay, klay, groups = n.attrs["layout"], n.attrs["kernel_layout"], n.attrs["groups"]
     form = gemm_form(L, n)
+    if form == "cfirst":
+        return _lower_cfirst(L, n, out)
+    lay, klay, groups = n.attrs["layout"], n.attrs["kernel_layout"], n.attrs["groups"]
     ws, os_ = L.shape(n.inputs[1]), L.shape(n)
     cout = int(ws[klay.index("O")])
     cg = cout // groups
@@ -382,6 +387,44 @@ def lower_conv(L, n, out: str) -> None:
         call = Gemm(col, wbox, cbox, pos, cg, red, ld_col, ld_w, cout, False, w_rows, "m", (ld_col, 0, cout), what)
     bounds = ((0, os_[lay.index("N")]), (0, groups))
     L.add(out, ("i0", "i1"), bounds, cbox[1], E.const(0.0, n.dtype), "sgemm", library=call)
+
+
+def _lower_cfirst(L, n, out: str) -> None:
+    """n, its output channels outermost (a weight gradient: the images are
+    the contraction), as one sgemm over the whole output:
+    C (cout x rest) = W (cout x red) @ col (red x rest), rest being the
+    output's other dims in order. The columns are stored with the input's
+    innermost dim innermost, so that filling them reads the input in rows."""
+    from .lowering import conv_input_index, guarded
+    x, w = n.inputs
+    at, lay, klay = n.attrs, n.attrs["layout"], n.attrs["kernel_layout"]
+    sp = [c for c in lay if c not in "NC"]
+    ws, os_ = L.shape(w), L.shape(n)
+    kdims = [c for c in klay if c != "O"]
+    kext = [int(ws[klay.index(c)]) for c in kdims]
+    rest = [int(s) for s in os_[1:]]
+    cout, red, cols = int(os_[0]), math.prod(kext), math.prod(rest)
+    wbox, w_rows = _conv_kernel(L, n, kdims)
+    by_rows = lay[-1] != "N"  # col stored (rest x red): the input's rows run along the kernel's last dim
+    name = f"t{n.id}_col"
+    shape = (*rest, *kext) if by_rows else (*kext, *rest)
+    L.declare_array(name, shape, n.dtype)
+    idx = [E.it(f"i{d}") for d in range(len(shape))]
+    ov = dict(zip(lay[1:], idx[:len(rest)] if by_rows else idx[len(kext):]))
+    kv = dict(zip(kdims, idx[len(rest):] if by_rows else idx[:len(kext)]))
+    xi = conv_input_index(L, n, ov["N"], kv["I"], [ov[c] for c in sp], [kv[c] for c in sp])
+    body = guarded(L, x, xi, E.const(0.0, n.dtype), [lay.index(c) for k, c in enumerate(sp) if any(at["padding"][k])])
+    L.add(name, tuple(f"i{d}" for d in range(len(shape))), tuple((0, s) for s in shape), tuple(idx), body, "im2col",
+          role=TAPS)
+    col = _box(name, shape, {})
+    lda, ldb = red if w_rows else cout, red if by_rows else cols
+    if cols >= cout:  # the parts share the longer side
+        split, steps = "n", (0, ldb if by_rows else 1, 1)
+    else:
+        split, steps = "m", (lda if w_rows else 1, 0, cols)
+    call = Gemm(wbox, col, _box(out, os_, {}), cout, cols, red, lda, ldb, cols, not w_rows, by_rows, split, steps,
+                f"conv {n.id}")
+    L.add(out, ("i0",), ((0, 1),), tuple(E.const(0) for _ in os_), E.const(0.0, n.dtype), "sgemm", library=call)
 
 
 def _box(array: str, shape, fixed: dict) -> Box:
@@ -545,6 +588,11 @@ def _dot_reduction(n, xs, ws) -> tuple[int, str | None]:
 def _never(L, n) -> bool:
     return False
 
+
+UNTIMED = {  # forms whose generated nests lose by far: the library without a timing
+    "nchw": "channels first: generated blocks run along image rows, 4-30x slower than sgemm in ResNet-18's "
+            "convolutions",
+    "cfirst": "a weight gradient: generated nests reduce over the images and positions one output at a time"}
 
 # per contraction op: the library's form of it (None: not one it computes), its
 # reduction's length, the lowering to library calls, and a direct form (cuDNN's)

@@ -284,3 +284,20 @@ def test_library_calls_survive_the_compile_cache(tmp_path):
     first, second = runs
     assert first["cache_hits"] == 0 and first["kernels_compiled"] > 0 and first["library_calls"] == 1
     assert second == {"cache_hits": 1, "kernels_compiled": 0, "library_calls": 1}
+
+
+@needs_blas
+def test_weight_gradient_is_one_sgemm_over_all_images():
+    """A convolution's weight gradient (the images are its contraction, its
+    output channels outermost) is a library call, in auto mode, and equals eager's."""
+    mod = nn.Conv2d(32, 64, 3, padding=1)
+    ref = copy.deepcopy(mod)
+    jm = polyjit.jit_torch(mod, compile_options={"num_threads": 2, "strict": True})
+    x = torch.randn(3, 32, 12, 11)
+    out, want = jm(x), ref(x)
+    r = torch.randn_like(want)
+    (out * r).sum().backward()
+    (want * r).sum().backward()
+    torch.testing.assert_close(mod.weight.grad, ref.weight.grad, rtol=1e-4, atol=1e-4)
+    choices = [c for g in jm.stats.graphs.values() for c in g["contractions"]]
+    assert any("a weight gradient" in c and ": library" in c for c in choices), choices
