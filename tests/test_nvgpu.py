@@ -676,12 +676,14 @@ def test_worker_processes_make_the_same_ptx(monkeypatch):
     """Where the host has cores to spare, worker processes make the kernels'
     PTX (llvmlite runs one LLVM call at a time per process): the same PTX as
     the caller's LLVM thread; a worker that died hands its jobs back to it."""
+    from polyjit.cache import ProcessCache
     from polyjit.codegen import gpu_program, ptx_workers
     from polyjit.targets import nvgpu
 
     def build(count: int, kill: bool = False):
-        monkeypatch.setattr(gpu_program, "_codes", {})  # nothing shared with earlier compiles
-        monkeypatch.setattr(nvgpu, "_programs", {})
+        # nothing shared with earlier compiles
+        monkeypatch.setattr(gpu_program, "_codes", ProcessCache(gpu_program.CODE_CACHE))
+        monkeypatch.setattr(nvgpu, "_programs", ProcessCache(nvgpu.GPU_PROGRAMS))
         pool = ptx_workers.PtxWorkers(count, gpu_program._on_thread)
         for proc in pool.procs if kill else ():
             proc.kill()

@@ -4,7 +4,6 @@ contracted; results kept per process."""
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from contextlib import contextmanager
 
@@ -12,6 +11,7 @@ import islpy as isl
 
 from .. import sizes as sz
 from ..affine import AffineProgram
+from ..cache import ProcessCache
 from .ast import kernel_nodes, statements_in
 from .contraction import GPU_PRIVATE_BYTES, contract, private_bytes
 from .dependences import accesses, dependences, make_context
@@ -142,14 +142,10 @@ def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None, 
         with timer("schedule/canonical"):
             problem = group_problem(prog, group, shared, canonical)
         key = (problem.key, config)
-        with _group_lock:
-            sched = _group_cache.get(key)
+        sched = _groups.get(key)
         if sched is None:
             sched = _schedule_problem(problem, config, timer)
-            with _group_lock:
-                _group_cache[key] = sched
-                while len(_group_cache) > GROUP_CACHE:
-                    _group_cache.pop(next(iter(_group_cache)))
+            _groups.put(key, sched)
         groups.append(ScheduledGroup(problem, sched))
         if each is not None:
             each(groups[-1])
@@ -157,8 +153,7 @@ def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None, 
 
 
 GROUP_CACHE = 4096  # scheduled groups kept per process
-_group_cache: dict = {}
-_group_lock = threading.Lock()
+_groups = ProcessCache(GROUP_CACHE)
 
 
 def _schedule_problem(problem: "GroupProblem", config: tuple, timer) -> Scheduled:

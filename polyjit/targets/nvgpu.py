@@ -12,6 +12,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from .. import cache
+from ..cache import ProcessCache
 from ..codegen.gpu_program import GpuCodeSet, build_program
 from ..codegen.llvm import KernelInfo
 from ..codegen.nvgpu import GpuEmitter, ptx
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("polyjit")
 GPU_TILES, GPU_KTILES = (32, 64, 128), (8, 16, 32)  # what nvgpu contraction tiles can be
 GPU_PROGRAMS = 32  # GPU programs (plan, IR texts and PTX: megabytes for a model) kept per process, by key
-_programs: dict[str, tuple[dict, list[bytes]]] = {}
+_programs = ProcessCache(GPU_PROGRAMS)  # key -> (plan, objects)
 
 
 class NvgpuTarget(Target):
@@ -128,21 +129,20 @@ class NvgpuTarget(Target):
             return hit, 0
         hit, hits = super().lookup(key, disk)
         if hit:
-            _programs[key] = hit
+            _programs.put(key, hit)
         return hit, hits
 
     def keep(self, key: str, exe: GpuProgram, disk: bool) -> None:
         """Kept in this process too; its object is its PTX, as text; a
         library step's statement is part of its plan."""
         try:
-            _programs[key] = (plan_of(exe, self.plan_fields(exe)), self.objects(exe))
+            kept = (plan_of(exe, self.plan_fields(exe)), self.objects(exe))
         except TypeError as e:  # a library call the cache cannot write (polyjit.library.CALLS)
             log.warning("polyjit: %s not kept in the compile cache: %s", exe.name, e)
             return
-        while len(_programs) > GPU_PROGRAMS:
-            _programs.pop(next(iter(_programs)))
+        _programs.put(key, kept)
         if disk:
-            cache.store(key, *_programs[key])
+            cache.store(key, *kept)
 
     def plan_fields(self, exe: GpuProgram) -> dict:
         return {"gpu": {"arch": exe.arch, "writes": [[cache.array_json(a) for a in w] for w in exe.writes],
