@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 from . import expr as E
 from . import scalar
 from . import sizes as sz
-from .affine import AffineProgram, Array, Role, Statement
+from .affine import AffineProgram, Array, Role, Statement, loop_nest
 from .dtypes import DataType
 from .errors import DefinitionError
 from .expr import Const, Expr, Load, Op
@@ -195,25 +195,21 @@ class Lowering:
             name = self.array_of.get(n.id)
             if name is None or self.arrays[name].kind not in ("temp", "output"):
                 continue
-            shape = self.shape(n)
-            iters = tuple(f"i{d}" for d in range(len(shape)))
-            idx = tuple(E.it(i) for i in iters)
-            bounds = tuple((0, s) for s in shape)
+            iters, idx, bounds = loop_nest(self.shape(n))
             if n.id in self.library_nodes:
                 from .library import LOWER
                 LOWER[n.op](self, n, name)
             elif n.op in STATEMENT_OPS:
-                STATEMENT_OPS[n.op](self, n, name, iters, bounds)
+                STATEMENT_OPS[n.op](self, n, name)
             elif n.op in REDUCTIONS and self.is_statement_op(n):
                 spec = REDUCTIONS[n.op](self, n)
                 product = n.op in CONTRACTIONS
                 self.add(name, iters, bounds, idx, identity(spec.combine, n.dtype), n.op + "_init", role=Role.INIT,
                          contraction=product)
-                riters = tuple(f"r{k}" for k in range(len(spec.red_sizes)))
-                body = spec.term(idx, tuple(E.it(r) for r in riters))
-                self.add(name, iters + riters, bounds + tuple((0, s) for s in spec.red_sizes),
-                         idx, body, n.attrs.get("op", n.op), combine=spec.combine,
-                         reduction_iters=riters, extra=spec.extra, role=Role.UPDATE, contraction=product)
+                riters, ridx, rbounds = loop_nest(spec.red_sizes, "r")
+                self.add(name, iters + riters, bounds + rbounds, idx, spec.term(idx, ridx), n.attrs.get("op", n.op),
+                         combine=spec.combine, reduction_iters=riters, extra=spec.extra, role=Role.UPDATE,
+                         contraction=product)
             else:
                 self.add(name, iters, bounds, idx, self.inline(n, idx), n.op)
 
@@ -243,10 +239,9 @@ class Lowering:
             src = self.array_of.get(o.id)
             if src is None:  # a value only ever computed inline (a constant): into the output
                 shape = self.shape(o)
-                iters = tuple(f"i{d}" for d in range(len(shape)))
-                idx = tuple(E.it(i) for i in iters)
+                iters, idx, bounds = loop_nest(shape)
                 self.arrays[out] = Array(out, tuple(shape), o.dtype, "output", index=k)
-                self.add(out, iters, tuple((0, s) for s in shape), idx, self.inline(o, idx), o.op)
+                self.add(out, iters, bounds, idx, self.inline(o, idx), o.op)
                 continue
             arr = self.arrays[src]
             self.arrays[out] = Array(out, arr.shape, arr.dtype, "output", index=k)
@@ -254,11 +249,8 @@ class Lowering:
                 del self.arrays[src]
                 self.array_of[o.id] = out
             else:  # an input or constant returned as is: copy it
-                shape = self.shape(o)
-                iters = tuple(f"i{d}" for d in range(len(shape)))
-                idx = tuple(E.it(i) for i in iters)
-                self.add(out, iters, tuple((0, s) for s in shape), idx,
-                         Load(arr.dtype, src, idx), "copy")
+                iters, idx, bounds = loop_nest(self.shape(o))
+                self.add(out, iters, bounds, idx, Load(arr.dtype, src, idx), "copy")
         self.emit()
         params = sorted({p for a in self.arrays.values() for s in a.shape
                          if isinstance(s, Lin) for p in s.params()})
@@ -624,10 +616,10 @@ REDUCTIONS: dict[str, Callable[[Lowering, Node], ReductionSpec]] = {
 
 
 # ======================================================= statement ops
-def _cumulative(L: Lowering, n: Node, name, iters, bounds):
+def _cumulative(L: Lowering, n: Node, name):
     """A first-order recurrence: out[i] = out[i-1] (op) x[i], one statement."""
     axis, op = n.attrs["axis"], n.attrs["op"]
-    idx = tuple(E.it(i) for i in iters)
+    iters, idx, bounds = loop_nest(L.shape(n))
     prev = list(idx)
     prev[axis] = Op(DataType.Int, "max", (E.isub(idx[axis], E.const(1)), E.const(0)))
     first = Op(DataType.Bool, "gt", (idx[axis], E.const(0)))
@@ -635,14 +627,12 @@ def _cumulative(L: Lowering, n: Node, name, iters, bounds):
     L.add(name, iters, bounds, idx, Op(n.dtype, scalar.COMBINE[op], (carry, L.value(n.inputs[0], idx))), "cumulative")
 
 
-def _scatter(L: Lowering, n: Node, name, iters, bounds):
+def _scatter(L: Lowering, n: Node, name):
     index, src = n.inputs
     axis, op = n.attrs["axis"], n.attrs["op"]
-    idx = tuple(E.it(i) for i in iters)
+    iters, idx, bounds = loop_nest(L.shape(n))
     L.add(name, iters, bounds, idx, identity(op, n.dtype), "scatter_init", role=Role.INIT)
-    space = L.shape(index) if n.attrs["along"] else L.shape(src)
-    siters = tuple(f"j{d}" for d in range(len(space)))
-    sidx = tuple(E.it(i) for i in siters)
+    siters, sidx, sbounds = loop_nest(L.shape(index) if n.attrs["along"] else L.shape(src), "j")
     size = L.shape(n)[axis]
     if n.attrs["along"]:
         target = list(sidx)
@@ -650,7 +640,7 @@ def _scatter(L: Lowering, n: Node, name, iters, bounds):
     else:
         k = index.rank
         target = list(sidx[:axis]) + [_position(L, index, sidx[axis:axis + k], size)] + list(sidx[axis + k:])
-    L.add(name, siters, tuple((0, s) for s in space), target, L.value(src, sidx),
+    L.add(name, siters, sbounds, target, L.value(src, sidx),
           "scatter_add" if op == "sum" else "scatter", combine=op, reduction_iters=siters, role=Role.UPDATE)
 
 
