@@ -5,7 +5,6 @@ an operand that does not run along them is packed first (packed_operands).
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 from typing import TYPE_CHECKING
 
@@ -35,30 +34,26 @@ def packed_operands(graph: Graph, min_rows: int = 8) -> Graph:
     and the copy costs one pass over the operand against a pass over it
     for every row block. Only where the first operand has `min_rows`
     rows or more (or a symbolic count)."""
-    canon: dict[int, Node] = {}
-    for old in graph.nodes():
-        ins = tuple(canon[i.id] for i in old.inputs)
-        n = old if all(a is b for a, b in zip(ins, old.inputs)) else dataclasses.replace(old, inputs=ins)
-        if n.op == "dot_general":
-            a, b = n.inputs
-            at = n.attrs
-            rf = [d for d in range(b.rank) if d not in at["rc"] and d not in at["rb"]]
-            lf = [d for d in range(a.rank) if d not in at["lc"] and d not in at["lb"]]
-            rows = sz.static_product(a.shape[d] for d in lf)
-            if rf and not _innermost(b, rf[-1]) and (rows is None or rows >= min_rows):
-                perm = tuple(at["rb"]) + tuple(at["rc"]) + tuple(rf)
-                shape = tuple(b.shape[p] for p in perm)
-                src = b
-                while src.is_index_transpose:
-                    perm, src = tuple(src.attrs["perm"][p] for p in perm), src.inputs[0]
-                bt = Node("transpose", (src,), {"perm": perm, "materialize": True}, shape, b.dtype)
-                nb, nc = len(at["rb"]), len(at["rc"])
-                n = dataclasses.replace(n, inputs=(a, bt), attrs={
-                    **at, "rb": tuple(range(nb)), "rc": tuple(range(nb, nb + nc))})
-        canon[old.id] = n
-    g = copy.copy(graph)
-    g.outputs = [canon[o.id] for o in graph.outputs]
-    return g
+    def pack(old: Node, n: Node, new: dict[int, Node]) -> Node:
+        if n.op != "dot_general":
+            return n
+        a, b = n.inputs
+        at = n.attrs
+        rf = [d for d in range(b.rank) if d not in at["rc"] and d not in at["rb"]]
+        lf = [d for d in range(a.rank) if d not in at["lc"] and d not in at["lb"]]
+        rows = sz.static_product(a.shape[d] for d in lf)
+        if not rf or _innermost(b, rf[-1]) or (rows is not None and rows < min_rows):
+            return n
+        perm = tuple(at["rb"]) + tuple(at["rc"]) + tuple(rf)
+        shape = tuple(b.shape[p] for p in perm)
+        src = b
+        while src.is_index_transpose:
+            perm, src = tuple(src.attrs["perm"][p] for p in perm), src.inputs[0]
+        bt = Node("transpose", (src,), {"perm": perm, "materialize": True}, shape, b.dtype)
+        nb, nc = len(at["rb"]), len(at["rc"])
+        return dataclasses.replace(n, inputs=(a, bt), attrs={**at, "rb": tuple(range(nb)),
+                                                             "rc": tuple(range(nb, nb + nc))})
+    return graph.rewritten(pack)
 
 
 def _innermost(n: Node, d: int) -> bool:
