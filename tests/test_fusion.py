@@ -364,8 +364,13 @@ def test_register_blocks_follow_the_vector_width(bits, cols):
     AVX2 (64 would need 32 accumulators, twice AVX2's registers)."""
     from polyjit.lowering import lower
     from polyjit.schedule import schedule_program
+    from polyjit.targets import CpuTarget
+
+    class Host(CpuTarget):
+        def vector_bits(self) -> int:
+            return bits
     graph = polyjit.compile(ops.matmul, [InputInfo([256, 256], F32)] * 2).graph
-    ast = schedule_program(lower(graph.deduplicated()), vector_bits=bits).ast_text()
+    ast = schedule_program(lower(graph.deduplicated()), target=Host()).ast_text()
     block = [line for line in ast.splitlines() if line.strip().startswith("S1(")]
     assert len(block) == 4 * cols
 

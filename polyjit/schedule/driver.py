@@ -106,9 +106,9 @@ def _schedule_one_group(ctx, prog, dom, validity, raw, names, fusion, fuse: Fusi
 
 
 def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None, target=None,
-                     vector_bits: int = 512, timer=None, canonical: bool = True, each=None) -> "ProgramSchedule":
+                     timer=None, canonical: bool = True, each=None) -> "ProgramSchedule":
     """target (a polyjit.targets.Target; None: the host's) gives its rewrites
-    (the cpu's tile with register blocks sized for vectors of vector_bits,
+    (the cpu's tile with register blocks sized for its vectors,
     balance threads and sink inner loops; nvgpu's put every coincident loop
     outside), whether contractions may own their epilogues, and whether
     parallel loops become a thread grid (then only contracted buffers small
@@ -126,7 +126,7 @@ def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None, 
         from ..targets import target as named
         target = named(None)
     fuse = target.fuses_epilogues and fusion != "none" and not tile_sizes
-    config = (fusion, tile_sizes, target, vector_bits, fuse)
+    config = (fusion, tile_sizes, target, fuse)
     plan = FusionPlan() if fuse else None
     with timer("schedule/groups"):
         names = fusion_groups(prog, epilogues=fuse, plan=plan)
@@ -159,7 +159,7 @@ _groups = ProcessCache(GROUP_CACHE)
 def _schedule_problem(problem: "GroupProblem", config: tuple, timer) -> Scheduled:
     """One group scheduled as a program: isl's schedule, the target's
     rewrites, the AST, contracted temporaries."""
-    fusion, tile_sizes, target, vector_bits, fuse = config
+    fusion, tile_sizes, target, fuse = config
     prog = problem.prog
     ctx = make_context()
     if fusion == "none":
@@ -173,7 +173,7 @@ def _schedule_problem(problem: "GroupProblem", config: tuple, timer) -> Schedule
     with timer("schedule/isl"):
         sched = _schedule_group(ctx, prog, dom, validity, raw, [s.name for s in prog.statements], fusion, plan)
     with timer("schedule/rewrites"):
-        sched = order_sets(target.schedule_rewrites(sched, prog, validity, tile_sizes, vector_bits), validity)
+        sched = order_sets(target.schedule_rewrites(sched, prog, validity, tile_sizes), validity)
     with timer("schedule/ast"):
         params = prog.prefix() + "{ : " + sz.param_context(prog.params) + " }"
         build = isl.AstBuild.from_context(isl.Set.read_from_str(ctx, params))

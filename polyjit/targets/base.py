@@ -86,14 +86,9 @@ class Target:
         """The rewrites this target's code needs, after inference folding."""
         return graph
 
-    def schedule_rewrites(self, sched: isl.Schedule, prog: AffineProgram, validity, tile_sizes,
-                          vector_bits: int) -> isl.Schedule:
+    def schedule_rewrites(self, sched: isl.Schedule, prog: AffineProgram, validity, tile_sizes) -> isl.Schedule:
         """This target's rewrites of a fusion group's isl schedule (each checked by isl)."""
         raise NotImplementedError
-
-    def vector_bits(self) -> int:
-        """The width the scheduler sizes register blocks for."""
-        return 512
 
     def check_tile_sizes(self, tile_sizes: tuple[int, ...]) -> None:
         """Raise CompileOptionError where tile_sizes mean nothing to this target."""

@@ -78,12 +78,12 @@ class CpuTarget(Target):
     def graph_passes(self, graph: Graph) -> Graph:
         return packed_operands(graph)
 
-    def schedule_rewrites(self, sched: isl.Schedule, prog: AffineProgram, validity, tile_sizes,
-                          vector_bits: int) -> isl.Schedule:
+    def schedule_rewrites(self, sched: isl.Schedule, prog: AffineProgram, validity, tile_sizes) -> isl.Schedule:
         """Register blocks and cache tiles, threads balanced, inner loops sunk, the parallel loop marked."""
-        return cpu_rewrites.rewrite(sched, prog, validity, tile_sizes, vector_bits)
+        return cpu_rewrites.rewrite(sched, prog, validity, tile_sizes, self.vector_bits())
 
     def vector_bits(self) -> int:
+        """The width register blocks are sized for: the host's vectors."""
         return vector_bits()
 
     def machine(self, options: CompileOptions) -> str:
@@ -95,8 +95,7 @@ class CpuTarget(Target):
         # each group's kernels are emitted, and go to LLVM, once it is scheduled
         codes = CodeSet(machine, timer, self.variant(options))
         with timer("schedule"):
-            sched = schedule_program(prog, options.fusion, options.tile_sizes, self, self.vector_bits(), timer,
-                                     each=codes.of)
+            sched = schedule_program(prog, options.fusion, options.tile_sizes, self, timer, each=codes.of)
         code = build_program(prog, sched, name, codes)
         with timer("llvm"):
             loaded = LoadedProgram([c.obj for c in code.codes] + [entries_object(code.entries)])

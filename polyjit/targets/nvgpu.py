@@ -49,8 +49,7 @@ class NvgpuTarget(Target):
     library = "cuBLAS"
     keeps_programs = True
 
-    def schedule_rewrites(self, sched: isl.Schedule, prog: AffineProgram, validity, tile_sizes,
-                          vector_bits: int) -> isl.Schedule:
+    def schedule_rewrites(self, sched: isl.Schedule, prog: AffineProgram, validity, tile_sizes) -> isl.Schedule:
         """Every coincident loop outside (they become the thread grid), all of them marked."""
         return gpu_rewrites.rewrite(sched, prog, validity)
 
@@ -80,9 +79,8 @@ class NvgpuTarget(Target):
         emitted from the whole program."""
         arch, sms = machine
         codes = GpuCodeSet(prog, (arch, sms, options.tile_sizes), timer, self.variant(options))
-        with timer("schedule"):  # (vector_bits: unused, the nvgpu schedule has no register blocks)
-            sched = schedule_program(prog, options.fusion, options.tile_sizes, self, self.vector_bits(), timer,
-                                     each=codes.of)
+        with timer("schedule"):
+            sched = schedule_program(prog, options.fusion, options.tile_sizes, self, timer, each=codes.of)
         code = build_program(prog, sched, name, codes)
         if code is None:
             return self._build_whole(graph, prog, options, name, timer, arch, sms)
@@ -96,8 +94,7 @@ class NvgpuTarget(Target):
                      arch: str, sms: int | None) -> GpuProgram:
         """One module of every kernel, emitted from the whole program."""
         with timer("schedule"):
-            sched = schedule_program(prog, options.fusion, options.tile_sizes, self, self.vector_bits(), timer,
-                                     canonical=False)
+            sched = schedule_program(prog, options.fusion, options.tile_sizes, self, timer, canonical=False)
         with timer("emit"):
             emitter = GpuEmitter(prog, sched, name)
             emitter.tile_sizes = options.tile_sizes
