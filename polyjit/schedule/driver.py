@@ -13,9 +13,9 @@ from .. import sizes as sz
 from ..affine import AffineProgram
 from ..cache import ProcessCache
 from .ast import kernel_nodes, statements_in
-from .contraction import GPU_PRIVATE_BYTES, contract, private_bytes
+from .contraction import contract
 from .dependences import accesses, dependences, make_context
-from .fusion import FusionPlan, fuse_contraction, fusion_groups, starved
+from .fusion import FusionPlan, fuse_contraction, fusion_groups
 from .groups import GroupProblem, ProgramSchedule, Scheduled, ScheduledGroup, group_problem, kernel_of_each_array
 from .rewrites import distribute_inits, innermost_contiguous, order_sets
 from .tree import group_domain, is_update, product_inits
@@ -110,9 +110,8 @@ def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None, 
     """target (a polyjit.targets.Target; None: the host's) gives its rewrites
     (the cpu's tile with register blocks sized for its vectors,
     balance threads and sink inner loops; nvgpu's put every coincident loop
-    outside), whether contractions may own their epilogues, and whether
-    parallel loops become a thread grid (then only contracted buffers small
-    enough for a thread's registers are kept).
+    outside), whether contractions may own their epilogues, and which
+    contracted buffers stay private (nvgpu: those a thread's registers hold).
 
     Each fusion group is scheduled as a program of its own (its statements
     run after the groups before it, so no dependence is lost), with its
@@ -181,10 +180,9 @@ def _schedule_problem(problem: "GroupProblem", config: tuple, timer) -> Schedule
         kernels = [statements_in(k) for k in kernel_nodes(ast)]
     with timer("schedule/contract"):
         contracted = contract(ctx, prog, sched, dom, kernels, problem.shared, access)
-    if target.thread_grid:
-        contracted = {n: m for n, m in contracted.items() if private_bytes(prog.arrays[n], m) <= GPU_PRIVATE_BYTES}
-        if fusion != "none" and starved(ast, prog, contracted):
-            return _schedule_problem(problem, ("none",) + config[1:], timer)
+    contracted = target.private_buffers(prog, ast, contracted, fusion != "none")
+    if contracted is None:
+        return _schedule_problem(problem, ("none",) + config[1:], timer)
     return Scheduled(sched, ast, contracted, kernels, kernel_of_each_array(prog, kernels), plan.refused if plan else [])
 
 

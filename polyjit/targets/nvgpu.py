@@ -45,13 +45,16 @@ class NvgpuTarget(Target):
     executable = GpuProgram
     device_arrays = True
     recompute_limit = 16  # on a GPU, memory traffic costs more than arithmetic
-    thread_grid = True
     library = "cuBLAS"
     keeps_programs = True
 
     def schedule_rewrites(self, sched: isl.Schedule, prog: AffineProgram, validity, tile_sizes) -> isl.Schedule:
         """Every coincident loop outside (they become the thread grid), all of them marked."""
         return gpu_rewrites.rewrite(sched, prog, validity)
+
+    def private_buffers(self, prog: AffineProgram, ast: isl.AstNode, contracted: dict, fused: bool) -> dict | None:
+        """Those a thread's registers hold; None where the fusion starves the grid."""
+        return gpu_rewrites.private_buffers(prog, ast, contracted, fused)
 
     def check_tile_sizes(self, tile_sizes: tuple[int, ...]) -> None:
         ts = tile_sizes
