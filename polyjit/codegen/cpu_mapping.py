@@ -22,6 +22,16 @@ the plan says, and the plans print as a stage of their own
   it); their padded loads read a fill cell rather than select a value;
 - private buffers, on the stack or the heap.
 
+Which loops may run in parallel is the scheduler's to say, not the plan's
+(schedule.cpu_rewrites: mark_parallel's ``parallel:`` marks, and
+balance_parallel's strips of a coincident inner loop under a short outer
+one): which loops carry no dependence is known on isl's schedule tree, where
+a rewrite's legality is also checked, and the AST keeps neither; a strip
+loop made here instead would be other loops, other IR. The plan decides how
+a marked loop runs: in chunks, in strips of a sequential loop below that
+only private buffers connect (row_strips), or not split at all inside a
+loop already shared.
+
 Which loops are vectorized, and how wide, is LLVM's choice after emission
 (codegen.cpu.optimize; every function prefers 512-bit vectors on an
 AVX-512 host, prefer_wide_vectors): no plan names it.
