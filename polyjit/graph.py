@@ -62,7 +62,7 @@ class Node:
     @property
     def is_index_transpose(self) -> bool:
         """A transpose read through its index function, not copied (packed)."""
-        return self.op == "transpose" and not self.attrs.get("materialize")
+        return self.op == "transpose" and not self.attrs.get("packed")
 
     def __str__(self) -> str:
         args = ", ".join(f"%{i.id}" for i in self.inputs)

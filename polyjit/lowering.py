@@ -2,7 +2,10 @@
 
 An op is either *inlined* (its scalar expression is substituted into its
 consumers, so layout ops become index functions and elementwise chains become
-one body) or *materialized* (it gets an array and statements). Reductions,
+one body) or *materialized* (it gets an array and statements). A graph pass
+may ask for an array: attribute ``materialize`` (a value computed once,
+fold's per-channel scales) or ``packed`` (an operand's copy laid out for
+register blocks, not made where only library calls read it). Reductions,
 contractions and windows are written once as a :class:`ReductionSpec`; small
 static windows (a 1x5 blur tap, a 3x3 pooling window) unroll into an
 expression, larger ones become an init and an update statement.
@@ -99,7 +102,7 @@ class Lowering:
         """Whether n is an operand's copy laid out for generated register
         blocks (targets.cpu.packed_operands) that a contraction needs: a library call reads
         the original through its transposition instead."""
-        return bool(n.attrs.get("materialize")) and n.id not in self.in_place
+        return bool(n.attrs.get("packed")) and n.id not in self.in_place
 
     def is_statement_op(self, n: Node) -> bool:
         if n.op in STATEMENT_OPS or n.id in self.library_nodes:
@@ -155,7 +158,7 @@ class Lowering:
                 work[n.id] = w
                 continue
             materialize = (n.id in outputs or self.is_statement_op(n) or self.packed(n) or n.id in self.operands
-                           or (uses[n.id] - 1) * w > self.recompute_limit)
+                           or n.attrs.get("materialize") or (uses[n.id] - 1) * w > self.recompute_limit)
             if materialize:
                 self.declare(n)
                 work[n.id] = 0
@@ -653,4 +656,4 @@ def _read_in_place(nodes: list[Node], library: set[int]) -> set[int]:
     for n in nodes:
         for i in n.inputs:
             readers.setdefault(i.id, set()).add(n.id)
-    return {n.id for n in nodes if n.attrs.get("materialize") and readers.get(n.id) and readers[n.id] <= library}
+    return {n.id for n in nodes if n.attrs.get("packed") and readers.get(n.id) and readers[n.id] <= library}

@@ -244,7 +244,7 @@ def test_linear_reads_a_packed_copy_of_its_weight(rng):
     (contracting, free) order and the contraction reads the copy."""
     x, w = rng.standard_normal((70, 90), dtype=F32), rng.standard_normal((50, 90), dtype=F32)
     exe = polyjit.compile(lambda a, b: ops.linear(a, b), [InputInfo(x.shape, F32), InputInfo(w.shape, F32)], GEN)
-    assert "materialize=True" in exe.ir("graph")
+    assert "packed=True" in exe.ir("graph")
     assert "= in1[i1, i0]" in exe.ir("affine")
     np.testing.assert_allclose(exe(x, w), x.astype(np.float64) @ w.T, rtol=1e-5, atol=1e-4)
 

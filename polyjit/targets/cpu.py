@@ -49,7 +49,7 @@ def packed_operands(graph: Graph, min_rows: int = 8) -> Graph:
         src = b
         while src.is_index_transpose:
             perm, src = tuple(src.attrs["perm"][p] for p in perm), src.inputs[0]
-        bt = Node("transpose", (src,), {"perm": perm, "materialize": True}, shape, b.dtype)
+        bt = Node("transpose", (src,), {"perm": perm, "packed": True}, shape, b.dtype)
         nb, nc = len(at["rb"]), len(at["rc"])
         return dataclasses.replace(n, inputs=(a, bt), attrs={**at, "rb": tuple(range(nb)),
                                                              "rc": tuple(range(nb, nb + nc))})
