@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 
 from . import expr as E
 from . import sizes as sz
-from .affine import TAPS
+from .affine import TAPS, loop_nest
 from .dtypes import DataType
 from .expr import Expr
 from .sizes import Size
@@ -342,11 +342,11 @@ def _lower_direct(L, n, out: str) -> None:
     if klay != want:
         wname, shape = f"t{n.id}_w", tuple(L.shape(w)[klay.index(c)] for c in want)
         L.declare_array(wname, shape, n.dtype)
-        iters = tuple(f"i{d}" for d in range(len(shape)))
+        iters, idx, bounds = loop_nest(shape)
         src = [None] * w.rank
-        for c, i in zip(want, iters):
-            src[klay.index(c)] = E.it(i)
-        L.add(wname, iters, tuple((0, s) for s in shape), tuple(E.it(i) for i in iters), L.value(w, src), "pack")
+        for c, i in zip(want, idx):
+            src[klay.index(c)] = i
+        L.add(wname, iters, bounds, idx, L.value(w, src), "pack")
         klay = want
     at = n.attrs
     call = Convolution(_box(L.array_of[x.id], L.shape(x), {}), _box(wname, L.arrays[wname].shape, {}),
@@ -457,15 +457,14 @@ def _conv_columns(L, n, form: str, kdims) -> tuple[Box, int]:
     outer = kext + osz if form == "nchw" else osz + kext
     shape = (L.shape(n)[lay.index("N")], groups, *outer)
     L.declare_array(name, shape, n.dtype)
-    idx = [E.it(f"i{d}") for d in range(len(shape))]
+    iters, idx, bounds = loop_nest(shape)
     kv = dict(zip(kdims, idx[2:2 + len(kdims)] if form == "nchw" else idx[2 + len(sp):]))
     ov = idx[2 + len(kdims):] if form == "nchw" else idx[2:2 + len(sp)]
     channel = E.iadd(E.imul(idx[1], int(ws[klay.index("I")])), kv["I"]) if groups > 1 else kv["I"]
     xi = conv_input_index(L, n, idx[0], channel, ov, [kv[c] for c in sp])
     body = guarded(L, x, xi, E.const(0.0, n.dtype), [lay.index(c) for k, c in enumerate(sp) if any(at["padding"][k])])
-    L.add(name, tuple(f"i{d}" for d in range(len(shape))), tuple((0, s) for s in shape), tuple(idx), body, "im2col",
-          role=TAPS)
-    return _box(name, shape, {0: (E.it("i0"), 1), 1: (E.it("i1"), 1)}), pos if form == "nchw" else red
+    L.add(name, iters, bounds, idx, body, "im2col", role=TAPS)
+    return _box(name, shape, {0: (idx[0], 1), 1: (idx[1], 1)}), pos if form == "nchw" else red
 
 
 def _conv_kernel(L, n, kdims) -> tuple[Box, bool]:
@@ -482,11 +481,11 @@ def _conv_kernel(L, n, kdims) -> tuple[Box, bool]:
         wname, wlay = f"t{n.id}_w", "O" + "".join(kdims)
         pshape = (cout, *(ws[klay.index(c)] for c in kdims))
         L.declare_array(wname, pshape, n.dtype)
-        iters = tuple(f"i{d}" for d in range(len(pshape)))
+        iters, idx, bounds = loop_nest(pshape)
         src = [None] * w.rank
-        for c, i in zip(wlay, iters):
-            src[klay.index(c)] = E.it(i)
-        L.add(wname, iters, tuple((0, s) for s in pshape), tuple(E.it(i) for i in iters), L.value(w, src), "pack")
+        for c, i in zip(wlay, idx):
+            src[klay.index(c)] = i
+        L.add(wname, iters, bounds, idx, L.value(w, src), "pack")
     shape = L.arrays[wname].shape
     o = 0 if wlay[0] == "O" else len(shape) - 1
     cg = cout // groups
@@ -536,9 +535,8 @@ def _operand(L, node, name: str, nb: int, batch_iters, free: int, contract: int)
     m = _matrix(L, node)
     if m is None or m[1][:nb] != list(range(nb)):
         L.declare_array(name, L.shape(node), node.dtype)
-        iters = tuple(f"i{d}" for d in range(node.rank))
-        idx = tuple(E.it(i) for i in iters)
-        L.add(name, iters, tuple((0, s) for s in L.shape(node)), idx, L.value(node, idx), "pack")
+        iters, idx, bounds = loop_nest(L.shape(node))
+        L.add(name, iters, bounds, idx, L.value(node, idx), "pack")
         m = (name, list(range(node.rank)))
     array, perm = m
     shape = L.arrays[array].shape
@@ -556,8 +554,8 @@ def lower_dot(L, n, out: str) -> None:
     a, b = n.inputs
     at = n.attrs
     shape = L.shape(n)
-    iters = tuple(f"i{k}" for k in range(max(nb, 1)))
-    batch = [E.it(i) for i in iters[:nb]]
+    iters, idx, bounds = loop_nest(shape[:nb] or (1,))  # (one call, where there is no batch)
+    batch = list(idx[:nb])
     abox, ta, lda = _operand(L, a, f"t{n.id}_a", nb, batch, lf, at["lc"][0])
     bbox, tb, ldb = _operand(L, b, f"t{n.id}_b", nb, batch, rf, at["rc"][0])
     tb = not tb  # b is wanted as (contracting x free): stored so unless its free dim comes first
@@ -567,7 +565,6 @@ def lower_dot(L, n, out: str) -> None:
         call = Gemm(abox, bbox, cbox, m, nn, k, lda, ldb, nn, ta, tb, "n", (0, ldb if tb else 1, 1), f"dot {n.id}")
     else:
         call = Gemm(abox, bbox, cbox, m, nn, k, lda, ldb, nn, ta, tb, "m", (1 if ta else lda, 0, nn), f"dot {n.id}")
-    bounds = tuple((0, shape[d]) for d in range(nb)) or ((0, 1),)
     L.add(out, iters, bounds, cbox[1], E.const(0.0, n.dtype), "sgemm", library=call)
 
 

@@ -5,6 +5,7 @@ import numpy as np
 
 import polyjit
 from polyjit import InputInfo, ops
+from polyjit.cache import ProcessCache
 from polyjit.codegen import cpu_mapping, program
 from polyjit.codegen.cpu import vector_bits
 from polyjit.library import blas
@@ -60,7 +61,7 @@ def test_mapping_is_dumped_and_cached(tmp_path, monkeypatch):
 def test_emitter_follows_the_plan(monkeypatch, rng):
     """A plan without strips is emitted without them (and still computes the blur)."""
     monkeypatch.setattr(cpu_mapping.CpuMapper, "row_strips", lambda self, loop: None)
-    monkeypatch.setattr(program, "_codes", {})  # no code shared from earlier compiles
+    monkeypatch.setattr(program, "_codes", ProcessCache(program.CODE_CACHE))  # no code shared from earlier compiles
     img = rng.random((3, 40, 50), dtype=F32)
     exe = polyjit.compile(blur, [InputInfo(list(img.shape), F32)], {"cache": False, "num_threads": 2})
     assert exe.ir("mapping").split(": ", 1)[1].startswith("thread team; parallel c0; private")

@@ -254,7 +254,7 @@ def test_linear_reads_a_packed_copy_of_its_weight(rng):
     (contracting, free) order and the contraction reads the copy."""
     x, w = rng.standard_normal((70, 90), dtype=F32), rng.standard_normal((50, 90), dtype=F32)
     exe = polyjit.compile(lambda a, b: ops.linear(a, b), [InputInfo(x.shape, F32), InputInfo(w.shape, F32)], GEN)
-    assert "materialize=True" in exe.ir("graph")
+    assert "packed=True" in exe.ir("graph")
     assert "= in1[i1, i0]" in exe.ir("affine")
     np.testing.assert_allclose(exe(x, w), x.astype(np.float64) @ w.T, rtol=1e-5, atol=1e-4)
 
@@ -374,8 +374,13 @@ def test_register_blocks_follow_the_vector_width(bits, cols):
     AVX2 (64 would need 32 accumulators, twice AVX2's registers)."""
     from polyjit.lowering import lower
     from polyjit.schedule import schedule_program
+    from polyjit.targets import CpuTarget
+
+    class Host(CpuTarget):
+        def vector_bits(self) -> int:
+            return bits
     graph = polyjit.compile(ops.matmul, [InputInfo([256, 256], F32)] * 2).graph
-    ast = schedule_program(lower(graph.deduplicated()), vector_bits=bits).ast_text()
+    ast = schedule_program(lower(graph.deduplicated()), target=Host()).ast_text()
     block = [line for line in ast.splitlines() if line.strip().startswith("S1(")]
     assert len(block) == 4 * cols
 

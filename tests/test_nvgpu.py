@@ -471,6 +471,79 @@ def test_native_launcher_runs_library_steps_holding_its_lock():
     assert c.c_int32.from_address(lock[0]).value == 0
 
 
+def test_a_gpu_programs_plan_becomes_its_native_launchers_steps(monkeypatch):
+    """Without a GPU: a GpuProgram's plan for a signature (a cuBLAS step, its
+    kernels, an atomic sum's zeroing) built into a native launcher, run
+    against a driver and a cuBLAS written in Python: the steps in the
+    program's order, the product on the input, constant and temporary, each
+    kernel's argument block its parameters' pointers, the zeroing before the
+    sum, one handle for the library freed with the launcher."""
+    import gc
+    from types import SimpleNamespace
+
+    from polyjit.codegen.nvgpu import BLOCK
+    from polyjit.runtime import cublas, cuda, gpu_program, launch
+    from polyjit.runtime import program as runtime_program
+    from polyjit.runtime.gpu_buffers import GpuView
+    c = ctypes
+    calls, keep, handles = [], [], []
+    symbol = _callbacks(keep)
+    i, p, q = c.c_int, c.c_void_p, c.c_longlong
+
+    def block(params, n):
+        return [c.cast(c.cast(params, c.POINTER(p))[k], c.POINTER(c.c_uint64))[0] for k in range(n)]
+
+    class NativeHostCublas(_HostCublas):  # its entry points as C callbacks, as a native step calls them
+        set_stream = symbol(i, p, p)(lambda h, s: calls.append(("cublas stream", h, s)) or 0)
+        gemm = symbol(i, p, i, i, i, i, i, p, p, i, q, p, i, q, p, p, i, q, i)(
+            lambda h, ta, tb, m, n, k, al, a, lda, sa, b, ldb, sb, be, out, ldc, sc, batch:
+                calls.append(("gemm", h, m, n, k, a, b, out, batch)) or 0)
+
+        def new_handle(self, dev):
+            handles.append("made")
+            return 0xAB
+
+        def destroy(self, h):
+            handles.append(("freed", h))
+    monkeypatch.setattr(cublas, "cublas", lambda: NativeHostCublas())
+    W = np.ones((64, 32), F32)
+    exe = polyjit.compile(lambda x: (ops.relu(ops.matmul(x, W)), ops.sum(x, [0])), [InputInfo((4096, 64), F32)],
+                          {**PTX_ONLY, "contractions": "library"})
+    prog = exe.compile_default()
+    assert [(k.library is not None, k.zeroed) for k in prog.kernels] == [(True, ()), (False, ()), (False, ("out1",))]
+    dev = SimpleNamespace(ordinal=0, context=0x77, multiprocessors=4, activate=lambda: None)
+    monkeypatch.setattr(prog, "_device", lambda views, args: dev)
+    monkeypatch.setattr(prog, "_functions", lambda d: {k.name: (0xF00 + n, 2) for n, k in enumerate(prog.kernels)})
+    monkeypatch.setattr(prog, "_const", lambda index, d, stream: SimpleNamespace(ptr=0xC0))
+    monkeypatch.setattr(cuda, "used_devices", set())
+    monkeypatch.setattr(runtime_program, "POISON", False)
+    monkeypatch.setattr(gpu_program, "launch_symbols", lambda: {
+        "cuStreamGetCtx": symbol(i, p, p)(lambda s, out: c.cast(out, c.POINTER(p)).__setitem__(0, 0x77) or 0),
+        "cuCtxGetCurrent": symbol(i, p)(lambda out: c.cast(out, c.POINTER(p)).__setitem__(0, 0x77) or 0),
+        "cuCtxSetCurrent": symbol(i, p)(lambda x: 0),
+        "cuMemsetD8Async": symbol(i, c.c_uint64, c.c_uint8, c.c_size_t, p)(
+            lambda *a: calls.append(("memset8", *a)) or 0),
+        "cuMemsetD32Async": symbol(i, c.c_uint64, c.c_uint32, c.c_size_t, p)(lambda *a: 1),
+        "cuLaunchKernel": symbol(i, p, *[c.c_uint] * 7, p, p, p)(
+            lambda f, gx, gy, gz, bx, by, bz, shared, s, params, extra:
+                calls.append(("launch", f, gx, bx, s, block(params, 4))) or 0),
+        "snprintf": c.cast(c.CDLL(None).snprintf, p).value})
+    launcher = prog.native_launcher([GpuView(0xA000, (4096, 64), None, np.dtype(F32), 0, None)], "polyjit_test_plan")
+    assert [name for name, _, _ in launcher.results] == ["out0", "out1", prog.kernels[0].library.array]  # (the product)
+    assert handles == ["made"] and exe.ir("launcher polyjit_test_plan") == launcher.ir
+    message = c.create_string_buffer(100)
+    code = launch.LAUNCH_T(launcher.address)((c.c_void_p * 1)(0xA000), (c.c_void_p * 3)(0xB000, 0xB100, 0xD000),
+                                             0x55, message, 100)
+    assert code == 0, message.value
+    pointers = [0xA000, 0xB000, 0xB100, 0xD000]  # in0, out0, out1, the product: the kernels' parameters (c0 aside)
+    assert calls == [("cublas stream", 0xAB, 0x55), ("gemm", 0xAB, 32, 4096, 64, 0xC0, 0xA000, 0xD000, 1),
+                     ("launch", 0xF01, 16, BLOCK, 0x55, pointers),
+                     ("memset8", 0xB100, 0, 64 * 4, 0x55), ("launch", 0xF02, 16, BLOCK, 0x55, pointers)]
+    del launcher
+    gc.collect()
+    assert handles == ["made", ("freed", 0xAB)]
+
+
 def _gpu():
     from conftest import _gpu_visible
     return _gpu_visible()
@@ -676,12 +749,14 @@ def test_worker_processes_make_the_same_ptx(monkeypatch):
     """Where the host has cores to spare, worker processes make the kernels'
     PTX (llvmlite runs one LLVM call at a time per process): the same PTX as
     the caller's LLVM thread; a worker that died hands its jobs back to it."""
+    from polyjit.cache import ProcessCache
     from polyjit.codegen import gpu_program, ptx_workers
     from polyjit.targets import nvgpu
 
     def build(count: int, kill: bool = False):
-        monkeypatch.setattr(gpu_program, "_codes", {})  # nothing shared with earlier compiles
-        monkeypatch.setattr(nvgpu, "_programs", {})
+        # nothing shared with earlier compiles
+        monkeypatch.setattr(gpu_program, "_codes", ProcessCache(gpu_program.CODE_CACHE))
+        monkeypatch.setattr(nvgpu, "_programs", ProcessCache(nvgpu.GPU_PROGRAMS))
         pool = ptx_workers.PtxWorkers(count, gpu_program._on_thread)
         for proc in pool.procs if kill else ():
             proc.kill()

@@ -12,6 +12,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from .. import cache
+from ..cache import ProcessCache
 from ..codegen.gpu_program import GpuCodeSet, build_program
 from ..codegen.llvm import KernelInfo
 from ..codegen.nvgpu import GpuEmitter, ptx
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("polyjit")
 GPU_TILES, GPU_KTILES = (32, 64, 128), (8, 16, 32)  # what nvgpu contraction tiles can be
 GPU_PROGRAMS = 32  # GPU programs (plan, IR texts and PTX: megabytes for a model) kept per process, by key
-_programs: dict[str, tuple[dict, list[bytes]]] = {}
+_programs = ProcessCache(GPU_PROGRAMS)  # key -> (plan, objects)
 
 
 class NvgpuTarget(Target):
@@ -44,14 +45,16 @@ class NvgpuTarget(Target):
     executable = GpuProgram
     device_arrays = True
     recompute_limit = 16  # on a GPU, memory traffic costs more than arithmetic
-    thread_grid = True
     library = "cuBLAS"
     keeps_programs = True
 
-    def schedule_rewrites(self, sched: isl.Schedule, prog: AffineProgram, validity, tile_sizes,
-                          vector_bits: int) -> isl.Schedule:
+    def schedule_rewrites(self, sched: isl.Schedule, prog: AffineProgram, validity, tile_sizes) -> isl.Schedule:
         """Every coincident loop outside (they become the thread grid), all of them marked."""
         return gpu_rewrites.rewrite(sched, prog, validity)
+
+    def private_buffers(self, prog: AffineProgram, ast: isl.AstNode, contracted: dict, fused: bool) -> dict | None:
+        """Those a thread's registers hold; None where the fusion starves the grid."""
+        return gpu_rewrites.private_buffers(prog, ast, contracted, fused)
 
     def check_tile_sizes(self, tile_sizes: tuple[int, ...]) -> None:
         ts = tile_sizes
@@ -79,9 +82,8 @@ class NvgpuTarget(Target):
         emitted from the whole program."""
         arch, sms = machine
         codes = GpuCodeSet(prog, (arch, sms, options.tile_sizes), timer, self.variant(options))
-        with timer("schedule"):  # (vector_bits: unused, the nvgpu schedule has no register blocks)
-            sched = schedule_program(prog, options.fusion, options.tile_sizes, self, self.vector_bits(), timer,
-                                     each=codes.of)
+        with timer("schedule"):
+            sched = schedule_program(prog, options.fusion, options.tile_sizes, self, timer, each=codes.of)
         code = build_program(prog, sched, name, codes)
         if code is None:
             return self._build_whole(graph, prog, options, name, timer, arch, sms)
@@ -95,8 +97,7 @@ class NvgpuTarget(Target):
                      arch: str, sms: int | None) -> GpuProgram:
         """One module of every kernel, emitted from the whole program."""
         with timer("schedule"):
-            sched = schedule_program(prog, options.fusion, options.tile_sizes, self, self.vector_bits(), timer,
-                                     canonical=False)
+            sched = schedule_program(prog, options.fusion, options.tile_sizes, self, timer, canonical=False)
         with timer("emit"):
             emitter = GpuEmitter(prog, sched, name)
             emitter.tile_sizes = options.tile_sizes
@@ -128,21 +129,20 @@ class NvgpuTarget(Target):
             return hit, 0
         hit, hits = super().lookup(key, disk)
         if hit:
-            _programs[key] = hit
+            _programs.put(key, hit)
         return hit, hits
 
     def keep(self, key: str, exe: GpuProgram, disk: bool) -> None:
         """Kept in this process too; its object is its PTX, as text; a
         library step's statement is part of its plan."""
         try:
-            _programs[key] = (plan_of(exe, self.plan_fields(exe)), self.objects(exe))
+            kept = (plan_of(exe, self.plan_fields(exe)), self.objects(exe))
         except TypeError as e:  # a library call the cache cannot write (polyjit.library.CALLS)
             log.warning("polyjit: %s not kept in the compile cache: %s", exe.name, e)
             return
-        while len(_programs) > GPU_PROGRAMS:
-            _programs.pop(next(iter(_programs)))
+        _programs.put(key, kept)
         if disk:
-            cache.store(key, *_programs[key])
+            cache.store(key, *kept)
 
     def plan_fields(self, exe: GpuProgram) -> dict:
         return {"gpu": {"arch": exe.arch, "writes": [[cache.array_json(a) for a in w] for w in exe.writes],
