@@ -122,6 +122,15 @@ def _mapping(fn, shapes, **options):
     return [line.split(": ", 1)[1] for line in lines]
 
 
+def test_channel_sums_run_along_rows_first():
+    """A sum over NCHW's N, H and W (a batch norm's statistics) sums each
+    image's channel as a row first (a block of lanes per row), then the
+    images' partial sums: whole, it ran a thread per channel."""
+    plans = _mapping(lambda x: ops.sum(x, [0, 2, 3]), [(32, 64, 20, 20)])
+    assert any(p.startswith("warp rows: grid c0 x c1") for p in plans), plans
+    assert not any(p.startswith(("nest per thread", "one thread")) for p in plans), plans
+
+
 def test_mapping_stage_names_each_kernels_form(tmp_path, monkeypatch):
     """The mapping stage, decided before emission, prints a line per kernel:
     its name, its form and the form's parameters."""

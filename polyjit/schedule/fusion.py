@@ -236,12 +236,14 @@ def starved(ast: isl.AstNode, prog: AffineProgram, contracted) -> bool:
             continue
         grid, inner = _grid_extent(node)
         sums = [s for s in own if s.combine is not None]
+        if grid is not None and grid < GPU_THIN_GRID and not all(map(_row_sum, sums)) \
+                and max((_parallel_extent(s) or 0 for s in own), default=0) >= 16 * grid:
+            return True
         floor, per_thread = (GPU_GRID_FLOOR if sums else None), 16
         if inner is not None and any(s.array in contracted for s in own):
             grid, floor = grid and grid * -(-inner // GPU_STRIP), GPU_GRID_FLOOR // 2
             per_thread = 4 * GPU_STRIP  # a strip's own rows are no loss
-        thin = grid is not None and grid < GPU_THIN_GRID and not all(map(_row_sum, sums))
-        widest = max((_parallel_extent(s) or 0 for s in (own if thin else sums or own)), default=0)
+        widest = max((_parallel_extent(s) or 0 for s in (sums or own)), default=0)
         if grid is not None and (floor is None or grid < floor) and widest >= per_thread * grid:
             return True
     return False

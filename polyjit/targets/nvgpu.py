@@ -8,10 +8,12 @@ kept as its statement (cache.statement_json), run again from it.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
 from .. import cache
+from .. import sizes as sz
 from ..cache import ProcessCache
 from ..codegen.gpu_program import GpuCodeSet, build_program
 from ..codegen.llvm import KernelInfo
@@ -21,7 +23,7 @@ from ..compiler import plan as plan_of
 from ..runtime.cuda import default_ordinal, device
 from ..runtime.gpu_program import GpuProgram
 from ..errors import CompileOptionError, DeviceError
-from ..graph import Graph
+from ..graph import Graph, Node
 from ..library import Convolution
 from ..schedule import gpu_rewrites, schedule_program
 from .base import Target
@@ -38,6 +40,32 @@ GPU_PROGRAMS = 32  # GPU programs (plan, IR texts and PTX: megabytes for a model
 _programs = ProcessCache(GPU_PROGRAMS)  # key -> (plan, objects)
 
 
+SPLIT_ROWS = 32  # a reduction's contiguous inner part at least this long is summed by rows first
+
+
+def split_reductions(graph: Graph) -> Graph:
+    """A copy in which a reduction over outer dimensions and a contiguous
+    suffix of inner ones (a batch norm's per-channel sums over NCHW's N, H
+    and W) combines each row of the suffix first (a warp per row, reading
+    memory in order), then the few values left: whole, it ran a thread per
+    output, 64 threads for 400K values each in ResNet-18's first batch norm."""
+    def split(old: Node, n: Node, new: dict[int, Node]) -> Node:
+        if n.op != "reduce":
+            return n
+        x, axes = n.inputs[0], tuple(n.attrs["axes"])
+        k = x.rank
+        while k - 1 in axes:
+            k -= 1
+        inner = sz.static_product(x.shape[d] for d in range(k, x.rank))
+        if k == x.rank or k - 1 < min(axes, default=k) or inner is None or inner < SPLIT_ROWS:
+            return n  # no outer reduced dimension, or a short row
+        flat = Node("reshape", (x,), {}, (*x.shape[:k], inner), x.dtype)  # one row loop: a warp's lanes share it
+        rows = Node("reduce", (flat,), {**n.attrs, "axes": (k,), "keepdim": True}, (*x.shape[:k], 1), n.dtype)
+        unit = Node("reshape", (rows,), {}, (*x.shape[:k], *(1,) * (x.rank - k)), n.dtype)
+        return dataclasses.replace(n, inputs=(unit,))
+    return graph.rewritten(split)
+
+
 class NvgpuTarget(Target):
     """An NVIDIA GPU, through NVPTX and the CUDA driver."""
 
@@ -47,6 +75,9 @@ class NvgpuTarget(Target):
     recompute_limit = 16  # on a GPU, memory traffic costs more than arithmetic
     library = "cuBLAS"
     keeps_programs = True
+
+    def graph_passes(self, graph: Graph) -> Graph:
+        return split_reductions(graph)
 
     def schedule_rewrites(self, sched: isl.Schedule, prog: AffineProgram, validity, tile_sizes) -> isl.Schedule:
         """Every coincident loop outside (they become the thread grid), all of them marked."""
