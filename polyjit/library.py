@@ -76,6 +76,7 @@ class Gemm(LibraryCall):
     split: str
     steps: tuple[int | Size, int | Size, int | Size]
     what: str = dataclasses.field(default="", repr=False, compare=False)  # not structure: like calls share code
+    tf32: bool = False  # a convolution's products, where the framework lets its convolutions use TF32 (cuBLAS)
     READS: ClassVar[tuple[str, ...]] = ("a", "b")
     WRITES: ClassVar[str] = "c"
 
@@ -382,9 +383,11 @@ def lower_conv(L, n, out: str) -> None:
     if form == "nchw":  # C (cg x pos) = W (cg x red) @ col (red x pos); the parts share positions, or
         # output channels where an image has fewer (a 4x4 of 512 channels)
         split, steps = ("n", (0, 1, 1)) if pos >= cg else ("m", (ld_w if w_rows else 1, 0, pos))
-        call = Gemm(wbox, col, cbox, cg, pos, red, ld_w, ld_col, pos, not w_rows, False, split, steps, what)
+        call = Gemm(wbox, col, cbox, cg, pos, red, ld_w, ld_col, pos, not w_rows, False, split, steps, what,
+                    _tf32(L))
     else:  # C (pos x cg, rows cout apart) = col (pos x red) @ W (red x cg)
-        call = Gemm(col, wbox, cbox, pos, cg, red, ld_col, ld_w, cout, False, w_rows, "m", (ld_col, 0, cout), what)
+        call = Gemm(col, wbox, cbox, pos, cg, red, ld_col, ld_w, cout, False, w_rows, "m", (ld_col, 0, cout), what,
+                    _tf32(L))
     bounds = ((0, os_[lay.index("N")]), (0, groups))
     L.add(out, ("i0", "i1"), bounds, cbox[1], E.const(0.0, n.dtype), "sgemm", library=call)
 
@@ -423,8 +426,13 @@ def _lower_cfirst(L, n, out: str) -> None:
     else:
         split, steps = "m", (lda if w_rows else 1, 0, cols)
     call = Gemm(wbox, col, _box(out, os_, {}), cout, cols, red, lda, ldb, cols, not w_rows, by_rows, split, steps,
-                f"conv {n.id}")
+                f"conv {n.id}", _tf32(L))
     L.add(out, ("i0",), ((0, 1),), tuple(E.const(0) for _ in os_), E.const(0.0, n.dtype), "sgemm", library=call)
+
+
+def _tf32(L) -> bool:
+    """Whether a convolution's library products may round to TF32 (as the framework's convolutions do)."""
+    return bool(L.library is not None and L.library.tf32)
 
 
 def _box(array: str, shape, fixed: dict) -> Box:

@@ -504,6 +504,7 @@ def test_a_gpu_programs_plan_becomes_its_native_launchers_steps(monkeypatch):
 
     class NativeHostCublas(_HostCublas):  # its entry points as C callbacks, as a native step calls them
         set_stream = symbol(i, p, p)(lambda h, s: calls.append(("cublas stream", h, s)) or 0)
+        set_math = symbol(i, p, i)(lambda h, mode: calls.append(("cublas math", h, mode)) or 0)
         gemm = symbol(i, p, i, i, i, i, i, p, p, i, q, p, i, q, p, p, i, q, i)(
             lambda h, ta, tb, m, n, k, al, a, lda, sa, b, ldb, sb, be, out, ldc, sc, batch:
                 calls.append(("gemm", h, m, n, k, a, b, out, batch)) or 0)
@@ -545,12 +546,29 @@ def test_a_gpu_programs_plan_becomes_its_native_launchers_steps(monkeypatch):
                                              0x55, message, 100)
     assert code == 0, message.value
     pointers = [0xA000, 0xB000, 0xB100, 0xD000]  # in0, out0, out1, the product: the kernels' parameters (c0 aside)
-    assert calls == [("cublas stream", 0xAB, 0x55), ("gemm", 0xAB, 32, 4096, 64, 0xC0, 0xA000, 0xD000, 1),
+    assert calls == [("cublas stream", 0xAB, 0x55), ("cublas math", 0xAB, 0), ("gemm", 0xAB, 32, 4096, 64, 0xC0, 0xA000, 0xD000, 1),
                      ("launch", 0xF01, 16, BLOCK, 0x55, pointers),
                      ("memset8", 0xB100, 0, 64 * 4, 0x55), ("launch", 0xF02, 16, BLOCK, 0x55, pointers)]
     del launcher
     gc.collect()
     assert handles == ["made", ("freed", 0xAB)]
+
+
+def test_convolution_products_follow_the_tf32_option(monkeypatch):
+    """A convolution computed as im2col and a cuBLAS product (a weight
+    gradient) rounds to TF32 where the tf32 option allows it, as cuDNN's
+    convolutions do."""
+    from polyjit.targets.nvgpu import NvgpuTarget
+    monkeypatch.setattr(NvgpuTarget, "library_available", lambda self: True)
+    monkeypatch.setattr(NvgpuTarget, "direct_convolutions", lambda self: False)
+
+    def wgrad(x, g):
+        return ops.conv_weight_grad(x, g, [3, 3], [1, 1], [(1, 1), (1, 1)])
+    shapes = [InputInfo([4, 16, 12, 12], F32), InputInfo([4, 32, 12, 12], F32)]
+    for tf32 in (True, False):
+        exe = polyjit.compile(wgrad, shapes, {**PTX_ONLY, "contractions": "library", "tf32": tf32, "cache": False})
+        gemms = [k.library.library for k in exe.compile_default().kernels if k.library is not None]
+        assert gemms and all(g.tf32 == tf32 for g in gemms), (tf32, gemms)
 
 
 def _gpu():
@@ -606,6 +624,9 @@ class _HostCublas:
         return 0
 
     def set_stream(self, handle, stream):
+        return 0
+
+    def set_math(self, handle, mode):
         return 0
 
     def check(self, status, what):

@@ -4,8 +4,9 @@ as a step of the launch sequence, calling cuBLAS's sgemm on the caller's stream.
 cuBLAS is found at run time (runtime.vendor), with no framework imported:
 the ``libcublas`` of NVIDIA's wheels (site-packages ``nvidia/*/lib*``) or of
 the loader's path, bound with ctypes. Without it the floor is unavailable and every contraction
-runs generated code. Its default math is kept (no TF32): float32 products
-match eager's within float32 rounding.
+runs generated code. Its default math (no TF32) is kept for products, whose
+results match eager's within float32 rounding; a convolution's products use
+TF32 where the framework lets its convolutions do so (``Gemm.tf32``).
 
 Row-major through the column-major library by the transposition trick: a
 row-major C = op(A) @ op(B) is, read column-major, C^T = op(B)^T @ op(A)^T,
@@ -30,6 +31,7 @@ from .vendor import Found, VendorLibrary
 
 OP_N, OP_T = 0, 1  # cublasOperation_t
 DEFAULT_MATH = 0  # cublasMath_t: float32 arithmetic, no TF32
+TF32_MATH = 3  # CUBLAS_TF32_TENSOR_OP_MATH: a convolution's products where the framework allows TF32
 
 
 class Cublas(VendorLibrary):
@@ -114,6 +116,7 @@ class GemmStep:
         size = lambda s: sz.evaluate(s, env)  # noqa: E731
         m, n, k = size(g.m), size(g.n), size(g.k)
         self.shape = (OP_T if g.trans_b else OP_N, OP_T if g.trans_a else OP_N, n, m, k)
+        self.math = TF32_MATH if g.tf32 else DEFAULT_MATH
         self.lds = (size(g.ldb), size(g.lda), size(g.ldc))
         boxes = (g.b, g.a, g.c)
         strides = [sz.row_major(tuple(size(s) for s in arrays[box[0]].shape)) for box in boxes]
@@ -146,6 +149,7 @@ class GemmStep:
         with lib.lock:  # the handles (made once) and their stream are shared state
             h = lib.handle(self.device)
             lib.check(lib.set_stream(h, stream or None), "cublasSetStream")
+            lib.check(lib.set_math(h, self.math), "cublasSetMathMode")
             for c in self.calls:
                 a, b, out = (pointers[s] + 4 * o for s, o in zip(c.slots, c.offsets))
                 lib.check(lib.gemm(h, ta, tb, m, n, k, lib.alpha, a, lda, c.strides[0], b, ldb, c.strides[1],
@@ -159,7 +163,8 @@ class GemmStep:
         ta, tb, m, n, k = self.shape
         lda, ldb, ldc = self.lds
         h, alpha, beta = Arg("ptr", handle), Arg("ptr", lib.alpha), Arg("ptr", lib.beta)
-        calls = [Call(address(lib.set_stream), (h, Arg("stream")), f"cublasSetStream ({self.what})")]
+        calls = [Call(address(lib.set_stream), (h, Arg("stream")), f"cublasSetStream ({self.what})"),
+                 Call(address(lib.set_math), (h, i32(self.math)), f"cublasSetMathMode ({self.what})")]
         for c in self.calls:
             a, b, out = (Arg("slot", s, 4 * o) for s, o in zip(c.slots, c.offsets))
             sa, sb, sc = (Arg("i64", x) for x in c.strides)

@@ -40,6 +40,7 @@ class Target:
     library: str = ""  # the vendor library under generated contractions
     times_library: bool = False  # time each contraction both ways (else the library wherever it applies)
     keeps_programs: bool = False  # compiled programs are also shared within the process (by cache key)
+    tensor_float32: bool = False  # its library convolutions may round operands to TF32 (the tf32 option)
 
     def __repr__(self) -> str:
         return f"<target {self.name}>"
@@ -61,7 +62,8 @@ class Target:
                 exe = self.load(graph, options, name, *hit) if hit else None
             hits = hits if exe is not None else 0
         if exe is None:
-            policy = LibraryPolicy(options.contractions, options.num_threads, self, bool(options.tf32))
+            policy = LibraryPolicy(options.contractions, options.num_threads, self,
+                                   bool(options.tf32) and self.tensor_float32)
             with timer("lower"):
                 prog = lower(graph, self.recompute_limit, policy)
             exe = self.build(graph, prog, options, name, timer, machine)

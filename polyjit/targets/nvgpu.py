@@ -75,6 +75,7 @@ class NvgpuTarget(Target):
     recompute_limit = 16  # on a GPU, memory traffic costs more than arithmetic
     library = "cuBLAS"
     keeps_programs = True
+    tensor_float32 = True
 
     def graph_passes(self, graph: Graph) -> Graph:
         return split_reductions(graph)
