@@ -171,7 +171,7 @@ class GpuProgram(CompiledProgram):
         launcher = self._launcher(plan, f"{self.name}_host{_launchers}")
         if launcher is None:
             return False
-        outs = len(self.output_arrays)
+        outs = len(set(self.output_arrays))
         offsets, total = [], 0
         for _, shape, dt in launcher.results[outs:]:
             offsets.append(total)
@@ -209,7 +209,10 @@ class GpuProgram(CompiledProgram):
             if code:
                 raise DeviceError(f"{self.name}: {native.message.value.decode(errors='replace')}")
         self.stats["intermediate_bytes"] = plan.temp_bytes
-        return made
+        if len(made) == len(self.output_arrays):
+            return made
+        by_name = dict(zip((n for n, _, _ in native.outputs), made))
+        return [by_name[n] for n in self.output_arrays]
 
     def _device(self, views, args) -> Device:
         """The one device all GPU arguments are on (InputError for mixed placements)."""

@@ -170,12 +170,13 @@ class CompiledProgram:
         pointers and one for each of its ``results``, the outputs, then the
         temporaries (``fresh``: name -> (argument slot, shape, dtype)), which
         it poisons first where POLYJIT_POISON asks, then runs ``steps``.
-        None where an output is not a buffer of its own (an input, a constant,
-        another output)."""
-        outs = self.output_arrays
-        if len(set(outs)) != len(outs) or any(n not in fresh for n in outs):
+        An array returned twice (a training graph's activation, saved and
+        passed on) is one result. None where an output is not a buffer of
+        its own (an input, a constant)."""
+        outs = list(dict.fromkeys(self.output_arrays))
+        if any(n not in fresh for n in outs):
             return None
-        names = list(outs) + [n for n in fresh if n not in outs]
+        names = outs + [n for n in fresh if n not in outs]
         poisons = [launch.Memset(fresh[n][0], *poison_fill(math.prod(fresh[n][1]) * fresh[n][2].itemsize,
                                                               fresh[n][2].kind), f"poisoning {n}")
                    for n in names if POISON and fresh[n][1]]
