@@ -16,7 +16,7 @@ import islpy as isl
 
 from . import sizes as sz
 from .dtypes import DataType
-from .expr import Expr, Load, loads, to_isl
+from .expr import Expr, Load, it, loads, to_isl
 from .sizes import Size
 
 
@@ -77,6 +77,13 @@ class Statement:
         lhs = f"{self.array}[{', '.join(map(str, self.index))}]"
         op = "=" if self.combine is None else f"{self.combine}="
         return f"{self.name}[{', '.join(self.iters)}] : {self.domain_constraints() or 'true'}\n    {lhs} {op} {self.body}"
+
+
+def loop_nest(shape, prefix: str = "i") -> tuple[tuple[str, ...], tuple[Expr, ...], tuple[tuple[Size, Size], ...]]:
+    """A statement's loops over every point of shape: its iterators
+    (prefix0, prefix1, ...), their expressions and their bounds (0, size)."""
+    iters = tuple(f"{prefix}{d}" for d in range(len(shape)))
+    return iters, tuple(it(i) for i in iters), tuple((0, s) for s in shape)
 
 
 @dataclass

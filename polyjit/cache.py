@@ -16,6 +16,9 @@ processes writing one key both succeed. Past ``POLYJIT_CACHE_BYTES``
 
 ``POLYJIT_CACHE_DIR`` picks the folder (default ``$XDG_CACHE_HOME/polyjit``
 or ``~/.cache/polyjit``); ``compile_options={"cache": False}`` skips it.
+
+Within a process, :class:`ProcessCache` keeps what compiling made
+(scheduled groups, kernels' code, GPU programs) by key.
 """
 from __future__ import annotations
 
@@ -27,7 +30,9 @@ import logging
 import os
 import struct
 import tempfile
+import threading
 import warnings
+import weakref
 import zlib
 from pathlib import Path
 
@@ -44,6 +49,38 @@ log = logging.getLogger("polyjit.cache")
 MAGIC = b"PJC1"
 FORMAT = 1
 DEFAULT_BYTES = 1 << 30
+
+
+class ProcessCache:
+    """Values by key, at most size of them (the oldest goes first), shared
+    by the process's threads."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._items: dict = {}
+        self._lock = threading.Lock()
+        _process_caches.add(self)
+
+    def get(self, key):
+        """The value kept for key, or None."""
+        with self._lock:
+            return self._items.get(key)
+
+    def put(self, key, value) -> None:
+        with self._lock:
+            self._items[key] = value
+            while len(self._items) > self.size:
+                self._items.pop(next(iter(self._items)))
+
+
+def _unlock_after_fork() -> None:
+    """A forked child has only the forking thread: no lock is held there."""
+    for c in list(_process_caches):
+        c._lock = threading.Lock()
+
+
+_process_caches: "weakref.WeakSet[ProcessCache]" = weakref.WeakSet()
+os.register_at_fork(after_in_child=_unlock_after_fork)
 
 
 def cache_dir() -> Path:

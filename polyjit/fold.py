@@ -20,8 +20,6 @@ folds.
 from __future__ import annotations
 
 import collections
-import copy
-import dataclasses
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -54,22 +52,20 @@ def fold_scales(graph: Graph) -> tuple[Graph, int]:
             ends[cur.id] = (n, chain)
     if not ends:
         return graph, 0
-    canon: dict[int, Node] = {}
     count = 0
-    for old in order:
-        ins = tuple(canon[i.id] for i in old.inputs)
-        canon[old.id] = old if all(a is b for a, b in zip(ins, old.inputs)) else dataclasses.replace(old, inputs=ins)
-        if old.id in ends:
-            n, chain = ends[old.id]
-            n, chain = canon[n.id], [canon[u.id] for u in chain]
-            axes = _axes(n)
-            steps = [_step(u, y, n.shape, axes[0]) for u, y in zip(chain, [n] + chain)]
-            folded = _folded(n, axes, steps)
-            if folded is not None:
-                canon[old.id] = folded
-                count += 1
-    g = copy.copy(graph)
-    g.outputs = [canon[o.id] for o in graph.outputs]
+
+    def fold(old: Node, node: Node, new: dict[int, Node]) -> Node:
+        nonlocal count
+        if old.id not in ends:
+            return node
+        n, chain = ends[old.id]
+        n, chain = new[n.id], [new[u.id] for u in chain]
+        axes = _axes(n)
+        steps = [_step(u, y, n.shape, axes[0]) for u, y in zip(chain, [n] + chain)]
+        folded = _folded(n, axes, steps)
+        count += folded is not None
+        return node if folded is None else folded
+    g = graph.rewritten(fold)
     return g, count
 
 

@@ -12,7 +12,7 @@ import copy
 import dataclasses
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -62,7 +62,7 @@ class Node:
     @property
     def is_index_transpose(self) -> bool:
         """A transpose read through its index function, not copied (packed)."""
-        return self.op == "transpose" and not self.attrs.get("materialize")
+        return self.op == "transpose" and not self.attrs.get("packed")
 
     def __str__(self) -> str:
         args = ", ".join(f"%{i.id}" for i in self.inputs)
@@ -587,25 +587,34 @@ class Graph(_Shapes, _LayoutOps, _StructuredOps):
         product's free dimensions becomes the product of swapped operands; zero
         plus a sum is the sum (an embedding's gradient added to zeros: a copy
         of the whole table)."""
-        canon: dict[int, Node] = {}
         table: dict[tuple, Node] = {}
-        order = self.nodes()
-        users = collections.Counter([i.id for n in order for i in n.inputs] + [o.id for o in self.outputs])
-        for old in order:
-            ins = tuple(canon[i.id] for i in old.inputs)
-            n = old if all(a is b for a, b in zip(ins, old.inputs)) else dataclasses.replace(old, inputs=ins)
-            r = ins[0] if n.op == "reshape" else None
+        users = collections.Counter([i.id for n in self.nodes() for i in n.inputs] + [o.id for o in self.outputs])
+
+        def step(old: Node, n: Node, new: dict[int, Node]) -> Node:
+            r = n.inputs[0] if n.op == "reshape" else None
             if r is not None and r.op == "reduce" and r.attrs["keepdim"] and users[old.inputs[0].id] == 1 \
                     and n.shape == tuple(s for d, s in enumerate(r.shape) if d not in r.attrs["axes"]):
                 n = Node("reduce", r.inputs, {**r.attrs, "keepdim": False}, n.shape, n.dtype)
-            if n.op == "transpose" and ins[0].op == "dot_general" and users[old.inputs[0].id] == 1:
-                n = _swapped_product(ins[0], n.attrs["perm"]) or n
+            if n.op == "transpose" and n.inputs[0].op == "dot_general" and users[old.inputs[0].id] == 1:
+                n = _swapped_product(n.inputs[0], n.attrs["perm"]) or n
             if n.op == "add":
                 n = _sum_plus_zero(n) or n
             key = (n.op, tuple(i.id for i in n.inputs), _freeze(n.attrs), n.shape, n.dtype)
-            canon[old.id] = table.setdefault(key, n) if not n.is_input else n
+            return table.setdefault(key, n) if not n.is_input else n
+        return self.rewritten(step)
+
+    def rewritten(self, step: Callable[[Node, Node, dict[int, Node]], Node]) -> "Graph":
+        """A copy in which each node old, operands first, becomes step(old, n,
+        new): n is old on its operands' new nodes (old itself where none
+        changed), new the new node of each old one by id so far (old's: n).
+        The one shape of a graph pass."""
+        new: dict[int, Node] = {}
+        for old in self.nodes():
+            ins = tuple(new[i.id] for i in old.inputs)
+            new[old.id] = old if all(a is b for a, b in zip(ins, old.inputs)) else dataclasses.replace(old, inputs=ins)
+            new[old.id] = step(old, new[old.id], new)
         g = copy.copy(self)
-        g.outputs = [canon[o.id] for o in self.outputs]
+        g.outputs = [new[o.id] for o in self.outputs]
         return g
 
     def __str__(self) -> str:

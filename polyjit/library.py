@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 
 from . import expr as E
 from . import sizes as sz
-from .affine import TAPS
+from .affine import TAPS, loop_nest
 from .dtypes import DataType
 from .expr import Expr
 from .sizes import Size
@@ -76,6 +76,7 @@ class Gemm(LibraryCall):
     split: str
     steps: tuple[int | Size, int | Size, int | Size]
     what: str = dataclasses.field(default="", repr=False, compare=False)  # not structure: like calls share code
+    tf32: bool = False  # a convolution's products, where the framework lets its convolutions use TF32 (cuBLAS)
     READS: ClassVar[tuple[str, ...]] = ("a", "b")
     WRITES: ClassVar[str] = "c"
 
@@ -219,9 +220,8 @@ class LibraryPolicy:
         if not self.target.times_library:  # a model: timing would compile each shape's kernel (seconds) on a GPU
             self.choices.append(f"{what}: library ({self.target.library}: {macs} multiply-adds, reduction {red})")
             return True
-        if FORM[n.op](L, n) == "nchw":  # not worth compiling the generated nest to time it
-            self.choices.append(f"{what}: library (channels first: generated blocks run along image rows, "
-                                "4-30x slower than sgemm in ResNet-18's convolutions)")
+        if FORM[n.op](L, n) in UNTIMED:  # not worth compiling the generated nest to time it
+            self.choices.append(f"{what}: library ({UNTIMED[FORM[n.op](L, n)]})")
             return True
         lib, t_lib, t_gen = self.measure(L, n)
         self.choices.append(f"{what}: {'library' if lib else 'generated'} "
@@ -238,7 +238,7 @@ class LibraryPolicy:
         bases, ins = [], []
         for i in n.inputs:
             chain = []
-            while i.op == "transpose" and i.id not in L.array_of:
+            while (i.is_index_transpose or i.attrs.get("packed")) and i.id not in L.array_of:
                 chain.append(i.attrs["perm"])
                 i = i.inputs[0]
             bases.append((tuple(int(s) for s in L.shape(i)), i.dtype))
@@ -297,9 +297,11 @@ def _time(exes, args, reps: int = 5, budget: float = 0.4) -> list[float]:
 
 # ------------------------------------------------------------- lowering
 def gemm_form(L, n) -> str | None:
-    """"nchw" (channels before the image: C = W @ col) or "nhwc" (channels
-    last: C = col @ W) where the library can compute the convolution n;
-    None where it cannot (another dtype or layout, a symbolic group size)."""
+    """"nchw" (channels before the image: C = W @ col), "nhwc" (channels
+    last: C = col @ W) or "cfirst" (output channels outermost, the batch
+    among the rest: a weight gradient, C = W @ col over all images at once)
+    where the library can compute the convolution n; None where it cannot
+    (another dtype or layout, a symbolic group size)."""
     if n.dtype != DataType.Float or n.inputs[1].dtype != DataType.Float or n.inputs[0].dtype != DataType.Float:
         return None
     lay = n.attrs["layout"]
@@ -311,6 +313,8 @@ def gemm_form(L, n) -> str | None:
         return "nchw"
     if lay == "N" + sp + "C":
         return "nhwc"
+    if lay[0] == "C" and n.attrs["groups"] == 1 and all(map(sz.is_static, L.shape(n.inputs[0]))):
+        return "cfirst"
     return None
 
 
@@ -321,7 +325,7 @@ def direct_form(L, n) -> bool:
     lay = n.attrs["layout"]
     sp = "".join(c for c in lay if c not in "NC")
     x = n.inputs[0]
-    return (L.library is not None and L.library.target.direct_convolutions() and gemm_form(L, n) is not None
+    return (L.library is not None and L.library.target.direct_convolutions() and gemm_form(L, n) in ("nchw", "nhwc")
             and 2 <= len(sp) <= 3 and all(lo == hi >= 0 for lo, hi in n.attrs["padding"])  # (cuDNN: 4-d, 5-d)
             and not (x.is_input and x.attrs.get("strided")) and not any(i.is_constant for i in n.inputs))
 
@@ -342,11 +346,11 @@ def _lower_direct(L, n, out: str) -> None:
     if klay != want:
         wname, shape = f"t{n.id}_w", tuple(L.shape(w)[klay.index(c)] for c in want)
         L.declare_array(wname, shape, n.dtype)
-        iters = tuple(f"i{d}" for d in range(len(shape)))
+        iters, idx, bounds = loop_nest(shape)
         src = [None] * w.rank
-        for c, i in zip(want, iters):
-            src[klay.index(c)] = E.it(i)
-        L.add(wname, iters, tuple((0, s) for s in shape), tuple(E.it(i) for i in iters), L.value(w, src), "pack")
+        for c, i in zip(want, idx):
+            src[klay.index(c)] = i
+        L.add(wname, iters, bounds, idx, L.value(w, src), "pack")
         klay = want
     at = n.attrs
     call = Convolution(_box(L.array_of[x.id], L.shape(x), {}), _box(wname, L.arrays[wname].shape, {}),
@@ -363,8 +367,10 @@ def lower_conv(L, n, out: str) -> None:
     an sgemm statement per image and group."""
     if direct_form(L, n):
         return _lower_direct(L, n, out)
-    lay, klay, groups = n.attrs["layout"], n.attrs["kernel_layout"], n.attrs["groups"]
     form = gemm_form(L, n)
+    if form == "cfirst":
+        return _lower_cfirst(L, n, out)
+    lay, klay, groups = n.attrs["layout"], n.attrs["kernel_layout"], n.attrs["groups"]
     ws, os_ = L.shape(n.inputs[1]), L.shape(n)
     cout = int(ws[klay.index("O")])
     cg = cout // groups
@@ -380,11 +386,56 @@ def lower_conv(L, n, out: str) -> None:
     if form == "nchw":  # C (cg x pos) = W (cg x red) @ col (red x pos); the parts share positions, or
         # output channels where an image has fewer (a 4x4 of 512 channels)
         split, steps = ("n", (0, 1, 1)) if pos >= cg else ("m", (ld_w if w_rows else 1, 0, pos))
-        call = Gemm(wbox, col, cbox, cg, pos, red, ld_w, ld_col, pos, not w_rows, False, split, steps, what)
+        call = Gemm(wbox, col, cbox, cg, pos, red, ld_w, ld_col, pos, not w_rows, False, split, steps, what,
+                    _tf32(L))
     else:  # C (pos x cg, rows cout apart) = col (pos x red) @ W (red x cg)
-        call = Gemm(col, wbox, cbox, pos, cg, red, ld_col, ld_w, cout, False, w_rows, "m", (ld_col, 0, cout), what)
+        call = Gemm(col, wbox, cbox, pos, cg, red, ld_col, ld_w, cout, False, w_rows, "m", (ld_col, 0, cout), what,
+                    _tf32(L))
     bounds = ((0, os_[lay.index("N")]), (0, groups))
     L.add(out, ("i0", "i1"), bounds, cbox[1], E.const(0.0, n.dtype), "sgemm", library=call)
+
+
+def _lower_cfirst(L, n, out: str) -> None:
+    """n, its output channels outermost (a weight gradient: the images are
+    the contraction), as one sgemm over the whole output:
+    C (cout x rest) = W (cout x red) @ col (red x rest), rest being the
+    output's other dims in order. The columns are stored with the input's
+    innermost dim innermost, so that filling them reads the input in rows."""
+    from .lowering import conv_input_index, guarded
+    x, w = n.inputs
+    at, lay, klay = n.attrs, n.attrs["layout"], n.attrs["kernel_layout"]
+    sp = [c for c in lay if c not in "NC"]
+    ws, os_ = L.shape(w), L.shape(n)
+    kdims = [c for c in klay if c != "O"]
+    kext = [int(ws[klay.index(c)]) for c in kdims]
+    rest = [int(s) for s in os_[1:]]
+    cout, red, cols = int(os_[0]), math.prod(kext), math.prod(rest)
+    wbox, w_rows = _conv_kernel(L, n, kdims)
+    by_rows = lay[-1] != "N"  # col stored (rest x red): the input's rows run along the kernel's last dim
+    name = f"t{n.id}_col"
+    shape = (*rest, *kext) if by_rows else (*kext, *rest)
+    L.declare_array(name, shape, n.dtype)
+    idx = [E.it(f"i{d}") for d in range(len(shape))]
+    ov = dict(zip(lay[1:], idx[:len(rest)] if by_rows else idx[len(kext):]))
+    kv = dict(zip(kdims, idx[len(rest):] if by_rows else idx[:len(kext)]))
+    xi = conv_input_index(L, n, ov["N"], kv["I"], [ov[c] for c in sp], [kv[c] for c in sp])
+    body = guarded(L, x, xi, E.const(0.0, n.dtype), [lay.index(c) for k, c in enumerate(sp) if any(at["padding"][k])])
+    L.add(name, tuple(f"i{d}" for d in range(len(shape))), tuple((0, s) for s in shape), tuple(idx), body, "im2col",
+          role=TAPS)
+    col = _box(name, shape, {})
+    lda, ldb = red if w_rows else cout, red if by_rows else cols
+    if cols >= cout:  # the parts share the longer side
+        split, steps = "n", (0, ldb if by_rows else 1, 1)
+    else:
+        split, steps = "m", (lda if w_rows else 1, 0, cols)
+    call = Gemm(wbox, col, _box(out, os_, {}), cout, cols, red, lda, ldb, cols, not w_rows, by_rows, split, steps,
+                f"conv {n.id}", _tf32(L))
+    L.add(out, ("i0",), ((0, 1),), tuple(E.const(0) for _ in os_), E.const(0.0, n.dtype), "sgemm", library=call)
+
+
+def _tf32(L) -> bool:
+    """Whether a convolution's library products may round to TF32 (as the framework's convolutions do)."""
+    return bool(L.library is not None and L.library.tf32)
 
 
 def _box(array: str, shape, fixed: dict) -> Box:
@@ -417,15 +468,14 @@ def _conv_columns(L, n, form: str, kdims) -> tuple[Box, int]:
     outer = kext + osz if form == "nchw" else osz + kext
     shape = (L.shape(n)[lay.index("N")], groups, *outer)
     L.declare_array(name, shape, n.dtype)
-    idx = [E.it(f"i{d}") for d in range(len(shape))]
+    iters, idx, bounds = loop_nest(shape)
     kv = dict(zip(kdims, idx[2:2 + len(kdims)] if form == "nchw" else idx[2 + len(sp):]))
     ov = idx[2 + len(kdims):] if form == "nchw" else idx[2:2 + len(sp)]
     channel = E.iadd(E.imul(idx[1], int(ws[klay.index("I")])), kv["I"]) if groups > 1 else kv["I"]
     xi = conv_input_index(L, n, idx[0], channel, ov, [kv[c] for c in sp])
     body = guarded(L, x, xi, E.const(0.0, n.dtype), [lay.index(c) for k, c in enumerate(sp) if any(at["padding"][k])])
-    L.add(name, tuple(f"i{d}" for d in range(len(shape))), tuple((0, s) for s in shape), tuple(idx), body, "im2col",
-          role=TAPS)
-    return _box(name, shape, {0: (E.it("i0"), 1), 1: (E.it("i1"), 1)}), pos if form == "nchw" else red
+    L.add(name, iters, bounds, idx, body, "im2col", role=TAPS)
+    return _box(name, shape, {0: (idx[0], 1), 1: (idx[1], 1)}), pos if form == "nchw" else red
 
 
 def _conv_kernel(L, n, kdims) -> tuple[Box, bool]:
@@ -442,11 +492,11 @@ def _conv_kernel(L, n, kdims) -> tuple[Box, bool]:
         wname, wlay = f"t{n.id}_w", "O" + "".join(kdims)
         pshape = (cout, *(ws[klay.index(c)] for c in kdims))
         L.declare_array(wname, pshape, n.dtype)
-        iters = tuple(f"i{d}" for d in range(len(pshape)))
+        iters, idx, bounds = loop_nest(pshape)
         src = [None] * w.rank
-        for c, i in zip(wlay, iters):
-            src[klay.index(c)] = E.it(i)
-        L.add(wname, iters, tuple((0, s) for s in pshape), tuple(E.it(i) for i in iters), L.value(w, src), "pack")
+        for c, i in zip(wlay, idx):
+            src[klay.index(c)] = i
+        L.add(wname, iters, bounds, idx, L.value(w, src), "pack")
     shape = L.arrays[wname].shape
     o = 0 if wlay[0] == "O" else len(shape) - 1
     cg = cout // groups
@@ -502,9 +552,8 @@ def _operand(L, node, name: str, nb: int, batch_iters, free: int, contract: int)
     m = _matrix(L, node, whole=nb == 0)
     if m is None or m[1][:nb] != list(range(nb)):
         L.declare_array(name, L.shape(node), node.dtype)
-        iters = tuple(f"i{d}" for d in range(node.rank))
-        idx = tuple(E.it(i) for i in iters)
-        L.add(name, iters, tuple((0, s) for s in L.shape(node)), idx, L.value(node, idx), "pack")
+        iters, idx, bounds = loop_nest(L.shape(node))
+        L.add(name, iters, bounds, idx, L.value(node, idx), "pack")
         m = (name, list(range(node.rank)), int(L.shape(node)[-1]))
     array, perm, ld = m
     shape = L.arrays[array].shape
@@ -522,8 +571,8 @@ def lower_dot(L, n, out: str) -> None:
     a, b = n.inputs
     at = n.attrs
     shape = L.shape(n)
-    iters = tuple(f"i{k}" for k in range(max(nb, 1)))
-    batch = [E.it(i) for i in iters[:nb]]
+    iters, idx, bounds = loop_nest(shape[:nb] or (1,))  # (one call, where there is no batch)
+    batch = list(idx[:nb])
     abox, ta, lda = _operand(L, a, f"t{n.id}_a", nb, batch, lf, at["lc"][0])
     bbox, tb, ldb = _operand(L, b, f"t{n.id}_b", nb, batch, rf, at["rc"][0])
     tb = not tb  # b is wanted as (contracting x free): stored so unless its free dim comes first
@@ -533,7 +582,6 @@ def lower_dot(L, n, out: str) -> None:
         call = Gemm(abox, bbox, cbox, m, nn, k, lda, ldb, nn, ta, tb, "n", (0, ldb if tb else 1, 1), f"dot {n.id}")
     else:
         call = Gemm(abox, bbox, cbox, m, nn, k, lda, ldb, nn, ta, tb, "m", (1 if ta else lda, 0, nn), f"dot {n.id}")
-    bounds = tuple((0, shape[d]) for d in range(nb)) or ((0, 1),)
     L.add(out, iters, bounds, cbox[1], E.const(0.0, n.dtype), "sgemm", library=call)
 
 
@@ -554,6 +602,11 @@ def _dot_reduction(n, xs, ws) -> tuple[int, str | None]:
 def _never(L, n) -> bool:
     return False
 
+
+UNTIMED = {  # forms whose generated nests lose by far: the library without a timing
+    "nchw": "channels first: generated blocks run along image rows, 4-30x slower than sgemm in ResNet-18's "
+            "convolutions",
+    "cfirst": "a weight gradient: generated nests reduce over the images and positions one output at a time"}
 
 # per contraction op: the library's form of it (None: not one it computes), its
 # reduction's length, the lowering to library calls, and a direct form (cuDNN's)

@@ -2,7 +2,10 @@
 
 An op is either *inlined* (its scalar expression is substituted into its
 consumers, so layout ops become index functions and elementwise chains become
-one body) or *materialized* (it gets an array and statements). Reductions,
+one body) or *materialized* (it gets an array and statements). A graph pass
+may ask for an array: attribute ``materialize`` (a value computed once,
+fold's per-channel scales) or ``packed`` (an operand's copy laid out for
+register blocks, not made where only library calls read it). Reductions,
 contractions and windows are written once as a :class:`ReductionSpec`; small
 static windows (a 1x5 blur tap, a 3x3 pooling window) unroll into an
 expression, larger ones become an init and an update statement.
@@ -16,7 +19,7 @@ from typing import Any, Callable, Sequence
 from . import expr as E
 from . import scalar
 from . import sizes as sz
-from .affine import AffineProgram, Array, Role, Statement
+from .affine import AffineProgram, Array, Role, Statement, loop_nest
 from .dtypes import DataType
 from .errors import DefinitionError
 from .expr import Const, Expr, Load, Op
@@ -99,7 +102,7 @@ class Lowering:
         """Whether n is an operand's copy laid out for generated register
         blocks (targets.cpu.packed_operands) that a contraction needs: a library call reads
         the original through its transposition instead."""
-        return bool(n.attrs.get("materialize")) and n.id not in self.in_place
+        return bool(n.attrs.get("packed")) and n.id not in self.in_place
 
     def is_statement_op(self, n: Node) -> bool:
         if n.op in STATEMENT_OPS or n.id in self.library_nodes:
@@ -155,7 +158,7 @@ class Lowering:
                 work[n.id] = w
                 continue
             materialize = (n.id in outputs or self.is_statement_op(n) or self.packed(n) or n.id in self.operands
-                           or (uses[n.id] - 1) * w > self.recompute_limit)
+                           or n.attrs.get("materialize") or (uses[n.id] - 1) * w > self.recompute_limit)
             if materialize:
                 self.declare(n)
                 work[n.id] = 0
@@ -195,25 +198,21 @@ class Lowering:
             name = self.array_of.get(n.id)
             if name is None or self.arrays[name].kind not in ("temp", "output"):
                 continue
-            shape = self.shape(n)
-            iters = tuple(f"i{d}" for d in range(len(shape)))
-            idx = tuple(E.it(i) for i in iters)
-            bounds = tuple((0, s) for s in shape)
+            iters, idx, bounds = loop_nest(self.shape(n))
             if n.id in self.library_nodes:
                 from .library import LOWER
                 LOWER[n.op](self, n, name)
             elif n.op in STATEMENT_OPS:
-                STATEMENT_OPS[n.op](self, n, name, iters, bounds)
+                STATEMENT_OPS[n.op](self, n, name)
             elif n.op in REDUCTIONS and self.is_statement_op(n):
                 spec = REDUCTIONS[n.op](self, n)
                 product = n.op in CONTRACTIONS
                 self.add(name, iters, bounds, idx, identity(spec.combine, n.dtype), n.op + "_init", role=Role.INIT,
                          contraction=product)
-                riters = tuple(f"r{k}" for k in range(len(spec.red_sizes)))
-                body = spec.term(idx, tuple(E.it(r) for r in riters))
-                self.add(name, iters + riters, bounds + tuple((0, s) for s in spec.red_sizes),
-                         idx, body, n.attrs.get("op", n.op), combine=spec.combine,
-                         reduction_iters=riters, extra=spec.extra, role=Role.UPDATE, contraction=product)
+                riters, ridx, rbounds = loop_nest(spec.red_sizes, "r")
+                self.add(name, iters + riters, bounds + rbounds, idx, spec.term(idx, ridx), n.attrs.get("op", n.op),
+                         combine=spec.combine, reduction_iters=riters, extra=spec.extra, role=Role.UPDATE,
+                         contraction=product)
             else:
                 self.add(name, iters, bounds, idx, self.inline(n, idx), n.op)
 
@@ -243,10 +242,9 @@ class Lowering:
             src = self.array_of.get(o.id)
             if src is None:  # a value only ever computed inline (a constant): into the output
                 shape = self.shape(o)
-                iters = tuple(f"i{d}" for d in range(len(shape)))
-                idx = tuple(E.it(i) for i in iters)
+                iters, idx, bounds = loop_nest(shape)
                 self.arrays[out] = Array(out, tuple(shape), o.dtype, "output", index=k)
-                self.add(out, iters, tuple((0, s) for s in shape), idx, self.inline(o, idx), o.op)
+                self.add(out, iters, bounds, idx, self.inline(o, idx), o.op)
                 continue
             arr = self.arrays[src]
             self.arrays[out] = Array(out, arr.shape, arr.dtype, "output", index=k)
@@ -254,11 +252,8 @@ class Lowering:
                 del self.arrays[src]
                 self.array_of[o.id] = out
             else:  # an input or constant returned as is: copy it
-                shape = self.shape(o)
-                iters = tuple(f"i{d}" for d in range(len(shape)))
-                idx = tuple(E.it(i) for i in iters)
-                self.add(out, iters, tuple((0, s) for s in shape), idx,
-                         Load(arr.dtype, src, idx), "copy")
+                iters, idx, bounds = loop_nest(self.shape(o))
+                self.add(out, iters, bounds, idx, Load(arr.dtype, src, idx), "copy")
         self.emit()
         params = sorted({p for a in self.arrays.values() for s in a.shape
                          if isinstance(s, Lin) for p in s.params()})
@@ -624,10 +619,10 @@ REDUCTIONS: dict[str, Callable[[Lowering, Node], ReductionSpec]] = {
 
 
 # ======================================================= statement ops
-def _cumulative(L: Lowering, n: Node, name, iters, bounds):
+def _cumulative(L: Lowering, n: Node, name):
     """A first-order recurrence: out[i] = out[i-1] (op) x[i], one statement."""
     axis, op = n.attrs["axis"], n.attrs["op"]
-    idx = tuple(E.it(i) for i in iters)
+    iters, idx, bounds = loop_nest(L.shape(n))
     prev = list(idx)
     prev[axis] = Op(DataType.Int, "max", (E.isub(idx[axis], E.const(1)), E.const(0)))
     first = Op(DataType.Bool, "gt", (idx[axis], E.const(0)))
@@ -635,14 +630,12 @@ def _cumulative(L: Lowering, n: Node, name, iters, bounds):
     L.add(name, iters, bounds, idx, Op(n.dtype, scalar.COMBINE[op], (carry, L.value(n.inputs[0], idx))), "cumulative")
 
 
-def _scatter(L: Lowering, n: Node, name, iters, bounds):
+def _scatter(L: Lowering, n: Node, name):
     index, src = n.inputs
     axis, op = n.attrs["axis"], n.attrs["op"]
-    idx = tuple(E.it(i) for i in iters)
+    iters, idx, bounds = loop_nest(L.shape(n))
     L.add(name, iters, bounds, idx, identity(op, n.dtype), "scatter_init", role=Role.INIT)
-    space = L.shape(index) if n.attrs["along"] else L.shape(src)
-    siters = tuple(f"j{d}" for d in range(len(space)))
-    sidx = tuple(E.it(i) for i in siters)
+    siters, sidx, sbounds = loop_nest(L.shape(index) if n.attrs["along"] else L.shape(src), "j")
     size = L.shape(n)[axis]
     if n.attrs["along"]:
         target = list(sidx)
@@ -650,7 +643,7 @@ def _scatter(L: Lowering, n: Node, name, iters, bounds):
     else:
         k = index.rank
         target = list(sidx[:axis]) + [_position(L, index, sidx[axis:axis + k], size)] + list(sidx[axis + k:])
-    L.add(name, siters, tuple((0, s) for s in space), target, L.value(src, sidx),
+    L.add(name, siters, sbounds, target, L.value(src, sidx),
           "scatter_add" if op == "sum" else "scatter", combine=op, reduction_iters=siters, role=Role.UPDATE)
 
 
@@ -663,4 +656,4 @@ def _read_in_place(nodes: list[Node], library: set[int]) -> set[int]:
     for n in nodes:
         for i in n.inputs:
             readers.setdefault(i.id, set()).add(n.id)
-    return {n.id for n in nodes if n.attrs.get("materialize") and readers.get(n.id) and readers[n.id] <= library}
+    return {n.id for n in nodes if n.attrs.get("packed") and readers.get(n.id) and readers[n.id] <= library}

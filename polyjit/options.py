@@ -13,6 +13,15 @@ FUSION = ("max", "none")
 CONTRACTIONS = ("auto", "generated", "library")
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity: taskset, a container's
+    cpuset), not the machine's: more threads than cores spin against each other."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # (no affinity on macOS)
+        return os.cpu_count() or 1
+
+
 @dataclass(frozen=True)
 class CompileOptions:
     """Validated compile options. ``target=None`` (the default) compiles for
@@ -24,7 +33,7 @@ class CompileOptions:
     dump_dir: str = "polyjit_dump"
     tile_sizes: tuple[int, ...] | None = None
     fusion: str = "max"
-    num_threads: int = field(default_factory=lambda: os.cpu_count() or 1)
+    num_threads: int = field(default_factory=lambda: usable_cores())
     strict: bool = False
     gpu_arch: str | None = None
     contractions: str = "auto"

@@ -253,7 +253,7 @@ def _call(n: Node, g: Graph, names: dict, refs: dict) -> str:
         return _CALLS[n.op].format(array=array, **f)
     if n.op in _BUILT:
         return _BUILT[n.op](n, g, a, f, refs)
-    if set(at) - {"materialize"}:
+    if set(at) - {"materialize", "packed"}:
         raise DefinitionError(f"{n.op} with attributes {sorted(at)} has no printed form")
     return f"fd.ops.{n.op}({', '.join(a)})"
 

@@ -320,3 +320,20 @@ def test_the_library_timing_counts_the_weight_the_generated_nest_packs(rng, monk
     np.testing.assert_allclose(exe(x, w), x.astype(np.float64) @ w.T, rtol=1e-4, atol=1e-4)
     (key,) = library._measured
     assert key[1][1][0] == (64, 256) and key[2][1] == ((1, 0),), key
+
+
+@needs_blas
+def test_weight_gradient_is_one_sgemm_over_all_images():
+    """A convolution's weight gradient (the images are its contraction, its
+    output channels outermost) is a library call, in auto mode, and equals eager's."""
+    mod = nn.Conv2d(32, 64, 3, padding=1)
+    ref = copy.deepcopy(mod)
+    jm = polyjit.jit_torch(mod, compile_options={"num_threads": 2, "strict": True})
+    x = torch.randn(3, 32, 12, 11)
+    out, want = jm(x), ref(x)
+    r = torch.randn_like(want)
+    (out * r).sum().backward()
+    (want * r).sum().backward()
+    torch.testing.assert_close(mod.weight.grad, ref.weight.grad, rtol=1e-4, atol=1e-4)
+    choices = [c for g in jm.stats.graphs.values() for c in g["contractions"]]
+    assert any("a weight gradient" in c and ": library" in c for c in choices), choices

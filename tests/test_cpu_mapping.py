@@ -5,6 +5,7 @@ import numpy as np
 
 import polyjit
 from polyjit import InputInfo, ops
+from polyjit.cache import ProcessCache
 from polyjit.codegen import cpu_mapping, program
 from polyjit.codegen.cpu import vector_bits
 from polyjit.library import blas
@@ -60,9 +61,33 @@ def test_mapping_is_dumped_and_cached(tmp_path, monkeypatch):
 def test_emitter_follows_the_plan(monkeypatch, rng):
     """A plan without strips is emitted without them (and still computes the blur)."""
     monkeypatch.setattr(cpu_mapping.CpuMapper, "row_strips", lambda self, loop: None)
-    monkeypatch.setattr(program, "_codes", {})  # no code shared from earlier compiles
+    monkeypatch.setattr(program, "_codes", ProcessCache(program.CODE_CACHE))  # no code shared from earlier compiles
     img = rng.random((3, 40, 50), dtype=F32)
     exe = polyjit.compile(blur, [InputInfo(list(img.shape), F32)], {"cache": False, "num_threads": 2})
     assert exe.ir("mapping").split(": ", 1)[1].startswith("thread team; parallel c0; private")
     assert "strip.item" not in exe.ir("llvm")
     np.testing.assert_allclose(exe(img), refs.blur(img.astype(np.float64)), rtol=1e-5, atol=1e-6)
+
+
+def test_batch_norm_backward_in_nchw_runs_on_the_thread_team(rng):
+    """A batch norm's backward in NCHW: two per-channel sums over the batch
+    and image, and the elementwise pass that needs them, fused. isl puts the
+    batch loop outermost (shifted: the pass needs both images' sums), which
+    carries the sums; the channel loop, parallel, goes outside it."""
+    def bn_backward(a, gy, x, m):
+        g = ops.where(a <= 0.0, ops.zeros_like(gy), gy)
+        xm = x - ops.reshape(m, [1, 16, 1, 1])
+        s1 = ops.sum(g * xm, [0, 2, 3])
+        s2 = ops.sum(g, [0, 2, 3])
+        return g - xm * ops.reshape(s1 * 1e-3, [1, 16, 1, 1]) - ops.reshape(s2 * 1e-3, [1, 16, 1, 1]), s1, s2
+    shapes = [(2, 16, 40, 40)] * 3 + [(16,)]
+    plans = _mapping(bn_backward, shapes, num_threads=2)
+    assert all(p.startswith("thread team; parallel") for p in plans), plans
+    args = [rng.standard_normal(s).astype(F32) for s in shapes]
+    exe = polyjit.compile(bn_backward, [InputInfo(list(s), F32) for s in shapes], {"num_threads": 2})
+    g = np.where(args[0] <= 0, 0, args[1])
+    xm = args[2] - args[3].reshape(1, 16, 1, 1)
+    s1, s2 = (g * xm).sum((0, 2, 3)), g.sum((0, 2, 3))
+    want = g - xm * (s1 * 1e-3).reshape(1, 16, 1, 1) - (s2 * 1e-3).reshape(1, 16, 1, 1)
+    for got, ref in zip(exe(*args), (want, s1, s2)):
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)

@@ -1,4 +1,5 @@
 """Fusion, contraction and their legality, asserted through compile stats."""
+import os
 import re
 
 import numpy as np
@@ -135,6 +136,15 @@ def test_num_threads(threads, rng):
     np.testing.assert_allclose(exe(x), refs.softmax(x.astype(np.float64)), rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no CPU affinity on this OS")
+def test_default_threads_are_the_cores_the_process_may_use(monkeypatch):
+    """Under taskset or a container's cpuset, as many threads as usable cores,
+    not the machine's: more would spin against each other."""
+    from polyjit.options import CompileOptions
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 3})
+    assert CompileOptions().num_threads == 2
+
+
 def test_fusion_definition_example():
     with FusionDefinition() as fd:
         t0 = fd.define_tensor(symbolic_sizes=[-1, 1, -1], contiguous=[True] * 3, dtype=DataType.Float)
@@ -244,7 +254,7 @@ def test_linear_reads_a_packed_copy_of_its_weight(rng):
     (contracting, free) order and the contraction reads the copy."""
     x, w = rng.standard_normal((70, 90), dtype=F32), rng.standard_normal((50, 90), dtype=F32)
     exe = polyjit.compile(lambda a, b: ops.linear(a, b), [InputInfo(x.shape, F32), InputInfo(w.shape, F32)], GEN)
-    assert "materialize=True" in exe.ir("graph")
+    assert "packed=True" in exe.ir("graph")
     assert "= in1[i1, i0]" in exe.ir("affine")
     np.testing.assert_allclose(exe(x, w), x.astype(np.float64) @ w.T, rtol=1e-5, atol=1e-4)
 
@@ -364,8 +374,13 @@ def test_register_blocks_follow_the_vector_width(bits, cols):
     AVX2 (64 would need 32 accumulators, twice AVX2's registers)."""
     from polyjit.lowering import lower
     from polyjit.schedule import schedule_program
+    from polyjit.targets import CpuTarget
+
+    class Host(CpuTarget):
+        def vector_bits(self) -> int:
+            return bits
     graph = polyjit.compile(ops.matmul, [InputInfo([256, 256], F32)] * 2).graph
-    ast = schedule_program(lower(graph.deduplicated()), vector_bits=bits).ast_text()
+    ast = schedule_program(lower(graph.deduplicated()), target=Host()).ast_text()
     block = [line for line in ast.splitlines() if line.strip().startswith("S1(")]
     assert len(block) == 4 * cols
 

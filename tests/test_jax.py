@@ -12,6 +12,7 @@ from jax import lax  # noqa: E402
 
 import polyjit  # noqa: E402
 from polyjit.errors import CompileOptionError, InputError, UnsupportedOpError  # noqa: E402
+from polyjit.library import blas  # noqa: E402
 
 
 @pytest.fixture
@@ -174,6 +175,21 @@ def test_strided_convolution_gradients(rng, strides, padding):
         y = lax.conv_general_dilated(x, w, strides, padding, dimension_numbers=("NHWC", "HWIO", "NHWC"))
         return (jnp.tanh(y) * jnp.arange(y.size).reshape(y.shape) / y.size).sum()
     check(jax.grad(loss, argnums=(0, 1)), rnd(rng, 2, 11, 10, 3), rnd(rng, 3, 3, 3, 4), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(blas() is None, reason="no OpenBLAS from numpy to call")
+@pytest.mark.parametrize("strides", [(1, 1), (2, 2)])
+def test_weight_gradient_channels_last_is_a_library_call(rng, strides):
+    """The kernel's gradient of an NHWC convolution (the images and
+    positions contracted, channels last) runs as one sgemm, as the forward does."""
+    def loss(w, x, r):
+        y = lax.conv_general_dilated(x, w, strides, "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return (jax.nn.relu(y) * r).sum()
+    x, w = rnd(rng, 2, 9, 11, 13), rnd(rng, 3, 3, 13, 17)
+    r = rnd(rng, *lax.conv_general_dilated(x, w, strides, "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")).shape)
+    jg = polyjit.jit_jax(jax.grad(loss), compile_options={"strict": True, "contractions": "library"})
+    np.testing.assert_allclose(np.asarray(jg(w, x, r)), np.asarray(jax.grad(loss)(w, x, r)), rtol=1e-4, atol=1e-4)
+    assert jg.stats["library_calls"] == 2  # the forward and the weight gradient
 
 
 @pytest.mark.parametrize("fn", [

@@ -122,6 +122,15 @@ def _mapping(fn, shapes, **options):
     return [line.split(": ", 1)[1] for line in lines]
 
 
+def test_channel_sums_run_along_rows_first():
+    """A sum over NCHW's N, H and W (a batch norm's statistics) sums each
+    image's channel as a row first (a block of lanes per row), then the
+    images' partial sums: whole, it ran a thread per channel."""
+    plans = _mapping(lambda x: ops.sum(x, [0, 2, 3]), [(32, 64, 20, 20)])
+    assert any(p.startswith("warp rows: grid c0 x c1") for p in plans), plans
+    assert not any(p.startswith(("nest per thread", "one thread")) for p in plans), plans
+
+
 def test_mapping_stage_names_each_kernels_form(tmp_path, monkeypatch):
     """The mapping stage, decided before emission, prints a line per kernel:
     its name, its form and the form's parameters."""
@@ -471,6 +480,97 @@ def test_native_launcher_runs_library_steps_holding_its_lock():
     assert c.c_int32.from_address(lock[0]).value == 0
 
 
+def test_a_gpu_programs_plan_becomes_its_native_launchers_steps(monkeypatch):
+    """Without a GPU: a GpuProgram's plan for a signature (a cuBLAS step, its
+    kernels, an atomic sum's zeroing) built into a native launcher, run
+    against a driver and a cuBLAS written in Python: the steps in the
+    program's order, the product on the input, constant and temporary, each
+    kernel's argument block its parameters' pointers, the zeroing before the
+    sum, one handle for the library freed with the launcher."""
+    import gc
+    from types import SimpleNamespace
+
+    from polyjit.codegen.nvgpu import BLOCK
+    from polyjit.runtime import cublas, cuda, gpu_program, launch
+    from polyjit.runtime import program as runtime_program
+    from polyjit.runtime.gpu_buffers import GpuView
+    c = ctypes
+    calls, keep, handles = [], [], []
+    symbol = _callbacks(keep)
+    i, p, q = c.c_int, c.c_void_p, c.c_longlong
+
+    def block(params, n):
+        return [c.cast(c.cast(params, c.POINTER(p))[k], c.POINTER(c.c_uint64))[0] for k in range(n)]
+
+    class NativeHostCublas(_HostCublas):  # its entry points as C callbacks, as a native step calls them
+        set_stream = symbol(i, p, p)(lambda h, s: calls.append(("cublas stream", h, s)) or 0)
+        set_math = symbol(i, p, i)(lambda h, mode: calls.append(("cublas math", h, mode)) or 0)
+        gemm = symbol(i, p, i, i, i, i, i, p, p, i, q, p, i, q, p, p, i, q, i)(
+            lambda h, ta, tb, m, n, k, al, a, lda, sa, b, ldb, sb, be, out, ldc, sc, batch:
+                calls.append(("gemm", h, m, n, k, a, b, out, batch)) or 0)
+
+        def new_handle(self, dev):
+            handles.append("made")
+            return 0xAB
+
+        def destroy(self, h):
+            handles.append(("freed", h))
+    monkeypatch.setattr(cublas, "cublas", lambda: NativeHostCublas())
+    W = np.ones((64, 32), F32)
+    exe = polyjit.compile(lambda x: (ops.relu(ops.matmul(x, W)), ops.sum(x, [0])), [InputInfo((4096, 64), F32)],
+                          {**PTX_ONLY, "contractions": "library"})
+    prog = exe.compile_default()
+    assert [(k.library is not None, k.zeroed) for k in prog.kernels] == [(True, ()), (False, ()), (False, ("out1",))]
+    dev = SimpleNamespace(ordinal=0, context=0x77, multiprocessors=4, activate=lambda: None)
+    monkeypatch.setattr(prog, "_device", lambda views, args: dev)
+    monkeypatch.setattr(prog, "_functions", lambda d: {k.name: (0xF00 + n, 2) for n, k in enumerate(prog.kernels)})
+    monkeypatch.setattr(prog, "_const", lambda index, d, stream: SimpleNamespace(ptr=0xC0))
+    monkeypatch.setattr(cuda, "used_devices", set())
+    monkeypatch.setattr(runtime_program, "POISON", False)
+    monkeypatch.setattr(gpu_program, "launch_symbols", lambda: {
+        "cuStreamGetCtx": symbol(i, p, p)(lambda s, out: c.cast(out, c.POINTER(p)).__setitem__(0, 0x77) or 0),
+        "cuCtxGetCurrent": symbol(i, p)(lambda out: c.cast(out, c.POINTER(p)).__setitem__(0, 0x77) or 0),
+        "cuCtxSetCurrent": symbol(i, p)(lambda x: 0),
+        "cuMemsetD8Async": symbol(i, c.c_uint64, c.c_uint8, c.c_size_t, p)(
+            lambda *a: calls.append(("memset8", *a)) or 0),
+        "cuMemsetD32Async": symbol(i, c.c_uint64, c.c_uint32, c.c_size_t, p)(lambda *a: 1),
+        "cuLaunchKernel": symbol(i, p, *[c.c_uint] * 7, p, p, p)(
+            lambda f, gx, gy, gz, bx, by, bz, shared, s, params, extra:
+                calls.append(("launch", f, gx, bx, s, block(params, 4))) or 0),
+        "snprintf": c.cast(c.CDLL(None).snprintf, p).value})
+    launcher = prog.native_launcher([GpuView(0xA000, (4096, 64), None, np.dtype(F32), 0, None)], "polyjit_test_plan")
+    assert [name for name, _, _ in launcher.results] == ["out0", "out1", prog.kernels[0].library.array]  # (the product)
+    assert handles == ["made"] and exe.ir("launcher polyjit_test_plan") == launcher.ir
+    message = c.create_string_buffer(100)
+    code = launch.LAUNCH_T(launcher.address)((c.c_void_p * 1)(0xA000), (c.c_void_p * 3)(0xB000, 0xB100, 0xD000),
+                                             0x55, message, 100)
+    assert code == 0, message.value
+    pointers = [0xA000, 0xB000, 0xB100, 0xD000]  # in0, out0, out1, the product: the kernels' parameters (c0 aside)
+    assert calls == [("cublas stream", 0xAB, 0x55), ("cublas math", 0xAB, 0), ("gemm", 0xAB, 32, 4096, 64, 0xC0, 0xA000, 0xD000, 1),
+                     ("launch", 0xF01, 16, BLOCK, 0x55, pointers),
+                     ("memset8", 0xB100, 0, 64 * 4, 0x55), ("launch", 0xF02, 16, BLOCK, 0x55, pointers)]
+    del launcher
+    gc.collect()
+    assert handles == ["made", ("freed", 0xAB)]
+
+
+def test_convolution_products_follow_the_tf32_option(monkeypatch):
+    """A convolution computed as im2col and a cuBLAS product (a weight
+    gradient) rounds to TF32 where the tf32 option allows it, as cuDNN's
+    convolutions do."""
+    from polyjit.targets.nvgpu import NvgpuTarget
+    monkeypatch.setattr(NvgpuTarget, "library_available", lambda self: True)
+    monkeypatch.setattr(NvgpuTarget, "direct_convolutions", lambda self: False)
+
+    def wgrad(x, g):
+        return ops.conv_weight_grad(x, g, [3, 3], [1, 1], [(1, 1), (1, 1)])
+    shapes = [InputInfo([4, 16, 12, 12], F32), InputInfo([4, 32, 12, 12], F32)]
+    for tf32 in (True, False):
+        exe = polyjit.compile(wgrad, shapes, {**PTX_ONLY, "contractions": "library", "tf32": tf32, "cache": False})
+        gemms = [k.library.library for k in exe.compile_default().kernels if k.library is not None]
+        assert gemms and all(g.tf32 == tf32 for g in gemms), (tf32, gemms)
+
+
 def _gpu():
     from conftest import _gpu_visible
     return _gpu_visible()
@@ -524,6 +624,9 @@ class _HostCublas:
         return 0
 
     def set_stream(self, handle, stream):
+        return 0
+
+    def set_math(self, handle, mode):
         return 0
 
     def check(self, status, what):
@@ -676,12 +779,14 @@ def test_worker_processes_make_the_same_ptx(monkeypatch):
     """Where the host has cores to spare, worker processes make the kernels'
     PTX (llvmlite runs one LLVM call at a time per process): the same PTX as
     the caller's LLVM thread; a worker that died hands its jobs back to it."""
+    from polyjit.cache import ProcessCache
     from polyjit.codegen import gpu_program, ptx_workers
     from polyjit.targets import nvgpu
 
     def build(count: int, kill: bool = False):
-        monkeypatch.setattr(gpu_program, "_codes", {})  # nothing shared with earlier compiles
-        monkeypatch.setattr(nvgpu, "_programs", {})
+        # nothing shared with earlier compiles
+        monkeypatch.setattr(gpu_program, "_codes", ProcessCache(gpu_program.CODE_CACHE))
+        monkeypatch.setattr(nvgpu, "_programs", ProcessCache(nvgpu.GPU_PROGRAMS))
         pool = ptx_workers.PtxWorkers(count, gpu_program._on_thread)
         for proc in pool.procs if kill else ():
             proc.kill()
@@ -803,6 +908,36 @@ def test_library_floor_in_a_torch_network():
                 torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
             assert stats["fallbacks"] == 0 and stats["library_calls"] >= (4 if mode == "library" else 1)
     polyjit.cuda_synchronize()
+
+
+@pytest.mark.gpu
+def test_repeated_calls_replay_a_cuda_graph_with_new_data():
+    """Calls handing the launcher the same pointers replay a captured CUDA
+    graph (from the second such call on); each computes from the data the
+    arrays hold now, and new arrays run the steps directly, as correctly.
+    A result returned twice (as training graphs return activations) is one
+    array, and does not keep the program off the native launcher."""
+    torch = pytest.importorskip("torch")
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+    def f(x, w):
+        y = ops.softmax(ops.relu(ops.matmul(x, w)) * 0.5)
+        return y, y
+    exe = polyjit.compile(f, [InputInfo([64, 96], F32), InputInfo([96, 80], F32)],
+                          {"target": "nvgpu", "contractions": "library", "strict": True})
+    x, w = torch.empty(64, 96, device="cuda"), torch.randn(96, 80, device="cuda")
+    for _ in range(5):
+        x.copy_(torch.randn(64, 96, device="cuda"))
+        got, again = exe(x, w)
+        assert got is again
+        got = torch.as_tensor(got, device="cuda")
+        torch.testing.assert_close(got, torch.softmax(torch.relu(x @ w) * 0.5, -1), rtol=1e-5, atol=1e-6)
+        del got, again
+    stats = exe.compile_default().stats
+    assert stats["library_calls"] == 1 and stats.get("cuda_graph_replays", 0) >= 2
+    y = torch.randn(64, 96, device="cuda")
+    torch.testing.assert_close(torch.as_tensor(exe(y, w)[0], device="cuda"),
+                               torch.softmax(torch.relu(y @ w) * 0.5, -1), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.gpu

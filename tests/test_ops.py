@@ -8,6 +8,7 @@ import pytest
 
 import polyjit
 from polyjit import InputInfo, ops, scalar
+from polyjit.cache import ProcessCache
 from polyjit.codegen import program, values
 from polyjit.errors import UnsupportedOpError
 
@@ -95,7 +96,7 @@ def test_decompositions_agree_with_the_native_forms(name, rng, monkeypatch):
     args = [np.concatenate([rng.uniform(-8, 8, 1000 - p.size).astype(F32), p]).reshape(40, 25) for p in pairs]
     fn = getattr(ops, name)
     native, native_exe = run(fn, *args, cache=False)
-    monkeypatch.setattr(program, "_codes", {})  # no code shared with the native build
+    monkeypatch.setattr(program, "_codes", ProcessCache(program.CODE_CACHE))  # no code shared with the native build
     monkeypatch.setattr(values, "_INTRINSIC", {k: v for k, v in values._INTRINSIC.items() if k != name})
     monkeypatch.setitem(scalar.OPS, name, dataclasses.replace(scalar.OPS[name], libm=False))
     decomposed, exe = run(fn, *args, cache=False)

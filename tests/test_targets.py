@@ -23,7 +23,7 @@ class _Probe(CpuTarget):
         self.seen.append("graph")
         return super().graph_passes(graph)
 
-    def schedule_rewrites(self, sched, prog, validity, tile_sizes, vector_bits):
+    def schedule_rewrites(self, sched, prog, validity, tile_sizes):
         self.seen.append("schedule")
         return sched
 

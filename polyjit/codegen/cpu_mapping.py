@@ -22,6 +22,16 @@ the plan says, and the plans print as a stage of their own
   it); their padded loads read a fill cell rather than select a value;
 - private buffers, on the stack or the heap.
 
+Which loops may run in parallel is the scheduler's to say, not the plan's
+(schedule.cpu_rewrites: mark_parallel's ``parallel:`` marks, and
+balance_parallel's strips of a coincident inner loop under a short outer
+one): which loops carry no dependence is known on isl's schedule tree, where
+a rewrite's legality is also checked, and the AST keeps neither; a strip
+loop made here instead would be other loops, other IR. The plan decides how
+a marked loop runs: in chunks, in strips of a sequential loop below that
+only private buffers connect (row_strips), or not split at all inside a
+loop already shared.
+
 Which loops are vectorized, and how wide, is LLVM's choice after emission
 (codegen.cpu.optimize; every function prefers 512-bit vectors on an
 AVX-512 host, prefer_wide_vectors): no plan names it.
@@ -44,7 +54,7 @@ from ..affine import AffineProgram, Array
 from ..dtypes import DataType
 from ..expr import Var, walk
 from ..schedule import MIN_PARALLEL_EXTENT, Scheduled, is_update
-from ..schedule.ast import ast_calls, ast_nodes, ast_uses, static_extent
+from ..schedule.ast import ast_calls, ast_nodes, ast_uses, static_extent, unit_step
 from .mapping import Strips, StripMapping, loop_iterator, on_stack
 
 STREAM_BYTES = 8 << 20  # outputs at least this large are written with streaming stores
@@ -245,22 +255,9 @@ def _along_one_dimension(s, arr: Array, args: list, it: str) -> bool:
     one of its iterators moves with it, by one step, and indexes the one
     dimension it moves along, contiguous (unit dimensions after it)."""
     moving = [k for k, a in enumerate(args) if ast_uses(a, {it})]
-    if len(moving) != 1 or not _unit_step(args[moving[0]], it):
+    if len(moving) != 1 or not unit_step(args[moving[0]], it):
         return False
     var = s.iters[moving[0]]
     along = [d for d, e in enumerate(s.index) if any(isinstance(x, Var) and x.name == var for x in walk(e))]
     return len(along) == 1 and s.index[along[0]] == Var(s.index[along[0]].dtype, var) \
         and all(x == 1 for x in arr.shape[along[0] + 1:])
-
-
-def _unit_step(e: isl.AstExpr, it: str) -> bool:
-    """Whether e is iterator it plus or minus terms without it (it moves by one as it does)."""
-    if e.get_type() == isl.ast_expr_type.id:
-        return e.get_id().get_name() == it
-    if e.get_type() != isl.ast_expr_type.op or e.get_op_type() not in (isl.ast_expr_op_type.add,
-                                                                       isl.ast_expr_op_type.sub):
-        return False
-    a, b = e.get_op_arg(0), e.get_op_arg(1)
-    if e.get_op_type() == isl.ast_expr_op_type.sub:
-        return _unit_step(a, it) and not ast_uses(b, {it})
-    return (_unit_step(a, it) and not ast_uses(b, {it})) or (_unit_step(b, it) and not ast_uses(a, {it}))

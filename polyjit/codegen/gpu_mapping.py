@@ -46,6 +46,7 @@ from ..affine import AffineProgram, Statement
 from ..dtypes import DataType
 from ..expr import Const, Op, Var, loads, walk
 from ..schedule import Scheduled, ast_nodes, statements_in
+from ..schedule.ast import unit_step
 from .llvm import Strips, ast_calls, ast_children, ast_uses, static_extent
 from .mapping import StripMapping, loop_iterator
 
@@ -341,7 +342,7 @@ def vector_plan(m: GpuMapper, rest: isl.AstNode, inner: isl.AstNode, unset: set[
         call = node.user_get_expr()
         st = m.call_statement(call)
         args = [call.get_op_arg(i + 1) for i in range(len(st.iters))]
-        along = [(x, a) for x, a in zip(st.iters, args) if _steps_with(a, it)]
+        along = [(x, a) for x, a in zip(st.iters, args) if unit_step(a, it)]
         if len(along) != 1 or sum(ast_uses(a, {it}) for a in args) != 1:
             continue
         along, start = along[0]
@@ -618,18 +619,6 @@ def _n(count: int, what: str) -> str:
 
 def _has_loop(n: isl.AstNode) -> bool:
     return any(x.get_type() == isl.ast_node_type.for_ for x in ast_nodes(n))
-
-
-def _steps_with(e: isl.AstExpr, it: str) -> bool:
-    """Whether the AST expression e is it plus terms free of it."""
-    if e.get_type() == isl.ast_expr_type.id:
-        return e.get_id().get_name() == it
-    if e.get_type() != isl.ast_expr_type.op or e.get_op_n_arg() != 2:
-        return False
-    x, y = e.get_op_arg(0), e.get_op_arg(1)
-    if e.get_op_type() == isl.ast_expr_op_type.add:
-        return (_steps_with(x, it) and not ast_uses(y, {it})) or (_steps_with(y, it) and not ast_uses(x, {it}))
-    return e.get_op_type() == isl.ast_expr_op_type.sub and _steps_with(x, it) and not ast_uses(y, {it})
 
 
 def iter_vars(e) -> set[str]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import re
-import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ import llvmlite.binding as llvm
 from llvmlite import ir
 
 from ..affine import AffineProgram
+from ..cache import ProcessCache
 from ..schedule import ProgramSchedule, ScheduledGroup
 from .llvm import I64, PTR, KernelInfo, buffer_layout, kernel_name
 from .gpu_mapping import GpuMapper, Library
@@ -65,8 +65,7 @@ class GpuKernelCode:
         return text[:starts[0]], text[starts[0]:]
 
 
-_codes: dict[tuple[str, tuple], GpuKernelCode] = {}
-_codes_lock = threading.Lock()
+_codes = ProcessCache(CODE_CACHE)  # (key, variant) -> GpuKernelCode
 _ENTRY = re.compile(r"^\.visible \.entry ", re.M)
 _SCOPE = re.compile(r"^\s*(\.(?:shared|global|const|extern|func|weak)\b)", re.M)
 
@@ -78,8 +77,7 @@ def kernel_code(group: ScheduledGroup, j: int, config: tuple, written: frozenset
     else chose its schedule: second result True)."""
     arch, sms, tile_sizes = config
     key = hashlib.sha256(f"{group.problem.key}|{config}|{sorted(written)}|{j}".encode()).hexdigest()
-    with _codes_lock:
-        code = _codes.get((key, variant))
+    code = _codes.get((key, variant))
     if code is not None and not (code.job and code.job.done() and code.job.exception()):
         return code, True
     node = group.sched.kernel_asts()[j]
@@ -97,10 +95,7 @@ def kernel_code(group: ScheduledGroup, j: int, config: tuple, written: frozenset
     if emitter.kernels[0].library is not None:  # a cuBLAS step: no PTX
         return GpuKernelCode(emitter.symbol, emitter.kernels[0], str(plan), ""), False
     code = GpuKernelCode(emitter.symbol, emitter.kernels[0], str(plan), text, _ptx_job(text, arch))
-    with _codes_lock:
-        _codes[key, variant] = code
-        while len(_codes) > CODE_CACHE:
-            _codes.pop(next(iter(_codes)))
+    _codes.put((key, variant), code)
     return code, False
 
 

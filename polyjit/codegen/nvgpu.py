@@ -146,9 +146,9 @@ class _StripEmission:
         if self.ctx.ring is None or modulus != self.ctx.ring[2]:
             return super().private_index(arr, d, e, v, modulus)
         it, begin, ring, copy = self.ctx.ring
-        offset = self._ring_offset(e, it)
-        if offset is not None:
-            return ir.Constant(I64, (copy + offset) % ring)
+        shift = self._ring_offset(e, it)
+        if shift is not None:
+            return ir.Constant(I64, (copy + shift) % ring)
         m = ir.Constant(I64, ring)
         return self.b.urem(self.b.add(self.b.sub(v, begin), m), m)
 
@@ -257,8 +257,8 @@ class _RowEmission:
             s = self.stmts[name]
             arr = self.prog.arrays[s.array]
             total = b.load(slot, typ=COMPUTE[arr.dtype])
-            for offset in (16, 8, 4, 2, 1):
-                total = self.combine(s.combine, total, self.shuffle(total, offset), arr.dtype)
+            for mask in (16, 8, 4, 2, 1):
+                total = self.combine(s.combine, total, self.shuffle(total, mask), arr.dtype)
             if self.ctx.lanes > WARP:
                 total = self.across_warps(total, s.combine, arr.dtype)
             ptr = self.reduction_address(s, call)
@@ -296,13 +296,13 @@ class _RowEmission:
         self.warp_sync()
         return out
 
-    def shuffle(self, v: ir.Value, offset: int) -> ir.Value:
-        """The value lane ^ offset holds (shfl.sync.bfly), for any width."""
+    def shuffle(self, v: ir.Value, mask: int) -> ir.Value:
+        """The value lane ^ mask holds (shfl.sync.bfly), for any width."""
         b = self.b
         t = v.type
         fn = self.module.declare_intrinsic("llvm.nvvm.shfl.sync.bfly.i32", (),
                                            ir.FunctionType(I32, [I32, I32, I32, I32]))
-        shfl = lambda x: b.call(fn, [ir.Constant(I32, -1), x, ir.Constant(I32, offset), ir.Constant(I32, 31)])  # noqa: E731
+        shfl = lambda x: b.call(fn, [ir.Constant(I32, -1), x, ir.Constant(I32, mask), ir.Constant(I32, 31)])  # noqa: E731
         bits = t.width if isinstance(t, ir.IntType) else {F32: 32, F64: 64}[t]
         as_int = v if isinstance(t, ir.IntType) else b.bitcast(v, ir.IntType(bits))
         if bits <= 32:

@@ -25,6 +25,7 @@ import llvmlite.binding as llvm
 from llvmlite import ir
 
 from ..affine import AffineProgram
+from ..cache import ProcessCache
 from ..errors import UnsupportedOpError
 from ..schedule import ProgramSchedule, ScheduledGroup
 from .blas import SGEMM, register_symbols
@@ -57,15 +58,15 @@ class KernelCode:
         return self.job.result()[1]
 
 
-_codes: dict[tuple[str, tuple], KernelCode] = {}
-_codes_lock = threading.Lock()
+_codes = ProcessCache(CODE_CACHE)  # (key, variant) -> KernelCode
 _llvm_thread: ThreadPoolExecutor | None = None
+_thread_lock = threading.Lock()
 
 
 def _forget_thread() -> None:
     """In a forked child the LLVM thread is gone: start another on demand."""
-    global _llvm_thread, _codes_lock
-    _llvm_thread, _codes_lock = None, threading.Lock()
+    global _llvm_thread, _thread_lock
+    _llvm_thread, _thread_lock = None, threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_thread)
@@ -74,7 +75,7 @@ os.register_at_fork(after_in_child=_forget_thread)
 def _submit(fn, *args) -> Future:
     """Run fn on the LLVM thread (started on first use)."""
     global _llvm_thread
-    with _codes_lock:
+    with _thread_lock:
         if _llvm_thread is None:
             _llvm_thread = ThreadPoolExecutor(1, thread_name_prefix="polyjit-llvm")
         return _llvm_thread.submit(fn, *args)
@@ -85,8 +86,7 @@ def kernel_code(group: ScheduledGroup, j: int, config: str, timer, variant: tupl
     for the same variant, what else chose its schedule: second result True);
     its machine code may still be on the way (KernelCode.job)."""
     key = hashlib.sha256(f"{group.problem.key}|{config}|{j}".encode()).hexdigest()
-    with _codes_lock:
-        code = _codes.get((key, variant))
+    code = _codes.get((key, variant))
     if code is not None and not (code.job.done() and code.job.exception()):
         return code, True
     node = group.sched.kernel_asts()[j]
@@ -99,10 +99,7 @@ def kernel_code(group: ScheduledGroup, j: int, config: str, timer, variant: tupl
         emitter.kernel(j, node, plan)
         text = str(emitter.module)
     code = KernelCode(emitter.symbol, emitter.kernels[0].parallel, str(plan), text, _submit(_timed_object, text))
-    with _codes_lock:
-        _codes[key, variant] = code
-        while len(_codes) > CODE_CACHE:
-            _codes.pop(next(iter(_codes)))
+    _codes.put((key, variant), code)
     return code, False
 
 

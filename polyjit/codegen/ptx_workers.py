@@ -30,10 +30,8 @@ _WORKER = "from polyjit.codegen.ptx_workers import main; main()"  # (not -m: the
 def worker_count() -> int:
     """Workers to start: the host's cores less one for the caller, at most 4
     (0 on a host of fewer than 3 cores: the caller's LLVM thread serves)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
+    from ..options import usable_cores  # (options imports the targets, which import this)
+    cores = usable_cores()
     return min(4, cores - 1) if cores >= 3 else 0
 
 

@@ -7,7 +7,7 @@
 - ``cuda``: cuda-python's driver API; ``gpu_buffers``: device memory,
   views of callers' GPU arrays, DLPack export; ``gpu_program``: GpuProgram,
   the executable of PTX; ``cublas``, ``cudnn``: the vendor libraries, found
-  at run time.
+  at run time (``vendor``: how, and what their bindings share).
 - ``launch``: a call plan as host code (native launchers) for callers
   outside Python; ``xla_ffi``: XLA's custom-call handler that runs one.
 """

@@ -1,11 +1,12 @@
 """The vendor-library floor on the GPU: a library statement (polyjit.library.Gemm)
 as a step of the launch sequence, calling cuBLAS's sgemm on the caller's stream.
 
-cuBLAS is found at run time, with no framework imported: the ``libcublas``
-of NVIDIA's wheels (site-packages ``nvidia/*/lib*``) or of the loader's path,
-bound with ctypes. Without it the floor is unavailable and every contraction
-runs generated code. Its default math is kept (no TF32): float32 products
-match eager's within float32 rounding.
+cuBLAS is found at run time (runtime.vendor), with no framework imported:
+the ``libcublas`` of NVIDIA's wheels (site-packages ``nvidia/*/lib*``) or of
+the loader's path, bound with ctypes. Without it the floor is unavailable and every contraction
+runs generated code. Its default math (no TF32) is kept for products, whose
+results match eager's within float32 rounding; a convolution's products use
+TF32 where the framework lets its convolutions do so (``Gemm.tf32``).
 
 Row-major through the column-major library by the transposition trick: a
 row-major C = op(A) @ op(B) is, read column-major, C^T = op(B)^T @ op(A)^T,
@@ -16,76 +17,24 @@ repeated on the host for the others.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import glob
 import itertools
-import logging
 import os
-import sys
-import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from .. import sizes as sz
 from ..errors import DeviceError
 from ..expr import Const, Expr, Op, Var
 from .launch import Arg, Call, LibraryStep
-
-log = logging.getLogger("polyjit.library")
+from .vendor import Found, VendorLibrary
 
 OP_N, OP_T = 0, 1  # cublasOperation_t
 DEFAULT_MATH = 0  # cublasMath_t: float32 arithmetic, no TF32
-_VERSIONS = ("13", "12", "11")
-_found: Any = False
-_lock = threading.Lock()
+TF32_MATH = 3  # CUBLAS_TF32_TENSOR_OP_MATH: a convolution's products where the framework allows TF32
 
 
-def candidates(lib: str, variable: str, versions: tuple[str, ...]) -> list[str]:
-    """Where an NVIDIA library (lib: "cublas", "cudnn") may be: the path in
-    the environment variable (a path; "none" for no library), NVIDIA's wheels
-    in each site-packages folder, then the loader's path."""
-    given = os.environ.get(variable)
-    if given is not None:
-        return [] if given.lower() in ("", "0", "none") else [given]
-    found = []
-    for base in dict.fromkeys(p for p in sys.path if p and os.path.isdir(os.path.join(p, "nvidia"))):
-        for pattern in (f"nvidia/*/lib*/lib{lib}.so*", f"nvidia/*/*/lib*/lib{lib}.so*"):
-            found += sorted(glob.glob(os.path.join(base, pattern)), reverse=True)
-    name = ctypes.util.find_library(lib)
-    return found + ([name] if name else []) + [f"lib{lib}.so.{v}" for v in versions]
-
-
-def first_loading(what: str, paths: list[str], bind: Callable[[str], Any]) -> Any:
-    """bind(path) for the first of paths where it loads (OSError or
-    AttributeError: it does not), or None."""
-    found = None
-    for path in paths:
-        try:
-            found = bind(path)
-            break
-        except (OSError, AttributeError) as e:
-            log.debug("no %s at %s: %s", what, path, e)
-    log.debug("%s: %s", what, found.path if found else "none")
-    return found
-
-
-def cublas() -> "Cublas | None":
-    """cuBLAS bound with ctypes, or None where no libcublas loads."""
-    global _found
-    with _lock:
-        if _found is False:
-            _found = first_loading("cuBLAS", candidates("cublas", "POLYJIT_CUBLAS", _VERSIONS), Cublas)
-        return _found
-
-
-def reset() -> None:
-    """Look for cuBLAS again at the next cublas() (tests that move POLYJIT_CUBLAS)."""
-    global _found
-    with _lock:
-        _found = False
-
-
-class Cublas:
+class Cublas(VendorLibrary):
     """The few cuBLAS entry points the floor calls; a handle per device."""
 
     def __init__(self, path: str) -> None:
@@ -93,7 +42,7 @@ class Cublas:
         for lt in sorted(glob.glob(os.path.join(folder, "libcublasLt.so*")))[:1]:
             ctypes.CDLL(lt, mode=ctypes.RTLD_GLOBAL)  # where the wheel's RPATH does not name it
         lib = ctypes.CDLL(path)
-        self.path = path
+        super().__init__(path)
         c = ctypes
         self.create = lib.cublasCreate_v2
         self.create.argtypes = [c.POINTER(c.c_void_p)]
@@ -110,32 +59,22 @@ class Cublas:
             self.status.restype = c.c_char_p
         for fn in (self.create, self.set_stream, self.set_math, self.gemm):
             fn.restype = c.c_int
-        self.one, self.zero = c.c_float(1.0), c.c_float(0.0)
-        self.alpha, self.beta = c.addressof(self.one), c.addressof(self.zero)
         self.destroy = lib.cublasDestroy_v2
         self.destroy.argtypes = [c.c_void_p]
-        self.handles: dict[int, int] = {}
-        self.lock = threading.Lock()
 
     def check(self, status: int, what: str) -> None:
         if status:
             text = self.status(status).decode() if self.status is not None else ""
             raise DeviceError(f"{what} failed: cuBLAS status {status} {text}".rstrip())
 
-    def handle(self, dev) -> int:
-        """This device's shared handle (the Python launch path's), made at first use."""
-        h = self.handles.get(dev.ordinal)
-        if h is None:
-            h = self.handles[dev.ordinal] = self.new_handle(dev)
-        return h
+    def init_handle(self, h: ctypes.c_void_p) -> None:
+        """A handle of default math."""
+        self.check(self.create(ctypes.byref(h)), "cublasCreate")
+        self.check(self.set_math(h, DEFAULT_MATH), "cublasSetMathMode")
 
-    def new_handle(self, dev) -> int:
-        """A handle in dev's primary context, default math; cublasDestroy_v2 frees it."""
-        dev.activate()
-        ptr = ctypes.c_void_p()
-        self.check(self.create(ctypes.byref(ptr)), "cublasCreate")
-        self.check(self.set_math(ptr, DEFAULT_MATH), "cublasSetMathMode")
-        return ptr.value
+
+cublas = Found("cuBLAS", "cublas", "POLYJIT_CUBLAS", ("13", "12", "11"), Cublas)  # () -> Cublas | None
+reset = cublas.reset
 
 
 # ------------------------------------------------------------------ steps
@@ -177,6 +116,7 @@ class GemmStep:
         size = lambda s: sz.evaluate(s, env)  # noqa: E731
         m, n, k = size(g.m), size(g.n), size(g.k)
         self.shape = (OP_T if g.trans_b else OP_N, OP_T if g.trans_a else OP_N, n, m, k)
+        self.math = TF32_MATH if g.tf32 else DEFAULT_MATH
         self.lds = (size(g.ldb), size(g.lda), size(g.ldc))
         boxes = (g.b, g.a, g.c)
         strides = [sz.row_major(tuple(size(s) for s in arrays[box[0]].shape)) for box in boxes]
@@ -209,6 +149,7 @@ class GemmStep:
         with lib.lock:  # the handles (made once) and their stream are shared state
             h = lib.handle(self.device)
             lib.check(lib.set_stream(h, stream or None), "cublasSetStream")
+            lib.check(lib.set_math(h, self.math), "cublasSetMathMode")
             for c in self.calls:
                 a, b, out = (pointers[s] + 4 * o for s, o in zip(c.slots, c.offsets))
                 lib.check(lib.gemm(h, ta, tb, m, n, k, lib.alpha, a, lda, c.strides[0], b, ldb, c.strides[1],
@@ -222,7 +163,8 @@ class GemmStep:
         ta, tb, m, n, k = self.shape
         lda, ldb, ldc = self.lds
         h, alpha, beta = Arg("ptr", handle), Arg("ptr", lib.alpha), Arg("ptr", lib.beta)
-        calls = [Call(address(lib.set_stream), (h, Arg("stream")), f"cublasSetStream ({self.what})")]
+        calls = [Call(address(lib.set_stream), (h, Arg("stream")), f"cublasSetStream ({self.what})"),
+                 Call(address(lib.set_math), (h, i32(self.math)), f"cublasSetMathMode ({self.what})")]
         for c in self.calls:
             a, b, out = (Arg("slot", s, 4 * o) for s, o in zip(c.slots, c.offsets))
             sa, sb, sc = (Arg("i64", x) for x in c.strides)

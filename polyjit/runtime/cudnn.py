@@ -2,7 +2,7 @@
 (polyjit.library.Convolution) as a step of the launch sequence, one
 cudnnConvolutionForward on the caller's stream.
 
-cuDNN is found at run time as cuBLAS is (runtime.cublas.candidates: the
+cuDNN is found at run time as cuBLAS is (runtime.vendor: the
 ``libcudnn`` of NVIDIA's wheels, or ``POLYJIT_CUDNN``), bound with ctypes.
 The legacy convolution API takes descriptors of any strides, so channels
 first or last read the arrays as they are. Its math is restricted to FMA
@@ -14,21 +14,18 @@ workspace belongs to the step.
 from __future__ import annotations
 
 import ctypes
-import threading
 from typing import Any, Mapping
 
 from .. import sizes as sz
 from ..errors import DeviceError
-from .cublas import candidates, first_loading
 from .launch import Arg, Call, LibraryStep
+from .vendor import Found, VendorLibrary
 
 FLOAT = 0  # cudnnDataType_t
 NCHW, NHWC = 0, 1  # cudnnTensorFormat_t, of a filter
 CROSS_CORRELATION = 1  # cudnnConvolutionMode_t
 DEFAULT_MATH, FMA_MATH = 0, 3  # cudnnMathType_t: TF32 tensor cores allowed; float32 FMA kernels only
 ALGORITHMS = 8  # cudnnConvolutionFwdAlgo_t values the heuristic may rank
-_found: Any = False
-_lock = threading.Lock()
 
 
 class _AlgoPerf(ctypes.Structure):
@@ -37,23 +34,7 @@ class _AlgoPerf(ctypes.Structure):
                 ("reserved", ctypes.c_int * 3)]
 
 
-def cudnn() -> "Cudnn | None":
-    """cuDNN bound with ctypes, or None where no libcudnn loads."""
-    global _found
-    with _lock:
-        if _found is False:
-            _found = first_loading("cuDNN", candidates("cudnn", "POLYJIT_CUDNN", ("9", "8")), Cudnn)
-        return _found
-
-
-def reset() -> None:
-    """Look for cuDNN again at the next cudnn() (tests that move POLYJIT_CUDNN)."""
-    global _found
-    with _lock:
-        _found = False
-
-
-class Cudnn:
+class Cudnn(VendorLibrary):
     """The cuDNN entry points a convolution step calls; a handle per device."""
 
     NAMES = ("cudnnCreate", "cudnnDestroy", "cudnnSetStream", "cudnnGetErrorString",
@@ -66,7 +47,7 @@ class Cudnn:
 
     def __init__(self, path: str) -> None:
         lib = ctypes.CDLL(path)
-        self.path = path
+        super().__init__(path)
         for name in self.NAMES:
             fn = getattr(lib, name)
             fn.restype = ctypes.c_char_p if name == "cudnnGetErrorString" else ctypes.c_int
@@ -77,32 +58,22 @@ class Cudnn:
         self.GetConvolutionForwardWorkspaceSize.argtypes = [v] * 5 + [c.c_int, c.POINTER(c.c_size_t)]
         self.ConvolutionForward.argtypes = [v] * 7 + [c.c_int, v, c.c_size_t, v, v, v]
         self.destroy = lambda h: self.Destroy(ctypes.c_void_p(h))
-        self.one, self.zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
-        self.alpha, self.beta = ctypes.addressof(self.one), ctypes.addressof(self.zero)
-        self.handles: dict[int, int] = {}
-        self.lock = threading.Lock()
 
     def check(self, status: int, what: str) -> None:
         if status:
             raise DeviceError(f"{what} failed: cuDNN status {status} {self.GetErrorString(status).decode()}")
 
-    def new_handle(self, dev) -> int:
-        """A handle in dev's primary context; destroy() frees it."""
-        dev.activate()
-        h = ctypes.c_void_p()
+    def init_handle(self, h: ctypes.c_void_p) -> None:
         self.check(self.Create(ctypes.byref(h)), "cudnnCreate")
-        return h.value
-
-    def handle(self, dev) -> int:
-        """This device's shared handle (the Python launch path's), made at first use."""
-        if dev.ordinal not in self.handles:
-            self.handles[dev.ordinal] = self.new_handle(dev)
-        return self.handles[dev.ordinal]
 
     def _descriptor(self, kind: str) -> ctypes.c_void_p:
         d = ctypes.c_void_p()
         self.check(getattr(self, f"Create{kind}Descriptor")(ctypes.byref(d)), f"cudnnCreate{kind}Descriptor")
         return d
+
+
+cudnn = Found("cuDNN", "cudnn", "POLYJIT_CUDNN", ("9", "8"), Cudnn)  # () -> Cudnn | None
+reset = cudnn.reset
 
 
 def _ints(values) -> Any:

@@ -158,12 +158,10 @@ class CompiledProgram:
         """The plan's kernels as one host-code call (runtime.launch), which
         saves a model of a hundred kernels the Python and ctypes work around
         each; False where that does not pay or cannot be built (few kernels,
-        POLYJIT_PROFILE timing each kernel, a Python thread pool). An output
-        handed out twice (a training forward's result that it also saves) is
-        one result of the call."""
+        POLYJIT_PROFILE timing each kernel, a Python thread pool)."""
         if PROFILE or len(self.kernels) < NATIVE_MIN_KERNELS:
             return False
-        launcher = self._launcher(plan, f"{self.name}_call{next(_launchers)}", list(dict.fromkeys(self.output_arrays)))
+        launcher = self._launcher(plan, f"{self.name}_call{next(_launchers)}")
         return False if launcher is None else (launcher, launch.LAUNCH_T(launcher.address))
 
     def _run_native(self, native, inputs: list[int], results: list[int]) -> None:
@@ -185,11 +183,10 @@ class CompiledProgram:
         self.stats["intermediate_bytes"] = plan.intermediate_bytes
         return self._shown(self._launcher(plan, name))
 
-    def _launcher(self, plan: "_CallPlan", name: str,
-                  outs: Sequence[str] | None = None) -> "launch.NativeLauncher | None":
+    def _launcher(self, plan: "_CallPlan", name: str) -> "launch.NativeLauncher | None":
         """A plan's kernel calls as host code: its results are the outputs
-        (``outs``, by default the program's), then the temporaries (which a
-        caller may place in one workspace at the plan's offsets)."""
+        (each once), then the temporaries (which a caller may place in one
+        workspace at the plan's offsets)."""
         team = thread_team() if plan.threads > 1 else None
         if team is not None and not isinstance(team, OmpTeam):
             return None
@@ -202,7 +199,7 @@ class CompiledProgram:
         fresh = {n: (slot, shape, dt) for n, slot, shape, dt in plan.fresh}
         fresh.update({n: (slot, shape, dt) for (slot, _, shape, dt), n in zip(plan.temps, plan.temp_names)})
         return self._native_launcher(name, fresh, plan.input_slots, plan.pointers, plan.ints, steps, None, symbols,
-                                     plan.returned, outs)
+                                     plan.returned)
 
     def returned_shapes(self, env: dict) -> dict[str, tuple]:
         """The outputs handed out in another shape than their array's (views
@@ -215,18 +212,18 @@ class CompiledProgram:
         return [made[n] if n not in returned else made[n].reshape(returned[n]) for n in self.output_arrays]
 
     def _native_launcher(self, name: str, fresh: dict, input_slots, pointers, ints, steps: list,
-                         context: int | None, symbols: dict, returned: dict,
-                         outs: Sequence[str] | None = None) -> "launch.NativeLauncher | None":
+                         context: int | None, symbols: dict, returned: dict) -> "launch.NativeLauncher | None":
         """A plan's launcher (runtime.launch): its call takes the inputs'
-        pointers and one for each of its ``results``, the outputs (``outs``:
-        by default the program's, in order), then the temporaries (``fresh``:
-        name -> (argument slot, shape, dtype)), which it poisons first where
-        POLYJIT_POISON asks, then runs ``steps``. None where an output is not
-        a buffer of its own (an input, a constant, another output)."""
-        outs = self.output_arrays if outs is None else outs
-        if len(set(outs)) != len(outs) or any(n not in fresh for n in outs):
+        pointers and one for each of its ``results``, the outputs, then the
+        temporaries (``fresh``: name -> (argument slot, shape, dtype)), which
+        it poisons first where POLYJIT_POISON asks, then runs ``steps``.
+        An array returned twice (a training graph's activation, saved and
+        passed on) is one result. None where an output is not a buffer of
+        its own (an input, a constant)."""
+        outs = list(dict.fromkeys(self.output_arrays))
+        if any(n not in fresh for n in outs):
             return None
-        names = list(outs) + [n for n in fresh if n not in outs]
+        names = outs + [n for n in fresh if n not in outs]
         poisons = [launch.Memset(fresh[n][0], *poison_fill(math.prod(fresh[n][1]) * fresh[n][2].itemsize,
                                                               fresh[n][2].kind), f"poisoning {n}")
                    for n in names if POISON and fresh[n][1]]

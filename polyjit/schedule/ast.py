@@ -85,3 +85,15 @@ def ast_uses(e: isl.AstExpr, names: set[str]) -> bool:
     if t == isl.ast_expr_type.op:
         return any(ast_uses(e.get_op_arg(i), names) for i in range(e.get_op_n_arg()))
     return False
+
+
+def unit_step(e: isl.AstExpr, it: str) -> bool:
+    """Whether e is iterator it plus or minus terms without it (e moves by one as it does)."""
+    if e.get_type() == isl.ast_expr_type.id:
+        return e.get_id().get_name() == it
+    add = isl.ast_expr_op_type.add
+    if e.get_type() != isl.ast_expr_type.op or e.get_op_type() not in (add, isl.ast_expr_op_type.sub):
+        return False
+    a, b = e.get_op_arg(0), e.get_op_arg(1)
+    return (unit_step(a, it) and not ast_uses(b, {it})) or \
+        (e.get_op_type() == add and unit_step(b, it) and not ast_uses(a, {it}))

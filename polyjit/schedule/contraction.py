@@ -76,9 +76,6 @@ def contract(ctx, prog: AffineProgram, schedule: isl.Schedule, dom, kernels, sha
     return out
 
 
-GPU_PRIVATE_BYTES = 256  # a contracted buffer a GPU thread keeps to itself
-
-
 def private_bytes(arr, moduli) -> float:
     """The bytes arr takes, contracted to moduli (inf where a size is symbolic)."""
     count = 1

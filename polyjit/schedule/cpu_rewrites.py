@@ -209,7 +209,9 @@ def balance_parallel(schedule, prog, validity) -> isl.Schedule:
     images for two threads leave one idle a third of the time): strip-mine
     another coincident loop, rows where one is long enough, else columns (of
     an image whose rows carry a stencil's rolling buffer), and run the strips
-    outermost, in parallel."""
+    outermost, in parallel. (Where it strips none, the mapping may still
+    split the sequential loop below in strips with halos:
+    codegen.cpu_mapping.CpuMapper.row_strips.)"""
     def fn(node):
         if node.get_type() != isl.schedule_node_type.band or not node.band_get_permutable() \
                 or node.get_parent_type() == isl.schedule_node_type.band or node.band_n_member() < 2:

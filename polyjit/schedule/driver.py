@@ -4,7 +4,6 @@ contracted; results kept per process."""
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from contextlib import contextmanager
 
@@ -12,10 +11,11 @@ import islpy as isl
 
 from .. import sizes as sz
 from ..affine import AffineProgram
+from ..cache import ProcessCache
 from .ast import kernel_nodes, statements_in
-from .contraction import GPU_PRIVATE_BYTES, contract, private_bytes
+from .contraction import contract
 from .dependences import accesses, dependences, make_context
-from .fusion import FusionPlan, fuse_contraction, fusion_groups, starved
+from .fusion import FusionPlan, fuse_contraction, fusion_groups
 from .groups import GroupProblem, ProgramSchedule, Scheduled, ScheduledGroup, group_problem, kernel_of_each_array
 from .rewrites import distribute_inits, innermost_contiguous, order_sets
 from .tree import group_domain, is_update, product_inits
@@ -106,13 +106,12 @@ def _schedule_one_group(ctx, prog, dom, validity, raw, names, fusion, fuse: Fusi
 
 
 def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None, target=None,
-                     vector_bits: int = 512, timer=None, canonical: bool = True, each=None) -> "ProgramSchedule":
+                     timer=None, canonical: bool = True, each=None) -> "ProgramSchedule":
     """target (a polyjit.targets.Target; None: the host's) gives its rewrites
-    (the cpu's tile with register blocks sized for vectors of vector_bits,
+    (the cpu's tile with register blocks sized for its vectors,
     balance threads and sink inner loops; nvgpu's put every coincident loop
-    outside), whether contractions may own their epilogues, and whether
-    parallel loops become a thread grid (then only contracted buffers small
-    enough for a thread's registers are kept).
+    outside), whether contractions may own their epilogues, and which
+    contracted buffers stay private (nvgpu: those a thread's registers hold).
 
     Each fusion group is scheduled as a program of its own (its statements
     run after the groups before it, so no dependence is lost), with its
@@ -126,7 +125,7 @@ def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None, 
         from ..targets import target as named
         target = named(None)
     fuse = target.fuses_epilogues and fusion != "none" and not tile_sizes
-    config = (fusion, tile_sizes, target, vector_bits, fuse)
+    config = (fusion, tile_sizes, target, fuse)
     plan = FusionPlan() if fuse else None
     with timer("schedule/groups"):
         names = fusion_groups(prog, epilogues=fuse, plan=plan)
@@ -142,14 +141,10 @@ def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None, 
         with timer("schedule/canonical"):
             problem = group_problem(prog, group, shared, canonical)
         key = (problem.key, config)
-        with _group_lock:
-            sched = _group_cache.get(key)
+        sched = _groups.get(key)
         if sched is None:
             sched = _schedule_problem(problem, config, timer)
-            with _group_lock:
-                _group_cache[key] = sched
-                while len(_group_cache) > GROUP_CACHE:
-                    _group_cache.pop(next(iter(_group_cache)))
+            _groups.put(key, sched)
         groups.append(ScheduledGroup(problem, sched))
         if each is not None:
             each(groups[-1])
@@ -157,14 +152,13 @@ def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None, 
 
 
 GROUP_CACHE = 4096  # scheduled groups kept per process
-_group_cache: dict = {}
-_group_lock = threading.Lock()
+_groups = ProcessCache(GROUP_CACHE)
 
 
 def _schedule_problem(problem: "GroupProblem", config: tuple, timer) -> Scheduled:
     """One group scheduled as a program: isl's schedule, the target's
     rewrites, the AST, contracted temporaries."""
-    fusion, tile_sizes, target, vector_bits, fuse = config
+    fusion, tile_sizes, target, fuse = config
     prog = problem.prog
     ctx = make_context()
     if fusion == "none":
@@ -178,7 +172,7 @@ def _schedule_problem(problem: "GroupProblem", config: tuple, timer) -> Schedule
     with timer("schedule/isl"):
         sched = _schedule_group(ctx, prog, dom, validity, raw, [s.name for s in prog.statements], fusion, plan)
     with timer("schedule/rewrites"):
-        sched = order_sets(target.schedule_rewrites(sched, prog, validity, tile_sizes, vector_bits), validity)
+        sched = order_sets(target.schedule_rewrites(sched, prog, validity, tile_sizes), validity)
     with timer("schedule/ast"):
         params = prog.prefix() + "{ : " + sz.param_context(prog.params) + " }"
         build = isl.AstBuild.from_context(isl.Set.read_from_str(ctx, params))
@@ -186,10 +180,9 @@ def _schedule_problem(problem: "GroupProblem", config: tuple, timer) -> Schedule
         kernels = [statements_in(k) for k in kernel_nodes(ast)]
     with timer("schedule/contract"):
         contracted = contract(ctx, prog, sched, dom, kernels, problem.shared, access)
-    if target.thread_grid:
-        contracted = {n: m for n, m in contracted.items() if private_bytes(prog.arrays[n], m) <= GPU_PRIVATE_BYTES}
-        if fusion != "none" and starved(ast, prog, contracted):
-            return _schedule_problem(problem, ("none",) + config[1:], timer)
+    contracted = target.private_buffers(prog, ast, contracted, fusion != "none")
+    if contracted is None:
+        return _schedule_problem(problem, ("none",) + config[1:], timer)
     return Scheduled(sched, ast, contracted, kernels, kernel_of_each_array(prog, kernels), plan.refused if plan else [])
 
 

@@ -213,6 +213,7 @@ def reduction_fits_tile(s) -> bool:
 
 
 GPU_GRID_FLOOR = 1 << 16  # parallel iterations below which a GPU kernel leaves most of the device idle
+GPU_THIN_GRID = 1 << 12  # threads below which a kernel has less than a warp per SM (132 on an H100)
 GPU_STRIP = 64  # iterations of a sequential loop per strip (codegen.nvgpu.STRIP)
 
 
@@ -223,7 +224,10 @@ def starved(ast: isl.AstNode, prog: AffineProgram, contracted) -> bool:
     stencil, pooling or im2col consumer, shifted along image rows, left a
     thread per image and channel: 10.6 of MobileNetV3-small's 18 ms, 60 of
     ResNet-18's 70). Sums compare their own outputs (a row sum keeps its
-    rows). Elementwise statements whose arrays are all kept whole gain
+    rows, and a warp each where they run along rows), unless the grid is
+    thinner than GPU_THIN_GRID and a sum is not along rows (a batch norm's
+    backward, its per-channel sums fused with the elementwise pass after
+    them, ran a thread per channel: 16 of a ResNet-18 training step's 40 ms). Elementwise statements whose arrays are all kept whole gain
     nothing from sharing a nest and lose a thread per element (ResNet-18's
     max pool, fused with its padded input along image rows, ran a row per
     thread, consecutive threads channels apart: 4.7 ms), whatever the grid.
@@ -240,6 +244,9 @@ def starved(ast: isl.AstNode, prog: AffineProgram, contracted) -> bool:
             continue
         grid, inner = _grid_extent(node)
         sums = [s for s in own if s.combine is not None]
+        if grid is not None and grid < GPU_THIN_GRID and not all(map(_row_sum, sums)) \
+                and max((_parallel_extent(s) or 0 for s in own), default=0) >= 16 * grid:
+            return True
         floor, per_thread = (GPU_GRID_FLOOR if sums else None), 16
         if inner is not None and any(s.array in contracted for s in own):
             grid, floor = grid and grid * -(-inner // GPU_STRIP), GPU_GRID_FLOOR // 2
@@ -248,6 +255,13 @@ def starved(ast: isl.AstNode, prog: AffineProgram, contracted) -> bool:
         if grid is not None and (floor is None or grid < floor) and widest >= per_thread * grid:
             return True
     return False
+
+
+def _row_sum(s) -> bool:
+    """Whether sum s reduces along its loads' last dimension only (a row: a warp's lanes share it)."""
+    red = set(s.reduction_iters)
+    return all(not any(isinstance(x, Var) and x.name in red for i in ld.index[:-1] for x in walk(i))
+               for ld in loads(s.body))
 
 
 def _grid_extent(node: isl.AstNode) -> tuple[int | None, int | None]:

@@ -1,13 +1,18 @@
 """The nvgpu target's rewrites: every coincident loop outside (they become
-the thread grid), marked parallel."""
+the thread grid), marked parallel; then only the contracted buffers a thread
+can hold, and no fusion that starves the grid."""
 from __future__ import annotations
 
 import islpy as isl
 
 from ..affine import AffineProgram
+from .contraction import private_bytes
 from .dependences import is_legal
+from .fusion import starved
 from .rewrites import contiguity, mark_parallel, memory_depth
 from .tree import member_iter, rebuild_band, visit
+
+GPU_PRIVATE_BYTES = 256  # a contracted buffer a GPU thread keeps to itself
 
 
 def coincident_outside(schedule, validity, prog: AffineProgram) -> isl.Schedule:
@@ -42,3 +47,11 @@ def rewrite(sched: isl.Schedule, prog: AffineProgram, validity) -> isl.Schedule:
     """The nvgpu target's rewrites of a group's schedule, each checked by isl (the driver then orders sets)."""
     sched = coincident_outside(sched, validity, prog)
     return mark_parallel(sched, all_coincident=True)
+
+
+def private_buffers(prog: AffineProgram, ast: isl.AstNode, contracted: dict, fused: bool) -> dict | None:
+    """The contracted buffers small enough for a thread's registers; None
+    where the group's fusion starves the grid (fusion.starved): scheduled
+    again without fusion."""
+    kept = {n: m for n, m in contracted.items() if private_bytes(prog.arrays[n], m) <= GPU_PRIVATE_BYTES}
+    return None if fused and starved(ast, prog, kept) else kept

@@ -74,7 +74,8 @@ def innermost_contiguous(schedule, prog, ctx, validity) -> isl.Schedule:
                 for m in range(n)]
         order = sorted(range(n), key=lambda m: (totals[m], deep[m], m))
         coinc = [node.band_member_get_coincident(m) for m in range(n)]
-        outer = [m for m in order[:-1] if coinc[m]]
+        leaf = not node.has_children() or node.child(0).get_type() == isl.schedule_node_type.leaf
+        outer = [m for m in (order[:-1] if leaf else order) if coinc[m]]  # (a leaf band's last loop is innermost)
         if outer and not coinc[order[0]]:  # keep a parallel loop outermost
             order.remove(outer[0])
             order.insert(0, outer[0])

@@ -37,10 +37,10 @@ class Target:
     device_arrays: bool = False  # whether its programs take arrays in device memory
     recompute_limit: int = RECOMPUTE_LIMIT  # extra work lowering accepts to inline a value read more than once
     fuses_epilogues: bool = False  # contractions may share a nest with their elementwise consumers
-    thread_grid: bool = False  # parallel loops become a grid of threads (the scheduler keeps what fits a thread)
     library: str = ""  # the vendor library under generated contractions
     times_library: bool = False  # time each contraction both ways (else the library wherever it applies)
     keeps_programs: bool = False  # compiled programs are also shared within the process (by cache key)
+    tensor_float32: bool = False  # its library convolutions may round operands to TF32 (the tf32 option)
 
     def __repr__(self) -> str:
         return f"<target {self.name}>"
@@ -62,7 +62,8 @@ class Target:
                 exe = self.load(graph, options, name, *hit) if hit else None
             hits = hits if exe is not None else 0
         if exe is None:
-            policy = LibraryPolicy(options.contractions, options.num_threads, self, bool(options.tf32))
+            policy = LibraryPolicy(options.contractions, options.num_threads, self,
+                                   bool(options.tf32) and self.tensor_float32)
             with timer("lower"):
                 prog = lower(graph, self.recompute_limit, policy)
             exe = self.build(graph, prog, options, name, timer, machine)
@@ -86,14 +87,14 @@ class Target:
         """The rewrites this target's code needs, after inference folding."""
         return graph
 
-    def schedule_rewrites(self, sched: isl.Schedule, prog: AffineProgram, validity, tile_sizes,
-                          vector_bits: int) -> isl.Schedule:
+    def schedule_rewrites(self, sched: isl.Schedule, prog: AffineProgram, validity, tile_sizes) -> isl.Schedule:
         """This target's rewrites of a fusion group's isl schedule (each checked by isl)."""
         raise NotImplementedError
 
-    def vector_bits(self) -> int:
-        """The width the scheduler sizes register blocks for."""
-        return 512
+    def private_buffers(self, prog: AffineProgram, ast: isl.AstNode, contracted: dict, fused: bool) -> dict | None:
+        """The contracted temporaries (array -> storage moduli) a group keeps
+        private (all of them), or None: schedule the group again without fusion."""
+        return contracted
 
     def check_tile_sizes(self, tile_sizes: tuple[int, ...]) -> None:
         """Raise CompileOptionError where tile_sizes mean nothing to this target."""

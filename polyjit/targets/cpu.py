@@ -5,7 +5,6 @@ an operand that does not run along them is packed first (packed_operands).
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 from typing import TYPE_CHECKING
 
@@ -35,30 +34,26 @@ def packed_operands(graph: Graph, min_rows: int = 8) -> Graph:
     and the copy costs one pass over the operand against a pass over it
     for every row block. Only where the first operand has `min_rows`
     rows or more (or a symbolic count)."""
-    canon: dict[int, Node] = {}
-    for old in graph.nodes():
-        ins = tuple(canon[i.id] for i in old.inputs)
-        n = old if all(a is b for a, b in zip(ins, old.inputs)) else dataclasses.replace(old, inputs=ins)
-        if n.op == "dot_general":
-            a, b = n.inputs
-            at = n.attrs
-            rf = [d for d in range(b.rank) if d not in at["rc"] and d not in at["rb"]]
-            lf = [d for d in range(a.rank) if d not in at["lc"] and d not in at["lb"]]
-            rows = sz.static_product(a.shape[d] for d in lf)
-            if rf and not _innermost(b, rf[-1]) and (rows is None or rows >= min_rows):
-                perm = tuple(at["rb"]) + tuple(at["rc"]) + tuple(rf)
-                shape = tuple(b.shape[p] for p in perm)
-                src = b
-                while src.is_index_transpose:
-                    perm, src = tuple(src.attrs["perm"][p] for p in perm), src.inputs[0]
-                bt = Node("transpose", (src,), {"perm": perm, "materialize": True}, shape, b.dtype)
-                nb, nc = len(at["rb"]), len(at["rc"])
-                n = dataclasses.replace(n, inputs=(a, bt), attrs={
-                    **at, "rb": tuple(range(nb)), "rc": tuple(range(nb, nb + nc))})
-        canon[old.id] = n
-    g = copy.copy(graph)
-    g.outputs = [canon[o.id] for o in graph.outputs]
-    return g
+    def pack(old: Node, n: Node, new: dict[int, Node]) -> Node:
+        if n.op != "dot_general":
+            return n
+        a, b = n.inputs
+        at = n.attrs
+        rf = [d for d in range(b.rank) if d not in at["rc"] and d not in at["rb"]]
+        lf = [d for d in range(a.rank) if d not in at["lc"] and d not in at["lb"]]
+        rows = sz.static_product(a.shape[d] for d in lf)
+        if not rf or _innermost(b, rf[-1]) or (rows is not None and rows < min_rows):
+            return n
+        perm = tuple(at["rb"]) + tuple(at["rc"]) + tuple(rf)
+        shape = tuple(b.shape[p] for p in perm)
+        src = b
+        while src.is_index_transpose:
+            perm, src = tuple(src.attrs["perm"][p] for p in perm), src.inputs[0]
+        bt = Node("transpose", (src,), {"perm": perm, "packed": True}, shape, b.dtype)
+        nb, nc = len(at["rb"]), len(at["rc"])
+        return dataclasses.replace(n, inputs=(a, bt), attrs={**at, "rb": tuple(range(nb)),
+                                                             "rc": tuple(range(nb, nb + nc))})
+    return graph.rewritten(pack)
 
 
 def _innermost(n: Node, d: int) -> bool:
@@ -83,12 +78,12 @@ class CpuTarget(Target):
     def graph_passes(self, graph: Graph) -> Graph:
         return packed_operands(graph)
 
-    def schedule_rewrites(self, sched: isl.Schedule, prog: AffineProgram, validity, tile_sizes,
-                          vector_bits: int) -> isl.Schedule:
+    def schedule_rewrites(self, sched: isl.Schedule, prog: AffineProgram, validity, tile_sizes) -> isl.Schedule:
         """Register blocks and cache tiles, threads balanced, inner loops sunk, the parallel loop marked."""
-        return cpu_rewrites.rewrite(sched, prog, validity, tile_sizes, vector_bits)
+        return cpu_rewrites.rewrite(sched, prog, validity, tile_sizes, self.vector_bits())
 
     def vector_bits(self) -> int:
+        """The width register blocks are sized for: the host's vectors."""
         return vector_bits()
 
     def machine(self, options: CompileOptions) -> str:
@@ -100,8 +95,7 @@ class CpuTarget(Target):
         # each group's kernels are emitted, and go to LLVM, once it is scheduled
         codes = CodeSet(machine, timer, self.variant(options))
         with timer("schedule"):
-            sched = schedule_program(prog, options.fusion, options.tile_sizes, self, self.vector_bits(), timer,
-                                     each=codes.of)
+            sched = schedule_program(prog, options.fusion, options.tile_sizes, self, timer, each=codes.of)
         code = build_program(prog, sched, name, codes)
         with timer("llvm"):
             loaded = LoadedProgram([c.obj for c in code.codes] + [entries_object(code.entries)])
