@@ -91,3 +91,17 @@ def test_batch_norm_backward_in_nchw_runs_on_the_thread_team(rng):
     want = g - xm * (s1 * 1e-3).reshape(1, 16, 1, 1) - (s2 * 1e-3).reshape(1, 16, 1, 1)
     for got, ref in zip(exe(*args), (want, s1, s2)):
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_column_sums_keep_their_columns_innermost(rng):
+    """A bias gradient (sums down the rows of a [512, 1024] matrix): the
+    columns stay the innermost loop, walking memory in order, and the
+    threads share strips of them, rather than each thread reading its
+    columns down the rows."""
+    x = rng.standard_normal((4, 128, 1024)).astype(F32)
+    exe = polyjit.compile(lambda x: ops.sum(ops.reshape(x, [512, 1024]), [0]), [InputInfo(list(x.shape), F32)],
+                          {"num_threads": 2, "cache": False})
+    np.testing.assert_allclose(exe(x), x.reshape(512, 1024).sum(0), rtol=1e-4, atol=1e-4)
+    lines = exe.ir("ast").splitlines()
+    update = next(k for k, line in enumerate(lines) if line.strip().startswith("S1("))
+    assert "S1(c2, c1)" in lines[update] and "c2" in lines[update - 1], exe.ir("ast")

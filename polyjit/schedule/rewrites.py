@@ -74,8 +74,11 @@ def innermost_contiguous(schedule, prog, ctx, validity) -> isl.Schedule:
                 for m in range(n)]
         order = sorted(range(n), key=lambda m: (totals[m], deep[m], m))
         coinc = [node.band_member_get_coincident(m) for m in range(n)]
-        leaf = not node.has_children() or node.child(0).get_type() == isl.schedule_node_type.leaf
-        outer = [m for m in (order[:-1] if leaf else order) if coinc[m]]  # (a leaf band's last loop is innermost)
+        # the last member stays innermost where no loop runs inside the band: a bias gradient's column sums
+        # (band over columns and rows, a sequence of its statements below), moved outside, read each
+        # column down the rows (0.07 -> 0.5 ms); balance_parallel shares strips of columns instead
+        last = order if _loops_inside(node) else order[:-1]
+        outer = [m for m in last if coinc[m]]  # (a band over inner nests may move its last out)
         if outer and not coinc[order[0]]:  # keep a parallel loop outermost
             order.remove(outer[0])
             order.insert(0, outer[0])
@@ -84,6 +87,12 @@ def innermost_contiguous(schedule, prog, ctx, validity) -> isl.Schedule:
         return rebuild_band(node, order, coinc, True)
     new = visit(schedule.get_root(), fn).get_schedule()
     return new if is_legal(new, validity) else schedule
+
+
+def _loops_inside(node) -> bool:
+    """Whether a band node has another band below it (its loops are not the innermost)."""
+    kids = [node.child(i) for i in range(node.n_children())] if node.has_children() else []
+    return any(k.get_type() == isl.schedule_node_type.band or _loops_inside(k) for k in kids)
 
 
 def distribute_inits(schedule, prog, validity) -> isl.Schedule:
