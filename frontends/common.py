@@ -303,7 +303,7 @@ class SegmentedProgram:
         """``gpu_view(x)``: the framework's array on a GPU as a view of its memory
         (None where it is not one), for frameworks whose arrays say so faster
         than through ``__cuda_array_interface__``."""
-        self.invars, self.outvars, self.stats = invars, outvars, stats
+        self.invars, self.outvars, self.stats, self.options = invars, outvars, stats, options
         last: dict[int, int] = {}
         for i, op in enumerate(ops):
             for x in op.ins:

@@ -19,6 +19,7 @@ target's or the program has fallbacks.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -644,10 +645,35 @@ def _stack(items: list, var, out: list[Op]):
 
 
 def program(closed, options: CompileOptions, stats: Stats, name: str) -> SegmentedProgram:
+    if options.tf32 is None:  # convolutions as XLA's: TF32 on the GPU unless a precision asks for more
+        options = dataclasses.replace(options, tf32=_default_precision(closed.jaxpr))
     invars = [_value(v.aval) for v in closed.jaxpr.invars]
     ops: list[Op] = []
     outvars = _flatten(closed, list(invars), ops)
     return SegmentedProgram(invars, ops, outvars, options, stats, name, "JAX", gpu_view=_gpu_view)
+
+
+_EXACT = ("highest", "float32", "high", "bfloat16_3x", "tensorfloat32_3x")  # precisions above TF32's
+
+
+def _default_precision(jaxpr) -> bool:
+    """Whether XLA would run this jaxpr's float32 convolutions at their default
+    precision (TF32 on a GPU that has it): no precision config above it, for
+    the process or for any convolution or product in it (sub-jaxprs too)."""
+    default = jax.config.jax_default_matmul_precision
+    if default is not None and str(default).lower() in _EXACT:
+        return False
+    for eqn in jaxpr.eqns:
+        precision = eqn.params.get("precision")
+        for p in precision if isinstance(precision, tuple) else (precision,):
+            if p is not None and str(getattr(p, "name", p)).lower() in _EXACT:
+                return False
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's
+                if hasattr(sub, "eqns") and not _default_precision(sub):
+                    return False
+    return True
 
 
 def _gpu_view(x) -> GpuView | None:

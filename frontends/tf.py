@@ -356,13 +356,10 @@ def _max_pool_grad(o, x, _, dy):
     original input (padding never wins), through the channels-first pooling
     composites."""
     layout, _, ks, strides, pads = _pool_window(o, x)
-    if any(lo != hi for lo, hi in pads):
-        raise UnsupportedOpError("MaxPoolGrad with uneven SAME padding")
-    lows = [lo for lo, _ in pads]
     to_first = [0, x.ndim - 1] + list(range(1, x.ndim - 1)) if layout == "NHWC" else list(range(x.ndim))
     xt = ops.permute(x, to_first)
-    _, at = ops.max_pool_with_positions(xt, ks, strides, lows)
-    dx = ops.max_pool_grad(ops.permute(dy, to_first), at, list(xt.shape), ks, strides, lows)
+    _, at = ops.max_pool_with_positions(xt, ks, strides, pads)  # (SAME pads the high side more where uneven)
+    dx = ops.max_pool_grad(ops.permute(dy, to_first), at, list(xt.shape), ks, strides, pads)
     return ops.permute(dx, [to_first.index(d) for d in range(x.ndim)])
 
 

@@ -415,13 +415,12 @@ def _lower_cfirst(L, n, out: str) -> None:
     name = f"t{n.id}_col"
     shape = (*rest, *kext) if by_rows else (*kext, *rest)
     L.declare_array(name, shape, n.dtype)
-    idx = [E.it(f"i{d}") for d in range(len(shape))]
+    iters, idx, bounds = loop_nest(shape)
     ov = dict(zip(lay[1:], idx[:len(rest)] if by_rows else idx[len(kext):]))
     kv = dict(zip(kdims, idx[len(rest):] if by_rows else idx[:len(kext)]))
     xi = conv_input_index(L, n, ov["N"], kv["I"], [ov[c] for c in sp], [kv[c] for c in sp])
     body = guarded(L, x, xi, E.const(0.0, n.dtype), [lay.index(c) for k, c in enumerate(sp) if any(at["padding"][k])])
-    L.add(name, tuple(f"i{d}" for d in range(len(shape))), tuple((0, s) for s in shape), tuple(idx), body, "im2col",
-          role=TAPS)
+    L.add(name, iters, bounds, idx, body, "im2col", role=TAPS)
     col = _box(name, shape, {})
     lda, ldb = red if w_rows else cout, red if by_rows else cols
     if cols >= cout:  # the parts share the longer side

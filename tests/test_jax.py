@@ -177,6 +177,28 @@ def test_strided_convolution_gradients(rng, strides, padding):
     check(jax.grad(loss, argnums=(0, 1)), rnd(rng, 2, 11, 10, 3), rnd(rng, 3, 3, 3, 4), rtol=1e-4, atol=1e-4)
 
 
+def test_convolutions_take_xlas_precision_for_tf32():
+    """tf32=None follows XLA: TF32 for float32 convolutions on a GPU at the
+    default precision; exact float32 where a convolution or product in the
+    function, or the process's default, asks for a higher precision."""
+    from polyjit.frontends.jax import program
+    from polyjit.frontends.common import Stats
+    from polyjit.options import parse_options
+
+    def conv(x, w, precision=None):
+        return lax.conv_general_dilated(x, w, (1, 1), "SAME", precision=precision)
+    x, w = jnp.ones((1, 2, 5, 5)), jnp.ones((3, 2, 3, 3))
+
+    def tf32(fn, **opts):
+        return program(jax.make_jaxpr(fn)(x, w), parse_options(opts), Stats(), "t").options.tf32
+    with jax.default_matmul_precision("default"):  # (this module's references ask for "highest")
+        assert tf32(conv) is True
+        assert tf32(jax.jit(lambda x, w: conv(x, w, lax.Precision.HIGHEST))) is False
+        assert tf32(conv, tf32=False) is False and tf32(lambda x, w: conv(x, w, "highest"), tf32=True) is True
+    with jax.default_matmul_precision("float32"):
+        assert tf32(conv) is False
+
+
 @pytest.mark.skipif(blas() is None, reason="no OpenBLAS from numpy to call")
 @pytest.mark.parametrize("strides", [(1, 1), (2, 2)])
 def test_weight_gradient_channels_last_is_a_library_call(rng, strides):

@@ -93,12 +93,13 @@ def test_keras_cnn_inference(rng):
     check(lambda x: cnn(x, training=False), rnd(rng, 2, 16, 16, 3), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("padding,pool", [("valid", 2), ("same", 3)])
+@pytest.mark.parametrize("padding,pool", [("valid", 2), ("same", 3), ("same", 2)])  # (same, 2): uneven padding
 def test_keras_cnn_training_step_with_gradient_tape(rng, padding, pool):
     """A training step as TF users write it: loss and gradients from a
     GradientTape inside the tf.function (ReluGrad, MaxPoolGrad,
     Conv2DBackpropFilter, BiasAddGrad, SparseSoftmaxCrossEntropyWithLogits,
-    ShapeN), compiled with no op left to TensorFlow. With VALID padding
+    ShapeN), compiled with no op left to TensorFlow, SAME padding even or
+    uneven (the high side padded more). With VALID padding
     isl left a softmax gradient's statements unordered (a set node) and a
     row buffer was contracted below its live range: wrong gradients."""
     cnn = keras.Sequential([keras.Input((9, 9, 3)), keras.layers.Conv2D(4, 3, padding=padding, activation="relu"),

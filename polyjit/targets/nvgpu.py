@@ -60,9 +60,12 @@ def split_reductions(graph: Graph) -> Graph:
         if k == x.rank or k - 1 < min(axes, default=k) or inner is None or inner < SPLIT_ROWS:
             return n  # no outer reduced dimension, or a short row
         flat = Node("reshape", (x,), {}, (*x.shape[:k], inner), x.dtype)  # one row loop: a warp's lanes share it
-        rows = Node("reduce", (flat,), {**n.attrs, "axes": (k,), "keepdim": True}, (*x.shape[:k], 1), n.dtype)
-        unit = Node("reshape", (rows,), {}, (*x.shape[:k], *(1,) * (x.rank - k)), n.dtype)
-        return dataclasses.replace(n, inputs=(unit,))
+        rows = Node("reduce", (flat,), {**n.attrs, "axes": (k,), "keepdim": False}, x.shape[:k], n.dtype)
+        outer = tuple(a for a in axes if a < k)
+        keep = n.attrs.get("keepdim", False)
+        rest = Node("reduce", (rows,), {**n.attrs, "axes": outer},
+                    tuple(1 if d in outer else s for d, s in enumerate(x.shape[:k]) if keep or d not in outer), n.dtype)
+        return rest if tuple(rest.shape) == tuple(n.shape) else Node("reshape", (rest,), {}, n.shape, n.dtype)
     return graph.rewritten(split)
 
 
