@@ -79,17 +79,24 @@ def _encoder_layer(src, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight,
                    eps, norm_weight_1, norm_bias_1, norm_weight_2, norm_bias_2, ffn_weight_1, ffn_bias_1,
                    ffn_weight_2, ffn_bias_2, mask=None, mask_type=None):
     """nn.TransformerEncoderLayer's inference fast path (batch first, no
-    grad) as the layer's own steps, which the table covers; with a mask it
-    stays one op (a counted fallback)."""
-    if mask is not None or src.dim() != 3:
+    grad) as the layer's own steps, which the table covers. A mask is
+    added to the scores (a float mask, -inf where masked) or masks them
+    (a boolean one): mask_type 1, a key padding mask (batch, keys); 0, an
+    attention mask (queries, keys); 2, both merged (batch, heads, queries, keys)."""
+    if src.dim() != 3:
         return NotImplemented
     F = torch.nn.functional
     b, t, e = src.shape
     d = embed_dim // num_heads
+    if mask is not None and mask_type == 1:
+        mask = mask.view(b, 1, 1, t)
 
     def attention(x):
         q, k, v = F.linear(x, qkv_weight, qkv_bias).view(b, t, 3, num_heads, d).permute(2, 0, 3, 1, 4).unbind(0)
-        a = torch.softmax(q @ k.transpose(-2, -1) * d ** -0.5, -1) @ v
+        scores = q @ k.transpose(-2, -1) * d ** -0.5
+        if mask is not None:
+            scores = scores.masked_fill(mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        a = torch.softmax(scores, -1) @ v
         return F.linear(a.transpose(1, 2).reshape(b, t, e), proj_weight, proj_bias)
 
     def feed_forward(x):

@@ -25,3 +25,25 @@ def test_encoder_inference_fast_path_compiles(activation, norm_first):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     stats = polyjit.frontends.torch.stats()
     assert stats["fallbacks"] == 0 and stats["kernels"] > 0
+
+
+@pytest.mark.parametrize("masks", ["key_padding", "attention"])
+def test_encoder_fast_path_with_masks(masks):
+    """The fused layer's masks, a key padding mask (batch, keys) or an
+    attention mask (queries, keys), added to the attention scores."""
+    torch._dynamo.reset()
+    polyjit.frontends.torch.stats(reset=True)
+    torch.manual_seed(int.from_bytes(np.random.default_rng().bytes(4), "little"))
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    x = torch.randn(3, 10, 32)
+    padding = torch.zeros(3, 10, dtype=torch.bool)
+    padding[0, 7:], padding[2, 4:] = True, True
+    kw = {"key_padding": {"src_key_padding_mask": padding},
+          "attention": {"mask": torch.nn.Transformer.generate_square_subsequent_mask(10)}}[masks]
+    compiled = torch.compile(model, backend="polyjit", options={"strict": True})
+    with torch.no_grad():
+        want = model(x, **kw)
+        got = compiled(x, **kw)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert polyjit.frontends.torch.stats()["fallbacks"] == 0

@@ -36,11 +36,11 @@ def _llvm():
     return llvm.Target.from_default_triple()
 
 
-def target_machine():
+def target_machine(opt: int = 3):
     """A fresh target machine: an execution engine takes ownership of its own."""
     return _llvm().create_target_machine(cpu=llvm.get_host_cpu_name(),
                                          features=llvm.get_host_cpu_features().flatten(),
-                                         opt=3, codemodel="jitdefault")
+                                         opt=opt, codemodel="jitdefault")
 
 
 STREAM_GROUP = 64  # elements per trip of a streamed loop: whole vector iterations, no remainder
@@ -272,10 +272,16 @@ def optimized_module(ir_text: str, tm) -> tuple["llvm.ModuleRef", str]:
 class JitModule:
     """A JIT-compiled LLVM module; keeps the engine alive with its code."""
 
-    def __init__(self, ir_text: str) -> None:
-        tm = target_machine()
+    def __init__(self, ir_text: str, optimize: bool = True) -> None:
+        """optimize=False: straight-line host code (a native launcher) that
+        LLVM's passes would only take time over."""
+        tm = target_machine(3 if optimize else 0)
         with _lock:
-            mod, self.optimized_ir = optimized_module(ir_text, tm)
+            if optimize:
+                mod, self.optimized_ir = optimized_module(ir_text, tm)
+            else:
+                mod, self.optimized_ir = llvm.parse_assembly(ir_text), ir_text
+                mod.verify()
             self.engine = llvm.create_mcjit_compiler(mod, tm)
             self.engine.finalize_object()
             self.assembly = None

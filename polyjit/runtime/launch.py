@@ -125,7 +125,7 @@ class NativeLauncher:
                  owner=None) -> None:
         self.name, self.plan, self.results, self.owner = name, plan, list(results), owner
         self.ir = str(_module(name, plan, symbols))
-        self._jit = JitModule(self.ir)
+        self._jit = JitModule(self.ir, optimize=False)
         self.address = self._jit.engine.get_function_address(name)
 
 
