@@ -571,6 +571,73 @@ def test_convolution_products_follow_the_tf32_option(monkeypatch):
         assert gemms and all(g.tf32 == tf32 for g in gemms), (tf32, gemms)
 
 
+def test_cuda_graph_replays_follow_the_pointers(monkeypatch):
+    """A launcher's steps run directly for pointers seen once, are captured
+    on the second call with them and replayed from then on; a failed
+    capture, or a caller's stream that is itself being captured, leaves the
+    launcher running directly. (A driver written in Python: no GPU.)"""
+    from types import SimpleNamespace
+
+    from polyjit.runtime import cuda_graphs
+    ok = SimpleNamespace(name="CUDA_SUCCESS")
+    events = []
+
+    class Driver:
+        CUresult = SimpleNamespace(CUDA_SUCCESS=ok)
+        CUstream_flags = SimpleNamespace(CU_STREAM_NON_BLOCKING=1)
+        CUstreamCaptureMode = SimpleNamespace(CU_STREAM_CAPTURE_MODE_THREAD_LOCAL=2)
+        CUstreamCaptureStatus = SimpleNamespace(CU_STREAM_CAPTURE_STATUS_NONE="none")
+        capturing_caller = False
+
+        def CUstream(self, handle):
+            return handle
+
+        def cuStreamIsCapturing(self, s):
+            return ok, "active" if self.capturing_caller and s == 0x55 else "none"
+
+        def cuStreamCreate(self, flags):
+            return ok, 0xCA
+
+        def cuStreamBeginCapture(self, s, mode):
+            events.append(("begin", s))
+            return (ok,)
+
+        def cuStreamEndCapture(self, s):
+            events.append(("end", s))
+            return ok, "graph"
+
+        def cuGraphInstantiate(self, graph, flags):
+            return ok, 0xE0 + len([e for e in events if e[0] == "begin"])
+
+        def cuGraphDestroy(self, graph):
+            return (ok,)
+
+        def cuGraphExecDestroy(self, exe):
+            return (ok,)
+    drv = Driver()
+    monkeypatch.setattr(cuda_graphs, "driver", lambda: drv)
+    monkeypatch.setattr(cuda_graphs, "_capture_streams", {})
+    monkeypatch.setattr(cuda_graphs, "_graph_launch", lambda: lambda exe, s: events.append(("replay", exe, s)) or 0)
+    status = {"code": 0}
+
+    def run(inputs, outputs, stream, message, size):
+        events.append(("run", stream))
+        return status["code"]
+    replays = cuda_graphs.GraphReplays(run, 0)
+    call = lambda key: replays(key, None, None, 0x55, None, 0)  # noqa: E731
+    assert [call((1, 2)) for _ in range(3)] == [0, 0, 0]
+    assert events == [("run", 0x55), ("begin", 0xCA), ("run", 0xCA), ("end", 0xCA), ("replay", 0xE1, 0x55),
+                      ("replay", 0xE1, 0x55)] and replays.replays == 2
+    events.clear()
+    drv.capturing_caller = True  # the caller's own capture takes the launches as they are
+    call((3, 4)), call((3, 4))
+    assert events == [("run", 0x55), ("run", 0x55)]
+    events.clear()
+    drv.capturing_caller, status["code"] = False, 700  # a capture that fails: direct from then on
+    call((5, 6)), call((5, 6))
+    assert replays.broken and events[-1] == ("run", 0x55) and not any(e[0] == "replay" for e in events)
+
+
 def _gpu():
     from conftest import _gpu_visible
     return _gpu_visible()
