@@ -822,7 +822,7 @@ class _Translation:
     graph: Graph
     tensor_inputs: list[int]  # positions of FX placeholders that are tensors
     seed_index: int | None
-    outputs: list  # ('tensor', k) | ('input', argument position) | ('const', value) | ('size', Lin)
+    outputs: list  # ('tensor', k), ('input', position), ('permuted', (position, perm)), ('const', v), ('size', Lin)
     symbols: dict  # symbolic size name -> (argument position, dimension or None for an integer argument)
     asserts: list = field(default_factory=list)  # (graph output, message): torch._assert_async conditions
 
@@ -884,8 +884,11 @@ def _outputs(cx: _Context, node: torch.fx.Node, env: dict, tensor_inputs: list[i
     flat = node.args[0] if isinstance(node.args[0], (tuple, list)) else (node.args[0],)
     for o in flat:
         v = env[o] if isinstance(o, torch.fx.Node) else o
-        if isinstance(v, ops.Tensor) and v.node.op == "input" and v.node.attrs["name"] != "seed":
-            outs.append(("input", input_pos[v.node.id]))
+        view = _input_view(v.node, input_pos) if isinstance(v, ops.Tensor) else None
+        if view is not None and view[1] is None:
+            outs.append(("input", view[0]))
+        elif view is not None:
+            outs.append(("permuted", view))
         elif isinstance(v, ops.Tensor):
             cx.graph.add_output(v.node)
             outs.append(("tensor", len(cx.graph.outputs) - 1))
@@ -901,6 +904,19 @@ def _outputs(cx: _Context, node: torch.fx.Node, env: dict, tensor_inputs: list[i
         cx.graph.add_output(cond.node)
         asserts.append((len(cx.graph.outputs) - 1, msg))
     return _Translation(cx.graph, tensor_inputs, cx.seed_index, outs, symbols, asserts)
+
+
+def _input_view(node, input_pos: dict[int, int]) -> tuple[int, tuple[int, ...] | None] | None:
+    """(argument position, permutation or None) where node is an input, or a
+    permutation of one (a training forward saves each Linear weight's
+    transpose for the backward): handed back as a torch view, not copied."""
+    perm = None
+    while node.is_index_transpose:
+        perm = [node.attrs["perm"][p] for p in (perm if perm is not None else range(node.rank))]
+        node = node.inputs[0]
+    if node.op != "input" or node.attrs.get("name") == "seed" or node.id not in input_pos:
+        return None
+    return input_pos[node.id], tuple(perm) if perm is not None else None
 
 
 class CompiledGraph:
@@ -953,6 +969,8 @@ class CompiledGraph:
             elif kind == "size":
                 result.append(v.evaluate({n: int(args[k]) if d is None else args[k].shape[d]
                                           for n, (k, d) in self.t.symbols.items()}))
+            elif kind == "permuted":
+                result.append(args[v[0]].permute(v[1]))
             else:
                 result.append(args[v] if kind == "input" else v)
         return tuple(result)

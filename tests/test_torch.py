@@ -573,3 +573,25 @@ def test_cummax_diagonal_and_negative_padding_train():
                      torch.diagonal(x.reshape(5, 7, 1).expand(5, 7, 3), 1, 0, 1)), x)
     check(lambda x: torch.cummax(x, 1).values * 2 + torch.cummin(x, 1).values + torch.diagonal(x, 1).reshape(5, 1) ** 2
           + F.pad(x, (-1, 1, 1, -1)), r(5, 7, grad=True), backward=True)
+
+
+def test_saved_weight_transposes_are_views_of_the_weights():
+    """A training forward saves each Linear weight's transpose for the
+    backward: handed back as a view of the weight (as eager saves it), not
+    computed into a copy; gradients as eager's."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+    ref = copy.deepcopy(m)
+    f = torch.compile(m, backend="polyjit", options={"strict": True})
+    x, r = torch.randn(5, 16), torch.randn(5, 8)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = f(x)
+    (out * r).sum().backward()
+    (ref(x) * r).sum().backward()
+    for p, q in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    weights = {m[0].weight.data_ptr(), m[2].weight.data_ptr()}
+    assert any(t.data_ptr() in weights and t.dim() == 2 and t.stride() == (1, t.shape[0]) for t in saved), \
+        [(tuple(t.shape), t.stride()) for t in saved]
