@@ -171,6 +171,13 @@ def loads(e: Expr) -> list[Load]:
     return [x for x in walk(e) if isinstance(x, Load)]
 
 
+def data_loads(e: Expr) -> list[Load]:
+    """The loads of e but those inside another load's index (a gather's indices)."""
+    if isinstance(e, Load):
+        return [e]
+    return [ld for a in e.args for ld in data_loads(a)] if isinstance(e, Op) else []
+
+
 def substitute(e: Expr, f: Callable[[Expr], Expr | None]) -> Expr:
     """Rebuild e bottom-up, replacing the nodes for which f returns an Expr."""
     r = f(e)

@@ -624,7 +624,7 @@ def test_cuda_graph_replays_follow_the_pointers(monkeypatch):
         events.append(("run", stream))
         return status["code"]
     replays = cuda_graphs.GraphReplays(run, 0)
-    call = lambda key: replays(key, None, None, 0x55, None, 0)  # noqa: E731
+    call = lambda key: replays(key, (), 0x55, None, 0)  # (the inputs' pointers, no outputs)  # noqa: E731
     assert [call((1, 2)) for _ in range(3)] == [0, 0, 0]
     assert events == [("run", 0x55), ("begin", 0xCA), ("run", 0xCA), ("end", 0xCA), ("replay", 0xE1, 0x55),
                       ("replay", 0xE1, 0x55)] and replays.replays == 2

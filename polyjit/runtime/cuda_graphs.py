@@ -61,9 +61,9 @@ def _capturing(stream: int) -> bool:
 
 
 class GraphReplays:
-    """Runs a native launcher (``run(inputs, outputs, stream, message,
-    size)``, its status) for calls keyed by the pointers they pass: a
-    replay of a graph captured for those pointers, or the launcher itself."""
+    """A native launcher (``run(inputs, outputs, stream, message, size)``,
+    its status) called the same way: a call replays the graph captured for
+    the pointers it passes, or runs the launcher itself."""
 
     def __init__(self, run: Callable, ordinal: int) -> None:
         self.run, self.ordinal = run, ordinal
@@ -73,7 +73,8 @@ class GraphReplays:
         self.replays = 0
         weakref.finalize(self, _destroy, self.graphs)
 
-    def __call__(self, key: tuple, inputs, outputs, stream: int, message, size: int) -> int:
+    def __call__(self, inputs, outputs, stream: int, message, size: int) -> int:
+        key = (*inputs, *outputs)
         graph = self.graphs.get(key)
         if graph is None and not self.broken and key in self.seen and not _capturing(stream):
             graph = self._capture(key, inputs, outputs, message, size)

@@ -178,7 +178,7 @@ class GpuProgram(CompiledProgram):
             total += -(-math.prod(shape) * dt.itemsize // 256) * 256
         run = launch.LAUNCH_T(launcher.address)
         replays = cuda_graphs.GraphReplays(run, plan.device.ordinal) if cuda_graphs.ENABLED else None
-        return _Native(launcher, run, launcher.results[:outs], offsets, total,
+        return _Native(launcher, replays or run, launcher.results[:outs], offsets, total,
                        (ctypes.c_void_p * max(len(self.inputs), 1))(),
                        (ctypes.c_void_p * max(len(launcher.results), 1))(), ctypes.create_string_buffer(256),
                        replays)
@@ -200,12 +200,9 @@ class GpuProgram(CompiledProgram):
             inputs = native.inputs
             for k, v in enumerate(views):
                 inputs[k] = v.ptr
-            if native.replays is not None:  # keyed by every pointer the launcher is handed
-                code = native.replays((*inputs, *results), inputs, results, stream, native.message,
-                                      len(native.message))
+            code = native.run(inputs, results, stream, native.message, len(native.message))
+            if native.replays is not None:
                 self.stats["cuda_graph_replays"] = native.replays.replays
-            else:
-                code = native.run(inputs, results, stream, native.message, len(native.message))
             if code:
                 raise DeviceError(f"{self.name}: {native.message.value.decode(errors='replace')}")
         self.stats["intermediate_bytes"] = plan.temp_bytes
@@ -356,4 +353,4 @@ class _Native:
     inputs: Any
     results: Any
     message: Any
-    replays: "cuda_graphs.GraphReplays | None" = None  # runs the launcher where graphs are on
+    replays: "cuda_graphs.GraphReplays | None" = None  # where graphs are on: it is run

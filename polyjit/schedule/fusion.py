@@ -36,8 +36,9 @@ def fusion_groups(prog: AffineProgram, epilogues: bool = False,
     can always run one after another. A scatter is a group of its own: its
     loop cannot be shared by threads, and fused with its target's zeroing
     and readers (BERT's word-embedding gradient, 30522x256) it made them
-    run on one thread too (7.3 ms of a 2-thread training step). A contraction (its initialization and
-    update, with epilogues its elementwise consumers) is a group of its own;
+    run on one thread too (7.3 ms of a 2-thread training step). A
+    contraction (its initialization and update, with epilogues its
+    elementwise consumers) is a group of its own;
     other runs are cut at MAX_GROUP statements. A library call's taps (role
     TAPS, im2col) start a group: fused with their producer (a batch norm and
     relu), isl's shifted nest wrote the taps out of memory order, 0.38 ms
@@ -227,7 +228,8 @@ def starved(ast: isl.AstNode, prog: AffineProgram, contracted) -> bool:
     rows, and a warp each where they run along rows), unless the grid is
     thinner than GPU_THIN_GRID and a sum is not along rows (a batch norm's
     backward, its per-channel sums fused with the elementwise pass after
-    them, ran a thread per channel: 16 of a ResNet-18 training step's 40 ms). Elementwise statements whose arrays are all kept whole gain
+    them, ran a thread per channel: 16 of a ResNet-18 training step's 40
+    ms). Elementwise statements whose arrays are all kept whole gain
     nothing from sharing a nest and lose a thread per element (ResNet-18's
     max pool, fused with its padded input along image rows, ran a row per
     thread, consecutive threads channels apart: 4.7 ms), whatever the grid.

@@ -7,7 +7,7 @@ from __future__ import annotations
 import islpy as isl
 
 from ..affine import AffineProgram
-from ..expr import Load, Op, Var, loads, walk
+from ..expr import Var, data_loads, loads, walk
 from .dependences import is_legal
 from .tree import is_product_init, isl_items, member_extent, member_iter, rebuild_band, visit
 
@@ -33,13 +33,6 @@ def contiguity(prog: AffineProgram, vectors: bool = True) -> dict[tuple[str, int
                     n -= 1
             score[(s.name, d)] = n
     return score
-
-
-def data_loads(e) -> list[Load]:
-    """The loads of e but those inside another load's index (a gather's indices)."""
-    if isinstance(e, Load):
-        return [e]
-    return [ld for a in e.args for ld in data_loads(a)] if isinstance(e, Op) else []
 
 
 def memory_depth(prog: AffineProgram) -> dict[tuple[str, int], int]:
