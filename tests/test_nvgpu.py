@@ -454,6 +454,7 @@ def test_native_launcher_runs_library_steps_holding_its_lock():
         "cuCtxGetCurrent": symbol(i, p)(lambda out: c.cast(out, c.POINTER(p)).__setitem__(0, 0x77) or 0),
         "cuCtxSetCurrent": symbol(i, p)(lambda x: 0),
         "snprintf": c.cast(c.CDLL(None).snprintf, c.c_void_p).value,
+        "sched_yield": symbol(i)(lambda: 0),
     }
     lock = []  # the launcher's lock word, read while a call runs: held
     set_stream = symbol(i, p, p)(lambda h, s: calls.append(("stream", h, s, c.c_int32.from_address(lock[0]).value))
@@ -478,6 +479,50 @@ def test_native_launcher_runs_library_steps_holding_its_lock():
     assert run((c.c_void_p * 2)(0x1000, 0x2000), (c.c_void_p * 1)(0x3000,), 0x55, message, 100) == 13
     assert message.value == b"x @ w failed: cuBLAS status 13" and len(calls) == 2
     assert c.c_int32.from_address(lock[0]).value == 0
+
+
+def test_a_native_launchers_lock_waiter_yields_its_core_until_the_holder_releases():
+    """A library step finding the launcher's lock held (another caller's
+    steps) gives its core up (sched_yield) while it waits, rather than
+    spinning on it (with more callers than cores a spinning waiter starves
+    the holder), and runs its calls once the lock is free; a free lock
+    costs no yield."""
+    import ctypes as c
+    import threading
+
+    from polyjit.runtime import launch
+    calls, keep, lock, yields = [], [], [], []
+    symbol = _callbacks(keep)
+    i, p = c.c_int, c.c_void_p
+
+    def yield_core():  # the holder finishes while the third waiter yields
+        yields.append(c.c_int32.from_address(lock[0]).value)
+        if len(yields) == 3:
+            c.c_int32.from_address(lock[0]).value = 0
+        return 0
+    symbols = {
+        "cuStreamGetCtx": symbol(i, p, p)(lambda s, out: c.cast(out, c.POINTER(p)).__setitem__(0, 0x77) or 0),
+        "cuCtxGetCurrent": symbol(i, p)(lambda out: c.cast(out, c.POINTER(p)).__setitem__(0, 0x77) or 0),
+        "cuCtxSetCurrent": symbol(i, p)(lambda x: 0),
+        "snprintf": c.cast(c.CDLL(None).snprintf, p).value,
+        "sched_yield": symbol(i)(yield_core),
+    }
+    call = symbol(i, p)(lambda s: calls.append(c.c_int32.from_address(lock[0]).value) or 0)
+    step = launch.LibraryStep((launch.Call(call, (launch.Arg("stream"),), "setting the stream"),), "cuBLAS status")
+    plan = launch.LaunchPlan(slots=1, inputs=[0], outputs=[], fixed={}, ints=[], steps=[step], context=0x77)
+    launcher = launch.NativeLauncher("polyjit_test_contended", plan, symbols)
+    lock.append(launcher._jit.engine.get_global_value_address("polyjit_test_contended.lock"))
+    run = launch.LAUNCH_T(launcher.address)
+    message = c.create_string_buffer(100)
+    assert run((p * 1)(0x1000), (p * 1)(), 0x55, message, 100) == 0 and calls == [1] and yields == []
+    c.c_int32.from_address(lock[0]).value = 1  # held by another caller
+    codes = []
+    waiter = threading.Thread(target=lambda: codes.append(run((p * 1)(0x1000), (p * 1)(), 0x55, message, 100)),
+                              daemon=True)
+    waiter.start()
+    waiter.join(60)  # (a waiter that never yields spins on forever: the lock is released only by yielding)
+    assert not waiter.is_alive() and codes == [0]
+    assert yields == [1, 1, 1] and calls == [1, 1] and c.c_int32.from_address(lock[0]).value == 0
 
 
 def test_a_gpu_programs_plan_becomes_its_native_launchers_steps(monkeypatch):
@@ -537,7 +582,7 @@ def test_a_gpu_programs_plan_becomes_its_native_launchers_steps(monkeypatch):
         "cuLaunchKernel": symbol(i, p, *[c.c_uint] * 7, p, p, p)(
             lambda f, gx, gy, gz, bx, by, bz, shared, s, params, extra:
                 calls.append(("launch", f, gx, bx, s, block(params, 4))) or 0),
-        "snprintf": c.cast(c.CDLL(None).snprintf, p).value})
+        "snprintf": c.cast(c.CDLL(None).snprintf, p).value, "sched_yield": symbol(i)(lambda: 0)})
     launcher = prog.native_launcher([GpuView(0xA000, (4096, 64), None, np.dtype(F32), 0, None)], "polyjit_test_plan")
     assert [name for name, _, _ in launcher.results] == ["out0", "out1", prog.kernels[0].library.array]  # (the product)
     assert handles == ["made"] and exe.ir("launcher polyjit_test_plan") == launcher.ir

@@ -33,7 +33,7 @@ LAUNCH_T = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.POINTER(ctypes.c_void_p), cty
                             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)  # the launch function's type
 CUDA_ERROR_INVALID_CONTEXT = 201
 SYMBOLS = ("cuStreamGetCtx", "cuCtxGetCurrent", "cuCtxSetCurrent", "cuMemsetD8Async", "cuMemsetD32Async",
-           "cuLaunchKernel", "snprintf")  # the functions a GPU launcher calls, by address
+           "cuLaunchKernel", "snprintf", "sched_yield")  # the functions a GPU launcher calls, by address
 CPU_SYMBOLS = ("GOMP_parallel", "polyjit_omp_part", "omp_get_thread_num", "omp_get_num_threads",
                "snprintf")  # a CPU launcher's (the first four where a kernel runs on the team)
 
@@ -283,8 +283,10 @@ class _Builder:
                           ir.Constant(I32, step.threads), ir.Constant(I32, 0)])
 
     def _library(self, step: LibraryStep) -> None:
-        """The calls in order, holding the launcher's lock (a spin lock: a
-        handle's stream must not change between setting it and the calls)."""
+        """The calls in order, holding the launcher's lock (a handle's stream
+        must not change between setting it and the calls): one
+        compare-and-swap when free; a waiter yields its core (sched_yield)
+        until the holder releases it."""
         b = self.b
         self._acquire()
         for call in step.calls:
@@ -311,11 +313,16 @@ class _Builder:
             self.lock = ir.GlobalVariable(self.mod, I32, f"{self.name}.lock")
             self.lock.linkage, self.lock.initializer = "internal", ir.Constant(I32, 0)
         spin = self.fn.append_basic_block("spin")
+        wait = self.fn.append_basic_block("wait")
         held = self.fn.append_basic_block("held")
         b.branch(spin)
         b.position_at_end(spin)
         pair = b.cmpxchg(self.lock, ir.Constant(I32, 0), ir.Constant(I32, 1), "acquire", "monotonic")
-        b.cbranch(b.extract_value(pair, 1), held, spin)
+        b.cbranch(b.extract_value(pair, 1), held, wait)
+        b.position_at_end(wait)  # taken: give the holder the core (more callers than cores), try again once free
+        b.call(self.function("sched_yield"), [])
+        free = b.icmp_unsigned("==", b.load_atomic(self.lock, "monotonic", 4), ir.Constant(I32, 0))
+        b.cbranch(free, spin, wait)
         b.position_at_end(held)
 
     def _release(self) -> None:
