@@ -47,6 +47,7 @@ from ..dtypes import DataType
 from ..expr import Const, Op, Var, loads, walk
 from ..schedule import Scheduled, ast_nodes, statements_in
 from ..schedule.ast import unit_step
+from ..schedule.fusion import GPU_STRIP
 from .llvm import Strips, ast_calls, ast_children, ast_uses, static_extent
 from .mapping import StripMapping, loop_iterator
 
@@ -59,7 +60,6 @@ TILE, KTILE = 64, 16  # a contraction's output tile per block, and its reduction
 BIG_TILE = 128  # the tile of long products
 STRIP_REDUCE = 256  # iterations of a summing loop per thread before its atomic add
 ATOMIC_COMBINES = ("sum",)  # reductions whose strips end in an atomic read-modify-write (an atomic add)
-THREAD_STRIP = 64  # iterations of a sequential loop per thread when strips run in parallel
 THREADS_PER_MULTIPROCESSOR = 2048  # resident threads (sm_70 to sm_90)
 DEFAULT_MULTIPROCESSORS = 132  # where no GPU says (PTX for gpu_arch): an H100's
 
@@ -254,7 +254,7 @@ class GpuMapper(StripMapping):
         rows = warp_rows(self, grid) if loops else None
         if rows is not None:
             return rows
-        strip = self.strip_plan(rest, seen, THREAD_STRIP, bounded=True)
+        strip = self.strip_plan(rest, seen, GPU_STRIP, bounded=True)
         if strip is not None:
             return HaloStrips(grid, strip)
         strip = atomic_strips(self, rest, seen) if not self.fills_device(loops) else None

@@ -34,9 +34,7 @@ from .gpu_mapping import GpuMapper, Library
 from .mapping import mapping_text
 from .nvgpu import TRIPLE, GpuEmitter, ptx
 from . import ptx_workers
-from .program import _submit, finish
-
-CODE_CACHE = 4096  # kernels kept per process
+from .program import CODE_CACHE, _submit, finish
 
 
 @dataclass(frozen=True)

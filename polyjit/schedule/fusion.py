@@ -215,7 +215,7 @@ def reduction_fits_tile(s) -> bool:
 
 GPU_GRID_FLOOR = 1 << 16  # parallel iterations below which a GPU kernel leaves most of the device idle
 GPU_THIN_GRID = 1 << 12  # threads below which a kernel has less than a warp per SM (132 on an H100)
-GPU_STRIP = 64  # iterations of a sequential loop per strip (codegen.nvgpu.STRIP)
+GPU_STRIP = 64  # iterations of a sequential loop per thread where strips run in parallel (codegen.gpu_mapping)
 
 
 def starved(ast: isl.AstNode, prog: AffineProgram, contracted) -> bool:
