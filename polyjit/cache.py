@@ -105,7 +105,7 @@ def _versions() -> str:
     for path in sorted(root.rglob("*.py")):
         digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
     return (f"polyjit {__version__} {digest.hexdigest()[:16]} llvmlite {llvmlite.__version__} islpy {islpy.__version__}"
-            f" numpy {np.__version__}")  # whose OpenBLAS library calls bind to (its integer width)
+            f" numpy {np.__version__}")  # its OpenBLAS timed the library choices
 
 
 def graph_text(graph: Graph) -> str:

@@ -3,10 +3,11 @@
 Where, for a convolution's shape, polyjit's generated loop nest loses to
 BLAS, the convolution lowers to an im2col statement (generated, so that
 the ops before it fuse into it) and one ``sgemm`` statement per image and
-group, a call into the OpenBLAS that numpy ships (bound by address, no
-framework involved). The statement reads and writes boxes of its arrays, so
-isl orders it with the rest of the program like any statement; the ops
-after it read its result in generated kernels.
+group, a call into the process's BLAS (bound by address, no framework
+imported: MKL where a loaded library exports it, else numpy's OpenBLAS).
+The statement reads and writes boxes of its arrays, so isl orders it with
+the rest of the program like any statement; the ops after it read its
+result in generated kernels.
 
 ``contractions`` in the compile options picks: ``"generated"``, ``"library"``
 or ``"auto"`` (per shape, whichever a quick timing of both finds faster,
@@ -121,36 +122,68 @@ _blas: Any = False
 
 
 def blas() -> "Blas | None":
-    """numpy's OpenBLAS (ILP64, scipy_ prefixed symbols), or None."""
+    """The process's BLAS, looked for once: MKL where a library already
+    loaded exports it (PyTorch's CPU wheels link it into libtorch_cpu; it is
+    faster than OpenBLAS on one thread), else numpy's OpenBLAS (ILP64,
+    scipy_ prefixed symbols), else None. ``POLYJIT_BLAS=openblas`` skips MKL."""
     global _blas
     if _blas is False:
-        _blas = None
-        try:
-            import numpy
-            base = os.path.dirname(os.path.dirname(numpy.__file__))
-            for path in sorted(glob.glob(os.path.join(base, "numpy.libs", "libscipy_openblas*.so*"))
-                               + glob.glob(os.path.join(base, "scipy_openblas*", "lib", "lib*openblas*.so*"))):
-                lib = ctypes.CDLL(path)
-                for prefix, suffix in (("scipy_", "64_"), ("scipy_", ""), ("", "")):
-                    fn = getattr(lib, f"{prefix}cblas_sgemm{suffix}", None)
-                    if fn is not None:
-                        local = getattr(lib, "openblas_set_num_threads_local", None)
-                        _blas = Blas(path, _address(fn), _address(local) if local else None,
-                                     64 if suffix == "64_" else 32)
-                        break
-                if _blas is not None:
-                    break
-        except (ImportError, OSError) as e:
-            log.debug("no BLAS: %s", e)
+        _blas = None if os.environ.get("POLYJIT_BLAS", "").lower() == "openblas" else _loaded_mkl()
+        _blas = _blas or _numpy_openblas()
+        log.debug("BLAS: %s", _blas)
     return _blas
+
+
+def _loaded_mkl() -> "Blas | None":
+    """MKL's sgemm_ (Fortran, LP64) in a shared library this process has
+    already loaded; never loads one."""
+    spans: dict[str, list[tuple[int, int]]] = {}
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) == 6 and ".so" in fields[5]:
+                    lo, hi = (int(v, 16) for v in fields[0].split("-"))
+                    spans.setdefault(fields[5], []).append((lo, hi))
+    except OSError:
+        return None
+    for path, mapped in spans.items():
+        try:
+            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LOCAL)
+        except OSError:
+            continue
+        sgemm, local = (getattr(lib, name, None) for name in ("sgemm_", "MKL_Set_Num_Threads_Local"))
+        # (a library's lookup also finds its dependencies' symbols: the one that holds them names it)
+        if sgemm is not None and local is not None and any(lo <= _address(sgemm) < hi for lo, hi in mapped):
+            return Blas(path, _address(sgemm), _address(local), 32, fortran=True)
+    return None
+
+
+def _numpy_openblas() -> "Blas | None":
+    try:
+        import numpy
+        base = os.path.dirname(os.path.dirname(numpy.__file__))
+        for path in sorted(glob.glob(os.path.join(base, "numpy.libs", "libscipy_openblas*.so*"))
+                           + glob.glob(os.path.join(base, "scipy_openblas*", "lib", "lib*openblas*.so*"))):
+            lib = ctypes.CDLL(path)
+            for prefix, suffix in (("scipy_", "64_"), ("scipy_", ""), ("", "")):
+                fn = getattr(lib, f"{prefix}cblas_sgemm{suffix}", None)
+                if fn is not None:
+                    local = getattr(lib, "openblas_set_num_threads_local", None)
+                    return Blas(path, _address(fn), _address(local) if local else None,
+                                64 if suffix == "64_" else 32)
+    except (ImportError, OSError) as e:
+        log.debug("no OpenBLAS: %s", e)
+    return None
 
 
 @dataclass(frozen=True)
 class Blas:
     path: str
-    sgemm: int  # address of cblas_sgemm
-    set_threads_local: int | None  # address of openblas_set_num_threads_local: 1 thread per calling thread
+    sgemm: int  # address of cblas_sgemm, or of sgemm_ where fortran
+    set_threads_local: int | None  # its C call setting this thread's thread count (1 per calling thread)
     int_bits: int  # 64 for an ILP64 build
+    fortran: bool = False  # sgemm_: column-major, every argument by address (MKL's exported form)
 
 
 def _address(fn) -> int:

@@ -1,6 +1,7 @@
 """Convolutions on the CPU both ways (generated loop nests and the BLAS floor),
 against eager PyTorch and against each other; the choice is reported."""
 import copy
+import ctypes
 import json
 import os
 import re
@@ -19,7 +20,7 @@ from polyjit.errors import CompileOptionError  # noqa: E402
 from polyjit.library import blas  # noqa: E402
 
 F32 = np.float32
-needs_blas = pytest.mark.skipif(blas() is None, reason="no OpenBLAS from numpy to call")
+needs_blas = pytest.mark.skipif(blas() is None, reason="no BLAS to call")
 
 
 @pytest.fixture(autouse=True)
@@ -285,6 +286,42 @@ def test_library_calls_survive_the_compile_cache(tmp_path):
     first, second = runs
     assert first["cache_hits"] == 0 and first["kernels_compiled"] > 0 and first["library_calls"] == 1
     assert second == {"cache_hits": 1, "kernels_compiled": 0, "library_calls": 1}
+
+
+@needs_blas
+def test_library_calls_bind_to_either_blas_through_one_form_of_call(tmp_path):
+    """With PyTorch loaded, sgemm is the MKL its library exports (Fortran
+    form, through an adapter); POLYJIT_BLAS=openblas picks numpy's OpenBLAS.
+    Code calls one form either way: made under one, loaded from the cache
+    under the other, it gives the right result."""
+    if subprocess.run([sys.executable, "-c", "import torch, polyjit.library as l; assert l._loaded_mkl()"],
+                      capture_output=True).returncode:
+        pytest.skip("no MKL in this PyTorch")
+    code = "import torch, polyjit.library as l\n" + CACHED_CONV + "print(l.blas().fortran)\n"
+    runs = []
+    for choice in ("", "openblas"):
+        env = {**os.environ, "POLYJIT_CACHE_DIR": str(tmp_path), "POLYJIT_BLAS": choice}
+        p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr
+        runs.append(p.stdout.split())
+    assert [fortran for *_, fortran in runs] == ["True", "False"]
+    assert '"cache_hits": 1' in " ".join(runs[1])
+
+
+@needs_blas
+def test_a_library_call_leaves_the_callers_blas_threads_as_they_were(rng):
+    """Each part's sgemm runs on one thread and sets the caller's thread-local
+    count back after it: a framework's own products, on the thread that ran
+    the program, keep their threads."""
+    if blas().set_threads_local is None:
+        pytest.skip("this BLAS has no thread-local count")
+    setter = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)(blas().set_threads_local)
+    before = setter(3)
+    a, b = rng.standard_normal((30, 20), dtype=F32), rng.standard_normal((20, 13), dtype=F32)
+    exe = polyjit.compile(ops.matmul, [InputInfo(a.shape, F32), InputInfo(b.shape, F32)],
+                          {"contractions": "library", "num_threads": 1, "cache": False})
+    np.testing.assert_allclose(exe(a, b), a @ b, rtol=1e-5, atol=1e-5)
+    assert setter(before) == 3
 
 
 @needs_blas
