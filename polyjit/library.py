@@ -91,7 +91,10 @@ class Convolution(LibraryCall):
     """y = conv(x, w) in one library call on whole arrays (cuDNN on the GPU):
     x and y laid out as ``layout`` (N, C and spatial letters), w as
     ``kernel_layout`` ("OI" or "O...I" around the same spatial letters);
-    symmetric ``padding`` per spatial dimension."""
+    symmetric ``padding`` per spatial dimension. ``operation`` "filter" is
+    that convolution's backward filter instead: w holds the gradient of its
+    output (laid out as ``gradient_layout``), y the weight's gradient (laid
+    out as ``kernel_layout``)."""
 
     x: Box
     w: Box
@@ -104,11 +107,14 @@ class Convolution(LibraryCall):
     groups: int
     tf32: bool  # the library may round operands to TF32 (as the framework's eager convolutions do)
     what: str = dataclasses.field(default="", repr=False, compare=False)
+    operation: str = "forward"  # or "filter"
+    gradient_layout: str = ""  # "filter": w's
     READS: ClassVar[tuple[str, ...]] = ("x", "w")
     WRITES: ClassVar[str] = "y"
 
     def __str__(self) -> str:
-        return (f"convolution({self.layout}/{self.kernel_layout}, strides {list(self.strides)}, padding "
+        op = "convolution" if self.operation == "forward" else f"convolution_filter({self.gradient_layout}) of "
+        return (f"{op}({self.layout}/{self.kernel_layout}, strides {list(self.strides)}, padding "
                 f"{list(self.padding)}, dilation {list(self.dilation)}, groups {self.groups}, "
                 f"{'tf32' if self.tf32 else 'fp32'}, {self.x[0]}, "
                 f"{self.w[0]}, {self.y[0]})")
@@ -354,13 +360,44 @@ def gemm_form(L, n) -> str | None:
 def direct_form(L, n) -> bool:
     """Whether convolution n, a library call, is one call on whole arrays
     (the target's library has convolutions, cuDNN): float32, 2-d or 3-d,
-    channels first or last, symmetric padding, input not strided."""
+    channels first or last, symmetric padding, input not strided; or a
+    weight gradient that is the backward filter of such a convolution."""
     lay = n.attrs["layout"]
     sp = "".join(c for c in lay if c not in "NC")
+    form = gemm_form(L, n)
+    if (L.library is None or not L.library.target.direct_convolutions() or not 2 <= len(sp) <= 3  # (cuDNN: 4-d, 5-d)
+            or any(i.is_constant for i in n.inputs)):
+        return False
+    if form == "cfirst":
+        return (backward_filter(L, n) is not None
+                and not any(i.is_input and i.attrs.get("strided") for i in n.inputs))
     x = n.inputs[0]
-    return (L.library is not None and L.library.target.direct_convolutions() and gemm_form(L, n) in ("nchw", "nhwc")
-            and 2 <= len(sp) <= 3 and all(lo == hi >= 0 for lo, hi in n.attrs["padding"])  # (cuDNN: 4-d, 5-d)
-            and not (x.is_input and x.attrs.get("strided")) and not any(i.is_constant for i in n.inputs))
+    return (form in ("nchw", "nhwc") and all(lo == hi >= 0 for lo, hi in n.attrs["padding"])
+            and not (x.is_input and x.attrs.get("strided")))
+
+
+def backward_filter(L, n) -> tuple | None:
+    """Weight gradient n (gemm_form "cfirst": the images are its contraction,
+    the forward's output positions its taps) as the backward filter of the
+    forward convolution it comes from: (the input's, the output gradient's
+    and the weight's layouts, strides, padding, dilation), all in the
+    forward's terms; None where cuDNN cannot take it (a weight layout it has
+    no filter format for, sizes the forward's padding does not give)."""
+    at, lay, klay = n.attrs, n.attrs["layout"], n.attrs["kernel_layout"]
+    sp = "".join(c for c in lay if c not in "NC")
+    x_layout, dy_layout = lay.translate(str.maketrans("NC", "CN")), klay.translate(str.maketrans("IO", "NC"))
+    w_layout = lay.translate(str.maketrans("CN", "OI"))
+    if w_layout not in ("OI" + sp, "O" + sp + "I"):
+        return None
+    strides, dilation = tuple(at.get("dilation") or [1] * len(sp)), tuple(at["strides"])
+    padding = tuple(lo for lo, _ in at["padding"])
+    xs, dys, ws = L.shape(n.inputs[0]), L.shape(n.inputs[1]), L.shape(n)
+    for k, c in enumerate(sp):
+        h, taps = int(xs[lay.index(c)]), int(ws[lay.index(c)])
+        if padding[k] < 0 or (h + 2 * padding[k] - dilation[k] * (taps - 1) - 1) // strides[k] + 1 != int(
+                dys[klay.index(c)]):
+            return None
+    return x_layout, dy_layout, w_layout, strides, padding, dilation
 
 
 def direct_operands(L, library: set[int]) -> set[int]:
@@ -372,6 +409,14 @@ def _lower_direct(L, n, out: str) -> None:
     """n as one library call; a kernel not laid out as the data (OI.. for
     channels first, O..I for channels last) is packed so first."""
     x, w = n.inputs
+    if gemm_form(L, n) == "cfirst":
+        x_layout, dy_layout, w_layout, strides, padding, dilation = backward_filter(L, n)
+        call = Convolution(_box(L.array_of[x.id], L.shape(x), {}), _box(L.array_of[w.id], L.shape(w), {}),
+                           _box(out, L.shape(n), {}), x_layout, w_layout, strides, padding, dilation, 1,
+                           L.library.tf32, f"conv {n.id}", "filter", dy_layout)
+        L.add(out, ("i0",), ((0, 1),), tuple(E.const(0) for _ in L.shape(n)), E.const(0.0, n.dtype),
+              "convolution_filter", library=call)
+        return
     lay, klay = n.attrs["layout"], n.attrs["kernel_layout"]
     sp = "".join(c for c in lay if c not in "NC")
     want = "OI" + sp if lay == "NC" + sp else "O" + sp + "I"

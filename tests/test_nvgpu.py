@@ -759,12 +759,22 @@ class _HostCublas:
 
 
 def _host_convolution(c, bufs) -> None:
-    """What cudnnConvolutionForward computes for a Convolution statement, in numpy (float64)."""
+    """What cudnnConvolutionForward (or BackwardFilter) computes for a Convolution statement, in numpy (float64)."""
     sp = "".join(ch for ch in c.layout if ch not in "NC")
     x = np.transpose(bufs[c.x[0]], [c.layout.index(ch) for ch in "NC" + sp]).astype(np.float64)
-    w = np.transpose(bufs[c.w[0]], [c.kernel_layout.index(ch) for ch in "OI" + sp]).astype(np.float64)
     (p0, p1), (s0, s1), (d0, d1) = c.padding, c.strides, c.dilation
     x = np.pad(x, ((0, 0), (0, 0), (p0, p0), (p1, p1)))
+    if c.operation == "filter":
+        dy = np.transpose(bufs[c.w[0]], [c.gradient_layout.index(ch) for ch in "NC" + sp]).astype(np.float64)
+        dw = np.zeros([bufs[c.y[0]].shape[c.kernel_layout.index(ch)] for ch in "OI" + sp])
+        oh, ow = dy.shape[2:]
+        for i in range(dw.shape[2]):
+            for j in range(dw.shape[3]):
+                taps = x[:, :, i * d0:i * d0 + s0 * (oh - 1) + 1:s0, j * d1:j * d1 + s1 * (ow - 1) + 1:s1]
+                dw[:, :, i, j] = np.einsum("nchw,nohw->oc", taps, dy)
+        bufs[c.y[0]][...] = np.transpose(dw, [("OI" + sp).index(ch) for ch in c.kernel_layout])
+        return
+    w = np.transpose(bufs[c.w[0]], [c.kernel_layout.index(ch) for ch in "OI" + sp]).astype(np.float64)
     cout, cin_g, kh, kw = w.shape
     oh, ow = (x.shape[2] - d0 * (kh - 1) - 1) // s0 + 1, (x.shape[3] - d1 * (kw - 1) - 1) // s1 + 1
     y = np.zeros((x.shape[0], cout, oh, ow))
@@ -797,6 +807,39 @@ def test_direct_convolutions_thread_by_thread(case, rng, monkeypatch):
     assert "_col[" not in affine and ("_w[" in affine) == (case == "nhwc")  # (the im2col, the packed kernel)
     got = run_threads_on_cpu(exe, arrays)[0]
     np.testing.assert_allclose(got, np.maximum(ref(arrays[0] * 2, arrays[1]), 0), rtol=1e-5, atol=1e-5)
+
+
+WEIGHT_GRADIENTS = {  # name: (input shape, output channels, kernel, strides, padding, layout)
+    "3x3": ((2, 8, 10, 9), 12, (3, 3), (1, 1), ((1, 1), (1, 1)), "NCHW"),
+    "strided": ((2, 6, 10, 10), 8, (3, 3), (2, 2), ((1, 1), (1, 1)), "NCHW"),  # a tap more, cut after the call
+    "1x1_strided": ((3, 16, 9, 9), 12, (1, 1), (2, 2), ((0, 0), (0, 0)), "NCHW"),
+    "nhwc": ((2, 10, 9, 16), 24, (3, 3), (1, 1), ((1, 1), (0, 0)), "NHWC"),
+}
+
+
+@pytest.mark.parametrize("case", list(WEIGHT_GRADIENTS))
+def test_weight_gradients_are_cudnns_backward_filter_thread_by_thread(case, rng, monkeypatch):
+    """Where cuDNN loads, a weight gradient (a convolution whose images are the
+    contraction) is one backward-filter call of the forward convolution,
+    no im2col: equal to the CPU's weight gradient."""
+    from polyjit.runtime import cublas, cudnn
+    monkeypatch.setattr(cublas, "cublas", lambda: _HostCublas())
+    monkeypatch.setattr(cudnn, "cudnn", lambda: True)
+    xs, cout, k, strides, padding, layout = WEIGHT_GRADIENTS[case]
+    sp = [xs[layout.index(c)] for c in "HW"]
+    out = [(n + lo + hi - kk) // s + 1 for n, kk, s, (lo, hi) in zip(sp, k, strides, padding)]
+    gs = (xs[0], cout, *out) if layout == "NCHW" else (xs[0], *out, cout)
+    kernel_layout = "OIHW" if layout == "NCHW" else "HWIO"
+
+    def f(x, g):
+        return ops.mul(ops.conv_weight_grad(x, g, k, strides, padding, layout=layout, kernel_layout=kernel_layout), 2.0)
+    arrays = [rng.standard_normal(s).astype(F32) for s in (xs, gs)]
+    infos = [InputInfo(s, F32) for s in (xs, gs)]
+    exe = polyjit.compile(f, infos, {**PTX_ONLY, "contractions": "library"})
+    calls = [k.library.library for k in exe.compile_default().kernels if k.library is not None]
+    assert [c.operation for c in calls] == ["filter"] and "_col[" not in exe.ir("affine")
+    want = polyjit.compile(f, infos, {"target": "cpu"})(*arrays)
+    np.testing.assert_allclose(run_threads_on_cpu(exe, arrays)[0], want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("case", list(LIBRARY_CASES))

@@ -1,6 +1,7 @@
 """The vendor-library floor's convolutions on the GPU: a library statement
 (polyjit.library.Convolution) as a step of the launch sequence, one
-cudnnConvolutionForward on the caller's stream.
+cudnnConvolutionForward (or, for a weight gradient, cudnnConvolutionBackwardFilter)
+on the caller's stream.
 
 cuDNN is found at run time as cuBLAS is (runtime.vendor: the
 ``libcudnn`` of NVIDIA's wheels, or ``POLYJIT_CUDNN``), bound with ctypes.
@@ -25,7 +26,14 @@ FLOAT = 0  # cudnnDataType_t
 NCHW, NHWC = 0, 1  # cudnnTensorFormat_t, of a filter
 CROSS_CORRELATION = 1  # cudnnConvolutionMode_t
 DEFAULT_MATH, FMA_MATH = 0, 3  # cudnnMathType_t: TF32 tensor cores allowed; float32 FMA kernels only
-ALGORITHMS = 8  # cudnnConvolutionFwdAlgo_t values the heuristic may rank
+ALGORITHMS = 8  # algorithm values (cudnnConvolutionFwdAlgo_t, ...BwdFilterAlgo_t) the heuristic may rank
+ENTRIES = {  # a Convolution's operation: cuDNN's heuristic, workspace size and call, each taking (x, the other
+    # operand, the convolution, the result) in the same places
+    "forward": ("cudnnGetConvolutionForwardAlgorithm_v7", "cudnnGetConvolutionForwardWorkspaceSize",
+                "cudnnConvolutionForward"),
+    "filter": ("cudnnGetConvolutionBackwardFilterAlgorithm_v7", "cudnnGetConvolutionBackwardFilterWorkspaceSize",
+               "cudnnConvolutionBackwardFilter"),
+}
 
 
 class _AlgoPerf(ctypes.Structure):
@@ -42,8 +50,7 @@ class Cudnn(VendorLibrary):
              "cudnnCreateFilterDescriptor", "cudnnSetFilterNdDescriptor", "cudnnDestroyFilterDescriptor",
              "cudnnCreateConvolutionDescriptor", "cudnnSetConvolutionNdDescriptor",
              "cudnnSetConvolutionGroupCount", "cudnnSetConvolutionMathType", "cudnnDestroyConvolutionDescriptor",
-             "cudnnGetConvolutionForwardAlgorithm_v7", "cudnnGetConvolutionForwardWorkspaceSize",
-             "cudnnConvolutionForward")
+             *(name for entries in ENTRIES.values() for name in entries))
 
     def __init__(self, path: str) -> None:
         lib = ctypes.CDLL(path)
@@ -54,9 +61,10 @@ class Cudnn(VendorLibrary):
             setattr(self, name[5:], fn)  # cudnnCreate -> self.Create
         v, c = ctypes.c_void_p, ctypes
         self.SetStream.argtypes = [v, v]
-        self.GetConvolutionForwardAlgorithm_v7.argtypes = [v] * 5 + [c.c_int, c.POINTER(c.c_int), v]
-        self.GetConvolutionForwardWorkspaceSize.argtypes = [v] * 5 + [c.c_int, c.POINTER(c.c_size_t)]
-        self.ConvolutionForward.argtypes = [v] * 7 + [c.c_int, v, c.c_size_t, v, v, v]
+        for algorithms, workspace, call in ENTRIES.values():  # the same arguments in each direction
+            getattr(self, algorithms[5:]).argtypes = [v] * 5 + [c.c_int, c.POINTER(c.c_int), v]
+            getattr(self, workspace[5:]).argtypes = [v] * 5 + [c.c_int, c.POINTER(c.c_size_t)]
+            getattr(self, call[5:]).argtypes = [v] * 7 + [c.c_int, v, c.c_size_t, v, v, v]
         self.destroy = lambda h: self.Destroy(ctypes.c_void_p(h))
 
     def check(self, status: int, what: str) -> None:
@@ -88,15 +96,16 @@ class ConvStep:
         from .cuda import check, cu_stream, driver
         from .gpu_buffers import DeviceBuffer
         c = statement.library
-        self.lib, self.device, self.what = lib, dev, f"cudnnConvolutionForward ({c.what or statement.name})"
+        self.entries = [name[5:] for name in ENTRIES[c.operation]]  # cudnnConvolutionForward -> ConvolutionForward
+        self.lib, self.device, self.what = lib, dev, f"cudnn{self.entries[2]} ({c.what or statement.name})"
         size = lambda box: [sz.evaluate(s, env) for s in box[2]]  # noqa: E731
         sp = [ch for ch in c.layout if ch not in "NC"]
         self.descriptors: list = []
         self.x = self._tensor(size(c.x), c.layout, sp)
-        self.y = self._tensor(size(c.y), c.layout, sp)
-        ws = size(c.w)
-        self.w = self._made("Filter", lib.SetFilterNdDescriptor, FLOAT, NCHW if c.kernel_layout[1] == "I" else NHWC,
-                            len(ws), _ints([ws[c.kernel_layout.index(ch)] for ch in "OI" + "".join(sp)]))
+        if c.operation == "forward":  # w the weight, y the output
+            self.w, self.y = self._filter(size(c.w), c.kernel_layout, sp), self._tensor(size(c.y), c.layout, sp)
+        else:  # w the output's gradient, y the weight's
+            self.w, self.y = self._tensor(size(c.w), c.gradient_layout, sp), self._filter(size(c.y), c.kernel_layout, sp)
         n = len(sp)
         self.conv = self._made("Convolution", lib.SetConvolutionNdDescriptor, n, _ints(c.padding),
                                _ints(c.strides), _ints(c.dilation), CROSS_CORRELATION, FLOAT)
@@ -116,6 +125,11 @@ class ConvStep:
         self.lib.check(setter(d, *args), f"cudnnSet{kind}NdDescriptor ({self.what})")
         return d
 
+    def _filter(self, shape: list[int], layout: str, sp: list[str]) -> ctypes.c_void_p:
+        """A filter descriptor: (out channels, in channels, spatial), stored as layout ("OI..." or "O...I")."""
+        return self._made("Filter", self.lib.SetFilterNdDescriptor, FLOAT, NCHW if layout[1] == "I" else NHWC,
+                          len(shape), _ints([shape[layout.index(ch)] for ch in "OI" + "".join(sp)]))
+
     def _tensor(self, shape: list[int], layout: str, sp: list[str]) -> ctypes.c_void_p:
         """A tensor descriptor in cuDNN's dimension order (N, C, spatial) with
         the strides of the row-major array laid out as layout."""
@@ -128,15 +142,15 @@ class ConvStep:
     def _algorithm(self, handle: int) -> tuple[int, int]:
         """cuDNN's first-ranked algorithm that runs, and its workspace bytes."""
         lib = self.lib
+        algorithms, workspace = (getattr(lib, name) for name in self.entries[:2])
         perf, count = (_AlgoPerf * ALGORITHMS)(), ctypes.c_int()
-        lib.check(lib.GetConvolutionForwardAlgorithm_v7(ctypes.c_void_p(handle), self.x, self.w, self.conv, self.y,
-                                                         ALGORITHMS, ctypes.byref(count), perf),
-                  f"cudnnGetConvolutionForwardAlgorithm_v7 ({self.what})")
+        lib.check(algorithms(ctypes.c_void_p(handle), self.x, self.w, self.conv, self.y, ALGORITHMS,
+                             ctypes.byref(count), perf), f"cudnn{self.entries[0]} ({self.what})")
         for p in perf[:count.value]:
             if p.status == 0:
                 nbytes = ctypes.c_size_t()
-                if lib.GetConvolutionForwardWorkspaceSize(ctypes.c_void_p(handle), self.x, self.w, self.conv,
-                                                          self.y, p.algo, ctypes.byref(nbytes)) == 0:
+                if workspace(ctypes.c_void_p(handle), self.x, self.w, self.conv, self.y, p.algo,
+                             ctypes.byref(nbytes)) == 0:
                     return p.algo, nbytes.value
         raise DeviceError(f"{self.what}: cuDNN has no algorithm for this convolution")
 
@@ -151,7 +165,7 @@ class ConvStep:
             h = ctypes.c_void_p(lib.handle(self.device))
             lib.check(lib.SetStream(h, ctypes.c_void_p(stream or None)), "cudnnSetStream")
             x, w, y = (pointers[s] for s in self.slots)
-            lib.check(lib.ConvolutionForward(*self._arguments(h, x, w, y)), self.what)
+            lib.check(getattr(lib, self.entries[2])(*self._arguments(h, x, w, y)), self.what)
 
     def native(self, handle: int) -> LibraryStep:
         """This call as a native launcher's step, through ``handle``."""
@@ -164,7 +178,7 @@ class ConvStep:
         call = (h, ptr(lib.alpha), ptr(self.x), x, ptr(self.w), w, ptr(self.conv), Arg("i32", self.algo), ptr(ws),
                 Arg("i64", self.workspace_bytes), ptr(lib.beta), ptr(self.y), y)
         return LibraryStep((Call(address(lib.SetStream), (h, Arg("stream")), f"cudnnSetStream ({self.what})"),
-                            Call(address(lib.ConvolutionForward), call, self.what)), "cuDNN status")
+                            Call(address(getattr(lib, self.entries[2])), call, self.what)), "cuDNN status")
 
     def __del__(self) -> None:
         for kind, d in getattr(self, "descriptors", ()):
