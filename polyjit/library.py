@@ -628,10 +628,7 @@ def _operand(L, node, name: str, nb: int, batch_iters, free: int, contract: int)
     outermost, else copied to a temporary first."""
     m = _matrix(L, node, whole=nb == 0)
     if m is None or m[1][:nb] != list(range(nb)):
-        L.declare_array(name, L.shape(node), node.dtype)
-        iters, idx, bounds = loop_nest(L.shape(node))
-        L.add(name, iters, bounds, idx, L.value(node, idx), "pack")
-        m = (name, list(range(node.rank)), int(L.shape(node)[-1]))
+        m = _pack(L, node, name)
     array, perm, ld = m
     shape = L.arrays[array].shape
     start = [E.const(0)] * len(shape)
@@ -640,6 +637,30 @@ def _operand(L, node, name: str, nb: int, batch_iters, free: int, contract: int)
         start[perm[k]], ext[perm[k]] = batch_iters[k], 1
     transposed = perm[contract] < perm[free]  # stored (contracting x free)
     return (array, tuple(start), tuple(ext)), transposed, ld
+
+
+def _pack(L, node, name: str):
+    """node copied to a temporary (as _matrix's triple), its last two dims
+    stored exchanged where what it reads moves along the second last (the
+    keys of attention, transposed on their way to the product): the copy
+    then walks memory in order, and the call reads the matrix transposed."""
+    shape = L.shape(node)
+    iters, idx, bounds = loop_nest(shape)
+    value = L.value(node, idx)
+    order = list(range(node.rank))
+    if node.rank >= 2:
+        last, second = (sum(1 for ld in E.data_loads(value) if ld.index and any(
+            isinstance(x, E.Var) and x.name == idx[d].name for x in E.walk(ld.index[-1]))) for d in (-1, -2))
+        if second > last:
+            order[-2:] = order[-1], order[-2]
+    stored = tuple(shape[d] for d in order)
+    iters, idx, bounds = loop_nest(stored)
+    at = [None] * node.rank
+    for j, d in enumerate(order):
+        at[d] = idx[j]
+    L.declare_array(name, stored, node.dtype)
+    L.add(name, iters, bounds, idx, L.value(node, at), "pack")
+    return name, [order.index(d) for d in range(node.rank)], int(stored[-1])
 
 
 def lower_dot(L, n, out: str) -> None:

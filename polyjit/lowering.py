@@ -114,6 +114,8 @@ class Lowering:
         return False
 
     def read_weight(self, consumer: Node, operand: int) -> int:
+        if consumer.id in self.library_nodes:  # read once, in place or into a copy laid out for the call
+            return 1
         if consumer.op in REDUCTIONS:
             spec = REDUCTIONS[consumer.op](self, consumer)
             spec_terms = spec.static_terms()

@@ -210,6 +210,7 @@ DOTS = {
     "batched_transposed": (lambda a, b: ops.matmul(a, ops.transpose(b, 1, 2)), [(3, 5, 7), (3, 9, 7)]),
     "first_transposed": (lambda a, b: ops.matmul(ops.transpose(a, 0, 1), b), [(7, 5), (7, 9)]),
     "computed_operand": (lambda a, b: ops.matmul(ops.relu(a), b), [(5, 7), (7, 9)]),
+    "computed_keys": (lambda a, b: ops.matmul(a, ops.transpose(ops.relu(b), 1, 2)), [(3, 5, 7), (3, 9, 7)]),
 }
 
 
@@ -227,6 +228,8 @@ def test_products_both_ways(kind, rng):
         kernels[mode] = exe.compile_default().kernels
     np.testing.assert_allclose(outs["library"], outs["generated"], rtol=1e-5, atol=1e-5)
     assert (calls["generated"], calls["library"]) == (0, 1)
+    if kind == "computed_keys":  # the copy of relu(b) keeps b's layout (no transposing copy); sgemm transposes
+        assert re.search(r"t\w+\[i0, i1, i2\] = relu\(in1\[i0, i1, i2\]\)", exe.ir("affine"))
     if kind == "linear_packed":  # generated blocks read a packed copy of the weight; sgemm reads it transposed
         assert [k.name.split("_")[2] for k in kernels["generated"]] == ["transpose", "dot"]
         assert [k.name.split("_")[2] for k in kernels["library"]] == ["sgemm"]
