@@ -20,12 +20,13 @@ I8, I32, I64, F32, PTR = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.Float
 SGEMM, THREADS = "polyjit_blas_sgemm", "polyjit_blas_threads_local"
 ENTRY, ADAPTER = "polyjit_blas_entry", "polyjit_blas_adapter"  # the library's own sgemm; SGEMM's form of it
 
-
-def CBLAS_ARGS(size: ir.IntType) -> list:
-    """cblas_sgemm's parameters, its sizes of the given width."""
-    return [I32, I32, I32, size, size, size, F32, PTR, size, PTR, size, F32, PTR, size]
 ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
 STRIP_ALIGN = 16  # a strip's width: whole vectors of columns
+
+
+def cblas_args(size: ir.IntType) -> list:
+    """cblas_sgemm's parameters, its sizes of the given width."""
+    return [I32, I32, I32, size, size, size, F32, PTR, size, PTR, size, F32, PTR, size]
 
 
 _adapter_lock = threading.Lock()
@@ -60,12 +61,12 @@ def _adapter_ir(lib) -> str:
     or a Fortran sgemm_ (column-major: the row-major product C = op(A) op(B)
     is C^T = op(B)^T op(A)^T, so B comes first; every argument by address)."""
     module = ir.Module("blas_adapter")
-    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), CBLAS_ARGS(I64)), ADAPTER)
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), cblas_args(I64)), ADAPTER)
     b = ir.IRBuilder(fn.append_basic_block())
     order, ta, tb, m, n, k, alpha, a, lda, bb, ldb, beta, c, ldc = fn.args
     ints = {v: b.trunc(v, I32) for v in (m, n, k, lda, ldb, ldc)}
     if not lib.fortran:
-        entry = ir.Function(module, ir.FunctionType(ir.VoidType(), CBLAS_ARGS(I32)), ENTRY)
+        entry = ir.Function(module, ir.FunctionType(ir.VoidType(), cblas_args(I32)), ENTRY)
         b.call(entry, [order, ta, tb, *(ints[v] for v in (m, n, k)), alpha, a, ints[lda], bb, ints[ldb],
                        beta, c, ints[ldc]])
         b.ret_void()
@@ -99,7 +100,7 @@ def emit_gemm(em, g: Gemm, env, cache, split: bool) -> None:
     if lib is None:
         raise UnsupportedOpError("a library contraction without a BLAS library to call")
     b = em.b
-    sgemm = _extern(em, SGEMM, ir.FunctionType(ir.VoidType(), CBLAS_ARGS(I64)))
+    sgemm = _extern(em, SGEMM, ir.FunctionType(ir.VoidType(), cblas_args(I64)))
     ptrs = [em.address(em.prog.arrays[a], start, env, cache) for a, start, _ in (g.a, g.b, g.c)]
     m, n, k, lda, ldb, ldc = (em.size(v) for v in (g.m, g.n, g.k, g.lda, g.ldb, g.ldc))
     total = m if g.split == "m" else n
