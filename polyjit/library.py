@@ -712,3 +712,5 @@ FORM = {"conv": gemm_form, "dot_general": dot_form}
 REDUCTION = {"conv": _conv_reduction, "dot_general": _dot_reduction}
 LOWER = {"conv": lower_conv, "dot_general": lower_dot}
 DIRECT = {"conv": direct_form}
+READS_ONCE = {"dot_general"}  # library calls that read each operand element once (in place, or one copy);
+# a convolution's im2col reads each input element once per tap

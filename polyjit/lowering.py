@@ -24,6 +24,7 @@ from .dtypes import DataType
 from .errors import DefinitionError
 from .expr import Const, Expr, Load, Op
 from .graph import BINARY_OPS, CONTRACTIONS, UNARY_OPS, Graph, Node
+from .library import READS_ONCE
 from .sizes import Lin, Size
 
 UNROLL_LIMIT = 16  # reductions with at most this many static terms unroll into expressions
@@ -114,7 +115,7 @@ class Lowering:
         return False
 
     def read_weight(self, consumer: Node, operand: int) -> int:
-        if consumer.id in self.library_nodes:  # read once, in place or into a copy laid out for the call
+        if consumer.id in self.library_nodes and consumer.op in READS_ONCE:  # in place, or one copy for the call
             return 1
         if consumer.op in REDUCTIONS:
             spec = REDUCTIONS[consumer.op](self, consumer)

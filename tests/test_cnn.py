@@ -312,6 +312,20 @@ def test_library_calls_bind_to_either_blas_through_one_form_of_call(tmp_path):
 
 
 @needs_blas
+def test_a_computed_input_of_a_library_convolution_is_made_once_not_per_tap(rng):
+    """im2col reads each input element once per tap: a computed input (relu(2x))
+    is made into an array first, not recomputed nine times in the columns."""
+    x, k = rng.standard_normal((2, 16, 10, 9), dtype=F32), rng.standard_normal((24, 16, 3, 3), dtype=F32)
+    f = lambda a, b: ops.conv(ops.relu(ops.mul(a, 2.0)), b, (1, 1), ((1, 1), (1, 1)),  # noqa: E731
+                              layout="NCHW", kernel_layout="OIHW")
+    exe = polyjit.compile(f, [InputInfo(x.shape, F32), InputInfo(k.shape, F32)], {"contractions": "library"})
+    columns = [line for line in exe.ir("affine").splitlines() if "_col[" in line and "=" in line]
+    assert columns and not any("relu" in line for line in columns)
+    want = polyjit.compile(f, [InputInfo(x.shape, F32), InputInfo(k.shape, F32)], {"contractions": "generated"})
+    np.testing.assert_allclose(exe(x, k), want(x, k), rtol=1e-4, atol=1e-4)
+
+
+@needs_blas
 def test_a_library_call_leaves_the_callers_blas_threads_as_they_were(rng):
     """Each part's sgemm runs on one thread and sets the caller's thread-local
     count back after it: a framework's own products, on the thread that ran
