@@ -422,14 +422,7 @@ def _lower_direct(L, n, out: str) -> None:
     want = "OI" + sp if lay == "NC" + sp else "O" + sp + "I"
     wname = L.array_of[w.id]
     if klay != want:
-        wname, shape = f"t{n.id}_w", tuple(L.shape(w)[klay.index(c)] for c in want)
-        L.declare_array(wname, shape, n.dtype)
-        iters, idx, bounds = loop_nest(shape)
-        src = [None] * w.rank
-        for c, i in zip(want, idx):
-            src[klay.index(c)] = i
-        L.add(wname, iters, bounds, idx, L.value(w, src), "pack")
-        klay = want
+        wname, klay = _packed_kernel(L, n, want), want
     at = n.attrs
     call = Convolution(_box(L.array_of[x.id], L.shape(x), {}), _box(wname, L.arrays[wname].shape, {}),
                        _box(out, L.shape(n), {}), lay, klay, tuple(at["strides"]),
@@ -566,19 +559,26 @@ def _conv_kernel(L, n, kdims) -> tuple[Box, bool]:
     if _row_major(L, w) and "O" in (klay[0], klay[-1]):
         wname, wlay = L.array_of[w.id], klay
     else:
-        wname, wlay = f"t{n.id}_w", "O" + "".join(kdims)
-        pshape = (cout, *(ws[klay.index(c)] for c in kdims))
-        L.declare_array(wname, pshape, n.dtype)
-        iters, idx, bounds = loop_nest(pshape)
-        src = [None] * w.rank
-        for c, i in zip(wlay, idx):
-            src[klay.index(c)] = i
-        L.add(wname, iters, bounds, idx, L.value(w, src), "pack")
+        wlay = "O" + "".join(kdims)
+        wname = _packed_kernel(L, n, wlay)
     shape = L.arrays[wname].shape
     o = 0 if wlay[0] == "O" else len(shape) - 1
     cg = cout // groups
     first = E.imul(E.it("i1"), cg) if groups > 1 else E.const(0)
     return _box(wname, shape, {o: (first, cg)}), wlay[0] == "O"
+
+
+def _packed_kernel(L, n, letters: str) -> str:
+    """Convolution n's kernel copied to a temporary whose dims are letters (of its kernel_layout), in order."""
+    w, klay = n.inputs[1], n.attrs["kernel_layout"]
+    name, shape = f"t{n.id}_w", tuple(L.shape(w)[klay.index(c)] for c in letters)
+    L.declare_array(name, shape, n.dtype)
+    iters, idx, bounds = loop_nest(shape)
+    src = [None] * w.rank
+    for c, i in zip(letters, idx):
+        src[klay.index(c)] = i
+    L.add(name, iters, bounds, idx, L.value(w, src), "pack")
+    return name
 
 
 def _row_major(L, node) -> bool:
