@@ -270,8 +270,10 @@ def test_convolution_register_block_inside_its_whole_reduction(cin, cout, rng):
     exe = polyjit.compile(lambda a, b: ops.conv(a, b, (1, 1), ((1, 1), (1, 1)), layout="NHWC", kernel_layout="HWIO"),
                           [InputInfo(x.shape, F32), InputInfo(w.shape, F32)], GEN)
     lines = exe.ir("ast").splitlines()
-    calls = [i for i, line in enumerate(lines) if "S1(" in line]
-    assert len(calls) >= 64 and not any("for (" in line for line in lines[calls[0]:calls[-1]])
+    at = next(i for i, line in enumerate(lines) if "S1(" in line)  # under the block's two loops, unrolled
+    rows, cols = map(int, lines[at - 3].split("// unroll:")[1].split(","))
+    assert rows * cols >= 64 and all("for (" in line for line in lines[at - 4:at] if "unroll" not in line)
+    assert exe.ir("mapping").endswith(f"register blocks of {rows * cols} products")
     assert sum("// parallel:" in line for line in lines) == 1  # the initialization shares the convolution's nest
     want = refs.conv2d(x.transpose(0, 3, 1, 2), w.transpose(3, 2, 0, 1), padding=((1, 1), (1, 1)))
     # sums of up to 1440 products, of size ~40: float32 rounding reaches 1e-4 where they cancel
@@ -368,10 +370,25 @@ def test_kernels_ask_for_wide_vectors_on_avx512_hosts(rng):
     np.testing.assert_allclose(exe(a, b), a.astype(np.float64) @ b, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows,cols,shape", [
+    (512, 512, (4, 64)),  # four rows of four vectors
+    (64, 784, (16, 16)),  # 784 = 49 x 16: sixteen rows of one vector, no partial block
+    (256, 49, (4, 49)),  # a 7x7 image: its 49 positions in one block
+    (512, 16, (16, 16)),  # a 4x4 image: one vector, sixteen rows to hide the FMAs' latency
+    (None, None, (4, 64)),  # symbolic sizes
+])
+def test_register_block_shape_divides_the_result(rows, cols, shape):
+    """A contraction's register block divides its result where a block of
+    whole vectors can, and keeps sixteen accumulators busy."""
+    from polyjit.schedule.cpu_rewrites import block_shape
+    assert block_shape(rows, cols, 16) == shape
+
+
 @pytest.mark.parametrize("bits,cols", [(512, 64), (256, 32)])
 def test_register_blocks_follow_the_vector_width(bits, cols):
     """Four rows of four vectors: 64 float32 columns with AVX-512, 32 with
-    AVX2 (64 would need 32 accumulators, twice AVX2's registers)."""
+    AVX2 (64 would need 32 accumulators, twice AVX2's registers), their
+    loops under a mark the emitter unrolls."""
     from polyjit.lowering import lower
     from polyjit.schedule import schedule_program
     from polyjit.targets import CpuTarget
@@ -381,8 +398,7 @@ def test_register_blocks_follow_the_vector_width(bits, cols):
             return bits
     graph = polyjit.compile(ops.matmul, [InputInfo([256, 256], F32)] * 2).graph
     ast = schedule_program(lower(graph.deduplicated()), target=Host()).ast_text()
-    block = [line for line in ast.splitlines() if line.strip().startswith("S1(")]
-    assert len(block) == 4 * cols
+    assert f"// unroll:4,{cols}" in ast
 
 
 def test_a_transposing_copy_that_reads_in_order_walks_square_tiles_too(rng):

@@ -17,9 +17,10 @@ the plan says, and the plans print as a stage of their own
   buffers (a fused stencil's rolling rows), an innermost loop that writes a
   row of a large output in order, its stores made nontemporal once LLVM
   vectorizes them (codegen.cpu.streaming_stores);
-- register blocks: the contraction updates isl unrolled into a block whose
-  accumulators stay in vector registers (the scheduler's cpu_rewrites sized
-  it); their padded loads read a fill cell rather than select a value;
+- register blocks: the contraction updates the emitter unrolls into a
+  block whose accumulators stay in vector registers (the scheduler's
+  cpu_rewrites sized it and marked its loops); their padded loads read a
+  fill cell rather than select a value;
 - private buffers, on the stack or the heap.
 
 Which loops may run in parallel is the scheduler's to say, not the plan's
@@ -44,6 +45,7 @@ in Python.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -54,7 +56,8 @@ from ..affine import AffineProgram, Array
 from ..dtypes import DataType
 from ..expr import Var, walk
 from ..schedule import MIN_PARALLEL_EXTENT, Scheduled, is_update
-from ..schedule.ast import ast_calls, ast_nodes, ast_uses, static_extent, unit_step
+from ..schedule.ast import ast_calls, ast_nodes, ast_uses, static_extent, statements_in, unit_step
+from ..schedule.cpu_rewrites import UNROLL
 from .mapping import Strips, StripMapping, loop_iterator, on_stack
 
 STREAM_BYTES = 8 << 20  # outputs at least this large are written with streaming stores
@@ -160,9 +163,10 @@ class CpuMapper(StripMapping):
         plan = CpuPlan(blocked=blocked, buffers={a: on_stack(self.prog.arrays[a], m) for a, m in private.items()})
         self.walk(node, (), plan, False)
         if blocked:
-            plan.block = max((sum(self.call_name(c) in blocked for c in calls) for calls in
-                              (ast_calls(n.for_get_body()) for n in ast_nodes(node)
-                               if n.get_type() == isl.ast_node_type.for_) if calls), default=0)
+            plan.block = max((math.prod(int(t) for t in n.mark_get_id().get_name()[len(UNROLL):].split(",") if t)
+                              for n in ast_nodes(node) if n.get_type() == isl.ast_node_type.mark
+                              and n.mark_get_id().get_name().startswith(UNROLL)
+                              and statements_in(n) & blocked), default=0)
         return plan
 
     @staticmethod

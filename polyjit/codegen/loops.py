@@ -5,6 +5,7 @@ from __future__ import annotations
 import islpy as isl
 from llvmlite import ir
 
+from ..schedule.cpu_rewrites import UNROLL
 from .irtypes import I64
 
 
@@ -38,9 +39,17 @@ class LoopEmission:
         self.node(n)
         self.at = at
 
+    unroll: tuple[int, ...] = ()  # under an unroll mark: the trip counts of the loops still to unroll
+
     def mark(self, n: isl.AstNode) -> None:
-        """A mark's node (a hook: the CPU splits the parallel loops its mapping says)."""
+        """A mark's node (a hook: the CPU splits the parallel loops its
+        mapping says); under an unroll mark, the loops it names are unrolled."""
+        name = n.mark_get_id().get_name()
+        if not name.startswith(UNROLL):
+            return self.descend(n.mark_get_node(), 0)
+        outer, self.unroll = self.unroll, tuple(int(t) for t in name[len(UNROLL):].split(",") if t)
         self.descend(n.mark_get_node(), 0)
+        self.unroll = outer
 
     def var(self, name: str, typ: ir.Type = I64) -> ir.AllocaInstr:
         """A named slot in the entry block (mem2reg makes it a register)."""
@@ -51,6 +60,8 @@ class LoopEmission:
         return self.vars[name]
 
     def loop(self, n: isl.AstNode, split: bool) -> None:
+        if self.unroll and not split:
+            return self.unrolled(n)
         it = n.for_get_iterator().get_id().get_name()
         slot = self.var(it)
         lo = self.aexpr(n.for_get_init())
@@ -78,6 +89,31 @@ class LoopEmission:
         self.b.store(self.b.add(self.b.load(slot, typ=I64), inc), slot)
         self.b.branch(head)
         self.b.position_at_end(done)
+
+    def unrolled(self, n: isl.AstNode) -> None:
+        """Loop n's body copied as many times as the loop runs at most (the
+        mark's first count: isl's maximum over the loops outside, so no
+        iteration is left over), each copy run where its iteration is in the
+        loop's range: a check LLVM folds away where the range is a whole
+        register block, whose accumulators then stay in registers."""
+        b = self.b
+        trips, rest = self.unroll[0], self.unroll[1:]
+        it = n.for_get_iterator().get_id().get_name()
+        slot = self.var(it)
+        lo, inc, end = self.loop_range(n)
+        span = b.sub(end, lo)
+        outer, self.unroll = self.unroll, rest
+        for i in range(trips):
+            offset = b.mul(ir.Constant(I64, i), inc)
+            copy = self.fn.append_basic_block(f"{it}.copy")
+            after = self.fn.append_basic_block(f"{it}.next")
+            b.cbranch(b.icmp_signed("<", offset, span), copy, after)
+            b.position_at_end(copy)
+            b.store(b.add(lo, offset), slot)
+            self.descend(n.for_get_body(), 0)
+            b.branch(after)
+            b.position_at_end(after)
+        self.unroll = outer
 
     def branch(self, n: isl.AstNode) -> None:
         c = self.aexpr(n.if_get_cond())

@@ -9,12 +9,14 @@ from ..affine import AffineProgram, Role
 from ..expr import Var, loads, walk
 from .dependences import is_legal
 from .rewrites import mark_parallel
-from .tree import (band_sizes, contractions_in, member_extent, member_iter, product_inits, rebuild_band,
-                   statement_names, visit)
+from .tree import (band_sizes, contractions_in, member_extent, member_iter, member_trips, product_inits,
+                   rebuild_band, statement_names, visit)
 
 
 REG_ROWS = 4  # a register block of a contraction: rows x four vectors of contiguous columns
-REG_VECTORS = 4  # (16 accumulators: half of AVX-512's registers)
+REG_VECTORS = 4  # (16 accumulators: half of AVX-512's registers), where sizes are symbolic
+ACCUMULATORS = 16  # vectors a block accumulates in; the other registers hold its operands
+MAX_VECTORS = 4  # the widest block, in vectors: a reduction tile of its columns stays in L1
 TILE_ROWS, TILE_RED, TILE_COLS = 64, 128, 256
 UNTILED = 1 << 30  # a tile size no loop reaches
 
@@ -82,11 +84,42 @@ def merge_reductions(node, prog) -> isl.ScheduleNode:
     return node
 
 
-def register_block(point, roles, row, cols: int) -> isl.ScheduleNode:
-    """Within a tile: loop over register blocks, then the reduction, with the
-    block itself unrolled, so its accumulators stay in vector registers."""
+def block_shape(rows: int | None, cols: int | None, lanes: int) -> tuple[int, int]:
+    """(rows, columns) of a contraction's register block for a result of
+    rows x cols (None: symbolic). Its columns divide cols where a width of
+    up to MAX_VECTORS vectors does, and its rows divide rows where that
+    keeps the accumulators busy: a partial block is code with a guard on
+    each product (a 784-column image ran at a third of the speed of 768), and
+    a block of fewer than ACCUMULATORS vectors waits on its FMAs' latency
+    (16 columns by 4 rows: a fifth of the speed of 16 by 16)."""
+    default = (REG_ROWS, REG_VECTORS * lanes)
+    if cols is None:
+        return default
+    best, best_score = default, -1.0
+    for c in range(min(cols, MAX_VECTORS * lanes), 0, -1):  # the widest of equals: fewer broadcasts
+        if cols % c and c != REG_VECTORS * lanes:
+            continue
+        # the vectors LLVM makes of c columns: whole ones, then a power of two for each bit of the rest
+        vectors = c // lanes + bin(c % lanes).count("1")
+        most = max(1, ACCUMULATORS // vectors)
+        r = min(most, rows) if rows is not None else min(most, REG_ROWS * REG_VECTORS // vectors)
+        if rows is not None and rows % r:
+            whole = max((d for d in range(1, r + 1) if rows % d == 0))
+            r = whole if 2 * whole >= r else r
+        score = c / (vectors * lanes) * min(1.0, r * vectors / ACCUMULATORS) \
+            * (0.5 if cols % c or (rows is not None and rows % r) else 1.0)
+        if score > best_score + 1e-9:
+            best, best_score = (r, c), score
+    return best
+
+
+def register_block(point, roles, row, shape: tuple[int, int]) -> isl.ScheduleNode:
+    """Within a tile: loop over register blocks (shape: rows, columns), then
+    the reduction, with the block itself unrolled, so its accumulators stay
+    in vector registers."""
     n = len(roles)
-    sizes = [cols if r == "col" else REG_ROWS if m == row else 1 for m, r in enumerate(roles)]
+    rows, cols = shape
+    sizes = [cols if r == "col" else rows if m == row else 1 for m, r in enumerate(roles)]
     node = point.band_tile(band_sizes(point, sizes))
     order = [m for m in range(n) if roles[m] != "red"] + [m for m in range(n) if roles[m] == "red"]
     coinc = [node.band_member_get_coincident(m) for m in range(n)]
@@ -97,7 +130,29 @@ def register_block(point, roles, row, cols: int) -> isl.ScheduleNode:
     return inner.parent()
 
 
-def block_fused(node, prog, cols: int) -> isl.ScheduleNode:
+def _tiling(node, roles, row, lanes: int) -> tuple[list[int], tuple[int, int]]:
+    """A contraction band's tile sizes per member and its register block's
+    shape: tiles whole numbers of blocks, and rows tiled finer where the
+    loops outside them would otherwise give the thread team fewer than
+    MIN_PARALLEL_EXTENT tiles to share (64 output channels: one tile)."""
+    ext = [member_extent(node, m) for m in range(len(roles))]
+    rows, cols = shape = block_shape(ext[row] if row is not None else None,
+                                     ext[roles.index("col")] if "col" in roles else None, lanes)
+    tile_rows = rows * max(1, TILE_ROWS // rows)
+    if row is not None and ext[row] is not None:
+        outside = 1
+        for m in range(row):
+            if roles[m] == "row":
+                outside *= -(-(ext[m] or TILE_ROWS * MIN_PARALLEL_EXTENT) // TILE_ROWS)
+        wanted = -(-MIN_PARALLEL_EXTENT // outside)
+        if -(-ext[row] // tile_rows) < wanted:
+            tile_rows = max(rows, ext[row] // wanted // rows * rows)
+    sizes = [TILE_RED if r == "red" else cols * max(1, TILE_COLS // cols) if r == "col"
+             else tile_rows if m == row else TILE_ROWS for m, r in enumerate(roles)]
+    return sizes, shape
+
+
+def block_fused(node, prog, lanes: int) -> isl.ScheduleNode:
     """Tile and register-block the output band of fuse_contraction's nest;
     the unrolled block sinks below each statement (below the reduction's
     loops for the update), so a block's initialization, reduction and
@@ -106,8 +161,9 @@ def block_fused(node, prog, cols: int) -> isl.ScheduleNode:
     if "red" in roles:
         return node
     row = _row_member(node, prog, roles)
-    node = node.band_tile(band_sizes(node, [TILE_COLS if r == "col" else TILE_ROWS for r in roles]))
-    block = register_block(node.child(0), roles, row, cols)
+    sizes, shape = _tiling(node, roles, row, lanes)
+    node = node.band_tile(band_sizes(node, sizes))
+    block = register_block(node.child(0), roles, row, shape)
     seq = block.child(0).band_sink()
     inits = product_inits(prog)
     for i in range(seq.n_children()):
@@ -124,9 +180,11 @@ def block_fused(node, prog, cols: int) -> isl.ScheduleNode:
 
 def tile(schedule, prog, validity, tile_sizes, vector_bits: int = 512) -> isl.Schedule:
     """Tile outer permutable bands with reuse (contractions), or every one when
-    tile_sizes is given; contractions also get register blocks of REG_ROWS x
-    REG_VECTORS vectors of the host's width (float32 lanes)."""
-    cols = REG_VECTORS * vector_bits // 32
+    tile_sizes is given; contractions also get register blocks of vectors of
+    the host's width (float32 lanes), shaped by block_shape (REG_ROWS x
+    REG_VECTORS vectors under tile_sizes)."""
+    lanes = vector_bits // 32
+
     def fn(node):
         if node.get_type() != isl.schedule_node_type.band or not node.band_get_permutable():
             return node
@@ -136,7 +194,7 @@ def tile(schedule, prog, validity, tile_sizes, vector_bits: int = 512) -> isl.Sc
         contraction = bool(contractions_in(node, prog)) and len(statement_names(node)) == 1
         fused = node.child(0).get_type() == isl.schedule_node_type.sequence  # fuse_contraction's nest
         if tile_sizes is None and fused and contractions_in(node, prog):
-            return block_fused(node, prog, cols)
+            return block_fused(node, prog, lanes)
         if tile_sizes is None and not contraction:
             return _tile_transposition(node, prog)
         if contraction:
@@ -144,16 +202,17 @@ def tile(schedule, prog, validity, tile_sizes, vector_bits: int = 512) -> isl.Sc
             n = node.band_n_member()
         roles = _block_sizes(node, prog, n) if contraction else []
         row = _row_member(node, prog, roles) if contraction else None
+        shape = (REG_ROWS, REG_VECTORS * lanes)
         if tile_sizes:
             sizes = (list(tile_sizes) + [tile_sizes[-1]] * n)[:n]
         elif contraction:
-            sizes = [TILE_RED if r == "red" else TILE_COLS if r == "col" else TILE_ROWS for r in roles]
+            sizes, shape = _tiling(node, roles, row, lanes)
         if "red" in roles:  # tiling an inner reduction loop would reorder the reduction: only the outermost
             first = roles.index("red")
             sizes = [UNTILED if r == "red" and m != first else t for m, (r, t) in enumerate(zip(roles, sizes))]
         node = node.band_tile(band_sizes(node, sizes))
         if contraction and "red" in roles:
-            node = register_block(node.child(0), roles, row, cols).parent()
+            node = register_block(node.child(0), roles, row, shape).parent()
         return node
     new = visit(schedule.get_root(), fn).get_schedule()
     return new if is_legal(new, validity) else schedule
@@ -261,9 +320,32 @@ def sink_inner(schedule, prog, validity) -> isl.Schedule:
     return new if is_legal(new, validity) else schedule
 
 
+UNROLL = "unroll:"  # a mark over a register block's loops: their trip counts, outermost first
+
+
+def unroll_marks(schedule) -> isl.Schedule:
+    """Each band whose loops register_block unrolls, unrolled by code
+    generation instead: under a mark naming their trip counts
+    (``unroll:4,64``), its loops are plain in isl's AST, and the emitter
+    copies their bodies (codegen.loops.LoopEmission.unrolled). isl's AST
+    builder, unrolling a block, took most of a convolution's scheduling
+    time, each copy an AST of its own."""
+    def fn(node):
+        if node.get_type() != isl.schedule_node_type.band or not all(
+                node.band_member_get_ast_loop_type(m) == isl.ast_loop_type.unroll
+                for m in range(node.band_n_member())):
+            return node
+        trips = [member_trips(node, m) for m in range(node.band_n_member())]
+        for m in range(node.band_n_member()):
+            node = node.band_member_set_ast_loop_type(m, isl.ast_loop_type.default)
+        name = UNROLL + ",".join(str(t) for t in trips if t is not None and t > 1)
+        return node.insert_mark(isl.Id(name, context=node.get_ctx()))
+    return visit(schedule.get_root(), fn).get_schedule()
+
+
 def rewrite(sched: isl.Schedule, prog: AffineProgram, validity, tile_sizes, vector_bits: int) -> isl.Schedule:
     """The cpu target's rewrites of a group's schedule, each checked by isl (the driver then orders sets)."""
     sched = tile(sched, prog, validity, tile_sizes, vector_bits)
     sched = balance_parallel(sched, prog, validity)
     sched = sink_inner(sched, prog, validity)
-    return mark_parallel(sched)
+    return unroll_marks(mark_parallel(sched))

@@ -87,6 +87,25 @@ def member_extent(node, m: int) -> int | None:
     return max(out)
 
 
+def member_trips(node, m: int) -> int | None:
+    """The most iterations band member m takes for one iteration of the
+    loops outside it (a tile's width), or None where that has no bound."""
+    mupa = node.band_get_partial_schedule()
+    prefix = node.get_prefix_schedule_union_map()
+    for k in range(m):
+        prefix = prefix.flat_range_product(isl.UnionMap.from_union_pw_aff(mupa.get_at(k)))
+    values = prefix.reverse().apply_range(
+        isl.UnionMap.from_union_pw_aff(mupa.get_at(m)).intersect_domain(node.get_domain()))
+    spans = values.lexmin().reverse().apply_range(values.lexmax()).deltas()
+    out = []
+    for st in isl_items(spans.get_set_list()):  # the most over any sizes too (a tile's width, where they are symbolic)
+        hi = st.max_val(isl.Aff.var_on_domain(isl.LocalSpace.from_space(st.get_space()), isl.dim_type.set, 0))
+        if not hi.is_int():
+            return None
+        out.append(hi.to_python() + 1)
+    return max(out) if out else None
+
+
 def is_update(s) -> bool:
     """Whether statement s accumulates a contraction's products."""
     return s.role is Role.UPDATE and s.contraction
