@@ -259,6 +259,10 @@ class LibraryPolicy:
         if not self.target.times_library:  # a model: timing would compile each shape's kernel (seconds) on a GPU
             self.choices.append(f"{what}: library ({self.target.library}: {macs} multiply-adds, reduction {red})")
             return True
+        known = self.target.generated_wins(L, n)
+        if known:  # the target's model: no timing
+            self.choices.append(f"{what}: generated ({known})")
+            return False
         if FORM[n.op](L, n) in UNTIMED:  # not worth compiling the generated nest to time it
             self.choices.append(f"{what}: library ({UNTIMED[FORM[n.op](L, n)]})")
             return True
@@ -582,9 +586,10 @@ def _packed_kernel(L, n, letters: str) -> str:
 
 
 def _row_major(L, node) -> bool:
-    """Whether node is an array of its own, laid out row-major."""
+    """Whether node is an array of its own, laid out row-major in its shape."""
     name = L.array_of.get(node.id)
-    return name is not None and name in L.arrays and not L.arrays[name].strided
+    return (name is not None and name in L.arrays and not L.arrays[name].strided
+            and L.arrays[name].shape == L.shape(node))
 
 
 # ------------------------------------------------------------ matrices
@@ -702,8 +707,6 @@ def _never(L, n) -> bool:
 
 
 UNTIMED = {  # forms whose generated nests lose by far: the library without a timing
-    "nchw": "channels first: generated blocks run along image rows, 4-30x slower than sgemm in ResNet-18's "
-            "convolutions",
     "cfirst": "a weight gradient: generated nests reduce over the images and positions one output at a time"}
 
 # per contraction op: the library's form of it (None: not one it computes), its

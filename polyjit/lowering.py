@@ -24,6 +24,7 @@ from .dtypes import DataType
 from .errors import DefinitionError
 from .expr import Const, Expr, Load, Op
 from .graph import BINARY_OPS, CONTRACTIONS, UNARY_OPS, Graph, Node
+from .columns import columns_form, lower_columns, stored_index
 from .library import READS_ONCE
 from .sizes import Lin, Size
 
@@ -63,6 +64,8 @@ class Lowering:
         self.in_place: set[int] = set()  # packed copies only library calls read: not made
         self.views: dict[int, int] = {}  # outputs that are reshapes of a temporary: handed out as views of it
         self.operands: set[int] = set()  # what library calls read as whole arrays: made, never inlined
+        self.columns: dict[int, tuple] = {}  # generated convolutions as products along positions
+        # (polyjit.columns) -> (the shape their result is stored in, the sizes its positions run over)
         self.nodes = graph.nodes()
         self.arrays: dict[str, Array] = {}
         self.statements: list[Statement] = []
@@ -79,7 +82,9 @@ class Lowering:
         idx = tuple(idx)
         key = (n.id, idx)
         if key not in self.memo:
-            if n.id in self.array_of:
+            if n.id in self.columns:
+                self.memo[key] = Load(n.dtype, self.array_of[n.id], stored_index(idx, self.columns[n.id][1]))
+            elif n.id in self.array_of:
                 self.memo[key] = Load(n.dtype, self.array_of[n.id], idx)
             else:
                 self.memo[key] = self.inline(n, idx)
@@ -137,6 +142,11 @@ class Lowering:
             self.in_place = _read_in_place(self.nodes, self.library_nodes)
             from .library import direct_operands
             self.operands = direct_operands(self, self.library_nodes)
+            outputs = {o.id for o in self.g.outputs}
+            for n in self.nodes:
+                stored = None if n.id in self.library_nodes else columns_form(self, n, n.id in outputs)
+                if stored is not None:
+                    self.columns[n.id] = stored
         uses: dict[int, int] = {n.id: 0 for n in self.nodes}
         for n in self.nodes:
             for k, i in enumerate(n.inputs):
@@ -177,6 +187,7 @@ class Lowering:
         x = n.inputs[0]
         name = self.array_of.get(x.id)
         return (name is not None and self.arrays[name].kind == "temp" and x.id not in outputs
+                and self.arrays[name].shape == self.shape(x)
                 and x.id not in self.views.values() and n.id not in self.operands)  # (a library call reads n whole)
 
     def declare(self, n: Node) -> None:
@@ -187,7 +198,8 @@ class Lowering:
             name, kind = f"c{index}", "const"
         else:
             name, kind, index = f"t{n.id}", "temp", -1
-        self.arrays[name] = Array(name, self.shape(n), n.dtype, kind,
+        shape = self.columns[n.id][0] if n.id in self.columns else self.shape(n)
+        self.arrays[name] = Array(name, shape, n.dtype, kind,
                                   strided=bool(n.attrs.get("strided")), index=index)
         self.array_of[n.id] = name
 
@@ -205,6 +217,8 @@ class Lowering:
             if n.id in self.library_nodes:
                 from .library import LOWER
                 LOWER[n.op](self, n, name)
+            elif n.id in self.columns:
+                lower_columns(self, n, name, self.columns[n.id][1])
             elif n.op in STATEMENT_OPS:
                 STATEMENT_OPS[n.op](self, n, name)
             elif n.op in REDUCTIONS and self.is_statement_op(n):
@@ -250,7 +264,8 @@ class Lowering:
                 self.add(out, iters, bounds, idx, self.inline(o, idx), o.op)
                 continue
             arr = self.arrays[src]
-            self.arrays[out] = Array(out, arr.shape, arr.dtype, "output", index=k)
+            self.arrays[out] = Array(out, arr.shape, arr.dtype, "output", index=k,
+                                     returned_as=None if arr.shape == self.shape(o) else self.shape(o))
             if arr.kind == "temp":
                 del self.arrays[src]
                 self.array_of[o.id] = out

@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 import torch.nn as nn  # noqa: E402
 
 import polyjit  # noqa: E402
+import refs  # noqa: E402
 from polyjit import InputInfo, ops  # noqa: E402
 from polyjit.errors import CompileOptionError  # noqa: E402
 from polyjit.library import blas  # noqa: E402
@@ -235,21 +236,60 @@ def test_products_both_ways(kind, rng):
         assert [k.name.split("_")[2] for k in kernels["library"]] == ["sgemm"]
 
 
+COLUMN_CONVS = {  # input, weight, stride, padding, dilation, groups, returned whole; the taps' copy
+    "3x3": ((2, 11, 13, 14), (19, 11, 3, 3), 1, 1, 1, 1, False, "pad"),
+    "dilated_grouped": ((3, 12, 9, 30), (24, 4, 3, 3), 1, 2, 2, 3, False, "pad"),
+    "returned": ((2, 11, 13, 14), (19, 11, 3, 3), 1, 1, 1, 1, True, "col"),
+    "narrow": ((2, 16, 5, 5), (32, 16, 3, 3), 1, 1, 1, 1, False, "col"),
+    "strided": ((2, 9, 15, 11), (20, 9, 3, 3), 2, 1, 1, 1, False, "col"),
+    "1x1": ((2, 24, 7, 9), (40, 24, 1, 1), 1, 0, 1, 1, False, "col"),
+}
+
+
+@pytest.mark.parametrize("kind", list(COLUMN_CONVS))
+def test_generated_nchw_convolution_runs_along_its_positions(kind, rng):
+    """A generated float32 NCHW convolution is a product along its output's
+    flattened positions (polyjit.columns): the padded input read at a shift
+    per tap (stride 1, rows at most 15% wider than the output's, a result
+    not handed out whole), else its im2col copy; its register blocks'
+    columns divide the positions (no partial block). A NaN in the input
+    reaches the outputs whose windows hold it."""
+    xs, ws, stride, pad, dil, groups, returned, copy_label = COLUMN_CONVS[kind]
+    x, w = rng.standard_normal(xs, dtype=F32), rng.standard_normal(ws, dtype=F32)
+    x[1, 2, 3, 4] = np.nan
+
+    def f(a, b):
+        y = ops.conv2d(a, b, stride=stride, padding=pad, dilation=dil, groups=groups)
+        return y if returned else ops.relu(y)
+    exe = polyjit.compile(f, [InputInfo([-1, *xs[1:]], F32), InputInfo(ws, F32)],
+                          {"contractions": "generated", "target": "cpu", "cache": False})
+    want = refs.conv2d(x, w, (stride, stride), ((pad, pad), (pad, pad)), (dil, dil), groups)
+    want = want if returned else np.maximum(want, 0, where=~np.isnan(want), out=want.copy())
+    np.testing.assert_allclose(exe(x, w), want, rtol=1e-5, atol=1e-4)
+    assert exe.stats["library_calls"] == 0
+    copies = set(re.findall(r"temp float32 t\d+_(pad|col)\[", exe.ir("affine")))
+    assert copies == {copy_label}
+    assert re.search(r"register blocks of \d+ products", exe.ir("mapping"))
+
+
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 def test_fusion_into_a_convolution_is_refused_where_it_loses(layout, rng):
     """A generated convolution shares its nest with its bias and relu only
-    where the cost model expects a gain: NCHW's register blocks would run
-    along image columns, whose padding guard differs in every lane, so that
-    fusion is refused, counted, and said why; NHWC's (channels) fuses."""
+    where the cost model expects a gain: an NCHW convolution computed in
+    place (float64: float32 runs along its flattened positions,
+    polyjit.columns) has register blocks along image columns, whose padding
+    guard differs in every lane, so that fusion is refused, counted, and
+    said why; NHWC's (channels) fuses."""
     nchw = layout == "NCHW"
-    x = rng.standard_normal((2, 16, 12, 12) if nchw else (2, 12, 12, 16), dtype=F32)
-    k = rng.standard_normal((32, 16, 3, 3) if nchw else (3, 3, 16, 32), dtype=F32)
-    b = rng.standard_normal(32, dtype=F32)
+    dt = np.float64 if nchw else F32
+    x = rng.standard_normal((2, 16, 12, 12) if nchw else (2, 12, 12, 16)).astype(dt)
+    k = rng.standard_normal((32, 16, 3, 3) if nchw else (3, 3, 16, 32)).astype(dt)
+    b = rng.standard_normal(32).astype(dt)
 
     def f(x, k, b):
         y = ops.conv(x, k, (1, 1), ((1, 1), (1, 1)), layout=layout, kernel_layout="OIHW" if nchw else "HWIO")
         return ops.relu(y + (ops.reshape(b, [1, 32, 1, 1]) if nchw else b))
-    infos = [InputInfo(a.shape, F32) for a in (x, k, b)]
+    infos = [InputInfo(a.shape, dt) for a in (x, k, b)]
     exe = polyjit.compile(f, infos, {"contractions": "generated"}).compile_default()
     unfused = polyjit.compile(f, infos, {"contractions": "generated", "fusion": "none"})
     np.testing.assert_allclose(exe(x, k, b)[0], unfused(x, k, b), rtol=1e-5, atol=1e-4)

@@ -37,10 +37,16 @@ class Target:
     device_arrays: bool = False  # whether its programs take arrays in device memory
     recompute_limit: int = RECOMPUTE_LIMIT  # extra work lowering accepts to inline a value read more than once
     fuses_epilogues: bool = False  # contractions may share a nest with their elementwise consumers
+    column_convolutions: bool = False  # generated channels-first convolutions as products over their columns
     library: str = ""  # the vendor library under generated contractions
     times_library: bool = False  # time each contraction both ways (else the library wherever it applies)
     keeps_programs: bool = False  # compiled programs are also shared within the process (by cache key)
     tensor_float32: bool = False  # its library convolutions may round operands to TF32 (the tf32 option)
+
+    def generated_wins(self, L, n) -> str:
+        """Why generated code beats the library for contraction n without a
+        timing (the target's model of itself), or "" where only a timing tells."""
+        return ""
 
     def __repr__(self) -> str:
         return f"<target {self.name}>"

@@ -1,0 +1,167 @@
+"""Generated convolutions as products along flattened image positions, for
+targets whose register blocks run along a contraction's columns (the CPU).
+
+A channels-first convolution computed in place blocks its columns along an
+image row: a 7x7 image gives seven of a vector's sixteen lanes work, and the
+padding guards sit inside the reduction. As a product per image and group,
+Y (out channels x positions) = W (out channels x reduction) @ X (reduction x
+positions), its positions run along every row of the image and the
+scheduler's register blocks fill their vectors (cpu_rewrites.block_shape),
+as they do for a matrix product. X is one of:
+
+- shifted (stride 1): the input, padded, its rows laid end to end; the tap
+  (kh, kw) of output position q is the padded image at q + kh Wp + kw
+  (Wp: the padded width), so X is the padded copy read at a shift per tap
+  and the product computes Wp - OW extra positions per output row, kept
+  in its array, whose rows are Wp wide (consumers read their first OW; an
+  output handed to the caller is never stored so);
+- columns (im2col): each tap's input, a copy of (reduction dims...,
+  positions), the input read once per tap.
+
+Either copy is a statement of its own (role TAPS), so a producer (a batch
+norm and relu) is computed into it, where the input was not an array. The
+result is stored as (images, channels, positions), which its consumers
+read at their flattened position (stored_index): the product writes it at
+its own iterators, and isl sees no division in any access.
+"""
+from __future__ import annotations
+
+import math
+
+from . import expr as E
+from .affine import TAPS, Role, loop_nest
+from .expr import Load, Op
+from .library import _conv_reduction, gemm_form
+
+MAX_SHIFTED_WASTE = 0.15  # the extra positions a shifted product may compute, as a share of its own
+
+
+def columns_form(L, n, output: bool) -> tuple | None:
+    """How convolution n, generated, runs as a product along its positions:
+    (the shape its result is stored in, images x channels x positions; the
+    sizes its positions are numbered over: the image's, or its rows' in the
+    shifted form, which are Wp wide), or None where neither form applies
+    (not channels first in float32 with static kernel and image sizes, or a
+    reduction too short to block: a depthwise or few-channel convolution
+    stays a stencil). output: n is handed to the caller, whole rows only."""
+    if n.op != "conv" or L.library is None or not L.library.target.column_convolutions:
+        return None
+    if gemm_form(L, n) != "nchw" or _conv_reduction(n, L.shape(n.inputs[0]), L.shape(n.inputs[1]))[1]:
+        return None
+    shape = L.shape(n)
+    rows = [int(s) for s in shape[2:]]
+    wide = _padded_width(L, n)
+    if wide is not None and not output and wide - rows[-1] <= MAX_SHIFTED_WASTE * rows[-1]:
+        rows[-1] = wide
+    return (shape[0], shape[1], math.prod(rows)), tuple(rows)
+
+
+def stored_index(idx, rows) -> tuple:
+    """Where a convolution's element idx (image, channel, position...) lies
+    in its stored array, whose positions run over rows."""
+    return idx[0], idx[1], _flat(idx[2:], rows)
+
+
+def _padded_width(L, n) -> int | None:
+    """The padded input's width, where n can read it shifted: an image (two
+    spatial dims), stride 1, no negative padding."""
+    at, lay = n.attrs, n.attrs["layout"]
+    sp = [c for c in lay if c not in "NC"]
+    if len(sp) != 2 or any(s != 1 for s in at["strides"]) or any(lo < 0 or hi < 0 for lo, hi in at["padding"]):
+        return None
+    lo, hi = at["padding"][-1]
+    return int(L.shape(n.inputs[0])[lay.index(sp[-1])]) + lo + hi
+
+
+def lower_columns(L, n, out: str, rows) -> None:
+    """n (columns_form: its result stored as images x channels x positions,
+    numbered over rows) as its taps' copy and the product's initialization
+    and update over (image, [group,] out channel, position)."""
+    from .lowering import identity
+    x, w = n.inputs
+    lay, klay, groups = n.attrs["layout"], n.attrs["kernel_layout"], n.attrs["groups"]
+    ws = L.shape(w)
+    kdims = [c for c in klay if c != "O"]  # the reduction in the kernel's memory order
+    cout_g = int(ws[klay.index("O")]) // groups
+    grouped = (groups,) if groups > 1 else ()
+    shifted = tuple(rows) != tuple(int(s) for s in L.shape(n)[2:])
+    taps = (_shifted if shifted else _columns)(L, n, kdims, grouped)
+
+    iters, idx, bounds = loop_nest((L.shape(n)[0], *grouped, cout_g, math.prod(rows)))
+    riters, ridx, rbounds = loop_nest([ws[klay.index(c)] for c in kdims], "r")
+    image, channel, p = idx[0], idx[-2], idx[-1]
+    if groups > 1:
+        channel = E.iadd(E.imul(idx[1], cout_g), channel)
+    wi = [None] * w.rank
+    wi[klay.index("O")] = channel
+    for c, r in zip(kdims, ridx):
+        wi[klay.index(c)] = r
+    tap = taps(image, idx[1] if groups > 1 else None, dict(zip(kdims, ridx)), p)
+    yi = (image, channel, p)
+    L.add(out, iters, bounds, yi, identity("sum", n.dtype), "conv_init", role=Role.INIT, contraction=True)
+    L.add(out, iters + riters, bounds + rbounds, yi, Op(n.dtype, "mul", (L.value(w, wi), tap)), "conv",
+          combine="sum", reduction_iters=riters, role=Role.UPDATE, contraction=True)
+
+
+def _columns(L, n, kdims, grouped):
+    """The im2col copy (images, [groups,] reduction dims..., positions); the
+    product's tap: a load of it."""
+    from .lowering import conv_input_index, guarded
+    x, w = n.inputs
+    at, lay, klay = n.attrs, n.attrs["layout"], n.attrs["kernel_layout"]
+    sp = [c for c in lay if c not in "NC"]
+    ws, os_ = L.shape(w), L.shape(n)
+    kext = [int(ws[klay.index(c)]) for c in kdims]
+    osz = [int(os_[lay.index(c)]) for c in sp]
+    name = f"t{n.id}_col"
+    L.declare_array(name, (os_[lay.index("N")], *grouped, *kext, math.prod(osz)), n.dtype)
+    iters, idx, bounds = loop_nest((os_[lay.index("N")], *grouped, *kext, *osz))
+    kv = dict(zip(kdims, idx[1 + len(grouped):1 + len(grouped) + len(kdims)]))
+    ov = idx[1 + len(grouped) + len(kdims):]
+    cin_g = int(ws[klay.index("I")])
+    channel = E.iadd(E.imul(idx[1], cin_g), kv["I"]) if grouped else kv["I"]
+    xi = conv_input_index(L, n, idx[0], channel, ov, [kv[c] for c in sp])
+    body = guarded(L, x, xi, E.const(0.0, n.dtype), [lay.index(c) for k, c in enumerate(sp) if any(at["padding"][k])])
+    L.add(name, iters, bounds, (*idx[:1 + len(grouped) + len(kdims)], _flat(ov, osz)), body, "im2col", role=TAPS)
+    return lambda image, group, red, p: Load(n.dtype, name, (image, *([group] if grouped else []),
+                                                                  *(red[c] for c in kdims), p))
+
+
+def _shifted(L, n, kdims, grouped):
+    """The padded input, its rows laid end to end (one more row, which the
+    last output row's extra positions read), (images, channels, positions);
+    the product's tap: a load of it at the tap's shift."""
+    from .lowering import guarded
+    x, w = n.inputs
+    at, lay, klay = n.attrs, n.attrs["layout"], n.attrs["kernel_layout"]
+    sp = [c for c in lay if c not in "NC"]
+    xs, ws = L.shape(x), L.shape(w)
+    padded = [int(xs[lay.index(c)]) + lo + hi for c, (lo, hi) in zip(sp, at["padding"])]
+    padded[0] += 1
+    name = f"t{n.id}_pad"
+    L.declare_array(name, (xs[lay.index("N")], xs[lay.index("C")], math.prod(padded)), n.dtype)
+    iters, idx, bounds = loop_nest((xs[lay.index("N")], xs[lay.index("C")], *padded))
+    xi = [None] * len(lay)
+    xi[lay.index("N")], xi[lay.index("C")] = idx[0], idx[1]
+    for c, i, (lo, _) in zip(sp, idx[2:], at["padding"]):
+        xi[lay.index(c)] = E.isub(i, E.const(lo))
+    body = guarded(L, x, xi, E.const(0.0, n.dtype), [lay.index(c) for c in sp])
+    L.add(name, iters, bounds, (idx[0], idx[1], _flat(idx[2:], padded)), body, "pad", role=TAPS)
+    cin_g, dil = int(ws[klay.index("I")]), at.get("dilation") or [1] * len(sp)
+    row = [math.prod(padded[k + 1:]) for k in range(len(sp))]
+
+    def tap(image, group, red, p):
+        channel = E.iadd(E.imul(group, cin_g), red["I"]) if group is not None else red["I"]
+        shift = p
+        for k, c in enumerate(sp):
+            shift = E.iadd(shift, E.imul(red[c], dil[k] * row[k]))
+        return Load(n.dtype, name, (image, channel, shift))
+    return tap
+
+
+def _flat(idx, sizes):
+    """The row-major position of idx in an array of sizes."""
+    flat = E.const(0)
+    for i, s in zip(idx, sizes):
+        flat = E.iadd(E.imul(flat, s), i)
+    return flat
