@@ -144,7 +144,8 @@ class Lowering:
             self.operands = direct_operands(self, self.library_nodes)
             outputs = {o.id for o in self.g.outputs}
             for n in self.nodes:
-                stored = None if n.id in self.library_nodes else columns_form(self, n, n.id in outputs)
+                generated = n.id not in self.library_nodes and self.is_statement_op(n)  # (not unrolled inline)
+                stored = columns_form(self, n, n.id in outputs) if generated else None
                 if stored is not None:
                     self.columns[n.id] = stored
         uses: dict[int, int] = {n.id: 0 for n in self.nodes}

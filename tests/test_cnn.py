@@ -243,6 +243,7 @@ COLUMN_CONVS = {  # input, weight, stride, padding, dilation, groups, returned w
     "narrow": ((2, 16, 5, 5), (32, 16, 3, 3), 1, 1, 1, 1, False, "col"),
     "strided": ((2, 9, 15, 11), (20, 9, 3, 3), 2, 1, 1, 1, False, "col"),
     "1x1": ((2, 24, 7, 9), (40, 24, 1, 1), 1, 0, 1, 1, False, "col"),
+    "squeeze": ((2, 16, 1, 1), (24, 16, 1, 1), 1, 0, 1, 1, False, None),  # short enough to inline: no copy
 }
 
 
@@ -256,7 +257,7 @@ def test_generated_nchw_convolution_runs_along_its_positions(kind, rng):
     reaches the outputs whose windows hold it."""
     xs, ws, stride, pad, dil, groups, returned, copy_label = COLUMN_CONVS[kind]
     x, w = rng.standard_normal(xs, dtype=F32), rng.standard_normal(ws, dtype=F32)
-    x[1, 2, 3, 4] = np.nan
+    x[1, 2, min(3, xs[2] - 1), min(4, xs[3] - 1)] = np.nan
 
     def f(a, b):
         y = ops.conv2d(a, b, stride=stride, padding=pad, dilation=dil, groups=groups)
@@ -268,8 +269,8 @@ def test_generated_nchw_convolution_runs_along_its_positions(kind, rng):
     np.testing.assert_allclose(exe(x, w), want, rtol=1e-5, atol=1e-4)
     assert exe.stats["library_calls"] == 0
     copies = set(re.findall(r"temp float32 t\d+_(pad|col)\[", exe.ir("affine")))
-    assert copies == {copy_label}
-    assert re.search(r"register blocks of \d+ products", exe.ir("mapping"))
+    assert copies == ({copy_label} if copy_label else set())
+    assert bool(re.search(r"register blocks of \d+ products", exe.ir("mapping"))) == bool(copy_label)
 
 
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
