@@ -29,9 +29,10 @@ from __future__ import annotations
 import math
 
 from . import expr as E
+from . import sizes as sz
 from .affine import TAPS, Role, loop_nest
 from .expr import Load, Op
-from .library import _conv_reduction, gemm_form
+from .library import _conv_reduction, _packed_kernel, gemm_form
 
 MAX_SHIFTED_WASTE = 0.15  # the extra positions a shifted product may compute, as a share of its own
 
@@ -46,7 +47,11 @@ def columns_form(L, n, output: bool) -> tuple | None:
     stays a stencil). output: n is handed to the caller, whole rows only."""
     if n.op != "conv" or L.library is None or not L.library.target.column_convolutions:
         return None
-    if gemm_form(L, n) != "nchw" or _conv_reduction(n, L.shape(n.inputs[0]), L.shape(n.inputs[1]))[1]:
+    form = gemm_form(L, n)
+    if form == "cfirst":  # a weight gradient: along the kernel's dims after its output channels
+        shape = L.shape(n)
+        return (shape[0], sz.static_product(shape[1:])), tuple(int(s) for s in shape[1:])
+    if form != "nchw" or _conv_reduction(n, L.shape(n.inputs[0]), L.shape(n.inputs[1]))[1]:
         return None
     shape = L.shape(n)
     rows = [int(s) for s in shape[2:]]
@@ -57,9 +62,11 @@ def columns_form(L, n, output: bool) -> tuple | None:
 
 
 def stored_index(idx, rows) -> tuple:
-    """Where a convolution's element idx (image, channel, position...) lies
-    in its stored array, whose positions run over rows."""
-    return idx[0], idx[1], _flat(idx[2:], rows)
+    """Where a convolution's element idx (image, channel, position...; a
+    weight gradient's out channel, then the rest) lies in its stored array,
+    whose last dim numbers its last len(rows) dims over rows."""
+    keep = len(idx) - len(rows)
+    return (*idx[:keep], _flat(idx[keep:], rows))
 
 
 def _padded_width(L, n) -> int | None:
@@ -84,6 +91,8 @@ def lower_columns(L, n, out: str, rows) -> None:
     kdims = [c for c in klay if c != "O"]  # the reduction in the kernel's memory order
     cout_g = int(ws[klay.index("O")]) // groups
     grouped = (groups,) if groups > 1 else ()
+    if gemm_form(L, n) == "cfirst":
+        return _filter(L, n, out, rows)
     shifted = tuple(rows) != tuple(int(s) for s in L.shape(n)[2:])
     taps = (_shifted if shifted else _columns)(L, n, kdims, grouped)
 
@@ -92,15 +101,62 @@ def lower_columns(L, n, out: str, rows) -> None:
     image, channel, p = idx[0], idx[-2], idx[-1]
     if groups > 1:
         channel = E.iadd(E.imul(idx[1], cout_g), channel)
-    wi = [None] * w.rank
-    wi[klay.index("O")] = channel
-    for c, r in zip(kdims, ridx):
-        wi[klay.index(c)] = r
     tap = taps(image, idx[1] if groups > 1 else None, dict(zip(kdims, ridx)), p)
     yi = (image, channel, p)
     L.add(out, iters, bounds, yi, identity("sum", n.dtype), "conv_init", role=Role.INIT, contraction=True)
-    L.add(out, iters + riters, bounds + rbounds, yi, Op(n.dtype, "mul", (L.value(w, wi), tap)), "conv",
-          combine="sum", reduction_iters=riters, role=Role.UPDATE, contraction=True)
+    L.add(out, iters + riters, bounds + rbounds, yi, Op(n.dtype, "mul", (_weight(L, n, kdims, channel, ridx), tap)),
+          "conv", combine="sum", reduction_iters=riters, role=Role.UPDATE, contraction=True)
+
+
+def _filter(L, n, out: str, rest) -> None:
+    """A weight gradient (gemm_form "cfirst": its output channels first, the
+    images and positions its reduction) as a product along its other dims
+    flattened (in channels, window): C (out channels x rest) = G (out
+    channels x reduction) @ T (reduction x rest), G the gradient it reads as
+    its kernel, T the input's taps, stored with rest innermost so that T's
+    rows run along C's."""
+    from .lowering import conv_input_index, guarded, identity
+    x, w = n.inputs
+    at, lay, klay = n.attrs, n.attrs["layout"], n.attrs["kernel_layout"]
+    sp = [c for c in lay if c not in "NC"]
+    ws = L.shape(w)
+    kdims = [c for c in klay if c != "O"]
+    kext = [int(ws[klay.index(c)]) for c in kdims]
+    name = f"t{n.id}_col"
+    L.declare_array(name, (*kext, math.prod(rest)), n.dtype)
+    iters, idx, bounds = loop_nest((*kext, *rest))
+    kv, ov = dict(zip(kdims, idx[:len(kdims)])), dict(zip(lay[1:], idx[len(kdims):]))
+    xi = conv_input_index(L, n, ov["N"], kv["I"], [ov[c] for c in sp], [kv[c] for c in sp])
+    taps = guarded(L, x, xi, E.const(0.0, n.dtype), [lay.index(c) for k, c in enumerate(sp) if any(at["padding"][k])])
+    L.add(name, iters, bounds, (*idx[:len(kdims)], _flat(idx[len(kdims):], rest)), taps, "im2col", role=TAPS)
+
+    iters, idx, bounds = loop_nest((L.shape(n)[0], math.prod(rest)))
+    riters, ridx, rbounds = loop_nest(kext, "r")
+    grad = _weight(L, n, kdims, idx[0], ridx)  # a row block's rows, read along the reduction
+    L.add(out, iters, bounds, idx, identity("sum", n.dtype), "conv_init", role=Role.INIT, contraction=True)
+    L.add(out, iters + riters, bounds + rbounds, idx, Op(n.dtype, "mul", (grad, Load(n.dtype, name, (*ridx, idx[1])))),
+          "conv", combine="sum", reduction_iters=riters, role=Role.UPDATE, contraction=True)
+
+
+def _weight(L, n, kdims, channel, red):
+    """The kernel at (out channel, reduction): read in place where it is an
+    array or a view of one (a convolution's input gradient reads its kernel
+    flipped, channels exchanged: a copy laid out for the rows cost more
+    than it saved, the kernel coming from memory), else from a copy laid
+    out (out channels, reduction dims), so that a value computed inline (a
+    batch norm folded into it) is computed once, not at every product."""
+    w, klay = n.inputs[1], n.attrs["kernel_layout"]
+    wi = [None] * w.rank
+    wi[klay.index("O")] = channel
+    for c, r in zip(kdims, red):
+        wi[klay.index(c)] = r
+    value = L.value(w, wi)
+    if isinstance(value, Load):  # an array, or a view of one (flipped, transposed)
+        return value
+    name = f"t{n.id}_w"
+    if name not in L.arrays:
+        _packed_kernel(L, n, "O" + "".join(kdims))
+    return Load(n.dtype, name, (channel, *red))
 
 
 def _columns(L, n, kdims, grouped):

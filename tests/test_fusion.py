@@ -401,6 +401,37 @@ def test_register_blocks_follow_the_vector_width(bits, cols):
     assert f"// unroll:4,{cols}" in ast
 
 
+def test_a_kernel_copied_with_its_channels_exchanged_walks_square_tiles_of_them(rng):
+    """A copy that exchanges a kernel's two channel dims and flips its window
+    (a convolution's input gradient's kernel) walks 32x32 tiles of the
+    channels, the window inside: the dims after the exchanged ones move
+    with the same loops in the store and the load."""
+    w = rng.standard_normal((64, 96, 3, 3), dtype=F32)
+    exe = polyjit.compile(lambda w: ops.permute(ops.reverse(w, [2, 3]), [1, 0, 2, 3]), [InputInfo(w.shape, F32)],
+                          {"target": "cpu", "cache": False})
+    np.testing.assert_array_equal(exe(w), w[:, :, ::-1, ::-1].transpose(1, 0, 2, 3))
+    assert len(re.findall(r"32 \* c\d", exe.ir("ast"))) >= 2
+
+
+def test_an_input_gradients_product_runs_its_reduction_inside_its_rows(rng):
+    """A convolution's input gradient reads its kernel's reduction channels
+    outermost; its product still runs on the thread team: the reduction
+    moves inside the rows, which a batch of two images does not cover."""
+    g, w = rng.standard_normal((2, 256, 4, 4), dtype=F32), rng.standard_normal((256, 128, 3, 3), dtype=F32)
+    exe = polyjit.compile(lambda g, w: ops.conv_input_grad(g, w, [4, 4], [1, 1], [(1, 1), (1, 1)]),
+                          [InputInfo(g.shape, F32), InputInfo(w.shape, F32)], {**GEN, "target": "cpu", "cache": False})
+    product = [line for line in exe.ir("mapping").splitlines() if "register blocks" in line]
+    assert product and product[0].split(": ")[1].startswith("thread team")
+    want = refs.conv2d(g, w[:, :, ::-1, ::-1].transpose(1, 0, 2, 3), padding=((1, 1), (1, 1)))
+    np.testing.assert_allclose(exe(g, w), want, rtol=1e-5, atol=1e-4)
+
+
+def test_a_slice_of_the_whole_is_its_operand():
+    """Slicing every element (a weight gradient cut to the sizes it has) adds no node: no copy."""
+    g = polyjit.compile(lambda x: ops.slice(x, [0, 0], [4, 5]) * 2, [InputInfo([4, 5], F32)]).graph
+    assert "slice" not in [n.op for n in g.nodes()]
+
+
 def test_a_transposing_copy_that_reads_in_order_walks_square_tiles_too(rng):
     """A copy whose loads run along the innermost loop and whose store does
     not (two loads against one store: attention's keys laid out transposed

@@ -178,6 +178,20 @@ def block_fused(node, prog, lanes: int) -> isl.ScheduleNode:
     return seq.parent().parent()
 
 
+def _rows_outside_reduction(node, roles, row):
+    """The band with its reduction members moved inside the block rows'
+    member, as a matrix product's (rows, reduction, columns): a reduction
+    loop outside the rows (the flipped kernel of a convolution's input
+    gradient reads its reduction channels outermost) is the outermost loop
+    of its tiles once a batch of two images fits one tile, and nothing
+    outside it runs in parallel."""
+    n = len(roles)
+    order = [m for m in range(row + 1) if roles[m] != "red"] + [m for m in range(n) if roles[m] == "red"] \
+        + [m for m in range(row + 1, n) if roles[m] != "red"]
+    node = rebuild_band(node, order, [node.band_member_get_coincident(m) for m in range(n)], True)
+    return node, [roles[m] for m in order], order.index(row)
+
+
 def tile(schedule, prog, validity, tile_sizes, vector_bits: int = 512) -> isl.Schedule:
     """Tile outer permutable bands with reuse (contractions), or every one when
     tile_sizes is given; contractions also get register blocks of vectors of
@@ -202,6 +216,8 @@ def tile(schedule, prog, validity, tile_sizes, vector_bits: int = 512) -> isl.Sc
             n = node.band_n_member()
         roles = _block_sizes(node, prog, n) if contraction else []
         row = _row_member(node, prog, roles) if contraction else None
+        if row is not None and "red" in roles[:row]:
+            node, roles, row = _rows_outside_reduction(node, roles, row)
         shape = (REG_ROWS, REG_VECTORS * lanes)
         if tile_sizes:
             sizes = (list(tile_sizes) + [tile_sizes[-1]] * n)[:n]
@@ -227,7 +243,10 @@ def _tile_transposition(node, prog):
     copy: a weight's transpose each call, the keys of attention laid out
     transposed), walks square tiles of those two loops, so that the lines
     its strided accesses touch are used for a tile's rows before they leave
-    the cache. The other loop moves next to the innermost where it is not."""
+    the cache. The other loop moves next to the innermost where it is not.
+    Trailing dims that the store and every load walk with the same loops
+    (a kernel's window, exchanging its channel dims) stay inside: the
+    transposition is then of the dims before them."""
     names = statement_names(node)
     n = node.band_n_member()
     if len(names) != 1:
@@ -237,24 +256,29 @@ def _tile_transposition(node, prog):
         return node
     mupa = node.band_get_partial_schedule()
     follows = [member_iter(mupa.get_at(m)).get(st.name) for m in range(n)]
-    if follows[-1] is None:
-        return node
-
-    def along(index, m) -> bool:  # whether index's last dimension moves with band member m
-        return follows[m] is not None and any(isinstance(x, Var) and x.name == st.iters[follows[m]]
-                                              for x in walk(index[-1]))
     reads = [ld.index for ld in loads(st.body) if ld.index]
-    inner = n - 1
-    if along(st.index, inner):  # written along the innermost loop: a load along another
-        other = [m for m in range(inner) if any(along(i, m) and not along(i, inner) for i in reads)]
+
+    def along(index, m, dim) -> bool:  # whether index's dimension dim (from the end) moves with band member m
+        return len(index) > dim and follows[m] is not None and any(
+            isinstance(x, Var) and x.name == st.iters[follows[m]] for x in walk(index[-1 - dim]))
+    shared = 0  # trailing dims walked alike: the innermost members, one each
+    while shared < n - 2 and all(along(i, n - 1 - shared, shared) for i in [st.index] + reads):
+        shared += 1
+    inner = n - 1 - shared
+    if follows[inner] is None:
+        return node
+    if along(st.index, inner, shared):  # written along the innermost loop: a load along another
+        other = [m for m in range(inner) if any(along(i, m, shared) and not along(i, inner, shared) for i in reads)]
     else:  # read along it: written along another
-        other = [m for m in range(inner) if along(st.index, m)] if any(along(i, inner) for i in reads) else []
+        other = [m for m in range(inner) if along(st.index, m, shared)] \
+            if any(along(i, inner, shared) for i in reads) else []
     if not other:
         return node
     if other[-1] != inner - 1:
-        order = [m for m in range(n) if m not in (other[-1], inner)] + [other[-1], inner]
+        order = [m for m in range(n) if m not in (other[-1], inner)]
+        order = order[:inner - 1] + [other[-1], inner] + order[inner - 1:]
         node = rebuild_band(node, order, [node.band_member_get_coincident(m) for m in range(n)], True)
-    sizes = [UNTILED] * (n - 2) + [TRANSPOSE_TILE, TRANSPOSE_TILE]
+    sizes = [UNTILED] * (inner - 1) + [TRANSPOSE_TILE, TRANSPOSE_TILE] + [UNTILED] * shared
     return node.band_tile(band_sizes(node, sizes))
 
 
