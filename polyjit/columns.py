@@ -20,16 +20,16 @@ as they do for a matrix product. X is one of:
 
 Either copy is a statement of its own (role TAPS), so a producer (a batch
 norm and relu) is computed into it, where the input was not an array. The
-result is stored as (images, channels, positions), which its consumers
-read at their flattened position (stored_index): the product writes it at
-its own iterators, and isl sees no division in any access.
+product writes its result at the position unflattened (p // W, p % W),
+which its consumers read plainly (isl's scheduler, given flattened reads
+instead, took 19 s over one of MobileNetV3's groups); the store's address
+is the position again (expr.merged_index).
 """
 from __future__ import annotations
 
 import math
 
 from . import expr as E
-from . import sizes as sz
 from .affine import TAPS, Role, loop_nest
 from .expr import Load, Op
 from .library import _conv_reduction, _packed_kernel, gemm_form
@@ -39,34 +39,25 @@ MAX_SHIFTED_WASTE = 0.15  # the extra positions a shifted product may compute, a
 
 def columns_form(L, n, output: bool) -> tuple | None:
     """How convolution n, generated, runs as a product along its positions:
-    (the shape its result is stored in, images x channels x positions; the
-    sizes its positions are numbered over: the image's, or its rows' in the
-    shifted form, which are Wp wide), or None where neither form applies
-    (not channels first in float32 with static kernel and image sizes, or a
-    reduction too short to block: a depthwise or few-channel convolution
-    stays a stencil). output: n is handed to the caller, whole rows only."""
+    (the shape its result is stored in: its own, or with rows Wp wide in
+    the shifted form; the sizes its positions are numbered over), or None
+    where no form applies (not channels first in float32 with static kernel
+    and image sizes, or a reduction too short to block: a depthwise or
+    few-channel convolution stays a stencil). output: n is handed to the
+    caller, so its rows are its own. A weight gradient (gemm_form "cfirst")
+    runs along the kernel's dims after its output channels."""
     if n.op != "conv" or L.library is None or not L.library.target.column_convolutions:
         return None
-    form = gemm_form(L, n)
-    if form == "cfirst":  # a weight gradient: along the kernel's dims after its output channels
-        shape = L.shape(n)
-        return (shape[0], sz.static_product(shape[1:])), tuple(int(s) for s in shape[1:])
+    form, shape = gemm_form(L, n), tuple(L.shape(n))
+    if form == "cfirst":
+        return shape, tuple(int(s) for s in shape[1:])
     if form != "nchw" or _conv_reduction(n, L.shape(n.inputs[0]), L.shape(n.inputs[1]))[1]:
         return None
-    shape = L.shape(n)
     rows = [int(s) for s in shape[2:]]
     wide = _padded_width(L, n)
     if wide is not None and not output and wide - rows[-1] <= MAX_SHIFTED_WASTE * rows[-1]:
         rows[-1] = wide
-    return (shape[0], shape[1], math.prod(rows)), tuple(rows)
-
-
-def stored_index(idx, rows) -> tuple:
-    """Where a convolution's element idx (image, channel, position...; a
-    weight gradient's out channel, then the rest) lies in its stored array,
-    whose last dim numbers its last len(rows) dims over rows."""
-    keep = len(idx) - len(rows)
-    return (*idx[:keep], _flat(idx[keep:], rows))
+    return (*shape[:-1], rows[-1]), tuple(rows)
 
 
 def _padded_width(L, n) -> int | None:
@@ -81,10 +72,10 @@ def _padded_width(L, n) -> int | None:
 
 
 def lower_columns(L, n, out: str, rows) -> None:
-    """n (columns_form: its result stored as images x channels x positions,
-    numbered over rows) as its taps' copy and the product's initialization
-    and update over (image, [group,] out channel, position)."""
-    from .lowering import identity
+    """n (columns_form: its positions numbered over rows) as its taps' copy
+    and the product's initialization and update over (image, [group,] out
+    channel, position)."""
+    from .lowering import identity, reshape_index
     x, w = n.inputs
     lay, klay, groups = n.attrs["layout"], n.attrs["kernel_layout"], n.attrs["groups"]
     ws = L.shape(w)
@@ -102,7 +93,7 @@ def lower_columns(L, n, out: str, rows) -> None:
     if groups > 1:
         channel = E.iadd(E.imul(idx[1], cout_g), channel)
     tap = taps(image, idx[1] if groups > 1 else None, dict(zip(kdims, ridx)), p)
-    yi = (image, channel, p)
+    yi = (image, channel, *reshape_index(rows, (math.prod(rows),), (p,)))
     L.add(out, iters, bounds, yi, identity("sum", n.dtype), "conv_init", role=Role.INIT, contraction=True)
     L.add(out, iters + riters, bounds + rbounds, yi, Op(n.dtype, "mul", (_weight(L, n, kdims, channel, ridx), tap)),
           "conv", combine="sum", reduction_iters=riters, role=Role.UPDATE, contraction=True)
@@ -115,7 +106,7 @@ def _filter(L, n, out: str, rest) -> None:
     channels x reduction) @ T (reduction x rest), G the gradient it reads as
     its kernel, T the input's taps, stored with rest innermost so that T's
     rows run along C's."""
-    from .lowering import conv_input_index, guarded, identity
+    from .lowering import conv_input_index, guarded, identity, reshape_index
     x, w = n.inputs
     at, lay, klay = n.attrs, n.attrs["layout"], n.attrs["kernel_layout"]
     sp = [c for c in lay if c not in "NC"]
@@ -133,8 +124,9 @@ def _filter(L, n, out: str, rest) -> None:
     iters, idx, bounds = loop_nest((L.shape(n)[0], math.prod(rest)))
     riters, ridx, rbounds = loop_nest(kext, "r")
     grad = _weight(L, n, kdims, idx[0], ridx)  # a row block's rows, read along the reduction
-    L.add(out, iters, bounds, idx, identity("sum", n.dtype), "conv_init", role=Role.INIT, contraction=True)
-    L.add(out, iters + riters, bounds + rbounds, idx, Op(n.dtype, "mul", (grad, Load(n.dtype, name, (*ridx, idx[1])))),
+    yi = (idx[0], *reshape_index(rest, (math.prod(rest),), (idx[1],)))
+    L.add(out, iters, bounds, yi, identity("sum", n.dtype), "conv_init", role=Role.INIT, contraction=True)
+    L.add(out, iters + riters, bounds + rbounds, yi, Op(n.dtype, "mul", (grad, Load(n.dtype, name, (*ridx, idx[1])))),
           "conv", combine="sum", reduction_iters=riters, role=Role.UPDATE, contraction=True)
 
 

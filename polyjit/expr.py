@@ -152,6 +152,37 @@ def imod(a: Expr, k: int) -> Expr:
     return Op(I64, "mod", (a, const(k)))
 
 
+def merged_index(index, shape) -> list[tuple[Expr, int]]:
+    """A row-major array's index as (expression, dimension whose stride it
+    takes): where a position x was split over dimensions (..., m, k) as
+    (x // k, x % k), or ((x // k) % m, x % k), the run is x, or x % (m k),
+    again, at the inner dimension's stride, since (x // k) k + x % k = x
+    for floored division (a product writing an image's flattened positions
+    stores along memory)."""
+    def divmod_of(e, name):
+        return e.args if isinstance(e, Op) and e.op == name and isinstance(e.args[1], Const) else (None, None)
+
+    if not index:
+        return []
+    out: list[tuple[Expr, int]] = []
+    cur, at, span = index[-1], len(index) - 1, shape[-1]
+    for d in range(len(index) - 2, -1, -1):
+        e, ext = index[d], shape[d]
+        x, k = divmod_of(cur, "mod")
+        if x is not None and isinstance(span, int) and k.value == span:
+            q, m = divmod_of(e, "mod")
+            if e == Op(I64, "floordiv", (x, k)):
+                cur, span = x, None
+                continue
+            if q == Op(I64, "floordiv", (x, k)) and isinstance(ext, int) and m.value == ext:
+                cur, span = imod(x, span * ext), span * ext
+                continue
+        out.append((cur, at))
+        cur, at, span = e, d, ext
+    out.append((cur, at))
+    return out
+
+
 def iclamp(a: Expr, lo: Expr, hi: Expr) -> Expr:
     """min(max(a, lo), hi): keeps a guarded load inside its array."""
     return Op(I64, "min", (Op(I64, "max", (a, lo)), hi))

@@ -24,11 +24,13 @@ from .dtypes import DataType
 from .errors import DefinitionError
 from .expr import Const, Expr, Load, Op
 from .graph import BINARY_OPS, CONTRACTIONS, UNARY_OPS, Graph, Node
-from .columns import columns_form, lower_columns, stored_index
+from .columns import columns_form, lower_columns
 from .library import READS_ONCE
 from .sizes import Lin, Size
 
 UNROLL_LIMIT = 16  # reductions with at most this many static terms unroll into expressions
+COLUMNS_MIN_ELEMENTS = 2048  # a product along positions (polyjit.columns) this large an image is a statement,
+# however short
 STENCIL_UNROLL_LIMIT = 49  # likewise a convolution over its window alone (depthwise, up to 7x7)
 RECOMPUTE_LIMIT = 6  # extra work accepted to inline a value read more than once
 MANY = 16  # weight of a read inside a contraction's reduction loop
@@ -82,9 +84,7 @@ class Lowering:
         idx = tuple(idx)
         key = (n.id, idx)
         if key not in self.memo:
-            if n.id in self.columns:
-                self.memo[key] = Load(n.dtype, self.array_of[n.id], stored_index(idx, self.columns[n.id][1]))
-            elif n.id in self.array_of:
+            if n.id in self.array_of:
                 self.memo[key] = Load(n.dtype, self.array_of[n.id], idx)
             else:
                 self.memo[key] = self.inline(n, idx)
@@ -111,7 +111,7 @@ class Lowering:
         return bool(n.attrs.get("packed")) and n.id not in self.in_place
 
     def is_statement_op(self, n: Node) -> bool:
-        if n.op in STATEMENT_OPS or n.id in self.library_nodes:
+        if n.op in STATEMENT_OPS or n.id in self.library_nodes or n.id in self.columns:
             return True
         if n.op in REDUCTIONS:
             spec = REDUCTIONS[n.op](self, n)
@@ -144,9 +144,12 @@ class Lowering:
             self.operands = direct_operands(self, self.library_nodes)
             outputs = {o.id for o in self.g.outputs}
             for n in self.nodes:
-                generated = n.id not in self.library_nodes and self.is_statement_op(n)  # (not unrolled inline)
-                stored = columns_form(self, n, n.id in outputs) if generated else None
-                if stored is not None:
+                stored = None if n.id in self.library_nodes else columns_form(self, n, n.id in outputs)
+                # a short one unrolls inline where its result is small (a squeeze-excite's 1x1 images); a
+                # larger one inline shared a nest with its consumers (MobileNetV3's depthwise stencils:
+                # isl took 19 s over one such group)
+                if stored is not None and (self.is_statement_op(n) or sz.static_product(
+                        self.shape(n)[1:]) >= COLUMNS_MIN_ELEMENTS):
                     self.columns[n.id] = stored
         uses: dict[int, int] = {n.id: 0 for n in self.nodes}
         for n in self.nodes:

@@ -426,6 +426,29 @@ def test_an_input_gradients_product_runs_its_reduction_inside_its_rows(rng):
     np.testing.assert_allclose(exe(g, w), want, rtol=1e-5, atol=1e-4)
 
 
+def test_a_strided_window_shares_its_nest_with_its_direct_producer_only(rng):
+    """A strided depthwise convolution is fused with the op that makes its
+    input, not with a chain of them (a batch norm, then hardswish: isl's
+    scheduler took seconds to shift both under a stride-2 window)."""
+    from polyjit.lowering import lower
+    from polyjit.schedule import fusion_groups
+    x, w = rng.standard_normal((2, 8, 13, 13), dtype=F32), rng.standard_normal((8, 1, 5, 5), dtype=F32)
+
+    def f(x, w):  # (the batch norm and hardswish are returned too: statements of their own)
+        y = x * 1.5 + 0.25
+        h = y * ops.clamp(y + 3.0, 0.0, 6.0) / 6.0
+        return ops.conv(h, w, (2, 2), ((2, 2), (2, 2)), groups=8), y, h
+    exe = polyjit.compile(f, [InputInfo(x.shape, F32), InputInfo(w.shape, F32)], {"target": "cpu", "cache": False})
+    prog = lower(exe.graph.deduplicated())
+    labels = {s.name: s.label for s in prog.statements}
+    window = next(g for g in fusion_groups(prog) if any(labels[n] == "conv" for n in g))
+    assert len(window) == 2, [labels[n] for n in window]
+    y = x * 1.5 + 0.25
+    h = y * np.clip(y + 3.0, 0.0, 6.0) / 6.0
+    np.testing.assert_allclose(exe(x, w)[0], refs.conv2d(h, w, (2, 2), ((2, 2), (2, 2)), groups=8),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_a_slice_of_the_whole_is_its_operand():
     """Slicing every element (a weight gradient cut to the sizes it has) adds no node: no copy."""
     g = polyjit.compile(lambda x: ops.slice(x, [0, 0], [4, 5]) * 2, [InputInfo([4, 5], F32)]).graph

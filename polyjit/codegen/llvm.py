@@ -23,7 +23,7 @@ from llvmlite import ir
 
 from .. import sizes as sz
 from ..affine import AffineProgram, Array, Role, Statement
-from ..expr import Const, Expr, Load
+from ..expr import Const, Expr, Load, merged_index
 from ..schedule import Scheduled, statements_in
 from ..schedule.ast import ast_calls, ast_children, ast_uses, static_extent
 from .irtypes import BF16, COMPUTE, F16, F32, F64, I1, I8, I32, I64, PTR, STORAGE
@@ -213,7 +213,9 @@ class Emitter(LoopEmission, StripEmission, ValueEmission):
     def address(self, arr: Array, index, env, cache) -> ir.Value:
         moduli = self.sched.contracted.get(arr.name)
         offset = ir.Constant(I64, 0)
-        for d, e in enumerate(index):
+        dims = enumerate(index) if moduli is not None or arr.strided else \
+            ((d, e) for e, d in merged_index(index, arr.shape))
+        for d, e in dims:
             v = self.value(e, env, cache)
             if moduli is not None and moduli[d] is not None:
                 if moduli[d] == 1:

@@ -9,7 +9,7 @@ import islpy as isl
 
 from .. import sizes as sz
 from ..affine import TAPS, AffineProgram, Role
-from ..expr import QUASI_AFFINE, Op, Var, loads, select_parts, walk
+from ..expr import QUASI_AFFINE, Const, Op, Var, loads, select_parts, walk
 from .ast import kernel_nodes, statements_in
 from .cpu_rewrites import TILE_RED
 from .dependences import is_legal
@@ -47,6 +47,7 @@ def fusion_groups(prog: AffineProgram, epilogues: bool = False,
     groups: list[list[str]] = []
     current: list[str] = []
     update = None
+    inits = {s.name for s in prog.statements if s.role is Role.INIT}
     for s in prog.statements:
         if s.role == TAPS and current:
             _refuse_taps_fusion(prog, s, current, plan)
@@ -72,12 +73,31 @@ def fusion_groups(prog: AffineProgram, epilogues: bool = False,
                 current = []
             continue
         if len(current) >= MAX_GROUP or _reads_reshaped(s, current, prog):
-            groups.append(current)
-            current = []
+            held = [current.pop()] if s.role is Role.UPDATE and current[-1] in inits else []
+            groups.append(current)  # (a sum's initialization goes with it)
+            current = held
+        elif len(current) > 1 and _strided_window(s, current, prog):
+            groups.append(current[:-1])
+            current = current[-1:]
         current.append(s.name)
     if current:
         groups.append(current)
     return groups
+
+
+def _strided_window(s, group: list[str], prog: AffineProgram) -> bool:
+    """Whether s reads a window of an array the group writes at a stride (a
+    strided depthwise convolution): it then shares a nest with its direct
+    producer only. Shifting a chain of producers (a batch norm, then
+    hardswish) under a stride-2 window took isl's scheduler 8-19 s a group
+    in MobileNetV3."""
+    written = {t.array for t in prog.statements if t.name in group}
+
+    def strided(e) -> bool:  # one iterator, times a stride, plus a tap: ((i * 2) - 1)
+        its = [x for x in walk(e) if isinstance(x, Var) and x.kind == "iter"]
+        return len(its) == 1 and any(isinstance(x, Op) and x.op == "mul" and x.args[0] == its[0]
+                                     and isinstance(x.args[1], Const) and abs(x.args[1].value) > 1 for x in walk(e))
+    return any(ld.array in written and any(strided(i) for i in ld.index) for ld in loads(s.body))
 
 
 def _scatters(s) -> bool:
@@ -95,8 +115,8 @@ def _refuse_taps_fusion(prog: AffineProgram, s, current: list[str], plan: Fusion
 def _epilogue_of(s, update, prog: AffineProgram) -> bool:
     """Whether s applies elementwise to the contraction's result: it reads
     the result only at its own point, over the result's whole extent."""
-    if s.role in (Role.INIT, Role.UPDATE) or s.extra:
-        return False
+    if s.role in (Role.INIT, Role.UPDATE) or s.extra or plain_iters(update.index) is None:
+        return False  # (a product along flattened positions writes them unflattened: no shared nest)
     reads = [ld for ld in prog.statement_loads(s) if ld.array == update.array]
     its = plain_iters(reads[0].index) if reads else None
     if its is None or sorted(its) != sorted(s.iters) or any(ld.index != reads[0].index for ld in reads):
