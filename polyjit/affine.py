@@ -42,7 +42,7 @@ class Role(enum.Enum):
     ASSIGN = "assign"  # array[index] = body
     INIT = "init"  # a reduction's start: its identity, before the updates
     UPDATE = "update"  # array[index] = combine(array[index], body)
-    TAPS = "taps"  # a copy of a convolution's input taps for a library call (im2col)
+    TAPS = "taps"  # a copy of a convolution's input taps for its product (im2col, a padded copy)
 
     def __repr__(self) -> str:
         return f"Role.{self.name}"

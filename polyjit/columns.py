@@ -32,32 +32,45 @@ import math
 from . import expr as E
 from .affine import TAPS, Role, loop_nest
 from .expr import Load, Op
-from .library import _conv_reduction, _packed_kernel, gemm_form
+from .library import FORM, _conv_reduction, _packed_kernel, gemm_form
 
 MAX_SHIFTED_WASTE = 0.15  # the extra positions a shifted product may compute, as a share of its own
+MIN_IMAGE = 2048  # outputs an image from which a product is made however short its reduction (inline, a
+# 16-channel pointwise convolution shared a group with a depthwise stencil); smaller ones (a squeeze-excite's
+# 1x1 images) unroll inline where their reduction is short
 
 
-def columns_form(L, n, output: bool) -> tuple | None:
+def columns_form(L, n, output: bool) -> tuple[tuple, tuple] | None:
     """How convolution n, generated, runs as a product along its positions:
     (the shape its result is stored in: its own, or with rows Wp wide in
     the shifted form; the sizes its positions are numbered over), or None
     where no form applies (not channels first in float32 with static kernel
-    and image sizes, or a reduction too short to block: a depthwise or
-    few-channel convolution stays a stencil). output: n is handed to the
-    caller, so its rows are its own. A weight gradient (gemm_form "cfirst")
-    runs along the kernel's dims after its output channels."""
-    if n.op != "conv" or L.library is None or not L.library.target.column_convolutions:
+    and image sizes; a reduction too short to block, a depthwise or
+    few-channel convolution, stays a stencil; a small one unrolls inline).
+    output: n is handed to the caller, so its rows are its own. A weight
+    gradient (gemm_form "cfirst") runs along the kernel's dims after its
+    output channels."""
+    if FORM.get(n.op) is not gemm_form or L.library is None or not L.library.target.column_convolutions:
         return None
     form, shape = gemm_form(L, n), tuple(L.shape(n))
     if form == "cfirst":
         return shape, tuple(int(s) for s in shape[1:])
     if form != "nchw" or _conv_reduction(n, L.shape(n.inputs[0]), L.shape(n.inputs[1]))[1]:
         return None
+    if math.prod(int(s) for s in shape[1:]) < MIN_IMAGE and not L.is_statement_op(n):
+        return None
     rows = [int(s) for s in shape[2:]]
     wide = _padded_width(L, n)
     if wide is not None and not output and wide - rows[-1] <= MAX_SHIFTED_WASTE * rows[-1]:
         rows[-1] = wide
     return (*shape[:-1], rows[-1]), tuple(rows)
+
+
+def reads_once(L, n, rows) -> bool:
+    """Whether the product n (columns_form: its positions over rows) reads
+    each input element once (shifted: a producer is computed into the
+    padded copy), not once per tap (im2col)."""
+    return tuple(rows) != tuple(int(s) for s in L.shape(n)[2:])
 
 
 def _padded_width(L, n) -> int | None:
@@ -71,19 +84,18 @@ def _padded_width(L, n) -> int | None:
     return int(L.shape(n.inputs[0])[lay.index(sp[-1])]) + lo + hi
 
 
-def lower_columns(L, n, out: str, rows) -> None:
+def lower_columns(L, n, out: str, rows: tuple[int, ...]) -> None:
     """n (columns_form: its positions numbered over rows) as its taps' copy
     and the product's initialization and update over (image, [group,] out
     channel, position)."""
     from .lowering import identity, reshape_index
-    x, w = n.inputs
-    lay, klay, groups = n.attrs["layout"], n.attrs["kernel_layout"], n.attrs["groups"]
-    ws = L.shape(w)
+    if gemm_form(L, n) == "cfirst":
+        return _filter(L, n, out, rows)
+    klay, groups = n.attrs["kernel_layout"], n.attrs["groups"]
+    ws = L.shape(n.inputs[1])
     kdims = [c for c in klay if c != "O"]  # the reduction in the kernel's memory order
     cout_g = int(ws[klay.index("O")]) // groups
     grouped = (groups,) if groups > 1 else ()
-    if gemm_form(L, n) == "cfirst":
-        return _filter(L, n, out, rows)
     shifted = tuple(rows) != tuple(int(s) for s in L.shape(n)[2:])
     taps = (_shifted if shifted else _columns)(L, n, kdims, grouped)
 
@@ -92,11 +104,12 @@ def lower_columns(L, n, out: str, rows) -> None:
     image, channel, p = idx[0], idx[-2], idx[-1]
     if groups > 1:
         channel = E.iadd(E.imul(idx[1], cout_g), channel)
-    tap = taps(image, idx[1] if groups > 1 else None, dict(zip(kdims, ridx)), p)
+    product = Op(n.dtype, "mul", (_weight(L, n, kdims, channel, ridx),
+                                  taps(image, idx[1] if groups > 1 else None, dict(zip(kdims, ridx)), p)))
     yi = (image, channel, *reshape_index(rows, (math.prod(rows),), (p,)))
     L.add(out, iters, bounds, yi, identity("sum", n.dtype), "conv_init", role=Role.INIT, contraction=True)
-    L.add(out, iters + riters, bounds + rbounds, yi, Op(n.dtype, "mul", (_weight(L, n, kdims, channel, ridx), tap)),
-          "conv", combine="sum", reduction_iters=riters, role=Role.UPDATE, contraction=True)
+    L.add(out, iters + riters, bounds + rbounds, yi, product, "conv", combine="sum", reduction_iters=riters,
+          role=Role.UPDATE, contraction=True)
 
 
 def _filter(L, n, out: str, rest) -> None:
@@ -106,7 +119,7 @@ def _filter(L, n, out: str, rest) -> None:
     channels x reduction) @ T (reduction x rest), G the gradient it reads as
     its kernel, T the input's taps, stored with rest innermost so that T's
     rows run along C's."""
-    from .lowering import conv_input_index, guarded, identity, reshape_index
+    from .lowering import _linear, conv_input_index, guarded, identity, reshape_index
     x, w = n.inputs
     at, lay, klay = n.attrs, n.attrs["layout"], n.attrs["kernel_layout"]
     sp = [c for c in lay if c not in "NC"]
@@ -119,7 +132,7 @@ def _filter(L, n, out: str, rest) -> None:
     kv, ov = dict(zip(kdims, idx[:len(kdims)])), dict(zip(lay[1:], idx[len(kdims):]))
     xi = conv_input_index(L, n, ov["N"], kv["I"], [ov[c] for c in sp], [kv[c] for c in sp])
     taps = guarded(L, x, xi, E.const(0.0, n.dtype), [lay.index(c) for k, c in enumerate(sp) if any(at["padding"][k])])
-    L.add(name, iters, bounds, (*idx[:len(kdims)], _flat(idx[len(kdims):], rest)), taps, "im2col", role=TAPS)
+    L.add(name, iters, bounds, (*idx[:len(kdims)], _linear(rest, idx[len(kdims):])), taps, "im2col", role=TAPS)
 
     iters, idx, bounds = loop_nest((L.shape(n)[0], math.prod(rest)))
     riters, ridx, rbounds = loop_nest(kext, "r")
@@ -130,13 +143,13 @@ def _filter(L, n, out: str, rest) -> None:
           "conv", combine="sum", reduction_iters=riters, role=Role.UPDATE, contraction=True)
 
 
-def _weight(L, n, kdims, channel, red):
+def _weight(L, n, kdims: list[str], channel, red):
     """The kernel at (out channel, reduction): read in place where it is an
     array or a view of one (a convolution's input gradient reads its kernel
     flipped, channels exchanged: a copy laid out for the rows cost more
     than it saved, the kernel coming from memory), else from a copy laid
-    out (out channels, reduction dims), so that a value computed inline (a
-    batch norm folded into it) is computed once, not at every product."""
+    out (out channels, reduction dims), so that a kernel computed inline is
+    computed once, not at every product."""
     w, klay = n.inputs[1], n.attrs["kernel_layout"]
     wi = [None] * w.rank
     wi[klay.index("O")] = channel
@@ -154,32 +167,52 @@ def _weight(L, n, kdims, channel, red):
 def _columns(L, n, kdims, grouped):
     """The im2col copy (images, [groups,] reduction dims..., positions); the
     product's tap: a load of it."""
-    from .lowering import conv_input_index, guarded
+    from .lowering import _linear, conv_input_index, guarded, reshape_index
     x, w = n.inputs
     at, lay, klay = n.attrs, n.attrs["layout"], n.attrs["kernel_layout"]
     sp = [c for c in lay if c not in "NC"]
     ws, os_ = L.shape(w), L.shape(n)
     kext = [int(ws[klay.index(c)]) for c in kdims]
     osz = [int(os_[lay.index(c)]) for c in sp]
+    cin_g = int(ws[klay.index("I")])
+    if _in_place(L, n):  # a 1x1 convolution of an array: its columns are the array's rows
+        def tap(image, group, red, p):
+            channel = E.iadd(E.imul(group, cin_g), red["I"]) if grouped else red["I"]
+            xi = [None] * x.rank
+            xi[lay.index("N")], xi[lay.index("C")] = image, channel
+            for c, e in zip(sp, reshape_index(osz, (math.prod(osz),), (p,))):
+                xi[lay.index(c)] = e
+            return L.value(x, xi)
+        return tap
     name = f"t{n.id}_col"
     L.declare_array(name, (os_[lay.index("N")], *grouped, *kext, math.prod(osz)), n.dtype)
     iters, idx, bounds = loop_nest((os_[lay.index("N")], *grouped, *kext, *osz))
     kv = dict(zip(kdims, idx[1 + len(grouped):1 + len(grouped) + len(kdims)]))
     ov = idx[1 + len(grouped) + len(kdims):]
-    cin_g = int(ws[klay.index("I")])
     channel = E.iadd(E.imul(idx[1], cin_g), kv["I"]) if grouped else kv["I"]
     xi = conv_input_index(L, n, idx[0], channel, ov, [kv[c] for c in sp])
     body = guarded(L, x, xi, E.const(0.0, n.dtype), [lay.index(c) for k, c in enumerate(sp) if any(at["padding"][k])])
-    L.add(name, iters, bounds, (*idx[:1 + len(grouped) + len(kdims)], _flat(ov, osz)), body, "im2col", role=TAPS)
+    L.add(name, iters, bounds, (*idx[:1 + len(grouped) + len(kdims)], _linear(osz, ov)), body, "im2col", role=TAPS)
     return lambda image, group, red, p: Load(n.dtype, name, (image, *([group] if grouped else []),
                                                                   *(red[c] for c in kdims), p))
+
+
+def _in_place(L, n) -> bool:
+    """Whether n's columns are its input itself: a 1x1 convolution, stride
+    1, no padding, of an array (its rows run along the positions). Asked
+    while statements are made, once arrays are declared."""
+    x, w = n.inputs
+    at, klay = n.attrs, n.attrs["kernel_layout"]
+    return (all(int(L.shape(w)[d]) == 1 for d, c in enumerate(klay) if c not in "OI")
+            and all(s == 1 for s in at["strides"]) and not any(any(p) for p in at["padding"])
+            and isinstance(L.value(x, [E.const(0)] * x.rank), Load))
 
 
 def _shifted(L, n, kdims, grouped):
     """The padded input, its rows laid end to end (one more row, which the
     last output row's extra positions read), (images, channels, positions);
     the product's tap: a load of it at the tap's shift."""
-    from .lowering import guarded
+    from .lowering import _linear, guarded
     x, w = n.inputs
     at, lay, klay = n.attrs, n.attrs["layout"], n.attrs["kernel_layout"]
     sp = [c for c in lay if c not in "NC"]
@@ -194,7 +227,7 @@ def _shifted(L, n, kdims, grouped):
     for c, i, (lo, _) in zip(sp, idx[2:], at["padding"]):
         xi[lay.index(c)] = E.isub(i, E.const(lo))
     body = guarded(L, x, xi, E.const(0.0, n.dtype), [lay.index(c) for c in sp])
-    L.add(name, iters, bounds, (idx[0], idx[1], _flat(idx[2:], padded)), body, "pad", role=TAPS)
+    L.add(name, iters, bounds, (idx[0], idx[1], _linear(padded, idx[2:])), body, "pad", role=TAPS)
     cin_g, dil = int(ws[klay.index("I")]), at.get("dilation") or [1] * len(sp)
     row = [math.prod(padded[k + 1:]) for k in range(len(sp))]
 
@@ -207,9 +240,3 @@ def _shifted(L, n, kdims, grouped):
     return tap
 
 
-def _flat(idx, sizes):
-    """The row-major position of idx in an array of sizes."""
-    flat = E.const(0)
-    for i, s in zip(idx, sizes):
-        flat = E.iadd(E.imul(flat, s), i)
-    return flat

@@ -263,9 +263,6 @@ class LibraryPolicy:
         if known:  # the target's model: no timing
             self.choices.append(f"{what}: generated ({known})")
             return False
-        if FORM[n.op](L, n) in UNTIMED:  # not worth compiling the generated nest to time it
-            self.choices.append(f"{what}: library ({UNTIMED[FORM[n.op](L, n)]})")
-            return True
         lib, t_lib, t_gen = self.measure(L, n)
         self.choices.append(f"{what}: {'library' if lib else 'generated'} "
                             f"(library {t_lib * 1e3:.3f} ms, generated {t_gen * 1e3:.3f} ms)")
@@ -705,9 +702,6 @@ def _dot_reduction(n, xs, ws) -> tuple[int, str | None]:
 def _never(L, n) -> bool:
     return False
 
-
-UNTIMED = {  # forms whose generated nests lose by far: the library without a timing
-    "cfirst": "a weight gradient: generated nests reduce over the images and positions one output at a time"}
 
 # per contraction op: the library's form of it (None: not one it computes), its
 # reduction's length, the lowering to library calls, and a direct form (cuDNN's)

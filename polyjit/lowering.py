@@ -20,17 +20,15 @@ from . import expr as E
 from . import scalar
 from . import sizes as sz
 from .affine import AffineProgram, Array, Role, Statement, loop_nest
+from .columns import columns_form, lower_columns, reads_once
 from .dtypes import DataType
 from .errors import DefinitionError
 from .expr import Const, Expr, Load, Op
 from .graph import BINARY_OPS, CONTRACTIONS, UNARY_OPS, Graph, Node
-from .columns import columns_form, lower_columns
 from .library import READS_ONCE
 from .sizes import Lin, Size
 
 UNROLL_LIMIT = 16  # reductions with at most this many static terms unroll into expressions
-COLUMNS_MIN_ELEMENTS = 2048  # a product along positions (polyjit.columns) this large an image is a statement,
-# however short
 STENCIL_UNROLL_LIMIT = 49  # likewise a convolution over its window alone (depthwise, up to 7x7)
 RECOMPUTE_LIMIT = 6  # extra work accepted to inline a value read more than once
 MANY = 16  # weight of a read inside a contraction's reduction loop
@@ -122,6 +120,8 @@ class Lowering:
     def read_weight(self, consumer: Node, operand: int) -> int:
         if consumer.id in self.library_nodes and consumer.op in READS_ONCE:  # in place, or one copy for the call
             return 1
+        if consumer.id in self.columns and operand == 0 and reads_once(self, consumer, self.columns[consumer.id][1]):
+            return 1  # (its padded copy, where a producer is computed)
         if consumer.op in REDUCTIONS:
             spec = REDUCTIONS[consumer.op](self, consumer)
             spec_terms = spec.static_terms()
@@ -145,11 +145,7 @@ class Lowering:
             outputs = {o.id for o in self.g.outputs}
             for n in self.nodes:
                 stored = None if n.id in self.library_nodes else columns_form(self, n, n.id in outputs)
-                # a short one unrolls inline where its result is small (a squeeze-excite's 1x1 images); a
-                # larger one inline shared a nest with its consumers (MobileNetV3's depthwise stencils:
-                # isl took 19 s over one such group)
-                if stored is not None and (self.is_statement_op(n) or sz.static_product(
-                        self.shape(n)[1:]) >= COLUMNS_MIN_ELEMENTS):
+                if stored is not None:
                     self.columns[n.id] = stored
         uses: dict[int, int] = {n.id: 0 for n in self.nodes}
         for n in self.nodes:
@@ -268,8 +264,7 @@ class Lowering:
                 self.add(out, iters, bounds, idx, self.inline(o, idx), o.op)
                 continue
             arr = self.arrays[src]
-            self.arrays[out] = Array(out, arr.shape, arr.dtype, "output", index=k,
-                                     returned_as=None if arr.shape == self.shape(o) else self.shape(o))
+            self.arrays[out] = Array(out, arr.shape, arr.dtype, "output", index=k)
             if arr.kind == "temp":
                 del self.arrays[src]
                 self.array_of[o.id] = out

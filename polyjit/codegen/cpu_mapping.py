@@ -57,7 +57,7 @@ from ..dtypes import DataType
 from ..expr import Var, walk
 from ..schedule import MIN_PARALLEL_EXTENT, Scheduled, is_update
 from ..schedule.ast import ast_calls, ast_nodes, ast_uses, static_extent, statements_in, unit_step
-from ..schedule.cpu_rewrites import UNROLL
+from ..schedule.tree import unrolled_trips
 from .mapping import Strips, StripMapping, loop_iterator, on_stack
 
 STREAM_BYTES = 8 << 20  # outputs at least this large are written with streaming stores
@@ -163,9 +163,9 @@ class CpuMapper(StripMapping):
         plan = CpuPlan(blocked=blocked, buffers={a: on_stack(self.prog.arrays[a], m) for a, m in private.items()})
         self.walk(node, (), plan, False)
         if blocked:
-            plan.block = max((math.prod(int(t) for t in n.mark_get_id().get_name()[len(UNROLL):].split(",") if t)
-                              for n in ast_nodes(node) if n.get_type() == isl.ast_node_type.mark
-                              and n.mark_get_id().get_name().startswith(UNROLL)
+            marks = [n for n in ast_nodes(node) if n.get_type() == isl.ast_node_type.mark]
+            plan.block = max((math.prod(unrolled_trips(n.mark_get_id().get_name())) for n in marks
+                              if unrolled_trips(n.mark_get_id().get_name()) is not None
                               and statements_in(n) & blocked), default=0)
         return plan
 

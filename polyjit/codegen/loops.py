@@ -5,7 +5,8 @@ from __future__ import annotations
 import islpy as isl
 from llvmlite import ir
 
-from ..schedule.cpu_rewrites import UNROLL
+from ..schedule.ast import static_extent
+from ..schedule.tree import unrolled_trips
 from .irtypes import I64
 
 
@@ -44,10 +45,10 @@ class LoopEmission:
     def mark(self, n: isl.AstNode) -> None:
         """A mark's node (a hook: the CPU splits the parallel loops its
         mapping says); under an unroll mark, the loops it names are unrolled."""
-        name = n.mark_get_id().get_name()
-        if not name.startswith(UNROLL):
+        trips = unrolled_trips(n.mark_get_id().get_name())
+        if trips is None:
             return self.descend(n.mark_get_node(), 0)
-        outer, self.unroll = self.unroll, tuple(int(t) for t in name[len(UNROLL):].split(",") if t)
+        outer, self.unroll = self.unroll, trips
         self.descend(n.mark_get_node(), 0)
         self.unroll = outer
 
@@ -61,7 +62,12 @@ class LoopEmission:
 
     def loop(self, n: isl.AstNode, split: bool) -> None:
         if self.unroll and not split:
-            return self.unrolled(n)
+            if (static_extent(n) or 0) <= self.unroll[0]:
+                return self.unrolled(n)
+            outer, self.unroll = self.unroll, ()  # (more trips than the mark says: plain loops)
+            self.loop(n, split)
+            self.unroll = outer
+            return
         it = n.for_get_iterator().get_id().get_name()
         slot = self.var(it)
         lo = self.aexpr(n.for_get_init())

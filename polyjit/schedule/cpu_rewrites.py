@@ -10,7 +10,7 @@ from ..expr import Var, loads, walk
 from .dependences import is_legal
 from .rewrites import mark_parallel
 from .tree import (band_sizes, contractions_in, member_extent, member_iter, member_trips, product_inits,
-                   rebuild_band, statement_names, visit)
+                   rebuild_band, statement_names, unroll_mark, visit)
 
 
 REG_ROWS = 4  # a register block of a contraction: rows x four vectors of contiguous columns
@@ -102,7 +102,7 @@ def block_shape(rows: int | None, cols: int | None, lanes: int) -> tuple[int, in
         # the vectors LLVM makes of c columns: whole ones, then a power of two for each bit of the rest
         vectors = c // lanes + bin(c % lanes).count("1")
         most = max(1, ACCUMULATORS // vectors)
-        r = min(most, rows) if rows is not None else min(most, REG_ROWS * REG_VECTORS // vectors)
+        r = max(1, min(most, rows) if rows is not None else min(most, REG_ROWS * REG_VECTORS // vectors))
         if rows is not None and rows % r:
             whole = max((d for d in range(1, r + 1) if rows % d == 0))
             r = whole if 2 * whole >= r else r
@@ -261,8 +261,9 @@ def _tile_transposition(node, prog):
     def along(index, m, dim) -> bool:  # whether index's dimension dim (from the end) moves with band member m
         return len(index) > dim and follows[m] is not None and any(
             isinstance(x, Var) and x.name == st.iters[follows[m]] for x in walk(index[-1 - dim]))
-    shared = 0  # trailing dims walked alike: the innermost members, one each
-    while shared < n - 2 and all(along(i, n - 1 - shared, shared) for i in [st.index] + reads):
+    shared = 0  # small trailing dims walked alike: the innermost members, one each
+    while shared < n - 2 and all(along(i, n - 1 - shared, shared) for i in [st.index] + reads) \
+            and (member_extent(node, n - 1 - shared) or TRANSPOSE_TILE + 1) <= TRANSPOSE_TILE:
         shared += 1
     inner = n - 1 - shared
     if follows[inner] is None:
@@ -344,9 +345,6 @@ def sink_inner(schedule, prog, validity) -> isl.Schedule:
     return new if is_legal(new, validity) else schedule
 
 
-UNROLL = "unroll:"  # a mark over a register block's loops: their trip counts, outermost first
-
-
 def unroll_marks(schedule) -> isl.Schedule:
     """Each band whose loops register_block unrolls, unrolled by code
     generation instead: under a mark naming their trip counts
@@ -360,10 +358,11 @@ def unroll_marks(schedule) -> isl.Schedule:
                 for m in range(node.band_n_member())):
             return node
         trips = [member_trips(node, m) for m in range(node.band_n_member())]
+        if None in trips:  # (no bound: isl unrolls it)
+            return node
         for m in range(node.band_n_member()):
             node = node.band_member_set_ast_loop_type(m, isl.ast_loop_type.default)
-        name = UNROLL + ",".join(str(t) for t in trips if t is not None and t > 1)
-        return node.insert_mark(isl.Id(name, context=node.get_ctx()))
+        return node.insert_mark(isl.Id(unroll_mark([t for t in trips if t > 1]), context=node.get_ctx()))
     return visit(schedule.get_root(), fn).get_schedule()
 
 

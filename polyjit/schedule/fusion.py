@@ -38,11 +38,13 @@ def fusion_groups(prog: AffineProgram, epilogues: bool = False,
     and readers (BERT's word-embedding gradient, 30522x256) it made them
     run on one thread too (7.3 ms of a 2-thread training step). A
     contraction (its initialization and update, with epilogues its
-    elementwise consumers) is a group of its own;
-    other runs are cut at MAX_GROUP statements. A library call's taps (role
-    TAPS, im2col) start a group: fused with their producer (a batch norm and
-    relu), isl's shifted nest wrote the taps out of memory order, 0.38 ms
-    against 0.15 for the two passes (2x64x28x28, 3x3); plan records it.
+    elementwise consumers) is a group of its own; other runs are cut at
+    MAX_GROUP statements (a sum's initialization going with its update),
+    and before a strided window (_strided_window). A convolution's taps
+    (role TAPS: im2col, a padded copy) start a group: fused with their
+    producer (a batch norm and relu), isl's shifted nest wrote the taps out
+    of memory order, 0.38 ms against 0.15 for the two passes (2x64x28x28,
+    3x3); plan records it.
     """
     groups: list[list[str]] = []
     current: list[str] = []
@@ -72,9 +74,10 @@ def fusion_groups(prog: AffineProgram, epilogues: bool = False,
                 groups.append(current)
                 current = []
             continue
-        if len(current) >= MAX_GROUP or _reads_reshaped(s, current, prog):
+        if current and (len(current) >= MAX_GROUP or _reads_reshaped(s, current, prog)):
             held = [current.pop()] if s.role is Role.UPDATE and current[-1] in inits else []
-            groups.append(current)  # (a sum's initialization goes with it)
+            if current:
+                groups.append(current)  # (a sum's initialization goes with it)
             current = held
         elif len(current) > 1 and _strided_window(s, current, prog):
             groups.append(current[:-1])

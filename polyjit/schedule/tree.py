@@ -87,6 +87,19 @@ def member_extent(node, m: int) -> int | None:
     return max(out)
 
 
+UNROLL = "unroll:"  # a mark over loops code generation unrolls: their trip counts, outermost first
+
+
+def unroll_mark(trips: list[int]) -> str:
+    """The name of a mark over loops to unroll that run at most trips times."""
+    return UNROLL + ",".join(str(t) for t in trips)
+
+
+def unrolled_trips(name: str) -> tuple[int, ...] | None:
+    """The trip counts an unroll mark names, or None for another mark."""
+    return tuple(int(t) for t in name[len(UNROLL):].split(",") if t) if name.startswith(UNROLL) else None
+
+
 def member_trips(node, m: int) -> int | None:
     """The most iterations band member m takes for one iteration of the
     loops outside it (a tile's width), or None where that has no bound."""

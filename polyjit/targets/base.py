@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from .. import cache
 from ..compiler import StageTimer, dump, plan
 from ..fold import fold_scales
-from ..graph import Graph
+from ..graph import Graph, Node
 from ..library import LibraryPolicy
 from ..lowering import RECOMPUTE_LIMIT, lower
 from ..runtime import CompiledProgram
@@ -43,7 +43,7 @@ class Target:
     keeps_programs: bool = False  # compiled programs are also shared within the process (by cache key)
     tensor_float32: bool = False  # its library convolutions may round operands to TF32 (the tf32 option)
 
-    def generated_wins(self, L, n) -> str:
+    def generated_wins(self, L, n: Node) -> str:
         """Why generated code beats the library for contraction n without a
         timing (the target's model of itself), or "" where only a timing tells."""
         return ""

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 from .. import sizes as sz
 from ..codegen.cpu import host_key, vector_bits
 from ..codegen.llvm import KernelInfo
-from ..columns import columns_form
 from ..codegen.program import CodeSet, LoadedProgram, build_program, entries_object
+from ..columns import columns_form
 from ..compiler import executable, from_plan
 from ..graph import Graph, Node
 from ..library import blas
@@ -108,11 +108,11 @@ class CpuTarget(Target):
         exe.stats["kernels_compiled"] = code.compiled
         return exe
 
-    def generated_wins(self, L, n) -> str:
+    def generated_wins(self, L, n: Node) -> str:
         """A convolution along its positions (polyjit.columns) in 512-bit
         register blocks: faster than sgemm over im2col at every ResNet-18
         shape measured (bench/NOTES.md), the columns' copy included."""
-        if vector_bits() >= 512 and columns_form(L, n, False) is not None:
+        if self.vector_bits() >= 512 and columns_form(L, n, False) is not None:
             return "a product along its positions, 512-bit register blocks"
         return ""
 
