@@ -164,7 +164,7 @@ class CpuMapper(StripMapping):
         self.walk(node, (), plan, False)
         if blocked:
             marks = [n for n in ast_nodes(node) if n.get_type() == isl.ast_node_type.mark]
-            plan.block = max((math.prod(unrolled_trips(n.mark_get_id().get_name())) for n in marks
+            plan.block = max((math.prod(t for t in unrolled_trips(n.mark_get_id().get_name()) if t) for n in marks
                               if unrolled_trips(n.mark_get_id().get_name()) is not None
                               and statements_in(n) & blocked), default=0)
         return plan

@@ -62,9 +62,11 @@ class LoopEmission:
 
     def loop(self, n: isl.AstNode, split: bool) -> None:
         if self.unroll and not split:
-            if (static_extent(n) or 0) <= self.unroll[0]:
+            if 0 < self.unroll[0] and (static_extent(n) or 0) <= self.unroll[0]:
                 return self.unrolled(n)
-            outer, self.unroll = self.unroll, ()  # (more trips than the mark says: plain loops)
+            # a loop the mark leaves plain (0: unbounded), or longer than it says: the loops inside
+            # unrolled by the rest of the mark, or plain where this one is longer
+            outer, self.unroll = self.unroll, self.unroll[1:] if self.unroll[0] == 0 else ()
             self.loop(n, split)
             self.unroll = outer
             return

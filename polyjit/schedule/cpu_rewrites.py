@@ -358,11 +358,10 @@ def unroll_marks(schedule) -> isl.Schedule:
                 for m in range(node.band_n_member())):
             return node
         trips = [member_trips(node, m) for m in range(node.band_n_member())]
-        if None in trips:  # (no bound: isl unrolls it)
-            return node
         for m in range(node.band_n_member()):
             node = node.band_member_set_ast_loop_type(m, isl.ast_loop_type.default)
-        return node.insert_mark(isl.Id(unroll_mark([t for t in trips if t > 1]), context=node.get_ctx()))
+        marked = [0 if t is None else t for t in trips if t != 1]  # (0: no bound, a plain loop)
+        return node.insert_mark(isl.Id(unroll_mark(marked), context=node.get_ctx()))
     return visit(schedule.get_root(), fn).get_schedule()
 
 

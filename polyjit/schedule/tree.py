@@ -87,7 +87,7 @@ def member_extent(node, m: int) -> int | None:
     return max(out)
 
 
-UNROLL = "unroll:"  # a mark over loops code generation unrolls: their trip counts, outermost first
+UNROLL = "unroll:"  # a mark over loops code generation unrolls: their trip counts, outermost first (0: plain)
 
 
 def unroll_mark(trips: list[int]) -> str:
