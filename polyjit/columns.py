@@ -32,7 +32,7 @@ import math
 from . import expr as E
 from .affine import TAPS, Role, loop_nest
 from .expr import Load, Op
-from .library import FORM, _conv_reduction, _packed_kernel, gemm_form
+from .library import FORM, _conv_reduction, _packed_kernel, conv_taps, filter_taps, gemm_form, in_place_taps
 
 MAX_SHIFTED_WASTE = 0.15  # the extra positions a shifted product may compute, as a share of its own
 MIN_IMAGE = 2048  # outputs an image from which a product is made however short its reduction (inline, a
@@ -66,10 +66,10 @@ def columns_form(L, n, output: bool) -> tuple[tuple, tuple] | None:
     return (*shape[:-1], rows[-1]), tuple(rows)
 
 
-def reads_once(L, n, rows) -> bool:
+def shifted(L, n, rows) -> bool:
     """Whether the product n (columns_form: its positions over rows) reads
-    each input element once (shifted: a producer is computed into the
-    padded copy), not once per tap (im2col)."""
+    its input padded and shifted, each element once (a producer is computed
+    into the padded copy), rather than once per tap (im2col)."""
     return tuple(rows) != tuple(int(s) for s in L.shape(n)[2:])
 
 
@@ -88,7 +88,7 @@ def lower_columns(L, n, out: str, rows: tuple[int, ...]) -> None:
     """n (columns_form: its positions numbered over rows) as its taps' copy
     and the product's initialization and update over (image, [group,] out
     channel, position)."""
-    from .lowering import identity, reshape_index
+    from .lowering import reshape_index
     if gemm_form(L, n) == "cfirst":
         return _filter(L, n, out, rows)
     klay, groups = n.attrs["kernel_layout"], n.attrs["groups"]
@@ -96,8 +96,7 @@ def lower_columns(L, n, out: str, rows: tuple[int, ...]) -> None:
     kdims = [c for c in klay if c != "O"]  # the reduction in the kernel's memory order
     cout_g = int(ws[klay.index("O")]) // groups
     grouped = (groups,) if groups > 1 else ()
-    shifted = tuple(rows) != tuple(int(s) for s in L.shape(n)[2:])
-    taps = (_shifted if shifted else _columns)(L, n, kdims, grouped)
+    taps = (_shifted if shifted(L, n, rows) else _columns)(L, n, kdims, grouped)
 
     iters, idx, bounds = loop_nest((L.shape(n)[0], *grouped, cout_g, math.prod(rows)))
     riters, ridx, rbounds = loop_nest([ws[klay.index(c)] for c in kdims], "r")
@@ -106,10 +105,8 @@ def lower_columns(L, n, out: str, rows: tuple[int, ...]) -> None:
         channel = E.iadd(E.imul(idx[1], cout_g), channel)
     product = Op(n.dtype, "mul", (_weight(L, n, kdims, channel, ridx),
                                   taps(image, idx[1] if groups > 1 else None, dict(zip(kdims, ridx)), p)))
-    yi = (image, channel, *reshape_index(rows, (math.prod(rows),), (p,)))
-    L.add(out, iters, bounds, yi, identity("sum", n.dtype), "conv_init", role=Role.INIT, contraction=True)
-    L.add(out, iters + riters, bounds + rbounds, yi, product, "conv", combine="sum", reduction_iters=riters,
-          role=Role.UPDATE, contraction=True)
+    _add_product(L, n, out, (iters, bounds, (image, channel, *reshape_index(rows, (math.prod(rows),), (p,)))),
+                 (riters, rbounds), product)
 
 
 def _filter(L, n, out: str, rest) -> None:
@@ -119,28 +116,26 @@ def _filter(L, n, out: str, rest) -> None:
     channels x reduction) @ T (reduction x rest), G the gradient it reads as
     its kernel, T the input's taps, stored with rest innermost so that T's
     rows run along C's."""
-    from .lowering import _linear, conv_input_index, guarded, identity, reshape_index
-    x, w = n.inputs
-    at, lay, klay = n.attrs, n.attrs["layout"], n.attrs["kernel_layout"]
-    sp = [c for c in lay if c not in "NC"]
-    ws = L.shape(w)
+    from .lowering import reshape_index
+    klay = n.attrs["kernel_layout"]
     kdims = [c for c in klay if c != "O"]
-    kext = [int(ws[klay.index(c)]) for c in kdims]
-    name = f"t{n.id}_col"
-    L.declare_array(name, (*kext, math.prod(rest)), n.dtype)
-    iters, idx, bounds = loop_nest((*kext, *rest))
-    kv, ov = dict(zip(kdims, idx[:len(kdims)])), dict(zip(lay[1:], idx[len(kdims):]))
-    xi = conv_input_index(L, n, ov["N"], kv["I"], [ov[c] for c in sp], [kv[c] for c in sp])
-    taps = guarded(L, x, xi, E.const(0.0, n.dtype), [lay.index(c) for k, c in enumerate(sp) if any(at["padding"][k])])
-    L.add(name, iters, bounds, (*idx[:len(kdims)], _linear(rest, idx[len(kdims):])), taps, "im2col", role=TAPS)
-
+    kext = [int(L.shape(n.inputs[1])[klay.index(c)]) for c in kdims]
+    name, _ = filter_taps(L, n, rest_first=False)
     iters, idx, bounds = loop_nest((L.shape(n)[0], math.prod(rest)))
     riters, ridx, rbounds = loop_nest(kext, "r")
     grad = _weight(L, n, kdims, idx[0], ridx)  # a row block's rows, read along the reduction
-    yi = (idx[0], *reshape_index(rest, (math.prod(rest),), (idx[1],)))
-    L.add(out, iters, bounds, yi, identity("sum", n.dtype), "conv_init", role=Role.INIT, contraction=True)
-    L.add(out, iters + riters, bounds + rbounds, yi, Op(n.dtype, "mul", (grad, Load(n.dtype, name, (*ridx, idx[1])))),
-          "conv", combine="sum", reduction_iters=riters, role=Role.UPDATE, contraction=True)
+    _add_product(L, n, out, (iters, bounds, (idx[0], *reshape_index(rest, (math.prod(rest),), (idx[1],)))),
+                 (riters, rbounds), Op(n.dtype, "mul", (grad, Load(n.dtype, name, (*ridx, idx[1])))))
+
+
+def _add_product(L, n, out: str, result, reduction, product) -> None:
+    """The product's initialization and update: result (iterators, bounds,
+    the output's index they write), reduction (iterators, bounds)."""
+    from .lowering import identity
+    (iters, bounds, index), (riters, rbounds) = result, reduction
+    L.add(out, iters, bounds, index, identity("sum", n.dtype), "conv_init", role=Role.INIT, contraction=True)
+    L.add(out, iters + riters, bounds + rbounds, index, product, "conv", combine="sum", reduction_iters=riters,
+          role=Role.UPDATE, contraction=True)
 
 
 def _weight(L, n, kdims: list[str], channel, red):
@@ -165,47 +160,27 @@ def _weight(L, n, kdims: list[str], channel, red):
 
 
 def _columns(L, n, kdims, grouped):
-    """The im2col copy (images, [groups,] reduction dims..., positions); the
-    product's tap: a load of it."""
-    from .lowering import _linear, conv_input_index, guarded, reshape_index
-    x, w = n.inputs
-    at, lay, klay = n.attrs, n.attrs["layout"], n.attrs["kernel_layout"]
-    sp = [c for c in lay if c not in "NC"]
-    ws, os_ = L.shape(w), L.shape(n)
-    kext = [int(ws[klay.index(c)]) for c in kdims]
-    osz = [int(os_[lay.index(c)]) for c in sp]
-    cin_g = int(ws[klay.index("I")])
-    if _in_place(L, n):  # a 1x1 convolution of an array: its columns are the array's rows
+    """The product's tap: a load of the im2col copy (images, [groups,]
+    reduction dims..., positions), or of the input itself (a 1x1
+    convolution of an array: its rows run along the positions)."""
+    from .lowering import reshape_index
+    x, lay = n.inputs[0], n.attrs["layout"]
+    if in_place_taps(L, n):
+        sp = [c for c in lay if c not in "NC"]
+        osz = [int(L.shape(n)[lay.index(c)]) for c in sp]
+        cin_g = int(L.shape(n.inputs[1])[n.attrs["kernel_layout"].index("I")])
+
         def tap(image, group, red, p):
-            channel = E.iadd(E.imul(group, cin_g), red["I"]) if grouped else red["I"]
             xi = [None] * x.rank
-            xi[lay.index("N")], xi[lay.index("C")] = image, channel
+            xi[lay.index("N")] = image
+            xi[lay.index("C")] = E.iadd(E.imul(group, cin_g), red["I"]) if grouped else red["I"]
             for c, e in zip(sp, reshape_index(osz, (math.prod(osz),), (p,))):
                 xi[lay.index(c)] = e
             return L.value(x, xi)
         return tap
-    name = f"t{n.id}_col"
-    L.declare_array(name, (os_[lay.index("N")], *grouped, *kext, math.prod(osz)), n.dtype)
-    iters, idx, bounds = loop_nest((os_[lay.index("N")], *grouped, *kext, *osz))
-    kv = dict(zip(kdims, idx[1 + len(grouped):1 + len(grouped) + len(kdims)]))
-    ov = idx[1 + len(grouped) + len(kdims):]
-    channel = E.iadd(E.imul(idx[1], cin_g), kv["I"]) if grouped else kv["I"]
-    xi = conv_input_index(L, n, idx[0], channel, ov, [kv[c] for c in sp])
-    body = guarded(L, x, xi, E.const(0.0, n.dtype), [lay.index(c) for k, c in enumerate(sp) if any(at["padding"][k])])
-    L.add(name, iters, bounds, (*idx[:1 + len(grouped) + len(kdims)], _linear(osz, ov)), body, "im2col", role=TAPS)
+    name, _ = conv_taps(L, n, kdims, reduction_first=True)
     return lambda image, group, red, p: Load(n.dtype, name, (image, *([group] if grouped else []),
                                                                   *(red[c] for c in kdims), p))
-
-
-def _in_place(L, n) -> bool:
-    """Whether n's columns are its input itself: a 1x1 convolution, stride
-    1, no padding, of an array (its rows run along the positions). Asked
-    while statements are made, once arrays are declared."""
-    x, w = n.inputs
-    at, klay = n.attrs, n.attrs["kernel_layout"]
-    return (all(int(L.shape(w)[d]) == 1 for d, c in enumerate(klay) if c not in "OI")
-            and all(s == 1 for s in at["strides"]) and not any(any(p) for p in at["padding"])
-            and isinstance(L.value(x, [E.const(0)] * x.rank), Load))
 
 
 def _shifted(L, n, kdims, grouped):

@@ -473,26 +473,14 @@ def _lower_cfirst(L, n, out: str) -> None:
     C (cout x rest) = W (cout x red) @ col (red x rest), rest being the
     output's other dims in order. The columns are stored with the input's
     innermost dim innermost, so that filling them reads the input in rows."""
-    from .lowering import conv_input_index, guarded
-    x, w = n.inputs
-    at, lay, klay = n.attrs, n.attrs["layout"], n.attrs["kernel_layout"]
-    sp = [c for c in lay if c not in "NC"]
-    ws, os_ = L.shape(w), L.shape(n)
-    kdims = [c for c in klay if c != "O"]
-    kext = [int(ws[klay.index(c)]) for c in kdims]
+    ws, os_ = L.shape(n.inputs[1]), L.shape(n)
+    kdims = [c for c in n.attrs["kernel_layout"] if c != "O"]
+    kext = [int(ws[n.attrs["kernel_layout"].index(c)]) for c in kdims]
     rest = [int(s) for s in os_[1:]]
     cout, red, cols = int(os_[0]), math.prod(kext), math.prod(rest)
     wbox, w_rows = _conv_kernel(L, n, kdims)
-    by_rows = lay[-1] != "N"  # col stored (rest x red): the input's rows run along the kernel's last dim
-    name = f"t{n.id}_col"
-    shape = (*rest, *kext) if by_rows else (*kext, *rest)
-    L.declare_array(name, shape, n.dtype)
-    iters, idx, bounds = loop_nest(shape)
-    ov = dict(zip(lay[1:], idx[:len(rest)] if by_rows else idx[len(kext):]))
-    kv = dict(zip(kdims, idx[len(rest):] if by_rows else idx[:len(kext)]))
-    xi = conv_input_index(L, n, ov["N"], kv["I"], [ov[c] for c in sp], [kv[c] for c in sp])
-    body = guarded(L, x, xi, E.const(0.0, n.dtype), [lay.index(c) for k, c in enumerate(sp) if any(at["padding"][k])])
-    L.add(name, iters, bounds, idx, body, "im2col", role=TAPS)
+    by_rows = n.attrs["layout"][-1] != "N"  # col stored (rest x red): the input's rows run along the kernel's last dim
+    name, shape = filter_taps(L, n, by_rows)
     col = _box(name, shape, {})
     lda, ldb = red if w_rows else cout, red if by_rows else cols
     if cols >= cout:  # the parts share the longer side
@@ -522,31 +510,83 @@ def _conv_columns(L, n, form: str, kdims) -> tuple[Box, int]:
     dimension: (reduction x positions) for nchw, (positions x reduction) for
     nhwc, reduction in kdims' order. A 1x1 convolution without stride or
     padding reads its input in place; others fill an im2col temporary."""
-    from .lowering import conv_input_index, guarded
     x, w = n.inputs
-    at, lay, klay, groups = n.attrs, n.attrs["layout"], n.attrs["kernel_layout"], n.attrs["groups"]
-    sp = [c for c in lay if c not in "NC"]
+    lay, klay, groups = n.attrs["layout"], n.attrs["kernel_layout"], n.attrs["groups"]
     xs, ws = L.shape(x), L.shape(w)
-    kext = [int(ws[klay.index(c)]) for c in kdims]
-    osz = [int(L.shape(n)[lay.index(c)]) for c in sp]
-    red, pos = math.prod(kext), math.prod(osz)
-    if (all(int(ws[klay.index(c)]) == 1 for c in sp) and all(s == 1 for s in at["strides"])
-            and not any(any(p) for p in at["padding"]) and _row_major(L, x)):
+    red = math.prod(int(ws[klay.index(c)]) for c in kdims)
+    pos = math.prod(int(L.shape(n)[lay.index(c)]) for c in lay if c not in "NC")
+    if in_place_taps(L, n):
         channels = (E.imul(E.it("i1"), red) if groups > 1 else E.const(0), red)
         box = _box(L.array_of[x.id], xs, {lay.index("N"): (E.it("i0"), 1), lay.index("C"): channels})
         return box, pos if form == "nchw" else int(xs[lay.index("C")])
+    name, shape = conv_taps(L, n, kdims, form == "nchw")
+    fixed = {0: (E.it("i0"), 1), 1: (E.it("i1"), 1)} if groups > 1 else {0: (E.it("i0"), 1)}
+    return _box(name, shape, fixed), pos if form == "nchw" else red
+
+
+def in_place_taps(L, n) -> bool:
+    """Whether convolution n's columns are its input itself: a 1x1
+    convolution, stride 1, no padding, of a row-major array (its rows run
+    along the positions)."""
+    at, klay = n.attrs, n.attrs["kernel_layout"]
+    return (all(int(L.shape(n.inputs[1])[d]) == 1 for d, c in enumerate(klay) if c not in "OI")
+            and all(s == 1 for s in at["strides"]) and not any(any(p) for p in at["padding"])
+            and _row_major(L, n.inputs[0]))
+
+
+def conv_taps(L, n, kdims, reduction_first: bool) -> tuple[str, tuple]:
+    """Convolution n's input taps copied to a temporary (im2col), what feeds
+    n computed into it: per image [and group], the reduction (kdims' order)
+    then the output's positions flattened, or the positions then the
+    reduction. Its name and shape."""
+    from .lowering import _linear, conv_input_index, guarded
+    x, w = n.inputs
+    at, lay, klay, groups = n.attrs, n.attrs["layout"], n.attrs["kernel_layout"], n.attrs["groups"]
+    sp = [c for c in lay if c not in "NC"]
+    ws = L.shape(w)
+    kext = [int(ws[klay.index(c)]) for c in kdims]
+    osz = [int(L.shape(n)[lay.index(c)]) for c in sp]
+    lead = (L.shape(n)[lay.index("N")], *((groups,) if groups > 1 else ()))
     name = f"t{n.id}_col"
-    outer = kext + osz if form == "nchw" else osz + kext
-    shape = (L.shape(n)[lay.index("N")], groups, *outer)
+    shape = (*lead, *kext, math.prod(osz)) if reduction_first else (*lead, math.prod(osz), *kext)
     L.declare_array(name, shape, n.dtype)
-    iters, idx, bounds = loop_nest(shape)
-    kv = dict(zip(kdims, idx[2:2 + len(kdims)] if form == "nchw" else idx[2 + len(sp):]))
-    ov = idx[2 + len(kdims):] if form == "nchw" else idx[2:2 + len(sp)]
+    iters, idx, bounds = loop_nest((*lead, *kext, *osz) if reduction_first else (*lead, *osz, *kext))
+    taps, positions = (idx[len(lead):len(lead) + len(kext)], idx[len(lead) + len(kext):]) if reduction_first \
+        else (idx[len(lead) + len(osz):], idx[len(lead):len(lead) + len(osz)])
+    kv = dict(zip(kdims, taps))
     channel = E.iadd(E.imul(idx[1], int(ws[klay.index("I")])), kv["I"]) if groups > 1 else kv["I"]
-    xi = conv_input_index(L, n, idx[0], channel, ov, [kv[c] for c in sp])
+    xi = conv_input_index(L, n, idx[0], channel, positions, [kv[c] for c in sp])
     body = guarded(L, x, xi, E.const(0.0, n.dtype), [lay.index(c) for k, c in enumerate(sp) if any(at["padding"][k])])
-    L.add(name, iters, bounds, idx, body, "im2col", role=TAPS)
-    return _box(name, shape, {0: (idx[0], 1), 1: (idx[1], 1)}), pos if form == "nchw" else red
+    flat = _linear(osz, positions)
+    index = (*idx[:len(lead)], *taps, flat) if reduction_first else (*idx[:len(lead)], flat, *taps)
+    L.add(name, iters, bounds, index, body, "im2col", role=TAPS)
+    return name, shape
+
+
+def filter_taps(L, n, rest_first: bool) -> tuple[str, tuple]:
+    """A weight gradient's (gemm_form "cfirst") input taps copied to a
+    temporary: (rest x reduction) or (reduction x rest), rest its output's
+    dims after the output channels, flattened, the reduction the dims of the
+    gradient it reads as its kernel (images, positions). Its name and shape."""
+    from .lowering import _linear, conv_input_index, guarded
+    x, w = n.inputs
+    at, lay, klay = n.attrs, n.attrs["layout"], n.attrs["kernel_layout"]
+    sp = [c for c in lay if c not in "NC"]
+    ws = L.shape(w)
+    kdims = [c for c in klay if c != "O"]
+    kext = [int(ws[klay.index(c)]) for c in kdims]
+    rest = [int(s) for s in L.shape(n)[1:]]
+    name = f"t{n.id}_col"
+    shape = (math.prod(rest), *kext) if rest_first else (*kext, math.prod(rest))
+    L.declare_array(name, shape, n.dtype)
+    iters, idx, bounds = loop_nest((*rest, *kext) if rest_first else (*kext, *rest))
+    outs, taps = (idx[:len(rest)], idx[len(rest):]) if rest_first else (idx[len(kext):], idx[:len(kext)])
+    ov, kv = dict(zip(lay[1:], outs)), dict(zip(kdims, taps))
+    xi = conv_input_index(L, n, ov["N"], kv["I"], [ov[c] for c in sp], [kv[c] for c in sp])
+    body = guarded(L, x, xi, E.const(0.0, n.dtype), [lay.index(c) for k, c in enumerate(sp) if any(at["padding"][k])])
+    index = (_linear(rest, outs), *taps) if rest_first else (*taps, _linear(rest, outs))
+    L.add(name, iters, bounds, index, body, "im2col", role=TAPS)
+    return name, shape
 
 
 def _conv_kernel(L, n, kdims) -> tuple[Box, bool]:

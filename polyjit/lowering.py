@@ -20,7 +20,7 @@ from . import expr as E
 from . import scalar
 from . import sizes as sz
 from .affine import AffineProgram, Array, Role, Statement, loop_nest
-from .columns import columns_form, lower_columns, reads_once
+from .columns import columns_form, lower_columns, shifted
 from .dtypes import DataType
 from .errors import DefinitionError
 from .expr import Const, Expr, Load, Op
@@ -120,7 +120,7 @@ class Lowering:
     def read_weight(self, consumer: Node, operand: int) -> int:
         if consumer.id in self.library_nodes and consumer.op in READS_ONCE:  # in place, or one copy for the call
             return 1
-        if consumer.id in self.columns and operand == 0 and reads_once(self, consumer, self.columns[consumer.id][1]):
+        if consumer.id in self.columns and operand == 0 and shifted(self, consumer, self.columns[consumer.id][1]):
             return 1  # (its padded copy, where a producer is computed)
         if consumer.op in REDUCTIONS:
             spec = REDUCTIONS[consumer.op](self, consumer)

@@ -418,6 +418,20 @@ def test_the_library_timing_counts_the_weight_the_generated_nest_packs(rng, monk
 
 
 @needs_blas
+def test_generated_weight_gradient_runs_along_the_kernels_dims(rng):
+    """A generated weight gradient is a product whose columns are the
+    kernel's dims after its output channels (in channels x window,
+    flattened), over the input's taps stored with them innermost."""
+    x, g = rng.standard_normal((3, 8, 10, 9), dtype=F32), rng.standard_normal((3, 16, 10, 9), dtype=F32)
+    exe = polyjit.compile(lambda x, g: ops.conv_weight_grad(x, g, [3, 3], [1, 1], [(1, 1), (1, 1)]),
+                          [InputInfo(x.shape, F32), InputInfo(g.shape, F32)],
+                          {"contractions": "generated", "target": "cpu", "cache": False})
+    assert re.search(r"temp float32 t\d+_col\[3, 10, 9, 72\]", exe.ir("affine"))  # (images, rows, cols, 8 x 9)
+    assert re.search(r"register blocks of \d+ products", exe.ir("mapping"))
+    want = torch.nn.grad.conv2d_weight(torch.from_numpy(x), (16, 8, 3, 3), torch.from_numpy(g), padding=1)
+    np.testing.assert_allclose(exe(x, g), want.numpy(), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("mode", ["library", "generated"])
 def test_weight_gradient_is_one_product_over_all_images(mode):
     """A convolution's weight gradient (the images are its contraction, its

@@ -163,10 +163,10 @@ class CpuMapper(StripMapping):
         plan = CpuPlan(blocked=blocked, buffers={a: on_stack(self.prog.arrays[a], m) for a, m in private.items()})
         self.walk(node, (), plan, False)
         if blocked:
-            marks = [n for n in ast_nodes(node) if n.get_type() == isl.ast_node_type.mark]
-            plan.block = max((math.prod(t for t in unrolled_trips(n.mark_get_id().get_name()) if t) for n in marks
-                              if unrolled_trips(n.mark_get_id().get_name()) is not None
-                              and statements_in(n) & blocked), default=0)
+            marks = [(n, unrolled_trips(n.mark_get_id().get_name())) for n in ast_nodes(node)
+                     if n.get_type() == isl.ast_node_type.mark]
+            plan.block = max((math.prod(t for t in trips if t) for n, trips in marks
+                              if trips is not None and statements_in(n) & blocked), default=0)
         return plan
 
     @staticmethod
