@@ -368,23 +368,24 @@ _SPATIAL = "HWDUVZ"
 
 
 def _conv_operand(p, x, padding):
-    """conv_general_dilated's operand made plain: lhs dilation (the input
-    gradient of a strided convolution) spreads it with zeros, and negative
-    padding (which that gradient may carry) crops it. Returns it and the padding left."""
+    """conv_general_dilated's operand made plain: negative padding (which a
+    strided convolution's input gradient may carry) crops it, after lhs
+    dilation (that gradient's spreading with zeros) where there is any, else
+    the dilation stays the convolution's own. Returns the operand, the
+    padding left and the input dilation (None: none)."""
     dn = p["dimension_numbers"]
-    if any(d != 1 for d in p["lhs_dilation"]):
-        factors = [1] * x.ndim
-        for k, d in enumerate(p["lhs_dilation"]):
-            factors[dn.lhs_spec[2 + k]] = d
-        x = ops.dilate(x, factors)
-    if any(lo < 0 or hi < 0 for lo, hi in padding):
-        start, end = [0] * x.ndim, list(x.shape)
-        for k, (lo, hi) in enumerate(padding):
-            d = dn.lhs_spec[2 + k]
-            start[d], end[d] = max(-lo, 0), end[d] - max(-hi, 0)
-        x = ops.slice(x, start, end)
-        padding = [(max(lo, 0), max(hi, 0)) for lo, hi in padding]
-    return x, padding
+    spread = list(p["lhs_dilation"]) if any(d != 1 for d in p["lhs_dilation"]) else None
+    if spread is None or all(lo >= 0 and hi >= 0 for lo, hi in padding):
+        return x, padding, spread
+    factors = [1] * x.ndim
+    for k, d in enumerate(spread):
+        factors[dn.lhs_spec[2 + k]] = d
+    x = ops.dilate(x, factors)
+    start, end = [0] * x.ndim, list(x.shape)
+    for k, (lo, hi) in enumerate(padding):
+        d = dn.lhs_spec[2 + k]
+        start[d], end[d] = max(-lo, 0), end[d] - max(-hi, 0)
+    return ops.slice(x, start, end), [(max(lo, 0), max(hi, 0)) for lo, hi in padding], None
 
 
 def _conv(p, x, w):
@@ -392,7 +393,7 @@ def _conv(p, x, w):
     convolution's weight gradient) move into the channels: group j's
     batch rows become channels j*C..(j+1)*C of one feature-grouped convolution."""
     dn, nsp = p["dimension_numbers"], x.ndim - 2
-    x, padding = _conv_operand(p, x, [tuple(pr) for pr in p["padding"]])
+    x, padding, spread = _conv_operand(p, x, [tuple(pr) for pr in p["padding"]])
 
     def layout(spec, a, b):
         out = [""] * len(spec)
@@ -409,7 +410,7 @@ def _conv(p, x, w):
         n, c, sp = int(t.shape[0]) // groups, t.shape[1], list(t.shape[2:])
         t = ops.permute(ops.reshape(t, [groups, n, c] + sp), [1, 0, 2] + list(range(3, 3 + nsp)))
         x, lhs = ops.reshape(t, [n, groups * c] + sp), canon
-    y = ops.conv(x, w, p["window_strides"], padding, p["rhs_dilation"], groups, lhs, rhs)
+    y = ops.conv(x, w, p["window_strides"], padding, p["rhs_dilation"], groups, lhs, rhs, spread)
     perm = [lhs.index(c) for c in want]
     return y if perm == list(range(len(perm))) else ops.permute(y, perm)
 

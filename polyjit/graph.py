@@ -349,12 +349,17 @@ class _StructuredOps:
 
     def conv(self, x: Node, w: Node, strides: Sequence[int], padding: Sequence[tuple[int, int]],
              dilation: Sequence[int] | None = None, groups: int = 1,
-             layout: str = "NCHW", kernel_layout: str = "OIHW") -> Node:
+             layout: str = "NCHW", kernel_layout: str = "OIHW",
+             input_dilation: Sequence[int] | None = None) -> Node:
         """N-d convolution (cross-correlation, as every framework computes it).
 
         `layout` names the input's and output's dims with N, C and spatial
         letters; `kernel_layout` names the kernel's with O, I and the same
-        spatial letters, e.g. NHWC with HWIO.
+        spatial letters, e.g. NHWC with HWIO. `input_dilation` (XLA's lhs
+        dilation) spreads the input with factor - 1 zeros between
+        neighbours first: a strided convolution's input gradient, which a
+        target either calls as such (cuDNN's backward data) or expands
+        (targets.base.expand_input_dilation).
         """
         nsp = x.rank - 2
         sp = [c for c in layout if c not in "NC"]
@@ -362,8 +367,11 @@ class _StructuredOps:
                 c for c in kernel_layout if c not in "OI"):
             raise DefinitionError(f"conv: layouts {layout}/{kernel_layout} do not fit ranks {x.rank}/{w.rank}")
         dilation = list(dilation) if dilation is not None else [1] * nsp
-        if not len(strides) == len(padding) == len(dilation) == nsp:
-            raise DefinitionError(f"conv: expected {nsp} stride, padding and dilation entries")
+        spread = list(input_dilation) if input_dilation is not None else [1] * nsp
+        if not len(strides) == len(padding) == len(dilation) == len(spread) == nsp:
+            raise DefinitionError(f"conv: expected {nsp} stride, padding, dilation and input dilation entries")
+        if any(not isinstance(f, int) or f < 1 for f in spread):
+            raise DefinitionError(f"conv: input dilation {spread} must be positive integers")
         dt = promote(x.dtype, w.dtype)
         x, w = self.cast(x, dt), self.cast(w, dt)
         cin = x.shape[layout.index("C")]
@@ -382,11 +390,15 @@ class _StructuredOps:
             else:
                 k = sp.index(c)
                 ks = w.shape[kernel_layout.index(c)]  # symbolic in a weight gradient: the output's gradient
-                ext = x.shape[layout.index(c)] + padding[k][0] + padding[k][1] - dilation[k] * (ks - 1) - 1
+                n = x.shape[layout.index(c)]
+                n = (n - 1) * spread[k] + 1 if spread[k] > 1 else n
+                ext = n + padding[k][0] + padding[k][1] - dilation[k] * (ks - 1) - 1
                 shape.append(sz.windows(ext, strides[k]))
         attrs = {"strides": tuple(strides), "padding": tuple(map(tuple, padding)),
                  "dilation": tuple(dilation), "groups": groups, "layout": layout,
                  "kernel_layout": kernel_layout}
+        if any(f > 1 for f in spread):
+            attrs["input_dilation"] = tuple(spread)
         return Node("conv", (x, w), attrs, tuple(shape), dt)
 
     # -------------------------------------------------------------- indexing

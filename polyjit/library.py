@@ -94,7 +94,8 @@ class Convolution(LibraryCall):
     symmetric ``padding`` per spatial dimension. ``operation`` "filter" is
     that convolution's backward filter instead: w holds the gradient of its
     output (laid out as ``gradient_layout``), y the weight's gradient (laid
-    out as ``kernel_layout``)."""
+    out as ``kernel_layout``); "data" its backward data: x holds the weight,
+    w the gradient of the output, y the input's gradient."""
 
     x: Box
     w: Box
@@ -107,13 +108,14 @@ class Convolution(LibraryCall):
     groups: int
     tf32: bool  # the library may round operands to TF32 (as the framework's eager convolutions do)
     what: str = dataclasses.field(default="", repr=False, compare=False)
-    operation: str = "forward"  # or "filter"
-    gradient_layout: str = ""  # "filter": w's
+    operation: str = "forward"  # or "filter", "data"
+    gradient_layout: str = ""  # "filter" and "data": w's
     READS: ClassVar[tuple[str, ...]] = ("x", "w")
     WRITES: ClassVar[str] = "y"
 
     def __str__(self) -> str:
-        op = "convolution" if self.operation == "forward" else f"convolution_filter({self.gradient_layout}) of "
+        op = ("convolution" if self.operation == "forward"
+              else f"convolution_{self.operation}({self.gradient_layout}) of ")
         return (f"{op}({self.layout}/{self.kernel_layout}, strides {list(self.strides)}, padding "
                 f"{list(self.padding)}, dilation {list(self.dilation)}, groups {self.groups}, "
                 f"{'tf32' if self.tf32 else 'fp32'}, {self.x[0]}, "
@@ -237,6 +239,9 @@ class LibraryPolicy:
 
     def use(self, L, n) -> bool:
         """Whether contraction n (a conv or dot_general) runs in the library."""
+        if "input_dilation" in n.attrs:  # (kept whole by the target only where its library takes it)
+            self.choices.append(f"{n.op} {list(L.shape(n.inputs[0]))} spread: library (backward data)")
+            return True
         ok = FORM[n.op](L, n) is not None
         if not ok or self.mode == "generated" or not self.available():
             return False
@@ -363,6 +368,8 @@ def direct_form(L, n) -> bool:
     (the target's library has convolutions, cuDNN): float32, 2-d or 3-d,
     channels first or last, symmetric padding, input not strided; or a
     weight gradient that is the backward filter of such a convolution."""
+    if "input_dilation" in n.attrs:
+        return True  # (targets keep such a convolution only where backward_data takes it)
     lay = n.attrs["layout"]
     sp = "".join(c for c in lay if c not in "NC")
     form = gemm_form(L, n)
@@ -401,15 +408,62 @@ def backward_filter(L, n) -> tuple | None:
     return x_layout, dy_layout, w_layout, strides, padding, dilation
 
 
+def backward_data(n) -> tuple | None:
+    """Convolution n of an input spread with zeros (ops.conv_input_grad: the
+    gradient of a strided convolution's output, by its kernel flipped) as
+    cuDNN's backward data of that forward convolution: (its kernel, the
+    kernel's layout, strides, padding), or None where cuDNN cannot take it
+    (another dtype, groups, a kernel not read flipped whole, padding the
+    forward's symmetric padding does not give, symbolic or strided input)."""
+    at = n.attrs
+    if n.op != "conv" or "input_dilation" not in at or n.dtype != DataType.Float or at["groups"] != 1:
+        return None
+    lay, klay, (dy, wf) = at["layout"], at["kernel_layout"], n.inputs
+    sp = "".join(c for c in lay if c not in "NC")
+    forward = klay.translate(str.maketrans("OI", "IO"))
+    if (not 2 <= len(sp) <= 3 or lay not in ("NC" + sp, "N" + sp + "C") or forward not in ("OI" + sp, "O" + sp + "I")
+            or any(s != 1 for s in at["strides"]) or wf.op != "reverse"
+            or wf.attrs["axes"] != tuple(sorted(klay.index(c) for c in sp))
+            or any(i.is_input and i.attrs.get("strided") for i in (dy, wf.inputs[0]))):
+        return None
+    padding = []
+    for k, c in enumerate(sp):
+        size, out, taps = n.shape[lay.index(c)], dy.shape[lay.index(c)], wf.shape[klay.index(c)]
+        if not all(map(sz.is_static, (size, out, taps))):
+            return None
+        d, s = at["dilation"][k], at["input_dilation"][k]
+        p = d * (int(taps) - 1) - at["padding"][k][0]
+        if p < 0 or (int(size) + 2 * p - d * (int(taps) - 1) - 1) // s + 1 != int(out):
+            return None
+        padding.append(p)
+    return wf.inputs[0], forward, tuple(at["input_dilation"]), tuple(padding)
+
+
+def _direct_inputs(n) -> tuple:
+    """What a direct library convolution reads as arrays: its operands, the
+    unflipped kernel for backward data."""
+    data = backward_data(n)
+    return (n.inputs[0], data[0]) if data is not None else n.inputs
+
+
 def direct_operands(L, library: set[int]) -> set[int]:
     """The operands the direct library convolutions read as arrays: made where computed inline."""
-    return {i.id for n in L.nodes if n.id in library and DIRECT.get(n.op, _never)(L, n) for i in n.inputs}
+    return {i.id for n in L.nodes if n.id in library and DIRECT.get(n.op, _never)(L, n) for i in _direct_inputs(n)}
 
 
 def _lower_direct(L, n, out: str) -> None:
     """n as one library call; a kernel not laid out as the data (OI.. for
     channels first, O..I for channels last) is packed so first."""
     x, w = n.inputs
+    data = backward_data(n)
+    if data is not None:
+        kernel, klay, strides, padding = data
+        call = Convolution(_box(L.array_of[kernel.id], L.shape(kernel), {}), _box(L.array_of[x.id], L.shape(x), {}),
+                           _box(out, L.shape(n), {}), n.attrs["layout"], klay, strides, padding,
+                           tuple(n.attrs["dilation"]), 1, L.library.tf32, f"conv {n.id}", "data", n.attrs["layout"])
+        L.add(out, ("i0",), ((0, 1),), tuple(E.const(0) for _ in L.shape(n)), E.const(0.0, n.dtype),
+              "convolution_data", library=call)
+        return
     if gemm_form(L, n) == "cfirst":
         x_layout, dy_layout, w_layout, strides, padding, dilation = backward_filter(L, n)
         call = Convolution(_box(L.array_of[x.id], L.shape(x), {}), _box(L.array_of[w.id], L.shape(w), {}),

@@ -604,9 +604,86 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 
 def conv(x: Tensor, w: Tensor, strides, padding, dilation=None, groups: int = 1,
-         layout: str = "NCHW", kernel_layout: str = "OIHW") -> Tensor:
+         layout: str = "NCHW", kernel_layout: str = "OIHW", input_dilation=None) -> Tensor:
     g = _graph(x, w)
-    return _wrap(g, g.conv(_node(g, x), _node(g, w), strides, padding, dilation, groups, layout, kernel_layout))
+    return _wrap(g, g.conv(_node(g, x), _node(g, w), strides, padding, dilation, groups, layout, kernel_layout,
+                           input_dilation))
+
+
+def spread_conv(x: Tensor, w: Tensor, strides, padding, dilation, groups: int, layout: str, kernel_layout: str,
+                input_dilation) -> Tensor:
+    """A stride-1 convolution of x spread by input_dilation (factor - 1
+    zeros between neighbours) without the zeros: each phase of the output
+    (its positions modulo the factors) meets x's own cells through only some
+    of the kernel's taps, a strided slice of the kernel, so the phases are
+    convolutions of x whose products together are the unspread
+    convolution's, interleaved into the result. Spread out, every zero was
+    multiplied: 4x the work of a stride-2 input gradient in 2-d. With
+    symbolic sizes, or strides, the zeros are spread out still."""
+    sp = [d for d, c in enumerate(layout) if c not in "NC"]
+    ksp = [kernel_layout.index(layout[d]) for d in sp]
+    if not all(sz.is_static(x.shape[d]) for d in sp) or any(s != 1 for s in strides):
+        factors = [1] * x.ndim
+        for d, f in zip(sp, input_dilation):
+            factors[d] = f
+        return conv(dilate(x, factors), w, strides, padding, dilation, groups, layout, kernel_layout)
+    dims = []  # per spatial dim: its factor, the result's size, and per phase its (taps, padding, size)
+    for k, (d, kd) in enumerate(zip(sp, ksp)):
+        n, taps, s, step = int(x.shape[d]), int(w.shape[kd]), input_dilation[k], dilation[k]
+        lo, hi = padding[k]
+        size = (n - 1) * s + 1 + lo + hi - step * (taps - 1)
+        phases = []
+        for phase in range(s):
+            hit = [t for t in range(taps) if (phase + t * step - lo) % s == 0]
+            count = _b.max(0, -(-(size - phase) // s))
+            if not hit or not count:
+                phases.append((None, None, count))
+                continue
+            first = (phase + hit[0] * step - lo) // s  # the cell of x the phase's first tap meets
+            every = hit[1] - hit[0] if len(hit) > 1 else 1  # taps apart
+            last = first + (len(hit) - 1) * every * step // s
+            phases.append(((hit[0], hit[-1] + 1, every), (-first, count - 1 + last - (n - 1)), count))
+        dims.append((s, size, phases))
+    parts = {}
+    for phase in itertools.product(*[range(s) for s, _, _ in dims]):
+        each = [dims[k][2][p] for k, p in enumerate(phase)]
+        if any(taps is None for taps, _, _ in each):
+            shape = list(x.shape)
+            shape[layout.index("C")] = w.shape[kernel_layout.index("O")]
+            for d, (_, _, count) in zip(sp, each):
+                shape[d] = count
+            parts[phase] = full(shape, 0.0, x.dtype, like=x)
+            continue
+        kstart, kend, kstep = [0] * w.ndim, list(w.shape), [1] * w.ndim
+        xstart, xend = [0] * x.ndim, list(x.shape)
+        pads, steps = [], []
+        for k, (d, kd, (taps, (lo, hi), _)) in enumerate(zip(sp, ksp, each)):
+            kstart[kd], kend[kd], kstep[kd] = taps
+            xstart[d], xend[d] = _b.max(-lo, 0), int(x.shape[d]) - _b.max(-hi, 0)  # a negative pad crops
+            pads.append((_b.max(lo, 0), _b.max(hi, 0)))
+            steps.append(taps[2] * dilation[k] // dims[k][0] if taps[1] - taps[0] > taps[2] else 1)  # (one tap: 1)
+        cropped = slice(x, xstart, xend) if xstart != [0] * x.ndim or xend != list(x.shape) else x
+        parts[phase] = conv(cropped, slice(w, kstart, kend, kstep), [1] * len(sp), pads, steps, groups, layout,
+                            kernel_layout)
+    for k in reversed(range(len(sp))):  # the phases interleaved, the last spatial dim first
+        d, (s, size, _) = sp[k], dims[k]
+        if s == 1:
+            continue
+        rows = -(-size // s)
+        merged = {}
+        for phase in [p for p in parts if p[k] == 0]:
+            cols = []
+            for j in range(s):
+                part = parts[phase[:k] + (j,) + phase[k + 1:]]
+                short = [rows - int(part.shape[d]) if a == d else 0 for a in range(part.ndim)]
+                cols.append(unsqueeze(pad_edges(part, [0] * part.ndim, short) if any(short) else part, d + 1))
+            whole = cat(cols, d + 1)
+            whole = reshape(whole, list(whole.shape[:d]) + [rows * s] + list(whole.shape[d + 2:]))
+            end = list(whole.shape)
+            end[d] = size
+            merged[phase] = slice(whole, [0] * whole.ndim, end) if size != rows * s else whole
+        parts = merged
+    return parts[(0,) * len(sp)]
 
 
 def group_transpose(w: Tensor, groups: int) -> Tensor:
@@ -629,24 +706,23 @@ def conv_input_grad(grad: Tensor, w: Tensor, input_sizes: Sequence, strides, pad
     sp = [d for d, c in enumerate(layout) if c not in "NC"]
     ksp = [d for d, c in enumerate(kernel_layout) if c not in "OI"]
     dilation = list(dilation) if dilation is not None else [1] * len(sp)
-    factors = [1] * grad.ndim
-    for i, d in enumerate(sp):
-        factors[d] = strides[i]
-    g = dilate(grad, factors)
     pads = []
     for i, d in enumerate(sp):
         span = dilation[i] * (w.shape[ksp[i]] - 1)
         lo = span - padding[i][0]
-        pads.append((lo, input_sizes[i] - g.shape[d] - lo + span))
+        spread = (grad.shape[d] - 1) * strides[i] + 1
+        pads.append((lo, input_sizes[i] - spread - lo + span))
     if any(isinstance(v, int) and v < 0 for pr in pads for v in pr):
         raise UnsupportedOpError("a transposed convolution (or convolution's input gradient) with padding "
                                  "larger than the kernel")
     wf = reverse(w, ksp)
+    spread = list(strides) if any(s > 1 for s in strides) else None
     if groups == 1:
-        return conv(g, wf, [1] * len(sp), pads, dilation, 1, layout, kernel_layout.translate(str.maketrans("OI", "IO")))
+        return conv(grad, wf, [1] * len(sp), pads, dilation, 1, layout,
+                    kernel_layout.translate(str.maketrans("OI", "IO")), spread)
     canon = "OI" + "".join(kernel_layout[d] for d in ksp)
     wf = group_transpose(permute(wf, [kernel_layout.index(c) for c in canon]), groups)
-    return conv(g, wf, [1] * len(sp), pads, dilation, groups, layout, canon)
+    return conv(grad, wf, [1] * len(sp), pads, dilation, groups, layout, canon, spread)
 
 
 def conv_weight_grad(x: Tensor, grad: Tensor, kernel_sizes: Sequence[int], strides, padding, dilation=None,
@@ -805,8 +881,14 @@ def window_adjoint(per_offset: Callable, shape: Sequence, window: Sequence[int],
 def max_pool_grad(grad: Tensor, positions: Tensor, shape: Sequence, window: Sequence[int], strides: Sequence[int],
                   padding: Sequence, dilation: Sequence[int] | None = None) -> Tensor:
     """The adjoint of max_pool_with_positions: each window's gradient flows
-    to the cell at its position, in a tensor of shape."""
+    to the cell at its position, in a tensor of shape: added there (a
+    scatter, as the frameworks do), or with symbolic sizes, where a flat
+    position is not affine, selected per window tap and spread back
+    (window_adjoint: a pass per tap over the input, 25x the scatter's time
+    on a CPU at 2x64x56x56)."""
     nsp = len(window)
+    if sz.static_product(shape[-nsp:]) is not None:
+        return positions_grad(grad, positions, shape, nsp)
     dilation = list(dilation) if dilation is not None else [1] * nsp
     cell = _window_cells(grad, grad.shape, strides, [a for a, _ in _pairs(padding)], dilation)
     spatial = list(shape[-nsp:])

@@ -40,6 +40,9 @@ CONVS = {  # odd sizes and channel counts
     "grouped": (lambda: nn.Conv2d(12, 36, 3, padding=1, groups=3), (2, 12, 9, 11)),
     "depthwise": (lambda: nn.Conv2d(10, 10, 5, padding=2, groups=10), (2, 10, 11, 9)),
     "transposed": (lambda: nn.ConvTranspose2d(9, 20, 3, stride=2, padding=1, output_padding=1), (2, 9, 7, 5)),
+    "strided_even": (lambda: nn.Conv2d(5, 7, 4, stride=3, padding=2), (2, 5, 14, 11)),  # phases without taps
+    "strided_dilated": (lambda: nn.Conv2d(6, 8, 3, stride=2, padding=2, dilation=2), (1, 6, 13, 12)),
+    "strided_grouped": (lambda: nn.Conv2d(6, 9, 5, stride=2, padding=2, groups=3), (2, 6, 11, 10)),
     "small_image": (lambda: nn.Conv2d(24, 72, 3, padding=1), (2, 24, 4, 3)),  # sgemm's parts take channels
 }
 
@@ -449,3 +452,27 @@ def test_weight_gradient_is_one_product_over_all_images(mode):
     (want * r).sum().backward()
     torch.testing.assert_close(mod.weight.grad, ref.weight.grad, rtol=1e-4, atol=1e-4)
     assert jm.stats["library_calls"] == (2 if mode == "library" else 0)  # the forward and the weight gradient
+
+
+@pytest.mark.parametrize("k,stride,padding,size", [(3, 2, 1, 14), (3, 2, 1, 13), (1, 2, 0, 14), (7, 2, 3, 23),
+                                                   (4, 3, 1, 17)])
+def test_strided_input_gradient_multiplies_no_spread_zeros(k, stride, padding, size, rng):
+    """A strided convolution's input gradient (a transposed convolution) is a
+    convolution of its output's gradient spread with zeros; each phase of
+    the result (its positions modulo the stride) is a convolution by a
+    strided slice of the kernel instead, at most stride**2 of them, each
+    kernel at most ceil(k / stride) taps a side, and the result is eager's."""
+    out = (size + 2 * padding - k) // stride + 1
+    g, w = rng.standard_normal((2, 6, out, out)).astype(F32), rng.standard_normal((6, 5, k, k)).astype(F32)
+    exe = polyjit.compile(lambda g, w: ops.conv_input_grad(g, w, [size, size], [stride, stride],
+                                                            [(padding, padding)] * 2),
+                          [InputInfo(g.shape, F32), InputInfo(w.shape, F32)], {"contractions": "generated"})
+    lines = exe.ir("graph").splitlines()
+    shapes = {m.group(1): [int(d) for d in m.group(2).split("x")]
+              for m in (re.match(r"(%\d+): \w+\[([\dx]+)\]", line) for line in lines) if m}
+    convs = [re.search(r"= conv\(%\d+, (%\d+),.*dilation=\(([\d, ]+)\)", line) for line in lines if "= conv(" in line]
+    assert 1 <= len(convs) <= stride ** 2
+    assert all(max(shapes[c.group(1)][2:]) <= -(-k // stride) and "0" not in c.group(2).split(", ") for c in convs)
+    want = torch.nn.functional.conv_transpose2d(torch.from_numpy(g), torch.from_numpy(w), None, stride, padding,
+                                                size - ((out - 1) * stride - 2 * padding + k))
+    np.testing.assert_allclose(exe(g, w), want.numpy(), rtol=1e-4, atol=1e-4)

@@ -759,10 +759,23 @@ class _HostCublas:
 
 
 def _host_convolution(c, bufs) -> None:
-    """What cudnnConvolutionForward (or BackwardFilter) computes for a Convolution statement, in numpy (float64)."""
+    """What cudnnConvolutionForward (or BackwardFilter, BackwardData) computes for a Convolution statement, in
+    numpy (float64)."""
     sp = "".join(ch for ch in c.layout if ch not in "NC")
-    x = np.transpose(bufs[c.x[0]], [c.layout.index(ch) for ch in "NC" + sp]).astype(np.float64)
     (p0, p1), (s0, s1), (d0, d1) = c.padding, c.strides, c.dilation
+    if c.operation == "data":  # x the weight, w the output's gradient, y the input's
+        w = np.transpose(bufs[c.x[0]], [c.kernel_layout.index(ch) for ch in "OI" + sp]).astype(np.float64)
+        dy = np.transpose(bufs[c.w[0]], [c.gradient_layout.index(ch) for ch in "NC" + sp]).astype(np.float64)
+        n, _, h, wd = (bufs[c.y[0]].shape[c.layout.index(ch)] for ch in "NC" + sp)
+        dx = np.zeros((n, w.shape[1], h + 2 * p0, wd + 2 * p1))
+        oh, ow = dy.shape[2:]
+        for i in range(w.shape[2]):
+            for j in range(w.shape[3]):
+                dx[:, :, i * d0:i * d0 + s0 * (oh - 1) + 1:s0, j * d1:j * d1 + s1 * (ow - 1) + 1:s1] += np.einsum(
+                    "nohw,oc->nchw", dy, w[:, :, i, j])
+        bufs[c.y[0]][...] = np.transpose(dx[:, :, p0:p0 + h, p1:p1 + wd], [("NC" + sp).index(ch) for ch in c.layout])
+        return
+    x = np.transpose(bufs[c.x[0]], [c.layout.index(ch) for ch in "NC" + sp]).astype(np.float64)
     x = np.pad(x, ((0, 0), (0, 0), (p0, p0), (p1, p1)))
     if c.operation == "filter":
         dy = np.transpose(bufs[c.w[0]], [c.gradient_layout.index(ch) for ch in "NC" + sp]).astype(np.float64)
@@ -863,6 +876,62 @@ def test_library_steps_thread_by_thread(case, rng, monkeypatch):
     assert any("library (forced)" in c for c in exe.stats["contractions"])
     got = run_threads_on_cpu(exe, arrays)[0]
     np.testing.assert_allclose(got, np.maximum(ref(*arrays), 0), rtol=1e-4, atol=1e-4)
+
+
+INPUT_GRADIENTS = {  # name: (input shape, output channels, kernel, strides, padding, layout)
+    "3x3": ((2, 8, 14, 13), 12, (3, 3), (2, 2), (1, 1), "NCHW"),
+    "1x1": ((3, 16, 9, 9), 12, (1, 1), (2, 2), (0, 0), "NCHW"),
+    "5x5_stride3": ((2, 6, 17, 16), 8, (5, 5), (3, 3), (2, 2), "NCHW"),
+    "nhwc": ((2, 10, 9, 16), 24, (3, 3), (2, 2), (1, 1), "NHWC"),
+}
+
+
+@pytest.mark.parametrize("case", list(INPUT_GRADIENTS))
+def test_strided_input_gradients_are_cudnns_backward_data_thread_by_thread(case, rng, monkeypatch):
+    """Where cuDNN loads, a strided convolution's input gradient is one
+    backward-data call of the forward convolution on its kernel as it is
+    (no flipped copy, no spread gradient, no im2col): equal to the CPU's,
+    which convolves each phase of the result."""
+    from polyjit.runtime import cublas, cudnn
+    monkeypatch.setattr(cublas, "cublas", lambda: _HostCublas())
+    monkeypatch.setattr(cudnn, "cudnn", lambda: True)
+    xs, cout, k, strides, padding, layout = INPUT_GRADIENTS[case]
+    sp = [xs[layout.index(c)] for c in "HW"]
+    out = [(n + 2 * p - kk) // s + 1 for n, kk, s, p in zip(sp, k, strides, padding)]
+    gs = (xs[0], cout, *out) if layout == "NCHW" else (xs[0], *out, cout)
+    kernel_layout = "OIHW" if layout == "NCHW" else "OHWI"  # (cuDNN's filter formats)
+    ws = (cout, xs[1], *k) if layout == "NCHW" else (cout, *k, xs[3])
+
+    def f(g, w):
+        return ops.mul(ops.conv_input_grad(g, w, sp, strides, [(p, p) for p in padding], layout=layout,
+                                           kernel_layout=kernel_layout), 2.0)
+    arrays = [rng.standard_normal(s).astype(F32) for s in (gs, ws)]
+    infos = [InputInfo(s, F32) for s in (gs, ws)]
+    exe = polyjit.compile(f, infos, PTX_ONLY)
+    calls = [k.library.library for k in exe.compile_default().kernels if k.library is not None]
+    affine = exe.ir("affine")
+    assert [c.operation for c in calls] == ["data"] and calls[0].x[0] == "in1"
+    assert "_col[" not in affine and "reverse" not in affine and exe.stats["kernels"] == 2
+    want = polyjit.compile(f, infos, {"target": "cpu"})(*arrays)
+    np.testing.assert_allclose(run_threads_on_cpu(exe, arrays)[0], want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_scatter_add_runs_a_thread_per_value_adding_atomically(rng):
+    """A scatter-add (a max pool's gradient at its positions) has every loop
+    in the grid, each value added where its position says with an atomic,
+    rather than a thread per image and channel walking its values in order."""
+    n, c, h, w = 2, 3, 8, 10
+    pos = rng.integers(0, h * w, (n, c, 4, 5))
+    grad = rng.standard_normal((n, c, 4, 5)).astype(F32)
+    exe = polyjit.compile(lambda g, p: ops.positions_grad(g, p, [n, c, h, w], 2),
+                          [InputInfo(grad.shape, F32), InputInfo(pos.shape, "int64")], PTX_ONLY)
+    assert "scatter points: grid c0 x c1 x c2" in exe.ir("mapping") and "atom.global.add.f32" in exe.ir("ptx")
+    want = np.zeros((n, c, h * w))
+    for i in range(n):
+        for j in range(c):
+            np.add.at(want[i, j], pos[i, j].ravel(), grad[i, j].ravel())
+    np.testing.assert_allclose(run_threads_on_cpu(exe, [grad, pos])[0].reshape(want.shape), want, rtol=1e-5,
+                               atol=1e-5)
 
 
 def test_without_cublas_contractions_are_generated(monkeypatch):
@@ -1020,6 +1089,29 @@ def test_torch_convolutions_and_products_through_the_gpu_libraries(monkeypatch):
     got = jg(a, b)
     assert got.shape == (8, 64, 80) and jg.stats["library_calls"] == 1
     torch.testing.assert_close(got, g(a, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_strided_convolution_and_max_pool_gradients_on_the_gpu(monkeypatch):
+    """A strided convolution's input gradient (cuDNN's backward data) and a
+    max pool's (atomic adds at its positions) equal eager's (TF32 off)."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    x = torch.randn(4, 8, 29, 30, device="cuda", requires_grad=True)
+    w = torch.randn(16, 8, 3, 3, device="cuda", requires_grad=True)
+
+    def f(x, w):
+        y = torch.nn.functional.conv2d(x, w, stride=2, padding=1)
+        return torch.nn.functional.max_pool2d(y, 3, 2, 1)
+    torch._dynamo.reset()
+    jf = polyjit.jit_torch(f, compile_options={"target": "nvgpu", "strict": True, "dynamic": False})
+    out = jf(x, w)
+    r = torch.randn_like(out)
+    got = torch.autograd.grad((out * r).sum(), (x, w))
+    want = torch.autograd.grad((f(x, w) * r).sum(), (x, w))
+    assert jf.stats["fallbacks"] == 0
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu

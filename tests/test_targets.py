@@ -19,9 +19,9 @@ class _Probe(CpuTarget):
     def __init__(self) -> None:
         self.seen: list[str] = []
 
-    def graph_passes(self, graph):
+    def graph_passes(self, graph, options):
         self.seen.append("graph")
-        return super().graph_passes(graph)
+        return super().graph_passes(graph, options)
 
     def schedule_rewrites(self, sched, prog, validity, tile_sizes):
         self.seen.append("schedule")

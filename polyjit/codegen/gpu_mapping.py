@@ -25,6 +25,8 @@ fits:
   (a stencil);
 - :class:`AtomicStrips`: strips of a loop that only sums, added with atomics
   (a column sum; a sum of everything, which has no parallel loop, too);
+- :class:`ScatterPoints`: a scatter-add alone in its kernel, every loop of it
+  in the grid, each iteration adding at its position with an atomic;
 - :class:`PointPerThread`: straight-line code, several iterations per trip
   and groups of VECTOR consecutive ones where the accesses allow;
 - :class:`NestPerThread`: one thread per iteration, running the inner loops
@@ -216,8 +218,19 @@ class TiledContraction:
                 f"{self.depth} over {_n(len(self.reds), 'reduction loop')}")
 
 
+@dataclass
+class ScatterPoints:
+    """A scatter-add's loops all in the grid, each iteration adding its
+    value at its position with an atomic (the positions it writes may repeat)."""
+
+    grid: Grid
+
+    def __str__(self) -> str:
+        return f"scatter points: {self.grid}, added atomically"
+
+
 KernelPlan = Union[Library, OneThread, NestPerThread, PointPerThread, HaloStrips, AtomicStrips, WarpRows,
-                   TiledContraction]
+                   TiledContraction, ScatterPoints]
 
 
 # --------------------------------------------------------------- mapping
@@ -237,6 +250,9 @@ class GpuMapper(StripMapping):
         called = [self.stmts[n] for n in statements_in(node) if self.stmts[n].library is not None]
         if called:
             return Library(called[0])
+        scatter = scatter_points(self, node)
+        if scatter is not None:
+            return scatter
         top = _parallel_top(node)
         if top is not None:
             return self.grid_form(top)
@@ -359,6 +375,35 @@ def vector_plan(m: GpuMapper, rest: isl.AstNode, inner: isl.AstNode, unset: set[
             out.arrays[name] = max(out.arrays.get(name, 1), align)
             out.starts[start.to_C_str()] = start
     return out if out.claims else None
+
+
+# -------------------------------------------------------------- scatters
+def scatter_points(m: GpuMapper, node: isl.AstNode) -> ScatterPoints | None:
+    """The grid of a kernel that only adds values where loaded positions say
+    (an embedding's or a max pool's gradient), in a perfect nest: its loops
+    carry no dependence but the additions' own, which atomics make safe; a
+    thread per outer iteration ran the rest in order (a max pool's gradient,
+    32x64x56x56, took 2.6 ms on an H100 as a thread per image and channel)."""
+    stmts = [m.stmts[name] for name in statements_in(node)]
+    if not stmts or any(st.combine not in ATOMIC_COMBINES or not any(loads(i) for i in st.index)
+                        or m.prog.arrays[st.array].dtype not in (DataType.Float, DataType.Double,
+                                                                 DataType.Int32, DataType.Int)
+                        or st.array in m.sched.contracted
+                        or any(ld.array == st.array for ld in loads(st.body)) for st in stmts):
+        return None
+    loops, seen, rest = [], set(), node
+    while True:
+        if rest.get_type() == isl.ast_node_type.mark:
+            rest = rest.mark_get_node()
+        elif rest.get_type() == isl.ast_node_type.for_ and m._free(rest, seen):
+            loops.append(rest)
+            seen.add(loop_iterator(rest))
+            rest = rest.for_get_body()
+        else:
+            break
+    if not loops or any(k.get_type() != isl.ast_node_type.user for k in ast_children(rest) or [rest]):
+        return None
+    return ScatterPoints(Grid(None, loops, rest, seen))
 
 
 # ---------------------------------------------------------------- strips

@@ -27,7 +27,7 @@ from ..expr import Load, Var, offset
 from ..schedule import statements_in
 from . import mathlib
 from .gpu_mapping import (BLOCK, VECTOR, WARP, AtomicStrips, GpuMapper, HaloStrips, KernelPlan, Library,
-                          PointPerThread, TiledContraction, Vector, WarpRows, iter_vars)
+                          PointPerThread, ScatterPoints, TiledContraction, Vector, WarpRows, iter_vars)
 from .mapping import mapping_text
 from .llvm import COMPUTE, F32, F64, I32, I64, PTR, STORAGE, Emitter, KernelInfo, Strips
 
@@ -321,13 +321,18 @@ class _RowEmission:
             return
         self.ctx.current_call = call
         partial = self.ctx.partials.get(name)
-        if partial is None and not shared:
+        scatter = isinstance(self.ctx.plan, ScatterPoints)
+        if partial is None and not shared and not scatter:
             return super().statement(call)
         s = self.stmts[name]
         env = {it: self.aexpr(call.get_op_arg(i + 1)) for i, it in enumerate(s.iters)}
         cache: dict = {}
         val = self.value(s.body, env, cache)
         arr = self.prog.arrays[s.array]
+        if scatter:  # (scatter_points: a sum, in a type atomics add)
+            self.b.atomic_rmw("fadd" if arr.dtype.is_float else "add", self.address(arr, s.index, env, cache),
+                              self.to_storage(val, arr.dtype), "monotonic")
+            return
         if partial is not None:
             slot = partial[0]
             self.ctx.partials[name] = (slot, call)

@@ -1,6 +1,7 @@
 """The vendor-library floor's convolutions on the GPU: a library statement
 (polyjit.library.Convolution) as a step of the launch sequence, one
-cudnnConvolutionForward (or, for a weight gradient, cudnnConvolutionBackwardFilter)
+cudnnConvolutionForward (or, for a weight gradient, cudnnConvolutionBackwardFilter;
+for a strided convolution's input gradient, cudnnConvolutionBackwardData)
 on the caller's stream.
 
 cuDNN is found at run time as cuBLAS is (runtime.vendor: the
@@ -33,6 +34,8 @@ ENTRIES = {  # a Convolution's operation: cuDNN's heuristic, workspace size and 
                 "cudnnConvolutionForward"),
     "filter": ("cudnnGetConvolutionBackwardFilterAlgorithm_v7", "cudnnGetConvolutionBackwardFilterWorkspaceSize",
                "cudnnConvolutionBackwardFilter"),
+    "data": ("cudnnGetConvolutionBackwardDataAlgorithm_v7", "cudnnGetConvolutionBackwardDataWorkspaceSize",
+             "cudnnConvolutionBackwardData"),
 }
 
 
@@ -101,11 +104,18 @@ class ConvStep:
         size = lambda box: [sz.evaluate(s, env) for s in box[2]]  # noqa: E731
         sp = [ch for ch in c.layout if ch not in "NC"]
         self.descriptors: list = []
-        self.x = self._tensor(size(c.x), c.layout, sp)
-        if c.operation == "forward":  # w the weight, y the output
-            self.w, self.y = self._filter(size(c.w), c.kernel_layout, sp), self._tensor(size(c.y), c.layout, sp)
-        else:  # w the output's gradient, y the weight's
-            self.w, self.y = self._tensor(size(c.w), c.gradient_layout, sp), self._filter(size(c.y), c.kernel_layout, sp)
+        if c.operation == "forward":  # x the input, w the weight, y the output
+            self.x, self.w, self.y = (self._tensor(size(c.x), c.layout, sp),
+                                      self._filter(size(c.w), c.kernel_layout, sp),
+                                      self._tensor(size(c.y), c.layout, sp))
+        elif c.operation == "filter":  # x the input, w the output's gradient, y the weight's
+            self.x, self.w, self.y = (self._tensor(size(c.x), c.layout, sp),
+                                      self._tensor(size(c.w), c.gradient_layout, sp),
+                                      self._filter(size(c.y), c.kernel_layout, sp))
+        else:  # x the weight, w the output's gradient, y the input's
+            self.x, self.w, self.y = (self._filter(size(c.x), c.kernel_layout, sp),
+                                      self._tensor(size(c.w), c.gradient_layout, sp),
+                                      self._tensor(size(c.y), c.layout, sp))
         n = len(sp)
         self.conv = self._made("Convolution", lib.SetConvolutionNdDescriptor, n, _ints(c.padding),
                                _ints(c.strides), _ints(c.dilation), CROSS_CORRELATION, FLOAT)

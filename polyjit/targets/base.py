@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
-from .. import cache
+from .. import cache, ops
 from ..compiler import StageTimer, dump, plan
 from ..fold import fold_scales
 from ..graph import Graph, Node
@@ -57,7 +57,7 @@ class Target:
         timer = StageTimer()
         with timer("lower"):
             graph, folded = fold_scales(graph.deduplicated())
-            graph = self.graph_passes(graph)
+            graph = self.graph_passes(graph, options)
         machine = self.machine(options)
         key = exe = None
         hits = 0
@@ -89,9 +89,9 @@ class Target:
         return exe
 
     # ---------------------------------------------------------------- graph and schedule
-    def graph_passes(self, graph: Graph) -> Graph:
+    def graph_passes(self, graph: Graph, options: CompileOptions) -> Graph:
         """The rewrites this target's code needs, after inference folding."""
-        return graph
+        return expand_input_dilation(graph)
 
     def schedule_rewrites(self, sched: isl.Schedule, prog: AffineProgram, validity, tile_sizes) -> isl.Schedule:
         """This target's rewrites of a fusion group's isl schedule (each checked by isl)."""
@@ -157,3 +157,17 @@ class Target:
              objects: list[bytes]) -> CompiledProgram | None:
         """A program from its plan and objects (None: compile it again here)."""
         raise NotImplementedError
+
+
+def expand_input_dilation(graph: Graph, keep: Callable[[Node], bool] = lambda n: False) -> Graph:
+    """A copy in which each convolution of an input spread with zeros (a
+    strided convolution's input gradient) that keep does not take as it is
+    becomes convolutions of the input itself (ops.spread_conv)."""
+    def expand(old: Node, n: Node, new: dict[int, Node]) -> Node:
+        if n.op != "conv" or "input_dilation" not in n.attrs or keep(n):
+            return n
+        at = n.attrs
+        x, w = (ops.Tensor(graph, i) for i in n.inputs)
+        return ops.spread_conv(x, w, at["strides"], at["padding"], at["dilation"], at["groups"], at["layout"],
+                               at["kernel_layout"], at["input_dilation"]).node
+    return graph.rewritten(expand)

@@ -15,7 +15,7 @@ from ..codegen.program import CodeSet, LoadedProgram, build_program, entries_obj
 from ..columns import columns_form
 from ..compiler import executable, from_plan
 from ..graph import Graph, Node
-from ..library import blas
+from ..library import blas, gemm_form
 from ..runtime import CompiledProgram
 from ..schedule import cpu_rewrites, schedule_program
 from .base import Target
@@ -77,8 +77,8 @@ class CpuTarget(Target):
     library = "BLAS"
     times_library = True
 
-    def graph_passes(self, graph: Graph) -> Graph:
-        return packed_operands(graph)
+    def graph_passes(self, graph: Graph, options: CompileOptions) -> Graph:
+        return packed_operands(super().graph_passes(graph, options))
 
     def schedule_rewrites(self, sched: isl.Schedule, prog: AffineProgram, validity, tile_sizes) -> isl.Schedule:
         """Register blocks and cache tiles, threads balanced, inner loops sunk, the parallel loop marked."""
@@ -111,10 +111,16 @@ class CpuTarget(Target):
     def generated_wins(self, L, n: Node) -> str:
         """A convolution along its positions (polyjit.columns) in 512-bit
         register blocks: faster than sgemm over im2col at every ResNet-18
-        shape measured (bench/NOTES.md), the columns' copy included."""
-        if self.vector_bits() >= 512 and columns_form(L, n, False) is not None:
-            return "a product along its positions, 512-bit register blocks"
-        return ""
+        shape measured (bench/NOTES.md), the columns' copy included; those
+        shapes had odd kernels. An even one (a phase of a strided
+        convolution's input gradient) is timed: isl could not schedule its
+        update's reduction (2x2 taps), which then ran on one thread."""
+        if self.vector_bits() < 512 or columns_form(L, n, False) is None:
+            return ""
+        kernel, klay = L.shape(n.inputs[1]), n.attrs["kernel_layout"]
+        if gemm_form(L, n) != "cfirst" and not all(int(kernel[k]) % 2 for k, c in enumerate(klay) if c not in "OI"):
+            return ""
+        return "a product along its positions, 512-bit register blocks"
 
     def library_available(self) -> bool:
         return blas() is not None

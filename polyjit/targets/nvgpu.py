@@ -24,9 +24,9 @@ from ..runtime.cuda import default_ordinal, device
 from ..runtime.gpu_program import GpuProgram
 from ..errors import CompileOptionError, DeviceError
 from ..graph import Graph, Node
-from ..library import Convolution
+from ..library import Convolution, backward_data
 from ..schedule import gpu_rewrites, schedule_program
-from .base import Target
+from .base import Target, expand_input_dilation
 
 if TYPE_CHECKING:
     import islpy as isl
@@ -80,7 +80,11 @@ class NvgpuTarget(Target):
     keeps_programs = True
     tensor_float32 = True
 
-    def graph_passes(self, graph: Graph) -> Graph:
+    def graph_passes(self, graph: Graph, options: CompileOptions) -> Graph:
+        """Strided convolutions' input gradients stay whole where cuDNN's
+        backward data takes them (library.backward_data); reductions split."""
+        direct = options.contractions != "generated" and self.direct_convolutions()
+        graph = expand_input_dilation(graph, lambda n: direct and backward_data(n) is not None)
         return split_reductions(graph)
 
     def schedule_rewrites(self, sched: isl.Schedule, prog: AffineProgram, validity, tile_sizes) -> isl.Schedule:
