@@ -476,3 +476,17 @@ def test_strided_input_gradient_multiplies_no_spread_zeros(k, stride, padding, s
     want = torch.nn.functional.conv_transpose2d(torch.from_numpy(g), torch.from_numpy(w), None, stride, padding,
                                                 size - ((out - 1) * stride - 2 * padding + k))
     np.testing.assert_allclose(exe(g, w), want.numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_a_reduction_over_taps_of_two_is_scheduled_in_parallel(rng):
+    """isl could not carry the update of a 2x2 convolution (a strided input
+    gradient's phase) under outer coincidence, and the update ran in its
+    domain's order on one thread; alone in its group it is scheduled again
+    without it: parallel, in register blocks, and right."""
+    x, w = rng.standard_normal((2, 32, 7, 7)).astype(F32), rng.standard_normal((16, 32, 2, 2)).astype(F32)
+    exe = polyjit.compile(lambda x, w: ops.conv(x, w, [1, 1], [(0, 0), (0, 0)]),
+                          [InputInfo(x.shape, F32), InputInfo(w.shape, F32)], {"contractions": "generated"})
+    conv = [line for line in exe.ir("mapping").splitlines() if "_conv_" in line]
+    assert conv and all("thread team" in line and "register blocks of 0" not in line for line in conv)
+    want = torch.nn.functional.conv2d(torch.from_numpy(x), torch.from_numpy(w)).numpy()
+    np.testing.assert_allclose(exe(x, w), want, rtol=1e-4, atol=1e-4)

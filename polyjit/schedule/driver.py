@@ -31,16 +31,22 @@ SOLVER_SECONDS = 0.5  # a try that ran out of operations sooner than this gets t
 def _schedule_group(ctx, prog, dom, validity, raw, names, fusion, fuse: FusionPlan | None) -> isl.Schedule:
     """isl's schedule for a group; a group whose problem exceeds the budget is
     split in two and each half scheduled alone, one after the other. A single
-    statement over budget (accesses full of integer divisions, e.g. a
-    flattened pooling window feeding a matmul) runs in its own loop order."""
-    ctx.set_max_operations(SCHEDULE_BUDGET)
-    ctx.reset_operations()
-    try:
-        return _schedule_one_group(ctx, prog, dom, validity, raw, names, fusion, fuse)
-    except isl.Error:
-        log.debug("schedule of %d statements over budget; splitting", len(names))
-    finally:
-        ctx.set_max_operations(0)
+    statement is tried again without outer coincidence (which only steers
+    fusion): with it, isl could not carry a 2x2 convolution's reduction over
+    taps of extent 2, whose update then ran on one thread. One still over
+    budget (accesses full of integer divisions, e.g. a flattened pooling
+    window feeding a matmul) runs in its own loop order."""
+    for outer in (1, 0) if len(names) == 1 else (1,):
+        ctx.set_max_operations(SCHEDULE_BUDGET)
+        ctx.reset_operations()
+        ctx.set_schedule_outer_coincidence(outer)
+        try:
+            return _schedule_one_group(ctx, prog, dom, validity, raw, names, fusion, fuse)
+        except isl.Error:
+            log.debug("schedule of %d statements over budget; splitting", len(names))
+        finally:
+            ctx.set_max_operations(0)
+            ctx.set_schedule_outer_coincidence(1)
     if len(names) == 1:
         return isl.Schedule.from_domain(group_domain(ctx, prog, dom, names))
     half = len(names) // 2
