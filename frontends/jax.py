@@ -368,19 +368,16 @@ _SPATIAL = "HWDUVZ"
 
 
 def _conv_operand(p, x, padding):
-    """conv_general_dilated's operand made plain: negative padding (which a
-    strided convolution's input gradient may carry) crops it, after lhs
-    dilation (that gradient's spreading with zeros) where there is any, else
-    the dilation stays the convolution's own. Returns the operand, the
-    padding left and the input dilation (None: none)."""
+    """conv_general_dilated's operand and its padding: lhs dilation (the
+    input gradient of a strided convolution) stays the convolution's own
+    input dilation, whose expansion crops negative padding per phase
+    (ops.spread_conv); without it negative padding crops the operand here.
+    Returns the operand, the padding left and the input dilation (None: none)."""
     dn = p["dimension_numbers"]
-    spread = list(p["lhs_dilation"]) if any(d != 1 for d in p["lhs_dilation"]) else None
-    if spread is None or all(lo >= 0 and hi >= 0 for lo, hi in padding):
-        return x, padding, spread
-    factors = [1] * x.ndim
-    for k, d in enumerate(spread):
-        factors[dn.lhs_spec[2 + k]] = d
-    x = ops.dilate(x, factors)
+    if any(d != 1 for d in p["lhs_dilation"]):
+        return x, padding, list(p["lhs_dilation"])
+    if all(lo >= 0 and hi >= 0 for lo, hi in padding):
+        return x, padding, None
     start, end = [0] * x.ndim, list(x.shape)
     for k, (lo, hi) in enumerate(padding):
         d = dn.lhs_spec[2 + k]

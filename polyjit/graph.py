@@ -11,6 +11,7 @@ import collections
 import copy
 import dataclasses
 import itertools
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -367,10 +368,10 @@ class _StructuredOps:
                 c for c in kernel_layout if c not in "OI"):
             raise DefinitionError(f"conv: layouts {layout}/{kernel_layout} do not fit ranks {x.rank}/{w.rank}")
         dilation = list(dilation) if dilation is not None else [1] * nsp
-        spread = list(input_dilation) if input_dilation is not None else [1] * nsp
+        spread = [operator.index(f) for f in input_dilation] if input_dilation is not None else [1] * nsp
         if not len(strides) == len(padding) == len(dilation) == len(spread) == nsp:
             raise DefinitionError(f"conv: expected {nsp} stride, padding, dilation and input dilation entries")
-        if any(not isinstance(f, int) or f < 1 for f in spread):
+        if any(f < 1 for f in spread):
             raise DefinitionError(f"conv: input dilation {spread} must be positive integers")
         dt = promote(x.dtype, w.dtype)
         x, w = self.cast(x, dt), self.cast(w, dt)

@@ -29,6 +29,7 @@ from . import expr as E
 from . import sizes as sz
 from .affine import TAPS, loop_nest
 from .dtypes import DataType
+from .errors import UnsupportedOpError
 from .expr import Expr
 from .sizes import Size
 
@@ -240,6 +241,8 @@ class LibraryPolicy:
     def use(self, L, n) -> bool:
         """Whether contraction n (a conv or dot_general) runs in the library."""
         if "input_dilation" in n.attrs:  # (kept whole by the target only where its library takes it)
+            if backward_data(n) is None or self.mode == "generated":
+                raise UnsupportedOpError(f"conv {n.id}: an input dilation no library call takes (targets expand it)")
             self.choices.append(f"{n.op} {list(L.shape(n.inputs[0]))} spread: library (backward data)")
             return True
         ok = FORM[n.op](L, n) is not None
@@ -369,7 +372,7 @@ def direct_form(L, n) -> bool:
     channels first or last, symmetric padding, input not strided; or a
     weight gradient that is the backward filter of such a convolution."""
     if "input_dilation" in n.attrs:
-        return True  # (targets keep such a convolution only where backward_data takes it)
+        return backward_data(n) is not None  # (else use() refused it)
     lay = n.attrs["layout"]
     sp = "".join(c for c in lay if c not in "NC")
     form = gemm_form(L, n)

@@ -17,7 +17,7 @@ import numpy as np
 from . import interop
 from . import scalar
 from . import sizes as sz
-from .dtypes import DataType, to_dtype
+from .dtypes import DataType, promote, to_dtype
 from .errors import DefinitionError, UnsupportedOpError
 from .graph import Graph, Node
 
@@ -623,10 +623,17 @@ def spread_conv(x: Tensor, w: Tensor, strides, padding, dilation, groups: int, l
     sp = [d for d, c in enumerate(layout) if c not in "NC"]
     ksp = [kernel_layout.index(layout[d]) for d in sp]
     if not all(sz.is_static(x.shape[d]) for d in sp) or any(s != 1 for s in strides):
-        factors = [1] * x.ndim
+        factors, start, end = [1] * x.ndim, [0] * x.ndim, None
         for d, f in zip(sp, input_dilation):
             factors[d] = f
-        return conv(dilate(x, factors), w, strides, padding, dilation, groups, layout, kernel_layout)
+        x = dilate(x, factors)
+        end = list(x.shape)
+        for d, (lo, hi) in zip(sp, padding):  # a negative pad crops
+            start[d], end[d] = _b.max(-lo, 0), end[d] - _b.max(-hi, 0)
+        if any(start) or end != list(x.shape):
+            x = slice(x, start, end)
+        return conv(x, w, strides, [(_b.max(lo, 0), _b.max(hi, 0)) for lo, hi in padding], dilation, groups,
+                    layout, kernel_layout)
     dims = []  # per spatial dim: its factor, the result's size, and per phase its (taps, padding, size)
     for k, (d, kd) in enumerate(zip(sp, ksp)):
         n, taps, s, step = int(x.shape[d]), int(w.shape[kd]), input_dilation[k], dilation[k]
@@ -641,8 +648,9 @@ def spread_conv(x: Tensor, w: Tensor, strides, padding, dilation, groups: int, l
                 continue
             first = (phase + hit[0] * step - lo) // s  # the cell of x the phase's first tap meets
             every = hit[1] - hit[0] if len(hit) > 1 else 1  # taps apart
-            last = first + (len(hit) - 1) * every * step // s
-            phases.append(((hit[0], hit[-1] + 1, every), (-first, count - 1 + last - (n - 1)), count))
+            apart = every * step // s if len(hit) > 1 else 1  # cells of x apart: the phase's dilation
+            last = first + (len(hit) - 1) * apart
+            phases.append(((hit[0], hit[-1] + 1, every, apart), (-first, count - 1 + last - (n - 1)), count))
         dims.append((s, size, phases))
     parts = {}
     for phase in itertools.product(*[range(s) for s, _, _ in dims]):
@@ -652,16 +660,16 @@ def spread_conv(x: Tensor, w: Tensor, strides, padding, dilation, groups: int, l
             shape[layout.index("C")] = w.shape[kernel_layout.index("O")]
             for d, (_, _, count) in zip(sp, each):
                 shape[d] = count
-            parts[phase] = full(shape, 0.0, x.dtype, like=x)
+            parts[phase] = full(shape, 0.0, promote(x.dtype, w.dtype), like=x)
             continue
         kstart, kend, kstep = [0] * w.ndim, list(w.shape), [1] * w.ndim
         xstart, xend = [0] * x.ndim, list(x.shape)
         pads, steps = [], []
-        for k, (d, kd, (taps, (lo, hi), _)) in enumerate(zip(sp, ksp, each)):
-            kstart[kd], kend[kd], kstep[kd] = taps
+        for d, kd, ((start, stop, every, apart), (lo, hi), _) in zip(sp, ksp, each):
+            kstart[kd], kend[kd], kstep[kd] = start, stop, every
             xstart[d], xend[d] = _b.max(-lo, 0), int(x.shape[d]) - _b.max(-hi, 0)  # a negative pad crops
             pads.append((_b.max(lo, 0), _b.max(hi, 0)))
-            steps.append(taps[2] * dilation[k] // dims[k][0] if taps[1] - taps[0] > taps[2] else 1)  # (one tap: 1)
+            steps.append(apart)
         cropped = slice(x, xstart, xend) if xstart != [0] * x.ndim or xend != list(x.shape) else x
         parts[phase] = conv(cropped, slice(w, kstart, kend, kstep), [1] * len(sp), pads, steps, groups, layout,
                             kernel_layout)
@@ -710,8 +718,8 @@ def conv_input_grad(grad: Tensor, w: Tensor, input_sizes: Sequence, strides, pad
     for i, d in enumerate(sp):
         span = dilation[i] * (w.shape[ksp[i]] - 1)
         lo = span - padding[i][0]
-        spread = (grad.shape[d] - 1) * strides[i] + 1
-        pads.append((lo, input_sizes[i] - spread - lo + span))
+        spread_size = (grad.shape[d] - 1) * strides[i] + 1
+        pads.append((lo, input_sizes[i] - spread_size - lo + span))
     if any(isinstance(v, int) and v < 0 for pr in pads for v in pr):
         raise UnsupportedOpError("a transposed convolution (or convolution's input gradient) with padding "
                                  "larger than the kernel")
@@ -887,8 +895,10 @@ def max_pool_grad(grad: Tensor, positions: Tensor, shape: Sequence, window: Sequ
     (window_adjoint: a pass per tap over the input, 25x the scatter's time
     on a CPU at 2x64x56x56)."""
     nsp = len(window)
-    if sz.static_product(shape[-nsp:]) is not None:
-        return positions_grad(grad, positions, shape, nsp)
+    cells = sz.static_product(shape[-nsp:])
+    if cells is not None:  # (a window wholly in padding has no cell: its gradient goes nowhere)
+        inside = logical_and(positions >= 0, positions < cells)
+        return positions_grad(where(inside, grad, 0.0), where(inside, positions, 0), shape, nsp)
     dilation = list(dilation) if dilation is not None else [1] * nsp
     cell = _window_cells(grad, grad.shape, strides, [a for a, _ in _pairs(padding)], dilation)
     spatial = list(shape[-nsp:])

@@ -201,7 +201,6 @@ _CALLS = {  # op -> the FusionDefinition call that rebuilds it, from operands a 
     "concatenate": "fd.ops.cat([{args}], dim={axis})",
     "reverse": "fd.ops.reverse({a0}, {axes})",
     "dot_general": "fd.ops.dot_general({a0}, {a1}, ({lc}, {rc}), ({lb}, {rb}))",
-    "conv": "fd.ops.conv({a0}, {a1}, {strides}, {padding}, {dilation}, {groups}, {layout}, {kernel_layout})",
     "reduce_window": "fd.ops.reduce_window({op}, {a0}, {window}, {strides}, {padding}, {dilation})",
     "cumulative": "fd.ops.cumulative({op}, {a0}, {axis})",
     "scatter": "fd.ops.scatter_reduce({op}, {shape}, {a0}, {a1}, {axis}, {along})",
@@ -239,6 +238,9 @@ _BUILT = {  # op -> the function that writes the call rebuilding it, where a for
     "pad": _pad_call,
     "reduce": lambda n, g, a, f, refs: f"fd.ops.{n.attrs['op']}({a[0]}, {f['axes']}, {f['keepdim']})",
     "gather": _gather_call,
+    "conv": lambda n, g, a, f, refs: (f"fd.ops.conv({a[0]}, {a[1]}, {f['strides']}, {f['padding']}, {f['dilation']}, "
+                                      f"{f['groups']}, {f['layout']}, {f['kernel_layout']}"
+                                      f"{', input_dilation=' + f['input_dilation'] if 'input_dilation' in f else ''})"),
 }
 
 

@@ -43,6 +43,7 @@ CONVS = {  # odd sizes and channel counts
     "strided_even": (lambda: nn.Conv2d(5, 7, 4, stride=3, padding=2), (2, 5, 14, 11)),  # phases without taps
     "strided_dilated": (lambda: nn.Conv2d(6, 8, 3, stride=2, padding=2, dilation=2), (1, 6, 13, 12)),
     "strided_grouped": (lambda: nn.Conv2d(6, 9, 5, stride=2, padding=2, groups=3), (2, 6, 11, 10)),
+    "strided_rows": (lambda: nn.Conv2d(4, 6, 3, stride=(2, 1), padding=(1, 0)), (2, 4, 12, 9)),  # one dim spread
     "small_image": (lambda: nn.Conv2d(24, 72, 3, padding=1), (2, 24, 4, 3)),  # sgemm's parts take channels
 }
 
@@ -490,3 +491,21 @@ def test_a_reduction_over_taps_of_two_is_scheduled_in_parallel(rng):
     assert conv and all("thread team" in line and "register blocks of 0" not in line for line in conv)
     want = torch.nn.functional.conv2d(torch.from_numpy(x), torch.from_numpy(w)).numpy()
     np.testing.assert_allclose(exe(x, w), want, rtol=1e-4, atol=1e-4)
+
+
+def test_max_pool_gradient_adds_at_positions_and_drops_windows_without_a_cell(rng):
+    """A max pool's gradient is added at each window's position (windows may
+    share one); a position outside the image (a window wholly in padding,
+    which the frameworks never give) adds nowhere rather than out of bounds."""
+    pos = rng.integers(0, 64, (2, 3, 4, 4))
+    pos[0, 0, 0, 0], pos[1, 2, 3, 3] = -1, 64
+    grad = rng.standard_normal((2, 3, 4, 4)).astype(F32)
+    exe = polyjit.compile(lambda g, p: ops.max_pool_grad(g, p, [2, 3, 8, 8], [3, 3], [2, 2], [1, 1]),
+                          [InputInfo(grad.shape, F32), InputInfo(pos.shape, "int64")])
+    assert "scatter" in exe.ir("graph")
+    want = np.zeros((2, 3, 64))
+    for i in range(2):
+        for j in range(3):
+            ok = (pos[i, j] >= 0) & (pos[i, j] < 64)
+            np.add.at(want[i, j], pos[i, j][ok], grad[i, j][ok])
+    np.testing.assert_allclose(exe(grad, pos), want.reshape(2, 3, 8, 8), rtol=1e-6, atol=1e-6)

@@ -199,6 +199,21 @@ def test_print_round_trip_of_a_traced_graph(rng):
     np.testing.assert_array_equal(ns["fd"].execute([img, w])[0], exe(img, w))
 
 
+def test_print_round_trip_of_an_input_dilated_convolution(rng):
+    """A strided convolution's input gradient (a conv node spreading its
+    input with zeros) prints with its input dilation and rebuilds the same."""
+    from polyjit import printing
+    exe = polyjit.compile(lambda g, w: ops.conv_input_grad(g, w, [9, 9], [2, 2], [(1, 1), (1, 1)]),
+                          [InputInfo([2, 4, 5, 5], F32), InputInfo([4, 3, 3, 3], F32)])
+    text = printing.python_definition(exe.graph)
+    assert "input_dilation=[2, 2]" in text or "input_dilation=(2, 2)" in text
+    ns: dict = {}
+    exec(text, ns)
+    assert ns["fd"].canonical() == printing.canonical(exe.graph)
+    g, w = rng.standard_normal((2, 4, 5, 5)).astype(F32), rng.standard_normal((4, 3, 3, 3)).astype(F32)
+    np.testing.assert_array_equal(ns["fd"].execute([g, w])[0], exe(g, w))
+
+
 def test_dump_python_definition_torch(tmp_path, monkeypatch, rng, caplog):
     torch = pytest.importorskip("torch")
     monkeypatch.setenv("POLYJIT_DUMP", "python_definition")

@@ -62,6 +62,7 @@ TILE, KTILE = 64, 16  # a contraction's output tile per block, and its reduction
 BIG_TILE = 128  # the tile of long products
 STRIP_REDUCE = 256  # iterations of a summing loop per thread before its atomic add
 ATOMIC_COMBINES = ("sum",)  # reductions whose strips end in an atomic read-modify-write (an atomic add)
+ATOMIC_DTYPES = (DataType.Float, DataType.Double, DataType.Int32, DataType.Int)  # what atomics add
 THREADS_PER_MULTIPROCESSOR = 2048  # resident threads (sm_70 to sm_90)
 DEFAULT_MULTIPROCESSORS = 132  # where no GPU says (PTX for gpu_arch): an H100's
 
@@ -385,11 +386,10 @@ def scatter_points(m: GpuMapper, node: isl.AstNode) -> ScatterPoints | None:
     thread per outer iteration ran the rest in order (a max pool's gradient,
     32x64x56x56, took 2.6 ms on an H100 as a thread per image and channel)."""
     stmts = [m.stmts[name] for name in statements_in(node)]
+    targets = {st.array for st in stmts}
     if not stmts or any(st.combine not in ATOMIC_COMBINES or not any(loads(i) for i in st.index)
-                        or m.prog.arrays[st.array].dtype not in (DataType.Float, DataType.Double,
-                                                                 DataType.Int32, DataType.Int)
-                        or st.array in m.sched.contracted
-                        or any(ld.array == st.array for ld in loads(st.body)) for st in stmts):
+                        or m.prog.arrays[st.array].dtype not in ATOMIC_DTYPES or st.array in m.sched.contracted
+                        or any(ld.array in targets for ld in loads(st.body)) for st in stmts):
         return None
     loops, seen, rest = [], set(), node
     while True:
@@ -431,7 +431,7 @@ def atomic_strips(m: GpuMapper, rest: isl.AstNode, grid_iters: set[str]) -> Stri
         dt = m.prog.arrays[st.array].dtype
         if st.combine not in ATOMIC_COMBINES or st.array in m.sched.contracted \
                 or any(any(m._write_moves(loop, st, x)) for x in nest) \
-                or dt not in (DataType.Float, DataType.Double, DataType.Int32, DataType.Int):
+                or dt not in ATOMIC_DTYPES:
             return None
         targets.add(st.array)
     zeroed = _zeroed_first(m, inits, targets)

@@ -64,12 +64,17 @@ class LoopEmission:
         if self.unroll and not split:
             if 0 < self.unroll[0] and (static_extent(n) or 0) <= self.unroll[0]:
                 return self.unrolled(n)
-            # a loop the mark leaves plain (0: unbounded), or longer than it says: the loops inside
-            # unrolled by the rest of the mark, or plain where this one is longer
+            # a loop the mark leaves plain (0: unbounded), or longer than it says: plain, the loops
+            # inside unrolled by the rest of the mark, or plain where this one is longer
             outer, self.unroll = self.unroll, self.unroll[1:] if self.unroll[0] == 0 else ()
-            self.loop(n, split)
-            self.unroll = outer
-            return
+            try:
+                return self.plain_loop(n, split)
+            finally:
+                self.unroll = outer
+        self.plain_loop(n, split)
+
+    def plain_loop(self, n: isl.AstNode, split: bool) -> None:
+        """n as a loop (split: the range of this thread's part of it)."""
         it = n.for_get_iterator().get_id().get_name()
         slot = self.var(it)
         lo = self.aexpr(n.for_get_init())

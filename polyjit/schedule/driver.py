@@ -65,7 +65,8 @@ def _compute_schedule(ctx, sc: isl.ScheduleConstraints) -> isl.Schedule:
     embedding group (a gather, its positions broadcast over the batch) took
     0.02 s for 8000 operations, 0.56 s for 16000 and 2.1 s for 32000, then
     was split; from 8000 it is split after 0.6 s, with the same schedule.
-    The group's own budget is restored for what follows."""
+    The group's own budget is restored for what follows; an error other than
+    the budget's is raised at once."""
     budget = SOLVER_BUDGET
     while True:
         ctx.set_max_operations(budget)
@@ -73,15 +74,21 @@ def _compute_schedule(ctx, sc: isl.ScheduleConstraints) -> isl.Schedule:
         start = time.perf_counter()
         try:
             return sc.compute_schedule()
-        except isl.Error:
+        except isl.Error as e:
             spent = time.perf_counter() - start
-            if spent > SOLVER_SECONDS or budget >= SCHEDULE_BUDGET:
+            if spent > SOLVER_SECONDS or budget >= SCHEDULE_BUDGET or not _over_budget(e):
                 log.debug("isl's scheduler gave up after %d operations (%.2f s)", budget, spent)
                 raise
             budget *= 2
         finally:
             ctx.set_max_operations(SCHEDULE_BUDGET)
             ctx.reset_operations()
+
+
+def _over_budget(e: isl.Error) -> bool:
+    """Whether isl stopped for its operation budget (another error, such as
+    dependences it cannot carry, comes back whatever the budget)."""
+    return "maximal number of operations" in str(e)
 
 
 def _schedule_one_group(ctx, prog, dom, validity, raw, names, fusion, fuse: FusionPlan | None) -> isl.Schedule:

@@ -91,7 +91,12 @@ class Target:
     # ---------------------------------------------------------------- graph and schedule
     def graph_passes(self, graph: Graph, options: CompileOptions) -> Graph:
         """The rewrites this target's code needs, after inference folding."""
-        return expand_input_dilation(graph)
+        return expand_input_dilation(graph, lambda n: self.keeps_input_dilation(n, options))
+
+    def keeps_input_dilation(self, n: Node, options: CompileOptions) -> bool:
+        """Whether convolution n, its input spread with zeros, is a call of the
+        target's library as it is (else expand_input_dilation expands it)."""
+        return False
 
     def schedule_rewrites(self, sched: isl.Schedule, prog: AffineProgram, validity, tile_sizes) -> isl.Schedule:
         """This target's rewrites of a fusion group's isl schedule (each checked by isl)."""

@@ -113,8 +113,8 @@ class CpuTarget(Target):
         register blocks: faster than sgemm over im2col at every ResNet-18
         shape measured (bench/NOTES.md), the columns' copy included; those
         shapes had odd kernels. An even one (a phase of a strided
-        convolution's input gradient) is timed: isl could not schedule its
-        update's reduction (2x2 taps), which then ran on one thread."""
+        convolution's input gradient) is timed: a 2x2 phase of a padded 14x14
+        gradient ran at 20x the library's time (bench/NOTES.md)."""
         if self.vector_bits() < 512 or columns_form(L, n, False) is None:
             return ""
         kernel, klay = L.shape(n.inputs[1]), n.attrs["kernel_layout"]

@@ -26,7 +26,7 @@ from ..errors import CompileOptionError, DeviceError
 from ..graph import Graph, Node
 from ..library import Convolution, backward_data
 from ..schedule import gpu_rewrites, schedule_program
-from .base import Target, expand_input_dilation
+from .base import Target
 
 if TYPE_CHECKING:
     import islpy as isl
@@ -81,11 +81,11 @@ class NvgpuTarget(Target):
     tensor_float32 = True
 
     def graph_passes(self, graph: Graph, options: CompileOptions) -> Graph:
-        """Strided convolutions' input gradients stay whole where cuDNN's
-        backward data takes them (library.backward_data); reductions split."""
-        direct = options.contractions != "generated" and self.direct_convolutions()
-        graph = expand_input_dilation(graph, lambda n: direct and backward_data(n) is not None)
-        return split_reductions(graph)
+        return split_reductions(super().graph_passes(graph, options))
+
+    def keeps_input_dilation(self, n: Node, options: CompileOptions) -> bool:
+        """Where cuDNN's backward data takes it (library.backward_data)."""
+        return options.contractions != "generated" and self.direct_convolutions() and backward_data(n) is not None
 
     def schedule_rewrites(self, sched: isl.Schedule, prog: AffineProgram, validity, tile_sizes) -> isl.Schedule:
         """Every coincident loop outside (they become the thread grid), all of them marked."""
