@@ -28,6 +28,7 @@ from torch._decomp import core_aten_decompositions, get_decompositions
 from torch._dynamo.backends.common import aot_autograd
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupport
+from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from polyjit import ops
@@ -261,8 +262,12 @@ def _slice(cx, x, dim=0, start=None, end=None, step=1):
     dim %= x.ndim
     n = x.shape[dim]
     start, end = cx.size(start) if start is not None else 0, cx.size(end) if end is not None else n
-    if isinstance(start, int) and start < 0:
+    if isinstance(start, ops.Tensor) or isinstance(end, ops.Tensor):
+        raise UnsupportedOpError("aten.slice with a bound from an integer argument (its result's size)")
+    if isinstance(start, int) and start < 0 or isinstance(start, Lin) and _sign_known(cx, 2, "start") < 0:
         start = n + start
+    if isinstance(end, Lin) and _sign_known(cx, 3, "end") < 0:
+        end = n + end
     if isinstance(end, int) and not isinstance(n, Lin):
         end = n + end if end < 0 else min(end, n)
     elif isinstance(end, int) and end < 0:
@@ -721,6 +726,38 @@ def _bernoulli(cx, x, p=0.5, **kw):
 ATEN[operator.getitem] = lambda cx, seq, i: seq[i]
 
 
+def _size_op(fn):
+    """Arithmetic on sizes (dynamic shapes' SymInts, e.g. ``-x.shape[0] // 2``),
+    as affine sizes; anything else is an op polyjit leaves to PyTorch."""
+    def rule(cx, *args):
+        if not all(isinstance(a, (int, Lin)) and not isinstance(a, bool) for a in args):
+            raise UnsupportedOpError(f"{cx.target} of {[type(a).__name__ for a in args]}")
+        try:
+            return fn(*args)
+        except TypeError as e:
+            raise UnsupportedOpError(f"{cx.target} of sizes {[str(a) for a in args]} is not affine") from e
+    return rule
+
+
+for _op in (operator.add, operator.sub, operator.mul, operator.neg, operator.floordiv):
+    ATEN[_op] = _size_op(_op)
+
+
+def _sign_known(cx, position: int, name: str) -> int:
+    """Whether argument ``position`` (or ``name``) of the node being
+    translated, a symbolic size, is negative (-1) or not (1), as torch's
+    shape environment knows it: a slice wraps a negative bound."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+    a = cx.node.args[position] if len(cx.node.args) > position else cx.node.kwargs.get(name)
+    val = _node_val(a) if isinstance(a, torch.fx.Node) else None
+    if isinstance(val, torch.SymInt):
+        if statically_known_true(val < 0):
+            return -1
+        if statically_known_true(val >= 0):
+            return 1
+    raise UnsupportedOpError(f"{cx.target}: the sign of its {name} {a} is unknown")
+
+
 # --------------------------------------------------------------------------
 # FX graph -> polyjit graph
 # --------------------------------------------------------------------------
@@ -737,6 +774,7 @@ class _Context:
         self.target = None
         self.asserts: list[tuple[ops.Tensor, str]] = []  # conditions checked after each call, with their messages
         self.node: torch.fx.Node | None = None  # the FX node being translated
+        self.int_inputs: list[int] = []  # graph inputs that are integer arguments
 
     def dtype(self, dt) -> DataType:
         if isinstance(dt, DataType):
@@ -825,6 +863,7 @@ class _Translation:
     outputs: list  # ('tensor', k), ('input', position), ('permuted', (position, perm)), ('const', v), ('size', Lin)
     symbols: dict  # symbolic size name -> (argument position, dimension or None for an integer argument)
     asserts: list = field(default_factory=list)  # (graph output, message): torch._assert_async conditions
+    int_inputs: list = field(default_factory=list)  # graph inputs that are integer arguments (0-d int64)
 
 
 def translate(gm: torch.fx.GraphModule) -> _Translation:
@@ -834,6 +873,9 @@ def translate(gm: torch.fx.GraphModule) -> _Translation:
     tensor_inputs = []
     input_pos: dict[int, int] = {}
     symbols: dict[str, tuple] = {}
+    dims = {str(s.node.expr) for node in gm.graph.nodes if node.op == "placeholder"
+            and isinstance(_node_val(node), torch.Tensor) for s in _node_val(node).shape
+            if isinstance(s, torch.SymInt)}
     pos = 0
     for node in gm.graph.nodes:
         if node.op == "placeholder":
@@ -849,6 +891,13 @@ def translate(gm: torch.fx.GraphModule) -> _Translation:
                 env[node] = ops.Tensor(cx.graph, n)
                 tensor_inputs.append(pos)
                 input_pos[n.id] = pos
+            elif isinstance(val, torch.SymInt) and val.node.expr.is_Symbol and str(val.node.expr) not in dims:
+                # an integer argument no tensor's size carries: a value (x * k), never a size
+                n = cx.graph.input((), DataType.Int, node.name)
+                n.attrs["declared_strided"] = False
+                env[node] = ops.Tensor(cx.graph, n)
+                tensor_inputs.append(pos)
+                cx.int_inputs.append(len(cx.graph.inputs) - 1)
             else:
                 if isinstance(val, torch.SymInt) and val.node.expr.is_Symbol:
                     symbols.setdefault(str(val.node.expr), (pos, None))
@@ -903,7 +952,7 @@ def _outputs(cx: _Context, node: torch.fx.Node, env: dict, tensor_inputs: list[i
     for cond, msg in cx.asserts:
         cx.graph.add_output(cond.node)
         asserts.append((len(cx.graph.outputs) - 1, msg))
-    return _Translation(cx.graph, tensor_inputs, cx.seed_index, outs, symbols, asserts)
+    return _Translation(cx.graph, tensor_inputs, cx.seed_index, outs, symbols, asserts, cx.int_inputs)
 
 
 def _input_view(node, input_pos: dict[int, int]) -> tuple[int, tuple[int, ...] | None] | None:
@@ -925,7 +974,8 @@ class CompiledGraph:
     def __init__(self, gm: torch.fx.GraphModule, options: CompileOptions, name: str, stats: "Stats") -> None:
         self.t = translate(gm)
         self.gm, self.failed = gm, False
-        self.exe = Executable(self.t.graph, options, name, scalar_inputs=[self.t.seed_index] if self.t.seed_index is not None else [])
+        seed = [self.t.seed_index] if self.t.seed_index is not None else []
+        self.exe = Executable(self.t.graph, options, name, scalar_inputs=seed + self.t.int_inputs)
         self.stats = stats
         self.name = name
         self.options = options
@@ -934,7 +984,9 @@ class CompiledGraph:
         arrays, index = [], None
         for k in self.t.tensor_inputs:
             a = args[k]
-            if a.is_cuda and takes_device_arrays(self.options.target):  # through its pointer: no detached tensor object
+            if not isinstance(a, torch.Tensor):  # an integer argument
+                arrays.append(np.asarray(a, np.int64))
+            elif a.is_cuda and takes_device_arrays(self.options.target):  # through its pointer: no detached tensor object
                 arrays.append(_gpu_view(a))
                 index = a.get_device()
             elif a.is_cpu:
@@ -1098,8 +1150,11 @@ class PolyjitBackend:
         return compile_graph
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        # the forward saves what the backward cannot cheaply recompute (Inductor's
+        # min-cut partition): a GELU's intermediates are recomputed, fused into the backward
         backend = aot_autograd(fw_compiler=self._compiler("forward"), bw_compiler=self._compiler("backward"),
-                               inference_compiler=self._compiler("inference"), decompositions=DECOMPOSITIONS)
+                               inference_compiler=self._compiler("inference"), decompositions=DECOMPOSITIONS,
+                               partition_fn=min_cut_rematerialization_partition)
         # attention as matmuls and softmax, which fuse, rather than a device's fused kernel
         with sdpa_kernel([SDPBackend.MATH]):
             return backend(gm, example_inputs)

@@ -418,6 +418,7 @@ def _reduce(op):
 
 
 sum, max, min, prod = map(_reduce, ("sum", "max", "min", "prod"))
+_REDUCE = {"sum": sum, "max": max, "min": min, "prod": prod}
 _pymax = _b.max
 
 
@@ -1032,7 +1033,35 @@ def scatter_reduce(op: str, shape: Sequence, index: Tensor, src: Tensor, axis: i
     by op ("sum", "prod", "max", "min") at index along axis; with along=True,
     src[i] goes to index[i] (torch.scatter_reduce without self)."""
     g = _graph(index, src)
-    return _wrap(g, g.scatter(tuple(shape), _node(g, index), _node(g, src), axis, along, op))
+    shape = tuple(shape)
+    if not along and shape and _few_targets(shape[axis % len(shape)], index, src):
+        return _masked_scatter(op, shape, index, src, axis % len(shape))
+    return _wrap(g, g.scatter(shape, _node(g, index), _node(g, src), axis, along, op))
+
+
+FEW_TARGETS = 8  # a scatter into at most this many slices is a reduction per slice
+
+
+def _few_targets(size, index: Tensor, src: Tensor) -> bool:
+    """Whether a scatter's many updates go to few slices (BERT's token types:
+    every token into one of two rows), where a scatter's updates would wait
+    on each other and a reduction per slice reads src a few times instead."""
+    n = sz.static_product(index.shape)
+    return (sz.is_static(size) and int(size) <= FEW_TARGETS and n is not None and n > int(size)
+            and src.dtype != DataType.Bool)
+
+
+def _masked_scatter(op: str, shape: Sequence, index: Tensor, src: Tensor, axis: int) -> Tensor:
+    """scatter_reduce (along=False) as op's reduction, for each slice r of
+    the result, of src's slices whose index names r (others give op's
+    identity); an index wraps and clamps as the scatter's does."""
+    r, k = int(shape[axis]), index.ndim
+    wide = list(src.shape[:axis]) + [r] + list(src.shape[axis:])
+    taken = list(range(axis + 1, axis + 1 + k))
+    pos = clamp(where(index < 0, index + r, index), 0, r - 1)
+    mine = broadcast_in_dim(pos, wide, taken) == iota(wide, axis, like=index)
+    values = broadcast_in_dim(src, wide, [d for d in range(len(wide)) if d != axis])
+    return _REDUCE[op](where(mine, values, full_like(values, scalar.identity(op, src.dtype))), taken)
 
 
 def scatter_add(shape: Sequence, index: Tensor, src: Tensor, axis: int = 0, along: bool = False) -> Tensor:

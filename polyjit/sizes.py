@@ -57,6 +57,8 @@ class Lin:
         if isinstance(k, Lin) or int(k) <= 0:
             raise _not_affine(f"the size ({self}) // {k} is not affine in the symbolic sizes")
         k = int(k)
+        if all(c < 0 for _, c in self.terms):  # a negative quotient: minus that of a size
+            return -((-self + (k - 1)) // k)
         if all(c % k == 0 for _, c in self.terms):
             return _make({n: c // k for n, c in self.terms}, self.const // k)
         base = re.sub(r"[^A-Za-z0-9_]", "", str(self).replace(" - ", "_m").replace(" + ", "_p")
@@ -136,8 +138,9 @@ def with_derived(env: dict[str, int], params) -> dict[str, int]:
 
 def param_context(params, derived: bool = True) -> str:
     """isl constraints on params: sizes are not negative, and (derived) a
-    derived parameter q = floor(n / k) satisfies k*q <= n <= k*q + k - 1."""
-    out = [f"{p} >= 0" for p in params]
+    derived parameter q = floor(n / k) satisfies k*q <= n <= k*q + k - 1
+    (a quotient's own sign follows from n's: ``(-n) // 2`` is negative)."""
+    out = [f"{p} >= 0" for p in params if p not in _DERIVED]
     for p in params if derived else ():
         if p in _DERIVED:
             num, k = _DERIVED[p]

@@ -502,6 +502,27 @@ def test_gather_and_scatter_add(rng):
     close(got[2], want, rtol=1e-5, atol=1e-5)
 
 
+def test_scatter_into_a_few_slices_is_a_reduction_per_slice(rng):
+    """Many updates into at most FEW_TARGETS slices (BERT's token types)
+    reduce per slice instead of scattering: no update waits on another.
+    Indices wrap and clamp as a scatter's; NaN stays in its slice; max and
+    min start from their identity."""
+    src = rng.standard_normal((3, 40, 5)).astype(F32)
+    src[1, 7, 2] = np.nan
+    idx = rng.integers(-3, 3, size=(40,)).astype(np.int64)
+    got, exe = run(lambda i, s: (ops.scatter_add([3, 3, 5], i, s, 1), ops.scatter_reduce("max", [3, 3, 5], i, s, 1)),
+                   idx, src)
+    assert "scatter" not in exe.ir("graph")
+    pos = np.where(idx < 0, idx + 3, idx)
+    want_sum, want_max = np.zeros((3, 3, 5)), np.full((3, 3, 5), -np.inf)
+    for j, p in enumerate(pos):
+        want_sum[:, p] += src[:, j]
+        want_max[:, p] = np.fmax(want_max[:, p], src[:, j])
+    want_max[1, pos[7], 2] = np.nan
+    close(got[0], want_sum, rtol=1e-5, atol=1e-5)
+    close(got[1], want_max)
+
+
 def test_take_and_scatter_along_axis(rng):
     x = rng.standard_normal((6, 9)).astype(F32)
     idx = rng.integers(0, 9, size=(6, 4)).astype(np.int64)
