@@ -527,7 +527,16 @@ class Graph(_Shapes, _LayoutOps, _StructuredOps):
         a, b = self.broadcast_pair(a, b, op)
         if kind == "logical":
             a, b = self.cast(a, DataType.Bool), self.cast(b, DataType.Bool)
-        return Node(op, (a, b), {}, a.shape, DataType.Bool if scalar.OPS[op].result_bool else dt)
+        out_dtype = DataType.Bool if scalar.OPS[op].result_bool else dt
+        for t, c in ((a, b), (b, a)):
+            if t.op == "transpose" and c.op == "broadcast_in_dim" and c.attrs["dims"] == ():
+                # x.T * scale as (x * scale).T: computed in x's order, read
+                # through a transpose a product takes in place (SDPA's keys)
+                x = t.inputs[0]
+                c = self.broadcast_in_dim(c.inputs[0], x.shape, ())
+                inner = Node(op, (x, c) if t is a else (c, x), {}, x.shape, out_dtype)
+                return self.transpose(inner, t.attrs["perm"])
+        return Node(op, (a, b), {}, a.shape, out_dtype)
 
     def where(self, cond: Node, a: Node, b: Node) -> Node:
         dt = self._result_dtype(a, b)
