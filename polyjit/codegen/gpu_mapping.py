@@ -61,7 +61,6 @@ ROW_GROUPS = 8  # a lane loop of at most this many groups per lane is unrolled w
 TILE, KTILE = 64, 16  # a contraction's output tile per block, and its reduction slice in shared memory
 BIG_TILE = 128  # the tile of long products
 STRIP_REDUCE = 256  # iterations of a summing loop per thread before its atomic add
-MIN_STRIP_REDUCE = 16  # ... at least, where shorter strips would fill the device
 ATOMIC_COMBINES = ("sum",)  # reductions whose strips end in an atomic read-modify-write (an atomic add)
 ATOMIC_DTYPES = (DataType.Float, DataType.Double, DataType.Int32, DataType.Int)  # what atomics add
 THREADS_PER_MULTIPROCESSOR = 2048  # resident threads (sm_70 to sm_90)
@@ -275,7 +274,7 @@ class GpuMapper(StripMapping):
         strip = self.strip_plan(rest, seen, GPU_STRIP, bounded=True)
         if strip is not None:
             return HaloStrips(grid, strip)
-        strip = atomic_strips(self, rest, seen, loops) if not self.fills_device(loops) else None
+        strip = atomic_strips(self, rest, seen) if not self.fills_device(loops) else None
         if strip is not None:
             return AtomicStrips(grid, strip)
         if _has_loop(rest):
@@ -313,21 +312,6 @@ class GpuMapper(StripMapping):
             return False
         threads = (self.multiprocessors or DEFAULT_MULTIPROCESSORS) * THREADS_PER_MULTIPROCESSOR
         return math.prod(extents) * 4 >= threads
-
-    def reduce_strip(self, loop: isl.AstNode, grid_loops) -> int:
-        """Iterations of a summing loop per thread: STRIP_REDUCE, halved (to
-        MIN_STRIP_REDUCE) while the threads would not fill half the device
-        (a bias's gradient, 4096 rows by 768 columns, had 12288 threads each
-        walking 256 rows)."""
-        extents = [static_extent(x) for x in grid_loops]
-        trips = static_extent(loop)
-        if None in extents or trips is None:
-            return STRIP_REDUCE
-        threads = (self.multiprocessors or DEFAULT_MULTIPROCESSORS) * THREADS_PER_MULTIPROCESSOR
-        strip = STRIP_REDUCE
-        while strip > MIN_STRIP_REDUCE and math.prod(extents) * -(-trips // strip) * 2 < threads:
-            strip //= 2
-        return strip
 
     def contraction_tiles(self, extents: list, i: int, j: int) -> tuple[int, int]:
         """(tile, ktile): as the options say, else 128 x 128 tiles (half the
@@ -423,7 +407,7 @@ def scatter_points(m: GpuMapper, node: isl.AstNode) -> ScatterPoints | None:
 
 
 # ---------------------------------------------------------------- strips
-def atomic_strips(m: GpuMapper, rest: isl.AstNode, grid_iters: set[str], grid_loops=()) -> Strips | None:
+def atomic_strips(m: GpuMapper, rest: isl.AstNode, grid_iters: set[str]) -> Strips | None:
     """Strips of a sum when rest zeroes some arrays and then one loop (or
     perfect nest) sums into elements that do not move with it (a column
     sum): strips run in parallel, each adding its partial sums
@@ -454,8 +438,8 @@ def atomic_strips(m: GpuMapper, rest: isl.AstNode, grid_iters: set[str], grid_lo
     if zeroed is None or any(ld.array in targets for c in calls
                              for ld in loads(m.call_statement(c.user_get_expr()).body)):
         return None
-    size = m.reduce_strip(loop, grid_loops) if len(nest) == 1 else 1
-    return Strips(loop, size, 0, tuple(sorted(zeroed)), [c.user_get_expr() for c in calls])
+    return Strips(loop, STRIP_REDUCE if len(nest) == 1 else 1, 0, tuple(sorted(zeroed)),
+                  [c.user_get_expr() for c in calls])
 
 
 def _zeroed_first(m: GpuMapper, inits: list, targets: set[str]) -> set[str] | None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from typing import TYPE_CHECKING
 
 from .. import cache
@@ -53,9 +52,6 @@ def split_reductions(graph: Graph) -> Graph:
     def split(old: Node, n: Node, new: dict[int, Node]) -> Node:
         if n.op != "reduce":
             return n
-        n = _merged_axes(n)
-        if n.op != "reduce":
-            return n
         x, axes = n.inputs[0], tuple(n.attrs["axes"])
         k = x.rank
         while k - 1 in axes:
@@ -71,32 +67,6 @@ def split_reductions(graph: Graph) -> Graph:
                     tuple(1 if d in outer else s for d, s in enumerate(x.shape[:k]) if keep or d not in outer), n.dtype)
         return rest if tuple(rest.shape) == tuple(n.shape) else Node("reshape", (rest,), {}, n.shape, n.dtype)
     return graph.rewritten(split)
-
-
-def _merged_axes(n: Node) -> Node:
-    """A reduction over adjacent axes of static sizes as one over their
-    product (a bias's gradient, [16, 256, 768] summed over the first two,
-    as [4096, 768] summed over rows): one loop, which strips share."""
-    x, axes = n.inputs[0], sorted(n.attrs["axes"])
-    runs: list[list[int]] = []
-    for a in axes:
-        if runs and runs[-1][-1] == a - 1 and sz.is_static(x.shape[a]) and sz.is_static(x.shape[a - 1]):
-            runs[-1].append(a)
-        else:
-            runs.append([a])
-    if all(len(r) == 1 for r in runs):
-        return n
-    shape, merged, d = [], [], 0
-    while d < x.rank:
-        run = next((r for r in runs if r[0] == d), [d])
-        if d in axes:
-            merged.append(len(shape))
-        shape.append(math.prod(int(x.shape[a]) for a in run) if len(run) > 1 else x.shape[d])
-        d += len(run)
-    flat = Node("reshape", (x,), {}, tuple(shape), x.dtype)
-    out = [s for k, s in enumerate(shape) if k not in merged]
-    red = Node("reduce", (flat,), {**n.attrs, "axes": tuple(merged), "keepdim": False}, tuple(out), n.dtype)
-    return red if tuple(red.shape) == tuple(n.shape) else Node("reshape", (red,), {}, n.shape, n.dtype)
 
 
 class NvgpuTarget(Target):
