@@ -264,9 +264,9 @@ def _slice(cx, x, dim=0, start=None, end=None, step=1):
     start, end = cx.size(start) if start is not None else 0, cx.size(end) if end is not None else n
     if isinstance(start, ops.Tensor) or isinstance(end, ops.Tensor):
         raise UnsupportedOpError("aten.slice with a bound from an integer argument (its result's size)")
-    if isinstance(start, int) and start < 0 or isinstance(start, Lin) and _sign_known(cx, 2, "start") < 0:
+    if isinstance(start, int) and start < 0 or isinstance(start, Lin) and _known_negative(cx, 2, "start"):
         start = n + start
-    if isinstance(end, Lin) and _sign_known(cx, 3, "end") < 0:
+    if isinstance(end, Lin) and _known_negative(cx, 3, "end"):
         end = n + end
     if isinstance(end, int) and not isinstance(n, Lin):
         end = n + end if end < 0 else min(end, n)
@@ -743,18 +743,19 @@ for _op in (operator.add, operator.sub, operator.mul, operator.neg, operator.flo
     ATEN[_op] = _size_op(_op)
 
 
-def _sign_known(cx, position: int, name: str) -> int:
+def _known_negative(cx, position: int, name: str) -> bool:
     """Whether argument ``position`` (or ``name``) of the node being
-    translated, a symbolic size, is negative (-1) or not (1), as torch's
-    shape environment knows it: a slice wraps a negative bound."""
+    translated, a symbolic size, is negative as torch's shape environment
+    knows it (a slice wraps a negative bound); UnsupportedOpError where
+    torch cannot tell."""
     from torch.fx.experimental.symbolic_shapes import statically_known_true
     a = cx.node.args[position] if len(cx.node.args) > position else cx.node.kwargs.get(name)
     val = _node_val(a) if isinstance(a, torch.fx.Node) else None
     if isinstance(val, torch.SymInt):
         if statically_known_true(val < 0):
-            return -1
+            return True
         if statically_known_true(val >= 0):
-            return 1
+            return False
     raise UnsupportedOpError(f"{cx.target}: the sign of its {name} {a} is unknown")
 
 
@@ -984,8 +985,8 @@ class CompiledGraph:
         arrays, index = [], None
         for k in self.t.tensor_inputs:
             a = args[k]
-            if not isinstance(a, torch.Tensor):  # an integer argument
-                arrays.append(np.asarray(a, np.int64))
+            if not isinstance(a, torch.Tensor):  # an integer argument (the executable's scalar input)
+                arrays.append(a)
             elif a.is_cuda and takes_device_arrays(self.options.target):  # through its pointer: no detached tensor object
                 arrays.append(_gpu_view(a))
                 index = a.get_device()

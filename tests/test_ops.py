@@ -621,6 +621,19 @@ def test_outputs_that_are_constants():
     close(a, np.full(4, 2.0, F32)); close(b, np.float32(2.0)); close(c, np.full((2, 3), 3, np.int32))
 
 
+def test_a_scalar_op_of_a_transpose_runs_in_the_operands_order(rng):
+    """k.T * scale (SDPA's scaled keys) is (k * scale).T: computed in k's
+    order, the transpose left for its reader; values as before."""
+    from polyjit.graph import Graph
+    g = Graph()
+    k = g.input([4, 6], "float32")
+    out = g.binary("mul", g.transpose(k, (1, 0)), g.broadcast_in_dim(g.constant(0.5, "float32"), (6, 4), []))
+    assert out.op == "transpose" and out.inputs[0].op == "mul" and out.inputs[0].inputs[0] is k
+    x = rng.standard_normal((4, 6)).astype(F32)
+    got, _ = run(lambda t: 2.0 - ops.transpose(t, 0, 1), x)
+    close(got, 2.0 - x.T)
+
+
 @pytest.mark.parametrize("n", [2.0, 3.0, 4.0, 2.5])
 def test_small_integer_powers_are_products(n, rng):
     """x ** 2, 3, 4 (GELU's tanh form cubes its input) are products, not

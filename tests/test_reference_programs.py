@@ -192,11 +192,16 @@ def test_print_round_trip_of_a_traced_graph(rng):
     exe = polyjit.compile(fn, [InputInfo(["n", 3, "h", "h"], F32), InputInfo([2, 3, 3, 3], F32)])
     text = printing.python_definition(exe.graph)
     assert "shape=[-1, 3, 's0', 's0']" in text and "// 2" in text
+    _rebuilds(exe, text, rng.standard_normal((2, 3, 9, 9)).astype(F32), rng.standard_normal((2, 3, 3, 3)).astype(F32))
+
+
+def _rebuilds(exe, text: str, *arrays) -> None:
+    """The printed definition text, run, builds exe's graph, and its result on arrays is exe's."""
+    from polyjit import printing
     ns: dict = {}
     exec(text, ns)
     assert ns["fd"].canonical() == printing.canonical(exe.graph)
-    img, w = rng.standard_normal((2, 3, 9, 9)).astype(F32), rng.standard_normal((2, 3, 3, 3)).astype(F32)
-    np.testing.assert_array_equal(ns["fd"].execute([img, w])[0], exe(img, w))
+    np.testing.assert_array_equal(ns["fd"].execute(list(arrays))[0], exe(*arrays))
 
 
 def test_print_round_trip_of_an_input_dilated_convolution(rng):
@@ -207,11 +212,7 @@ def test_print_round_trip_of_an_input_dilated_convolution(rng):
                           [InputInfo([2, 4, 5, 5], F32), InputInfo([4, 3, 3, 3], F32)])
     text = printing.python_definition(exe.graph)
     assert "input_dilation=[2, 2]" in text or "input_dilation=(2, 2)" in text
-    ns: dict = {}
-    exec(text, ns)
-    assert ns["fd"].canonical() == printing.canonical(exe.graph)
-    g, w = rng.standard_normal((2, 4, 5, 5)).astype(F32), rng.standard_normal((4, 3, 3, 3)).astype(F32)
-    np.testing.assert_array_equal(ns["fd"].execute([g, w])[0], exe(g, w))
+    _rebuilds(exe, text, rng.standard_normal((2, 4, 5, 5)).astype(F32), rng.standard_normal((4, 3, 3, 3)).astype(F32))
 
 
 def test_dump_python_definition_torch(tmp_path, monkeypatch, rng, caplog):

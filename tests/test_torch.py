@@ -616,6 +616,28 @@ def test_cummax_diagonal_and_negative_padding_train():
           + F.pad(x, (-1, 1, 1, -1)), r(5, 7, grad=True), backward=True)
 
 
+def test_the_forward_saves_what_the_backward_cannot_recompute():
+    """GPT-2's GELU, written out: the forward saves its input alone (the
+    min-cut partition), not the four intermediates the backward can
+    recompute; gradients as eager's."""
+    def mlp(x, w1, w2):
+        h = x @ w1
+        return (0.5 * h * (1.0 + torch.tanh(0.7978845608 * (h + 0.044715 * torch.pow(h, 3.0))))) @ w2
+    torch._dynamo.reset()
+    f = torch.compile(mlp, backend="polyjit", options={"strict": True})
+    args = [torch.randn(5, 16), torch.randn(16, 32, requires_grad=True), torch.randn(32, 8, requires_grad=True)]
+    ref = [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = f(*args)
+    assert sum(tuple(t.shape) == (5, 32) for t in saved) == 1, [tuple(t.shape) for t in saved]
+    r = torch.randn(5, 8)
+    (out * r).sum().backward()
+    (mlp(*ref) * r).sum().backward()
+    for a, b in zip(args[1:], ref[1:]):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-5)
+
+
 def test_saved_weight_transposes_are_views_of_the_weights():
     """A training forward saves what the backward needs of each Linear
     weight (the weight, or its transpose) as the weight's own memory (as
