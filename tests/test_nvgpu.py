@@ -1044,6 +1044,31 @@ def test_numpy_on_the_gpu(name, fn, ref, shapes, n, m, rng):
     np.testing.assert_allclose(got, ref(*arrays), rtol=tol, atol=tol * max(1, np.sqrt(n * m) / 30))
 
 
+def _heads(k, b, s, h, d):
+    """Attention's keys, heads split and transposed: [b*s, h*d] -> [b*h, d, s], scaled."""
+    return ops.reshape(ops.permute(ops.reshape(k, [b, s, h, d]), [0, 2, 3, 1]) * 0.5, [b * h, d, s])
+
+
+def test_transposing_copies_map_warps_to_tiles():
+    """A copy whose stores and loads walk memory along different loops has
+    each warp take a tile of both (whole sectors stored, half sectors
+    loaded); sizes the tile does not divide keep a thread per point."""
+    tiled = _mapping(lambda k: _heads(k, 2, 64, 3, 16), [(128, 48)])
+    assert tiled == ["point per thread: grid c0 x c1 x c2, groups of 4 where aligned (1 access), "
+                     "warps in 8x4 tiles of c2 x c1, stores deferred"]
+    assert "tiles" not in _mapping(lambda k: _heads(k, 2, 60, 3, 6), [(120, 18)])[0]
+    assert "tiles" not in _mapping(lambda x: ops.exp(x) * 2.0, [(64, 64)])[0]  # loads and stores agree
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,s,h,d", [(2, 64, 3, 16), (2, 60, 3, 6), (3, 32, 2, 8), (1, 256, 12, 64)])
+def test_transposing_copies_on_the_gpu(b, s, h, d, rng):
+    k = rng.standard_normal((b * s, h * d)).astype(F32)
+    got = polyjit.compile(lambda t: _heads(t, b, s, h, d), [InputInfo(k.shape, F32)], {"target": "nvgpu"})(k)
+    want = (k.reshape(b, s, h, d).transpose(0, 2, 3, 1) * 0.5).reshape(b * h, d, s)
+    np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["library", "generated"])
 @pytest.mark.parametrize("case", list(LIBRARY_CASES))

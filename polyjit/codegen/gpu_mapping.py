@@ -56,6 +56,7 @@ from .mapping import StripMapping, loop_iterator
 WARP = 32
 BLOCK = 256  # threads per block (runtime.gpu_program launches this many)
 BLOCK_ROW = 4096  # rows at least this long get a block of lanes rather than a warp
+TILE_COLS, TILE_ROWS = 8, 4  # a transposing copy's warp tile: 8 stored floats (a sector) by 4 rows
 VECTOR = 4  # consecutive iterations of an elementwise loop per group (16 bytes of float32)
 ROW_GROUPS = 8  # a lane loop of at most this many groups per lane is unrolled whole
 TILE, KTILE = 64, 16  # a contraction's output tile per block, and its reduction slice in shared memory
@@ -129,10 +130,12 @@ class PointPerThread:
     grid: Grid
     defer: bool
     vector: Vector | None
+    tile: tuple[str, str] | None = None  # (cols, rows): warps take TILE_COLS x TILE_ROWS tiles of these loops
 
     def __str__(self) -> str:
         vector = f", groups of {VECTOR} where aligned ({_n(len(self.vector.claims), 'access')})" if self.vector else ""
-        return f"point per thread: {self.grid}{vector}{', stores deferred' if self.defer else ''}"
+        tiles = f", warps in {TILE_COLS}x{TILE_ROWS} tiles of {' x '.join(self.tile)}" if self.tile else ""
+        return f"point per thread: {self.grid}{vector}{tiles}{', stores deferred' if self.defer else ''}"
 
 
 @dataclass
@@ -279,7 +282,9 @@ class GpuMapper(StripMapping):
             return AtomicStrips(grid, strip)
         if _has_loop(rest):
             return NestPerThread(grid)
-        return PointPerThread(grid, deferrable(self, rest), vector_plan(self, rest, loops[-1], seen) if loops else None)
+        vector = vector_plan(self, rest, loops[-1], seen) if loops else None
+        tile = transposing_tile(self, rest, loops, VECTOR if vector else 1)
+        return PointPerThread(grid, deferrable(self, rest), vector, tile)
 
     def grid(self, mark: isl.AstNode | None, root: isl.AstNode | None) -> Grid:
         """The chain of marked loops under mark that may collapse into one
@@ -376,6 +381,62 @@ def vector_plan(m: GpuMapper, rest: isl.AstNode, inner: isl.AstNode, unset: set[
             out.arrays[name] = max(out.arrays.get(name, 1), align)
             out.starts[start.to_C_str()] = start
     return out if out.claims else None
+
+
+def transposing_tile(m: GpuMapper, rest: isl.AstNode, loops: list, group: int) -> tuple[str, str] | None:
+    """(cols, rows): the grid loop the stores move along and another that
+    a load of the whole grid moves along instead (a transposing copy: the
+    attention heads split and merged), where a thread per point makes one
+    side strided, 4 bytes of each 32-byte sector. A warp then takes
+    TILE_COLS of cols by TILE_ROWS of rows: whole sectors stored, half
+    sectors loaded (the block's next warp loads the other halves). A
+    vector group (`group` consecutive iterations of the innermost loop)
+    counts as one column, where cols is that loop. Static trip counts,
+    multiples of the tile's sides."""
+    if len(loops) < 2:
+        return None
+    inner = loop_iterator(loops[-1])
+    trips = {loop_iterator(x): static_extent(x) if x.for_get_inc().get_val().to_python() == 1 else None
+             for x in loops}
+    tile = None
+    for node in [n for n in ast_nodes(rest) if n.get_type() == isl.ast_node_type.user]:
+        call = node.user_get_expr()
+        st = m.call_statement(call)
+        args = dict(zip(st.iters, (call.get_op_arg(i + 1) for i in range(len(st.iters)))))
+        cols = _moves_along(st.index, args, trips)
+        if cols is None:
+            return None
+        for ld in loads(st.body):
+            used = {q for x in ld.index for y in walk(x) if isinstance(y, Var) and y.name in args
+                    for q in trips if ast_uses(args[y.name], {q})}
+            rows = _moves_along(ld.index, args, trips) if used == set(trips) else None
+            if rows is not None and rows != cols and not any(
+                    ast_uses(args[y.name], {cols}) for y in walk(ld.index[-1]) if isinstance(y, Var) and y.name in args):
+                tile = tile or (cols, rows)
+    if tile is None or (tile[0] != inner and group > 1):
+        return None
+    cols, rows = tile
+    side = TILE_COLS * (group if cols == inner else 1)
+    return tile if trips[cols] and trips[rows] and trips[cols] % side == 0 and trips[rows] % TILE_ROWS == 0 else None
+
+
+def _moves_along(index, args: dict, trips: dict) -> str | None:
+    """The grid loop an access's last index moves by one with, if any."""
+    v = _unit_iter(index[-1]) if index else None
+    return next((q for q in trips if unit_step(args[v], q)), None) if v in args else None
+
+
+def _unit_iter(e) -> str | None:
+    """The statement iterator that index e moves by one with (i, i + 64 * h), if any."""
+    if isinstance(e, Var):
+        return e.name if e.kind == "iter" else None
+    if isinstance(e, Op) and e.op in ("add", "sub"):
+        a, b = e.args
+        for u, other in ((a, b), (b, a)) if e.op == "add" else ((a, b),):
+            v = _unit_iter(u)
+            if v is not None and not any(isinstance(y, Var) and y.name == v for y in walk(other)):
+                return v
+    return None
 
 
 # -------------------------------------------------------------- scatters

@@ -26,7 +26,7 @@ from ..errors import UnsupportedOpError
 from ..expr import Load, Var, offset
 from ..schedule import statements_in
 from . import mathlib
-from .gpu_mapping import (BLOCK, VECTOR, WARP, AtomicStrips, GpuMapper, HaloStrips, KernelPlan, Library,
+from .gpu_mapping import (BLOCK, TILE_COLS, TILE_ROWS, VECTOR, WARP, AtomicStrips, GpuMapper, HaloStrips, KernelPlan, Library,
                           PointPerThread, ScatterPoints, TiledContraction, Vector, WarpRows, iter_vars)
 from .mapping import mapping_text
 from .llvm import COMPUTE, F32, F64, I32, I64, PTR, STORAGE, Emitter, KernelInfo, Strips
@@ -459,6 +459,9 @@ class GpuEmitter(_RowEmission, _StripEmission, Emitter):
         self.ctx.claims = plan.vector.claims if copy == 0 else None
         if copy:
             b.store(b.add(inner["first"], ir.Constant(I64, copy)), self.var(bounds[-1][0]))
+        elif isinstance(plan, PointPerThread) and plan.tile:
+            self.tile_point(*plan.tile, b.load(g, typ=I64), bounds, VECTOR if copy == 0 else 1)
+            inner["first"] = b.load(self.var(bounds[-1][0]), typ=I64)
         else:
             rem = b.load(g, typ=I64)
             for k, (it, first_it, inc, trips) in enumerate(reversed(bounds)):
@@ -477,6 +480,29 @@ class GpuEmitter(_RowEmission, _StripEmission, Emitter):
         else:
             self.node(plan.grid.rest)
         self.ctx.claims = None
+
+    def tile_point(self, cols: str, rows: str, rem: ir.Value, bounds: list, group: int) -> None:
+        """The iterators of grid iteration rem where each warp's 32 take a
+        TILE_COLS x TILE_ROWS tile of loops cols and rows (a column: a
+        vector group of `group` iterations), the block's warps consecutive
+        tiles along rows."""
+        b = self.b
+        if group > 1:
+            rem = b.udiv(rem, ir.Constant(I64, group))
+        lane = b.urem(rem, ir.Constant(I64, WARP))
+        rem = b.udiv(rem, ir.Constant(I64, WARP))
+        by_name = {x[0]: x for x in bounds}
+        order = [by_name[rows], by_name[cols]] + [x for x in reversed(bounds) if x[0] not in (cols, rows)]
+        for it, first_it, inc, trips in order:
+            side, at = {cols: (TILE_COLS * group, b.mul(b.urem(lane, ir.Constant(I64, TILE_COLS)),
+                                                         ir.Constant(I64, group))),
+                        rows: (TILE_ROWS, b.udiv(lane, ir.Constant(I64, TILE_COLS)))}.get(it, (1, None))
+            tiles = b.udiv(trips, ir.Constant(I64, side)) if side > 1 else trips
+            idx = b.urem(rem, tiles)
+            rem = b.udiv(rem, tiles)
+            if at is not None:
+                idx = b.add(b.mul(idx, ir.Constant(I64, side)), at)
+            b.store(b.add(first_it, b.mul(idx, inc)), self.var(it))
 
     def point_loops(self, plan: PointPerThread, iteration, g, span: tuple, bounds: list) -> None:
         """Straight-line bodies (elementwise code) take several iterations per
