@@ -413,12 +413,32 @@ def test_the_library_timing_counts_the_weight_the_generated_nest_packs(rng, monk
     library reads it in place."""
     from polyjit import library
     monkeypatch.setattr(library, "_measured", {})
-    x, w = rng.standard_normal((128, 256), dtype=F32), rng.standard_normal((64, 256), dtype=F32)
+    x, w = rng.standard_normal((96, 256), dtype=F32), rng.standard_normal((64, 256), dtype=F32)  # (few rows: timed)
     exe = polyjit.compile(lambda x, w: ops.matmul(x, ops.permute(w, [1, 0])), [InputInfo(x.shape, F32),
                                                                               InputInfo(w.shape, F32)], {"cache": False})
     np.testing.assert_allclose(exe(x, w), x.astype(np.float64) @ w.T, rtol=1e-4, atol=1e-4)
     (key,) = library._measured
     assert key[1][1][0] == (64, 256) and key[2][1] == ((1, 0),), key
+
+
+@needs_blas
+@pytest.mark.parametrize("shape,untimed", [((128, 256, 192), True), ((100, 300, 77), False), ((64, 256, 256), True)])
+def test_products_in_whole_register_blocks_run_generated_untimed(shape, untimed, rng, monkeypatch):
+    """contractions="auto" settles a float32 product whose register blocks
+    are whole, on a 512-bit host, without timing it (the CPU target's model,
+    checked per shape by bench/products.py); partial blocks are timed."""
+    from polyjit import library
+    from polyjit.codegen.cpu import vector_bits
+    monkeypatch.setattr(library, "_measured", {})
+    timings = []
+    monkeypatch.setattr(library, "_time", lambda exes, args: timings.append(len(exes)) or [1.0, 0.0])
+    m, k, n = shape
+    a, b = rng.standard_normal((m, k), dtype=F32), rng.standard_normal((k, n), dtype=F32)
+    exe = polyjit.compile(ops.matmul, [InputInfo(a.shape, F32), InputInfo(b.shape, F32)], {"cache": False})
+    np.testing.assert_allclose(exe(a, b), a.astype(np.float64) @ b, rtol=1e-4, atol=1e-4)
+    modeled = untimed and vector_bits() >= 512
+    assert bool(timings) != modeled and exe.stats["library_calls"] == 0, exe.stats["contractions"]
+    assert ("register blocks" in exe.stats["contractions"][0]) == modeled
 
 
 @needs_blas

@@ -41,9 +41,11 @@ def test_mapping_names_each_kernels_decisions():
     assert "streaming" not in small_blur and "(stack)" in small_blur
     [large_blur] = _mapping(blur, [(3, 1030, 1029)])
     assert "streaming stores to" in large_blur
-    products = REG_ROWS * REG_VECTORS * vector_bits() // 32
+    lanes = vector_bits() // 32
+    products = REG_ROWS * REG_VECTORS * lanes
     mm = _mapping(ops.matmul, [(128, 256), (256, 256)], contractions="generated")
-    assert mm[-1] == f"thread team; parallel c0; register blocks of {products} products"
+    assert re.fullmatch(rf"thread team; parallel c0; register blocks of {products} products; c\d+ in vectors of {lanes}",
+                        mm[-1]), mm
     assert _mapping(lambda x: ops.sum(x), [(5,)]) == ["one thread"]  # no parallel loop
     assert _mapping(lambda x: x * 2.0, [(64, 64)]) == ["thread team; parallel c0"]
     if blas() is not None:
@@ -111,3 +113,32 @@ def test_column_sums_keep_their_columns_innermost(axes, rng):
     update = next(k for k, line in enumerate(lines) if line.strip().startswith("S1("))
     column = re.match(r"\s*S1\((c\d)", lines[update]).group(1)
     assert f"for (int {column} =" in lines[update - 1], exe.ir("ast")
+
+
+@pytest.mark.parametrize("m,k,n", [(64, 48, 128), (20, 33, 77), (3, 5, 7)])
+def test_whole_register_blocks_are_emitted_in_vectors(m, k, n, rng):
+    """A product's register block is emitted as vector operations where its
+    columns are whole vectors (one IR instruction per vector, not per
+    element, for LLVM to take apart), scalars elsewhere; the results agree
+    with numpy either way, NaN and infinities included."""
+    a, b = rng.standard_normal((m, k), dtype=F32), rng.standard_normal((k, n), dtype=F32)
+    a[0, 0], b[1, 2] = np.nan, np.inf
+    exe = polyjit.compile(lambda a, b: ops.matmul(a, b) * 2.0, [InputInfo(a.shape, F32), InputInfo(b.shape, F32)],
+                          {"contractions": "generated", "cache": False})
+    lanes = vector_bits() // 32
+    vectorized = n % lanes == 0
+    assert (f"in vectors of {lanes}" in exe.ir("mapping")) == vectorized, exe.ir("mapping")
+    assert (f"<{lanes} x float>" in exe.ir("llvm")) == vectorized
+    np.testing.assert_allclose(exe(a, b), (a.astype(np.float64) @ b) * 2, rtol=1e-5, atol=1e-5)
+
+
+def test_a_padded_convolution_keeps_its_guarded_loads_scalar(rng):
+    """A float64 NCHW convolution's register block runs along image
+    columns, where the padding guard differs from lane to lane: no vectors
+    there (the fill cell holds one element), and the result is eager's."""
+    x, w = rng.standard_normal((2, 16, 12, 12)), rng.standard_normal((32, 16, 3, 3))
+    exe = polyjit.compile(lambda x, w: ops.conv(x, w, (1, 1), ((1, 1), (1, 1))),
+                          [InputInfo(x.shape, np.float64), InputInfo(w.shape, np.float64)],
+                          {"contractions": "generated", "cache": False})
+    assert "register blocks" in exe.ir("mapping") and "vectors of" not in exe.ir("mapping")
+    np.testing.assert_allclose(exe(x, w), refs.conv2d(x, w, padding=((1, 1), (1, 1))), rtol=1e-10, atol=1e-10)

@@ -57,6 +57,8 @@ PROGRAMS = [
     ("matmul", ops.matmul, lambda a, b: a.astype(np.float64) @ b, lambda n, m: [(n, 37), (37, m)]),
     ("sum_all", lambda x: ops.sum(x, [0, 1]), lambda x: x.astype(np.float64).sum(), lambda n, m: [(n, m)]),
     ("column_sum", lambda x: ops.sum(x, [0]), lambda x: x.astype(np.float64).sum(0), lambda n, m: [(n, m)]),
+    ("nest_column_sum", lambda x: ops.sum(x, [0, 1]), lambda x: x.astype(np.float64).sum((0, 1)),
+     lambda n, m: [(3, 2 * n + 60, m)]),  # strips of the inner loop, in each iteration of the outer
     ("row_then_column", lambda x: ops.sum(x * ops.rsqrt(ops.sum(x * x, [-1], True) + 1.0), [0]),
      lambda x: (x.astype(np.float64) / np.sqrt((x.astype(np.float64) ** 2).sum(-1, keepdims=True) + 1)).sum(0),
      lambda n, m: [(n, m)]),  # a layer norm's weight gradient: fusing both sums leaves no parallel loop
@@ -144,7 +146,9 @@ def test_mapping_stage_names_each_kernels_form(tmp_path, monkeypatch):
     pointwise = _mapping(lambda x: ops.exp(x) * 2.0, [(37, 44)])
     assert pointwise == ["point per thread: grid c0 x c1, groups of 4 where aligned (2 accesses), stores deferred"]
     assert _mapping(lambda x: ops.sum(x, [0]), [(4096, 64)])[0].startswith(
-        "atomic strips: grid c0, strips of 256 iterations of c1, 1 sum added atomically, 1 array zeroed first")
+        "atomic strips: grid c0, strips of 64 iterations of c1, 1 sum added atomically, 1 array zeroed first")
+    assert _mapping(lambda x: ops.sum(x, [0, 1]), [(16, 256, 64)])[0].startswith(  # a nest: its inner loop in strips
+        "atomic strips: grid c0, strips of 64 iterations of c2 in each iteration of c1, 1 sum added atomically")
     assert _mapping(blur, [(3, 68, 68)])[0].startswith("halo strips: grid c0 x c1, strips of 64 iterations of c2")
     assert "nest per thread" in _mapping(lambda x: ops.softmax(x, -1), [(8, 8)])[0]
     exe = polyjit.compile(blur, [InputInfo([3, 12, 12], F32)], {**PTX_ONLY, "debug": True, "dump_dir": str(tmp_path)})
@@ -236,7 +240,7 @@ def run_threads_on_cpu(exe, arrays, grid=3, block=64):
     return [bufs[n] for n in prog.output_arrays]
 
 
-THREAD_FORMS = ["blur", "cos_sin", "matmul", "sum_all", "column_sum"]  # strips, grid loop, sums
+THREAD_FORMS = ["blur", "cos_sin", "matmul", "sum_all", "column_sum", "nest_column_sum"]  # strips, grid loop, sums
 
 
 @pytest.mark.parametrize("name,fn,ref,shapes", [p for p in PROGRAMS if p[0] in THREAD_FORMS],
@@ -961,6 +965,22 @@ def test_large_grids_sum_in_one_thread_each():
     assert "atom.global.add.f32" in small.ir("ptx")
 
 
+def test_a_sum_into_a_few_rows_runs_along_the_columns(rng):
+    """A scatter into two rows (BERT's token-type gradient), a sum per row
+    whose terms are read along the columns: threads take the columns
+    (coalesced), strips of the summed rows added atomically. The row ids,
+    read alike by every column, do not make it a row per warp (whose lanes
+    would read a column each, 3 KB apart)."""
+    idx, src = rng.integers(0, 2, size=(300,)).astype(np.int64), rng.standard_normal((300, 40)).astype(F32)
+    w = rng.standard_normal(300).astype(F32)  # (one more read along the rows alone)
+    exe = polyjit.compile(lambda i, s, w: ops.scatter_add([2, 40], i, s * ops.reshape(w, [300, 1]), 0),
+                          [InputInfo(a.shape, a.dtype) for a in (idx, src, w)], PTX_ONLY)
+    assert exe.ir("mapping").splitlines()[-1].split(": ", 1)[1].startswith("atomic strips: grid c0 x c1"), \
+        exe.ir("mapping")
+    want = np.stack([(src * w[:, None])[idx == k].astype(np.float64).sum(0) for k in range(2)])
+    np.testing.assert_allclose(run_threads_on_cpu(exe, [idx, src, w])[0], want, rtol=1e-4, atol=1e-4)
+
+
 def test_a_windows_repeated_reads_reach_the_dataflow_analysis_once(monkeypatch):
     """A padded 5x5 depthwise window reads its input through 25 copies of one
     widened access (a clamped index is not affine); isl's dataflow analysis
@@ -1040,7 +1060,7 @@ def test_numpy_on_the_gpu(name, fn, ref, shapes, n, m, rng):
     exe = polyjit.compile(fn, [InputInfo(a.shape, F32) for a in arrays], {"target": "nvgpu"})
     got = exe(*arrays)
     assert isinstance(got, np.ndarray)
-    tol = 1e-4 if name in ("matmul", "sum_all", "column_sum") else 1e-5
+    tol = 1e-4 if name in ("matmul", "sum_all", "column_sum", "nest_column_sum") else 1e-5
     np.testing.assert_allclose(got, ref(*arrays), rtol=tol, atol=tol * max(1, np.sqrt(n * m) / 30))
 
 

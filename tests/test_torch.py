@@ -634,8 +634,8 @@ def test_the_forward_saves_what_the_backward_cannot_recompute():
     r = torch.randn(5, 8)
     (out * r).sum().backward()
     (mlp(*ref) * r).sum().backward()
-    for a, b in zip(args[1:], ref[1:]):
-        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-5)
+    for a, b in zip(args[1:], ref[1:]):  # (sums of terms up to ~50 that cancel: the error scales with them)
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-5 * b.grad.abs().max().item())
 
 
 def test_saved_weight_transposes_are_views_of_the_weights():

@@ -19,7 +19,9 @@ from llvmlite import ir
 from .. import sizes as sz
 from ..expr import Const
 from .blas import emit_gemm
-from .cpu_mapping import CpuMapper, CpuPlan, SplitStrips
+from ..expr import Var, walk
+from .cpu_mapping import CpuMapper, CpuPlan, SplitStrips, VectorBlock
+from .irtypes import I32
 from .llvm import I64, STORAGE, Emitter
 
 KERNEL_T = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
@@ -55,6 +57,8 @@ class CpuContext:
     streaming: str | None = None  # the array whose stores the loop being emitted streams
     streamed: bool = False  # the body being emitted has streaming stores
     blocked: bool = False  # the statement being emitted is a contraction's update (register blocks)
+    vector: VectorBlock | None = None  # the unrolled loop being emitted in vectors
+    along: str | None = None  # the iterator of the statement being emitted that moves with it
 
 
 class CpuEmitter(Emitter):
@@ -70,7 +74,7 @@ class CpuEmitter(Emitter):
 
     def kernel(self, k: int, node: isl.AstNode, plan: CpuPlan | None = None) -> None:
         """Kernel k as plan says (mapped now where not given)."""
-        plan = plan or CpuMapper(self.prog, self.sched).kernel(k, node)
+        plan = plan or CpuMapper(self.prog, self.sched, vector_bits()).kernel(k, node)
         self.plans.append(plan)
         self.ctx = CpuContext(plan)
         super().kernel(k, node)
@@ -132,14 +136,73 @@ class CpuEmitter(Emitter):
             self.b.fence("seq_cst")
 
     def store_element(self, arr, index, ptr, val):
+        if self.ctx.along is not None:  # a vector block's statement: a vector to its lanes' elements
+            if not isinstance(val.type, ir.VectorType):
+                val = self.splat(val)
+            if not ptr.type.is_opaque:  # (a private buffer's alloca is typed)
+                ptr = self.b.bitcast(ptr, val.type.as_pointer())
+            return self.b.store(self.to_storage(val, arr.dtype), ptr, align=arr.dtype.itemsize)
         store = super().store_element(arr, index, ptr, val)
         if arr.name == self.ctx.streaming:
             store.set_metadata("alias.scope", self.stream_scope())
         return store
 
     def statement(self, call) -> None:
-        self.ctx.blocked = call.get_op_arg(0).get_id().get_name() in self.ctx.plan.blocked
+        name = call.get_op_arg(0).get_id().get_name()
+        self.ctx.blocked = name in self.ctx.plan.blocked
+        if self.ctx.vector is None:
+            return super().statement(call)
+        it = self.ctx.vector.iterator
+        iters = self.stmts[name].iters
+        self.ctx.along = next(iters[k] for k in range(len(iters))
+                              if call.get_op_arg(k + 1).get_type() == isl.ast_expr_type.id
+                              and call.get_op_arg(k + 1).get_id().get_name() == it)
         super().statement(call)
+        self.ctx.along = None
+
+    def unrolled(self, n: isl.AstNode) -> None:
+        """A loop the plan runs in vectors: one copy of its body per vector of
+        iterations, the iterator at each vector's first (the plan checked
+        that the loop runs whole vectors)."""
+        vector = self.ctx.plan.vectors.get(self.at)
+        if vector is None:
+            return super().unrolled(n)
+        b = self.b
+        trips, rest = self.unroll[0], self.unroll[1:]
+        slot = self.var(vector.iterator)
+        lo = self.aexpr(n.for_get_init())
+        outer, self.unroll, self.ctx.vector = self.unroll, rest, vector
+        for i in range(0, trips, vector.lanes):
+            b.store(b.add(lo, ir.Constant(I64, i)), slot)
+            self.descend(n.for_get_body(), 0)
+        self.unroll, self.ctx.vector = outer, None
+
+    def _vector_index(self, index) -> bool:
+        along = self.ctx.along
+        return along is not None and any(isinstance(x, Var) and x.name == along for e in index for x in walk(e))
+
+    def load_element(self, arr, index, ptr):
+        """In a vector block, a vector of the elements from ptr on where index moves with it."""
+        if not self._vector_index(index):
+            return super().load_element(arr, index, ptr)
+        return self.b.load(ptr, typ=ir.VectorType(STORAGE[arr.dtype], self.ctx.vector.lanes), align=arr.dtype.itemsize)
+
+    def accumulated(self, arr, index, ptr):
+        return self.load_element(arr, index, ptr)
+
+    def splat(self, v) -> ir.Value:
+        """Scalar v in every lane of the vector block's vectors."""
+        vt = ir.VectorType(v.type, self.ctx.vector.lanes)
+        if isinstance(v, ir.Constant):
+            return ir.Constant(vt, [v.constant] * vt.count)
+        one = self.b.insert_element(ir.Constant(vt, ir.Undefined), v, ir.Constant(I32, 0))
+        return self.b.shuffle_vector(one, ir.Constant(vt, ir.Undefined),
+                                     ir.Constant(ir.VectorType(I32, vt.count), [0] * vt.count))
+
+    def op(self, op, a, dt, adts):
+        if self.ctx is not None and self.ctx.along is not None and any(isinstance(x.type, ir.VectorType) for x in a):
+            a = [x if isinstance(x.type, ir.VectorType) else self.splat(x) for x in a]
+        return super().op(op, a, dt, adts)
 
     def library_call(self, s, env, cache) -> None:
         """BLAS's sgemm, each part on its strip where the plan splits it."""

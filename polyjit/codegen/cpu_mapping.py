@@ -20,7 +20,11 @@ the plan says, and the plans print as a stage of their own
 - register blocks: the contraction updates the emitter unrolls into a
   block whose accumulators stay in vector registers (the scheduler's
   cpu_rewrites sized it and marked its loops); their padded loads read a
-  fill cell rather than select a value;
+  fill cell rather than select a value. A block's innermost loop whose
+  iterations are whole vectors of contiguous float32 elements is emitted
+  as vector operations (:class:`VectorBlock`): LLVM's SLP vectorizer would
+  make the same vectors of the scalar copies, in most of a product's
+  compile time;
 - private buffers, on the stack or the heap.
 
 Which loops may run in parallel is the scheduler's to say, not the plan's
@@ -33,9 +37,9 @@ a marked loop runs: in chunks, in strips of a sequential loop below that
 only private buffers connect (row_strips), or not split at all inside a
 loop already shared.
 
-Which loops are vectorized, and how wide, is LLVM's choice after emission
-(codegen.cpu.optimize; every function prefers 512-bit vectors on an
-AVX-512 host, prefer_wide_vectors): no plan names it.
+Which other loops are vectorized, and how wide, is LLVM's choice after
+emission (codegen.cpu.optimize; every function prefers 512-bit vectors on
+an AVX-512 host, prefer_wide_vectors): no plan names them.
 
 Decisions are keyed by where they sit in the kernel's AST: a path of child
 positions from its root (a block's i-th child, 0 for a loop's body, a
@@ -54,9 +58,10 @@ import islpy as isl
 from .. import sizes as sz
 from ..affine import AffineProgram, Array
 from ..dtypes import DataType
-from ..expr import Var, walk
+from ..expr import Const, Expr, Load, Op, Var, select_parts, walk
 from ..schedule import MIN_PARALLEL_EXTENT, Scheduled, is_update
-from ..schedule.ast import ast_calls, ast_nodes, ast_uses, static_extent, statements_in, unit_step
+from ..schedule.ast import (ast_affine, ast_calls, ast_nodes, ast_uses, fixed_extent, static_extent, statements_in,
+                            unit_step)
 from ..schedule.tree import unrolled_trips
 from .mapping import Strips, StripMapping, loop_iterator, on_stack
 
@@ -118,6 +123,22 @@ class LibraryCall:
         return f"BLAS sgemm of {self.statement.name}, {how}"
 
 
+@dataclass
+class VectorBlock:
+    """The innermost unrolled loop of a register block, emitted in vectors
+    of lanes iterations: each statement under it reads vectors of
+    contiguous elements along it (or one element, broadcast) and writes
+    one vector, a whole number of them per trip."""
+
+    iterator: str
+    lanes: int
+
+    def __str__(self) -> str:
+        return f"{self.iterator} in vectors of {self.lanes}"
+
+
+VECTOR_OPS = frozenset({"add", "sub", "mul", "neg"})  # what a vector block's statements may compute
+
 Split = Union[SplitLoop, SplitStrips]
 
 
@@ -130,6 +151,7 @@ class CpuPlan:
     library: dict[Path, LibraryCall] = field(default_factory=dict)  # library statements' calls
     blocked: frozenset[str] = frozenset()  # contraction updates, unrolled into register blocks
     block: int = 0  # the most updates unrolled into one loop body (a register block)
+    vectors: dict[Path, VectorBlock] = field(default_factory=dict)  # unrolled loops emitted in vectors
     buffers: dict[str, bool] = field(default_factory=dict)  # private buffer -> on the stack
 
     @property
@@ -141,6 +163,7 @@ class CpuPlan:
         parts = [str(x) for x in self.splits.values()] + [str(x) for x in self.library.values()]
         if self.blocked:
             parts.append(f"register blocks of {self.block} products")
+        parts += [str(x) for x in self.vectors.values()]
         parts += [str(x) for x in self.streams.values()]
         if self.buffers:
             parts.append("private " + ", ".join(f"{a} ({'stack' if s else 'heap'})"
@@ -152,9 +175,11 @@ class CpuPlan:
 class CpuMapper(StripMapping):
     """What a kernel is mapped for: the program and its schedule."""
 
-    def __init__(self, prog: AffineProgram, sched: Scheduled) -> None:
+    def __init__(self, prog: AffineProgram, sched: Scheduled, vector_bits: int = 512) -> None:
         self.prog, self.sched = prog, sched
         self.stmts = {s.name: s for s in prog.statements}
+        self.lanes = vector_bits // 32  # float32 elements in a vector
+        self.unroll: tuple[int, ...] = ()  # under an unroll mark: trip counts still to unroll, as LoopEmission
 
     def kernel(self, k: int, node: isl.AstNode) -> CpuPlan:
         """The plan of kernel k, whose nest is node."""
@@ -188,7 +213,16 @@ class CpuMapper(StripMapping):
             stream = self.stream_target(n) if self.may_stream(plan) else None
             if stream is not None:
                 plan.streams[at] = stream
+            unroll = self.unroll
+            if unroll and 0 < unroll[0] and (static_extent(n) or 0) <= unroll[0]:  # LoopEmission.unrolled
+                self.unroll = unroll[1:]
+                vectors = self.vector_block(n, unroll[0]) if plan.blocked and not self.unroll else None
+                if vectors is not None:
+                    plan.vectors[at] = vectors
+            elif unroll:
+                self.unroll = unroll[1:] if unroll[0] == 0 else ()
             self.walk(n.for_get_body(), at + (0,), plan, shared)
+            self.unroll = unroll
         elif t == isl.ast_node_type.if_:
             self.walk(n.if_get_then_node(), at + (0,), plan, shared)
             if n.if_has_else_node():
@@ -204,6 +238,12 @@ class CpuMapper(StripMapping):
         """A parallel mark outside the loops the parts share, on the loop it
         names, is split: in chunks, or in strips where the loop is short."""
         child, name = n.mark_get_node(), n.mark_get_id().get_name()
+        trips = unrolled_trips(name)
+        if trips is not None:
+            outer, self.unroll = self.unroll, trips
+            self.walk(child, at + (0,), plan, shared)
+            self.unroll = outer
+            return
         if shared or not name.startswith("parallel:") or child.get_type() != isl.ast_node_type.for_ \
                 or not self.splittable(child) or name != "parallel:" + loop_iterator(child):
             return self.walk(child, at + (0,), plan, shared)
@@ -213,6 +253,65 @@ class CpuMapper(StripMapping):
             return self.walk(child.for_get_body(), at + (0, 0), plan, True)  # (a split loop streams nothing)
         plan.splits[at] = SplitStrips(loop_iterator(child), strips)
         self.walk(strips.loop.for_get_body(), at + (0, 0, 0), plan, True)
+
+    def vector_block(self, loop: isl.AstNode, trips: int) -> VectorBlock | None:
+        """Loop, unrolled trips times innermost in a register block, in
+        vectors: it runs exactly trips iterations from a multiple of the
+        lanes, and each float32 statement under it stores along it (its
+        iterator an index of the innermost dimension, as it is) what
+        VECTOR_OPS compute of loads that run contiguously along it or do not
+        move with it."""
+        it, lanes = loop_iterator(loop), self.lanes
+        first = ast_affine(loop.for_get_init())
+        if trips % lanes or fixed_extent(loop) != trips or first is None or any(v % lanes for v in first.values()):
+            return None
+        calls = ast_calls(loop.for_get_body())
+        if not calls:
+            return None
+        for call in calls:
+            s = self.stmts[self.call_name(call)]
+            arr = self.prog.arrays[s.array]
+            args = [call.get_op_arg(i + 1) for i in range(len(s.iters))]
+            moving = [k for k, a in enumerate(args) if ast_uses(a, {it})]
+            if s.library is not None or arr.dtype is not DataType.Float or arr.strided or len(moving) != 1 \
+                    or args[moving[0]].get_type() != isl.ast_expr_type.id \
+                    or not _along_one_dimension(s, arr, args, it):
+                return None
+            var = s.iters[moving[0]]
+            moduli = self.sched.contracted.get(arr.name)
+            d = next(d for d, e in enumerate(s.index) if e == Var(e.dtype, var))
+            if moduli is not None and moduli[d] is not None and moduli[d] % lanes:
+                return None
+            if not self._vector_value(s.body, var):
+                return None
+        return VectorBlock(it, lanes)
+
+    def _vector_value(self, e: Expr, var: str) -> bool:
+        """Whether e can be computed in vectors along iterator var."""
+        if isinstance(e, Const):
+            return True
+        if isinstance(e, Load):
+            return self._vector_load(e, var)
+        if isinstance(e, Op):
+            sel = select_parts(e)
+            if sel is not None:  # a padded load, kept scalar: its fill cell holds one element
+                return not any(_moves(x, var) for x in walk(e))
+            return e.op in VECTOR_OPS and all(self._vector_value(a, var) for a in e.args)
+        return False
+
+    def _vector_load(self, ld: Load, var: str) -> bool:
+        """A load that does not move with var (one element, broadcast), or a
+        float32 one whose index moves one element as var does, in its
+        innermost dimension, through no private buffer's modulus."""
+        moving = [d for d, x in enumerate(ld.index) if any(_moves(y, var) for y in walk(x))]
+        if not moving:
+            return True
+        arr = self.prog.arrays[ld.array]
+        moduli = self.sched.contracted.get(arr.name)
+        d = moving[0]
+        return len(moving) == 1 and arr.dtype is DataType.Float and not arr.strided \
+            and _unit_in(ld.index[d], var) and all(x == 1 for x in arr.shape[d + 1:]) \
+            and (moduli is None or moduli[d] is None)
 
     def row_strips(self, loop: isl.AstNode) -> Strips | None:
         """Strips of the sequential loop under a parallel loop too short to keep
@@ -252,6 +351,21 @@ class CpuMapper(StripMapping):
                 return None
             found = StreamedLoop(it, arr.name, call)
         return found
+
+
+def _moves(e: Expr, var: str) -> bool:
+    return isinstance(e, Var) and e.name == var
+
+
+def _unit_in(e: Expr, var: str) -> bool:
+    """Whether index e is var plus or minus terms without it."""
+    if _moves(e, var):
+        return True
+    if not isinstance(e, Op) or e.op not in ("add", "sub"):
+        return False
+    a, b = e.args
+    return (_unit_in(a, var) and not any(_moves(x, var) for x in walk(b))) or \
+        (e.op == "add" and _unit_in(b, var) and not any(_moves(x, var) for x in walk(a)))
 
 
 def _along_one_dimension(s, arr: Array, args: list, it: str) -> bool:

@@ -61,7 +61,8 @@ VECTOR = 4  # consecutive iterations of an elementwise loop per group (16 bytes 
 ROW_GROUPS = 8  # a lane loop of at most this many groups per lane is unrolled whole
 TILE, KTILE = 64, 16  # a contraction's output tile per block, and its reduction slice in shared memory
 BIG_TILE = 128  # the tile of long products
-STRIP_REDUCE = 256  # iterations of a summing loop per thread before its atomic add
+STRIP_REDUCE = 256  # iterations of a sum of everything per thread before its atomic add (one address)
+STRIP_COLUMN = 64  # the same where a grid loop spreads the atomics (a column sum); and of a nest's innermost loop
 ATOMIC_COMBINES = ("sum",)  # reductions whose strips end in an atomic read-modify-write (an atomic add)
 ATOMIC_DTYPES = (DataType.Float, DataType.Double, DataType.Int32, DataType.Int)  # what atomics add
 THREADS_PER_MULTIPROCESSOR = 2048  # resident threads (sm_70 to sm_90)
@@ -168,7 +169,8 @@ class AtomicStrips(_StripForm):
 
     def detail(self) -> str:
         s = self.strips
-        return f", {_n(len(s.calls), 'sum')} added atomically, {_n(len(s.zeroed), 'array')} zeroed first"
+        outer = f" in each iteration of {', '.join(map(loop_iterator, s.outer))}" if s.outer else ""
+        return f"{outer}, {_n(len(s.calls), 'sum')} added atomically, {_n(len(s.zeroed), 'array')} zeroed first"
 
 
 @dataclass
@@ -472,7 +474,12 @@ def atomic_strips(m: GpuMapper, rest: isl.AstNode, grid_iters: set[str]) -> Stri
     """Strips of a sum when rest zeroes some arrays and then one loop (or
     perfect nest) sums into elements that do not move with it (a column
     sum): strips run in parallel, each adding its partial sums
-    atomically; the runtime zeroes the arrays before the launch."""
+    atomically; the runtime zeroes the arrays before the launch. In a
+    perfect nest whose bounds are free of each other, the innermost loop
+    is stripped and each strip runs in one iteration of the loops around
+    it. A strip per iteration of the outer loop had left too few loads in
+    flight: a [32, 3136, 64] sum over its first two dimensions (a
+    channels-last batch norm's) took 30x as long (bench/NOTES.md)."""
     kids = ast_children(rest)
     if not kids or kids[-1].get_type() != isl.ast_node_type.for_:
         return None
@@ -499,8 +506,15 @@ def atomic_strips(m: GpuMapper, rest: isl.AstNode, grid_iters: set[str]) -> Stri
     if zeroed is None or any(ld.array in targets for c in calls
                              for ld in loads(m.call_statement(c.user_get_expr()).body)):
         return None
-    return Strips(loop, STRIP_REDUCE if len(nest) == 1 else 1, 0, tuple(sorted(zeroed)),
-                  [c.user_get_expr() for c in calls])
+    sums = [c.user_get_expr() for c in calls]
+    if len(nest) == 1:
+        return Strips(loop, STRIP_COLUMN if grid_iters else STRIP_REDUCE, 0, tuple(sorted(zeroed)), sums)
+    loops = [loop]
+    while len(loops) < len(nest):
+        loops.append(ast_children(loops[-1].for_get_body())[0])
+    if all(m._free(x, grid_iters | set(nest) - {loop_iterator(x)}) for x in loops):
+        return Strips(loops[-1], STRIP_COLUMN, 0, tuple(sorted(zeroed)), sums, outer=loops[:-1])
+    return Strips(loop, 1, 0, tuple(sorted(zeroed)), sums)
 
 
 def _zeroed_first(m: GpuMapper, inits: list, targets: set[str]) -> set[str] | None:
@@ -651,8 +665,9 @@ def _contiguity(stmts: list, written: dict, reduced: set[str]) -> tuple[int, int
         accesses = {(ld.array, str(ld.index)): ld.index for ld in loads(s.body)}
         if not s.combine:
             accesses[s.array, str(s.index)] = s.index
-        for index in accesses.values():  # once each; a row's own scalars (gather indices) do not count
-            if index and _depends(index, along):
+        for index in accesses.values():  # once each; a row's own scalars (gather indices) do not count,
+            # nor what every grid iteration reads alike (a warp's threads read it at once)
+            if index and _depends(index, along) and _depends(index, grid):
                 lanes_contiguous += _depends(index[-1:], along)
                 threads_contiguous += _depends(index[-1:], grid)
     return lanes_contiguous, threads_contiguous

@@ -192,7 +192,7 @@ class Emitter(LoopEmission, StripEmission, ValueEmission):
         arr = self.prog.arrays[s.array]
         ptr = self.address(arr, s.index, env, cache)
         if s.combine is not None:
-            old = self.from_storage(self.b.load(ptr, typ=STORAGE[arr.dtype]), arr.dtype)
+            old = self.accumulated(arr, s.index, ptr)
             val = self.combine(s.combine, old, val, arr.dtype)
         self.store_element(arr, s.index, ptr, val)
 
@@ -201,6 +201,10 @@ class Emitter(LoopEmission, StripEmission, ValueEmission):
         padding (a hook: the CPU selects the address instead)."""
         return self.b.select(self.value(cond, env, cache), self.value(load, env, cache),
                              self.value(fill, env, cache))
+
+    def accumulated(self, arr: Array, index, ptr) -> ir.Value:
+        """The value a reduction's update combines with, read from ptr (a hook)."""
+        return self.from_storage(self.b.load(ptr, typ=STORAGE[arr.dtype]), arr.dtype)
 
     def load_element(self, arr: Array, index, ptr) -> ir.Value:
         """arr[index], read from ptr (a hook: targets may add alignment)."""

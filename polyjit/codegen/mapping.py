@@ -35,6 +35,7 @@ class Strips:
     zeroed: tuple[str, ...] | None = None
     calls: list = field(default_factory=list)  # the summing statements' calls
     ring: int | None = None  # the one modulus of the private buffers' rolling dimensions
+    outer: list = field(default_factory=list)  # loops of a perfect nest around loop: an iteration each per strip
 
 
 def mapping_text(lines: list[tuple[str, object]]) -> str:

@@ -438,6 +438,11 @@ class GpuEmitter(_RowEmission, _StripEmission, Emitter):
             strips = self.trip_count(zero, one, self.trip_count(*strip_range), plan.strips.size)
             bounds.insert(0, ("gpu.strip", zero, one, strips))
             total = b.mul(total, strips)
+            for loop in reversed(plan.strips.outer):  # a nest's outer loops: an iteration per strip
+                lo, inc, hi = self.loop_range(loop)
+                trips = self.trip_count(lo, inc, hi)
+                bounds.insert(0, (loop.for_get_iterator().get_id().get_name(), lo, inc, trips))
+                total = b.mul(total, trips)
         first, step = self.part, self.parts
         if isinstance(plan, WarpRows):  # a warp (or block) per iteration: its lanes share the inner loops
             self.ctx.lanes = plan.lanes

@@ -29,7 +29,7 @@ from ..cache import ProcessCache
 from ..errors import UnsupportedOpError
 from ..schedule import ProgramSchedule, ScheduledGroup
 from .blas import SGEMM, register_symbols
-from .cpu import KERNEL_T, CpuEmitter, _lock, optimized_module, target_machine
+from .cpu import KERNEL_T, CpuEmitter, _lock, optimized_module, target_machine, vector_bits
 from .cpu_mapping import CpuMapper
 from .llvm import I64, PTR, KernelInfo, buffer_layout, kernel_name
 from .mapping import mapping_text
@@ -91,7 +91,7 @@ def kernel_code(group: ScheduledGroup, j: int, config: str, timer, variant: tupl
         return code, True
     node = group.sched.kernel_asts()[j]
     with timer("mapping"):
-        plan = CpuMapper(group.problem.prog, group.sched).kernel(j, node)
+        plan = CpuMapper(group.problem.prog, group.sched, vector_bits()).kernel(j, node)
     with timer("emit"):
         emitter = CpuEmitter(group.problem.prog, group.sched, "k")
         emitter.symbol = kernel_name(group.problem.prog, "", j, group.sched.kernels[j]).replace(

@@ -97,3 +97,49 @@ def unit_step(e: isl.AstExpr, it: str) -> bool:
     a, b = e.get_op_arg(0), e.get_op_arg(1)
     return (unit_step(a, it) and not ast_uses(b, {it})) or \
         (e.get_op_type() == add and unit_step(b, it) and not ast_uses(a, {it}))
+
+
+def ast_affine(e: isl.AstExpr) -> dict[str, int] | None:
+    """e as coefficients by iterator or parameter name ("" for the
+    constant), or None where e is no sum of multiples of names."""
+    t = e.get_type()
+    if t == isl.ast_expr_type.int:
+        return {"": e.get_val().to_python()}
+    if t == isl.ast_expr_type.id:
+        return {e.get_id().get_name(): 1}
+    T = isl.ast_expr_op_type
+    op = e.get_op_type()
+    args = [ast_affine(e.get_op_arg(i)) for i in range(e.get_op_n_arg())]
+    if any(a is None for a in args):
+        return None
+    if op == T.minus:
+        return {k: -v for k, v in args[0].items()}
+    if op in (T.add, T.sub):
+        out = dict(args[0])
+        for k, v in args[1].items():
+            out[k] = out.get(k, 0) + (v if op == T.add else -v)
+        return out
+    if op == T.mul:
+        a, b = args
+        if set(a) == {""}:
+            a, b = b, a
+        if set(b) != {""}:
+            return None
+        return {k: v * b[""] for k, v in a.items()}
+    return None
+
+
+def fixed_extent(loop: isl.AstNode) -> int | None:
+    """The trip count of a unit-step loop whose bounds differ by a number
+    (``for c = 64 * t; c <= 64 * t + 63``), else None."""
+    inc, cond = loop.for_get_inc(), loop.for_get_cond()
+    if inc.get_type() != isl.ast_expr_type.int or inc.get_val().to_python() != 1 \
+            or cond.get_op_type() not in (isl.ast_expr_op_type.le, isl.ast_expr_op_type.lt):
+        return None
+    lo, hi = ast_affine(loop.for_get_init()), ast_affine(cond.get_op_arg(1))
+    if lo is None or hi is None:
+        return None
+    diff = {k: hi.get(k, 0) - lo.get(k, 0) for k in set(lo) | set(hi)}
+    if any(v for k, v in diff.items() if k):
+        return None
+    return max(diff.get("", 0) + (cond.get_op_type() == isl.ast_expr_op_type.le), 0)

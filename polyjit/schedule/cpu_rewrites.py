@@ -92,9 +92,20 @@ def block_shape(rows: int | None, cols: int | None, lanes: int) -> tuple[int, in
     each product (a 784-column image ran at a third of the speed of 768), and
     a block of fewer than ACCUMULATORS vectors waits on its FMAs' latency
     (16 columns by 4 rows: a fifth of the speed of 16 by 16)."""
+    return _block_choice(rows, cols, lanes)[0]
+
+
+def block_fit(rows: int, cols: int, lanes: int) -> float:
+    """How well block_shape's block fits a rows x cols result: 1.0 where
+    the blocks are whole and keep every accumulator busy, less for guarded
+    partial blocks, partial vectors or idle accumulators."""
+    return _block_choice(rows, cols, lanes)[1]
+
+
+def _block_choice(rows: int | None, cols: int | None, lanes: int) -> tuple[tuple[int, int], float]:
     default = (REG_ROWS, REG_VECTORS * lanes)
     if cols is None:
-        return default
+        return default, 0.0
     best, best_score = default, -1.0
     for c in range(min(cols, MAX_VECTORS * lanes), 0, -1):  # the widest of equals: fewer broadcasts
         if cols % c and c != REG_VECTORS * lanes:
@@ -110,7 +121,7 @@ def block_shape(rows: int | None, cols: int | None, lanes: int) -> tuple[int, in
             * (0.5 if cols % c or (rows is not None and rows % r) else 1.0)
         if score > best_score + 1e-9:
             best, best_score = (r, c), score
-    return best
+    return best, best_score
 
 
 def register_block(point, roles, row, shape: tuple[int, int]) -> isl.ScheduleNode:

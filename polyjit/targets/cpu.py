@@ -14,6 +14,7 @@ from ..codegen.llvm import KernelInfo
 from ..codegen.program import CodeSet, LoadedProgram, build_program, entries_object
 from ..columns import columns_form
 from ..compiler import executable, from_plan
+from ..dtypes import DataType
 from ..graph import Graph, Node
 from ..library import blas, gemm_form
 from ..runtime import CompiledProgram
@@ -65,6 +66,29 @@ def _innermost(n: Node, d: int) -> bool:
     return d == n.rank - 1
 
 
+def _whole_blocks(L, n: Node, lanes: int, min_rows: int = 64, min_rows_packed: int = 128,
+                  max_elements: int = 1 << 22) -> str:
+    """Why a float32 product runs generated without timing, or "": one free
+    dimension on each side, its register blocks whole with every
+    accumulator busy (cpu_rewrites.block_fit), rows enough to pay for an
+    operand read through a transpose or packed at each call, and a result
+    of at most max_elements. Such products ran at 0.5-0.96x OpenBLAS's
+    time at every shape of bench/products.py; partial blocks (197 rows, 77
+    or 6282 columns) and a packed weight under few rows ran at up to 18x,
+    and larger results near the library's time: those stay timed."""
+    a, b = n.inputs
+    at, shape = n.attrs, L.shape(n)
+    free = [x.rank - len(at[c]) - len(at[bt]) for x, c, bt in ((a, "lc", "lb"), (b, "rc", "rb"))]
+    if n.dtype != DataType.Float or free != [1, 1] or not all(map(sz.is_static, shape)):
+        return ""
+    rows, cols = int(shape[-2]), int(shape[-1])
+    packed = any(i.is_index_transpose or i.attrs.get("packed") for i in n.inputs)
+    if rows < (min_rows_packed if packed else min_rows) or rows * cols > max_elements \
+            or cpu_rewrites.block_fit(rows, cols, lanes) < 1.0:
+        return ""
+    return f"whole {'x'.join(map(str, cpu_rewrites.block_shape(rows, cols, lanes)))} register blocks"
+
+
 class CpuTarget(Target):
     """The host: kernels shared by structure, compiled by LLVM on a thread
     of its own into object code, loaded into an MCJIT engine, run by the
@@ -109,13 +133,18 @@ class CpuTarget(Target):
         return exe
 
     def generated_wins(self, L, n: Node) -> str:
-        """A convolution along its positions (polyjit.columns) in 512-bit
+        """A float32 product in whole register blocks (_whole_blocks); a
+        convolution along its positions (polyjit.columns) in 512-bit
         register blocks: faster than sgemm over im2col at every ResNet-18
         shape measured (bench/NOTES.md), the columns' copy included; those
         shapes had odd kernels. An even one (a phase of a strided
         convolution's input gradient) is timed: a 2x2 phase of a padded 14x14
         gradient ran at 20x the library's time (bench/NOTES.md)."""
-        if self.vector_bits() < 512 or columns_form(L, n, False) is None:
+        if self.vector_bits() < 512:
+            return ""
+        if n.op == "dot_general":
+            return _whole_blocks(L, n, self.vector_bits() // 32)
+        if columns_form(L, n, False) is None:
             return ""
         kernel, klay = L.shape(n.inputs[1]), n.attrs["kernel_layout"]
         if gemm_form(L, n) != "cfirst" and not all(int(kernel[k]) % 2 for k, c in enumerate(klay) if c not in "OI"):
