@@ -3,7 +3,8 @@
 
 For each model and backend, a fresh process builds the model (random
 weights, fixed seed), compiles it on its first call (cold compile seconds:
-the first call's time less a step's) and times steps (median ms). polyjit
+the first call's time less a step's, every backend's own on-disk cache
+empty) and times steps (median ms). polyjit
 then compiles the same model again in another fresh process: with its
 on-disk cache warm, that second compile is the framework's tracing plus a
 cache lookup. Every backend's output is compared with eager's, so a wrong
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -226,9 +228,12 @@ def _spawn(name: str, backend: str, train: bool, device: str, reps: int, cache: 
     with tempfile.NamedTemporaryFile(suffix=".npy", delete=False) as f:
         path = f.name
     env = dict(os.environ, POLYJIT_CACHE_DIR=cache, PYTHONWARNINGS="ignore")
+    peer_cache = tempfile.mkdtemp(prefix="peer-cache-")  # cold for every backend: Inductor's and Triton's too
+    env.update(TORCHINDUCTOR_CACHE_DIR=peer_cache, TRITON_CACHE_DIR=os.path.join(peer_cache, "triton"))
     cmd = [sys.executable, __file__, "--one", name, "--backend", backend, "--device", device,
            "--reps", str(reps), "--save", path] + (["--train"] if train else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    shutil.rmtree(peer_cache, ignore_errors=True)
     if proc.returncode:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["?"]
         return {"error": tail[0][:160]}

@@ -58,6 +58,7 @@ class CpuContext:
     streamed: bool = False  # the body being emitted has streaming stores
     blocked: bool = False  # the statement being emitted is a contraction's update (register blocks)
     vector: VectorBlock | None = None  # the unrolled loop being emitted in vectors
+    width: int = 0  # the lanes of the vector being emitted (1: a scalar copy)
     along: str | None = None  # the iterator of the statement being emitted that moves with it
 
 
@@ -150,7 +151,7 @@ class CpuEmitter(Emitter):
     def statement(self, call) -> None:
         name = call.get_op_arg(0).get_id().get_name()
         self.ctx.blocked = name in self.ctx.plan.blocked
-        if self.ctx.vector is None:
+        if self.ctx.vector is None or self.ctx.width == 1:
             return super().statement(call)
         it = self.ctx.vector.iterator
         iters = self.stmts[name].iters
@@ -172,10 +173,13 @@ class CpuEmitter(Emitter):
         slot = self.var(vector.iterator)
         lo = self.aexpr(n.for_get_init())
         outer, self.unroll, self.ctx.vector = self.unroll, rest, vector
-        for i in range(0, trips, vector.lanes):
+        i = 0
+        for width in vector.widths:
             b.store(b.add(lo, ir.Constant(I64, i)), slot)
+            self.ctx.width = width
             self.descend(n.for_get_body(), 0)
-        self.unroll, self.ctx.vector = outer, None
+            i += width
+        self.unroll, self.ctx.vector, self.ctx.width = outer, None, 0
 
     def _vector_index(self, index) -> bool:
         along = self.ctx.along
@@ -185,14 +189,14 @@ class CpuEmitter(Emitter):
         """In a vector block, a vector of the elements from ptr on where index moves with it."""
         if not self._vector_index(index):
             return super().load_element(arr, index, ptr)
-        return self.b.load(ptr, typ=ir.VectorType(STORAGE[arr.dtype], self.ctx.vector.lanes), align=arr.dtype.itemsize)
+        return self.b.load(ptr, typ=ir.VectorType(STORAGE[arr.dtype], self.ctx.width), align=arr.dtype.itemsize)
 
     def accumulated(self, arr, index, ptr):
         return self.load_element(arr, index, ptr)
 
     def splat(self, v) -> ir.Value:
         """Scalar v in every lane of the vector block's vectors."""
-        vt = ir.VectorType(v.type, self.ctx.vector.lanes)
+        vt = ir.VectorType(v.type, self.ctx.width)
         if isinstance(v, ir.Constant):
             return ir.Constant(vt, [v.constant] * vt.count)
         one = self.b.insert_element(ir.Constant(vt, ir.Undefined), v, ir.Constant(I32, 0))

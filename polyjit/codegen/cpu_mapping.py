@@ -58,7 +58,7 @@ import islpy as isl
 from .. import sizes as sz
 from ..affine import AffineProgram, Array
 from ..dtypes import DataType
-from ..expr import Const, Expr, Load, Op, Var, select_parts, walk
+from ..expr import Const, Expr, Load, Op, Var, merged_index, select_parts, walk
 from ..schedule import MIN_PARALLEL_EXTENT, Scheduled, is_update
 from ..schedule.ast import (ast_affine, ast_calls, ast_nodes, ast_uses, fixed_extent, static_extent, statements_in,
                             unit_step)
@@ -126,15 +126,24 @@ class LibraryCall:
 @dataclass
 class VectorBlock:
     """The innermost unrolled loop of a register block, emitted in vectors
-    of lanes iterations: each statement under it reads vectors of
-    contiguous elements along it (or one element, broadcast) and writes
-    one vector, a whole number of them per trip."""
+    of lanes iterations (the rest in narrower ones): each statement under
+    it reads vectors of contiguous elements along it (or one element,
+    broadcast) and writes one vector."""
 
     iterator: str
     lanes: int
+    trips: int
+
+    @property
+    def widths(self) -> list[int]:
+        """The vectors' widths in order: whole ones, then a power of two for each bit of the rest."""
+        rest = self.trips % self.lanes
+        return [self.lanes] * (self.trips // self.lanes) + [1 << b for b in range(rest.bit_length() - 1, -1, -1)
+                                                            if rest >> b & 1]
 
     def __str__(self) -> str:
-        return f"{self.iterator} in vectors of {self.lanes}"
+        rest = self.trips % self.lanes
+        return f"{self.iterator} in vectors of {self.lanes}" + (f" and {rest} more" if rest else "")
 
 
 VECTOR_OPS = frozenset({"add", "sub", "mul", "neg"})  # what a vector block's statements may compute
@@ -256,14 +265,15 @@ class CpuMapper(StripMapping):
 
     def vector_block(self, loop: isl.AstNode, trips: int) -> VectorBlock | None:
         """Loop, unrolled trips times innermost in a register block, in
-        vectors: it runs exactly trips iterations from a multiple of the
-        lanes, and each float32 statement under it stores along it (its
-        iterator an index of the innermost dimension, as it is) what
-        VECTOR_OPS compute of loads that run contiguously along it or do not
-        move with it."""
+        vectors: it runs exactly trips iterations, and each float32
+        statement under it stores along it (one element further in memory
+        per iteration) what VECTOR_OPS compute of loads that run so too or
+        do not move with it. Through a private buffer's modulus only whole
+        vectors from a multiple of the lanes, which never wrap."""
         it, lanes = loop_iterator(loop), self.lanes
         first = ast_affine(loop.for_get_init())
-        if trips % lanes or fixed_extent(loop) != trips or first is None or any(v % lanes for v in first.values()):
+        aligned = first is not None and not trips % lanes and not any(v % lanes for v in first.values())
+        if fixed_extent(loop) != trips or trips < lanes:
             return None
         calls = ast_calls(loop.for_get_body())
         if not calls:
@@ -273,45 +283,44 @@ class CpuMapper(StripMapping):
             arr = self.prog.arrays[s.array]
             args = [call.get_op_arg(i + 1) for i in range(len(s.iters))]
             moving = [k for k, a in enumerate(args) if ast_uses(a, {it})]
-            if s.library is not None or arr.dtype is not DataType.Float or arr.strided or len(moving) != 1 \
-                    or args[moving[0]].get_type() != isl.ast_expr_type.id \
-                    or not _along_one_dimension(s, arr, args, it):
+            if s.library is not None or arr.dtype is not DataType.Float or len(moving) != 1 \
+                    or args[moving[0]].get_type() != isl.ast_expr_type.id:
                 return None
             var = s.iters[moving[0]]
-            moduli = self.sched.contracted.get(arr.name)
-            d = next(d for d, e in enumerate(s.index) if e == Var(e.dtype, var))
-            if moduli is not None and moduli[d] is not None and moduli[d] % lanes:
+            if self._contiguous(s.array, s.index, var, aligned) is not True or not self._vector_value(s.body, var):
                 return None
-            if not self._vector_value(s.body, var):
-                return None
-        return VectorBlock(it, lanes)
+        return VectorBlock(it, lanes, trips)
+
+    def _contiguous(self, name: str, index, var: str, aligned: bool = False) -> bool | None:
+        """Whether array name's elements at index run one after the other in
+        memory as var moves (None: they do not move with it); aligned: var
+        starts at a multiple of the lanes and runs whole vectors."""
+        arr = self.prog.arrays[name]
+        moduli = self.sched.contracted.get(name)
+        if arr.strided:
+            return False
+        dims = list(enumerate(index)) if moduli is not None else [(d, e) for e, d in merged_index(index, arr.shape)]
+        moving = [(d, e) for d, e in dims if any(_moves(x, var) for x in walk(e))]
+        if not moving:
+            return None
+        (d, e), = moving if len(moving) == 1 else ((None, None),)
+        if d is None or not _unit_in(e, var) or any(x != 1 for x in arr.shape[d + 1:]):
+            return False
+        return moduli is None or moduli[d] is None or (aligned and moduli[d] % self.lanes == 0 and _moves(e, var))
 
     def _vector_value(self, e: Expr, var: str) -> bool:
         """Whether e can be computed in vectors along iterator var."""
         if isinstance(e, Const):
             return True
         if isinstance(e, Load):
-            return self._vector_load(e, var)
+            return self._contiguous(e.array, e.index, var) is not False and (
+                self.prog.arrays[e.array].dtype is DataType.Float or not any(_moves(x, var) for x in walk(e)))
         if isinstance(e, Op):
             sel = select_parts(e)
             if sel is not None:  # a padded load, kept scalar: its fill cell holds one element
                 return not any(_moves(x, var) for x in walk(e))
             return e.op in VECTOR_OPS and all(self._vector_value(a, var) for a in e.args)
         return False
-
-    def _vector_load(self, ld: Load, var: str) -> bool:
-        """A load that does not move with var (one element, broadcast), or a
-        float32 one whose index moves one element as var does, in its
-        innermost dimension, through no private buffer's modulus."""
-        moving = [d for d, x in enumerate(ld.index) if any(_moves(y, var) for y in walk(x))]
-        if not moving:
-            return True
-        arr = self.prog.arrays[ld.array]
-        moduli = self.sched.contracted.get(arr.name)
-        d = moving[0]
-        return len(moving) == 1 and arr.dtype is DataType.Float and not arr.strided \
-            and _unit_in(ld.index[d], var) and all(x == 1 for x in arr.shape[d + 1:]) \
-            and (moduli is None or moduli[d] is None)
 
     def row_strips(self, loop: isl.AstNode) -> Strips | None:
         """Strips of the sequential loop under a parallel loop too short to keep
