@@ -1064,6 +1064,35 @@ def test_numpy_on_the_gpu(name, fn, ref, shapes, n, m, rng):
     np.testing.assert_allclose(got, ref(*arrays), rtol=tol, atol=tol * max(1, np.sqrt(n * m) / 30))
 
 
+@pytest.mark.gpu
+def test_a_programs_ptx_is_linked_on_threads_and_kept(rng, monkeypatch, tmp_path):
+    """Where nvJitLink loads, a program's entries are linked in groups on
+    several threads; the cubins go to the compile cache, so the same
+    program loaded again links nothing. Results as numpy's either way."""
+    from polyjit.runtime import cuda
+    nv = cuda.jitlink()
+    if nv is None:
+        pytest.skip("no nvJitLink library")
+    monkeypatch.setenv("POLYJIT_CACHE_DIR", str(tmp_path))
+    links = []
+    complete = nv.complete
+    monkeypatch.setattr(nv, "complete", lambda h: links.append(h) or complete(h))
+
+    def f(x, y):
+        return ops.exp(x / ops.sum(x, [1], True)) @ ops.exp(y / ops.sum(y, [1], True)), ops.tanh(x) * 2.0
+    x, y = rng.random((64, 48), dtype=F32) + 0.5, rng.random((48, 40), dtype=F32) + 0.5
+    want = (np.exp(x / x.sum(1, keepdims=True)).astype(np.float64) @ np.exp(y / y.sum(1, keepdims=True)),
+            np.tanh(x) * 2)
+    made = []
+    for _ in range(2):
+        exe = polyjit.compile(f, [InputInfo(x.shape, F32), InputInfo(y.shape, F32)], {"target": "nvgpu"})
+        for g, w in zip(exe(x, y), want):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+        made.append(len(links))
+        assert exe.stats["kernels"] > 1
+    assert made[0] > 1 and made[1] == made[0], made  # (linked in groups; the second time from the cache)
+
+
 def _heads(k, b, s, h, d):
     """Attention's keys, heads split and transposed: [b*s, h*d] -> [b*h, d, s], scaled."""
     return ops.reshape(ops.permute(ops.reshape(k, [b, s, h, d]), [0, 2, 3, 1]) * 0.5, [b * h, d, s])

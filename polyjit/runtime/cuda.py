@@ -1,19 +1,25 @@
 """cuda-python's driver API (``cuda.bindings.driver``): initialization and
 errors, devices and their primary contexts (the ones PyTorch and JAX use),
 streams, events ordering one stream after another, and the memsets and
-function addresses that programs and native launchers need.
+function addresses that programs and native launchers need; a program's
+PTX made machine code by nvJitLink on several threads where it loads.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
+import logging
 import os
+import re
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 from ..errors import DeviceError
 from . import launch
 from .buffers import poison_fill
 
+log = logging.getLogger("polyjit")
 SUCCESS: Any = None  # CUresult.CUDA_SUCCESS, once the driver is loaded
 
 
@@ -97,12 +103,47 @@ class Device:
             self._pool = pool
         return self._pool
 
-    def load(self, ptx: str, names: Sequence[str]) -> tuple[Any, dict[str, Any]]:
-        """A PTX module and its kernels, by name."""
+    def load(self, ptx: str, names: Sequence[str], keep: bool = True) -> tuple[list, dict[str, Any]]:
+        """A program's PTX as modules, and its kernels by name. Where
+        nvJitLink loads, each distinct entry (kernels that differ only in
+        name share one) is linked once, in groups on up to LINK_THREADS
+        threads, the cubins kept in the compile cache (keep); the driver's
+        own JIT takes a module whole, on one thread."""
         cu = driver()
+        linked = self._linked(ptx, keep) if jitlink() is not None else None
         self.activate()
-        mod = check(cu.cuModuleLoadData(ptx.encode() + b"\0"), "loading the PTX (cuModuleLoadData)")
-        return mod, {n: check(cu.cuModuleGetFunction(mod, n.encode()), "cuModuleGetFunction") for n in names}
+        if linked is None:
+            mod = check(cu.cuModuleLoadData(ptx.encode() + b"\0"), "loading the PTX (cuModuleLoadData)")
+            return [mod], {n: check(cu.cuModuleGetFunction(mod, n.encode()), "cuModuleGetFunction") for n in names}
+        mods, fns = [], {}
+        alias, groups = linked
+        for group, cubin in groups:
+            mods.append(check(cu.cuModuleLoadData(cubin), "loading a cubin (cuModuleLoadData)"))
+            fns.update({x: check(cu.cuModuleGetFunction(mods[-1], x.encode()), "cuModuleGetFunction") for x in group})
+        return mods, {n: fns[alias[n]] for n in names}
+
+    def _linked(self, ptx: str, keep: bool) -> tuple[dict, list] | None:
+        """(each entry's name -> the entry whose code it shares, [(entries,
+        cubin)]); None where the PTX is not entries after a header or a link
+        fails (the driver's JIT then takes it whole)."""
+        starts = [m for m in _ENTRY.finditer(ptx)]
+        if len(starts) < 2:
+            return None
+        header = ptx[:starts[0].start()]
+        texts = {m.group(1): ptx[m.start():end] for m, end in zip(starts, [x.start() for x in starts[1:]] + [len(ptx)])}
+        first: dict[str, str] = {}
+        alias = {name: first.setdefault(text.replace(name, "@"), name) for name, text in texts.items()}
+        distinct = sorted(set(alias.values()))
+        n = min(LINK_THREADS, os.cpu_count() or 1, len(distinct))
+        groups = [distinct[i::n] for i in range(n)]
+        sources = [header + "".join(texts[x] for x in g) for g in groups]
+        try:
+            with ThreadPoolExecutor(n, thread_name_prefix="polyjit-link") as pool:
+                cubins = list(pool.map(lambda src: cubin(src, self.arch, keep), sources))
+        except DeviceError as e:
+            log.warning("polyjit: %s; the driver compiles the PTX instead", e)
+            return None
+        return alias, list(zip(groups, cubins))
 
     def resident_blocks(self, fn, block: int) -> int:
         """How many blocks of block threads of kernel fn a multiprocessor runs at once."""
@@ -150,11 +191,57 @@ def cu_stream(handle: int):
     return s
 
 
-def unload(mod) -> None:
+def unload(mods: list) -> None:
     try:
-        driver().cuModuleUnload(mod)
+        for mod in mods:
+            driver().cuModuleUnload(mod)
     except Exception:  # interpreter shutdown
         pass
+
+
+LINK_THREADS = 16  # the most threads linking one program's PTX at once
+_ENTRY = re.compile(r"^\.visible \.entry (\w+)", re.M)
+
+
+@functools.cache
+def jitlink():
+    """cuda.bindings' nvJitLink where its library loads, else None. The
+    driver's JIT compiles a module's kernels one after another, and modules
+    loaded from several threads no faster; nvJitLink's links run side by
+    side (bench/NOTES.md)."""
+    try:
+        from cuda.bindings import nvjitlink
+        nvjitlink.version()
+    except Exception:  # no bindings, or no libnvJitLink
+        return None
+    return nvjitlink
+
+
+def cubin(ptx: str, arch: str, keep: bool = True) -> bytes:
+    """ptx linked for arch by nvJitLink, from the compile cache where an
+    earlier link kept it (keep: look there, and keep this one)."""
+    from .. import cache
+    nv = jitlink()
+    key = hashlib.sha256(f"cubin|{arch}|{nv.version()}|{ptx}".encode()).hexdigest()
+    if keep:
+        hit = cache.load(key)
+        if hit is not None and hit[1]:
+            return hit[1][0]
+    options = [f"-arch={arch}"]
+    handle = nv.create(len(options), options)
+    try:
+        data = ptx.encode()
+        nv.add_data(handle, nv.InputType.PTX, data, len(data), "polyjit")
+        nv.complete(handle)
+        out = bytearray(nv.get_linked_cubin_size(handle))
+        nv.get_linked_cubin(handle, out)
+    except nv.nvJitLinkError as e:
+        raise DeviceError(f"nvJitLink could not link the PTX ({e})") from None
+    finally:
+        nv.destroy(handle)
+    if keep:
+        cache.store(key, {"cubin": arch}, [bytes(out)])
+    return bytes(out)
 
 
 @functools.cache

@@ -48,6 +48,7 @@ class GpuProgram(CompiledProgram):
     ptx: str = ""
     arch: str = ""
     writes: list = field(default_factory=list)  # per kernel: the arrays its statements write
+    keep_cubins: bool = True  # machine code linked from the PTX goes to the compile cache (its "cache" option)
     _loaded: dict = field(default_factory=dict, repr=False)  # kernels by device ordinal
     _consts: dict = field(default_factory=dict, repr=False)  # constants on each device
 
@@ -305,9 +306,9 @@ class GpuProgram(CompiledProgram):
                 if not names:  # only library steps: no module (the driver refuses an empty one)
                     self._loaded[dev.ordinal] = {}
                     return {}
-                mod, fns = dev.load(self.ptx, names)
+                mods, fns = dev.load(self.ptx, names, self.keep_cubins)
                 self._loaded[dev.ordinal] = {n: (f, dev.resident_blocks(f, BLOCK)) for n, f in fns.items()}
-                weakref.finalize(self, unload, mod)
+                weakref.finalize(self, unload, mods)
             return self._loaded[dev.ordinal]
 
     def _const(self, index: int, dev: Device, stream: int) -> DeviceBuffer:
