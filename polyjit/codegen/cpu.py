@@ -17,9 +17,8 @@ import llvmlite.binding as llvm
 from llvmlite import ir
 
 from .. import sizes as sz
-from ..expr import Const
+from ..expr import Const, Var, walk
 from .blas import emit_gemm
-from ..expr import Var, walk
 from .cpu_mapping import CpuMapper, CpuPlan, SplitStrips, VectorBlock
 from .irtypes import I32
 from .llvm import I64, STORAGE, Emitter
@@ -163,8 +162,9 @@ class CpuEmitter(Emitter):
 
     def unrolled(self, n: isl.AstNode) -> None:
         """A loop the plan runs in vectors: one copy of its body per vector of
-        iterations, the iterator at each vector's first (the plan checked
-        that the loop runs whole vectors)."""
+        iterations (VectorBlock.widths: whole ones, then narrower; the plan
+        checked that the loop runs exactly its trips), the iterator at each
+        vector's first."""
         vector = self.ctx.plan.vectors.get(self.at)
         if vector is None:
             return super().unrolled(n)
