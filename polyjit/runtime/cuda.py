@@ -79,6 +79,7 @@ class Device:
         self.context = check(cu.cuDevicePrimaryCtxRetain(self.handle), "cuDevicePrimaryCtxRetain")
         self._context = int(self.context)
         self._pool = None
+        self._cubins_refused = False  # the driver would not load nvJitLink's cubins: PTX from then on
 
     def activate(self) -> None:
         cu = driver()
@@ -110,17 +111,23 @@ class Device:
         threads, the cubins kept in the compile cache (keep); the driver's
         own JIT takes a module whole, on one thread."""
         cu = driver()
-        linked = self._linked(ptx, keep) if jitlink() is not None else None
+        linked = self._linked(ptx, keep) if jitlink() is not None and not self._cubins_refused else None
         self.activate()
-        if linked is None:
-            mod = check(cu.cuModuleLoadData(ptx.encode() + b"\0"), "loading the PTX (cuModuleLoadData)")
-            return [mod], {n: check(cu.cuModuleGetFunction(mod, n.encode()), "cuModuleGetFunction") for n in names}
-        mods, fns = [], {}
-        alias, groups = linked
-        for group, cubin in groups:
-            mods.append(check(cu.cuModuleLoadData(cubin), "loading a cubin (cuModuleLoadData)"))
-            fns.update({x: check(cu.cuModuleGetFunction(mods[-1], x.encode()), "cuModuleGetFunction") for x in group})
-        return mods, {n: fns[alias[n]] for n in names}
+        if linked is not None:
+            mods, fns = [], {}
+            alias, groups = linked
+            try:
+                for group, code in groups:
+                    mods.append(check(cu.cuModuleLoadData(code), "loading a cubin (cuModuleLoadData)"))
+                    fns.update({x: check(cu.cuModuleGetFunction(mods[-1], x.encode()), "cuModuleGetFunction")
+                                for x in group})
+                return mods, {n: fns[alias[n]] for n in names}
+            except DeviceError as e:  # (a driver older than the nvJitLink that made them)
+                unload(mods)
+                self._cubins_refused = True
+                log.warning("polyjit: %s; the driver compiles the PTX instead", e)
+        mod = check(cu.cuModuleLoadData(ptx.encode() + b"\0"), "loading the PTX (cuModuleLoadData)")
+        return [mod], {n: check(cu.cuModuleGetFunction(mod, n.encode()), "cuModuleGetFunction") for n in names}
 
     def _linked(self, ptx: str, keep: bool) -> tuple[dict, list] | None:
         """(each entry's name -> the entry whose code it shares, [(entries,
