@@ -438,7 +438,8 @@ def test_an_input_gradients_product_runs_its_reduction_inside_its_rows(rng):
     product = [line for line in exe.ir("mapping").splitlines() if "register blocks" in line]
     assert product and product[0].split(": ")[1].startswith("thread team")
     want = refs.conv2d(g, w[:, :, ::-1, ::-1].transpose(1, 0, 2, 3), padding=((1, 1), (1, 1)))
-    np.testing.assert_allclose(exe(g, w), want, rtol=1e-5, atol=1e-4)
+    # sums of 2304 products of size ~1 (results ~50): float32 rounding reached 1.2e-4 over 60 seeds
+    np.testing.assert_allclose(exe(g, w), want, rtol=1e-5, atol=5e-4)
 
 
 def test_a_strided_window_shares_its_nest_with_its_direct_producer_only(rng):
@@ -566,3 +567,19 @@ def test_a_scatter_runs_alone_and_zero_plus_its_sum_is_the_sum(rng):
     np.testing.assert_allclose(exe(idx, g), ref, rtol=1e-5, atol=1e-6)
     assert "add(" not in exe.ir("graph") and exe.stats["kernels"] == 2
     assert exe.ir("mapping").splitlines()[0].split(": ")[1].startswith("thread team"), exe.ir("mapping")
+
+
+def test_a_weight_gradients_zeroing_shares_its_register_blocks(rng):
+    """A weight gradient writes its kernel's channels x window flattened
+    (out[o, c // 9, (c // 3) % 3, c % 3]); its zeroing still joins the
+    product's nest, the accumulators starting at zero in registers, rather
+    than a pass of its own over the (fresh, page-faulting) output first."""
+    x, g = rng.standard_normal((2, 64, 4, 4), dtype=F32), rng.standard_normal((2, 32, 4, 4), dtype=F32)
+    exe = polyjit.compile(lambda x, g: ops.conv_weight_grad(x, g, [3, 3], [1, 1], [(1, 1), (1, 1)]),
+                          [InputInfo(x.shape, F32), InputInfo(g.shape, F32)], {**GEN, "cache": False})
+    lines = exe.ir("mapping").splitlines()
+    assert not any("_nest_" in line for line in lines) and sum("register blocks" in line for line in lines) == 1, lines
+    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (1, 1), (1, 1)))
+    want = np.stack([np.stack([np.einsum("noyx,niyx->oi", g, xp[:, :, ky:ky + 4, kx:kx + 4]) for kx in range(3)], -1)
+                     for ky in range(3)], -2)
+    np.testing.assert_allclose(exe(x, g), want, rtol=1e-5, atol=1e-4)

@@ -9,7 +9,7 @@ import islpy as isl
 
 from .. import sizes as sz
 from ..affine import TAPS, AffineProgram, Role
-from ..expr import QUASI_AFFINE, Const, Op, Var, loads, select_parts, walk
+from ..expr import QUASI_AFFINE, Const, Op, Var, loads, merged_index, select_parts, walk
 from .ast import kernel_nodes, statements_in
 from .cpu_rewrites import TILE_RED
 from .dependences import is_legal
@@ -191,11 +191,12 @@ def fuse_contraction(schedule, prog, dom, validity, plan: FusionPlan | None = No
     if len(updates) != 1:
         return None
     up = updates[0]
-    point = {s.name: plain_iters(s.index) for s in stmts if s.role is Role.INIT and s.array == up.array}
-    point[up.name] = plain_iters(up.index)
+    shape = prog.arrays[up.array].shape
+    point = {s.name: _point(s.index, shape) for s in stmts if s.role is Role.INIT and s.array == up.array}
+    point[up.name] = _point(up.index, shape)
     for s in stmts:
         if s.name not in point:
-            point[s.name] = plain_iters(next(ld for ld in prog.statement_loads(s) if ld.array == up.array).index)
+            point[s.name] = _point(next(ld for ld in prog.statement_loads(s) if ld.array == up.array).index, shape)
     order = _loop_order(schedule, up)
     red = [it for it in order if it in up.reduction_iters]
     outs = [it for it in order if it not in up.reduction_iters]
@@ -227,6 +228,13 @@ def fuse_contraction(schedule, prog, dom, validity, plan: FusionPlan | None = No
     node = node.child(at).child(0).insert_partial_schedule(band([lambda s, r=r: r for r in red], [up]))
     new = node.get_schedule()
     return new if is_legal(new, validity) else None
+
+
+def _point(index, shape) -> list[str] | None:
+    """The iterators of an index of distinct plain iterators, a position
+    split over dimensions as (x // k, x % k) counting as x (a weight
+    gradient's flattened channels x window); else None."""
+    return plain_iters([e for e, _ in reversed(merged_index(index, shape))])
 
 
 def reduction_fits_tile(s) -> bool:
