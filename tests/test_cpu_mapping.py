@@ -44,8 +44,8 @@ def test_mapping_names_each_kernels_decisions():
     lanes = vector_bits() // 32
     products = REG_ROWS * REG_VECTORS * lanes
     mm = _mapping(ops.matmul, [(128, 256), (256, 256)], contractions="generated")
-    assert re.fullmatch(rf"thread team; parallel c0; register blocks of {products} products; c\d+ in vectors of {lanes}",
-                        mm[-1]), mm
+    want = rf"thread team; parallel c0; register blocks of {products} products; c\d+ in vectors of {lanes}"
+    assert re.fullmatch(want, mm[-1]), mm
     assert _mapping(lambda x: ops.sum(x), [(5,)]) == ["one thread"]  # no parallel loop
     assert _mapping(lambda x: x * 2.0, [(64, 64)]) == ["thread team; parallel c0"]
     if blas() is not None:
