@@ -198,6 +198,23 @@ def walk(e: Expr) -> Iterator[Expr]:
             yield from walk(a)
 
 
+def iter_vars(e: Expr) -> set[str]:
+    """The statement iterators e reads."""
+    return {x.name for x in walk(e) if isinstance(x, Var) and x.kind == "iter"}
+
+
+def moves_by_one(e: Expr, name: str) -> bool:
+    """Whether index e is iterator name plus or minus terms without it (it
+    moves by one as the iterator does)."""
+    if isinstance(e, Var):
+        return e.name == name and e.kind == "iter"
+    if not isinstance(e, Op) or e.op not in ("add", "sub"):
+        return False
+    a, b = e.args
+    return (moves_by_one(a, name) and name not in iter_vars(b)) or \
+        (e.op == "add" and moves_by_one(b, name) and name not in iter_vars(a))
+
+
 def loads(e: Expr) -> list[Load]:
     return [x for x in walk(e) if isinstance(x, Load)]
 

@@ -58,7 +58,7 @@ import islpy as isl
 from .. import sizes as sz
 from ..affine import AffineProgram, Array
 from ..dtypes import DataType
-from ..expr import Const, Expr, Load, Op, Var, merged_index, select_parts, walk
+from ..expr import Const, Expr, Load, Op, Var, iter_vars, merged_index, moves_by_one, select_parts, walk
 from ..schedule import MIN_PARALLEL_EXTENT, Scheduled, is_update
 from ..schedule.ast import (ast_affine, ast_calls, ast_nodes, ast_uses, fixed_extent, static_extent, statements_in,
                             unit_step)
@@ -300,13 +300,13 @@ class CpuMapper(StripMapping):
         if arr.strided:
             return False
         dims = list(enumerate(index)) if moduli is not None else [(d, e) for e, d in merged_index(index, arr.shape)]
-        moving = [(d, e) for d, e in dims if any(_moves(x, var) for x in walk(e))]
+        moving = [(d, e) for d, e in dims if var in iter_vars(e)]
         if not moving:
             return None
         (d, e), = moving if len(moving) == 1 else ((None, None),)
-        if d is None or not _unit_in(e, var) or any(x != 1 for x in arr.shape[d + 1:]):
+        if d is None or not moves_by_one(e, var) or any(x != 1 for x in arr.shape[d + 1:]):
             return False
-        return moduli is None or moduli[d] is None or (aligned and moduli[d] % self.lanes == 0 and _moves(e, var))
+        return moduli is None or moduli[d] is None or (aligned and moduli[d] % self.lanes == 0 and e == Var(e.dtype, var))
 
     def _vector_value(self, e: Expr, var: str) -> bool:
         """Whether e can be computed in vectors along iterator var."""
@@ -314,11 +314,11 @@ class CpuMapper(StripMapping):
             return True
         if isinstance(e, Load):
             return self._contiguous(e.array, e.index, var) is not False and (
-                self.prog.arrays[e.array].dtype is DataType.Float or not any(_moves(x, var) for x in walk(e)))
+                self.prog.arrays[e.array].dtype is DataType.Float or var not in iter_vars(e))
         if isinstance(e, Op):
             sel = select_parts(e)
             if sel is not None:  # a padded load, kept scalar: its fill cell holds one element
-                return not any(_moves(x, var) for x in walk(e))
+                return var not in iter_vars(e)
             return e.op in VECTOR_OPS and all(self._vector_value(a, var) for a in e.args)
         return False
 
@@ -360,21 +360,6 @@ class CpuMapper(StripMapping):
                 return None
             found = StreamedLoop(it, arr.name, call)
         return found
-
-
-def _moves(e: Expr, var: str) -> bool:
-    return isinstance(e, Var) and e.name == var
-
-
-def _unit_in(e: Expr, var: str) -> bool:
-    """Whether index e is var plus or minus terms without it."""
-    if _moves(e, var):
-        return True
-    if not isinstance(e, Op) or e.op not in ("add", "sub"):
-        return False
-    a, b = e.args
-    return (_unit_in(a, var) and not any(_moves(x, var) for x in walk(b))) or \
-        (e.op == "add" and _unit_in(b, var) and not any(_moves(x, var) for x in walk(a)))
 
 
 def _along_one_dimension(s, arr: Array, args: list, it: str) -> bool:

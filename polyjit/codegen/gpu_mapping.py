@@ -46,7 +46,7 @@ import islpy as isl
 from .. import scalar
 from ..affine import AffineProgram, Statement
 from ..dtypes import DataType
-from ..expr import Const, Op, Var, loads, walk
+from ..expr import Const, Op, Var, iter_vars, loads, moves_by_one, walk
 from ..schedule import Scheduled, ast_nodes, statements_in
 from ..schedule.ast import unit_step
 from ..schedule.fusion import GPU_STRIP
@@ -424,21 +424,8 @@ def transposing_tile(m: GpuMapper, rest: isl.AstNode, loops: list, group: int) -
 
 def _moves_along(index, args: dict, trips: dict) -> str | None:
     """The grid loop an access's last index moves by one with, if any."""
-    v = _unit_iter(index[-1]) if index else None
-    return next((q for q in trips if unit_step(args[v], q)), None) if v in args else None
-
-
-def _unit_iter(e) -> str | None:
-    """The statement iterator that index e moves by one with (i, i + 64 * h), if any."""
-    if isinstance(e, Var):
-        return e.name if e.kind == "iter" else None
-    if isinstance(e, Op) and e.op in ("add", "sub"):
-        a, b = e.args
-        for u, other in ((a, b), (b, a)) if e.op == "add" else ((a, b),):
-            v = _unit_iter(u)
-            if v is not None and not any(isinstance(y, Var) and y.name == v for y in walk(other)):
-                return v
-    return None
+    v = next((x for x in args if moves_by_one(index[-1], x)), None) if index else None
+    return next((q for q in trips if unit_step(args[v], q)), None) if v is not None else None
 
 
 # -------------------------------------------------------------- scatters
@@ -740,11 +727,6 @@ def _n(count: int, what: str) -> str:
 
 def _has_loop(n: isl.AstNode) -> bool:
     return any(x.get_type() == isl.ast_node_type.for_ for x in ast_nodes(n))
-
-
-def iter_vars(e) -> set[str]:
-    """The statement iterators e reads."""
-    return {x.name for x in walk(e) if isinstance(x, Var) and x.kind == "iter"}
 
 
 def _depends(index, names: set[str]) -> bool:

@@ -42,13 +42,10 @@ def statements_in(node: isl.AstNode) -> set[str]:
 
 def static_extent(loop: isl.AstNode) -> int | None:
     """The trip count of a unit-step loop whose bounds are numbers."""
-    init, cond = loop.for_get_init(), loop.for_get_cond()
-    hi = cond.get_op_arg(1)
-    if init.get_type() != isl.ast_expr_type.int or hi.get_type() != isl.ast_expr_type.int \
-            or loop.for_get_inc().get_type() != isl.ast_expr_type.int or loop.for_get_inc().get_val().to_python() != 1:
+    if loop.for_get_init().get_type() != isl.ast_expr_type.int \
+            or loop.for_get_cond().get_op_arg(1).get_type() != isl.ast_expr_type.int:
         return None
-    last = hi.get_val().to_python() - (cond.get_op_type() == isl.ast_expr_op_type.lt)
-    return max(last - init.get_val().to_python() + 1, 0)
+    return fixed_extent(loop)
 
 
 def ast_children(n: isl.AstNode) -> list[isl.AstNode] | None:

@@ -72,10 +72,10 @@ def _whole_blocks(L, n: Node, lanes: int, min_rows: int = 64, min_rows_packed: i
     dimension on each side, its register blocks whole with every
     accumulator busy (cpu_rewrites.block_fit), rows enough to pay for an
     operand read through a transpose or packed at each call, and a result
-    of at most max_elements. Such products ran at 0.5-0.96x OpenBLAS's
-    time at every shape of bench/products.py; partial blocks (197 rows, 77
-    or 6282 columns) and a packed weight under few rows ran at up to 18x,
-    and larger results near the library's time: those stay timed."""
+    of at most max_elements. Such products beat OpenBLAS at every shape of
+    bench/products.py (bench/NOTES.md); partial blocks (197 rows, 77 or
+    6282 columns), a packed weight under few rows and larger results lost
+    or came level: those stay timed."""
     a, b = n.inputs
     at, shape = n.attrs, L.shape(n)
     free = [x.rank - len(at[c]) - len(at[bt]) for x, c, bt in ((a, "lc", "lb"), (b, "rc", "rb"))]
