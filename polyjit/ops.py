@@ -624,75 +624,96 @@ def spread_conv(x: Tensor, w: Tensor, strides, padding, dilation, groups: int, l
     sp = [d for d, c in enumerate(layout) if c not in "NC"]
     ksp = [kernel_layout.index(layout[d]) for d in sp]
     if not all(sz.is_static(x.shape[d]) for d in sp) or any(s != 1 for s in strides):
-        factors, start, end = [1] * x.ndim, [0] * x.ndim, None
-        for d, f in zip(sp, input_dilation):
-            factors[d] = f
-        x = dilate(x, factors)
-        end = list(x.shape)
-        for d, (lo, hi) in zip(sp, padding):  # a negative pad crops
-            start[d], end[d] = _b.max(-lo, 0), end[d] - _b.max(-hi, 0)
-        if any(start) or end != list(x.shape):
-            x = slice(x, start, end)
-        return conv(x, w, strides, [(_b.max(lo, 0), _b.max(hi, 0)) for lo, hi in padding], dilation, groups,
-                    layout, kernel_layout)
-    dims = []  # per spatial dim: its factor, the result's size, and per phase its (taps, padding, size)
-    for k, (d, kd) in enumerate(zip(sp, ksp)):
-        n, taps, s, step = int(x.shape[d]), int(w.shape[kd]), input_dilation[k], dilation[k]
-        lo, hi = padding[k]
-        size = (n - 1) * s + 1 + lo + hi - step * (taps - 1)
-        phases = []
-        for phase in range(s):
-            hit = [t for t in range(taps) if (phase + t * step - lo) % s == 0]
-            count = _b.max(0, -(-(size - phase) // s))
-            if not hit or not count:
-                phases.append((None, None, count))
-                continue
-            first = (phase + hit[0] * step - lo) // s  # the cell of x the phase's first tap meets
-            every = hit[1] - hit[0] if len(hit) > 1 else 1  # taps apart
-            apart = every * step // s if len(hit) > 1 else 1  # cells of x apart: the phase's dilation
-            last = first + (len(hit) - 1) * apart
-            phases.append(((hit[0], hit[-1] + 1, every, apart), (-first, count - 1 + last - (n - 1)), count))
-        dims.append((s, size, phases))
-    parts = {}
-    for phase in itertools.product(*[range(s) for s, _, _ in dims]):
-        each = [dims[k][2][p] for k, p in enumerate(phase)]
-        if any(taps is None for taps, _, _ in each):
-            shape = list(x.shape)
-            shape[layout.index("C")] = w.shape[kernel_layout.index("O")]
-            for d, (_, _, count) in zip(sp, each):
-                shape[d] = count
-            parts[phase] = full(shape, 0.0, promote(x.dtype, w.dtype), like=x)
-            continue
-        kstart, kend, kstep = [0] * w.ndim, list(w.shape), [1] * w.ndim
-        xstart, xend = [0] * x.ndim, list(x.shape)
-        pads, steps = [], []
-        for d, kd, ((start, stop, every, apart), (lo, hi), _) in zip(sp, ksp, each):
-            kstart[kd], kend[kd], kstep[kd] = start, stop, every
-            xstart[d], xend[d] = _b.max(-lo, 0), int(x.shape[d]) - _b.max(-hi, 0)  # a negative pad crops
-            pads.append((_b.max(lo, 0), _b.max(hi, 0)))
-            steps.append(apart)
-        cropped = slice(x, xstart, xend) if xstart != [0] * x.ndim or xend != list(x.shape) else x
-        parts[phase] = conv(cropped, slice(w, kstart, kend, kstep), [1] * len(sp), pads, steps, groups, layout,
-                            kernel_layout)
+        return _spread_out_conv(x, w, strides, padding, dilation, groups, layout, kernel_layout, input_dilation)
+    dims = [_phases(int(x.shape[d]), int(w.shape[kd]), input_dilation[k], dilation[k], padding[k])
+            for k, (d, kd) in enumerate(zip(sp, ksp))]
+    parts = {phase: _phase_conv(x, w, [dims[k][2][p] for k, p in enumerate(phase)], sp, ksp, groups, layout,
+                                kernel_layout)
+             for phase in itertools.product(*[range(s) for s, _, _ in dims])}
     for k in reversed(range(len(sp))):  # the phases interleaved, the last spatial dim first
-        d, (s, size, _) = sp[k], dims[k]
-        if s == 1:
-            continue
-        rows = -(-size // s)
-        merged = {}
-        for phase in [p for p in parts if p[k] == 0]:
-            cols = []
-            for j in range(s):
-                part = parts[phase[:k] + (j,) + phase[k + 1:]]
-                short = [rows - int(part.shape[d]) if a == d else 0 for a in range(part.ndim)]
-                cols.append(unsqueeze(pad_edges(part, [0] * part.ndim, short) if any(short) else part, d + 1))
-            whole = cat(cols, d + 1)
-            whole = reshape(whole, list(whole.shape[:d]) + [rows * s] + list(whole.shape[d + 2:]))
-            end = list(whole.shape)
-            end[d] = size
-            merged[phase] = slice(whole, [0] * whole.ndim, end) if size != rows * s else whole
-        parts = merged
+        if dims[k][0] != 1:
+            parts = _interleave(parts, k, sp[k], *dims[k][:2])
     return parts[(0,) * len(sp)]
+
+
+def _spread_out_conv(x: Tensor, w: Tensor, strides, padding, dilation, groups: int, layout: str,
+                     kernel_layout: str, input_dilation) -> Tensor:
+    """spread_conv with the zeros written out: x dilated, then convolved."""
+    sp = [d for d, c in enumerate(layout) if c not in "NC"]
+    factors, start = [1] * x.ndim, [0] * x.ndim
+    for d, f in zip(sp, input_dilation):
+        factors[d] = f
+    x = dilate(x, factors)
+    end = list(x.shape)
+    for d, (lo, hi) in zip(sp, padding):  # a negative pad crops
+        start[d], end[d] = _b.max(-lo, 0), end[d] - _b.max(-hi, 0)
+    if any(start) or end != list(x.shape):
+        x = slice(x, start, end)
+    return conv(x, w, strides, [(_b.max(lo, 0), _b.max(hi, 0)) for lo, hi in padding], dilation, groups,
+                layout, kernel_layout)
+
+
+def _phases(n: int, taps: int, s: int, step: int, padding) -> tuple:
+    """One spatial dim of spread_conv: its factor s, the result's size, and
+    per phase the kernel taps it meets (first, stop, taps apart, cells of x
+    apart), its padding of x and its size; (None, None, size) for a phase no
+    tap meets."""
+    lo, hi = padding
+    size = (n - 1) * s + 1 + lo + hi - step * (taps - 1)
+    phases = []
+    for phase in range(s):
+        hit = [t for t in range(taps) if (phase + t * step - lo) % s == 0]
+        count = _b.max(0, -(-(size - phase) // s))
+        if not hit or not count:
+            phases.append((None, None, count))
+            continue
+        first = (phase + hit[0] * step - lo) // s  # the cell of x the phase's first tap meets
+        every = hit[1] - hit[0] if len(hit) > 1 else 1  # taps apart
+        apart = every * step // s if len(hit) > 1 else 1  # cells of x apart: the phase's dilation
+        last = first + (len(hit) - 1) * apart
+        phases.append(((hit[0], hit[-1] + 1, every, apart), (-first, count - 1 + last - (n - 1)), count))
+    return s, size, phases
+
+
+def _phase_conv(x: Tensor, w: Tensor, each: list, sp: list, ksp: list, groups: int, layout: str,
+                kernel_layout: str) -> Tensor:
+    """One phase of spread_conv (each: its _phases entry per spatial dim):
+    x convolved with the kernel's taps that meet it, or zeros."""
+    if any(taps is None for taps, _, _ in each):
+        shape = list(x.shape)
+        shape[layout.index("C")] = w.shape[kernel_layout.index("O")]
+        for d, (_, _, count) in zip(sp, each):
+            shape[d] = count
+        return full(shape, 0.0, promote(x.dtype, w.dtype), like=x)
+    kstart, kend, kstep = [0] * w.ndim, list(w.shape), [1] * w.ndim
+    xstart, xend = [0] * x.ndim, list(x.shape)
+    pads, steps = [], []
+    for d, kd, ((start, stop, every, apart), (lo, hi), _) in zip(sp, ksp, each):
+        kstart[kd], kend[kd], kstep[kd] = start, stop, every
+        xstart[d], xend[d] = _b.max(-lo, 0), int(x.shape[d]) - _b.max(-hi, 0)  # a negative pad crops
+        pads.append((_b.max(lo, 0), _b.max(hi, 0)))
+        steps.append(apart)
+    cropped = slice(x, xstart, xend) if xstart != [0] * x.ndim or xend != list(x.shape) else x
+    return conv(cropped, slice(w, kstart, kend, kstep), [1] * len(sp), pads, steps, groups, layout, kernel_layout)
+
+
+def _interleave(parts: dict, k: int, d: int, s: int, size: int) -> dict:
+    """spread_conv's phases along its k-th spatial dim (d of the result)
+    interleaved into one, cut to size: {phase with k-th entry 0: merged}."""
+    rows = -(-size // s)
+    merged = {}
+    for phase in [p for p in parts if p[k] == 0]:
+        cols = []
+        for j in range(s):
+            part = parts[phase[:k] + (j,) + phase[k + 1:]]
+            short = [rows - int(part.shape[d]) if a == d else 0 for a in range(part.ndim)]
+            cols.append(unsqueeze(pad_edges(part, [0] * part.ndim, short) if any(short) else part, d + 1))
+        whole = cat(cols, d + 1)
+        whole = reshape(whole, list(whole.shape[:d]) + [rows * s] + list(whole.shape[d + 2:]))
+        end = list(whole.shape)
+        end[d] = size
+        merged[phase] = slice(whole, [0] * whole.ndim, end) if size != rows * s else whole
+    return merged
 
 
 def group_transpose(w: Tensor, groups: int) -> Tensor:
