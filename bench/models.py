@@ -163,8 +163,13 @@ def _torch_run(name: str, backend: str, train: bool, device: str, reps: int) -> 
     ms = _median_ms(step, reps, sync)
     result = {"first_s": first, "ms": ms, "out": y.detach().float().cpu().numpy()}
     if backend == "polyjit":
-        result["fallbacks"] = polyjit.frontends.torch.stats()["fallbacks"]
+        result.update(_polyjit_stats(polyjit.frontends.torch.stats()))
     return result
+
+
+def _polyjit_stats(stats) -> dict:
+    """What the warm process's row says: fallbacks, and graphs that did not come from the cache."""
+    return {"fallbacks": stats["fallbacks"], "graphs": stats["graphs"], "cache_hits": stats["cache_hits"]}
 
 
 def _jax_run(name: str, backend: str, train: bool, device: str, reps: int) -> dict:
@@ -183,7 +188,7 @@ def _jax_run(name: str, backend: str, train: bool, device: str, reps: int) -> di
     leaves = jax.tree_util.tree_leaves(y)
     result = {"first_s": first, "ms": ms, "out": np.concatenate([np.ravel(np.asarray(v)) for v in leaves])}
     if backend == "polyjit":
-        result["fallbacks"] = f.stats["fallbacks"]
+        result.update(_polyjit_stats(f.stats))
     return result
 
 
@@ -199,7 +204,7 @@ def _tf_run(name: str, backend: str, train: bool, device: str, reps: int) -> dic
     ms = _median_ms(lambda: f(x).numpy(), reps)
     result = {"first_s": first, "ms": ms, "out": y}
     if backend == "polyjit":
-        result["fallbacks"] = f.stats["fallbacks"]
+        result.update(_polyjit_stats(f.stats))
     return result
 
 
@@ -283,6 +288,8 @@ def main() -> None:
                 ratio = base["ms"] / r["ms"] if "ms" in base else float("nan")
                 ok = _check(r["out"], base["out"]) if "out" in base else "?"
                 extra = f", {r['fallbacks']} fallbacks" if r.get("fallbacks") else ""
+                if b == "polyjit" and warm.get("graphs", 0) > warm.get("cache_hits", 0):
+                    extra += f", warm: {warm['graphs'] - warm['cache_hits']} of {warm['graphs']} graphs missed the cache"
                 print(f"{label:<20}{b:<11}{compile_s:10.2f}{warm_s}{r['ms']:10.2f}{ratio:8.2f}x  {ok}{extra}")
 
 

@@ -64,7 +64,7 @@ class Stats(Mapping):
         out = {"graphs": len(self.graphs), "fallbacks": self.fallbacks,
                "fallback_ops": sorted(self.fallback_ops)}
         for key in ("kernels", "statements", "fused", "inlined", "contracted_buffers", "intermediate_bytes",
-                    "library_calls", "fusions_refused", "folded"):
+                    "library_calls", "fusions_refused", "folded", "cache_hits", "kernels_compiled"):
             out[key] = sum(s.get(key, 0) for s in self.graphs.values())
         return out
 

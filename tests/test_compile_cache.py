@@ -269,6 +269,33 @@ def test_identical_gpu_kernels_compile_once_and_take_the_programs_arguments(tmp_
         assert done.returncode == 0, done.stderr
 
 
+TORCH_SCRIPT = """
+import json, torch, polyjit
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(24, 48), torch.nn.GELU(), torch.nn.LayerNorm(48), torch.nn.Linear(48, 8))
+x = torch.randn(16, 24)
+y = torch.compile(model, backend="polyjit")(x)
+(y * torch.randn_like(y)).sum().backward()
+stats = polyjit.frontends.torch.stats()
+print(json.dumps({k: stats[k] for k in ("graphs", "cache_hits", "kernels_compiled", "fallbacks")}))
+"""
+
+
+def test_a_fresh_process_loads_a_torch_training_step_from_the_cache(tmp_path):
+    """Both graphs of torch.compile's training step (forward, backward) come
+    from the cache in a second process, as the frontend's stats say."""
+    pytest.importorskip("torch")
+    env = {**os.environ, "POLYJIT_CACHE_DIR": str(tmp_path)}
+    runs = []
+    for _ in range(2):
+        p = subprocess.run([sys.executable, "-c", TORCH_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr
+        runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
+    cold, warm = runs
+    assert cold["graphs"] == 2 and cold["cache_hits"] == 0 and cold["kernels_compiled"] > 0 and cold["fallbacks"] == 0
+    assert warm == {"graphs": 2, "cache_hits": 2, "kernels_compiled": 0, "fallbacks": 0}
+
+
 GPU_SCRIPT = """
 import hashlib, json, sys, numpy as np, polyjit
 from polyjit import ops, InputInfo
