@@ -583,3 +583,41 @@ def test_a_weight_gradients_zeroing_shares_its_register_blocks(rng):
     want = np.stack([np.stack([np.einsum("noyx,niyx->oi", g, xp[:, :, ky:ky + 4, kx:kx + 4]) for kx in range(3)], -1)
                      for ky in range(3)], -2)
     np.testing.assert_allclose(exe(x, g), want, rtol=1e-5, atol=1e-4)
+
+
+# per-channel sums (S0 zeroes, S1 adds the batch) read back over every image
+# position (S2), then a 3x3 stencil of S2 (S3): a batch norm's backward
+# before a depthwise convolution's, as the GPU groups them
+_BN_DEPTHWISE = ("{ S0[c] : 0 <= c <= 87; S1[c, r] : 0 <= c <= 87 and 0 <= r <= 31; "
+                 "S2[n, c, h, w] : 0 <= n <= 31 and 0 <= c <= 87 and 0 <= h <= 27 and 0 <= w <= 27; "
+                 "S3[n, c, h, w] : 0 <= n <= 31 and 0 <= c <= 87 and 0 <= h <= 27 and 0 <= w <= 27 }")
+_BN_FLOW = ("{ S0[c] -> S1[c, 0] : 0 <= c <= 87; S1[c, r] -> S1[c, r + 1] : 0 <= c <= 87 and 0 <= r <= 30; "
+            "S1[c, 31] -> S2[n, c, h, w] : 0 <= c <= 87 and 0 <= n <= 31 and 0 <= h <= 27 and 0 <= w <= 27; "
+            "S2[n, c, h, w] -> S3[n, c, h2, w2] : 0 <= n <= 31 and 0 <= c <= 87 and 0 <= h <= 27 and 0 <= w <= 27 "
+            "and h - 1 <= h2 <= h + 1 and w - 1 <= w2 <= w + 1 and 0 <= h2 <= 27 and 0 <= w2 <= 27 }")
+
+
+def test_a_value_read_back_over_a_whole_image_steers_no_fusion():
+    """isl's proximity leaves out a value read back along two or more free
+    dimensions (its integer programs grew until isl gave up at its budget)
+    and keeps the rest: a sum's running order, the stencil, a row's
+    broadcast along one dimension. The group then fuses within the budget."""
+    import islpy as isl
+
+    from polyjit.schedule.dependences import local_flow, make_context
+    from polyjit.schedule.driver import SOLVER_BUDGET
+    ctx = make_context()
+    flow = isl.UnionMap.read_from_str(ctx, _BN_FLOW)
+    row = isl.UnionMap.read_from_str(ctx, "{ R[i] -> B[i, j] : 0 <= i <= 9 and 0 <= j <= 99 }")
+    kept = local_flow(flow.union(row))
+    assert kept.is_equal(flow.union(row).subtract(isl.UnionMap.read_from_str(ctx, "{ S1[c, 31] -> S2[n, c, h, w] }")))
+    dom = isl.UnionSet.read_from_str(ctx, _BN_DEPTHWISE)
+    sc = isl.ScheduleConstraints.on_domain(dom).set_validity(flow).set_coincidence(flow)
+    ctx.set_max_operations(SOLVER_BUDGET)
+    with pytest.raises(isl.Error):
+        sc.set_proximity(flow).compute_schedule()
+    ctx.reset_operations()
+    sched = sc.set_proximity(kept).compute_schedule()
+    ctx.set_max_operations(0)
+    band = sched.get_root().child(0)
+    assert band.get_type() == isl.schedule_node_type.band and band.band_member_get_coincident(0)

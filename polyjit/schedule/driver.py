@@ -14,7 +14,7 @@ from ..affine import AffineProgram
 from ..cache import ProcessCache
 from .ast import kernel_nodes, statements_in
 from .contraction import contract
-from .dependences import accesses, dependences, make_context
+from .dependences import accesses, dependences, local_flow, make_context
 from .fusion import FusionPlan, fuse_contraction, fusion_groups
 from .groups import GroupProblem, ProgramSchedule, Scheduled, ScheduledGroup, group_problem, kernel_of_each_array
 from .rewrites import distribute_inits, innermost_contiguous, order_sets
@@ -181,6 +181,7 @@ def _schedule_problem(problem: "GroupProblem", config: tuple, timer) -> Schedule
         dom = prog.domain(ctx)
         access = accesses(ctx, prog, dom)
         validity, raw = dependences(ctx, prog, dom, access)
+        raw = local_flow(raw)
     plan = FusionPlan() if fuse else None
     with timer("schedule/isl"):
         sched = _schedule_group(ctx, prog, dom, validity, raw, [s.name for s in prog.statements], fusion, plan)
