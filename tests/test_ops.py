@@ -142,6 +142,25 @@ def test_signed_remainders_and_integer_division_by_zero(dt):
         np.testing.assert_array_equal(got[1], [0, 0, 0, 0])
 
 
+@pytest.mark.parametrize("dt", [np.int32, np.int64])
+def test_integer_division_by_constants(dt, rng):
+    """Constant divisors are folded as they are emitted: a power of two's
+    floored quotient is an arithmetic shift and its floored remainder a mask
+    (exact for negative dividends), other constants keep the division."""
+    lo, hi = np.iinfo(dt).min, np.iinfo(dt).max
+    a = np.concatenate([rng.integers(-1000, 1000, 60), [lo, lo + 1, hi, -1, 0, 1, -8, 8]]).astype(dt)
+    fn = lambda x: (x // 8, ops.remainder(x, 8), x // 2, ops.remainder(x, 2), x // -4, ops.remainder(x, -4),  # noqa: E731
+                    x // 7, ops.remainder(x, 7), ops.trunc_divide(x, 8), ops.fmod(x, 8))
+    got, exe = run(fn, a)
+    want = (a // 8, np.mod(a, 8), a // 2, np.mod(a, 2), a // -4, np.mod(a, -4), a // 7, np.mod(a, 7),
+            np.fix(a / 8).astype(dt) if dt == np.int32 else np.sign(a) * (np.abs(a.astype(object)) // 8),
+            np.fmod(a, 8))
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, np.asarray(w).astype(dt))
+    if TARGET == "cpu":
+        assert " ashr " in exe.ir("llvm") and "mul i64 1," not in exe.ir("llvm")
+
+
 @pytest.mark.parametrize("dt", [np.int32, np.int64, F32, np.float64])
 def test_floor_and_trunc_divide(dt, rng):
     """Integer quotients are exact at any magnitude (not through floats);

@@ -26,6 +26,7 @@ from ..affine import AffineProgram, Array, Role, Statement
 from ..expr import Const, Expr, Load, merged_index
 from ..schedule import Scheduled, statements_in
 from ..schedule.ast import ast_calls, ast_children, ast_uses, static_extent
+from .folding import FoldingBuilder
 from .irtypes import BF16, COMPUTE, F16, F32, F64, I1, I8, I32, I64, PTR, STORAGE
 from .loops import LoopEmission
 from .mapping import Strips, on_stack
@@ -111,7 +112,7 @@ class Emitter(LoopEmission, StripEmission, ValueEmission):
         self.fn = fn
         self.entry = fn.append_basic_block("entry")
         body = fn.append_basic_block("body")
-        self.b = ir.IRBuilder(self.entry)
+        self.b = FoldingBuilder(self.entry)
         nb = len(self.buffer_arrays)
         ints = fn.args[nb:-2]
         self.part, self.parts = fn.args[-2:]

@@ -7,6 +7,7 @@ from llvmlite import ir
 
 from ..schedule.ast import static_extent
 from ..schedule.tree import unrolled_trips
+from .folding import power_of_two
 from .irtypes import I64
 
 
@@ -230,6 +231,9 @@ class LoopEmission:
 
     def floordiv(self, x, y):
         b = self.b
+        k = power_of_two(y)
+        if k is not None:  # an arithmetic shift floors
+            return b.ashr(x, ir.Constant(x.type, k))
         q = b.sdiv(x, y)
         r = b.srem(x, y)
         zero = ir.Constant(x.type, 0)

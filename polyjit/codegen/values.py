@@ -13,6 +13,7 @@ from ..dtypes import DataType
 from ..errors import UnsupportedOpError
 from ..expr import Const, Expr, Load, Op, Var, loads, select_parts
 from . import mathlib
+from .folding import power_of_two
 from .irtypes import COMPUTE, F32, F64, I1, I8, I32, I64, STORAGE
 from .rules import rule_for
 
@@ -28,7 +29,9 @@ class ValueEmission:
     load_element, parameters come from ``self.params``."""
 
     def value(self, e: Expr, env, cache) -> ir.Value:
-        key = id(e)
+        # integer expressions by structure: a window's taps repeat their
+        # index arithmetic (the same floor division per tap and bound)
+        key = e if isinstance(e, Op) and not e.dtype.is_float else id(e)
         if key in cache:
             return cache[key][0]
         v = self._value(e, env, cache)
@@ -132,6 +135,9 @@ class ValueEmission:
         b = self.b
         t = y.type
         zero, one = ir.Constant(t, 0), ir.Constant(t, 1)
+        k = power_of_two(y)
+        if k is not None and (floored or (floored is None and t == I64)):  # index arithmetic's usual case
+            return b.ashr(x, ir.Constant(t, k)) if quotient else b.and_(x, ir.Constant(t, (1 << k) - 1))
         by_zero = b.icmp_signed("==", y, zero)
         by_minus_one = b.icmp_signed("==", y, ir.Constant(t, -1))
         safe = b.select(b.or_(by_zero, by_minus_one), one, y)

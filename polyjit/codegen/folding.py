@@ -1,0 +1,148 @@
+"""An IRBuilder that folds integer arithmetic on constants and reuses
+integer instructions already in the block as it emits.
+
+Index arithmetic is emitted per access from the AST and the arrays' shapes:
+strides that are products of constant sizes, unrolled taps whose padding
+tests compare constants, `x * 1` and `x + 0`, and each tap's address
+recomputing the terms of the others (`c1 * 196`). llvmlite writes every one
+of these as an instruction, which Python then builds and prints and LLVM
+parses and folds away: a depthwise convolution's kernel was mostly such
+instructions. Folding and reusing them here gives LLVM the same program,
+smaller.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+
+_SIGNED = {"==": int.__eq__, "!=": int.__ne__, "<": int.__lt__, "<=": int.__le__, ">": int.__gt__,
+           ">=": int.__ge__}
+
+
+def _int(v) -> int | None:
+    """v's value where it is an integer constant, else None."""
+    if isinstance(v, ir.Constant) and isinstance(v.type, ir.IntType) and isinstance(v.constant, int):
+        return v.constant
+    return None
+
+
+def power_of_two(y) -> int | None:
+    """k where y is the integer constant 2**k (k >= 1), else None: a floored
+    division by it is an arithmetic shift, a floored remainder a mask."""
+    v = _int(y)
+    return v.bit_length() - 1 if v is not None and v > 1 and v & (v - 1) == 0 else None
+
+
+def _wrapped(value: int, typ: ir.IntType) -> ir.Constant:
+    """value as a constant of typ, wrapped to its width and read as signed."""
+    bits = typ.width
+    value &= (1 << bits) - 1
+    if bits > 1 and value >= 1 << (bits - 1):
+        value -= 1 << bits
+    return ir.Constant(typ, value)
+
+
+def _operand(v):
+    return ("const", str(v.type), v.constant) if isinstance(v, ir.Constant) else id(v)
+
+
+class FoldingBuilder(ir.IRBuilder):
+    """ir.IRBuilder with add, sub, mul, sdiv, and, or, signed compares and
+    select folded where their operands make the result known, and integer
+    instructions (no flags) reused where the same one is already in the
+    block the builder appends to (it dominates what follows)."""
+
+    def __init__(self, block=None) -> None:
+        super().__init__(block)
+        self._known: dict = {}  # id(block) -> {(op, operands): instruction}
+
+    def _reused(self, key, make):
+        """The instruction make() gives, or the same one already in this block."""
+        block = self._block
+        if block is None or self._anchor != len(block.instructions):
+            return make()
+        known = self._known.setdefault(id(block), {})
+        v = known.get(key)
+        if v is None:
+            v = known[key] = make()
+        return v
+
+    def _int_op(self, name: str, lhs, rhs, flags):
+        op = getattr(super(), name)
+        if flags or not isinstance(lhs.type, ir.IntType):
+            return op(lhs, rhs, "", flags)
+        return self._reused((name, _operand(lhs), _operand(rhs)), lambda: op(lhs, rhs, "", flags))
+
+    def add(self, lhs, rhs, name="", flags=()):
+        a, b = _int(lhs), _int(rhs)
+        if a is not None and b is not None:
+            return _wrapped(a + b, lhs.type)
+        if a == 0 and not flags:
+            return rhs
+        if b == 0 and not flags:
+            return lhs
+        return self._int_op("add", lhs, rhs, flags)
+
+    def sub(self, lhs, rhs, name="", flags=()):
+        a, b = _int(lhs), _int(rhs)
+        if a is not None and b is not None:
+            return _wrapped(a - b, lhs.type)
+        if b == 0 and not flags:
+            return lhs
+        return self._int_op("sub", lhs, rhs, flags)
+
+    def mul(self, lhs, rhs, name="", flags=()):
+        a, b = _int(lhs), _int(rhs)
+        if a is not None and b is not None:
+            return _wrapped(a * b, lhs.type)
+        if a == 1 and not flags:
+            return rhs
+        if b == 1 and not flags:
+            return lhs
+        return self._int_op("mul", lhs, rhs, flags)
+
+    def sdiv(self, lhs, rhs, name="", flags=()):
+        a, b = _int(lhs), _int(rhs)
+        if a is not None and b and not flags and lhs.type.width > 1:
+            q = abs(a) // abs(b)  # C's division truncates toward zero
+            return _wrapped(q if (a < 0) == (b < 0) else -q, lhs.type)
+        if b == 1 and not flags:
+            return lhs
+        return self._int_op("sdiv", lhs, rhs, flags)
+
+    def and_(self, lhs, rhs, name="", flags=()):
+        a, b = _int(lhs), _int(rhs)
+        if a is not None and b is not None:
+            return _wrapped(a & b, lhs.type)
+        return self._int_op("and_", lhs, rhs, flags)
+
+    def or_(self, lhs, rhs, name="", flags=()):
+        a, b = _int(lhs), _int(rhs)
+        if a is not None and b is not None:
+            return _wrapped(a | b, lhs.type)
+        return self._int_op("or_", lhs, rhs, flags)
+
+    def icmp_signed(self, cmpop, lhs, rhs, name=""):
+        a, b = _int(lhs), _int(rhs)
+        if a is not None and b is not None and lhs.type.width > 1:
+            return ir.Constant(ir.IntType(1), int(_SIGNED[cmpop](a, b)))
+        return self._reused(("icmp", cmpop, _operand(lhs), _operand(rhs)),
+                            lambda: super(FoldingBuilder, self).icmp_signed(cmpop, lhs, rhs, name))
+
+    def select(self, cond, lhs, rhs, name="", flags=()):
+        c = _int(cond)
+        if c is not None and not flags:
+            return lhs if c else rhs
+        if flags or not isinstance(lhs.type, ir.IntType):
+            return super().select(cond, lhs, rhs, name, flags)
+        return self._reused(("select", _operand(cond), _operand(lhs), _operand(rhs)),
+                            lambda: super(FoldingBuilder, self).select(cond, lhs, rhs, name, flags))
+
+    def srem(self, lhs, rhs, name="", flags=()):
+        return self._int_op("srem", lhs, rhs, flags)
+
+    def ashr(self, lhs, rhs, name="", flags=()):
+        return self._int_op("ashr", lhs, rhs, flags)
+
+    def zext(self, value, typ, name=""):
+        return self._reused(("zext", _operand(value), str(typ)),
+                            lambda: super(FoldingBuilder, self).zext(value, typ, name))
