@@ -442,6 +442,29 @@ def test_products_in_whole_register_blocks_run_generated_untimed(shape, untimed,
 
 
 @needs_blas
+@pytest.mark.parametrize("shape,untimed", [((4, 24, 24, 64, 32), True), ((4, 32, 32, 64, 8), False),
+                                          ((1, 7, 9, 512, 512), False)])
+def test_channels_last_1x1_convolutions_run_generated_untimed(shape, untimed, rng, monkeypatch):
+    """A 1x1 channels-last convolution whose output channels fill whole
+    vectors runs generated without a timing on a 512-bit host (the CPU
+    target's model); 8 output channels, or fewer than 64 positions, are timed."""
+    from polyjit import library
+    from polyjit.codegen.cpu import vector_bits
+    monkeypatch.setattr(library, "_measured", {})
+    timings = []
+    monkeypatch.setattr(library, "_time", lambda exes, args: timings.append(len(exes)) or [1.0, 0.0])
+    n, h, w, ci, co = shape
+    x, k = rng.standard_normal((n, h, w, ci), dtype=F32), rng.standard_normal((1, 1, ci, co), dtype=F32)
+    exe = polyjit.compile(lambda x, k: ops.conv(x, k, [1, 1], [(0, 0), (0, 0)], layout="NHWC", kernel_layout="HWIO"),
+                          [InputInfo(x.shape, F32), InputInfo(k.shape, F32)], {"cache": False})
+    np.testing.assert_allclose(exe(x, k), np.einsum("nhwc,co->nhwo", x.astype(np.float64), k[0, 0]), rtol=1e-4,
+                               atol=1e-4)
+    modeled = untimed and vector_bits() >= 512
+    assert bool(timings) != modeled and exe.stats["library_calls"] == 0, exe.stats["contractions"]
+    assert ("1x1 channels-last" in exe.stats["contractions"][0]) == modeled
+
+
+@needs_blas
 def test_generated_weight_gradient_runs_along_the_kernels_dims(rng):
     """A generated weight gradient is a product whose columns are the
     kernel's dims after its output channels (in channels x window,

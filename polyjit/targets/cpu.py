@@ -89,6 +89,23 @@ def _whole_blocks(L, n: Node, lanes: int, min_rows: int = 64, min_rows_packed: i
     return f"whole {'x'.join(map(str, cpu_rewrites.block_shape(rows, cols, lanes)))} register blocks"
 
 
+def _pointwise_channels_last(L, n: Node, lanes: int, min_rows: int = 64) -> bool:
+    """A float32 1x1 convolution of channels-last images (stride 1, no
+    padding, ungrouped): a product of the positions' rows by the kernel,
+    whose output channels, a multiple of the vector width, are contiguous in
+    both the kernel and the result. Generated beat sgemm at every such shape
+    measured (bench/NOTES.md); 8 output channels lost: those stay timed."""
+    at = n.attrs
+    if gemm_form(L, n) != "nhwc" or at["groups"] != 1 or "input_dilation" in at:
+        return False
+    kernel, klay, out = L.shape(n.inputs[1]), at["kernel_layout"], L.shape(n)
+    spatial = [int(kernel[k]) for k, c in enumerate(klay) if c not in "OI"]
+    rows = sz.static_product(out[:-1])
+    return (all(k == 1 for k in spatial) and all(s == 1 for s in at["strides"])
+            and all(p == (0, 0) for p in map(tuple, at["padding"])) and rows is not None and rows >= min_rows
+            and int(kernel[klay.index("O")]) % lanes == 0)
+
+
 class CpuTarget(Target):
     """The host: kernels shared by structure, compiled by LLVM on a thread
     of its own into object code, loaded into an MCJIT engine, run by the
@@ -144,6 +161,8 @@ class CpuTarget(Target):
             return ""
         if n.op == "dot_general":
             return _whole_blocks(L, n, self.vector_bits() // 32)
+        if _pointwise_channels_last(L, n, self.vector_bits() // 32):
+            return "a 1x1 channels-last convolution over whole vectors of output channels"
         if columns_form(L, n, False) is None:
             return ""
         kernel, klay = L.shape(n.inputs[1]), n.attrs["kernel_layout"]
