@@ -598,10 +598,11 @@ _BN_FLOW = ("{ S0[c] -> S1[c, 0] : 0 <= c <= 87; S1[c, r] -> S1[c, r + 1] : 0 <=
 
 
 def test_a_value_read_back_over_a_whole_image_steers_no_fusion():
-    """isl's proximity leaves out a value read back along two or more free
-    dimensions (its integer programs grew until isl gave up at its budget)
-    and keeps the rest: a sum's running order, the stencil, a row's
-    broadcast along one dimension. The group then fuses within the budget."""
+    """Where isl gives up at its budget, its proximity is tried again
+    without a value read back along two or more free dimensions (its integer
+    programs grew until isl gave up), keeping the rest: a sum's running
+    order, the stencil, a row's broadcast along one dimension. The group
+    then fuses within the budget instead of being split."""
     import islpy as isl
 
     from polyjit.schedule.dependences import local_flow, make_context
