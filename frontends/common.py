@@ -162,7 +162,7 @@ def identity(params, *xs):
 def static_value(x: ops.Tensor | Node) -> np.ndarray:
     """The value of a tensor known at compile time, or UnsupportedOpError."""
     n = x.node if isinstance(x, ops.Tensor) else x
-    if n.op == "constant":
+    if n.is_constant:
         return np.asarray(n.attrs["value"])
     if n.op == "tensor_constant":
         return n.attrs["value"]
@@ -245,7 +245,7 @@ class _Segment:
             n = self.env[id(v)]
             if id(v) not in live:
                 continue
-            if n.op == "input":
+            if n.is_input:
                 self.aliases.append((v, self.inputs[[i.id for i in self.graph.inputs].index(n.id)]))
             else:
                 self.graph.add_output(n)

@@ -169,7 +169,7 @@ class FusionDefinition:
         (``mul(float32 tensor, define_scalar(3.0))`` is float32)."""
         if value is not None:
             t = self.define_constant(value, dtype)
-            if t.node.op == "constant":
+            if t.node.is_constant:
                 t.node.attrs["weak"] = True
             return t
         self._changing("define_scalar")

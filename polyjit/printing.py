@@ -112,7 +112,7 @@ def canonical(g: Graph, scalars: Sequence[int] = ()) -> str:
         lines.append(f"%{k} = {kind} {inp.dtype}[{', '.join(map(str, row))}] strided={bool(strided)}")
     pos = {inp.id: k for k, inp in enumerate(g.inputs)}
     for n in g.nodes():
-        if n.op == "input":
+        if n.is_input:
             continue
         pos[n.id] = len(pos)
         args = ", ".join(f"%{pos[i.id]}" for i in n.inputs)
@@ -158,7 +158,7 @@ def python_definition(g: Graph, scalars: Sequence[int] = (), name: str = "fusion
         shape = "[" + ", ".join(map(str, row)) + "]"
         body.append(f"T{k} = fd.define_tensor(shape={shape}, contiguity={contiguity}, dtype={inp.dtype!r})")
     for n in g.nodes():
-        if n.op == "input":
+        if n.is_input:
             continue
         names[n.id] = f"{'T' if n.rank else 'S'}{len(names)}"
         body.append(f"{names[n.id]} = {_call(n, g, names, refs)}")

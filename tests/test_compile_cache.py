@@ -154,10 +154,10 @@ print(json.dumps({k: exe.stats[k] for k in ("cache_hits", "kernels_compiled", "k
 """
 
 
-def _run(folder, count: int = 1) -> list[tuple[dict, str]]:
-    """Run SCRIPT in count processes at once with the compile cache in folder."""
+def _run(folder, count: int = 1, script: str = SCRIPT) -> list[tuple[dict, str]]:
+    """Run script in count processes at once with the compile cache in folder."""
     env = {**os.environ, "POLYJIT_CACHE_DIR": str(folder)}
-    procs = [subprocess.Popen([sys.executable, "-c", SCRIPT], env=env, stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(count)]
     out = []
     for p in procs:
@@ -285,13 +285,8 @@ def test_a_fresh_process_loads_a_torch_training_step_from_the_cache(tmp_path):
     """Both graphs of torch.compile's training step (forward, backward) come
     from the cache in a second process, as the frontend's stats say."""
     pytest.importorskip("torch")
-    env = {**os.environ, "POLYJIT_CACHE_DIR": str(tmp_path)}
-    runs = []
-    for _ in range(2):
-        p = subprocess.run([sys.executable, "-c", TORCH_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-        assert p.returncode == 0, p.stderr
-        runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
-    cold, warm = runs
+    [(cold, _)] = _run(tmp_path, script=TORCH_SCRIPT)
+    [(warm, _)] = _run(tmp_path, script=TORCH_SCRIPT)
     assert cold["graphs"] == 2 and cold["cache_hits"] == 0 and cold["kernels_compiled"] > 0 and cold["fallbacks"] == 0
     assert warm == {"graphs": 2, "cache_hits": 2, "kernels_compiled": 0, "fallbacks": 0}
 

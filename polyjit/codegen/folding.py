@@ -41,6 +41,34 @@ def _wrapped(value: int, typ: ir.IntType) -> ir.Constant:
     return ir.Constant(typ, value)
 
 
+def _truncated(a: int, b: int) -> int | None:
+    """a / b rounded toward zero, as sdiv computes it; None for b = 0."""
+    if not b:
+        return None
+    q = abs(a) // abs(b)
+    return q if (a < 0) == (b < 0) else -q
+
+
+def _folded(op: str, compute, left: int | None = None, right: int | None = None):
+    """The builder method op: compute(a, b) where both operands are integer
+    constants, the other operand where one is the identity (left, right),
+    else the instruction (reused where the block has it)."""
+    def method(self, lhs, rhs, name="", flags=()):
+        if flags:
+            return getattr(ir.IRBuilder, op)(self, lhs, rhs, name, flags)
+        a, b = _int(lhs), _int(rhs)
+        value = compute(a, b) if a is not None and b is not None else None
+        if value is not None:
+            return _wrapped(value, lhs.type)
+        if left is not None and a == left:
+            return rhs
+        if right is not None and b == right:
+            return lhs
+        return self._int_op(op, lhs, rhs, flags)
+    method.__name__ = op
+    return method
+
+
 def _operand(v):
     return ("const", str(v.type), v.constant) if isinstance(v, ir.Constant) else id(v)
 
@@ -72,54 +100,12 @@ class FoldingBuilder(ir.IRBuilder):
             return op(lhs, rhs, "", flags)
         return self._reused((name, _operand(lhs), _operand(rhs)), lambda: op(lhs, rhs, "", flags))
 
-    def add(self, lhs, rhs, name="", flags=()):
-        a, b = _int(lhs), _int(rhs)
-        if a is not None and b is not None:
-            return _wrapped(a + b, lhs.type)
-        if a == 0 and not flags:
-            return rhs
-        if b == 0 and not flags:
-            return lhs
-        return self._int_op("add", lhs, rhs, flags)
-
-    def sub(self, lhs, rhs, name="", flags=()):
-        a, b = _int(lhs), _int(rhs)
-        if a is not None and b is not None:
-            return _wrapped(a - b, lhs.type)
-        if b == 0 and not flags:
-            return lhs
-        return self._int_op("sub", lhs, rhs, flags)
-
-    def mul(self, lhs, rhs, name="", flags=()):
-        a, b = _int(lhs), _int(rhs)
-        if a is not None and b is not None:
-            return _wrapped(a * b, lhs.type)
-        if a == 1 and not flags:
-            return rhs
-        if b == 1 and not flags:
-            return lhs
-        return self._int_op("mul", lhs, rhs, flags)
-
-    def sdiv(self, lhs, rhs, name="", flags=()):
-        a, b = _int(lhs), _int(rhs)
-        if a is not None and b and not flags and lhs.type.width > 1:
-            q = abs(a) // abs(b)  # C's division truncates toward zero
-            return _wrapped(q if (a < 0) == (b < 0) else -q, lhs.type)
-        if b == 1 and not flags:
-            return lhs
-        return self._int_op("sdiv", lhs, rhs, flags)
-
-    def and_(self, lhs, rhs, name="", flags=()):
-        a, b = _int(lhs), _int(rhs)
-        if a is not None and b is not None:
-            return _wrapped(a & b, lhs.type)
-        return self._int_op("and_", lhs, rhs, flags)
-
-    def or_(self, lhs, rhs, name="", flags=()):
-        a, b = _int(lhs), _int(rhs)
-        if a is not None and b is not None:
-            return _wrapped(a | b, lhs.type)
-        return self._int_op("or_", lhs, rhs, flags)
+    add = _folded("add", lambda a, b: a + b, left=0, right=0)
+    sub = _folded("sub", lambda a, b: a - b, right=0)
+    mul = _folded("mul", lambda a, b: a * b, left=1, right=1)
+    sdiv = _folded("sdiv", _truncated, right=1)
+    and_ = _folded("and_", lambda a, b: a & b)
+    or_ = _folded("or_", lambda a, b: a | b)
 
     def icmp_signed(self, cmpop, lhs, rhs, name=""):
         a, b = _int(lhs), _int(rhs)
