@@ -63,34 +63,6 @@ def dependences(ctx, prog: AffineProgram, dom: isl.UnionSet, access=None):
     return validity, raw.coalesce()
 
 
-def local_flow(raw: isl.UnionMap) -> isl.UnionMap:
-    """The flow dependences whose distances isl's proximity should shorten
-    where all of them are too many for its budget: all but a value read back
-    along two or more free dimensions (a batch norm's per-channel sums read
-    over every image position); raw itself where there is none. Minimizing
-    such a fan-out's distances grew isl's integer programs until it gave up
-    (0.6-2 s a group) on a batch-norm backward grouped with a depthwise
-    convolution's, which without it fused in milliseconds. Not the first
-    try: BERT's training step on the GPU, scheduled so from the start, ran
-    at half its speed."""
-    kept = []
-    for m in isl_items(raw.get_map_list()):
-        if not (m.is_injective() and _dim(m.wrap()) - _dim(m.domain()) >= 2):
-            kept.append(m)
-    if len(kept) == raw.n_map():
-        return raw
-    out = isl.UnionMap.empty(raw.get_space())
-    for m in kept:
-        out = out.union(isl.UnionMap.from_map(m))
-    return out
-
-
-def _dim(s: isl.Set) -> int:
-    """The dimension of s's affine hull (its set dims less their independent equalities)."""
-    hull = s.affine_hull()
-    return hull.dim(isl.dim_type.set) - sum(c.is_equality() for c in hull.get_constraints())
-
-
 def is_legal(schedule: isl.Schedule, validity: isl.UnionMap) -> bool:
     """Every dependence source runs strictly before its sink."""
     if validity.is_empty():

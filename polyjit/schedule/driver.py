@@ -14,7 +14,7 @@ from ..affine import AffineProgram
 from ..cache import ProcessCache
 from .ast import kernel_nodes, statements_in
 from .contraction import contract
-from .dependences import accesses, dependences, local_flow, make_context
+from .dependences import accesses, dependences, make_context
 from .fusion import FusionPlan, fuse_contraction, fusion_groups
 from .groups import GroupProblem, ProgramSchedule, Scheduled, ScheduledGroup, group_problem, kernel_of_each_array
 from .rewrites import distribute_inits, innermost_contiguous, order_sets
@@ -85,22 +85,6 @@ def _compute_schedule(ctx, sc: isl.ScheduleConstraints) -> isl.Schedule:
             ctx.reset_operations()
 
 
-def _proximate_schedule(ctx, sc: isl.ScheduleConstraints, proximity: isl.UnionMap | None) -> isl.Schedule:
-    """isl's schedule of sc, steered by proximity; where isl gives up at its
-    budget, tried again with the proximity that says something of locality
-    (dependences.local_flow) before the caller splits the group."""
-    if proximity is None:
-        return _compute_schedule(ctx, sc)
-    try:
-        return _compute_schedule(ctx, sc.set_proximity(proximity))
-    except isl.Error as e:
-        local = local_flow(proximity)
-        if local is proximity or not _over_budget(e):
-            raise
-        log.debug("isl gave up; scheduling again without the proximity of values read back over whole arrays")
-        return _compute_schedule(ctx, sc.set_proximity(local))
-
-
 def _over_budget(e: isl.Error) -> bool:
     """Whether isl stopped for its operation budget (another error, such as
     dependences it cannot carry, comes back whatever the budget)."""
@@ -119,8 +103,9 @@ def _schedule_one_group(ctx, prog, dom, validity, raw, names, fusion, fuse: Fusi
     cdom = group_domain(ctx, prog, dom, [n for n in names if n not in epilogue])
     cval = validity.intersect_domain(cdom).intersect_range(cdom).coalesce()
     sc = isl.ScheduleConstraints.on_domain(cdom).set_validity(cval).set_coincidence(cval)
-    proximity = raw.intersect_domain(cdom).intersect_range(cdom).coalesce() if fusion != "none" else None
-    sched = order_sets(_proximate_schedule(ctx, sc, proximity), cval)
+    if fusion != "none":
+        sc = sc.set_proximity(raw.intersect_domain(cdom).intersect_range(cdom).coalesce())
+    sched = order_sets(_compute_schedule(ctx, sc), cval)
     sched = innermost_contiguous(sched, prog, ctx, cval)
     if fuse is not None and core:
         gdom = group_domain(ctx, prog, dom, names)
