@@ -487,3 +487,27 @@ def test_gpu_library_steps_are_shared_in_process_and_compiled_again_without_cubl
     monkeypatch.setattr(cublas, "cublas", lambda: None)
     bare = polyjit.compile(_mlp, infos, {**PTX_ONLY, "cache": False}).compile_default()
     assert bare.stats["kernels_compiled"] > 0 and bare.stats["library_calls"] == 0
+
+
+def test_a_structure_isl_gave_up_on_is_split_at_once_at_other_sizes(rng, monkeypatch):
+    """A group whose schedule isl gave up on (its budget) is split in two;
+    a group of the same structure at other sizes (a model's blocks repeat
+    one) is split without asking isl for the whole again."""
+    import islpy as isl
+
+    from polyjit.schedule import driver
+    whole_tries = []
+    real = driver._schedule_one_group
+
+    def over_budget(ctx, prog, dom, validity, raw, names, *rest):
+        if len(names) == len(prog.statements) > 1:
+            whole_tries.append(len(names))
+            raise isl.Error("maximal number of operations exceeded")
+        return real(ctx, prog, dom, validity, raw, names, *rest)
+    monkeypatch.setattr(driver, "_schedule_one_group", over_budget)
+    x, y = rng.standard_normal((7, 45), dtype=F32), rng.standard_normal((5, 61), dtype=F32)
+    exe = polyjit.compile(lambda x, y: (ops.softmax(x), ops.softmax(y)),
+                          [InputInfo(x.shape, F32), InputInfo(y.shape, F32)], {"cache": False})
+    assert len(whole_tries) == 1  # the second softmax's group, the same structure, was split at once
+    for got, a in zip(exe(x, y), (x, y)):
+        np.testing.assert_allclose(got, _softmax(a), rtol=1e-5, atol=1e-7)

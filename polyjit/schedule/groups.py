@@ -40,9 +40,11 @@ class GroupProblem:
     arrays: dict[str, str]  # likewise for arrays
     shared: frozenset[str]  # arrays (named as in prog) that other groups use too
     key: str  # everything the group's schedule and code depend on
+    structure: str  # the same with every number left out (sizes, offsets, constants), names kept
 
 
 _CANONICAL = re.compile(r"\b_[sa]\d+\b")
+_NUMBERS = re.compile(r"(?<!\w)\d+")
 
 
 def group_problem(prog: AffineProgram, group: list[str], shared: set[str], canonical: bool = True) -> GroupProblem:
@@ -71,7 +73,8 @@ def group_problem(prog: AffineProgram, group: list[str], shared: set[str], canon
     sub = AffineProgram(list(prog.params), arrs, stmts, [])
     key = "\n".join([repr(prog.params), *map(repr, arrs.values()), *map(repr, stmts), repr(sorted(mine))])
     return GroupProblem(sub, names, {new: old for old, new in arrays.items()}, mine,
-                        hashlib.sha256(key.encode()).hexdigest())
+                        hashlib.sha256(key.encode()).hexdigest(),
+                        hashlib.sha256(_NUMBERS.sub("#", key).encode()).hexdigest())
 
 
 @dataclass
