@@ -136,8 +136,8 @@ class ValueEmission:
         t = y.type
         zero, one = ir.Constant(t, 0), ir.Constant(t, 1)
         k = power_of_two(y)
-        if k is not None and (floored or (floored is None and t == I64)):  # index arithmetic's usual case
-            return b.ashr(x, ir.Constant(t, k)) if quotient else b.and_(x, ir.Constant(t, (1 << k) - 1))
+        if k is not None and (floored or (floored is None and t == I64)):  # y > 1: no guard; a shift, a mask
+            return self.floordiv(x, y) if quotient else b.and_(x, ir.Constant(t, (1 << k) - 1))
         by_zero = b.icmp_signed("==", y, zero)
         by_minus_one = b.icmp_signed("==", y, ir.Constant(t, -1))
         safe = b.select(b.or_(by_zero, by_minus_one), one, y)

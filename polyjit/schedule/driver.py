@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import islpy as isl
 
@@ -29,26 +28,18 @@ SOLVER_BUDGET = 8_000  # operations of isl's scheduler's first try on a group (m
 SOLVER_SECONDS = 0.5  # a try that ran out of operations sooner than this gets twice as many
 
 
-@dataclass
-class _Whole:
-    """A problem's whole group: split at once (isl gave up on a group of the
-    same structure, sizes aside), and whether isl gave up on this one."""
-
-    split: bool
-    gave_up: bool = False
-
-
-def _schedule_group(ctx, prog, dom, validity, raw, names, fusion, fuse: FusionPlan | None,
-                    whole: _Whole | None = None) -> isl.Schedule:
+def _schedule_group(ctx, prog, dom, validity, raw, names, fusion, fuse: FusionPlan | None) -> isl.Schedule:
     """isl's schedule for a group; a group whose problem exceeds the budget is
-    split in two and each half scheduled alone, one after the other. A single
-    statement is tried again without outer coincidence (which only steers
-    fusion): with it, isl could not carry a 2x2 convolution's reduction over
-    taps of extent 2, whose update then ran on one thread. One still over
-    budget (accesses full of integer divisions, e.g. a flattened pooling
-    window feeding a matmul) runs in its own loop order."""
-    if whole is not None and whole.split and len(names) > 1:
-        return _halves(ctx, prog, dom, validity, raw, names, fusion, fuse)
+    split in two and each half scheduled alone, one after the other."""
+    sched = _whole_group(ctx, prog, dom, validity, raw, names, fusion, fuse)
+    return sched if sched is not None else _split_group(ctx, prog, dom, validity, raw, names, fusion, fuse)
+
+
+def _whole_group(ctx, prog, dom, validity, raw, names, fusion, fuse: FusionPlan | None) -> isl.Schedule | None:
+    """isl's schedule for the group as one problem, or None where isl gives
+    up. A single statement is tried again without outer coincidence (which
+    only steers fusion): with it, isl could not carry a 2x2 convolution's
+    reduction over taps of extent 2, whose update then ran on one thread."""
     for outer in (1, 0) if len(names) == 1 else (1,):
         ctx.set_max_operations(SCHEDULE_BUDGET)
         ctx.reset_operations()
@@ -60,15 +51,15 @@ def _schedule_group(ctx, prog, dom, validity, raw, names, fusion, fuse: FusionPl
         finally:
             ctx.set_max_operations(0)
             ctx.set_schedule_outer_coincidence(1)
-    if whole is not None:
-        whole.gave_up = True
+    return None
+
+
+def _split_group(ctx, prog, dom, validity, raw, names, fusion, fuse: FusionPlan | None) -> isl.Schedule:
+    """The group's two halves scheduled alone, one after the other; a
+    single statement isl gave up on (accesses full of integer divisions,
+    e.g. a flattened pooling window feeding a matmul) in its own loop order."""
     if len(names) == 1:
         return isl.Schedule.from_domain(group_domain(ctx, prog, dom, names))
-    return _halves(ctx, prog, dom, validity, raw, names, fusion, fuse)
-
-
-def _halves(ctx, prog, dom, validity, raw, names, fusion, fuse: FusionPlan | None) -> isl.Schedule:
-    """The group's two halves scheduled alone, one after the other."""
     half = len(names) // 2
     first = _schedule_group(ctx, prog, dom, validity, raw, names[:half], fusion, fuse)
     return first.sequence(_schedule_group(ctx, prog, dom, validity, raw, names[half:], fusion, fuse))
@@ -206,13 +197,14 @@ def _schedule_problem(problem: "GroupProblem", config: tuple, timer) -> Schedule
         access = accesses(ctx, prog, dom)
         validity, raw = dependences(ctx, prog, dom, access)
     plan = FusionPlan() if fuse else None
+    group = (ctx, prog, dom, validity, raw, [s.name for s in prog.statements], fusion, plan)
     structure = (problem.structure, config)
-    whole = _Whole(split=_gave_up.get(structure) is not None)
     with timer("schedule/isl"):
-        sched = _schedule_group(ctx, prog, dom, validity, raw, [s.name for s in prog.statements], fusion, plan,
-                                whole)
-    if whole.gave_up:
-        _gave_up.put(structure, True)
+        known = len(prog.statements) > 1 and _gave_up.get(structure) is not None
+        sched = None if known else _whole_group(*group)
+        if sched is None:
+            _gave_up.put(structure, True)
+            sched = _split_group(*group)
     with timer("schedule/rewrites"):
         sched = order_sets(target.schedule_rewrites(sched, prog, validity, tile_sizes), validity)
     with timer("schedule/ast"):
