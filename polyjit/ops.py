@@ -831,37 +831,36 @@ def max_pool_with_positions(x: Tensor, window: Sequence[int], strides: Sequence[
     as torch's max_pool returns them, the row-major position within those
     dims of each window's first maximum; NaN counts as the maximum and
     padding never wins (XLA's select_and_scatter lets padding win: JAX's
-    gradient keeps its own). The window unrolls into strided slices, so
-    values and positions fuse into one pass."""
+    gradient keeps its own). The maximum is one window reduction (computed
+    inline where its consumer reads it, with no positions asked for); the
+    position is the first cell inside the image that equals it, or the
+    first NaN, one select per cell of the window."""
     nsp = len(window)
     lead = list(x.shape[:-nsp])
     dilation = list(dilation) if dilation is not None else [1] * nsp
     pads = _pairs(padding)
     spatial = list(x.shape[-nsp:])
     out = [sz.windows(n + a + b - d * (k - 1) - 1, s) for n, k, s, (a, b), d in zip(spatial, window, strides, pads, dilation)]
+    best = reduce_window("max", x, [1] * len(lead) + list(window), [1] * len(lead) + list(strides),
+                         [(0, 0)] * len(lead) + [tuple(p) for p in pads], [1] * len(lead) + dilation)
     padded = any(a or b for a, b in pads)
     xp = pad(x, [w for p in reversed(pads) for w in p], -math.inf) if padded else x
     cell = _window_cells(x, lead + out, strides, [a for a, _ in pads], dilation)
-    best = pos = found = None
-    for offset in itertools.product(*[range(k) for k in window]):
+    pos = None
+    for offset in reversed(list(itertools.product(*[range(k) for k in window]))):
         start = [0] * len(lead) + [o * d for o, d in zip(offset, dilation)]
         end = lead + [o * d + s * (n - 1) + 1 for o, d, s, n in zip(offset, dilation, strides, out)]
         v = slice(xp, start, end, [1] * len(lead) + list(strides))
         coords = cell(offset)
         here = _flat_position(coords, spatial)
-        inside = None
+        if pos is None:  # the last cell: where no earlier one holds the maximum
+            pos = here
+            continue
+        hit = logical_or(v == best, isnan(v))
         if padded:
             for c, n in zip(coords, spatial):
-                ok = logical_and(c >= 0, c < n)
-                inside = ok if inside is None else logical_and(inside, ok)
-        if best is None:
-            best, pos, found = v, here, inside
-            continue
-        take = logical_or(v > best, logical_and(isnan(v), logical_not(isnan(best))))
-        if padded:
-            take = logical_and(inside, logical_or(take, logical_not(found)))
-            found = logical_or(found, inside)
-        best, pos = where(take, v, best), where(take, here, pos)
+                hit = logical_and(hit, logical_and(c >= 0, c < n))
+        pos = where(hit, here, pos)
     return best, pos
 
 

@@ -405,6 +405,21 @@ def test_strided_windows_over_symbolic_sizes(rng):
         close(mean, want.mean((1, 2)))
 
 
+def test_a_max_pools_maximum_is_one_window_computed_where_it_is_read(rng):
+    """Without its positions, a max pool is one window reduction computed
+    inline in its consumer (no running maxima or masks stored); padding
+    never wins over negative values, and NaN is the maximum."""
+    def fn(t):
+        return ops.max_pool_with_positions(t, [3, 3], [2, 2], [1, 1])[0] * 2.0
+    exe = polyjit.compile(fn, [InputInfo([2, 3, 9, 8], F32)])
+    assert exe.stats["kernels"] == 1 and "temp " not in exe.ir("affine"), exe.ir("affine")
+    a = -np.abs(rng.standard_normal((2, 3, 9, 8))).astype(F32) - 1
+    a[1, 2, 4, 5] = np.nan
+    ap = np.pad(a, ((0, 0), (0, 0), (1, 1), (1, 1)), constant_values=-np.inf)
+    wins = np.stack([ap[:, :, i:i + 9:2, j:j + 8:2] for i in range(3) for j in range(3)], -1)
+    close(exe(a), np.where(np.isnan(wins).any(-1), np.nan, wins.max(-1)) * 2)
+
+
 @pytest.mark.parametrize("shape_a,shape_b", [((33, 70), (70, 45)), ((3, 20, 30), (3, 30, 7)),
                                              ((2, 1, 5, 8), (4, 8, 3)), ((16,), (16, 9))])
 def test_matmul(shape_a, shape_b, rng):

@@ -9,12 +9,14 @@ kept as its statement (cache.statement_json), run again from it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import logging
 from typing import TYPE_CHECKING
 
 from .. import cache
 from .. import sizes as sz
 from ..cache import ProcessCache
+from ..channels_last import batch_statistics, channels_last
 from ..codegen.gpu_program import GpuCodeSet, build_program
 from ..codegen.llvm import KernelInfo
 from ..codegen.nvgpu import GpuEmitter, ptx
@@ -23,7 +25,8 @@ from ..compiler import plan as plan_of
 from ..runtime.cuda import default_ordinal, device
 from ..runtime.gpu_program import GpuProgram
 from ..errors import CompileOptionError, DeviceError
-from ..graph import Graph, Node
+from ..graph import BINARY_OPS, UNARY_OPS, Graph, Node
+from ..lowering import LAYOUT_OPS, UNROLL_LIMIT
 from ..library import Convolution, backward_data
 from ..schedule import gpu_rewrites, schedule_program
 from .base import Target
@@ -41,18 +44,31 @@ _programs = ProcessCache(GPU_PROGRAMS)  # key -> (plan, objects)
 
 
 SPLIT_ROWS = 32  # a reduction's contiguous inner part at least this long is summed by rows first
+COLUMN_PART = 256  # a column reduction over more rows than this is combined in steps
 
 
 def split_reductions(graph: Graph) -> Graph:
-    """A copy in which a reduction over outer dimensions and a contiguous
-    suffix of inner ones (a batch norm's per-channel sums over NCHW's N, H
-    and W) combines each row of the suffix first (a warp per row, reading
-    memory in order), then the few values left: whole, it ran a thread per
-    output, 64 threads for 400K values each in ResNet-18's first batch norm."""
+    """A copy in which a reduction that one thread per output would run
+    over many values is combined in parallel steps:
+    - over outer dimensions and a contiguous suffix of inner ones (a batch
+      norm's per-channel sums over NCHW's N, H and W): each row of the
+      suffix first (a warp per row, reading memory in order), then the few
+      values left. Whole, it ran a thread per output, 64 threads for 400K
+      values each in ResNet-18's first batch norm;
+    - over leading dimensions, the inner ones kept (the same sums over
+      NHWC's N, H and W), where one such sum reads another's result (a
+      batch norm's variance, its mean): over W first, a thread per image,
+      row and channel (reading memory in order across the threads), then
+      over H, then N. Fused, the two ran a thread per channel; a column
+      sum alone already runs in strips (codegen.gpu_mapping.AtomicStrips)."""
+    chained = _chained_columns(graph)
+
     def split(old: Node, n: Node, new: dict[int, Node]) -> Node:
         if n.op != "reduce":
             return n
         x, axes = n.inputs[0], tuple(n.attrs["axes"])
+        if _leading(n):
+            return (_columns(n) if old.id in chained else None) or n
         k = x.rank
         while k - 1 in axes:
             k -= 1
@@ -69,6 +85,59 @@ def split_reductions(graph: Graph) -> Graph:
     return graph.rewritten(split)
 
 
+def _leading(n: Node) -> bool:
+    """Whether n reduces over its operand's leading dimensions, keeping others."""
+    if n.op != "reduce":
+        return False
+    axes = tuple(n.attrs["axes"])
+    return bool(axes) and axes == tuple(range(len(axes))) and len(axes) < n.inputs[0].rank
+
+
+def _chained_columns(graph: Graph) -> set[int]:
+    """The reductions over leading dimensions that read another's result,
+    or whose result another reads, through elementwise and layout ops."""
+    reach: dict[int, frozenset] = {}  # node -> the leading-dimension reductions it reads through those ops
+    chained: set[int] = set()
+    for n in graph.nodes():
+        through = n.op in UNARY_OPS + BINARY_OPS + LAYOUT_OPS + ("where", "cast", "reduce")
+        read = frozenset().union(*(reach[i.id] for i in n.inputs)) if through else frozenset()
+        if _leading(n):
+            if read:
+                chained |= read | {n.id}
+            read = read | {n.id}
+        reach[n.id] = read
+    return chained
+
+
+def _columns(n: Node) -> Node | None:
+    """Reduction n over x's leading dimensions as a reduction over each run
+    of them in turn, innermost first (a run: the fewest dimensions from the
+    inside that hold more values than unroll into one expression, so each
+    step stays a loop of its own); None where they are few or one run.
+    Whole dimensions keep every access affine: rows flattened and cut into
+    parts read through divisions, on which isl gave up for seconds."""
+    x, lead = n.inputs[0], len(n.attrs["axes"])
+    sizes = [int(s) if sz.is_static(s) else None for s in x.shape[:lead]]
+    if None in sizes or math.prod(sizes) <= COLUMN_PART:
+        return None
+    runs: list[list[int]] = []
+    run: list[int] = []
+    for d in reversed(range(lead)):
+        run.insert(0, d)
+        if math.prod(sizes[a] for a in run) > UNROLL_LIMIT:
+            runs.append(run)
+            run = []
+    if run and runs:  # the outermost few join the run inside them
+        runs[-1] = run + runs[-1]
+    if len(runs) < 2:
+        return None
+    value = x
+    for run in runs:
+        shape = tuple(s for d, s in enumerate(value.shape) if d not in run)
+        value = Node("reduce", (value,), {**n.attrs, "axes": tuple(run), "keepdim": False}, shape, n.dtype)
+    return value if tuple(value.shape) == tuple(n.shape) else Node("reshape", (value,), {}, n.shape, n.dtype)
+
+
 class NvgpuTarget(Target):
     """An NVIDIA GPU, through NVPTX and the CUDA driver."""
 
@@ -81,7 +150,13 @@ class NvgpuTarget(Target):
     tensor_float32 = True
 
     def graph_passes(self, graph: Graph, options: CompileOptions) -> Graph:
-        return split_reductions(super().graph_passes(graph, options))
+        """Channels-last arrays around cuDNN's TF32 convolutions
+        (polyjit.channels_last), and reductions split."""
+        graph = super().graph_passes(graph, options)
+        if (options.contractions != "generated" and options.tf32 and self.direct_convolutions()
+                and not batch_statistics(graph)):  # (TF32: the tensor-core kernels; FMA ones take NCHW as it is)
+            graph = channels_last(graph, lambda n: True)
+        return split_reductions(graph)
 
     def keeps_input_dilation(self, n: Node, options: CompileOptions) -> bool:
         """Where cuDNN's backward data takes it (library.backward_data)."""

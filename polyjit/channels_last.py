@@ -1,0 +1,197 @@
+"""Channels-last activations between library convolutions (a graph pass).
+
+cuDNN's fast convolutions (its tensor-core kernels) read and write NHWC.
+Handed NCHW arrays, as eager PyTorch hands it, cuDNN converts them in and
+out around every call. This pass gives each convolution that the library
+computes channels-last arrays instead:
+- its activation operands are read transposed, and made in that order
+  wherever they are computed;
+- its result is stored channels last;
+- the elementwise ops, pads, slices, windows and reductions that read the
+  result compute in the same order.
+
+So the arrays between convolutions (a ResNet's activations, its residuals
+and its pooling) are channels last. The transposes that remain are index
+functions (polyjit.lowering inlines them) where the order is not carried
+on: at the graph's inputs and outputs, and at ops the pass does not carry
+it through.
+
+A value stored in order p is ``transpose(value, p)``: its axis i is the
+value's axis p[i]. Index computations (iotas, constants and elementwise ops
+of them, such as the max pool's window masks) are rebuilt in that order
+rather than read through a transpose.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from .dtypes import DataType
+from .graph import BINARY_OPS, UNARY_OPS, Graph, Node
+
+ELEMENTWISE = (*UNARY_OPS, *BINARY_OPS, "where", "cast", "bitcast")
+
+
+def last(rank: int) -> tuple[int, ...]:
+    """The order that moves an N, C, spatial... array's channels last."""
+    return (0, *range(2, rank), 1)
+
+
+def inverse(p: tuple[int, ...]) -> tuple[int, ...]:
+    q = [0] * len(p)
+    for i, a in enumerate(p):
+        q[a] = i
+    return tuple(q)
+
+
+def _moved(values: tuple, p: tuple[int, ...]) -> tuple:
+    return tuple(values[a] for a in p)
+
+
+def convertible(n: Node) -> bool:
+    """Whether convolution n reads and writes activations as N, C, spatial
+    arrays (2-d or 3-d, float32): a forward or input gradient ("NC..."
+    images) or a weight gradient ("CN...": the images are the contraction,
+    the output gradient its kernel, "IO...")."""
+    if n.op != "conv" or not 4 <= n.rank <= 5 or any(t.dtype != DataType.Float for t in (n, *n.inputs)):
+        return False
+    lay, klay = n.attrs["layout"], n.attrs["kernel_layout"]
+    sp = lay[2:]
+    if set(sp) & set("NCIO") or len(sp) != n.rank - 2:
+        return False
+    if lay == "NC" + sp:
+        return klay in ("OI" + sp, "IO" + sp)
+    return lay == "CN" + sp and klay == "IO" + sp and n.attrs["groups"] == 1
+
+
+class _Pass:
+    """One run of the pass: the values stored in another order so far."""
+
+    def __init__(self, convert: Callable[[Node], bool]) -> None:
+        self.convert = convert
+        self.stored: dict[int, tuple[Node, tuple[int, ...]]] = {}  # old node id -> (the value in order p, p)
+        self.rebuilt: dict[tuple[int, tuple], Node] = {}  # (new node id, p) -> the node in order p
+        self.index_only: dict[int, bool] = {}
+
+    def step(self, old: Node, n: Node, new: dict[int, Node]) -> Node:
+        if self.convert(old):
+            return self._convolution(old, n)
+        orders = {self.stored[i.id][1] for i in old.inputs if i.id in self.stored}
+        if len(orders) != 1 or old.op not in CARRIED:
+            return n
+        p = orders.pop()
+        if any(i.rank != len(p) for i in n.inputs):
+            return n
+        made, q = CARRIED[old.op](n, tuple(self._operand(o, i, p) for o, i in zip(old.inputs, n.inputs)), p)
+        return self._keep(old, made, q)
+
+    def _keep(self, old: Node, made: Node, q: tuple[int, ...]) -> Node:
+        """made, old's value in order q, for the consumers that carry it;
+        old's value itself (a transpose of made) for the others."""
+        if q == tuple(range(len(q))):
+            return made
+        self.stored[old.id] = (made, q)
+        return _transpose(made, inverse(q))
+
+    def _convolution(self, old: Node, n: Node) -> Node:
+        p = last(old.rank)
+        at = n.attrs
+        x, w = (self._operand(o, i, p) for o, i in zip(old.inputs, n.inputs))
+        attrs = {**at, "layout": "".join(_moved(at["layout"], p)),
+                 "kernel_layout": "".join(_moved(at["kernel_layout"], p))}
+        return self._keep(old, Node("conv", (x, w), attrs, _moved(n.shape, p), n.dtype), p)
+
+    def _operand(self, old: Node, n: Node, p: tuple[int, ...]) -> Node:
+        """Operand old (new node n) in order p."""
+        kept = self.stored.get(old.id)
+        if kept is not None and kept[1] == p:
+            return kept[0]
+        return self._in_order(n, p)
+
+    def _in_order(self, n: Node, p: tuple[int, ...]) -> Node:
+        """transpose(n, p), rebuilt in that order where n is an index
+        computation or a view that has one (a broadcast, a reverse)."""
+        key = (n.id, p)
+        if key not in self.rebuilt:
+            self.rebuilt[key] = self._rebuild(n, p)
+        return self.rebuilt[key]
+
+    def _rebuild(self, n: Node, p: tuple[int, ...]) -> Node:
+        shape = _moved(n.shape, p)
+        if n.op == "iota":
+            return Node("iota", (), {**n.attrs, "dim": p.index(n.attrs["dim"])}, shape, n.dtype)
+        if n.op == "broadcast_in_dim":
+            dims = tuple(p.index(d) for d in n.attrs["dims"])
+            if list(dims) == sorted(dims):
+                return Node("broadcast_in_dim", n.inputs, {"dims": dims}, shape, n.dtype)
+        if n.op == "reverse":
+            axes = tuple(sorted(p.index(a) for a in n.attrs["axes"]))
+            return Node("reverse", (self._in_order(n.inputs[0], p),), {"axes": axes}, shape, n.dtype)
+        if n.op == "transpose":
+            return _transpose(n.inputs[0], tuple(n.attrs["perm"][a] for a in p))
+        if n.op in ELEMENTWISE and self._index_only(n) and all(i.rank == len(p) for i in n.inputs):
+            return Node(n.op, tuple(self._in_order(i, p) for i in n.inputs), n.attrs, shape, n.dtype)
+        return _transpose(n, p)
+
+    def _index_only(self, n: Node) -> bool:
+        """Whether n is computed from indices and constants alone (no array read)."""
+        if n.id not in self.index_only:
+            self.index_only[n.id] = not n.is_source and all(self._index_only(i) for i in n.inputs)
+        return self.index_only[n.id]
+
+
+def _transpose(x: Node, p: tuple[int, ...]) -> Node:
+    if p == tuple(range(len(p))):
+        return x
+    return Node("transpose", (x,), {"perm": p}, _moved(x.shape, p), x.dtype)
+
+
+# How each op the order is carried through computes in order p: (n on its
+# operands in order p, the order of its result).
+def _elementwise(n: Node, ins: tuple, p: tuple) -> tuple[Node, tuple]:
+    return Node(n.op, ins, n.attrs, _moved(n.shape, p), n.dtype), p
+
+
+def _per_axis(*names: str) -> Callable:
+    """An op whose attributes names hold a value per axis, in axis order."""
+    def carry(n: Node, ins: tuple, p: tuple) -> tuple[Node, tuple]:
+        attrs = {k: (_moved(tuple(v), p) if k in names else v) for k, v in n.attrs.items()}
+        return Node(n.op, ins, attrs, _moved(n.shape, p), n.dtype), p
+    return carry
+
+
+def _reduce(n: Node, ins: tuple, p: tuple) -> tuple[Node, tuple]:
+    """Over the same axes in their new places; the axes left are in the order
+    they have in p, which is the result's order q."""
+    axes = tuple(sorted(p.index(a) for a in n.attrs["axes"]))
+    if n.attrs.get("keepdim"):
+        q = p
+    else:
+        kept = [a for a in p if a not in n.attrs["axes"]]
+        ordered = sorted(kept)
+        q = tuple(ordered.index(a) for a in kept)
+    shape = tuple(ins[0].shape[d] if d not in axes else 1 for d in range(len(p))
+                  if n.attrs.get("keepdim") or d not in axes)
+    return Node("reduce", ins, {**n.attrs, "axes": axes}, shape, n.dtype), q
+
+
+CARRIED: dict[str, Callable] = {op: _elementwise for op in ELEMENTWISE}
+CARRIED.update({"pad": _per_axis("lo", "hi"), "slice": _per_axis("start", "strides"),
+                "reduce_window": _per_axis("window", "strides", "padding", "dilation"), "reduce": _reduce})
+
+
+def batch_statistics(graph: Graph) -> bool:
+    """Whether graph sums image arrays over their batch and spatial
+    dimensions (a training batch norm's statistics, or their gradients).
+    Channels last, those become column sums in steps (targets.nvgpu's
+    split_reductions) whose schedules took isl and LLVM twice a CNN's
+    compile, and its saved activations are transposed on their way out and
+    back in, so training graphs keep NCHW for now."""
+    return any(n.op == "reduce" and 4 <= n.inputs[0].rank <= 5 and 0 in n.attrs["axes"]
+               and set(range(2, n.inputs[0].rank)) <= set(n.attrs["axes"]) for n in graph.nodes())
+
+
+def channels_last(graph: Graph, convert: Callable[[Node], bool]) -> Graph:
+    """A copy of graph in which each convolution convert picks (of those
+    ``convertible``) reads and writes channels-last arrays, and the ops after
+    it compute in that order."""
+    return graph.rewritten(_Pass(lambda n: convertible(n) and convert(n)).step)
