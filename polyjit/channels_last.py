@@ -26,9 +26,7 @@ from __future__ import annotations
 from typing import Callable
 
 from .dtypes import DataType
-from .graph import BINARY_OPS, UNARY_OPS, Graph, Node
-
-ELEMENTWISE = (*UNARY_OPS, *BINARY_OPS, "where", "cast", "bitcast")
+from .graph import ELEMENTWISE, Graph, Node
 
 
 def last(rank: int) -> tuple[int, ...]:
@@ -66,14 +64,13 @@ def convertible(n: Node) -> bool:
 class _Pass:
     """One run of the pass: the values stored in another order so far."""
 
-    def __init__(self, convert: Callable[[Node], bool]) -> None:
-        self.convert = convert
+    def __init__(self) -> None:
         self.stored: dict[int, tuple[Node, tuple[int, ...]]] = {}  # old node id -> (the value in order p, p)
         self.rebuilt: dict[tuple[int, tuple], Node] = {}  # (new node id, p) -> the node in order p
         self.index_only: dict[int, bool] = {}
 
     def step(self, old: Node, n: Node, new: dict[int, Node]) -> Node:
-        if self.convert(old):
+        if convertible(old):
             return self._convolution(old, n)
         orders = {self.stored[i.id][1] for i in old.inputs if i.id in self.stored}
         if len(orders) != 1 or old.op not in CARRIED:
@@ -190,8 +187,7 @@ def batch_statistics(graph: Graph) -> bool:
                and set(range(2, n.inputs[0].rank)) <= set(n.attrs["axes"]) for n in graph.nodes())
 
 
-def channels_last(graph: Graph, convert: Callable[[Node], bool]) -> Graph:
-    """A copy of graph in which each convolution convert picks (of those
-    ``convertible``) reads and writes channels-last arrays, and the ops after
-    it compute in that order."""
-    return graph.rewritten(_Pass(lambda n: convertible(n) and convert(n)).step)
+def channels_last(graph: Graph) -> Graph:
+    """A copy of graph in which each ``convertible`` convolution reads and
+    writes channels-last arrays, and the ops after it compute in that order."""
+    return graph.rewritten(_Pass().step)

@@ -24,6 +24,7 @@ from .errors import DefinitionError
 from .sizes import Lin, Size
 
 UNARY_OPS, BINARY_OPS = scalar.UNARY, scalar.BINARY  # the elementwise ops: polyjit.scalar
+ELEMENTWISE = (*UNARY_OPS, *BINARY_OPS, "where", "cast", "bitcast")  # each element from the same ones
 REDUCTIONS = tuple(scalar.COMBINE)
 SOURCES = ("input", "tensor_constant")  # leaves held in arrays: the caller's arguments, the program's constants
 CONTRACTIONS = ("dot_general", "conv")  # products: a library (BLAS, cuDNN) may compute them

@@ -1181,6 +1181,21 @@ def test_transposing_copies_map_warps_to_tiles():
     assert "tiles" not in _mapping(lambda x: ops.exp(x) * 2.0, [(64, 64)])[0]  # loads and stores agree
 
 
+def test_stores_across_vector_loads_take_the_transposing_tile(rng):
+    """A kernel whose loads could go in vector groups along one loop (NCHW
+    operands) and whose stores walk another (an NHWC result) takes the
+    warp tile instead: strided stores wrote a sector for each 4 bytes."""
+    def f(a, b):
+        return ops.permute(ops.relu(a) * b, [0, 2, 3, 1])
+    shapes = [(4, 64, 16, 16)] * 2
+    assert _mapping(f, shapes) == ["point per thread: grid c0 x c1 x c2 x c3, warps in 8x4 tiles of c2 x c3, "
+                                   "stores deferred"]
+    arrays = [rng.standard_normal(s).astype(F32) for s in shapes]
+    exe = polyjit.compile(f, [InputInfo(s, F32) for s in shapes], PTX_ONLY)
+    np.testing.assert_array_equal(run_threads_on_cpu(exe, arrays)[0],
+                                  (np.maximum(arrays[0], 0) * arrays[1]).transpose(0, 2, 3, 1))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("b,s,h,d", [(2, 64, 3, 16), (2, 60, 3, 6), (3, 32, 2, 8), (1, 256, 12, 64)])
 def test_transposing_copies_on_the_gpu(b, s, h, d, rng):

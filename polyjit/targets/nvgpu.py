@@ -9,8 +9,8 @@ kept as its statement (cache.statement_json), run again from it.
 from __future__ import annotations
 
 import dataclasses
-import math
 import logging
+import math
 from typing import TYPE_CHECKING
 
 from .. import cache
@@ -25,7 +25,7 @@ from ..compiler import plan as plan_of
 from ..runtime.cuda import default_ordinal, device
 from ..runtime.gpu_program import GpuProgram
 from ..errors import CompileOptionError, DeviceError
-from ..graph import BINARY_OPS, UNARY_OPS, Graph, Node
+from ..graph import ELEMENTWISE, Graph, Node
 from ..lowering import LAYOUT_OPS, UNROLL_LIMIT
 from ..library import Convolution, backward_data
 from ..schedule import gpu_rewrites, schedule_program
@@ -99,7 +99,7 @@ def _chained_columns(graph: Graph) -> set[int]:
     reach: dict[int, frozenset] = {}  # node -> the leading-dimension reductions it reads through those ops
     chained: set[int] = set()
     for n in graph.nodes():
-        through = n.op in UNARY_OPS + BINARY_OPS + LAYOUT_OPS + ("where", "cast", "reduce")
+        through = n.op in ELEMENTWISE + LAYOUT_OPS + ("reduce",)
         read = frozenset().union(*(reach[i.id] for i in n.inputs)) if through else frozenset()
         if _leading(n):
             if read:
@@ -155,7 +155,7 @@ class NvgpuTarget(Target):
         graph = super().graph_passes(graph, options)
         if (options.contractions != "generated" and options.tf32 and self.direct_convolutions()
                 and not batch_statistics(graph)):  # (TF32: the tensor-core kernels; FMA ones take NCHW as it is)
-            graph = channels_last(graph, lambda n: True)
+            graph = channels_last(graph)
         return split_reductions(graph)
 
     def keeps_input_dilation(self, n: Node, options: CompileOptions) -> bool:
