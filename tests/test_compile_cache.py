@@ -46,12 +46,14 @@ def test_a_nested_stage_is_taken_out_of_the_outer_one():
 
 
 def test_llvm_runs_on_its_own_thread_while_groups_are_emitted(rng, monkeypatch):
-    """Each group's kernels go to the LLVM thread as soon as it is
-    scheduled: the first is handed over before the last group is scheduled."""
+    """Each group's kernels go to the LLVM thread (where no worker process
+    serves) as soon as it is scheduled: the first is handed over before the
+    last group is scheduled."""
     import threading
 
-    from polyjit.codegen import program
+    from polyjit.codegen import program, workers
     from polyjit.schedule import driver as schedule
+    monkeypatch.setattr(workers, "_workers", workers.LlvmWorkers(0))
     events, threads = [], set()
     compile_object, submit = program.compile_object, program._submit
     monkeypatch.setattr(program, "compile_object", lambda text: (
@@ -69,6 +71,38 @@ def test_llvm_runs_on_its_own_thread_while_groups_are_emitted(rng, monkeypatch):
     assert threads and all(name.startswith("polyjit-llvm") for name in threads)
     np.testing.assert_allclose(exe(*args), _layers_ref(*args), rtol=1e-4, atol=1e-5)
 
+
+
+def test_worker_processes_make_the_same_object_code(rng, monkeypatch):
+    """Worker processes make a CPU program's object code (an LLVM thread
+    beside the compile's Python waits for the GIL after every LLVM call):
+    the same code as the caller's LLVM thread; a worker that died hands its
+    jobs back to it."""
+    from polyjit.cache import ProcessCache
+    from polyjit.codegen import program, workers
+    args = [rng.standard_normal((24, 40), dtype=F32), rng.standard_normal((40, 40), dtype=F32) / 8,
+            rng.standard_normal(40, dtype=F32)]
+
+    def build(count: int, kill: bool = False):
+        monkeypatch.setattr(program, "_codes", ProcessCache(program.CODE_CACHE))  # nothing shared with earlier compiles
+        pool = workers.LlvmWorkers(count)
+        for proc in pool.procs if kill else ():
+            proc.kill()
+            proc.wait()
+        monkeypatch.setattr(workers, "_workers", pool)
+        try:
+            exe = polyjit.compile(_layers(2), [InputInfo(a.shape, F32) for a in args], {"cache": False})
+            program_ = exe.compile_default()
+        finally:
+            pool.close()
+        np.testing.assert_allclose(exe(*args), _layers_ref(*args), rtol=1e-4, atol=1e-5)
+        return (program_.keepalive.objects, program_.ir["llvm_opt"], program_.stats["kernels_compiled"]), pool
+    local, none = build(0)
+    remote, served = build(2)
+    assert none.served == 0 and served.served == remote[2] > 1
+    assert remote == local
+    dead, pool = build(1, kill=True)
+    assert dead == local and pool.served == 0 and not pool.procs
 
 FORK_SCRIPT = """
 import os, numpy as np, polyjit
@@ -511,3 +545,4 @@ def test_a_structure_isl_gave_up_on_is_split_at_once_at_other_sizes(rng, monkeyp
     assert len(whole_tries) == 1  # the second softmax's group, the same structure, was split at once
     for got, a in zip(exe(x, y), (x, y)):
         np.testing.assert_allclose(got, _softmax(a), rtol=1e-5, atol=1e-7)
+

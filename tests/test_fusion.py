@@ -584,3 +584,47 @@ def test_a_weight_gradients_zeroing_shares_its_register_blocks(rng):
                      for ky in range(3)], -2)
     np.testing.assert_allclose(exe(x, g), want, rtol=1e-5, atol=1e-4)
 
+
+
+def test_cpu_groups_take_isls_clustering_schedule_where_it_joins_them(rng, monkeypatch):
+    """On the CPU, isl's clustering scheduler goes first: a depthwise
+    convolution of a scaled relu (joined in one outer band, shifted) never
+    asks the whole-component scheduler, whose integer programs took seconds
+    on such groups in MobileNetV2; a blur, whose stencil clustering leaves
+    apart from its producer, still gets one fused nest from the
+    whole-component one; where that one gives up, the clustering schedule
+    stands (two nests)."""
+    import islpy as isl
+
+    from polyjit.cache import ProcessCache
+    from polyjit.codegen import program
+    from polyjit.schedule import driver
+    solves = []
+    real = driver._solve
+
+    def spy(ctx, sc):
+        solves.append(ctx.get_schedule_whole_component())
+        if solves[-1] and give_up:
+            raise isl.Error("maximal number of operations exceeded")
+        return real(ctx, sc)
+    monkeypatch.setattr(driver, "_solve", spy)
+    give_up = False
+    x, w, s = (rng.standard_normal((2, 9, 9, 12), dtype=F32), rng.standard_normal((3, 3, 1, 12), dtype=F32),
+               rng.standard_normal(12, dtype=F32))
+    dw = lambda x, w, s: ops.conv(ops.relu(x * (s + 1.0)), w, (1, 1), ((1, 1), (1, 1)), groups=12,  # noqa: E731
+                                  layout="NHWC", kernel_layout="HWIO")
+    exe = polyjit.compile(dw, [InputInfo(a.shape, F32) for a in (x, w, s)], {"cache": False})
+    y = np.pad(np.maximum(x * (s + 1), 0), ((0, 0), (1, 1), (1, 1), (0, 0)))
+    want = sum(y[:, i:i + 9, j:j + 9] * w[i, j, 0] for i in range(3) for j in range(3))
+    np.testing.assert_allclose(exe(x, w, s), want, rtol=1e-5, atol=1e-5)
+    assert exe.stats["kernels"] == 1 and exe.stats["statements"] == 2
+    assert solves and not any(solves), solves
+    img = rng.random((2, 32, 40), dtype=F32)
+    for give_up in (False, True):
+        solves.clear()
+        monkeypatch.setattr(driver, "_groups", ProcessCache(driver.GROUP_CACHE))  # scheduled and emitted anew
+        monkeypatch.setattr(program, "_codes", ProcessCache(program.CODE_CACHE))
+        exe = polyjit.compile(blur, [InputInfo(img.shape, F32)], {"cache": False})
+        np.testing.assert_allclose(exe(img), refs.blur(img.astype(np.float64)), rtol=1e-5, atol=1e-6)
+        assert solves[:2] == [0, 1]
+        assert exe.stats["kernels"] == (2 if give_up else 1)

@@ -1075,7 +1075,7 @@ def test_a_windows_repeated_reads_reach_the_dataflow_analysis_once(monkeypatch):
 
 def test_gpu_kernels_get_their_ptx_on_the_llvm_thread(monkeypatch):
     """Python emits the next kernels while LLVM makes each one's PTX on a thread of its own."""
-    from polyjit.codegen import gpu_program, ptx_workers
+    from polyjit.codegen import gpu_program, workers
     threads = []
 
     def spy(text, arch):
@@ -1083,7 +1083,7 @@ def test_gpu_kernels_get_their_ptx_on_the_llvm_thread(monkeypatch):
         return ptx(text, arch)
     ptx = gpu_program.ptx
     monkeypatch.setattr(gpu_program, "ptx", spy)
-    monkeypatch.setattr(ptx_workers, "_workers", ptx_workers.PtxWorkers(0, gpu_program._on_thread))  # no workers
+    monkeypatch.setattr(workers, "_workers", workers.LlvmWorkers(0))  # no workers
     exe = polyjit.compile(lambda x: ops.softmax(ops.exp(x) * 3.0, -1) + 1.0, [InputInfo((40, 24), F32)],
                           {**PTX_ONLY, "cache": False, "fusion": "none"}).compile_default()
     assert exe.stats["kernels_compiled"] == len(threads) > 1
@@ -1096,18 +1096,18 @@ def test_worker_processes_make_the_same_ptx(monkeypatch):
     PTX (llvmlite runs one LLVM call at a time per process): the same PTX as
     the caller's LLVM thread; a worker that died hands its jobs back to it."""
     from polyjit.cache import ProcessCache
-    from polyjit.codegen import gpu_program, ptx_workers
+    from polyjit.codegen import gpu_program, workers
     from polyjit.targets import nvgpu
 
     def build(count: int, kill: bool = False):
         # nothing shared with earlier compiles
         monkeypatch.setattr(gpu_program, "_codes", ProcessCache(gpu_program.CODE_CACHE))
         monkeypatch.setattr(nvgpu, "_programs", ProcessCache(nvgpu.GPU_PROGRAMS))
-        pool = ptx_workers.PtxWorkers(count, gpu_program._on_thread)
+        pool = workers.LlvmWorkers(count)
         for proc in pool.procs if kill else ():
             proc.kill()
             proc.wait()
-        monkeypatch.setattr(ptx_workers, "_workers", pool)
+        monkeypatch.setattr(workers, "_workers", pool)
         try:
             exe = polyjit.compile(lambda x, w: ops.softmax(ops.matmul(ops.exp(x), w), -1) * 2.0,
                                   [InputInfo((40, 24), F32), InputInfo((24, 30), F32)],

@@ -37,11 +37,31 @@ def _llvm():
     return llvm.Target.from_default_triple()
 
 
+@functools.cache
+def _host_cpu() -> tuple[str, str]:
+    return llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten()
+
+
 def target_machine(opt: int = 3):
     """A fresh target machine: an execution engine takes ownership of its own."""
-    return _llvm().create_target_machine(cpu=llvm.get_host_cpu_name(),
-                                         features=llvm.get_host_cpu_features().flatten(),
-                                         opt=opt, codemodel="jitdefault")
+    cpu, features = _host_cpu()
+    return _llvm().create_target_machine(cpu=cpu, features=features, opt=opt, codemodel="jitdefault")
+
+
+@functools.cache
+def object_machine():
+    """The target machine that makes kernels' object code (no engine owns
+    it; use with _lock held). Every call into LLVM waits for Python's GIL on
+    its way back, and the LLVM thread runs beside the compile's own Python:
+    a machine made per kernel was a dozen more waits each."""
+    return target_machine()
+
+
+@functools.cache
+def module_target() -> tuple[str, str]:
+    """(triple, data layout) of this host's modules."""
+    tm = object_machine()
+    return tm.triple, str(tm.target_data)
 
 
 STREAM_GROUP = 64  # elements per trip of a streamed loop: whole vector iterations, no remainder
@@ -325,8 +345,7 @@ def optimized_module(ir_text: str, tm) -> tuple["llvm.ModuleRef", str]:
     streaming stores); call with _lock held."""
     mod = llvm.parse_assembly(prefer_wide_vectors(ir_text))
     mod.verify()
-    mod.triple = tm.triple
-    mod.data_layout = str(tm.target_data)
+    mod.triple, mod.data_layout = module_target()
     optimize(mod, tm)
     text = str(mod)
     optimized = streaming_stores(text)

@@ -33,7 +33,7 @@ from .llvm import I64, PTR, KernelInfo, buffer_layout, kernel_name
 from .gpu_mapping import GpuMapper, Library
 from .mapping import mapping_text
 from .nvgpu import TRIPLE, GpuEmitter, ptx
-from . import ptx_workers
+from . import workers
 from .program import CODE_CACHE, _submit, finish
 
 
@@ -100,7 +100,7 @@ def kernel_code(group: ScheduledGroup, j: int, config: tuple, written: frozenset
 def _ptx_job(text: str, arch: str) -> Future:
     """(optimized IR, PTX, seconds) of a kernel's module, made in a worker
     process where the host has cores to spare, else on the LLVM thread."""
-    return ptx_workers.workers(_on_thread).submit(text, arch)
+    return workers.workers().submit(arch, text, lambda t: _on_thread(t, arch))
 
 
 def _on_thread(text: str, arch: str) -> Future:

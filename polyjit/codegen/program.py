@@ -29,7 +29,9 @@ from ..cache import ProcessCache
 from ..errors import UnsupportedOpError
 from ..schedule import ProgramSchedule, ScheduledGroup
 from .blas import SGEMM, register_symbols
-from .cpu import KERNEL_T, CpuEmitter, _lock, optimized_module, target_machine, vector_bits
+from . import workers
+from .cpu import (KERNEL_T, CpuEmitter, _lock, module_target, object_machine, optimized_module, target_machine,
+                  vector_bits)
 from .cpu_mapping import CpuMapper
 from .llvm import I64, PTR, KernelInfo, buffer_layout, kernel_name
 from .mapping import mapping_text
@@ -98,9 +100,14 @@ def kernel_code(group: ScheduledGroup, j: int, config: str, timer, variant: tupl
             "_kernel", "_" + key[:16])
         emitter.kernel(j, node, plan)
         text = str(emitter.module)
-    code = KernelCode(emitter.symbol, emitter.kernels[0].parallel, str(plan), text, _submit(_timed_object, text))
+    code = KernelCode(emitter.symbol, emitter.kernels[0].parallel, str(plan), text,
+                      workers.workers().submit(workers.OBJECT, text, _on_thread))
     _codes.put((key, variant), code)
     return code, False
+
+
+def _on_thread(ir_text: str) -> Future:
+    return _submit(_timed_object, ir_text)
 
 
 def _timed_object(ir_text: str) -> tuple[str, bytes, float]:
@@ -111,8 +118,8 @@ def _timed_object(ir_text: str) -> tuple[str, bytes, float]:
 
 def compile_object(ir_text: str) -> tuple[str, bytes]:
     """(optimized IR, object code) of a module, for this host."""
-    tm = target_machine()
     with _lock:
+        tm = object_machine()
         mod, optimized = optimized_module(ir_text, tm)
         return optimized, tm.emit_object(mod)
 
@@ -204,12 +211,10 @@ def _entry(module: ir.Module, name: str, target: str, bufs: list[int], ints: lis
 
 def entries_object(entries: str) -> bytes:
     """Machine code of the entries module (loads, stores and calls: no passes)."""
-    tm = target_machine()
     with _lock:
         mod = llvm.parse_assembly(entries)
-        mod.triple = tm.triple
-        mod.data_layout = str(tm.target_data)
-        return tm.emit_object(mod)
+        mod.triple, mod.data_layout = module_target()
+        return object_machine().emit_object(mod)
 
 
 class LoadedProgram:
@@ -223,8 +228,7 @@ class LoadedProgram:
                 raise UnsupportedOpError("a program calling BLAS, loaded without a BLAS library")
         with _lock:
             mod = llvm.parse_assembly("")
-            mod.triple = tm.triple
-            mod.data_layout = str(tm.target_data)
+            mod.triple, mod.data_layout = module_target()
             self.engine = llvm.create_mcjit_compiler(mod, tm)
             for obj in objects:
                 self.engine.add_object_file(llvm.ObjectFileRef.from_data(obj))

@@ -28,14 +28,18 @@ SOLVER_BUDGET = 8_000  # operations of isl's scheduler's first try on a group (m
 SOLVER_SECONDS = 0.5  # a try that ran out of operations sooner than this gets twice as many
 
 
-def _schedule_group(ctx, prog, dom, validity, raw, names, fusion, fuse: FusionPlan | None) -> isl.Schedule:
+def _schedule_group(ctx, prog, dom, validity, raw, names, fusion, fuse: FusionPlan | None,
+                    clusters_first: bool) -> isl.Schedule:
     """isl's schedule for a group; a group whose problem exceeds the budget is
     split in two and each half scheduled alone, one after the other."""
-    sched = _whole_group(ctx, prog, dom, validity, raw, names, fusion, fuse)
-    return sched if sched is not None else _split_group(ctx, prog, dom, validity, raw, names, fusion, fuse)
+    sched = _whole_group(ctx, prog, dom, validity, raw, names, fusion, fuse, clusters_first)
+    if sched is None:
+        sched = _split_group(ctx, prog, dom, validity, raw, names, fusion, fuse, clusters_first)
+    return sched
 
 
-def _whole_group(ctx, prog, dom, validity, raw, names, fusion, fuse: FusionPlan | None) -> isl.Schedule | None:
+def _whole_group(ctx, prog, dom, validity, raw, names, fusion, fuse: FusionPlan | None,
+                 clusters_first: bool) -> isl.Schedule | None:
     """isl's schedule for the group as one problem, or None where isl gives
     up. A single statement is tried again without outer coincidence (which
     only steers fusion): with it, isl could not carry a 2x2 convolution's
@@ -45,7 +49,7 @@ def _whole_group(ctx, prog, dom, validity, raw, names, fusion, fuse: FusionPlan 
         ctx.reset_operations()
         ctx.set_schedule_outer_coincidence(outer)
         try:
-            return _schedule_one_group(ctx, prog, dom, validity, raw, names, fusion, fuse)
+            return _schedule_one_group(ctx, prog, dom, validity, raw, names, fusion, fuse, clusters_first)
         except isl.Error:
             log.debug("schedule of %d statements over budget; splitting", len(names))
         finally:
@@ -54,30 +58,65 @@ def _whole_group(ctx, prog, dom, validity, raw, names, fusion, fuse: FusionPlan 
     return None
 
 
-def _split_group(ctx, prog, dom, validity, raw, names, fusion, fuse: FusionPlan | None) -> isl.Schedule:
+def _split_group(ctx, prog, dom, validity, raw, names, fusion, fuse: FusionPlan | None,
+                 clusters_first: bool) -> isl.Schedule:
     """The group's two halves scheduled alone, one after the other; a
     single statement isl gave up on (accesses full of integer divisions,
     e.g. a flattened pooling window feeding a matmul) in its own loop order."""
     if len(names) == 1:
         return isl.Schedule.from_domain(group_domain(ctx, prog, dom, names))
     half = len(names) // 2
-    first = _schedule_group(ctx, prog, dom, validity, raw, names[:half], fusion, fuse)
-    return first.sequence(_schedule_group(ctx, prog, dom, validity, raw, names[half:], fusion, fuse))
+    first = _schedule_group(ctx, prog, dom, validity, raw, names[:half], fusion, fuse, clusters_first)
+    return first.sequence(_schedule_group(ctx, prog, dom, validity, raw, names[half:], fusion, fuse, clusters_first))
 
 
-def _compute_schedule(ctx, sc: isl.ScheduleConstraints) -> isl.Schedule:
-    """isl's schedule for sc; isl.Error where its solver gives up. Its budget
-    of operations doubles while tries fail fast: isl counts operations, not
-    time, and on some problems (a transformer layer's backward: a transposed
-    copy feeding a batched product) its integer programs grow numbers whose
-    every operation costs more than the last, 0.25 s for 16000 operations
-    and 4.4 s for 64000, where problems that need 128000 take a tenth of a
-    second. The first try is small (a fast failure costs little): BERT's
-    embedding group (a gather, its positions broadcast over the batch) took
-    0.02 s for 8000 operations, 0.56 s for 16000 and 2.1 s for 32000, then
-    was split; from 8000 it is split after 0.6 s, with the same schedule.
-    The group's own budget is restored for what follows; an error other than
-    the budget's is raised at once."""
+def _compute_schedule(ctx, sc: isl.ScheduleConstraints, clusters_first: bool) -> isl.Schedule:
+    """isl's schedule for sc; isl.Error where its solver gives up.
+
+    With clusters_first (the target's choice), isl's clustering scheduler
+    (each SCC alone, then clusters merged along proximity) goes first: it
+    solves at once groups on which the whole-component one (a band for all
+    statements at once) grows its integer programs for seconds or gives up
+    (a MobileNetV2 block's depthwise convolution and its folded scale, a
+    ResNet stem's relu under its strided max pool, BERT's embedding
+    gather; bench/NOTES.md). Its schedule stands where its outer band joins
+    every statement a dependence links; otherwise (a stencil under its
+    producer, a row's statistics and its normalization: clustering keeps
+    them apart) the whole-component scheduler tries, and where it gives up,
+    the clustering schedule is taken. An error other than the budget's is
+    raised at once."""
+    if not clusters_first or not ctx.get_schedule_whole_component():  # (fusion "none": clustering alone)
+        return _solve(ctx, sc)
+    ctx.set_schedule_whole_component(0)
+    try:
+        clustered = _solve(ctx, sc)
+    except isl.Error as e:
+        if not _over_budget(e):
+            raise
+        clustered = None
+    finally:
+        ctx.set_schedule_whole_component(1)
+    if clustered is not None and _outer_band_joins(clustered, sc.get_validity()):
+        return clustered
+    try:
+        return _solve(ctx, sc)
+    except isl.Error as e:
+        if clustered is None or not _over_budget(e):
+            raise
+        return clustered
+
+
+def _solve(ctx, sc: isl.ScheduleConstraints) -> isl.Schedule:
+    """sc.compute_schedule() with a budget of operations that doubles while
+    tries fail fast: isl counts operations, not time, and on some problems
+    (a transformer layer's backward: a transposed copy feeding a batched
+    product) its integer programs grow numbers whose every operation costs
+    more than the last, 0.25 s for 16000 operations and 4.4 s for 64000,
+    where problems that need 128000 take a tenth of a second. The first try
+    is small (a fast failure costs little): BERT's embedding group (a
+    gather, its positions broadcast over the batch) took 0.02 s for 8000
+    operations, 0.56 s for 16000 and 2.1 s for 32000, then was split; from
+    8000 it is split after 0.6 s, with the same schedule."""
     budget = SOLVER_BUDGET
     while True:
         ctx.set_max_operations(budget)
@@ -96,13 +135,31 @@ def _compute_schedule(ctx, sc: isl.ScheduleConstraints) -> isl.Schedule:
             ctx.reset_operations()
 
 
+def _outer_band_joins(sched: isl.Schedule, validity: isl.UnionMap) -> bool:
+    """Whether each statement sits under an outer band with every statement
+    a dependence links it to: the root's child is a band, or a set or
+    sequence of bands (unlinked parts) with no dependence between them."""
+    top = sched.get_root().child(0)
+    if top.get_type() == isl.schedule_node_type.band:
+        return top.band_n_member() > 0
+    if top.get_type() not in (isl.schedule_node_type.set, isl.schedule_node_type.sequence):
+        return top.get_type() == isl.schedule_node_type.leaf
+    parts = [top.child(i) for i in range(top.n_children())]
+    if any(p.child(0).get_type() not in (isl.schedule_node_type.band, isl.schedule_node_type.leaf) for p in parts):
+        return False
+    filters = [p.filter_get_filter() for p in parts]
+    return all(validity.intersect_domain(a).intersect_range(b).is_empty()
+               for a in filters for b in filters if a is not b)
+
+
 def _over_budget(e: isl.Error) -> bool:
     """Whether isl stopped for its operation budget (another error, such as
     dependences it cannot carry, comes back whatever the budget)."""
     return "maximal number of operations" in str(e)
 
 
-def _schedule_one_group(ctx, prog, dom, validity, raw, names, fusion, fuse: FusionPlan | None) -> isl.Schedule:
+def _schedule_one_group(ctx, prog, dom, validity, raw, names, fusion, fuse: FusionPlan | None,
+                        clusters_first: bool) -> isl.Schedule:
     """isl's schedule of the group; a contraction's group (its epilogue
     aside, which isl need not see) then shares one nest with its
     initialization and epilogue where fuse_contraction can build it."""
@@ -116,7 +173,7 @@ def _schedule_one_group(ctx, prog, dom, validity, raw, names, fusion, fuse: Fusi
     sc = isl.ScheduleConstraints.on_domain(cdom).set_validity(cval).set_coincidence(cval)
     if fusion != "none":
         sc = sc.set_proximity(raw.intersect_domain(cdom).intersect_range(cdom).coalesce())
-    sched = order_sets(_compute_schedule(ctx, sc), cval)
+    sched = order_sets(_compute_schedule(ctx, sc, clusters_first), cval)
     sched = innermost_contiguous(sched, prog, ctx, cval)
     if fuse is not None and core:
         gdom = group_domain(ctx, prog, dom, names)
@@ -125,7 +182,7 @@ def _schedule_one_group(ctx, prog, dom, validity, raw, names, fusion, fuse: Fusi
             return fused
     sched = distribute_inits(sched, prog, cval)
     if epilogue:  # consumers that could not share the contraction's nest follow it
-        sched = sched.sequence(_schedule_one_group(ctx, prog, dom, validity, raw, epilogue, fusion, None))
+        sched = sched.sequence(_schedule_one_group(ctx, prog, dom, validity, raw, epilogue, fusion, None, clusters_first))
     return sched
 
 
@@ -197,7 +254,7 @@ def _schedule_problem(problem: "GroupProblem", config: tuple, timer) -> Schedule
         access = accesses(ctx, prog, dom)
         validity, raw = dependences(ctx, prog, dom, access)
     plan = FusionPlan() if fuse else None
-    group = (ctx, prog, dom, validity, raw, [s.name for s in prog.statements], fusion, plan)
+    group = (ctx, prog, dom, validity, raw, [s.name for s in prog.statements], fusion, plan, target.clusters_first)
     structure = (problem.structure, config)
     with timer("schedule/isl"):
         known = len(prog.statements) > 1 and _gave_up.get(structure) is not None

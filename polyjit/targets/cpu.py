@@ -114,6 +114,7 @@ class CpuTarget(Target):
     name = "cpu"
     executable = CompiledProgram
     fuses_epilogues = True
+    clusters_first = True
     column_convolutions = True
     library = "BLAS"
     times_library = True

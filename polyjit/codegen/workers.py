@@ -1,0 +1,174 @@
+"""LLVM's work on kernels (a CPU kernel's object code, a GPU kernel's PTX)
+in worker processes.
+
+llvmlite serializes every call into LLVM with one lock per process, and
+each call waits for Python's GIL on its way back: on a thread beside the
+compile's own Python (isl scheduling, emitting IR), every one of a
+kernel's two dozen calls waits out the interpreter's switch interval, and
+the kernels took about three times their time alone. Workers here are
+plain subprocesses (``main`` below, reading jobs on stdin; never a fork of
+the caller, which may hold LLVM's or a framework's locks, nor
+multiprocessing's spawn, which would run the caller's main script again),
+each running the same ``program.compile_object`` or ``nvgpu.ptx`` as the
+caller would, so the code is the same byte for byte. A thread per worker
+in the caller hands it jobs from one queue. Where no worker starts, or one
+dies, its jobs run on the caller's LLVM thread instead.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import queue
+import struct
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from typing import Callable
+
+OBJECT = "object"  # a job's kind: CPU object code (else the sm_XX of its PTX)
+_SIZE = struct.Struct("<Q")
+_WORKER = "from polyjit.codegen.workers import main; main()"  # (not -m: the package imports this module)
+
+OnThread = Callable[[str], Future]  # a job's text -> Future of (optimized IR, code, seconds) on the LLVM thread
+
+
+def worker_count() -> int:
+    """Workers to start: one per core the process may use, at most 4. Not
+    one fewer for the caller's own Python: it waits for LLVM at the end of
+    a compile, and the operating system shares the cores until then (on
+    two cores, two workers finished a ResNet's forward sooner than one)."""
+    from ..options import usable_cores  # (options imports the targets, which import this)
+    return min(4, usable_cores())
+
+
+def _send(stream, *parts: bytes) -> None:
+    for p in parts:
+        stream.write(_SIZE.pack(len(p)) + p)
+    stream.flush()
+
+
+def _receive(stream, count: int) -> list[bytes] | None:
+    out = []
+    for _ in range(count):
+        head = stream.read(_SIZE.size)
+        if len(head) < _SIZE.size:
+            return None
+        (n,) = _SIZE.unpack(head)
+        data = stream.read(n)
+        if len(data) < n:
+            return None
+        out.append(data)
+    return out
+
+
+class LlvmWorkers:
+    """Worker processes taking (kind, LLVM IR text) jobs; submit returns a
+    Future of (optimized IR, code, seconds): object bytes for OBJECT, PTX
+    text for an sm_XX."""
+
+    def __init__(self, count: int) -> None:
+        self.jobs: queue.Queue = queue.Queue()
+        self.procs = []
+        self.served = 0  # jobs done by a worker
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # polyjit as the caller has it
+        for _ in range(count):
+            try:
+                proc = subprocess.Popen([sys.executable, "-c", _WORKER], env=env,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            except OSError:
+                break
+            self.procs.append(proc)
+            threading.Thread(target=self._serve, args=(proc,), daemon=True, name="polyjit-worker").start()
+
+    def submit(self, kind: str, text: str, on_thread: OnThread) -> Future:
+        """The job's Future; on_thread(text) makes the same on the caller's
+        LLVM thread, where no worker takes it."""
+        if not self.procs:
+            return on_thread(text)
+        future: Future = Future()
+        self.jobs.put((kind, text, on_thread, future))
+        return future
+
+    def _serve(self, proc) -> None:
+        while True:
+            kind, text, on_thread, future = self.jobs.get()
+            start = time.perf_counter()
+            try:
+                _send(proc.stdin, kind.encode(), text.encode())
+                reply = _receive(proc.stdout, 2)
+            except OSError:
+                reply = None
+            if reply is None:  # the worker is gone: this job and the rest on the caller's thread
+                self.procs.remove(proc)
+                _chain(on_thread(text), future)
+                if not self.procs:
+                    self._drain()
+                return
+            self.served += 1
+            code = reply[1] if kind == OBJECT else reply[1].decode()
+            future.set_result((reply[0].decode(), code, time.perf_counter() - start))
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                _, text, on_thread, future = self.jobs.get_nowait()
+            except queue.Empty:
+                return
+            _chain(on_thread(text), future)
+
+    def close(self) -> None:
+        for proc in list(self.procs):
+            try:
+                proc.stdin.close()
+                proc.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
+                proc.kill()
+
+
+def _chain(source: Future, target: Future) -> None:
+    source.add_done_callback(lambda f: target.set_exception(f.exception()) if f.exception()
+                             else target.set_result(f.result()))
+
+
+_workers: LlvmWorkers | None = None
+_lock = threading.Lock()
+
+
+def workers() -> LlvmWorkers:
+    """The process's workers (started on first use)."""
+    global _workers
+    with _lock:
+        if _workers is None:
+            _workers = LlvmWorkers(worker_count())
+            atexit.register(_workers.close)
+        return _workers
+
+
+def _forget() -> None:
+    """A forked child has none of its parent's workers: start its own on demand."""
+    global _workers, _lock
+    _workers, _lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget)
+
+
+def main() -> None:
+    """A worker: (kind, LLVM IR) in, (optimized IR, code) out, until stdin closes."""
+    from .nvgpu import ptx
+    from .program import compile_object
+    stdin, stdout = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # anything else written to stdout goes to stderr, not into the replies
+    while True:
+        job = _receive(stdin, 2)
+        if job is None:
+            return
+        kind, text = job[0].decode(), job[1].decode()
+        if kind == OBJECT:
+            optimized, obj = compile_object(text)
+            _send(stdout, optimized.encode(), obj)
+        else:
+            optimized, ptx_text = ptx(text, kind)
+            _send(stdout, optimized.encode(), ptx_text.encode())
