@@ -86,6 +86,7 @@ def test_worker_processes_make_the_same_object_code(rng, monkeypatch):
     def build(count: int, kill: bool = False):
         monkeypatch.setattr(program, "_codes", ProcessCache(program.CODE_CACHE))  # nothing shared with earlier compiles
         pool = workers.LlvmWorkers(count)
+        assert not count or pool.ready.wait(60)  # (until one has started, jobs run on the caller's thread)
         for proc in pool.procs if kill else ():
             proc.kill()
             proc.wait()

@@ -1104,6 +1104,7 @@ def test_worker_processes_make_the_same_ptx(monkeypatch):
         monkeypatch.setattr(gpu_program, "_codes", ProcessCache(gpu_program.CODE_CACHE))
         monkeypatch.setattr(nvgpu, "_programs", ProcessCache(nvgpu.GPU_PROGRAMS))
         pool = workers.LlvmWorkers(count)
+        assert not count or pool.ready.wait(60)  # (until one has started, jobs run on the caller's thread)
         for proc in pool.procs if kill else ():
             proc.kill()
             proc.wait()

@@ -66,12 +66,15 @@ def _receive(stream, count: int) -> list[bytes] | None:
 class LlvmWorkers:
     """Worker processes taking (kind, LLVM IR text) jobs; submit returns a
     Future of (optimized IR, code, seconds): object bytes for OBJECT, PTX
-    text for an sm_XX."""
+    text for an sm_XX. Until the first has started (imports take a few
+    tenths of a second), jobs run on the caller's LLVM thread: a small
+    program compiled first in a process waits for no worker."""
 
     def __init__(self, count: int) -> None:
         self.jobs: queue.Queue = queue.Queue()
         self.procs = []
         self.served = 0  # jobs done by a worker
+        self.ready = threading.Event()  # a worker has started (until then jobs run on the caller's thread)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # polyjit as the caller has it
         for _ in range(count):
             try:
@@ -85,13 +88,17 @@ class LlvmWorkers:
     def submit(self, kind: str, text: str, on_thread: OnThread) -> Future:
         """The job's Future; on_thread(text) makes the same on the caller's
         LLVM thread, where no worker takes it."""
-        if not self.procs:
+        if not self.procs or not self.ready.is_set():
             return on_thread(text)
         future: Future = Future()
         self.jobs.put((kind, text, on_thread, future))
         return future
 
     def _serve(self, proc) -> None:
+        if _receive(proc.stdout, 1) is None:  # (its first reply says it has started)
+            self.procs.remove(proc)
+            return
+        self.ready.set()
         while True:
             kind, text, on_thread, future = self.jobs.get()
             start = time.perf_counter()
@@ -161,6 +168,7 @@ def main() -> None:
     from .program import compile_object
     stdin, stdout = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # anything else written to stdout goes to stderr, not into the replies
+    _send(stdout, b"")  # started
     while True:
         job = _receive(stdin, 2)
         if job is None:
