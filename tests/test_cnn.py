@@ -441,6 +441,27 @@ def test_products_in_whole_register_blocks_run_generated_untimed(shape, untimed,
     assert ("register blocks" in exe.stats["contractions"][0]) == modeled
 
 
+def test_first_calls_far_apart_settle_a_timing():
+    """A library-or-generated timing stops after the first call of each
+    where those are CLEAR_RATIO apart and long enough (a slow generated
+    product is not run again and again); close ones are timed in turns."""
+    import time
+
+    from polyjit import library
+    calls = []
+
+    def program(k: int, seconds: float):
+        return lambda: (calls.append(k), time.sleep(seconds))
+    far = library._time([program(0, 0.012), program(1, 0.1)], [])
+    assert calls == [0, 1] and far[1] > far[0]
+    calls.clear()
+    library._time([program(0, 0.012), program(1, 0.02)], [])
+    assert calls[:2] == [0, 1] and len(calls) >= 6  # the first calls, then at least two turns each
+    calls.clear()
+    library._time([program(0, 0.0), program(1, 0.005)], [])  # short ones: cold costs could be all of it
+    assert len(calls) >= 6
+
+
 @needs_blas
 @pytest.mark.parametrize("shape,untimed", [((4, 24, 24, 64, 32), True), ((4, 32, 32, 64, 8), False),
                                           ((1, 7, 9, 512, 512), False)])
