@@ -75,6 +75,7 @@ class LlvmWorkers:
         self.procs = []
         self.served = 0  # jobs done by a worker
         self.ready = threading.Event()  # a worker has started (until then jobs run on the caller's thread)
+        self._lock = threading.Lock()  # a job is queued only while a worker is left to take it
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # polyjit as the caller has it
         for _ in range(count):
             try:
@@ -88,15 +89,16 @@ class LlvmWorkers:
     def submit(self, kind: str, text: str, on_thread: OnThread) -> Future:
         """The job's Future; on_thread(text) makes the same on the caller's
         LLVM thread, where no worker takes it."""
-        if not self.procs or not self.ready.is_set():
-            return on_thread(text)
-        future: Future = Future()
-        self.jobs.put((kind, text, on_thread, future))
-        return future
+        with self._lock:
+            if self.procs and self.ready.is_set():
+                future: Future = Future()
+                self.jobs.put((kind, text, on_thread, future))
+                return future
+        return on_thread(text)
 
     def _serve(self, proc) -> None:
         if _receive(proc.stdout, 1) is None:  # (its first reply says it has started)
-            self.procs.remove(proc)
+            self._gone(proc)
             return
         self.ready.set()
         while True:
@@ -107,15 +109,21 @@ class LlvmWorkers:
                 reply = _receive(proc.stdout, 2)
             except OSError:
                 reply = None
-            if reply is None:  # the worker is gone: this job and the rest on the caller's thread
-                self.procs.remove(proc)
+            if reply is None:  # the worker is gone: this job on the caller's thread
                 _chain(on_thread(text), future)
-                if not self.procs:
-                    self._drain()
+                self._gone(proc)
                 return
             self.served += 1
             code = reply[1] if kind == OBJECT else reply[1].decode()
             future.set_result((reply[0].decode(), code, time.perf_counter() - start))
+
+    def _gone(self, proc) -> None:
+        """proc no longer serves; where it was the last, the queued jobs go to the caller's thread."""
+        with self._lock:
+            self.procs.remove(proc)
+            if self.procs:
+                return
+        self._drain()
 
     def _drain(self) -> None:
         while True:
