@@ -110,8 +110,8 @@ class LlvmWorkers:
             except OSError:
                 reply = None
             if reply is None:  # the worker is gone: this job on the caller's thread
-                _chain(on_thread(text), future)
                 self._gone(proc)
+                _chain(on_thread(text), future)
                 return
             self.served += 1
             code = reply[1] if kind == OBJECT else reply[1].decode()

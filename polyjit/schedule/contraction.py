@@ -67,7 +67,7 @@ def contract(ctx, prog: AffineProgram, schedule: isl.Schedule, dom, kernels, sha
         for d, extent in enumerate(arr.shape):
             limit = MAX_MODULUS if not sz.is_static(extent) else min(MAX_MODULUS, int(extent) - 1)
             if limit < 1 or _live_conflict(ctx, prog, name, moduli[:d] + [limit] + moduli[d + 1:], tw, between):
-                continue  # (a window wider than the largest modulus: no smaller one holds it either)
+                continue  # (a contiguous window wider than the largest modulus; left whole is always safe)
             for m in range(1, limit + 1):
                 trial = moduli[:d] + [m] + moduli[d + 1:]
                 if m == limit or not _live_conflict(ctx, prog, name, trial, tw, between):

@@ -83,16 +83,14 @@ def _compute_schedule(ctx, sc: isl.ScheduleConstraints, clusters_first: bool) ->
     every statement a dependence links; otherwise (a stencil under its
     producer, a row's statistics and its normalization: clustering keeps
     them apart) the whole-component scheduler tries, and where it gives up,
-    the clustering schedule is taken. An error other than the budget's is
-    raised at once."""
+    the clustering schedule is taken (isl's error only where neither
+    scheduler found one)."""
     if not clusters_first or not ctx.get_schedule_whole_component():  # (fusion "none": clustering alone)
         return _solve(ctx, sc)
     ctx.set_schedule_whole_component(0)
     try:
         clustered = _solve(ctx, sc)
-    except isl.Error as e:
-        if not _over_budget(e):
-            raise
+    except isl.Error:
         clustered = None
     finally:
         ctx.set_schedule_whole_component(1)
@@ -100,8 +98,8 @@ def _compute_schedule(ctx, sc: isl.ScheduleConstraints, clusters_first: bool) ->
         return clustered
     try:
         return _solve(ctx, sc)
-    except isl.Error as e:
-        if clustered is None or not _over_budget(e):
+    except isl.Error:
+        if clustered is None:
             raise
         return clustered
 
