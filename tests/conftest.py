@@ -33,3 +33,25 @@ def rng():
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"rng seed {seed}")
     return np.random.default_rng(seed)
+
+
+@pytest.fixture
+def llvm_workers(monkeypatch):
+    """install(count, kill=False): a pool of count LLVM worker processes as
+    the process's own, started (until then jobs run on the caller's
+    thread), its workers killed first with kill; closed after the test."""
+    from polyjit.codegen import workers
+    pools = []
+
+    def install(count: int, kill: bool = False):
+        pool = workers.LlvmWorkers(count)
+        pools.append(pool)
+        assert not count or pool.ready.wait(60)
+        for proc in pool.procs if kill else ():
+            proc.kill()
+            proc.wait()
+        monkeypatch.setattr(workers, "_workers", pool)
+        return pool
+    yield install
+    for pool in pools:
+        pool.close()

@@ -72,38 +72,30 @@ def test_llvm_runs_on_its_own_thread_while_groups_are_emitted(rng, monkeypatch):
     np.testing.assert_allclose(exe(*args), _layers_ref(*args), rtol=1e-4, atol=1e-5)
 
 
-
-def test_worker_processes_make_the_same_object_code(rng, monkeypatch):
+def test_worker_processes_make_the_same_object_code(rng, monkeypatch, llvm_workers):
     """Worker processes make a CPU program's object code (an LLVM thread
     beside the compile's Python waits for the GIL after every LLVM call):
     the same code as the caller's LLVM thread; a worker that died hands its
     jobs back to it."""
     from polyjit.cache import ProcessCache
-    from polyjit.codegen import program, workers
+    from polyjit.codegen import program
     args = [rng.standard_normal((24, 40), dtype=F32), rng.standard_normal((40, 40), dtype=F32) / 8,
             rng.standard_normal(40, dtype=F32)]
 
     def build(count: int, kill: bool = False):
         monkeypatch.setattr(program, "_codes", ProcessCache(program.CODE_CACHE))  # nothing shared with earlier compiles
-        pool = workers.LlvmWorkers(count)
-        assert not count or pool.ready.wait(60)  # (until one has started, jobs run on the caller's thread)
-        for proc in pool.procs if kill else ():
-            proc.kill()
-            proc.wait()
-        monkeypatch.setattr(workers, "_workers", pool)
-        try:
-            exe = polyjit.compile(_layers(2), [InputInfo(a.shape, F32) for a in args], {"cache": False})
-            program_ = exe.compile_default()
-        finally:
-            pool.close()
+        pool = llvm_workers(count, kill)
+        exe = polyjit.compile(_layers(2), [InputInfo(a.shape, F32) for a in args], {"cache": False})
+        made = exe.compile_default()
         np.testing.assert_allclose(exe(*args), _layers_ref(*args), rtol=1e-4, atol=1e-5)
-        return (program_.keepalive.objects, program_.ir["llvm_opt"], program_.stats["kernels_compiled"]), pool
+        return (made.keepalive.objects, made.ir["llvm_opt"], made.stats["kernels_compiled"]), pool
     local, none = build(0)
     remote, served = build(2)
     assert none.served == 0 and served.served == remote[2] > 1
     assert remote == local
     dead, pool = build(1, kill=True)
     assert dead == local and pool.served == 0 and not pool.procs
+
 
 FORK_SCRIPT = """
 import os, numpy as np, polyjit
@@ -451,6 +443,8 @@ from test_nvgpu import _HostCublas, run_threads_on_cpu
 gpu = sys.argv[3] == "nvgpu"
 cublas.cublas = lambda: _HostCublas()  # cuBLAS's sgemm on host memory: the GPU's steps run on the CPU
 if sys.argv[1] == "hit":  # a fresh process that finds the program in the cache compiles, chooses, times nothing
+    from polyjit.codegen import workers
+    workers._workers = workers.LlvmWorkers(0)  # (LLVM on this process's thread, where refuse() sees it)
     def refuse(*a, **k):
         raise AssertionError("compiled again")
     nvgpu.ptx = program.compile_object = library.LibraryPolicy.use = library._time = library._single = refuse
@@ -546,4 +540,3 @@ def test_a_structure_isl_gave_up_on_is_split_at_once_at_other_sizes(rng, monkeyp
     assert len(whole_tries) == 1  # the second softmax's group, the same structure, was split at once
     for got, a in zip(exe(x, y), (x, y)):
         np.testing.assert_allclose(got, _softmax(a), rtol=1e-5, atol=1e-7)
-

@@ -585,7 +585,6 @@ def test_a_weight_gradients_zeroing_shares_its_register_blocks(rng):
     np.testing.assert_allclose(exe(x, g), want, rtol=1e-5, atol=1e-4)
 
 
-
 def test_cpu_groups_take_isls_clustering_schedule_where_it_joins_them(rng, monkeypatch):
     """On the CPU, isl's clustering scheduler goes first: a depthwise
     convolution of a scaled relu (joined in one outer band, shifted) never

@@ -1091,30 +1091,22 @@ def test_gpu_kernels_get_their_ptx_on_the_llvm_thread(monkeypatch):
     assert exe.ptx.count(".visible .entry") == len(exe.kernels)
 
 
-def test_worker_processes_make_the_same_ptx(monkeypatch):
-    """Where the host has cores to spare, worker processes make the kernels'
-    PTX (llvmlite runs one LLVM call at a time per process): the same PTX as
-    the caller's LLVM thread; a worker that died hands its jobs back to it."""
+def test_worker_processes_make_the_same_ptx(monkeypatch, llvm_workers):
+    """Worker processes make the kernels' PTX (llvmlite runs one LLVM call
+    at a time per process): the same PTX as the caller's LLVM thread; a
+    worker that died hands its jobs back to it."""
     from polyjit.cache import ProcessCache
-    from polyjit.codegen import gpu_program, workers
+    from polyjit.codegen import gpu_program
     from polyjit.targets import nvgpu
 
     def build(count: int, kill: bool = False):
         # nothing shared with earlier compiles
         monkeypatch.setattr(gpu_program, "_codes", ProcessCache(gpu_program.CODE_CACHE))
         monkeypatch.setattr(nvgpu, "_programs", ProcessCache(nvgpu.GPU_PROGRAMS))
-        pool = workers.LlvmWorkers(count)
-        assert not count or pool.ready.wait(60)  # (until one has started, jobs run on the caller's thread)
-        for proc in pool.procs if kill else ():
-            proc.kill()
-            proc.wait()
-        monkeypatch.setattr(workers, "_workers", pool)
-        try:
-            exe = polyjit.compile(lambda x, w: ops.softmax(ops.matmul(ops.exp(x), w), -1) * 2.0,
-                                  [InputInfo((40, 24), F32), InputInfo((24, 30), F32)],
-                                  {**PTX_ONLY, "cache": False, "contractions": "generated"}).compile_default()
-        finally:
-            pool.close()
+        pool = llvm_workers(count, kill)
+        exe = polyjit.compile(lambda x, w: ops.softmax(ops.matmul(ops.exp(x), w), -1) * 2.0,
+                              [InputInfo((40, 24), F32), InputInfo((24, 30), F32)],
+                              {**PTX_ONLY, "cache": False, "contractions": "generated"}).compile_default()
         return exe, pool
     local, none = build(0)
     remote, served = build(2)

@@ -99,7 +99,7 @@ def kernel_code(group: ScheduledGroup, j: int, config: tuple, written: frozenset
 
 def _ptx_job(text: str, arch: str) -> Future:
     """(optimized IR, PTX, seconds) of a kernel's module, made in a worker
-    process where the host has cores to spare, else on the LLVM thread."""
+    process once one has started, else on the LLVM thread."""
     return workers.workers().submit(arch, text, lambda t: _on_thread(t, arch))
 
 

@@ -4,8 +4,8 @@ in worker processes.
 llvmlite serializes every call into LLVM with one lock per process, and
 each call waits for Python's GIL on its way back: on a thread beside the
 compile's own Python (isl scheduling, emitting IR), every one of a
-kernel's two dozen calls waits out the interpreter's switch interval, and
-the kernels took about three times their time alone. Workers here are
+kernel's two dozen calls waits out the interpreter's switch interval
+(bench/NOTES.md: several times the kernels' time alone). Workers here are
 plain subprocesses (``main`` below, reading jobs on stdin; never a fork of
 the caller, which may hold LLVM's or a framework's locks, nor
 multiprocessing's spawn, which would run the caller's main script again),
@@ -37,8 +37,8 @@ OnThread = Callable[[str], Future]  # a job's text -> Future of (optimized IR, c
 def worker_count() -> int:
     """Workers to start: one per core the process may use, at most 4. Not
     one fewer for the caller's own Python: it waits for LLVM at the end of
-    a compile, and the operating system shares the cores until then (on
-    two cores, two workers finished a ResNet's forward sooner than one)."""
+    a compile, and the operating system shares the cores until then
+    (bench/NOTES.md compares one and two workers on two cores)."""
     from ..options import usable_cores  # (options imports the targets, which import this)
     return min(4, usable_cores())
 
@@ -66,9 +66,9 @@ def _receive(stream, count: int) -> list[bytes] | None:
 class LlvmWorkers:
     """Worker processes taking (kind, LLVM IR text) jobs; submit returns a
     Future of (optimized IR, code, seconds): object bytes for OBJECT, PTX
-    text for an sm_XX. Until the first has started (imports take a few
-    tenths of a second), jobs run on the caller's LLVM thread: a small
-    program compiled first in a process waits for no worker."""
+    text for an sm_XX. Until the first has started (its imports), jobs run
+    on the caller's LLVM thread: a small program compiled first in a
+    process waits for no worker."""
 
     def __init__(self, count: int) -> None:
         self.jobs: queue.Queue = queue.Queue()
@@ -107,15 +107,16 @@ class LlvmWorkers:
             try:
                 _send(proc.stdin, kind.encode(), text.encode())
                 reply = _receive(proc.stdout, 2)
-            except OSError:
-                reply = None
-            if reply is None:  # the worker is gone: this job on the caller's thread
+                result = reply and (reply[0].decode(), reply[1] if kind == OBJECT else reply[1].decode())
+            except Exception:  # (a closed pipe, a garbled reply: the worker is of no more use)
+                result = None
+            if result is None:  # the worker is gone: this job on the caller's thread
                 self._gone(proc)
                 _chain(on_thread(text), future)
                 return
-            self.served += 1
-            code = reply[1] if kind == OBJECT else reply[1].decode()
-            future.set_result((reply[0].decode(), code, time.perf_counter() - start))
+            with self._lock:
+                self.served += 1
+            future.set_result((*result, time.perf_counter() - start))
 
     def _gone(self, proc) -> None:
         """proc no longer serves; where it was the last, the queued jobs go to the caller's thread."""
@@ -134,11 +135,17 @@ class LlvmWorkers:
             _chain(on_thread(text), future)
 
     def close(self) -> None:
-        for proc in list(self.procs):
+        """Every worker's stdin closed first, so that they end together."""
+        procs = list(self.procs)
+        for proc in procs:
             try:
                 proc.stdin.close()
+            except OSError:
+                pass
+        for proc in procs:
+            try:
                 proc.wait(timeout=5)
-            except (OSError, subprocess.TimeoutExpired):
+            except subprocess.TimeoutExpired:
                 proc.kill()
 
 

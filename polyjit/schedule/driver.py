@@ -106,15 +106,13 @@ def _compute_schedule(ctx, sc: isl.ScheduleConstraints, clusters_first: bool) ->
 
 def _solve(ctx, sc: isl.ScheduleConstraints) -> isl.Schedule:
     """sc.compute_schedule() with a budget of operations that doubles while
-    tries fail fast: isl counts operations, not time, and on some problems
-    (a transformer layer's backward: a transposed copy feeding a batched
-    product) its integer programs grow numbers whose every operation costs
-    more than the last, 0.25 s for 16000 operations and 4.4 s for 64000,
-    where problems that need 128000 take a tenth of a second. The first try
-    is small (a fast failure costs little): BERT's embedding group (a
-    gather, its positions broadcast over the batch) took 0.02 s for 8000
-    operations, 0.56 s for 16000 and 2.1 s for 32000, then was split; from
-    8000 it is split after 0.6 s, with the same schedule."""
+    tries fail faster than SOLVER_SECONDS: isl counts operations, not time,
+    and on some problems (a transformer layer's backward: a transposed copy
+    feeding a batched product) its integer programs grow numbers whose every
+    operation costs more than the last, while other problems need many cheap
+    ones. The first try is small, so a fast failure costs little
+    (bench/NOTES.md has the measurements). The group's own budget is
+    restored for what follows."""
     budget = SOLVER_BUDGET
     while True:
         ctx.set_max_operations(budget)
@@ -136,18 +134,23 @@ def _solve(ctx, sc: isl.ScheduleConstraints) -> isl.Schedule:
 def _outer_band_joins(sched: isl.Schedule, validity: isl.UnionMap) -> bool:
     """Whether each statement sits under an outer band with every statement
     a dependence links it to: the root's child is a band, or a set or
-    sequence of bands (unlinked parts) with no dependence between them."""
+    sequence of bands (unlinked parts) with no dependence from one part to
+    the rest."""
     top = sched.get_root().child(0)
-    if top.get_type() == isl.schedule_node_type.band:
-        return top.band_n_member() > 0
     if top.get_type() not in (isl.schedule_node_type.set, isl.schedule_node_type.sequence):
-        return top.get_type() == isl.schedule_node_type.leaf
+        return _banded(top)
     parts = [top.child(i) for i in range(top.n_children())]
-    if any(p.child(0).get_type() not in (isl.schedule_node_type.band, isl.schedule_node_type.leaf) for p in parts):
+    if not all(_banded(p.child(0)) for p in parts):
         return False
-    filters = [p.filter_get_filter() for p in parts]
-    return all(validity.intersect_domain(a).intersect_range(b).is_empty()
-               for a in filters for b in filters if a is not b)
+    domain = sched.get_domain()
+    return all(validity.intersect_domain(f).intersect_range(domain.subtract(f)).is_empty()
+               for f in (p.filter_get_filter() for p in parts))
+
+
+def _banded(node: isl.ScheduleNode) -> bool:
+    """A band of loops, or a leaf (statements without loops)."""
+    kind = node.get_type()
+    return kind == isl.schedule_node_type.leaf or (kind == isl.schedule_node_type.band and node.band_n_member() > 0)
 
 
 def _over_budget(e: isl.Error) -> bool:
