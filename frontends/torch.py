@@ -116,6 +116,22 @@ def _encoder_layer(src, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight,
 DECOMPOSITIONS[aten._transformer_encoder_layer_fwd.default] = _encoder_layer
 
 
+def _safe_softmax(x, dim, dtype=None):
+    """aten._safe_softmax (attention's softmax: a row of -inf gives zeros)
+    with the masked rows found by the row's maximum, which the softmax
+    computes anyway, rather than a reduction of its own: all of a row's
+    reductions and its result then fit one kernel. NaN propagates as in
+    eager (a NaN maximum is not -inf)."""
+    out = torch.softmax(x, dim=dim, dtype=dtype)
+    if x.shape[dim] == 0:
+        return out
+    masked = torch.amax(x, dim=dim, keepdim=True) == float("-inf")
+    return torch.where(masked, torch.zeros_like(out), out)
+
+
+DECOMPOSITIONS[aten._safe_softmax.default] = _safe_softmax
+
+
 # --------------------------------------------------------------------------
 # The table: ATen op -> polyjit ops. Each entry takes the translation context
 # and the op's arguments (tensors already translated) and returns a Tensor,

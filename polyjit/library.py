@@ -738,9 +738,14 @@ def dot_form(L, n) -> tuple | None:
 def _operand(L, node, name: str, nb: int, batch_iters, free: int, contract: int):
     """A dot operand as (box, transposed, leading dimension): read in place
     where it is a row-major array or a transpose of one with its batch dims
-    outermost, else copied to a temporary first."""
+    outermost, or a view of one whose matrices have a dense row (the heads
+    of attention, reshaped and transposed out of a projection); else copied
+    to a temporary first."""
     m = _matrix(L, node, whole=nb == 0)
     if m is None or m[1][:nb] != list(range(nb)):
+        strided = _strided(L, node, nb, batch_iters, free, contract)
+        if strided is not None:
+            return strided
         m = _pack(L, node, name)
     array, perm, ld = m
     shape = L.arrays[array].shape
@@ -752,11 +757,127 @@ def _operand(L, node, name: str, nb: int, batch_iters, free: int, contract: int)
     return (array, tuple(start), tuple(ext)), transposed, ld
 
 
+def _view(L, node) -> tuple[str, list[int], list[int]] | None:
+    """(array, shape, element strides) where node is a chain of transposes
+    and reshapes over a row-major array of static shape, each reshape one
+    that keeps the elements where they lie (as ``Tensor.view``); else None."""
+    chain = []
+    while node.op in ("transpose", "reshape") and node.id not in L.array_of and not L.packed(node):
+        chain.append(node)
+        node = node.inputs[0]
+    if not chain or not _row_major(L, node) or not all(sz.is_static(s) for s in L.shape(node)):
+        return None
+    shape = [int(s) for s in L.shape(node)]
+    strides = list(sz.row_major(shape))
+    for v in reversed(chain):
+        if v.op == "transpose":
+            shape, strides = [shape[p] for p in v.attrs["perm"]], [strides[p] for p in v.attrs["perm"]]
+            continue
+        new = [int(s) for s in L.shape(v)]
+        strides = _view_strides(shape, strides, new)
+        if strides is None:
+            return None
+        shape = new
+    return L.array_of[node.id], shape, strides
+
+
+def _view_strides(shape: list[int], strides: list[int], new: list[int]) -> list[int] | None:
+    """The strides of a reshape of (shape, strides) to new that moves no
+    element (PyTorch's computeStride), or None where it would have to copy."""
+    if math.prod(shape) == 0:
+        return None
+    out = [0] * len(new)
+    view_d = len(new) - 1
+    base = strides[-1] if strides else 1
+    tensor_numel = view_numel = 1
+    for d in reversed(range(len(shape))):
+        tensor_numel *= shape[d]
+        if d == 0 or (shape[d - 1] != 1 and strides[d - 1] != tensor_numel * base):
+            while view_d >= 0 and (view_numel < tensor_numel or new[view_d] == 1):
+                out[view_d] = view_numel * base
+                view_numel *= new[view_d]
+                view_d -= 1
+            if view_numel != tensor_numel:
+                return None
+            if d > 0:
+                base, tensor_numel, view_numel = strides[d - 1], 1, 1
+    return out if view_d == -1 else None
+
+
+def _strided(L, node, nb: int, batch_iters, free: int, contract: int):
+    """_operand's triple for a view (_view) whose two matrix dims lie along
+    two dims of its array, one of them dense: each batch element's matrix is
+    then a box of the array, its first element where the batch strides lead
+    (quasi-affine in the batch iterators where they run across several of
+    the array's dims). None where the view's matrices are not such boxes."""
+    view = _view(L, node)
+    if view is None:
+        return None
+    array, shape, strides = view
+    dims = L.arrays[array].shape
+    arr = [int(s) for s in dims]
+    row = sz.row_major(arr)
+    (fs, fst), (ks, kst) = (shape[free], strides[free]), (shape[contract], strides[contract])
+    if fs < 2 or ks < 2 or 1 not in (fst, kst) or fst == kst:
+        return None
+    inner, outer = (free, contract) if fst == 1 else (contract, free)
+    ld = strides[outer]
+    at = {}  # array dim -> the matrix dim's extent along it
+    for d in (inner, outer):
+        lands = [a for a in range(len(arr)) if arr[a] > 1 and row[a] == strides[d]]
+        if len(lands) != 1 or shape[d] > arr[lands[0]]:
+            return None
+        at[lands[0]] = shape[d]
+    terms = [(batch_iters[k], strides[k], shape[k]) for k in range(nb) if shape[k] > 1]
+    start = _batch_start(terms, arr, row, at)
+    if start is None:
+        return None
+    ext = tuple(at.get(a, 1) for a in range(len(arr)))
+    return (array, tuple(start), ext), inner == free, ld
+
+
+BATCH_CHECKED = 1 << 14  # batch elements a strided operand's boxes are checked at, at most
+
+
+def _batch_start(terms, arr: list[int], row, at: dict[int, int]) -> list | None:
+    """The array coordinates of the first element of a batch element's
+    matrix, the batch terms (iterator, stride, count) running over the
+    array's elements: each along one dim where its steps stay inside it,
+    else the linear offset unravelled (floor divisions), checked at every
+    batch element to keep the matrix inside its dims."""
+    span = [0] * len(arr)
+    start = [E.const(0) for _ in arr]
+    for it, stride, count in terms:
+        d = next((a for a in range(len(arr)) if stride % row[a] == 0 and stride // row[a] * (count - 1) < arr[a]),
+                 None)
+        if d is None:
+            break
+        span[d] += stride // row[d] * (count - 1)
+        start[d] = E.iadd(start[d], E.imul(it, stride // row[d]))
+    else:
+        if all(span[a] + at.get(a, 1) <= arr[a] for a in range(len(arr))):
+            return start
+    if math.prod(count for _, _, count in terms) > BATCH_CHECKED:
+        return None
+    offsets = [0]
+    for _, stride, count in terms:
+        offsets = [o + stride * c for o in offsets for c in range(count)]
+    if any((o // row[a]) % arr[a] + extent > arr[a] for a, extent in at.items() for o in offsets):
+        return None
+    linear = E.const(0)
+    for it, stride, _ in terms:
+        linear = E.iadd(linear, E.imul(it, stride))
+    return [E.ifloordiv(linear, row[a]) if a == 0 else E.imod(E.ifloordiv(linear, row[a]), arr[a])
+            for a in range(len(arr))]
+
+
 def _pack(L, node, name: str):
     """node copied to a temporary (as _matrix's triple), its last two dims
     stored exchanged where what it reads moves along the second last (the
     keys of attention, transposed on their way to the product): the copy
-    then walks memory in order, and the call reads the matrix transposed."""
+    then walks memory in order, and the call reads the matrix transposed.
+    A copy of the same values in the same order is made once (a gradient
+    that two products read, one of them through a transpose)."""
     shape = L.shape(node)
     iters, idx, bounds = loop_nest(shape)
     value = L.value(node, idx)
@@ -771,9 +892,15 @@ def _pack(L, node, name: str):
     at = [None] * node.rank
     for j, d in enumerate(order):
         at[d] = idx[j]
+    value = L.value(node, at)
+    perm = [order.index(d) for d in range(node.rank)]
+    key = (stored, node.dtype, value)
+    if key in L.packs:
+        return L.packs[key], perm, int(stored[-1])
+    L.packs[key] = name
     L.declare_array(name, stored, node.dtype)
-    L.add(name, iters, bounds, idx, L.value(node, at), "pack")
-    return name, [order.index(d) for d in range(node.rank)], int(stored[-1])
+    L.add(name, iters, bounds, idx, value, "pack")
+    return name, perm, int(stored[-1])
 
 
 def lower_dot(L, n, out: str) -> None:

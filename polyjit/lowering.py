@@ -71,6 +71,7 @@ class Lowering:
         self.statements: list[Statement] = []
         self.array_of: dict[int, str] = {}
         self.memo: dict[tuple, Expr] = {}
+        self.packs: dict[tuple, str] = {}  # a product operand's copies by (shape, dtype, value): made once
         self.inlined = 0
 
     # ------------------------------------------------------------- helpers

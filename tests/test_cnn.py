@@ -407,6 +407,47 @@ def test_a_library_product_reads_an_operand_reshaped_from_an_array_in_place(rng)
 
 
 @needs_blas
+def test_a_library_product_reads_attention_heads_in_place(rng):
+    """Attention's operands are views of arrays: the heads of a [b, s, h, d]
+    projection transposed to [b, h, s, d] (two batch dims, each with its own
+    stride), and saved probabilities [b, h, s, s] merged to [b*h, s, s] and
+    transposed (one batch dim running across two of the array's dims). The
+    library reads each in place, with no copy first."""
+    def f(x, y, p, v):
+        q, k = ops.tanh(x), ops.tanh(y)  # [b, s, h, d]
+        scores = ops.matmul(ops.permute(q, [0, 2, 1, 3]), ops.permute(k, [0, 2, 3, 1]))
+        pt = ops.permute(ops.reshape(ops.exp(p), [12, 16, 16]), [0, 2, 1])
+        return scores, ops.matmul(pt, v), ops.sum(q, [3]), ops.sum(k, [3]), ops.sum(ops.exp(p), [3])
+    x, y = rng.standard_normal((4, 16, 3, 8), dtype=F32), rng.standard_normal((4, 16, 3, 8), dtype=F32)
+    p, v = rng.standard_normal((4, 3, 16, 16), dtype=F32), rng.standard_normal((12, 16, 8), dtype=F32)
+    exe = polyjit.compile(f, [InputInfo(a.shape, F32) for a in (x, y, p, v)],
+                          {"contractions": "library", "strict": True, "cache": False})
+    q, k, e = (np.tanh(x.astype(np.float64)), np.tanh(y.astype(np.float64)), np.exp(p.astype(np.float64)))
+    scores, pv = exe(x, y, p, v)[:2]
+    np.testing.assert_allclose(scores, q.transpose(0, 2, 1, 3) @ k.transpose(0, 2, 3, 1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(pv, e.reshape(12, 16, 16).transpose(0, 2, 1) @ v, rtol=1e-5, atol=1e-4)
+    assert exe.stats["library_calls"] == 2 and not re.search(r"t\d+_[ab]\[", exe.ir("affine")), exe.ir("affine")
+
+
+@needs_blas
+def test_an_operand_two_products_copy_is_made_once(rng):
+    """Heads merged back ([b, h, s, d] to [b*s, h*d]: not a view, so copied)
+    feed two products, one through a transpose (a projection's input
+    gradient and its weight gradient): one copy serves both."""
+    def f(x, w, v):
+        g = ops.reshape(ops.permute(ops.tanh(x), [0, 2, 1, 3]), [64, 24])
+        return ops.matmul(g, w), ops.matmul(ops.permute(g, [1, 0]), v), ops.sum(ops.tanh(x), [3])
+    x = rng.standard_normal((4, 3, 16, 8), dtype=F32)
+    w, v = rng.standard_normal((24, 5), dtype=F32), rng.standard_normal((64, 7), dtype=F32)
+    exe = polyjit.compile(f, [InputInfo(a.shape, F32) for a in (x, w, v)],
+                          {"contractions": "library", "strict": True, "cache": False})
+    g = np.tanh(x.astype(np.float64)).transpose(0, 2, 1, 3).reshape(64, 24)
+    for got, ref in zip(exe(x, w, v), (g @ w, g.T @ v)):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    assert len(re.findall(r"t\d+_[ab]\[", exe.ir("affine"))) == 2, exe.ir("affine")  # declared, then written
+
+
+@needs_blas
 def test_the_library_timing_counts_the_weight_the_generated_nest_packs(rng, monkeypatch):
     """contractions="auto" times x @ W.T from W itself: the generated nest's
     program then packs W.T at each call, as it would in the model, while the

@@ -162,6 +162,18 @@ def test_softmax_and_log_softmax():
     check(lambda x: F.log_softmax(x, -1), r(16, 200, grad=True), backward=True)
 
 
+
+def test_attention_rows_masked_whole_are_zeros_and_nan_propagates():
+    """Attention's softmax (aten._safe_softmax) gives a query whose keys are
+    all masked zeros, as eager does, while a NaN score stays NaN; forward
+    and backward."""
+    q, k, v = r(2, 3, 8, 16, grad=True), r(2, 3, 8, 16, grad=True), r(2, 3, 8, 16, grad=True)
+    with torch.no_grad():
+        q[1, 2, 5, 3] = float("nan")
+    mask = torch.ones(8, 8, dtype=torch.bool, device=DEVICE)
+    mask[2] = False
+    check(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), q, k, v, backward=True)
+
 class ConvBiasRelu(nn.Module):
     def __init__(self):
         super().__init__()
