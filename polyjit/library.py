@@ -740,12 +740,19 @@ def _operand(L, node, name: str, nb: int, batch_iters, free: int, contract: int)
     where it is a row-major array or a transpose of one with its batch dims
     outermost, or a view of one whose matrices have a dense row (the heads
     of attention, reshaped and transposed out of a projection); else copied
-    to a temporary first."""
+    to a temporary first: what the view chain starts from, in its own
+    shape, where the chain is then a view of the copy (a softmax's result
+    merged to [b*h, s, s]: the copy's statement reads the softmax's row
+    statistics at plain indices, and fuses with them), else the operand."""
     m = _matrix(L, node, whole=nb == 0)
     if m is None or m[1][:nb] != list(range(nb)):
-        strided = _strided(L, node, nb, batch_iters, free, contract)
-        if strided is not None:
-            return strided
+        base, chain = _view_chain(L, node)
+        if chain and _static(L, base):
+            view = _view(L.shape(base), chain, L)
+            if view is not None:
+                strided = _strided(L, base, view, nb, batch_iters, free, contract, name)
+                if strided is not None:
+                    return strided
         m = _pack(L, node, name)
     array, perm, ld = m
     shape = L.arrays[array].shape
@@ -757,17 +764,24 @@ def _operand(L, node, name: str, nb: int, batch_iters, free: int, contract: int)
     return (array, tuple(start), tuple(ext)), transposed, ld
 
 
-def _view(L, node) -> tuple[str, list[int], list[int]] | None:
-    """(array, shape, element strides) where node is a chain of transposes
-    and reshapes over a row-major array of static shape, each reshape one
-    that keeps the elements where they lie (as ``Tensor.view``); else None."""
+def _view_chain(L, node):
+    """(the node a chain of transposes and reshapes starts from, the chain outermost first)."""
     chain = []
     while node.op in ("transpose", "reshape") and node.id not in L.array_of and not L.packed(node):
         chain.append(node)
         node = node.inputs[0]
-    if not chain or not _row_major(L, node) or not all(sz.is_static(s) for s in L.shape(node)):
-        return None
-    shape = [int(s) for s in L.shape(node)]
+    return node, chain
+
+
+def _static(L, node) -> bool:
+    return all(sz.is_static(s) for s in L.shape(node))
+
+
+def _view(base_shape, chain, L) -> tuple[list[int], list[int]] | None:
+    """(shape, element strides) of the chain's result over a row-major array
+    of base_shape, each reshape one that keeps the elements where they lie
+    (as ``Tensor.view``); None where one would have to copy."""
+    shape = [int(s) for s in base_shape]
     strides = list(sz.row_major(shape))
     for v in reversed(chain):
         if v.op == "transpose":
@@ -778,7 +792,7 @@ def _view(L, node) -> tuple[str, list[int], list[int]] | None:
         if strides is None:
             return None
         shape = new
-    return L.array_of[node.id], shape, strides
+    return shape, strides
 
 
 def _view_strides(shape: list[int], strides: list[int], new: list[int]) -> list[int] | None:
@@ -804,24 +818,21 @@ def _view_strides(shape: list[int], strides: list[int], new: list[int]) -> list[
     return out if view_d == -1 else None
 
 
-def _strided(L, node, nb: int, batch_iters, free: int, contract: int):
-    """_operand's triple for a view (_view) whose two matrix dims lie along
-    two dims of its array, one of them dense: each batch element's matrix is
-    then a box of the array, its first element where the batch strides lead
-    (quasi-affine in the batch iterators where they run across several of
-    the array's dims). None where the view's matrices are not such boxes."""
-    view = _view(L, node)
-    if view is None:
-        return None
-    array, shape, strides = view
-    dims = L.arrays[array].shape
-    arr = [int(s) for s in dims]
+def _strided(L, base, view, nb: int, batch_iters, free: int, contract: int, name: str):
+    """_operand's triple for a view of base (_view) whose two matrix dims
+    lie along two dims of base, one of them dense: each batch element's
+    matrix is then a box of base's array, its first element where the batch
+    strides lead (quasi-affine in the batch iterators where they run across
+    several of the array's dims). A base computed inline is copied to an
+    array of its own (name) first. None where the view's matrices are not
+    such boxes."""
+    shape, strides = view
+    arr = [int(s) for s in L.shape(base)]
     row = sz.row_major(arr)
     (fs, fst), (ks, kst) = (shape[free], strides[free]), (shape[contract], strides[contract])
     if fs < 2 or ks < 2 or 1 not in (fst, kst) or fst == kst:
         return None
     inner, outer = (free, contract) if fst == 1 else (contract, free)
-    ld = strides[outer]
     at = {}  # array dim -> the matrix dim's extent along it
     for d in (inner, outer):
         lands = [a for a in range(len(arr)) if arr[a] > 1 and row[a] == strides[d]]
@@ -832,8 +843,9 @@ def _strided(L, node, nb: int, batch_iters, free: int, contract: int):
     start = _batch_start(terms, arr, row, at)
     if start is None:
         return None
+    array = L.array_of[base.id] if _row_major(L, base) else _pack(L, base, name, natural=True)[0]
     ext = tuple(at.get(a, 1) for a in range(len(arr)))
-    return (array, tuple(start), ext), inner == free, ld
+    return (array, tuple(start), ext), inner == free, strides[outer]
 
 
 BATCH_CHECKED = 1 << 14  # batch elements a strided operand's boxes are checked at, at most
@@ -871,18 +883,19 @@ def _batch_start(terms, arr: list[int], row, at: dict[int, int]) -> list | None:
             for a in range(len(arr))]
 
 
-def _pack(L, node, name: str):
+def _pack(L, node, name: str, natural: bool = False):
     """node copied to a temporary (as _matrix's triple), its last two dims
     stored exchanged where what it reads moves along the second last (the
     keys of attention, transposed on their way to the product): the copy
     then walks memory in order, and the call reads the matrix transposed.
-    A copy of the same values in the same order is made once (a gradient
-    that two products read, one of them through a transpose)."""
+    ``natural`` keeps node's own order. A copy of the same values in the
+    same order is made once (a gradient that two products read, one of them
+    through a transpose)."""
     shape = L.shape(node)
     iters, idx, bounds = loop_nest(shape)
     value = L.value(node, idx)
     order = list(range(node.rank))
-    if node.rank >= 2:
+    if node.rank >= 2 and not natural:
         last, second = (sum(1 for ld in E.data_loads(value) if ld.index and any(
             isinstance(x, E.Var) and x.name == idx[d].name for x in E.walk(ld.index[-1]))) for d in (-1, -2))
         if second > last:

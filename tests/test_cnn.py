@@ -430,6 +430,25 @@ def test_a_library_product_reads_attention_heads_in_place(rng):
 
 
 @needs_blas
+def test_a_computed_operand_is_copied_in_its_own_shape_beside_its_producer(rng):
+    """Attention's probabilities, merged from [b, h, s, s] to [b*h, s, s]
+    for the product with the values, are copied in their own shape (the
+    product reads the copy as a view): the copy reads the softmax's row
+    statistics at plain indices and shares the softmax's kernel."""
+    def f(s, v):
+        return ops.matmul(ops.reshape(ops.softmax(s, -1), [12, 16, 16]), v)
+    s, v = rng.standard_normal((4, 3, 16, 16), dtype=F32), rng.standard_normal((12, 16, 8), dtype=F32)
+    exe = polyjit.compile(f, [InputInfo(a.shape, F32) for a in (s, v)],
+                          {"contractions": "library", "strict": True, "cache": False}).compile_default()
+    e = np.exp(s.astype(np.float64) - s.max(-1, keepdims=True))
+    np.testing.assert_allclose(exe(s, v)[0], (e / e.sum(-1, keepdims=True)).reshape(12, 16, 16) @ v,
+                               rtol=1e-5, atol=1e-5)
+    (copy,) = re.findall(r"temp float32 (t\d+_a)\[4, 3, 16, 16\]", exe.ir["affine"])
+    writer = re.search(rf"(S\d+)\[[^\n]*\n\s+{copy}\[", exe.ir["affine"]).group(1)
+    assert [len(k.statements) > 1 for k in exe.kernels if writer in k.statements] == [True], exe.ir["affine"]
+
+
+@needs_blas
 def test_an_operand_two_products_copy_is_made_once(rng):
     """Heads merged back ([b, h, s, d] to [b*s, h*d]: not a view, so copied)
     feed two products, one through a transpose (a projection's input
