@@ -833,12 +833,12 @@ def _strided(L, base, view, nb: int, batch_iters, free: int, contract: int, name
     if fs < 2 or ks < 2 or 1 not in (fst, kst) or fst == kst:
         return None
     inner, outer = (free, contract) if fst == 1 else (contract, free)
-    at = {}  # array dim -> the matrix dim's extent along it
+    at: dict[int, int] = {}  # array dim -> the matrix dim's extent along it
     for d in (inner, outer):
-        lands = [a for a in range(len(arr)) if arr[a] > 1 and row[a] == strides[d]]
-        if len(lands) != 1 or shape[d] > arr[lands[0]]:
+        lands = _lands(arr, row, strides[d], shape[d])
+        if lands is None or set(lands) & set(at):
             return None
-        at[lands[0]] = shape[d]
+        at.update(lands)
     terms = [(batch_iters[k], strides[k], shape[k]) for k in range(nb) if shape[k] > 1]
     start = _batch_start(terms, arr, row, at)
     if start is None:
@@ -846,6 +846,23 @@ def _strided(L, base, view, nb: int, batch_iters, free: int, contract: int, name
     array = L.array_of[base.id] if _row_major(L, base) else _pack(L, base, name, natural=True)[0]
     ext = tuple(at.get(a, 1) for a in range(len(arr)))
     return (array, tuple(start), ext), inner == free, strides[outer]
+
+
+def _lands(arr: list[int], row, stride: int, extent: int) -> dict[int, int] | None:
+    """The array dims a matrix dim of this stride and extent runs along, with
+    its extent on each: part of one dim, or several consecutive dims whole
+    (a [b, s, e] array read as [b*s, e]); None where it runs along neither."""
+    first = [a for a in range(len(arr)) if arr[a] > 1 and row[a] == stride]
+    if len(first) != 1:
+        return None
+    a = first[0]
+    if extent <= arr[a]:
+        return {a: extent}
+    out, covered = {}, 1
+    while a >= 0 and covered < extent:
+        out[a], covered = arr[a], covered * arr[a]
+        a -= 1
+    return out if covered == extent else None
 
 
 BATCH_CHECKED = 1 << 14  # batch elements a strided operand's boxes are checked at, at most

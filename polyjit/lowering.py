@@ -13,7 +13,7 @@ expression, larger ones become an init and an update statement.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 from . import expr as E
@@ -154,6 +154,10 @@ class Lowering:
                 uses[i.id] += self.read_weight(n, k)
         work: dict[int, int] = {}
         outputs = {o.id for o in self.g.outputs}
+        readers: dict[int, list[Node]] = {}
+        for n in self.nodes:
+            for i in n.inputs:
+                readers.setdefault(i.id, []).append(n)
         for n in self.nodes:
             if n.is_source:
                 self.declare(n)
@@ -173,12 +177,28 @@ class Lowering:
                 continue
             materialize = (n.id in outputs or self.is_statement_op(n) or self.packed(n) or n.id in self.operands
                            or n.attrs.get("materialize") or (uses[n.id] - 1) * w > self.recompute_limit)
-            if materialize:
+            if materialize and n.op == "reshape" and n.id not in outputs and self.made_unreshaped(n, readers):
+                self.declare(n.inputs[0])  # n, a view of it, is read in place
+                work[n.id] = 0
+            elif materialize:
                 self.declare(n)
                 work[n.id] = 0
             else:
                 work[n.id] = w
                 self.inlined += 1
+
+    def made_unreshaped(self, n: Node, readers: dict[int, list[Node]]) -> bool:
+        """Whether reshape n, which only library matrix products read (each
+        one matrix, in place: any reshape of a row-major array is one), is
+        better made as its computed operand in the operand's own shape: a
+        transformer's layer norm, [b, s, e], into its projections as
+        [b*s, e]. The statement then reads its producers at plain indices
+        (not through the reshape's divisions) and shares their kernel."""
+        x = n.inputs[0]
+        if x.id in self.array_of or x.is_source or x.is_constant or x.op in LAYOUT_OPS or self.packed(x):
+            return False
+        return all(r.id in self.library_nodes and r.op == "dot_general" and not r.attrs["lb"]
+                   for r in readers.get(n.id, ()))
 
     def returned_as_view(self, n: Node, outputs: set[int]) -> bool:
         """Whether output n is a reshape of a temporary that can be the output
@@ -273,6 +293,7 @@ class Lowering:
                 iters, idx, bounds = loop_nest(self.shape(o))
                 self.add(out, iters, bounds, idx, Load(arr.dtype, src, idx), "copy")
         self.emit()
+        self.statements = _copies_beside_producers(self.statements)
         params = sorted({p for a in self.arrays.values() for s in a.shape
                          if isinstance(s, Lin) for p in s.params()})
         for a in self.g.inputs:
@@ -286,6 +307,26 @@ class Lowering:
         constraints = [(self.g.resolve(a), self.g.resolve(b)) for a, b in self.g.constraints]
         return AffineProgram(sorted(set(params)), self.arrays, self.statements, outputs,
                              constraints, self.inlined)
+
+
+def _copies_beside_producers(statements: list[Statement]) -> list[Statement]:
+    """The statements with each library operand's copy ("pack") moved up to
+    just after the last statement writing what it reads (nothing between
+    reads its array, which only its product reads), and renamed in order:
+    a copy emitted with its product (after the value's projection, in
+    attention) then joins its producer's fusion group (the softmax, whose
+    row it normalizes)."""
+    order = list(statements)
+    for st in statements:
+        if st.label != "pack" or st.library is not None:
+            continue
+        reads = {ld.array for ld in E.loads(st.body)}
+        at = order.index(st)
+        last = max((k for k in range(at) if order[k].array in reads), default=None)
+        if last is None or last + 1 >= at:
+            continue
+        order.insert(last + 1, order.pop(at))
+    return [s if s.name == f"S{k}" else replace(s, name=f"S{k}") for k, s in enumerate(order)]
 
 
 def _product(extents: list[int]):

@@ -449,6 +449,47 @@ def test_a_computed_operand_is_copied_in_its_own_shape_beside_its_producer(rng):
 
 
 @needs_blas
+def test_a_copy_joins_its_producer_across_another_product(rng):
+    """A product's copied operand (a softmax, row-normalized into the copy)
+    whose product comes after another library call in program order (the
+    values' projection, in attention) is made just after its producer, in
+    the producer's kernel."""
+    def f(s, x, w):
+        return ops.matmul(ops.softmax(s, -1), ops.matmul(x, w))
+    s, x, w = (rng.standard_normal(sh, dtype=F32) for sh in ((16, 16), (16, 8), (8, 8)))
+    exe = polyjit.compile(f, [InputInfo(a.shape, F32) for a in (s, x, w)],
+                          {"contractions": "library", "strict": True, "cache": False}).compile_default()
+    e = np.exp(s.astype(np.float64) - s.max(-1, keepdims=True))
+    np.testing.assert_allclose(exe(s, x, w)[0], (e / e.sum(-1, keepdims=True)) @ (x @ w.astype(np.float64)),
+                               rtol=1e-5, atol=1e-5)
+    writer = re.search(r"(S\d+)\[[^\n]*\n\s+t\d+_a\[", exe.ir["affine"]).group(1)
+    assert [len(k.statements) > 1 for k in exe.kernels if writer in k.statements] == [True], exe.ir["affine"]
+
+
+@needs_blas
+def test_a_reshaped_operand_of_products_is_made_in_its_own_shape(rng):
+    """A normalization over [b, s, e] that three products read reshaped to
+    [b*s, e] (a transformer's layer norm into its projections) is made in
+    its own shape, at plain indices, in one kernel with its statistics; the
+    products read it in place as [b*s, e]."""
+    def f(x, w1, w2, w3):
+        c = x - ops.mean(x, [2], keepdim=True)
+        y = ops.reshape(c * ops.rsqrt(ops.mean(c * c, [2], keepdim=True) + 1e-5), [64, 32])
+        return ops.matmul(y, w1), ops.matmul(y, w2), ops.matmul(y, w3)
+    x = rng.standard_normal((4, 16, 32), dtype=F32)
+    ws = [rng.standard_normal((32, 8), dtype=F32) for _ in range(3)]
+    exe = polyjit.compile(f, [InputInfo(a.shape, F32) for a in (x, *ws)],
+                          {"contractions": "library", "strict": True, "cache": False}).compile_default()
+    c = x.astype(np.float64) - x.mean(2, keepdims=True)
+    y = (c / np.sqrt((c * c).mean(2, keepdims=True) + 1e-5)).reshape(64, 32)
+    for got, w in zip(exe(x, *ws), ws):
+        np.testing.assert_allclose(got, y @ w, rtol=1e-5, atol=1e-5)
+    affine = exe.ir["affine"]
+    assert not re.search(r"float32 t\d+(_a)?\[64, 32\]", affine) and "//" not in affine, affine
+    assert len([k for k in exe.kernels if "sgemm" not in k.name]) == 1, [k.name for k in exe.kernels]
+
+
+@needs_blas
 def test_an_operand_two_products_copy_is_made_once(rng):
     """Heads merged back ([b, h, s, d] to [b*s, h*d]: not a view, so copied)
     feed two products, one through a transpose (a projection's input
