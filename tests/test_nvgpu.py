@@ -1362,6 +1362,34 @@ def test_torch_tensors_stay_on_the_gpu():
     polyjit.cuda_synchronize()
 
 
+@pytest.mark.gpu
+def test_torch_calls_with_the_same_layouts_run_the_bound_plan(monkeypatch):
+    """A graph called again with inputs of the last call's shapes, strides,
+    dtypes and device (a training loop) runs the plan that call chose,
+    without checks or lookups, on the new tensors: forward and backward."""
+    torch = pytest.importorskip("torch")
+    from polyjit.runtime.gpu_program import GpuProgram
+    bound, run_bound = [], GpuProgram.run_bound
+    monkeypatch.setattr(GpuProgram, "run_bound", lambda self, *a: bound.append(1) or run_bound(self, *a))
+
+    def f(x, w):
+        return torch.softmax(x @ w, -1) * torch.tanh(x[:, :48])
+    jf = polyjit.jit_torch(f, compile_options={"target": "nvgpu", "dynamic": False, "strict": True})
+    w = torch.randn(64, 48, device="cuda", requires_grad=True)
+    for _ in range(3):
+        x = torch.randn(16, 64, device="cuda", requires_grad=True)
+        x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        r = torch.randn(16, 48, device="cuda")
+        (jf(x, w) * r).sum().backward()
+        want = f(x2, w2)
+        (want * r).sum().backward()
+        torch.testing.assert_close(jf(x, w), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(w.grad, w2.grad, rtol=1e-5, atol=1e-5)
+        w.grad = None
+    assert len(bound) >= 4 and jf.stats["fallbacks"] == 0
+
+
 def _torch_blur(img):
     bx = (img[:, :, 0:-4] + img[:, :, 1:-3] + img[:, :, 2:-2] + img[:, :, 3:-1] + img[:, :, 4:]) * 0.2
     return (bx[:, 0:-4] + bx[:, 1:-3] + bx[:, 2:-2] + bx[:, 3:-1] + bx[:, 4:]) * 0.2

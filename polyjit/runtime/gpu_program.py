@@ -51,6 +51,7 @@ class GpuProgram(CompiledProgram):
     keep_cubins: bool = True  # machine code linked from the PTX goes to the compile cache (its "cache" option)
     _loaded: dict = field(default_factory=dict, repr=False)  # kernels by device ordinal
     _consts: dict = field(default_factory=dict, repr=False)  # constants on each device
+    bound: Any = field(default=None, repr=False, compare=False)  # the last call's plan where it ran natively
 
     def _grid(self, k: int, env: dict, dev: Device, resident: int) -> int:
         """Blocks for kernel k: one per BLOCK elements it writes (or lanes' worth), at
@@ -90,7 +91,9 @@ class GpuProgram(CompiledProgram):
         if plan.native is None:
             plan.native = NATIVE and all(v is not None for v in views) and self._native(plan)
         if plan.native:
-            return self._run_native(plan, plan.native, views, stream, empty)
+            self.bound = plan
+            return self._run_native(plan, plan.native, [v.ptr for v in views], stream, empty)
+        self.bound = None
         s = cu_stream(stream)
         host = plan.host
         keep: list = []
@@ -184,7 +187,15 @@ class GpuProgram(CompiledProgram):
                        (ctypes.c_void_p * max(len(launcher.results), 1))(), ctypes.create_string_buffer(256),
                        replays)
 
-    def _run_native(self, plan: "_Plan", native: "_Native", views, stream: int, empty) -> list:
+    def run_bound(self, plan: "_Plan", pointers: Sequence[int], stream: int, empty) -> list:
+        """A call through plan's native launcher on these input pointers,
+        skipping the checks and the plan's lookup: a frontend's repeated
+        call whose arguments it has compared with those of the call that
+        chose plan (``self.bound`` after it)."""
+        plan.device.activate()
+        return self._run_native(plan, plan.native, pointers, stream, empty)
+
+    def _run_native(self, plan: "_Plan", native: "_Native", pointers: Sequence[int], stream: int, empty) -> list:
         dev = plan.device
         with plan.lock:  # the pointer arrays are the plan's
             made = [empty(shape, dt) if empty else DeviceBuffer(shape, dt, dev, stream)
@@ -198,9 +209,8 @@ class GpuProgram(CompiledProgram):
                 base = _data_ptr(work)
                 for k, offset in enumerate(native.temps, len(made)):
                     results[k] = base + offset
+            native.inputs[:len(pointers)] = pointers
             inputs = native.inputs
-            for k, v in enumerate(views):
-                inputs[k] = v.ptr
             code = native.run(inputs, results, stream, native.message, len(native.message))
             if native.replays is not None:
                 self.stats["cuda_graph_replays"] = native.replays.replays
