@@ -276,6 +276,34 @@ def _squeeze(cx, x, dims=None):
 @_reg(aten.slice.Tensor)
 def _slice(cx, x, dim=0, start=None, end=None, step=1):
     dim %= x.ndim
+    start, end = _slice_bounds(cx, x, dim, start, end)
+    starts = [0] * x.ndim
+    ends = list(x.shape)
+    steps = [1] * x.ndim
+    starts[dim], ends[dim], steps[dim] = start, end, step
+    return ops.slice(x, starts, ends, steps)
+
+
+@_reg(aten.slice_scatter.default)
+def _slice_scatter(cx, x, src, dim=0, start=None, end=None, step=1):
+    """x with src at x[start:end:step] along dim (a slice's gradient): src
+    spread by the step, padded into place, selected where it lands."""
+    dim %= x.ndim
+    start, _ = _slice_bounds(cx, x, dim, start, end)
+    factors = [1] * src.ndim
+    factors[dim] = step
+    spread = ops.dilate(src, factors) if step != 1 else src
+    lo, hi = [0] * x.ndim, [0] * x.ndim
+    lo[dim], hi[dim] = start, x.shape[dim] - start - spread.shape[dim]
+    if lo[dim] == 0 and hi[dim] == 0 and step == 1:
+        return src
+    ones = ops.full_like(src, True, DataType.Bool)
+    mask = ops.pad_edges(ops.dilate(ones, factors) if step != 1 else ones, lo, hi)
+    return ops.where(mask, ops.pad_edges(spread, lo, hi), x)
+
+
+def _slice_bounds(cx, x, dim: int, start, end):
+    """aten.slice's start and end along dim, negative and open ends resolved."""
     n = x.shape[dim]
     start, end = cx.size(start) if start is not None else 0, cx.size(end) if end is not None else n
     if isinstance(start, ops.Tensor) or isinstance(end, ops.Tensor):
@@ -290,11 +318,7 @@ def _slice(cx, x, dim=0, start=None, end=None, step=1):
         end = n + end
     elif isinstance(end, int) and end >= 2 ** 62:
         end = n
-    starts = [0] * x.ndim
-    ends = list(x.shape)
-    steps = [1] * x.ndim
-    starts[dim], ends[dim], steps[dim] = start, end, step
-    return ops.slice(x, starts, ends, steps)
+    return start, end
 
 
 @_reg(aten.select.int)

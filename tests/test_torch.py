@@ -163,6 +163,11 @@ def test_softmax_and_log_softmax():
 
 
 
+def test_slices_train():
+    """A slice's gradient (aten.slice_scatter): plain, stepped, negative and open bounds."""
+    check(lambda x: torch.tanh(x[:, :48]) * x[:, 1::3][:, :48].sin() + x[2:-1].sum() + x[..., -5:].mean(),
+          r(16, 200, grad=True), backward=True)
+
 def test_attention_rows_masked_whole_are_zeros_and_nan_propagates():
     """Attention's softmax (aten._safe_softmax) gives a query whose keys are
     all masked zeros, as eager does, while a NaN score stays NaN; forward
