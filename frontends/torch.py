@@ -123,7 +123,7 @@ def _safe_softmax(x, dim, dtype=None):
     reductions and its result then fit one kernel. NaN propagates as in
     eager (a NaN maximum is not -inf)."""
     out = torch.softmax(x, dim=dim, dtype=dtype)
-    if x.shape[dim] == 0:
+    if x.ndim == 0 or isinstance(x.shape[dim], int) and x.shape[dim] == 0:  # (a symbolic size: no guard)
         return out
     masked = torch.amax(x, dim=dim, keepdim=True) == float("-inf")
     return torch.where(masked, torch.zeros_like(out), out)
@@ -289,28 +289,29 @@ def _slice_scatter(cx, x, src, dim=0, start=None, end=None, step=1):
     """x with src at x[start:end:step] along dim (a slice's gradient): src
     spread by the step, padded into place, selected where it lands."""
     dim %= x.ndim
-    start, _ = _slice_bounds(cx, x, dim, start, end)
+    start, _ = _slice_bounds(cx, x, dim, start, end, (3, 4))
     factors = [1] * src.ndim
     factors[dim] = step
     spread = ops.dilate(src, factors) if step != 1 else src
     lo, hi = [0] * x.ndim, [0] * x.ndim
     lo[dim], hi[dim] = start, x.shape[dim] - start - spread.shape[dim]
-    if lo[dim] == 0 and hi[dim] == 0 and step == 1:
+    if isinstance(lo[dim], int) and isinstance(hi[dim], int) and lo[dim] == hi[dim] == 0 and step == 1:
         return src
     ones = ops.full_like(src, True, DataType.Bool)
     mask = ops.pad_edges(ops.dilate(ones, factors) if step != 1 else ones, lo, hi)
     return ops.where(mask, ops.pad_edges(spread, lo, hi), x)
 
 
-def _slice_bounds(cx, x, dim: int, start, end):
-    """aten.slice's start and end along dim, negative and open ends resolved."""
+def _slice_bounds(cx, x, dim: int, start, end, at: tuple[int, int] = (2, 3)):
+    """aten.slice's start and end along dim (arguments ``at`` of the node),
+    negative and open ends resolved, and clamped into the dim as torch does."""
     n = x.shape[dim]
     start, end = cx.size(start) if start is not None else 0, cx.size(end) if end is not None else n
-    if isinstance(start, ops.Tensor) or isinstance(end, ops.Tensor):
-        raise UnsupportedOpError("aten.slice with a bound from an integer argument (its result's size)")
-    if isinstance(start, int) and start < 0 or isinstance(start, Lin) and _known_negative(cx, 2, "start"):
+    if isinstance(start, ops.Tensor) or isinstance(end, ops.Tensor) or isinstance(n, ops.Tensor):
+        raise UnsupportedOpError(f"{cx.target} with a bound or size from an integer argument (its result's size)")
+    if isinstance(start, int) and start < 0 or isinstance(start, Lin) and _known_negative(cx, at[0], "start"):
         start = n + start
-    if isinstance(end, Lin) and _known_negative(cx, 3, "end"):
+    if isinstance(end, Lin) and _known_negative(cx, at[1], "end"):
         end = n + end
     if isinstance(end, int) and not isinstance(n, Lin):
         end = n + end if end < 0 else min(end, n)
@@ -318,6 +319,9 @@ def _slice_bounds(cx, x, dim: int, start, end):
         end = n + end
     elif isinstance(end, int) and end >= 2 ** 62:
         end = n
+    if isinstance(n, int):
+        start = min(max(start, 0), n) if isinstance(start, int) else start
+        end = min(max(end, 0), n) if isinstance(end, int) else end
     return start, end
 
 
@@ -1023,8 +1027,11 @@ class CompiledGraph:
         self._bound = None  # (argument layouts, program, plan, device) of the last call that ran natively
 
     def __call__(self, *args):
-        if self._bound is not None:  # the arguments of the last call again (a training loop): no checks, no lookups
-            outs = self._call_bound(args)
+        if self._bound is not None and not self.failed:  # the last call's layouts again (a training loop)
+            try:
+                outs = self._call_bound(args)
+            except Exception as err:  # polyjit's own failure: this graph runs in eager PyTorch
+                return self._failed(err, args)
             if outs is not None:
                 return self._results(outs, args)
         arrays, index = [], None
@@ -1052,20 +1059,27 @@ class CompiledGraph:
         try:
             outs = self.exe(*arrays, **launch)
         except Exception as err:  # compiling a new layout or device failed inside polyjit
-            internal_failure(self.stats, f"graph {self.name}", err, "eager PyTorch", self.options.strict)
-            self.failed = True
-            return tuple(self.gm(*args))
+            return self._failed(err, args)
         self.stats.record(self.name, self.exe.stats)
-        self._bind(args, index)
+        self._bind(args, arrays, index)
         return self._results(outs, args)
 
-    def _bind(self, args, index: int | None) -> None:
+    def _failed(self, err: Exception, args) -> tuple:
+        internal_failure(self.stats, f"graph {self.name}", err, "eager PyTorch", self.options.strict)
+        self.failed, self._bound = True, None
+        return tuple(self.gm(*args))
+
+    def _bind(self, args, arrays, index: int | None) -> None:
         """Keep the plan this call ran natively with, and its arguments'
-        layouts, for _call_bound: all tensor inputs on one GPU, no host values."""
+        layouts, for _call_bound: all tensor inputs on one GPU, no host
+        values, and the plan the one for these arrays (another thread's
+        call may have run the program since)."""
         prog = self.exe.last
         plan = getattr(prog, "bound", None)
         self._bound = None
         if plan is None or index is None or self.t.seed_index is not None:
+            return
+        if plan.key != tuple((v.shape, v.strides, v.dtype, v.device) for v in arrays):
             return
         sig = []
         for k in self.t.tensor_inputs:

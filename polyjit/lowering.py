@@ -179,6 +179,7 @@ class Lowering:
                            or n.attrs.get("materialize") or (uses[n.id] - 1) * w > self.recompute_limit)
             if materialize and n.op == "reshape" and n.id not in outputs and self.made_unreshaped(n, readers):
                 self.declare(n.inputs[0])  # n, a view of it, is read in place
+                self.inlined -= 1  # (counted when it was passed over)
                 work[n.id] = 0
             elif materialize:
                 self.declare(n)

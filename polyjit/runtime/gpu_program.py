@@ -280,7 +280,7 @@ class GpuProgram(CompiledProgram):
                     for i, k in enumerate(self.kernels)]
         plan = _Plan(dev, not any(v is not None for v in views), fresh, launches, temp_bytes,
                      [slot[spec.name] for spec in self.inputs], pointers, (ctypes.c_int64 * max(len(ints), 1))(*ints),
-                     self.returned_shapes(env))
+                     self.returned_shapes(env), key=key)
         places = [ctypes.addressof(plan.pointers) + 8 * i for i in range(len(self.buffers))]
         places += [ctypes.addressof(plan.ints) + 8 * i for i in range(len(ints))]
         blocks = {None: (ctypes.c_void_p * max(len(places), 1))(*places)}  # a kernel's arguments, by its params
@@ -349,6 +349,7 @@ class _Plan:
     argv: list = field(default_factory=list)  # each kernel's (its block's address)
     lock: Any = field(default_factory=threading.Lock)
     native: "_Native | bool | None" = None  # the native launcher's call (None: not built yet; False: none)
+    key: Any = None  # the (shape, strides, dtype, device) of each argument it was planned for
 
 
 @dataclass
