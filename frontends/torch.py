@@ -1079,15 +1079,14 @@ class CompiledGraph:
         self._bound = None
         if plan is None or index is None or self.t.seed_index is not None:
             return
-        if plan.key != tuple((v.shape, v.strides, v.dtype, v.device) for v in arrays):
-            return
         sig = []
         for k in self.t.tensor_inputs:
             a = args[k]
             if not isinstance(a, torch.Tensor) or not a.is_cuda:
                 return
             sig.append((k, a.shape, a.stride(), a.dtype))
-        self._bound = (tuple(sig), prog, plan, index)
+        if plan.key == tuple((v.shape, v.strides, v.dtype, v.device) for v in arrays):
+            self._bound = (tuple(sig), prog, plan, index)
 
     def _call_bound(self, args):
         """The outputs of a call through the bound plan where every tensor
