@@ -911,6 +911,15 @@ class _Translation:
     int_inputs: list = field(default_factory=list)  # graph inputs that are integer arguments (0-d int64)
 
 
+def _solvable_symbol(expr) -> tuple[str, ...]:
+    """The symbol of a size c * s + k (a tensor's dimension the runtime solves
+    for s: a slice's gradient is [s - 1]); () for any other size."""
+    import sympy
+    terms = sympy.expand(expr).as_coefficients_dict()
+    syms = [t for t in terms if t != 1]
+    return (str(syms[0]),) if len(syms) == 1 and syms[0].is_Symbol else ()
+
+
 def translate(gm: torch.fx.GraphModule) -> _Translation:
     """An ATen graph as a polyjit graph, node by node through :data:`ATEN`."""
     cx = _Context()
@@ -918,9 +927,9 @@ def translate(gm: torch.fx.GraphModule) -> _Translation:
     tensor_inputs = []
     input_pos: dict[int, int] = {}
     symbols: dict[str, tuple] = {}
-    dims = {str(s.node.expr) for node in gm.graph.nodes if node.op == "placeholder"
+    dims = {d for node in gm.graph.nodes if node.op == "placeholder"
             and isinstance(_node_val(node), torch.Tensor) for s in _node_val(node).shape
-            if isinstance(s, torch.SymInt)}
+            if isinstance(s, torch.SymInt) for d in _solvable_symbol(s.node.expr)}
     pos = 0
     for node in gm.graph.nodes:
         if node.op == "placeholder":

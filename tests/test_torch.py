@@ -255,6 +255,23 @@ def test_dynamic_shapes_do_not_recompile():
     assert jf.stats["graphs"] == 1
 
 
+
+def test_slices_train_with_dynamic_shapes_without_recompiling():
+    """A slice's gradient over a symbolic size (the zeros it scatters into
+    are [b, s], the gradient [b, s - 1]: s is solved from that dimension)
+    compiles once, with no fallback, for every size."""
+    def f(x):
+        return torch.exp(x[:, 1:-2] * 2)  # (the backward is handed exp's result, [b, s - 3], not x)
+    jf = polyjit.jit_torch(f, compile_options={"target": TARGET}, dynamic=True)
+    for n in (10, 13, 17):
+        x = torch.randn(4, n, device=DEVICE, requires_grad=True)
+        x2 = x.detach().clone().requires_grad_()
+        r = torch.randn(4, n - 3, device=DEVICE)
+        (jf(x) * r).sum().backward()
+        (f(x2) * r).sum().backward()
+        assert_close(x.grad, x2.grad)
+    assert jf.stats["fallbacks"] == 0 and jf.stats["graphs"] == 2
+
 def test_size_arithmetic_and_integer_arguments_of_dynamic_shapes():
     """Sizes computed in the graph (-n // 2: a negative quotient, the start
     of a slice that wraps) and an integer argument that changes between

@@ -87,12 +87,23 @@ class CompiledProgram:
                 elif sz.is_static(s) and s != n:
                     raise InputError(f"{self.name}: input {k} has shape {list(a.shape)}, expected size {s} "
                                      f"in dimension {d} (shape {list(spec.shape)})")
+        for a, spec in zip(args, self.inputs):  # a size no dimension is alone: c * p + k (a slice's gradient, p - 1)
+            for n, s in zip(a.shape, spec.shape):
+                if isinstance(s, Lin) and len(s.terms) == 1 and s.terms[0][0] not in env:
+                    p, c = s.terms[0]
+                    if c and (n - s.const) % c == 0:
+                        env[p] = (n - s.const) // c
         sz.with_derived(env, self.params)
         for k, (a, spec) in enumerate(zip(args, self.inputs)):
             for d, (n, s) in enumerate(zip(a.shape, spec.shape)):
-                if isinstance(s, Lin) and sz.evaluate(s, env) != n:
-                    raise InputError(f"{self.name}: input {k} dimension {d} is {n}, expected {s} = "
-                                     f"{sz.evaluate(s, env)}")
+                if not isinstance(s, Lin):
+                    continue
+                try:
+                    want = sz.evaluate(s, env)
+                except KeyError:  # (c * p + k with n - k not a multiple of c)
+                    raise InputError(f"{self.name}: input {k} dimension {d} is {n}, which no size fits as {s}")
+                if want != n:
+                    raise InputError(f"{self.name}: input {k} dimension {d} is {n}, expected {s} = {want}")
         for a, b in self.constraints:
             try:
                 va, vb = sz.evaluate(a, env), sz.evaluate(b, env)
