@@ -744,7 +744,12 @@ ATEN[aten.empty_permuted.default] = lambda cx, shape, perm, dtype=None, **kw: _f
 @_reg(aten.arange.start_step, aten.arange.default, aten.arange.start)
 def _arange(cx, *args, dtype=None, **kw):
     start, end, step = (0, args[0], 1) if len(args) == 1 else (args + (1,))[:3]
-    n = max(0, math.ceil((end - start) / step))
+    if isinstance(end, Lin) or isinstance(start, Lin):  # a symbolic count: unit steps (positions, a causal mask)
+        if step not in (1, -1) or isinstance(start, float) or isinstance(end, float):
+            raise UnsupportedOpError(f"{cx.target} over a symbolic size with step {step!r}")
+        n = (end - start) * step
+    else:
+        n = max(0, math.ceil((end - start) / step))
     dt = cx.dtype(dtype) if dtype is not None else (
         DataType.Float if any(isinstance(v, float) for v in (start, end, step)) else DataType.Int)
     anchor = cx.anchor()
@@ -768,6 +773,7 @@ def _bernoulli(cx, x, p=0.5, **kw):
 
 
 ATEN[operator.getitem] = lambda cx, seq, i: seq[i]
+ATEN[aten.sym_size.int] = lambda cx, x, dim: x.shape[dim]  # (a symbolic size, for the size arithmetic below)
 
 
 def _size_op(fn):

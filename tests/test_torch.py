@@ -272,6 +272,20 @@ def test_slices_train_with_dynamic_shapes_without_recompiling():
         assert_close(x.grad, x2.grad)
     assert jf.stats["fallbacks"] == 0 and jf.stats["graphs"] == 2
 
+
+def test_arange_over_a_symbolic_size():
+    """torch.arange to a symbolic size, up and down (positions, a causal
+    mask) under dynamic shapes: compiled once, no fallback."""
+    def f(x):
+        n, d = x.shape[1], x.device
+        return (x * torch.arange(n, dtype=torch.float32, device=d)
+                + torch.arange(n - 1, -1, -1, device=d).float() * torch.arange(1, n + 1, device=d).float())
+    jf = polyjit.jit_torch(f, compile_options={"target": TARGET}, dynamic=True)
+    for n in (10, 13, 17):
+        x = torch.randn(4, n, device=DEVICE)
+        assert_close(jf(x), f(x))
+    assert jf.stats["graphs"] == 1 and jf.stats["fallbacks"] == 0
+
 def test_size_arithmetic_and_integer_arguments_of_dynamic_shapes():
     """Sizes computed in the graph (-n // 2: a negative quotient, the start
     of a slice that wraps) and an integer argument that changes between
