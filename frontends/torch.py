@@ -1085,14 +1085,12 @@ class CompiledGraph:
         return tuple(self.gm(*args))
 
     def _bind(self, args, arrays, index: int | None) -> None:
-        """Keep the plan this call ran natively with, and its arguments'
-        layouts, for _call_bound: all tensor inputs on one GPU, no host
-        values, and the plan the one for these arrays (another thread's
-        call may have run the program since)."""
-        prog = self.exe.last
-        plan = getattr(prog, "bound", None)
+        """Keep the plan that calls on these arrays run natively with, and
+        the arguments' layouts, for _call_bound: all tensor inputs on one
+        GPU, no host values."""
         self._bound = None
-        if plan is None or index is None or self.t.seed_index is not None:
+        prog = self.exe.last
+        if index is None or self.t.seed_index is not None or not hasattr(prog, "native_plan"):
             return
         sig = []
         for k in self.t.tensor_inputs:
@@ -1100,7 +1098,8 @@ class CompiledGraph:
             if not isinstance(a, torch.Tensor) or not a.is_cuda:
                 return
             sig.append((k, a.shape, a.stride(), a.dtype))
-        if plan.key == tuple((v.shape, v.strides, v.dtype, v.device) for v in arrays):
+        plan = prog.native_plan(arrays)
+        if plan is not None:
             self._bound = (tuple(sig), prog, plan, index)
 
     def _call_bound(self, args):

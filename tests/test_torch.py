@@ -1,6 +1,7 @@
 """The PyTorch frontend on the seed programs: forward and backward against
 eager on fresh random data, with zero fallbacks."""
 import copy
+import re
 import os
 import subprocess
 import sys
@@ -169,17 +170,26 @@ def test_slices_train():
     check(lambda x: torch.tanh(x[:, :48]) * x[:, 1::3][:, :48].sin() + x[2:-1].sum() + x[..., -5:].mean()
           + x[:, -1000:48:2].exp().sum(), r(16, 200, grad=True), backward=True)
 
-def test_attention_rows_masked_whole_are_zeros_and_nan_propagates():
+def test_attention_rows_masked_whole_are_zeros_and_nan_propagates(tmp_path):
     """Attention's softmax (aten._safe_softmax) gives a query whose keys are
     all masked zeros, as eager does, while a NaN score stays NaN; forward
-    and backward."""
+    and backward. The masked rows come from the softmax's own row maximum:
+    one reduction of the scores to their maximum, none of booleans."""
     q, k, v = r(2, 3, 8, 16, grad=True), r(2, 3, 8, 16, grad=True), r(2, 3, 8, 16, grad=True)
     with torch.no_grad():
         q[1, 2, 5, 3] = float("nan")
     mask = torch.ones(8, 8, dtype=torch.bool, device=DEVICE)
     mask[2] = False
-    check(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), q, k, v, backward=True)
 
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    check(f, q, k, v, backward=True)
+    jf = polyjit.jit_torch(f, compile_options={"target": TARGET, "debug": True, "dump_dir": str(tmp_path)})
+    with torch.no_grad():
+        jf(*(t.detach().to(DEVICE) for t in (q, k, v)))
+    (graph,) = [p for p in tmp_path.rglob("*graph*") if p.is_file()]
+    text = graph.read_text()
+    assert text.count("op=max") == 1 and not re.search(r"bool\[[^]]*\] = reduce", text), text
 class ConvBiasRelu(nn.Module):
     def __init__(self):
         super().__init__()

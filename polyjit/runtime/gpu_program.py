@@ -51,7 +51,6 @@ class GpuProgram(CompiledProgram):
     keep_cubins: bool = True  # machine code linked from the PTX goes to the compile cache (its "cache" option)
     _loaded: dict = field(default_factory=dict, repr=False)  # kernels by device ordinal
     _consts: dict = field(default_factory=dict, repr=False)  # constants on each device
-    bound: Any = field(default=None, repr=False, compare=False)  # the last call's plan where it ran natively
 
     def _grid(self, k: int, env: dict, dev: Device, resident: int) -> int:
         """Blocks for kernel k: one per BLOCK elements it writes (or lanes' worth), at
@@ -79,7 +78,7 @@ class GpuProgram(CompiledProgram):
         views = [a if type(a) is GpuView else as_device_array(a, ordinal) for a in args]
         stream = int(stream or 0)
         try:  # all on the GPU: the plan for these shapes, layouts and device
-            key = tuple((v.shape, v.strides, v.dtype, v.device) for v in views)
+            key = _device_key(views)
         except AttributeError:  # some on the host
             key = (False, default_ordinal()) + tuple((v.shape, v.strides, v.dtype, v.device) if v is not None else
                                    (np.shape(a), None, np.asarray(a).dtype) for v, a in zip(views, args))
@@ -91,9 +90,7 @@ class GpuProgram(CompiledProgram):
         if plan.native is None:
             plan.native = NATIVE and all(v is not None for v in views) and self._native(plan)
         if plan.native:
-            self.bound = plan
             return self._run_native(plan, plan.native, [v.ptr for v in views], stream, empty)
-        self.bound = None
         s = cu_stream(stream)
         host = plan.host
         keep: list = []
@@ -136,7 +133,7 @@ class GpuProgram(CompiledProgram):
         strides, dtypes and device; not their pointers) as host code named
         ``name`` (see CompiledProgram._native_launcher), for callers outside Python
         (XLA's custom calls). Raises InputError as a call would."""
-        key = tuple((v.shape, v.strides, v.dtype, v.device) for v in views)
+        key = _device_key(views)
         plan = self._plans.get(key) or self._plan(key, views, views, 0)
         self.stats["intermediate_bytes"] = plan.temp_bytes
         return self._shown(self._launcher(plan, name))
@@ -187,11 +184,17 @@ class GpuProgram(CompiledProgram):
                        (ctypes.c_void_p * max(len(launcher.results), 1))(), ctypes.create_string_buffer(256),
                        replays)
 
+    def native_plan(self, views: Sequence[GpuView]) -> "_Plan | None":
+        """The plan that calls on GPU arrays of these views' layouts run
+        through a native launcher (an earlier call made it), or None."""
+        plan = self._plans.get(_device_key(views))
+        return plan if plan is not None and plan.native else None
+
     def run_bound(self, plan: "_Plan", pointers: Sequence[int], stream: int, empty) -> list:
-        """A call through plan's native launcher on these input pointers,
-        skipping the checks and the plan's lookup: a frontend's repeated
-        call whose arguments it has compared with those of the call that
-        chose plan (``self.bound`` after it)."""
+        """A call through plan's native launcher (native_plan) on these input
+        pointers, skipping the checks and the plan's lookup: a frontend's
+        repeated call whose arguments it has compared with those the plan
+        is for."""
         plan.device.activate()
         return self._run_native(plan, plan.native, pointers, stream, empty)
 
@@ -280,7 +283,7 @@ class GpuProgram(CompiledProgram):
                     for i, k in enumerate(self.kernels)]
         plan = _Plan(dev, not any(v is not None for v in views), fresh, launches, temp_bytes,
                      [slot[spec.name] for spec in self.inputs], pointers, (ctypes.c_int64 * max(len(ints), 1))(*ints),
-                     self.returned_shapes(env), key=key)
+                     self.returned_shapes(env))
         places = [ctypes.addressof(plan.pointers) + 8 * i for i in range(len(self.buffers))]
         places += [ctypes.addressof(plan.ints) + 8 * i for i in range(len(ints))]
         blocks = {None: (ctypes.c_void_p * max(len(places), 1))(*places)}  # a kernel's arguments, by its params
@@ -334,6 +337,11 @@ class GpuProgram(CompiledProgram):
         return self._consts[key]
 
 
+def _device_key(views) -> tuple:
+    """A call's plan key where every argument is a GPU array."""
+    return tuple((v.shape, v.strides, v.dtype, v.device) for v in views)
+
+
 @dataclass
 class _Plan:
     device: Device
@@ -349,7 +357,6 @@ class _Plan:
     argv: list = field(default_factory=list)  # each kernel's (its block's address)
     lock: Any = field(default_factory=threading.Lock)
     native: "_Native | bool | None" = None  # the native launcher's call (None: not built yet; False: none)
-    key: Any = None  # the (shape, strides, dtype, device) of each argument it was planned for
 
 
 @dataclass
