@@ -149,14 +149,14 @@ def _reg(*targets):
 
 
 # elementwise: the ATen op -> the core op of that name (unless renamed)
-_RENAMED = {"erfinv": "erf_inv"}
-for _name in ("add", "sub", "mul", "div", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge",
+_RENAMED = {"erfinv": "erf_inv", "true_divide": "div"}
+for _name in ("add", "sub", "mul", "div", "true_divide", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge",
               "logical_and", "logical_or", "logical_xor", "atan2", "remainder", "fmod", "copysign", "hypot",
               "logaddexp2", "fmax", "fmin"):
     _packet = getattr(aten, _name)
     for _ov in ("Tensor", "Scalar", "default"):
         if hasattr(_packet, _ov):
-            ATEN[getattr(_packet, _ov)] = elementwise(_name)
+            ATEN[getattr(_packet, _ov)] = elementwise(_RENAMED.get(_name, _name))
 
 for _name in ("neg", "abs", "exp", "log", "log1p", "expm1", "sqrt", "rsqrt", "sin", "cos", "tan", "tanh", "erf",
               "erfc", "sigmoid", "floor", "ceil", "round", "sign", "reciprocal", "relu", "logical_not", "isnan",
@@ -883,6 +883,8 @@ def _sym_to_lin(expr, cx: _Context):
             out = out + cx.symbols[name] * int(coeff)
         elif type(term).__name__ == "FloorDiv" and term.args[1].is_Integer:  # a strided window's size
             out = out + (_sym_to_lin(term.args[0], cx) // int(term.args[1])) * int(coeff)
+        elif term.is_Mul:  # a batch and a sequence merged: a parameter standing for the product
+            out = out + sz.product(_sym_to_lin(f, cx) for f in term.args) * int(coeff)
         else:
             raise UnsupportedOpError(f"the size expression {expr} is not affine")
     return out + const
@@ -979,6 +981,9 @@ def translate(gm: torch.fx.GraphModule) -> _Translation:
             cx.target, cx.node = node.target, node
             env[node] = fn(cx, *args, **kwargs)
         elif node.op == "output":
+            unknown = sz.unsolved(i.shape for i in cx.graph.inputs)
+            if unknown:  # (a product's factors not the size of any dimension alone)
+                raise UnsupportedOpError(f"sizes {sorted(unknown)} that no input's dimension has alone")
             return _outputs(cx, node, env, tensor_inputs, input_pos, symbols)
         else:
             raise UnsupportedOpError(f"FX node kind {node.op}")

@@ -713,14 +713,15 @@ def _matrix(L, node, whole: bool = False):
         perm = [node.attrs["perm"][p] for p in perm]
         node = node.inputs[0]
     if whole and node.op == "reshape" and node.id not in L.array_of and _row_major(L, node.inputs[0]):
-        return L.array_of[node.inputs[0].id], perm, int(L.shape(node)[-1])
-    return (L.array_of[node.id], perm, int(L.shape(node)[-1])) if _row_major(L, node) else None
+        return L.array_of[node.inputs[0].id], perm, L.shape(node)[-1]
+    return (L.array_of[node.id], perm, L.shape(node)[-1]) if _row_major(L, node) else None
 
 
 def dot_form(L, n) -> tuple | None:
     """(batch dims, a's free dim, b's free dim) of a float32 dot_general with
-    leading batch dims, one contracting and one free dim per operand, static
-    sizes; None for others (they stay generated)."""
+    leading batch dims, one contracting and one free dim per operand; None
+    for others (they stay generated). Sizes may be symbolic: the call's
+    sizes are then computed at run time."""
     at = n.attrs
     a, b = n.inputs
     nb = len(at["lb"])
@@ -730,7 +731,7 @@ def dot_form(L, n) -> tuple | None:
         return None
     lf = [d for d in range(a.rank) if d not in at["lc"] and d not in at["lb"]]
     rf = [d for d in range(b.rank) if d not in at["rc"] and d not in at["rb"]]
-    if len(lf) != 1 or len(rf) != 1 or not all(map(sz.is_static, L.shape(a) + L.shape(b))):
+    if len(lf) != 1 or len(rf) != 1:
         return None
     return nb, lf[0], rf[0]
 
@@ -926,11 +927,11 @@ def _pack(L, node, name: str, natural: bool = False):
     perm = [order.index(d) for d in range(node.rank)]
     key = (stored, node.dtype, value)
     if key in L.packs:
-        return L.packs[key], perm, int(stored[-1])
+        return L.packs[key], perm, stored[-1]
     L.packs[key] = name
     L.declare_array(name, stored, node.dtype)
     L.add(name, iters, bounds, idx, value, "pack")
-    return name, perm, int(stored[-1])
+    return name, perm, stored[-1]
 
 
 def lower_dot(L, n, out: str) -> None:
@@ -944,13 +945,18 @@ def lower_dot(L, n, out: str) -> None:
     abox, ta, lda = _operand(L, a, f"t{n.id}_a", nb, batch, lf, at["lc"][0])
     bbox, tb, ldb = _operand(L, b, f"t{n.id}_b", nb, batch, rf, at["rc"][0])
     tb = not tb  # b is wanted as (contracting x free): stored so unless its free dim comes first
-    m, nn, k = int(shape[nb]), int(shape[nb + 1]), int(L.shape(a)[at["lc"][0]])
+    m, nn, k = shape[nb], shape[nb + 1], L.shape(a)[at["lc"][0]]
     cbox = (out, tuple(batch) + (E.const(0), E.const(0)), (1,) * nb + (m, nn))
-    if nn >= m:  # the parts share the longer side
+    if _longer(nn, m):  # the parts share the longer side
         call = Gemm(abox, bbox, cbox, m, nn, k, lda, ldb, nn, ta, tb, "n", (0, ldb if tb else 1, 1), f"dot {n.id}")
     else:
         call = Gemm(abox, bbox, cbox, m, nn, k, lda, ldb, nn, ta, tb, "m", (1 if ta else lda, 0, nn), f"dot {n.id}")
     L.add(out, iters, bounds, cbox[1], E.const(0.0, n.dtype), "sgemm", library=call)
+
+
+def _longer(x: Size, y: Size) -> bool:
+    """Whether side x is at least as long as y, a symbolic side (a batch's tokens) taken as the longer."""
+    return x >= y if sz.is_static(x) and sz.is_static(y) else not sz.is_static(x)
 
 
 def _conv_reduction(n, xs, ws) -> tuple[int, str | None]:
@@ -963,8 +969,8 @@ def _conv_reduction(n, xs, ws) -> tuple[int, str | None]:
     return red, None
 
 
-def _dot_reduction(n, xs, ws) -> tuple[int, str | None]:
-    return math.prod(int(xs[d]) for d in n.attrs["lc"]), None
+def _dot_reduction(n, xs, ws) -> tuple[Size, str | None]:
+    return sz.product(xs[d] for d in n.attrs["lc"]), None
 
 
 def _never(L, n) -> bool:

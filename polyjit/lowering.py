@@ -451,10 +451,77 @@ def _reshape(L, n, idx):
     return L.value(x, src)
 
 
+class _Mixed(Exception):
+    """A reshape group whose sizes mix symbolic ones: _unravelled takes it."""
+
+
 def reshape_index(in_shape, out_shape, idx) -> list[Expr]:
-    """Input indices of a row-major reshape, grouping dims with equal products."""
+    """Input indices of a row-major reshape, grouping dims with equal
+    products; quasi-affine where each group's symbolic size leads it, else
+    (_unravelled) divided by symbolic sizes."""
     if any(s == 0 for s in list(in_shape) + list(out_shape)):
         return [E.const(0)] * len(in_shape)
+    try:
+        return _grouped(in_shape, out_shape, idx)
+    except _Mixed:
+        return _unravelled(in_shape, out_shape, idx)
+
+
+def _unravelled(in_shape, out_shape, idx) -> list[Expr]:
+    """Input indices of a row-major reshape as the output position's linear
+    offset unravelled: dims equal at the front map one to one, a static
+    tail of equal products is grouped (_grouped), the middle divides by
+    products of symbolic sizes ([4, s, e] as [4*s, e] reads (k // s, k % s,
+    j)). Such an index is not affine: isl widens the access to the dims'
+    extents, and the code divides at run time."""
+    lo = 0
+    while lo < min(len(in_shape), len(out_shape)) - 1 and in_shape[lo] == out_shape[lo]:
+        lo += 1
+    hi_in, hi_out = _static_tail(in_shape, out_shape, lo)
+    src: list[Expr] = [idx[d] for d in range(lo)] + [E.const(0)] * (len(in_shape) - lo)
+    src[hi_in:] = _grouped(in_shape[hi_in:], out_shape[hi_out:], idx[hi_out:]) if hi_in < len(in_shape) else []
+    linear: Expr = E.const(0)
+    for d in range(lo, hi_out):
+        linear = E.iadd(_times_size(linear, out_shape[d]), idx[d])
+    stride: Expr = E.const(1)
+    for d in reversed(range(lo, hi_in)):
+        v = _over_size(linear, stride)
+        src[d] = v if d == lo else _modulo_size(v, in_shape[d])
+        stride = _times_size(stride, in_shape[d])
+    return src
+
+
+def _static_tail(in_shape, out_shape, lo: int) -> tuple[int, int]:
+    """(first input dim, first output dim) of the longest tails after lo of
+    static sizes whose products are equal ([s, 256] and [s, 4, 64]: 1, 1)."""
+    def tails(shape):
+        out, p, d = {1: len(shape)}, 1, len(shape)
+        while d - 1 > lo and sz.is_static(shape[d - 1]):
+            d, p = d - 1, p * int(shape[d - 1])
+            out[p] = d
+        return out
+    ins, outs = tails(in_shape), tails(out_shape)
+    best = max((p for p in ins if p in outs), key=lambda p: (len(in_shape) - ins[p], p))
+    return ins[best], outs[best]
+
+
+def _times_size(e: Expr, s: Size) -> Expr:
+    if sz.is_static(s):
+        return E.imul(e, int(s))
+    if isinstance(e, Const) and e.value in (0, 1):
+        return e if e.value == 0 else E.size_expr(s)
+    return Op(DataType.Int, "mul", (e, E.size_expr(s)))
+
+
+def _over_size(e: Expr, k: Expr) -> Expr:
+    return E.ifloordiv(e, int(k.value)) if isinstance(k, Const) else Op(DataType.Int, "floordiv", (e, k))
+
+
+def _modulo_size(e: Expr, s: Size) -> Expr:
+    return E.imod(e, int(s)) if sz.is_static(s) else Op(DataType.Int, "mod", (e, E.size_expr(s)))
+
+
+def _grouped(in_shape, out_shape, idx) -> list[Expr]:
     src: list[Expr] = [E.const(0)] * len(in_shape)
     ins = [d for d, s in enumerate(in_shape) if s != 1]
     outs = [d for d, s in enumerate(out_shape) if s != 1]
@@ -470,16 +537,10 @@ def reshape_index(in_shape, out_shape, idx) -> list[Expr]:
         (ci, si), (cj, sj) = _split_size(in_shape[gi[0]]), _split_size(out_shape[gj[0]])
         while (ci, si) != (cj, sj):
             if si != sj:
-                raise DefinitionError(
-                    f"reshape from {list(in_shape)} to {list(out_shape)} mixes symbolic sizes; only whole "
-                    "symbolic dimensions, or a leading one merged with or split from static ones, may pass "
-                    "through a reshape")
+                raise _Mixed()
             side, shape, dims, k = (gi, in_shape, ins, i) if ci < cj else (gj, out_shape, outs, j)
             if k >= len(dims) or isinstance(shape[dims[k]], Lin):
-                raise DefinitionError(
-                    f"reshape from {list(in_shape)} to {list(out_shape)} mixes symbolic sizes; only whole "
-                    "symbolic dimensions, or a leading one merged with or split from static ones, may pass "
-                    "through a reshape")
+                raise _Mixed()
             side.append(dims[k])
             if ci < cj:
                 ci *= int(in_shape[ins[i]]); i += 1

@@ -194,10 +194,14 @@ def zeros_like(x: Tensor) -> Tensor:
 def full(shape: Sequence, value, dtype=None, *, like: Tensor) -> Tensor:
     """value broadcast to shape (``[]``: the scalar itself) in like's
     definition; without dtype, a Python number is weakly typed (it takes
-    the type of the tensor it meets, as in ``x * 2``)."""
+    the type of the tensor it meets, as in ``x * 2``); so is a symbolic
+    size's value (``x.size(-1) ** -0.5`` under dynamic shapes)."""
     g = like.graph
-    return _wrap(g, g.broadcast_in_dim(g.constant(value, to_dtype(dtype) if dtype is not None else None),
-                                       tuple(shape), []))
+    if isinstance(value, sz.Lin):
+        scalar = g.size_value(value) if dtype is None else g.cast(g.size_value(value), to_dtype(dtype))
+    else:
+        scalar = g.constant(value, to_dtype(dtype) if dtype is not None else None)
+    return _wrap(g, g.broadcast_in_dim(scalar, tuple(shape), []))
 
 
 # ---------------------------------------------------------------- layout

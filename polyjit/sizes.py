@@ -2,9 +2,10 @@
 
 Symbolic sizes become isl parameters, so one compiled program serves every
 size. Sums and integer multiples stay affine; a product of two symbolic sizes
-does not, and is refused where it would arise. The floor of a quotient by a
-number (a strided window's output size, (s - 1) // 2 + 1) is a parameter of
-its own, derived from the others at each call; isl learns how it bounds them.
+is a parameter of its own, derived from its factors at each call (a batch
+and a sequence merged, [b, s, e] as [b*s, e]); so is the floor of a quotient
+by a number (a strided window's output size, (s - 1) // 2 + 1), of which isl
+learns how it bounds the others.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from typing import Mapping, Union
 
 _DERIVED: dict[str, tuple["Lin", int]] = {}  # parameter -> (numerator, divisor): floor(numerator / divisor)
+_PRODUCTS: dict[str, tuple["Lin", "Lin"]] = {}  # parameter -> its two factors
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,7 @@ class Lin:
 
     def __mul__(self, k: "Size") -> "Size":
         if isinstance(k, Lin):
-            raise _not_affine(f"the product of symbolic sizes {self} and {k} is not affine")
+            return _product_param(self, k)
         return _make({n: c * k for n, c in self.terms}, self.const * k)
 
     __rmul__ = __mul__
@@ -75,7 +77,10 @@ class Lin:
         """The parameters this size depends on, derived ones replaced by theirs."""
         out: set[str] = set()
         for n, _ in self.terms:
-            out |= _DERIVED[n][0].base_params() if n in _DERIVED else {n}
+            if n in _PRODUCTS:
+                out |= _PRODUCTS[n][0].base_params() | _PRODUCTS[n][1].base_params()
+            else:
+                out |= _DERIVED[n][0].base_params() if n in _DERIVED else {n}
         return out
 
     def evaluate(self, env: Mapping[str, int]) -> int:
@@ -87,6 +92,9 @@ class Lin:
             if n in _DERIVED:  # a quotient of renamed sizes
                 num, k = _DERIVED[n]
                 out = out + c * (num.rename(mapping) // k)
+            elif n in _PRODUCTS:
+                a, b = _PRODUCTS[n]
+                out = out + c * (a.rename(mapping) * b.rename(mapping))
             else:
                 out = out + c * Lin.param(mapping.get(n, n))
         return out
@@ -108,6 +116,25 @@ def _make(d: dict, const: int) -> Size:
     return Lin(terms, const) if terms else const
 
 
+def _product_param(a: "Lin", b: "Lin") -> "Size":
+    """a * b for two symbolic sizes: their static factors times a parameter
+    standing for the product of the rest (4*s * t is 4 * p, p = s*t)."""
+    (ca, a), (cb, b) = _content(a), _content(b)
+    a, b = sorted((a, b), key=str)
+    base = "x".join(re.sub(r"[^A-Za-z0-9_]", "", str(f).replace(" + ", "_p").replace(" - ", "_m")) for f in (a, b))
+    name, n = f"{base}_mul", 1
+    while _PRODUCTS.setdefault(name, (a, b)) != (a, b):  # a name another product took
+        name, n = f"{base}_mul_{n}", n + 1
+    return Lin(((name, ca * cb),), 0)
+
+
+def _content(s: "Lin") -> tuple[int, "Lin"]:
+    """(k, s / k) for the largest k dividing every coefficient of s and its constant."""
+    import math
+    k = math.gcd(s.const, *(c for _, c in s.terms))
+    return k, _make({n: c // k for n, c in s.terms}, s.const // k)
+
+
 def windows(span: Size, stride: int) -> Size:
     """How many windows a stride places where span = the padded extent minus
     the window's own (dilated) extent: span // stride + 1, at least 0 when known."""
@@ -122,25 +149,50 @@ def _not_affine(what: str) -> Exception:
 
 
 def _value(name: str, env: Mapping[str, int]) -> int:
-    if name in env or name not in _DERIVED:
+    if name in env or not is_derived(name):
         return env[name]
+    if name in _PRODUCTS:
+        a, b = _PRODUCTS[name]
+        return a.evaluate(env) * b.evaluate(env)
     num, k = _DERIVED[name]
     return num.evaluate(env) // k
+
+
+def is_derived(name: str) -> bool:
+    """Whether parameter name stands for a quotient or a product of others (computed, never solved for)."""
+    return name in _DERIVED or name in _PRODUCTS
 
 
 def with_derived(env: dict[str, int], params) -> dict[str, int]:
     """env with the values of the derived parameters among params."""
     for p in params:
-        if p in _DERIVED and p not in env:
-            env[p] = _value(p, env)
+        if is_derived(p) and p not in env:
+            try:
+                env[p] = _value(p, env)
+            except KeyError:  # (a term no input gives: the caller's check names the dimension)
+                pass
     return env
+
+
+def unsolved(shapes) -> set[str]:
+    """The parameters that shapes (the inputs') use but that no dimension
+    gives alone, as c * p + k (a product's factors, where only the product
+    is a dimension): a call could not tell their values."""
+    used, alone = set(), set()
+    for shape in shapes:
+        for s in shape:
+            if isinstance(s, Lin):
+                used |= s.base_params()
+                if len(s.terms) == 1 and not is_derived(s.terms[0][0]):
+                    alone.add(s.terms[0][0])
+    return used - alone
 
 
 def param_context(params, derived: bool = True) -> str:
     """isl constraints on params: sizes are not negative, and (derived) a
     derived parameter q = floor(n / k) satisfies k*q <= n <= k*q + k - 1
     (a quotient's own sign follows from n's: ``(-n) // 2`` is negative)."""
-    out = [f"{p} >= 0" for p in params if p not in _DERIVED]
+    out = [f"{p} >= 0" for p in params if p not in _DERIVED]  # (a product of sizes is one too)
     for p in params if derived else ():
         if p in _DERIVED:
             num, k = _DERIVED[p]
@@ -168,8 +220,6 @@ def rename(s: Size, mapping: Mapping[str, str]) -> Size:
 def product(sizes) -> Size:
     out: Size = 1
     for s in sizes:
-        if isinstance(out, Lin) and isinstance(s, Lin):
-            raise _not_affine(f"the product of symbolic sizes {out} and {s} is not affine")
         out = s * out if isinstance(s, Lin) else out * s
     return out
 

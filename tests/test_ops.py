@@ -355,6 +355,27 @@ def test_symbolic_leading_size_merges_and_splits(rng):
         polyjit.compile(lambda t: ops.reshape(t, [t.shape[0] // 2, -1]), [InputInfo([-1, 4], F32)])
 
 
+def test_symbolic_sizes_merge_into_a_product(rng):
+    """Two symbolic sizes merged ([b, s, 4] as [b*s, 4]: b*s a size of its
+    own, the reshapes' indices divided by s at run time) through a product
+    (the library's, at sizes known at run time) and back, a sum over the
+    merged dim and a flatten; one program for every size, NaN kept."""
+    def fn(t, w):
+        flat = ops.reshape(t, [t.shape[0] * t.shape[1], 4])
+        y = ops.matmul(flat, w)
+        return ops.reshape(y, [t.shape[0], t.shape[1], 3]) + 1, ops.sum(flat, [0]), ops.reshape(t * 2, [-1])
+    exe = polyjit.compile(fn, [InputInfo([-1, -1, 4], F32), InputInfo([4, 3], F32)], {"target": TARGET})
+    w = rng.standard_normal((4, 3)).astype(F32)
+    for b, n in ((1, 1), (2, 5), (3, 4), (7, 2)):
+        a = rng.standard_normal((b, n, 4)).astype(F32)
+        a[-1, -1, 0] = np.nan
+        y, total, flat = exe(a, w)
+        close(y, a @ w + 1)
+        close(total, a.reshape(-1, 4).sum(0))
+        close(flat, a.reshape(-1) * 2)
+    assert exe.stats["library_calls"] == 1
+
+
 def test_scatter_last_of_repeated_indices_wins(rng):
     """ops.scatter writes src[i] at index[i] along an axis; of repeated
     indices the last along the axis wins, as numpy's fancy assignment does

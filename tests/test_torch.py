@@ -283,6 +283,59 @@ def test_slices_train_with_dynamic_shapes_without_recompiling():
     assert jf.stats["fallbacks"] == 0 and jf.stats["graphs"] == 2
 
 
+def _train_against_eager(f, jf, params, x, out_shape):
+    """Outputs and the gradients of params and x, through a random projection, compiled against eager."""
+    r = torch.randn(out_shape, device=DEVICE)
+    x2 = x.detach().clone().requires_grad_()
+    grads = []
+    for fn, xx in ((jf, x), (f, x2)):
+        y = fn(xx)
+        (y * r).sum().backward()
+        grads.append([p.grad for p in params] + [xx.grad])
+        for p in params:
+            p.grad = None
+        if fn is jf:
+            y_jit = y
+    assert_close(y_jit, y)
+    for a, b in zip(*grads):
+        assert_close(a, b)
+
+
+def test_a_transformer_layer_trains_with_dynamic_batch_and_sequence():
+    """Linear layers merge batch and sequence ([b, s, e] as [b*s, e]): with
+    both symbolic, b*s is a size of its own, the products run in the
+    library at sizes known at run time, and the reshapes' indices divide
+    by s. One forward and one backward graph serve every size, strict, and
+    a scale computed from a size (2 / x.size(-1)) compiles too."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True).to(DEVICE)
+    head = nn.Linear(32, 8).to(DEVICE)
+
+    def f(x):
+        return head(layer(x)) * (2.0 / x.size(-1))
+    params = list(layer.parameters()) + list(head.parameters())
+    jf = polyjit.jit_torch(f, compile_options={"target": TARGET, "strict": True}, dynamic=True)
+    for b, s in ((3, 7), (2, 11), (5, 4)):
+        _train_against_eager(f, jf, params, torch.randn(b, s, 32, device=DEVICE, requires_grad=True), (b, s, 8))
+    assert jf.stats["graphs"] == 2 and jf.stats["fallbacks"] == 0
+
+
+def test_a_sequence_length_that_changes_compiles_once_more():
+    """As torch.compile does by default, a second sequence length makes that
+    size symbolic with the batch static ([4, s, e] as [4*s, e]); a third
+    length runs the same code."""
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 16)).to(DEVICE)
+
+    def f(x):
+        return mlp(x) + x
+    jf = polyjit.jit_torch(f, compile_options={"target": TARGET, "strict": True})
+    for s in (7, 9, 12):
+        _train_against_eager(f, jf, list(mlp.parameters()), torch.randn(4, s, 16, device=DEVICE, requires_grad=True),
+                             (4, s, 16))
+    assert jf.stats["graphs"] == 4 and jf.stats["fallbacks"] == 0
+
+
 def test_arange_over_a_symbolic_size():
     """torch.arange to a symbolic size, up and down (positions, a causal
     mask) under dynamic shapes: compiled once, no fallback."""

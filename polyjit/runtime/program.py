@@ -89,7 +89,8 @@ class CompiledProgram:
                                      f"in dimension {d} (shape {list(spec.shape)})")
         for a, spec in zip(args, self.inputs):  # a size no dimension is alone: c * p + k (a slice's gradient, p - 1)
             for n, s in zip(a.shape, spec.shape):
-                if isinstance(s, Lin) and len(s.terms) == 1 and s.terms[0][0] not in env:
+                if isinstance(s, Lin) and len(s.terms) == 1 and s.terms[0][0] not in env \
+                        and not sz.is_derived(s.terms[0][0]):  # (a product or quotient is computed from its terms)
                     p, c = s.terms[0]
                     if c and (n - s.const) % c == 0:
                         env[p] = (n - s.const) // c
