@@ -89,9 +89,8 @@ def size_expr(s: Size) -> Expr:
 
 
 def _divmod_parts(a: Expr, b: Expr):
-    """(x, k) when a = (x // k) * k and b = x % k."""
-    if isinstance(a, Op) and a.op == "mul" and isinstance(a.args[1], Const) and isinstance(b, Op) \
-            and b.op == "mod" and isinstance(b.args[1], Const) and a.args[1].value == b.args[1].value:
+    """x when a = (x // k) * k and b = x % k (k a number or a symbolic size)."""
+    if isinstance(a, Op) and a.op == "mul" and isinstance(b, Op) and b.op == "mod" and a.args[1] == b.args[1]:
         q = a.args[0]
         if isinstance(q, Op) and q.op == "floordiv" and q.args[1] == b.args[1] and q.args[0] == b.args[0]:
             return b.args[0]

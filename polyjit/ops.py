@@ -1069,10 +1069,10 @@ FEW_TARGETS = 8  # a scatter into at most this many slices is a reduction per sl
 def _few_targets(size, index: Tensor, src: Tensor) -> bool:
     """Whether a scatter's many updates go to few slices (BERT's token types:
     every token into one of two rows), where a scatter's updates would wait
-    on each other and a reduction per slice reads src a few times instead."""
-    n = sz.static_product(index.shape)
-    return (sz.is_static(size) and int(size) <= FEW_TARGETS and n is not None and n > int(size)
-            and src.dtype != DataType.Bool)
+    on each other and a reduction per slice reads src a few times instead
+    (symbolic sizes of the index at their estimates)."""
+    n = math.prod(sz.estimate(s) for s in index.shape)
+    return sz.is_static(size) and int(size) <= FEW_TARGETS and n > int(size) and src.dtype != DataType.Bool
 
 
 def _masked_scatter(op: str, shape: Sequence, index: Tensor, src: Tensor, axis: int) -> Tensor:

@@ -174,6 +174,15 @@ def with_derived(env: dict[str, int], params) -> dict[str, int]:
     return env
 
 
+NOMINAL = 64  # a symbolic size's value for cost models (a batch, a sequence): never for code
+
+
+def estimate(s: Size) -> int:
+    """s at NOMINAL for every base parameter, products and quotients
+    derived from those: what a cost model weighs where sizes are symbolic."""
+    return evaluate(s, {p: NOMINAL for p in as_lin(s).base_params()})
+
+
 def unsolved(shapes) -> set[str]:
     """The parameters that shapes (the inputs') use but that no dimension
     gives alone, as c * p + k (a product's factors, where only the product

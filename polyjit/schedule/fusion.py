@@ -275,16 +275,16 @@ def starved(ast: isl.AstNode, prog: AffineProgram, contracted) -> bool:
         own = [stmts[n] for n in statements_in(node)]
         if len(own) < 2:
             continue
-        grid, inner = _grid_extent(node)
+        grid, inner = _grid_extent(node, set(prog.params))
         sums = [s for s in own if s.combine is not None]
         if grid is not None and grid < GPU_THIN_GRID and not all(map(_row_sum, sums)) \
-                and max((_parallel_extent(s) or 0 for s in own), default=0) >= 16 * grid:
+                and max((_parallel_extent(s) for s in own), default=0) >= 16 * grid:
             return True
         floor, per_thread = (GPU_GRID_FLOOR if sums else None), 16
         if inner is not None and any(s.array in contracted for s in own):
             grid, floor = grid and grid * -(-inner // GPU_STRIP), GPU_GRID_FLOOR // 2
             per_thread = 4 * GPU_STRIP  # a strip's own rows are no loss
-        widest = max((_parallel_extent(s) or 0 for s in (sums or own)), default=0)
+        widest = max((_parallel_extent(s) for s in (sums or own)), default=0)
         if grid is not None and (floor is None or grid < floor) and widest >= per_thread * grid:
             return True
     return False
@@ -297,9 +297,10 @@ def _row_sum(s) -> bool:
                for ld in loads(s.body))
 
 
-def _grid_extent(node: isl.AstNode) -> tuple[int | None, int | None]:
+def _grid_extent(node: isl.AstNode, params: set[str]) -> tuple[int | None, int | None]:
     """The iterations of the chain of parallel-marked loops at node's top, and
-    of the loop after them (None where not numbers)."""
+    of the loop after them (None where not numbers; symbolic sizes at their
+    estimates, sizes.estimate)."""
     total = 1
     while True:
         marked = node.get_type() == isl.ast_node_type.mark and node.mark_get_id().get_name().startswith("parallel:")
@@ -307,12 +308,12 @@ def _grid_extent(node: isl.AstNode) -> tuple[int | None, int | None]:
         if loop.get_type() != isl.ast_node_type.for_:
             return total, None
         init, cond = loop.for_get_init(), loop.for_get_cond()
-        hi = cond.get_op_arg(1)
+        lo, hi = _estimated(init, params), _estimated(cond.get_op_arg(1), params)
         trips = None
-        if init.get_type() == isl.ast_expr_type.int and hi.get_type() == isl.ast_expr_type.int:
-            last = hi.get_val().to_python() - (cond.get_op_type() == isl.ast_expr_op_type.lt)
+        if lo is not None and hi is not None:
+            last = hi - (cond.get_op_type() == isl.ast_expr_op_type.lt)
             step = loop.for_get_inc().get_val().to_python()
-            trips = max(-(-(last - init.get_val().to_python() + 1) // step), 0)
+            trips = max(-(-(last - lo + 1) // step), 0)
         if not marked:
             return total, trips
         if trips is None:
@@ -321,12 +322,37 @@ def _grid_extent(node: isl.AstNode) -> tuple[int | None, int | None]:
         node = loop.for_get_body()
 
 
-def _parallel_extent(s) -> int | None:
-    """Iterations of a statement's loops that are not its reduction's."""
+def _parallel_extent(s) -> int:
+    """Iterations of a statement's loops that are not its reduction's (symbolic sizes at their estimates)."""
     total = 1
     for it, (lo, hi) in zip(s.iters, s.bounds):
         if it not in s.reduction_iters:
-            if not (sz.is_static(lo) and sz.is_static(hi)):
-                return None
-            total *= max(int(hi) - int(lo), 0)
+            total *= max(sz.estimate(hi) - sz.estimate(lo), 0)
     return total
+
+
+_AST_OPS = {isl.ast_expr_op_type.add: lambda a, b: a + b, isl.ast_expr_op_type.sub: lambda a, b: a - b,
+            isl.ast_expr_op_type.mul: lambda a, b: a * b, isl.ast_expr_op_type.min: min,
+            isl.ast_expr_op_type.max: max, isl.ast_expr_op_type.fdiv_q: lambda a, b: a // b,
+            isl.ast_expr_op_type.pdiv_q: lambda a, b: a // b, isl.ast_expr_op_type.div: lambda a, b: a // b}
+
+
+def _estimated(e: isl.AstExpr, params: set[str]) -> int | None:
+    """An AST expression of numbers and size parameters at the sizes'
+    estimates; None where it names an iterator or an operation beyond these."""
+    kind = e.get_type()
+    if kind == isl.ast_expr_type.int:
+        return e.get_val().to_python()
+    if kind == isl.ast_expr_type.id:
+        name = e.get_id().get_name()
+        return sz.estimate(sz.Lin.param(name)) if name in params else None
+    op = e.get_op_type()
+    args = [_estimated(e.get_op_arg(k), params) for k in range(e.get_op_n_arg())]
+    if None in args:
+        return None
+    if op == isl.ast_expr_op_type.minus and len(args) == 1:
+        return -args[0]
+    if op not in _AST_OPS or len(args) != 2 or (op in (isl.ast_expr_op_type.fdiv_q, isl.ast_expr_op_type.pdiv_q,
+                                                         isl.ast_expr_op_type.div) and args[1] == 0):
+        return None
+    return _AST_OPS[op](*args)
