@@ -1561,9 +1561,9 @@ def test_squeeze_excite_is_not_one_thread_per_image():
 def test_a_first_token_read_beside_its_producer_keeps_the_grid_over_symbolic_sizes():
     """A layer norm over [b, s, e] whose first token is also read (BERT's
     pooler), under symbolic sizes: fused into one nest, the token's copy
-    left a thread per sequence position, the batch walked in each (14 ms of
-    a 12 ms step). The cost model weighs symbolic sizes at their estimates
-    and undoes the fusion."""
+    left a thread per sequence position, the batch walked in each. The
+    cost model weighs symbolic sizes at their estimates and undoes the
+    fusion."""
     def norm_and_first(x, w, b):
         y = ops.layer_norm(x, [256], w, b, 1e-12)
         return y, ops.reshape(y[:, :1], [x.shape[0], 256])
