@@ -258,8 +258,9 @@ class LibraryPolicy:
             self.choices.append(f"{what}: generated ({stencil})")
             return False
         if not all(map(sz.is_static, xs + L.shape(n))):
-            self.choices.append(f"{what}: library (symbolic sizes)")
-            return True
+            known = self.target.generated_wins(L, n) if self.target.times_library else ""
+            self.choices.append(f"{what}: {f'generated ({known})' if known else 'library (symbolic sizes)'}")
+            return not known
         macs = math.prod(int(s) for s in L.shape(n)) * red
         if macs < MIN_MACS:
             self.choices.append(f"{what}: generated ({macs} multiply-adds)")

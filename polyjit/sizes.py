@@ -128,6 +128,11 @@ def _product_param(a: "Lin", b: "Lin") -> "Size":
     return Lin(((name, ca * cb),), 0)
 
 
+def static_factor(s: Size) -> int:
+    """The largest number dividing s at every size (4*s + 8: 4; 6: 6)."""
+    return int(s) if not isinstance(s, Lin) else _content(s)[0]
+
+
 def _content(s: "Lin") -> tuple[int, "Lin"]:
     """(k, s / k) for the largest k dividing every coefficient of s and its constant."""
     import math

@@ -79,14 +79,19 @@ def _whole_blocks(L, n: Node, lanes: int, min_rows: int = 64, min_rows_packed: i
     a, b = n.inputs
     at, shape = n.attrs, L.shape(n)
     free = [x.rank - len(at[c]) - len(at[bt]) for x, c, bt in ((a, "lc", "lb"), (b, "rc", "rb"))]
-    if n.dtype != DataType.Float or free != [1, 1] or not all(map(sz.is_static, shape)):
+    if n.dtype != DataType.Float or free != [1, 1] or not all(map(sz.is_static, shape[:-2] + shape[-1:])):
         return ""
-    rows, cols = int(shape[-2]), int(shape[-1])
+    rows, cols = shape[-2], int(shape[-1])
+    if not sz.is_static(rows):  # (tokens of a batch: whole blocks where every size is a multiple of theirs)
+        block = cpu_rewrites.block_shape(None, cols, lanes)
+        if sz.static_factor(rows) % block[0]:
+            return ""
+        rows = max(sz.estimate(rows) // block[0], 1) * block[0]
     packed = any(i.is_index_transpose or i.attrs.get("packed") for i in n.inputs)
     if rows < (min_rows_packed if packed else min_rows) or rows * cols > max_elements \
-            or cpu_rewrites.block_fit(rows, cols, lanes) < 1.0:
+            or cpu_rewrites.block_fit(int(rows), cols, lanes) < 1.0:
         return ""
-    return f"whole {'x'.join(map(str, cpu_rewrites.block_shape(rows, cols, lanes)))} register blocks"
+    return f"whole {'x'.join(map(str, cpu_rewrites.block_shape(int(rows), cols, lanes)))} register blocks"
 
 
 def _pointwise_channels_last(L, n: Node, lanes: int, min_rows: int = 64) -> bool:
