@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench-cpu bench-torch bench-jax bench-tf bench-models clean
+.PHONY: install demo test bench-cpu bench-torch bench-jax bench-tf bench-models bench-dynamic clean
 
 install: $(STAMP)
 
@@ -34,6 +34,9 @@ bench-tf: install
 
 bench-models: install
 	$(PY) bench/models.py
+
+bench-dynamic: install
+	$(PY) bench/dynamic.py
 
 clean:
 	rm -rf $(VENV) polyjit_dump .pytest_cache
