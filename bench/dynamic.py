@@ -2,7 +2,7 @@
 call, as a user's batches of sentences are: `python bench/dynamic.py`
 (CPU) or `--device cuda`.
 
-Each backend gets the model fresh and calls it at lengths L, 3L/4, L/2 and
+Each backend gets the model fresh (every on-disk cache empty) and calls it at lengths L, 3L/4, L/2 and
 5L/8 of bench/models.py's batch (torch.compile's default: the second length
 makes the sequence symbolic, later lengths reuse that code). Printed per
 backend: the seconds the four first calls took over four steps (the
@@ -14,10 +14,17 @@ against eager's at that length, outputs checked against eager's.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
+import tempfile
 import time
 import warnings
+
+_CACHES = tempfile.mkdtemp(prefix="polyjit-bench-dynamic-")  # every backend's on-disk cache cold
+os.environ.update(POLYJIT_CACHE_DIR=os.path.join(_CACHES, "polyjit"),
+                  TORCHINDUCTOR_CACHE_DIR=os.path.join(_CACHES, "inductor"),
+                  TRITON_CACHE_DIR=os.path.join(_CACHES, "triton"))
 
 from models import _torch_transformers
 

@@ -885,6 +885,8 @@ def _sym_to_lin(expr, cx: _Context):
             out = out + (_sym_to_lin(term.args[0], cx) // int(term.args[1])) * int(coeff)
         elif term.is_Mul:  # a batch and a sequence merged: a parameter standing for the product
             out = out + sz.product(_sym_to_lin(f, cx) for f in term.args) * int(coeff)
+        elif term.is_Pow and term.exp.is_Integer and int(term.exp) > 1:  # s**2: s*s
+            out = out + sz.product([_sym_to_lin(term.base, cx)] * int(term.exp)) * int(coeff)
         else:
             raise UnsupportedOpError(f"the size expression {expr} is not affine")
     return out + const
@@ -981,9 +983,6 @@ def translate(gm: torch.fx.GraphModule) -> _Translation:
             cx.target, cx.node = node.target, node
             env[node] = fn(cx, *args, **kwargs)
         elif node.op == "output":
-            unknown = sz.unsolved(i.shape for i in cx.graph.inputs)
-            if unknown:  # (a product's factors not the size of any dimension alone)
-                raise UnsupportedOpError(f"sizes {sorted(unknown)} that no input's dimension has alone")
             return _outputs(cx, node, env, tensor_inputs, input_pos, symbols)
         else:
             raise UnsupportedOpError(f"FX node kind {node.op}")

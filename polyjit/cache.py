@@ -43,6 +43,7 @@ from .affine import Array, Role, Statement
 from .dtypes import DataType
 from .graph import Graph
 from .library import CALLS
+from . import sizes as sz
 from .sizes import Lin
 
 log = logging.getLogger("polyjit.cache")
@@ -213,6 +214,13 @@ def size_json(s):
 
 def size_from(j):
     return Lin(tuple((n, c) for n, c in j["terms"]), j["const"]) if isinstance(j, dict) else j
+
+
+def define_derived(plan: dict) -> bool:
+    """Define the derived size parameters (products, quotients) a cached
+    program's plan names, as the process that compiled it had them; False
+    where one of the names stands for something else here (a miss)."""
+    return all(sz.define(n, kind, size_from(a), size_from(b)) for n, (kind, a, b) in plan.get("derived", {}).items())
 
 
 def array_json(a: Array) -> dict:

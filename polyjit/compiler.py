@@ -101,6 +101,8 @@ def plan(exe: CompiledProgram, fields: dict) -> dict:
         "inputs": [cache.array_json(a) for a in exe.inputs], "outputs": [cache.array_json(a) for a in exe.outputs],
         "output_arrays": exe.output_arrays, "buffers": [cache.array_json(a) for a in exe.buffers],
         "int_slots": exe.int_slots, "params": exe.params,
+        "derived": {n: [kind, cache.size_json(a), cache.size_json(b)]
+                    for n, (kind, a, b) in sz.definitions(exe.params).items()},
         "constraints": [[cache.size_json(a), cache.size_json(b)] for a, b in exe.constraints],
         "kernels": [[k.name, k.parallel, list(k.statements)] for k in exe.kernels],
         "lifetimes": {n: list(span) for n, span in exe.lifetimes.items()},

@@ -117,7 +117,7 @@ class _Shapes:
     def resolve(self, s: Size) -> Size:
         if not isinstance(s, Lin):
             return s
-        return s.rename({n: self._root(n) for n in s.params()})
+        return s.rename({n: self._root(n) for n in s.params() | s.base_params()})  # (a product's factors too)
 
     def _root(self, name: str) -> str:
         while name in self.aliases:

@@ -956,8 +956,8 @@ def lower_dot(L, n, out: str) -> None:
 
 
 def _longer(x: Size, y: Size) -> bool:
-    """Whether side x is at least as long as y, a symbolic side (a batch's tokens) taken as the longer."""
-    return x >= y if sz.is_static(x) and sz.is_static(y) else not sz.is_static(x)
+    """Whether side x is at least as long as y (symbolic sizes at their estimates)."""
+    return sz.estimate(x) >= sz.estimate(y)
 
 
 def _conv_reduction(n, xs, ws) -> tuple[int, str | None]:

@@ -13,7 +13,7 @@ expression, larger ones become an init and an update statement.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Sequence
 
 from . import expr as E
@@ -22,7 +22,7 @@ from . import sizes as sz
 from .affine import AffineProgram, Array, Role, Statement, loop_nest
 from .columns import columns_form, lower_columns, shifted
 from .dtypes import DataType
-from .errors import DefinitionError
+from .errors import DefinitionError, UnsupportedOpError
 from .expr import Const, Expr, Load, Op
 from .graph import BINARY_OPS, CONTRACTIONS, UNARY_OPS, Graph, Node
 from .library import READS_ONCE
@@ -260,6 +260,9 @@ class Lowering:
                                          array, tuple(index), body, label=label, **kw))
 
     def run(self) -> AffineProgram:
+        unknown = sz.unsolved([self.g.resolve(s) for s in n.shape] for n in self.g.inputs)
+        if unknown:  # (a product's factors not the size of any input's dimension alone)
+            raise UnsupportedOpError(f"sizes {sorted(unknown)} that no input's dimension has alone")
         self.plan()
         for n in self.g.inputs:  # unused inputs are still arguments
             if n.id not in self.array_of:
@@ -301,13 +304,27 @@ class Lowering:
             for s in a.shape:
                 if isinstance(s, Lin):
                     params.extend(p for p in self.g.resolve(s).params() if p not in params)
-        for st in self.statements:  # sizes read as values
+        for st in self.statements:  # sizes read as values, or bounding loops and library calls only
             params.extend(x.name for e in (st.body, *st.index) for x in E.walk(e)
                           if isinstance(x, E.Var) and x.kind == "param")
+            params.extend(_params_in((st.bounds, [getattr(st.library, f.name) for f in fields(st.library)]
+                                      if st.library is not None else ())))
         params.extend(p for p in list(params) for p in Lin.param(p).base_params())
         constraints = [(self.g.resolve(a), self.g.resolve(b)) for a, b in self.g.constraints]
         return AffineProgram(sorted(set(params)), self.arrays, self.statements, outputs,
                              constraints, self.inlined)
+
+
+def _params_in(value) -> set[str]:
+    """The size parameters a statement's bounds or a library call's fields
+    name (sizes, index expressions, tuples of them)."""
+    if isinstance(value, Lin):
+        return value.params()
+    if isinstance(value, Expr):
+        return {x.name for x in E.walk(value) if isinstance(x, E.Var) and x.kind == "param"}
+    if isinstance(value, (tuple, list)):
+        return set().union(*map(_params_in, value)) if value else set()
+    return set()
 
 
 def _copies_beside_producers(statements: list[Statement]) -> list[Statement]:

@@ -163,6 +163,28 @@ def _value(name: str, env: Mapping[str, int]) -> int:
     return num.evaluate(env) // k
 
 
+def definitions(params) -> dict[str, tuple]:
+    """What the derived parameters among params (and those their
+    definitions name) stand for: name -> ("div", numerator, k) or ("mul",
+    a, b), so that another process can define them (define)."""
+    out: dict[str, tuple] = {}
+    todo = list(params)
+    while todo:
+        p = todo.pop()
+        if p in out or not is_derived(p):
+            continue
+        out[p] = ("div", *_DERIVED[p]) if p in _DERIVED else ("mul", *_PRODUCTS[p])
+        todo.extend(n for part in out[p][1:] if isinstance(part, Lin) for n in part.params())
+    return out
+
+
+def define(name: str, kind: str, a: "Size", b: "Size") -> bool:
+    """Define derived parameter name as definitions() gave it; False where
+    this process already has that name standing for something else."""
+    table, other, value = (_DERIVED, _PRODUCTS, (a, int(b))) if kind == "div" else (_PRODUCTS, _DERIVED, (a, b))
+    return name not in other and table.setdefault(name, value) == value
+
+
 def is_derived(name: str) -> bool:
     """Whether parameter name stands for a quotient or a product of others (computed, never solved for)."""
     return name in _DERIVED or name in _PRODUCTS

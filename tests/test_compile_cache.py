@@ -202,6 +202,26 @@ def test_a_fresh_process_loads_the_program_from_the_cache(tmp_path):
     assert second == {"cache_hits": 1, "kernels_compiled": 0, "kernels": first["kernels"]}
 
 
+PRODUCT_SCRIPT = """
+import json, numpy as np, polyjit
+from polyjit import ops, InputInfo
+def f(t, u):  # u's sizes unified with t's while tracing: the product b*s is renamed to their roots
+    return ops.reshape(u, [u.shape[0] * u.shape[1], 4]) * 2, t + u
+exe = polyjit.compile(f, [InputInfo([-1, -1, 4], np.float32)] * 2)
+x = np.random.default_rng().standard_normal((3, 5, 4), dtype=np.float32)
+np.testing.assert_array_equal(exe(x, x)[0], x.reshape(15, 4) * 2)
+print(json.dumps({k: exe.stats[k] for k in ("cache_hits", "kernels_compiled")}))
+"""
+
+
+def test_a_fresh_process_loads_a_program_over_a_product_of_sizes(tmp_path):
+    """A size that is a product of symbolic sizes (b*s), made while
+    compiling, is defined in the cache entry: a fresh process loads it."""
+    [(first, _)] = _run(tmp_path, script=PRODUCT_SCRIPT)
+    [(second, _)] = _run(tmp_path, script=PRODUCT_SCRIPT)
+    assert first["cache_hits"] == 0 and second == {"cache_hits": 1, "kernels_compiled": 0}
+
+
 def test_a_damaged_entry_is_removed_recompiled_and_warned_about(tmp_path):
     _run(tmp_path)
     [entry] = tmp_path.glob("*.pjc")

@@ -374,6 +374,9 @@ def test_symbolic_sizes_merge_into_a_product(rng):
         close(total, a.reshape(-1, 4).sum(0))
         close(flat, a.reshape(-1) * 2)
     assert exe.stats["library_calls"] == 1
+    total = polyjit.compile(lambda t: ops.sum(ops.reshape(t, [t.shape[0] * t.shape[1], 4]), [0]),
+                            [InputInfo([-1, -1, 4], F32)], {"target": TARGET})  # (b*s bounds a loop only)
+    close(total(a), a.reshape(-1, 4).sum(0))
 
 
 def test_scatter_last_of_repeated_indices_wins(rng):

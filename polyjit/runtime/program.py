@@ -78,7 +78,8 @@ class CompiledProgram:
             if a.dtype != spec.dtype.numpy:
                 raise InputError(f"{self.name}: input {k} has dtype {a.dtype}, expected {spec.dtype}")
             for d, (n, s) in enumerate(zip(a.shape, spec.shape)):
-                if isinstance(s, Lin) and len(s.terms) == 1 and s.const == 0 and s.terms[0][1] == 1:
+                if isinstance(s, Lin) and len(s.terms) == 1 and s.const == 0 and s.terms[0][1] == 1 \
+                        and not sz.is_derived(s.terms[0][0]):
                     p = s.terms[0][0]
                     if p in env and env[p] != n:
                         raise InputError(f"{self.name}: input {k} dimension {d} is {n}, but another input "

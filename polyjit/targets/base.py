@@ -66,7 +66,7 @@ class Target:
             with timer("cache"):
                 key = cache.key(graph, name, options.key(), self.machine_key(machine))
                 hit, hits = self.lookup(key, options.cache)
-                exe = self.load(graph, options, name, *hit) if hit else None
+                exe = self.load(graph, options, name, *hit) if hit and cache.define_derived(hit[0]) else None
             hits = hits if exe is not None else 0
         if exe is None:
             policy = LibraryPolicy(options.contractions, options.num_threads, self,
