@@ -132,6 +132,19 @@ def test_whole_register_blocks_are_emitted_in_vectors(m, k, n, rng):
     np.testing.assert_allclose(exe(a, b), (a.astype(np.float64) @ b) * 2, rtol=1e-5, atol=1e-5)
 
 
+def test_register_blocks_over_symbolic_rows_have_a_whole_copy(rng):
+    """Rows over a symbolic size end in a partial register block (min(n -
+    1, 4t + 3)): whole blocks run a copy of their own without a check per
+    row, the last one the checked copy; every row count agrees with numpy."""
+    exe = polyjit.compile(lambda a, b: ops.matmul(a, b), [InputInfo([-1, 32], F32), InputInfo([32, 64], F32)],
+                          {"contractions": "generated", "cache": False})
+    assert "block.whole" in exe.ir("llvm") and "block.part" in exe.ir("llvm")
+    b = rng.standard_normal((32, 64), dtype=F32)
+    for m in (1, 3, 4, 9, 130):
+        a = rng.standard_normal((m, 32), dtype=F32)
+        np.testing.assert_allclose(exe(a, b), a.astype(np.float64) @ b, rtol=1e-5, atol=1e-5)
+
+
 def test_a_padded_convolution_keeps_its_guarded_loads_scalar(rng):
     """A float64 NCHW convolution's register block runs along image
     columns, where the padding guard differs from lane to lane: no vectors

@@ -5,7 +5,7 @@ from __future__ import annotations
 import islpy as isl
 from llvmlite import ir
 
-from ..schedule.ast import static_extent
+from ..schedule.ast import fixed_extent, static_extent
 from ..schedule.tree import unrolled_trips
 from .folding import power_of_two
 from .irtypes import I64
@@ -109,25 +109,46 @@ class LoopEmission:
         mark's first count: isl's maximum over the loops outside, so no
         iteration is left over), each copy run where its iteration is in the
         loop's range: a check LLVM folds away where the range is a whole
-        register block, whose accumulators then stay in registers."""
+        register block, whose accumulators then stay in registers. Where the
+        range is whole only at some sizes (rows over a symbolic size, 4 at a
+        time: min(p - 1, 4t + 3)), whole blocks get a copy of their own
+        without the checks."""
         b = self.b
         trips, rest = self.unroll[0], self.unroll[1:]
-        it = n.for_get_iterator().get_id().get_name()
-        slot = self.var(it)
         lo, inc, end = self.loop_range(n)
         span = b.sub(end, lo)
         outer, self.unroll = self.unroll, rest
+        if fixed_extent(n) is None:
+            whole, part, done = (self.fn.append_basic_block(f"block.{k}") for k in ("whole", "part", "done"))
+            b.cbranch(b.icmp_signed(">=", span, b.mul(ir.Constant(I64, trips), inc)), whole, part)
+            b.position_at_end(whole)
+            self._copies(n, trips, lo, inc, None)
+            b.branch(done)
+            b.position_at_end(part)
+            self._copies(n, trips, lo, inc, span)
+            b.branch(done)
+            b.position_at_end(done)
+        else:
+            self._copies(n, trips, lo, inc, span)
+        self.unroll = outer
+
+    def _copies(self, n: isl.AstNode, trips: int, lo, inc, span) -> None:
+        """Loop n's body copied trips times, each run where its iteration is
+        below span (every one where span is None)."""
+        b = self.b
+        it = n.for_get_iterator().get_id().get_name()
+        slot = self.var(it)
         for i in range(trips):
             offset = b.mul(ir.Constant(I64, i), inc)
             copy = self.fn.append_basic_block(f"{it}.copy")
             after = self.fn.append_basic_block(f"{it}.next")
-            b.cbranch(b.icmp_signed("<", offset, span), copy, after)
+            b.cbranch(b.icmp_signed("<", offset, span) if span is not None else ir.Constant(ir.IntType(1), 1),
+                      copy, after)
             b.position_at_end(copy)
             b.store(b.add(lo, offset), slot)
             self.descend(n.for_get_body(), 0)
             b.branch(after)
             b.position_at_end(after)
-        self.unroll = outer
 
     def branch(self, n: isl.AstNode) -> None:
         c = self.aexpr(n.if_get_cond())
