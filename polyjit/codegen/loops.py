@@ -5,7 +5,7 @@ from __future__ import annotations
 import islpy as isl
 from llvmlite import ir
 
-from ..schedule.ast import fixed_extent, static_extent
+from ..schedule.ast import ast_uses, fixed_extent, static_extent
 from ..schedule.tree import unrolled_trips
 from .folding import power_of_two
 from .irtypes import I64
@@ -110,15 +110,16 @@ class LoopEmission:
         iteration is left over), each copy run where its iteration is in the
         loop's range: a check LLVM folds away where the range is a whole
         register block, whose accumulators then stay in registers. Where the
-        range is whole only at some sizes (rows over a symbolic size, 4 at a
-        time: min(p - 1, 4t + 3)), whole blocks get a copy of their own
-        without the checks."""
+        range is whole only at some symbolic sizes (rows over a symbolic
+        size, 4 at a time: min(p - 1, 4t + 3)), whole blocks get a copy of
+        their own without the checks (static sizes leave few partial
+        blocks: not worth the code)."""
         b = self.b
         trips, rest = self.unroll[0], self.unroll[1:]
         lo, inc, end = self.loop_range(n)
         span = b.sub(end, lo)
         outer, self.unroll = self.unroll, rest
-        if fixed_extent(n) is None:
+        if fixed_extent(n) is None and ast_uses(n.for_get_cond().get_op_arg(1), set(self.params)):
             whole, part, done = (self.fn.append_basic_block(f"block.{k}") for k in ("whole", "part", "done"))
             b.cbranch(b.icmp_signed(">=", span, b.mul(ir.Constant(I64, trips), inc)), whole, part)
             b.position_at_end(whole)
