@@ -63,7 +63,7 @@ class Lowering:
         self.library_nodes: set[int] = set()
         self.in_place: set[int] = set()  # packed copies only library calls read: not made
         self.views: dict[int, int] = {}  # outputs that are reshapes of a temporary: handed out as views of it
-        self.operands: set[int] = set()  # what library calls read as whole arrays: made, never inlined
+        self.operands: set[int] = set()  # what library calls (or products, unravelled) read whole: made
         self.columns: dict[int, tuple] = {}  # generated convolutions as products along positions
         # (polyjit.columns) -> (the shape their result is stored in, the sizes its positions run over)
         self.nodes = graph.nodes()
@@ -142,7 +142,7 @@ class Lowering:
                                   and self.library.use(self, n)}
             self.in_place = _read_in_place(self.nodes, self.library_nodes)
             from .library import direct_operands
-            self.operands = direct_operands(self, self.library_nodes)
+            self.operands = direct_operands(self, self.library_nodes) | self.unravelled_operands()
             outputs = {o.id for o in self.g.outputs}
             for n in self.nodes:
                 stored = None if n.id in self.library_nodes else columns_form(self, n, n.id in outputs)
@@ -187,6 +187,21 @@ class Lowering:
             else:
                 work[n.id] = w
                 self.inlined += 1
+
+    def unravelled_operands(self) -> set[int]:
+        """The reshapes over symbolic sizes that generated products read
+        (through transposes): made once, so that a product's inner loop
+        reads plain indices, not the reshape's run-time divisions."""
+        out = set()
+        for n in self.nodes:
+            if n.op != "dot_general" or n.id in self.library_nodes:
+                continue
+            for x in n.inputs:
+                while x.op == "transpose":
+                    x = x.inputs[0]
+                if x.op == "reshape" and _unravels(self.shape(x.inputs[0]), self.shape(x)):
+                    out.add(x.id)
+        return out
 
     def made_unreshaped(self, n: Node, readers: dict[int, list[Node]]) -> bool:
         """Whether reshape n, which only library matrix products read (each
@@ -482,6 +497,15 @@ def reshape_index(in_shape, out_shape, idx) -> list[Expr]:
         return _grouped(in_shape, out_shape, idx)
     except _Mixed:
         return _unravelled(in_shape, out_shape, idx)
+
+
+def _unravels(in_shape, out_shape) -> bool:
+    """Whether a reshape's index divides by symbolic sizes at run time (_unravelled)."""
+    try:
+        _grouped(in_shape, out_shape, loop_nest(out_shape)[1])
+    except _Mixed:
+        return True
+    return False
 
 
 def _unravelled(in_shape, out_shape, idx) -> list[Expr]:

@@ -542,6 +542,25 @@ def test_products_in_whole_register_blocks_run_generated_untimed(shape, untimed,
     assert ("register blocks" in exe.stats["contractions"][0]) == modeled
 
 
+@needs_blas
+def test_a_product_over_merged_symbolic_sizes_reads_its_operand_made_once(rng):
+    """A Linear over [b, s, 256] with b and s symbolic: its rows b*s are
+    whole register blocks but the last (checked), so on a 512-bit host it
+    runs generated, and reads the merged operand made once at plain
+    indices, not through the reshape's run-time divisions per product."""
+    from polyjit.codegen.cpu import vector_bits
+    exe = polyjit.compile(lambda x, w: ops.matmul(ops.reshape(x, [x.shape[0] * x.shape[1], 256]), w),
+                          [InputInfo([-1, -1, 256], F32), InputInfo([256, 256], F32)], {"cache": False})
+    w = rng.standard_normal((256, 256), dtype=F32)
+    for b, s in ((2, 33), (3, 5)):
+        x = rng.standard_normal((b, s, 256), dtype=F32)
+        np.testing.assert_allclose(exe(x, w), x.reshape(-1, 256).astype(np.float64) @ w, rtol=1e-4, atol=1e-4)
+    if vector_bits() >= 512:
+        assert exe.stats["library_calls"] == 0, exe.stats["contractions"]
+        product = [line for line in exe.ir("affine").splitlines() if " sum= " in line]
+        assert product and not any("//" in line for line in product), product
+
+
 def test_first_calls_far_apart_settle_a_timing():
     """A library-or-generated timing stops after the first call of each
     where those are CLEAR_RATIO apart and long enough (a slow generated

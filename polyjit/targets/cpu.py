@@ -82,10 +82,8 @@ def _whole_blocks(L, n: Node, lanes: int, min_rows: int = 64, min_rows_packed: i
     if n.dtype != DataType.Float or free != [1, 1] or not all(map(sz.is_static, shape[:-2] + shape[-1:])):
         return ""
     rows, cols = shape[-2], int(shape[-1])
-    if not sz.is_static(rows):  # (tokens of a batch: whole blocks where every size is a multiple of theirs)
+    if not sz.is_static(rows):  # (a batch's tokens: whole blocks but the last, which has a checked copy)
         block = cpu_rewrites.block_shape(None, cols, lanes)
-        if sz.static_factor(rows) % block[0]:
-            return ""
         rows = max(sz.estimate(rows) // block[0], 1) * block[0]
     packed = any(i.is_index_transpose or i.attrs.get("packed") for i in n.inputs)
     if rows < (min_rows_packed if packed else min_rows) or rows * cols > max_elements \
