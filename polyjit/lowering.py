@@ -320,10 +320,8 @@ class Lowering:
                 if isinstance(s, Lin):
                     params.extend(p for p in self.g.resolve(s).params() if p not in params)
         for st in self.statements:  # sizes read as values, or bounding loops and library calls only
-            params.extend(x.name for e in (st.body, *st.index) for x in E.walk(e)
-                          if isinstance(x, E.Var) and x.kind == "param")
-            params.extend(_params_in((st.bounds, [getattr(st.library, f.name) for f in fields(st.library)]
-                                      if st.library is not None else ())))
+            call = [getattr(st.library, f.name) for f in fields(st.library)] if st.library is not None else []
+            params.extend(_params_in((st.body, st.index, st.bounds, call)))
         params.extend(p for p in list(params) for p in Lin.param(p).base_params())
         constraints = [(self.g.resolve(a), self.g.resolve(b)) for a, b in self.g.constraints]
         return AffineProgram(sorted(set(params)), self.arrays, self.statements, outputs,

@@ -284,10 +284,7 @@ def quotient(total, part) -> Size | None:
         t_sym.remove(s)
     if p_static == 0 or t_static % p_static:
         return None
-    try:
-        return product(t_sym + [t_static // p_static])
-    except NotImplementedError:
-        return None
+    return product(t_sym + [t_static // p_static])
 
 
 def static_product(sizes) -> int | None:
