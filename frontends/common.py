@@ -122,20 +122,62 @@ class Const:
     value: np.ndarray
 
 
+@dataclass(eq=False)
+class KnownSizes:
+    """A small integer tensor known at compile time element by element (a
+    shape whose dims are symbolic, and arithmetic on it): each element a
+    number or a size (:class:`~polyjit.sizes.Lin`) over parameters that
+    stand for dims of program values. An op that takes a shape (a
+    reshape's) gets the elements as sizes of its own graph, so that one
+    program serves every size; an op run in the framework gets the array,
+    computed from the shapes of the call's arrays."""
+
+    value: np.ndarray  # dtype object: ints and Lin
+    dims: dict[str, tuple[Value, int]]  # parameter -> the dim it stands for
+    dtype: np.dtype
+
+    def sizes(self, dim: Callable[[Value, int], Any]) -> np.ndarray:
+        """The elements with each parameter's dim given by ``dim(value, d)``:
+        sizes of a graph (Lin.evaluate over sizes substitutes them, products
+        and quotients of parameters remade from their factors), or numbers."""
+        env = {p: dim(v, d) for p, (v, d) in self.dims.items()}
+        out = np.empty(self.value.shape, object)
+        for k, e in np.ndenumerate(self.value):
+            out[k] = e.evaluate(env) if isinstance(e, Lin) else int(e)
+        return out
+
+    def array(self, values: dict) -> np.ndarray:
+        """The value at run time, from the shapes of the arrays in ``values``."""
+        return self.sizes(lambda v, d: int(values[id(v)].shape[d])).astype(self.dtype)
+
+
+def operand_values(ins: Sequence) -> list:
+    """An op's operands with each :class:`KnownSizes` replaced by the values
+    whose dims it reads (what must be live, and at hand, where it runs)."""
+    out = []
+    for x in ins:
+        if isinstance(x, KnownSizes):
+            out.extend(v for v, _ in x.dims.values())
+        else:
+            out.append(x)
+    return out
+
+
 @dataclass
 class Op:
     """One framework op: ``rule(params, *operands)`` translates it, as torch's
     rules do: its operands as :class:`polyjit.ops.Tensor` (compile-time values
     too, which :func:`static_value` reads), its result a Tensor or a list of
     them; an op without operands (an iota) gets ``like=``, a Tensor of the
-    graph, as ``ops.iota`` takes it. The rule raises UnsupportedOpError for
-    arguments it refuses; None: not in the table. ``run(values)`` executes
-    the op in the framework instead."""
+    graph, as ``ops.iota`` takes it; a :class:`KnownSizes` operand comes as
+    a tuple of sizes (a scalar: one size). The rule raises
+    UnsupportedOpError for arguments it refuses; None: not in the table.
+    ``run(values)`` executes the op in the framework instead."""
 
     name: str
     rule: Callable | None
     params: Any
-    ins: list  # Value | Const
+    ins: list  # Value | Const | KnownSizes
     outs: list  # Value
     run: Callable[[list], list]
     where: str = ""
@@ -205,6 +247,12 @@ class _Segment:
             self.inputs.append(x)
         return self.env[id(x)]
 
+    def known_sizes(self, x: KnownSizes):
+        """x's elements as sizes of this graph: the dims they name read off
+        the values' nodes (a value only measured becomes an input too)."""
+        sizes = x.sizes(lambda v, d: self.operand(v).shape[d])
+        return sizes.item() if sizes.ndim == 0 else tuple(sizes.tolist())
+
     def anchor(self) -> ops.Tensor:
         """A Tensor of this segment's graph, for rules that make values from nothing."""
         return ops.Tensor(self.graph, self.graph.constant(0))
@@ -215,7 +263,8 @@ class _Segment:
         try:
             for v in op.outs:
                 core_dtype(v.dtype)
-            xs = [ops.Tensor(self.graph, self.operand(x)) for x in op.ins]
+            xs = [self.known_sizes(x) if isinstance(x, KnownSizes) else ops.Tensor(self.graph, self.operand(x))
+                  for x in op.ins]
             result = op.rule(op.params, *xs) if xs else op.rule(op.params, like=self.anchor())
             results = list(result) if isinstance(result, (list, tuple)) else [result]
             if len(results) != len(op.outs):
@@ -288,7 +337,8 @@ class _Fallback:
         self.op = op
 
     def run(self, values: dict) -> None:
-        args = [x.value if isinstance(x, Const) else values[id(x)] for x in self.op.ins]
+        args = [x.value if isinstance(x, Const) else x.array(values) if isinstance(x, KnownSizes) else values[id(x)]
+                for x in self.op.ins]
         for v, o in zip(self.op.outs, self.op.run(args)):
             values[id(v)] = o
 
@@ -306,7 +356,7 @@ class SegmentedProgram:
         self.invars, self.outvars, self.stats, self.options = invars, outvars, stats, options
         last: dict[int, int] = {}
         for i, op in enumerate(ops):
-            for x in op.ins:
+            for x in operand_values(op.ins):
                 last[id(x)] = i
         for x in outvars:
             last[id(x)] = len(ops)

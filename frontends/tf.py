@@ -3,8 +3,9 @@
 The function is traced with ``tf.function`` (for its ``input_signature``, or
 per input shapes and dtypes without one); the ops of the concrete graph map
 onto core ops through :data:`TF_OPS`, the one table. ``Const`` ops, and
-integer ops whose value TensorFlow can fold (shapes of static tensors), are
-compile-time values; captured tensors become constants and variables
+shape arithmetic (:data:`_FOLDS`), are compile-time values: a shape with
+symbolic sizes, known element by element, is a reshape's shape over those
+sizes; captured tensors become constants and variables
 (``ReadVariableOp``) runtime inputs read at each call. An op outside the
 table runs in TensorFlow between compiled segments: counted, warned once,
 refused under ``strict``. A ``None`` dimension in the signature is a
@@ -20,12 +21,13 @@ import numpy as np
 import tensorflow as tf
 
 from polyjit import ops
+from polyjit import sizes as sz
 from polyjit.dtypes import DataType
 from polyjit.errors import CompileOptionError, DefinitionError, InputError, UnsupportedOpError
 from polyjit.options import CompileOptions, parse_options
 
-from .common import (Const, Op, SegmentedProgram, Stats, Value, check_execution_backend, core_dtype, elementwise,
-                     identity, static_value)
+from .common import (Const, KnownSizes, Op, SegmentedProgram, Stats, Value, check_execution_backend, core_dtype,
+                     elementwise, identity, operand_values, static_value)
 
 
 # ====================================================================== table
@@ -34,6 +36,13 @@ def _static(x: ops.Tensor, what: str) -> np.ndarray:
         return static_value(x)
     except UnsupportedOpError:
         raise UnsupportedOpError(f"{what} computed at run time") from None
+
+
+def _sizes(x, what: str) -> list:
+    """An operand that is a shape, as sizes: known element by element (a
+    tuple, symbolic sizes among them: see :data:`_FOLDS`) or the numbers of
+    a compile-time tensor."""
+    return list(x) if isinstance(x, tuple) else [int(s) for s in _static(x, what)]
 
 
 def _text(v) -> str:
@@ -71,7 +80,7 @@ def _select(o, c, a, b):
 
 def _reshape(o, x, shape):
     try:
-        return ops.reshape(x, [int(s) for s in _static(shape, "reshape's shape")])
+        return ops.reshape(x, _sizes(shape, "reshape's shape"))
     except DefinitionError as e:
         raise UnsupportedOpError(str(e)) from None
 
@@ -316,9 +325,9 @@ def _conv2d_backprop_input(o, sizes, w, dy, depthwise: bool = False):
     the output gradient spread with zeros by the strides, padded so that the
     result has input_sizes, convolved with the flipped filter, its channel
     roles swapped. A depthwise filter read that way is a grouped kernel."""
-    sizes = [int(v) for v in _static(sizes, "Conv2DBackpropInput's input_sizes")]
+    sizes = _sizes(sizes, "Conv2DBackpropInput's input_sizes")
     layout, sp, strides, dil, pads = _window(o, sizes, [w.shape[0], w.shape[1]])
-    if any(sizes[d] < 0 for d in sp):
+    if any(not isinstance(sizes[d], int) or sizes[d] < 0 for d in sp):
         raise UnsupportedOpError("Conv2DBackpropInput with spatial sizes known only at run time")
     w, groups = _depthwise_kernel(w) if depthwise else (w, 1)
     return ops.conv_input_grad(dy, w, [sizes[d] for d in sp], strides, pads, dil, groups, layout, "HWIO")
@@ -462,10 +471,10 @@ TF_OPS: dict[str, Callable] = {
     "StridedSlice": _strided_slice, "Slice": _slice_op, "Pad": _pad, "PadV2": _pad,
     "ConcatV2": _concat, "Pack": _pack, "Unpack": _unpack, "SplitV": _split_v,
     "Split": lambda o, axis, x: ops.split(x, o.get_attr("num_split"), int(_static(axis, "axis")) % x.ndim),
-    "Fill": lambda o, dims, value: ops.broadcast_to(value, [int(s) for s in _static(dims, "fill dims")]),
+    "Fill": lambda o, dims, value: ops.broadcast_to(value, _sizes(dims, "fill dims")),
     "ZerosLike": lambda o, x: ops.full_like(x, 0), "OnesLike": lambda o, x: ops.full_like(x, 1),
-    "Tile": lambda o, x, reps: ops.tile(x, [int(r) for r in _static(reps, "multiples")]),
-    "BroadcastTo": lambda o, x, shape: ops.broadcast_to(x, [int(s) for s in _static(shape, "shape")]),
+    "Tile": lambda o, x, reps: ops.tile(x, _sizes(reps, "multiples")),
+    "BroadcastTo": lambda o, x, shape: ops.broadcast_to(x, _sizes(shape, "shape")),
     # reductions
     "Sum": _reduce(ops.sum), "Max": _reduce(ops.max), "Min": _reduce(ops.min), "Prod": _reduce(ops.prod),
     "Mean": _mean, "ArgMax": _argreduce(ops.argmax), "ArgMin": _argreduce(ops.argmin),
@@ -493,9 +502,88 @@ TF_OPS: dict[str, Callable] = {
     "SparseSoftmaxCrossEntropyWithLogits": _softmax_cross_entropy(True),
 }
 TF_OPS = {k: v for k, v in TF_OPS.items() if v is not None}
-# integer ops on compile-time values (shape arithmetic) that TensorFlow folds
-_FOLDABLE = {"Shape", "Size", "Rank", "Range", "StridedSlice", "Pack", "Prod", "ConcatV2", "Cast", "Mul",
-             "Add", "AddV2", "Sub", "Fill", "Reshape", "GatherV2", "FloorDiv", "Maximum", "Minimum"}
+
+
+# ============================================================ shape arithmetic
+# Rules of the table below, on numpy arrays of dtype object whose elements
+# are numbers or sizes (polyjit.sizes.Lin): Python's operators on sizes
+# give sums, products and quotients of sizes, and refuse the rest.
+def _ints(x: np.ndarray) -> np.ndarray:
+    """An operand that must hold numbers (indices, axes, bounds)."""
+    return np.asarray(x.tolist(), np.int64)
+
+
+def _int(x: np.ndarray) -> int:
+    """An operand that must be one number (an axis)."""
+    return int(_ints(x).reshape(()))
+
+
+def _fold_strided_slice(o, x, begin, end, strides):
+    """numpy's basic indexing, which TensorFlow's strided_slice copies."""
+    index: list = []
+    for i, (b, e, st) in enumerate(zip(_ints(begin), _ints(end), _ints(strides))):
+        bit = 1 << i
+        if o.get_attr("ellipsis_mask") & bit:
+            index.append(Ellipsis)
+        elif o.get_attr("new_axis_mask") & bit:
+            index.append(np.newaxis)
+        elif o.get_attr("shrink_axis_mask") & bit:
+            index.append(int(b))
+        else:
+            index.append(slice(None if o.get_attr("begin_mask") & bit else int(b),
+                               None if o.get_attr("end_mask") & bit else int(e), int(st)))
+    return x[tuple(index)]
+
+
+def _fold_gather(o, x, index, axis):
+    index, axis = _ints(index), _int(axis) % x.ndim
+    if o.get_attr("batch_dims") or ((index < 0) | (index >= x.shape[axis])).any():
+        raise ValueError("GatherV2 with batch_dims, or out of range")
+    return np.take(x, index, axis)
+
+
+def _fold_reduce(reduce):
+    return lambda o, x, axes: reduce(x, tuple(int(a) % max(x.ndim, 1) for a in np.atleast_1d(_ints(axes))),
+                                     keepdims=o.get_attr("keep_dims"))
+
+
+def _fold_cast(o, x):
+    if not o.get_attr("SrcT").is_integer:  # (the result is an integer: the table's rules make only those)
+        raise ValueError("a cast of numbers that are not integers")
+    return x
+
+
+def _fold_squeeze(o, x):
+    dims = tuple(d % x.ndim for d in o.get_attr("squeeze_dims"))
+    return np.squeeze(x, dims or None)
+
+
+# Integer ops folded at compile time: shape arithmetic (Keras' Flatten and
+# Dense compute a reshape's shape from tf.shape of their input). TensorFlow
+# folds an op whose operands are all constants; the rule folds one whose
+# operands are constants and known sizes (a shape of symbolic dims: each a
+# parameter standing for the dim), to a Const, or to KnownSizes that the ops
+# taking a shape (_SHAPE_INPUTS) read as sizes: a reshape over symbolic
+# sizes. None: only TensorFlow folds it. What no rule folds runs as its ops.
+_FOLDS: dict[str, Callable | None] = {
+    "Shape": lambda o, dims: dims, "ShapeN": lambda o, *dims: list(dims),
+    "Size": lambda o, dims: sz.product(dims.tolist()), "Rank": lambda o, dims: len(dims),
+    "StridedSlice": _fold_strided_slice, "GatherV2": _fold_gather,
+    "Pack": lambda o, *xs: np.stack(xs, o.get_attr("axis")),
+    "Unpack": lambda o, x: list(np.moveaxis(x, o.get_attr("axis"), 0)),
+    "ConcatV2": lambda o, *xs: np.concatenate(xs[:-1], _int(xs[-1]) % xs[0].ndim),
+    "Reshape": lambda o, x, shape: x.reshape(_ints(shape)),
+    "ExpandDims": lambda o, x, axis: np.expand_dims(x, _int(axis) % (x.ndim + 1)),
+    "Squeeze": _fold_squeeze, "Identity": lambda o, x: x,
+    "Fill": lambda o, dims, value: np.full(_ints(dims), value.item(), object),
+    "Prod": _fold_reduce(np.prod), "Cast": _fold_cast,
+    "Mul": lambda o, a, b: a * b, "Add": lambda o, a, b: a + b, "AddV2": lambda o, a, b: a + b,
+    "Sub": lambda o, a, b: a - b, "Neg": lambda o, x: -x, "FloorDiv": lambda o, a, b: a // b,
+    "Maximum": lambda o, a, b: np.maximum(a, b), "Minimum": lambda o, a, b: np.minimum(a, b),
+    "Range": None,
+}
+_MEASURES = {"Shape", "ShapeN", "Size", "Rank"}  # ops that read their operands' shapes only
+_MAX_KNOWN = 64  # elements of a known-sizes result: shape arithmetic is small
 
 
 # ============================================================= programs
@@ -544,6 +632,9 @@ class _Trace:
         placeholders = cf.graph.inputs
         self.invars: list[Value] = []
         self.variables: list[tf.Variable] = []
+        self.known: dict[int, KnownSizes] = {}  # id of a Value -> its elements, where shape arithmetic knows them
+        self.dim_params: dict[tuple[int, int], str] = {}  # (id of a Value, dim) -> the parameter standing for it
+        self.param_dims: dict[str, tuple[Value, int]] = {}  # and back
         by_handle = {id(v.handle): v for v in cf.variables}
         for t in placeholders[:n_user]:
             env[t.name] = Value(_shape(t), t.dtype)
@@ -566,20 +657,20 @@ class _Trace:
                 env[o.outputs[0].name] = Const(tf.make_ndarray(o.get_attr("value")))
                 continue
             ins = [env[t.name] for t in o.inputs]
-            shape_input = _SHAPE_INPUTS.get(o.type)
+            folded = self.fold(o, ins)
+            if folded is not None and all(isinstance(f, Const) for f in folded):
+                for t, f in zip(o.outputs, folded):
+                    env[t.name] = f
+                continue
+            shape_input, inferred = _SHAPE_INPUTS.get(o.type, (None, False))
             if shape_input is not None and not isinstance(ins[shape_input], Const):
-                ins[shape_input] = _inferred_shape(o) or ins[shape_input]
-            if o.type in _FOLDABLE and all(isinstance(x, Const) for x in ins) or o.type in ("Shape", "ShapeN", "Size", "Rank"):
-                vals = [tf.get_static_value(t) for t in o.outputs] if o.type != "ShapeN" else \
-                    [np.asarray(t.shape.as_list(), o.get_attr("out_type").as_numpy_dtype)
-                     if t.shape.is_fully_defined() else None for t in o.inputs]
-                if all(v is not None for v in vals):
-                    for t, v in zip(o.outputs, vals):
-                        env[t.name] = Const(np.asarray(v))
-                    continue
+                ins[shape_input] = self.known.get(id(ins[shape_input])) or (
+                    inferred and _inferred_shape(o)) or ins[shape_input]
             outs = [Value(_shape(t), t.dtype) for t in o.outputs]
-            for t, v in zip(o.outputs, outs):
-                env[t.name] = v
+            for t, v, f in zip(o.outputs, outs, folded or [None] * len(outs)):
+                env[t.name] = f if isinstance(f, Const) else v
+                if isinstance(f, KnownSizes):
+                    self.known[id(v)] = f
             self.ops.append(Op(o.type, TF_OPS.get(o.type), o, ins, outs, _lazy_runner(o), o.name))
         self.structure = cf.structured_outputs
         flat = tf.nest.flatten(self.structure, expand_composites=True)
@@ -588,16 +679,77 @@ class _Trace:
         self.flat = flat
         self.ops = _live(self.ops, self.outvars)
 
+    def fold(self, o: tf.Operation, ins: list) -> list | None:
+        """o's results where shape arithmetic knows them (see :data:`_FOLDS`),
+        each a Const or KnownSizes; None where it does not. A result that
+        is only KnownSizes still has its op, run should an op read it as a
+        tensor."""
+        if o.type not in _FOLDS:
+            return None
+        if all(isinstance(x, Const) for x in ins):
+            vals = [tf.get_static_value(t) for t in o.outputs]  # (not where a constant came from a rule below)
+            if all(v is not None for v in vals):
+                return [Const(np.asarray(v)) for v in vals]
+        rule = _FOLDS[o.type]
+        if rule is None or not all(t.dtype.is_integer and t.shape.num_elements() is not None
+                                   and t.shape.num_elements() <= _MAX_KNOWN for t in o.outputs):
+            return None
+        args = []
+        for x in ins:
+            if o.type in _MEASURES:
+                if isinstance(x, Const) or x.shape is None:
+                    return None  # (TensorFlow folds a constant's; an unknown rank has none)
+                args.append(self.shape_sizes(x))
+            elif isinstance(x, Const):
+                args.append(np.array(x.value.tolist(), object))
+            elif id(x) in self.known:
+                args.append(self.known[id(x)].value)
+            else:
+                return None
+        try:
+            results = rule(o, *args)
+        except (UnsupportedOpError, ArithmeticError, TypeError, ValueError, IndexError):  # not sizes: run the op
+            return None
+        out = []
+        for t, r in zip(o.outputs, results if isinstance(results, list) else [results]):
+            r = np.asarray(r, object)
+            if not t.shape.is_compatible_with(r.shape):
+                return None
+            if not any(isinstance(e, sz.Lin) for e in r.flat):
+                out.append(Const(np.asarray(r.tolist(), t.dtype.as_numpy_dtype)))
+                continue
+            params = set().union(*(e.base_params() for e in r.flat if isinstance(e, sz.Lin)))
+            out.append(KnownSizes(r, {p: self.param_dims[p] for p in sorted(params)}, t.dtype.as_numpy_dtype))
+        return out
 
-_SHAPE_INPUTS = {"Reshape": 1, "Conv2DBackpropInput": 0}  # ops whose result's shape is an input
+    def shape_sizes(self, x: Value) -> np.ndarray:
+        """x's shape as sizes: a parameter for each dim known only at run time."""
+        out = np.empty(len(x.shape), object)
+        for d, s in enumerate(x.shape):
+            if s is None:
+                if (id(x), d) not in self.dim_params:
+                    name = f"tf_dim{len(self.dim_params)}"
+                    self.dim_params[id(x), d] = name
+                    self.param_dims[name] = (x, d)
+                out[d] = sz.Lin.param(self.dim_params[id(x), d])
+            else:
+                out[d] = int(s)
+        return out
+
+
+# ops that take a shape: its operand's position, and whether the shape
+# TensorFlow inferred for the result stands for it where it is unknown
+_SHAPE_INPUTS = {"Reshape": (1, True), "Conv2DBackpropInput": (0, True),
+                 "DepthwiseConv2dNativeBackpropInput": (0, True), "BroadcastTo": (1, False), "Fill": (0, False),
+                 "Tile": (1, False)}
 
 
 def _inferred_shape(o: tf.Operation) -> Const | None:
     """The shape input of a Reshape (or a transposed convolution's output
-    size) computed at run time (Keras' Flatten of a batch of unknown size:
-    Shape, StridedSlice, Pack), as the constant shape TensorFlow inferred for
-    its result, when that leaves at most one size unknown: for a reshape the
-    element count fixes it (-1); a convolution reads only spatial sizes."""
+    size) computed at run time from values (not sizes, which _FOLDS knows),
+    as the constant shape TensorFlow inferred for its result, when that
+    leaves at most one size unknown: for a reshape the element count fixes
+    it (-1); a convolution reads only spatial sizes."""
     dims = o.outputs[0].shape
     if dims.rank is None or sum(d is None for d in dims.as_list()) > 1:
         return None
@@ -612,7 +764,7 @@ def _live(ops: list[Op], outvars: list) -> list[Op]:
     for op in reversed(ops):
         if op.params.op_def.is_stateful or not op.outs or any(id(v) in used for v in op.outs):
             keep.append(op)
-            used.update(id(x) for x in op.ins)
+            used.update(id(x) for x in operand_values(op.ins))
     return keep[::-1]
 
 

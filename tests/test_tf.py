@@ -246,6 +246,63 @@ def test_strided_windows_over_unknown_image_sizes(rng):
     assert len(jf._programs) == 1 and jf.stats["fallbacks"] == 0
 
 
+def test_keras_transformer_block_over_unknown_batch_and_sequence(rng):
+    """A transformer block (MultiHeadAttention, LayerNormalization, a Dense
+    feed-forward) with batch and sequence both None: each Dense on the 3-D
+    input is a tensordot, whose Reshapes take shapes computed from
+    tf.shape (Shape, GatherV2, Prod, Pack, ConcatV2). That arithmetic folds
+    to symbolic sizes ([b*s, d] and back), so one program serves every
+    (batch, sequence) without fallbacks."""
+    d = 16
+    x_in = keras.Input((None, d))
+    h = keras.layers.LayerNormalization()(x_in + keras.layers.MultiHeadAttention(num_heads=2, key_dim=8)(x_in, x_in))
+    ff = keras.layers.Dense(d)(keras.layers.Dense(32, activation="relu")(h))
+    model = keras.Model(x_in, keras.layers.LayerNormalization()(h + ff))
+    for v in model.weights:  # biases, scales and offsets away from their 0 and 1
+        v.assign(0.3 * rng.standard_normal(v.shape).astype(np.float32))
+    jf = jit(lambda x: model(x), input_signature=[tf.TensorSpec([None, None, d], tf.float32)])
+    for b, s in ((2, 5), (3, 9), (1, 4)):
+        x = rnd(rng, b, s, d)
+        assert_close(jf(x), model(x), 1e-4, 1e-4)
+    assert jf.stats["fallbacks"] == 0 and jf.stats["graphs"] == 1 and len(jf._programs) == 1
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x, w: tf.tensordot(x, w, 1),
+    lambda x, w: tf.reshape(x, [tf.shape(x)[1], tf.shape(x)[0] * 4]),  # Mul of a size
+    lambda x, w: tf.reshape(tf.reshape(x, [-1, tf.shape(x)[-1]]) @ w, tf.concat([tf.shape(x)[:-1], [5]], 0)),
+    lambda x, w: tf.reshape(x, [tf.shape(x)[0], -1]),  # -1: the product of the rest
+    lambda x, w: tf.reshape(x, [-1]) * tf.fill([tf.size(x) // 2 * 2], 2.0),  # Size, FloorDiv
+    lambda x, w: (lambda b, s, e: tf.reshape(x, [b, s * e]))(*tf.unstack(tf.shape(x))),
+    lambda x, w: tf.fill(tf.shape(x), 2.0) * x + tf.zeros(tf.shape(x)[:2])[..., None],  # Fill
+    lambda x, w: tf.reshape(x, tf.shape(tf.transpose(x, [1, 0, 2]))),  # a shape of another tensor
+], ids=["tensordot", "mul", "concat", "minus_one", "size_floordiv", "unpack", "fill", "another_tensor"])
+def test_shape_arithmetic_over_two_unknown_sizes(rng, fn):
+    """Reshape and Fill shapes computed from tf.shape of a tensor whose
+    batch and sequence are both None: folded to sizes, one program for
+    every (batch, sequence), no fallbacks."""
+    w = rnd(rng, 4, 5)
+    jf = jit(lambda x: fn(x, w), input_signature=[tf.TensorSpec([None, None, 4], tf.float32)])
+    for b, s in ((2, 3), (5, 1), (3, 7)):
+        x = rnd(rng, b, s, 4)
+        assert_close(jf(x), fn(x, w))
+    assert jf.stats["fallbacks"] == 0 and len(jf._programs) == 1
+
+
+def test_shape_read_as_a_tensor_runs_as_before(rng):
+    """A shape that is not a shape operand (a size cast to float, a shape
+    returned) still runs in TensorFlow: counted, and right at every size."""
+    def f(x):
+        return x / tf.cast(tf.shape(x)[1], tf.float32), tf.shape(x)[0] * 2
+    jf = jit(f, input_signature=[tf.TensorSpec([None, None, 4], tf.float32)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for b, s in ((2, 3), (5, 1)):
+            x = rnd(rng, b, s, 4)
+            assert_close(jf(x), f(x))
+    assert jf.stats["fallbacks"] >= 1 and "Shape" in jf.stats["fallback_ops"]
+
+
 def test_no_signature_caches_per_shape(rng):
     jf = jit(lambda x: x * 3)
     for shape in [(2, 3), (2, 3), (4, 3)]:
