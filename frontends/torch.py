@@ -1043,7 +1043,8 @@ class CompiledGraph:
         self.stats = stats
         self.name = name
         self.options = options
-        self._bound = None  # (argument layouts, program, plan, device) of the last call that ran natively
+        self._bound = None  # (argument layouts, program, plan, device, allocator) of the last native call
+        self._saved = _saved_outputs(gm, self.t.outputs)
 
     def __call__(self, *args):
         if self._bound is not None and not self.failed:  # the last call's layouts again (a training loop)
@@ -1104,13 +1105,15 @@ class CompiledGraph:
             sig.append((k, a.shape, a.stride(), a.dtype))
         plan = prog.native_plan(arrays)
         if plan is not None:
-            self._bound = (tuple(sig), prog, plan, index)
+            saved = {prog.output_arrays[v] for v in self._saved}
+            saved -= {n for v, n in enumerate(prog.output_arrays) if v not in self._saved}
+            self._bound = (tuple(sig), prog, plan, index, _Outputs(index, frozenset(saved)))
 
     def _call_bound(self, args):
         """The outputs of a call through the bound plan where every tensor
         input has the shape, strides, dtype and device of the call that
         bound it; None otherwise (the full path then checks and plans)."""
-        sig, prog, plan, index = self._bound
+        sig, prog, plan, index, outputs = self._bound
         pointers = []
         for k, shape, stride, dtype in sig:
             a = args[k]
@@ -1118,7 +1121,7 @@ class CompiledGraph:
                     or a.get_device() != index):
                 return None
             pointers.append(a.data_ptr())
-        outs = prog.run_bound(plan, pointers, _current_stream(index), _allocator(index))
+        outs = prog.run_bound(plan, pointers, _current_stream(index), _allocator(index), outputs)
         self.stats.record(self.name, prog.stats)
         return outs
 
@@ -1160,6 +1163,56 @@ def _allocator(index: int):
     def empty(shape, dt):
         return torch.empty(shape, dtype=_NUMPY_TO_TORCH[dt], device=dev)
     return empty
+
+
+def _saved_outputs(gm: torch.fx.GraphModule, outputs: list) -> set[int]:
+    """The program's outputs that only the backward reads: a forward graph's
+    (``_partition`` names them) that it returns nowhere else."""
+    saved = gm.meta.get(_SAVED)
+    if not saved:
+        return set()
+    nodes = next(iter(gm.graph.find_nodes(op="output"))).args[0]
+    by_kind: dict[bool, set] = {True: set(), False: set()}
+    for (kind, v), n in zip(outputs, nodes):
+        if kind == "tensor":
+            by_kind[getattr(n, "name", None) in saved].add(v)
+    return by_kind[True] - by_kind[False]
+
+
+class _Outputs:
+    """A call's outputs on GPU ``index``, allocated together: those saved
+    for the backward only (``saved``, by name) are views of one block per
+    dtype, one allocation in place of one each (the forward's host time
+    before its first launch). They die together with the backward's
+    inputs, and no caller modifies them in place (they share a version
+    counter); outputs a caller sees get tensors of their own."""
+
+    def __init__(self, index: int, saved: frozenset) -> None:
+        self.device, self.saved = torch.device("cuda", index), saved
+        self._layout: tuple | None = None  # (specs, blocks, places), for the last specs seen
+
+    def __call__(self, specs: list) -> list:
+        """Tensors for ``specs``, a plan's outputs as (name, shape, numpy dtype)."""
+        if self._layout is None or self._layout[0] is not specs:
+            self._layout = (specs, *self._place(specs))
+        _, blocks, places = self._layout
+        dev = self.device
+        made = [torch.empty(n, dtype=dt, device=dev) for n, dt in blocks]
+        return [torch.empty(shape, dtype=dt, device=dev) if b is None else made[b].as_strided(shape, stride, at)
+                for b, shape, stride, at, dt in places]
+
+    def _place(self, specs: list) -> tuple[list, list]:
+        blocks: dict = {}  # torch dtype -> [block number, elements so far]
+        places = []
+        for name, shape, dt in specs:
+            tdt = _NUMPY_TO_TORCH[dt]
+            if name not in self.saved or not math.prod(shape):
+                places.append((None, shape, None, 0, tdt))
+                continue
+            b = blocks.setdefault(tdt, [len(blocks), 0])
+            places.append((b[0], shape, sz.row_major(shape), b[1], tdt))
+            b[1] += -(-math.prod(shape) * dt.itemsize // 256) * 256 // dt.itemsize  # 256-byte aligned starts
+        return [(n, tdt) for tdt, (_, n) in sorted(blocks.items(), key=lambda kv: kv[1][0])], places
 
 
 def _gpu_view(t: torch.Tensor):
@@ -1268,10 +1321,24 @@ class PolyjitBackend:
         # min-cut partition): a GELU's intermediates are recomputed, fused into the backward
         backend = aot_autograd(fw_compiler=self._compiler("forward"), bw_compiler=self._compiler("backward"),
                                inference_compiler=self._compiler("inference"), decompositions=DECOMPOSITIONS,
-                               partition_fn=min_cut_rematerialization_partition)
+                               partition_fn=_partition)
         # attention as matmuls and softmax, which fuse, rather than a device's fused kernel
         with sdpa_kernel([SDPBackend.MATH]):
             return backend(gm, example_inputs)
+
+
+_SAVED = "polyjit_saved"  # a forward graph's meta: its outputs' node names that only the backward reads
+
+
+def _partition(joint: torch.fx.GraphModule, joint_inputs, **kwargs):
+    """Inductor's min-cut partition, noting which of the forward's outputs
+    are saved for the backward (they follow its first num_fwd_outputs)."""
+    fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+    outs = next(iter(fw.graph.find_nodes(op="output"))).args[0]
+    k = kwargs.get("num_fwd_outputs", len(outs))
+    shown = {getattr(n, "name", None) for n in outs[:k]}
+    fw.meta[_SAVED] = frozenset(n.name for n in outs[k:] if isinstance(n, torch.fx.Node) and n.name not in shown)
+    return fw, bw
 
 
 _graph_ids = itertools.count(1)  # graph names are unique in the process: stats are kept by name

@@ -1390,6 +1390,42 @@ def test_torch_calls_with_the_same_layouts_run_the_bound_plan(monkeypatch):
     assert len(bound) >= 4 and jf.stats["fallbacks"] == 0
 
 
+@pytest.mark.gpu
+def test_tensors_saved_for_the_backward_share_one_allocation(monkeypatch):
+    """A training graph's outputs that only its backward reads are views of
+    one block; what the caller sees is its own tensor, which it may modify in
+    place before the backward as in eager."""
+    torch = pytest.importorskip("torch")
+    import polyjit.frontends.torch as pt
+    shared, call = [], pt._Outputs.__call__
+
+    def counted(self, specs):
+        made = call(self, specs)
+        bases = [t.untyped_storage().data_ptr() for t in made]
+        shared.append(max(bases.count(b) for b in bases))
+        return made
+    monkeypatch.setattr(pt._Outputs, "__call__", counted)
+
+    def f(x, w):
+        return torch.softmax(x @ w, -1) * torch.tanh(x[:, :48]) + torch.sigmoid(x[:, 16:]).exp()
+    jf = polyjit.jit_torch(f, compile_options={"target": "nvgpu", "dynamic": False, "strict": True})
+    w = torch.randn(64, 48, device="cuda", requires_grad=True)
+    for _ in range(3):
+        x = torch.randn(16, 64, device="cuda", requires_grad=True)
+        x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        r = torch.randn(16, 48, device="cuda")
+        got, want = jf(x, w), f(x2, w2)
+        got.mul_(r)
+        want.mul_(r)
+        got.sum().backward()
+        want.sum().backward()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(w.grad, w2.grad, rtol=1e-5, atol=1e-5)
+        w.grad = None
+    assert shared and max(shared) >= 2 and jf.stats["fallbacks"] == 0
+
+
 def _torch_blur(img):
     bx = (img[:, :, 0:-4] + img[:, :, 1:-3] + img[:, :, 2:-2] + img[:, :, 3:-1] + img[:, :, 4:]) * 0.2
     return (bx[:, 0:-4] + bx[:, 1:-3] + bx[:, 2:-2] + bx[:, 3:-1] + bx[:, 4:]) * 0.2

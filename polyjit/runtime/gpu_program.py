@@ -190,19 +190,24 @@ class GpuProgram(CompiledProgram):
         plan = self._plans.get(_device_key(views))
         return plan if plan is not None and plan.native else None
 
-    def run_bound(self, plan: "_Plan", pointers: Sequence[int], stream: int, empty) -> list:
+    def run_bound(self, plan: "_Plan", pointers: Sequence[int], stream: int, empty,
+                  outputs: Callable[[list], list] | None = None) -> list:
         """A call through plan's native launcher (native_plan) on these input
         pointers, skipping the checks and the plan's lookup: a frontend's
         repeated call whose arguments it has compared with those the plan
-        is for."""
+        is for. ``outputs(specs)``, where given, allocates all the outputs
+        at once from their (name, shape, dtype), the same list object at
+        every call of a plan (a frontend may place several in one block)."""
         plan.device.activate()
-        return self._run_native(plan, plan.native, pointers, stream, empty)
+        return self._run_native(plan, plan.native, pointers, stream, empty, outputs)
 
-    def _run_native(self, plan: "_Plan", native: "_Native", pointers: Sequence[int], stream: int, empty) -> list:
+    def _run_native(self, plan: "_Plan", native: "_Native", pointers: Sequence[int], stream: int, empty,
+                    outputs: Callable[[list], list] | None = None) -> list:
         dev = plan.device
         with plan.lock:  # the pointer arrays are the plan's
-            made = [empty(shape, dt) if empty else DeviceBuffer(shape, dt, dev, stream)
-                    for _, shape, dt in native.outputs]
+            made = outputs(native.outputs) if outputs else [empty(shape, dt) if empty else
+                                                            DeviceBuffer(shape, dt, dev, stream)
+                                                            for _, shape, dt in native.outputs]
             results = native.results
             for k, buf in enumerate(made):
                 results[k] = _data_ptr(buf)
