@@ -659,18 +659,30 @@ def _index(cx, x, indices):
 
 @_reg(aten.index_put.default, aten._unsafe_index_put.default)
 def _index_put(cx, x, indices, values, accumulate=False):
-    """x with values added at x[..., i, j, ...] (accumulate=True: the
-    backward of indexing); replacing values at repeated positions has no
-    defined winner, so only accumulation compiles."""
-    if not accumulate:
-        raise UnsupportedOpError("index_put without accumulate")
+    """x with values at x[..., i, j, ...] (``x[i] = v``, a cache's update):
+    added (accumulate=True: the backward of indexing), or written, where a
+    position named twice takes the last of its values (eager leaves the
+    winner undefined)."""
     shape = list(x.shape)
+    masks = [d for d, i in enumerate(indices) if i is not None and i.dtype == DataType.Bool]
+    if masks:  # x[mask] = v: one value for every selected element, else their number depends on the mask
+        d = masks[0]
+        mask = indices[d]
+        if len(masks) > 1 or any(i is not None for i in indices[d + 1:]) or not all(
+                sz.is_static(n) and int(n) == 1 for n in values.shape):
+            raise UnsupportedOpError("index_put with a boolean mask and more than one value")
+        mask = ops.broadcast_in_dim(mask, shape, list(range(d, d + mask.ndim)))
+        v = ops.broadcast_to(ops.cast(ops.reshape(values, []), x.dtype), shape)
+        return x + ops.where(mask, v, ops.zeros_like(v)) if accumulate else ops.where(mask, v, x)
     first, last, n, flat = _flat_index(shape, indices, "aten.index_put")
     lead, rest = shape[:first], shape[last + 1:]
-    v = ops.broadcast_to(values, lead + list(flat.shape) + rest)
-    added = ops.scatter_add(lead + [n] + rest, ops.reshape(flat, [-1]),
-                            ops.reshape(v, lead + [sz.product(flat.shape)] + rest), first)
-    return x + ops.reshape(ops.cast(added, x.dtype), shape)
+    m = sz.product(flat.shape)
+    v = ops.reshape(ops.broadcast_to(ops.cast(values, x.dtype), lead + list(flat.shape) + rest), lead + [m] + rest)
+    if accumulate:
+        added = ops.scatter_add(lead + [n] + rest, ops.reshape(flat, [-1]), v, first)
+        return x + ops.reshape(ops.cast(added, x.dtype), shape)
+    at = ops.broadcast_in_dim(ops.reshape(flat, [m]), lead + [m] + rest, [first])
+    return ops.reshape(ops.scatter(ops.reshape(x, lead + [n] + rest), at, v, first), shape)
 
 
 # indexing

@@ -392,6 +392,37 @@ def test_index_add_into_a_few_rows():
     assert jf.stats["fallbacks"] == 0
 
 
+def test_assignments_through_index_tensors_and_masks():
+    """``x[i] = v`` (a cache written at positions given at run time, negative
+    indices, two index tensors, a value broadcast) and ``x[mask] = c`` compile,
+    forward and backward; a position named twice takes one of its values, as
+    in eager, where the winner is undefined."""
+    def cache(c, pos, k):
+        c = c.clone()
+        c[:, pos] = k
+        return c * 1.5
+
+    def pairs(x):
+        y = x.clone()
+        y[torch.tensor([0, -1], device=x.device), torch.tensor([2, 3], device=x.device)] = x[0, 0] * 2
+        return y
+
+    def masked(x):
+        y = x * 1.0
+        y[x[..., 0] > 0.5] = float("-inf")
+        y[x < -1] = 3.0
+        return y.softmax(-1)
+    x = torch.randn(6, 5, 4, requires_grad=True)
+    check(cache, x, torch.tensor([3, -1]), torch.randn(6, 2, 4, requires_grad=True), backward=True)
+    check(pairs, x, backward=True)
+    check(masked, x, backward=True)
+    jf = polyjit.jit_torch(lambda x, i, v: x.index_put((i,), v), compile_options={"target": TARGET})
+    x, i, v = torch.randn(6, 3, device=DEVICE), torch.tensor([4, 1, 4], device=DEVICE), torch.randn(3, 3, device=DEVICE)
+    got = jf(x, i, v)
+    assert_close(got[[0, 2, 3, 5]], x[[0, 2, 3, 5]]) and assert_close(got[1], v[1])
+    assert any(torch.equal(got[4], v[k]) for k in (0, 2)) and jf.stats["fallbacks"] == 0
+
+
 def test_training_with_a_new_size_compiles_once_more():
     """A second size recompiles with symbolic sizes (torch's automatic dynamic
     shapes); the forward graph hands sizes to the backward graph as ints, and a
