@@ -26,8 +26,8 @@ from polyjit.dtypes import DataType
 from polyjit.errors import CompileOptionError, DefinitionError, InputError, UnsupportedOpError
 from polyjit.options import CompileOptions, parse_options
 
-from .common import (Const, KnownSizes, Op, SegmentedProgram, Stats, Value, check_execution_backend, core_dtype,
-                     elementwise, identity, operand_values, static_value)
+from .common import (USER_ERRORS, Const, KnownSizes, Op, SegmentedProgram, Stats, Value, check_execution_backend,
+                     core_dtype, elementwise, identity, internal_failure, operand_values, static_value)
 
 
 # ====================================================================== table
@@ -604,8 +604,18 @@ def _op_runner(op: tf.Operation) -> Callable[[list], list]:
                        [wrapped.graph.as_graph_element(f"op:{j}") for j in range(len(op.outputs))])
 
     def run(args):
-        return [np.from_dlpack(t) for t in fn(*[tf.convert_to_tensor(a) for a in args])]
+        return [_host(t) for t in fn(*[tf.convert_to_tensor(a) for a in args])]
     return run
+
+
+def _host(t: tf.Tensor):
+    """A result of an op run in TensorFlow as a numpy array, without a copy;
+    a value numpy cannot hold (a TensorList's variant, a resource, strings,
+    which DLPack would abort the process on) stays a TensorFlow tensor for
+    the ops run in TensorFlow after it."""
+    if t.dtype.is_floating or t.dtype.is_integer or t.dtype.is_complex or t.dtype == tf.bool:
+        return np.from_dlpack(t)
+    return t
 
 
 def _lazy_runner(op: tf.Operation) -> Callable[[list], list]:
@@ -636,6 +646,7 @@ class _Trace:
         self.dim_params: dict[tuple[int, int], str] = {}  # (id of a Value, dim) -> the parameter standing for it
         self.param_dims: dict[str, tuple[Value, int]] = {}  # and back
         by_handle = {id(v.handle): v for v in cf.variables}
+        handles: dict[str, Const] = {}  # a variable's placeholder -> its handle, for ops that take the resource
         for t in placeholders[:n_user]:
             env[t.name] = Value(_shape(t), t.dtype)
             self.invars.append(env[t.name])
@@ -645,6 +656,7 @@ class _Trace:
                 if var is None:
                     raise UnsupportedOpError(f"captured resource {t.name}")
                 env[t.name] = Value(tuple(var.shape.as_list()), var.dtype)
+                handles[t.name] = Const(var.handle)
                 self.invars.append(env[t.name])
                 self.variables.append(var)
             else:
@@ -656,7 +668,8 @@ class _Trace:
             if o.type == "Const":
                 env[o.outputs[0].name] = Const(tf.make_ndarray(o.get_attr("value")))
                 continue
-            ins = [env[t.name] for t in o.inputs]
+            ins = [env[t.name] if o.type == "ReadVariableOp" or t.name not in handles else handles[t.name]
+                   for t in o.inputs]  # a loop or call that reads variables itself gets them as variables
             folded = self.fold(o, ins)
             if folded is not None and all(isinstance(f, Const) for f in folded):
                 for t, f in zip(o.outputs, folded):
@@ -776,6 +789,8 @@ class TFFunction:
         self.input_signature = list(input_signature) if input_signature is not None else None
         self._stats = Stats()
         self._programs: dict[tuple, tuple[_Trace, SegmentedProgram]] = {}
+        self._failed: set[tuple] = set()  # signatures whose program raised where TensorFlow does not
+        self._plain_fn = None
         self._tf = None
         if backend != "polyjit":
             self._tf = tf.function(fn, input_signature=input_signature, jit_compile=backend == "xla")
@@ -818,12 +833,34 @@ class TFFunction:
                                  f"{list(x.shape)}, which does not match the input_signature: "
                                  f"{spec.dtype.name}{spec.shape.as_list()}")
 
+    def _key(self, arrays) -> tuple:
+        return ("signature",) if self.input_signature is not None else tuple((x.shape, x.dtype) for x in arrays)
+
+    def _plain(self):
+        """The function as a plain tf.function (what a failed program runs as)."""
+        if self._plain_fn is None:
+            self._plain_fn = tf.function(self.fn, input_signature=self.input_signature)
+        return self._plain_fn
+
+    def _recover(self, key: tuple, err: Exception, args):
+        """A call whose compiled program raised: where TensorFlow raises too
+        (a failed assertion, an index out of range in an op run in TensorFlow)
+        that is the program's own error and propagates; otherwise it was
+        polyjit's, and this signature runs as a plain tf.function from now
+        on, counted and warned (raised under strict)."""
+        try:
+            result = self._plain()(*args)
+        except Exception:
+            raise err from None
+        internal_failure(self._stats, f"graph {self.__name__}", err, "TensorFlow", self.options.strict)
+        self._failed.add(key)
+        return result
+
     def program(self, arrays) -> tuple[_Trace, SegmentedProgram]:
+        key = self._key(arrays)
         if self.input_signature is not None:
-            key: tuple = ("signature",)
             specs = self.input_signature
         else:
-            key = tuple((x.shape, x.dtype) for x in arrays)
             specs = [tf.TensorSpec(x.shape, tf.as_dtype(x.dtype)) for x in arrays]
         if key not in self._programs:
             cf = tf.function(self.fn, autograph=False).get_concrete_function(*specs)
@@ -839,8 +876,16 @@ class TFFunction:
         arrays = self._arrays(args)
         if self.input_signature is not None:
             self._check_signature(arrays)
-        trace, prog = self.program(arrays)
-        outs = prog(arrays + [np.from_dlpack(v.read_value()) for v in trace.variables])
+        key = self._key(arrays)
+        if key in self._failed:
+            return self._plain()(*args)
+        try:
+            trace, prog = self.program(arrays)
+            outs = prog(arrays + [np.from_dlpack(v.read_value()) for v in trace.variables])
+        except USER_ERRORS:
+            raise
+        except Exception as err:  # polyjit's own failure, or the program's error that TensorFlow raises too
+            return self._recover(key, err, args)
         flat = list(trace.flat)
         for k, o in zip(trace.out_positions, outs):
             flat[k] = _to_tensor(o)

@@ -337,6 +337,55 @@ def test_unsupported_op_falls_back_or_raises_under_strict(rng):
             assert_close(got, want)
 
 
+@pytest.mark.parametrize("cell", ["LSTM", "GRU"])
+def test_keras_recurrent_layers_run_their_loop_in_tensorflow(rng, cell):
+    """A recurrent layer's loop (While over TensorLists, reading the layer's
+    variables itself) runs in TensorFlow, counted, and what surrounds it
+    compiles; the lists never cross into numpy (DLPack aborts the process
+    on a variant)."""
+    layer = getattr(keras.layers, cell)(8, return_sequences=True)
+    model = keras.Sequential([keras.Input((5, 4)), layer, keras.layers.Dense(3)])
+    for w in model.weights:
+        w.assign(rng.standard_normal(w.shape).astype(np.float32) * 0.5)
+    x = rnd(rng, 2, 5, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        jf = jit(lambda x: model(x, training=False))
+        assert_close(jf(x), model(x, training=False))
+    assert any("While" in op for op in jf.stats["fallback_ops"]) and jf.stats["graphs"] >= 1 and not jf._failed
+
+
+def test_a_failure_at_run_time_falls_back_and_the_programs_own_errors_raise(rng, monkeypatch):
+    """An op run in TensorFlow that fails where plain TensorFlow does not
+    (polyjit's failure) becomes a counted fallback of the function, which then
+    runs as a tf.function; an error TensorFlow raises too (a failed assertion)
+    reaches the caller, and the next call compiles as before."""
+    import polyjit.frontends.tf as ptf
+
+    def f(x):
+        tf.debugging.assert_positive(x[0, 0], message="first element")
+        return tf.math.bessel_i0e(x) * 2 + 1
+    x = tf.abs(rnd(rng, 3, 7)) + 0.5
+    real = ptf._op_runner
+    monkeypatch.setattr(ptf, "_op_runner", lambda op: (lambda args: 1 / 0) if op.type == "BesselI0e" else real(op))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        jf = jit(f)
+        assert_close(jf(x), f(x))
+        assert any("ZeroDivisionError" in op for op in jf.stats["fallback_ops"])
+        assert_close(jf(x * 2), f(x * 2))
+        monkeypatch.setattr(ptf, "_op_runner", real)
+        ok = jit(f)
+        assert_close(ok(x), f(x))
+        with pytest.raises(tf.errors.InvalidArgumentError, match="first element"):
+            ok(-x)
+        assert_close(ok(x), f(x))
+        assert not ok._failed
+    monkeypatch.setattr(ptf.SegmentedProgram, "__call__", lambda self, args: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        jit(lambda x: x * 2 + 1, compile_options={"strict": True})(x)
+
+
 def test_keras_batch_norm_folds_into_the_convolution(rng):
     """Keras' BatchNormalization in inference after a Conv2D (FusedBatchNormV3
     with is_training off) folds into the convolution's kernel and bias."""
