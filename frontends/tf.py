@@ -85,6 +85,19 @@ def _reshape(o, x, shape):
         raise UnsupportedOpError(str(e)) from None
 
 
+def _band_part(o, x, lower, upper):
+    """tf.linalg.band_part: x where row - column <= lower and column - row <=
+    upper (a negative bound keeps that whole triangle; Keras's causal mask)."""
+    lower, upper = (int(_static(n, "band_part bounds")) for n in (lower, upper))
+    rows, cols = ops.iota(x.shape, x.ndim - 2, like=x), ops.iota(x.shape, x.ndim - 1, like=x)
+    keep = None
+    for bound, far in ((lower, rows - cols), (upper, cols - rows)):
+        if bound >= 0:
+            inside = far <= bound
+            keep = inside if keep is None else ops.logical_and(keep, inside)
+    return x if keep is None else ops.where(keep, x, ops.zeros_like(x))
+
+
 def _slice_op(o, x, begin, size):
     begin = [int(b) for b in _static(begin, "slice begin")]
     size = [int(s) for s in _static(size, "slice size")]
@@ -111,9 +124,14 @@ def _strided_slice(o, x, *bounds):
             final.append(1)
             continue
         size = x.shape[d]
-        if not isinstance(size, int):
-            raise UnsupportedOpError("strided_slice over a symbolic size")
         s = strides[i]
+        if not isinstance(size, int):  # only the whole dim: its clamped bounds are not known here
+            if s != 1 or masks["shrink_axis_mask"] & bit or not (masks["begin_mask"] & bit or begin[i] == 0) \
+                    or not masks["end_mask"] & bit:
+                raise UnsupportedOpError("strided_slice of part of a symbolic size")
+            lo.append(0), hi.append(size), st.append(1), final.append(size)
+            d += 1
+            continue
         if masks["shrink_axis_mask"] & bit:
             b = begin[i] + size if begin[i] < 0 else begin[i]
             lo.append(b), hi.append(b + 1), st.append(1)
@@ -270,7 +288,7 @@ def _matmul(o, a, b):
 
 def _batch_matmul(o, a, b):
     adj_x, adj_y = o.get_attr("adj_x"), o.get_attr("adj_y")
-    batch = list(np.broadcast_shapes(tuple(a.shape[:-2]), tuple(b.shape[:-2])))
+    batch = list(ops.broadcast_shapes(a, a.shape[:-2], b.shape[:-2]))
     a = ops.broadcast_to(a, batch + list(a.shape[-2:])) if list(a.shape[:-2]) != batch else a
     b = ops.broadcast_to(b, batch + list(b.shape[-2:])) if list(b.shape[:-2]) != batch else b
     r = len(batch)
@@ -468,7 +486,7 @@ TF_OPS: dict[str, Callable] = {
     "Squeeze": lambda o, x: ops.squeeze(x, {d % x.ndim for d in o.get_attr("squeeze_dims")}
                                         or {d for d, s in enumerate(x.shape) if s == 1}),
     "Transpose": lambda o, x, perm: ops.permute(x, [int(p) for p in _static(perm, "perm")]),
-    "StridedSlice": _strided_slice, "Slice": _slice_op, "Pad": _pad, "PadV2": _pad,
+    "StridedSlice": _strided_slice, "Slice": _slice_op, "Pad": _pad, "PadV2": _pad, "MatrixBandPart": _band_part,
     "ConcatV2": _concat, "Pack": _pack, "Unpack": _unpack, "SplitV": _split_v,
     "Split": lambda o, axis, x: ops.split(x, o.get_attr("num_split"), int(_static(axis, "axis")) % x.ndim),
     "Fill": lambda o, dims, value: ops.broadcast_to(value, _sizes(dims, "fill dims")),

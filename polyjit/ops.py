@@ -210,6 +210,12 @@ def broadcast_in_dim(x: Tensor, shape: Sequence, broadcast_dims: Sequence[int]) 
     return _wrap(g, g.broadcast_in_dim(_node(g, x), tuple(shape), broadcast_dims))
 
 
+def broadcast_shapes(like: Tensor, *shapes: Sequence) -> tuple:
+    """numpy's broadcast of shapes whose sizes may be symbolic (unified, as
+    an elementwise op's operands are), in like's graph."""
+    return like.graph._broadcast_shape([tuple(s) for s in shapes], "broadcast_shapes")
+
+
 def broadcast_to(x: Tensor, shape: Sequence) -> Tensor:
     g = _graph(x)
     return _wrap(g, g.expand(_node(g, x), tuple(shape)))

@@ -209,10 +209,12 @@ def test_fused_batch_norm_inference(rng):
                tf.gather_nd(x, tf.stack([tf.range(4), tf.cast(tf.argmax(x, 1), tf.int32)], 1))),
     lambda x: (tf.math.top_k(x, 4), tf.sort(x, 0), tf.argsort(x, 1, "DESCENDING")),
     lambda x: (tf.math.lgamma(x * 3), tf.math.digamma(x * 2 + 0.1)),
+    lambda x: (tf.linalg.band_part(x, 1, 2), tf.linalg.band_part(x, -1, 0), tf.linalg.band_part(x[None], 0, -1),
+               tf.linalg.band_part(x, -1, -1)),
 ], ids=["slice", "shrink", "reverse", "ellipsis_newaxis", "pack", "unpack", "split", "splitv", "pad", "mean",
         "argmax", "avgpool_same", "tile", "batch_matmul", "elu_selu_softplus_relu6", "select", "squeeze_cast",
         "concat_transpose", "max_all", "matmul_t", "sigmoid_tanh", "mod_floordiv", "gather_reverse_one_hot",
-        "cumsum_any_all", "cumprod_exclusive_inf", "gather_nd", "top_k_sort", "lgamma_digamma"])
+        "cumsum_any_all", "cumprod_exclusive_inf", "gather_nd", "top_k_sort", "lgamma_digamma", "band_part"])
 def test_ops(rng, fn):
     check(fn, rnd(rng, 4, 10))
 
@@ -246,16 +248,19 @@ def test_strided_windows_over_unknown_image_sizes(rng):
     assert len(jf._programs) == 1 and jf.stats["fallbacks"] == 0
 
 
-def test_keras_transformer_block_over_unknown_batch_and_sequence(rng):
+@pytest.mark.parametrize("causal", [False, True])
+def test_keras_transformer_block_over_unknown_batch_and_sequence(rng, causal):
     """A transformer block (MultiHeadAttention, LayerNormalization, a Dense
     feed-forward) with batch and sequence both None: each Dense on the 3-D
     input is a tensordot, whose Reshapes take shapes computed from
     tf.shape (Shape, GatherV2, Prod, Pack, ConcatV2). That arithmetic folds
     to symbolic sizes ([b*s, d] and back), so one program serves every
-    (batch, sequence) without fallbacks."""
+    (batch, sequence) without fallbacks. A causal mask is a band_part of
+    ones, sliced whole over both sizes."""
     d = 16
     x_in = keras.Input((None, d))
-    h = keras.layers.LayerNormalization()(x_in + keras.layers.MultiHeadAttention(num_heads=2, key_dim=8)(x_in, x_in))
+    att = keras.layers.MultiHeadAttention(num_heads=2, key_dim=8)(x_in, x_in, use_causal_mask=causal)
+    h = keras.layers.LayerNormalization()(x_in + att)
     ff = keras.layers.Dense(d)(keras.layers.Dense(32, activation="relu")(h))
     model = keras.Model(x_in, keras.layers.LayerNormalization()(h + ff))
     for v in model.weights:  # biases, scales and offsets away from their 0 and 1
@@ -265,6 +270,20 @@ def test_keras_transformer_block_over_unknown_batch_and_sequence(rng):
         x = rnd(rng, b, s, d)
         assert_close(jf(x), model(x), 1e-4, 1e-4)
     assert jf.stats["fallbacks"] == 0 and jf.stats["graphs"] == 1 and len(jf._programs) == 1
+
+
+def test_dot_product_attention_layer_over_unknown_sizes(rng):
+    """keras.layers.Attention with batch and sequence None: its batched
+    products broadcast batch dims that are symbolic."""
+    x_in = keras.Input((None, 8))
+    model = keras.Model(x_in, keras.layers.Attention(use_scale=True)([x_in, x_in]))
+    for v in model.weights:
+        v.assign(1 + 0.3 * rng.standard_normal(v.shape).astype(np.float32))
+    jf = jit(lambda x: model(x), input_signature=[tf.TensorSpec([None, None, 8], tf.float32)])
+    for b, s in ((2, 5), (3, 7)):
+        x = rnd(rng, b, s, 8)
+        assert_close(jf(x), model(x), 1e-4, 1e-4)
+    assert jf.stats["fallbacks"] == 0 and len(jf._programs) == 1
 
 
 @pytest.mark.parametrize("fn", [
