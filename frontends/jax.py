@@ -125,20 +125,52 @@ def _reshape(p, x):
     return ops.reshape(x, p["new_sizes"])
 
 
+def _start(i: ops.Tensor, n, m):
+    """A dynamic slice's start index clamped into [0, n - m], as XLA does: a
+    number where it is known at compile time, else a scalar Tensor (an index
+    computed at run time: x[i] in a loop's body, a cache's write position)."""
+    try:
+        return min(max(int(static_value(i)), 0), n - m)
+    except UnsupportedOpError:
+        _static_sizes("dynamic_slice at a start computed at run time", i)
+        if isinstance(n, Lin) or isinstance(m, Lin):
+            raise UnsupportedOpError("dynamic_slice at a start computed at run time over symbolic sizes") from None
+        return ops.clamp(ops.cast(i, DataType.Int), 0, n - m)
+
+
 def _dynamic_slice(p, x, *at):
+    """lax.dynamic_slice: a slice at known starts, a take of the window's
+    positions where a start is known only at run time."""
     sizes = p["slice_sizes"]
-    starts = [min(max(int(static_value(i)), 0), x.shape[d] - sizes[d]) for d, i in enumerate(at)]
-    return ops.slice(x, starts, [s + n for s, n in zip(starts, sizes)])
+    starts = [_start(i, x.shape[d], sizes[d]) for d, i in enumerate(at)]
+    known = [s if isinstance(s, int) else 0 for s in starts]
+    x = ops.slice(x, known, [k + m if isinstance(s, int) else n for k, s, m, n in zip(known, starts, sizes, x.shape)])
+    for d, s in enumerate(starts):
+        if not isinstance(s, int):
+            x = ops.take(x, s + ops.iota([sizes[d]], 0, like=x), d)
+    return x
 
 
 def _dynamic_update_slice(p, x, update, *at):
-    """x with update written at constant start indices (clamped, as XLA
-    does): the update padded out to x's shape, selected where it lands."""
+    """x with update written at its start indices (clamped, as XLA does):
+    the update spread out to x's shape and selected where it lands; along a
+    dim whose start is known only at run time, each position takes the
+    update's element at its distance from the start."""
     _static_sizes("dynamic_update_slice", x, update)
-    lo = [min(max(int(static_value(i)), 0), int(n) - int(m)) for i, n, m in zip(at, x.shape, update.shape)]
-    hi = [int(n) - a - int(m) for a, n, m in zip(lo, x.shape, update.shape)]
-    inside = ops.pad_edges(ops.full_like(update, True, DataType.Bool), lo, hi, False)
-    return ops.where(inside, ops.pad_edges(update, lo, hi, 0), x)
+    inside = ops.full_like(update, True, DataType.Bool)
+    for d, (i, n, m) in enumerate(zip(at, x.shape, update.shape)):
+        s = _start(i, int(n), int(m))
+        if isinstance(s, int):
+            lo, hi = [0] * x.ndim, [0] * x.ndim
+            lo[d], hi[d] = s, int(n) - s - int(m)
+            update, inside = ops.pad_edges(update, lo, hi, 0), ops.pad_edges(inside, lo, hi, False)
+            continue
+        far = ops.iota([int(n)], 0, like=x) - s
+        at_d = ops.clamp(far, 0, int(m) - 1)
+        update, inside = ops.take(update, at_d, d), ops.take(inside, at_d, d)
+        lands = ops.logical_and(far >= 0, far < int(m))
+        inside = ops.logical_and(inside, ops.broadcast_in_dim(lands, list(inside.shape), [d]))
+    return ops.where(inside, update, x)
 
 
 def _pad(p, x, value):

@@ -270,6 +270,22 @@ def test_gather_and_scatter(rng, fn):
     check(fn, rnd(rng, 4, 10), jnp.asarray([0, 3, -1, 2, 1, 3]))
 
 
+@pytest.mark.parametrize("fn", [
+    lambda x, i: x[i], lambda x, i: lax.dynamic_slice(x, (i, i + 3), (2, 4)),
+    lambda x, i: lax.dynamic_slice(x, (i * 4 - 9, 1), (3, 5)),  # starts clamped into the array
+    lambda x, i: lax.dynamic_update_slice(x, x[:2, :3] * 5, (i, 2 * i - 1)),
+    lambda x, i: lax.dynamic_update_slice(x, jnp.ones((3, 4)), (7 - i, i * 9)),
+    lambda x, i: jnp.zeros((4, 3, 10)).at[:, i].set(x),  # a cache's write at a position given at run time
+    jax.grad(lambda x, i: (jnp.tanh(lax.dynamic_slice(x, (1, i), (2, 5))) ** 2).sum()),
+], ids=["index", "slice", "slice_clamped", "update", "update_clamped", "cache_write", "slice_grad"])
+@pytest.mark.parametrize("i", [0, 2, 5])
+def test_slices_at_starts_given_at_run_time(rng, fn, i):
+    """lax.dynamic_slice and dynamic_update_slice at start indices that are
+    arguments (x[i] in a loop's body, a cache written at the current
+    position), clamped as XLA clamps them; one program for every start."""
+    check(fn, rnd(rng, 4, 10), jnp.int32(i))
+
+
 @pytest.mark.parametrize("typed", [False, True], ids=["raw_key", "typed_key"])
 def test_bernoulli_dropout_and_uniform_bit_for_bit(rng, typed):
     """jax.random's threefry bits, bit for bit: the same dropout mask and the
