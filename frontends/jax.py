@@ -76,10 +76,31 @@ def _nextafter(p, x, y):
     return ops.where(ops.isnan(x) | ops.isnan(y), x + y, out)
 
 
+def _partitionable(what: str) -> None:
+    """polyjit computes JAX's partitionable threefry scheme (the default):
+    the other one gives other bits."""
+    if not jax.config.jax_threefry_partitionable:
+        raise UnsupportedOpError(f"{what} with jax_threefry_partitionable off")
+
+
 def _random_bits(p, key):
     if p["bit_width"] != 32 or key.ndim != 1:
         raise UnsupportedOpError(f"random_bits of {p['bit_width']} bits from a key of shape {list(key.shape[:-1])}")
+    _partitionable("random_bits")
     return ops.random_bits(key, p["shape"])
+
+
+def _random_fold_in(p, key, data):
+    if key.ndim != 1:
+        raise UnsupportedOpError(f"random_fold_in of keys of shape {list(key.shape[:-1])}")
+    return ops.random_fold_in(key, int(static_value(data)))
+
+
+def _random_split(p, key):
+    if key.ndim != 1:
+        raise UnsupportedOpError(f"random_split of keys of shape {list(key.shape[:-1])}")
+    _partitionable("random_split")
+    return ops.random_split(key, p["shape"])
 
 
 def _integer_pow(p, x):
@@ -468,7 +489,8 @@ PRIMITIVES: dict[str, Callable] = {
     "bitcast_convert_type": lambda p, x: ops.bitcast(x, core_dtype(p["new_dtype"])),
     "nextafter": _nextafter,
     # random numbers: a threefry key is its uint32[2] data here
-    "random_wrap": identity, "random_unwrap": identity, "random_bits": _random_bits,
+    "random_wrap": identity, "random_unwrap": identity, "random_bits": _random_bits, "random_split": _random_split,
+    "random_fold_in": _random_fold_in,
     "stop_gradient": identity, "copy": identity, "copy_p": identity,
     "optimization_barrier": identity, "sharding_constraint": identity,
     # layout

@@ -555,11 +555,16 @@ class Graph(_Shapes, _LayoutOps, _StructuredOps):
             raise DefinitionError(f"bitcast from {x.dtype} to {dt}: only between 32- or 64-bit types")
         return x if dt == x.dtype else Node("bitcast", (x,), {}, x.shape, dt)
 
-    def random_bits(self, key: Node, shape: Sequence[Size]) -> Node:
-        """JAX's threefry random bits: uint32 per element from a uint32[2] key."""
+    def random_bits(self, key: Node, shape: Sequence[Size], word: int | None = None, offset: int = 0) -> Node:
+        """JAX's threefry random bits: uint32 per element from a uint32[2] key,
+        Threefry-2x32 of the element's row-major position plus ``offset``
+        (the xor of its two words; ``word`` 0 or 1: that word alone)."""
         if key.dtype is not DataType.UInt32 or tuple(key.shape) != (2,):
             raise DefinitionError(f"random_bits: the key must be uint32[2], got {key.dtype}{list(key.shape)}")
-        return Node("random_bits", (key,), {}, tuple(shape), DataType.UInt32)
+        attrs: dict = {} if word is None else {"word": word}
+        if offset:
+            attrs["offset"] = offset
+        return Node("random_bits", (key,), attrs, tuple(shape), DataType.UInt32)
 
     def cast(self, x: Node, dtype) -> Node:
         dt = to_dtype(dtype)

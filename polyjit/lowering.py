@@ -639,7 +639,9 @@ def _linear(shape, idx, offset: int = 0) -> Expr:
 
 def _random_bits(L, n, idx):
     key = [L.value(n.inputs[0], (E.const(k),)) for k in (0, 1)]
-    return Op(DataType.UInt32, "threefry", (key[0], key[1], _linear(L.shape(n), idx)))
+    word = n.attrs.get("word")
+    return Op(DataType.UInt32, "threefry" if word is None else f"threefry{word}",
+              (key[0], key[1], _linear(L.shape(n), idx, n.attrs.get("offset", 0))))
 
 
 def _bitcast(L, n, idx):

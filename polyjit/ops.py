@@ -1172,10 +1172,26 @@ def rand_uniform(shape: Sequence, seed, offset: int = 0, *, like: Tensor | None 
     return _wrap(g, g.rand_uniform(tuple(shape), s, offset))
 
 
-def random_bits(key: Tensor, shape: Sequence) -> Tensor:
-    """JAX's threefry random bits (``jax.random.bits`` of a raw uint32[2] key), bit for bit."""
+def random_bits(key: Tensor, shape: Sequence, word: int | None = None, offset: int = 0) -> Tensor:
+    """JAX's threefry random bits (``jax.random.bits`` of a raw uint32[2] key),
+    bit for bit; ``word`` and ``offset`` as Graph.random_bits takes them."""
     g = _graph(key)
-    return _wrap(g, g.random_bits(_node(g, key), tuple(shape)))
+    return _wrap(g, g.random_bits(_node(g, key), tuple(shape), word, offset))
+
+
+def random_split(key: Tensor, shape: Sequence) -> Tensor:
+    """JAX's ``jax.random.split`` of a raw uint32[2] key into keys of shape
+    (uint32[*shape, 2]), bit for bit: each new key is the two words of
+    Threefry-2x32 at its position."""
+    words = [random_bits(key, shape, word) for word in (0, 1)]
+    return concatenate([unsqueeze(w, len(shape)) for w in words], len(shape))
+
+
+def random_fold_in(key: Tensor, data: int) -> Tensor:
+    """JAX's ``jax.random.fold_in`` of a raw uint32[2] key and a number known
+    at compile time (flax's named streams), bit for bit: the two words of
+    Threefry-2x32 at position ``data``."""
+    return concatenate([random_bits(key, (1,), word, int(data) & 0xFFFFFFFF) for word in (0, 1)], 0)
 
 
 def uniform(minval, maxval, shape: Sequence, dtype=DataType.Float, rng_seed=0, rng_offset: int = 0,

@@ -206,7 +206,6 @@ _CALLS = {  # op -> the FusionDefinition call that rebuilds it, from operands a 
     "scatter": "fd.ops.scatter_reduce({op}, {shape}, {a0}, {a1}, {axis}, {along})",
     "iota": "fd.ops.iota({shape}, {dim}, {dtype}, like=fd)",
     "rand_uniform": "fd.ops.rand_uniform({shape}, {a0}, {offset})",
-    "random_bits": "fd.ops.random_bits({a0}, {shape})",
     "cast": "fd.ops.cast({a0}, {dtype})",
     "bitcast": "fd.ops.bitcast({a0}, {dtype})",
     "tensor_constant": "fd.define_constant({array})",
@@ -238,6 +237,8 @@ _BUILT = {  # op -> the function that writes the call rebuilding it, where a for
     "pad": _pad_call,
     "reduce": lambda n, g, a, f, refs: f"fd.ops.{n.attrs['op']}({a[0]}, {f['axes']}, {f['keepdim']})",
     "gather": _gather_call,
+    "random_bits": lambda n, g, a, f, refs: (f"fd.ops.random_bits({a[0]}, {f['shape']}"
+                                             + "".join(f", {k}={f[k]}" for k in ("word", "offset") if k in f) + ")"),
     "conv": lambda n, g, a, f, refs: (f"fd.ops.conv({a[0]}, {a[1]}, {f['strides']}, {f['padding']}, {f['dilation']}, "
                                       f"{f['groups']}, {f['layout']}, {f['kernel_layout']}"
                                       f"{', input_dilation=' + f['input_dilation'] if 'input_dilation' in f else ''})"),

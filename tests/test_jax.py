@@ -287,6 +287,39 @@ def test_slices_at_starts_given_at_run_time(rng, fn, i):
 
 
 @pytest.mark.parametrize("typed", [False, True], ids=["raw_key", "typed_key"])
+def test_split_and_fold_in_keys_bit_for_bit(rng, typed):
+    """jax.random.split and fold_in (by a number known when tracing: flax's
+    named streams) inside the function give JAX's keys, bit for bit."""
+    seed = int(rng.integers(1 << 31))
+    k = jax.random.key(seed) if typed else jax.random.PRNGKey(seed)
+    x = rnd(rng, 5, 7)
+
+    def fn(key, x):
+        a, b = jax.random.split(key)
+        grid = jax.random.split(jax.random.fold_in(b, 2 ** 31 + 12345), (2, 3))
+        data = jax.random.key_data if typed else (lambda z: z)
+        return (x + jax.random.normal(a, x.shape), data(grid), data(jax.random.fold_in(key, 7)),
+                jax.random.uniform(jax.random.fold_in(a, 3), (4,)))
+    check(fn, k, x)
+
+
+def test_flax_dropout_forward_and_gradient(rng):
+    """flax's Dropout draws from a key folded in by its stream's name."""
+    nn = pytest.importorskip("flax.linen")
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.LayerNorm()(nn.Dropout(0.3, deterministic=False)(nn.Dense(16)(x)))
+    m, x = Block(), rnd(rng, 4, 8)
+    params = m.init(jax.random.key(1), x)
+    f = lambda p, x, k: m.apply(p, x, rngs={"dropout": k})  # noqa: E731
+    k = jax.random.key(int(rng.integers(1 << 31)))
+    check(f, params, x, k, rtol=1e-4, atol=1e-5)
+    check(jax.grad(lambda p, x, k: (f(p, x, k) * jnp.arange(16.0)).sum()), params, x, k, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("typed", [False, True], ids=["raw_key", "typed_key"])
 def test_bernoulli_dropout_and_uniform_bit_for_bit(rng, typed):
     """jax.random's threefry bits, bit for bit: the same dropout mask and the
     same uniform numbers as JAX for a raw uint32[2] key or a typed key."""

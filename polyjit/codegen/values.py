@@ -215,9 +215,10 @@ class ValueEmission:
         one = b.fcmp_ordered("==", self.call("llvm.fabs", [x]), k(1.0))
         return b.select(one, b.fmul(x, k(math.inf)), r)
 
-    def threefry_bits(self, k0, k1, count) -> ir.Value:
+    def threefry_bits(self, k0, k1, count, word: int | None = None) -> ir.Value:
         """JAX's 32 random bits for element count under key (k0, k1): both
-        words of Threefry-2x32 (20 rounds) of the 64-bit count, xor-ed."""
+        words of Threefry-2x32 (20 rounds) of the 64-bit count, xor-ed; or
+        one of the words (``word`` 0 or 1: a split key's halves)."""
         b = self.b
         c = lambda v: ir.Constant(I32, v)  # noqa: E731
         ks = [k0, k1, b.xor(b.xor(k0, k1), c(0x1BD11BDA))]
@@ -229,7 +230,7 @@ class ValueEmission:
                 x[1] = b.or_(b.shl(x[1], c(r)), b.lshr(x[1], c(32 - r)))
                 x[1] = b.xor(x[0], x[1])
             x = [b.add(x[0], ks[(i + 1) % 3]), b.add(b.add(x[1], ks[(i + 2) % 3]), c(i + 1))]
-        return b.xor(x[0], x[1])
+        return b.xor(x[0], x[1]) if word is None else x[word]
 
     def philox_uniform(self, seed, counter) -> ir.Value:
         """Philox 4x32-10 of (counter, seed); the first word, as a float in [0, 1)."""
