@@ -105,25 +105,29 @@ def _slice_op(o, x, begin, size):
     return ops.slice(x, begin, end)
 
 
-def _strided_slice(o, x, *bounds):
+def _slice_geometry(o, shape: list, *bounds) -> tuple[list, list, list, list, list]:
+    """A StridedSlice of an array of ``shape`` as (low, high, step) per dim
+    of a forward walk, the dims walked backwards (negative strides), and the
+    result's shape (shrunk and new axes): what the slice and its gradient
+    share."""
     begin, end, strides = (list(map(int, _static(n, "strided_slice bounds"))) for n in bounds)
     masks = {k: o.get_attr(k) for k in ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask",
                                         "shrink_axis_mask")}
     lo, hi, st, flip, final = [], [], [], [], []
-    d = 0
+    d, rank = 0, len(shape)
     for i in range(len(begin)):
         bit = 1 << i
         if masks["ellipsis_mask"] & bit:
-            n = x.ndim - (len(begin) - i - 1 - sum(1 for j in range(i + 1, len(begin))
-                                                   if masks["new_axis_mask"] & (1 << j))) - d
+            n = rank - (len(begin) - i - 1 - sum(1 for j in range(i + 1, len(begin))
+                                                  if masks["new_axis_mask"] & (1 << j))) - d
             for _ in range(n):
-                lo.append(0), hi.append(x.shape[d]), st.append(1), final.append(x.shape[d])
+                lo.append(0), hi.append(shape[d]), st.append(1), final.append(shape[d])
                 d += 1
             continue
         if masks["new_axis_mask"] & bit:
             final.append(1)
             continue
-        size = x.shape[d]
+        size = shape[d]
         s = strides[i]
         if not isinstance(size, int):  # only the whole dim: its clamped bounds are not known here
             if s != 1 or masks["shrink_axis_mask"] & bit or not (masks["begin_mask"] & bit or begin[i] == 0) \
@@ -150,11 +154,28 @@ def _strided_slice(o, x, *bounds):
                 flip.append(d)
                 final.append(max(0, -(-(max(re, rb) - rb) // -s)))
         d += 1
-    while d < x.ndim:
-        lo.append(0), hi.append(x.shape[d]), st.append(1), final.append(x.shape[d])
+    while d < rank:
+        lo.append(0), hi.append(shape[d]), st.append(1), final.append(shape[d])
         d += 1
+    return lo, hi, st, flip, final
+
+
+def _strided_slice(o, x, *bounds):
+    lo, hi, st, flip, final = _slice_geometry(o, list(x.shape), *bounds)
     y = ops.reverse(x, flip) if flip else x
     return ops.reshape(ops.slice(y, lo, hi, st), final)
+
+
+def _strided_slice_grad(o, shape, *bounds_and_dy):
+    """StridedSliceGrad: zeros of the sliced array's shape with dy where the
+    slice read (dy spread by the steps, padded to the edges)."""
+    *bounds, dy = bounds_and_dy
+    shape = _sizes(shape, "strided_slice_grad shape")
+    lo, hi, st, flip, _ = _slice_geometry(o, shape, *bounds)
+    taken = [-(-(h - lo_) // s) for lo_, h, s in zip(lo, hi, st)]
+    g = ops.dilate(ops.reshape(dy, taken), st) if any(s > 1 for s in st) else ops.reshape(dy, taken)
+    g = ops.pad_edges(g, lo, [n - lo_ - int(m) for n, lo_, m in zip(shape, lo, g.shape)])
+    return ops.reverse(g, flip) if flip else g
 
 
 def _pad(o, x, paddings, value=None):
@@ -466,7 +487,8 @@ TF_OPS: dict[str, Callable] = {
         ("Greater", "gt"), ("GreaterEqual", "ge"), ("Equal", "eq"), ("NotEqual", "ne"),
         ("LogicalAnd", "logical_and"), ("LogicalOr", "logical_or"), ("FloorMod", "remainder"),
         ("TruncateMod", "fmod"), ("FloorDiv", "floor_divide"), ("TruncateDiv", "trunc_divide")]},
-    "RealDiv": _float_div, "Div": _float_div, "DivNoNan": None,
+    "RealDiv": _float_div, "Div": _float_div,
+    "DivNoNan": lambda o, x, y: ops.where(y == 0, ops.zeros_like(x / y), x / y),
     "Square": lambda o, x: x * x,
     "SquaredDifference": lambda o, a, b: (lambda d: d * d)(a - b),
     "Relu6": lambda o, x: ops.clamp(x, 0, 6),
@@ -486,7 +508,7 @@ TF_OPS: dict[str, Callable] = {
     "Squeeze": lambda o, x: ops.squeeze(x, {d % x.ndim for d in o.get_attr("squeeze_dims")}
                                         or {d for d, s in enumerate(x.shape) if s == 1}),
     "Transpose": lambda o, x, perm: ops.permute(x, [int(p) for p in _static(perm, "perm")]),
-    "StridedSlice": _strided_slice, "Slice": _slice_op, "Pad": _pad, "PadV2": _pad, "MatrixBandPart": _band_part,
+    "StridedSlice": _strided_slice, "StridedSliceGrad": _strided_slice_grad, "Slice": _slice_op, "Pad": _pad, "PadV2": _pad, "MatrixBandPart": _band_part,
     "ConcatV2": _concat, "Pack": _pack, "Unpack": _unpack, "SplitV": _split_v,
     "Split": lambda o, axis, x: ops.split(x, o.get_attr("num_split"), int(_static(axis, "axis")) % x.ndim),
     "Fill": lambda o, dims, value: ops.broadcast_to(value, _sizes(dims, "fill dims")),
@@ -646,6 +668,27 @@ def _lazy_runner(op: tf.Operation) -> Callable[[list], list]:
     return run
 
 
+def _in_order(operations: list) -> list:
+    """The graph's operations, each after the ones whose results it reads;
+    otherwise in creation order. A loop's gradient adds accumulators to the
+    forward loop after ops that read them were made (control flow v2)."""
+    done: set[str] = set()
+    order: list = []
+    for root in operations:
+        stack = [(root, False)]
+        while stack:
+            o, ready = stack.pop()
+            if o.name in done:
+                continue
+            if ready:
+                done.add(o.name)
+                order.append(o)
+                continue
+            stack.append((o, True))
+            stack.extend((t.op, False) for t in reversed(list(o.inputs)) if t.op.name not in done)
+    return order
+
+
 def _shape(t: tf.Tensor) -> tuple:
     return tuple(t.shape.as_list()) if t.shape.rank is not None else None
 
@@ -680,7 +723,7 @@ class _Trace:
             else:
                 env[t.name] = Const(np.from_dlpack(cap))
         self.ops: list[Op] = []
-        for o in cf.graph.get_operations():
+        for o in _in_order(cf.graph.get_operations()):
             if o.type in ("Placeholder", "NoOp"):
                 continue
             if o.type == "Const":

@@ -373,6 +373,16 @@ def test_keras_recurrent_layers_run_their_loop_in_tensorflow(rng, cell):
         assert_close(jf(x), model(x, training=False))
     assert any("While" in op for op in jf.stats["fallback_ops"]) and jf.stats["graphs"] >= 1 and not jf._failed
 
+    def step(x):  # the loop's gradient reads accumulators added to the forward loop after it was made
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x, training=True) ** 2)
+        return loss, tape.gradient(loss, model.trainable_variables)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        js = jit(step)
+        assert_close(js(x), step(x), 1e-4, 1e-5)
+    assert not js._failed
+
 
 def test_a_failure_at_run_time_falls_back_and_the_programs_own_errors_raise(rng, monkeypatch):
     """An op run in TensorFlow that fails where plain TensorFlow does not
@@ -403,6 +413,19 @@ def test_a_failure_at_run_time_falls_back_and_the_programs_own_errors_raise(rng,
     monkeypatch.setattr(ptf.SegmentedProgram, "__call__", lambda self, args: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         jit(lambda x: x * 2 + 1, compile_options={"strict": True})(x)
+
+
+def test_slice_gradients_and_divisions_by_zero(rng):
+    """A GradientTape through strided slices (steps, reversed, shrunk and
+    new axes: StridedSliceGrad) and Keras's mean of a loss over weights
+    that may sum to zero (DivNoNan)."""
+    def f(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = tf.reduce_sum(tf.sin(x[1:6:2, ::-2]) * 3) + tf.reduce_sum(x[..., 2] ** 2) \
+                + tf.reduce_sum(tf.exp(x[:, None, 3:-1]))
+        return tape.gradient(y, x), tf.math.divide_no_nan(x, tf.round(x))
+    check(f, rnd(rng, 7, 9))
 
 
 def test_keras_batch_norm_folds_into_the_convolution(rng):
