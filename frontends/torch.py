@@ -225,6 +225,7 @@ ATEN[aten.where.self] = lambda cx, c, a, b: ops.where(c, a, b)
 ATEN[aten.where.ScalarSelf] = ATEN[aten.where.ScalarOther] = ATEN[aten.where.Scalar] = ATEN[aten.where.self]
 ATEN[aten.leaky_relu.default] = lambda cx, x, slope=0.01: ops.leaky_relu(x, slope)
 ATEN[aten.hardtanh.default] = lambda cx, x, lo=-1.0, hi=1.0: ops.clamp(x, lo, hi)
+ATEN[prims.fma.default] = lambda cx, a, b, c: a * b + c  # (lerp's decomposition, Adam's moments)
 
 
 @_reg(prims.convert_element_type.default)

@@ -226,6 +226,33 @@ def test_mlp_training_step_with_sgd():
     assert jm.stats["fallbacks"] == 0
 
 
+@pytest.mark.parametrize("optimizer", ["sgd_momentum", "adam", "adamw"])
+def test_a_whole_training_step_with_its_optimizer_compiles(optimizer):
+    """torch.compile of a step that calls the optimizer too: its updates
+    (Adam's lerp decomposes to prims.fma) write the parameters in place."""
+    make = {"sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+            "adam": lambda p: torch.optim.Adam(p, lr=1e-2),
+            "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1)}[optimizer]
+    mlp = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4)).to(DEVICE)
+    ref = copy.deepcopy(mlp)
+
+    def step(model, opt, x, t):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), t)
+        loss.backward()
+        opt.step()
+        return loss
+    polyjit.frontends.torch.stats(reset=True)
+    compiled = torch.compile(step, backend="polyjit", options={"target": TARGET})
+    opts = make(mlp.parameters()), make(ref.parameters())
+    for _ in range(4):
+        x, t = torch.randn(8, 16, device=DEVICE), torch.randint(0, 4, (8,), device=DEVICE)
+        assert_close(compiled(mlp, opts[0], x, t), step(ref, opts[1], x, t), 1e-4, 1e-5)
+    for p, q in zip(mlp.parameters(), ref.parameters()):
+        assert_close(p, q, 1e-4, 1e-5)
+    assert polyjit.frontends.torch.stats()["fallbacks"] == 0
+
+
 def test_transformer_encoder_layer_eval():
     enc = nn.TransformerEncoderLayer(d_model=64, nhead=4).eval()
     with torch.no_grad():
