@@ -49,11 +49,35 @@ log = logging.getLogger("polyjit.torch")
 aten = torch.ops.aten
 prims = torch.ops.prims
 
+def _numpy_dtype(d: DataType) -> np.dtype | None:
+    try:
+        return np.dtype(d.numpy)
+    except TypeError:  # bfloat16 without ml_dtypes
+        return None
+
+
 _DTYPES = {torch.float32: DataType.Float, torch.float64: DataType.Double, torch.float16: DataType.Half,
            torch.int32: DataType.Int32, torch.int64: DataType.Int, torch.bool: DataType.Bool}
+if _numpy_dtype(DataType.BFloat16) is not None:
+    _DTYPES[torch.bfloat16] = DataType.BFloat16
 _TORCH = {v: k for k, v in _DTYPES.items()}
-_NUMPY_TO_TORCH = {np.dtype(d.numpy): t for t, d in _DTYPES.items()}
-_NUMPY_DTYPES = {t: np.dtype(d.numpy) for t, d in _DTYPES.items()}
+_NUMPY_TO_TORCH = {_numpy_dtype(d): t for t, d in _DTYPES.items()}
+_NUMPY_DTYPES = {t: _numpy_dtype(d) for t, d in _DTYPES.items()}
+
+
+def _host_array(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor as a numpy array of its memory (bfloat16 through its bits:
+    torch hands numpy none)."""
+    if t.dtype is torch.bfloat16:
+        return t.view(torch.int16).numpy().view(_NUMPY_DTYPES[torch.bfloat16])
+    return t.numpy()
+
+
+def _from_host(a: np.ndarray) -> torch.Tensor:
+    """A numpy array as a CPU tensor on its memory (bfloat16 through its bits)."""
+    if a.dtype == _NUMPY_DTYPES.get(torch.bfloat16):
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
 
 DECOMPOSITIONS = {
     **core_aten_decompositions(),
@@ -70,6 +94,46 @@ DECOMPOSITIONS = {
         aten.upsample_bilinear2d,
     ]),
 }
+def _foreach(single: Callable, overload: str, per_element: bool = False) -> Callable:
+    """An optimizer's _foreach_<op> (a list of tensors at once, as torch.optim
+    runs on the GPU) as one single-tensor op per element: a list argument
+    gives each element its own, a scalar is shared; the "Tensor" overloads
+    of addcmul and addcdiv take a value per element from a 1-d tensor."""
+    def decomposed(self, *args, **kwargs):
+        def pick(a, i):
+            if isinstance(a, (list, tuple)):
+                return a[i]
+            if overload == "Tensor" and per_element and isinstance(a, torch.Tensor):
+                return a[i] if a.ndim else a
+            return a
+        if overload == "ScalarAndTensor":  # pow(scalar, tensors)
+            return [single(self, x) for x in args[0]]
+        return [single(x, *(pick(a, i) for a in args), **{k: pick(v, i) for k, v in kwargs.items()})
+                for i, x in enumerate(self)]
+    return decomposed
+
+
+def _addc(fn, combine):
+    """addcmul or addcdiv, also with a value that is a tensor (a capturable optimizer's)."""
+    return lambda x, t1, t2, value=1: (x + value * combine(t1, t2) if isinstance(value, torch.Tensor)
+                                       else fn(x, t1, t2, value=value))
+
+
+_FOREACH = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div,
+            "addcmul": _addc(torch.addcmul, torch.mul), "addcdiv": _addc(torch.addcdiv, torch.div),
+            "lerp": torch.lerp,
+            "maximum": torch.maximum, "minimum": torch.minimum, "pow": torch.pow,
+            "clamp_min": torch.clamp_min, "clamp_max": torch.clamp_max, "sqrt": torch.sqrt, "neg": torch.neg,
+            "exp": torch.exp, "reciprocal": torch.reciprocal, "sign": torch.sign, "abs": torch.abs,
+            "sigmoid": torch.sigmoid, "log": torch.log, "rsqrt": torch.rsqrt,
+            "norm": lambda x, ord=2, dtype=None: torch.linalg.vector_norm(x, ord, dtype=dtype)}
+for _name, _single in _FOREACH.items():
+    _packet = getattr(aten, "_foreach_" + _name, None)
+    for _ov in (_packet.overloads() if _packet is not None else ()):
+        if not _ov.endswith("out"):
+            DECOMPOSITIONS[getattr(_packet, _ov)] = _foreach(_single, _ov, _name in ("addcmul", "addcdiv"))
+
+
 for _keep in (aten.max_pool2d_with_indices.default, aten.max_pool2d_with_indices_backward.default,
               aten.max_pool3d_with_indices.default, aten.max_pool3d_with_indices_backward.default,
               aten.split.Tensor, aten.split_with_sizes.default):
@@ -911,7 +975,7 @@ def _constant(t: torch.Tensor) -> np.ndarray:
     where even reading a real tensor would dispatch to fake kernels."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     with unset_fake_temporarily():
-        return t.detach().cpu().numpy().copy()
+        return _host_array(t.detach().cpu()).copy()
 
 
 def _node_val(node):
@@ -1076,7 +1140,7 @@ class CompiledGraph:
                 arrays.append(_gpu_view(a))
                 index = a.get_device()
             elif a.is_cpu:
-                arrays.append(a.detach().numpy())
+                arrays.append(_host_array(a.detach()))
             else:
                 raise InputError(f"{self.name}: argument {k} is on {a.device}, but compile option target="
                                  f"{self.options.target!r} runs on the CPU; move it to the CPU, or compile "
@@ -1147,7 +1211,7 @@ class CompiledGraph:
         for kind, v in self.t.outputs:
             if kind == "tensor":
                 o = outs[v]
-                result.append(o if isinstance(o, torch.Tensor) else torch.from_numpy(o))
+                result.append(o if isinstance(o, torch.Tensor) else _from_host(o))
             elif kind == "size":
                 result.append(v.evaluate({n: int(args[k]) if d is None else args[k].shape[d]
                                           for n, (k, d) in self.t.symbols.items()}))
@@ -1256,6 +1320,9 @@ def _where(node) -> str:
     return lines[-1] if lines else "unknown location"
 
 
+SCATTERED_PARTS, SCATTERED_SIZE = 8, 6  # more parts than this, of fewer nodes each on average: the graph runs whole
+
+
 def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: CompileOptions, stats: Stats, name: str):
     """Compile an ATen graph: whole if every node is supported, else by partitions."""
     support = _Supported()
@@ -1276,6 +1343,9 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: CompileOptions
     for n in unsupported:
         fallback(stats, str(n.target), "eager PyTorch", _where(n), options.strict)
     parts = CapabilityBasedPartitioner(gm, support, allows_single_node_partition=True).propose_partitions()
+    if len(parts) > SCATTERED_PARTS and sum(len(p.nodes) for p in parts) < SCATTERED_SIZE * len(parts):
+        log.info("%s: %d small parts between unsupported ops run in eager PyTorch with them", name, len(parts))
+        return gm  # (each part's call costs more host time than the launches it would save)
     fused = CapabilityBasedPartitioner(gm, support).fuse_partitions(parts) if parts else gm
     for sub_name, sub in list(fused.named_children()):
         if isinstance(sub, torch.fx.GraphModule):

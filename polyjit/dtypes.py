@@ -37,7 +37,7 @@ class DataType(enum.Enum):
     @property
     def numpy(self) -> np.dtype:
         if self is DataType.BFloat16:
-            raise TypeError("numpy has no bfloat16; exchange bfloat16 tensors through a framework")
+            return _bfloat16()
         return np.dtype(self.value)
 
     @property
@@ -57,6 +57,15 @@ _ITEMSIZE = {DataType.Bool: 1, DataType.Int32: 4, DataType.UInt32: 4, DataType.I
              DataType.BFloat16: 2, DataType.Float: 4, DataType.Double: 8}
 _RANK = {DataType.Bool: 0, DataType.Int32: 1, DataType.UInt32: 1, DataType.Int: 2, DataType.Half: 3,
          DataType.BFloat16: 3, DataType.Float: 4, DataType.Double: 5}
+
+
+def _bfloat16() -> np.dtype:
+    """numpy's bfloat16, from ml_dtypes (numpy has none of its own)."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise TypeError("bfloat16 arrays need the ml_dtypes package (pip install ml_dtypes)") from None
+    return np.dtype(ml_dtypes.bfloat16)
 
 
 def from_numpy(dt) -> DataType:

@@ -79,6 +79,8 @@ class Gemm(LibraryCall):
     steps: tuple[int | Size, int | Size, int | Size]
     what: str = dataclasses.field(default="", repr=False, compare=False)  # not structure: like calls share code
     tf32: bool = False  # a convolution's products, where the framework lets its convolutions use TF32 (cuBLAS)
+    dtype: str = "float32"  # the operands' DataType value (half types: cuBLAS's GemmEx, summing in float32)
+    out_dtype: str = "float32"  # the result's
     READS: ClassVar[tuple[str, ...]] = ("a", "b")
     WRITES: ClassVar[str] = "c"
 
@@ -718,15 +720,24 @@ def _matrix(L, node, whole: bool = False):
     return (L.array_of[node.id], perm, L.shape(node)[-1]) if _row_major(L, node) else None
 
 
+def product_dtypes(L, n) -> bool:
+    """Whether the library multiplies n's operands: float32, or half types
+    where the target's library takes them (cuBLAS's tensor cores, a float32
+    sum), with a result of theirs or float32 (JAX's preferred_element_type)."""
+    a, b = n.inputs
+    kinds = L.library.target.library_products if L.library is not None else (DataType.Float,)
+    return a.dtype == b.dtype and a.dtype in kinds and n.dtype in (a.dtype, DataType.Float)
+
+
 def dot_form(L, n) -> tuple | None:
-    """(batch dims, a's free dim, b's free dim) of a float32 dot_general with
+    """(batch dims, a's free dim, b's free dim) of a dot_general with
     leading batch dims, one contracting and one free dim per operand; None
     for others (they stay generated). Sizes may be symbolic: the call's
     sizes are then computed at run time."""
     at = n.attrs
     a, b = n.inputs
     nb = len(at["lb"])
-    if n.dtype != DataType.Float or a.dtype != DataType.Float or b.dtype != DataType.Float:
+    if not product_dtypes(L, n):
         return None
     if tuple(at["lb"]) != tuple(range(nb)) or tuple(at["rb"]) != tuple(range(nb)) or len(at["lc"]) != 1:
         return None
@@ -948,10 +959,13 @@ def lower_dot(L, n, out: str) -> None:
     tb = not tb  # b is wanted as (contracting x free): stored so unless its free dim comes first
     m, nn, k = shape[nb], shape[nb + 1], L.shape(a)[at["lc"][0]]
     cbox = (out, tuple(batch) + (E.const(0), E.const(0)), (1,) * nb + (m, nn))
+    types = {"dtype": a.dtype.value, "out_dtype": n.dtype.value}
     if _longer(nn, m):  # the parts share the longer side
-        call = Gemm(abox, bbox, cbox, m, nn, k, lda, ldb, nn, ta, tb, "n", (0, ldb if tb else 1, 1), f"dot {n.id}")
+        call = Gemm(abox, bbox, cbox, m, nn, k, lda, ldb, nn, ta, tb, "n", (0, ldb if tb else 1, 1), f"dot {n.id}",
+                    **types)
     else:
-        call = Gemm(abox, bbox, cbox, m, nn, k, lda, ldb, nn, ta, tb, "m", (1 if ta else lda, 0, nn), f"dot {n.id}")
+        call = Gemm(abox, bbox, cbox, m, nn, k, lda, ldb, nn, ta, tb, "m", (1 if ta else lda, 0, nn), f"dot {n.id}",
+                    **types)
     L.add(out, iters, bounds, cbox[1], E.const(0.0, n.dtype), "sgemm", library=call)
 
 

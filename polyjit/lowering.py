@@ -261,12 +261,18 @@ class Lowering:
             elif n.op in REDUCTIONS and self.is_statement_op(n):
                 spec = REDUCTIONS[n.op](self, n)
                 product = n.op in CONTRACTIONS
-                self.add(name, iters, bounds, idx, identity(spec.combine, n.dtype), n.op + "_init", role=Role.INIT,
+                acc, dt = name, n.dtype
+                if dt in (DataType.Half, DataType.BFloat16) and spec.combine in scalar.WIDENING:
+                    acc, dt = f"{name}_sum", DataType.Float  # summed in float32, rounded once (as eager's products)
+                    self.declare_array(acc, self.shape(n), dt)
+                self.add(acc, iters, bounds, idx, identity(spec.combine, dt), n.op + "_init", role=Role.INIT,
                          contraction=product)
                 riters, ridx, rbounds = loop_nest(spec.red_sizes, "r")
-                self.add(name, iters + riters, bounds + rbounds, idx, spec.term(idx, ridx), n.attrs.get("op", n.op),
+                self.add(acc, iters + riters, bounds + rbounds, idx, spec.term(idx, ridx), n.attrs.get("op", n.op),
                          combine=spec.combine, reduction_iters=riters, extra=spec.extra, role=Role.UPDATE,
                          contraction=product)
+                if acc != name:
+                    self.add(name, iters, bounds, idx, Op(n.dtype, "cast", (Load(dt, acc, idx),)), "cast")
             else:
                 self.add(name, iters, bounds, idx, self.inline(n, idx), n.op)
 

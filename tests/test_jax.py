@@ -286,6 +286,26 @@ def test_slices_at_starts_given_at_run_time(rng, fn, i):
     check(fn, rnd(rng, 4, 10), jnp.int32(i))
 
 
+def test_bfloat16_functions_and_gradients(rng):
+    """bfloat16 arrays: a product, activations and a reduction, and their
+    gradient, within bfloat16's rounding of XLA's (each computed in float32
+    where it is fused, rounded where stored)."""
+    x, w = rnd(rng, 16, 32, dtype=jnp.bfloat16), rnd(rng, 32, 8, dtype=jnp.bfloat16)
+
+    def f(x, w):
+        return jax.nn.gelu(x @ w) * 2 + jnp.sum(x, -1, keepdims=True)[:, :1]
+    jf = polyjit.jit_jax(f)
+    got = jf(x, w)
+    assert got.dtype == jnp.bfloat16 and jf.stats["fallbacks"] == 0
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(f(x, w), np.float32), rtol=3e-2, atol=3e-1)
+    g = jax.grad(lambda x, w: (f(x, w).astype(jnp.float32) ** 2).mean(), argnums=(0, 1))
+    jg = polyjit.jit_jax(g)
+    for a, b in zip(jg(x, w), g(x, w)):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.abs(a - b).max() <= 3e-2 * np.abs(b).max()
+    assert jg.stats["fallbacks"] == 0
+
+
 @pytest.mark.parametrize("typed", [False, True], ids=["raw_key", "typed_key"])
 def test_split_and_fold_in_keys_bit_for_bit(rng, typed):
     """jax.random.split and fold_in (by a number known when tracing: flax's

@@ -1245,6 +1245,39 @@ def test_torch_convolutions_and_products_through_the_gpu_libraries(monkeypatch):
     torch.testing.assert_close(got, g(a, b), rtol=1e-5, atol=1e-5)
 
 
+def test_half_products_are_cublas_calls(monkeypatch):
+    """float16 products (autocast's) run in cuBLAS on the GPU (GemmEx on
+    tensor cores, summed in float32); on the CPU they stay generated."""
+    from polyjit.targets import nvgpu
+    monkeypatch.setattr(nvgpu.NvgpuTarget, "library_available", lambda self: True)
+    half = [InputInfo([256, 512], np.float16), InputInfo([512, 384], np.float16)]
+    for fn in (lambda a, b: ops.matmul(a, b), lambda a, b: ops.cast(ops.matmul(a, b), "float32") * 2.0):
+        exe = polyjit.compile(fn, half, PTX_ONLY)
+        assert exe.stats["library_calls"] == 1, exe.ir("mapping")
+    assert polyjit.compile(lambda a, b: ops.matmul(a, b), half, {"target": "cpu"}).stats["library_calls"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_products_under_autocast_on_the_gpu(dtype):
+    """A network under torch.autocast: its products are cuBLAS calls in the
+    half type, the rest fused around them, results within that type's
+    rounding of eager's."""
+    torch = pytest.importorskip("torch")
+    dt = getattr(torch, dtype)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.LayerNorm(256),
+                              torch.nn.Linear(256, 32)).cuda()
+    x = torch.randn(128, 64, device="cuda")
+    torch._dynamo.reset()
+    jf = polyjit.jit_torch(net, compile_options={"target": "nvgpu", "dynamic": False})
+    with torch.autocast("cuda", dtype=dt):
+        got, want = jf(x), net(x)
+    assert got.dtype == want.dtype == dt
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    if dtype == "float16":
+        assert jf.stats["fallbacks"] == 0 and jf.stats["library_calls"] >= 2
+
+
 @pytest.mark.gpu
 def test_strided_convolution_and_max_pool_gradients_on_the_gpu(monkeypatch):
     """A strided convolution's input gradient (cuDNN's backward data) and a

@@ -3,6 +3,7 @@ import dataclasses
 import math
 import os
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -258,6 +259,28 @@ def test_cast(src, dst, rng):
     x = (rng.standard_normal((9, 17)) * 100).astype(src)
     got, _ = run(lambda t: ops.cast(t, dst), x)
     close(got, x.astype(dst), rtol=0, atol=0)
+
+
+def test_bfloat16_rounds_to_nearest_even_and_computes_in_float32(rng):
+    """bfloat16 held as its 16 bits: a float32 rounds to the nearest, ties to
+    even (ties, overflow to inf, subnormals, inf and NaN among the inputs),
+    as ml_dtypes rounds; arithmetic on bfloat16 computes in float32 and
+    rounds where it stores."""
+    bf16 = ml_dtypes.bfloat16
+    bits = rng.integers(0, 1 << 32, 4000, dtype=np.uint64).astype(np.uint32)
+    ties = (rng.integers(0, 1 << 16, 64, dtype=np.uint64).astype(np.uint32) << 16) | 0x8000
+    edge = np.array([0x7F7FFFFF, 0x7F7F8000, 0x00008000, 0x00000001, 0x7F800000, 0xFF800000, 0x7FC00000, 0],
+                    np.uint32)
+    x = np.concatenate([bits, ties, edge]).view(F32)
+    x = np.where(np.isnan(x), np.float32(np.nan), x)  # (a NaN rounds to 0x7FC0 whatever its sign and payload)
+    got, _ = run(lambda t: ops.cast(t, "bfloat16"), x)
+    assert got.dtype == np.dtype(bf16)
+    np.testing.assert_array_equal(got.view(np.uint16), x.astype(bf16).view(np.uint16))
+    a = (rng.standard_normal((6, 70)) * 10).astype(bf16)
+    b = (rng.standard_normal((6, 70)) * 10).astype(bf16)
+    got, _ = run(lambda x, y: x * y + x - y, a, b)
+    want = (a.astype(F32) * b.astype(F32) + a.astype(F32) - b.astype(F32)).astype(bf16)
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, np.int32, np.int64])

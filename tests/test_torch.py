@@ -226,13 +226,39 @@ def test_mlp_training_step_with_sgd():
     assert jm.stats["fallbacks"] == 0
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_mixed_precision_training_under_autocast(dtype):
+    """torch.autocast: products and the activations between them in the half
+    type, norms and the loss in float32; forward and gradients within the
+    half type's rounding of eager's, no fallback."""
+    dt = getattr(torch, dtype)
+    if DEVICE == "cpu" and dt is torch.float16:
+        pytest.skip("float16 autocast is a GPU practice")
+    mlp = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 8)).to(DEVICE)
+    ref = copy.deepcopy(mlp)
+    jm = polyjit.jit_torch(mlp, compile_options={"target": TARGET})
+    x = torch.randn(16, 32, device=DEVICE)
+    t = torch.randint(0, 8, (16,), device=DEVICE)
+    with torch.autocast(DEVICE, dtype=dt):
+        out, want = jm(x), ref(x)
+        assert out.dtype == want.dtype == dt
+        F.cross_entropy(out, t).backward()
+        F.cross_entropy(want, t).backward()
+    assert_close(out.float(), want.float(), 2e-2, 2e-2)
+    for p, q in zip(mlp.parameters(), ref.parameters()):
+        assert_close(p.grad, q.grad, 5e-2, 2e-2)
+    assert jm.stats["fallbacks"] == 0
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["each", "foreach"])
 @pytest.mark.parametrize("optimizer", ["sgd_momentum", "adam", "adamw"])
-def test_a_whole_training_step_with_its_optimizer_compiles(optimizer):
+def test_a_whole_training_step_with_its_optimizer_compiles(optimizer, foreach):
     """torch.compile of a step that calls the optimizer too: its updates
-    (Adam's lerp decomposes to prims.fma) write the parameters in place."""
-    make = {"sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
-            "adam": lambda p: torch.optim.Adam(p, lr=1e-2),
-            "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1)}[optimizer]
+    (Adam's lerp decomposes to prims.fma) write the parameters in place;
+    _foreach_ ops (torch.optim's default on the GPU) as one op per tensor."""
+    make = {"sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, foreach=foreach),
+            "adam": lambda p: torch.optim.Adam(p, lr=1e-2, foreach=foreach),
+            "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, foreach=foreach)}[optimizer]
     mlp = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4)).to(DEVICE)
     ref = copy.deepcopy(mlp)
 

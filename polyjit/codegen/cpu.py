@@ -20,7 +20,7 @@ from .. import sizes as sz
 from ..expr import Const, Var, walk
 from .blas import emit_gemm
 from .cpu_mapping import CpuMapper, CpuPlan, SplitStrips, VectorBlock
-from .irtypes import I32
+from .irtypes import I32, storage_constant
 from .llvm import I64, STORAGE, Emitter
 
 KERNEL_T = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
@@ -255,7 +255,7 @@ class CpuEmitter(Emitter):
             cell = ir.GlobalVariable(self.module, ty, name)
             cell.global_constant = True
             cell.linkage = "private"
-            cell.initializer = ir.Constant(ty, float(fill.value) if arr.dtype.is_float else int(fill.value))
+            cell.initializer = storage_constant(arr.dtype, fill.value)
         return self.load_element(arr, load.index, self.b.select(self.value(cond, env, cache), ptr, cell))
 
     def stream_scope(self):

@@ -2,6 +2,7 @@
 (COMPUTE: half-width floats computed in float32) and in memory (STORAGE)."""
 from __future__ import annotations
 
+import numpy as np
 from llvmlite import ir
 
 from ..dtypes import DataType
@@ -10,6 +11,15 @@ I1, I8, I32, I64 = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.IntType(64)
 F16, F32, F64 = ir.HalfType(), ir.FloatType(), ir.DoubleType()
 PTR = ir.PointerType()
 BF16 = ir.BFloatType() if hasattr(ir, "BFloatType") else ir.IntType(16)
+
+def storage_constant(dt: DataType, value) -> ir.Constant:
+    """value as dt holds it in memory (bfloat16: its 16 bits, rounded to nearest even)."""
+    if dt is DataType.BFloat16:
+        bits = int(np.float32(value).view(np.uint32))
+        bits = 0x7FC0 if np.isnan(np.float32(value)) else (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 & 0xFFFF
+        return ir.Constant(BF16, bits)
+    return ir.Constant(STORAGE[dt], float(value) if dt.is_float else int(value))
+
 
 COMPUTE = {DataType.Bool: I1, DataType.Int32: I32, DataType.UInt32: I32, DataType.Int: I64, DataType.Half: F32,
            DataType.BFloat16: F32, DataType.Float: F32, DataType.Double: F64}

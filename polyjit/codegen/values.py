@@ -105,7 +105,7 @@ class ValueEmission:
         st, dt_ = COMPUTE[src], COMPUTE[dst]
         if dst in (DataType.Half, DataType.BFloat16):  # round to the narrow type
             f = self.cast(v, src, DataType.Float)
-            return b.fpext(b.fptrunc(f, STORAGE[dst]), F32)
+            return self.from_storage(self.to_storage(f, dst), dst)
         if dst is DataType.Bool:
             if src.is_float:
                 return b.fcmp_unordered("!=", v, ir.Constant(st, 0.0))
@@ -166,16 +166,31 @@ class ValueEmission:
     def from_storage(self, v, dt: DataType):
         if dt is DataType.Bool:
             return self.b.icmp_unsigned("!=", v, ir.Constant(I8, 0))
-        if dt in (DataType.Half, DataType.BFloat16):
+        if dt is DataType.BFloat16:  # the high half of a float32
+            return self.b.bitcast(self.b.shl(self.b.zext(v, I32), ir.Constant(I32, 16)), F32)
+        if dt is DataType.Half:
             return self.b.fpext(v, F32)
         return v
 
     def to_storage(self, v, dt: DataType):
         if dt is DataType.Bool:
             return self.b.zext(v, I8)
-        if dt in (DataType.Half, DataType.BFloat16):
+        if dt is DataType.BFloat16:
+            return self.bfloat16_bits(v)
+        if dt is DataType.Half:
             return self.b.fptrunc(v, STORAGE[dt])
         return v
+
+    def bfloat16_bits(self, f) -> ir.Value:
+        """float32 f rounded to bfloat16, to nearest with ties to even, as its
+        16 bits (LLVM through llvmlite has no bfloat type); NaN is 0x7FC0,
+        as PyTorch's and JAX's conversions give."""
+        b = self.b
+        c = lambda x: ir.Constant(I32, x)  # noqa: E731
+        bits = b.bitcast(f, I32)
+        even = b.and_(b.lshr(bits, c(16)), c(1))
+        rounded = b.lshr(b.add(bits, b.add(c(0x7FFF), even)), c(16))
+        return b.trunc(b.select(b.fcmp_unordered("uno", f, f), c(0x7FC0), rounded), STORAGE[DataType.BFloat16])
 
     def float_floor_divide(self, x, y) -> ir.Value:
         """floor(x / y) as numpy and torch compute it: from the exact

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .. import sizes as sz
+from ..dtypes import DataType
 from ..errors import DeviceError
 from ..expr import Const, Expr, Op, Var
 from .launch import Arg, Call, LibraryStep
@@ -32,6 +33,9 @@ from .vendor import Found, VendorLibrary
 OP_N, OP_T = 0, 1  # cublasOperation_t
 DEFAULT_MATH = 0  # cublasMath_t: float32 arithmetic, no TF32
 TF32_MATH = 3  # CUBLAS_TF32_TENSOR_OP_MATH: a convolution's products where the framework allows TF32
+CUDA_TYPES = {"float32": 0, "float16": 2, "bfloat16": 14}  # cudaDataType_t of GemmEx's operands and result
+COMPUTE_32F = 68  # cublasComputeType_t: half operands summed in float32 (on tensor cores), as eager's products
+GEMM_DEFAULT = -1  # cublasGemmAlgo_t: cuBLAS's heuristic
 
 
 class Cublas(VendorLibrary):
@@ -54,10 +58,14 @@ class Cublas(VendorLibrary):
         self.gemm.argtypes = [c.c_void_p, c.c_int, c.c_int, c.c_int, c.c_int, c.c_int, c.c_void_p,
                               c.c_void_p, c.c_int, c.c_longlong, c.c_void_p, c.c_int, c.c_longlong,
                               c.c_void_p, c.c_void_p, c.c_int, c.c_longlong, c.c_int]
+        self.gemm_ex = lib.cublasGemmStridedBatchedEx
+        self.gemm_ex.argtypes = [c.c_void_p, c.c_int, c.c_int, c.c_int, c.c_int, c.c_int, c.c_void_p,
+                                 c.c_void_p, c.c_int, c.c_int, c.c_longlong, c.c_void_p, c.c_int, c.c_int, c.c_longlong,
+                                 c.c_void_p, c.c_void_p, c.c_int, c.c_int, c.c_longlong, c.c_int, c.c_int, c.c_int]
         self.status = getattr(lib, "cublasGetStatusString", None)
         if self.status is not None:
             self.status.restype = c.c_char_p
-        for fn in (self.create, self.set_stream, self.set_math, self.gemm):
+        for fn in (self.create, self.set_stream, self.set_math, self.gemm, self.gemm_ex):
             fn.restype = c.c_int
         self.destroy = lib.cublasDestroy_v2
         self.destroy.argtypes = [c.c_void_p]
@@ -112,7 +120,11 @@ class GemmStep:
     def __init__(self, lib: Cublas, dev, statement, env: Mapping[str, int], arrays: Mapping[str, Any],
                  slot: Mapping[str, int]) -> None:
         g = statement.library
-        self.lib, self.device, self.what = lib, dev, f"cublasSgemmStridedBatched ({g.what or statement.name})"
+        # half operands: GemmEx with their types, a float32 sum (None: sgemm)
+        self.types = None if g.dtype == g.out_dtype == "float32" else (CUDA_TYPES[g.dtype], CUDA_TYPES[g.out_dtype])
+        call = "cublasGemmStridedBatchedEx" if self.types else "cublasSgemmStridedBatched"
+        self.lib, self.device, self.what = lib, dev, f"{call} ({g.what or statement.name})"
+        self.itemsizes = (DataType(g.dtype).itemsize,) * 2 + (DataType(g.out_dtype).itemsize,)  # (b, a, c)
         size = lambda s: sz.evaluate(s, env)  # noqa: E731
         m, n, k = size(g.m), size(g.n), size(g.k)
         self.shape = (OP_T if g.trans_b else OP_N, OP_T if g.trans_a else OP_N, n, m, k)
@@ -151,7 +163,13 @@ class GemmStep:
             lib.check(lib.set_stream(h, stream or None), "cublasSetStream")
             lib.check(lib.set_math(h, self.math), "cublasSetMathMode")
             for c in self.calls:
-                a, b, out = (pointers[s] + 4 * o for s, o in zip(c.slots, c.offsets))
+                a, b, out = (pointers[s] + size * o for s, o, size in zip(c.slots, c.offsets, self.itemsizes))
+                if self.types:
+                    ab, ct = self.types
+                    lib.check(lib.gemm_ex(h, ta, tb, m, n, k, lib.alpha, a, ab, lda, c.strides[0], b, ab, ldb,
+                                          c.strides[1], lib.beta, out, ct, ldc, c.strides[2], c.batch, COMPUTE_32F,
+                                          GEMM_DEFAULT), self.what)
+                    continue
                 lib.check(lib.gemm(h, ta, tb, m, n, k, lib.alpha, a, lda, c.strides[0], b, ldb, c.strides[1],
                                    lib.beta, out, ldc, c.strides[2], c.batch), self.what)
 
@@ -166,8 +184,14 @@ class GemmStep:
         calls = [Call(address(lib.set_stream), (h, Arg("stream")), f"cublasSetStream ({self.what})"),
                  Call(address(lib.set_math), (h, i32(self.math)), f"cublasSetMathMode ({self.what})")]
         for c in self.calls:
-            a, b, out = (Arg("slot", s, 4 * o) for s, o in zip(c.slots, c.offsets))
+            a, b, out = (Arg("slot", s, size * o) for s, o, size in zip(c.slots, c.offsets, self.itemsizes))
             sa, sb, sc = (Arg("i64", x) for x in c.strides)
+            if self.types:
+                ab, ct = (i32(t) for t in self.types)
+                args = (h, i32(ta), i32(tb), i32(m), i32(n), i32(k), alpha, a, ab, i32(lda), sa, b, ab, i32(ldb), sb,
+                        beta, out, ct, i32(ldc), sc, i32(c.batch), i32(COMPUTE_32F), i32(GEMM_DEFAULT))
+                calls.append(Call(address(lib.gemm_ex), args, self.what))
+                continue
             calls.append(Call(address(lib.gemm), (h, i32(ta), i32(tb), i32(m), i32(n), i32(k), alpha, a, i32(lda), sa,
                                                   b, i32(ldb), sb, beta, out, i32(ldc), sc, i32(c.batch)), self.what))
         return LibraryStep(tuple(calls), "cuBLAS status")

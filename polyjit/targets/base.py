@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Callable
 
 from .. import cache, ops
 from ..compiler import StageTimer, dump, plan
+from ..dtypes import DataType
 from ..fold import fold_scales
 from ..graph import Graph, Node
 from ..library import LibraryPolicy
@@ -43,6 +44,7 @@ class Target:
     times_library: bool = False  # time each contraction both ways (else the library wherever it applies)
     keeps_programs: bool = False  # compiled programs are also shared within the process (by cache key)
     tensor_float32: bool = False  # its library convolutions may round operands to TF32 (the tf32 option)
+    library_products: tuple = (DataType.Float,)  # operand dtypes its library multiplies (in float32)
 
     def generated_wins(self, L, n: Node) -> str:
         """Why generated code beats the library for contraction n without a

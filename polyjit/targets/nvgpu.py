@@ -24,6 +24,7 @@ from ..compiler import executable, from_plan
 from ..compiler import plan as plan_of
 from ..runtime.cuda import default_ordinal, device
 from ..runtime.gpu_program import GpuProgram
+from ..dtypes import DataType
 from ..errors import CompileOptionError, DeviceError
 from ..graph import ELEMENTWISE, Graph, Node
 from ..lowering import LAYOUT_OPS, UNROLL_LIMIT
@@ -45,6 +46,24 @@ _programs = ProcessCache(GPU_PROGRAMS)  # key -> (plan, objects)
 
 SPLIT_ROWS = 32  # a reduction's contiguous inner part at least this long is summed by rows first
 COLUMN_PART = 256  # a column reduction over more rows than this is combined in steps
+
+
+def narrow_products(graph: Graph) -> Graph:
+    """A copy in which a product of half-precision values widened to float32
+    (PyTorch's addmm decomposition computes in float32) reads the half
+    values themselves, its result still float32: cuBLAS then multiplies them
+    on tensor cores (GemmEx), summing in float32 as before, where the
+    widened copies had made it a float32 product (sgemm) of twice the bytes."""
+    halves = (DataType.Half, DataType.BFloat16)
+
+    def narrow(old: Node, n: Node, new: dict[int, Node]) -> Node:
+        if n.op != "dot_general" or n.dtype != DataType.Float:
+            return n
+        ins = [x.inputs[0] if x.op == "cast" and x.inputs[0].dtype in halves else None for x in n.inputs]
+        if ins[0] is None or ins[1] is None or ins[0].dtype != ins[1].dtype:
+            return n
+        return Node("dot_general", tuple(ins), n.attrs, n.shape, n.dtype)
+    return graph.rewritten(narrow)
 
 
 def split_reductions(graph: Graph) -> Graph:
@@ -148,6 +167,7 @@ class NvgpuTarget(Target):
     library = "cuBLAS"
     keeps_programs = True
     tensor_float32 = True
+    library_products = (DataType.Float, DataType.Half, DataType.BFloat16)  # half types on tensor cores
 
     def graph_passes(self, graph: Graph, options: CompileOptions) -> Graph:
         """Channels-last arrays around cuDNN's TF32 convolutions
@@ -156,7 +176,7 @@ class NvgpuTarget(Target):
         if (options.contractions != "generated" and options.tf32 and self.direct_convolutions()
                 and not batch_statistics(graph)):  # (TF32: the tensor-core kernels; FMA ones take NCHW as it is)
             graph = channels_last(graph)
-        return split_reductions(graph)
+        return split_reductions(narrow_products(graph))
 
     def keeps_input_dilation(self, n: Node, options: CompileOptions) -> bool:
         """Where cuDNN's backward data takes it (library.backward_data)."""
