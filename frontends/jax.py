@@ -505,6 +505,7 @@ PRIMITIVES: dict[str, Callable] = {
     "pad": _pad,
     "concatenate": lambda p, *xs: ops.cat(xs, p["dimension"]),
     "split": lambda p, x: ops.split(x, list(p["sizes"]), p["axis"]),
+    "unstack": lambda p, x: [ops.squeeze(s, [p["axis"]]) for s in ops.split(x, x.shape[p["axis"]], p["axis"])],
     "rev": lambda p, x: ops.reverse(x, p["dimensions"]),
     "iota": lambda p, *, like: ops.iota(p["shape"], p["dimension"], core_dtype(p["dtype"]), like=like),
     # a scalar of no particular value: the residuals of the branch a cond's gradient does not take

@@ -244,9 +244,10 @@ def test_pad_with_interior_padding(rng, fn):
     jax.grad(lambda x: (lax.reduce_window(x, -jnp.inf, lax.max, (3, 3), (2, 2), "SAME") ** 2).sum()),
     lambda x: jax.grad(lambda y: (lax.reduce_window(y, -jnp.inf, lax.max, (3, 3), (2, 2), "SAME") * 1.5).sum())(
         x.at[:2, :3].set(-jnp.inf)),  # XLA's padding wins a window of -inf: that gradient is dropped
+    lambda x: tuple(a * k for k, a in enumerate(jnp.unstack(x, axis=1)[:4])) + jnp.unstack(x[:2] - 1),
 ], ids=["argmax", "cumsum", "cumsum_rev", "cumprod_cummax_cummin", "sort_argsort_top_k", "maxpool", "clip_pow", "concat_rev", "pad", "where", "slice",
         "dynamic_slice", "update_slice_tile", "split", "int_sum", "round", "misc", "gamma", "rem", "maxpool_grad", "maxpool_grad_overlap",
-        "maxpool_grad_padding_wins"])
+        "maxpool_grad_padding_wins", "unstack"])
 def test_primitives(rng, fn):
     check(fn, rnd(rng, 4, 10))
 
