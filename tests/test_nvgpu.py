@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import threading
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -1243,6 +1244,17 @@ def test_torch_convolutions_and_products_through_the_gpu_libraries(monkeypatch):
     got = jg(a, b)
     assert got.shape == (8, 64, 80) and jg.stats["library_calls"] == 1
     torch.testing.assert_close(got, g(a, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_column_sums_run_in_strips(dtype):
+    """A half-precision bias gradient (a column sum, in float32, rounded
+    after): rounding it in the sum's nest would keep a thread per column,
+    so the sum runs in atomic strips and the rounding after it."""
+    dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16
+    exe = polyjit.compile(lambda x: ops.sum(x, [0]), [InputInfo([4096, 768], dt)], PTX_ONLY)
+    plans = [line.split(": ", 1)[1] for line in exe.ir("mapping").splitlines()]
+    assert any(p.startswith("atomic strips") for p in plans), plans
 
 
 def test_half_products_are_cublas_calls(monkeypatch):
