@@ -49,6 +49,7 @@ log = logging.getLogger("polyjit.torch")
 aten = torch.ops.aten
 prims = torch.ops.prims
 
+
 def _numpy_dtype(d: DataType) -> np.dtype | None:
     try:
         return np.dtype(d.numpy)
@@ -79,6 +80,7 @@ def _from_host(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(a)
 
+
 DECOMPOSITIONS = {
     **core_aten_decompositions(),
     **get_decompositions([
@@ -94,6 +96,8 @@ DECOMPOSITIONS = {
         aten.upsample_bilinear2d,
     ]),
 }
+
+
 def _foreach(single: Callable, overload: str, per_element: bool = False) -> Callable:
     """An optimizer's _foreach_<op> (a list of tensors at once, as torch.optim
     runs on the GPU) as one single-tensor op per element: a list argument

@@ -723,7 +723,7 @@ def _matrix(L, node, whole: bool = False):
 def product_dtypes(L, n) -> bool:
     """Whether the library multiplies n's operands: float32, or half types
     where the target's library takes them (cuBLAS's tensor cores, a float32
-    sum), with a result of theirs or float32 (JAX's preferred_element_type)."""
+    sum), with a result of theirs or float32 (targets.nvgpu.narrow_products)."""
     a, b = n.inputs
     kinds = L.library.target.library_products if L.library is not None else (DataType.Float,)
     return a.dtype == b.dtype and a.dtype in kinds and n.dtype in (a.dtype, DataType.Float)
