@@ -1263,10 +1263,30 @@ def test_half_products_are_cublas_calls(monkeypatch):
     from polyjit.targets import nvgpu
     monkeypatch.setattr(nvgpu.NvgpuTarget, "library_available", lambda self: True)
     half = [InputInfo([256, 512], np.float16), InputInfo([512, 384], np.float16)]
-    for fn in (lambda a, b: ops.matmul(a, b), lambda a, b: ops.cast(ops.matmul(a, b), "float32") * 2.0):
+    widened = lambda x: ops.cast(x, "float32")  # noqa: E731  (PyTorch's addmm and attention math compute so)
+    for fn in (lambda a, b: ops.matmul(a, b), lambda a, b: ops.cast(ops.matmul(a, b), "float32") * 2.0,
+               lambda a, b: ops.matmul(widened(a), widened(b)),
+               lambda a, b: ops.matmul(widened(a) * 0.5, ops.permute(widened(ops.permute(b, [1, 0])) * 0.25, [1, 0]))):
         exe = polyjit.compile(fn, half, PTX_ONLY)
-        assert exe.stats["library_calls"] == 1, exe.ir("mapping")
+        calls = [k.library.library for k in exe.compile_default().kernels if k.library is not None]
+        assert len(calls) == 1 and calls[0].dtype == "float16", exe.ir("mapping")
     assert polyjit.compile(lambda a, b: ops.matmul(a, b), half, {"target": "cpu"}).stats["library_calls"] == 0
+
+
+def test_widened_half_products_read_the_halves_thread_by_thread(rng):
+    """Layout ops and scalings by constants between half values' widening and
+    a product (attention's math path scales q and k) move: the product reads
+    the halves, the scale multiplies its result."""
+    a = rng.standard_normal((2, 8, 16)).astype(np.float16)
+    b = rng.standard_normal((2, 12, 16)).astype(np.float16)
+
+    def f(a, b):
+        return ops.matmul(ops.cast(a, "float32") * 0.5, ops.permute(ops.cast(b, "float32") * 0.75, [0, 2, 1]))
+    exe = polyjit.compile(f, [InputInfo(a.shape, np.float16), InputInfo(b.shape, np.float16)],
+                          {**PTX_ONLY, "contractions": "generated"})
+    got = run_threads_on_cpu(exe, [a, b])[0]
+    want = (a.astype(np.float64) * 0.5) @ (b.astype(np.float64) * 0.75).transpose(0, 2, 1)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu
@@ -1286,8 +1306,13 @@ def test_half_products_under_autocast_on_the_gpu(dtype):
         got, want = jf(x), net(x)
     assert got.dtype == want.dtype == dt
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
-    if dtype == "float16":
-        assert jf.stats["fallbacks"] == 0 and jf.stats["library_calls"] >= 2
+    assert jf.stats["fallbacks"] == 0 and jf.stats["library_calls"] >= 2
+    q, k, v = (torch.randn(2, 4, 128, 64, device="cuda") for _ in range(3))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    ja = polyjit.jit_torch(sdpa, compile_options={"target": "nvgpu", "dynamic": False})
+    with torch.autocast("cuda", dtype=dt):  # q k^T from the halves, the scale after it
+        torch.testing.assert_close(ja(q, k, v).float(), sdpa(q, k, v).float(), rtol=2e-2, atol=2e-2)
+    assert ja.stats["fallbacks"] == 0
 
 
 @pytest.mark.gpu

@@ -53,17 +53,56 @@ def narrow_products(graph: Graph) -> Graph:
     (PyTorch's addmm decomposition computes in float32) reads the half
     values themselves, its result still float32: cuBLAS then multiplies them
     on tensor cores (GemmEx), summing in float32 as before, where the
-    widened copies had made it a float32 product (sgemm) of twice the bytes."""
-    halves = (DataType.Half, DataType.BFloat16)
-
+    widened copies had made it a float32 product (sgemm) of twice the bytes.
+    Layout ops between the widening and the product apply to the half values
+    instead, and scalings by constants (attention's math path scales q and
+    k) move to the product's result."""
     def narrow(old: Node, n: Node, new: dict[int, Node]) -> Node:
         if n.op != "dot_general" or n.dtype != DataType.Float:
             return n
-        ins = [x.inputs[0] if x.op == "cast" and x.inputs[0].dtype in halves else None for x in n.inputs]
-        if ins[0] is None or ins[1] is None or ins[0].dtype != ins[1].dtype:
+        (a, sa), (b, sb) = (_half_source(x) or (None, 1.0) for x in n.inputs)
+        if a is None or b is None or a.dtype != b.dtype:
             return n
-        return Node("dot_general", tuple(ins), n.attrs, n.shape, n.dtype)
+        product = Node("dot_general", (a, b), n.attrs, n.shape, n.dtype)
+        if sa * sb == 1.0:
+            return product
+        scale = Node("broadcast_in_dim", (Node("constant", (), {"value": sa * sb, "weak": False}, (), n.dtype),),
+                     {"dims": ()}, n.shape, n.dtype)
+        return Node("mul", (product, scale), {}, n.shape, n.dtype)
     return graph.rewritten(narrow)
+
+
+_HALVES = (DataType.Half, DataType.BFloat16)
+_MOVES = ("transpose", "reshape", "broadcast_in_dim")  # layout ops that apply to a half array as to its widening
+
+
+def _half_source(x: Node) -> tuple[Node, float] | None:
+    """x as layout ops and scalings by constants over a half array widened to
+    float32: (the layout ops on the half array, the scalings' product); None
+    where x is not that."""
+    scale, chain = 1.0, []
+    while not (x.op == "cast" and x.dtype == DataType.Float and x.inputs[0].dtype in _HALVES):
+        if x.op in _MOVES and x.inputs:
+            chain.append(x)
+            x = x.inputs[0]
+            continue
+        factor = [_scalar(i) for i in x.inputs] if x.op == "mul" else []
+        if len(factor) != 2 or (factor[0] is None) == (factor[1] is None):
+            return None
+        scale *= factor[0] if factor[0] is not None else factor[1]
+        x = x.inputs[1] if factor[0] is not None else x.inputs[0]
+    x = x.inputs[0]
+    for move in reversed(chain):
+        x = Node(move.op, (x,), move.attrs, move.shape, x.dtype)
+    return x, scale
+
+
+def _scalar(x: Node) -> float | None:
+    """The value of a float constant broadcast to x's shape, or None."""
+    while x.op == "broadcast_in_dim" and x.inputs:
+        x = x.inputs[0]
+    value = x.attrs.get("value") if x.op == "constant" else None
+    return float(value) if isinstance(value, float) else None
 
 
 def split_reductions(graph: Graph) -> Graph:
