@@ -838,6 +838,32 @@ def _arange(cx, *args, dtype=None, **kw):
     return i * step + start if (step, start) != (1, 0) else i
 
 
+@_reg(aten.bucketize.Tensor, aten.searchsorted.Tensor)
+def _bucketize(cx, *args, out_int32=False, right=False, side=None, sorter=None):
+    """The bucket of each value among 1-d sorted boundaries: how many of them
+    lie below it (or at most it, right=True), one comparison with each; NaN
+    goes past the last, as torch's binary search puts it."""
+    x, edges = args if cx.target is aten.bucketize.Tensor else args[::-1]
+    if edges.ndim != 1 or sorter is not None:
+        raise UnsupportedOpError(f"{cx.target} with boundaries of rank {edges.ndim} or a sorter")
+    right = right or side == "right"
+    wide = list(x.shape) + [edges.shape[0]]
+    e = ops.broadcast_in_dim(edges, wide, [x.ndim])
+    v = ops.broadcast_in_dim(x, wide, list(range(x.ndim)))
+    below = ops.logical_or(e <= v if right else e < v, ops.isnan(v))
+    count = ops.sum(ops.cast(below, DataType.Int), [x.ndim])
+    return ops.cast(count, DataType.Int32) if out_int32 else count
+
+
+@_reg(aten.tril_indices.default, aten.triu_indices.default)
+def _tri_indices(cx, row, col, offset=0, dtype=None, **kw):
+    """A triangle's (row, column) positions: numbers known when tracing."""
+    tri = np.tril_indices if cx.target is aten.tril_indices.default else np.triu_indices
+    at = np.stack(tri(int(row), int(offset), int(col)))
+    want = cx.dtype(dtype) if dtype is not None else DataType.Int
+    return ops.Tensor(cx.graph, cx.graph.tensor_constant(at.astype(want.numpy)))
+
+
 @_reg(aten.rand_like.default, aten.rand.default)
 def _rand(cx, x_or_shape, dtype=None, **kw):
     shape = x_or_shape.shape if isinstance(x_or_shape, ops.Tensor) else cx.sizes(x_or_shape)

@@ -476,6 +476,18 @@ def test_assignments_through_index_tensors_and_masks():
     assert any(torch.equal(got[4], v[k]) for k in (0, 2)) and jf.stats["fallbacks"] == 0
 
 
+def test_buckets_and_triangle_indices():
+    """bucketize and searchsorted (both sides, int32 results, repeated
+    boundaries, NaN and infinities), tril_indices and triu_indices."""
+    x = torch.randn(8, 32, device=DEVICE)
+    x[0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    b = torch.tensor([-1.0, 0.0, 0.0, 0.5, 2.0], device=DEVICE)
+    check(lambda x: (torch.bucketize(x, b), torch.bucketize(x, b, right=True, out_int32=True),
+                     torch.searchsorted(b, x.flatten()), torch.searchsorted(b, x, side="right")), x)
+    check(lambda x: (x[torch.tril_indices(8, 8, device=x.device)[0], :] * 2,
+                     x[:, torch.triu_indices(8, 32, 1, device=x.device)[1]]), x)
+
+
 def test_training_with_a_new_size_compiles_once_more():
     """A second size recompiles with symbolic sizes (torch's automatic dynamic
     shapes); the forward graph hands sizes to the backward graph as ints, and a
