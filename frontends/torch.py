@@ -37,6 +37,7 @@ from polyjit.runtime.gpu_buffers import GpuView
 from polyjit.dtypes import DataType
 from polyjit.errors import InputError, UnsupportedOpError
 from polyjit.graph import Graph
+from polyjit.interop import torch_from_host, torch_host_array
 from polyjit.options import CompileOptions, parse_options
 from polyjit import sizes as sz
 from polyjit.sizes import Lin
@@ -64,21 +65,6 @@ if _numpy_dtype(DataType.BFloat16) is not None:
 _TORCH = {v: k for k, v in _DTYPES.items()}
 _NUMPY_TO_TORCH = {_numpy_dtype(d): t for t, d in _DTYPES.items()}
 _NUMPY_DTYPES = {t: _numpy_dtype(d) for t, d in _DTYPES.items()}
-
-
-def _host_array(t: torch.Tensor) -> np.ndarray:
-    """A CPU tensor as a numpy array of its memory (bfloat16 through its bits:
-    torch hands numpy none)."""
-    if t.dtype is torch.bfloat16:
-        return t.view(torch.int16).numpy().view(_NUMPY_DTYPES[torch.bfloat16])
-    return t.numpy()
-
-
-def _from_host(a: np.ndarray) -> torch.Tensor:
-    """A numpy array as a CPU tensor on its memory (bfloat16 through its bits)."""
-    if a.dtype == _NUMPY_DTYPES.get(torch.bfloat16):
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(a)
 
 
 DECOMPOSITIONS = {
@@ -1005,7 +991,7 @@ def _constant(t: torch.Tensor) -> np.ndarray:
     where even reading a real tensor would dispatch to fake kernels."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     with unset_fake_temporarily():
-        return _host_array(t.detach().cpu()).copy()
+        return torch_host_array(t.detach().cpu()).copy()
 
 
 def _node_val(node):
@@ -1170,7 +1156,7 @@ class CompiledGraph:
                 arrays.append(_gpu_view(a))
                 index = a.get_device()
             elif a.is_cpu:
-                arrays.append(_host_array(a.detach()))
+                arrays.append(torch_host_array(a.detach()))
             else:
                 raise InputError(f"{self.name}: argument {k} is on {a.device}, but compile option target="
                                  f"{self.options.target!r} runs on the CPU; move it to the CPU, or compile "
@@ -1241,7 +1227,7 @@ class CompiledGraph:
         for kind, v in self.t.outputs:
             if kind == "tensor":
                 o = outs[v]
-                result.append(o if isinstance(o, torch.Tensor) else _from_host(o))
+                result.append(o if isinstance(o, torch.Tensor) else torch_from_host(o))
             elif kind == "size":
                 result.append(v.evaluate({n: int(args[k]) if d is None else args[k].shape[d]
                                           for n, (k, d) in self.t.symbols.items()}))

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .dtypes import DataType
 from .errors import DefinitionError, InputError
 
 _DLPACK_CPU, _DLPACK_CUDA = 1, 2
@@ -73,6 +74,24 @@ def _dlpack_device(x) -> int:
     return x.__dlpack_device__()[0] if hasattr(x, "__dlpack_device__") else _DLPACK_CPU
 
 
+def torch_host_array(t) -> np.ndarray:
+    """A CPU torch tensor as a numpy array on its memory; bfloat16 through
+    its 16 bits (torch hands numpy no bfloat16; ml_dtypes' is numpy's)."""
+    torch = sys.modules["torch"]
+    if t.dtype is torch.bfloat16:
+        return t.view(torch.int16).numpy().view(DataType.BFloat16.numpy)
+    return t.numpy()
+
+
+def torch_from_host(a) -> Any:
+    """A numpy array as a CPU torch tensor on its memory (bfloat16 too)."""
+    torch = sys.modules["torch"]
+    a = np.asarray(a)
+    if a.dtype.name == "bfloat16":
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
 def host_array(x: Any, what: str) -> np.ndarray:
     """A framework's array (or anything with __dlpack__ or __array__) as a
     numpy array on the host: the value of a constant a traced program closes over."""
@@ -80,7 +99,7 @@ def host_array(x: Any, what: str) -> np.ndarray:
     if k == "numpy":
         return x
     if k == "torch":
-        return x.detach().cpu().numpy()
+        return torch_host_array(x.detach().cpu())
     if k == "jax":
         return np.asarray(x)
     if hasattr(x, "__dlpack__"):
@@ -113,8 +132,8 @@ class Call:
                 self._on_gpu(a.get_device(), sys.modules["torch"].cuda.current_stream(a.device).cuda_stream)
                 return _torch_view(a, name)
             try:
-                return a.detach().numpy()
-            except TypeError as e:  # bfloat16: numpy has no such type
+                return torch_host_array(a.detach())
+            except TypeError as e:  # a dtype numpy has no counterpart of
                 raise InputError(f"{name} is a CPU tensor of dtype {a.dtype}, which numpy cannot view: {e}") from None
         if k == "jax":
             view = _jax_view(a)
@@ -141,7 +160,7 @@ class Call:
         numpy or by DLPack), JAX arrays for JAX inputs, else as they are."""
         if self.kind == "torch":
             torch = sys.modules["torch"]
-            return [torch.from_numpy(np.asarray(o)) if isinstance(o, (np.ndarray, np.generic))
+            return [torch_from_host(o) if isinstance(o, (np.ndarray, np.generic))
                     else torch.from_dlpack(o) for o in outs]
         if self.kind == "jax":
             jax = sys.modules["jax"]

@@ -1432,6 +1432,17 @@ def test_torch_tensors_stay_on_the_gpu():
     polyjit.cuda_synchronize()
 
 
+def _training_steps(torch, steps: int = 3, device: str = "cuda"):
+    """Three steps' (x, w, eager's copies of them, a random projection r):
+    w kept across steps (its .grad reset after each), x fresh."""
+    w = torch.randn(64, 48, device=device, requires_grad=True)
+    for _ in range(steps):
+        x = torch.randn(16, 64, device=device, requires_grad=True)
+        yield x, w, x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_(), \
+            torch.randn(16, 48, device=device)
+        w.grad = None
+
+
 @pytest.mark.gpu
 def test_torch_calls_with_the_same_layouts_run_the_bound_plan(monkeypatch):
     """A graph called again with inputs of the last call's shapes, strides,
@@ -1445,18 +1456,13 @@ def test_torch_calls_with_the_same_layouts_run_the_bound_plan(monkeypatch):
     def f(x, w):
         return torch.softmax(x @ w, -1) * torch.tanh(x[:, :48])
     jf = polyjit.jit_torch(f, compile_options={"target": "nvgpu", "dynamic": False, "strict": True})
-    w = torch.randn(64, 48, device="cuda", requires_grad=True)
-    for _ in range(3):
-        x = torch.randn(16, 64, device="cuda", requires_grad=True)
-        x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-        r = torch.randn(16, 48, device="cuda")
+    for x, w, x2, w2, r in _training_steps(torch):
         (jf(x, w) * r).sum().backward()
         want = f(x2, w2)
         (want * r).sum().backward()
         torch.testing.assert_close(jf(x, w), want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(w.grad, w2.grad, rtol=1e-5, atol=1e-5)
-        w.grad = None
     assert len(bound) >= 4 and jf.stats["fallbacks"] == 0
 
 
@@ -1479,11 +1485,7 @@ def test_tensors_saved_for_the_backward_share_one_allocation(monkeypatch):
     def f(x, w):
         return torch.softmax(x @ w, -1) * torch.tanh(x[:, :48]) + torch.sigmoid(x[:, 16:]).exp()
     jf = polyjit.jit_torch(f, compile_options={"target": "nvgpu", "dynamic": False, "strict": True})
-    w = torch.randn(64, 48, device="cuda", requires_grad=True)
-    for _ in range(3):
-        x = torch.randn(16, 64, device="cuda", requires_grad=True)
-        x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-        r = torch.randn(16, 48, device="cuda")
+    for x, w, x2, w2, r in _training_steps(torch):
         got, want = jf(x, w), f(x2, w2)
         got.mul_(r)
         want.mul_(r)
@@ -1492,7 +1494,6 @@ def test_tensors_saved_for_the_backward_share_one_allocation(monkeypatch):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(w.grad, w2.grad, rtol=1e-5, atol=1e-5)
-        w.grad = None
     assert shared and max(shared) >= 2 and jf.stats["fallbacks"] == 0
 
 

@@ -697,6 +697,29 @@ def test_fallback_counted_warned_and_correct():
     assert any("eager" in str(m.message) for m in w)
 
 
+def test_a_graph_scattered_between_unsupported_ops_runs_whole_in_eager():
+    """Supported ops in many small parts between unsupported ones run in
+    eager PyTorch with them (a compiled part's call costs more than it
+    saves); a few large parts compile."""
+    def scattered(x):
+        for _ in range(10):
+            x = torch.special.bessel_j0(x) * 2
+        return x
+
+    def few(x):
+        y = torch.special.bessel_j0(x)
+        for _ in range(8):
+            y = torch.tanh(y * 1.5 + x) - x * y
+        return y
+    x = torch.randn(4, 9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for fn, compiled in ((scattered, False), (few, True)):
+            jf = polyjit.jit_torch(fn)
+            assert_close(jf(x), fn(x))
+            assert jf.stats["fallbacks"] >= 1 and (jf.stats["graphs"] > 0) == compiled
+
+
 def test_strict_refuses_fallback():
     def fn(x):
         return torch.special.bessel_j0(x)

@@ -13,11 +13,9 @@ PTR = ir.PointerType()
 BF16 = ir.BFloatType() if hasattr(ir, "BFloatType") else ir.IntType(16)
 
 def storage_constant(dt: DataType, value) -> ir.Constant:
-    """value as dt holds it in memory (bfloat16: its 16 bits, rounded to nearest even)."""
+    """value as dt holds it in memory (bfloat16: its 16 bits, as ml_dtypes rounds)."""
     if dt is DataType.BFloat16:
-        bits = int(np.float32(value).view(np.uint32))
-        bits = 0x7FC0 if np.isnan(np.float32(value)) else (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 & 0xFFFF
-        return ir.Constant(BF16, bits)
+        return ir.Constant(BF16, int(np.asarray(value, dt.numpy).view(np.uint16)))
     return ir.Constant(STORAGE[dt], float(value) if dt.is_float else int(value))
 
 
