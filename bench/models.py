@@ -128,6 +128,38 @@ def _jax_block(train: bool):
     return fn, (params, x)
 
 
+def _flax_cnn(train: bool):
+    """A small flax.linen CNN: (3x3 conv, batch norm with running averages,
+    relu, 2x2 average pooling) twice, a dense head; 8x32x32x3 (and the
+    gradient of its parameters)."""
+    import flax.linen as nn
+    import jax
+
+    class CNN(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for c in (32, 64):
+                x = nn.relu(nn.BatchNorm(use_running_average=True)(nn.Conv(c, (3, 3))(x)))
+                x = nn.avg_pool(x, (2, 2), (2, 2))
+            return nn.Dense(10)(x.mean((1, 2)))
+    keys = iter(jax.random.split(jax.random.key(0), 7))
+    x, model = jax.random.normal(next(keys), (8, 32, 32, 3)), CNN()
+    variables = model.init(next(keys), x)
+    # running statistics away from 0 and 1, so that folding them into the convolutions counts
+    stats = {name: {"mean": 0.5 * jax.random.normal(next(keys), s["mean"].shape),
+                    "var": jax.random.uniform(next(keys), s["var"].shape, minval=0.5, maxval=2)}
+             for name, s in variables["batch_stats"].items()}
+    r = jax.random.normal(next(keys), (8, 10))
+
+    def forward(params, stats, x):
+        return model.apply({"params": params, "batch_stats": stats}, x)
+    fn = jax.grad(lambda p, s, x: (forward(p, s, x) * r).sum()) if train else forward
+    return fn, (variables["params"], stats, x)
+
+
+JAX_MODELS = {"jax_block": _jax_block, "flax_cnn": _flax_cnn}
+
+
 # ---------------------------------------------------------------- one measurement
 def _median_ms(step, reps: int, sync=lambda: None) -> float:
     times = []
@@ -175,7 +207,7 @@ def _polyjit_stats(stats) -> dict:
 def _jax_run(name: str, backend: str, train: bool, device: str, reps: int) -> dict:
     import jax
     import polyjit
-    fn, args = _jax_block(train)
+    fn, args = JAX_MODELS[name](train)
     f = {"std": fn, "xla": jax.jit(fn), "polyjit": polyjit.jit_jax(fn)}[backend]
     args = jax.device_put(args, jax.devices("gpu" if device == "cuda" else "cpu")[0])
 
@@ -215,6 +247,7 @@ MODELS = {  # name: (framework, runner, training step too, backends)
     "resnet18": ("torch", _torch_run, True, CNN_BACKENDS),
     "mobilenetv3": ("torch", _torch_run, True, CNN_BACKENDS),
     "jax_block": ("jax", _jax_run, True, JAX_BACKENDS),
+    "flax_cnn": ("jax", _jax_run, True, JAX_BACKENDS),
     "mobilenetv2": ("tf", _tf_run, False, TF_BACKENDS),
     "keras_cnn": ("tf", _tf_run, False, TF_BACKENDS),
 }

@@ -949,7 +949,8 @@ class JaxFunction:
         jitted dispatch instead of a DLPack import per result (four of those
         took longer than XLA's whole layer norm step) and runs no Python.
         ``where``: "cpu" or the GPU's ordinal. For programs one segment runs
-        and whose results it computes; None for other programs, and for calls
+        (results it does not compute are constants or arguments, added
+        beside the call); None for other programs, and for calls
         from Python (``direct``) on the CPU with a result over
         CPU_CALL_RESULT_BYTES: XLA's fresh result buffers would fault their
         pages in at every call, where polyjit's buffer cache reuses them."""
@@ -969,13 +970,23 @@ class JaxFunction:
         """Registers prog's native launcher with XLA: the jitted call and the
         bytes of its largest result, or None where a custom call cannot run it."""
         seg = prog.segments[0] if len(prog.steps) == 1 and prog.segments else None
-        made = {id(v): k for k, v in enumerate(seg.outputs)} if seg is not None else {}
-        outs = [id(v) for v in prog.outvars]
-        if seg is None or seg.aliases or len(made) != len(seg.outputs) or any(v not in made for v in outs):
-            return None  # (a result returned twice, as gradients of x and y in x + y are, is one array)
+        if seg is None:
+            return None
+        made = {id(v): k for k, v in enumerate(seg.outputs)}
+        position = {id(v): k for k, v in enumerate(prog.invars)}
+        same = {id(v): id(source) for v, source in seg.aliases}  # an identity's result is its operand
+
+        def pick(v):  # (a result returned twice, as gradients of x and y in x + y are, is one array)
+            if id(v) in made:
+                return "out", made[id(v)]
+            if same.get(id(v), id(v)) in position:  # an argument passed through
+                return "arg", position[same.get(id(v), id(v))]
+            return ("const", v.value) if isinstance(v, Const) else None  # a gradient of captured values only
+        picks = [pick(v) for v in prog.outvars]
+        if not made or len(made) != len(seg.outputs) or None in picks:
+            return None
         exe = seg.exe.variant((False,) * len(seg.exe.graph.inputs),  # for row-major arrays, as XLA's are
                               holding(where != "cpu"))
-        position = {id(v): k for k, v in enumerate(prog.invars)}
         take = [position[id(v)] for v in seg.inputs]
         name = f"polyjit_{exe.name}_{next(_target_ids)}"  # XLA keeps every target for the process
         like = [GpuView(0, tuple(v.shape), None, np.dtype(v.dtype), where, None) if where != "cpu"
@@ -987,11 +998,10 @@ class JaxFunction:
         results = [jax.ShapeDtypeStruct(shape, dt) for _, shape, dt in launcher.results]
         register_custom_call(name, "cpu" if where == "cpu" else "CUDA", launcher.address, len(take), len(results),
                              launcher)
-        order = [made[v] for v in outs]
 
         def call(*xs):
             outs = jax.ffi.ffi_call(name, results, vmap_method="sequential")(*[xs[k] for k in take])
-            return [outs[k] for k in order]
+            return [outs[k] if how == "out" else xs[k] if how == "arg" else jnp.asarray(k) for how, k in picks]
         prog.stats.record(seg.exe.name, exe.stats)
         return jax.jit(call), max((math.prod(r.shape) * r.dtype.itemsize for r in results), default=0)
 

@@ -511,6 +511,23 @@ def test_jax_arrays_run_as_xla_custom_calls_on_the_cpu(rng):
         assert len([c for c in step._calls.values() if c is not None]) == 2
 
 
+
+@host_target
+def test_constant_and_passed_through_results_stay_in_the_custom_call(rng):
+    """A result known while tracing (a bias's gradient, where the loss weighs
+    the output with a captured array) or an argument returned as it is (also
+    through an identity) is added beside the XLA custom call, which still
+    runs the rest: no path through Python."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        r = rnd(rng, 4, 6)
+        grad = jax.grad(lambda p, x: ((x @ p["w"] + p["b"]) * r).sum())
+        three = lambda x, y: (x, lax.stop_gradient(y), x * y)  # noqa: E731
+        for fn, args in [(grad, ({"w": rnd(rng, 5, 6), "b": rnd(rng, 6)}, rnd(rng, 4, 5))),
+                         (three, (rnd(rng, 3, 7), rnd(rng, 3, 7)))]:
+            f = check(fn, *args, compile_options={"strict": True})
+            assert [c for c in f._calls.values() if c is not None]
+            assert_tree_close(f(*args), fn(*args))  # the call from the fast path
+
 def test_xla_custom_call_targets_see_buffers_and_report_errors(rng):
     """The native FFI handler that runs nvgpu programs inside XLA, exercised
     on the CPU with launch functions written in Python: argument and result
