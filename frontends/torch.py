@@ -186,6 +186,239 @@ def _safe_softmax(x, dim, dtype=None):
 DECOMPOSITIONS[aten._safe_softmax.default] = _safe_softmax
 
 
+# The composites below stand for ops that torch._decomp leaves whole and that
+# carry autograd formulas of their own: AOTAutograd decomposes below autograd,
+# so each op's backward op appears in the backward graph and needs one too.
+
+def _embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, sparse=False,
+                   per_sample_weights=None, include_last_offset=False, padding_idx=-1):
+    """aten._embedding_bag and _embedding_bag_forward_only (nn.EmbeddingBag;
+    torch._decomp has none): the rows gathered, summed into their bags
+    (index_add) or their maximum taken (scatter_reduce), empty bags and
+    padding rows giving zeros. Its other results as ATen's, for the backward
+    below: each row's bag (offset2bag), each bag's size, and for max the row
+    each maximum came from (the first of equals)."""
+    if indices.ndim != 1 or indices.shape[0] == 0:
+        return NotImplemented
+    itype = indices.dtype
+    starts = offsets[:-1] if include_last_offset else offsets
+    n, bags, dim = indices.shape[0], starts.shape[0], weight.shape[1]
+    ones = torch.ones_like(starts, dtype=itype)
+    offset2bag = torch.zeros(n + 1, dtype=itype, device=indices.device).index_add(0, starts.to(itype), ones)
+    offset2bag = offset2bag.cumsum(0)[:n] - 1
+    keep = (offset2bag >= 0) & (indices != padding_idx)
+    bag = offset2bag.clamp(min=0)
+    bag_size = torch.zeros(bags, dtype=itype, device=indices.device).index_add(0, bag, keep.to(itype))
+    rows = weight[indices]
+    if mode == 2:
+        rows = torch.where(keep[:, None], rows, float("-inf"))
+        at = bag[:, None].expand(n, dim)
+        out = torch.zeros(bags, dim, dtype=weight.dtype, device=weight.device).scatter_reduce(
+            0, at, rows, "amax", include_self=False)
+        filled = (bag_size > 0)[:, None]
+        out = torch.where(filled, out, 0)
+        pos = torch.arange(n, dtype=itype, device=indices.device)[:, None].expand(n, dim)
+        hit = keep[:, None] & (rows == out[bag])
+        first = torch.full((bags, dim), n - 1, dtype=itype, device=indices.device).scatter_reduce(
+            0, at, torch.where(hit, pos, n - 1), "amin")
+        return out, offset2bag, bag_size, torch.where(filled, indices[first], 0)
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights[:, None]
+    out = torch.zeros(bags, dim, dtype=weight.dtype, device=weight.device).index_add(
+        0, bag, torch.where(keep[:, None], rows, 0))
+    if mode == 1:
+        out = out / bag_size.clamp(min=1)[:, None]
+    return out, offset2bag, bag_size, bag_size
+
+
+def _embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices, num_weights,
+                                  scale_grad_by_freq, mode, per_sample_weights=None, padding_idx=-1):
+    """The weight's gradient of _embedding_bag above: each bag's gradient
+    added into the rows it was made of (scaled by the mean's bag size or the
+    row's weight), or for max into the rows its maxima came from.
+    scale_grad_by_freq stays eager's (torch 2.13's CPU kernel divides each
+    row by another row's count)."""
+    if scale_grad_by_freq:
+        return NotImplemented
+    if mode == 2:
+        grad = torch.where((bag_size > 0)[:, None], grad, 0)
+        return grad.new_zeros(num_weights, grad.shape[1]).scatter_add(0, maximum_indices, grad)
+    keep = (offset2bag >= 0) & (indices != padding_idx)
+    bag = offset2bag.clamp(min=0)
+    rows = grad[bag]
+    if mode == 1:
+        rows = rows / bag_size[bag].clamp(min=1)[:, None]
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights[:, None]
+    return grad.new_zeros(num_weights, grad.shape[1]).index_add(0, indices, torch.where(keep[:, None], rows, 0))
+
+
+def _embedding_bag_per_sample_weights_backward(grad, weight, indices, offsets, offset2bag, mode, padding_idx=-1):
+    """per_sample_weights' gradient of _embedding_bag above (mode sum): each
+    row's dot product with its bag's gradient."""
+    keep = (offset2bag >= 0) & (indices != padding_idx)
+    return torch.where(keep, (grad[offset2bag.clamp(min=0)] * weight[indices]).sum(1), 0)
+
+
+def _embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, maximum_indices, num_weights,
+                            scale_grad_by_freq, mode, sparse, per_sample_weights=None, padding_idx=-1):
+    """_embedding_bag's backward as the trace meets it, whole (a composite
+    in ATen, not run before the trace): its dense case above; a sparse
+    gradient stays eager's."""
+    if sparse:
+        return NotImplemented
+    return _embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices, num_weights,
+                                         scale_grad_by_freq, mode, per_sample_weights, padding_idx)
+
+
+for _op in (aten._embedding_bag.default, aten._embedding_bag_forward_only.default):
+    DECOMPOSITIONS[_op] = _embedding_bag
+DECOMPOSITIONS[aten._embedding_bag_backward.default] = _embedding_bag_backward
+DECOMPOSITIONS[aten._embedding_bag_dense_backward.default] = _embedding_bag_dense_backward
+DECOMPOSITIONS[aten._embedding_bag_per_sample_weights_backward.default] = _embedding_bag_per_sample_weights_backward
+
+
+def _cdist_forward(x1, x2, p, compute_mode=None):
+    """aten._cdist_forward (torch.cdist where it does not take the matrix
+    product route, aten._euclidean_dist; torch._decomp has none): the
+    p-norm of every pair's difference, a reduction over the last dim. ATen's
+    own choice of the product route is kept (compute_mode 1, or more than
+    25 rows by default)."""
+    if p == 2 and (compute_mode == 1 or not compute_mode and (x1.shape[-2] > 25 or x2.shape[-2] > 25)):
+        return aten._euclidean_dist(x1, x2)
+    d = (x1.unsqueeze(-2) - x2.unsqueeze(-3)).abs()
+    if p == 0:
+        return (d != 0).to(x1.dtype).sum(-1)
+    if p == math.inf:
+        return d.amax(-1)
+    if p == 1:
+        return d.sum(-1)
+    if p == 2:
+        return (d * d).sum(-1).sqrt()
+    return (d ** p).sum(-1) ** (1 / p)
+
+
+def _cdist_backward(grad, x1, x2, p, dist):
+    """x1's gradient of _cdist_forward, ATen's formulas: the sum over x2's
+    rows of grad * d dist / d x1, zero where a distance is zero (and for p 0);
+    x2's is this with the two swapped. The batch dims are the broadcast
+    ones, as ATen's (autograd sums them down)."""
+    diff = x1.unsqueeze(-2) - x2.unsqueeze(-3)
+    g, dist = grad.unsqueeze(-1), dist.unsqueeze(-1)
+    if p == 0:
+        term = torch.zeros_like(diff)
+    elif p == 1:
+        term = g * diff.sign()
+    elif p == math.inf:
+        term = g * diff.sign() * (diff.abs() == dist)
+    elif p == 2:
+        term = torch.where(dist == 0, 0, g * diff / dist)
+    elif p < 2:
+        term = torch.where(dist == 0, 0, g * diff.sign() * diff.abs() ** (p - 1) / dist ** (p - 1))
+    else:
+        term = torch.where(dist == 0, 0, g * diff * diff.abs() ** (p - 2) / dist ** (p - 1))
+    return term.sum(-2)
+
+
+DECOMPOSITIONS[aten._cdist_forward.default] = _cdist_forward
+DECOMPOSITIONS[aten._cdist_backward.default] = _cdist_backward
+
+
+def _grid_source(coords, size, padding_mode, align_corners):
+    """grid_sample's source position along one axis from the grid's [-1, 1]
+    coordinates, padded (border clamps, reflection folds back and clamps),
+    and its derivative by the coordinate: ATen's *_set_grad helpers (zero
+    at and past a clamped border, the sign flipped in a reflection). Sizes
+    enter the tensors' arithmetic only (a symbolic size stays an integer)."""
+    span = size - 1 if align_corners else size  # the positions [-1, 1] spans, halved below
+    x = (coords + 1) * span / 2 - (0 if align_corners else 0.5)
+    slope = torch.ones_like(x) * span / 2
+    if padding_mode == 2:
+        if span == 0:
+            return torch.zeros_like(x), torch.zeros_like(x)
+        low = 0 if align_corners else -0.5
+        t = x - low
+        sign = torch.where(t < 0, -1.0, 1.0)
+        t = t.abs()
+        extra, flips = torch.fmod(t, span), torch.floor(t / span)
+        odd = torch.fmod(flips, 2) == 1
+        x = torch.where(odd, (low - extra) + span, extra + low)
+        slope = slope * torch.where(odd, -sign, sign)
+    if padding_mode != 0:
+        slope = torch.where((x > 0) & (x < size - 1), slope, 0)
+        x = x.clamp(0, size - 1)
+    return x, slope
+
+
+def _grid_corners(a, grid, interpolation_mode, padding_mode, align_corners):
+    """The input's values a 2-d grid sample reads, shape (N, C, H, W, K):
+    the K = 4 corners around each point (bilinear) or the nearest one, zero
+    outside the input; with each corner's weight and its derivatives by the
+    grid's x and y, shape (N, H, W, K), and the sources' slopes."""
+    n, c, h, w = a.shape
+    ix, sx = _grid_source(grid[..., 0], w, padding_mode, align_corners)
+    iy, sy = _grid_source(grid[..., 1], h, padding_mode, align_corners)
+    if interpolation_mode == 0:
+        x0, y0 = ix.floor(), iy.floor()
+        fx, fy = (ix - x0).unsqueeze(-1), (iy - y0).unsqueeze(-1)
+        k = torch.arange(4, device=a.device)
+        dx, dy = (k % 2).to(a.dtype), (k // 2).to(a.dtype)  # the corners: (x0, y0), (x1, y0), (x0, y1), (x1, y1)
+        xs, ys = x0.unsqueeze(-1) + dx, y0.unsqueeze(-1) + dy
+        wx, wy = torch.where(dx == 1, fx, 1 - fx), torch.where(dy == 1, fy, 1 - fy)
+        weight, dwx, dwy = wx * wy, (2 * dx - 1) * wy, (2 * dy - 1) * wx
+    else:
+        xs, ys = ix.round().unsqueeze(-1), iy.round().unsqueeze(-1)
+        weight = torch.ones_like(xs)
+        dwx = dwy = torch.zeros_like(xs)
+    inside = (xs >= 0) & (xs < w) & (ys >= 0) & (ys < h)
+    xi = torch.where(inside, xs, 0).to(torch.int64).unsqueeze(1)
+    yi = torch.where(inside, ys, 0).to(torch.int64).unsqueeze(1)
+    ni = torch.arange(n, device=a.device).view(n, 1, 1, 1, 1)
+    ci = torch.arange(c, device=a.device).view(1, c, 1, 1, 1)
+    index = (ni, ci, yi, xi)
+    values = torch.where(inside.unsqueeze(1), a[index], 0)
+    return values, index, torch.where(inside, weight, 0), dwx, dwy, sx, sy
+
+
+def _grid_sampler_2d(a, grid, interpolation_mode=0, padding_mode=0, align_corners=False):
+    """aten.grid_sampler_2d, bilinear and nearest: the corners' values by
+    their weights. torch._decomp's decomposition (kept for bicubic) reflects
+    through an int8 tensor, a dtype polyjit lacks, and its backward needs
+    the corners anyway."""
+    if interpolation_mode == 2:
+        return _TORCH_GRID_SAMPLER_2D(a, grid, interpolation_mode, padding_mode, align_corners)
+    values, _, weight, *_ = _grid_corners(a, grid, interpolation_mode, padding_mode, align_corners)
+    return (values * weight.unsqueeze(1)).sum(-1)
+
+
+def _grid_sampler_2d_backward(grad, a, grid, interpolation_mode, padding_mode, align_corners, output_mask):
+    """aten.grid_sampler_2d_backward (torch._decomp has none): the input's
+    gradient adds each output's gradient into its corners by their weights
+    (index_put, accumulating); the grid's sums the corners' values by the
+    weights' derivatives, times the source's slope (zero for nearest)."""
+    if interpolation_mode == 2:
+        return NotImplemented
+    values, index, weight, dwx, dwy, sx, sy = _grid_corners(a, grid, interpolation_mode, padding_mode,
+                                                            align_corners)
+    g = grad.unsqueeze(-1)
+    grad_a = grad_grid = None
+    if output_mask[0]:
+        grad_a = torch.zeros_like(a).index_put(index, g * weight.unsqueeze(1), accumulate=True)
+    if output_mask[1]:
+        seen = (values * g).sum(1)
+        grad_grid = torch.stack([(seen * dwx).sum(-1) * sx, (seen * dwy).sum(-1) * sy], -1)
+    return grad_a, grad_grid
+
+
+_TORCH_GRID_SAMPLER_2D = get_decompositions([aten.grid_sampler_2d])[aten.grid_sampler_2d.default]
+DECOMPOSITIONS[aten.grid_sampler_2d.default] = _grid_sampler_2d
+DECOMPOSITIONS[aten.grid_sampler_2d_backward.default] = _grid_sampler_2d_backward
+# (cuDNN's, which torch.grid_sampler picks on the GPU for bilinear, zeros, align_corners)
+DECOMPOSITIONS[aten.cudnn_grid_sampler.default] = lambda a, grid: _grid_sampler_2d(a, grid, 0, 0, True)
+DECOMPOSITIONS[aten.cudnn_grid_sampler_backward.default] = (
+    lambda a, grid, grad: _grid_sampler_2d_backward(grad, a, grid, 0, 0, True, (True, True)))
+
+
 # --------------------------------------------------------------------------
 # The table: ATen op -> polyjit ops. Each entry takes the translation context
 # and the op's arguments (tensors already translated) and returns a Tensor,

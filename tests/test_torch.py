@@ -488,6 +488,66 @@ def test_buckets_and_triangle_indices():
                      x[:, torch.triu_indices(8, 32, 1, device=x.device)[1]]), x)
 
 
+def test_embedding_bag_sum_mean_and_max_train():
+    """nn.EmbeddingBag's _embedding_bag (and _embedding_bag_forward_only
+    without grad): sum, mean and max over bags given by offsets (an empty
+    bag, the last offset included or not) and over the rows of a 2-d input,
+    a padding index, per-sample weights; the gradients of the weight and of
+    the per-sample weights."""
+    idx = torch.randint(0, 10, (14,), device=DEVICE)
+    idx[[1, 9]] = 4  # the padding row, in two bags
+    offsets, last = torch.tensor([0, 3, 3, 8], device=DEVICE), torch.tensor([0, 3, 3, 8, 14])
+
+    def bags(w, psw):
+        return torch.cat([F.embedding_bag(idx, w, offsets, mode=mode, padding_idx=pad,
+                                          per_sample_weights=psw if weighted else None)
+                          for mode, pad, weighted in (("sum", None, False), ("sum", 4, True), ("mean", None, False),
+                                                      ("mean", 4, False), ("max", None, False), ("max", 4, False))]
+                         + [F.embedding_bag(idx.view(2, 7), w, mode=mode) for mode in ("sum", "max")])
+    check(bags, r(10, 5, grad=True), r(14, grad=True), backward=True)
+    check(lambda w, i, o: F.embedding_bag(i, w, o, mode="mean", include_last_offset=True), r(10, 5), idx, last)
+    check_module(nn.EmbeddingBag(10, 5, mode="max"), idx, offsets)
+
+
+def test_cdist_train():
+    """torch.cdist: p = 2 by the matrix product (aten._euclidean_dist) and by
+    differences (aten._cdist_forward), p = 1, 3, inf and 0, batched (batch
+    dims broadcast) and not; gradients of the inputs, zero where two rows
+    coincide (the product's distances are not exact there: other rows)."""
+    def dists(a, b, c):
+        return torch.cat([torch.cdist(c, b, 2.0, "use_mm_for_euclid_dist").flatten(),
+                          torch.cdist(b, c[0, 0], 2.0, "use_mm_for_euclid_dist").flatten(),
+                          torch.cdist(a, b, 2.0, "donot_use_mm_for_euclid_dist").flatten(),
+                          torch.cdist(a, b).flatten(), torch.cdist(a, b, 1.0).flatten(),
+                          torch.cdist(c, a, 2.0).flatten(), torch.cdist(c, a, 1.0).flatten(),
+                          torch.cdist(a, b, 3.0).flatten(), torch.cdist(a, b, float("inf")).flatten(),
+                          torch.cdist(a, b, 0.0).flatten()])
+    a, b = r(6, 4), r(7, 4)
+    a[1] = b[3]
+    check(dists, a.requires_grad_(), b.requires_grad_(), r(2, 3, 5, 4, grad=True), backward=True, rtol=1e-4,
+          atol=1e-5)
+
+
+def test_grid_sample_and_affine_grid_train():
+    """F.grid_sample in 2-d, bilinear and nearest, zeros, border and
+    reflection padding, align_corners both ways, its grid reaching past the
+    image (where the paddings differ); F.affine_grid feeding it. Gradients
+    of the image and of the grid (of theta through affine_grid)."""
+    def samples(img, grid):
+        return torch.cat([F.grid_sample(img, grid, mode, pad, ac).flatten()
+                          for mode in ("bilinear", "nearest") for pad in ("zeros", "border", "reflection")
+                          for ac in (False, True)])
+    check(samples, r(2, 3, 6, 7, grad=True), (torch.rand(2, 5, 4, 2) * 3 - 1.5).requires_grad_(), backward=True,
+          rtol=1e-4, atol=1e-4)
+
+    def warp(img, theta):
+        return (F.grid_sample(img, F.affine_grid(theta, (2, 3, 5, 8), align_corners=False), align_corners=False)
+                + F.grid_sample(img, F.affine_grid(theta, (2, 3, 4, 4), align_corners=True), "bilinear",
+                                "reflection", align_corners=True).mean())
+    theta = torch.tensor([[1.1, 0.2, 0.1], [-0.3, 0.9, 0.2]]).repeat(2, 1, 1) + 0.1 * torch.randn(2, 2, 3)
+    check(warp, r(2, 3, 6, 7, grad=True), theta.requires_grad_(), backward=True, rtol=1e-4, atol=1e-4)
+
+
 def test_training_with_a_new_size_compiles_once_more():
     """A second size recompiles with symbolic sizes (torch's automatic dynamic
     shapes); the forward graph hands sizes to the backward graph as ints, and a
