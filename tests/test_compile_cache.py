@@ -56,8 +56,8 @@ def test_llvm_runs_on_its_own_thread_while_groups_are_emitted(rng, monkeypatch):
     monkeypatch.setattr(workers, "_workers", workers.LlvmWorkers(0))
     events, threads = [], set()
     compile_object, submit = program.compile_object, program._submit
-    monkeypatch.setattr(program, "compile_object", lambda text: (
-        threads.add(threading.current_thread().name), compile_object(text))[1])
+    monkeypatch.setattr(program, "compile_object", lambda *job: (
+        threads.add(threading.current_thread().name), compile_object(*job))[1])
     monkeypatch.setattr(program, "_submit", lambda *a: (events.append(("llvm", None)), submit(*a))[1])
     scheduled = schedule._schedule_problem
     monkeypatch.setattr(schedule, "_schedule_problem", lambda *a: (events.append(("schedule", None)),
@@ -95,6 +95,30 @@ def test_worker_processes_make_the_same_object_code(rng, monkeypatch, llvm_worke
     assert remote == local
     dead, pool = build(1, kill=True)
     assert dead == local and pool.served == 0 and not pool.procs
+
+
+def test_worker_processes_schedule_groups_as_the_caller_would(rng, monkeypatch, llvm_workers):
+    """A program's fusion groups are scheduled in the worker processes too
+    (the caller takes back, in order, those no worker has begun): the same
+    program, kernel for kernel, as scheduled in the caller alone."""
+    from polyjit.cache import ProcessCache
+    from polyjit.codegen import program
+    from polyjit.schedule import driver
+    args = [rng.standard_normal((24, 40), dtype=F32), rng.standard_normal((40, 40), dtype=F32) / 8,
+            rng.standard_normal(40, dtype=F32)]
+
+    def build(count: int):
+        monkeypatch.setattr(program, "_codes", ProcessCache(program.CODE_CACHE))
+        monkeypatch.setattr(driver, "_groups", ProcessCache(driver.GROUP_CACHE))
+        pool = llvm_workers(count)
+        exe = polyjit.compile(_layers(2), [InputInfo(a.shape, F32) for a in args], {"cache": False})
+        made = exe.compile_default()
+        np.testing.assert_allclose(exe(*args), _layers_ref(*args), rtol=1e-4, atol=1e-5)
+        return made.ir["llvm_opt"], pool
+    local, none = build(0)
+    remote, pool = build(2)
+    assert none.scheduled == 0 and pool.scheduled >= 1
+    assert remote == local
 
 
 FORK_SCRIPT = """

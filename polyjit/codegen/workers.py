@@ -1,5 +1,5 @@
-"""LLVM's work on kernels (a CPU kernel's object code, a GPU kernel's PTX)
-in worker processes.
+"""LLVM's work on kernels (a CPU kernel's object code, a GPU kernel's PTX),
+and isl's scheduling of fusion groups, in worker processes.
 
 llvmlite serializes every call into LLVM with one lock per process, and
 each call waits for Python's GIL on its way back: on a thread beside the
@@ -13,6 +13,10 @@ each running the same ``program.compile_object`` or ``nvgpu.ptx`` as the
 caller would, so the code is the same byte for byte. A thread per worker
 in the caller hands it jobs from one queue. Where no worker starts, or one
 dies, its jobs run on the caller's LLVM thread instead.
+
+Scheduling jobs (``offer``) are queued even before a worker has started:
+the caller takes back, in order, each one no worker has begun and
+schedules it itself, so that no job waits for a worker's start.
 """
 from __future__ import annotations
 
@@ -28,6 +32,8 @@ from concurrent.futures import Future
 from typing import Callable
 
 OBJECT = "object"  # a job's kind: CPU object code (else the sm_XX of its PTX)
+PLAIN_OBJECT = "object-plain"  # CPU object code, loops not unrolled by LLVM (codegen.cpu.optimize)
+SCHEDULE = "schedule"  # a pickled fusion group scheduled (schedule.driver.schedule_job): bytes in, bytes out
 _SIZE = struct.Struct("<Q")
 _WORKER = "from polyjit.codegen.workers import main; main()"  # (not -m: the package imports this module)
 
@@ -65,7 +71,7 @@ def _receive(stream, count: int) -> list[bytes] | None:
 
 class LlvmWorkers:
     """Worker processes taking (kind, LLVM IR text) jobs; submit returns a
-    Future of (optimized IR, code, seconds): object bytes for OBJECT, PTX
+    Future of (optimized IR, code, seconds): object bytes for OBJECT and PLAIN_OBJECT, PTX
     text for an sm_XX. Until the first has started (its imports), jobs run
     on the caller's LLVM thread: a small program compiled first in a
     process waits for no worker."""
@@ -73,7 +79,8 @@ class LlvmWorkers:
     def __init__(self, count: int) -> None:
         self.jobs: queue.Queue = queue.Queue()
         self.procs = []
-        self.served = 0  # jobs done by a worker
+        self.served = 0  # code jobs done by a worker
+        self.scheduled = 0  # scheduling jobs done by a worker
         self.ready = threading.Event()  # a worker has started (until then jobs run on the caller's thread)
         self._lock = threading.Lock()  # a job is queued only while a worker is left to take it
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # polyjit as the caller has it
@@ -96,6 +103,18 @@ class LlvmWorkers:
                 return future
         return on_thread(text)
 
+    def offer(self, kind: str, payload: bytes) -> Future | None:
+        """A job the caller can do itself: queued for the workers (started or
+        not), its Future's result (reply, seconds); the caller takes it back
+        with ``future.cancel()`` while no worker has begun it. None where
+        there are no workers; a Future of an exception where they died."""
+        with self._lock:
+            if not self.procs:
+                return None
+            future: Future = Future()
+            self.jobs.put((kind, payload, _unserved, future))
+            return future
+
     def _serve(self, proc) -> None:
         if _receive(proc.stdout, 1) is None:  # (its first reply says it has started)
             self._gone(proc)
@@ -103,11 +122,13 @@ class LlvmWorkers:
         self.ready.set()
         while True:
             kind, text, on_thread, future = self.jobs.get()
+            if not future.set_running_or_notify_cancel():  # (taken back by the caller)
+                continue
             start = time.perf_counter()
             try:
-                _send(proc.stdin, kind.encode(), text.encode())
+                _send(proc.stdin, kind.encode(), text if isinstance(text, bytes) else text.encode())
                 reply = _receive(proc.stdout, 2)
-                result = reply and (reply[0].decode(), reply[1] if kind == OBJECT else reply[1].decode())
+                result = reply and _decoded(kind, reply)
             except Exception:  # (a closed pipe, a garbled reply: the worker is of no more use)
                 result = None
             if result is None:  # the worker is gone: this job on the caller's thread
@@ -115,7 +136,10 @@ class LlvmWorkers:
                 _chain(on_thread(text), future)
                 return
             with self._lock:
-                self.served += 1
+                if kind == SCHEDULE:
+                    self.scheduled += 1
+                else:
+                    self.served += 1
             future.set_result((*result, time.perf_counter() - start))
 
     def _gone(self, proc) -> None:
@@ -132,7 +156,8 @@ class LlvmWorkers:
                 _, text, on_thread, future = self.jobs.get_nowait()
             except queue.Empty:
                 return
-            _chain(on_thread(text), future)
+            if future.set_running_or_notify_cancel():
+                _chain(on_thread(text), future)
 
     def close(self) -> None:
         """Every worker's stdin closed first, so that they end together."""
@@ -147,6 +172,21 @@ class LlvmWorkers:
                 proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def _decoded(kind: str, reply: list[bytes]) -> tuple:
+    """A worker's reply as its kind's Future holds it (before the seconds):
+    (pickled result,) for SCHEDULE, else (optimized IR, object bytes or PTX text)."""
+    if kind == SCHEDULE:
+        return (reply[0],)
+    return reply[0].decode(), reply[1] if kind in (OBJECT, PLAIN_OBJECT) else reply[1].decode()
+
+
+def _unserved(payload: bytes) -> Future:
+    """An offered job's outcome where the last worker died: the caller does it."""
+    future: Future = Future()
+    future.set_exception(RuntimeError("no worker left"))
+    return future
 
 
 def _chain(source: Future, target: Future) -> None:
@@ -188,9 +228,14 @@ def main() -> None:
         job = _receive(stdin, 2)
         if job is None:
             return
-        kind, text = job[0].decode(), job[1].decode()
-        if kind == OBJECT:
-            optimized, obj = compile_object(text)
+        kind = job[0].decode()
+        if kind == SCHEDULE:
+            from ..schedule.driver import schedule_job
+            _send(stdout, schedule_job(job[1]), b"")
+            continue
+        text = job[1].decode()
+        if kind in (OBJECT, PLAIN_OBJECT):
+            optimized, obj = compile_object(text, kind)
             _send(stdout, optimized.encode(), obj)
         else:
             optimized, ptx_text = ptx(text, kind)

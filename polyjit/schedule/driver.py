@@ -4,6 +4,7 @@ contracted; results kept per process."""
 from __future__ import annotations
 
 import logging
+import pickle
 import time
 from contextlib import contextmanager
 
@@ -201,7 +202,11 @@ def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None, 
     (a model's identical layers) share one result, scheduled once per
     process. canonical=False keeps the program's names (a target whose
     emitter reads the whole program's). each(group), where given, is called
-    with each group as soon as it is scheduled (code generation starts)."""
+    with each group as soon as it is scheduled (code generation starts).
+    The groups a process has not scheduled before are offered to the
+    worker processes that compile kernels (codegen.workers), which schedule
+    them side by side; the caller takes back, in order, those none has
+    begun, and builds the AST of each worker's schedule again."""
     timer = timer or _no_timer
     if target is None:
         from ..targets import target as named
@@ -217,20 +222,90 @@ def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None, 
             if s.name in group:
                 for a in [s.array] + [ld.array for ld in prog.statement_loads(s)]:
                     users.setdefault(a, set()).add(g)
+    with timer("schedule/canonical"):
+        problems = [group_problem(prog, group, {a for a, gs in users.items() if gs != {g}}, canonical)
+                    for g, group in enumerate(names)]
+    offered = _offer(problems, config)
     groups = []
-    for g, group in enumerate(names):
-        shared = {a for a, gs in users.items() if gs != {g}}
-        with timer("schedule/canonical"):
-            problem = group_problem(prog, group, shared, canonical)
+    for problem in problems:
         key = (problem.key, config)
         sched = _groups.get(key)
         if sched is None:
-            sched = _schedule_problem(problem, config, timer)
+            sched = _from_worker(problem, offered.get(problem.key), timer)
+            if sched is None:
+                sched = _schedule_problem(problem, config, timer)
             _groups.put(key, sched)
         groups.append(ScheduledGroup(problem, sched))
         if each is not None:
             each(groups[-1])
     return ProgramSchedule(prog, groups, plan.refused if plan else [])
+
+
+def _offer(problems: list[GroupProblem], config: tuple) -> dict:
+    """The groups not scheduled yet in this process, offered to the worker
+    processes (by key), where there are two or more: the caller schedules
+    in order each that no worker has begun (_from_worker)."""
+    todo = {}
+    for p in problems:
+        if _groups.get((p.key, config)) is None and p.key not in todo:
+            todo[p.key] = p
+    if len(todo) < 2:
+        return {}
+    from ..codegen import workers
+    pool = workers.workers()
+    offered = {}
+    for key, p in todo.items():
+        future = pool.offer(workers.SCHEDULE, pickle.dumps((p, config, sz.definitions(p.prog.params))))
+        if future is None:
+            return {}
+        offered[key] = future
+    return offered
+
+
+def _from_worker(problem: GroupProblem, future, timer) -> Scheduled | None:
+    """The group as a worker scheduled it; None where none has begun it
+    (taken back: the caller schedules it) or the worker failed."""
+    if future is None or future.cancel():
+        return None
+    start = time.perf_counter()
+    try:
+        reply, _ = future.result()
+        done = pickle.loads(reply)
+    except Exception as e:  # (the worker died: the caller schedules it)
+        log.debug("a worker did not schedule a group: %s", e)
+        return None
+    timer.add("schedule/waited", time.perf_counter() - start)
+    if done[0] == "error":  # (scheduled again here, where the error is raised as usual)
+        return None
+    text, contracted, kernels, kernel_of_array, refused, seconds = done
+    for stage, s in seconds.items():
+        timer.add(stage + " (workers)", s)
+    ctx = make_context()
+    sched = isl.Schedule.read_from_str(ctx, text)
+    with timer("schedule/ast"):
+        ast = _ast(ctx, problem.prog, sched)
+    if [statements_in(k) for k in kernel_nodes(ast)] != kernels:  # (never code from an AST unlike the worker's)
+        log.warning("a group's AST built again differs from its worker's: scheduled here")
+        return None
+    return Scheduled(sched, ast, contracted, kernels, kernel_of_array, refused)
+
+
+def schedule_job(payload: bytes) -> bytes:
+    """A worker process's job: a pickled (GroupProblem, config, the derived
+    sizes it names) scheduled; the schedule as isl's text (the caller builds
+    its AST again) with the rest of its Scheduled and the stages' seconds,
+    pickled."""
+    from ..compiler import StageTimer
+    try:
+        problem, config, derived = pickle.loads(payload)
+        if not all(sz.define(name, *definition) for name, definition in derived.items()):
+            return pickle.dumps(("error", "a derived size's name stands for another here"))
+        timer = StageTimer()
+        s = _schedule_problem(problem, config, timer)
+        return pickle.dumps((s.schedule.to_str(), s.contracted, s.kernels, s.kernel_of_array, s.refused,
+                             timer.detail))
+    except Exception as e:  # noqa: BLE001  (the caller schedules the group itself)
+        return pickle.dumps(("error", repr(e)))
 
 
 GROUP_CACHE = 4096  # scheduled groups kept per process
@@ -266,9 +341,7 @@ def _schedule_problem(problem: "GroupProblem", config: tuple, timer) -> Schedule
     with timer("schedule/rewrites"):
         sched = order_sets(target.schedule_rewrites(sched, prog, validity, tile_sizes), validity)
     with timer("schedule/ast"):
-        params = prog.prefix() + "{ : " + sz.param_context(prog.params) + " }"
-        build = isl.AstBuild.from_context(isl.Set.read_from_str(ctx, params))
-        ast = build.node_from_schedule(sched)
+        ast = _ast(ctx, prog, sched)
         kernels = [statements_in(k) for k in kernel_nodes(ast)]
     with timer("schedule/contract"):
         contracted = contract(ctx, prog, sched, dom, kernels, problem.shared, access)
@@ -278,6 +351,18 @@ def _schedule_problem(problem: "GroupProblem", config: tuple, timer) -> Schedule
     return Scheduled(sched, ast, contracted, kernels, kernel_of_each_array(prog, kernels), plan.refused if plan else [])
 
 
-@contextmanager
-def _no_timer(stage: str):
-    yield
+def _ast(ctx: isl.Context, prog: AffineProgram, sched: isl.Schedule) -> isl.AstNode:
+    params = prog.prefix() + "{ : " + sz.param_context(prog.params) + " }"
+    return isl.AstBuild.from_context(isl.Set.read_from_str(ctx, params)).node_from_schedule(sched)
+
+
+class _NoTimer:
+    @contextmanager
+    def __call__(self, stage: str):
+        yield
+
+    def add(self, stage: str, seconds: float) -> None:
+        pass
+
+
+_no_timer = _NoTimer()
