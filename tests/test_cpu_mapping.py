@@ -98,6 +98,29 @@ def test_batch_norm_backward_in_nchw_runs_on_the_thread_team(rng):
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
 
 
+def test_channels_last_sums_run_in_strips_on_the_thread_team(rng):
+    """A batch norm's per-channel sums over NHWC's N, H and W (a flax CNN's
+    gradient), where the channels are too few to share: cut into a strip
+    of images per thread (targets.cpu.column_strips), the strips summed on
+    the team with the channels innermost, then added in a kernel of their
+    own (fused with the strips, the addition made their loop sequential)."""
+    def sums(g, x):
+        gx = g * x
+        return ops.sum(g, [0, 1, 2]), ops.sum(ops.maximum(gx, 0.0) * x, [0, 1, 2])
+    shapes = [(8, 16, 16, 32)] * 2
+    plans = _mapping(sums, shapes, num_threads=2, cache=False)
+    assert len(plans) >= 2 and all(p.startswith("thread team; parallel") for p in plans), plans
+    exe = polyjit.compile(sums, [InputInfo(list(s), F32) for s in shapes], {"num_threads": 2, "cache": False})
+    g, x = (rng.standard_normal(s).astype(F32) for s in shapes)
+    s1, s2 = exe(g, x)
+    np.testing.assert_allclose(s1, g.sum((0, 1, 2)), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(s2, (np.maximum(g * x, 0) * x).sum((0, 1, 2)), rtol=1e-4, atol=1e-4)
+    lines = exe.ir("ast").splitlines()
+    update = next(k for k, line in enumerate(lines) if line.strip().startswith("S1("))
+    channel = re.match(r"\s*S1\(c\d+, (c\d+)", lines[update]).group(1)
+    assert f"for (int {channel} =" in lines[update - 1], exe.ir("ast")
+
+
 @pytest.mark.parametrize("axes", [[0], [0, 1]])
 def test_column_sums_keep_their_columns_innermost(axes, rng):
     """A bias gradient (sums down the rows of [512, 1024], or over the

@@ -215,7 +215,7 @@ def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None, 
     config = (fusion, tile_sizes, target, fuse)
     plan = FusionPlan() if fuse else None
     with timer("schedule/groups"):
-        names = fusion_groups(prog, epilogues=fuse, plan=plan)
+        names = fusion_groups(prog, epilogues=fuse, plan=plan, sums_apart=target.sums_sums_apart)
     users: dict[str, set[int]] = {}
     for g, group in enumerate(names):
         for s in prog.statements:

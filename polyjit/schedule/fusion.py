@@ -29,7 +29,7 @@ class FusionPlan:
 
 
 def fusion_groups(prog: AffineProgram, epilogues: bool = False,
-                  plan: FusionPlan | None = None) -> list[list[str]]:
+                  plan: FusionPlan | None = None, sums_apart: bool = False) -> list[list[str]]:
     """Runs of statements, in program order, that isl may fuse together.
 
     Program order is a topological order of the dataflow, so consecutive runs
@@ -40,7 +40,8 @@ def fusion_groups(prog: AffineProgram, epilogues: bool = False,
     contraction (its initialization and update, with epilogues its
     elementwise consumers) is a group of its own; other runs are cut at
     MAX_GROUP statements (a sum's initialization going with its update),
-    and before a strided window (_strided_window). A convolution's taps
+    and before a strided window (_strided_window) or, with sums_apart, a
+    reduction of a reduction's results (_sums_a_sum). A convolution's taps
     (role TAPS: im2col, a padded copy) start a group: fused with their
     producer (a batch norm and relu), isl's shifted nest wrote the taps out
     of memory order, 0.38 ms against 0.15 for the two passes (2x64x28x28,
@@ -74,7 +75,8 @@ def fusion_groups(prog: AffineProgram, epilogues: bool = False,
                 groups.append(current)
                 current = []
             continue
-        if current and (len(current) >= MAX_GROUP or _reads_reshaped(s, current, prog)):
+        if current and (len(current) >= MAX_GROUP or _reads_reshaped(s, current, prog)
+                        or sums_apart and _sums_a_sum(s, current, prog)):
             held = [current.pop()] if s.role is Role.UPDATE and current[-1] in inits else []
             if current:
                 groups.append(current)  # (a sum's initialization goes with it)
@@ -128,6 +130,23 @@ def _epilogue_of(s, update, prog: AffineProgram) -> bool:
     shape = prog.arrays[update.array].shape
     return all(sz.isl_str(bounds[it][0]) == "0" and sz.isl_str(bounds[it][1]) == sz.isl_str(shape[k])
                for k, it in enumerate(its))
+
+
+def _sums_a_sum(s, group: list[str], prog: AffineProgram) -> bool:
+    """Whether s combines several results of a reduction in group: along
+    its own reduced dimensions, or at several positions (a short sum
+    inlined; column strips' sums added: targets.cpu.column_strips). Fused,
+    isl ran it in the last iteration of the loop over those results, which
+    then carried a dependence and ran on one thread."""
+    summed = {t.array for t in prog.statements if t.name in group and t.role is Role.UPDATE}
+    red = set(s.reduction_iters)
+    positions: dict[str, set] = {}
+    for ld in loads(s.body):
+        if ld.array in summed:
+            if any(isinstance(x, Var) and x.name in red for i in ld.index for x in walk(i)):
+                return True
+            positions.setdefault(ld.array, set()).add(ld.index)
+    return any(len(p) > 1 for p in positions.values())
 
 
 def _reads_reshaped(s, group: list[str], prog: AffineProgram) -> bool:

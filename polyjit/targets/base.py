@@ -39,6 +39,7 @@ class Target:
     recompute_limit: int = RECOMPUTE_LIMIT  # extra work lowering accepts to inline a value read more than once
     fuses_epilogues: bool = False  # contractions may share a nest with their elementwise consumers
     clusters_first: bool = False  # isl's clustering scheduler before its whole-component one (its mapping reads either)
+    sums_sums_apart: bool = False  # a reduction of a reduction's results starts a fusion group (fusion._sums_a_sum)
     column_convolutions: bool = False  # generated channels-first convolutions as products over their columns
     library: str = ""  # the vendor library under generated contractions
     times_library: bool = False  # time each contraction both ways (else the library wherever it applies)
