@@ -36,8 +36,8 @@ def check_execution_backend(framework: str, value: str) -> None:
         raise CompileOptionError(f"execution_backend is {value!r}; allowed values: {list(allowed)}")
 
 _DTYPES = {"float32": DataType.Float, "float64": DataType.Double, "float16": DataType.Half,
-           "bfloat16": DataType.BFloat16, "int32": DataType.Int32, "uint32": DataType.UInt32, "int64": DataType.Int,
-           "bool": DataType.Bool}
+           "bfloat16": DataType.BFloat16, "int8": DataType.Int8, "uint8": DataType.UInt8, "int16": DataType.Int16,
+           "int32": DataType.Int32, "uint32": DataType.UInt32, "int64": DataType.Int, "bool": DataType.Bool}
 
 
 def core_dtype(dt) -> DataType:

@@ -59,6 +59,7 @@ def _numpy_dtype(d: DataType) -> np.dtype | None:
 
 
 _DTYPES = {torch.float32: DataType.Float, torch.float64: DataType.Double, torch.float16: DataType.Half,
+           torch.int8: DataType.Int8, torch.uint8: DataType.UInt8, torch.int16: DataType.Int16,
            torch.int32: DataType.Int32, torch.int64: DataType.Int, torch.bool: DataType.Bool}
 if _numpy_dtype(DataType.BFloat16) is not None:
     _DTYPES[torch.bfloat16] = DataType.BFloat16

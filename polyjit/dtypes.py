@@ -10,6 +10,9 @@ class DataType(enum.Enum):
     """Element types, named as nvFuser names them."""
 
     Bool = "bool"
+    Int8 = "int8"
+    UInt8 = "uint8"
+    Int16 = "int16"
     Int32 = "int32"
     UInt32 = "uint32"
     Int = "int64"
@@ -24,11 +27,11 @@ class DataType(enum.Enum):
 
     @property
     def is_int(self) -> bool:
-        return self in (DataType.Int32, DataType.UInt32, DataType.Int)
+        return self in _INTS
 
     @property
     def is_unsigned(self) -> bool:
-        return self is DataType.UInt32
+        return self in (DataType.UInt8, DataType.UInt32)
 
     @property
     def itemsize(self) -> int:
@@ -53,10 +56,14 @@ class DataType(enum.Enum):
 
 
 _FLOATS = (DataType.Half, DataType.BFloat16, DataType.Float, DataType.Double)
-_ITEMSIZE = {DataType.Bool: 1, DataType.Int32: 4, DataType.UInt32: 4, DataType.Int: 8, DataType.Half: 2,
-             DataType.BFloat16: 2, DataType.Float: 4, DataType.Double: 8}
-_RANK = {DataType.Bool: 0, DataType.Int32: 1, DataType.UInt32: 1, DataType.Int: 2, DataType.Half: 3,
-         DataType.BFloat16: 3, DataType.Float: 4, DataType.Double: 5}
+_INTS = (DataType.Int8, DataType.UInt8, DataType.Int16, DataType.Int32, DataType.UInt32, DataType.Int)
+_ITEMSIZE = {DataType.Bool: 1, DataType.Int8: 1, DataType.UInt8: 1, DataType.Int16: 2, DataType.Int32: 4,
+             DataType.UInt32: 4, DataType.Int: 8, DataType.Half: 2, DataType.BFloat16: 2, DataType.Float: 4,
+             DataType.Double: 8}
+_RANK = {DataType.Bool: 0, DataType.Int8: 1, DataType.UInt8: 1, DataType.Int16: 2, DataType.Int32: 3,
+         DataType.UInt32: 3, DataType.Int: 4, DataType.Half: 5, DataType.BFloat16: 5, DataType.Float: 6,
+         DataType.Double: 7}
+_WIDER_SIGNED = {1: DataType.Int16, 2: DataType.Int32, 4: DataType.Int}  # holds both an unsigned type and a signed one
 
 
 def _bfloat16() -> np.dtype:
@@ -94,8 +101,9 @@ def promote(a: DataType, b: DataType) -> DataType:
         return a
     if {a, b} == {DataType.Half, DataType.BFloat16}:
         return DataType.Float
-    if {a, b} == {DataType.Int32, DataType.UInt32}:
-        return DataType.Int
+    if a.is_int and b.is_int and a.is_unsigned != b.is_unsigned:  # (uint8 and int8: int16, as numpy and torch)
+        u, s = (a, b) if a.is_unsigned else (b, a)
+        return s if s.itemsize > u.itemsize else _WIDER_SIGNED[u.itemsize]
     return a if _RANK[a] >= _RANK[b] else b
 
 

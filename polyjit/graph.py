@@ -102,8 +102,8 @@ def _norm_axis(axis: int, rank: int, what: str = "axis") -> int:
 
 def _accumulated(op: str, dt: DataType) -> DataType:
     """The type a reduction by op accumulates dt in: sums and products of
-    booleans and int32 in int64, as torch's do."""
-    return DataType.Int if op in scalar.WIDENING and dt in (DataType.Bool, DataType.Int32) else dt
+    booleans and narrower integers in int64, as torch's do."""
+    return DataType.Int if op in scalar.WIDENING and (dt is DataType.Bool or dt.is_int) else dt
 
 
 class _Shapes:

@@ -198,5 +198,7 @@ def identity(combine: str, dt: DataType):
         return combine == "min"
     if dt.is_float:
         return -math.inf if combine == "max" else math.inf
+    if dt.is_unsigned:
+        return 0 if combine == "max" else 2 ** (8 * dt.itemsize) - 1
     bits = 8 * dt.itemsize - 1
     return -(2 ** bits) if combine == "max" else 2 ** bits - 1

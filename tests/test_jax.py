@@ -324,6 +324,18 @@ def test_split_and_fold_in_keys_bit_for_bit(rng, typed):
     check(fn, k, x)
 
 
+def test_uint8_images(rng):
+    """A uint8 batch of images scaled to floats, its maxima and quotients."""
+    def prep(img):
+        return (img.astype(jnp.float32) / 255.0 - 0.5) * 2.0, img.max(axis=(1, 2)), img // 3, img.astype(jnp.int8) * 2
+    img = rng.integers(0, 256, (4, 8, 8, 3), dtype=np.uint8)
+    f = polyjit.jit_jax(prep, compile_options={"strict": True})
+    for got, want in zip(f(img), jax.jit(prep)(img)):
+        assert got.dtype == want.dtype
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    assert f.stats["fallbacks"] == 0
+
+
 def test_flax_dropout_forward_and_gradient(rng):
     """flax's Dropout draws from a key folded in by its stream's name."""
     nn = pytest.importorskip("flax.linen")

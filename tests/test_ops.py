@@ -294,6 +294,33 @@ def test_dtypes_arithmetic(dtype, rng):
     close(got, want.astype(dtype) if dtype in (np.int32, np.int64) else want, rtol=tol, atol=tol * 10)
 
 
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int16])
+def test_narrow_integers_wrap_promote_and_reduce_as_numpy(dtype, rng):
+    """8- and 16-bit integers (images as uint8): arithmetic wraps around;
+    uint8 with int8 gives int16; max and min start from the type's own
+    extremes (uint8's lowest is 0); sums accumulate in int64, as torch's."""
+    info = np.iinfo(dtype)
+    a, b = (rng.integers(info.min, info.max, (6, 70), endpoint=True).astype(dtype) for _ in range(2))
+    got, _ = run(lambda x, y: x * y + x - y, a, b)
+    with np.errstate(over="ignore"):
+        close(got, a * b + a - b)
+    (hi, lo, total), _ = run(lambda x: (ops.max(x, [1]), ops.min(x, [1]), ops.sum(x)), a)
+    close(hi, a.max(1))
+    close(lo, a.min(1))
+    small = (a % 16).astype(dtype)  # (below the middle of uint8's range, where a signed start would sit)
+    (hi, lo), _ = run(lambda x: (ops.max(x, [1]), ops.min(x, [1])), small)
+    close(hi, small.max(1))
+    close(lo, small.min(1))
+    assert total.dtype == np.int64 and total == a.astype(np.int64).sum()
+    other = np.int8 if dtype == np.uint8 else np.uint8
+    c = rng.integers(0, 100, (6, 70)).astype(other)
+    mixed, _ = run(lambda x, y: x + y, a, c)
+    assert mixed.dtype == np.result_type(dtype, other)
+    close(mixed, a.astype(mixed.dtype) + c)
+    f, _ = run(lambda x: ops.cast(x, F32) / 255.0, a)
+    close(f, a.astype(F32) / 255.0)
+
+
 @pytest.mark.parametrize("op", ["sum", "max", "min", "prod"])
 @pytest.mark.parametrize("axes,keep", [((1,), False), ((0, 2), True), (None, False), ((-1,), True)])
 def test_reductions(op, axes, keep, rng):

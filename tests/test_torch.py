@@ -744,6 +744,27 @@ def test_new_dtype_recompiles():
         assert_close(out, torch.exp(x) + 1)
 
 
+def test_uint8_images_and_int8_arithmetic():
+    """uint8 images scaled to floats, their sums and maxima (torch sums
+    integers in int64), int8 with uint8 (int16), and int8 products that
+    wrap around: the dtypes and values eager gives, nothing in eager."""
+    def prep(img, m):
+        x = (img.float() / 255.0 - 0.5) * 2.0
+        return x, img.sum(), img.amax(dim=(2, 3)), img.amin(dim=1), img + m, (img // 7) % 5, img > 100
+
+    def wrap(x, y):
+        return x * y, x - y, torch.maximum(x, y), x.sum(0), x.abs(), x.to(torch.int16) * 300
+    img = torch.randint(0, 256, (2, 3, 8, 8), dtype=torch.uint8, device=DEVICE)
+    m = torch.randint(-128, 128, (8,), dtype=torch.int8, device=DEVICE)
+    x, y = (torch.randint(-128, 128, (16, 9), dtype=torch.int8, device=DEVICE) for _ in range(2))
+    for fn, args in ((prep, (img, m)), (wrap, (x, y))):
+        jf = polyjit.jit_torch(fn, compile_options={"target": TARGET, "strict": True})
+        for got, want in zip(jf(*args), fn(*args)):
+            assert got.dtype == want.dtype, (got.dtype, want.dtype)
+            assert_close(got, want)
+        assert jf.stats["fallbacks"] == 0
+
+
 def test_fallback_counted_warned_and_correct():
     def fn(x):
         return torch.special.bessel_j0(torch.sin(x) + 2) * 2

@@ -7,7 +7,7 @@ from llvmlite import ir
 
 from ..dtypes import DataType
 
-I1, I8, I32, I64 = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.IntType(64)
+I1, I8, I16, I32, I64 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 F16, F32, F64 = ir.HalfType(), ir.FloatType(), ir.DoubleType()
 PTR = ir.PointerType()
 BF16 = ir.BFloatType() if hasattr(ir, "BFloatType") else ir.IntType(16)
@@ -19,7 +19,7 @@ def storage_constant(dt: DataType, value) -> ir.Constant:
     return ir.Constant(STORAGE[dt], float(value) if dt.is_float else int(value))
 
 
-COMPUTE = {DataType.Bool: I1, DataType.Int32: I32, DataType.UInt32: I32, DataType.Int: I64, DataType.Half: F32,
+COMPUTE = {DataType.Bool: I1, DataType.Int8: I8, DataType.UInt8: I8, DataType.Int16: I16, DataType.Int32: I32, DataType.UInt32: I32, DataType.Int: I64, DataType.Half: F32,
            DataType.BFloat16: F32, DataType.Float: F32, DataType.Double: F64}
-STORAGE = {DataType.Bool: I8, DataType.Int32: I32, DataType.UInt32: I32, DataType.Int: I64, DataType.Half: F16,
+STORAGE = {DataType.Bool: I8, DataType.Int8: I8, DataType.UInt8: I8, DataType.Int16: I16, DataType.Int32: I32, DataType.UInt32: I32, DataType.Int: I64, DataType.Half: F16,
            DataType.BFloat16: BF16, DataType.Float: F32, DataType.Double: F64}

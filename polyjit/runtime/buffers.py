@@ -81,7 +81,8 @@ def new_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 def poison(a: np.ndarray) -> None:
     """Fill a with what POLYJIT_POISON writes (see new_buffer)."""
     kind = a.dtype.kind
-    a.fill(np.nan if kind == "f" else np.iinfo(a.dtype).max if kind == "u" else -7777 if kind == "i" else True)
+    a.fill(np.nan if kind == "f" else np.iinfo(a.dtype).max if kind == "u" else
+           max(-7777, np.iinfo(a.dtype).min) if kind == "i" else True)
 
 
 ALIGN = 64  # bytes: a cache line, an AVX-512 vector
