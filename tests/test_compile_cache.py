@@ -56,8 +56,8 @@ def test_llvm_runs_on_its_own_thread_while_groups_are_emitted(rng, monkeypatch):
     monkeypatch.setattr(workers, "_workers", workers.LlvmWorkers(0))
     events, threads = [], set()
     compile_object, submit = program.compile_object, program._submit
-    monkeypatch.setattr(program, "compile_object", lambda *job: (
-        threads.add(threading.current_thread().name), compile_object(*job))[1])
+    monkeypatch.setattr(program, "compile_object", lambda text: (
+        threads.add(threading.current_thread().name), compile_object(text))[1])
     monkeypatch.setattr(program, "_submit", lambda *a: (events.append(("llvm", None)), submit(*a))[1])
     scheduled = schedule._schedule_problem
     monkeypatch.setattr(schedule, "_schedule_problem", lambda *a: (events.append(("schedule", None)),

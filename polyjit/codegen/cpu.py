@@ -330,27 +330,23 @@ def prefer_wide_vectors(ir_text: str) -> str:
     return text + f'\nattributes #{WIDE} = {{ "prefer-vector-width"="512" }}\n'
 
 
-def optimize(mod: "llvm.ModuleRef", tm, unroll: bool = True) -> None:
-    """O3. unroll=False keeps LLVM from unrolling loops: a kernel without
-    reductions gains nothing from it (its register blocks are unrolled as
-    emitted), and its unrolled vector loops were most of a CNN's LLVM time
-    (bench/NOTES.md)."""
+def optimize(mod: "llvm.ModuleRef", tm) -> None:
     pto = llvm.create_pipeline_tuning_options(speed_level=3)
     pto.loop_vectorization = True
     pto.slp_vectorization = True
-    pto.loop_unrolling = unroll
+    pto.loop_unrolling = True
     pb = llvm.create_pass_builder(tm, pto)
     pm = pb.getModulePassManager()
     pm.run(mod, pb)
 
 
-def optimized_module(ir_text: str, tm, unroll: bool = True) -> tuple["llvm.ModuleRef", str]:
-    """The module of ir_text after O3 for tm's host (optimize), and its text
-    (with streaming stores); call with _lock held."""
+def optimized_module(ir_text: str, tm) -> tuple["llvm.ModuleRef", str]:
+    """The module of ir_text after O3 for tm's host, and its text (with
+    streaming stores); call with _lock held."""
     mod = llvm.parse_assembly(prefer_wide_vectors(ir_text))
     mod.verify()
     mod.triple, mod.data_layout = module_target()
-    optimize(mod, tm, unroll)
+    optimize(mod, tm)
     text = str(mod)
     optimized = streaming_stores(text)
     if optimized != text:

@@ -14,7 +14,6 @@ disk as it is (polyjit.cache).
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 import threading
@@ -101,29 +100,27 @@ def kernel_code(group: ScheduledGroup, j: int, config: str, timer, variant: tupl
             "_kernel", "_" + key[:16])
         emitter.kernel(j, node, plan)
         text = str(emitter.module)
-    kind = workers.OBJECT if plan.blocked else workers.PLAIN_OBJECT  # (reductions keep LLVM's unrolling)
     code = KernelCode(emitter.symbol, emitter.kernels[0].parallel, str(plan), text,
-                      workers.workers().submit(kind, text, functools.partial(_on_thread, kind=kind)))
+                      workers.workers().submit(workers.OBJECT, text, _on_thread))
     _codes.put((key, variant), code)
     return code, False
 
 
-def _on_thread(ir_text: str, kind: str = workers.OBJECT) -> Future:
-    return _submit(_timed_object, ir_text, kind)
+def _on_thread(ir_text: str) -> Future:
+    return _submit(_timed_object, ir_text)
 
 
-def _timed_object(ir_text: str, kind: str) -> tuple[str, bytes, float]:
+def _timed_object(ir_text: str) -> tuple[str, bytes, float]:
     start = time.perf_counter()
-    optimized, obj = compile_object(ir_text, kind)
+    optimized, obj = compile_object(ir_text)
     return optimized, obj, time.perf_counter() - start
 
 
-def compile_object(ir_text: str, kind: str = workers.OBJECT) -> tuple[str, bytes]:
-    """(optimized IR, object code) of a module, for this host; a
-    PLAIN_OBJECT's loops are not unrolled by LLVM."""
+def compile_object(ir_text: str) -> tuple[str, bytes]:
+    """(optimized IR, object code) of a module, for this host."""
     with _lock:
         tm = object_machine()
-        mod, optimized = optimized_module(ir_text, tm, unroll=kind != workers.PLAIN_OBJECT)
+        mod, optimized = optimized_module(ir_text, tm)
         return optimized, tm.emit_object(mod)
 
 

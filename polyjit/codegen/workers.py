@@ -32,7 +32,6 @@ from concurrent.futures import Future
 from typing import Callable
 
 OBJECT = "object"  # a job's kind: CPU object code (else the sm_XX of its PTX)
-PLAIN_OBJECT = "object-plain"  # CPU object code, loops not unrolled by LLVM (codegen.cpu.optimize)
 SCHEDULE = "schedule"  # a pickled fusion group scheduled (schedule.driver.schedule_job): bytes in, bytes out
 _SIZE = struct.Struct("<Q")
 _WORKER = "from polyjit.codegen.workers import main; main()"  # (not -m: the package imports this module)
@@ -71,7 +70,7 @@ def _receive(stream, count: int) -> list[bytes] | None:
 
 class LlvmWorkers:
     """Worker processes taking (kind, LLVM IR text) jobs; submit returns a
-    Future of (optimized IR, code, seconds): object bytes for OBJECT and PLAIN_OBJECT, PTX
+    Future of (optimized IR, code, seconds): object bytes for OBJECT, PTX
     text for an sm_XX. Until the first has started (its imports), jobs run
     on the caller's LLVM thread: a small program compiled first in a
     process waits for no worker."""
@@ -179,7 +178,7 @@ def _decoded(kind: str, reply: list[bytes]) -> tuple:
     (pickled result,) for SCHEDULE, else (optimized IR, object bytes or PTX text)."""
     if kind == SCHEDULE:
         return (reply[0],)
-    return reply[0].decode(), reply[1] if kind in (OBJECT, PLAIN_OBJECT) else reply[1].decode()
+    return reply[0].decode(), reply[1] if kind == OBJECT else reply[1].decode()
 
 
 def _unserved(payload: bytes) -> Future:
@@ -234,8 +233,8 @@ def main() -> None:
             _send(stdout, schedule_job(job[1]), b"")
             continue
         text = job[1].decode()
-        if kind in (OBJECT, PLAIN_OBJECT):
-            optimized, obj = compile_object(text, kind)
+        if kind == OBJECT:
+            optimized, obj = compile_object(text)
             _send(stdout, optimized.encode(), obj)
         else:
             optimized, ptx_text = ptx(text, kind)
