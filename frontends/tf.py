@@ -697,8 +697,20 @@ class _Trace:
     """A concrete function's graph as polyjit ops: inputs are the user's
     arguments, then the variables it reads."""
 
+    def variable_values(self) -> list[np.ndarray]:
+        """The variables' current values, read in one TensorFlow call: a
+        read op each from Python took 8 ms of a Keras MobileNetV2's 13 ms
+        call (262 variables), one tf.function reading them all 1.2 ms."""
+        if not self.variables:
+            return []
+        if self._reader is None:
+            variables = list(self.variables)
+            self._reader = tf.function(lambda: [v.read_value() for v in variables], autograph=False)
+        return [np.from_dlpack(t) for t in self._reader()]
+
     def __init__(self, cf, n_user: int) -> None:
         self.cf = cf
+        self._reader = None  # a tf.function reading every variable (variable_values)
         env: dict[str, Any] = {}
         placeholders = cf.graph.inputs
         self.invars: list[Value] = []
@@ -942,7 +954,7 @@ class TFFunction:
             return self._plain()(*args)
         try:
             trace, prog = self.program(arrays)
-            outs = prog(arrays + [np.from_dlpack(v.read_value()) for v in trace.variables])
+            outs = prog(arrays + trace.variable_values())
         except USER_ERRORS:
             raise
         except Exception as err:  # polyjit's own failure, or the program's error that TensorFlow raises too
