@@ -78,6 +78,26 @@ def test_keras_dense_layernorm_variables_are_inputs(rng):
     assert len(jf._programs) == 1
 
 
+def test_variables_are_read_in_one_tensorflow_call_per_call(rng, monkeypatch):
+    """A call reads the variables a program takes through one tf.function
+    made with its trace, not an eager read op per variable from Python
+    (most of a Keras MobileNetV2's call); an assignment is still seen."""
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dense(4)])
+    jf = polyjit.jit_tf(lambda x: model(x))
+    x = rnd(rng, 4, 8)
+    assert_close(jf(x), model(x), 1e-4, 1e-4)
+    from tensorflow.python.ops import resource_variable_ops
+
+    def refused(self):
+        raise AssertionError("a variable read from Python at a call")
+    monkeypatch.setattr(resource_variable_ops.BaseResourceVariable, "read_value", refused)
+    model.layers[1].kernel.assign(rng.standard_normal((16, 4)).astype(np.float32))
+    got = jf(x)
+    monkeypatch.undo()
+    assert_close(got, model(x), 1e-4, 1e-4)
+    assert jf.stats["fallbacks"] == 0
+
+
 def test_softmax_and_log_softmax(rng):
     check(tf.nn.softmax, rnd(rng, 8, 100))
     check(tf.nn.log_softmax, rnd(rng, 8, 100))
