@@ -173,7 +173,9 @@ class Op:
     graph, as ``ops.iota`` takes it; a :class:`KnownSizes` operand comes as
     a tuple of sizes (a scalar: one size). The rule raises
     UnsupportedOpError for arguments it refuses; None: not in the table.
-    ``run(values)`` executes the op in the framework instead."""
+    ``run(values)`` executes the op in the framework instead. ``loop``: a
+    while loop whose condition and body compile as programs of their own
+    (run by the host, an iteration at a time)."""
 
     name: str
     rule: Callable | None
@@ -182,6 +184,21 @@ class Op:
     outs: list  # Value
     run: Callable[[list], list]
     where: str = ""
+    loop: "WhileLoop | None" = None
+
+
+@dataclass
+class WhileLoop:
+    """A while loop's parts, each (invars, ops, outvars): the condition takes
+    its constants and the carried values and gives one boolean; the body
+    takes its constants and the carried values and gives them anew. The
+    op's operands are the condition's constants, the body's, then the
+    initial carried values."""
+
+    cond: tuple
+    body: tuple
+    cond_consts: int
+    body_consts: int
 
 
 def elementwise(name: str) -> Callable:
@@ -338,9 +355,42 @@ class _Fallback:
         self.op = op
 
     def run(self, values: dict) -> None:
-        args = [x.value if isinstance(x, Const) else x.array(values) if isinstance(x, KnownSizes) else values[id(x)]
-                for x in self.op.ins]
-        for v, o in zip(self.op.outs, self.op.run(args)):
+        for v, o in zip(self.op.outs, self.op.run(_operands(self.op, values))):
+            values[id(v)] = o
+
+
+def _operands(op: Op, values: dict) -> list:
+    return [x.value if isinstance(x, Const) else x.array(values) if isinstance(x, KnownSizes) else values[id(x)]
+            for x in op.ins]
+
+
+class _Loop:
+    """A while loop on the host: its condition and body are programs of
+    their own, called an iteration at a time (their unsupported ops fall
+    back as anywhere). Where the condition's value is not in host memory
+    (a GPU array), the framework runs the loop, counted as a fallback."""
+
+    def __init__(self, op: Op, options: CompileOptions, stats: Stats, name: str, framework: str,
+                 gpu_view) -> None:
+        loop = op.loop
+        self.op, self.loop, self.stats, self.framework = op, loop, stats, framework
+        self.cond = SegmentedProgram(*loop.cond, options, stats, f"{name}_cond", framework, gpu_view)
+        self.body = SegmentedProgram(*loop.body, options, stats, f"{name}_body", framework, gpu_view)
+
+    def run(self, values: dict) -> None:
+        args = _operands(self.op, values)
+        nc, nb = self.loop.cond_consts, self.loop.body_consts
+        cond_consts, body_consts, carry = args[:nc], args[nc:nc + nb], args[nc + nb:]
+        while True:
+            more = self.cond(cond_consts + carry)[0]
+            if not isinstance(more, (np.ndarray, np.generic, bool)):
+                fallback(self.stats, f"{self.op.name} (a condition in device memory)", self.framework, self.op.where)
+                carry = self.op.run(args)
+                break
+            if not bool(more):
+                break
+            carry = self.body(body_consts + carry)
+        for v, o in zip(self.op.outs, carry):
             values[id(v)] = o
 
 
@@ -370,6 +420,12 @@ class SegmentedProgram:
             self.steps.append(seg)
 
         for i, op in enumerate(ops):
+            if op.loop is not None:
+                if seg is not None:
+                    close(i)
+                    seg = None
+                self.steps.append(_Loop(op, options, stats, f"{name}_loop{next(count)}", framework, gpu_view))
+                continue
             if op.rule is not None:
                 seg = seg or _Segment(gpu_view)
                 try:

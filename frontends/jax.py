@@ -41,8 +41,8 @@ from polyjit.runtime.gpu_buffers import GpuView
 from polyjit.sizes import Lin
 from polyjit.targets import holding
 
-from .common import (Const, Op, SegmentedProgram, Stats, Value, check_execution_backend, core_dtype, elementwise,
-                     identity, internal_failure, logical, static_value)
+from .common import (Const, Op, SegmentedProgram, Stats, Value, WhileLoop, check_execution_backend, core_dtype,
+                     elementwise, identity, internal_failure, logical, static_value)
 
 SCAN_UNROLL_LIMIT = 64  # longest static scan (fori_loop) unrolled into the program
 # Results up to this size come from glibc's heap, reused (its dynamic mmap threshold
@@ -601,6 +601,8 @@ def _flatten(closed, args: list, out: list[Op]) -> list:
             results = _unroll_scan(eqn, ins, out)
         elif name == "cond" and not eqn.effects:
             results = _select_branch(eqn, ins, out)
+        elif name == "while" and not eqn.effects:
+            results = _while_loop(eqn, ins, out)
         elif (folded := _folded(eqn, ins)) is not None:
             results = folded
         else:
@@ -641,6 +643,24 @@ def _select_branch(eqn, ins, out: list[Op]) -> list:
         r = _value(v.aval)
         out.append(_eqn_op(jax.lax.select_n_p, {}, [index, *cases], [r], _where(eqn)))
         results.append(r)
+    return results
+
+
+def _while_loop(eqn, ins, out: list[Op]) -> list:
+    """lax.while_loop (and fori_loop over bounds known only at run time):
+    its condition and body compiled as programs of their own, the loop run
+    by the host (common.WhileLoop), rather than the whole loop in JAX."""
+    p = eqn.params
+
+    def part(closed) -> tuple:
+        closed = closed if hasattr(closed, "consts") else jcore.ClosedJaxpr(closed, ())
+        invars = [_value(v.aval) for v in closed.jaxpr.invars]
+        ops: list[Op] = []
+        return invars, ops, _flatten(closed, invars, ops)
+    results = [_value(v.aval) for v in eqn.outvars]
+    op = _eqn_op(eqn.primitive, dict(p), ins, results, _where(eqn), eqn)
+    out.append(dataclasses.replace(op, loop=WhileLoop(part(p["cond_jaxpr"]), part(p["body_jaxpr"]),
+                                                      p["cond_nconsts"], p["body_nconsts"])))
     return results
 
 

@@ -324,6 +324,28 @@ def test_split_and_fold_in_keys_bit_for_bit(rng, typed):
     check(fn, k, x)
 
 
+def test_while_loops_compile(rng):
+    """lax.while_loop with a run-time trip count, fori_loop over a bound
+    passed in, and Newton's iteration until it converges: condition and
+    body compiled (run by the host an iteration at a time), no fallback."""
+    def counted(x, n):
+        return jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, jnp.tanh(c[1]) * 1.5 + 0.1), (0, x))[1]
+
+    def fori(x, k):
+        return jax.lax.fori_loop(0, k, lambda i, y: y * 0.9 + jnp.sin(y) * i, x)
+
+    def newton(x):
+        def cond(c):
+            return (jnp.abs(c[0] * c[0] - x).max() > 1e-5) & (c[1] < 50)
+        return jax.lax.while_loop(cond, lambda c: (0.5 * (c[0] + x / c[0]), c[1] + 1), (x, 0))
+    x = rng.uniform(0.5, 2, (64,)).astype(np.float32)
+    for fn, args in ((counted, (x, 7)), (counted, (x, 0)), (fori, (x, 5)), (newton, (x,))):
+        jf = polyjit.jit_jax(fn, compile_options={"strict": True})
+        for got, want in zip(jax.tree_util.tree_leaves(jf(*args)), jax.tree_util.tree_leaves(jax.jit(fn)(*args))):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+        assert jf.stats["fallbacks"] == 0
+
+
 def test_uint8_images(rng):
     """A uint8 batch of images scaled to floats, its maxima and quotients."""
     def prep(img):
