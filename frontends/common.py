@@ -373,7 +373,7 @@ class _Loop:
     def __init__(self, op: Op, options: CompileOptions, stats: Stats, name: str, framework: str,
                  gpu_view) -> None:
         loop = op.loop
-        self.op, self.loop, self.stats, self.framework = op, loop, stats, framework
+        self.op, self.loop, self.stats, self.framework, self.strict = op, loop, stats, framework, options.strict
         self.cond = SegmentedProgram(*loop.cond, options, stats, f"{name}_cond", framework, gpu_view)
         self.body = SegmentedProgram(*loop.body, options, stats, f"{name}_body", framework, gpu_view)
 
@@ -384,7 +384,8 @@ class _Loop:
         while True:
             more = self.cond(cond_consts + carry)[0]
             if not isinstance(more, (np.ndarray, np.generic, bool)):
-                fallback(self.stats, f"{self.op.name} (a condition in device memory)", self.framework, self.op.where)
+                fallback(self.stats, f"{self.op.name} (a condition in device memory)", self.framework, self.op.where,
+                         self.strict)
                 carry = self.op.run(args)
                 break
             if not bool(more):

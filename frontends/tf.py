@@ -698,19 +698,13 @@ class _Trace:
     arguments, then the variables it reads."""
 
     def variable_values(self) -> list[np.ndarray]:
-        """The variables' current values, read in one TensorFlow call: a
-        read op each from Python took 8 ms of a Keras MobileNetV2's 13 ms
-        call (262 variables), one tf.function reading them all 1.2 ms."""
-        if not self.variables:
-            return []
-        if self._reader is None:
-            variables = list(self.variables)
-            self._reader = tf.function(lambda: [v.read_value() for v in variables], autograph=False)
-        return [np.from_dlpack(t) for t in self._reader()]
+        """The variables' current values, read in one TensorFlow call: an
+        eager read op per variable from Python was most of a Keras CNN's
+        call (bench/NOTES.md)."""
+        return [np.from_dlpack(t) for t in self._reader()] if self.variables else []
 
     def __init__(self, cf, n_user: int) -> None:
         self.cf = cf
-        self._reader = None  # a tf.function reading every variable (variable_values)
         env: dict[str, Any] = {}
         placeholders = cf.graph.inputs
         self.invars: list[Value] = []
@@ -734,6 +728,8 @@ class _Trace:
                 self.variables.append(var)
             else:
                 env[t.name] = Const(np.from_dlpack(cap))
+        variables = list(self.variables)
+        self._reader = tf.function(lambda: [v.read_value() for v in variables], autograph=False)
         self.ops: list[Op] = []
         for o in _in_order(cf.graph.get_operations()):
             if o.type in ("Placeholder", "NoOp"):

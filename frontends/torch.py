@@ -383,9 +383,8 @@ def _grid_corners(a, grid, interpolation_mode, padding_mode, align_corners):
 
 def _grid_sampler_2d(a, grid, interpolation_mode=0, padding_mode=0, align_corners=False):
     """aten.grid_sampler_2d, bilinear and nearest: the corners' values by
-    their weights. torch._decomp's decomposition (kept for bicubic) reflects
-    through an int8 tensor, a dtype polyjit lacks, and its backward needs
-    the corners anyway."""
+    their weights, the same corners its backward below reads (torch._decomp's
+    decomposition, kept for bicubic, has no backward)."""
     if interpolation_mode == 2:
         return _TORCH_GRID_SAMPLER_2D(a, grid, interpolation_mode, padding_mode, align_corners)
     values, _, weight, *_ = _grid_corners(a, grid, interpolation_mode, padding_mode, align_corners)
