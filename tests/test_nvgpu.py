@@ -1665,6 +1665,20 @@ def test_squeeze_excite_is_not_one_thread_per_image():
         [k.statements for k in prog.kernels]
 
 
+def test_a_depthwise_gradient_fused_with_its_producer_keeps_the_grid():
+    """A 5x5 depthwise convolution's input gradient between a batch norm's
+    gradient and a hardswish's (MobileNetV3-small's backward, 32x240x14x14):
+    fused through a buffer contracted to a thread's rows, it ran a thread
+    per image and channel, 7680 threads for 1.5 million points, the largest
+    kernels of the training step. Kept apart, each runs a thread per point."""
+    def grad(g, x, m, w, y):
+        a = (g - (x - m) * 0.5) * m  # a batch norm's gradient
+        c = ops.conv(a, w, [1, 1], [[2, 2], [2, 2]], [1, 1], 240)
+        return ops.where(y < 3.0, c * (y / 3.0 + 0.5), c)
+    plans = _mapping(grad, [(32, 240, 14, 14), (32, 240, 14, 14), (1, 240, 1, 1), (240, 1, 5, 5), (32, 240, 14, 14)])
+    assert not any(p.startswith(("nest per thread", "one thread")) for p in plans), plans
+
+
 def test_a_first_token_read_beside_its_producer_keeps_the_grid_over_symbolic_sizes():
     """A layer norm over [b, s, e] whose first token is also read (BERT's
     pooler), under symbolic sizes: fused into one nest, the token's copy

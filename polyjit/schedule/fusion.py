@@ -288,7 +288,10 @@ def starved(ast: isl.AstNode, prog: AffineProgram, contracted) -> bool:
     the floor, and a thread may take four strips' work (ResNet-18's last
     im2col, fused with its relu, took 0.7 ms a thread per image and channel),
     where one loop follows the grid: a sequence of nests under it has no
-    strips (a squeeze-excite block fused whole ran a thread per image)."""
+    strips (a squeeze-excite block fused whole ran a thread per image), nor
+    has a loop shorter than a strip, where the statements alone would fill
+    the device (a depthwise convolution's input gradient over its producer,
+    14x14 images, ran a thread per image and channel)."""
     stmts = {s.name: s for s in prog.statements}
     for node in kernel_nodes(ast):
         own = [stmts[n] for n in statements_in(node)]
@@ -302,10 +305,12 @@ def starved(ast: isl.AstNode, prog: AffineProgram, contracted) -> bool:
         if grid is not None and grid < GPU_THIN_GRID and _column_sum_read(own, sums):
             return True
         floor, per_thread = (GPU_GRID_FLOOR if sums else None), 16
-        if inner is not None and any(s.array in contracted for s in own):
-            grid, floor = grid and grid * -(-inner // GPU_STRIP), GPU_GRID_FLOOR // 2
-            per_thread = 4 * GPU_STRIP  # a strip's own rows are no loss
         widest = max((_parallel_extent(s) for s in (sums or own)), default=0)
+        if inner is not None and any(s.array in contracted for s in own):
+            strips = -(-inner // GPU_STRIP)
+            grid, floor = grid and grid * strips, GPU_GRID_FLOOR // 2
+            if strips > 1 or widest < GPU_GRID_FLOOR:  # a strip's own rows are no loss; a loop too short
+                per_thread = 4 * GPU_STRIP  # to strip leaves a thread its whole nest, a loss where the device would fill
         if grid is not None and (floor is None or grid < floor) and widest >= per_thread * grid:
             return True
     return False
