@@ -1679,6 +1679,15 @@ def test_a_depthwise_gradient_fused_with_its_producer_keeps_the_grid():
     assert not any(p.startswith(("nest per thread", "one thread")) for p in plans), plans
 
 
+def test_a_channels_last_image_mean_read_in_its_kernel_sums_in_strips():
+    """A squeeze-excite's mean over channels-last 14x14 images, scaled in
+    the same nest, ran a thread per image and channel, 196 values each: the
+    sum runs in strips of its own kernel, the scaling after it."""
+    plans = _mapping(lambda x: x * ops.sigmoid(ops.mean(x, [1, 2], True)), [(32, 14, 14, 240)])
+    assert any(p.startswith("atomic strips") for p in plans), plans
+    assert not any(p.startswith(("nest per thread", "one thread")) for p in plans), plans
+
+
 def test_a_first_token_read_beside_its_producer_keeps_the_grid_over_symbolic_sizes():
     """A layer norm over [b, s, e] whose first token is also read (BERT's
     pooler), under symbolic sizes: fused into one nest, the token's copy

@@ -279,8 +279,10 @@ def starved(ast: isl.AstNode, prog: AffineProgram, contracted) -> bool:
     thinner than GPU_THIN_GRID and a sum is not along rows (a batch norm's
     backward, its per-channel sums fused with the elementwise pass after
     them, ran a thread per channel: 16 of a ResNet-18 training step's 40
-    ms). Elementwise statements whose arrays are all kept whole gain
-    nothing from sharing a nest and lose a thread per element (ResNet-18's
+    ms), and where the grid is below GPU_GRID_FLOOR and a sum not along rows
+    is read in its own kernel (_column_sum_read). Elementwise statements
+    whose arrays are all kept whole gain nothing from sharing a nest and
+    lose a thread per element (ResNet-18's
     max pool, fused with its padded input along image rows, ran a row per
     thread, consecutive threads channels apart: 4.7 ms), whatever the grid.
     A kernel with contracted buffers may run strips of its next loop in
@@ -302,7 +304,7 @@ def starved(ast: isl.AstNode, prog: AffineProgram, contracted) -> bool:
         if grid is not None and grid < GPU_THIN_GRID and not all(map(_row_sum, sums)) \
                 and max((_parallel_extent(s) for s in own), default=0) >= 16 * grid:
             return True
-        if grid is not None and grid < GPU_THIN_GRID and _column_sum_read(own, sums):
+        if grid is not None and grid < GPU_GRID_FLOOR and _column_sum_read(own, sums):
             return True
         floor, per_thread = (GPU_GRID_FLOOR if sums else None), 16
         widest = max((_parallel_extent(s) for s in (sums or own)), default=0)
@@ -321,9 +323,10 @@ def _column_sum_read(own: list, sums: list) -> bool:
     (codegen.gpu_mapping), is read by a statement of the same kernel: the
     strips would have to wait for each other, so the kernel keeps a thread
     per output (a bfloat16 bias gradient, summed in float32 and rounded in
-    the same nest, took 0.8 ms for 3 MB)."""
+    the same nest, took 0.8 ms for 3 MB; a channels-last squeeze-excite's
+    mean over 14x14 images ran a thread per image and channel)."""
     read = {ld.array for s in own if s.combine is None for ld in loads(s.body)}
-    return any(s.array in read and not _row_sum(s) and _reduction_extent(s) >= 4 * GPU_STRIP for s in sums)
+    return any(s.array in read and not _row_sum(s) and _reduction_extent(s) >= 2 * GPU_STRIP for s in sums)
 
 
 def _reduction_extent(s) -> int:
