@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from . import cache
 from . import sizes as sz
+from .collector import collector_paused
 from .graph import Graph
 from .runtime import CompiledProgram
 
@@ -87,7 +88,8 @@ class StageTimer:
 def compile_graph(graph: Graph, options: CompileOptions, name: str = "fn") -> CompiledProgram:
     """graph compiled by its target (options.target; None: the host's)."""
     from .targets import target
-    return target(options.target).compile(graph, options, name)
+    with collector_paused():
+        return target(options.target).compile(graph, options, name)
 
 
 PLAN_STATS = ("kernels", "statements", "fused", "inlined", "contracted_buffers", "parallel_kernels",

@@ -1,4 +1,7 @@
 """Targets own their passes: the driver and the scheduler ask the target, never test its name."""
+import gc
+import weakref
+
 import numpy as np
 import pytest
 
@@ -61,3 +64,70 @@ def test_kernels_shared_by_structure_follow_the_options_that_scheduled_them(rng)
     assert first.ir("ast") != other.ir("ast") and first.ir("llvm") != other.ir("llvm")
     assert other.stats["kernels_compiled"] >= 1
     np.testing.assert_allclose(other(a, b), a.astype(np.float64) @ b, rtol=1e-4, atol=1e-4)
+
+
+class _Watcher(CpuTarget):
+    """The CPU's code, noting whether Python's collector is on as it
+    compiles; its graph passes raise where asked."""
+
+    name = "watcher"
+
+    def __init__(self, fail: bool) -> None:
+        self.fail, self.collecting = fail, []
+
+    def graph_passes(self, graph, options):
+        self.collecting.append(gc.isenabled())
+        if self.fail:
+            raise RuntimeError("the watcher's compile fails")
+        return super().graph_passes(graph, options)
+
+
+def test_the_collector_is_off_while_compiling_and_as_it_was_after(monkeypatch):
+    """Python's cyclic collector is held back while a program compiles and
+    is on again after, also after a compile that raises; one the caller
+    turned off stays off."""
+    was = gc.isenabled()
+    try:
+        for enabled in (True, False):
+            (gc.enable if enabled else gc.disable)()
+            for fail in (False, True):
+                watcher = _Watcher(fail)
+                monkeypatch.setitem(targets.TARGETS, "watcher", watcher)
+                compile_ = lambda: polyjit.compile(ops.exp, [InputInfo((4,), F32)],  # noqa: E731
+                                                   {"target": "watcher", "cache": False})
+                if fail:
+                    with pytest.raises(RuntimeError, match="watcher"):
+                        compile_()
+                else:
+                    np.testing.assert_allclose(compile_()(np.ones(4, F32)), np.exp(np.ones(4, F32)), rtol=1e-6)
+                assert watcher.collecting == [False] and gc.isenabled() == enabled
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
+def test_a_held_back_collector_still_frees_young_cycles_and_resumes_after_the_last_block(monkeypatch):
+    """Blocks that overlap (compiles on several threads) turn the collector
+    back on when the last ends; inside, collect_young frees the cycles made
+    since the last collection (a compile's printed IR), not where the
+    caller had turned the collector off."""
+    from polyjit import collector
+
+    class Cycle:
+        def __init__(self) -> None:
+            self.me = self
+
+    monkeypatch.setattr(collector, "YOUNG_LIMIT", 0)
+    was = gc.isenabled()
+    try:
+        for enabled in (True, False):
+            (gc.enable if enabled else gc.disable)()
+            with collector.collector_paused():
+                with collector.collector_paused():
+                    cycle = weakref.ref(Cycle())
+                assert not gc.isenabled() and cycle() is not None
+                collector.collect_young()
+                assert (cycle() is None) == enabled
+            assert gc.isenabled() == enabled
+            gc.collect()
+    finally:
+        (gc.enable if was else gc.disable)()

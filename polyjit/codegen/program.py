@@ -26,6 +26,7 @@ from llvmlite import ir
 
 from ..affine import AffineProgram
 from ..cache import ProcessCache
+from ..collector import collect_young
 from ..errors import UnsupportedOpError
 from ..schedule import ProgramSchedule, ScheduledGroup
 from .blas import SGEMM, register_symbols
@@ -161,6 +162,7 @@ class CodeSet:
             code, reused = kernel_code(group, j, self.config, self.timer, self.variant)
             if not reused:
                 self.new.append(code)
+                collect_young()  # (the kernel's llvmlite module, printed, is cycles now)
             out.append(code)
         return out
 

@@ -21,6 +21,7 @@ import numpy as np
 from .. import sizes as sz
 from ..affine import Array
 from ..codegen.llvm import KernelInfo
+from ..collector import collector_paused
 from ..errors import InputError
 from ..sizes import Lin
 from . import launch
@@ -174,7 +175,8 @@ class CompiledProgram:
         POLYJIT_PROFILE timing each kernel, a Python thread pool)."""
         if PROFILE or len(self.kernels) < NATIVE_MIN_KERNELS:
             return False
-        launcher = self._launcher(plan, f"{self.name}_call{next(_launchers)}")
+        with collector_paused():
+            launcher = self._launcher(plan, f"{self.name}_call{next(_launchers)}")
         return False if launcher is None else (launcher, launch.LAUNCH_T(launcher.address))
 
     def _run_native(self, native, inputs: list[int], results: list[int]) -> None:
@@ -194,7 +196,8 @@ class CompiledProgram:
         key = tuple((a.shape, a.strides, a.dtype) for a in like)
         plan = self._plans.get(key) or self._plan(like, key)
         self.stats["intermediate_bytes"] = plan.intermediate_bytes
-        return self._shown(self._launcher(plan, name))
+        with collector_paused():
+            return self._shown(self._launcher(plan, name))
 
     def _launcher(self, plan: "_CallPlan", name: str) -> "launch.NativeLauncher | None":
         """A plan's kernel calls as host code: its results are the outputs
