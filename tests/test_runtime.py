@@ -119,25 +119,48 @@ def test_workspace_layout_shares_bytes_of_disjoint_lifetimes():
     assert all(o % 64 == 0 for o in offsets.values())
 
 
-def test_temporaries_share_one_workspace_and_later_calls_run_from_host_code(rng, monkeypatch):
+def test_temporaries_share_one_workspace_and_calls_run_from_host_code(rng, monkeypatch):
     """Temporaries whose kernels do not overlap share the bytes of one
     workspace, the same block from call to call (no fresh pages); from a
-    plan's second call its kernels run from host code (runtime.launch).
-    The results are the same each way, and with POLYJIT_POISON each
-    temporary has bytes of its own, NaN before its kernel writes it."""
+    plan's first call its kernels run from host code (runtime.launch), built
+    then: a second call is no second compile. The results are the same each
+    way, and with POLYJIT_POISON each temporary has bytes of its own, NaN
+    before its kernel writes it."""
     from polyjit.runtime import program
     x = rng.standard_normal((64, 300)).astype(F32)
     ref = _layered_ref(x)
     for poison in (False, True):
         monkeypatch.setattr(program, "POISON", poison)
         exe = polyjit.compile(_layered, [InputInfo(x.shape, F32)], {"target": "cpu", "fusion": "none"})
-        outs = [exe(x) for _ in range(3)]
+        outs = [exe(x)]
+        plan = next(iter(exe.last._plans.values()))
+        assert len(exe.last.kernels) >= program.NATIVE_MIN_KERNELS and plan.native and plan.calls == 1
+        outs += [exe(x) for _ in range(2)]
         for y in outs:
             np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
-        plan = next(iter(exe.last._plans.values()))
-        assert len(exe.last.kernels) >= program.NATIVE_MIN_KERNELS and plan.native
+        assert plan.native is next(iter(exe.last._plans.values())).native  # (built once)
         shared = exe.stats["workspace_bytes"] < exe.stats["intermediate_bytes"] / 2
         assert shared != poison
+
+
+def test_the_first_plans_launcher_is_ready_at_its_first_call_a_later_ones_at_its_second(rng):
+    """The call that compiled a program builds its plan's launcher, so that
+    the second call is no second compile; a later signature (a symbolic
+    size at a new value) builds its own at its second call, one seen once
+    not being worth it. The first runs its kernels on the thread team, the
+    smaller second each kernel whole (too little work to share)."""
+    from polyjit.runtime import program
+    exe = polyjit.compile(_layered, [InputInfo((-1, 300), F32)], {"target": "cpu", "fusion": "none"})
+    threads = set()
+    for rows, first in ((64, True), (4, False)):
+        x = rng.standard_normal((rows, 300)).astype(F32)
+        for call in (1, 2):
+            np.testing.assert_allclose(exe(x), _layered_ref(x), rtol=1e-5, atol=1e-5)
+            plan = next(p for key, p in exe.last._plans.items() if key[0][0] == x.shape)
+            assert plan.calls == call and bool(plan.native) == (first or call == 2)
+        threads.add(plan.threads)
+    assert len(exe.last._plans) == 2 and len(exe.last.kernels) >= program.NATIVE_MIN_KERNELS
+    assert threads == {1, exe.last.num_threads} or exe.last.num_threads == 1
 
 
 def test_an_output_handed_out_twice_still_runs_from_host_code(rng):

@@ -29,6 +29,7 @@ from ..codegen.cpu import JitModule, ieee_floats
 I8, I32, I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
 ZERO = ir.Constant(I32, 0)
 PTR = I8.as_pointer()
+KERNEL_FN = ir.FunctionType(ir.VoidType(), [PTR, PTR, I64, I64])  # a CPU kernel: (buffers, ints, part, parts)
 LAUNCH_T = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p),
                             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)  # the launch function's type
 CUDA_ERROR_INVALID_CONTEXT = 201
@@ -163,9 +164,12 @@ class _Builder:
             b.store(ir.Constant(I64, address).inttoptr(PTR), self.slot(s))
         for k, value in enumerate(plan.ints):
             b.store(ir.Constant(I64, value), b.gep(self.ints, [ZERO, ir.Constant(I32, k)]))
-        places = [self.slot(k) for k in range(plan.slots)] + [b.gep(self.ints, [ZERO, ir.Constant(I32, k)])
-                                                              for k in range(len(plan.ints))]
-        self.places, self.argvs = places, {}
+        if cpu:
+            self._kernel_arguments()
+        else:
+            self.places = [self.slot(k) for k in range(plan.slots)] + [
+                b.gep(self.ints, [ZERO, ir.Constant(I32, k)]) for k in range(len(plan.ints))]
+            self.argvs = {}
         for step in plan.steps:
             if isinstance(step, Run):
                 self._run(step)
@@ -264,23 +268,32 @@ class _Builder:
         self.checked(b.call(call, [ir.Constant(I64, step.function).inttoptr(PTR), *dims, self.stream, argv,
                                    ir.Constant(PTR.as_pointer(), None)]), step.what)
 
-    def _run(self, step: Run) -> None:
-        """A CPU kernel, whole or on libgomp's team."""
-        b = self.b
-        kernel = b.inttoptr(ir.Constant(I64, step.kernel),
-                            ir.FunctionType(ir.VoidType(), [PTR, PTR, I64, I64]).as_pointer())
-        buffers, numbers = b.bitcast(self.pointers, PTR), b.bitcast(self.ints, PTR)
-        if step.threads <= 1:
-            b.call(kernel, [buffers, numbers, ir.Constant(I64, 0), ir.Constant(I64, 1)])
+    def _kernel_arguments(self) -> None:
+        """What every CPU kernel call shares, made once: the argument block's
+        two halves as pointers and, where a kernel runs on the team, the
+        trampoline's data (the kernel's own address stored at each)."""
+        b, steps = self.b, self.plan.steps
+        self.buffers, self.numbers = b.bitcast(self.pointers, PTR), b.bitcast(self.ints, PTR)
+        if not any(isinstance(s, Run) and s.threads > 1 for s in steps):
             return
         data = b.alloca(ir.ArrayType(PTR, 5))
-        team = [b.bitcast(kernel, PTR), buffers, numbers] + [
+        shared = [self.buffers, self.numbers] + [
             ir.Constant(I64, self.symbols[n]).inttoptr(PTR) for n in ("omp_get_thread_num", "omp_get_num_threads")]
-        for k, v in enumerate(team):
+        for k, v in enumerate(shared, 1):
             b.store(v, b.gep(data, [ZERO, ir.Constant(I32, k)]))
-        parallel = self.function("GOMP_parallel", PTR, PTR, I32, I32, result=ir.VoidType())
-        b.call(parallel, [ir.Constant(I64, self.symbols["polyjit_omp_part"]).inttoptr(PTR), b.bitcast(data, PTR),
-                          ir.Constant(I32, step.threads), ir.Constant(I32, 0)])
+        self.team_kernel, self.team_data = b.gep(data, [ZERO, ZERO]), b.bitcast(data, PTR)
+        self.parallel = self.function("GOMP_parallel", PTR, PTR, I32, I32, result=ir.VoidType())
+        self.trampoline = ir.Constant(I64, self.symbols["polyjit_omp_part"]).inttoptr(PTR)
+
+    def _run(self, step: Run) -> None:
+        """A CPU kernel, whole or on libgomp's team (GOMP_parallel returns once the team is done with it)."""
+        b = self.b
+        if step.threads <= 1:
+            kernel = b.inttoptr(ir.Constant(I64, step.kernel), KERNEL_FN.as_pointer())
+            b.call(kernel, [self.buffers, self.numbers, ir.Constant(I64, 0), ir.Constant(I64, 1)])
+            return
+        b.store(ir.Constant(I64, step.kernel).inttoptr(PTR), self.team_kernel)
+        b.call(self.parallel, [self.trampoline, self.team_data, ir.Constant(I32, step.threads), ZERO])
 
     def _library(self, step: LibraryStep) -> None:
         """The calls in order, holding the launcher's lock (a handle's stream

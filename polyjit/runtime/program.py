@@ -30,7 +30,7 @@ from .threads import OmpTeam, thread_team
 
 PARALLEL_MIN_ELEMENTS = 1 << 15
 _launchers = itertools.count(1)  # native launchers' names are unique
-NATIVE_MIN_KERNELS = 8  # programs of this many kernels run a plan's second and later calls from host code
+NATIVE_MIN_KERNELS = 8  # programs of this many kernels run a plan's calls from host code
 PROFILE = os.environ.get("POLYJIT_PROFILE", "") not in ("", "0")  # kernel seconds in stats
 
 
@@ -134,7 +134,7 @@ class CompiledProgram:
         if POISON:
             for _, offset, shape, dt in plan.temps:
                 poison(work[offset:offset + math.prod(shape) * dt.itemsize].view(dt))
-        if plan.native is None and plan.calls:  # (a program called once is not worth the launcher's compile)
+        if plan.native is None and plan.calls >= plan.launch_after:
             plan.native = self._native_call(plan)
         plan.calls += 1
         if plan.native:
@@ -172,7 +172,11 @@ class CompiledProgram:
         """The plan's kernels as one host-code call (runtime.launch), which
         saves a model of a hundred kernels the Python and ctypes work around
         each; False where that does not pay or cannot be built (few kernels,
-        POLYJIT_PROFILE timing each kernel, a Python thread pool)."""
+        POLYJIT_PROFILE timing each kernel, a Python thread pool). The
+        program's first plan builds it at once: its call compiled the
+        program, and a second call that builds it would be a second, smaller
+        compile. A later signature's plan (symbolic sizes at new values)
+        builds it at its second call: one seen once is not worth it."""
         if PROFILE or len(self.kernels) < NATIVE_MIN_KERNELS:
             return False
         with collector_paused():
@@ -296,7 +300,7 @@ class CompiledProgram:
             ints=(ctypes.c_int64 * max(len(ints), 1))(*ints),
             threads=self.num_threads if work >= PARALLEL_MIN_ELEMENTS else 1,
             intermediate_bytes=temp_bytes + (self.contracted_bytes(env) if self.contracted_bytes else 0),
-            returned=self.returned_shapes(env))
+            returned=self.returned_shapes(env), launch_after=1 if self._plans or key is None else 0)
         if key is not None:
             self._remember(key, plan)
         return plan
@@ -324,3 +328,4 @@ class _CallPlan:
     returned: dict  # outputs handed out reshaped: name -> shape
     native: Any = None  # (launcher, its function) running the kernels; False: none; None: not tried
     calls: int = 0
+    launch_after: int = 1  # calls before the native launcher is built (see CompiledProgram._native_call)
