@@ -28,7 +28,6 @@ from torch._decomp import core_aten_decompositions, get_decompositions
 from torch._dynamo.backends.common import aot_autograd
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupport
-from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from polyjit import ops
@@ -43,6 +42,7 @@ from polyjit import sizes as sz
 from polyjit.sizes import Lin
 from polyjit.targets import holding
 
+from . import torch_partition
 from .common import (USER_ERRORS, Stats, check_execution_backend, elementwise, fallback, internal_failure,
                      logical)
 
@@ -1653,7 +1653,7 @@ class PolyjitBackend:
         # min-cut partition): a GELU's intermediates are recomputed, fused into the backward
         backend = aot_autograd(fw_compiler=self._compiler("forward"), bw_compiler=self._compiler("backward"),
                                inference_compiler=self._compiler("inference"), decompositions=DECOMPOSITIONS,
-                               partition_fn=_partition)
+                               partition_fn=functools.partial(_partition, use_cache=self.options.cache))
         # attention as matmuls and softmax, which fuse, rather than a device's fused kernel
         with sdpa_kernel([SDPBackend.MATH]):
             return backend(gm, example_inputs)
@@ -1662,10 +1662,12 @@ class PolyjitBackend:
 _SAVED = "polyjit_saved"  # a forward graph's meta: its outputs' node names that only the backward reads
 
 
-def _partition(joint: torch.fx.GraphModule, joint_inputs, **kwargs):
-    """Inductor's min-cut partition, noting which of the forward's outputs
-    are saved for the backward (they follow its first num_fwd_outputs)."""
-    fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+def _partition(joint: torch.fx.GraphModule, joint_inputs, *, use_cache: bool = True, **kwargs):
+    """Inductor's min-cut partition (its decisions kept in the compile cache
+    unless ``use_cache`` is off: see torch_partition), noting which of the
+    forward's outputs are saved for the backward (they follow its first
+    num_fwd_outputs)."""
+    fw, bw = torch_partition.partition(joint, joint_inputs, use_cache=use_cache, **kwargs)
     outs = next(iter(fw.graph.find_nodes(op="output"))).args[0]
     k = kwargs.get("num_fwd_outputs", len(outs))
     shown = {getattr(n, "name", None) for n in outs[:k]}

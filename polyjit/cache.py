@@ -14,6 +14,9 @@ temporary file renamed into place, so readers see whole entries and two
 processes writing one key both succeed. Past ``POLYJIT_CACHE_BYTES``
 (1 GiB by default) the least recently used entries go.
 
+The torch frontend keeps its training steps' partitions (min-cut's
+decisions, as node names) in entries of their own: frontends/torch_partition.py.
+
 ``POLYJIT_CACHE_DIR`` picks the folder (default ``$XDG_CACHE_HOME/polyjit``
 or ``~/.cache/polyjit``); ``compile_options={"cache": False}`` skips it.
 

@@ -1,4 +1,5 @@
 """Compile time: per-stage timings, kernels compiled once per structure, the on-disk cache."""
+import collections
 import json
 import logging
 import os
@@ -361,6 +362,132 @@ def test_a_fresh_process_loads_a_torch_training_step_from_the_cache(tmp_path):
     assert cold["graphs"] == 2 and cold["cache_hits"] == 0 and cold["kernels_compiled"] > 0 and cold["fallbacks"] == 0
     assert warm == {"graphs": 2, "cache_hits": 2, "kernels_compiled": 0, "fallbacks": 0}
 
+
+
+PARTITION_SCRIPT = """
+import copy, json, sys, torch, polyjit
+import torch._functorch.partitioners as partitioners
+from polyjit.frontends import torch_partition
+if sys.argv[1] == "hit":  # a fresh process that finds the partition in the cache runs neither CSE nor solver
+    def refused(*a, **k):
+        raise AssertionError("min-cut ran")
+    partitioners.fx_graph_cse = partitioners.choose_saved_values_set = partitioners.solve_min_cut = refused
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(24, 48), torch.nn.GELU(), torch.nn.LayerNorm(48), torch.nn.Linear(48, 8))
+eager = copy.deepcopy(model)
+x = torch.randn(16, 24)
+y = torch.compile(model, backend="polyjit")(x)
+r = torch.randn_like(y)  # gradients compared through a random projection of the output
+(y * r).sum().backward()
+(eager(x) * r).sum().backward()
+err = max(float((p.grad - q.grad).abs().max() / q.grad.abs().max())
+          for p, q in zip(model.parameters(), eager.parameters()))
+stats = polyjit.frontends.torch.stats()
+print(json.dumps({"counts": dict(torch_partition.counts), "err": err,
+                  **{k: stats[k] for k in ("graphs", "cache_hits", "fallbacks")}}))
+"""
+
+
+def test_a_fresh_process_replays_the_training_steps_partition(tmp_path):
+    """min-cut's decisions (its CSE's replacements, the values the forward
+    saves) come from the cache in a second process: neither its CSE nor
+    its solver runs there, and the gradients are eager's."""
+    pytest.importorskip("torch")
+    [(cold, _)] = _run(tmp_path, script=PARTITION_SCRIPT.replace("sys.argv[1]", "'miss'"))
+    [(warm, err)] = _run(tmp_path, script=PARTITION_SCRIPT.replace("sys.argv[1]", "'hit'"))
+    assert cold["counts"] == {"solved": 1} and warm["counts"] == {"replayed": 1}, (cold, warm, err)
+    assert warm["graphs"] == 2 and warm["cache_hits"] == 2 and warm["fallbacks"] == 0
+    assert cold["err"] < 1e-4 and warm["err"] < 1e-4, (cold, warm)
+
+
+def _joint_graph():
+    """A small encoder layer's joint forward-backward graph as AOTAutograd
+    hands it to the partition (with the frontend's decompositions), and
+    the partition's arguments."""
+    import torch
+    from functorch.compile import nop
+    from torch._dynamo.backends.common import aot_autograd
+
+    from polyjit.frontends.torch import DECOMPOSITIONS
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    seen = []
+
+    def capture(joint, joint_inputs, **kwargs):
+        seen.append((_graph_copy(joint), joint_inputs, kwargs))
+        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=nop, bw_compiler=nop, decompositions=DECOMPOSITIONS, partition_fn=capture)
+    torch.compile(layer, backend=backend)(torch.randn(2, 5, 16)).sum().backward()
+    [found] = seen
+    return found
+
+
+def _graph_copy(gm):
+    """gm with a graph of its own, each node with its own meta dict (min-cut
+    writes to both)."""
+    import torch.fx as fx
+    graph, env = fx.Graph(), {}
+    for n in gm.graph.nodes:
+        env[n] = graph.node_copy(n, env.__getitem__)
+    return fx.GraphModule(gm, graph)
+
+
+def _nodes(gm) -> list:
+    """A graph node by node: name, op, target, arguments, value's shape, strides and dtype."""
+    import torch
+
+    def value(v):
+        if isinstance(v, torch.Tensor):
+            return (tuple(v.shape), v.stride(), v.dtype)
+        return tuple(value(x) for x in v) if isinstance(v, (list, tuple)) else repr(v)
+    return [(n.name, n.op, str(n.target), str(n.args), str(n.kwargs), value(n.meta.get("val")))
+            for n in gm.graph.nodes]
+
+
+def test_the_replayed_partition_is_min_cuts(tmp_path, monkeypatch):
+    """The partition made from the cached decisions is min-cut's own, node by
+    node: the forward's outputs (saved values among them), the backward's
+    placeholders and every node between. With the cache off, a decision
+    that does not fit the graph or a key that cannot be made, min-cut runs
+    as it is."""
+    pytest.importorskip("torch")
+    import torch._functorch.partitioners as partitioners
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    from polyjit.frontends import torch_partition
+    monkeypatch.setenv("POLYJIT_CACHE_DIR", str(tmp_path))
+    joint, joint_inputs, kwargs = _joint_graph()
+    fw, bw = min_cut_rematerialization_partition(_graph_copy(joint), joint_inputs, **kwargs)
+    expected = (_nodes(fw), _nodes(bw))
+    assert fw.code and len(expected[0]) > 20
+    off = torch_partition.partition(_graph_copy(joint), joint_inputs, use_cache=False, **kwargs)
+    assert (_nodes(off[0]), _nodes(off[1])) == expected and not list(tmp_path.iterdir())
+    monkeypatch.setattr(torch_partition, "counts", collections.Counter())
+    made = torch_partition.partition(_graph_copy(joint), joint_inputs, **kwargs)
+    [entry] = tmp_path.glob("*.pjc")
+    decision = cache.load(entry.stem)[0]
+    assert decision["cse"] and decision["saved"], decision  # (both steps have something to replay)
+
+    def refused(*a, **k):
+        raise AssertionError("min-cut ran")
+    with monkeypatch.context() as m:
+        m.setattr(partitioners, "solve_min_cut", refused)
+        m.setattr(partitioners, "fx_graph_cse", refused)
+        replayed = torch_partition.partition(_graph_copy(joint), joint_inputs, **kwargs)
+    assert torch_partition.counts == {"solved": 1, "replayed": 1}
+    for got in (made, replayed):
+        assert (_nodes(got[0]), _nodes(got[1])) == expected
+        assert (got[0].code, got[1].code) == (fw.code, bw.code)
+    # decisions that do not fit the graph, a key that cannot be made: min-cut as it is, silently
+    cache.store(entry.stem, {"partition": torch_partition.FORMAT, "cse": [["nowhere", "addmm"]], "saved": ["x"]}, [])
+    unfit = torch_partition.partition(_graph_copy(joint), joint_inputs, **kwargs)
+    monkeypatch.setattr(torch_partition, "_config_text", lambda: 1 / 0)
+    unkeyed = torch_partition.partition(_graph_copy(joint), joint_inputs, **kwargs)
+    for got in (unfit, unkeyed):
+        assert (_nodes(got[0]), _nodes(got[1])) == expected
+    assert torch_partition.counts == {"solved": 2, "replayed": 1}
 
 GPU_SCRIPT = """
 import hashlib, json, sys, numpy as np, polyjit
