@@ -14,6 +14,7 @@ disk as it is (polyjit.cache).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import threading
@@ -212,11 +213,20 @@ def _entry(module: ir.Module, name: str, target: str, bufs: list[int], ints: lis
 
 
 def entries_object(entries: str) -> bytes:
-    """Machine code of the entries module (loads, stores and calls: no passes)."""
+    """Machine code of the entries module (loads, stores and calls: no
+    passes), selected as at -O0: the same instructions as the kernels'
+    machine makes of it (bench/NOTES.md), in a fraction of the time, at the
+    end of each compile."""
     with _lock:
         mod = llvm.parse_assembly(entries)
         mod.triple, mod.data_layout = module_target()
-        return object_machine().emit_object(mod)
+        return _entries_machine().emit_object(mod)
+
+
+@functools.cache
+def _entries_machine():
+    """The target machine that makes entries' object code (use with _lock held)."""
+    return target_machine(0)
 
 
 class LoadedProgram:
