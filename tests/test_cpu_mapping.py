@@ -53,6 +53,19 @@ def test_mapping_names_each_kernels_decisions():
         assert gemm.startswith("thread team; BLAS sgemm of ") and gemm.endswith("per part")
 
 
+def test_a_fused_group_keeps_its_parallel_loops():
+    """A dense layer's input gradient broadcast over pooled cells (flax's
+    average pooling): isl's clustering scheduler put the weight's transpose
+    under the outer loops of the product that reads it, which then carried
+    the dependence, and both kernels ran on one thread. Scheduled again
+    without fusion, each keeps its parallel loop."""
+    def grad(r, w, x):
+        d = ops.matmul(r, ops.transpose(w, 0, 1))
+        return ops.reshape(d, [8, 1, 1, 64]) * x / 256.0
+    plans = _mapping(grad, [(8, 10), (64, 10), (8, 17, 17, 64)], cache=False)
+    assert all(p.startswith("thread team") for p in plans), plans
+
+
 def test_mapping_is_dumped_and_cached(tmp_path, monkeypatch):
     """The stage is in the debug folder, and in a program loaded from the compile cache."""
     monkeypatch.setenv("POLYJIT_CACHE_DIR", str(tmp_path / "cache"))

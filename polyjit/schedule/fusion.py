@@ -10,7 +10,7 @@ import islpy as isl
 from .. import sizes as sz
 from ..affine import TAPS, AffineProgram, Role
 from ..expr import QUASI_AFFINE, Const, Op, Var, loads, merged_index, select_parts, walk
-from .ast import kernel_nodes, statements_in
+from .ast import ast_nodes, kernel_nodes, statements_in
 from .cpu_rewrites import TILE_RED
 from .dependences import is_legal
 from .tree import (group_domain, is_product_init, is_update, isl_items, member_iter, plain_iters, product_inits,
@@ -314,6 +314,29 @@ def starved(ast: isl.AstNode, prog: AffineProgram, contracted) -> bool:
             if strips > 1 or widest < GPU_GRID_FLOOR:  # a strip's own rows are no loss; a loop too short
                 per_thread = 4 * GPU_STRIP  # to strip leaves a thread its whole nest, a loss where the device would fill
         if grid is not None and (floor is None or grid < floor) and widest >= per_thread * grid:
+            return True
+    return False
+
+
+CPU_SERIAL_POINTS = 1 << 14  # a statement's iterations (its reduction's aside) worth the thread team
+
+
+def serialized(ast: isl.AstNode, prog: AffineProgram) -> bool:
+    """cpu: whether a group's fusion left a kernel with no parallel loop
+    that holds a statement of CPU_SERIAL_POINTS iterations or more: isl's
+    clustering scheduler put a weight's transpose under the outer loops of
+    the broadcast product that reads it (a dense layer's input gradient
+    spread over 8x17x17x64 pooled cells, flax's average pooling), and those
+    loops, carrying the dependence, ran on one thread. A group scheduled
+    without fusion keeps each statement's own parallel loops."""
+    if len(prog.statements) < 2:
+        return False
+    stmts = {s.name: s for s in prog.statements}
+    for node in kernel_nodes(ast):
+        if any(n.get_type() == isl.ast_node_type.mark and n.mark_get_id().get_name().startswith("parallel:")
+               for n in ast_nodes(node)):
+            continue
+        if max((_parallel_extent(stmts[n]) for n in statements_in(node)), default=0) >= CPU_SERIAL_POINTS:
             return True
     return False
 
