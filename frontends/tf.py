@@ -593,6 +593,13 @@ def _fold_cast(o, x):
     return x
 
 
+def _numbers(o, xs: tuple) -> tuple:
+    """Operands that are integers or booleans (not floats, which _ints would truncate)."""
+    if not all(t.dtype.is_integer or t.dtype == tf.bool for t in o.inputs):
+        raise ValueError("a comparison of numbers that are not integers")
+    return xs
+
+
 def _fold_squeeze(o, x):
     dims = tuple(d % x.ndim for d in o.get_attr("squeeze_dims"))
     return np.squeeze(x, dims or None)
@@ -621,6 +628,13 @@ _FOLDS: dict[str, Callable | None] = {
     "Sub": lambda o, a, b: a - b, "Neg": lambda o, x: -x, "FloorDiv": lambda o, a, b: a // b,
     "Maximum": lambda o, a, b: np.maximum(a, b), "Minimum": lambda o, a, b: np.minimum(a, b),
     "Range": None,
+    # a loop's condition (see _Trace.unroll): on numbers only
+    **{name: (lambda f: lambda o, *xs: f(*map(_ints, _numbers(o, xs))))(f) for name, f in [
+        ("Less", np.less), ("LessEqual", np.less_equal), ("Greater", np.greater),
+        ("GreaterEqual", np.greater_equal), ("Equal", np.equal), ("NotEqual", np.not_equal),
+        ("LogicalAnd", np.logical_and), ("LogicalOr", np.logical_or), ("LogicalNot", np.logical_not)]},
+    "Max": lambda o, x, axes: _fold_reduce(np.max)(o, _ints(x), axes),
+    "Min": lambda o, x, axes: _fold_reduce(np.min)(o, _ints(x), axes),
 }
 _MEASURES = {"Shape", "ShapeN", "Size", "Rank"}  # ops that read their operands' shapes only
 _MAX_KNOWN = 64  # elements of a known-sizes result: shape arithmetic is small
@@ -731,14 +745,54 @@ class _Trace:
         variables = list(self.variables)
         self._reader = tf.function(lambda: [v.read_value() for v in variables], autograph=False)
         self.ops: list[Op] = []
-        for o in _in_order(cf.graph.get_operations()):
+        self.dropped: list[Op] = []
+        self.unrolling = 0  # depth of while loops being unrolled: what they cannot take aborts the unrolling
+        self.trace_ops(cf.graph.get_operations(), env, handles)
+        self.structure = cf.structured_outputs
+        flat = tf.nest.flatten(self.structure, expand_composites=True)
+        self.out_positions = [k for k, t in enumerate(flat) if isinstance(t, tf.Tensor)]
+        self.outvars = [env[flat[k].name] for k in self.out_positions]
+        self.flat = flat
+        self.ops = _live(self.ops, self.outvars)
+
+    def trace_ops(self, operations: list, env: dict, handles: dict) -> None:
+        """Translate a graph's operations into ``self.ops``: ``env`` maps the
+        names of its tensors to what they are (a Value, Const, KnownSizes or
+        :class:`_TensorList`), ``handles`` its variables' placeholders to
+        their handles. A while loop whose trip count is known here is unrolled
+        in place (:meth:`unroll`)."""
+        for o in _in_order(operations):
             if o.type in ("Placeholder", "NoOp"):
                 continue
             if o.type == "Const":
                 env[o.outputs[0].name] = Const(tf.make_ndarray(o.get_attr("value")))
                 continue
+            if self.unrolling and o.type != "ReadVariableOp" and any(t.name in handles for t in o.inputs):
+                raise UnsupportedOpError(f"{o.type} of a resource in a while loop")
             ins = [env[t.name] if o.type == "ReadVariableOp" or t.name not in handles else handles[t.name]
                    for t in o.inputs]  # a loop or call that reads variables itself gets them as variables
+            made = None
+            if o.type in ("While", "StatelessWhile"):
+                carried = self.unroll(o, [(env[t.name], handles.get(t.name)) for t in o.inputs])
+                if carried is not None:
+                    for t, (v, h) in zip(o.outputs, carried):
+                        env[t.name] = v
+                        if h is not None:
+                            handles[t.name] = h
+                    continue
+            elif o.type in _TENSOR_LISTS:
+                try:
+                    made = _TENSOR_LISTS[o.type](self, o, *ins)
+                except UnsupportedOpError:
+                    if self.unrolling:
+                        raise
+                    made = None
+                if made is not None and (o.type not in _LIST_MAKERS or self.unrolling):
+                    env[o.outputs[0].name] = made
+                    continue
+            if any(isinstance(x, _TensorList) and (x.value is None or self.unrolling) for x in ins):
+                raise UnsupportedOpError(f"{o.type} of a TensorList")
+            ins = [x.value if isinstance(x, _TensorList) else x for x in ins]
             folded = self.fold(o, ins)
             if folded is not None and all(isinstance(f, Const) for f in folded):
                 for t, f in zip(o.outputs, folded):
@@ -753,13 +807,45 @@ class _Trace:
                 env[t.name] = f if isinstance(f, Const) else v
                 if isinstance(f, KnownSizes):
                     self.known[id(v)] = f
+            if isinstance(made, _TensorList):  # the list itself, for what reads it whole (a loop run in TensorFlow)
+                made.value = outs[0]
+                env[o.outputs[0].name] = made
             self.ops.append(Op(o.type, TF_OPS.get(o.type), o, ins, outs, _lazy_runner(o), o.name))
-        self.structure = cf.structured_outputs
-        flat = tf.nest.flatten(self.structure, expand_composites=True)
-        self.out_positions = [k for k, t in enumerate(flat) if isinstance(t, tf.Tensor)]
-        self.outvars = [env[flat[k].name] for k in self.out_positions]
-        self.flat = flat
-        self.ops = _live(self.ops, self.outvars)
+
+    def unroll(self, o: tf.Operation, carried: list[tuple]) -> list[tuple] | None:
+        """A while loop (control flow v2) as its body traced once per
+        iteration, where its condition folds to a constant at each one (a
+        Keras RNN's: counters that start and step by constants): the steps
+        fuse, and no host turn per iteration. ``carried``: (value, handle)
+        per loop variable, a handle for a variable's resource. None where
+        the trip count is known only at run time, or the unrolled loop would
+        be too long: the loop runs in TensorFlow."""
+        cond, body = (o.graph._get_function(o.get_attr(k).name).graph for k in ("cond", "body"))
+        start = len(self.ops)
+        self.unrolling += 1
+        try:
+            for step in range(UNROLL_LIMIT + 1):
+                more = self.call(cond, carried)[0][0]
+                if not isinstance(more, Const):
+                    raise UnsupportedOpError("a trip count known only at run time")
+                if not more.value.item():
+                    return carried
+                if step == UNROLL_LIMIT or len(self.ops) - start > UNROLL_OPS_LIMIT:
+                    raise UnsupportedOpError("a loop too long to unroll")
+                carried = self.call(body, carried)
+        except UnsupportedOpError:
+            self.dropped.extend(self.ops[start:])  # their values stay alive: what is known is keyed by id
+            del self.ops[start:]
+            return None
+        finally:
+            self.unrolling -= 1
+
+    def call(self, graph, args: list[tuple]) -> list[tuple]:
+        """A function graph traced inline on ``args`` ((value, handle) each): its results, likewise."""
+        env = {t.name: v for t, (v, _) in zip(graph.inputs, args)}
+        handles = {t.name: h for t, (_, h) in zip(graph.inputs, args) if h is not None}
+        self.trace_ops(graph.get_operations(), env, handles)
+        return [(env[t.name], handles.get(t.name)) for t in graph.outputs]
 
     def fold(self, o: tf.Operation, ins: list) -> list | None:
         """o's results where shape arithmetic knows them (see :data:`_FOLDS`),
@@ -773,7 +859,8 @@ class _Trace:
             if all(v is not None for v in vals):
                 return [Const(np.asarray(v)) for v in vals]
         rule = _FOLDS[o.type]
-        if rule is None or not all(t.dtype.is_integer and t.shape.num_elements() is not None
+        if rule is None or not all((t.dtype.is_integer or t.dtype == tf.bool)
+                                   and t.shape.num_elements() is not None
                                    and t.shape.num_elements() <= _MAX_KNOWN for t in o.outputs):
             return None
         args = []
@@ -817,6 +904,108 @@ class _Trace:
             else:
                 out[d] = int(s)
         return out
+
+
+UNROLL_LIMIT = 256  # most iterations of a while loop unrolled into the program
+UNROLL_OPS_LIMIT = 8192  # most ops an unrolled loop adds to it
+
+
+class _TensorList:
+    """A TensorList (a TensorArray) while tracing: its items known one by
+    one, where loops that fill and read it are unrolled and index it by
+    constants. An item not set is a slice of ``source`` (TensorListFromTensor)
+    or zeros. ``value``: the list as TensorFlow makes it, where it runs
+    there (a loop not unrolled reads that)."""
+
+    def __init__(self, items: list, source: Value | Const | None, dtype, element_shape) -> None:
+        self.items, self.source, self.dtype, self.element_shape = items, source, dtype, element_shape
+        self.value: Value | None = None
+
+    def item(self, trace: "_Trace", o: tf.Operation, i: int):
+        if not 0 <= i < len(self.items):
+            raise UnsupportedOpError("a TensorList index out of range")
+        if self.items[i] is None:
+            if self.source is not None:
+                out = Value(_shape(o.outputs[0]) if o.type == "TensorListGetItem" else self.element_shape,
+                            self.dtype)
+                trace.ops.append(Op("TensorListGetItem", lambda _, x: ops.squeeze(
+                    ops.slice(x, [i] + [0] * (x.ndim - 1), [i + 1] + list(x.shape[1:])), [0]),
+                    o, [self.source], [out], lambda args: [np.asarray(args[0])[i]], o.name))
+                return out  # (not kept: a loop whose unrolling is given up drops the op)
+            elif self.element_shape is not None and all(isinstance(n, int) for n in self.element_shape):
+                self.items[i] = Const(np.zeros(self.element_shape, self.dtype.as_numpy_dtype))
+            else:
+                raise UnsupportedOpError("an unset TensorList item of unknown shape")
+        return self.items[i]
+
+
+def _list_shape(x) -> tuple | None:
+    if not isinstance(x, Const):
+        return None
+    dims = np.atleast_1d(x.value).tolist()
+    return None if x.value.ndim == 0 or any(d < 0 for d in dims) else tuple(dims)
+
+
+def _list_index(x) -> int:
+    if not isinstance(x, Const):
+        raise UnsupportedOpError("a TensorList indexed at run time")
+    return int(x.value)
+
+
+def _list_reserve(trace, o, shape, n):
+    if not isinstance(n, Const) or int(n.value) < 0:
+        return None
+    return _TensorList([None] * int(n.value), None, o.get_attr("element_dtype"), _list_shape(shape))
+
+
+def _list_from_tensor(trace, o, x, shape):
+    if isinstance(x, _TensorList) or x.shape is None or not isinstance(x.shape[0], int):
+        return None
+    return _TensorList([None] * x.shape[0], x, o.get_attr("element_dtype"), tuple(x.shape[1:]))
+
+
+def _list_get(trace, o, tl, i, shape):
+    return tl.item(trace, o, _list_index(i)) if isinstance(tl, _TensorList) else None
+
+
+def _list_set(trace, o, tl, i, v):
+    if not isinstance(tl, _TensorList) or isinstance(v, _TensorList):
+        return None
+    i = _list_index(i)
+    if not 0 <= i < len(tl.items):
+        raise UnsupportedOpError("a TensorList index out of range")
+    out = _TensorList(list(tl.items), tl.source, tl.dtype, tl.element_shape)
+    out.items[i] = v
+    return out
+
+
+def _list_stack(trace, o, tl, shape):
+    """TensorListStack: the source where no item was set, else the items packed."""
+    if not isinstance(tl, _TensorList):
+        return None
+    if tl.source is not None and all(v is None for v in tl.items):
+        return tl.source
+    items = [tl.item(trace, o, i) for i in range(len(tl.items))]
+    out = Value(_shape(o.outputs[0]), o.outputs[0].dtype)
+    trace.ops.append(Op("TensorListStack", lambda _, *xs: ops.cat([ops.unsqueeze(x, 0) for x in xs], 0), o, items,
+                        [out], lambda args: [np.stack([np.asarray(a) for a in args])], o.name))
+    return out
+
+
+def _list_length(trace, o, tl):
+    return Const(np.asarray(len(tl.items), np.int32)) if isinstance(tl, _TensorList) else None
+
+
+# TensorList ops while tracing: each gives a _TensorList, a value, or None
+# (the op as it is). Outside a loop being unrolled, a list made by one of
+# _LIST_MAKERS keeps its op, for a loop that runs in TensorFlow to read.
+_TENSOR_LISTS: dict[str, Callable] = {
+    "TensorListReserve": _list_reserve, "TensorListFromTensor": _list_from_tensor,
+    "TensorListGetItem": _list_get, "TensorListSetItem": _list_set, "TensorListStack": _list_stack,
+    "TensorListLength": _list_length,
+    "Identity": lambda trace, o, x: x if isinstance(x, _TensorList) else None,
+}
+_LIST_MAKERS = {"TensorListReserve", "TensorListFromTensor"}
 
 
 # ops that take a shape: its operand's position, and whether the shape

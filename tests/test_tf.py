@@ -377,21 +377,18 @@ def test_unsupported_op_falls_back_or_raises_under_strict(rng):
 
 
 @pytest.mark.parametrize("cell", ["LSTM", "GRU"])
-def test_keras_recurrent_layers_run_their_loop_in_tensorflow(rng, cell):
+def test_keras_recurrent_layers_unroll_their_loop(rng, cell):
     """A recurrent layer's loop (While over TensorLists, reading the layer's
-    variables itself) runs in TensorFlow, counted, and what surrounds it
-    compiles; the lists never cross into numpy (DLPack aborts the process
+    variables itself) has a trip count known when tracing: unrolled, it
+    compiles whole. In a training step the loop's gradient still runs in
+    TensorFlow; the lists never cross into numpy (DLPack aborts the process
     on a variant)."""
     layer = getattr(keras.layers, cell)(8, return_sequences=True)
     model = keras.Sequential([keras.Input((5, 4)), layer, keras.layers.Dense(3)])
     for w in model.weights:
         w.assign(rng.standard_normal(w.shape).astype(np.float32) * 0.5)
     x = rnd(rng, 2, 5, 4)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        jf = jit(lambda x: model(x, training=False))
-        assert_close(jf(x), model(x, training=False))
-    assert any("While" in op for op in jf.stats["fallback_ops"]) and jf.stats["graphs"] >= 1 and not jf._failed
+    check(lambda x: model(x, training=False), x, compile_options={"strict": True})
 
     def step(x):  # the loop's gradient reads accumulators added to the forward loop after it was made
         with tf.GradientTape() as tape:
@@ -402,6 +399,40 @@ def test_keras_recurrent_layers_run_their_loop_in_tensorflow(rng, cell):
         js = jit(step)
         assert_close(js(x), step(x), 1e-4, 1e-5)
     assert not js._failed
+
+
+@pytest.mark.parametrize("layers", [
+    lambda: [keras.layers.LSTM(8)], lambda: [keras.layers.GRU(8)], lambda: [keras.layers.SimpleRNN(8)],
+    lambda: [keras.layers.LSTM(8, return_sequences=True, go_backwards=True), keras.layers.GRU(6)],
+    lambda: [keras.layers.Bidirectional(keras.layers.LSTM(4, return_sequences=True))],
+], ids=["lstm", "gru", "simple_rnn", "stacked_sequences", "bidirectional"])
+def test_keras_rnns_compile_whole_under_strict(rng, layers):
+    """Keras's recurrent loops (While over TensorLists) unroll: no op runs
+    in TensorFlow, and a NaN in one step reaches what follows it."""
+    model = keras.Sequential([keras.Input((6, 5))] + layers() + [keras.layers.Dense(3)])
+    x = rnd(rng, 2, 6, 5)
+    jf = check(lambda x: model(x, training=False), x, compile_options={"strict": True})
+    xn = x.numpy()
+    xn[1, 2, 3] = np.nan
+    got, want = jf(tf.constant(xn)).numpy(), model(tf.constant(xn), training=False).numpy()
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+
+
+def test_while_with_a_run_time_trip_count_runs_in_tensorflow(rng):
+    """A loop whose condition reads a value known only at run time is not
+    unrolled: it runs in TensorFlow, counted, and strict refuses it."""
+    def f(x):
+        return tf.while_loop(lambda i, y: tf.reduce_sum(y) < 100.0, lambda i, y: (i + 1, y * 2.0 + 1.0),
+                             (tf.constant(0), x))[1]
+    x = tf.constant(np.abs(rng.standard_normal(4)).astype(np.float32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        jf = jit(f)
+        assert_close(jf(x), f(x))
+    assert any("While" in op for op in jf.stats["fallback_ops"])
+    with pytest.raises(UnsupportedOpError):
+        jit(f, compile_options={"strict": True})(x)
 
 
 def test_a_failure_at_run_time_falls_back_and_the_programs_own_errors_raise(rng, monkeypatch):
