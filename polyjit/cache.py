@@ -51,7 +51,7 @@ from .sizes import Lin
 
 log = logging.getLogger("polyjit.cache")
 MAGIC = b"PJC1"
-FORMAT = 1
+FORMAT = 2  # 2: a segment's unread inputs leave its graph (and its key)
 DEFAULT_BYTES = 1 << 30
 
 
