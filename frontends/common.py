@@ -317,21 +317,21 @@ class _Segment:
             else:
                 self.graph.add_output(n)
                 self.outputs.append(v)
-        self.args = self._drop_unread()
+        self._drop_unread()
         self.exe = Executable(self.graph, options, name)
 
-    def _drop_unread(self) -> list[Value]:
-        """The values the executable takes: inputs that no output reads (an
-        identity's, aliased) leave its graph, whose cache key, printed from
-        the outputs, does not show them; an input with a symbolic size stays
-        (it may give the size)."""
+    def _drop_unread(self) -> None:
+        """Inputs that no output reads (an identity's, aliased) leave the
+        segment and its graph, whose cache key, printed from the outputs,
+        does not show them; an input with a symbolic size stays (it may give
+        the size)."""
         reached = {n.id for n in self.graph.nodes()}
         kept = [(n, v) for n, v in zip(self.graph.inputs, self.inputs)
                 if n.id in reached or not all(isinstance(s, int) for s in n.shape)]
         self.graph.inputs[:] = [n for n, _ in kept]
+        self.inputs = [v for _, v in kept]
         for k, n in enumerate(self.graph.inputs):
             n.attrs["index"] = k
-        return [v for _, v in kept]
 
     def run(self, values: dict) -> None:
         for v, source in self.aliases:
@@ -340,7 +340,7 @@ class _Segment:
             return
         if not self.failed:
             try:
-                outs = self.exe(*[self._array(values[id(v)]) for v in self.args])
+                outs = self.exe(*[self._array(values[id(v)]) for v in self.inputs])
             except Exception as err:  # compiling for this layout or device failed inside polyjit
                 internal_failure(self.stats, f"segment {self.exe.name}", err, self.framework,
                                  self.exe.options.strict)

@@ -1007,10 +1007,10 @@ class JaxFunction:
             return None
         exe = seg.exe.variant((False,) * len(seg.exe.graph.inputs),  # for row-major arrays, as XLA's are
                               holding(where != "cpu"))
-        take = [position[id(v)] for v in seg.args]  # (the inputs its graph reads)
+        take = [position[id(v)] for v in seg.inputs]
         name = f"polyjit_{exe.name}_{next(_target_ids)}"  # XLA keeps every target for the process
         like = [GpuView(0, tuple(v.shape), None, np.dtype(v.dtype), where, None) if where != "cpu"
-                else RowMajor(v.shape, v.dtype) for v in seg.args]
+                else RowMajor(v.shape, v.dtype) for v in seg.inputs]
         launcher = exe.native_launcher(like, name + "_launch")
         if launcher is None:
             return None

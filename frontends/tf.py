@@ -711,12 +711,6 @@ class _Trace:
     """A concrete function's graph as polyjit ops: inputs are the user's
     arguments, then the variables it reads."""
 
-    def variable_values(self) -> list[np.ndarray]:
-        """The variables' current values, read in one TensorFlow call: an
-        eager read op per variable from Python was most of a Keras CNN's
-        call (bench/NOTES.md)."""
-        return [np.from_dlpack(t) for t in self._reader()] if self.variables else []
-
     def __init__(self, cf, n_user: int) -> None:
         self.cf = cf
         env: dict[str, Any] = {}
@@ -754,6 +748,12 @@ class _Trace:
         self.outvars = [env[flat[k].name] for k in self.out_positions]
         self.flat = flat
         self.ops = _live(self.ops, self.outvars)
+
+    def variable_values(self) -> list[np.ndarray]:
+        """The variables' current values, read in one TensorFlow call: an
+        eager read op per variable from Python was most of a Keras CNN's
+        call (bench/NOTES.md)."""
+        return [np.from_dlpack(t) for t in self._reader()] if self.variables else []
 
     def trace_ops(self, operations: list, env: dict, handles: dict) -> None:
         """Translate a graph's operations into ``self.ops``: ``env`` maps the

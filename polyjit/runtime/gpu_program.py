@@ -23,7 +23,6 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .. import sizes as sz
-from ..collector import collector_paused
 from ..codegen.nvgpu import BLOCK
 from ..errors import DeviceError, InputError
 from . import cuda, cuda_graphs, launch
@@ -137,8 +136,7 @@ class GpuProgram(CompiledProgram):
         key = _device_key(views)
         plan = self._plans.get(key) or self._plan(key, views, views, 0)
         self.stats["intermediate_bytes"] = plan.temp_bytes
-        with collector_paused():
-            return self._shown(self._launcher(plan, name))
+        return self._shown(self._launcher(plan, name))
 
     def _launcher(self, plan: "_Plan", name: str) -> launch.NativeLauncher | None:
         """A plan's steps as host code; its library steps get handles of their own
@@ -171,8 +169,7 @@ class GpuProgram(CompiledProgram):
         none can be built."""
         global _launchers
         _launchers += 1
-        with collector_paused():
-            launcher = self._launcher(plan, f"{self.name}_host{_launchers}")
+        launcher = self._launcher(plan, f"{self.name}_host{_launchers}")
         if launcher is None:
             return False
         outs = len(set(self.output_arrays))

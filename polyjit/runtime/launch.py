@@ -24,6 +24,7 @@ from typing import Mapping, Sequence
 
 from llvmlite import ir
 
+from ..collector import collector_paused
 from ..codegen.cpu import JitModule, ieee_floats
 
 I8, I32, I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
@@ -125,8 +126,9 @@ class NativeLauncher:
     def __init__(self, name: str, plan: LaunchPlan, symbols: Mapping[str, int], results: Sequence[tuple] = (),
                  owner=None) -> None:
         self.name, self.plan, self.results, self.owner = name, plan, list(results), owner
-        self.ir = str(_module(name, plan, symbols))
-        self._jit = JitModule(self.ir, optimize=False)
+        with collector_paused():  # (a compile's work, in a process of many objects: collector.py)
+            self.ir = str(_module(name, plan, symbols))
+            self._jit = JitModule(self.ir, optimize=False)
         self.address = self._jit.engine.get_function_address(name)
 
 

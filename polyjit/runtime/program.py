@@ -21,7 +21,6 @@ import numpy as np
 from .. import sizes as sz
 from ..affine import Array
 from ..codegen.llvm import KernelInfo
-from ..collector import collector_paused
 from ..errors import InputError
 from ..sizes import Lin
 from . import launch
@@ -179,8 +178,7 @@ class CompiledProgram:
         builds it at its second call: one seen once is not worth it."""
         if PROFILE or len(self.kernels) < NATIVE_MIN_KERNELS:
             return False
-        with collector_paused():
-            launcher = self._launcher(plan, f"{self.name}_call{next(_launchers)}")
+        launcher = self._launcher(plan, f"{self.name}_call{next(_launchers)}")
         return False if launcher is None else (launcher, launch.LAUNCH_T(launcher.address))
 
     def _run_native(self, native, inputs: list[int], results: list[int]) -> None:
@@ -200,8 +198,7 @@ class CompiledProgram:
         key = tuple((a.shape, a.strides, a.dtype) for a in like)
         plan = self._plans.get(key) or self._plan(like, key)
         self.stats["intermediate_bytes"] = plan.intermediate_bytes
-        with collector_paused():
-            return self._shown(self._launcher(plan, name))
+        return self._shown(self._launcher(plan, name))
 
     def _launcher(self, plan: "_CallPlan", name: str) -> "launch.NativeLauncher | None":
         """A plan's kernel calls as host code: its results are the outputs

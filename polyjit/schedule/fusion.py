@@ -311,8 +311,10 @@ def starved(ast: isl.AstNode, prog: AffineProgram, contracted) -> bool:
         if inner is not None and any(s.array in contracted for s in own):
             strips = -(-inner // GPU_STRIP)
             grid, floor = grid and grid * strips, GPU_GRID_FLOOR // 2
-            if strips > 1 or widest < GPU_GRID_FLOOR:  # a strip's own rows are no loss; a loop too short
-                per_thread = 4 * GPU_STRIP  # to strip leaves a thread its whole nest, a loss where the device would fill
+            # a strip's own rows are no loss; a loop too short to strip leaves a thread its whole
+            # nest, a loss where the statements alone would fill the device
+            if strips > 1 or widest < GPU_GRID_FLOOR:
+                per_thread = 4 * GPU_STRIP
         if grid is not None and (floor is None or grid < floor) and widest >= per_thread * grid:
             return True
     return False
@@ -332,13 +334,14 @@ def serialized(ast: isl.AstNode, prog: AffineProgram) -> bool:
     if len(prog.statements) < 2:
         return False
     stmts = {s.name: s for s in prog.statements}
-    for node in kernel_nodes(ast):
-        if any(n.get_type() == isl.ast_node_type.mark and n.mark_get_id().get_name().startswith("parallel:")
-               for n in ast_nodes(node)):
-            continue
-        if max((_parallel_extent(stmts[n]) for n in statements_in(node)), default=0) >= CPU_SERIAL_POINTS:
-            return True
-    return False
+    return any(not _has_parallel_mark(node)
+               and max((_parallel_extent(stmts[n]) for n in statements_in(node)), default=0) >= CPU_SERIAL_POINTS
+               for node in kernel_nodes(ast))
+
+
+def _has_parallel_mark(node: isl.AstNode) -> bool:
+    return any(n.get_type() == isl.ast_node_type.mark and n.mark_get_id().get_name().startswith("parallel:")
+               for n in ast_nodes(node))
 
 
 def _column_sum_read(own: list, sums: list) -> bool:
