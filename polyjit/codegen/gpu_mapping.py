@@ -455,9 +455,24 @@ def scatter_points(m: GpuMapper, node: isl.AstNode) -> ScatterPoints | None:
             rest = rest.for_get_body()
         else:
             break
-    if not loops or any(k.get_type() != isl.ast_node_type.user for k in ast_children(rest) or [rest]):
+    calls = ast_children(rest) or [rest]
+    if not loops or any(k.get_type() != isl.ast_node_type.user for k in calls):
         return None
-    return ScatterPoints(Grid(None, loops, rest, seen))
+    return ScatterPoints(Grid(None, _contiguous_last(m, loops, calls), rest, seen))
+
+
+def _contiguous_last(m: GpuMapper, loops: list, calls: list) -> list:
+    """loops (free of each other, so in any order) with the one the first
+    statement's target moves along last: consecutive threads then add to
+    consecutive addresses, a warp's atomics one memory transaction where
+    they were 32 (an embedding's gradient, its rows picked by the ids,
+    had its column loop outermost)."""
+    call = calls[0].user_get_expr()
+    st = m.call_statement(call)
+    args = dict(zip(st.iters, (call.get_op_arg(i + 1) for i in range(len(st.iters)))))
+    trips = {loop_iterator(x): None for x in loops if x.for_get_inc().get_val().to_python() == 1}
+    cols = _moves_along(st.index, args, trips)
+    return [x for x in loops if loop_iterator(x) != cols] + [x for x in loops if loop_iterator(x) == cols]
 
 
 # ---------------------------------------------------------------- strips

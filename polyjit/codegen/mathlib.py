@@ -146,10 +146,12 @@ def tan(b, m, x):
     return b.fdiv(sin(b, m, x), cos(b, m, x))
 
 
-def tanh(b: ir.IRBuilder, m: ir.Module, x):
+def tanh(b: ir.IRBuilder, m: ir.Module, x, div=None):
     """Eigen's rational approximation (the one XLA uses): odd degree-13 over
     even degree-6 polynomials on x clamped to +-7.905, x itself below
-    0.0004, +-1 beyond 9 (where float32's tanh is 1); one division, no exp."""
+    0.0004, +-1 beyond 9 (where float32's tanh is 1); one division, no exp.
+    The denominator lies in [0.0048, 0.91]: a target may pass a faster
+    div(b, p, q) that is exact to a few ulp there."""
     t = b.select(b.fcmp_ordered(">", x, c(7.90531110763549805)), c(7.90531110763549805), x)
     t = b.select(b.fcmp_ordered("<", t, c(-7.90531110763549805)), c(-7.90531110763549805), t)
     z = b.fmul(t, t)
@@ -158,12 +160,15 @@ def tanh(b: ir.IRBuilder, m: ir.Module, x):
                             4.89352455891786e-03]), t)
     q = _poly(b, z, [1.19825839466702e-06, 1.18534705686654e-04, 2.26843463243900e-03, 4.89352518554385e-03])
     ax = _fabs(b, m, x)
-    r = b.select(b.fcmp_ordered("<", ax, c(0.0004)), x, b.fdiv(p, q))
+    r = b.select(b.fcmp_ordered("<", ax, c(0.0004)), x, (div or _fdiv)(b, p, q))
     r = b.select(b.fcmp_ordered(">", ax, c(9.0)), b.select(b.fcmp_ordered(">", x, c(0.0)), c(1.0), c(-1.0)), r)
     return b.select(_isnan(b, x), x, r)
 
 
-def erf(b: ir.IRBuilder, m: ir.Module, x):
+def erf(b: ir.IRBuilder, m: ir.Module, x, div=None):
+    """Eigen's odd degree-13 over even degree-8 rational form on x clamped to
+    +-4 (where float32's erf is +-1); its denominator lies in [-2.4, -0.014],
+    so a target may pass a faster div(b, p, q), as for tanh."""
     xc = b.select(b.fcmp_ordered(">", x, c(4.0)), c(4.0), x)
     xc = b.select(b.fcmp_ordered("<", xc, c(-4.0)), c(-4.0), xc)
     x2 = b.fmul(xc, xc)
@@ -172,7 +177,11 @@ def erf(b: ir.IRBuilder, m: ir.Module, x):
                                  -1.60960333262415e-02]))
     q = _poly(b, x2, [-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03,
                       -7.37332916720468e-03, -1.42647390514189e-02])
-    return b.select(_isnan(b, x), x, b.fdiv(p, q))
+    return b.select(_isnan(b, x), x, (div or _fdiv)(b, p, q))
+
+
+def _fdiv(b: ir.IRBuilder, p, q):
+    return b.fdiv(p, q)
 
 
 KERNELS = {"exp": exp, "log": log, "sin": sin, "cos": cos, "tan": tan, "tanh": tanh, "erf": erf}

@@ -38,6 +38,39 @@ VECTOR_UNROLL = 2  # groups per trip of a grid loop (a lane loop takes one)
 _SREG = "llvm.nvvm.read.ptx.sreg."
 _GPU_INTRINSIC = {"sqrt": "llvm.sqrt", "floor": "llvm.floor", "ceil": "llvm.ceil", "round": "llvm.roundeven",
                   "abs": "llvm.fabs", "maximum": "llvm.maximum", "minimum": "llvm.minimum"}
+_LOG2E_HI, _LOG2E_LO = 1.44269502162933349609375, 1.925963033500011079e-08  # log2(e) as a float32 and the rest
+
+
+def _exp(b: ir.IRBuilder, m: ir.Module, x):
+    """exp(x) = 2**j * 2**f, j = rint(x log2 e) held in [-126, 127] so that
+    2**j is a normal float built in the exponent bits, and f = x log2 e - j
+    found with log2 e in two parts (exact to well under an ulp of 2**f).
+    2**f comes from the special function unit (ex2.approx, within 2 ulp):
+    a dozen instructions where the polynomial kernel takes about thirty.
+    Beyond j's range f itself overflows or underflows, so infinities and
+    zeros come out as in C, and NaN passes through f."""
+    two = ir.FunctionType(F32, [F32, F32])
+    j = b.call(m.declare_intrinsic("llvm.roundeven", [F32]), [b.fmul(x, ir.Constant(F32, _LOG2E_HI))])
+    j = b.call(m.declare_intrinsic("llvm.maxnum", [F32], two), [j, ir.Constant(F32, -126.0)])
+    j = b.call(m.declare_intrinsic("llvm.minnum", [F32], two), [j, ir.Constant(F32, 127.0)])
+    fma = m.declare_intrinsic("llvm.fma", [F32], ir.FunctionType(F32, [F32, F32, F32]))
+    f = b.call(fma, [x, ir.Constant(F32, _LOG2E_HI), b.fneg(j)])
+    f = b.call(fma, [x, ir.Constant(F32, _LOG2E_LO), f])
+    p = b.call(m.declare_intrinsic("llvm.nvvm.ex2.approx.f", (), ir.FunctionType(F32, [F32])), [f])
+    scale = b.bitcast(b.shl(b.add(b.fptosi(j, I32), ir.Constant(I32, 127)), ir.Constant(I32, 23)), F32)
+    return b.fmul(p, scale)
+
+
+def _div_approx(b: ir.IRBuilder, p, q):
+    """p / q as div.approx.f32 (a reciprocal and a product, within 2 ulp where
+    |q| lies in [2**-126, 2**126]): for denominators known to lie there."""
+    fn = b.module.declare_intrinsic("llvm.nvvm.div.approx.f", (), ir.FunctionType(F32, [F32, F32]))
+    return b.call(fn, [p, q])
+
+
+# float32 kernels that differ from mathlib's on the device
+_GPU_KERNELS = {"exp": _exp, "erf": functools.partial(mathlib.erf, div=_div_approx),
+                "tanh": functools.partial(mathlib.tanh, div=_div_approx)}
 
 
 @dataclass
@@ -626,6 +659,8 @@ class GpuEmitter(_RowEmission, _StripEmission, Emitter):
         """No C library on the device: float32 kernels from mathlib and
         compositions of them; NVPTX's own instructions for the rest."""
         t = a[0].type
+        if t == F32 and op in _GPU_KERNELS:
+            return _GPU_KERNELS[op](self.b, self.module, *a)
         if t == F32 and op in mathlib.KERNELS:
             return mathlib.KERNELS[op](self.b, self.module, *a)
         if op in _GPU_INTRINSIC:
