@@ -56,9 +56,10 @@ def identity(combine: str, dt: DataType) -> Const:
 
 
 class Lowering:
-    def __init__(self, graph: Graph, recompute_limit: int = RECOMPUTE_LIMIT, library=None) -> None:
+    def __init__(self, graph: Graph, recompute_limit: int = RECOMPUTE_LIMIT, library=None, load_work: int = 0) -> None:
         self.g = graph
         self.recompute_limit = recompute_limit
+        self.load_work = load_work  # the work a recomputation's load of a whole array counts as
         self.library = library  # a polyjit.library.LibraryPolicy, or None: every contraction generated
         self.library_nodes: set[int] = set()
         self.in_place: set[int] = set()  # packed copies only library calls read: not made
@@ -118,6 +119,9 @@ class Lowering:
             return terms is None or terms > spec.unroll
         return False
 
+    def elements(self, n: Node) -> int:
+        return math.prod(sz.estimate(s) for s in self.shape(n))
+
     def read_weight(self, consumer: Node, operand: int) -> int:
         if consumer.id in self.library_nodes and consumer.op in READS_ONCE:  # in place, or one copy for the call
             return 1
@@ -158,32 +162,36 @@ class Lowering:
         for n in self.nodes:
             for i in n.inputs:
                 readers.setdefault(i.id, []).append(n)
+        loaded: dict[int, int] = {}  # whole arrays that reading one element of a node loads
         for n in self.nodes:
             if n.is_source:
                 self.declare(n)
-                work[n.id] = 0
+                work[n.id], loaded[n.id] = 0, 1
                 continue
             if n.is_constant:
-                work[n.id] = 0
+                work[n.id] = loaded[n.id] = 0
                 continue
             own = scalar.cost(n.op) if n.op in UNARY_OPS + BINARY_OPS else (
                 0 if n.op in LAYOUT_OPS else 1)
             if n.op in REDUCTIONS and not self.is_statement_op(n):
                 own = 2 * (REDUCTIONS[n.op](self, n).static_terms() or 1)
             w = own + sum(work[i.id] for i in n.inputs)
+            size = self.elements(n)
+            loaded[n.id] = sum(loaded[i.id] for i in n.inputs if self.elements(i) >= size)
             if n.id in outputs and self.returned_as_view(n, outputs):
                 self.views[n.id] = n.inputs[0].id
                 work[n.id] = w
                 continue
             materialize = (n.id in outputs or self.is_statement_op(n) or self.packed(n) or n.id in self.operands
-                           or n.attrs.get("materialize") or (uses[n.id] - 1) * w > self.recompute_limit)
+                           or n.attrs.get("materialize")
+                           or (uses[n.id] - 1) * (w + self.load_work * loaded[n.id]) > self.recompute_limit)
             if materialize and n.op == "reshape" and n.id not in outputs and self.made_unreshaped(n, readers):
                 self.declare(n.inputs[0])  # n, a view of it, is read in place
                 self.inlined -= 1  # (counted when it was passed over)
-                work[n.id] = 0
+                work[n.id], loaded[n.id] = 0, 1
             elif materialize:
                 self.declare(n)
-                work[n.id] = 0
+                work[n.id], loaded[n.id] = 0, 1
             else:
                 work[n.id] = w
                 self.inlined += 1
@@ -375,8 +383,8 @@ def _product(extents: list[int]):
             yield (head,) + tail
 
 
-def lower(graph: Graph, recompute_limit: int = RECOMPUTE_LIMIT, library=None) -> AffineProgram:
-    return Lowering(graph, recompute_limit, library).run()
+def lower(graph: Graph, recompute_limit: int = RECOMPUTE_LIMIT, library=None, load_work: int = 0) -> AffineProgram:
+    return Lowering(graph, recompute_limit, library, load_work).run()
 
 
 # ====================================================== inline lowerings

@@ -465,6 +465,28 @@ def test_a_strided_window_shares_its_nest_with_its_direct_producer_only(rng):
                                rtol=1e-5, atol=1e-5)
 
 
+def test_a_value_read_twice_counts_the_arrays_its_recomputation_loads(rng):
+    """A value that a column sum and an elementwise consumer both read is
+    inlined where only its arithmetic is counted, and made once where each
+    whole array its recomputation loads counts too (the nvgpu target: a
+    sum in a kernel of its own read all four again); the results agree."""
+    from polyjit.lowering import lower
+    arrays = [rng.standard_normal((64, 32), dtype=F32) for _ in range(5)]
+
+    def f(a, b, c, d, e):
+        v = a * b - c * d
+        return ops.sum(v, [0]), v + e
+    exe = polyjit.compile(f, [InputInfo(x.shape, F32) for x in arrays], {"target": "cpu", "cache": False})
+    graph = exe.graph.deduplicated()
+    made = [{s.label for s in lower(graph, 6, None, load_work).statements} for load_work in (0, 1)]
+    assert "sub" not in made[0] and "sub" in made[1], made
+    a, b, c, d, e = arrays
+    v = a * b - c * d
+    got = exe(*arrays)
+    np.testing.assert_allclose(got[0], v.sum(0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got[1], v + e, rtol=1e-6)
+
+
 def test_an_address_of_a_split_position_is_the_position():
     """A row-major address of (x // 7, x % 7) over a dim of 7 is x's, at the
     inner dim's stride; a three-way split merges the same way; a split that

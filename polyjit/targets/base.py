@@ -37,6 +37,7 @@ class Target:
     executable: type[CompiledProgram]  # the class that runs its programs
     device_arrays: bool = False  # whether its programs take arrays in device memory
     recompute_limit: int = RECOMPUTE_LIMIT  # extra work lowering accepts to inline a value read more than once
+    load_work: int = 0  # the work lowering counts for each whole array a recomputation loads again
     fuses_epilogues: bool = False  # contractions may share a nest with their elementwise consumers
     clusters_first: bool = False  # isl's clustering scheduler before its whole-component one (its mapping reads either)
     sums_sums_apart: bool = False  # a reduction of a reduction's results starts a fusion group (fusion._sums_a_sum)
@@ -75,7 +76,7 @@ class Target:
             policy = LibraryPolicy(options.contractions, options.num_threads, self,
                                    bool(options.tf32) and self.tensor_float32)
             with timer("lower"):
-                prog = lower(graph, self.recompute_limit, policy)
+                prog = lower(graph, self.recompute_limit, policy, self.load_work)
             exe = self.build(graph, prog, options, name, timer, machine)
             exe.stats["contractions"] = policy.choices
             if key is not None:

@@ -203,6 +203,8 @@ class NvgpuTarget(Target):
     executable = GpuProgram
     device_arrays = True
     recompute_limit = 16  # on a GPU, memory traffic costs more than arithmetic
+    load_work = 1  # and recomputing a value loads its arrays again: in BERT's backward, a value three
+    # kernels each recomputed from its inputs is made once, in the kernel of its row sums
     library = "cuBLAS"
     keeps_programs = True
     tensor_float32 = True
