@@ -529,6 +529,8 @@ class Graph(_Shapes, _LayoutOps, _StructuredOps):
         if kind == "logical":
             a, b = self.cast(a, DataType.Bool), self.cast(b, DataType.Bool)
         out_dtype = DataType.Bool if scalar.OPS[op].result_bool else dt
+        if op == "div" and dt.is_float and _sum_of_shifted_exps(b, a):  # a softmax: one division a row
+            return Node("mul", (a, Node("reciprocal", (b,), {}, b.shape, dt)), {}, a.shape, out_dtype)
         for t, c in ((a, b), (b, a)):
             if t.op == "transpose" and c.op == "broadcast_in_dim" and c.attrs["dims"] == ():
                 # x.T * scale as (x * scale).T: computed in x's order, read
@@ -672,6 +674,32 @@ def _sum_plus_zero(n: Node) -> Node | None:
                 and x.attrs["op"] == "sum"):
             return x
     return None
+
+
+def _unexpanded(n: Node) -> Node:
+    while n.op in ("broadcast_in_dim", "reshape"):
+        n = n.inputs[0]
+    return n
+
+
+def _sum_of_shifted_exps(s: Node, e: Node) -> bool:
+    """Whether s is e summed over some axes, e being exp(x - max(x)) over
+    the same axes (a softmax as ops.softmax, torch's decomposition and
+    jax.nn.softmax write it): s is then at least 1, the maximum's own
+    term, or NaN, so e * (1 / s) is e / s to an ulp, one division a row.
+    (Not for any divisor: 1 / s overflows where s is subnormal.)"""
+    s = _unexpanded(s)
+    if s.op != "reduce" or s.attrs["op"] != "sum" or s.inputs[0] is not e or e.op != "exp" \
+            or e.inputs[0].op != "sub":
+        return False
+    x, m = e.inputs[0].inputs
+    m = _unexpanded(m)
+    if m.op == "maximum":  # JAX's max with an initial -inf
+        low = [k for k, t in enumerate(m.inputs) if _unexpanded(t).is_constant
+               and np.all(_unexpanded(t).attrs["value"] == -np.inf)]
+        m = _unexpanded(m.inputs[1 - low[0]]) if low else m
+    return m.op == "reduce" and m.attrs["op"] == "max" and m.attrs["axes"] == s.attrs["axes"] \
+        and _unexpanded(m.inputs[0]) is _unexpanded(x)
 
 
 def _swapped_product(d: Node, perm: tuple) -> Node | None:

@@ -1214,11 +1214,9 @@ def dropout(x: Tensor, p: float, seed, offset: int = 0) -> Tensor:
 
 # ------------------------------------------------------------ composites
 def softmax(x: Tensor, dim: int = -1) -> Tensor:
-    """exp(x - max) scaled by the reciprocal of its sum: the sum is at least 1,
-    so its reciprocal is a normal float, and a row costs one division."""
     m = max(x, [dim], keepdim=True)
     e = exp(x - m)
-    return e * reciprocal(sum(e, [dim], keepdim=True))
+    return e / sum(e, [dim], keepdim=True)
 
 
 def log_softmax(x: Tensor, dim: int = -1) -> Tensor:

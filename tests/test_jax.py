@@ -167,6 +167,21 @@ def test_captured_values_are_constants_arguments_stay_inputs(rng):
     assert len(prog.segments[0].graph.inputs) == 1  # w was folded in, x stays an input
 
 
+@host_target
+def test_a_softmax_divides_once_a_row(rng):
+    """jax.nn.softmax (its maximum taken with an initial -inf) scales by its
+    sum's reciprocal, like ops.softmax and torch's decomposition; a sum of
+    exps with no maximum taken first (which may be subnormal) stays a division."""
+    x = rnd(rng, 6, 40)
+    for fn, rewritten in ((lambda t: jax.nn.softmax(t, axis=-1), True),
+                          (lambda t: jnp.exp(t) / jnp.exp(t).sum(-1, keepdims=True), False)):
+        jf = polyjit.jit_jax(fn)
+        assert_tree_close(jf(x), fn(x), rtol=1e-6)
+        prog, _ = next(iter(jf._programs.values()))
+        seen = {n.op for n in prog.segments[0].graph.nodes()}
+        assert ("reciprocal" in seen and "div" not in seen) == rewritten, seen
+
+
 @pytest.mark.parametrize("strides,padding", [((2, 2), "SAME"), ((2, 2), "VALID"), ((3, 2), ((1, 2), (0, 1)))])
 def test_strided_convolution_gradients(rng, strides, padding):
     """The input gradient of a strided convolution is one with lhs dilation

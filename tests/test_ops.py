@@ -757,3 +757,14 @@ def test_small_integer_powers_are_products(n, rng):
     close(got, want, rtol=2e-6 if n != 2.5 else 1e-5, atol=0)  # (2.5: pow itself, the GPU's composed one)
     if TARGET == "cpu":
         assert ("llvm.pow" in exe.ir("llvm")) == (n == 2.5)
+
+
+def test_a_softmax_divides_once_a_row(rng):
+    """ops.softmax and torch's decomposition of it (exp(x - max) over its
+    sum) scale by the sum's reciprocal: one division a row, within an ulp."""
+    x = rng.standard_normal((6, 40)).astype(np.float32) * 10
+    exe = polyjit.compile(lambda t: ops.softmax(t, -1), [InputInfo(x.shape, np.float32)], {"target": "cpu", "cache": False})
+    seen = {n.op for n in exe.graph.nodes()}
+    assert "reciprocal" in seen and "div" not in seen, seen
+    e = np.exp(x.astype(np.float64) - x.max(-1, keepdims=True))
+    np.testing.assert_allclose(exe(x), e / e.sum(-1, keepdims=True), rtol=1e-6, atol=1e-9)
