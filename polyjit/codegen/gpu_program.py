@@ -68,13 +68,13 @@ _ENTRY = re.compile(r"^\.visible \.entry ", re.M)
 _SCOPE = re.compile(r"^\s*(\.(?:shared|global|const|extern|func|weak)\b)", re.M)
 
 
-def kernel_code(group: ScheduledGroup, j: int, config: tuple, written: frozenset, timer, variant: tuple = ()) \
+def kernel_code(group: ScheduledGroup, j: int, config: tuple, timer, variant: tuple = ()) \
         -> tuple[GpuKernelCode, bool]:
     """Kernel j of group (emitted now, its PTX made in a worker process or on
     the LLVM thread; or earlier in this process for the same variant, what
     else chose its schedule: second result True)."""
     arch, sms, tile_sizes = config
-    key = hashlib.sha256(f"{group.problem.key}|{config}|{sorted(written)}|{j}".encode()).hexdigest()
+    key = hashlib.sha256(f"{group.problem.key}|{config}|{j}".encode()).hexdigest()
     code = _codes.get((key, variant))
     if code is not None and not (code.job and code.job.done() and code.job.exception()):
         return code, True
@@ -84,9 +84,6 @@ def kernel_code(group: ScheduledGroup, j: int, config: tuple, written: frozenset
     with timer("emit"):
         emitter = GpuEmitter(group.problem.prog, group.sched, "k")
         emitter.tile_sizes, emitter.multiprocessors = tile_sizes, sms
-        # the arrays other groups of the program write count as written too (their loads must
-        # not take the read-only cache in the program as emitted whole; kept so, for the same code)
-        emitter.written |= written
         emitter.symbol = f"polyjit_gpu_{key[:24]}"
         emitter.kernel(j, node, plan)
         text = str(emitter.module)
@@ -119,17 +116,14 @@ class GpuCodeSet:
     while isl schedules the next groups) and again as the program is built;
     those compiled for it (not found in the process's cache) are in ``new``."""
 
-    def __init__(self, prog: AffineProgram, config: tuple, timer, variant: tuple = ()) -> None:
+    def __init__(self, config: tuple, timer, variant: tuple = ()) -> None:
         self.config, self.timer, self.variant = config, timer, variant
-        self.writes = {s.array for s in prog.statements}
         self.new: list[GpuKernelCode] = []
 
     def of(self, group: ScheduledGroup) -> list[GpuKernelCode]:
-        arrays = group.problem.arrays
-        written = frozenset(a for a, whole in arrays.items() if whole in self.writes)
         out = []
         for j in range(len(group.sched.kernels)):
-            code, reused = kernel_code(group, j, self.config, written, self.timer, self.variant)
+            code, reused = kernel_code(group, j, self.config, self.timer, self.variant)
             if not reused and code.job is not None:
                 self.new.append(code)
             out.append(code)

@@ -78,6 +78,7 @@ class KernelContext:
     """What the emitter tracks while it emits one kernel."""
 
     plan: KernelPlan
+    written: frozenset = frozenset()  # the arrays its statements write: no load of them is invariant
     lanes: int = 0  # threads per grid iteration (a warp or a block), 0 for one
     lane: Any = None  # this thread's lane among them
     zeroed: tuple[str, ...] = ()  # arrays the runtime zeroes before the launch (atomic strips)
@@ -388,7 +389,6 @@ class GpuEmitter(_RowEmission, _StripEmission, Emitter):
 
     def __init__(self, prog, sched, name: str = "fn") -> None:
         super().__init__(prog, sched, name)
-        self.written = {st.array for st in prog.statements}  # (the arrays no load may take as invariant)
         self.plans: list[KernelPlan] = []  # per kernel emitted, its plan
         self.ctx: KernelContext | None = None  # the kernel being emitted
 
@@ -421,7 +421,7 @@ class GpuEmitter(_RowEmission, _StripEmission, Emitter):
         names, name, body_fn = self.body_function(k, node)
         nb, ni = len(self.buffer_arrays), len(self.int_slots)
         body_fn.attributes.add("alwaysinline")
-        self.ctx = ctx = KernelContext(plan)
+        self.ctx = ctx = KernelContext(plan, frozenset(self.stmts[n].array for n in names))
         self.body(body_fn, node)
         fn = ir.Function(self.module, ir.FunctionType(ir.VoidType(), [PTR] * nb + [I64] * ni), name)
         fn.calling_convention = "ptx_kernel"
@@ -634,11 +634,14 @@ class GpuEmitter(_RowEmission, _StripEmission, Emitter):
 
     # ------------------------------------------------------ target hooks
     def load_element(self, arr, index, ptr) -> ir.Value:
-        """Arrays no statement writes are invariant: their loads may take the
-        read-only cache (ld.global.nc)."""
+        """Arrays the kernel does not write are invariant while it runs (its
+        buffers do not overlap): their loads may take the read-only cache
+        (ld.global.nc), and LLVM may reuse one across a warp's barriers (a
+        softmax's row, loaded for its maximum, again for its sum, then for
+        its result, where a kernel before had made it)."""
         align = self.ctx.claims.get(id(index)) if self.ctx.claims else None
         v = self.b.load(ptr, typ=STORAGE[arr.dtype], align=align)
-        if arr.name not in self.written:
+        if arr.name not in self.ctx.written:
             v.set_metadata("invariant.load", self.module.add_metadata([]))
         return self.from_storage(v, arr.dtype)
 

@@ -256,7 +256,7 @@ class NvgpuTarget(Target):
         GPU present); where one cannot be shared, one module of every kernel,
         emitted from the whole program."""
         arch, sms = machine
-        codes = GpuCodeSet(prog, (arch, sms, options.tile_sizes), timer, self.variant(options))
+        codes = GpuCodeSet((arch, sms, options.tile_sizes), timer, self.variant(options))
         with timer("schedule"):
             sched = schedule_program(prog, options.fusion, options.tile_sizes, self, timer, each=codes.of)
         code = build_program(prog, sched, name, codes)
