@@ -290,6 +290,20 @@ def test_elementwise_loops_use_vector_accesses():
     assert rows.count("ld.global.nc.v4.b32") == 8192 // 256 // 4  # a lane's share of a row, loaded once for 3 passes
 
 
+def test_a_vector_groups_stores_are_vector_stores(rng):
+    """A group's four stores go as one 16-byte store, as its loads do (a
+    bias and an erf: LLVM merged the loads only, and a warp's scalar stores
+    wrote every fourth element); the results are the same."""
+    x, b = rng.standard_normal((32, 64)).astype(F32), rng.standard_normal(64).astype(F32)
+    exe = polyjit.compile(lambda x, b: ops.erf(ops.reshape(x, [4, 8, 64]) + b), [InputInfo(x.shape, F32),
+                                                                                InputInfo(b.shape, F32)], PTX_ONLY)
+    ptx = exe.ir("ptx")
+    assert ptx.count("ld.global.nc.v4.b32") >= 2 and ptx.count("st.global.v4.b32") >= 2, ptx
+    want = polyjit.compile(lambda x, b: ops.erf(ops.reshape(x, [4, 8, 64]) + b),
+                           [InputInfo(x.shape, F32), InputInfo(b.shape, F32)], {"target": "cpu"})(x, b)
+    np.testing.assert_allclose(run_threads_on_cpu(exe, [x, b])[0], want, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("shape,offset", [((37, 44), 0), ((37, 44), 1), ((5, 8), 2), ((3, 6), 0)])
 def test_vector_groups_thread_by_thread(shape, offset, rng):
     """Groups of four iterations where the rows are aligned (offset 0), one

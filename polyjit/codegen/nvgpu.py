@@ -61,6 +61,10 @@ def _exp(b: ir.IRBuilder, m: ir.Module, x):
     return b.fmul(p, scale)
 
 
+def _bytes(t: ir.Type) -> int:
+    return t.width // 8 if isinstance(t, ir.IntType) else {F32: 4, F64: 8}.get(t, 2)
+
+
 def _div_approx(b: ir.IRBuilder, p, q):
     """p / q as div.approx.f32 (a reciprocal and a product, within 2 ulp where
     |q| lies in [2**-126, 2**126]): for denominators known to lie there."""
@@ -84,7 +88,8 @@ class KernelContext:
     zeroed: tuple[str, ...] = ()  # arrays the runtime zeroes before the launch (atomic strips)
     strips: bool = False  # strips of a sum: more threads than elements written
     claims: dict | None = None  # id(index) -> alignment, in the first copy of a vector group
-    deferred: list | None = None  # the stores that wait until the end of a trip
+    deferred: list | None = None  # the stores that wait until the end of a trip: (value, pointer, alignment, copy)
+    copy: int | None = None  # the copy being emitted of a vector group's VECTOR consecutive iterations
     grouped: bool = False  # a row's lane loops take groups of VECTOR (its accesses are aligned)
     row_offsets: dict = field(default_factory=dict)  # (group, copy) -> a lane's offset in an unrolled row
     ring: tuple | None = None  # (iterator, first, ring, copy) in a copy of a ring loop
@@ -247,10 +252,10 @@ class _RowEmission:
         def copies() -> None:  # VECTOR consecutive iterations from the group's first
             first = self.b.load(group, typ=I64)
             for c in range(VECTOR):
-                self.ctx.claims = vector.claims if c == 0 else None
+                self.ctx.claims, self.ctx.copy = (vector.claims if c == 0 else None), c
                 self.b.store(self.b.add(first, ir.Constant(I64, c)), self.var(it))
                 self.node(body)
-            self.ctx.claims = None
+            self.ctx.claims = self.ctx.copy = None
         if vector is None:
             self.strided_loop(self.var(it), b.add(lo, b.mul(self.ctx.lane, inc)), hi, b.mul(inc, lanes),
                               "lanes", lambda: self.node(body), UNROLL, defer)
@@ -276,10 +281,10 @@ class _RowEmission:
                 if key not in self.ctx.row_offsets:
                     self.ctx.row_offsets[key] = b.add(b.mul(self.ctx.lane, width),
                                                       ir.Constant(I64, k * self.ctx.lanes * VECTOR + c))
-                self.ctx.claims = vector.claims if c == 0 else None
+                self.ctx.claims, self.ctx.copy = (vector.claims if c == 0 else None), c
                 self.b.store(self.b.add(lo, self.ctx.row_offsets[key]), self.var(it))
                 self.node(body)
-            self.ctx.claims = None
+            self.ctx.claims = self.ctx.copy = None
         self.flush_stores()
 
     def combine_lanes(self) -> None:
@@ -494,7 +499,7 @@ class GpuEmitter(_RowEmission, _StripEmission, Emitter):
         """Iteration g; in a vector group, copy c > 0 is copy 0's with the
         innermost iterator c further on (the group lies within one row)."""
         b = self.b
-        self.ctx.claims = plan.vector.claims if copy == 0 else None
+        self.ctx.claims, self.ctx.copy = (plan.vector.claims if copy == 0 else None), copy
         if copy:
             b.store(b.add(inner["first"], ir.Constant(I64, copy)), self.var(bounds[-1][0]))
         elif isinstance(plan, PointPerThread) and plan.tile:
@@ -646,15 +651,42 @@ class GpuEmitter(_RowEmission, _StripEmission, Emitter):
         return self.from_storage(v, arr.dtype)
 
     def flush_stores(self) -> None:
-        """The stores deferred since ctx.deferred was set to a list, in order."""
-        for value, ptr, align in self.ctx.deferred or ():
-            self.b.store(value, ptr, align=align)
+        """The stores deferred since ctx.deferred was set to a list. In a
+        vector group, a claimed store's VECTOR copies (consecutive elements,
+        the first aligned to them all) go as one vector store: LLVM had
+        merged the copies' loads but not their stores, and a warp wrote
+        every fourth element four times over (an elementwise pass's stores
+        took four times its loads' instructions)."""
+        runs: list[list] = []  # the stores of each copy emitted, in order
+        for value, ptr, align, copy in self.ctx.deferred or ():
+            if not runs or copy is None or copy != runs[-1][0][3]:
+                runs.append([])
+            runs[-1].append((value, ptr, align, copy))
         self.ctx.deferred = None
+        k = 0
+        while k < len(runs):
+            group = runs[k:k + VECTOR]
+            if [r[0][3] for r in group] == list(range(VECTOR)) and len({len(r) for r in group}) == 1:
+                for stores in zip(*group):
+                    value, ptr, align, _ = stores[0]
+                    if align and align >= VECTOR * _bytes(value.type):
+                        vec = ir.Constant(ir.VectorType(value.type, VECTOR), ir.Undefined)
+                        for c, st in enumerate(stores):
+                            vec = self.b.insert_element(vec, st[0], ir.Constant(I32, c))
+                        self.b.store(vec, ptr, align=align)
+                    else:
+                        for value, ptr, align, _ in stores:
+                            self.b.store(value, ptr, align=align)
+                k += VECTOR
+                continue
+            for value, ptr, align, _ in runs[k]:
+                self.b.store(value, ptr, align=align)
+            k += 1
 
     def store_element(self, arr, index, ptr, val) -> None:
         align = self.ctx.claims.get(id(index)) if self.ctx.claims else None
         if self.ctx.deferred is not None:
-            self.ctx.deferred.append((self.to_storage(val, arr.dtype), ptr, align))
+            self.ctx.deferred.append((self.to_storage(val, arr.dtype), ptr, align, self.ctx.copy))
         else:
             self.b.store(self.to_storage(val, arr.dtype), ptr, align=align)
 
