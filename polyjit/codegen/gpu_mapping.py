@@ -279,7 +279,7 @@ class GpuMapper(StripMapping):
         strip = self.strip_plan(rest, seen, GPU_STRIP, bounded=True)
         if strip is not None:
             return HaloStrips(grid, strip)
-        strip = atomic_strips(self, rest, seen) if not self.fills_device(loops) else None
+        strip = atomic_strips(self, rest, seen, loops) if not self.fills_device(loops) else None
         if strip is not None:
             return AtomicStrips(grid, strip)
         if _has_loop(rest):
@@ -476,7 +476,7 @@ def _contiguous_last(m: GpuMapper, loops: list, calls: list) -> list:
 
 
 # ---------------------------------------------------------------- strips
-def atomic_strips(m: GpuMapper, rest: isl.AstNode, grid_iters: set[str]) -> Strips | None:
+def atomic_strips(m: GpuMapper, rest: isl.AstNode, grid_iters: set[str], grid_loops: list = ()) -> Strips | None:
     """Strips of a sum when rest zeroes some arrays and then one loop (or
     perfect nest) sums into elements that do not move with it (a column
     sum): strips run in parallel, each adding its partial sums
@@ -485,7 +485,9 @@ def atomic_strips(m: GpuMapper, rest: isl.AstNode, grid_iters: set[str]) -> Stri
     is stripped and each strip runs in one iteration of the loops around
     it. A strip per iteration of the outer loop had left too few loads in
     flight: a [32, 3136, 64] sum over its first two dimensions (a
-    channels-last batch norm's) took 30x as long (bench/NOTES.md)."""
+    channels-last batch norm's) took 30x as long (bench/NOTES.md). Column
+    strips are shorter where the grid and strips would leave the device's
+    threads idle (_column_strip)."""
     kids = ast_children(rest)
     if not kids or kids[-1].get_type() != isl.ast_node_type.for_:
         return None
@@ -514,13 +516,32 @@ def atomic_strips(m: GpuMapper, rest: isl.AstNode, grid_iters: set[str]) -> Stri
         return None
     sums = [c.user_get_expr() for c in calls]
     if len(nest) == 1:
-        return Strips(loop, STRIP_COLUMN if grid_iters else STRIP_REDUCE, 0, tuple(sorted(zeroed)), sums)
+        size = _column_strip(m, list(grid_loops), loop) if grid_iters else STRIP_REDUCE
+        return Strips(loop, size, 0, tuple(sorted(zeroed)), sums)
     loops = [loop]
     while len(loops) < len(nest):
         loops.append(ast_children(loops[-1].for_get_body())[0])
     if all(m._free(x, grid_iters | set(nest) - {loop_iterator(x)}) for x in loops):
-        return Strips(loops[-1], STRIP_COLUMN, 0, tuple(sorted(zeroed)), sums, outer=loops[:-1])
+        size = _column_strip(m, list(grid_loops) + loops[:-1], loops[-1])
+        return Strips(loops[-1], size, 0, tuple(sorted(zeroed)), sums, outer=loops[:-1])
     return Strips(loop, 1, 0, tuple(sorted(zeroed)), sums)
+
+
+def _column_strip(m: GpuMapper, around: list, stripped: isl.AstNode) -> int:
+    """STRIP_COLUMN iterations a strip, halved (to a quarter at most) while
+    the loops around the strips and the strips themselves give fewer
+    threads than the device holds at once: BERT's bias gradients (768
+    columns of 4096 rows, some recomputing a layer norm's gradient from
+    five arrays) ran 49152 threads, a dozen warps a multiprocessor, too
+    few loads in flight to stream their rows."""
+    extents = [static_extent(x) for x in around + [stripped]]
+    if None in extents:
+        return STRIP_COLUMN
+    threads = (m.multiprocessors or DEFAULT_MULTIPROCESSORS) * THREADS_PER_MULTIPROCESSOR
+    size = STRIP_COLUMN
+    while size > STRIP_COLUMN // 4 and math.prod(extents[:-1]) * -(-extents[-1] // size) < threads:
+        size //= 2
+    return size
 
 
 def _zeroed_first(m: GpuMapper, inits: list, targets: set[str]) -> set[str] | None:
