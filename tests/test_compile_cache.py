@@ -94,8 +94,28 @@ def test_worker_processes_make_the_same_object_code(rng, monkeypatch, llvm_worke
     remote, served = build(2)
     assert none.served == 0 and served.served == remote[2] > 1
     assert remote == local
-    dead, pool = build(1, kill=True)
+    dead, pool = build(2, kill=True)  # (the first worker and its fork)
     assert dead == local and pool.served == 0 and not pool.procs
+
+
+def test_later_workers_are_forks_of_the_first(llvm_workers):
+    """The first worker process forks the others once its imports are done
+    (each then imports nothing), each on pipes of its own: they are its
+    children, and they serve on with the first gone."""
+    from polyjit.codegen import program, workers
+    pool = llvm_workers(3)
+    first, *forked = pool.procs
+    assert len(forked) == 2
+    for proc in forked:
+        with open(f"/proc/{proc.pid}/stat") as f:
+            assert int(f.read().rsplit(")", 1)[1].split()[1]) == first.pid
+    first.kill()
+    first.wait()
+    text = "define void @polyjit_fork_test() {\n  ret void\n}\n"
+    futures = [pool.submit(workers.OBJECT, text, program._on_thread) for _ in range(6)]
+    local = program.compile_object(text)[1]
+    assert all(f.result(60)[1] == local for f in futures)
+    assert pool.served >= 5 and len(pool.procs) >= 2  # (the first's thread hands its one job back)
 
 
 def test_worker_processes_schedule_groups_as_the_caller_would(rng, monkeypatch, llvm_workers):
