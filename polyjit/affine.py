@@ -111,9 +111,13 @@ class AffineProgram:
         return dom
 
     def access(self, ctx: isl.Context, s: Statement, array: str, index) -> isl.UnionMap:
-        """{ S[iters] -> A[index] }, each non-affine dimension widened to its extent."""
+        """{ S[iters] -> A[index] }, each non-affine dimension widened to its
+        extent; over every value of the iterators, not only s's domain (the
+        caller intersects with the domains): parsing the domain's constraints
+        with each access took longer than the rest of the parse, most with a
+        window's clamped indices."""
         arr = self.arrays[array]
-        outs, cons = [], [s.domain_constraints()] if s.domain_constraints() else []
+        outs, cons = [], []
         for d, e in enumerate(index):
             t = to_isl(e)
             v = f"a{d}"
@@ -137,7 +141,8 @@ class AffineProgram:
         return isl.UnionMap.read_from_str(ctx, text)
 
     def writes(self, ctx: isl.Context) -> tuple[isl.UnionMap, isl.UnionMap]:
-        """(must-writes, may-writes): a non-affine written index is only a may-write."""
+        """(must-writes, may-writes): a non-affine written index is only a
+        may-write; like ``access``, not yet within the statements' domains."""
         must = isl.UnionMap.empty(isl.Space.params_alloc(ctx, 0))
         may = must
         for s in self.statements:

@@ -94,14 +94,37 @@ def test_worker_processes_make_the_same_object_code(rng, monkeypatch, llvm_worke
     remote, served = build(2)
     assert none.served == 0 and served.served == remote[2] > 1
     assert remote == local
-    dead, pool = build(1, kill=True)
+    dead, pool = build(2, kill=True)  # (the first worker and its fork)
     assert dead == local and pool.served == 0 and not pool.procs
+
+
+def test_later_workers_are_forks_of_the_first(llvm_workers):
+    """The first worker process forks the others once its imports are done
+    (each then imports nothing), each on pipes of its own: they are its
+    children, and they serve on with the first gone."""
+    from polyjit.codegen import program, workers
+    pool = llvm_workers(3)
+    first, *forked = pool.procs
+    assert len(forked) == 2
+    for proc in forked:
+        with open(f"/proc/{proc.pid}/stat") as f:
+            assert int(f.read().rsplit(")", 1)[1].split()[1]) == first.pid
+    first.kill()
+    first.wait()
+    text = "define void @polyjit_fork_test() {\n  ret void\n}\n"
+    futures = [pool.submit(workers.OBJECT, text, program._on_thread) for _ in range(6)]
+    local = program.compile_object(text)[1]
+    assert all(f.result(60)[1] == local for f in futures)
+    assert pool.served >= 5 and len(pool.procs) >= 2  # (the first's thread hands its one job back)
 
 
 def test_worker_processes_schedule_groups_as_the_caller_would(rng, monkeypatch, llvm_workers):
     """A program's fusion groups are scheduled in the worker processes too
     (the caller takes back, in order, those no worker has begun): the same
-    program, kernel for kernel, as scheduled in the caller alone."""
+    program, kernel for kernel, as scheduled in the caller alone. A worker
+    also emits and compiles the kernels of the groups it schedules, so the
+    caller never builds their ASTs (only the isl texts come back), and the
+    object code is byte for byte the caller's."""
     from polyjit.cache import ProcessCache
     from polyjit.codegen import program
     from polyjit.schedule import driver
@@ -115,11 +138,19 @@ def test_worker_processes_schedule_groups_as_the_caller_would(rng, monkeypatch, 
         exe = polyjit.compile(_layers(2), [InputInfo(a.shape, F32) for a in args], {"cache": False})
         made = exe.compile_default()
         np.testing.assert_allclose(exe(*args), _layers_ref(*args), rtol=1e-4, atol=1e-5)
-        return made.ir["llvm_opt"], pool
-    local, none = build(0)
-    remote, pool = build(2)
+        remote = [s for s in driver._groups._items.values() if s._ast is None]
+        ast = made.ir["ast"].split("contracted:")[0]  # (temporaries are numbered per process)
+        return (made.ir["llvm_opt"], ast, made.ir["schedule"], made.keepalive.objects,
+                made.stats["kernels_compiled"]), pool, remote
+    local, none, _ = build(0)
+    remote, pool, unbuilt = build(2)
     assert none.scheduled == 0 and pool.scheduled >= 1
+    assert len(unbuilt) == pool.scheduled
     assert remote == local
+    # a group whose code is made again (the process's kernel cache lost it) builds its AST then
+    monkeypatch.setattr(program, "_codes", ProcessCache(program.CODE_CACHE))
+    again = polyjit.compile(_layers(2), [InputInfo(a.shape, F32) for a in args], {"cache": False}).compile_default()
+    assert again.keepalive.objects == local[3] and all(s._ast is not None for s in unbuilt)
 
 
 FORK_SCRIPT = """

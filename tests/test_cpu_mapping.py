@@ -191,3 +191,45 @@ def test_a_padded_convolution_keeps_its_guarded_loads_scalar(rng):
                           {"contractions": "generated", "cache": False})
     assert "register blocks" in exe.ir("mapping") and "vectors of" not in exe.ir("mapping")
     np.testing.assert_allclose(exe(x, w), refs.conv2d(x, w, padding=((1, 1), (1, 1))), rtol=1e-10, atol=1e-10)
+
+
+_PTX_LOOP = """
+define ptx_kernel void @k(ptr addrspace(1) %a) {
+entry:
+  br label %loop
+loop:
+  %i = phi i64 [0, %entry], [%n, %loop]
+  %p = getelementptr float, ptr addrspace(1) %a, i64 %i
+  %x = load float, ptr addrspace(1) %p
+  %y = fmul float %x, 2.0
+  %z = fadd float %y, 1.0
+  %w = fmul float %z, %x
+  store float %w, ptr addrspace(1) %p
+  %n = add i64 %i, 1
+  %c = icmp slt i64 %n, 40
+  br i1 %c, label %loop, label %done
+done:
+  ret void
+}
+"""
+
+
+def test_cpu_kernels_unroll_whole_loops_less_than_llvm_would(monkeypatch, rng):
+    """CPU kernels run LLVM's O3 under a smaller limit for unrolling loops
+    whole (codegen.cpu.CPU_UNROLL_THRESHOLD): an elementwise kernel over 3 x
+    3 x 336 positions a row is no longer one straight line of vector stores.
+    The limit is a process-wide LLVM option: the PTX pipeline sets LLVM's
+    own back (a 40-trip loop unrolled by 8 there, by 4 under the CPU's limit)."""
+    from polyjit.codegen import cpu, nvgpu, workers
+    monkeypatch.setattr(workers, "_workers", workers.LlvmWorkers(0))  # (LLVM in this process, which sees the patch)
+    x, b = rng.standard_normal((8, 3, 3, 336), dtype=F32), rng.standard_normal(336, dtype=F32)
+    stores = {}
+    for limit in (cpu.LLVM_UNROLL_THRESHOLD, cpu.CPU_UNROLL_THRESHOLD):
+        monkeypatch.setattr(cpu, "CPU_UNROLL_THRESHOLD", limit)
+        monkeypatch.setattr(program, "_codes", ProcessCache(program.CODE_CACHE))
+        exe = polyjit.compile(lambda x, b: ops.minimum(ops.maximum(x + b, 0.0), 6.0),
+                              [InputInfo(x.shape, F32), InputInfo(b.shape, F32)], {"cache": False})
+        np.testing.assert_allclose(exe(x, b), np.clip(x + b, 0, 6))
+        stores[limit] = len(re.findall(r"store <", exe.compile_default().ir["llvm_opt"]))
+    assert stores[cpu.CPU_UNROLL_THRESHOLD] < stores[cpu.LLVM_UNROLL_THRESHOLD], stores
+    assert len(re.findall(r"ld\.global", nvgpu.ptx(_PTX_LOOP, "sm_90")[1])) == 8

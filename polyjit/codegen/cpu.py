@@ -330,7 +330,26 @@ def prefer_wide_vectors(ir_text: str) -> str:
     return text + f'\nattributes #{WIDE} = {{ "prefer-vector-width"="512" }}\n'
 
 
+# LLVM's size limit for unrolling a loop whole at O3 (its option
+# "unroll-threshold-aggressive", 300 by default), for CPU kernels: at 300,
+# loops of vector code with constant trip counts (an elementwise kernel's
+# 3 x 3 x 21 vector iterations) became straight lines of hundreds of vector
+# stores, which LLVM's later passes and instruction selection took long over
+# and which ran no faster (bench/NOTES.md); at 100 a flax CNN's convolutions
+# ran slower. Other targets (NVPTX) keep LLVM's own.
+CPU_UNROLL_THRESHOLD = 150
+LLVM_UNROLL_THRESHOLD = 300
+
+
+def unroll_threshold(n: int) -> None:
+    """LLVM's O3 full-unroll limit for the pipelines run next: a process-wide
+    option, so every pipeline sets its own first (with _lock held)."""
+    llvm.set_option("polyjit", f"-unroll-threshold-aggressive={n}")
+
+
 def optimize(mod: "llvm.ModuleRef", tm) -> None:
+    """LLVM's O3 pipeline for the host (call with _lock held)."""
+    unroll_threshold(CPU_UNROLL_THRESHOLD)
     pto = llvm.create_pipeline_tuning_options(speed_level=3)
     pto.loop_vectorization = True
     pto.slp_vectorization = True

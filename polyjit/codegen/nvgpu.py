@@ -917,9 +917,10 @@ def _nvptx_target():
 
 def ptx(ir_text: str, arch: str = DEFAULT_ARCH) -> tuple[str, str]:
     """(optimized LLVM IR, PTX) for a GPU of the given sm_XX."""
-    from .cpu import _lock
+    from .cpu import LLVM_UNROLL_THRESHOLD, _lock, unroll_threshold
     tm = _nvptx_target().create_target_machine(cpu=arch, opt=3)
     with _lock:
+        unroll_threshold(LLVM_UNROLL_THRESHOLD)  # (the CPU's kernels set another)
         mod = llvm.parse_assembly(ir_text)
         mod.verify()
         mod.triple = TRIPLE

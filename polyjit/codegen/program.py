@@ -89,10 +89,23 @@ def kernel_code(group: ScheduledGroup, j: int, config: str, timer, variant: tupl
     """The code of kernel j of group (compiled now, or earlier in this process
     for the same variant, what else chose its schedule: second result True);
     its machine code may still be on the way (KernelCode.job)."""
-    key = hashlib.sha256(f"{group.problem.key}|{config}|{j}".encode()).hexdigest()
+    key = _kernel_key(group, j, config)
     code = _codes.get((key, variant))
     if code is not None and not (code.job.done() and code.job.exception()):
         return code, True
+    symbol, parallel, mapping, text = _emitted(group, j, key, timer)
+    code = KernelCode(symbol, parallel, mapping, text, workers.workers().submit(workers.OBJECT, text, _on_thread))
+    _codes.put((key, variant), code)
+    return code, False
+
+
+def _kernel_key(group: ScheduledGroup, j: int, config: str) -> str:
+    return hashlib.sha256(f"{group.problem.key}|{config}|{j}".encode()).hexdigest()
+
+
+def _emitted(group: ScheduledGroup, j: int, key: str, timer) -> tuple[str, bool, str, str]:
+    """Kernel j of group emitted: its symbol, whether it is parallel, its
+    mapping as printed and its LLVM IR."""
     node = group.sched.kernel_asts()[j]
     with timer("mapping"):
         plan = CpuMapper(group.problem.prog, group.sched, vector_bits()).kernel(j, node)
@@ -102,10 +115,29 @@ def kernel_code(group: ScheduledGroup, j: int, config: str, timer, variant: tupl
             "_kernel", "_" + key[:16])
         emitter.kernel(j, node, plan)
         text = str(emitter.module)
-    code = KernelCode(emitter.symbol, emitter.kernels[0].parallel, str(plan), text,
-                      workers.workers().submit(workers.OBJECT, text, _on_thread))
-    _codes.put((key, variant), code)
-    return code, False
+    return emitter.symbol, emitter.kernels[0].parallel, str(plan), text
+
+
+@dataclass(frozen=True)
+class WorkerCodes:
+    """What a worker process that schedules a group needs to make its
+    kernels' code as well (schedule_program's remote): it holds the group's
+    AST already, which the caller would otherwise build again from the
+    schedule's text to emit the same IR, and sends the same IR to a worker."""
+
+    config: str
+    variant: tuple
+
+    def make(self, group: ScheduledGroup, timer) -> list[tuple]:
+        """Each kernel's (symbol, parallel, mapping, IR, optimized IR, object code, LLVM's seconds)."""
+        out = []
+        for j in range(len(group.sched.kernels)):
+            symbol, parallel, mapping, text = _emitted(group, j, _kernel_key(group, j, self.config), timer)
+            with timer("llvm"):
+                start = time.perf_counter()
+                optimized, obj = compile_object(text)
+            out.append((symbol, parallel, mapping, text, optimized, obj, time.perf_counter() - start))
+        return out
 
 
 def _on_thread(ir_text: str) -> Future:
@@ -151,11 +183,23 @@ class CodeSet:
     """The kernel codes of one program, asked for as its groups are scheduled
     (of) and again as the program is built; the codes compiled for it (not
     found in the process's cache) are in ``new``. variant: what else than
-    a group's statements chose its schedule (target, fusion, tile sizes)."""
+    a group's statements chose its schedule (target, fusion, tile sizes).
+    As schedule_program's remote, it has the groups scheduled in worker
+    processes made there (spec) and takes their code in (adopt)."""
 
     def __init__(self, config: str, timer, variant: tuple = ()) -> None:
         self.config, self.timer, self.variant = config, timer, variant
         self.new: list[KernelCode] = []
+        self.spec = WorkerCodes(config, variant)
+
+    def adopt(self, group: ScheduledGroup, made: list[tuple]) -> None:
+        """group's kernels as spec.make made them in a worker: compiled for this program."""
+        for j, (symbol, parallel, mapping, text, optimized, obj, seconds) in enumerate(made):
+            job: Future = Future()
+            job.set_result((optimized, obj, seconds))
+            code = KernelCode(symbol, parallel, mapping, text, job)
+            _codes.put((_kernel_key(group, j, self.config), self.variant), code)
+            self.new.append(code)
 
     def of(self, group: ScheduledGroup) -> list[KernelCode]:
         out = []

@@ -6,9 +6,11 @@ each call waits for Python's GIL on its way back: on a thread beside the
 compile's own Python (isl scheduling, emitting IR), every one of a
 kernel's two dozen calls waits out the interpreter's switch interval
 (bench/NOTES.md: several times the kernels' time alone). Workers here are
-plain subprocesses (``main`` below, reading jobs on stdin; never a fork of
+a plain subprocess (``main`` below, reading jobs on stdin; never a fork of
 the caller, which may hold LLVM's or a framework's locks, nor
-multiprocessing's spawn, which would run the caller's main script again),
+multiprocessing's spawn, which would run the caller's main script again)
+and the forks it makes of itself once its imports are done (a worker's
+imports take as long as a handful of kernels), each on pipes of its own,
 each running the same ``program.compile_object`` or ``nvgpu.ptx`` as the
 caller would, so the code is the same byte for byte. A thread per worker
 in the caller hands it jobs from one queue. Where no worker starts, or one
@@ -23,6 +25,7 @@ from __future__ import annotations
 import atexit
 import os
 import queue
+import signal
 import struct
 import subprocess
 import sys
@@ -35,6 +38,7 @@ OBJECT = "object"  # a job's kind: CPU object code (else the sm_XX of its PTX)
 SCHEDULE = "schedule"  # a pickled fusion group scheduled (schedule.driver.schedule_job): bytes in, bytes out
 _SIZE = struct.Struct("<Q")
 _WORKER = "from polyjit.codegen.workers import main; main()"  # (not -m: the package imports this module)
+_FORKS = "POLYJIT_WORKER_FORKS"  # the pipes of the workers the first forks: "r,w,r,w..."
 
 OnThread = Callable[[str], Future]  # a job's text -> Future of (optimized IR, code, seconds) on the LLVM thread
 
@@ -82,13 +86,26 @@ class LlvmWorkers:
         self.scheduled = 0  # scheduling jobs done by a worker
         self.ready = threading.Event()  # a worker has started (until then jobs run on the caller's thread)
         self._lock = threading.Lock()  # a job is queued only while a worker is left to take it
+        self.forked: list[_Forked] = []
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # polyjit as the caller has it
-        for _ in range(count):
-            try:
-                proc = subprocess.Popen([sys.executable, "-c", _WORKER], env=env,
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-            except OSError:
-                break
+        if count < 1:
+            return
+        pairs = [(os.pipe(), os.pipe()) for _ in range(count - 1)]  # the forked workers': (jobs, replies), each (r, w)
+        theirs = [fd for jobs, replies in pairs for fd in (jobs[0], replies[1])]
+        try:
+            first = subprocess.Popen([sys.executable, "-c", _WORKER], env={**env, _FORKS: ",".join(map(str, theirs))},
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=theirs)
+        except OSError:
+            first = None
+        for fd in theirs:
+            os.close(fd)
+        self.forked = [_Forked(os.fdopen(jobs[1], "wb"), os.fdopen(replies[0], "rb")) for jobs, replies in pairs]
+        if first is None:
+            for f in self.forked:
+                f.stdin.close()
+                f.stdout.close()
+            return
+        for proc in [first, *self.forked]:
             self.procs.append(proc)
             threading.Thread(target=self._serve, args=(proc,), daemon=True, name="polyjit-worker").start()
 
@@ -115,10 +132,14 @@ class LlvmWorkers:
             return future
 
     def _serve(self, proc) -> None:
-        if _receive(proc.stdout, 1) is None:  # (its first reply says it has started)
+        started = _receive(proc.stdout, 1)  # (its first reply says it has started; the first's, the forked pids)
+        if started is None:
             self._gone(proc)
             return
-        self.ready.set()
+        if not isinstance(proc, _Forked):
+            for forked, pid in zip(self.forked, started[0].split()):
+                forked.pid = int(pid)
+            self.ready.set()
         while True:
             kind, text, on_thread, future = self.jobs.get()
             if not future.set_running_or_notify_cancel():  # (taken back by the caller)
@@ -173,6 +194,30 @@ class LlvmWorkers:
                 proc.kill()
 
 
+class _Forked:
+    """A worker the first forked after its imports (main): its pipes, as a
+    Popen's stdin and stdout; its pid once the first has said it."""
+
+    def __init__(self, stdin, stdout) -> None:
+        self.stdin, self.stdout, self.pid = stdin, stdout, None
+
+    def kill(self) -> None:
+        if self.pid is not None:
+            os.kill(self.pid, signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Until it has ended (the first has the system reap its children)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while self.pid is not None:
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                return
+            if end is not None and time.monotonic() > end:
+                raise subprocess.TimeoutExpired("polyjit worker", timeout)
+            time.sleep(0.005)
+
+
 def _decoded(kind: str, reply: list[bytes]) -> tuple:
     """A worker's reply as its kind's Future holds it (before the seconds):
     (pickled result,) for SCHEDULE, else (optimized IR, object bytes or PTX text)."""
@@ -217,19 +262,49 @@ os.register_at_fork(after_in_child=_forget)
 
 
 def main() -> None:
-    """A worker: (kind, LLVM IR) in, (optimized IR, code) out, until stdin closes."""
-    from .nvgpu import ptx
-    from .program import compile_object
+    """The first worker: its imports, then a fork for each further worker
+    (the pipes named in POLYJIT_WORKER_FORKS), which thus imports nothing;
+    then each serves its own pipes. Forked before any thread or LLVM call
+    of its own, so no lock is held in a child."""
+    from ..schedule.driver import schedule_job  # noqa: F401  (imported before the forks: what every job needs)
+    from ..targets import cpu  # noqa: F401  (a scheduling job's target)
+    from .nvgpu import ptx  # noqa: F401
+    from .program import compile_object  # noqa: F401
     stdin, stdout = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # anything else written to stdout goes to stderr, not into the replies
-    _send(stdout, b"")  # started
+    fds = [int(fd) for fd in os.environ.pop(_FORKS, "").split(",") if fd]
+    if fds:
+        signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # (the system reaps the forked workers)
+    pids = []
+    for k in range(0, len(fds), 2):
+        pid = os.fork()
+        if pid == 0:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            for fd in [0, stdout.fileno(), *fds[k + 2:]]:  # (the first's pipes and the later workers')
+                os.close(fd)
+            try:
+                _serve_jobs(os.fdopen(fds[k], "rb"), os.fdopen(fds[k + 1], "wb"), b"")
+            finally:
+                os._exit(0)
+        pids.append(pid)
+        os.close(fds[k])
+        os.close(fds[k + 1])
+    _serve_jobs(stdin, stdout, " ".join(map(str, pids)).encode())
+
+
+def _serve_jobs(stdin, stdout, started: bytes) -> None:
+    """(kind, LLVM IR or a pickled group) in, (optimized IR, code) or (a
+    pickled schedule, b"") out, until stdin closes."""
+    from ..schedule.driver import schedule_job
+    from .nvgpu import ptx
+    from .program import compile_object
+    _send(stdout, started)
     while True:
         job = _receive(stdin, 2)
         if job is None:
             return
         kind = job[0].decode()
         if kind == SCHEDULE:
-            from ..schedule.driver import schedule_job
             _send(stdout, schedule_job(job[1]), b"")
             continue
         text = job[1].decode()

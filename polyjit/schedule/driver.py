@@ -189,7 +189,7 @@ def _schedule_one_group(ctx, prog, dom, validity, raw, names, fusion, fuse: Fusi
 
 
 def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None, target=None,
-                     timer=None, canonical: bool = True, each=None) -> "ProgramSchedule":
+                     timer=None, canonical: bool = True, each=None, remote=None) -> "ProgramSchedule":
     """target (a polyjit.targets.Target; None: the host's) gives its rewrites
     (the cpu's tile with register blocks sized for its vectors,
     balance threads and sink inner loops; nvgpu's put every coincident loop
@@ -206,7 +206,10 @@ def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None, 
     The groups a process has not scheduled before are offered to the
     worker processes that compile kernels (codegen.workers), which schedule
     them side by side; the caller takes back, in order, those none has
-    begun, and builds the AST of each worker's schedule again."""
+    begun. remote, where given, goes with each group to its worker:
+    ``remote.spec.make(group, timer)`` there makes the group's code, which
+    ``remote.adopt(group, made)`` takes in here before each(group), so that
+    the caller does not build the AST of a worker's schedule again."""
     timer = timer or _no_timer
     if target is None:
         from ..targets import target as named
@@ -225,23 +228,25 @@ def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None, 
     with timer("schedule/canonical"):
         problems = [group_problem(prog, group, {a for a, gs in users.items() if gs != {g}}, canonical)
                     for g, group in enumerate(names)]
-    offered = _offer(problems, config)
+    offered = _offer(problems, config, remote)
     groups = []
     for problem in problems:
         key = (problem.key, config)
-        sched = _groups.get(key)
+        sched, made = _groups.get(key), None
         if sched is None:
-            sched = _from_worker(problem, offered.get(problem.key), timer)
+            sched, made = _from_worker(problem, offered.get(problem.key), timer)
             if sched is None:
                 sched = _schedule_problem(problem, config, timer)
             _groups.put(key, sched)
         groups.append(ScheduledGroup(problem, sched))
+        if made is not None:
+            remote.adopt(groups[-1], made)
         if each is not None:
             each(groups[-1])
     return ProgramSchedule(prog, groups, plan.refused if plan else [])
 
 
-def _offer(problems: list[GroupProblem], config: tuple) -> dict:
+def _offer(problems: list[GroupProblem], config: tuple, remote) -> dict:
     """The groups not scheduled yet in this process, offered to the worker
     processes (by key), where there are two or more: the caller schedules
     in order each that no worker has begun (_from_worker)."""
@@ -255,55 +260,63 @@ def _offer(problems: list[GroupProblem], config: tuple) -> dict:
     pool = workers.workers()
     offered = {}
     for key, p in todo.items():
-        future = pool.offer(workers.SCHEDULE, pickle.dumps((p, config, sz.definitions(p.prog.params))))
+        future = pool.offer(workers.SCHEDULE, pickle.dumps((p, config, sz.definitions(p.prog.params),
+                                                               remote and remote.spec)))
         if future is None:
             return {}
         offered[key] = future
     return offered
 
 
-def _from_worker(problem: GroupProblem, future, timer) -> Scheduled | None:
-    """The group as a worker scheduled it; None where none has begun it
-    (taken back: the caller schedules it) or the worker failed."""
+def _from_worker(problem: GroupProblem, future, timer) -> tuple[Scheduled | None, list | None]:
+    """The group as a worker scheduled it, and the code it made (None where
+    it was not asked to); (None, None) where no worker has begun it (taken
+    back: the caller schedules it) or the worker failed."""
     if future is None or future.cancel():
-        return None
+        return None, None
     start = time.perf_counter()
     try:
         reply, _ = future.result()
         done = pickle.loads(reply)
     except Exception as e:  # (the worker died: the caller schedules it)
         log.debug("a worker did not schedule a group: %s", e)
-        return None
+        return None, None
     timer.add("schedule/waited", time.perf_counter() - start)
     if done[0] == "error":  # (scheduled again here, where the error is raised as usual)
-        return None
-    text, contracted, kernels, kernel_of_array, refused, seconds = done
+        return None, None
+    texts, contracted, kernels, kernel_of_array, refused, seconds, made = done
     for stage, s in seconds.items():
         timer.add(stage + " (workers)", s)
-    ctx = make_context()
-    sched = isl.Schedule.read_from_str(ctx, text)
-    with timer("schedule/ast"):
-        ast = _ast(ctx, problem.prog, sched)
-    if [statements_in(k) for k in kernel_nodes(ast)] != kernels:  # (never code from an AST unlike the worker's)
-        log.warning("a group's AST built again differs from its worker's: scheduled here")
-        return None
-    return Scheduled(sched, ast, contracted, kernels, kernel_of_array, refused)
+    if made is None:  # (no code from the worker: the caller's emitter walks the AST)
+        ctx = make_context()
+        sched = isl.Schedule.read_from_str(ctx, texts[0])
+        with timer("schedule/ast"):
+            ast = _ast(ctx, problem.prog, sched)
+        if [statements_in(k) for k in kernel_nodes(ast)] != kernels:  # (never code from an AST unlike the worker's)
+            log.warning("a group's AST built again differs from its worker's: scheduled here")
+            return None, None
+        return Scheduled(sched, ast, contracted, kernels, kernel_of_array, refused), None
+    return Scheduled(None, None, contracted, kernels, kernel_of_array, refused, texts,
+                     lambda sched: _ast(sched.get_ctx(), problem.prog, sched)), made
 
 
 def schedule_job(payload: bytes) -> bytes:
     """A worker process's job: a pickled (GroupProblem, config, the derived
-    sizes it names) scheduled; the schedule as isl's text (the caller builds
-    its AST again) with the rest of its Scheduled and the stages' seconds,
-    pickled."""
+    sizes it names, a remote's spec or None) scheduled, and its code made
+    where a spec is given; the schedule as isl's texts (the schedule, its
+    tree as printed, the AST in C) with the rest of its Scheduled, the
+    stages' seconds and spec.make's result, pickled."""
     from ..compiler import StageTimer
     try:
-        problem, config, derived = pickle.loads(payload)
+        problem, config, derived, spec = pickle.loads(payload)
         if not all(sz.define(name, *definition) for name, definition in derived.items()):
             return pickle.dumps(("error", "a derived size's name stands for another here"))
         timer = StageTimer()
         s = _schedule_problem(problem, config, timer)
-        return pickle.dumps((s.schedule.to_str(), s.contracted, s.kernels, s.kernel_of_array, s.refused,
-                             timer.detail))
+        made = spec.make(ScheduledGroup(problem, s), timer) if spec is not None else None
+        texts = (s.schedule.to_str(), s.schedule_tree(), s.ast_text())
+        return pickle.dumps((texts, s.contracted, s.kernels, s.kernel_of_array, s.refused,
+                             {**timer.detail, **{f"schedule/{k}": v for k, v in timer.seconds.items()}}, made))
     except Exception as e:  # noqa: BLE001  (the caller schedules the group itself)
         return pickle.dumps(("error", repr(e)))
 

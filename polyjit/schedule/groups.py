@@ -5,26 +5,57 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
+from typing import Callable
 
 import islpy as isl
 
 from ..affine import AffineProgram
 from ..expr import Load, substitute
-from .ast import kernel_nodes
+from .ast import kernel_nodes, statements_in
+from .dependences import make_context
 
 
-@dataclass
 class Scheduled:
-    schedule: isl.Schedule
-    ast: isl.AstNode
-    contracted: dict[str, tuple[int | None, ...]] = field(default_factory=dict)
-    kernels: list[set[str]] = field(default_factory=list)  # statement names per top-level nest
-    kernel_of_array: dict[str, int] = field(default_factory=dict)
-    refused: list[str] = field(default_factory=list)  # fusions the cost model refused, with why
+    """A group's schedule and AST, and what they decided. A group a worker
+    process scheduled (and made the code of, codegen.program.WorkerCodes)
+    comes with isl's objects as text: the schedule is read again and the AST
+    built again only where asked for (its code made anew), the texts
+    serving the program's printed stages meanwhile."""
+
+    def __init__(self, schedule: isl.Schedule | None, ast: isl.AstNode | None,
+                 contracted: dict[str, tuple[int | None, ...]] | None = None,
+                 kernels: list[set[str]] | None = None, kernel_of_array: dict[str, int] | None = None,
+                 refused: list[str] | None = None, texts: tuple[str, str, str] | None = None,
+                 build_ast: Callable[[isl.Schedule], isl.AstNode] | None = None) -> None:
+        self._schedule, self._ast = schedule, ast
+        self.contracted = contracted or {}
+        self.kernels = kernels or []  # statement names per top-level nest
+        self.kernel_of_array = kernel_of_array or {}
+        self.refused = refused or []  # fusions the cost model refused, with why
+        self._texts = texts  # (isl's schedule, its tree as printed, the AST in C), where the objects are not built
+        self._build_ast = build_ast
+
+    @property
+    def schedule(self) -> isl.Schedule:
+        if self._schedule is None:
+            self._schedule = isl.Schedule.read_from_str(make_context(), self._texts[0])
+        return self._schedule
+
+    @property
+    def ast(self) -> isl.AstNode:
+        if self._ast is None:
+            ast = self._build_ast(self.schedule)
+            if [statements_in(k) for k in kernel_nodes(ast)] != self.kernels:  # (never code unlike the worker's)
+                raise RuntimeError("a group's AST built again differs from its worker's")
+            self._ast = ast
+        return self._ast
+
+    def schedule_tree(self) -> str:
+        return str(self._schedule.get_root()) if self._texts is None else self._texts[1]
 
     def ast_text(self) -> str:
-        return self.ast.to_C_str()
+        return self._ast.to_C_str() if self._texts is None else self._texts[2]
 
     def kernel_asts(self) -> list[isl.AstNode]:
         """The top-level nests, one kernel each."""
@@ -113,7 +144,7 @@ class ProgramSchedule:
         return "\n".join(g.real_names(g.sched.ast_text()).rstrip("\n") for g in self.groups) + "\n"
 
     def schedule_text(self) -> str:
-        return "\n".join(g.real_names(str(g.sched.schedule.get_root())) for g in self.groups)
+        return "\n".join(g.real_names(g.sched.schedule_tree()) for g in self.groups)
 
 
 def kernel_of_each_array(prog: AffineProgram, kernels: list[set[str]], offset: int = 0,

@@ -184,7 +184,8 @@ class CpuTarget(Target):
         # each group's kernels are emitted, and go to LLVM, once it is scheduled
         codes = CodeSet(machine, timer, self.variant(options))
         with timer("schedule"):
-            sched = schedule_program(prog, options.fusion, options.tile_sizes, self, timer, each=codes.of)
+            sched = schedule_program(prog, options.fusion, options.tile_sizes, self, timer, each=codes.of,
+                                     remote=codes)
         code = build_program(prog, sched, name, codes)
         with timer("llvm"):
             loaded = LoadedProgram([c.obj for c in code.codes] + [entries_object(code.entries)])
