@@ -587,6 +587,18 @@ def _fold_reduce(reduce):
                                      keepdims=o.get_attr("keep_dims"))
 
 
+def _fold_concat_offset(o, axis, *shapes):
+    """Where each operand of a concatenation starts in it (a concatenation's gradient slices there)."""
+    a = _int(axis) % len(shapes[0])
+    out, at = [], 0
+    for shape in shapes:
+        offset = np.zeros(len(shape), object)
+        offset[a] = at
+        out.append(offset)
+        at = at + shape[a]
+    return out
+
+
 def _fold_cast(o, x):
     if not o.get_attr("SrcT").is_integer:  # (the result is an integer: the table's rules make only those)
         raise ValueError("a cast of numbers that are not integers")
@@ -626,8 +638,10 @@ _FOLDS: dict[str, Callable | None] = {
     "Prod": _fold_reduce(np.prod), "Cast": _fold_cast,
     "Mul": lambda o, a, b: a * b, "Add": lambda o, a, b: a + b, "AddV2": lambda o, a, b: a + b,
     "Sub": lambda o, a, b: a - b, "Neg": lambda o, x: -x, "FloorDiv": lambda o, a, b: a // b,
+    "FloorMod": lambda o, a, b: a % b,
     "Maximum": lambda o, a, b: np.maximum(a, b), "Minimum": lambda o, a, b: np.minimum(a, b),
-    "Range": None,
+    "Range": None, "InvertPermutation": lambda o, perm: np.argsort(_ints(perm)),  # (a transpose's gradient)
+    "ConcatOffset": _fold_concat_offset,
     # a loop's condition (see _Trace.unroll): on numbers only
     **{name: (lambda f: lambda o, *xs: f(*map(_ints, _numbers(o, xs))))(f) for name, f in [
         ("Less", np.less), ("LessEqual", np.less_equal), ("Greater", np.greater),
@@ -767,6 +781,12 @@ class _Trace:
             if o.type == "Const":
                 env[o.outputs[0].name] = Const(tf.make_ndarray(o.get_attr("value")))
                 continue
+            if o.type == "VariableShape" and isinstance(env.get(o.inputs[0].name), Value) \
+                    and env[o.inputs[0].name].shape is not None \
+                    and all(isinstance(d, int) for d in env[o.inputs[0].name].shape):
+                out_dtype = o.get_attr("out_type").as_numpy_dtype
+                env[o.outputs[0].name] = Const(np.asarray(env[o.inputs[0].name].shape, out_dtype))
+                continue
             if self.unrolling and o.type != "ReadVariableOp" and any(t.name in handles for t in o.inputs):
                 raise UnsupportedOpError(f"{o.type} of a resource in a while loop")
             ins = [env[t.name] if o.type == "ReadVariableOp" or t.name not in handles else handles[t.name]
@@ -788,7 +808,8 @@ class _Trace:
                         raise
                     made = None
                 if made is not None and (o.type not in _LIST_MAKERS or self.unrolling):
-                    env[o.outputs[0].name] = made
+                    for t, m in zip(o.outputs, made if isinstance(made, tuple) else (made,)):
+                        env[t.name] = m
                     continue
             if any(isinstance(x, _TensorList) and (x.value is None or self.unrolling) for x in ins):
                 raise UnsupportedOpError(f"{o.type} of a TensorList")
@@ -996,16 +1017,82 @@ def _list_length(trace, o, tl):
     return Const(np.asarray(len(tl.items), np.int32)) if isinstance(tl, _TensorList) else None
 
 
+def _list_element_shape(trace, o, tl):
+    """TensorListElementShape: the declared shape, else the items' (an accumulator declares none)."""
+    if not isinstance(tl, _TensorList):
+        return None
+    shapes = {tl.element_shape} if tl.element_shape is not None else {
+        _shape_of(v) for v in tl.items if v is not None}
+    if len(shapes) != 1 or None in shapes or not all(isinstance(d, int) for d in next(iter(shapes))):
+        return None
+    return Const(np.asarray(next(iter(shapes)), o.get_attr("shape_type").as_numpy_dtype))
+
+
+def _list_add(trace, o, *tls):
+    """AddN of TensorLists (a loop's gradient summed over its uses): the
+    lists of the items' sums."""
+    if not all(isinstance(tl, _TensorList) for tl in tls) or len({len(tl.items) for tl in tls}) != 1:
+        return None
+    items = []
+    for i in range(len(tls[0].items)):
+        terms = [tl.item(trace, o, i) for tl in tls]
+        out = Value(_shape_of(terms[0]), tls[0].dtype)
+        trace.ops.append(Op("AddN", _add_n, o, terms, [out], lambda args: [sum(np.asarray(a) for a in args)],
+                            o.name))
+        items.append(out)
+    return _TensorList(items, None, tls[0].dtype, tls[0].element_shape)
+
+
+def _list_zeros(trace, o, tl):
+    """ZerosLike of a TensorList (the gradient of a list no loss reads): zeros for each item."""
+    if not isinstance(tl, _TensorList):
+        return None
+    items = []
+    for v in tl.items:
+        shape = None if v is None else _shape_of(v)
+        if v is not None and (shape is None or not all(isinstance(d, int) for d in shape)):
+            raise UnsupportedOpError("zeros like a TensorList item of unknown shape")
+        items.append(None if v is None else Const(np.zeros(shape, tl.dtype.as_numpy_dtype)))
+    return _TensorList(items, None, tl.dtype, tl.element_shape)
+
+
+def _shape_of(v) -> tuple | None:
+    return tuple(v.value.shape) if isinstance(v, Const) else v.shape
+
+
+def _list_empty(trace, o, shape, n):
+    """EmptyTensorList: a stack that a loop pushes to (a gradient's accumulator of a step's values)."""
+    return _TensorList([], None, o.get_attr("element_dtype"), _list_shape(shape))
+
+
+def _list_push(trace, o, tl, v):
+    if not isinstance(tl, _TensorList) or isinstance(v, _TensorList):
+        return None
+    return _TensorList(list(tl.items) + [v], tl.source, tl.dtype, tl.element_shape)
+
+
+def _list_pop(trace, o, tl, shape):
+    """TensorListPopBack: (the list without its last item, that item)."""
+    if not isinstance(tl, _TensorList) or tl.source is not None:
+        return None
+    if not tl.items:
+        raise UnsupportedOpError("TensorListPopBack of an empty list")
+    last = tl.item(trace, o, len(tl.items) - 1)
+    return _TensorList(tl.items[:-1], None, tl.dtype, tl.element_shape), last
+
+
 # TensorList ops while tracing: each gives a _TensorList, a value, or None
 # (the op as it is). Outside a loop being unrolled, a list made by one of
 # _LIST_MAKERS keeps its op, for a loop that runs in TensorFlow to read.
 _TENSOR_LISTS: dict[str, Callable] = {
     "TensorListReserve": _list_reserve, "TensorListFromTensor": _list_from_tensor,
     "TensorListGetItem": _list_get, "TensorListSetItem": _list_set, "TensorListStack": _list_stack,
-    "TensorListLength": _list_length,
+    "TensorListLength": _list_length, "EmptyTensorList": _list_empty, "TensorListPushBack": _list_push,
+    "TensorListPopBack": _list_pop, "TensorListElementShape": _list_element_shape, "AddN": _list_add,
+    "ZerosLike": _list_zeros,
     "Identity": lambda trace, o, x: x if isinstance(x, _TensorList) else None,
 }
-_LIST_MAKERS = {"TensorListReserve", "TensorListFromTensor"}
+_LIST_MAKERS = {"TensorListReserve", "TensorListFromTensor", "EmptyTensorList"}
 
 
 # ops that take a shape: its operand's position, and whether the shape

@@ -376,29 +376,30 @@ def test_unsupported_op_falls_back_or_raises_under_strict(rng):
             assert_close(got, want)
 
 
-@pytest.mark.parametrize("cell", ["LSTM", "GRU"])
+@pytest.mark.parametrize("cell", ["LSTM", "GRU", "SimpleRNN"])
 def test_keras_recurrent_layers_unroll_their_loop(rng, cell):
     """A recurrent layer's loop (While over TensorLists, reading the layer's
     variables itself) has a trip count known when tracing: unrolled, it
-    compiles whole. In a training step the loop's gradient still runs in
-    TensorFlow; the lists never cross into numpy (DLPack aborts the process
-    on a variant)."""
+    compiles whole. So does a training step: the forward loop pushes each
+    step's values on accumulator lists (EmptyTensorList, TensorListPushBack)
+    that the gradient's loop pops (TensorListPopBack), its zeros shaped by
+    VariableShape; no op runs in TensorFlow, and no list crosses into numpy
+    (DLPack aborts the process on a variant)."""
     layer = getattr(keras.layers, cell)(8, return_sequences=True)
     model = keras.Sequential([keras.Input((5, 4)), layer, keras.layers.Dense(3)])
     for w in model.weights:
         w.assign(rng.standard_normal(w.shape).astype(np.float32) * 0.5)
     x = rnd(rng, 2, 5, 4)
     check(lambda x: model(x, training=False), x, compile_options={"strict": True})
+    r = rnd(rng, 2, 5, 3)
 
     def step(x):  # the loop's gradient reads accumulators added to the forward loop after it was made
         with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(model(x, training=True) ** 2)
+            loss = tf.reduce_sum(model(x, training=True) * r)
         return loss, tape.gradient(loss, model.trainable_variables)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        js = jit(step)
-        assert_close(js(x), step(x), 1e-4, 1e-5)
-    assert not js._failed
+    js = jit(step, compile_options={"strict": True})
+    assert_close(js(x), step(x), 1e-4, 1e-5)
+    assert js.stats["fallbacks"] == 0 and not js._failed
 
 
 @pytest.mark.parametrize("layers", [
@@ -417,6 +418,27 @@ def test_keras_rnns_compile_whole_under_strict(rng, layers):
     got, want = jf(tf.constant(xn)).numpy(), model(tf.constant(xn), training=False).numpy()
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layers", [
+    lambda: [keras.layers.Bidirectional(keras.layers.LSTM(4, return_sequences=True)), keras.layers.GRU(3)],
+    lambda: [keras.layers.LSTM(4, return_sequences=True, go_backwards=True), keras.layers.SimpleRNN(3)],
+], ids=["bidirectional_gru", "backwards_stacked"])
+def test_keras_rnn_training_steps_compile_whole_under_strict(rng, layers):
+    """A training step through stacked recurrent layers: the gradient loops
+    sum list gradients (AddN of TensorLists), start from zeros like a
+    list (ZerosLike), and slice a concatenation's gradient at offsets
+    (ConcatOffset of a FloorMod axis) known when tracing."""
+    model = keras.Sequential([keras.Input((5, 4))] + layers() + [keras.layers.Dense(2)])
+    x, r = rnd(rng, 3, 5, 4), rnd(rng, 3, 2)
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x, training=True) * r)
+        return loss, tape.gradient(loss, model.trainable_variables)
+    js = jit(step, compile_options={"strict": True})
+    assert_close(js(x), step(x), 1e-4, 1e-5)
+    assert js.stats["fallbacks"] == 0
 
 
 def test_while_with_a_run_time_trip_count_runs_in_tensorflow(rng):
