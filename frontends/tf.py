@@ -1017,6 +1017,12 @@ def _list_length(trace, o, tl):
     return Const(np.asarray(len(tl.items), np.int32)) if isinstance(tl, _TensorList) else None
 
 
+def _in_tensorflow(trace, tl: _TensorList) -> bool:
+    """Whether tl is a list TensorFlow made, outside a loop being unrolled:
+    its pushes and pops stay ops there, for a loop run in TensorFlow to read."""
+    return tl.value is not None and not trace.unrolling
+
+
 def _list_element_shape(trace, o, tl):
     """TensorListElementShape: the declared shape, else the items' (an accumulator declares none)."""
     if not isinstance(tl, _TensorList):
@@ -1066,14 +1072,14 @@ def _list_empty(trace, o, shape, n):
 
 
 def _list_push(trace, o, tl, v):
-    if not isinstance(tl, _TensorList) or isinstance(v, _TensorList):
+    if not isinstance(tl, _TensorList) or isinstance(v, _TensorList) or _in_tensorflow(trace, tl):
         return None
     return _TensorList(list(tl.items) + [v], tl.source, tl.dtype, tl.element_shape)
 
 
 def _list_pop(trace, o, tl, shape):
     """TensorListPopBack: (the list without its last item, that item)."""
-    if not isinstance(tl, _TensorList) or tl.source is not None:
+    if not isinstance(tl, _TensorList) or tl.source is not None or _in_tensorflow(trace, tl):
         return None
     if not tl.items:
         raise UnsupportedOpError("TensorListPopBack of an empty list")
