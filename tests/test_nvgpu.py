@@ -882,6 +882,26 @@ def test_direct_convolutions_thread_by_thread(case, rng, monkeypatch):
     np.testing.assert_allclose(got, np.maximum(ref(arrays[0] * 2, arrays[1]), 0), rtol=1e-5, atol=1e-5)
 
 
+def test_products_over_runs_of_dims_call_cublas_as_matrices_thread_by_thread(rng, monkeypatch):
+    """A dense layer over a sequence as JAX writes it ([b, t, d] x [d, n])
+    and its weight's gradient (contracting b and t) are products of
+    matrices on nvgpu (matrix_products): cuBLAS calls on views of the
+    operands, no generated nest; the results are numpy's."""
+    from polyjit.runtime import cublas
+    monkeypatch.setattr(cublas, "cublas", lambda: _HostCublas())
+    x, w, g = rng.standard_normal((3, 10, 12)), rng.standard_normal((12, 7)), rng.standard_normal((3, 10, 7))
+    x, w, g = (a.astype(F32) for a in (x, w, g))
+
+    def f(x, w, g):
+        return ops.dot_general(x, w, ((2,), (0,))), ops.dot_general(x, g, ((0, 1), (0, 1)))
+    exe = polyjit.compile(f, [InputInfo(a.shape, F32) for a in (x, w, g)], {**PTX_ONLY, "contractions": "library"})
+    plans = exe.ir("mapping").splitlines()
+    assert sum("library: sgemm" in p for p in plans) == 2 and not any("tiled" in p for p in plans), plans
+    got = run_threads_on_cpu(exe, [x, w, g])
+    np.testing.assert_allclose(got[0].reshape(3, 10, 7), np.einsum("btd,dn->btn", x, w), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got[1], np.einsum("btd,btn->dn", x, g), rtol=1e-5, atol=1e-5)
+
+
 def test_activations_between_cudnn_convolutions_are_channels_last_thread_by_thread(rng, monkeypatch):
     """Where cuDNN loads, NCHW convolutions read and write channels-last
     arrays (its tensor-core kernels take NHWC; handed NCHW, it converts
