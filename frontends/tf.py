@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from polyjit import ops
 from polyjit import sizes as sz
+from polyjit.compiler import expect_compile
 from polyjit.dtypes import DataType
 from polyjit.errors import CompileOptionError, DefinitionError, InputError, UnsupportedOpError
 from polyjit.options import CompileOptions, parse_options
@@ -1214,6 +1215,7 @@ class TFFunction:
         else:
             specs = [tf.TensorSpec(x.shape, tf.as_dtype(x.dtype)) for x in arrays]
         if key not in self._programs:
+            expect_compile()
             cf = tf.function(self.fn, autograph=False).get_concrete_function(*specs)
             trace = _Trace(cf, len(arrays))
             prog = SegmentedProgram(trace.invars, trace.ops, trace.outvars, self.options, self._stats,

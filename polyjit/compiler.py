@@ -92,6 +92,16 @@ def compile_graph(graph: Graph, options: CompileOptions, name: str = "fn") -> Co
         return target(options.target).compile(graph, options, name)
 
 
+def expect_compile() -> None:
+    """Start the compile's worker processes (codegen.workers) now: a
+    frontend calls this as it begins tracing a program it has not compiled,
+    so that the workers' imports run on another core beside the trace, not
+    after it, when the compile's first code waits for them. A program then
+    found in the compile cache leaves them idle."""
+    from .codegen import workers
+    workers.workers()
+
+
 PLAN_STATS = ("kernels", "statements", "fused", "inlined", "contracted_buffers", "parallel_kernels",
               "library_calls", "fusions_refused", "fusion_refusals", "contractions")
 

@@ -53,12 +53,27 @@ def test_mapping_names_each_kernels_decisions():
         assert gemm.startswith("thread team; BLAS sgemm of ") and gemm.endswith("per part")
 
 
-def test_a_fused_group_keeps_its_parallel_loops():
+def test_a_small_kernel_runs_on_one_thread():
+    """Fewer than ONE_THREAD_WORK statement instances (a batch norm's
+    per-channel scale folded into a convolution's weights) are not shared
+    with the thread team: its loop keeps constant bounds."""
+    small = (16, cpu_mapping.ONE_THREAD_WORK // 16 - 1)
+    assert _mapping(lambda x: ops.exp(x) * 2.0, [small]) == ["one thread"]
+    assert _mapping(lambda x: ops.exp(x) * 2.0, [(16, cpu_mapping.ONE_THREAD_WORK // 16)]) == \
+        ["thread team; parallel c0"]
+    x = np.random.default_rng(0).standard_normal(small).astype(F32)
+    exe = polyjit.compile(lambda x: ops.exp(x) * 2.0, [InputInfo(list(small), F32)])
+    np.testing.assert_allclose(exe(x), np.exp(x) * 2.0, rtol=1e-6)
+
+
+def test_a_fused_group_keeps_its_parallel_loops(monkeypatch):
     """A dense layer's input gradient broadcast over pooled cells (flax's
     average pooling): isl's clustering scheduler put the weight's transpose
     under the outer loops of the product that reads it, which then carried
     the dependence, and both kernels ran on one thread. Scheduled again
-    without fusion, each keeps its parallel loop."""
+    without fusion, each keeps its parallel loop (the transpose, small,
+    counted as large enough to share)."""
+    monkeypatch.setattr(cpu_mapping, "ONE_THREAD_WORK", 0)
     def grad(r, w, x):
         d = ops.matmul(r, ops.transpose(w, 0, 1))
         return ops.reshape(d, [8, 1, 1, 64]) * x / 256.0
@@ -116,13 +131,14 @@ def test_channels_last_sums_run_in_strips_on_the_thread_team(rng):
     gradient), where the channels are too few to share: cut into a strip
     of images per thread (targets.cpu.column_strips), the strips summed on
     the team with the channels innermost, then added in a kernel of their
-    own (fused with the strips, the addition made their loop sequential)."""
+    own (fused with the strips, the addition made their loop sequential),
+    small enough for one thread."""
     def sums(g, x):
         gx = g * x
         return ops.sum(g, [0, 1, 2]), ops.sum(ops.maximum(gx, 0.0) * x, [0, 1, 2])
     shapes = [(8, 16, 16, 32)] * 2
     plans = _mapping(sums, shapes, num_threads=2, cache=False)
-    assert len(plans) >= 2 and all(p.startswith("thread team; parallel") for p in plans), plans
+    assert plans == ["thread team; parallel c0", "one thread"] * 2, plans
     exe = polyjit.compile(sums, [InputInfo(list(s), F32) for s in shapes], {"num_threads": 2, "cache": False})
     g, x = (rng.standard_normal(s).astype(F32) for s in shapes)
     s1, s2 = exe(g, x)

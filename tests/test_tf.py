@@ -511,3 +511,21 @@ def test_keras_batch_norm_folds_into_the_convolution(rng):
     bn.moving_variance.assign(rng.random(8).astype(np.float32) + 0.5)
     jf = check(lambda x: cnn(x, training=False), rnd(rng, 2, 11, 9, 3), compile_options={"strict": True})
     assert jf.stats["folded"] == 1
+
+
+def test_workers_start_as_a_new_trace_begins(monkeypatch, rng):
+    """The compile's worker processes are asked for before TensorFlow traces
+    a new signature (their imports beside the trace), once per trace."""
+    from polyjit.codegen import workers
+    asked = []
+    start = workers.workers
+    monkeypatch.setattr(workers, "workers", lambda: (asked.append(1), start())[1])
+    seen = []
+
+    def fn(x):
+        seen.append(len(asked))
+        return x * 2.0
+    f = polyjit.jit_tf(fn, {"cache": False})
+    x = rnd(rng, 4, 8)
+    np.testing.assert_allclose(f(tf.constant(x)).numpy(), x * 2)
+    assert seen and seen[0] >= 1

@@ -66,6 +66,7 @@ from ..schedule.tree import unrolled_trips
 from .mapping import Strips, StripMapping, loop_iterator, on_stack
 
 STREAM_BYTES = 8 << 20  # outputs at least this large are written with streaming stores
+ONE_THREAD_WORK = 4096  # a kernel of fewer statement instances runs on one thread
 
 Path = tuple[int, ...]
 
@@ -195,13 +196,28 @@ class CpuMapper(StripMapping):
         private = {a: m for a, m in self.sched.contracted.items() if self.sched.kernel_of_array.get(a) == k}
         blocked = frozenset(n for n in self.sched.kernels[k] if is_update(self.stmts[n]))
         plan = CpuPlan(blocked=blocked, buffers={a: on_stack(self.prog.arrays[a], m) for a, m in private.items()})
-        self.walk(node, (), plan, False)
+        self.walk(node, (), plan, self.small(k))
         if blocked:
             marks = [(n, unrolled_trips(n.mark_get_id().get_name())) for n in ast_nodes(node)
                      if n.get_type() == isl.ast_node_type.mark]
             plan.block = max((math.prod(t for t in trips if t) for n, trips in marks
                               if trips is not None and statements_in(n) & blocked), default=0)
         return plan
+
+    def small(self, k: int) -> bool:
+        """Whether kernel k is too little work to share: a per-channel scale
+        folded into a convolution's weights, say. On one thread its loops
+        keep their constant trip counts (no chunk bounds of a part), which
+        LLVM vectorizes without remainder loops, in a fraction of the
+        compile time, and no call wakes the team for a few hundred
+        elements. Library calls and symbolic sizes are never small."""
+        work = 0
+        for name in self.sched.kernels[k]:
+            s = self.stmts[name]
+            if s.library is not None or not all(sz.is_static(lo) and sz.is_static(hi) for lo, hi in s.bounds):
+                return False
+            work += math.prod(max(int(hi) - int(lo), 0) for lo, hi in s.bounds)
+        return work < ONE_THREAD_WORK
 
     @staticmethod
     def may_stream(plan: CpuPlan) -> bool:
@@ -212,7 +228,8 @@ class CpuMapper(StripMapping):
         return bool(plan.buffers) and not plan.blocked
 
     def walk(self, n: isl.AstNode, at: Path, plan: CpuPlan, shared: bool) -> None:
-        """The decisions under n, at path at; shared: inside a loop the parts share."""
+        """The decisions under n, at path at; shared: inside a loop the parts
+        share, or in a kernel one thread runs (nothing more is split)."""
         t = n.get_type()
         if t == isl.ast_node_type.block:
             lst = n.block_get_children()
