@@ -63,6 +63,7 @@ TILE, KTILE = 64, 16  # a contraction's output tile per block, and its reduction
 BIG_TILE = 128  # the tile of long products
 STRIP_REDUCE = 256  # iterations of a sum of everything per thread before its atomic add (one address)
 STRIP_COLUMN = 64  # the same where a grid loop spreads the atomics (a column sum); and of a nest's innermost loop
+COLUMN_STRIP_TARGETS = 256  # column sums at least this many may take shorter strips (_column_strip)
 ATOMIC_COMBINES = ("sum",)  # reductions whose strips end in an atomic read-modify-write (an atomic add)
 ATOMIC_DTYPES = (DataType.Float, DataType.Double, DataType.Int32, DataType.Int)  # what atomics add
 THREADS_PER_MULTIPROCESSOR = 2048  # resident threads (sm_70 to sm_90)
@@ -516,26 +517,27 @@ def atomic_strips(m: GpuMapper, rest: isl.AstNode, grid_iters: set[str], grid_lo
         return None
     sums = [c.user_get_expr() for c in calls]
     if len(nest) == 1:
-        size = _column_strip(m, list(grid_loops), loop) if grid_iters else STRIP_REDUCE
+        size = _column_strip(m, list(grid_loops), [], loop) if grid_iters else STRIP_REDUCE
         return Strips(loop, size, 0, tuple(sorted(zeroed)), sums)
     loops = [loop]
     while len(loops) < len(nest):
         loops.append(ast_children(loops[-1].for_get_body())[0])
     if all(m._free(x, grid_iters | set(nest) - {loop_iterator(x)}) for x in loops):
-        size = _column_strip(m, list(grid_loops) + loops[:-1], loops[-1])
+        size = _column_strip(m, list(grid_loops), loops[:-1], loops[-1])
         return Strips(loops[-1], size, 0, tuple(sorted(zeroed)), sums, outer=loops[:-1])
     return Strips(loop, 1, 0, tuple(sorted(zeroed)), sums)
 
 
-def _column_strip(m: GpuMapper, around: list, stripped: isl.AstNode) -> int:
+def _column_strip(m: GpuMapper, grid: list, outer: list, stripped: isl.AstNode) -> int:
     """STRIP_COLUMN iterations a strip, halved (to a quarter at most) while
-    the loops around the strips and the strips themselves give fewer
-    threads than the device holds at once: BERT's bias gradients (768
-    columns of 4096 rows, some recomputing a layer norm's gradient from
-    five arrays) ran 49152 threads, a dozen warps a multiprocessor, too
-    few loads in flight to stream their rows."""
-    extents = [static_extent(x) for x in around + [stripped]]
-    if None in extents:
+    the grid, the loops around the strips and the strips themselves give
+    fewer threads than the device holds at once: BERT's bias gradients
+    (768 columns of 4096 rows, some recomputing a layer norm's gradient
+    from five arrays) ran 49152 threads, a dozen warps a multiprocessor.
+    Only over COLUMN_STRIP_TARGETS sums or more: shorter strips add more
+    atomics to each sum, which a batch norm's 32 channels would queue on."""
+    extents = [static_extent(x) for x in grid + outer + [stripped]]
+    if None in extents or math.prod(extents[:len(grid)]) < COLUMN_STRIP_TARGETS:
         return STRIP_COLUMN
     threads = (m.multiprocessors or DEFAULT_MULTIPROCESSORS) * THREADS_PER_MULTIPROCESSOR
     size = STRIP_COLUMN
