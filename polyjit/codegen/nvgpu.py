@@ -522,7 +522,7 @@ class GpuEmitter(_RowEmission, _StripEmission, Emitter):
             self.strip_loop(plan.strips, *strip_range)
         else:
             self.node(plan.grid.rest)
-        self.ctx.claims = None
+        self.ctx.claims = self.ctx.copy = None
 
     def tile_point(self, cols: str, rows: str, rem: ir.Value, bounds: list, group: int) -> None:
         """The iterators of grid iteration rem where each warp's 32 take a
