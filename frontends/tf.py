@@ -732,8 +732,8 @@ class _Trace:
         placeholders = cf.graph.inputs
         self.invars: list[Value] = []
         self.variables: list[tf.Variable] = []
-        self.known: dict[int, KnownSizes] = {}  # id of a Value -> its elements, where shape arithmetic knows them
-        self.dim_params: dict[tuple[int, int], str] = {}  # (id of a Value, dim) -> the parameter standing for it
+        self.known: dict[Value, KnownSizes] = {}  # a Value's elements, where shape arithmetic knows them
+        self.dim_params: dict[tuple[Value, int], str] = {}  # (a Value, dim) -> the parameter standing for it
         self.param_dims: dict[str, tuple[Value, int]] = {}  # and back
         by_handle = {id(v.handle): v for v in cf.variables}
         handles: dict[str, Const] = {}  # a variable's placeholder -> its handle, for ops that take the resource
@@ -754,7 +754,6 @@ class _Trace:
         variables = list(self.variables)
         self._reader = tf.function(lambda: [v.read_value() for v in variables], autograph=False)
         self.ops: list[Op] = []
-        self.dropped: list[Op] = []
         self.unrolling = 0  # depth of while loops being unrolled: what they cannot take aborts the unrolling
         self.trace_ops(cf.graph.get_operations(), env, handles)
         self.structure = cf.structured_outputs
@@ -822,13 +821,13 @@ class _Trace:
                 continue
             shape_input, inferred = _SHAPE_INPUTS.get(o.type, (None, False))
             if shape_input is not None and not isinstance(ins[shape_input], Const):
-                ins[shape_input] = self.known.get(id(ins[shape_input])) or (
+                ins[shape_input] = self.known_sizes(ins[shape_input]) or (
                     inferred and _inferred_shape(o)) or ins[shape_input]
             outs = [Value(_shape(t), t.dtype) for t in o.outputs]
             for t, v, f in zip(o.outputs, outs, folded or [None] * len(outs)):
                 env[t.name] = f if isinstance(f, Const) else v
                 if isinstance(f, KnownSizes):
-                    self.known[id(v)] = f
+                    self.known[v] = f
             if isinstance(made, _TensorList):  # the list itself, for what reads it whole (a loop run in TensorFlow)
                 made.value = outs[0]
                 env[o.outputs[0].name] = made
@@ -856,7 +855,6 @@ class _Trace:
                     raise UnsupportedOpError("a loop too long to unroll")
                 carried = self.call(body, carried)
         except UnsupportedOpError:
-            self.dropped.extend(self.ops[start:])  # their values stay alive: what is known is keyed by id
             del self.ops[start:]
             return None
         finally:
@@ -893,8 +891,8 @@ class _Trace:
                 args.append(self.shape_sizes(x))
             elif isinstance(x, Const):
                 args.append(np.array(x.value.tolist(), object))
-            elif id(x) in self.known:
-                args.append(self.known[id(x)].value)
+            elif self.known_sizes(x) is not None:
+                args.append(self.known[x].value)
             else:
                 return None
         try:
@@ -913,16 +911,22 @@ class _Trace:
             out.append(KnownSizes(r, {p: self.param_dims[p] for p in sorted(params)}, t.dtype.as_numpy_dtype))
         return out
 
+    def known_sizes(self, x) -> KnownSizes | None:
+        """What shape arithmetic knows of x's elements, where x is a Value.
+        Facts are keyed by the Value itself, not its id: the values of a
+        loop whose unrolling is given up may be freed, and an id reused."""
+        return self.known.get(x) if isinstance(x, Value) else None
+
     def shape_sizes(self, x: Value) -> np.ndarray:
         """x's shape as sizes: a parameter for each dim known only at run time."""
         out = np.empty(len(x.shape), object)
         for d, s in enumerate(x.shape):
             if s is None:
-                if (id(x), d) not in self.dim_params:
+                if (x, d) not in self.dim_params:
                     name = f"tf_dim{len(self.dim_params)}"
-                    self.dim_params[id(x), d] = name
+                    self.dim_params[x, d] = name
                     self.param_dims[name] = (x, d)
-                out[d] = sz.Lin.param(self.dim_params[id(x), d])
+                out[d] = sz.Lin.param(self.dim_params[x, d])
             else:
                 out[d] = int(s)
         return out
