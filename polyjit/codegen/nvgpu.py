@@ -61,10 +61,6 @@ def _exp(b: ir.IRBuilder, m: ir.Module, x):
     return b.fmul(p, scale)
 
 
-def _bytes(t: ir.Type) -> int:
-    return t.width // 8 if isinstance(t, ir.IntType) else {F32: 4, F64: 8}.get(t, 2)
-
-
 def _div_approx(b: ir.IRBuilder, p, q):
     """p / q as div.approx.f32 (a reciprocal and a product, within 2 ulp where
     |q| lies in [2**-126, 2**126]): for denominators known to lie there."""
@@ -666,22 +662,23 @@ class GpuEmitter(_RowEmission, _StripEmission, Emitter):
         k = 0
         while k < len(runs):
             group = runs[k:k + VECTOR]
-            if [r[0][3] for r in group] == list(range(VECTOR)) and len({len(r) for r in group}) == 1:
-                for stores in zip(*group):
-                    value, ptr, align, _ = stores[0]
-                    if align and align >= VECTOR * _bytes(value.type):
-                        vec = ir.Constant(ir.VectorType(value.type, VECTOR), ir.Undefined)
-                        for c, st in enumerate(stores):
-                            vec = self.b.insert_element(vec, st[0], ir.Constant(I32, c))
-                        self.b.store(vec, ptr, align=align)
-                    else:
-                        for value, ptr, align, _ in stores:
-                            self.b.store(value, ptr, align=align)
-                k += VECTOR
-                continue
-            for value, ptr, align, _ in runs[k]:
+            whole = [r[0][3] for r in group] == list(range(VECTOR)) and len({len(r) for r in group}) == 1
+            for stores in (zip(*group) if whole else ([st] for st in runs[k])):
+                self.store_copies(list(stores))
+            k += VECTOR if whole else 1
+
+    def store_copies(self, stores: list) -> None:
+        """One store's copies: a vector store where there are VECTOR of them
+        and the first is claimed (the others' elements follow its own)."""
+        value, ptr, align, _ = stores[0]
+        if len(stores) < VECTOR or align is None:
+            for value, ptr, align, _ in stores:
                 self.b.store(value, ptr, align=align)
-            k += 1
+            return
+        vec = ir.Constant(ir.VectorType(value.type, VECTOR), ir.Undefined)
+        for c, st in enumerate(stores):
+            vec = self.b.insert_element(vec, st[0], ir.Constant(I32, c))
+        self.b.store(vec, ptr, align=align)
 
     def store_element(self, arr, index, ptr, val) -> None:
         align = self.ctx.claims.get(id(index)) if self.ctx.claims else None

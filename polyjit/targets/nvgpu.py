@@ -108,7 +108,7 @@ def _matrix_form(a: Node, b: Node, lc: tuple, rc: tuple) -> tuple | None:
     for x, free, con in ((a, lf, list(lc)), (b, rf, list(rc))):
         if not free or any(r != list(range(r[0], r[0] + len(r))) for r in (free, con)):
             return None
-        sizes = [math.prod(int(x.shape[d]) for d in r) for r in (free, con)]
+        sizes = [sz.static_product(x.shape[d] for d in r) for r in (free, con)]
         out.append((sizes if free[0] < con[0] else sizes[::-1], free[0] < con[0]))
     return tuple(out)
 
