@@ -51,7 +51,7 @@ from .sizes import Lin
 
 log = logging.getLogger("polyjit.cache")
 MAGIC = b"PJC1"
-FORMAT = 2  # 2: a segment's unread inputs leave its graph (and its key)
+FORMAT = 3  # 2: a segment's unread inputs leave its graph; 3: every input in the key
 DEFAULT_BYTES = 1 << 30
 
 
@@ -121,6 +121,8 @@ def graph_text(graph: Graph) -> str:
         attrs = {k: ("array", v.shape, str(v.dtype)) if isinstance(v, np.ndarray) else v for k, v in n.attrs.items()}
         lines.append(f"{n.op}({[ids[i.id] for i in n.inputs]}, {sorted(attrs.items(), key=str)!r}, "
                      f"{n.shape!r}, {n.dtype})")
+    # every input, read or not: the program takes them all as arguments
+    lines.append(f"inputs {[(ids.get(i.id), i.shape, str(i.dtype)) for i in graph.inputs]!r}")
     lines.append(f"return {[ids[o.id] for o in graph.outputs]} constraints {graph.constraints!r}")
     return "\n".join(lines)
 

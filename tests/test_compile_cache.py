@@ -742,3 +742,14 @@ def test_a_structure_isl_gave_up_on_is_split_at_once_at_other_sizes(rng, monkeyp
     assert len(whole_tries) == 1  # the second softmax's group, the same structure, was split at once
     for got, a in zip(exe(x, y), (x, y)):
         np.testing.assert_allclose(got, _softmax(a), rtol=1e-5, atol=1e-7)
+
+
+def test_an_unread_input_is_part_of_the_key():
+    """A program takes every input as an argument, read or not: a graph with
+    an unread input after its read one has a key of its own (it had shared
+    the key of the graph without it, whose entry expects one argument)."""
+    with_unread = polyjit.compile(lambda x, y: x * 2.0, [InputInfo([4], np.float32), InputInfo([3], np.float32)],
+                                  {"cache": False})
+    alone = polyjit.compile(lambda x: x * 2.0, [InputInfo([4], np.float32)], {"cache": False})
+    assert cache.graph_text(with_unread.graph) != cache.graph_text(alone.graph)
+    np.testing.assert_array_equal(with_unread(np.ones(4, np.float32), np.ones(3, np.float32)), np.full(4, 2.0))

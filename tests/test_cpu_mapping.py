@@ -66,14 +66,16 @@ def test_a_small_kernel_runs_on_one_thread():
     np.testing.assert_allclose(exe(x), np.exp(x) * 2.0, rtol=1e-6)
 
 
-def test_a_fused_group_keeps_its_parallel_loops(monkeypatch):
+def test_a_fused_group_keeps_its_parallel_loops(monkeypatch, llvm_workers):
     """A dense layer's input gradient broadcast over pooled cells (flax's
     average pooling): isl's clustering scheduler put the weight's transpose
     under the outer loops of the product that reads it, which then carried
     the dependence, and both kernels ran on one thread. Scheduled again
     without fusion, each keeps its parallel loop (the transpose, small,
     counted as large enough to share)."""
+    llvm_workers(0)  # (mapped in this process, where the patch below holds, not in worker processes)
     monkeypatch.setattr(cpu_mapping, "ONE_THREAD_WORK", 0)
+
     def grad(r, w, x):
         d = ops.matmul(r, ops.transpose(w, 0, 1))
         return ops.reshape(d, [8, 1, 1, 64]) * x / 256.0

@@ -214,9 +214,10 @@ class CpuMapper(StripMapping):
         work = 0
         for name in self.sched.kernels[k]:
             s = self.stmts[name]
-            if s.library is not None or not all(sz.is_static(lo) and sz.is_static(hi) for lo, hi in s.bounds):
+            points = sz.static_product(hi - lo for lo, hi in s.bounds) if s.library is None else None
+            if points is None:
                 return False
-            work += math.prod(max(int(hi) - int(lo), 0) for lo, hi in s.bounds)
+            work += max(points, 0)
         return work < ONE_THREAD_WORK
 
     @staticmethod
