@@ -36,7 +36,7 @@ from polyjit.api import takes_device_arrays
 from polyjit.dtypes import DataType
 from polyjit.errors import CompileOptionError, InputError, UnsupportedOpError
 from polyjit.options import CompileOptions, parse_options
-from polyjit.runtime import RowMajor, xla_ffi
+from polyjit.runtime import RowMajor, cuda_graphs, xla_ffi
 from polyjit.runtime.gpu_buffers import GpuView
 from polyjit.sizes import Lin
 from polyjit.targets import holding
@@ -49,6 +49,10 @@ SCAN_UNROLL_LIMIT = 64  # longest static scan (fori_loop) unrolled into the prog
 # stops at 32 MB); XLA's larger CPU results are fresh pages whose faults cost more
 # than the kernels (bench/NOTES.md).
 CPU_CALL_RESULT_BYTES = 32 << 20
+# A GPU call's module is its one custom call: XLA replays it as a CUDA graph
+# (its launches captured once per set of buffers) only where a graph of one
+# command is allowed.
+ONE_CALL_GRAPH = {"xla_gpu_graph_min_graph_size": 1}
 _target_ids = itertools.count()  # custom-call target names are unique in the process
 
 
@@ -813,8 +817,9 @@ class JaxFunction:
         self._stats = Stats()
         self._programs: dict[tuple, tuple[SegmentedProgram, Any]] = {}
         self._vjps: dict[tuple, SegmentedProgram] = {}
-        # (program, device) -> its XLA custom call and the bytes of its largest result
-        self._calls: dict[tuple, tuple[Callable, int] | None] = {}
+        # (program, device) -> its XLA custom call, jitted to be staged and to be called
+        # from Python, and the bytes of its largest result
+        self._calls: dict[tuple, tuple[Callable, Callable, int] | None] = {}
         self._fast: dict[tuple, tuple] = {}  # (tree, statics, each array's shape, dtype, sharding) -> custom call
         self._xla = jax.jit(fn, static_argnums=static_argnums) if backend == "xla" else None
         self.__name__ = getattr(fn, "__name__", "fn")
@@ -983,12 +988,16 @@ class JaxFunction:
                 self._calls[key] = None
         if self._calls[key] is None:
             return None
-        call, largest = self._calls[key]
-        return None if direct and where == "cpu" and largest > CPU_CALL_RESULT_BYTES else call
+        nested, top, largest = self._calls[key]
+        if not direct:
+            return nested
+        return None if where == "cpu" and largest > CPU_CALL_RESULT_BYTES else top
 
-    def _register(self, prog: SegmentedProgram, where: int | str) -> tuple[Callable, int] | None:
-        """Registers prog's native launcher with XLA: the jitted call and the
-        bytes of its largest result, or None where a custom call cannot run it."""
+    def _register(self, prog: SegmentedProgram, where: int | str) -> tuple[Callable, Callable, int] | None:
+        """Registers prog's native launcher with XLA: the jitted call, staged
+        into a caller's jit and called from Python (on the GPU, a graph of
+        one command: ONE_CALL_GRAPH), and the bytes of its largest result;
+        None where a custom call cannot run it."""
         seg = prog.segments[0] if len(prog.steps) == 1 and prog.segments else None
         if seg is None:
             return None
@@ -1023,7 +1032,8 @@ class JaxFunction:
             outs = jax.ffi.ffi_call(name, results, vmap_method="sequential")(*[xs[k] for k in take])
             return [outs[k] if how == "out" else xs[k] if how == "arg" else jnp.asarray(k) for how, k in picks]
         prog.stats.record(seg.exe.name, exe.stats)
-        return jax.jit(call), max((math.prod(r.shape) * r.dtype.itemsize for r in results), default=0)
+        options = ONE_CALL_GRAPH if where != "cpu" and cuda_graphs.ENABLED else None
+        return jax.jit(call), jax.jit(call, compiler_options=options), max((math.prod(r.shape) * r.dtype.itemsize for r in results), default=0)
 
     def lower(self, *args, **kwargs) -> "Lowered":
         """Fix the signature of these arguments, as ``jax.jit(f).lower(...)``."""

@@ -611,6 +611,7 @@ def test_a_gpu_programs_plan_becomes_its_native_launchers_steps(monkeypatch):
     class NativeHostCublas(_HostCublas):  # its entry points as C callbacks, as a native step calls them
         set_stream = symbol(i, p, p)(lambda h, s: calls.append(("cublas stream", h, s)) or 0)
         set_math = symbol(i, p, i)(lambda h, mode: calls.append(("cublas math", h, mode)) or 0)
+        set_workspace = symbol(i, p, p, c.c_size_t)(lambda h, w, n: calls.append(("cublas workspace", h, w, n)) or 0)
         gemm = symbol(i, p, i, i, i, i, i, p, p, i, q, p, i, q, p, p, i, q, i)(
             lambda h, ta, tb, m, n, k, al, a, lda, sa, b, ldb, sb, be, out, ldc, sc, batch:
                 calls.append(("gemm", h, m, n, k, a, b, out, batch)) or 0)
@@ -652,7 +653,7 @@ def test_a_gpu_programs_plan_becomes_its_native_launchers_steps(monkeypatch):
                                              0x55, message, 100)
     assert code == 0, message.value
     pointers = [0xA000, 0xB000, 0xB100, 0xD000]  # in0, out0, out1, the product: the kernels' parameters (c0 aside)
-    assert calls == [("cublas stream", 0xAB, 0x55), ("cublas math", 0xAB, 0), ("gemm", 0xAB, 32, 4096, 64, 0xC0, 0xA000, 0xD000, 1),
+    assert calls == [("cublas stream", 0xAB, 0x55), ("cublas workspace", 0xAB, 0x5000, 1 << 20), ("cublas math", 0xAB, 0), ("gemm", 0xAB, 32, 4096, 64, 0xC0, 0xA000, 0xD000, 1),
                      ("launch", 0xF01, 16, BLOCK, 0x55, pointers),
                      ("memset8", 0xB100, 0, 64 * 4, 0x55), ("launch", 0xF02, 16, BLOCK, 0x55, pointers)]
     del launcher
@@ -801,6 +802,12 @@ class _HostCublas:
 
     def set_math(self, handle, mode):
         return 0
+
+    def set_workspace(self, handle, space, nbytes):
+        return 0
+
+    def workspace(self, dev):
+        return 0x5000, 1 << 20
 
     def check(self, status, what):
         assert status == 0, what
@@ -1683,6 +1690,35 @@ def test_jax_programs_run_as_xla_custom_calls():
     np.testing.assert_allclose(np.asarray(tripled(np.asarray(x))), np.asarray(x) * 3, rtol=1e-6)  # host: no custom call
     np.testing.assert_allclose(np.asarray(tripled(x)), np.asarray(x) * 3, rtol=1e-6)  # same signature, on the GPU
     assert [c for c in tripled._calls.values() if c is not None]
+
+
+@pytest.mark.gpu
+def test_jax_custom_calls_with_library_products_replay_as_graphs():
+    """A call from Python is a graph of one command that XLA captures and
+    replays; cuBLAS is given a workspace (its own allocation cannot be held
+    in a graph: XLA fails the call). Fresh arrays at each call, so graphs
+    are captured again, and the call inside a caller's jit beside other
+    work: all match float64."""
+    jax = pytest.importorskip("jax")
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("JAX has no GPU here")
+
+    def mlp(x, w1, w2):
+        return jax.nn.gelu(x @ w1) @ w2
+
+    def reference(x, w1, w2):
+        h = np.asarray(x, np.float64) @ np.asarray(w1, np.float64)
+        return 0.5 * h * (1 + np.tanh(np.sqrt(2 / np.pi) * (h + 0.044715 * h ** 3))) @ np.asarray(w2, np.float64)
+    f = polyjit.jit_jax(mlp, compile_options={"target": "nvgpu"})
+    keys = jax.random.split(jax.random.key(int.from_bytes(os.urandom(2), "little")), 3)
+    x, w1, w2 = (jax.random.normal(k, s) / s[0] ** 0.5 for k, s in zip(keys, ((256, 192), (192, 384), (384, 192))))
+    for k in (1.0, -2.0, 0.5, 1.0):
+        np.testing.assert_allclose(np.asarray(f(x * k, w1, w2)), reference(x * k, w1, w2), rtol=1e-4, atol=1e-5)
+    assert f.stats["fallbacks"] == 0 and f.stats["library_calls"] >= 2
+    outer = jax.jit(lambda x, w1, w2: jax.numpy.tanh(f(x, w1, w2)).sum(0) * 2 + 1)
+    for _ in range(3):
+        np.testing.assert_allclose(np.asarray(outer(x, w1, w2)), np.tanh(reference(x, w1, w2)).sum(0) * 2 + 1,
+                                   rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu

@@ -38,6 +38,11 @@ COMPUTE_32F = 68  # cublasComputeType_t: half operands summed in float32 (on ten
 GEMM_DEFAULT = -1  # cublasGemmAlgo_t: cuBLAS's heuristic
 
 
+def workspace_bytes(arch: str) -> int:
+    """cuBLAS's recommended workspace: 32 MiB from Hopper on, 4 MiB before."""
+    return (32 if int(arch[3:]) >= 90 else 4) << 20
+
+
 class Cublas(VendorLibrary):
     """The few cuBLAS entry points the floor calls; a handle per device."""
 
@@ -62,10 +67,13 @@ class Cublas(VendorLibrary):
         self.gemm_ex.argtypes = [c.c_void_p, c.c_int, c.c_int, c.c_int, c.c_int, c.c_int, c.c_void_p,
                                  c.c_void_p, c.c_int, c.c_int, c.c_longlong, c.c_void_p, c.c_int, c.c_int, c.c_longlong,
                                  c.c_void_p, c.c_void_p, c.c_int, c.c_int, c.c_longlong, c.c_int, c.c_int, c.c_int]
+        self.set_workspace = lib.cublasSetWorkspace_v2
+        self.set_workspace.argtypes = [c.c_void_p, c.c_void_p, c.c_size_t]
         self.status = getattr(lib, "cublasGetStatusString", None)
         if self.status is not None:
             self.status.restype = c.c_char_p
-        for fn in (self.create, self.set_stream, self.set_math, self.gemm, self.gemm_ex):
+        self.workspaces: dict[int, Any] = {}  # device ordinal -> the workspace every call there is given
+        for fn in (self.create, self.set_stream, self.set_math, self.set_workspace, self.gemm, self.gemm_ex):
             fn.restype = c.c_int
         self.destroy = lib.cublasDestroy_v2
         self.destroy.argtypes = [c.c_void_p]
@@ -79,6 +87,24 @@ class Cublas(VendorLibrary):
         """A handle of default math."""
         self.check(self.create(ctypes.byref(h)), "cublasCreate")
         self.check(self.set_math(h, DEFAULT_MATH), "cublasSetMathMode")
+
+    def workspace(self, dev) -> tuple[int, int]:
+        """The address and bytes of dev's workspace, made at first use. Every
+        call is given it after its stream is set (which drops the handle's
+        workspace): without one, cuBLAS allocates memory on a stream it
+        first sees, which a CUDA graph being captured (XLA's command
+        buffers take a custom call into a child graph) cannot hold. Calls
+        on one stream take turns with it, as cuDNN's steps do with theirs."""
+        with self.lock:
+            if dev.ordinal not in self.workspaces:
+                from .cuda import check, cu_stream, driver
+                from .gpu_buffers import DeviceBuffer
+                nbytes = workspace_bytes(dev.arch)
+                buf = DeviceBuffer((nbytes,), "uint8", dev, 0)
+                check(driver().cuStreamSynchronize(cu_stream(0)), "cuStreamSynchronize")  # ready for any stream
+                self.workspaces[dev.ordinal] = buf
+            buf = self.workspaces[dev.ordinal]
+            return buf.ptr, buf.nbytes
 
 
 cublas = Found("cuBLAS", "cublas", "POLYJIT_CUBLAS", ("13", "12", "11"), Cublas)  # () -> Cublas | None
@@ -158,9 +184,11 @@ class GemmStep:
         lib = self.lib
         ta, tb, m, n, k = self.shape
         lda, ldb, ldc = self.lds
+        space, nbytes = lib.workspace(self.device)
         with lib.lock:  # the handles (made once) and their stream are shared state
             h = lib.handle(self.device)
             lib.check(lib.set_stream(h, stream or None), "cublasSetStream")
+            lib.check(lib.set_workspace(h, space, nbytes), "cublasSetWorkspace")
             lib.check(lib.set_math(h, self.math), "cublasSetMathMode")
             for c in self.calls:
                 a, b, out = (pointers[s] + size * o for s, o, size in zip(c.slots, c.offsets, self.itemsizes))
@@ -181,7 +209,10 @@ class GemmStep:
         ta, tb, m, n, k = self.shape
         lda, ldb, ldc = self.lds
         h, alpha, beta = Arg("ptr", handle), Arg("ptr", lib.alpha), Arg("ptr", lib.beta)
+        space, nbytes = lib.workspace(self.device)
         calls = [Call(address(lib.set_stream), (h, Arg("stream")), f"cublasSetStream ({self.what})"),
+                 Call(address(lib.set_workspace), (h, Arg("ptr", space), Arg("i64", nbytes)),
+                      f"cublasSetWorkspace ({self.what})"),
                  Call(address(lib.set_math), (h, i32(self.math)), f"cublasSetMathMode ({self.what})")]
         for c in self.calls:
             a, b, out = (Arg("slot", s, size * o) for s, o, size in zip(c.slots, c.offsets, self.itemsizes))

@@ -23,6 +23,7 @@ c = ctypes
 METADATA_EXTENSION = 1  # XLA_FFI_Extension_Metadata
 ERROR_UNKNOWN = 2  # XLA_FFI_Error_Code_UNKNOWN
 API_VERSION = (0, 1)  # the FFI API version these declarations follow
+COMMAND_BUFFER_COMPATIBLE = 1  # XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE
 
 
 class _Extension(c.Structure):
@@ -126,7 +127,7 @@ def _handler_module(name: str, platform: str, launch: int, args: int, rets: int)
     b, frame = h.b, h.frame
     message = b.bitcast(b.alloca(ir.ArrayType(I8, MESSAGE_BYTES)), PTR)
     api = h.load(frame, _offset(_CallFrame, "api"))
-    h.answer_metadata()
+    h.answer_metadata(COMMAND_BUFFER_COMPATIBLE if platform != "cpu" else 0)
     lists = [h.buffers(api, which, count) for which, count in (("args", args), ("rets", rets))]
     stream = h.stream(api) if platform != "cpu" else NULL
     run = b.inttoptr(ir.Constant(I64, launch), ir.FunctionType(
@@ -176,8 +177,11 @@ class _Handler:
     def text(self, value: str) -> ir.Value:
         return string_constant(self.mod, f"{self.name}.s{len(self.mod.global_values)}", value).bitcast(PTR)
 
-    def answer_metadata(self) -> None:
-        """XLA asks once, at registration, which API version the handler speaks."""
+    def answer_metadata(self, traits: int) -> None:
+        """XLA asks once, at registration, which API version the handler
+        speaks and its traits. A GPU handler may be captured into XLA's CUDA
+        graphs (command buffers): its launcher only queues work on XLA's
+        stream, with buffers fixed for the call."""
         b = self.b
         ext = self.load(self.frame, _offset(_CallFrame, "extension_start"))
         with b.if_then(b.icmp_unsigned("!=", ext, NULL), likely=False):
@@ -186,7 +190,7 @@ class _Handler:
                 meta = self.load(ext, _offset(_MetadataExtension, "metadata"))
                 for field, v in zip(("major", "minor"), API_VERSION):
                     b.store(ir.Constant(I32, v), self.at(meta, _offset(_Metadata, "api_version", field), I32))
-                b.store(ir.Constant(I32, 0), self.at(meta, _offset(_Metadata, "traits"), I32))  # no command buffers
+                b.store(ir.Constant(I32, traits), self.at(meta, _offset(_Metadata, "traits"), I32))
                 b.ret(NULL)
 
     def buffers(self, api: ir.Value, which: str, count: int) -> ir.Value:
