@@ -150,6 +150,26 @@ def test_channels_last_batch_norm_statistics_sum_parts_in_parallel(rng):
     np.testing.assert_allclose(run_threads_on_cpu(exe, [x])[0], x.astype(np.float64).var((0, 1, 2)), rtol=1e-5)
 
 
+def test_a_small_batch_pooled_mean_keeps_its_images_parallel(rng, monkeypatch):
+    """A convolution, its batch norm folded in (the scale into the weights,
+    the shift a per-channel statement), relu, 2x2 average pooling and the
+    mean over the pooled image (flax's CNN head, 8 images): fused whole
+    with the per-channel statement, the sums ran a thread per channel (64
+    threads, where alone they have 8 times as many and their strips more)."""
+    from polyjit.targets.nvgpu import NvgpuTarget
+    monkeypatch.setattr(NvgpuTarget, "library_available", lambda self: True)
+    monkeypatch.setattr(NvgpuTarget, "direct_convolutions", lambda self: True)
+
+    def head(x, w, cb, mean, var, g, b):
+        y = ops.conv(x, w, [1, 1], [[1, 1], [1, 1]], [1, 1], 1, "NHWC", "HWIO") + cb
+        y = ops.maximum((y - mean) * (ops.rsqrt(var + 1e-5) * g) + b, 0.0)
+        pooled = ops.reduce_window("sum", y, [1, 2, 2, 1], [1, 2, 2, 1]) / 4.0
+        return ops.mean(pooled, [1, 2])
+    plans = _mapping(head, [(8, 16, 16, 32), (3, 3, 32, 64)] + [(64,)] * 5, contractions="library", tf32=True)
+    assert any(p.startswith("library: convolution") for p in plans), plans
+    assert "nest per thread: grid c0" not in [p.split(",")[0] for p in plans], plans
+
+
 def test_mapping_stage_names_each_kernels_form(tmp_path, monkeypatch):
     """The mapping stage, decided before emission, prints a line per kernel:
     its name, its form and the form's parameters."""

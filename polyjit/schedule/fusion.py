@@ -265,6 +265,7 @@ def reduction_fits_tile(s) -> bool:
 
 GPU_GRID_FLOOR = 1 << 16  # parallel iterations below which a GPU kernel leaves most of the device idle
 GPU_THIN_GRID = 1 << 12  # threads below which a kernel has less than a warp per SM (132 on an H100)
+GPU_THIN_LOSS = 4  # times more threads a statement alone would have, which a thin grid's fusion may not lose
 GPU_STRIP = 64  # iterations of a sequential loop per thread where strips run in parallel (codegen.gpu_mapping)
 
 
@@ -279,7 +280,9 @@ def starved(ast: isl.AstNode, prog: AffineProgram, contracted) -> bool:
     thinner than GPU_THIN_GRID and a sum is not along rows (a batch norm's
     backward, its per-channel sums fused with the elementwise pass after
     them, ran a thread per channel: 16 of a ResNet-18 training step's 40
-    ms), and where the grid is below GPU_GRID_FLOOR and a sum not along rows
+    ms; a folded batch norm's per-channel shift, fused with the pooled
+    means of 8 images that read it, ran 64 threads), where a statement
+    alone would have GPU_THIN_LOSS times the threads, and where the grid is below GPU_GRID_FLOOR and a sum not along rows
     is read in its own kernel (_column_sum_read). Elementwise statements
     whose arrays are all kept whole gain nothing from sharing a nest and
     lose a thread per element (ResNet-18's
@@ -302,7 +305,7 @@ def starved(ast: isl.AstNode, prog: AffineProgram, contracted) -> bool:
         grid, inner = _grid_extent(node, set(prog.params))
         sums = [s for s in own if s.combine is not None]
         if grid is not None and grid < GPU_THIN_GRID and not all(map(_row_sum, sums)) \
-                and max((_parallel_extent(s) for s in own), default=0) >= 16 * grid:
+                and max((_parallel_extent(s) for s in own), default=0) >= GPU_THIN_LOSS * grid:
             return True
         if grid is not None and grid < GPU_GRID_FLOOR and _column_sum_read(own, sums):
             return True
