@@ -722,8 +722,9 @@ def _stack(items: list, var, out: list[Op]):
 
 
 def program(closed, options: CompileOptions, stats: Stats, name: str) -> SegmentedProgram:
-    if options.tf32 is None:  # convolutions as XLA's: TF32 on the GPU unless a precision asks for more
-        options = dataclasses.replace(options, tf32=_default_precision(closed.jaxpr))
+    default = _default_precision(closed.jaxpr)  # convolutions and products as XLA's: TF32 on the GPU
+    options = dataclasses.replace(options, tf32=default if options.tf32 is None else options.tf32,
+                                  matmul_tf32=default if options.matmul_tf32 is None else options.matmul_tf32)
     invars = [_value(v.aval) for v in closed.jaxpr.invars]
     ops: list[Op] = []
     outvars = _flatten(closed, list(invars), ops)
@@ -734,9 +735,10 @@ _EXACT = ("highest", "float32", "high", "bfloat16_3x", "tensorfloat32_3x")  # pr
 
 
 def _default_precision(jaxpr) -> bool:
-    """Whether XLA would run this jaxpr's float32 convolutions at their default
-    precision (TF32 on a GPU that has it): no precision config above it, for
-    the process or for any convolution or product in it (sub-jaxprs too)."""
+    """Whether XLA would run this jaxpr's float32 convolutions and products
+    at their default precision (TF32 on a GPU that has it): no precision
+    config above it, for the process or for any convolution or product in
+    it (sub-jaxprs too)."""
     default = jax.config.jax_default_matmul_precision
     if default is not None and str(default).lower() in _EXACT:
         return False

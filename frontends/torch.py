@@ -1577,6 +1577,8 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: CompileOptions
     support = _Supported()
     if options.tf32 is None:  # convolutions as eager's: TF32 where torch allows cuDNN it
         options = dataclasses.replace(options, tf32=bool(torch.backends.cudnn.allow_tf32))
+    if options.matmul_tf32 is None:  # products as eager's: TF32 where torch allows cuBLAS it
+        options = dataclasses.replace(options, matmul_tf32=torch.get_float32_matmul_precision() != "highest")
     where = options.target or holding(any(isinstance(x, torch.Tensor) and x.is_cuda
                                           for x in example_inputs))  # the device the example tensors are on
     unsupported = [n for n in gm.graph.nodes if n.op == "call_function" and not support.is_node_supported({}, n)]

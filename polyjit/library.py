@@ -78,7 +78,7 @@ class Gemm(LibraryCall):
     split: str
     steps: tuple[int | Size, int | Size, int | Size]
     what: str = dataclasses.field(default="", repr=False, compare=False)  # not structure: like calls share code
-    tf32: bool = False  # a convolution's products, where the framework lets its convolutions use TF32 (cuBLAS)
+    tf32: bool = False  # operands may round to TF32 where the framework lets its convolutions or products (cuBLAS)
     dtype: str = "float32"  # the operands' DataType value (half types: cuBLAS's GemmEx, summing in float32)
     out_dtype: str = "float32"  # the result's
     READS: ClassVar[tuple[str, ...]] = ("a", "b")
@@ -212,9 +212,10 @@ MIN_MACS = 1 << 20  # multiply-adds below which either way is quick: generated, 
 class LibraryPolicy:
     """Decides, per convolution, generated code or the library; records why."""
 
-    def __init__(self, mode: str, threads: int, target, tf32: bool = False) -> None:
+    def __init__(self, mode: str, threads: int, target, tf32: bool = False, matmul_tf32: bool = False) -> None:
         self.mode, self.threads, self.target = mode, threads, target  # a polyjit.targets.Target
-        self.tf32 = tf32  # direct convolutions may use TF32 tensor cores
+        self.tf32 = tf32  # convolutions may use TF32 tensor cores
+        self.matmul_tf32 = matmul_tf32  # products (dot_general) may
         self.choices: list[str] = []
         self._wanted: dict | None = None  # while prefetching: the timings use() asks for
 
@@ -959,7 +960,8 @@ def lower_dot(L, n, out: str) -> None:
     tb = not tb  # b is wanted as (contracting x free): stored so unless its free dim comes first
     m, nn, k = shape[nb], shape[nb + 1], L.shape(a)[at["lc"][0]]
     cbox = (out, tuple(batch) + (E.const(0), E.const(0)), (1,) * nb + (m, nn))
-    types = {"dtype": a.dtype.value, "out_dtype": n.dtype.value}
+    types = {"dtype": a.dtype.value, "out_dtype": n.dtype.value,
+             "tf32": bool(L.library is not None and L.library.matmul_tf32 and a.dtype == DataType.Float)}
     if _longer(nn, m):  # the parts share the longer side
         call = Gemm(abox, bbox, cbox, m, nn, k, lda, ldb, nn, ta, tb, "n", (0, ldb if tb else 1, 1), f"dot {n.id}",
                     **types)

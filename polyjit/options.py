@@ -39,6 +39,7 @@ class CompileOptions:
     contractions: str = "auto"
     cache: bool = True  # the on-disk compile cache (polyjit.cache)
     tf32: bool | None = None  # library convolutions on TF32 tensor cores; None: as the framework's eager does
+    matmul_tf32: bool | None = None  # library products (matmul, dot_general) on TF32 tensor cores; None: likewise
 
     def on(self, target: str) -> "CompileOptions":
         """These options for ``target``: the device a call's inputs resolved to."""
@@ -47,7 +48,8 @@ class CompileOptions:
     def key(self) -> tuple:
         """What changes the generated code (debug output does not)."""
         return (self.target, self.tile_sizes, self.fusion, self.gpu_arch, self.contractions,
-                bool(self.tf32) and self.target != "cpu")  # (TF32 only on GPU libraries)
+                bool(self.tf32) and self.target != "cpu",  # (TF32 only on GPU libraries)
+                bool(self.matmul_tf32) and self.target != "cpu")
 
 
 _KEYS = {
@@ -64,6 +66,9 @@ _KEYS = {
     "cache": "True or False (keep compiled programs in POLYJIT_CACHE_DIR and load them from there)",
     "tf32": "True, False, or None (library convolutions on the GPU may round operands to TF32, as "
             "torch.backends.cudnn.allow_tf32 lets eager's; None: as the framework does, False elsewhere)",
+    "matmul_tf32": "True, False, or None (library products on the GPU may round operands to TF32, as jax.jit's "
+                   "default precision does and torch.backends.cuda.matmul.allow_tf32 lets eager's; None: as the "
+                   "framework does, False elsewhere)",
 }
 
 
@@ -83,9 +88,10 @@ def parse_options(opts: Mapping[str, Any] | CompileOptions | None,
     if t is not None and t not in TARGETS:
         raise CompileOptionError(f"compile option 'target' is {t!r}; allowed values: {list(TARGETS)} or None "
                                  f"(the device that holds the inputs)")
-    for k in ("debug", "strict", "cache", "tf32"):
-        if k in kw and not isinstance(kw[k], bool) and not (k == "tf32" and kw[k] is None):
-            raise CompileOptionError(f"compile option {k!r} is {kw[k]!r}; allowed values: True, False")
+    for k in ("debug", "strict", "cache", "tf32", "matmul_tf32"):
+        if k in kw and not isinstance(kw[k], bool) and not (k.endswith("tf32") and kw[k] is None):
+            allowed = "True, False, None" if k.endswith("tf32") else "True, False"
+            raise CompileOptionError(f"compile option {k!r} is {kw[k]!r}; allowed values: {allowed}")
     if "fusion" in kw and kw["fusion"] not in FUSION:
         raise CompileOptionError(f"compile option 'fusion' is {kw['fusion']!r}; allowed values: {list(FUSION)}")
     if "contractions" in kw and kw["contractions"] not in CONTRACTIONS:

@@ -192,10 +192,11 @@ def test_strided_convolution_gradients(rng, strides, padding):
     check(jax.grad(loss, argnums=(0, 1)), rnd(rng, 2, 11, 10, 3), rnd(rng, 3, 3, 3, 4), rtol=1e-4, atol=1e-4)
 
 
-def test_convolutions_take_xlas_precision_for_tf32():
-    """tf32=None follows XLA: TF32 for float32 convolutions on a GPU at the
-    default precision; exact float32 where a convolution or product in the
-    function, or the process's default, asks for a higher precision."""
+def test_convolutions_and_products_take_xlas_precision_for_tf32():
+    """tf32=None and matmul_tf32=None follow XLA: TF32 for float32
+    convolutions and products on a GPU at the default precision; exact
+    float32 where a convolution or product in the function, or the
+    process's default, asks for a higher precision."""
     from polyjit.frontends.jax import program
     from polyjit.frontends.common import Stats
     from polyjit.options import parse_options
@@ -212,6 +213,16 @@ def test_convolutions_take_xlas_precision_for_tf32():
         assert tf32(conv, tf32=False) is False and tf32(lambda x, w: conv(x, w, "highest"), tf32=True) is True
     with jax.default_matmul_precision("float32"):
         assert tf32(conv) is False
+
+    def matmul_tf32(fn, *args, **opts):
+        return program(jax.make_jaxpr(fn)(*args), parse_options(opts), Stats(), "t").options.matmul_tf32
+    a = jnp.ones((4, 8))
+    with jax.default_matmul_precision("default"):
+        assert matmul_tf32(jnp.matmul, a, a.T) is True
+        assert matmul_tf32(lambda a, b: jnp.matmul(a, b, precision="highest"), a, a.T) is False
+        assert matmul_tf32(jnp.matmul, a, a.T, matmul_tf32=False) is False
+    with jax.default_matmul_precision("highest"):
+        assert matmul_tf32(jnp.matmul, a, a.T) is False
 
 
 @pytest.mark.skipif(blas() is None, reason="no OpenBLAS from numpy to call")

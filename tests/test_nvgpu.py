@@ -684,7 +684,8 @@ def test_a_gpu_programs_plan_becomes_its_native_launchers_steps(monkeypatch):
 def test_convolution_products_follow_the_tf32_option(monkeypatch):
     """A convolution computed as im2col and a cuBLAS product (a weight
     gradient) rounds to TF32 where the tf32 option allows it, as cuDNN's
-    convolutions do."""
+    convolutions do; a product of the program's own (a matmul) where
+    matmul_tf32 does, whatever tf32 says."""
     from polyjit.targets.nvgpu import NvgpuTarget
     monkeypatch.setattr(NvgpuTarget, "library_available", lambda self: True)
     monkeypatch.setattr(NvgpuTarget, "direct_convolutions", lambda self: False)
@@ -696,6 +697,12 @@ def test_convolution_products_follow_the_tf32_option(monkeypatch):
         exe = polyjit.compile(wgrad, shapes, {**PTX_ONLY, "contractions": "library", "tf32": tf32, "cache": False})
         gemms = [k.library.library for k in exe.compile_default().kernels if k.library is not None]
         assert gemms and all(g.tf32 == tf32 for g in gemms), (tf32, gemms)
+    for tf32, matmul_tf32 in ((True, False), (False, True)):
+        exe = polyjit.compile(ops.matmul, [InputInfo([256, 128], F32), InputInfo([128, 512], F32)],
+                              {**PTX_ONLY, "contractions": "library", "tf32": tf32, "matmul_tf32": matmul_tf32,
+                               "cache": False})
+        gemms = [k.library.library for k in exe.compile_default().kernels if k.library is not None]
+        assert gemms and all(g.tf32 == matmul_tf32 for g in gemms), (matmul_tf32, gemms)
 
 
 def test_cuda_graph_replays_follow_the_pointers(monkeypatch):
@@ -1729,7 +1736,7 @@ def test_jax_custom_calls_with_library_products_replay_as_graphs():
     def reference(x, w1, w2):
         h = np.asarray(x, np.float64) @ np.asarray(w1, np.float64)
         return 0.5 * h * (1 + np.tanh(np.sqrt(2 / np.pi) * (h + 0.044715 * h ** 3))) @ np.asarray(w2, np.float64)
-    f = polyjit.jit_jax(mlp, compile_options={"target": "nvgpu"})
+    f = polyjit.jit_jax(mlp, compile_options={"target": "nvgpu", "matmul_tf32": False})  # (float64's tolerance)
     keys = jax.random.split(jax.random.key(int.from_bytes(os.urandom(2), "little")), 3)
     x, w1, w2 = (jax.random.normal(k, s) / s[0] ** 0.5 for k, s in zip(keys, ((256, 192), (192, 384), (384, 192))))
     for k in (1.0, -2.0, 0.5, 1.0):

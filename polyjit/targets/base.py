@@ -45,7 +45,7 @@ class Target:
     library: str = ""  # the vendor library under generated contractions
     times_library: bool = False  # time each contraction both ways (else the library wherever it applies)
     keeps_programs: bool = False  # compiled programs are also shared within the process (by cache key)
-    tensor_float32: bool = False  # its library convolutions may round operands to TF32 (the tf32 option)
+    tensor_float32: bool = False  # its library products may round operands to TF32 (the tf32 options)
     library_products: tuple = (DataType.Float,)  # operand dtypes its library multiplies (in float32)
 
     def generated_wins(self, L, n: Node) -> str:
@@ -74,7 +74,8 @@ class Target:
             hits = hits if exe is not None else 0
         if exe is None:
             policy = LibraryPolicy(options.contractions, options.num_threads, self,
-                                   bool(options.tf32) and self.tensor_float32)
+                                   bool(options.tf32) and self.tensor_float32,
+                                   bool(options.matmul_tf32) and self.tensor_float32)
             with timer("lower"):
                 prog = lower(graph, self.recompute_limit, policy, self.load_work)
             exe = self.build(graph, prog, options, name, timer, machine)
