@@ -811,6 +811,8 @@ LIBRARY_CASES = {  # name: (fn, input shapes, float64 reference)
     "batched_matmul_bt": (lambda a, b: ops.matmul(a, ops.transpose(b, 1, 2)), [(3, 40, 24), (3, 50, 24)],
                           lambda a, b: a.astype(np.float64) @ b.transpose(0, 2, 1)),
     "matmul_broadcast": (ops.matmul, [(2, 33, 17), (17, 45)], lambda a, b: a.astype(np.float64) @ b),
+    "attention_heads": (lambda a, b: ops.matmul(a, ops.transpose(b, 2, 3)), [(2, 3, 20, 16), (2, 3, 24, 16)],
+                        lambda a, b: a.astype(np.float64) @ b.transpose(0, 1, 3, 2)),
 }
 
 
@@ -1047,6 +1049,25 @@ def test_library_steps_thread_by_thread(case, rng, monkeypatch):
     assert any("library (forced)" in c for c in exe.stats["contractions"])
     got = run_threads_on_cpu(exe, arrays)[0]
     np.testing.assert_allclose(got, np.maximum(ref(*arrays), 0), rtol=1e-4, atol=1e-4)
+
+
+def test_a_batch_of_heads_is_one_library_call(monkeypatch):
+    """A product batched over images and heads ([b, h, t, d] @ [b, h, d, t])
+    is one strided batched call of b * h matrices, the two loops' strides
+    continuing each other, rather than a call per image; a batch whose
+    operand is shared (a weight: stride 0 along both loops) joins too."""
+    from polyjit.runtime import cublas
+    monkeypatch.setattr(cublas, "cublas", lambda: _HostCublas())
+    cases = [(LIBRARY_CASES["attention_heads"][0], [(2, 3, 20, 16), (2, 3, 24, 16)], 6),
+             (ops.matmul, [(4, 5, 20, 16), (16, 24)], 20)]
+    for fn, shapes, batch in cases:
+        exe = polyjit.compile(fn, [InputInfo(s, F32) for s in shapes], {**PTX_ONLY, "contractions": "library"})
+        prog = exe.compile_default()
+        env = prog.bind([np.zeros(s, F32) for s in shapes])
+        slots = {b.name: i for i, b in enumerate(prog.buffers)}
+        steps = [cublas.GemmStep(cublas.cublas(), None, k.library, env, {b.name: b for b in prog.buffers}, slots)
+                 for k in prog.kernels if k.library is not None]
+        assert [[c.batch for c in st.calls] for st in steps] == [[batch]], steps
 
 
 INPUT_GRADIENTS = {  # name: (input shape, output channels, kernel, strides, padding, layout)

@@ -12,7 +12,8 @@ Row-major through the column-major library by the transposition trick: a
 row-major C = op(A) @ op(B) is, read column-major, C^T = op(B)^T @ op(A)^T,
 so the call takes B's operand first. The statement's loops (images, groups,
 batch dimensions) become one strided batched call along the longest loop,
-repeated on the host for the others.
+repeated on the host for the others (those whose strides continue the
+batch's, a [b, h] batch of attention heads, join it).
 """
 from __future__ import annotations
 
@@ -172,6 +173,16 @@ class GemmStep:
         counts = {it: max(hi - lo, 0) for it, (lo, hi) in zip(iters, trips)}
         along = max(iters, key=lambda it: counts[it]) if iters else None
         others = [it for it in iters if it != along]
+        while along is not None:  # loops that continue the batch's strides join it (a [b, h] batch of heads)
+            outer = next((it for it in others if steps[it] == tuple(x * counts[along] for x in steps[along])), None)
+            inner = next((it for it in others if steps[along] == tuple(x * counts[it] for x in steps[it])), None)
+            if outer is None and inner is None:
+                break
+            joined = outer if outer is not None else inner
+            others.remove(joined)
+            counts[along] *= counts[joined]
+            if joined == inner:
+                steps[along] = steps[inner]
         self.calls: list[GemmCall] = []
         if not all(counts.values()) or min(m, n) <= 0:
             return
