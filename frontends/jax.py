@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -53,6 +54,11 @@ CPU_CALL_RESULT_BYTES = 32 << 20
 # (its launches captured once per set of buffers) only where a graph of one
 # command is allowed.
 ONE_CALL_GRAPH = {"xla_gpu_graph_min_graph_size": 1}
+
+
+def _graph_options(where: int | str) -> dict | None:
+    """The compiler options of a call from Python on ``where`` ("cpu" or a GPU's ordinal)."""
+    return ONE_CALL_GRAPH if where != "cpu" and cuda_graphs.ENABLED else None
 _target_ids = itertools.count()  # custom-call target names are unique in the process
 
 
@@ -944,7 +950,12 @@ class JaxFunction:
         except (AttributeError, TypeError):  # numbers and numpy arrays have no sharding
             fast = hit = None
         if hit is not None:
-            return jax.tree_util.tree_unflatten(hit[1], hit[0](*leaves))
+            try:
+                return jax.tree_util.tree_unflatten(hit[1], hit[0](*leaves))
+            except Exception as err:
+                if not self._drop_graphs(err):
+                    raise
+                return self(*args, **kwargs)
         sig, checked = self._signature(statics, leaves, tree)
         prog, out_tree = self.program(sig)
         call = None
@@ -953,13 +964,35 @@ class JaxFunction:
             where = self._custom_call_device(next(iter(devices))) if len(devices) == 1 else None
             call = self._custom_call(prog, where, direct=True) if where is not None else None
         if call is not None:
+            try:
+                outs = call(*checked)
+            except Exception as err:
+                if not self._drop_graphs(err):
+                    raise
+                return self(*args, **kwargs)
             if fast is not None and all(isinstance(x.dtype, np.dtype) for x in leaves):  # (keys: their data)
                 self._fast[fast] = (call, out_tree)
-            return jax.tree_util.tree_unflatten(out_tree, call(*checked))
+            return jax.tree_util.tree_unflatten(out_tree, outs)
         leaves = checked
         outs = prog(leaves)
         device = next((next(iter(x.devices())) for x in leaves if isinstance(x, jax.Array)), None)
         return jax.tree_util.tree_unflatten(out_tree, [_to_jax(o, device) for o in outs])
+
+    def _drop_graphs(self, err: Exception) -> bool:
+        """Where calls from Python run as XLA's CUDA graphs (ONE_CALL_GRAPH)
+        and one failed, they run as plain custom calls from then on, with a
+        warning: an XLA that refuses the option or cannot capture the
+        launches must not fail the user's call. False where none ran so."""
+        graphed = {k: c for k, c in self._calls.items() if c is not None and c[1] is not c[0]}
+        if not graphed:
+            return False
+        for key, (nested, _, largest) in graphed.items():
+            self._calls[key] = (nested, nested, largest)
+        self._fast.clear()
+        first = str(err).splitlines()[0][:200] if str(err) else ""
+        warnings.warn(f"polyjit: {self.__name__}: XLA could not run its calls as CUDA graphs "
+                      f"({type(err).__name__}: {first}); running them without", stacklevel=3)
+        return True
 
     def _custom_call_device(self, device) -> int | str | None:
         """Where this function's calls on JAX's ``device`` run as XLA custom
@@ -1034,8 +1067,9 @@ class JaxFunction:
             outs = jax.ffi.ffi_call(name, results, vmap_method="sequential")(*[xs[k] for k in take])
             return [outs[k] if how == "out" else xs[k] if how == "arg" else jnp.asarray(k) for how, k in picks]
         prog.stats.record(seg.exe.name, exe.stats)
-        options = ONE_CALL_GRAPH if where != "cpu" and cuda_graphs.ENABLED else None
-        return jax.jit(call), jax.jit(call, compiler_options=options), max((math.prod(r.shape) * r.dtype.itemsize for r in results), default=0)
+        options = _graph_options(where)
+        nested = jax.jit(call)
+        return nested, jax.jit(call, compiler_options=options) if options else nested, max((math.prod(r.shape) * r.dtype.itemsize for r in results), default=0)
 
     def lower(self, *args, **kwargs) -> "Lowered":
         """Fix the signature of these arguments, as ``jax.jit(f).lower(...)``."""

@@ -572,6 +572,23 @@ def test_jax_arrays_run_as_xla_custom_calls_on_the_cpu(rng):
 
 
 
+def test_a_call_whose_graph_options_fail_runs_without_them(rng, monkeypatch):
+    """Where XLA refuses the options that make a call from Python a CUDA
+    graph (an XLA without them; here on the CPU, one it does not know), the
+    call runs as a plain custom call, with a warning, and later calls too."""
+    from polyjit.frontends import jax as fj
+    monkeypatch.setattr(fj, "_graph_options", lambda where: {"xla_no_such_option": 1})
+    with jax.default_device(jax.devices("cpu")[0]):
+        f = polyjit.jit_jax(lambda x: jnp.tanh(x) * 2)
+        x = rnd(rng, 8, 300)
+        with pytest.warns(UserWarning, match="could not run its calls as CUDA graphs"):
+            assert_tree_close(f(x), jnp.tanh(x) * 2, 1e-6, 1e-6)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert_tree_close(f(x * 3), jnp.tanh(x * 3) * 2, 1e-6, 1e-6)
+        assert f.stats["fallbacks"] == 0 and all(c[0] is c[1] for c in f._calls.values() if c is not None)
+
+
 @host_target
 def test_constant_and_passed_through_results_stay_in_the_custom_call(rng):
     """A result known while tracing (a bias's gradient, where the loss weighs
