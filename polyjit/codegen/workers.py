@@ -25,12 +25,14 @@ from __future__ import annotations
 import atexit
 import os
 import queue
+import select
 import signal
 import struct
 import subprocess
 import sys
 import threading
 import time
+import weakref
 from concurrent.futures import Future
 from typing import Callable
 
@@ -138,7 +140,7 @@ class LlvmWorkers:
             return
         if not isinstance(proc, _Forked):
             for forked, pid in zip(self.forked, started[0].split()):
-                forked.pid = int(pid)
+                forked.known(int(pid))
             self.ready.set()
         while True:
             kind, text, on_thread, future = self.jobs.get()
@@ -196,22 +198,59 @@ class LlvmWorkers:
 
 class _Forked:
     """A worker the first forked after its imports (main): its pipes, as a
-    Popen's stdin and stdout; its pid once the first has said it."""
+    Popen's stdin and stdout; its pid once the first has said it (known).
+    Not this process's child: once it has ended, the system reaps it and
+    may give its pid to another process, so kill and wait go through a
+    pidfd, which stays bound to the worker itself (Linux); through the
+    bare pid only where the system has none."""
 
     def __init__(self, stdin, stdout) -> None:
         self.stdin, self.stdout, self.pid = stdin, stdout, None
+        self._pidfd: int | None = None  # (closed with this object)
+        self._ended = False  # (seen ended: its pid is no longer its own)
+
+    def known(self, pid: int) -> None:
+        """Its pid, said by the first: held by a pidfd at once."""
+        self.pid = pid
+        try:
+            self._pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:  # (ended already: its pid may be another's by now)
+            self._ended = True
+            return
+        except (AttributeError, OSError):  # (no pidfds here: the bare pid)
+            return
+        weakref.finalize(self, os.close, self._pidfd)
 
     def kill(self) -> None:
-        if self.pid is not None:
-            os.kill(self.pid, signal.SIGKILL)
+        """SIGKILL, where it has not ended (as Popen.kill)."""
+        if self.pid is None or self._ended:
+            return
+        try:
+            if self._pidfd is None:
+                os.kill(self.pid, signal.SIGKILL)
+            else:
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+        except ProcessLookupError:  # (ended meanwhile)
+            pass
 
     def wait(self, timeout: float | None = None) -> None:
-        """Until it has ended (the first has the system reap its children)."""
+        """Until it has ended (the first has the system reap its children):
+        its pidfd readable, or without one, its pid gone."""
+        if self.pid is None or self._ended:
+            return
+        if self._pidfd is not None:
+            poll = select.poll()
+            poll.register(self._pidfd, select.POLLIN)
+            if not poll.poll(None if timeout is None else max(0, int(timeout * 1000))):
+                raise subprocess.TimeoutExpired("polyjit worker", timeout)
+            self._ended = True
+            return
         end = None if timeout is None else time.monotonic() + timeout
-        while self.pid is not None:
+        while True:
             try:
                 os.kill(self.pid, 0)
             except ProcessLookupError:
+                self._ended = True
                 return
             if end is not None and time.monotonic() > end:
                 raise subprocess.TimeoutExpired("polyjit worker", timeout)
