@@ -305,10 +305,7 @@ def main() -> None:
     (the pipes named in POLYJIT_WORKER_FORKS), which thus imports nothing;
     then each serves its own pipes. Forked before any thread or LLVM call
     of its own, so no lock is held in a child."""
-    from ..schedule.driver import schedule_job  # noqa: F401  (imported before the forks: what every job needs)
-    from ..targets import cpu  # noqa: F401  (a scheduling job's target)
-    from .nvgpu import ptx  # noqa: F401
-    from .program import compile_object  # noqa: F401
+    run = _job_functions()  # (before the forks)
     stdin, stdout = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # anything else written to stdout goes to stderr, not into the replies
     fds = [int(fd) for fd in os.environ.pop(_FORKS, "").split(",") if fd]
@@ -322,21 +319,30 @@ def main() -> None:
             for fd in [0, stdout.fileno(), *fds[k + 2:]]:  # (the first's pipes and the later workers')
                 os.close(fd)
             try:
-                _serve_jobs(os.fdopen(fds[k], "rb"), os.fdopen(fds[k + 1], "wb"), b"")
+                _serve_jobs(os.fdopen(fds[k], "rb"), os.fdopen(fds[k + 1], "wb"), b"", run)
             finally:
                 os._exit(0)
         pids.append(pid)
         os.close(fds[k])
         os.close(fds[k + 1])
-    _serve_jobs(stdin, stdout, " ".join(map(str, pids)).encode())
+    _serve_jobs(stdin, stdout, " ".join(map(str, pids)).encode(), run)
 
 
-def _serve_jobs(stdin, stdout, started: bytes) -> None:
-    """(kind, LLVM IR or a pickled group) in, (optimized IR, code) or (a
-    pickled schedule, b"") out, until stdin closes."""
+def _job_functions() -> tuple[Callable, Callable, Callable]:
+    """What a worker's jobs run: (schedule_job, compile_object, ptx), and
+    every other import a job needs; the first worker's, before its forks,
+    so that these import nothing."""
     from ..schedule.driver import schedule_job
+    from ..targets import cpu  # noqa: F401  (a scheduling job's target)
     from .nvgpu import ptx
     from .program import compile_object
+    return schedule_job, compile_object, ptx
+
+
+def _serve_jobs(stdin, stdout, started: bytes, run: tuple[Callable, Callable, Callable]) -> None:
+    """(kind, LLVM IR or a pickled group) in, (optimized IR, code) or (a
+    pickled schedule, b"") out, until stdin closes; run: _job_functions()."""
+    schedule_job, compile_object, ptx = run
     _send(stdout, started)
     while True:
         job = _receive(stdin, 2)
