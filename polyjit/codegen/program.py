@@ -93,10 +93,16 @@ def kernel_code(group: ScheduledGroup, j: int, config: str, timer, variant: tupl
     code = _codes.get((key, variant))
     if code is not None and not (code.job.done() and code.job.exception()):
         return code, True
-    symbol, parallel, mapping, text = _emitted(group, j, key, timer)
-    code = KernelCode(symbol, parallel, mapping, text, workers.workers().submit(workers.OBJECT, text, _on_thread))
+    emitted = _emitted(group, j, key, timer)
+    job = workers.workers().submit(workers.OBJECT, emitted[-1], _on_thread)  # (its IR)
+    return _kept(key, variant, emitted, job), False
+
+
+def _kept(key: str, variant: tuple, emitted: tuple[str, bool, str, str], job: Future) -> KernelCode:
+    """The code of an emitted kernel (_emitted's result) and its job, kept in the process's cache."""
+    code = KernelCode(*emitted, job)
     _codes.put((key, variant), code)
-    return code, False
+    return code
 
 
 def _kernel_key(group: ScheduledGroup, j: int, config: str) -> str:
@@ -126,7 +132,6 @@ class WorkerCodes:
     schedule's text to emit the same IR, and sends the same IR to a worker."""
 
     config: str
-    variant: tuple
 
     def make(self, group: ScheduledGroup, timer) -> list[tuple]:
         """Each kernel's (symbol, parallel, mapping, IR, optimized IR, object code, LLVM's seconds)."""
@@ -190,16 +195,14 @@ class CodeSet:
     def __init__(self, config: str, timer, variant: tuple = ()) -> None:
         self.config, self.timer, self.variant = config, timer, variant
         self.new: list[KernelCode] = []
-        self.spec = WorkerCodes(config, variant)
+        self.spec = WorkerCodes(config)
 
     def adopt(self, group: ScheduledGroup, made: list[tuple]) -> None:
         """group's kernels as spec.make made them in a worker: compiled for this program."""
-        for j, (symbol, parallel, mapping, text, optimized, obj, seconds) in enumerate(made):
+        for j, (*emitted, optimized, obj, seconds) in enumerate(made):
             job: Future = Future()
             job.set_result((optimized, obj, seconds))
-            code = KernelCode(symbol, parallel, mapping, text, job)
-            _codes.put((_kernel_key(group, j, self.config), self.variant), code)
-            self.new.append(code)
+            self.new.append(_kept(_kernel_key(group, j, self.config), self.variant, tuple(emitted), job))
 
     def of(self, group: ScheduledGroup) -> list[KernelCode]:
         out = []

@@ -25,12 +25,14 @@ from __future__ import annotations
 import atexit
 import os
 import queue
+import select
 import signal
 import struct
 import subprocess
 import sys
 import threading
 import time
+import weakref
 from concurrent.futures import Future
 from typing import Callable
 
@@ -138,7 +140,7 @@ class LlvmWorkers:
             return
         if not isinstance(proc, _Forked):
             for forked, pid in zip(self.forked, started[0].split()):
-                forked.pid = int(pid)
+                forked.known(int(pid))
             self.ready.set()
         while True:
             kind, text, on_thread, future = self.jobs.get()
@@ -196,22 +198,59 @@ class LlvmWorkers:
 
 class _Forked:
     """A worker the first forked after its imports (main): its pipes, as a
-    Popen's stdin and stdout; its pid once the first has said it."""
+    Popen's stdin and stdout; its pid once the first has said it (known).
+    Not this process's child: once it has ended, the system reaps it and
+    may give its pid to another process, so kill and wait go through a
+    pidfd, which stays bound to the worker itself (Linux); through the
+    bare pid only where the system has none."""
 
     def __init__(self, stdin, stdout) -> None:
         self.stdin, self.stdout, self.pid = stdin, stdout, None
+        self._pidfd: int | None = None  # (closed with this object)
+        self._ended = False  # (seen ended: its pid is no longer its own)
+
+    def known(self, pid: int) -> None:
+        """Its pid, said by the first: held by a pidfd at once."""
+        self.pid = pid
+        try:
+            self._pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:  # (ended already: its pid may be another's by now)
+            self._ended = True
+            return
+        except (AttributeError, OSError):  # (no pidfds here: the bare pid)
+            return
+        weakref.finalize(self, os.close, self._pidfd)
 
     def kill(self) -> None:
-        if self.pid is not None:
-            os.kill(self.pid, signal.SIGKILL)
+        """SIGKILL, where it has not ended (as Popen.kill)."""
+        if self.pid is None or self._ended:
+            return
+        try:
+            if self._pidfd is None:
+                os.kill(self.pid, signal.SIGKILL)
+            else:
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+        except ProcessLookupError:  # (ended meanwhile)
+            pass
 
     def wait(self, timeout: float | None = None) -> None:
-        """Until it has ended (the first has the system reap its children)."""
+        """Until it has ended (the first has the system reap its children):
+        its pidfd readable, or without one, its pid gone."""
+        if self.pid is None or self._ended:
+            return
+        if self._pidfd is not None:
+            poll = select.poll()
+            poll.register(self._pidfd, select.POLLIN)
+            if not poll.poll(None if timeout is None else max(0, int(timeout * 1000))):
+                raise subprocess.TimeoutExpired("polyjit worker", timeout)
+            self._ended = True
+            return
         end = None if timeout is None else time.monotonic() + timeout
-        while self.pid is not None:
+        while True:
             try:
                 os.kill(self.pid, 0)
             except ProcessLookupError:
+                self._ended = True
                 return
             if end is not None and time.monotonic() > end:
                 raise subprocess.TimeoutExpired("polyjit worker", timeout)
@@ -266,10 +305,7 @@ def main() -> None:
     (the pipes named in POLYJIT_WORKER_FORKS), which thus imports nothing;
     then each serves its own pipes. Forked before any thread or LLVM call
     of its own, so no lock is held in a child."""
-    from ..schedule.driver import schedule_job  # noqa: F401  (imported before the forks: what every job needs)
-    from ..targets import cpu  # noqa: F401  (a scheduling job's target)
-    from .nvgpu import ptx  # noqa: F401
-    from .program import compile_object  # noqa: F401
+    run = _job_functions()  # (before the forks)
     stdin, stdout = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # anything else written to stdout goes to stderr, not into the replies
     fds = [int(fd) for fd in os.environ.pop(_FORKS, "").split(",") if fd]
@@ -283,21 +319,30 @@ def main() -> None:
             for fd in [0, stdout.fileno(), *fds[k + 2:]]:  # (the first's pipes and the later workers')
                 os.close(fd)
             try:
-                _serve_jobs(os.fdopen(fds[k], "rb"), os.fdopen(fds[k + 1], "wb"), b"")
+                _serve_jobs(os.fdopen(fds[k], "rb"), os.fdopen(fds[k + 1], "wb"), b"", run)
             finally:
                 os._exit(0)
         pids.append(pid)
         os.close(fds[k])
         os.close(fds[k + 1])
-    _serve_jobs(stdin, stdout, " ".join(map(str, pids)).encode())
+    _serve_jobs(stdin, stdout, " ".join(map(str, pids)).encode(), run)
 
 
-def _serve_jobs(stdin, stdout, started: bytes) -> None:
-    """(kind, LLVM IR or a pickled group) in, (optimized IR, code) or (a
-    pickled schedule, b"") out, until stdin closes."""
+def _job_functions() -> tuple[Callable, Callable, Callable]:
+    """What a worker's jobs run: (schedule_job, compile_object, ptx), and
+    every other import a job needs; the first worker's, before its forks,
+    so that these import nothing."""
     from ..schedule.driver import schedule_job
+    from ..targets import cpu  # noqa: F401  (a scheduling job's target)
     from .nvgpu import ptx
     from .program import compile_object
+    return schedule_job, compile_object, ptx
+
+
+def _serve_jobs(stdin, stdout, started: bytes, run: tuple[Callable, Callable, Callable]) -> None:
+    """(kind, LLVM IR or a pickled group) in, (optimized IR, code) or (a
+    pickled schedule, b"") out, until stdin closes; run: _job_functions()."""
+    schedule_job, compile_object, ptx = run
     _send(stdout, started)
     while True:
         job = _receive(stdin, 2)

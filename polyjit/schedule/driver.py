@@ -17,7 +17,8 @@ from .ast import kernel_nodes, statements_in
 from .contraction import contract
 from .dependences import accesses, dependences, make_context
 from .fusion import FusionPlan, fuse_contraction, fusion_groups
-from .groups import GroupProblem, ProgramSchedule, Scheduled, ScheduledGroup, group_problem, kernel_of_each_array
+from .groups import (GroupProblem, ProgramSchedule, Scheduled, ScheduledGroup, WorkerAstMismatch, check_worker_ast,
+                     group_problem, kernel_of_each_array)
 from .rewrites import distribute_inits, innermost_contiguous, order_sets
 from .tree import group_domain, is_update, product_inits
 
@@ -292,8 +293,10 @@ def _from_worker(problem: GroupProblem, future, timer) -> tuple[Scheduled | None
         sched = isl.Schedule.read_from_str(ctx, texts[0])
         with timer("schedule/ast"):
             ast = _ast(ctx, problem.prog, sched)
-        if [statements_in(k) for k in kernel_nodes(ast)] != kernels:  # (never code from an AST unlike the worker's)
-            log.warning("a group's AST built again differs from its worker's: scheduled here")
+        try:
+            check_worker_ast(ast, kernels)
+        except WorkerAstMismatch as e:
+            log.warning("%s: scheduled here", e)
             return None, None
         return Scheduled(sched, ast, contracted, kernels, kernel_of_array, refused), None
     return Scheduled(None, None, contracted, kernels, kernel_of_array, refused, texts,

@@ -46,8 +46,7 @@ class Scheduled:
     def ast(self) -> isl.AstNode:
         if self._ast is None:
             ast = self._build_ast(self.schedule)
-            if [statements_in(k) for k in kernel_nodes(ast)] != self.kernels:  # (never code unlike the worker's)
-                raise RuntimeError("a group's AST built again differs from its worker's")
+            check_worker_ast(ast, self.kernels)
             self._ast = ast
         return self._ast
 
@@ -60,6 +59,17 @@ class Scheduled:
     def kernel_asts(self) -> list[isl.AstNode]:
         """The top-level nests, one kernel each."""
         return kernel_nodes(self.ast)
+
+
+class WorkerAstMismatch(RuntimeError):
+    """A group's AST built again from a worker's schedule has kernels unlike the worker's."""
+
+
+def check_worker_ast(ast: isl.AstNode, kernels: list[set[str]]) -> None:
+    """WorkerAstMismatch unless ast (built again here from a worker's
+    schedule) has the worker's kernels: never code unlike the worker's."""
+    if [statements_in(k) for k in kernel_nodes(ast)] != kernels:
+        raise WorkerAstMismatch("a group's AST built again differs from its worker's")
 
 
 @dataclass
