@@ -175,3 +175,23 @@ def test_an_output_handed_out_twice_still_runs_from_host_code(rng):
         np.testing.assert_array_equal(a, b)
     prog = exe.last
     assert len(prog.output_arrays) == 2 > len(set(prog.output_arrays)) and next(iter(prog._plans.values())).native
+
+
+def test_libgomp_loaded_by_polyjit_spins_briefly(monkeypatch):
+    """A libgomp that polyjit loads itself reads a short spin count as it
+    loads (its default spins away the time slices of a loaded host); one
+    the user configured keeps the user's setting; the environment is left
+    as it was."""
+    import ctypes
+
+    from polyjit.runtime import threads
+    seen = []
+    monkeypatch.setattr(ctypes, "CDLL", lambda path: seen.append(
+        (os.environ.get("GOMP_SPINCOUNT"), os.environ.get("OMP_WAIT_POLICY"))))
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    threads._load_spinning_briefly("libgomp.so.1")
+    assert seen == [(str(threads.SPIN_COUNT), None)] and "GOMP_SPINCOUNT" not in os.environ
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")
+    threads._load_spinning_briefly("libgomp.so.1")
+    assert len(seen) == 1 and "GOMP_SPINCOUNT" not in os.environ

@@ -3,8 +3,9 @@
 The team is OpenMP's (libgomp) when one is at hand, preferring the copy the
 process already loaded (PyTorch's): its threads spin between parallel
 regions, so they start at once, and sharing them keeps polyjit's threads
-from fighting the framework's for the cores. Without libgomp a Python
-thread pool runs the parts.
+from fighting the framework's for the cores. A copy polyjit loads itself
+(under JAX or TensorFlow) spins briefly (SPIN_COUNT). Without libgomp a
+Python thread pool runs the parts.
 """
 from __future__ import annotations
 
@@ -94,6 +95,9 @@ class PoolTeam:
             f.result()
 
 
+SPIN_COUNT = 1000  # libgomp's GOMP_SPINCOUNT for a copy polyjit loads: its default is 300000
+
+
 @functools.cache
 def thread_team():
     """The team for parallel kernels, chosen at the first parallel call: the
@@ -101,8 +105,31 @@ def thread_team():
     pool (POLYJIT_THREADS=pool forces it)."""
     path = None
     if os.environ.get("POLYJIT_THREADS", "") != "pool":
-        path = _loaded_libgomp() or ctypes.util.find_library("gomp")
+        path = _loaded_libgomp()
+        if path is None:
+            path = ctypes.util.find_library("gomp")
+            if path:
+                _load_spinning_briefly(path)
     try:
         return OmpTeam(path) if path else PoolTeam()
     except (OSError, AttributeError):
         return PoolTeam()
+
+
+def _load_spinning_briefly(path: str) -> None:
+    """Load libgomp with threads that spin SPIN_COUNT times before they
+    sleep, unless the user set its wait policy or spin count: at libgomp's
+    default a team whose cores other processes share spent its time slices
+    spinning at barriers (a training step of many small kernels 40-100 times
+    slower), while quiet steps take as long either way (bench/NOTES.md).
+    libgomp reads the setting once, as it loads; the environment is left as
+    it was."""
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return
+    os.environ["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
+    try:
+        ctypes.CDLL(path)
+    except OSError:
+        pass
+    finally:
+        del os.environ["GOMP_SPINCOUNT"]
