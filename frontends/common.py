@@ -317,21 +317,9 @@ class _Segment:
             else:
                 self.graph.add_output(n)
                 self.outputs.append(v)
-        self._drop_unread()
+        # an input no output reads (an identity's, aliased) is not the program's to take
+        self.inputs = [self.inputs[k] for k in self.graph.drop_unread_inputs()]
         self.exe = Executable(self.graph, options, name)
-
-    def _drop_unread(self) -> None:
-        """Inputs that no output reads (an identity's, aliased) leave the
-        segment and its graph, whose cache key, printed from the outputs,
-        does not show them; an input with a symbolic size stays (it may give
-        the size)."""
-        reached = {n.id for n in self.graph.nodes()}
-        kept = [(n, v) for n, v in zip(self.graph.inputs, self.inputs)
-                if n.id in reached or not all(isinstance(s, int) for s in n.shape)]
-        self.graph.inputs[:] = [n for n, _ in kept]
-        self.inputs = [v for _, v in kept]
-        for k, n in enumerate(self.graph.inputs):
-            n.attrs["index"] = k
 
     def run(self, values: dict) -> None:
         for v, source in self.aliases:

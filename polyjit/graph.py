@@ -605,6 +605,17 @@ class Graph(_Shapes, _LayoutOps, _StructuredOps):
             stack.extend((i, False) for i in reversed(n.inputs) if i.id not in seen)
         return order
 
+    def drop_unread_inputs(self) -> list[int]:
+        """Remove the inputs no output reads (but those of a symbolic size,
+        which may give the size); the kept inputs' former positions."""
+        reached = {n.id for n in self.nodes()}
+        kept = [k for k, n in enumerate(self.inputs)
+                if n.id in reached or not all(isinstance(s, int) for s in n.shape)]
+        self.inputs[:] = [self.inputs[k] for k in kept]
+        for k, n in enumerate(self.inputs):
+            n.attrs["index"] = k
+        return kept
+
     def constant_arrays(self) -> list:
         """The values of the tensor constants, in the order of their arrays c0, c1, ..."""
         return [n.attrs["value"] for n in self.nodes() if n.op == "tensor_constant"]
