@@ -95,7 +95,7 @@ class PoolTeam:
             f.result()
 
 
-SPIN_COUNT = 1000  # libgomp's GOMP_SPINCOUNT for a copy polyjit loads: its default is 300000
+SPIN_COUNT = 10000  # libgomp's GOMP_SPINCOUNT for a copy polyjit loads: its default is 300000
 
 
 @functools.cache
