@@ -195,3 +195,21 @@ def test_libgomp_loaded_by_polyjit_spins_briefly(monkeypatch):
     monkeypatch.setenv("OMP_WAIT_POLICY", "active")
     threads._load_spinning_briefly("libgomp.so.1")
     assert len(seen) == 1 and "GOMP_SPINCOUNT" not in os.environ
+
+
+def test_xla_handlers_answer_command_buffer_traits():
+    """XLA's metadata query at registration: a GPU handler says it may be
+    captured into XLA's CUDA graphs (its launches then replay without the
+    host), a CPU handler does not; neither calls its launcher then."""
+    import ctypes as c
+
+    from polyjit.runtime import xla_ffi as X
+    for platform, traits in (("CUDA", X.COMMAND_BUFFER_COMPATIBLE), ("cpu", 0)):
+        address = X.handler(f"polyjit_test_traits_{platform}", platform, 0, 0, 0)  # launch at 0: never called
+        meta = X._Metadata(struct_size=c.sizeof(X._Metadata), traits=0xFF)
+        ext = X._MetadataExtension(X._Extension(c.sizeof(X._MetadataExtension), X.METADATA_EXTENSION, None),
+                                   c.pointer(meta))
+        frame = X._CallFrame(struct_size=c.sizeof(X._CallFrame),
+                             extension_start=c.cast(c.pointer(ext), c.POINTER(X._Extension)))
+        assert c.CFUNCTYPE(c.c_void_p, c.c_void_p)(address)(c.addressof(frame)) is None  # no error
+        assert (meta.traits, meta.api_version.major, meta.api_version.minor) == (traits, *X.API_VERSION)
