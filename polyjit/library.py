@@ -215,7 +215,7 @@ class LibraryPolicy:
     def __init__(self, mode: str, threads: int, target, tf32: bool = False, matmul_tf32: bool = False) -> None:
         self.mode, self.threads, self.target = mode, threads, target  # a polyjit.targets.Target
         self.tf32 = tf32  # convolutions may use TF32 tensor cores
-        self.matmul_tf32 = matmul_tf32  # products (dot_general) may
+        self.matmul_tf32 = matmul_tf32  # products (dot_general) may too
         self.choices: list[str] = []
         self._wanted: dict | None = None  # while prefetching: the timings use() asks for
 

@@ -67,8 +67,8 @@ _KEYS = {
     "tf32": "True, False, or None (library convolutions on the GPU may round operands to TF32, as "
             "torch.backends.cudnn.allow_tf32 lets eager's; None: as the framework does, False elsewhere)",
     "matmul_tf32": "True, False, or None (library products on the GPU may round operands to TF32, as jax.jit's "
-                   "default precision does and torch.backends.cuda.matmul.allow_tf32 lets eager's; None: as the "
-                   "framework does, False elsewhere)",
+                   "default precision does and torch.set_float32_matmul_precision('high') lets eager's; None: as "
+                   "the framework does, False elsewhere)",
 }
 
 

@@ -98,12 +98,8 @@ class Cublas(VendorLibrary):
         on one stream take turns with it, as cuDNN's steps do with theirs."""
         with self.lock:
             if dev.ordinal not in self.workspaces:
-                from .cuda import check, cu_stream, driver
-                from .gpu_buffers import DeviceBuffer
-                nbytes = workspace_bytes(dev.arch)
-                buf = DeviceBuffer((nbytes,), "uint8", dev, 0)
-                check(driver().cuStreamSynchronize(cu_stream(0)), "cuStreamSynchronize")  # ready for any stream
-                self.workspaces[dev.ordinal] = buf
+                from .gpu_buffers import library_workspace
+                self.workspaces[dev.ordinal] = library_workspace(workspace_bytes(dev.arch), dev)
             buf = self.workspaces[dev.ordinal]
             return buf.ptr, buf.nbytes
 

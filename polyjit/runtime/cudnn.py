@@ -96,8 +96,7 @@ class ConvStep:
     algorithm and its workspace; run(pointers, stream) queues the call."""
 
     def __init__(self, lib: Cudnn, dev, statement, env: Mapping[str, int], slot: Mapping[str, int]) -> None:
-        from .cuda import check, cu_stream, driver
-        from .gpu_buffers import DeviceBuffer
+        from .gpu_buffers import library_workspace
         c = statement.library
         self.entries = [name[5:] for name in ENTRIES[c.operation]]  # cudnnConvolutionForward -> ConvolutionForward
         self.lib, self.device, self.what = lib, dev, f"cudnn{self.entries[2]} ({c.what or statement.name})"
@@ -124,9 +123,7 @@ class ConvStep:
                   "cudnnSetConvolutionMathType")
         self.slots = (slot[c.x[0]], slot[c.w[0]], slot[c.y[0]])
         self.algo, nbytes = self._algorithm(lib.handle(dev))
-        self.workspace = DeviceBuffer((max(nbytes, 1),), "uint8", dev, 0) if nbytes else None
-        if self.workspace is not None:  # allocated on the legacy stream: ready before any stream's call uses it
-            check(driver().cuStreamSynchronize(cu_stream(0)), "cuStreamSynchronize")
+        self.workspace = library_workspace(nbytes, dev) if nbytes else None
         self.workspace_bytes = nbytes
 
     def _made(self, kind: str, setter, *args) -> ctypes.c_void_p:

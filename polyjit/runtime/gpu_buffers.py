@@ -69,6 +69,14 @@ class DeviceBuffer:
         return out
 
 
+def library_workspace(nbytes: int, dev: Device) -> DeviceBuffer:
+    """A library's scratch memory kept for the process: allocated on the
+    legacy stream and waited for, so that any stream's calls may use it."""
+    buf = DeviceBuffer((max(nbytes, 1),), "uint8", dev, 0)
+    check(driver().cuStreamSynchronize(cu_stream(0)), "cuStreamSynchronize")
+    return buf
+
+
 class _DLPack:
     """DLPack export through ctypes: DLManagedTensor structs kept alive in a
     table until the consumer calls their deleter."""

@@ -120,8 +120,8 @@ def _load_spinning_briefly(path: str) -> None:
     """Load libgomp with threads that spin SPIN_COUNT times before they
     sleep, unless the user set its wait policy or spin count: at libgomp's
     default a team whose cores other processes share spent its time slices
-    spinning at barriers (a training step of many small kernels 40-100 times
-    slower), while quiet steps take as long either way (bench/NOTES.md).
+    spinning at barriers (a training step of many small kernels 10-60 times
+    slower), while quiet steps take about as long either way (bench/NOTES.md).
     libgomp reads the setting once, as it loads; the environment is left as
     it was."""
     if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
