@@ -59,6 +59,8 @@ ONE_CALL_GRAPH = {"xla_gpu_graph_min_graph_size": 1}
 def _graph_options(where: int | str) -> dict | None:
     """The compiler options of a call from Python on ``where`` ("cpu" or a GPU's ordinal)."""
     return ONE_CALL_GRAPH if where != "cpu" and cuda_graphs.ENABLED else None
+
+
 _target_ids = itertools.count()  # custom-call target names are unique in the process
 
 
@@ -950,12 +952,8 @@ class JaxFunction:
         except (AttributeError, TypeError):  # numbers and numpy arrays have no sharding
             fast = hit = None
         if hit is not None:
-            try:
-                return jax.tree_util.tree_unflatten(hit[1], hit[0](*leaves))
-            except Exception as err:
-                if not self._drop_graphs(err):
-                    raise
-                return self(*args, **kwargs)
+            outs = self._run(hit[0], leaves)
+            return self(*args, **kwargs) if outs is None else jax.tree_util.tree_unflatten(hit[1], outs)
         sig, checked = self._signature(statics, leaves, tree)
         prog, out_tree = self.program(sig)
         call = None
@@ -964,11 +962,8 @@ class JaxFunction:
             where = self._custom_call_device(next(iter(devices))) if len(devices) == 1 else None
             call = self._custom_call(prog, where, direct=True) if where is not None else None
         if call is not None:
-            try:
-                outs = call(*checked)
-            except Exception as err:
-                if not self._drop_graphs(err):
-                    raise
+            outs = self._run(call, checked)
+            if outs is None:  # its graph failed: called again, plain
                 return self(*args, **kwargs)
             if fast is not None and all(isinstance(x.dtype, np.dtype) for x in leaves):  # (keys: their data)
                 self._fast[fast] = (call, out_tree)
@@ -977,6 +972,16 @@ class JaxFunction:
         outs = prog(leaves)
         device = next((next(iter(x.devices())) for x in leaves if isinstance(x, jax.Array)), None)
         return jax.tree_util.tree_unflatten(out_tree, [_to_jax(o, device) for o in outs])
+
+    def _run(self, call: Callable, xs) -> list | None:
+        """call(*xs), or None where it ran as a CUDA graph that failed and
+        calls were made plain (_drop_graphs): the caller calls again."""
+        try:
+            return call(*xs)
+        except Exception as err:
+            if not self._drop_graphs(err):
+                raise
+            return None
 
     def _drop_graphs(self, err: Exception) -> bool:
         """Where calls from Python run as XLA's CUDA graphs (ONE_CALL_GRAPH)
@@ -991,7 +996,7 @@ class JaxFunction:
         self._fast.clear()
         first = str(err).splitlines()[0][:200] if str(err) else ""
         warnings.warn(f"polyjit: {self.__name__}: XLA could not run its calls as CUDA graphs "
-                      f"({type(err).__name__}: {first}); running them without", stacklevel=3)
+                      f"({type(err).__name__}: {first}); running them without", stacklevel=4)
         return True
 
     def _custom_call_device(self, device) -> int | str | None:
@@ -1069,7 +1074,8 @@ class JaxFunction:
         prog.stats.record(seg.exe.name, exe.stats)
         options = _graph_options(where)
         nested = jax.jit(call)
-        return nested, jax.jit(call, compiler_options=options) if options else nested, max((math.prod(r.shape) * r.dtype.itemsize for r in results), default=0)
+        largest = max((math.prod(r.shape) * r.dtype.itemsize for r in results), default=0)
+        return nested, jax.jit(call, compiler_options=options) if options else nested, largest
 
     def lower(self, *args, **kwargs) -> "Lowered":
         """Fix the signature of these arguments, as ``jax.jit(f).lower(...)``."""
