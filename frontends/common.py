@@ -50,7 +50,8 @@ def core_dtype(dt) -> DataType:
 
 @dataclass(eq=False)
 class Stats(Mapping):
-    """What polyjit did for one decorated function, summed over its graphs;
+    """What polyjit did for one decorated function, summed over its graphs
+    (``contractions``: each contraction's library-or-generated choice, and why);
     reads as a dict (``stats["fallbacks"]``) that stays current."""
 
     graphs: dict = field(default_factory=dict)
@@ -67,6 +68,7 @@ class Stats(Mapping):
         for key in ("kernels", "statements", "fused", "inlined", "contracted_buffers", "intermediate_bytes",
                     "library_calls", "fusions_refused", "folded", "cache_hits", "kernels_compiled"):
             out[key] = sum(s.get(key, 0) for s in self.graphs.values())
+        out["contractions"] = [c for s in self.graphs.values() for c in s.get("contractions", ())]
         return out
 
     def __getitem__(self, key: str):

@@ -260,10 +260,11 @@ class LibraryPolicy:
         if stencil:
             self.choices.append(f"{what}: generated ({stencil})")
             return False
+        known = self.target.known_choice(L, n) if self.target.times_library else None
         if not all(map(sz.is_static, xs + L.shape(n))):
-            known = self.target.generated_wins(L, n) if self.target.times_library else ""
-            self.choices.append(f"{what}: {f'generated ({known})' if known else 'library (symbolic sizes)'}")
-            return not known
+            lib, why = known or (True, "symbolic sizes")
+            self.choices.append(f"{what}: {'library' if lib else 'generated'} ({why})")
+            return lib
         macs = math.prod(int(s) for s in L.shape(n)) * red
         if macs < MIN_MACS:
             self.choices.append(f"{what}: generated ({macs} multiply-adds)")
@@ -271,10 +272,9 @@ class LibraryPolicy:
         if not self.target.times_library:  # a model: timing would compile each shape's kernel (seconds) on a GPU
             self.choices.append(f"{what}: library ({self.target.library}: {macs} multiply-adds, reduction {red})")
             return True
-        known = self.target.generated_wins(L, n)
-        if known:  # the target's model: no timing
-            self.choices.append(f"{what}: generated ({known})")
-            return False
+        if known is not None:  # the target's model: no timing
+            self.choices.append(f"{what}: {'library' if known[0] else 'generated'} ({known[1]})")
+            return known[0]
         lib, t_lib, t_gen = self.measure(L, n)
         self.choices.append(f"{what}: {'library' if lib else 'generated'} "
                             f"(library {t_lib * 1e3:.3f} ms, generated {t_gen * 1e3:.3f} ms)")

@@ -582,27 +582,61 @@ def test_first_calls_far_apart_settle_a_timing():
     assert len(calls) >= 6
 
 
+def _nhwc_conv_reference(x, k, pad: int):
+    """conv of NHWC x by an HWIO kernel, stride 1, in float64."""
+    xp = np.pad(x.astype(np.float64), ((0, 0), (pad, pad), (pad, pad), (0, 0)))
+    kh, kw = k.shape[:2]
+    oh, ow = xp.shape[1] - kh + 1, xp.shape[2] - kw + 1
+    return sum(np.einsum("nhwc,co->nhwo", xp[:, i:i + oh, j:j + ow], k[i, j]) for i in range(kh) for j in range(kw))
+
+
 @needs_blas
-@pytest.mark.parametrize("shape,untimed", [((4, 24, 24, 64, 32), True), ((4, 32, 32, 64, 8), False),
-                                          ((1, 7, 9, 512, 512), False)])
-def test_channels_last_1x1_convolutions_run_generated_untimed(shape, untimed, rng, monkeypatch):
-    """A 1x1 channels-last convolution whose output channels fill whole
-    vectors runs generated without a timing on a 512-bit host (the CPU
-    target's model); 8 output channels, or fewer than 64 positions, are timed."""
+@pytest.mark.parametrize("case,shape,kernel,pad,choice", [
+    ("forward", (4, 24, 24, 64), (1, 1, 64, 32), 0, "generated"),
+    ("forward", (4, 32, 32, 64), (1, 1, 64, 8), 0, None),  # 8 output channels: timed
+    ("forward", (1, 7, 9, 512), (1, 1, 512, 512), 0, None),  # 63 positions: timed
+    ("forward", (2, 12, 12, 16), (3, 3, 16, 32), 1, "generated"),
+    ("forward", (2, 16, 16, 16), (3, 3, 16, 24), 1, None),  # partial vectors: timed
+    ("input gradient", (2, 12, 12, 32), (3, 3, 32, 32), 1, "library"),  # the kernel read as HWOI
+    ("input gradient", (2, 16, 16, 32), (3, 3, 16, 32), 1, None),  # 16 output channels: timed
+    ("weight gradient", (2, 12, 12, 16), (3, 3, 16, 32), 1, None),  # timed
+])
+def test_channels_last_convolutions_settled_by_the_model(case, shape, kernel, pad, choice, rng, monkeypatch):
+    """On a 512-bit host, contractions="auto" settles a channels-last
+    convolution without a timing where the CPU target's model knows the
+    answer (checked per shape by bench/convolutions.py): output channels in
+    whole vectors along the kernel's rows generate; an input gradient's
+    kernel (32 output channels or more, strided) calls the library. The
+    rest, weight gradients among them, are timed."""
     from polyjit import library
     from polyjit.codegen.cpu import vector_bits
     monkeypatch.setattr(library, "_measured", {})
     timings = []
     monkeypatch.setattr(library, "_time", lambda exes, args: timings.append(len(exes)) or [1.0, 0.0])
-    n, h, w, ci, co = shape
-    x, k = rng.standard_normal((n, h, w, ci), dtype=F32), rng.standard_normal((1, 1, ci, co), dtype=F32)
-    exe = polyjit.compile(lambda x, k: ops.conv(x, k, [1, 1], [(0, 0), (0, 0)], layout="NHWC", kernel_layout="HWIO"),
-                          [InputInfo(x.shape, F32), InputInfo(k.shape, F32)], {"cache": False})
-    np.testing.assert_allclose(exe(x, k), np.einsum("nhwc,co->nhwo", x.astype(np.float64), k[0, 0]), rtol=1e-4,
-                               atol=1e-4)
-    modeled = untimed and vector_bits() >= 512
-    assert bool(timings) != modeled and exe.stats["library_calls"] == 0, exe.stats["contractions"]
-    assert ("1x1 channels-last" in exe.stats["contractions"][0]) == modeled
+    x, k = rng.standard_normal(shape, dtype=F32), rng.standard_normal(kernel, dtype=F32)
+    pads = [(pad, pad)] * 2
+    if case == "forward":
+        fn, args, want = (lambda x, k: ops.conv(x, k, [1, 1], pads, layout="NHWC", kernel_layout="HWIO"),
+                          (x, k), _nhwc_conv_reference(x, k, pad))
+    elif case == "input gradient":  # the gradient g of a conv by k, as JAX writes it: k flipped, read as HWOI
+        fn, args = (lambda g, k: ops.conv(g, ops.reverse(k, [0, 1]), [1, 1], pads, layout="NHWC",
+                                          kernel_layout="HWOI")), (x, k)
+        want = _nhwc_conv_reference(x, np.ascontiguousarray(k[::-1, ::-1].transpose(0, 1, 3, 2)), pad)
+    else:  # the weight gradient against g, images and positions reduced: x as CHWN, g as IHWO
+        g = rng.standard_normal((*shape[:3], kernel[3]), dtype=F32)
+        fn, args = (lambda x, g: ops.conv(x, g, [1, 1], pads, layout="CHWN", kernel_layout="IHWO")), (x, g)
+        xp = np.pad(x.astype(np.float64), ((0, 0), (pad, pad), (pad, pad), (0, 0)))
+        h, w = shape[1:3]
+        want = np.stack([np.stack([np.einsum("nhwo,nhwi->oi", g, xp[:, i:i + h, j:j + w]) for j in range(3)], 1)
+                         for i in range(3)], 1)
+    exe = polyjit.compile(fn, [InputInfo(a.shape, F32) for a in args], {"cache": False})
+    np.testing.assert_allclose(exe(*args), want, rtol=1e-4, atol=1e-3)
+    modeled = choice if vector_bits() >= 512 else None
+    (why,) = exe.stats["contractions"]
+    assert bool(timings) == (modeled is None), why
+    if modeled:
+        assert why.split(": ", 1)[1].startswith(modeled) and " ms" not in why, why
+        assert exe.stats["library_calls"] == (modeled == "library"), why
 
 
 @needs_blas

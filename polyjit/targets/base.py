@@ -48,10 +48,10 @@ class Target:
     tensor_float32: bool = False  # its library products may round operands to TF32 (the tf32 options)
     library_products: tuple = (DataType.Float,)  # operand dtypes its library multiplies (in float32)
 
-    def generated_wins(self, L, n: Node) -> str:
-        """Why generated code beats the library for contraction n without a
-        timing (the target's model of itself), or "" where only a timing tells."""
-        return ""
+    def known_choice(self, L, n: Node) -> tuple[bool, str] | None:
+        """The target's model of itself for contraction n: (whether the
+        library wins, why) where it can tell without a timing, else None."""
+        return None
 
     def __repr__(self) -> str:
         return f"<target {self.name}>"

@@ -129,21 +129,33 @@ def _whole_blocks(L, n: Node, lanes: int, min_rows: int = 64, min_rows_packed: i
     return f"whole {'x'.join(map(str, cpu_rewrites.block_shape(int(rows), cols, lanes)))} register blocks"
 
 
-def _pointwise_channels_last(L, n: Node, lanes: int, min_rows: int = 64) -> bool:
-    """A float32 1x1 convolution of channels-last images (stride 1, no
-    padding, ungrouped): a product of the positions' rows by the kernel,
-    whose output channels, a multiple of the vector width, are contiguous in
-    both the kernel and the result. Generated beat sgemm at every such shape
-    measured (bench/NOTES.md); 8 output channels lost: those stay timed."""
+def _channels_last(L, n: Node, lanes: int, min_rows: int = 64) -> tuple[bool, str] | None:
+    """The model's choice for an ungrouped float32 convolution of
+    channels-last images (NHWC, as JAX and Keras hold them; gemm_form
+    "nhwc"), or None where only a timing tells (bench/convolutions.py
+    measures each case against the model):
+    - generated, where the output channels run in whole vectors along both
+      the kernel's rows and the result (kernel layout ...O), at stride 1
+      with odd kernel sizes: generated beat sgemm over im2col at nearly
+      every such shape measured; partial vectors (24 channels) and strides
+      lost at some;
+    - the library, where the kernel holds 2 vectors or more of output
+      channels strided (an input gradient's flipped kernel, ...OI): the
+      generated nest loads no vector along them, and lost at every such
+      shape (up to 11x); with 16 it won at short reductions."""
     at = n.attrs
-    if gemm_form(L, n) != "nhwc" or at["groups"] != 1 or "input_dilation" in at:
-        return False
+    if at["groups"] != 1 or "input_dilation" in at:
+        return None
     kernel, klay, out = L.shape(n.inputs[1]), at["kernel_layout"], L.shape(n)
+    outputs = int(kernel[klay.index("O")])
+    if klay[-1] != "O":
+        return (True, "output channels strided in the kernel") if outputs >= 2 * lanes else None
     spatial = [int(kernel[k]) for k, c in enumerate(klay) if c not in "OI"]
     rows = sz.static_product(out[:-1])
-    return (all(k == 1 for k in spatial) and all(s == 1 for s in at["strides"])
-            and all(p == (0, 0) for p in map(tuple, at["padding"])) and rows is not None and rows >= min_rows
-            and int(kernel[klay.index("O")]) % lanes == 0)
+    if (outputs % lanes == 0 and all(s == 1 for s in at["strides"]) and all(k % 2 for k in spatial)
+            and rows is not None and rows >= min_rows):
+        return False, "output channels in whole vectors along the kernel's rows and the result"
+    return None
 
 
 class CpuTarget(Target):
@@ -196,26 +208,33 @@ class CpuTarget(Target):
         exe.stats["kernels_compiled"] = code.compiled
         return exe
 
-    def generated_wins(self, L, n: Node) -> str:
-        """A float32 product in whole register blocks (_whole_blocks); a
-        convolution along its positions (polyjit.columns) in 512-bit
-        register blocks: faster than sgemm over im2col at every ResNet-18
-        shape measured (bench/NOTES.md), the columns' copy included; those
-        shapes had odd kernels. An even one (a phase of a strided
-        convolution's input gradient) is timed: a 2x2 phase of a padded 14x14
-        gradient ran at 20x the library's time (bench/NOTES.md)."""
-        if self.vector_bits() < 512:
-            return ""
+    def known_choice(self, L, n: Node) -> tuple[bool, str] | None:
+        """On a host with 512-bit vectors: a float32 product in whole register
+        blocks (_whole_blocks) and a channels-first convolution along its
+        positions (polyjit.columns) run generated, faster than sgemm over
+        im2col at every ResNet-18 shape measured (bench/NOTES.md), the
+        columns' copy included; those shapes had odd kernels. An even one (a
+        phase of a strided convolution's input gradient) is timed: a 2x2
+        phase of a padded 14x14 gradient ran at 20x the library's time.
+        Channels-last convolutions: _channels_last; their weight gradients
+        (images and positions, the reduction, strided in both operands) are
+        timed: generated lost by up to 2.2x at 64 channels and more, and won
+        by up to 1.35x at fewer (bench/convolutions.py)."""
+        lanes = self.vector_bits() // 32
+        if lanes < 16:
+            return None
         if n.op == "dot_general":
-            return _whole_blocks(L, n, self.vector_bits() // 32)
-        if _pointwise_channels_last(L, n, self.vector_bits() // 32):
-            return "a 1x1 channels-last convolution over whole vectors of output channels"
-        if columns_form(L, n, False) is None:
-            return ""
+            why = _whole_blocks(L, n, lanes)
+            return (False, why) if why else None
+        form = gemm_form(L, n)
+        if form == "nhwc":
+            return _channels_last(L, n, lanes)
+        if form == "cfirst" and n.attrs["layout"][-1] == "N" or columns_form(L, n, False) is None:
+            return None
         kernel, klay = L.shape(n.inputs[1]), n.attrs["kernel_layout"]
-        if gemm_form(L, n) != "cfirst" and not all(int(kernel[k]) % 2 for k, c in enumerate(klay) if c not in "OI"):
-            return ""
-        return "a product along its positions, 512-bit register blocks"
+        if form != "cfirst" and not all(int(kernel[k]) % 2 for k, c in enumerate(klay) if c not in "OI"):
+            return None
+        return False, "a product along its positions, 512-bit register blocks"
 
     def library_available(self) -> bool:
         return blas() is not None
