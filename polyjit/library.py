@@ -749,7 +749,7 @@ def dot_form(L, n) -> tuple | None:
     return nb, lf[0], rf[0]
 
 
-def _operand(L, node, name: str, nb: int, batch_iters, free: int, contract: int):
+def _operand(L, node, name: str, nb: int, batch_iters, free: int, contract: int, one_call: bool = False):
     """A dot operand as (box, transposed, leading dimension): read in place
     where it is a row-major array or a transpose of one with its batch dims
     outermost, or a view of one whose matrices have a dense row (the heads
@@ -757,12 +757,17 @@ def _operand(L, node, name: str, nb: int, batch_iters, free: int, contract: int)
     to a temporary first: what the view chain starts from, in its own
     shape, where the chain is then a view of the copy (a softmax's result
     merged to [b*h, s, s]: the copy's statement reads the softmax's row
-    statistics at plain indices, and fuses with them), else the operand."""
+    statistics at plain indices, and fuses with them), else the operand.
+    ``one_call``: a view whose batch dims do not continue each other's
+    strides (heads out of a [b, t, h*d] projection) is copied too, so that
+    the batch is one strided call (_one_call)."""
     m = _matrix(L, node, whole=nb == 0)
     if m is None or m[1][:nb] != list(range(nb)):
         base, chain = _view_chain(L, node)
         if chain and _static(L, base):
             view = _view(L.shape(base), chain, L)
+            if view is not None and one_call and not _continuing(view, nb):
+                view = None
             if view is not None:
                 strided = _strided(L, base, view, nb, batch_iters, free, contract, name)
                 if strided is not None:
@@ -776,6 +781,28 @@ def _operand(L, node, name: str, nb: int, batch_iters, free: int, contract: int)
         start[perm[k]], ext[perm[k]] = batch_iters[k], 1
     transposed = perm[contract] < perm[free]  # stored (contracting x free)
     return (array, tuple(start), tuple(ext)), transposed, ld
+
+
+def _continuing(view: tuple[list[int], list[int]], nb: int) -> bool:
+    """Whether the batch dims of view (_view's shape and strides) step as
+    one: each stride the next one's times its count (dims of one skipped)."""
+    dims = [(s, st) for s, st in zip(view[0][:nb], view[1][:nb]) if s > 1]
+    return all(st == nst * ns for (_, st), (ns, nst) in zip(dims, dims[1:]))
+
+
+LAUNCH_BOUND_MACS = 1 << 25  # a product's multiply-adds below which its calls' launches are most of its time
+
+
+def _one_call(L, n, nb: int) -> bool:
+    """Whether product n's batch should be one library call even at the cost
+    of copying its operands: where each call is a launch (cuBLAS) and the
+    whole product is small, so that launches are most of its time (the
+    attention of 4 images of 4 heads of 128 x 64 ran as 4 calls of 4)."""
+    target = L.library.target if L.library is not None else None
+    if nb < 2 or target is None or not target.launched_library_calls:
+        return False
+    macs = sz.static_product(L.shape(n))
+    return macs is not None and macs * int(sz.estimate(L.shape(n.inputs[0])[n.attrs["lc"][0]])) < LAUNCH_BOUND_MACS
 
 
 def _view_chain(L, node):
@@ -955,8 +982,9 @@ def lower_dot(L, n, out: str) -> None:
     shape = L.shape(n)
     iters, idx, bounds = loop_nest(shape[:nb] or (1,))  # (one call, where there is no batch)
     batch = list(idx[:nb])
-    abox, ta, lda = _operand(L, a, f"t{n.id}_a", nb, batch, lf, at["lc"][0])
-    bbox, tb, ldb = _operand(L, b, f"t{n.id}_b", nb, batch, rf, at["rc"][0])
+    one_call = _one_call(L, n, nb)
+    abox, ta, lda = _operand(L, a, f"t{n.id}_a", nb, batch, lf, at["lc"][0], one_call)
+    bbox, tb, ldb = _operand(L, b, f"t{n.id}_b", nb, batch, rf, at["rc"][0], one_call)
     tb = not tb  # b is wanted as (contracting x free): stored so unless its free dim comes first
     m, nn, k = shape[nb], shape[nb + 1], L.shape(a)[at["lc"][0]]
     cbox = (out, tuple(batch) + (E.const(0), E.const(0)), (1,) * nb + (m, nn))

@@ -47,6 +47,7 @@ class Target:
     keeps_programs: bool = False  # compiled programs are also shared within the process (by cache key)
     tensor_float32: bool = False  # its library products may round operands to TF32 (the tf32 options)
     library_products: tuple = (DataType.Float,)  # operand dtypes its library multiplies (in float32)
+    launched_library_calls: bool = False  # each library call is a launch of its own (cuBLAS on a GPU)
 
     def known_choice(self, L, n: Node) -> tuple[bool, str] | None:
         """The target's model of itself for contraction n: (whether the

@@ -250,6 +250,7 @@ class NvgpuTarget(Target):
     keeps_programs = True
     tensor_float32 = True
     library_products = (DataType.Float, DataType.Half, DataType.BFloat16)  # half types on tensor cores
+    launched_library_calls = True
 
     def graph_passes(self, graph: Graph, options: CompileOptions) -> Graph:
         """Products over runs of dims as products of matrices
