@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 import polyjit
 from polyjit import InputInfo, ops
@@ -175,6 +176,45 @@ def test_an_output_handed_out_twice_still_runs_from_host_code(rng):
         np.testing.assert_array_equal(a, b)
     prog = exe.last
     assert len(prog.output_arrays) == 2 > len(set(prog.output_arrays)) and next(iter(prog._plans.values())).native
+
+
+@pytest.mark.parametrize("poison", [False, True])
+def test_an_xla_calls_cpu_launcher_keeps_a_workspace_for_its_temporaries(poison, rng, monkeypatch):
+    """A launcher for XLA's custom calls (native_launcher) takes only the
+    outputs as results and places the temporaries in a workspace of its
+    own, kept from call to call (XLA allocated them fresh at each call, and
+    every page faulted in again). Calls from two threads at once stay right:
+    the one that finds the workspace in use makes one of its own."""
+    import ctypes
+    import threading
+
+    from polyjit.runtime import launch, program
+    monkeypatch.setattr(program, "POISON", poison)
+    x = rng.standard_normal((64, 300)).astype(F32)
+    exe = polyjit.compile(_layered, [InputInfo(x.shape, F32)], {"target": "cpu", "fusion": "none"})
+    exe(x)
+    prog = exe.last
+    launcher = prog.native_launcher([x], f"polyjit_test_workspace_{int(poison)}")
+    assert [name for name, _, _ in launcher.results] == prog.output_arrays and launcher.plan.workspace_bytes > 0
+    assert len(launcher.plan.workspace) == len(next(iter(prog._plans.values())).temps) > 0
+    run = launch.LAUNCH_T(launcher.address)
+    ref, failures = _layered_ref(x), []
+    start = threading.Barrier(2)
+
+    def calls():
+        start.wait()
+        for _ in range(20):
+            y = np.empty_like(x)
+            message = ctypes.create_string_buffer(256)
+            code = run((ctypes.c_void_p * 1)(x.ctypes.data), (ctypes.c_void_p * 1)(y.ctypes.data), None, message, 256)
+            if code or not np.allclose(y, ref, rtol=1e-5, atol=1e-5):
+                failures.append((code, message.value))
+    threads = [threading.Thread(target=calls) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures[:3]
 
 
 def test_libgomp_loaded_by_polyjit_spins_briefly(monkeypatch):

@@ -37,7 +37,9 @@ CUDA_ERROR_INVALID_CONTEXT = 201
 SYMBOLS = ("cuStreamGetCtx", "cuCtxGetCurrent", "cuCtxSetCurrent", "cuMemsetD8Async", "cuMemsetD32Async",
            "cuLaunchKernel", "snprintf", "sched_yield")  # the functions a GPU launcher calls, by address
 CPU_SYMBOLS = ("GOMP_parallel", "polyjit_omp_part", "omp_get_thread_num", "omp_get_num_threads",
-               "snprintf")  # a CPU launcher's (the first four where a kernel runs on the team)
+               "snprintf", "aligned_alloc", "free")  # a CPU launcher's (the first four where a kernel runs on
+# the team; the last two where it holds a workspace of its own)
+WORKSPACE_ALIGN = 64
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,8 @@ class LaunchPlan:
     ints: Sequence[int]
     steps: Sequence[Memset | Launch | Run | LibraryStep]
     context: int | None  # the CUDA context of a GPU plan; None on the CPU
+    workspace: Sequence[tuple[int, int]] = ()  # (slot, byte offset) of the temporaries in the launcher's own
+    workspace_bytes: int = 0  # workspace (a CPU plan): made at its first call and kept (see _Builder._workspace)
 
 
 class NativeLauncher:
@@ -148,6 +152,7 @@ class _Builder:
         self.b = ir.IRBuilder(self.fn.append_basic_block("entry"))
         self.strings: dict[str, ir.GlobalVariable] = {}
         self.lock: ir.GlobalVariable | None = None
+        self.cleanup: list = []  # what the failure exit undoes (emitters, called there with the builder)
 
     def build(self) -> ir.Module:
         b, plan = self.b, self.plan
@@ -158,6 +163,8 @@ class _Builder:
         if not cpu:
             self._enter_context()
         self.pointers = b.alloca(ir.ArrayType(PTR, max(plan.slots, 1)))
+        if plan.workspace:
+            self._workspace()
         self.ints = b.alloca(ir.ArrayType(I64, max(len(plan.ints), 1)))
         for given, slots in ((ins, plan.inputs), (outs, plan.outputs)):
             for k, s in enumerate(slots):
@@ -183,9 +190,15 @@ class _Builder:
                 self._memset(step)
             else:
                 self._launch(step)
+        if plan.workspace:
+            self._workspace_done()
         if restore is not None:
             restore()
         b.ret(ir.Constant(I32, 0))
+        b.position_at_end(self.fail_tail)
+        for undo in self.cleanup:
+            undo()
+        b.ret(self.code)
         return self.mod
 
     # -------------------------------------------------------------- helpers
@@ -210,7 +223,8 @@ class _Builder:
         printf = b.inttoptr(ir.Constant(I64, self.symbols["snprintf"]),
                             ir.FunctionType(I32, [PTR, I64, PTR], var_arg=True).as_pointer())
         b.call(printf, [message, size, self.string("%s failed: %s %d"), self.what, self.kind, self.code])
-        b.ret(self.code)
+        self.fail_tail = self.fn.append_basic_block("fail_tail")  # (build ends it: self.cleanup, then return)
+        b.branch(self.fail_tail)
         b.position_at_end(entry)
 
     def checked(self, result: ir.Value, text: str, kind: str = "CUDA error", unlock: bool = False) -> None:
@@ -321,6 +335,54 @@ class _Builder:
         if a.kind == "stream":
             return self.stream
         return b.gep(b.load(self.slot(a.value)), [ir.Constant(I64, a.offset)])
+
+    def _workspace(self) -> None:
+        """The temporaries' pointers into a workspace the launcher keeps:
+        XLA's allocator gave them as results of the call, fresh memory each
+        time, whose every page faulted in again (a CNN's training step spent
+        as long in the kernel as in its kernels). The workspace is made at
+        the first call and kept; a call that finds it in use (another thread
+        running the same program) makes one of its own and frees it after."""
+        b, plan = self.b, self.plan
+        size = ir.Constant(I64, -(-plan.workspace_bytes // WORKSPACE_ALIGN) * WORKSPACE_ALIGN)
+        kept = ir.GlobalVariable(self.mod, PTR, f"{self.name}.workspace")
+        busy = ir.GlobalVariable(self.mod, I32, f"{self.name}.workspace_busy")
+        kept.linkage, kept.initializer = "internal", ir.Constant(PTR, None)
+        busy.linkage, busy.initializer = "internal", ir.Constant(I32, 0)
+        alloc = self.function("aligned_alloc", I64, I64, result=PTR)
+        held = b.alloca(ir.IntType(1))  # (read by the failure exit: whether to give the kept one back)
+        base = b.alloca(PTR)
+        b.store(ir.Constant(ir.IntType(1), 0), held)
+        b.store(ir.Constant(PTR, None), base)
+        got = b.extract_value(b.cmpxchg(busy, ir.Constant(I32, 0), ir.Constant(I32, 1), "acquire", "monotonic"), 1)
+        b.store(got, held)
+        with b.if_else(got) as (mine, other):
+            with mine:
+                with b.if_then(b.icmp_unsigned("==", b.load(kept), ir.Constant(PTR, None))):
+                    b.store(b.call(alloc, [ir.Constant(I64, WORKSPACE_ALIGN), size]), kept)
+                b.store(b.load(kept), base)
+            with other:
+                b.store(b.call(alloc, [ir.Constant(I64, WORKSPACE_ALIGN), size]), base)
+        self.workspace_state = (held, base, busy)
+        self.cleanup.append(self._workspace_done)
+        address = b.load(base)
+        ok = b.icmp_unsigned("!=", address, ir.Constant(PTR, None))
+        self.checked(b.select(ok, ir.Constant(I32, 0), ir.Constant(I32, 12)),  # (ENOMEM)
+                     f"allocating a {plan.workspace_bytes}-byte workspace", "error")
+        for slot, offset in plan.workspace:
+            b.store(b.gep(address, [ir.Constant(I64, offset)]), self.slot(slot))
+
+    def _workspace_done(self) -> None:
+        """Give the kept workspace back, or free the call's own."""
+        b = self.b
+        held, base, busy = self.workspace_state
+        with b.if_else(b.load(held)) as (mine, other):
+            with mine:
+                b.store_atomic(ir.Constant(I32, 0), busy, "release", 4)
+            with other:
+                address = b.load(base)
+                with b.if_then(b.icmp_unsigned("!=", address, ir.Constant(PTR, None))):
+                    b.call(self.function("free", PTR, result=ir.VoidType()), [address])
 
     def _acquire(self) -> None:
         b = self.b
