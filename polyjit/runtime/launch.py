@@ -340,7 +340,7 @@ class _Builder:
         """The temporaries' pointers into a workspace the launcher keeps:
         XLA's allocator gave them as results of the call, fresh memory each
         time, whose every page faulted in again (a CNN's training step spent
-        as long in the kernel as in its kernels). The workspace is made at
+        as long in page faults as in its kernels). The workspace is made at
         the first call and kept; a call that finds it in use (another thread
         running the same program) makes one of its own and frees it after."""
         b, plan = self.b, self.plan
