@@ -801,8 +801,9 @@ def _one_call(L, n, nb: int) -> bool:
     target = L.library.target if L.library is not None else None
     if nb < 2 or target is None or not target.launched_library_calls:
         return False
-    macs = sz.static_product(L.shape(n))
-    return macs is not None and macs * int(sz.estimate(L.shape(n.inputs[0])[n.attrs["lc"][0]])) < LAUNCH_BOUND_MACS
+    results = sz.static_product(L.shape(n))
+    reduction = sz.estimate(L.shape(n.inputs[0])[n.attrs["lc"][0]])
+    return results is not None and results * int(reduction) < LAUNCH_BOUND_MACS
 
 
 def _view_chain(L, node):
