@@ -15,15 +15,12 @@ positions reduced: the input as CHWN, the output gradient as IHWO).
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
+from products import against_the_model
 
-from polyjit import library
-from polyjit.compiler import compile_graph
 from polyjit.dtypes import DataType
 from polyjit.graph import Graph
-from polyjit.options import CompileOptions
 
 CASES = [  # (N, H, W, C in), kernel size, C out, stride, padding
     ((8, 32, 32, 3), 3, 32, 1, 1), ((8, 16, 16, 32), 3, 64, 1, 1), ((8, 96, 96, 3), 3, 16, 2, 1),
@@ -48,7 +45,8 @@ def convolution(kind: str, xs, k: int, co: int, stride: int, pad: int) -> tuple[
     elif kind == "input gradient":  # stride 1 only: a strided one spreads the gradient first
         shapes = [(n, h, w, co), (k, k, ci, co)]
         dy, kern = (g.input(s, f) for s in shapes)
-        g.add_output(g.conv(dy, g.reverse(kern, [0, 1]), [1, 1], [(k - 1 - pad,) * 2] * 2, layout="NHWC", kernel_layout="HWOI"))
+        g.add_output(g.conv(dy, g.reverse(kern, [0, 1]), [1, 1], [(k - 1 - pad,) * 2] * 2, layout="NHWC",
+                            kernel_layout="HWOI"))
     else:
         shapes = [xs, (n, oh, ow, co)]
         x, dy = (g.input(s, f) for s in shapes)
@@ -72,26 +70,9 @@ def main() -> None:
             if kind == "input gradient" and stride != 1:
                 continue
             g, shapes = convolution(kind, xs, k, co, stride, pad)
-            exes = {mode: compile_graph(g, CompileOptions(target="cpu", num_threads=a.threads, contractions=mode,
-                                                          cache=False), "convolution")
-                    for mode in ("library", "generated")}
-            library._measured.clear()
-            timings = library._time  # the model's choice alone: no timing
-            library._time = lambda *_: [0.0, float("inf")]
-            try:
-                auto = compile_graph(g, CompileOptions(target="cpu", num_threads=a.threads, cache=False),
-                                     "convolution")
-            finally:
-                library._time = timings
-            choice = auto.stats["contractions"][0].split(": ", 1)[1]
-            modeled = "ms" not in choice
-            args = [rng.standard_normal(s).astype(np.float32) for s in shapes]
-            time.sleep(0.1)
-            t_lib, t_gen = library._time([exes["library"], exes["generated"]], args)
-            slower = t_gen > 1.1 * t_lib if choice.startswith("generated") else t_lib > 1.1 * t_gen
-            wrong = "  WRONG" if modeled and slower else ""
+            t_lib, t_gen, note = against_the_model(g, shapes, a.threads, rng, slack=1.1)
             print(f"{kind:15s} {str(xs):>18s} {k:2d} {co:4d} {stride:2d} {t_lib * 1e3:11.3f} {t_gen * 1e3:10.3f} "
-                  f"{t_gen / t_lib:8.2f}  {choice if modeled else 'timed'}{wrong}", flush=True)
+                  f"{t_gen / t_lib:8.2f}  {note}", flush=True)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,30 @@ def product(kind: str, b: int, m: int, k: int, n: int) -> tuple[Graph, list[tupl
     return g, shapes
 
 
+def against_the_model(g: Graph, shapes, threads: int, rng, slack: float = 1.0) -> tuple[float, float, str]:
+    """g's one contraction compiled generated and in the library, timed in
+    turn, and what contractions="auto" settles for it without a timing (the
+    target's model): (library seconds, generated seconds, the model's choice
+    or "timed", marked WRONG where the choice measured over slack times slower)."""
+    exes = {mode: compile_graph(g, CompileOptions(target="cpu", num_threads=threads, contractions=mode, cache=False),
+                                "contraction") for mode in ("library", "generated")}
+    library._measured.clear()
+    timings = library._time  # the model's choice alone: no timing
+    library._time = lambda *_: [0.0, float("inf")]
+    try:
+        auto = compile_graph(g, CompileOptions(target="cpu", num_threads=threads, cache=False), "contraction")
+    finally:
+        library._time = timings
+    choice = auto.stats["contractions"][0].split(": ", 1)[1]
+    args = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    time.sleep(0.1)
+    t_lib, t_gen = library._time([exes["library"], exes["generated"]], args)
+    if " ms" in choice:
+        return t_lib, t_gen, "timed"
+    slower = t_gen > slack * t_lib if choice.startswith("generated") else t_lib > slack * t_gen
+    return t_lib, t_gen, choice + ("  WRONG" if slower else "")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
@@ -60,24 +84,9 @@ def main() -> None:
         if a.only and kind != a.only:
             continue
         g, shapes = product(kind, b, m, k, n)
-        exes = {mode: compile_graph(g, CompileOptions(target="cpu", num_threads=a.threads, contractions=mode,
-                                                      cache=False), "product")
-                for mode in ("library", "generated")}
-        library._measured.clear()
-        timings = library._time  # the model's choice alone: no timing
-        library._time = lambda *_: [0.0, float("inf")]
-        try:
-            auto = compile_graph(g, CompileOptions(target="cpu", num_threads=a.threads, cache=False), "product")
-        finally:
-            library._time = timings
-        choice = auto.stats["contractions"][0].split(": ", 1)[1]
-        modeled = "ms" not in choice
-        args = [rng.standard_normal(s).astype(np.float32) for s in shapes]
-        time.sleep(0.1)
-        t_lib, t_gen = library._time([exes["library"], exes["generated"]], args)
-        wrong = "  WRONG" if modeled and choice.startswith("generated") and t_gen > t_lib else ""
+        t_lib, t_gen, note = against_the_model(g, shapes, a.threads, rng)
         print(f"{kind:5s} {b:3d} {m:5d} {k:5d} {n:5d} {t_lib * 1e3:11.3f} {t_gen * 1e3:10.3f} {t_gen / t_lib:8.2f}  "
-              f"{choice if modeled else 'timed'}{wrong}", flush=True)
+              f"{note}", flush=True)
 
 
 if __name__ == "__main__":

@@ -212,15 +212,16 @@ class CompiledProgram:
                             plan.threads if k.parallel and team is not None else 1, f"running {k.name}")
                  for k in self.kernels]
         libc = ctypes.CDLL(None)
-        symbols = {f: ctypes.cast(getattr(libc, f), ctypes.c_void_p).value for f in ("snprintf", "aligned_alloc", "free")}
+        symbols = {f: ctypes.cast(getattr(libc, f), ctypes.c_void_p).value
+                   for f in ("snprintf", "aligned_alloc", "free")}
         if team is not None:
             symbols.update(team.symbols())
         fresh = {n: (slot, shape, dt) for n, slot, shape, dt in plan.fresh}
-        kept = list(plan.temps) if own_workspace else []
+        temps = dict(zip(plan.temp_names, plan.temps))  # name -> (slot, byte offset, shape, dtype)
         if not own_workspace:
-            fresh.update({n: (slot, shape, dt) for (slot, _, shape, dt), n in zip(plan.temps, plan.temp_names)})
+            fresh.update({n: (slot, shape, dt) for n, (slot, _, shape, dt) in temps.items()})
         return self._native_launcher(name, fresh, plan.input_slots, plan.pointers, plan.ints, steps, None, symbols,
-                                     plan.returned, kept, plan.workspace if kept else 0)
+                                     plan.returned, temps if own_workspace else {}, plan.workspace)
 
     def returned_shapes(self, env: dict) -> dict[str, tuple]:
         """The outputs handed out in another shape than their array's (views
@@ -233,30 +234,31 @@ class CompiledProgram:
         return [made[n] if n not in returned else made[n].reshape(returned[n]) for n in self.output_arrays]
 
     def _native_launcher(self, name: str, fresh: dict, input_slots, pointers, ints, steps: list,
-                         context: int | None, symbols: dict, returned: dict, kept: Sequence = (),
+                         context: int | None, symbols: dict, returned: dict, kept: dict | None = None,
                          workspace_bytes: int = 0) -> "launch.NativeLauncher | None":
         """A plan's launcher (runtime.launch): its call takes the inputs'
         pointers and one for each of its ``results``, the outputs, then the
         temporaries (``fresh``: name -> (argument slot, shape, dtype)), which
         it poisons first where POLYJIT_POISON asks, then runs ``steps``.
         An array returned twice (a training graph's activation, saved and
-        passed on) is one result. ``kept``: temporaries (slot, byte offset,
-        shape, dtype) placed in a workspace of ``workspace_bytes`` that the
-        launcher keeps, not passed. None where an output is not a buffer of
+        passed on) is one result. ``kept``: temporaries (name -> slot, byte
+        offset, shape, dtype) placed in a workspace of ``workspace_bytes``
+        that the launcher keeps, not passed. None where an output is not a buffer of
         its own (an input, a constant)."""
         outs = list(dict.fromkeys(self.output_arrays))
         if any(n not in fresh for n in outs):
             return None
+        kept = kept or {}
         names = outs + [n for n in fresh if n not in outs]
-        poisons = [launch.Memset(slot, *poison_fill(math.prod(shape) * dt.itemsize, dt.kind), f"poisoning {what}")
-                   for slot, shape, dt, what in [(*fresh[n], n) for n in names] + [(k[0], k[2], k[3], "a temporary")
-                                                                                   for k in kept]
-                   if POISON and shape]
-        given = set(input_slots) | {fresh[n][0] for n in names} | {k[0] for k in kept}
+        placed = {**{n: fresh[n] for n in names}, **{n: (slot, shape, dt) for n, (slot, _, shape, dt) in kept.items()}}
+        poisons = [launch.Memset(slot, *poison_fill(math.prod(shape) * dt.itemsize, dt.kind), f"poisoning {n}")
+                   for n, (slot, shape, dt) in placed.items() if POISON and shape]
+        given = set(input_slots) | {slot for slot, _, _ in placed.values()}
         fixed = {k: p or 0 for k, p in enumerate(pointers) if k not in given}
         plan = launch.LaunchPlan(len(self.buffers), input_slots, [fresh[n][0] for n in names], fixed,
                                  list(ints)[:len(self.int_slots)], poisons + steps, context,
-                                 [(slot, offset) for slot, offset, _, _ in kept], workspace_bytes)
+                                 [(slot, offset) for slot, offset, _, _ in kept.values()],
+                                 workspace_bytes if kept else 0)
         return launch.NativeLauncher(name, plan, symbols, [(n, returned.get(n, fresh[n][1]), fresh[n][2])
                                                            for n in names], self)
 

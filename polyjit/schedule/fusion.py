@@ -283,7 +283,8 @@ def starved(ast: isl.AstNode, prog: AffineProgram, contracted) -> bool:
     ms; a folded batch norm's per-channel shift, fused with the pooled
     means of 8 images that read it, ran 64 threads), where a statement
     alone would have GPU_THIN_LOSS times the threads, and where the grid
-    is below GPU_GRID_FLOOR and a sum not along rows is read in its own kernel (_column_sum_read). Elementwise statements
+    is below GPU_GRID_FLOOR and a sum not along rows is read in its own
+    kernel (_column_sum_read). Elementwise statements
     whose arrays are all kept whole gain nothing from sharing a nest and
     lose a thread per element (ResNet-18's
     max pool, fused with its padded input along image rows, ran a row per
