@@ -389,7 +389,10 @@ def lower(graph: Graph, recompute_limit: int = RECOMPUTE_LIMIT, library=None, lo
 
 # ====================================================== inline lowerings
 def _elementwise(L: Lowering, n: Node, idx):
-    return Op(n.dtype, n.op, tuple(L.value(i, idx) for i in n.inputs))
+    args = tuple(L.value(i, idx) for i in n.inputs)
+    if n.op == "reciprocal" and isinstance(args[0], Op) and args[0].op == "sqrt":  # (a batch norm's, decomposed)
+        return Op(n.dtype, "rsqrt", args[0].args)  # one instruction where the target has it
+    return Op(n.dtype, n.op, args)
 
 
 def _where(L, n, idx):

@@ -68,9 +68,17 @@ def _div_approx(b: ir.IRBuilder, p, q):
     return b.call(fn, [p, q])
 
 
+def _rsqrt(b: ir.IRBuilder, m: ir.Module, x):
+    """1 / sqrt(x) as rsqrt.approx.f32 (within 2**-22.9 relative error,
+    subnormals, zeros, infinities and NaN as IEEE has them): one instruction
+    of the special function unit where a division of a square root takes
+    two long sequences (a batch norm's inverse deviation, per element)."""
+    return b.call(m.declare_intrinsic("llvm.nvvm.rsqrt.approx.f", (), ir.FunctionType(F32, [F32])), [x])
+
+
 # float32 kernels that differ from mathlib's on the device
 _GPU_KERNELS = {"exp": _exp, "erf": functools.partial(mathlib.erf, div=_div_approx),
-                "tanh": functools.partial(mathlib.tanh, div=_div_approx)}
+                "tanh": functools.partial(mathlib.tanh, div=_div_approx), "rsqrt": _rsqrt}
 
 
 @dataclass
@@ -86,6 +94,8 @@ class KernelContext:
     claims: dict | None = None  # id(index) -> alignment, in the first copy of a vector group
     deferred: list | None = None  # the stores that wait until the end of a trip: (value, pointer, alignment, copy)
     copy: int | None = None  # the copy being emitted of a vector group's VECTOR consecutive iterations
+    vector_loads: dict = field(default_factory=dict)  # id(index) -> (block, the group's elements), from copy 0
+    copy_block: Any = None  # the block copy 0 began in
     grouped: bool = False  # a row's lane loops take groups of VECTOR (its accesses are aligned)
     row_offsets: dict = field(default_factory=dict)  # (group, copy) -> a lane's offset in an unrolled row
     ring: tuple | None = None  # (iterator, first, ring, copy) in a copy of a ring loop
@@ -248,7 +258,7 @@ class _RowEmission:
         def copies() -> None:  # VECTOR consecutive iterations from the group's first
             first = self.b.load(group, typ=I64)
             for c in range(VECTOR):
-                self.ctx.claims, self.ctx.copy = (vector.claims if c == 0 else None), c
+                self.begin_copy(vector, c)
                 self.b.store(self.b.add(first, ir.Constant(I64, c)), self.var(it))
                 self.node(body)
             self.ctx.claims = self.ctx.copy = None
@@ -277,7 +287,7 @@ class _RowEmission:
                 if key not in self.ctx.row_offsets:
                     self.ctx.row_offsets[key] = b.add(b.mul(self.ctx.lane, width),
                                                       ir.Constant(I64, k * self.ctx.lanes * VECTOR + c))
-                self.ctx.claims, self.ctx.copy = (vector.claims if c == 0 else None), c
+                self.begin_copy(vector, c)
                 self.b.store(self.b.add(lo, self.ctx.row_offsets[key]), self.var(it))
                 self.node(body)
             self.ctx.claims = self.ctx.copy = None
@@ -426,8 +436,10 @@ class GpuEmitter(_RowEmission, _StripEmission, Emitter):
         self.body(body_fn, node)
         fn = ir.Function(self.module, ir.FunctionType(ir.VoidType(), [PTR] * nb + [I64] * ni), name)
         fn.calling_convention = "ptx_kernel"
-        for arg in fn.args[:nb]:
+        for arg, array in zip(fn.args[:nb], self.buffer_arrays):
             arg.add_attribute("noalias")
+            if array.name not in ctx.written:  # its loads take the read-only cache (ld.global.nc), vector ones
+                set.add(arg.attributes, "readonly")  # too (llvmlite's list of parameter attributes lacks it)
         b = ir.IRBuilder(fn.append_basic_block("entry"))
         sreg = lambda r: b.zext(b.call(self.module.declare_intrinsic(  # noqa: E731
             _SREG + r, (), ir.FunctionType(I32, [])), []), I64)
@@ -495,7 +507,7 @@ class GpuEmitter(_RowEmission, _StripEmission, Emitter):
         """Iteration g; in a vector group, copy c > 0 is copy 0's with the
         innermost iterator c further on (the group lies within one row)."""
         b = self.b
-        self.ctx.claims, self.ctx.copy = (plan.vector.claims if copy == 0 else None), copy
+        self.begin_copy(getattr(plan, "vector", None), copy)
         if copy:
             b.store(b.add(inner["first"], ir.Constant(I64, copy)), self.var(bounds[-1][0]))
         elif isinstance(plan, PointPerThread) and plan.tile:
@@ -634,16 +646,41 @@ class GpuEmitter(_RowEmission, _StripEmission, Emitter):
         self.b.call(fn, [])
 
     # ------------------------------------------------------ target hooks
+    def begin_copy(self, vector: Vector | None, copy: int | None) -> None:
+        """Copy `copy` of a vector group (None: no group) is emitted next."""
+        self.ctx.claims, self.ctx.copy = (vector.claims if vector is not None and copy == 0 else None), copy
+        if copy == 0:
+            self.ctx.vector_loads, self.ctx.copy_block = {}, self.b.block
+
     def load_element(self, arr, index, ptr) -> ir.Value:
         """Arrays the kernel does not write are invariant while it runs (its
         buffers do not overlap): their loads may take the read-only cache
         (ld.global.nc), and LLVM may reuse one across a warp's barriers (a
         softmax's row, loaded for its maximum, again for its sum, then for
-        its result, where a kernel before had made it)."""
+        its result, where a kernel before had made it).
+
+        In a vector group, a claimed load of such an array that copy 0 makes
+        unconditionally (in the block the copy began in) loads the group's
+        VECTOR elements at once, and the later copies take theirs from it
+        while they are still in that block (an array the kernel writes may
+        get its later elements from those copies: a layer norm's centred
+        row, stored, then read back for its variance). Left to LLVM, loop
+        strength reduction gave copy 0's address a pointer of its own before
+        the load-store vectorizer ran, and an NHWC batch norm's input went
+        as four scalar loads, each address rebuilt from the grid index with
+        64-bit divisions."""
+        storage = STORAGE[arr.dtype]
+        got = self.ctx.vector_loads.get(id(index)) if self.ctx.copy else None
+        if got is not None and got[0] is self.b.block:
+            return self.from_storage(self.b.extract_element(got[1], ir.Constant(I32, self.ctx.copy)), arr.dtype)
         align = self.ctx.claims.get(id(index)) if self.ctx.claims else None
-        v = self.b.load(ptr, typ=STORAGE[arr.dtype], align=align)
+        whole = align is not None and arr.name not in self.ctx.written and self.b.block is self.ctx.copy_block
+        v = self.b.load(ptr, typ=ir.VectorType(storage, VECTOR) if whole else storage, align=align)
         if arr.name not in self.ctx.written:
             v.set_metadata("invariant.load", self.module.add_metadata([]))
+        if whole:
+            self.ctx.vector_loads[id(index)] = (self.b.block, v)
+            v = self.b.extract_element(v, ir.Constant(I32, 0))
         return self.from_storage(v, arr.dtype)
 
     def flush_stores(self) -> None:

@@ -87,7 +87,7 @@ def _math(op: str) -> Rule:
     return lambda e, a, dt, src: e.math(op, a)
 
 
-_MATH = ("exp", "log", "log1p", "expm1", "sqrt", "sin", "cos", "tan", "tanh", "erf", "atan2",
+_MATH = ("exp", "log", "log1p", "expm1", "sqrt", "rsqrt", "sin", "cos", "tan", "tanh", "erf", "atan2",
          "floor", "ceil", "round", "abs", "maximum", "minimum")
 
 # ------------------------------------------------------------- integers
@@ -214,7 +214,6 @@ def _float_rules() -> None:
         rule(op, "float", (lambda n: lambda e, a, dt, src: getattr(e.b, n)(*a))(name))
     rule("neg", "float", lambda e, a, dt, src: e.b.fneg(a[0]))
     rule("reciprocal", "float", lambda e, a, dt, src: e.b.fdiv(_const(1.0, a[0]), a[0]))
-    rule("rsqrt", "float", lambda e, a, dt, src: e.b.fdiv(_const(1.0, a[0]), e.call("llvm.sqrt", a)))
     rule("sigmoid", "float", _sigmoid)
     rule("relu", "float", _relu)
     rule("sign", "float", _sign)

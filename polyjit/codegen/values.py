@@ -86,6 +86,8 @@ class ValueEmission:
             return mathlib.KERNELS[op](self.b, self.module, *a)
         if op in _INTRINSIC:
             return self.call(_INTRINSIC[op], a)
+        if op == "rsqrt":  # (a target with an instruction for it overrides math)
+            return self.b.fdiv(ir.Constant(a[0].type, 1.0), self.call("llvm.sqrt", a))
         if scalar.OPS[op].libm:
             name = op + ("f" if a[0].type == F32 else "")
             fn = self.module.globals.get(name) or ir.Function(
