@@ -31,9 +31,10 @@ from .graph import BINARY_OPS, UNARY_OPS, Graph, Node
 _SAME_VALUES = ("broadcast_in_dim", "reshape")  # a scalar's value through them is its own
 
 
-def fold_scales(graph: Graph) -> tuple[Graph, int]:
+def fold_scales(graph: Graph, each_call: bool = True) -> tuple[Graph, int]:
     """A copy of graph with each contraction's per-channel affine epilogue
-    folded into its weights, and the number of contractions folded."""
+    folded into its weights, and the number of contractions folded; with
+    each_call off, only where the folded weights are constants."""
     order = graph.nodes()
     users = collections.Counter([i.id for n in order for i in n.inputs] + [o.id for o in graph.outputs])
     user_of = {i.id: n for n in order for i in n.inputs}
@@ -62,7 +63,7 @@ def fold_scales(graph: Graph) -> tuple[Graph, int]:
         n, chain = new[n.id], [new[u.id] for u in chain]
         axes = _axes(n)
         steps = [_step(u, y, n.shape, axes[0]) for u, y in zip(chain, [n] + chain)]
-        folded = _folded(n, axes, steps)
+        folded = _folded(n, axes, steps, each_call)
         count += folded is not None
         return node if folded is None else folded
     g = graph.rewritten(fold)
@@ -122,11 +123,12 @@ def _per_channel(p: Node, axis: int) -> Node | None:
     return g.broadcast_in_dim(g.reshape(x, []), [c], [])
 
 
-def _folded(n: Node, axes: tuple[int, int], steps) -> Node | None:
+def _folded(n: Node, axes: tuple[int, int], steps, each_call: bool) -> Node | None:
     """contraction(x, w * scale) + shift for contraction n and the steps
-    after it; None where scaling the weights at each call would cost more
-    than the steps: the weights have as many elements as the result or more
-    (ResNet-18's later layers at batch 2: folding them doubled its time)."""
+    after it; None where the weights would be scaled at each call and that
+    is not wanted (each_call off) or would cost more than the steps: the
+    weights have as many elements as the result or more (ResNet-18's later
+    layers at batch 2: folding them doubled its time)."""
     g = Graph()
     scale = shift = None
     for op, p, left in steps:
@@ -135,7 +137,7 @@ def _folded(n: Node, axes: tuple[int, int], steps) -> Node | None:
     stored = w
     while stored.is_index_transpose:  # (those _scaled made)
         stored = stored.inputs[0]
-    if not stored.is_source and not sz.static_product(w.shape) < (sz.static_product(n.shape) or 0):
+    if not stored.is_source and not (each_call and sz.static_product(w.shape) < (sz.static_product(n.shape) or 0)):
         return None
     out = Node(n.op, (n.inputs[0], w), n.attrs, n.shape, n.dtype)
     if shift is not None:

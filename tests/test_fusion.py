@@ -465,6 +465,39 @@ def test_a_strided_window_shares_its_nest_with_its_direct_producer_only(rng):
                                rtol=1e-5, atol=1e-5)
 
 
+def test_small_unrelated_statements_and_window_readers_leave_the_run_on_the_gpu(rng):
+    """With the nvgpu target's choices, a depthwise weight's transposed copy
+    (a few hundred iterations, no array shared) goes into a group before
+    the activations' run, and the readers of a depthwise window (its batch
+    norm and squeeze-excite's pooled sum) start a group of their own: in
+    one group with the window and its producer, isl took 13-18 s
+    (MobileNetV3's training step). The host's groups keep both."""
+    from polyjit.lowering import lower
+    from polyjit.schedule import fusion_groups
+    from polyjit.targets.nvgpu import NvgpuTarget
+
+    def block(x, w, s):
+        h = ops.relu(x * s)
+        y = ops.conv(h, ops.permute(w, (2, 3, 1, 0)), (1, 1), ((2, 2), (2, 2)), groups=16,
+                     layout="NHWC", kernel_layout="HWIO")
+        z = ops.relu(y * s)
+        return ops.mean(z, [1, 2]), z
+    shapes = [(2, 28, 28, 16), (16, 1, 5, 5), (16,)]
+    exe = polyjit.compile(block, [InputInfo(s, F32) for s in shapes], {"target": "cpu", "cache": False})
+    prog = lower(exe.graph.deduplicated(), NvgpuTarget.recompute_limit, None, NvgpuTarget.load_work)
+    labels = {st.name: st.label for st in prog.statements}
+    gpu = [[labels[n] for n in g] for g in fusion_groups(prog, small_apart=True, windows_apart=True)]
+    host = [[labels[n] for n in g] for g in fusion_groups(prog)]
+    assert gpu == [["transpose"], ["relu", "relu"], ["reduce_init", "sum", "div"]], gpu
+    assert len(host) == 1, host
+    x, w, s = (rng.standard_normal(sh, dtype=F32) for sh in shapes)
+    z = refs.conv2d(np.maximum(x * s, 0).transpose(0, 3, 1, 2), w, (1, 1), ((2, 2), (2, 2)), groups=16)
+    z = np.maximum(z.transpose(0, 2, 3, 1) * s, 0)
+    mean, zz = exe(x, w, s)
+    np.testing.assert_allclose(zz, z, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(mean, z.mean((1, 2)), rtol=1e-5, atol=1e-5)
+
+
 def test_a_value_read_twice_counts_the_arrays_its_recomputation_loads(rng):
     """A value that a column sum and an elementwise consumer both read is
     inlined where only its arithmetic is counted, and made once where each

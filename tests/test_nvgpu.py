@@ -190,6 +190,34 @@ def test_a_small_batch_pooled_mean_keeps_its_images_parallel(rng, monkeypatch):
     assert "nest per thread: grid c0" not in [p.split(",")[0] for p in plans], plans
 
 
+def test_a_library_convolutions_batch_norm_stays_in_its_epilogue(rng, monkeypatch):
+    """On the GPU a batch norm after a library convolution is not folded into
+    weights passed at each call (three weight kernels a convolution, where
+    the pass over the result that the shift needs takes the scale too);
+    constant weights still fold, at compile time. The host folds both."""
+    from polyjit.targets.nvgpu import NvgpuTarget
+    monkeypatch.setattr(NvgpuTarget, "library_available", lambda self: True)
+    monkeypatch.setattr(NvgpuTarget, "direct_convolutions", lambda self: True)
+    w, stats = rng.standard_normal((3, 3, 8, 16), dtype=F32), rng.random((4, 16), dtype=F32) + 0.5
+
+    def bn(y, mean, var, g, b):
+        return ops.maximum((y - mean) * (ops.rsqrt(var + 1e-5) * g) + b, 0.0)
+
+    def passed(x, w, mean, var, g, b):
+        return bn(ops.conv(x, w, [1, 1], [[1, 1], [1, 1]], [1, 1], 1, "NHWC", "HWIO"), mean, var, g, b)
+
+    def constant(x):
+        mean, var, g, b = stats
+        y = ops.conv(x, w, [1, 1], [[1, 1], [1, 1]], [1, 1], 1, "NHWC", "HWIO")
+        return ops.maximum((y - mean) * (g / np.sqrt(var + 1e-5)) + b, 0.0)
+    shapes = [(4, 12, 12, 8), w.shape] + [(16,)] * 4
+    infos = [InputInfo(s, F32) for s in shapes]
+    options = {**PTX_ONLY, "contractions": "library", "tf32": True}
+    assert polyjit.compile(passed, infos, options).stats["folded"] == 0
+    assert polyjit.compile(constant, infos[:1], options).stats["folded"] == 1
+    assert polyjit.compile(passed, infos, {"contractions": "library"}).stats["folded"] == 1
+
+
 def test_mapping_stage_names_each_kernels_form(tmp_path, monkeypatch):
     """The mapping stage, decided before emission, prints a line per kernel:
     its name, its form and the form's parameters."""

@@ -219,7 +219,8 @@ def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None, 
     config = (fusion, tile_sizes, target, fuse)
     plan = FusionPlan() if fuse else None
     with timer("schedule/groups"):
-        names = fusion_groups(prog, epilogues=fuse, plan=plan, sums_apart=target.sums_sums_apart)
+        names = fusion_groups(prog, epilogues=fuse, plan=plan, sums_apart=target.sums_sums_apart,
+                              small_apart=target.small_statements_apart, windows_apart=target.windows_apart)
     users: dict[str, set[int]] = {}
     for g, group in enumerate(names):
         for s in prog.statements:

@@ -9,7 +9,7 @@ import islpy as isl
 
 from .. import sizes as sz
 from ..affine import TAPS, AffineProgram, Role
-from ..expr import QUASI_AFFINE, Const, Op, Var, loads, merged_index, select_parts, walk
+from ..expr import QUASI_AFFINE, Const, Op, Var, iter_vars, loads, merged_index, select_parts, walk
 from .ast import ast_nodes, kernel_nodes, statements_in
 from .cpu_rewrites import TILE_RED
 from .dependences import is_legal
@@ -29,7 +29,8 @@ class FusionPlan:
 
 
 def fusion_groups(prog: AffineProgram, epilogues: bool = False,
-                  plan: FusionPlan | None = None, sums_apart: bool = False) -> list[list[str]]:
+                  plan: FusionPlan | None = None, sums_apart: bool = False,
+                  small_apart: bool = False, windows_apart: bool = False) -> list[list[str]]:
     """Runs of statements, in program order, that isl may fuse together.
 
     Program order is a topological order of the dataflow, so consecutive runs
@@ -40,18 +41,36 @@ def fusion_groups(prog: AffineProgram, epilogues: bool = False,
     contraction (its initialization and update, with epilogues its
     elementwise consumers) is a group of its own; other runs are cut at
     MAX_GROUP statements (a sum's initialization going with its update),
-    and before a strided window (_strided_window) or, with sums_apart, a
-    reduction of a reduction's results (_sums_a_sum). A convolution's taps
+    and before a strided window (_window; with windows_apart, any window)
+    or, with sums_apart, a reduction of a reduction's results
+    (_sums_a_sum). A convolution's taps
     (role TAPS: im2col, a padded copy) start a group: fused with their
     producer (a batch norm and relu), isl's shifted nest wrote the taps out
     of memory order, 0.38 ms against 0.15 for the two passes (2x64x28x28,
-    3x3); plan records it.
+    3x3); plan records it. With small_apart, a statement that shares no
+    array with the current run and has a small fraction of the iterations
+    of its largest statement (a weight's transposed copy, a folded batch
+    norm's per-channel scale, among the activations' statements) goes into
+    a group before the run instead (program order allows it: nothing in the
+    run depends on it or it on the run). In the run it only steered isl:
+    MobileNetV3's depthwise weights in their consumer's group took isl
+    4-18 s a group on the GPU, whose kernels never shared a nest with them.
     """
     groups: list[list[str]] = []
     current: list[str] = []
     update = None
     inits = {s.name for s in prog.statements if s.role is Role.INIT}
+    by_name = {s.name: s for s in prog.statements}
+    ahead = None  # a group of statements apart from the current run, just before it
+    windows: set[str] = set()  # windows (their readers start the next group)
     for s in prog.statements:
+        if small_apart and update is None and current and _apart(s, [by_name[n] for n in current], prog):
+            if ahead is None or len(ahead) >= MAX_GROUP or groups[-1] is not ahead:
+                ahead = [s.name]
+                groups.append(ahead)
+            else:
+                ahead.append(s.name)
+            continue
         if s.role == TAPS and current:
             _refuse_taps_fusion(prog, s, current, plan)
             groups.append(current)
@@ -76,33 +95,75 @@ def fusion_groups(prog: AffineProgram, epilogues: bool = False,
                 current = []
             continue
         if current and (len(current) >= MAX_GROUP or _reads_reshaped(s, current, prog)
-                        or sums_apart and _sums_a_sum(s, current, prog)):
+                        or sums_apart and _sums_a_sum(s, current, prog)
+                        or _reads_window(s, [n for n in current if n in windows], prog)):
             held = [current.pop()] if s.role is Role.UPDATE and current[-1] in inits else []
             if current:
                 groups.append(current)  # (a sum's initialization goes with it)
             current = held
-        elif len(current) > 1 and _strided_window(s, current, prog):
-            groups.append(current[:-1])
+        elif current and _window(s, current, prog, windows_apart):
+            if len(current) > 1:
+                groups.append(current[:-1])
             current = current[-1:]
+            windows.add(s.name)
         current.append(s.name)
     if current:
         groups.append(current)
     return groups
 
 
-def _strided_window(s, group: list[str], prog: AffineProgram) -> bool:
+def _reads_window(s, windows: list[str], prog: AffineProgram) -> bool:
+    """Whether s reads what one of the windows named computes."""
+    made = {t.array for t in prog.statements if t.name in windows}
+    return any(ld.array in made for ld in prog.statement_loads(s))
+
+
+APART = 16  # a statement this many times smaller than a run's largest, sharing no array with it, goes before it
+
+
+def _apart(s, run: list, prog: AffineProgram) -> bool:
+    """Whether plain statement s touches no array the statements of run do
+    and has at most 1/APART of the iterations of the largest of them."""
+    if s.role is not Role.ASSIGN or s.library is not None or _scatters(s):
+        return False
+    touched = {t.array for t in run} | {ld.array for t in run for ld in prog.statement_loads(t)}
+    if s.array in touched or any(ld.array in touched for ld in prog.statement_loads(s)):
+        return False
+    own, largest = _iterations(s), max((_iterations(t) or 0 for t in run), default=0)
+    return own is not None and own * APART <= largest
+
+
+def _iterations(s) -> int | None:
+    return sz.static_product(hi - lo for lo, hi in s.bounds)
+
+
+def _window(s, group: list[str], prog: AffineProgram, any_stride: bool) -> bool:
     """Whether s reads a window of an array the group writes at a stride (a
-    strided depthwise convolution): it then shares a nest with its direct
-    producer only. Shifting a chain of producers (a batch norm, then
-    hardswish) under a stride-2 window took isl's scheduler 8-19 s a group
-    in MobileNetV3."""
+    strided depthwise convolution), or with any_stride, at several shifted
+    positions (any depthwise convolution): it then shares a nest with its
+    direct producer only, and its readers start the next group. Shifting a
+    chain of producers (a batch norm, then hardswish) under a stride-2
+    window took isl's scheduler 8-19 s a group in MobileNetV3; a reduction
+    of the window's result (squeeze-excite's pooling) with the two, 3.3 s;
+    on the GPU, with the window's own batch norm between them (training),
+    13-18 s."""
     written = {t.array for t in prog.statements if t.name in group}
 
     def strided(e) -> bool:  # one iterator, times a stride, plus a tap: ((i * 2) - 1)
         its = [x for x in walk(e) if isinstance(x, Var) and x.kind == "iter"]
         return len(its) == 1 and any(isinstance(x, Op) and x.op == "mul" and x.args[0] == its[0]
                                      and isinstance(x.args[1], Const) and abs(x.args[1].value) > 1 for x in walk(e))
-    return any(ld.array in written and any(strided(i) for i in ld.index) for ld in loads(s.body))
+    reads = [ld for ld in loads(s.body) if ld.array in written]
+    if any(strided(i) for ld in reads for i in ld.index):
+        return True
+    if not any_stride:
+        return False
+    taps: dict[str, set] = {}
+    for ld in reads:
+        if any(isinstance(i, Op) and iter_vars(i) and not any(isinstance(x, Op) and x.op in QUASI_AFFINE
+                                                              for x in walk(i)) for i in ld.index):
+            taps.setdefault(ld.array, set()).add(ld.index)
+    return any(len(t) > 1 for t in taps.values())
 
 
 def _scatters(s) -> bool:

@@ -41,6 +41,8 @@ class Target:
     fuses_epilogues: bool = False  # contractions may share a nest with their elementwise consumers
     clusters_first: bool = False  # isl's clustering scheduler before its whole-component one (its mapping reads either)
     sums_sums_apart: bool = False  # a reduction of a reduction's results starts a fusion group (fusion._sums_a_sum)
+    small_statements_apart: bool = False  # small statements unrelated to a fusion run go before it (fusion._apart)
+    windows_apart: bool = False  # every window, not only strided ones, ends its fusion group (fusion._window)
     column_convolutions: bool = False  # generated channels-first convolutions as products over their columns
     library: str = ""  # the vendor library under generated contractions
     times_library: bool = False  # time each contraction both ways (else the library wherever it applies)
@@ -48,6 +50,7 @@ class Target:
     tensor_float32: bool = False  # its library products may round operands to TF32 (the tf32 options)
     library_products: tuple = (DataType.Float,)  # operand dtypes its library multiplies (in float32)
     launched_library_calls: bool = False  # each library call is a launch of its own (cuBLAS on a GPU)
+    folds_each_call: bool = True  # inference folding may scale weights that are inputs at each call (fold.py)
 
     def known_choice(self, L, n: Node) -> tuple[bool, str] | None:
         """The target's model of itself for contraction n: (whether the
@@ -62,7 +65,7 @@ class Target:
         t0 = time.perf_counter()
         timer = StageTimer()
         with timer("lower"):
-            graph, folded = fold_scales(graph.deduplicated())
+            graph, folded = fold_scales(graph.deduplicated(), self.folds_each_call)
             graph = self.graph_passes(graph, options)
         machine = self.machine(options)
         key = exe = None

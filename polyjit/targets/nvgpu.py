@@ -251,6 +251,9 @@ class NvgpuTarget(Target):
     tensor_float32 = True
     library_products = (DataType.Float, DataType.Half, DataType.BFloat16)  # half types on tensor cores
     launched_library_calls = True
+    small_statements_apart = True  # (its mapping gives them kernels of their own anyway)
+    windows_apart = True  # (a window's readers would fuse into its halo strips only with isl's seconds)
+    folds_each_call = False  # the library's convolution leaves a pass over its result anyway: the scale joins it
 
     def graph_passes(self, graph: Graph, options: CompileOptions) -> Graph:
         """Products over runs of dims as products of matrices
