@@ -87,7 +87,7 @@ def torch_from_host(a) -> Any:
     """A numpy array as a CPU torch tensor on its memory (bfloat16 too)."""
     torch = sys.modules["torch"]
     a = np.asarray(a)
-    if a.dtype.name == "bfloat16":
+    if a.dtype == DataType.BFloat16.numpy:  # (not dtype.name: numpy computes it in Python, at each output)
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(a)
 
