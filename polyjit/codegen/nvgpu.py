@@ -14,6 +14,7 @@ What the emitter tracks while it emits one kernel is a
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +80,15 @@ def _rsqrt(b: ir.IRBuilder, m: ir.Module, x):
 # float32 kernels that differ from mathlib's on the device
 _GPU_KERNELS = {"exp": _exp, "erf": functools.partial(mathlib.erf, div=_div_approx),
                 "tanh": functools.partial(mathlib.tanh, div=_div_approx), "rsqrt": _rsqrt}
+
+
+def _fits_32_bits(trips: list) -> bool:
+    """Whether a grid of these trip counts (LLVM values) is known to index
+    below 2**31: its iterators then come from 32-bit divisions (one
+    multiply-high each, where a 64-bit one is a sequence of them)."""
+    if not all(isinstance(t, ir.Constant) for t in trips):
+        return False
+    return math.prod(int(t.constant) for t in trips) < 2 ** 31
 
 
 @dataclass
@@ -515,11 +525,16 @@ class GpuEmitter(_RowEmission, _StripEmission, Emitter):
             inner["first"] = b.load(self.var(bounds[-1][0]), typ=I64)
         else:
             rem = b.load(g, typ=I64)
+            narrow = _fits_32_bits([x[3] for x in bounds])
+            if narrow:
+                rem = b.trunc(rem, I32)
             for k, (it, first_it, inc, trips) in enumerate(reversed(bounds)):
+                if narrow:
+                    trips = ir.Constant(I32, trips.constant)
                 idx = rem if k == len(bounds) - 1 else b.urem(rem, trips)
                 if k < len(bounds) - 1:
                     rem = b.udiv(rem, trips)
-                b.store(b.add(first_it, b.mul(idx, inc)), self.var(it))
+                b.store(b.add(first_it, b.mul(b.zext(idx, I64) if narrow else idx, inc)), self.var(it))
                 if k == 0:
                     inner["first"] = b.load(self.var(it), typ=I64)
         if isinstance(plan, WarpRows):
