@@ -115,6 +115,10 @@ def test_an_nhwc_batch_norm_reads_whole_vectors_and_one_rsqrt(rng):
     var = rng.random(16).astype(F32)
     ref = np.maximum((x - mean) / np.sqrt(var + 1e-5) * g + b, 0.0)
     np.testing.assert_allclose(run_threads_on_cpu(exe, [x, mean, var, g, b])[0], ref, rtol=1e-5, atol=1e-6)
+    f64 = polyjit.compile(lambda v: ops.reciprocal(ops.sqrt(v)) + ops.rsqrt(v), [InputInfo((37,), np.float64)],
+                          PTX_ONLY)  # (no instruction: a square root and a division)
+    v = rng.random(37) + 0.5
+    np.testing.assert_allclose(run_threads_on_cpu(f64, [v])[0], 2 / np.sqrt(v), rtol=1e-12)
 
 
 def test_parallel_loops_map_to_threads():
@@ -288,8 +292,14 @@ def run_threads_on_cpu(exe, arrays, grid=3, block=64):
         if f"@llvm.nvvm.{name}(" in ir:
             ir = re.sub(rf"declare [^\n]*@llvm\.nvvm\.{re.escape(name)}\([^\n]*\n", "", ir)
             ir = ir.replace(f"@llvm.nvvm.{name}(", f"@sim_{name.replace('.', '_')}(") + body
-    lines = ir.split("\n")  # (a declaration the simulations repeat, once)
-    ir = "\n".join(x for k, x in enumerate(lines) if not x.startswith("declare ") or x not in lines[:k])
+    kept, declared = [], set()
+    for line in ir.split("\n"):  # (a declaration the simulations repeat, once)
+        if line.startswith("declare "):
+            if line in declared:
+                continue
+            declared.add(line)
+        kept.append(line)
+    ir = "\n".join(kept)
     assert "llvm.nvvm" not in ir, "warp intrinsics cannot run on the CPU"
     _llvm()
     for name, hook in hooks.items():

@@ -73,7 +73,9 @@ def _rsqrt(b: ir.IRBuilder, m: ir.Module, x):
     """1 / sqrt(x) as rsqrt.approx.f32 (within 2**-22.9 relative error,
     subnormals, zeros, infinities and NaN as IEEE has them): one instruction
     of the special function unit where a division of a square root takes
-    two long sequences (a batch norm's inverse deviation, per element)."""
+    two long sequences (a batch norm's inverse deviation, per element).
+    lowering turns reciprocal(sqrt(x)) into rsqrt, so float32 code that
+    writes the two gets this too."""
     return b.call(m.declare_intrinsic("llvm.nvvm.rsqrt.approx.f", (), ir.FunctionType(F32, [F32])), [x])
 
 
@@ -86,7 +88,7 @@ def _fits_32_bits(trips: list) -> bool:
     """Whether a grid of these trip counts (LLVM values) is known to index
     below 2**31: its iterators then come from 32-bit divisions (one
     multiply-high each, where a 64-bit one is a sequence of them)."""
-    if not all(isinstance(t, ir.Constant) for t in trips):
+    if not all(isinstance(t, ir.Constant) and int(t.constant) > 0 for t in trips):
         return False
     return math.prod(int(t.constant) for t in trips) < 2 ** 31
 
@@ -104,7 +106,7 @@ class KernelContext:
     claims: dict | None = None  # id(index) -> alignment, in the first copy of a vector group
     deferred: list | None = None  # the stores that wait until the end of a trip: (value, pointer, alignment, copy)
     copy: int | None = None  # the copy being emitted of a vector group's VECTOR consecutive iterations
-    vector_loads: dict = field(default_factory=dict)  # id(index) -> (block, the group's elements), from copy 0
+    vector_loads: dict = field(default_factory=dict)  # (array, id(index)) -> (block, the group's elements), copy 0's
     copy_block: Any = None  # the block copy 0 began in
     grouped: bool = False  # a row's lane loops take groups of VECTOR (its accesses are aligned)
     row_offsets: dict = field(default_factory=dict)  # (group, copy) -> a lane's offset in an unrolled row
@@ -685,7 +687,8 @@ class GpuEmitter(_RowEmission, _StripEmission, Emitter):
         as four scalar loads, each address rebuilt from the grid index with
         64-bit divisions."""
         storage = STORAGE[arr.dtype]
-        got = self.ctx.vector_loads.get(id(index)) if self.ctx.copy else None
+        key = (arr.name, id(index))
+        got = self.ctx.vector_loads.get(key) if self.ctx.copy else None
         if got is not None and got[0] is self.b.block:
             return self.from_storage(self.b.extract_element(got[1], ir.Constant(I32, self.ctx.copy)), arr.dtype)
         align = self.ctx.claims.get(id(index)) if self.ctx.claims else None
@@ -694,7 +697,7 @@ class GpuEmitter(_RowEmission, _StripEmission, Emitter):
         if arr.name not in self.ctx.written:
             v.set_metadata("invariant.load", self.module.add_metadata([]))
         if whole:
-            self.ctx.vector_loads[id(index)] = (self.b.block, v)
+            self.ctx.vector_loads[key] = (self.b.block, v)
             v = self.b.extract_element(v, ir.Constant(I32, 0))
         return self.from_storage(v, arr.dtype)
 
@@ -749,6 +752,8 @@ class GpuEmitter(_RowEmission, _StripEmission, Emitter):
             return mathlib.KERNELS[op](self.b, self.module, *a)
         if op in _GPU_INTRINSIC:
             return self.call(_GPU_INTRINSIC[op], a)
+        if op == "rsqrt":  # (float64: no instruction for it)
+            return self.b.fdiv(ir.Constant(t, 1.0), self.call("llvm.sqrt", a))
         if t == F32 and scalar.OPS[op].decompose is not None:
             return self.decomposed(op, a)
         raise UnsupportedOpError(f"{op} on {'float32' if t == F32 else str(t)} is not supported by target 'nvgpu'")

@@ -41,20 +41,23 @@ def fusion_groups(prog: AffineProgram, epilogues: bool = False,
     contraction (its initialization and update, with epilogues its
     elementwise consumers) is a group of its own; other runs are cut at
     MAX_GROUP statements (a sum's initialization going with its update),
-    and before a strided window (_window; with windows_apart, any window)
-    or, with sums_apart, a reduction of a reduction's results
-    (_sums_a_sum). A convolution's taps
-    (role TAPS: im2col, a padded copy) start a group: fused with their
-    producer (a batch norm and relu), isl's shifted nest wrote the taps out
-    of memory order, 0.38 ms against 0.15 for the two passes (2x64x28x28,
-    3x3); plan records it. With small_apart, a statement that shares no
-    array with the current run and has a small fraction of the iterations
-    of its largest statement (a weight's transposed copy, a folded batch
-    norm's per-channel scale, among the activations' statements) goes into
-    a group before the run instead (program order allows it: nothing in the
-    run depends on it or it on the run). In the run it only steered isl:
-    MobileNetV3's depthwise weights in their consumer's group took isl
-    4-18 s a group on the GPU, whose kernels never shared a nest with them.
+    around a strided window (with windows_apart, any window: _window) or,
+    with sums_apart, before a reduction of a reduction's results
+    (_sums_a_sum). A convolution's taps (role TAPS: im2col, a padded copy)
+    start a group: fused with their producer (a batch norm and relu),
+    isl's shifted nest wrote the taps out of memory order, 0.38 ms against
+    0.15 for the two passes (2x64x28x28, 3x3); plan records it.
+
+    With small_apart, a statement that shares no array with the current run
+    and has a small fraction of the iterations of its largest statement (a
+    weight's transposed copy, a folded batch norm's per-channel scale, among
+    the activations' statements) goes into a group just before the run
+    instead, out of program order where nothing requires it: nothing in the
+    run depends on it or it on the run. In the run it only steered isl:
+    MobileNetV3's depthwise weights in their consumer's group took isl 4-18
+    s a group on the GPU, whose kernels never shared a nest with them. On
+    the host, with both options, MobileNetV2 compiled 0.45 s sooner and ran
+    3-10% slower (bench/NOTES.md): its groups stay as they were.
     """
     groups: list[list[str]] = []
     current: list[str] = []
@@ -140,13 +143,13 @@ def _iterations(s) -> int | None:
 def _window(s, group: list[str], prog: AffineProgram, any_stride: bool) -> bool:
     """Whether s reads a window of an array the group writes at a stride (a
     strided depthwise convolution), or with any_stride, at several shifted
-    positions (any depthwise convolution): it then shares a nest with its
-    direct producer only, and its readers start the next group. Shifting a
-    chain of producers (a batch norm, then hardswish) under a stride-2
-    window took isl's scheduler 8-19 s a group in MobileNetV3; a reduction
-    of the window's result (squeeze-excite's pooling) with the two, 3.3 s;
-    on the GPU, with the window's own batch norm between them (training),
-    13-18 s."""
+    positions (any depthwise convolution). It then shares a group with the
+    statement before it only (its producer, or its weights' copy), and its
+    readers start the next group, on every target. Shifting a chain of
+    producers (a batch norm, then hardswish) under a stride-2 window took
+    isl's scheduler 8-19 s a group in MobileNetV3; a reduction of the
+    window's result (squeeze-excite's pooling) with the two, 3.3 s; on the
+    GPU, with the window's own batch norm between them (training), 13-18 s."""
     written = {t.array for t in prog.statements if t.name in group}
 
     def strided(e) -> bool:  # one iterator, times a stride, plus a tap: ((i * 2) - 1)
