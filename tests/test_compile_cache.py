@@ -521,7 +521,7 @@ def test_the_replayed_partition_is_min_cuts(tmp_path, monkeypatch):
     assert torch_partition.counts == {"solved": 2, "replayed": 1}
 
 GPU_SCRIPT = """
-import json, os, sys, numpy as np, polyjit
+import hashlib, json, sys, numpy as np, polyjit
 from polyjit import ops, InputInfo
 from polyjit.codegen import nvgpu
 if sys.argv[1] == "hit":  # a fresh process that finds the program in the cache generates no PTX
