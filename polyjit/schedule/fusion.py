@@ -99,12 +99,12 @@ def fusion_groups(prog: AffineProgram, epilogues: bool = False,
             continue
         if current and (len(current) >= MAX_GROUP or _reads_reshaped(s, current, prog)
                         or sums_apart and _sums_a_sum(s, current, prog)
-                        or _reads_window(s, [n for n in current if n in windows], prog)):
+                        or windows and _reads_window(s, {by_name[n].array for n in current if n in windows}, prog)):
             held = [current.pop()] if s.role is Role.UPDATE and current[-1] in inits else []
             if current:
                 groups.append(current)  # (a sum's initialization goes with it)
             current = held
-        elif current and _window(s, current, prog, windows_apart):
+        elif current and _window(s, {by_name[n].array for n in current}, windows_apart):
             if len(current) > 1:
                 groups.append(current[:-1])
             current = current[-1:]
@@ -115,9 +115,8 @@ def fusion_groups(prog: AffineProgram, epilogues: bool = False,
     return groups
 
 
-def _reads_window(s, windows: list[str], prog: AffineProgram) -> bool:
-    """Whether s reads what one of the windows named computes."""
-    made = {t.array for t in prog.statements if t.name in windows}
+def _reads_window(s, made: set[str], prog: AffineProgram) -> bool:
+    """Whether s reads one of the arrays windows made."""
     return any(ld.array in made for ld in prog.statement_loads(s))
 
 
@@ -140,7 +139,7 @@ def _iterations(s) -> int | None:
     return sz.static_product(hi - lo for lo, hi in s.bounds)
 
 
-def _window(s, group: list[str], prog: AffineProgram, any_stride: bool) -> bool:
+def _window(s, written: set[str], any_stride: bool) -> bool:
     """Whether s reads a window of an array the group writes at a stride (a
     strided depthwise convolution), or with any_stride, at several shifted
     positions (any depthwise convolution). It then shares a group with the
@@ -150,8 +149,6 @@ def _window(s, group: list[str], prog: AffineProgram, any_stride: bool) -> bool:
     isl's scheduler 8-19 s a group in MobileNetV3; a reduction of the
     window's result (squeeze-excite's pooling) with the two, 3.3 s; on the
     GPU, with the window's own batch norm between them (training), 13-18 s."""
-    written = {t.array for t in prog.statements if t.name in group}
-
     def strided(e) -> bool:  # one iterator, times a stride, plus a tap: ((i * 2) - 1)
         its = [x for x in walk(e) if isinstance(x, Var) and x.kind == "iter"]
         return len(its) == 1 and any(isinstance(x, Op) and x.op == "mul" and x.args[0] == its[0]
