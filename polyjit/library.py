@@ -266,7 +266,7 @@ class LibraryPolicy:
             self.choices.append(f"{what}: {'library' if lib else 'generated'} ({why})")
             return lib
         macs = math.prod(int(s) for s in L.shape(n)) * red
-        if macs < MIN_MACS:
+        if macs < MIN_MACS and not (known and known[0]):  # (the target's model may know the library wins)
             self.choices.append(f"{what}: generated ({macs} multiply-adds)")
             return False
         if not self.target.times_library:  # a model: timing would compile each shape's kernel (seconds) on a GPU

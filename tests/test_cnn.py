@@ -523,6 +523,30 @@ def test_the_library_timing_counts_the_weight_the_generated_nest_packs(rng, monk
 
 
 @needs_blas
+def test_a_weight_read_across_too_few_rows_to_pack_calls_the_library(rng, monkeypatch):
+    """x @ W.T at 2 rows (a classifier's head at batch 2): below the size
+    where products are timed, but its generated nest would gather W a
+    column at a time (too few rows to pack it), so the library is called,
+    untimed; a batched product of the same kind (attention's) stays
+    generated."""
+    from polyjit import library
+    monkeypatch.setattr(library, "_measured", {})
+    x, w, b = (rng.standard_normal(s, dtype=F32) for s in ((2, 512), (1000, 512), (1000,)))
+    exe = polyjit.compile(lambda x, w, b: ops.matmul(x, ops.transpose(w, 0, 1)) + b,
+                          [InputInfo(a.shape, F32) for a in (x, w, b)], {"cache": False})
+    np.testing.assert_allclose(exe(x, w, b), x.astype(np.float64) @ w.T + b, rtol=1e-4, atol=1e-4)
+    assert exe.stats["contractions"] == ["dot_general [2, 512] * [512, 1000]: library "
+                                         "(its weight read across rows: too few rows to pack it)"]
+    assert exe.stats["library_calls"] == 1 and not library._measured
+    q, k = rng.standard_normal((4, 2, 64), dtype=F32), rng.standard_normal((4, 100, 64), dtype=F32)
+    heads = polyjit.compile(lambda q, k: ops.matmul(q, ops.transpose(k, 1, 2)), [InputInfo(q.shape, F32),
+                                                                                  InputInfo(k.shape, F32)],
+                            {"cache": False})
+    np.testing.assert_allclose(heads(q, k), q @ k.transpose(0, 2, 1), rtol=1e-4, atol=1e-4)
+    assert heads.stats["library_calls"] == 0
+
+
+@needs_blas
 @pytest.mark.parametrize("shape,untimed", [((128, 256, 192), True), ((100, 300, 77), False), ((64, 256, 256), True)])
 def test_products_in_whole_register_blocks_run_generated_untimed(shape, untimed, rng, monkeypatch):
     """contractions="auto" settles a float32 product whose register blocks

@@ -103,6 +103,18 @@ def _innermost(n: Node, d: int) -> bool:
     return d == n.rank - 1
 
 
+def _read_across(n: Node) -> bool:
+    """Whether unbatched product n's second operand runs across the
+    result's last dimension and was not packed (packed_operands: too few
+    rows): the generated register blocks then gather it a column at a
+    time, where the library reads it in place. A classifier's x @ W.T at 2
+    rows (512 -> 1000) took 0.320 ms generated, 0.081 ms in the library.
+    (Batched products, attention's, would be a call per batch element.)"""
+    b, at = n.inputs[1], n.attrs
+    free = [d for d in range(b.rank) if d not in at["rc"] and d not in at["rb"]]
+    return not at["rb"] and bool(free) and not b.attrs.get("packed") and not _innermost(b, free[-1])
+
+
 def _whole_blocks(L, n: Node, lanes: int, min_rows: int = 64, min_rows_packed: int = 128,
                   max_elements: int = 1 << 22) -> str:
     """Why a float32 product runs generated without timing, or "": one free
@@ -219,7 +231,11 @@ class CpuTarget(Target):
         Channels-last convolutions: _channels_last; their weight gradients
         (images and positions, the reduction, strided in both operands) are
         timed: generated lost by up to 2.2x at 64 channels and more, and won
-        by up to 1.35x at fewer (bench/convolutions.py)."""
+        by up to 1.35x at fewer (bench/convolutions.py). On any host, a
+        product whose weight it would read across rows calls the library
+        (_read_across), below the size where products are not timed too."""
+        if n.op == "dot_general" and _read_across(n):
+            return True, "its weight read across rows: too few rows to pack it"
         lanes = self.vector_bits() // 32
         if lanes < 16:
             return None
