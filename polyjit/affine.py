@@ -67,6 +67,11 @@ class Statement:
     role: Role = Role.ASSIGN
     contraction: bool = False  # the init or update of a product (dot_general, conv)
 
+    @property
+    def points(self) -> int | None:
+        """Its loops' iteration count where the sizes are static, else None."""
+        return sz.static_product(hi - lo for lo, hi in self.bounds)
+
     def domain_constraints(self) -> str:
         cs = [f"{sz.isl_str(lo)} <= {i} < {sz.isl_str(hi)}" for i, (lo, hi) in zip(self.iters, self.bounds)]
         if self.extra:

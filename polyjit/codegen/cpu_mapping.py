@@ -214,7 +214,7 @@ class CpuMapper(StripMapping):
         work = 0
         for name in self.sched.kernels[k]:
             s = self.stmts[name]
-            points = sz.static_product(hi - lo for lo, hi in s.bounds) if s.library is None else None
+            points = s.points if s.library is None else None
             if points is None:
                 return False
             work += max(points, 0)

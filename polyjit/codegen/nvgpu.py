@@ -686,15 +686,15 @@ class GpuEmitter(_RowEmission, _StripEmission, Emitter):
         the load-store vectorizer ran, and an NHWC batch norm's input went
         as four scalar loads, each address rebuilt from the grid index with
         64-bit divisions."""
-        storage = STORAGE[arr.dtype]
-        key = (arr.name, id(index))
+        key, invariant = (arr.name, id(index)), arr.name not in self.ctx.written
         got = self.ctx.vector_loads.get(key) if self.ctx.copy else None
         if got is not None and got[0] is self.b.block:
             return self.from_storage(self.b.extract_element(got[1], ir.Constant(I32, self.ctx.copy)), arr.dtype)
         align = self.ctx.claims.get(id(index)) if self.ctx.claims else None
-        whole = align is not None and arr.name not in self.ctx.written and self.b.block is self.ctx.copy_block
+        whole = align is not None and invariant and self.b.block is self.ctx.copy_block
+        storage = STORAGE[arr.dtype]
         v = self.b.load(ptr, typ=ir.VectorType(storage, VECTOR) if whole else storage, align=align)
-        if arr.name not in self.ctx.written:
+        if invariant:
             v.set_metadata("invariant.load", self.module.add_metadata([]))
         if whole:
             self.ctx.vector_loads[key] = (self.b.block, v)
@@ -752,8 +752,8 @@ class GpuEmitter(_RowEmission, _StripEmission, Emitter):
             return mathlib.KERNELS[op](self.b, self.module, *a)
         if op in _GPU_INTRINSIC:
             return self.call(_GPU_INTRINSIC[op], a)
-        if op == "rsqrt":  # (float64: no instruction for it)
-            return self.b.fdiv(ir.Constant(t, 1.0), self.call("llvm.sqrt", a))
+        if op == "rsqrt":  # (float64: no instruction for it; the host's square root and division)
+            return super().math(op, a)
         if t == F32 and scalar.OPS[op].decompose is not None:
             return self.decomposed(op, a)
         raise UnsupportedOpError(f"{op} on {'float32' if t == F32 else str(t)} is not supported by target 'nvgpu'")

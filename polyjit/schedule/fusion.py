@@ -131,12 +131,8 @@ def _apart(s, run: list, prog: AffineProgram) -> bool:
     touched = {t.array for t in run} | {ld.array for t in run for ld in prog.statement_loads(t)}
     if s.array in touched or any(ld.array in touched for ld in prog.statement_loads(s)):
         return False
-    own, largest = _iterations(s), max((_iterations(t) or 0 for t in run), default=0)
-    return own is not None and own * APART <= largest
-
-
-def _iterations(s) -> int | None:
-    return sz.static_product(hi - lo for lo, hi in s.bounds)
+    largest = max((t.points or 0 for t in run), default=0)
+    return s.points is not None and s.points * APART <= largest
 
 
 def _window(s, written: set[str], any_stride: bool) -> bool:
