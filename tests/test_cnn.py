@@ -180,6 +180,39 @@ def test_batch_norm_of_constant_weights_folds_at_compile_time(rng):
     assert not any(op in exe.ir["graph"] for op in ("= mul(", "= sub("))
 
 
+def test_a_networks_preparation_runs_first_in_one_kernel_on_the_host(rng):
+    """Folded into the convolutions each call, two batch norms leave small
+    statements computed from the inputs alone (per-channel scales and
+    shifts, the scaled weights). On the host they run first, in one kernel
+    on one thread, not each in a kernel of its own (LLVM's time per kernel)
+    nor among the activations' fusion groups; the results equal the
+    network's."""
+    shapes = [(2, 10, 9, 4), (3, 3, 4, 8)] + [(8,)] * 4 + [(3, 3, 8, 6)] + [(6,)] * 4
+
+    def f(x, w1, g1, b1, m1, v1, w2, g2, b2, m2, v2):
+        y = ops.conv(x, w1, (1, 1), ((1, 1), (1, 1)), layout="NHWC", kernel_layout="HWIO")
+        y = ops.relu((y - m1) * (g1 * ops.rsqrt(v1 + 1e-5)) + b1)
+        z = ops.conv(y, w2, (1, 1), ((1, 1), (1, 1)), layout="NHWC", kernel_layout="HWIO")
+        return ops.relu((z - m2) * (g2 * ops.rsqrt(v2 + 1e-5)) + b2)
+    args = [rng.standard_normal(sh, dtype=F32) for sh in shapes]
+    for v in (args[5], args[10]):
+        v[:] = np.abs(v) + 0.5
+    exe = polyjit.compile(f, [InputInfo(a.shape, F32) for a in args], {"strict": True, "cache": False})
+    exe = exe.compile_default()
+    assert exe.stats["folded"] == 2
+    nests = exe.ir["ast"].split("// in order")
+    assert len(nests) == 2 and not nests[0].strip(), exe.ir["ast"]  # one preparation, ahead of everything
+    first = exe.ir["mapping"].splitlines()[0]
+    assert "one thread" in first, exe.ir["mapping"]
+    t = torch.from_numpy
+    x, w1, g1, b1, m1, v1, w2, g2, b2, m2, v2 = map(t, args)
+    y = torch.nn.functional.batch_norm(torch.nn.functional.conv2d(x.permute(0, 3, 1, 2), w1.permute(3, 2, 0, 1),
+                                                                  padding=1), m1, v1, g1, b1, eps=1e-5).relu()
+    z = torch.nn.functional.batch_norm(torch.nn.functional.conv2d(y, w2.permute(3, 2, 0, 1), padding=1),
+                                       m2, v2, g2, b2, eps=1e-5).relu()
+    np.testing.assert_allclose(exe(*args)[0], z.permute(0, 2, 3, 1).numpy(), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("k,stride", [(3, 1), (5, 2), (7, 1)])
 def test_depthwise_convolution_is_a_stencil_vectorized_along_channels(k, stride, rng):
     """A channels-last depthwise convolution up to 7x7 unrolls into one

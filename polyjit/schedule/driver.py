@@ -16,11 +16,11 @@ from ..cache import ProcessCache
 from .ast import kernel_nodes, statements_in
 from .contraction import contract
 from .dependences import accesses, dependences, make_context
-from .fusion import FusionPlan, fuse_contraction, fusion_groups
+from .fusion import FusionPlan, fuse_contraction, fusion_groups, preparation
 from .groups import (GroupProblem, ProgramSchedule, Scheduled, ScheduledGroup, WorkerAstMismatch, check_worker_ast,
                      group_problem, kernel_of_each_array)
 from .rewrites import distribute_inits, innermost_contiguous, order_sets
-from .tree import group_domain, is_update, product_inits
+from .tree import group_domain, in_order, is_update, product_inits
 
 log = logging.getLogger("polyjit.schedule")
 
@@ -219,8 +219,10 @@ def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None, 
     config = (fusion, tile_sizes, target, fuse)
     plan = FusionPlan() if fuse else None
     with timer("schedule/groups"):
+        first = preparation(prog) if target.gathers_preparation and fusion != "none" else []
         names = fusion_groups(prog, epilogues=fuse, plan=plan, sums_apart=target.sums_sums_apart,
-                              small_apart=target.small_statements_apart, windows_apart=target.windows_apart)
+                              small_apart=target.small_statements_apart, windows_apart=target.windows_apart,
+                              first=first)
     users: dict[str, set[int]] = {}
     for g, group in enumerate(names):
         for s in prog.statements:
@@ -228,7 +230,8 @@ def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None, 
                 for a in [s.array] + [ld.array for ld in prog.statement_loads(s)]:
                     users.setdefault(a, set()).add(g)
     with timer("schedule/canonical"):
-        problems = [group_problem(prog, group, {a for a, gs in users.items() if gs != {g}}, canonical)
+        problems = [group_problem(prog, group, {a for a, gs in users.items() if gs != {g}}, canonical,
+                                  in_order=bool(first) and g == 0)
                     for g, group in enumerate(names)]
     offered = _offer(problems, config, remote)
     groups = []
@@ -345,18 +348,22 @@ def _schedule_problem(problem: "GroupProblem", config: tuple, timer) -> Schedule
     with timer("schedule/dependences"):
         dom = prog.domain(ctx)
         access = accesses(ctx, prog, dom)
-        validity, raw = dependences(ctx, prog, dom, access)
     plan = FusionPlan() if fuse else None
-    group = (ctx, prog, dom, validity, raw, [s.name for s in prog.statements], fusion, plan, target.clusters_first)
-    structure = (problem.structure, config)
-    with timer("schedule/isl"):
-        known = len(prog.statements) > 1 and _gave_up.get(structure) is not None
-        sched = None if known else _whole_group(*group)
-        if sched is None:
-            _gave_up.put(structure, True)
-            sched = _split_group(*group)
-    with timer("schedule/rewrites"):
-        sched = order_sets(target.schedule_rewrites(sched, prog, validity, tile_sizes), validity)
+    if problem.in_order:  # (program order: every dependence holds)
+        sched = in_order(ctx, prog, dom)
+    else:
+        with timer("schedule/dependences"):
+            validity, raw = dependences(ctx, prog, dom, access)
+        group = (ctx, prog, dom, validity, raw, [s.name for s in prog.statements], fusion, plan, target.clusters_first)
+        structure = (problem.structure, config)
+        with timer("schedule/isl"):
+            known = len(prog.statements) > 1 and _gave_up.get(structure) is not None
+            sched = None if known else _whole_group(*group)
+            if sched is None:
+                _gave_up.put(structure, True)
+                sched = _split_group(*group)
+        with timer("schedule/rewrites"):
+            sched = order_sets(target.schedule_rewrites(sched, prog, validity, tile_sizes), validity)
     with timer("schedule/ast"):
         ast = _ast(ctx, prog, sched)
         kernels = [statements_in(k) for k in kernel_nodes(ast)]

@@ -30,7 +30,8 @@ class FusionPlan:
 
 def fusion_groups(prog: AffineProgram, epilogues: bool = False,
                   plan: FusionPlan | None = None, sums_apart: bool = False,
-                  small_apart: bool = False, windows_apart: bool = False) -> list[list[str]]:
+                  small_apart: bool = False, windows_apart: bool = False,
+                  first: list[str] = ()) -> list[list[str]]:
     """Runs of statements, in program order, that isl may fuse together.
 
     Program order is a topological order of the dataflow, so consecutive runs
@@ -58,6 +59,12 @@ def fusion_groups(prog: AffineProgram, epilogues: bool = False,
     s a group on the GPU, whose kernels never shared a nest with them. On
     the host, with both options, MobileNetV2 compiled 0.45 s sooner and ran
     3-10% slower (bench/NOTES.md): its groups stay as they were.
+
+    first (the target's preparation, where it gathers one) is the first
+    group, its statements then taken out of the others: the runs keep their
+    bounds, where closing them without it fused more of the activations'
+    statements in each, which isl took longer over and MobileNetV2 ran
+    slower with.
     """
     groups: list[list[str]] = []
     current: list[str] = []
@@ -112,7 +119,39 @@ def fusion_groups(prog: AffineProgram, epilogues: bool = False,
         current.append(s.name)
     if current:
         groups.append(current)
+    if first:
+        gathered = set(first)
+        groups = [list(first)] + [kept for g in groups if (kept := [n for n in g if n not in gathered])]
     return groups
+
+
+PREPARATION_POINTS = 4096  # the most instances a statement of the preparation (below) has
+
+
+def preparation(prog: AffineProgram) -> list[str]:
+    """The program's preparation, in program order: plain statements of at
+    most PREPARATION_POINTS instances each (static sizes), computed from the
+    program's inputs and one another alone (a folded batch norm's
+    per-channel scale and shift, its scaled weights, a gain's broadcast),
+    where there are two or more and other statements besides (a small
+    program stays whole, its statements fused). Nothing else writes their arrays, and
+    nothing they read is made after them, so they may all run first, as one
+    group and one kernel on one thread (schedule.tree.in_order): each a
+    kernel of its own, Keras MobileNetV2's 87 cost LLVM about 12 ms apiece
+    and joined the activations' fusion groups, enlarging isl's problems."""
+    writers: dict[str, set[str]] = {}
+    for s in prog.statements:
+        writers.setdefault(s.array, set()).add(s.name)
+    prep = {s.name for s in prog.statements if s.role is Role.ASSIGN and s.library is None and not _scatters(s)
+            and s.points is not None and s.points <= PREPARATION_POINTS}
+    while True:
+        made = {s.array for s in prog.statements if s.name in prep}
+        kept = {s.name for s in prog.statements if s.name in prep and writers[s.array] <= prep
+                and all(ld.array not in writers or ld.array in made for ld in prog.statement_loads(s))}
+        if kept == prep:
+            break
+        prep = kept
+    return [s.name for s in prog.statements if s.name in prep] if 1 < len(prep) < len(prog.statements) else []
 
 
 def _reads_window(s, made: set[str], prog: AffineProgram) -> bool:

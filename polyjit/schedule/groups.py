@@ -82,15 +82,18 @@ class GroupProblem:
     shared: frozenset[str]  # arrays (named as in prog) that other groups use too
     key: str  # everything the group's schedule and code depend on
     structure: str  # the same with every number left out (sizes, offsets, constants), names kept
+    in_order: bool = False  # the target's preparation: its statements in order, one kernel (tree.in_order)
 
 
 _CANONICAL = re.compile(r"\b_[sa]\d+\b")
 _NUMBERS = re.compile(r"(?<!\w)\d+")
 
 
-def group_problem(prog: AffineProgram, group: list[str], shared: set[str], canonical: bool = True) -> GroupProblem:
+def group_problem(prog: AffineProgram, group: list[str], shared: set[str], canonical: bool = True,
+                  in_order: bool = False) -> GroupProblem:
     """The statements of group (and the arrays they touch), renamed _s0, _s1,
-    ... and _a0, _a1, ... in order of appearance where canonical."""
+    ... and _a0, _a1, ... in order of appearance where canonical; in_order:
+    the group is the target's preparation (GroupProblem.in_order)."""
     arrays: dict[str, str] = {}
 
     def array(name: str) -> str:
@@ -112,10 +115,11 @@ def group_problem(prog: AffineProgram, group: list[str], shared: set[str], canon
             for k, (old, new) in enumerate(arrays.items())}
     mine = frozenset(new for old, new in arrays.items() if old in shared)
     sub = AffineProgram(list(prog.params), arrs, stmts, [])
-    key = "\n".join([repr(prog.params), *map(repr, arrs.values()), *map(repr, stmts), repr(sorted(mine))])
+    key = "\n".join([repr(prog.params), *map(repr, arrs.values()), *map(repr, stmts), repr(sorted(mine)),
+                     "in order" if in_order else ""])
     return GroupProblem(sub, names, {new: old for old, new in arrays.items()}, mine,
                         hashlib.sha256(key.encode()).hexdigest(),
-                        hashlib.sha256(_NUMBERS.sub("#", key).encode()).hexdigest())
+                        hashlib.sha256(_NUMBERS.sub("#", key).encode()).hexdigest(), in_order)
 
 
 @dataclass

@@ -151,3 +151,26 @@ def group_domain(ctx, prog, dom, names) -> isl.UnionSet:
     text = prog.prefix() + "{ " + "; ".join(f"{s.name}[{', '.join(s.iters)}]" for s in prog.statements
                                           if s.name in names) + " }"
     return dom.intersect(isl.UnionSet.read_from_str(ctx, text))
+
+
+IN_ORDER = "in order"  # a mark over a group's statements, each its own nest, one after another: one kernel, one thread
+
+
+def in_order(ctx, prog, dom) -> isl.Schedule:
+    """The group's statements one after another, each in a nest of its own
+    with its loops in its iterators' order, under an IN_ORDER mark: one
+    kernel (schedule.ast.kernel_nodes) that one thread runs (a target's
+    preparation, schedule.fusion.preparation), with no work for isl's
+    scheduler."""
+    parts = []
+    for s in prog.statements:
+        part = isl.Schedule.from_domain(group_domain(ctx, prog, dom, [s.name]))
+        if s.iters:
+            loops = isl.UnionMap.read_from_str(
+                ctx, prog.prefix() + f"{{ {s.name}[{', '.join(s.iters)}] -> [{', '.join(s.iters)}] }}")
+            part = part.insert_partial_schedule(isl.MultiUnionPwAff.from_union_map(loops))
+        parts.append(part)
+    sched = parts[0]
+    for part in parts[1:]:
+        sched = sched.sequence(part)
+    return sched.get_root().child(0).insert_mark(isl.Id(IN_ORDER, context=ctx)).get_schedule()

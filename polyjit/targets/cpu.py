@@ -180,6 +180,7 @@ class CpuTarget(Target):
     fuses_epilogues = True
     clusters_first = True
     sums_sums_apart = True
+    gathers_preparation = True  # (on one thread: a GPU thread alone would take longer than the kernels it saves)
     column_convolutions = True
     library = "BLAS"
     times_library = True
