@@ -91,6 +91,8 @@ class Emitter(LoopEmission, StripEmission, ValueEmission):
         are only read, and outputs and temporaries are fresh allocations."""
         names, name, body_fn = self.body_function(k, node)
         nb, ni = len(self.buffer_arrays), len(self.int_slots)
+        if nb > INLINED_NOALIAS:
+            body_fn.attributes.add("noinline")
         self.body(body_fn, node)
         fn = ir.Function(self.module, ir.FunctionType(ir.VoidType(), [PTR, PTR, I64, I64]), name)
         b = ir.IRBuilder(fn.append_basic_block("entry"))
@@ -112,8 +114,6 @@ class Emitter(LoopEmission, StripEmission, ValueEmission):
         fn.linkage = "internal"
         for arg in fn.args[:nb]:
             arg.add_attribute("noalias")
-        if nb > INLINED_NOALIAS:
-            fn.attributes.add("noinline")
         return names, name, fn
 
     def body(self, fn: ir.Function, node: isl.AstNode) -> None:
