@@ -32,6 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from polyjit import ops
 from polyjit.api import Executable, takes_device_arrays
+from polyjit.runtime.buffers import BufferCache, new_buffer
 from polyjit.runtime.gpu_buffers import GpuView
 from polyjit.dtypes import DataType
 from polyjit.errors import InputError, UnsupportedOpError
@@ -1416,30 +1417,38 @@ class CompiledGraph:
         return tuple(self.gm(*args))
 
     def _bind(self, args, arrays, index: int | None) -> None:
-        """Keep the plan that calls on these arrays run natively with, and
-        the arguments' layouts, for _call_bound: all tensor inputs on one
-        GPU, no host values."""
+        """Keep what calls on arguments of these layouts run with, and the
+        layouts, for _call_bound: on one GPU, the plan its native launcher
+        runs; on the host, the call's plan, whose outputs become torch
+        tensors from the start. All tensor inputs, no host values."""
         self._bound = None
         prog = self.exe.last
-        if index is None or self.t.seed_index is not None or not hasattr(prog, "native_plan"):
+        if self.t.seed_index is not None:
             return
         sig = []
         for k in self.t.tensor_inputs:
             a = args[k]
-            if not isinstance(a, torch.Tensor) or not a.is_cuda:
+            if not isinstance(a, torch.Tensor) or (a.is_cuda if index is None else not a.is_cuda):
                 return
             sig.append((k, a.shape, a.stride(), a.dtype))
-        plan = prog.native_plan(arrays)
+        if index is None:
+            plan = prog.bound_plan(arrays) if hasattr(prog, "bound_plan") else None
+            if plan is not None:
+                self._bound = (tuple(sig), -1, lambda pointers: prog.run_bound(plan, pointers, _host_empty), prog)
+            return
+        plan = prog.native_plan(arrays) if hasattr(prog, "native_plan") else None
         if plan is not None:
             saved = {prog.output_arrays[v] for v in self._saved}
             saved -= {n for v, n in enumerate(prog.output_arrays) if v not in self._saved}
-            self._bound = (tuple(sig), prog, plan, index, _Outputs(index, frozenset(saved)))
+            outputs = _Outputs(index, frozenset(saved))
+            self._bound = (tuple(sig), index, lambda pointers: prog.run_bound(
+                plan, pointers, _current_stream(index), _allocator(index), outputs), prog)
 
     def _call_bound(self, args):
         """The outputs of a call through the bound plan where every tensor
         input has the shape, strides, dtype and device of the call that
         bound it; None otherwise (the full path then checks and plans)."""
-        sig, prog, plan, index, outputs = self._bound
+        sig, index, run, prog = self._bound
         pointers = []
         for k, shape, stride, dtype in sig:
             a = args[k]
@@ -1447,7 +1456,7 @@ class CompiledGraph:
                     or a.get_device() != index):
                 return None
             pointers.append(a.data_ptr())
-        outs = prog.run_bound(plan, pointers, _current_stream(index), _allocator(index), outputs)
+        outs = run(pointers)
         self.stats.record(self.name, prog.stats)
         return outs
 
@@ -1478,6 +1487,16 @@ def _current_stream(index: int) -> int:
     where it has one: the public Stream object costs more to build than a launch)."""
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
+
+
+def _host_empty(shape: tuple, dt: np.dtype) -> tuple:
+    """(tensor, its address) for a host program's output (CompiledProgram.run_bound):
+    torch's own; from polyjit's buffer cache where large (pages already faulted in)."""
+    if math.prod(shape) * dt.itemsize >= BufferCache.MIN_BYTES:
+        a = new_buffer(shape, dt)
+        return torch_from_host(a), a.__array_interface__["data"][0]
+    t = torch.empty(shape, dtype=_NUMPY_TO_TORCH[dt])
+    return t, t.data_ptr()
 
 
 @functools.cache

@@ -979,3 +979,42 @@ def test_saved_weight_transposes_are_views_of_the_weights():
     shapes = {(32, 16), (16, 32), (8, 32), (32, 8)}
     kept = [t for t in saved if tuple(t.shape) in shapes]
     assert kept and all(t.data_ptr() in weights for t in kept), [(tuple(t.shape), t.stride()) for t in saved]
+
+
+def test_host_calls_with_the_same_layouts_run_the_bound_plan(monkeypatch):
+    """On the host, a graph called again with inputs of the last call's
+    shapes, strides and dtypes (a training loop) runs the plan that call
+    chose on the new tensors, its outputs torch tensors from the start,
+    fresh at each call (an earlier call's results stay as they were); a
+    call with other strides takes the full path. Forward and backward equal
+    eager's, a large output (from polyjit's buffer cache) too."""
+    from polyjit.runtime.program import CompiledProgram
+    bound, run_bound = [], CompiledProgram.run_bound
+    monkeypatch.setattr(CompiledProgram, "run_bound", lambda self, *a: bound.append(1) or run_bound(self, *a))
+
+    def f(x, w, big):
+        return torch.softmax(x @ w, -1) * torch.tanh(x[:, :48]), big * 2 + 1
+    jf = polyjit.jit_torch(f, compile_options={"dynamic": False, "strict": True})
+    w = torch.randn(64, 48, requires_grad=True)
+    big = torch.randn(512, 1024)  # 2 MB
+    earlier = None
+    for step in range(4):
+        x = torch.randn(16, 64, requires_grad=True) if step < 3 else torch.randn(64, 16).t().requires_grad_()
+        x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        r = torch.randn(16, 48)
+        y, b = jf(x, w, big)
+        (y * r).sum().backward()
+        want, want_b = f(x2, w2, big)
+        (want * r).sum().backward()
+        torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(b, want_b)
+        torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(w.grad, w2.grad, rtol=1e-5, atol=1e-5)
+        if earlier is not None:
+            torch.testing.assert_close(earlier[0], earlier[1])
+        earlier = (y, y.detach().clone())
+        w.grad = None
+        if step == 1:
+            assert len(bound) >= 2  # the second step: forward and backward through their bound plans
+            seen = len(bound)
+    assert len(bound) >= seen + 2 and jf.stats["fallbacks"] == 0

@@ -14,7 +14,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -128,6 +128,34 @@ class CompiledProgram:
         for k, a in zip(plan.copied, keep):
             inputs[k] = a.__array_interface__["data"][0]
         made = {name: new_buffer(shape, dt) for name, _, shape, dt in plan.fresh}
+        self._run(plan, inputs, {n: a.__array_interface__["data"][0] for n, a in made.items()})
+        return self._hand_out(made, plan.returned)
+
+    def bound_plan(self, args: Sequence[np.ndarray]) -> "_CallPlan | None":
+        """The plan an earlier call made for arrays of these layouts, which
+        a frontend may call again through run_bound (its inputs read in
+        place); None otherwise."""
+        plan = self._plans.get(tuple((a.shape, a.strides, a.dtype) for a in args))
+        return plan if plan is not None and not plan.copied else None
+
+    def run_bound(self, plan: "_CallPlan", inputs: Sequence[int], empty: Callable[[tuple, np.dtype], tuple]) -> list:
+        """A call through plan (bound_plan) on inputs at these addresses,
+        skipping the checks and the plan's lookup: a frontend's repeated call
+        whose arguments it has compared with those the plan is for. Its
+        outputs come from ``empty(shape, dtype)``, as (array, address): the
+        frontend's own arrays, where converting ours cost more than the
+        kernels of a small graph."""
+        made = {name: empty(shape, dt) for name, _, shape, dt in plan.fresh}
+        if POISON:
+            for name, _, shape, dt in plan.fresh:
+                if math.prod(shape):
+                    size = math.prod(shape) * dt.itemsize
+                    poison(np.frombuffer((ctypes.c_char * size).from_address(made[name][1]), dt))
+        self._run(plan, list(inputs), {n: address for n, (_, address) in made.items()})
+        return self._hand_out({n: a for n, (a, _) in made.items()}, plan.returned)
+
+    def _run(self, plan: "_CallPlan", inputs: list[int], made: dict[str, int]) -> None:
+        """plan's kernels on inputs and outputs at these addresses (made: by array name)."""
         work = new_buffer((plan.workspace,), np.dtype(np.uint8)) if plan.workspace else None
         base = work.__array_interface__["data"][0] if work is not None else 0
         if POISON:
@@ -137,7 +165,7 @@ class CompiledProgram:
             plan.native = self._native_call(plan)
         plan.calls += 1
         if plan.native:
-            results = [made[n].__array_interface__["data"][0] for n in dict.fromkeys(self.output_arrays)]
+            results = [made[n] for n in dict.fromkeys(self.output_arrays)]
             results += [base + offset for _, offset, _, _ in plan.temps]
             self._run_native(plan.native, inputs, results)
         else:
@@ -145,13 +173,12 @@ class CompiledProgram:
             for slot, p in zip(plan.input_slots, inputs):
                 pointers[slot] = p
             for name, slot, _, _ in plan.fresh:
-                pointers[slot] = made[name].__array_interface__["data"][0]
+                pointers[slot] = made[name]
             for slot, offset, _, _ in plan.temps:
                 pointers[slot] = base + offset
             self._run_kernels(plan, plan.pointer_type(*pointers))
         self.stats["intermediate_bytes"] = plan.intermediate_bytes
         self.stats["workspace_bytes"] = plan.workspace
-        return self._hand_out(made, plan.returned)
 
     def _run_kernels(self, plan: "_CallPlan", ptrs) -> None:
         """Each kernel called from Python (on the thread team where parallel);
