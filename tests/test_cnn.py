@@ -204,6 +204,7 @@ def test_a_networks_preparation_runs_first_in_one_kernel_on_the_host(rng):
     assert len(nests) == 2 and not nests[0].strip(), exe.ir["ast"]  # one preparation, ahead of everything
     first = exe.ir["mapping"].splitlines()[0]
     assert "one thread" in first, exe.ir["mapping"]
+    assert exe.ir["llvm"].count("optsize") == 1  # (LLVM's time on it, without unrolling every short loop)
     t = torch.from_numpy
     x, w1, g1, b1, m1, v1, w2, g2, b2, m2, v2 = map(t, args)
     y = torch.nn.functional.batch_norm(torch.nn.functional.conv2d(x.permute(0, 3, 1, 2), w1.permute(3, 2, 0, 1),
