@@ -60,8 +60,8 @@ from ..affine import AffineProgram, Array
 from ..dtypes import DataType
 from ..expr import Const, Expr, Load, Op, Var, iter_vars, merged_index, moves_by_one, select_parts, walk
 from ..schedule import MIN_PARALLEL_EXTENT, Scheduled, is_update
-from ..schedule.ast import (ast_affine, ast_calls, ast_nodes, ast_uses, fixed_extent, static_extent, statements_in,
-                            unit_step)
+from ..schedule.ast import (ast_affine, ast_calls, ast_nodes, ast_uses, fixed_extent, in_order_kernel, static_extent,
+                            statements_in, unit_step)
 from ..schedule.tree import unrolled_trips
 from .mapping import Strips, StripMapping, loop_iterator, on_stack
 
@@ -196,7 +196,7 @@ class CpuMapper(StripMapping):
         private = {a: m for a, m in self.sched.contracted.items() if self.sched.kernel_of_array.get(a) == k}
         blocked = frozenset(n for n in self.sched.kernels[k] if is_update(self.stmts[n]))
         plan = CpuPlan(blocked=blocked, buffers={a: on_stack(self.prog.arrays[a], m) for a, m in private.items()})
-        self.walk(node, (), plan, self.small(k))
+        self.walk(node, (), plan, self.small(k) or in_order_kernel(node))
         if blocked:
             marks = [(n, unrolled_trips(n.mark_get_id().get_name())) for n in ast_nodes(node)
                      if n.get_type() == isl.ast_node_type.mark]

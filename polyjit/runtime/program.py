@@ -147,9 +147,9 @@ class CompiledProgram:
         kernels of a small graph."""
         made = {name: empty(shape, dt) for name, _, shape, dt in plan.fresh}
         if POISON:
-            for name, _, shape, dt in plan.fresh:
-                if math.prod(shape):
-                    size = math.prod(shape) * dt.itemsize
+            for name, _, shape, dt in plan.fresh:  # (the frontend's arrays, as numpy's)
+                size = math.prod(shape) * dt.itemsize
+                if size:
                     poison(np.frombuffer((ctypes.c_char * size).from_address(made[name][1]), dt))
         self._run(plan, list(inputs), {n: address for n, (_, address) in made.items()})
         return self._hand_out({n: a for n, (a, _) in made.items()}, plan.returned)

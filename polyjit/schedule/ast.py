@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import islpy as isl
 
-from .tree import isl_items
+from .tree import IN_ORDER, isl_items
 
 
 def kernel_nodes(ast: isl.AstNode) -> list[isl.AstNode]:
@@ -13,6 +13,12 @@ def kernel_nodes(ast: isl.AstNode) -> list[isl.AstNode]:
     if ast.get_type() == isl.ast_node_type.block:
         return isl_items(ast.block_get_children())
     return [ast]
+
+
+def in_order_kernel(node: isl.AstNode) -> bool:
+    """Whether a kernel's nest is a target's preparation (tree.in_order): its
+    nests depend on one another, so one thread runs them, in order."""
+    return node.get_type() == isl.ast_node_type.mark and node.mark_get_id().get_name() == IN_ORDER
 
 
 def ast_nodes(node: isl.AstNode) -> list[isl.AstNode]:

@@ -142,8 +142,7 @@ def preparation(prog: AffineProgram) -> list[str]:
     writers: dict[str, set[str]] = {}
     for s in prog.statements:
         writers.setdefault(s.array, set()).add(s.name)
-    prep = {s.name for s in prog.statements if s.role is Role.ASSIGN and s.library is None and not _scatters(s)
-            and s.points is not None and s.points <= PREPARATION_POINTS}
+    prep = {s.name for s in prog.statements if _plain(s) and s.points is not None and s.points <= PREPARATION_POINTS}
     while True:
         made = {s.array for s in prog.statements if s.name in prep}
         kept = {s.name for s in prog.statements if s.name in prep and writers[s.array] <= prep
@@ -165,7 +164,7 @@ APART = 16  # a statement this many times smaller than a run's largest, sharing 
 def _apart(s, run: list, prog: AffineProgram) -> bool:
     """Whether plain statement s touches no array the statements of run do
     and has at most 1/APART of the iterations of the largest of them."""
-    if s.role is not Role.ASSIGN or s.library is not None or _scatters(s):
+    if not _plain(s):
         return False
     touched = {t.array for t in run} | {ld.array for t in run for ld in prog.statement_loads(t)}
     if s.array in touched or any(ld.array in touched for ld in prog.statement_loads(s)):
@@ -199,6 +198,11 @@ def _window(s, written: set[str], any_stride: bool) -> bool:
                                                               for x in walk(i)) for i in ld.index):
             taps.setdefault(ld.array, set()).add(ld.index)
     return any(len(t) > 1 for t in taps.values())
+
+
+def _plain(s) -> bool:
+    """Whether s assigns each point once, in loops of its own: no sum, library call or scatter."""
+    return s.role is Role.ASSIGN and s.library is None and not _scatters(s)
 
 
 def _scatters(s) -> bool:
