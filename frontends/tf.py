@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -753,6 +754,8 @@ class _Trace:
                 env[t.name] = Const(np.from_dlpack(cap))
         variables = list(self.variables)
         self._reader = tf.function(lambda: [v.read_value() for v in variables], autograph=False)
+        self._reader_traced = threading.Event()
+        self._reader_thread: threading.Thread | None = None
         self.ops: list[Op] = []
         self.unrolling = 0  # depth of while loops being unrolled: what they cannot take aborts the unrolling
         self.trace_ops(cf.graph.get_operations(), env, handles)
@@ -766,8 +769,27 @@ class _Trace:
     def variable_values(self) -> list[np.ndarray]:
         """The variables' current values, read in one TensorFlow call: an
         eager read op per variable from Python was most of a Keras CNN's
-        call (bench/NOTES.md)."""
-        return [np.from_dlpack(t) for t in self._reader()] if self.variables else []
+        call (bench/NOTES.md). Until that call is traced (trace_reader),
+        one by one: tracing it in the first call took a tenth of a
+        MobileNetV2's first call, where reading its 262 variables eagerly
+        takes a hundredth."""
+        if not self.variables:
+            return []
+        if self._reader_traced.is_set():
+            return [np.from_dlpack(t) for t in self._reader()]
+        return [np.from_dlpack(v.read_value()) for v in self.variables]
+
+    def trace_reader(self) -> None:
+        """Trace the one-call reader on a thread of its own; called after a
+        call has compiled and run, so that the trace does not take the
+        compile's cores. Calls before it is done read eagerly."""
+        if self.variables and self._reader_thread is None:
+            self._reader_thread = threading.Thread(target=self._trace_reader, name="polyjit-tf-reader")
+            self._reader_thread.start()
+
+    def _trace_reader(self) -> None:
+        self._reader.get_concrete_function()
+        self._reader_traced.set()
 
     def trace_ops(self, operations: list, env: dict, handles: dict) -> None:
         """Translate a graph's operations into ``self.ops``: ``env`` maps the
@@ -1243,6 +1265,7 @@ class TFFunction:
             raise
         except Exception as err:  # polyjit's own failure, or the program's error that TensorFlow raises too
             return self._recover(key, err, args)
+        trace.trace_reader()
         flat = list(trace.flat)
         for k, o in zip(trace.out_positions, outs):
             flat[k] = _to_tensor(o)
