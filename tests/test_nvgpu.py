@@ -1005,6 +1005,32 @@ def test_products_over_runs_of_dims_call_cublas_as_matrices_thread_by_thread(rng
     np.testing.assert_allclose(got[1], np.einsum("btd,btn->dn", x, g), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("tokens", [40, 1])
+def test_sibling_products_are_one_cublas_call_thread_by_thread(tokens, rng, monkeypatch):
+    """Query, key and value projections of the same hidden states (torch's
+    Linear: [b, t, d] x [n, d] transposed, then a bias) are one cuBLAS call
+    on nvgpu (sibling_products), the weights copied side by side, each
+    projection a slice of the joined result; for a single token, where the
+    copy would cost more than the calls it saves, three calls. The results
+    are numpy's."""
+    from polyjit.runtime import cublas
+    monkeypatch.setattr(cublas, "cublas", lambda: _HostCublas())
+    shapes = [(2, tokens, 16), (16, 16), (8, 16), (8, 16), (16,)]
+    arrays = [rng.standard_normal(s).astype(F32) for s in shapes]
+
+    def qkv(x, wq, wk, wv, b):
+        return [ops.add(ops.dot_general(x, ops.transpose(w), ((2,), (0,))), b) if w is wq
+                else ops.dot_general(x, ops.transpose(w), ((2,), (0,))) for w in (wq, wk, wv)]
+    exe = polyjit.compile(qkv, [InputInfo(s, F32) for s in shapes], {**PTX_ONLY, "contractions": "library"})
+    calls = [p for p in exe.ir("mapping").splitlines() if "library: sgemm" in p]
+    assert len(calls) == (1 if tokens > 1 else 3), calls
+    assert tokens == 1 or "n=32" in calls[0], calls  # (16 + 8 + 8 columns)
+    got = run_threads_on_cpu(exe, arrays)
+    x, wq, wk, wv, b = arrays
+    for y, want in zip(got, (x @ wq.T + b, x @ wk.T, x @ wv.T)):
+        np.testing.assert_allclose(y.reshape(want.shape), want, rtol=1e-5, atol=1e-5)
+
+
 def test_activations_between_cudnn_convolutions_are_channels_last_thread_by_thread(rng, monkeypatch):
     """Where cuDNN loads, NCHW convolutions read and write channels-last
     arrays (its tensor-core kernels take NHWC; handed NCHW, it converts

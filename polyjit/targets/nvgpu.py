@@ -8,6 +8,7 @@ kept as its statement (cache.statement_json), run again from it.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
@@ -91,6 +92,71 @@ def matrix_products(graph: Graph) -> Graph:
         out = graph.dot_general(a, b, ((1 if a_free_first else 0,), (1 if b_free_first else 0,)))
         return graph.reshape(out, n.shape)
     return graph.rewritten(flatten)
+
+
+NARROW_PRODUCT = 1024  # a matrix product's result at most this wide is joined with its siblings
+
+
+def sibling_products(graph: Graph) -> Graph:
+    """A copy in which matrix products of one left operand by several narrow
+    right ones (a transformer's query, key and value projections of the
+    same hidden states, each [t, d] x [d, d]) are one product by their
+    right operands joined along the result's columns, each former result a
+    slice of its columns: cuBLAS runs the wide product nearer its peak than
+    the narrow ones (bench/NOTES.md). Joined only where the right operands
+    (weights, copied into one array at each call) are smaller than the
+    shared left one: a single token's projections would copy the weights
+    for nothing."""
+    groups: dict[tuple, list[Node]] = collections.defaultdict(list)
+    for n in graph.nodes():
+        if n.op != "dot_general" or n.attrs["lb"] or n.inputs[1].rank != 2 or len(n.attrs["rc"]) != 1:
+            continue
+        a, b = n.inputs
+        free = 1 - n.attrs["rc"][0]
+        if not all(sz.is_static(x) for x in a.shape + b.shape) or int(b.shape[free]) > NARROW_PRODUCT:
+            continue
+        groups[(_viewed(a), n.attrs["lc"], n.attrs["rc"], b.shape[n.attrs["rc"][0]], b.dtype)].append(n)
+    joined: dict[int, tuple[int, list[Node]]] = {}  # a sibling's id -> (its group's number, the group)
+    for k, group in enumerate(groups.values()):
+        a = group[0].inputs[0]
+        if len(group) > 1 and sum(sz.static_product(m.inputs[1].shape) for m in group) < sz.static_product(a.shape):
+            joined.update((m.id, (k, group)) for m in group)
+    if not joined:
+        return graph
+    products: dict[int, Node] = {}  # a group's number -> its joined product
+
+    def join(old: Node, n: Node, new: dict[int, Node]) -> Node:
+        if old.id not in joined:
+            return n
+        k, group = joined[old.id]
+        if k not in products:
+            weights = [new.get(w.id, w if _unchanged(w) else None) for w in (m.inputs[1] for m in group)]
+            products[k] = None
+            if all(w is not None for w in weights):  # (else a later sibling's weight is made after this product)
+                free = 1 - n.attrs["rc"][0]
+                weights = graph.concatenate(weights, free)  # (Linear's [n, d] weights: copied as [d, 3n])
+                products[k] = Node("dot_general", (n.inputs[0], weights), n.attrs,
+                                   (*n.shape[:-1], weights.shape[free]), n.dtype)
+        whole = products[k]
+        if whole is None:
+            return n
+        start = sum(int(m.shape[-1]) for m in group[:group.index(old)])
+        return graph.slice(whole, [0] * (whole.rank - 1) + [start], [*whole.shape[:-1], start + int(n.shape[-1])])
+    return graph.rewritten(join)
+
+
+def _unchanged(x: Node) -> bool:
+    """Whether x is layout ops over the graph's sources: a rewrite that
+    changes products only leaves it as it is."""
+    return x.is_source or (x.op in ("reshape", "transpose") and _unchanged(x.inputs[0]))
+
+
+def _viewed(x: Node) -> tuple | int:
+    """x's identity through layout ops: matrix_products reshapes each
+    product's operand with a node of its own."""
+    if x.op in ("reshape", "transpose"):
+        return (x.op, _viewed(x.inputs[0]), tuple(x.shape), x.attrs.get("perm"))
+    return x.id
 
 
 def _matrix_form(a: Node, b: Node, lc: tuple, rc: tuple) -> tuple | None:
@@ -257,13 +323,14 @@ class NvgpuTarget(Target):
 
     def graph_passes(self, graph: Graph, options: CompileOptions) -> Graph:
         """Products over runs of dims as products of matrices
-        (matrix_products), channels-last arrays around cuDNN's TF32
-        convolutions (polyjit.channels_last), and reductions split."""
+        (matrix_products), siblings joined (sibling_products), channels-last
+        arrays around cuDNN's TF32 convolutions (polyjit.channels_last), and
+        reductions split."""
         graph = super().graph_passes(graph, options)
         if (options.contractions != "generated" and options.tf32 and self.direct_convolutions()
                 and not batch_statistics(graph)):  # (TF32: the tensor-core kernels; FMA ones take NCHW as it is)
             graph = channels_last(graph)
-        return split_reductions(narrow_products(matrix_products(graph)))
+        return split_reductions(sibling_products(narrow_products(matrix_products(graph))))
 
     def keeps_input_dilation(self, n: Node, options: CompileOptions) -> bool:
         """Where cuDNN's backward data takes it (library.backward_data)."""
