@@ -505,6 +505,10 @@ TF_OPS: dict[str, Callable] = {
     "AddN": _add_n,
     "Identity": identity, "IdentityN": identity, "StopGradient": identity, "Snapshot": identity,
     "ReadVariableOp": identity, "PreventGradient": identity,
+    # a variable's new value (the program's output, written back after the call: _Trace.write_variables)
+    "AssignVariableOp": lambda o, current, x: x,
+    "AssignAddVariableOp": lambda o, current, x: current + x,
+    "AssignSubVariableOp": lambda o, current, x: current - x,
     # layout
     "Reshape": _reshape, "ExpandDims": lambda o, x, axis: ops.unsqueeze(x, int(_static(axis, "axis"))),
     "Squeeze": lambda o, x: ops.squeeze(x, {d % x.ndim for d in o.get_attr("squeeze_dims")}
@@ -537,6 +541,13 @@ TF_OPS: dict[str, Callable] = {
     "ReluGrad": lambda o, dy, x: ops.where(x > 0, dy, 0),
     "SigmoidGrad": lambda o, y, dy: dy * (y * (1 - y)),
     "TanhGrad": lambda o, y, dy: dy * (1 - y * y),
+    "RsqrtGrad": lambda o, y, dy: dy * (y * y * y) * -0.5,  # (a batch norm's in training)
+    "SqrtGrad": lambda o, y, dy: dy * 0.5 / y,
+    "ReciprocalGrad": lambda o, y, dy: -dy * (y * y), "InvGrad": lambda o, y, dy: -dy * (y * y),
+    "Relu6Grad": lambda o, dy, x: ops.where(ops.logical_and(x > 0, x < 6), dy, 0),
+    "LeakyReluGrad": lambda o, dy, x: ops.where(x > 0, dy, dy * o.get_attr("alpha")),
+    "EluGrad": lambda o, dy, y: ops.where(y > 0, dy, dy * (y + 1)),
+    "SoftplusGrad": lambda o, dy, x: dy * ops.sigmoid(x),
     "BiasAddGrad": _bias_add_grad, "MaxPoolGrad": _max_pool_grad, "Conv2DBackpropFilter": _conv2d_backprop_filter,
     "DepthwiseConv2dNativeBackpropInput": lambda o, *xs: _conv2d_backprop_input(o, *xs, depthwise=True),
     "DepthwiseConv2dNativeBackpropFilter": _depthwise_backprop_filter,
@@ -698,6 +709,15 @@ def _lazy_runner(op: tf.Operation) -> Callable[[list], list]:
     return run
 
 
+# assignments to variables: run (where a rule refuses them) on the values, not
+# the variable, whose new value is written back after the call
+_ASSIGNS: dict[str, Callable[[list], list]] = {
+    "AssignVariableOp": lambda args: [args[1]],
+    "AssignAddVariableOp": lambda args: [np.asarray(args[0]) + np.asarray(args[1])],
+    "AssignSubVariableOp": lambda args: [np.asarray(args[0]) - np.asarray(args[1])],
+}
+
+
 def _in_order(operations: list) -> list:
     """The graph's operations, each after the ones whose results it reads;
     otherwise in creation order. A loop's gradient adds accumulators to the
@@ -738,6 +758,8 @@ class _Trace:
         self.param_dims: dict[str, tuple[Value, int]] = {}  # and back
         by_handle = {id(v.handle): v for v in cf.variables}
         handles: dict[str, Const] = {}  # a variable's placeholder -> its handle, for ops that take the resource
+        self.variable_of: dict[int, tf.Variable] = {}  # id of a handle's Const -> its variable
+        self.assigned: dict[int, Value] = {}  # id of a handle's Const -> the variable's value as last assigned
         for t in placeholders[:n_user]:
             env[t.name] = Value(_shape(t), t.dtype)
             self.invars.append(env[t.name])
@@ -748,6 +770,7 @@ class _Trace:
                     raise UnsupportedOpError(f"captured resource {t.name}")
                 env[t.name] = Value(tuple(var.shape.as_list()), var.dtype)
                 handles[t.name] = Const(var.handle)
+                self.variable_of[id(handles[t.name])] = var
                 self.invars.append(env[t.name])
                 self.variables.append(var)
             else:
@@ -762,7 +785,10 @@ class _Trace:
         self.structure = cf.structured_outputs
         flat = tf.nest.flatten(self.structure, expand_composites=True)
         self.out_positions = [k for k, t in enumerate(flat) if isinstance(t, tf.Tensor)]
-        self.outvars = [env[flat[k].name] for k in self.out_positions]
+        self.written = [self.variable_of[h] for h in self.assigned]  # written back after each call, in this order
+        written = list(self.written)
+        self._writer = tf.function(lambda *values: [v.assign(x) for v, x in zip(written, values)], autograph=False)
+        self.outvars = [env[flat[k].name] for k in self.out_positions] + list(self.assigned.values())
         self.flat = flat
         self.ops = _live(self.ops, self.outvars)
 
@@ -779,16 +805,30 @@ class _Trace:
             return [np.from_dlpack(t) for t in self._reader()]
         return [np.from_dlpack(v.read_value()) for v in self.variables]
 
+    def write_variables(self, values: list) -> None:
+        """Assign the values the program computed to the variables it
+        assigns (``written``), after the call: in one TensorFlow call once
+        traced (trace_reader), one by one until then."""
+        if not values:
+            return
+        if self._reader_traced.is_set():
+            self._writer(*values)
+            return
+        for v, x in zip(self.written, values):
+            v.assign(x)
+
     def trace_reader(self) -> None:
-        """Trace the one-call reader on a thread of its own; called after a
-        call has compiled and run, so that the trace does not take the
-        compile's cores. Calls before it is done read eagerly."""
+        """Trace the one-call reader (and writer) on a thread of its own;
+        called after a call has compiled and run, so that the trace does not
+        take the compile's cores. Calls before it is done read eagerly."""
         if self.variables and self._reader_thread is None:
             self._reader_thread = threading.Thread(target=self._trace_reader, name="polyjit-tf-reader")
             self._reader_thread.start()
 
     def _trace_reader(self) -> None:
         self._reader.get_concrete_function()
+        if self.written:
+            self._writer.get_concrete_function(*[tf.TensorSpec(v.shape, v.dtype) for v in self.written])
         self._reader_traced.set()
 
     def trace_ops(self, operations: list, env: dict, handles: dict) -> None:
@@ -811,8 +851,18 @@ class _Trace:
                 continue
             if self.unrolling and o.type != "ReadVariableOp" and any(t.name in handles for t in o.inputs):
                 raise UnsupportedOpError(f"{o.type} of a resource in a while loop")
-            ins = [env[t.name] if o.type == "ReadVariableOp" or t.name not in handles else handles[t.name]
-                   for t in o.inputs]  # a loop or call that reads variables itself gets them as variables
+            if o.type in _ASSIGNS and o.inputs[0].name in handles:
+                handle = handles[o.inputs[0].name]
+                current = self.assigned.get(id(handle), env[o.inputs[0].name])
+                self.assigned[id(handle)] = Value(current.shape, current.dtype)
+                self.ops.append(Op(o.type, TF_OPS[o.type], o, [current, env[o.inputs[1].name]],
+                                   [self.assigned[id(handle)]], _ASSIGNS[o.type], o.name))
+                continue
+            if o.type == "ReadVariableOp" and o.inputs[0].name in handles:
+                ins = [self.assigned.get(id(handles[o.inputs[0].name]), env[o.inputs[0].name])]
+            else:
+                ins = [env[t.name] if o.type == "ReadVariableOp" or t.name not in handles else handles[t.name]
+                       for t in o.inputs]  # a loop or call that reads variables itself gets them as variables
             made = None
             if o.type in ("While", "StatelessWhile"):
                 carried = self.unroll(o, [(env[t.name], handles.get(t.name)) for t in o.inputs])
@@ -1261,6 +1311,7 @@ class TFFunction:
         try:
             trace, prog = self.program(arrays)
             outs = prog(arrays + trace.variable_values())
+            trace.write_variables(outs[len(trace.out_positions):])
         except USER_ERRORS:
             raise
         except Exception as err:  # polyjit's own failure, or the program's error that TensorFlow raises too
