@@ -1126,16 +1126,24 @@ def scatter(x: Tensor, index: Tensor, src: Tensor, axis: int = 0) -> Tensor:
     return where(winner >= 0, written, x)
 
 
+SORT_LIMIT = 512  # longest row sort() ranks pairwise: at 1024, 5 times eager PyTorch's sort (bench/NOTES.md)
+
+
 def sort(x: Tensor, axis: int = -1, descending: bool = False) -> tuple[Tensor, Tensor]:
     """Values sorted along axis and their original positions, stable, NaN
     ordered as the largest value (numpy's, torch's and JAX's order). Each
     element's rank counts the elements that come before it (all pairs of a
-    row compared: n^2 work, meant for rows up to a few thousand long), and
-    one scatter per result puts each element at its rank."""
+    row compared: n^2 work), and one scatter per result puts each element
+    at its rank. Rows longer than SORT_LIMIT are refused (UnsupportedOpError:
+    the framework's sort runs them, as a counted fallback): a top-k over a
+    vocabulary of 32000 took 2000 times eager's time."""
     if x.ndim == 0:  # one element, in its place
         return x, zeros_like(cast(x, DataType.Int))
     axis = axis % x.ndim
     n = x.shape[axis]
+    if isinstance(n, int) and n > SORT_LIMIT:
+        raise UnsupportedOpError(f"a sort or top-k along {n} elements: rows of at most {SORT_LIMIT} are ranked "
+                                 "pairwise, longer ones run in the framework")
     key = cast(x, DataType.Int32) if x.dtype == DataType.Bool else x
     pairs = list(x.shape[:axis]) + [n, n] + list(x.shape[axis + 1:])
     rest = list(range(axis)), list(range(axis + 2, x.ndim + 1))

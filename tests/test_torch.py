@@ -651,6 +651,24 @@ def test_sort_topk_argsort():
                      torch.argsort(x, dim=1, stable=True)), x)
 
 
+def test_a_top_k_over_a_vocabulary_runs_in_torch_counted():
+    """A top-k over rows longer than ops.SORT_LIMIT (a sampler's over a
+    vocabulary) is a counted fallback, where the pairwise ranking took 2000
+    times eager's time; strict refuses it."""
+    def sample(logits):
+        values, at = torch.topk(torch.log_softmax(logits, -1), 5)
+        return values * 2, at
+    x = torch.randn(3, polyjit.ops.SORT_LIMIT + 1)
+    jf = polyjit.jit_torch(sample)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = jf(x)
+    assert_close(got, sample(x))
+    assert jf.stats["fallbacks"] == 1 and "top-k along 513 elements" in jf.stats["fallback_ops"][0]
+    with pytest.raises(Exception, match="top-k along 513 elements"):  # (torch.compile wraps it)
+        polyjit.jit_torch(sample, compile_options={"strict": True})(x)
+
+
 def test_scatter_and_scatter_reduce():
     """torch.scatter (which sort's backward writes through) and scatter_reduce
     in every reduction, with and without self, over repeated indices; NaN
