@@ -352,8 +352,12 @@ def _window(o, shape, ksizes):
 
 
 def _conv2d(o, x, w):
+    """Groups where the kernel takes fewer input channels than x has (TF's
+    grouped Conv2D, Keras's ``Conv2D(groups=...)``)."""
     layout, _, strides, dil, pads = _window(o, x.shape, [w.shape[0], w.shape[1]])
-    return ops.conv(x, w, strides, pads, dil, 1, layout, "HWIO")
+    channels = x.shape[_channel_axis(o, x.ndim)]
+    groups = channels // w.shape[2] if isinstance(channels, int) and isinstance(w.shape[2], int) else 1
+    return ops.conv(x, w, strides, pads, dil, groups, layout, "HWIO")
 
 
 def _depthwise_kernel(w):
@@ -370,7 +374,9 @@ def _conv2d_backprop_input(o, sizes, w, dy, depthwise: bool = False):
     layout, sp, strides, dil, pads = _window(o, sizes, [w.shape[0], w.shape[1]])
     if any(not isinstance(sizes[d], int) or sizes[d] < 0 for d in sp):
         raise UnsupportedOpError("Conv2DBackpropInput with spatial sizes known only at run time")
-    w, groups = _depthwise_kernel(w) if depthwise else (w, 1)
+    channels = sizes[_channel_axis(o, len(sizes))]
+    w, groups = _depthwise_kernel(w) if depthwise else (
+        w, channels // w.shape[2] if isinstance(channels, int) and isinstance(w.shape[2], int) else 1)
     return ops.conv_input_grad(dy, w, [sizes[d] for d in sp], strides, pads, dil, groups, layout, "HWIO")
 
 
@@ -417,7 +423,9 @@ def _conv2d_backprop_filter(o, x, sizes, dy):
     """The kernel's gradient of a Conv2D (HWIO), through the core's conv_weight_grad."""
     sizes = [int(v) for v in _static(sizes, "Conv2DBackpropFilter's filter_sizes")]
     layout, _, strides, dil, pads = _window(o, x.shape, sizes[:2])
-    return ops.conv_weight_grad(x, dy, sizes[:2], strides, pads, dil, layout, "HWIO")
+    channels = x.shape[_channel_axis(o, x.ndim)]
+    groups = channels // sizes[2] if isinstance(channels, int) else 1  # (a grouped Conv2D's)
+    return ops.conv_weight_grad(x, dy, sizes[:2], strides, pads, dil, layout, "HWIO", groups=groups)
 
 
 def _depthwise_backprop_filter(o, x, sizes, dy):
@@ -864,6 +872,15 @@ class _Trace:
                 ins = [env[t.name] if o.type == "ReadVariableOp" or t.name not in handles else handles[t.name]
                        for t in o.inputs]  # a loop or call that reads variables itself gets them as variables
             made = None
+            if o.type in ("PartitionedCall", "StatefulPartitionedCall"):  # (Keras's grouped Conv2D: a function of its own)
+                fn = o.graph._get_function(o.get_attr("f").name)
+                if fn is not None:
+                    results = self.call(fn.graph, [(env[t.name], handles.get(t.name)) for t in o.inputs])
+                    for t, (v, h) in zip(o.outputs, results):
+                        env[t.name] = v
+                        if h is not None:
+                            handles[t.name] = h
+                    continue
             if o.type in ("While", "StatelessWhile"):
                 carried = self.unroll(o, [(env[t.name], handles.get(t.name)) for t in o.inputs])
                 if carried is not None:

@@ -200,6 +200,22 @@ def test_depthwise_convolution_training_step(rng, strides, multiplier):
     check(step, rnd(rng, 2, 8, 9, 3), rtol=1e-4, atol=1e-5)
 
 
+def test_keras_grouped_convolution_training_step(rng):
+    """Keras runs a grouped Conv2D (ConvNeXt's depthwise 7x7 as
+    ``groups=channels``) in a function of its own (StatefulPartitionedCall),
+    traced inline; TF's Conv2D and its gradients take groups from the
+    kernel's input channels."""
+    model = keras.Sequential([keras.Input((9, 9, 8)), keras.layers.Conv2D(8, 3, groups=8, padding="same"),
+                              keras.layers.Conv2D(6, 3, groups=2, strides=2), keras.layers.Flatten(),
+                              keras.layers.Dense(3)])
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.tanh(model(x)))
+        return loss, tape.gradient(loss, model.trainable_variables)
+    check(step, rnd(rng, 2, 9, 9, 8), rtol=1e-4, atol=1e-5)
+
+
 def test_keras_multi_head_attention_einsums(rng):
     mha = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)
     x = rnd(rng, 2, 5, 8)
