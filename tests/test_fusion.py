@@ -465,6 +465,34 @@ def test_a_strided_window_shares_its_nest_with_its_direct_producer_only(rng):
                                rtol=1e-5, atol=1e-5)
 
 
+def test_a_large_window_starts_a_group_on_every_target(rng):
+    """A 7x7 depthwise convolution padded to its input's size (ConvNeXt's),
+    its input made in the same run (a residual sum): the window goes with
+    its producer only and its readers (a layer norm's statistics) start the
+    next group, on the host too. With them, isl took 1-4 s over each such
+    group of ConvNeXt-Tiny (its first call 13 s, now 4)."""
+    from polyjit.lowering import lower
+    from polyjit.schedule import fusion_groups
+
+    def block(x, r, w):
+        y = ops.conv(x + r, w, (1, 1), ((3, 3), (3, 3)), groups=8, layout="NHWC", kernel_layout="HWIO")
+        m = ops.mean(y, [3])
+        return y - ops.unsqueeze(m, 3), m
+    shapes = [(2, 9, 9, 8), (2, 9, 9, 8), (7, 7, 1, 8)]
+    exe = polyjit.compile(block, [InputInfo(s, F32) for s in shapes], {"target": "cpu", "cache": False})
+    prog = lower(exe.graph.deduplicated())
+    labels = {st.name: st.label for st in prog.statements}
+    groups = [[labels[n] for n in g] for g in fusion_groups(prog)]
+    window = next(g for g in groups if "conv" in g)
+    assert len(window) == 2 and "reduce_init" not in window, groups
+    x, r, w = (rng.standard_normal(sh, dtype=F32) for sh in shapes)
+    y = refs.conv2d((x + r).transpose(0, 3, 1, 2), w.transpose(3, 2, 0, 1), (1, 1), ((3, 3), (3, 3)), groups=8)
+    y = y.transpose(0, 2, 3, 1)
+    got_y, got_m = exe(x, r, w)
+    np.testing.assert_allclose(got_m, y.mean(3), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got_y, y - y.mean(3, keepdims=True), rtol=1e-5, atol=1e-5)
+
+
 def test_small_unrelated_statements_and_window_readers_leave_the_run_on_the_gpu(rng):
     """With the nvgpu target's choices, a depthwise weight's transposed copy
     (a few hundred iterations, no array shared) goes into a group before

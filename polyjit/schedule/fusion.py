@@ -173,10 +173,16 @@ def _apart(s, run: list, prog: AffineProgram) -> bool:
     return s.points is not None and s.points * APART <= largest
 
 
+LARGE_WINDOW = 36  # points of an array a window reads (6x6 and up) from which it starts a group on every target
+
+
 def _window(s, written: set[str], any_stride: bool) -> bool:
     """Whether s reads a window of an array the group writes at a stride (a
-    strided depthwise convolution), or with any_stride, at several shifted
-    positions (any depthwise convolution). It then shares a group with the
+    strided depthwise convolution), at LARGE_WINDOW points or more (ConvNeXt's
+    7x7 depthwise convolution, its padding's clamped indices included: isl
+    took 1-4 s a group over its producer's dependences), or with
+    any_stride, at several shifted positions (any depthwise convolution).
+    It then shares a group with the
     statement before it only (its producer, or its weights' copy), and its
     readers start the next group, on every target. Shifting a chain of
     producers (a batch norm, then hardswish) under a stride-2 window took
@@ -189,6 +195,11 @@ def _window(s, written: set[str], any_stride: bool) -> bool:
                                      and isinstance(x.args[1], Const) and abs(x.args[1].value) > 1 for x in walk(e))
     reads = [ld for ld in loads(s.body) if ld.array in written]
     if any(strided(i) for ld in reads for i in ld.index):
+        return True
+    points: dict[str, set] = {}
+    for ld in reads:
+        points.setdefault(ld.array, set()).add(ld.index)
+    if any(len(p) >= LARGE_WINDOW for p in points.values()):
         return True
     if not any_stride:
         return False
