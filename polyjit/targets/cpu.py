@@ -97,10 +97,28 @@ def packed_operands(graph: Graph, min_rows: int = 8) -> Graph:
 
 def _innermost(n: Node, d: int) -> bool:
     """Whether dimension d of n is the innermost of the memory it reads
-    (transposes are access relations, not copies)."""
-    while n.is_index_transpose:
-        d, n = n.attrs["perm"][d], n.inputs[0]
-    return d == n.rank - 1
+    (transposes are access relations, not copies), through reshapes of the
+    dimensions before d and of dimensions of one (attention's keys
+    transposed, their batch and heads then merged for a batched product:
+    q @ k.transpose(-1, -2), or einsum's "bhqd,bhkd->bhqk")."""
+    while True:
+        if n.is_index_transpose:
+            d, n = n.attrs["perm"][d], n.inputs[0]
+        elif n.op == "reshape" and n.inputs and _reshaped(n, d) is not None:
+            d, n = _reshaped(n, d), n.inputs[0]
+        else:  # (another reshape: taken as laid out as it reads)
+            return all(s == 1 for s in n.shape[d + 1:])
+
+
+def _reshaped(n: Node, d: int) -> int | None:
+    """The dimension of reshape n's operand that its dimension d runs along,
+    where the reshape keeps d and the dimensions after it (ones aside); else None."""
+    src = n.inputs[0]
+    tail = [s for s in n.shape[d:] if s != 1]
+    kept = [(j, s) for j, s in enumerate(src.shape) if s != 1]
+    if n.shape[d] == 1 or not tail or len(kept) < len(tail) or [s for _, s in kept[-len(tail):]] != tail:
+        return None
+    return kept[-len(tail)][0]
 
 
 def _read_across(n: Node) -> bool:
