@@ -1060,15 +1060,16 @@ def _arange(cx, *args, dtype=None, **kw):
 
 @_reg(aten.bucketize.Tensor, aten.searchsorted.Tensor)
 def _bucketize(cx, *args, out_int32=False, right=False, side=None, sorter=None):
-    """The bucket of each value among 1-d sorted boundaries: how many of them
+    """The bucket of each value among sorted boundaries: how many of them
     lie below it (or at most it, right=True), one comparison with each; NaN
-    goes past the last, as torch's binary search puts it."""
+    goes past the last, as torch's binary search puts it. searchsorted's
+    boundaries may be batched: a row of them for each row of values."""
     x, edges = args if cx.target is aten.bucketize.Tensor else args[::-1]
-    if edges.ndim != 1 or sorter is not None:
+    if sorter is not None or (edges.ndim != 1 and (edges.ndim != x.ndim or edges.shape[:-1] != x.shape[:-1])):
         raise UnsupportedOpError(f"{cx.target} with boundaries of rank {edges.ndim} or a sorter")
     right = right or side == "right"
-    wide = list(x.shape) + [edges.shape[0]]
-    e = ops.broadcast_in_dim(edges, wide, [x.ndim])
+    wide = list(x.shape) + [edges.shape[-1]]
+    e = ops.broadcast_in_dim(edges, wide, list(range(edges.ndim - 1)) + [x.ndim])
     v = ops.broadcast_in_dim(x, wide, list(range(x.ndim)))
     below = ops.logical_or(e <= v if right else e < v, ops.isnan(v))
     count = ops.sum(ops.cast(below, DataType.Int), [x.ndim])

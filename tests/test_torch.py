@@ -478,12 +478,15 @@ def test_assignments_through_index_tensors_and_masks():
 
 def test_buckets_and_triangle_indices():
     """bucketize and searchsorted (both sides, int32 results, repeated
-    boundaries, NaN and infinities), tril_indices and triu_indices."""
+    boundaries, NaN and infinities, boundaries batched by row),
+    tril_indices and triu_indices."""
     x = torch.randn(8, 32, device=DEVICE)
     x[0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
     b = torch.tensor([-1.0, 0.0, 0.0, 0.5, 2.0], device=DEVICE)
     check(lambda x: (torch.bucketize(x, b), torch.bucketize(x, b, right=True, out_int32=True),
                      torch.searchsorted(b, x.flatten()), torch.searchsorted(b, x, side="right")), x)
+    rows = torch.sort(torch.randn(8, 6, device=DEVICE), 1).values  # (boundaries a row for each row of values)
+    check(lambda x, r: (torch.searchsorted(r, x), torch.searchsorted(r, x, right=True)), x, rows)
     check(lambda x: (x[torch.tril_indices(8, 8, device=x.device)[0], :] * 2,
                      x[:, torch.triu_indices(8, 32, 1, device=x.device)[1]]), x)
 
