@@ -286,3 +286,21 @@ def test_attention_keys_transposed_through_a_reshape_are_packed(unsqueezed, rng)
     exe = polyjit.compile(scores, [InputInfo(q.shape, F32), InputInfo(k.shape, F32)], {"cache": False})
     np.testing.assert_allclose(exe(q, k), np.einsum("bhqd,bhkd->bhqk", q, k).reshape(6, 128, 128),
                                rtol=1e-4, atol=1e-4)
+
+
+def test_a_per_channel_value_is_not_a_transposition(rng):
+    """A group norm's affine step reads its bias by channel, a loop outside
+    the innermost that leaves the bias alone: not a transposing copy. It
+    keeps the array's own loop order, parallel over images; tiled as one,
+    its channels ran inside the rows at a stride of a whole plane (1.7x
+    eager's time)."""
+    x, s, b = (rng.standard_normal(sh, dtype=F32) for sh in ((16, 8, 64, 64), (16, 4), (8,)))
+
+    def affine(x, s, b):
+        scale = ops.reshape(ops.broadcast_in_dim(s, [16, 4, 2], [0, 1]), [16, 8])
+        return x * ops.broadcast_in_dim(scale, x.shape, [0, 1]) + ops.broadcast_in_dim(b, x.shape, [1])
+    plans = _mapping(affine, [x.shape, s.shape, b.shape], cache=False)
+    assert plans == ["thread team; parallel c0"], plans
+    exe = polyjit.compile(affine, [InputInfo(a.shape, F32) for a in (x, s, b)], {"cache": False})
+    want = x * np.repeat(s, 2, 1)[:, :, None, None] + b[:, None, None]
+    np.testing.assert_allclose(exe(x, s, b), want, rtol=1e-6, atol=1e-6)

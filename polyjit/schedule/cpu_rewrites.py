@@ -250,9 +250,11 @@ TRANSPOSE_TILE = 32  # a transposing copy walks tiles of this many rows and colu
 
 def _tile_transposition(node, prog):
     """A band of one statement that writes along its innermost loop and reads
-    along another, or reads along it and writes along another (a transposing
-    copy: a weight's transpose each call, the keys of attention laid out
-    transposed), walks square tiles of those two loops, so that the lines
+    along another (with a stride in the innermost: not a per-channel value
+    that loop leaves alone, a group norm's bias), or reads along it and
+    writes along another (a transposing copy: a weight's transpose each
+    call, the keys of attention laid out transposed), walks square tiles
+    of those two loops, so that the lines
     its strided accesses touch are used for a tile's rows before they leave
     the cache. The other loop moves next to the innermost where it is not.
     Trailing dims that the store and every load walk with the same loops
@@ -279,8 +281,12 @@ def _tile_transposition(node, prog):
     inner = n - 1 - shared
     if follows[inner] is None:
         return node
-    if along(st.index, inner, shared):  # written along the innermost loop: a load along another
-        other = [m for m in range(inner) if any(along(i, m, shared) and not along(i, inner, shared) for i in reads)]
+    def moves(index, m) -> bool:  # whether band member m moves index at all
+        return follows[m] is not None and any(
+            isinstance(x, Var) and x.name == st.iters[follows[m]] for d in index for x in walk(d))
+    if along(st.index, inner, shared):  # written along the innermost loop: a load along another, strided in it
+        other = [m for m in range(inner) if any(along(i, m, shared) and not along(i, inner, shared)
+                                                and moves(i, inner) for i in reads)]
     else:  # read along it: written along another
         other = [m for m in range(inner) if along(st.index, m, shared)] \
             if any(along(i, inner, shared) for i in reads) else []
