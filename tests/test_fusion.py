@@ -710,3 +710,19 @@ def test_cpu_groups_take_isls_clustering_schedule_where_it_joins_them(rng, monke
         np.testing.assert_allclose(exe(img), refs.blur(img.astype(np.float64)), rtol=1e-5, atol=1e-6)
         assert solves[:2] == [0, 1]
         assert exe.stats["kernels"] == (2 if give_up else 1)
+
+
+def test_a_softmax_over_the_leading_dimension_is_not_fused_into_guarded_phases(rng):
+    """A softmax over the leading dimension: fused, isl interleaved its three
+    passes' phases inside the innermost loop behind branches on outer loops,
+    which LLVM left scalar (15x the unfused time); the host schedules that
+    group again without fusion (fusion.guarded_inner_loop)."""
+    x = rng.standard_normal((64, 32, 64), dtype=F32)
+
+    def sm(x):
+        e = ops.exp(x - ops.unsqueeze(ops.max(x, [0]), 0))
+        return e / ops.unsqueeze(ops.sum(e, [0]), 0)
+    exe = polyjit.compile(sm, [InputInfo(x.shape, F32)], {"target": "cpu", "cache": False})
+    assert exe.stats["kernels"] > 1
+    e = np.exp(x - x.max(0))
+    np.testing.assert_allclose(exe(x), e / e.sum(0), rtol=1e-5, atol=1e-6)

@@ -20,7 +20,7 @@ from ..library import blas, gemm_form
 from ..runtime import CompiledProgram
 from ..schedule import cpu_rewrites, schedule_program
 from ..schedule.cpu_rewrites import STRIP_COLUMNS
-from ..schedule.fusion import serialized
+from ..schedule.fusion import guarded_inner_loop, serialized
 from .base import Target
 
 if TYPE_CHECKING:
@@ -211,8 +211,10 @@ class CpuTarget(Target):
         return cpu_rewrites.rewrite(sched, prog, validity, tile_sizes, self.vector_bits())
 
     def private_buffers(self, prog: AffineProgram, ast: isl.AstNode, contracted: dict, fused: bool) -> dict | None:
-        """All of them; None where the fusion left a long kernel on one thread (fusion.serialized)."""
-        return None if fused and serialized(ast, prog) else contracted
+        """All of them; None where the fusion left a long kernel on one thread
+        (fusion.serialized) or branches on outer loops in an innermost loop
+        (fusion.guarded_inner_loop)."""
+        return None if fused and (serialized(ast, prog) or guarded_inner_loop(ast)) else contracted
 
     def vector_bits(self) -> int:
         """The width register blocks are sized for: the host's vectors."""
