@@ -10,7 +10,7 @@ import islpy as isl
 from .. import sizes as sz
 from ..affine import TAPS, AffineProgram, Role
 from ..expr import QUASI_AFFINE, Const, Op, Var, iter_vars, loads, merged_index, select_parts, walk
-from .ast import ast_nodes, kernel_nodes, statements_in, static_extent
+from .ast import ast_nodes, ast_uses, kernel_nodes, statements_in, static_extent
 from .cpu_rewrites import TILE_RED
 from .dependences import is_legal
 from .tree import (group_domain, is_product_init, is_update, isl_items, member_iter, plain_iters, product_inits,
@@ -467,10 +467,9 @@ def guarded_inner_loop(ast: isl.AstNode, min_points: int = 1 << 16) -> bool:
         body = ast_nodes(node.for_get_body())
         if any(n.get_type() == isl.ast_node_type.for_ for n in body):
             continue
-        name = node.for_get_iterator().get_id().get_name()
+        inner = {node.for_get_iterator().get_id().get_name()}
         guards = [n for n in body if n.get_type() == isl.ast_node_type.if_]
-        if guards and all(name not in n.if_get_cond().to_C_str().replace("(", " ").replace(")", " ").split()
-                          for n in guards) and _points(ast) >= min_points:
+        if guards and not any(ast_uses(g.if_get_cond(), inner) for g in guards) and _points(ast) >= min_points:
             return True
     return False
 
