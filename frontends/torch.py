@@ -32,6 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from polyjit import ops
 from polyjit.api import Executable, takes_device_arrays
+from polyjit.channels_last import inverse
 from polyjit.runtime.buffers import BufferCache, new_buffer
 from polyjit.runtime.gpu_buffers import GpuView
 from polyjit.dtypes import DataType
@@ -1243,10 +1244,12 @@ class _Translation:
     graph: Graph
     tensor_inputs: list[int]  # positions of FX placeholders that are tensors
     seed_index: int | None
-    outputs: list  # ('tensor', k), ('input', position), ('permuted', (position, perm)), ('const', v), ('size', Lin)
+    outputs: list  # ('tensor', k), ('transposed', (k, perm)), ('input', position), ('permuted', (position, perm)),
+    # ('const', v), ('size', Lin)
     symbols: dict  # symbolic size name -> (argument position, dimension or None for an integer argument)
     asserts: list = field(default_factory=list)  # (graph output, message): torch._assert_async conditions
     int_inputs: list = field(default_factory=list)  # graph inputs that are integer arguments (0-d int64)
+    input_orders: dict = field(default_factory=dict)  # position -> the order its tensor is read in (_dense_order)
 
 
 def _solvable_symbol(expr) -> tuple[str, ...]:
@@ -1264,6 +1267,7 @@ def translate(gm: torch.fx.GraphModule) -> _Translation:
     env: dict[torch.fx.Node, Any] = {}
     tensor_inputs = []
     input_pos: dict[int, int] = {}
+    input_orders: dict[int, tuple[int, ...]] = {}
     symbols: dict[str, tuple] = {}
     dims = {d for node in gm.graph.nodes if node.op == "placeholder"
             and isinstance(_node_val(node), torch.Tensor) for s in _node_val(node).shape
@@ -1278,11 +1282,17 @@ def translate(gm: torch.fx.GraphModule) -> _Translation:
                 for d, s in enumerate(val.shape):
                     if isinstance(s, torch.SymInt) and s.node.expr.is_Symbol:
                         symbols.setdefault(str(s.node.expr), (pos, d))
-                n = cx.graph.input(tuple(_placeholder_shape(val, cx)), _DTYPES[val.dtype], node.name)
+                shape, order = _placeholder_shape(val, cx), _dense_order(val)
+                if order is not None:  # its memory order as the input, the logical order a transpose of it
+                    shape = [shape[d] for d in order]
+                    input_orders[pos] = order
+                n = cx.graph.input(tuple(shape), _DTYPES[val.dtype], node.name)
                 n.attrs["declared_strided"] = False
+                input_pos[n.id] = pos
+                if order is not None:
+                    n = cx.graph.transpose(n, inverse(order))
                 env[node] = ops.Tensor(cx.graph, n)
                 tensor_inputs.append(pos)
-                input_pos[n.id] = pos
             elif isinstance(val, torch.SymInt) and val.node.expr.is_Symbol and str(val.node.expr) not in dims:
                 # an integer argument no tensor's size carries: a value (x * k), never a size
                 n = cx.graph.input((), DataType.Int, node.name)
@@ -1311,25 +1321,34 @@ def translate(gm: torch.fx.GraphModule) -> _Translation:
             cx.target, cx.node = node.target, node
             env[node] = fn(cx, *args, **kwargs)
         elif node.op == "output":
-            return _outputs(cx, node, env, tensor_inputs, input_pos, symbols)
+            return _outputs(cx, node, env, tensor_inputs, input_pos, input_orders, symbols, gm.meta.get(_SAVED, ()))
         else:
             raise UnsupportedOpError(f"FX node kind {node.op}")
     raise UnsupportedOpError("graph without output")
 
 
 def _outputs(cx: _Context, node: torch.fx.Node, env: dict, tensor_inputs: list[int], input_pos: dict[int, int],
-             symbols: dict[str, tuple]) -> _Translation:
+             input_orders: dict[int, tuple[int, ...]], symbols: dict[str, tuple], saved) -> _Translation:
     """The translation of a graph whose output node is ``node``: each result
-    a graph output, an input handed back, a size or a constant."""
+    a graph output, an input handed back, a size or a constant. A transpose
+    that a forward saves for its backward (an activation, for a weight's
+    gradient) is a view of its value, as eager saves it: the backward reads
+    it as laid out (_dense_order), in place of a transposing copy in the
+    forward. Other results stay row-major: autograd copies a gradient laid
+    out otherwise than its parameter."""
     outs = []
     flat = node.args[0] if isinstance(node.args[0], (tuple, list)) else (node.args[0],)
     for o in flat:
         v = env[o] if isinstance(o, torch.fx.Node) else o
-        view = _input_view(v.node, input_pos) if isinstance(v, ops.Tensor) else None
+        view = _input_view(v.node, input_pos, input_orders) if isinstance(v, ops.Tensor) else None
         if view is not None and view[1] is None:
             outs.append(("input", view[0]))
         elif view is not None:
             outs.append(("permuted", view))
+        elif isinstance(v, ops.Tensor) and v.node.is_index_transpose and getattr(o, "name", None) in saved \
+                and _view_layout(_node_val(o), *_transposed(v.node)):
+            base, perm = _transposed(v.node)
+            outs.append(("transposed", (_graph_output(cx, base), perm)))
         elif isinstance(v, ops.Tensor):
             cx.graph.add_output(v.node)
             outs.append(("tensor", len(cx.graph.outputs) - 1))
@@ -1344,20 +1363,65 @@ def _outputs(cx: _Context, node: torch.fx.Node, env: dict, tensor_inputs: list[i
     for cond, msg in cx.asserts:
         cx.graph.add_output(cond.node)
         asserts.append((len(cx.graph.outputs) - 1, msg))
-    return _Translation(cx.graph, tensor_inputs, cx.seed_index, outs, symbols, asserts, cx.int_inputs)
+    return _Translation(cx.graph, tensor_inputs, cx.seed_index, outs, symbols, asserts, cx.int_inputs, input_orders)
 
 
-def _input_view(node, input_pos: dict[int, int]) -> tuple[int, tuple[int, ...] | None] | None:
+def _transposed(node) -> tuple:
+    """(base, permutation): node as a chain of transposes of a value."""
+    perm = list(range(node.rank))
+    while node.is_index_transpose:
+        perm = [node.attrs["perm"][p] for p in perm]
+        node = node.inputs[0]
+    return node, tuple(perm)
+
+
+def _graph_output(cx: _Context, node) -> int:
+    """The graph output that holds node: an earlier one, else a new one."""
+    for k, out in enumerate(cx.graph.outputs):
+        if out is node:
+            return k
+    cx.graph.add_output(node)
+    return len(cx.graph.outputs) - 1
+
+
+def _input_view(node, input_pos: dict[int, int],
+                input_orders: dict[int, tuple[int, ...]]) -> tuple[int, tuple[int, ...] | None] | None:
     """(argument position, permutation or None) where node is an input, or a
     permutation of one (a training forward saves each Linear weight's
     transpose for the backward): handed back as a torch view, not copied."""
-    perm = None
-    while node.is_index_transpose:
-        perm = [node.attrs["perm"][p] for p in (perm if perm is not None else range(node.rank))]
-        node = node.inputs[0]
-    if node.op != "input" or node.attrs.get("name") == "seed" or node.id not in input_pos:
+    base, perm = _transposed(node)
+    if base.op != "input" or base.attrs.get("name") == "seed" or base.id not in input_pos:
         return None
-    return input_pos[node.id], tuple(perm) if perm is not None else None
+    pos = input_pos[base.id]
+    if pos in input_orders:  # the input is the argument's dims in memory order
+        perm = tuple(input_orders[pos][p] for p in perm)
+    return pos, None if perm == tuple(range(len(perm))) else perm
+
+
+def _dense_order(val) -> tuple[int, ...] | None:
+    """The order of a tensor's dims in memory, outermost first, where it is a
+    permutation of a row-major array other than the identity (the transpose
+    of an activation that a forward graph saves for its backward); None
+    otherwise, and for symbolic sizes or strides."""
+    shape, strides = tuple(val.shape), tuple(val.stride())
+    if len(shape) < 2 or not all(isinstance(x, int) for x in shape + strides) or val.is_contiguous():
+        return None
+    order = tuple(sorted(range(len(shape)), key=lambda d: -strides[d]))
+    dense = sz.row_major(tuple(shape[d] for d in order))
+    if any(shape[d] != 1 and strides[d] != dense[k] for k, d in enumerate(order)):
+        return None
+    return order
+
+
+def _view_layout(val, base, perm: tuple[int, ...]) -> bool:
+    """Whether torch expects val (an output's value) laid out as the
+    transpose perm of a row-major array of base's shape."""
+    if not isinstance(val, torch.Tensor) or not all(isinstance(x, int) for x in tuple(val.stride())):
+        return False
+    if not all(sz.is_static(s) for s in base.shape):
+        return False
+    dense = sz.row_major(tuple(int(s) for s in base.shape))
+    return all(n == 1 or st == dense[p] for n, st, p in zip(val.shape, val.stride(), perm))
 
 
 class CompiledGraph:
@@ -1385,6 +1449,8 @@ class CompiledGraph:
         arrays, index = [], None
         for k in self.t.tensor_inputs:
             a = args[k]
+            if k in self.t.input_orders:  # its dims in memory order (contiguous where laid out as traced)
+                a = a.permute(self.t.input_orders[k])
             if not isinstance(a, torch.Tensor):  # an integer argument (the executable's scalar input)
                 arrays.append(a)
             elif a.is_cuda and takes_device_arrays(self.options.target):  # through its pointer: no detached tensor object
@@ -1476,6 +1542,9 @@ class CompiledGraph:
                                           for n, (k, d) in self.t.symbols.items()}))
             elif kind == "permuted":
                 result.append(args[v[0]].permute(v[1]))
+            elif kind == "transposed":  # a transpose of a computed value: a view of it, as in eager
+                o = outs[v[0]]
+                result.append((o if isinstance(o, torch.Tensor) else torch_from_host(o)).permute(v[1]))
             else:
                 result.append(args[v] if kind == "input" else v)
         return tuple(result)
@@ -1520,8 +1589,8 @@ def _saved_outputs(gm: torch.fx.GraphModule, outputs: list) -> set[int]:
     nodes = next(iter(gm.graph.find_nodes(op="output"))).args[0]
     by_kind: dict[bool, set] = {True: set(), False: set()}
     for (kind, v), n in zip(outputs, nodes):
-        if kind == "tensor":
-            by_kind[getattr(n, "name", None) in saved].add(v)
+        if kind in ("tensor", "transposed"):
+            by_kind[getattr(n, "name", None) in saved].add(v if kind == "tensor" else v[0])
     return by_kind[True] - by_kind[False]
 
 

@@ -1002,6 +1002,38 @@ def test_saved_weight_transposes_are_views_of_the_weights():
     assert kept and all(t.data_ptr() in weights for t in kept), [(tuple(t.shape), t.stride()) for t in saved]
 
 
+def test_saved_activation_transposes_are_views_read_in_place(monkeypatch):
+    """What a training forward saves of an activation for a weight's
+    gradient (addmm saves its first operand's transpose) is a view of the
+    activation, laid out as eager lays it out, not a transposed copy; the
+    backward reads it in place (its graph's input is the array in memory
+    order). Gradients as eager's, and row-major like their parameters."""
+    def f(x, w1, w2, b):
+        return torch.addmm(b, F.gelu(x @ w1), w2)
+    orders = []
+
+    def translate(gm):
+        t = translate.real(gm)
+        orders.append(t.input_orders)
+        return t
+    translate.real = polyjit.frontends.torch.translate
+    monkeypatch.setattr(polyjit.frontends.torch, "translate", translate)
+    args = [torch.randn(5, 16), r(16, 32, grad=True), r(32, 8, grad=True), r(8, grad=True)]
+    ref = [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = torch.compile(f, backend="polyjit", options={"strict": True})(*args)
+    g = torch.randn(5, 8)
+    (out * g).sum().backward()
+    (f(*ref) * g).sum().backward()
+    for a, want in zip(args[1:], ref[1:]):
+        torch.testing.assert_close(a.grad, want.grad, rtol=1e-5, atol=1e-5)
+        assert a.grad.is_contiguous()
+    hidden = [t for t in saved if tuple(t.shape) == (32, 5)]  # the GELU's output, transposed
+    assert hidden and all(t.stride() == (1, 32) for t in hidden), [(tuple(t.shape), t.stride()) for t in saved]
+    assert any((1, 0) in o.values() for o in orders), orders  # the backward's input: the GELU's output as stored
+
+
 def test_host_calls_with_the_same_layouts_run_the_bound_plan(monkeypatch):
     """On the host, a graph called again with inputs of the last call's
     shapes, strides and dtypes (a training loop) runs the plan that call
