@@ -582,6 +582,32 @@ def test_a_sums_initialization_stays_with_its_update_where_a_group_is_cut(rng):
     np.testing.assert_allclose(exe(x)[5], (d * np.cos(x)).sum(1), rtol=1e-5, atol=1e-4)
 
 
+def test_a_layer_norms_affine_step_joins_the_full_group_of_the_x_hat_it_reads(rng):
+    """A training layer norm's forward has seven statements, one past a
+    group's limit: its last, `x_hat * w + b`, read only x_hat at its own
+    point, and joins x_hat's group rather than reading x_hat back alone."""
+    from polyjit.lowering import lower
+    from polyjit.schedule import fusion_groups
+    from polyjit.schedule.fusion import MAX_GROUP
+
+    def f(x, w, b):
+        m = ops.mean(x, [1], keepdim=True)
+        c = x - m
+        xh = c * ops.rsqrt(ops.mean(c * c, [1], keepdim=True) + 1e-5)
+        return xh * w + b, xh
+    shapes = [(16, 64), (64,), (64,)]
+    exe = polyjit.compile(f, [InputInfo(s, F32) for s in shapes], {"target": "cpu", "cache": False})
+    prog = lower(exe.graph.deduplicated())
+    groups = fusion_groups(prog)
+    assert len(groups[0]) == MAX_GROUP + 1 and len(groups) == 1, groups
+    x, w, b = (rng.standard_normal(sh, dtype=F32) for sh in shapes)
+    c = x - x.mean(1, keepdims=True)
+    xh = c / np.sqrt((c * c).mean(1, keepdims=True) + 1e-5)
+    got, got_xh = exe(x, w, b)
+    np.testing.assert_allclose(got_xh, xh, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, xh * w + b, rtol=1e-5, atol=1e-5)
+
+
 def test_a_slice_of_the_whole_is_its_operand():
     """Slicing every element (a weight gradient cut to the sizes it has) adds no node: no copy."""
     g = polyjit.compile(lambda x: ops.slice(x, [0, 0], [4, 5]) * 2, [InputInfo([4, 5], F32)]).graph

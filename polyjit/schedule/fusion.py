@@ -104,7 +104,8 @@ def fusion_groups(prog: AffineProgram, epilogues: bool = False,
                 groups.append(current)
                 current = []
             continue
-        if current and (len(current) >= MAX_GROUP or _reads_reshaped(s, current, prog)
+        if current and (len(current) >= MAX_GROUP and not _pointwise_tail(s, current, by_name, prog)
+                        or _reads_reshaped(s, current, prog)
                         or sums_apart and _sums_a_sum(s, current, prog)
                         or windows and _reads_window(s, {by_name[n].array for n in current if n in windows}, prog)):
             held = [current.pop()] if s.role is Role.UPDATE and current[-1] in inits else []
@@ -214,6 +215,21 @@ def _window(s, written: set[str], any_stride: bool) -> bool:
 def _plain(s) -> bool:
     """Whether s assigns each point once, in loops of its own: no sum, library call or scatter."""
     return s.role is Role.ASSIGN and s.library is None and not _scatters(s)
+
+
+def _pointwise_tail(s, current: list[str], by_name: dict, prog: AffineProgram) -> bool:
+    """Whether s, one past MAX_GROUP, may join the run: the run's last
+    statement is its only producer in the run, read at s's own point over
+    the same loops (a training layer norm's `x_hat * w + b`, after the
+    x_hat it saves). Cut off, it read the whole of x_hat back in a kernel of
+    its own; fused, it adds isl one statement and one dependence."""
+    last = by_name[current[-1]]
+    if len(current) != MAX_GROUP or not _plain(s) or not _plain(last) or s.extra or last.extra \
+            or s.bounds != last.bounds or plain_iters(last.index) != list(last.iters):
+        return False
+    written = {by_name[n].array for n in current}
+    reads = [ld for ld in prog.statement_loads(s) if ld.array in written]
+    return bool(reads) and all(ld.array == last.array and plain_iters(ld.index) == list(s.iters) for ld in reads)
 
 
 def _scatters(s) -> bool:
