@@ -187,4 +187,40 @@ def _fdiv(b: ir.IRBuilder, p, q):
     return b.fdiv(p, q)
 
 
+FMOD_STEP = 29  # quotient bits one exact step in double takes off: a float's 24-bit significand times it fits 53
+FMOD_STEPS = 10  # float32 quotients reach 2^277 (2^128 over 2^-149)
+
+
+def fmod(b: ir.IRBuilder, m: ir.Module, x, y):
+    """C's fmodf, exactly, in straight-line double arithmetic that
+    vectorizes (LLVM's frem is a C library call per lane). |x| is reduced by
+    |y| * 2^(29k), k = 9 down to 0: each remainder is a float, so each step's
+    quotient is under 2^29, and q * d and r - q * d are exact in double. q
+    comes from a reciprocal rounded below 1/|y| (by 2^-49, more than three
+    roundings' error), so it is the quotient's integer part or one less,
+    which one compare and subtraction puts right. A constant y needs only the steps its quotients
+    reach. NaN for a NaN, an infinite x or a zero y; x for an infinite y,
+    as in C."""
+    f64 = ir.DoubleType()
+    ax, ay = _fabs(b, m, x), _fabs(b, m, y)
+    r, dy = b.fpext(ax, f64), b.fpext(ay, f64)
+    inv = b.fmul(b.fdiv(ir.Constant(f64, 1.0), dy), ir.Constant(f64, 1.0 - 2.0 ** -49))  # (below 1/|y|)
+    trunc = m.declare_intrinsic("llvm.trunc", [f64])
+    fma = m.declare_intrinsic("llvm.fmuladd", [f64], ir.FunctionType(f64, [f64, f64, f64]))
+    steps = FMOD_STEPS
+    if isinstance(y, ir.Constant) and 0 < abs(float(y.constant)) < math.inf:  # (x % 1.0): quotients under 2^128/|y|
+        steps = max(1, math.ceil((128 - math.log2(abs(float(y.constant)))) / FMOD_STEP))
+    for k in range(steps - 1, -1, -1):
+        d = b.fmul(dy, ir.Constant(f64, 2.0 ** (FMOD_STEP * k)))
+        q = b.call(trunc, [b.fmul(r, b.fmul(inv, ir.Constant(f64, 2.0 ** (-FMOD_STEP * k))))])
+        r = b.call(fma, [b.fneg(q), d, r])
+        r = b.select(b.fcmp_ordered(">=", r, d), b.fsub(r, d), r)
+    copysign = m.declare_intrinsic("llvm.copysign", [F32], ir.FunctionType(F32, [F32, F32]))
+    res = b.call(copysign, [b.fptrunc(r, F32), x])
+    res = b.select(b.fcmp_ordered("==", ay, c(math.inf)), x, res)
+    bad = b.or_(b.or_(b.fcmp_unordered("uno", x, y), b.fcmp_ordered("==", ay, c(0.0))),
+                b.fcmp_ordered("==", ax, c(math.inf)))
+    return b.select(bad, c(math.nan), res)
+
+
 KERNELS = {"exp": exp, "log": log, "sin": sin, "cos": cos, "tan": tan, "tanh": tanh, "erf": erf}

@@ -53,7 +53,7 @@ def _sign(e, a, dt, src):
 
 def _remainder(e, a, dt, src):
     b, zero = e.b, _const(0.0, a[0])
-    r = b.frem(*a)
+    r = e.frem(*a)
     fix = b.and_(b.fcmp_ordered("!=", r, zero),
                  b.xor(b.fcmp_ordered("<", r, zero), b.fcmp_ordered("<", a[1], zero)))
     return b.select(fix, b.fadd(r, a[1]), r)
@@ -210,8 +210,9 @@ def _any_type_rules() -> None:
 
 
 def _float_rules() -> None:
-    for op, name in (("add", "fadd"), ("sub", "fsub"), ("mul", "fmul"), ("div", "fdiv"), ("fmod", "frem")):
+    for op, name in (("add", "fadd"), ("sub", "fsub"), ("mul", "fmul"), ("div", "fdiv")):
         rule(op, "float", (lambda n: lambda e, a, dt, src: getattr(e.b, n)(*a))(name))
+    rule("fmod", "float", lambda e, a, dt, src: e.frem(*a))
     rule("neg", "float", lambda e, a, dt, src: e.b.fneg(a[0]))
     rule("reciprocal", "float", lambda e, a, dt, src: e.b.fdiv(_const(1.0, a[0]), a[0]))
     rule("sigmoid", "float", _sigmoid)
