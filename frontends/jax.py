@@ -527,7 +527,7 @@ PRIMITIVES: dict[str, Callable] = {
     "reduce_prod": _reduce(ops.prod), "reduce_and": _reduce(ops.reduce_all), "reduce_or": _reduce(ops.reduce_any),
     "argmax": _argreduce(ops.argmax), "argmin": _argreduce(ops.argmin),
     "cumsum": _cumulative("sum"), "cumprod": _cumulative("prod"), "cummax": _cumulative("max"),
-    "cummin": _cumulative("min"),
+    "cummin": _cumulative("min"), "cumlogsumexp": _cumulative("logsumexp"),
     "reduce_window_sum": _reduce_window("sum"), "reduce_window_max": _reduce_window("max"),
     "reduce_window_min": _reduce_window("min"),
     "select_and_scatter_add": _select_and_scatter_add,

@@ -533,7 +533,7 @@ TF_OPS: dict[str, Callable] = {
     "Sum": _reduce(ops.sum), "Max": _reduce(ops.max), "Min": _reduce(ops.min), "Prod": _reduce(ops.prod),
     "Mean": _mean, "ArgMax": _argreduce(ops.argmax), "ArgMin": _argreduce(ops.argmin),
     "Any": _reduce(ops.reduce_any), "All": _reduce(ops.reduce_all),
-    "Cumsum": _cumulative("sum"), "Cumprod": _cumulative("prod"),
+    "Cumsum": _cumulative("sum"), "Cumprod": _cumulative("prod"), "CumulativeLogsumexp": _cumulative("logsumexp"),
     "GatherV2": _gather, "GatherNd": _gather_nd, "OneHot": _one_hot, "TopKV2": _top_k,
     "ResizeBilinear": _resize_bilinear,
     "ReverseV2": lambda o, x, axes: ops.reverse(x, [int(a) for a in np.atleast_1d(_static(axes, "axes"))]),

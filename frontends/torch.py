@@ -753,6 +753,7 @@ ATEN[aten.sort.default] = lambda cx, x, dim=-1, descending=False: ops.sort(x, di
 ATEN[aten.sort.stable] = lambda cx, x, *, stable=None, dim=-1, descending=False: ops.sort(x, dim, descending)
 ATEN[aten.topk.default] = lambda cx, x, k, dim=-1, largest=True, sorted=True: ops.topk(x, k, dim, largest)
 ATEN[aten.cumprod.default] = lambda cx, x, dim, dtype=None: ops.cumprod(_in(cx, x, dtype), dim)
+ATEN[aten.logcumsumexp.default] = lambda cx, x, dim: ops.cumulative("logsumexp", x, dim)
 
 
 @_reg(aten.var_mean.correction, aten.var.correction)

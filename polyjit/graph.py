@@ -297,12 +297,13 @@ class _StructuredOps:
         return self.reduce("min", self.where(hit, pos, big), [axis], keepdim)
 
     def cumulative(self, op: str, x: Node, axis: int) -> Node:
-        """Running sum, product, maximum or minimum along axis; sums and
-        products of booleans and int32 accumulate in int64, as torch's do."""
-        if op not in REDUCTIONS:
-            raise DefinitionError(f"cumulative: op {op!r} is not one of sum, prod, max, min")
+        """Running sum, product, maximum, minimum or log-sum-exp along axis;
+        sums and products of booleans and int32 accumulate in int64, as
+        torch's do."""
+        if op not in scalar.CUMULATIVE:
+            raise DefinitionError(f"cumulative: op {op!r} is not one of {', '.join(scalar.CUMULATIVE)}")
         axis = _norm_axis(axis, x.rank)
-        dt = _accumulated(op, x.dtype)
+        dt = DataType.Float if op == "logsumexp" and not x.dtype.is_float else _accumulated(op, x.dtype)
         if x.rank == 0:  # a 0-d tensor's one element
             return self.cast(x, dt)
         return Node("cumulative", (self.cast(x, dt),), {"op": op, "axis": axis}, x.shape, dt)

@@ -806,7 +806,8 @@ def _cumulative(L: Lowering, n: Node, name):
     prev[axis] = Op(DataType.Int, "max", (E.isub(idx[axis], E.const(1)), E.const(0)))
     first = Op(DataType.Bool, "gt", (idx[axis], E.const(0)))
     carry = Op(n.dtype, "select", (first, Load(n.dtype, name, tuple(prev)), identity(op, n.dtype)))
-    L.add(name, iters, bounds, idx, Op(n.dtype, scalar.COMBINE[op], (carry, L.value(n.inputs[0], idx))), "cumulative")
+    L.add(name, iters, bounds, idx, Op(n.dtype, scalar.CUMULATIVE[op], (carry, L.value(n.inputs[0], idx))),
+          "cumulative")
 
 
 def _scatter(L: Lowering, n: Node, name):

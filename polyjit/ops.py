@@ -492,7 +492,7 @@ def argmin(x: Tensor, dim: int, keepdim: bool = False) -> Tensor:
 
 
 def cumulative(op: str, x: Tensor, dim: int, reverse: bool = False, exclusive: bool = False) -> Tensor:
-    """Running op ("sum", "prod", "max", "min") along dim; reverse runs from
+    """Running op ("sum", "prod", "max", "min", "logsumexp") along dim; reverse runs from
     the end, exclusive shifts the running values by one (the first is op's
     identity)."""
     g = _graph(x)

@@ -77,6 +77,14 @@ def _expm1(x: Expr) -> Expr:
     return _select(_op("eq", u, _c(1.0, x)), x, r)
 
 
+def _logaddexp(a: Expr, b: Expr) -> Expr:
+    """log(e^a + e^b) from the larger: equal arguments (infinities too)
+    give a + log 2, a NaN gives NaN."""
+    big = _op("maximum", a, b)
+    r = _op("add", big, _op("log1p", _op("exp", _op("neg", _op("abs", _op("sub", a, b))))))
+    return _select(_op("eq", a, b), _op("add", a, _c(math.log(2.0), a)), r)
+
+
 def _pow(x: Expr, y: Expr) -> Expr:
     """exp(y log|x|), with the sign of an odd integer power (of -0.0 too) and
     C's special cases: NaN for a finite negative base and a non-integer
@@ -145,6 +153,7 @@ _TABLE = [
     ScalarOp("sin", 1, "float", cost=10), ScalarOp("cos", 1, "float", cost=10),
     ScalarOp("tan", 1, "float", cost=14, libm=True), ScalarOp("tanh", 1, "float", cost=12, libm=True),
     ScalarOp("atan2", 2, "float", cost=20, libm=True, decompose=_atan2),
+    ScalarOp("logaddexp", 2, "float", cost=20, decompose=_logaddexp),
     ScalarOp("erf", 1, "float", cost=12, libm=True),
     ScalarOp("erfc", 1, "float", cost=14, libm=True, decompose=_erfc),
     ScalarOp("erf_inv", 1, "float"),
@@ -174,6 +183,7 @@ def cost(op: str) -> int:
 
 # ------------------------------------------------------------- reductions
 COMBINE = {"sum": "add", "prod": "mul", "max": "maximum", "min": "minimum"}
+CUMULATIVE = {**COMBINE, "logsumexp": "logaddexp"}  # running ops (a scan's combine need not be a reduction's)
 ARITHMETIC = ("sum", "prod")  # by + and *: a float result depends on the terms' order, an integer grows
 WIDENING = ARITHMETIC  # so bool and int32 operands accumulate in int64, halves in float32
 WINDOW_REDUCTIONS = ("sum", "max", "min")  # those reduce_window takes (padding holds their identity)
@@ -194,6 +204,8 @@ def identity(combine: str, dt: DataType):
         return 0 if not dt.is_float else 0.0
     if combine == "prod":
         return 1 if not dt.is_float else 1.0
+    if combine == "logsumexp":
+        return -math.inf
     if dt is DataType.Bool:
         return combine == "min"
     if dt.is_float:

@@ -1,6 +1,7 @@
 """The PyTorch frontend on the seed programs: forward and backward against
 eager on fresh random data, with zero fallbacks."""
 import copy
+import math
 import re
 import os
 import subprocess
@@ -714,6 +715,16 @@ def test_lgamma_digamma_train():
 
 def test_cumulative_products_train():
     check(lambda x: torch.cumprod(x, 1) + torch.cumsum(x, 0), r(4, 7, grad=True), backward=True, rtol=1e-4, atol=1e-4)
+
+
+def test_logcumsumexp_trains_and_keeps_infinities_and_nan():
+    """A running log-sum-exp over values 300 apart (a global maximum would
+    underflow the early terms to -inf), through -inf, inf and NaN as eager."""
+    x = torch.randn(4, 37) * 50
+    x[0, 3], x[1, 5], x[2, 7], x[3, :5] = -math.inf, math.inf, math.nan, -300.0
+    for dim in (0, 1):
+        check(lambda t: torch.logcumsumexp(t, dim), x)
+    check(lambda t: torch.logcumsumexp(t * 5, 1), r(3, 20, grad=True), backward=True)
 
 
 @pytest.mark.parametrize("make", [lambda: nn.Conv2d(6, 9, 3, padding=1, groups=3),

@@ -88,7 +88,7 @@ def _math(op: str) -> Rule:
 
 
 _MATH = ("exp", "log", "log1p", "expm1", "sqrt", "rsqrt", "sin", "cos", "tan", "tanh", "erf", "atan2",
-         "floor", "ceil", "round", "abs", "maximum", "minimum")
+         "floor", "ceil", "round", "abs", "maximum", "minimum", "logaddexp")
 
 # ------------------------------------------------------------- integers
 def _int_max(e, a, dt, src):
