@@ -1335,21 +1335,27 @@ def _outputs(cx: _Context, node: torch.fx.Node, env: dict, tensor_inputs: list[i
     that a forward saves for its backward (an activation, for a weight's
     gradient) is a view of its value, as eager saves it: the backward reads
     it as laid out (_dense_order), in place of a transposing copy in the
-    forward. Other results stay row-major: autograd copies a gradient laid
-    out otherwise than its parameter."""
+    forward. Whatever else the backward alone reads and torch expects laid
+    out as a permutation of row-major (a channels-last activation) is
+    stored in that order, so that the backward's input is the layout its
+    graph was traced with. Other results stay row-major: autograd copies a
+    gradient laid out otherwise than its parameter."""
     outs = []
     flat = node.args[0] if isinstance(node.args[0], (tuple, list)) else (node.args[0],)
     for o in flat:
         v = env[o] if isinstance(o, torch.fx.Node) else o
         view = _input_view(v.node, input_pos, input_orders) if isinstance(v, ops.Tensor) else None
+        backward_only = getattr(o, "name", None) in saved
         if view is not None and view[1] is None:
             outs.append(("input", view[0]))
         elif view is not None:
             outs.append(("permuted", view))
-        elif isinstance(v, ops.Tensor) and v.node.is_index_transpose and getattr(o, "name", None) in saved \
-                and _view_layout(_node_val(o), *_transposed(v.node)):
-            base, perm = _transposed(v.node)
-            outs.append(("transposed", (_graph_output(cx, base), perm)))
+        elif isinstance(v, ops.Tensor) and backward_only and v.node.is_index_transpose \
+                and _view_layout(_node_val(o), *(chain := _transposed(v.node))):
+            outs.append(("transposed", (_graph_output(cx, chain[0]), chain[1])))
+        elif isinstance(v, ops.Tensor) and backward_only and (order := _dense_order(_node_val(o))) is not None:
+            stored = cx.graph.transpose(v.node, order)
+            outs.append(("transposed", (_graph_output(cx, stored), inverse(order))))
         elif isinstance(v, ops.Tensor):
             cx.graph.add_output(v.node)
             outs.append(("tensor", len(cx.graph.outputs) - 1))
@@ -1400,10 +1406,14 @@ def _input_view(node, input_pos: dict[int, int],
 
 
 def _dense_order(val) -> tuple[int, ...] | None:
-    """The order of a tensor's dims in memory, outermost first, where it is a
-    permutation of a row-major array other than the identity (the transpose
-    of an activation that a forward graph saves for its backward); None
-    otherwise, and for symbolic sizes or strides."""
+    """The order of a (fake) tensor's dims in memory, outermost first,
+    where it is a permutation of a row-major array other than the identity;
+    None otherwise, and for symbolic sizes or strides. A graph's input laid
+    out so (a transpose its forward saved, a channels-last image) is read as
+    that array through a transpose: in place, where a strided read would
+    not know the order until the call."""
+    if not isinstance(val, torch.Tensor):
+        return None
     shape, strides = tuple(val.shape), tuple(val.stride())
     if len(shape) < 2 or not all(isinstance(x, int) for x in shape + strides) or val.is_contiguous():
         return None

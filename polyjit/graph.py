@@ -103,6 +103,8 @@ def _norm_axis(axis: int, rank: int, what: str = "axis") -> int:
 def _accumulated(op: str, dt: DataType) -> DataType:
     """The type a reduction by op accumulates dt in: sums and products of
     booleans and narrower integers in int64, as torch's do."""
+    if op == "logsumexp" and not dt.is_float:
+        return DataType.Float
     return DataType.Int if op in scalar.WIDENING and (dt is DataType.Bool or dt.is_int) else dt
 
 
@@ -303,7 +305,9 @@ class _StructuredOps:
         if op not in scalar.CUMULATIVE:
             raise DefinitionError(f"cumulative: op {op!r} is not one of {', '.join(scalar.CUMULATIVE)}")
         axis = _norm_axis(axis, x.rank)
-        dt = DataType.Float if op == "logsumexp" and not x.dtype.is_float else _accumulated(op, x.dtype)
+        dt = _accumulated(op, x.dtype)
+        if dt in (DataType.Half, DataType.BFloat16) and op in scalar.FLOAT_CARRIED:  # (as reductions widen them)
+            return self.cast(self.cumulative(op, self.cast(x, DataType.Float), axis), dt)
         if x.rank == 0:  # a 0-d tensor's one element
             return self.cast(x, dt)
         return Node("cumulative", (self.cast(x, dt),), {"op": op, "axis": axis}, x.shape, dt)

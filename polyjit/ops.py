@@ -502,7 +502,7 @@ def cumulative(op: str, x: Tensor, dim: int, reverse: bool = False, exclusive: b
     if reverse:
         x = flip(x, [dim])
     y = _wrap(g, g.cumulative(op, _node(g, x), dim))
-    if exclusive:
+    if exclusive and not (sz.is_static(y.shape[dim]) and int(y.shape[dim]) == 0):  # (none to shift out)
         end, lo = list(y.shape), [0] * y.ndim
         end[dim], lo[dim] = y.shape[dim] - 1, 1
         y = _wrap(g, g.pad(_node(g, slice(y, [0] * y.ndim, end)), lo, [0] * y.ndim,

@@ -186,6 +186,8 @@ COMBINE = {"sum": "add", "prod": "mul", "max": "maximum", "min": "minimum"}
 CUMULATIVE = {**COMBINE, "logsumexp": "logaddexp"}  # running ops (a scan's combine need not be a reduction's)
 ARITHMETIC = ("sum", "prod")  # by + and *: a float result depends on the terms' order, an integer grows
 WIDENING = ARITHMETIC  # so bool and int32 operands accumulate in int64, halves in float32
+FLOAT_CARRIED = (*WIDENING, "logsumexp")  # running ops that carry halves in float32: in half, a long
+# running sum stops growing once each term is under half its ulp (3000 x 0.1 summed to 256)
 WINDOW_REDUCTIONS = ("sum", "max", "min")  # those reduce_window takes (padding holds their identity)
 ARG_REDUCTIONS = {"argmax": "max", "argmin": "min"}  # the first position of the extreme by this reduction
 

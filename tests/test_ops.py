@@ -576,6 +576,12 @@ def test_pooling(k, s, p, rng):
     close(got[1], refs.pool2d(x, k, s, p, "sum") / (k * k), rtol=1e-5, atol=1e-5)
 
 
+def test_an_exclusive_scan_over_an_empty_axis_is_empty(rng):
+    x = rng.standard_normal((3, 0)).astype(F32)
+    got, _ = run(lambda t: ops.cumulative("sum", t, 1, exclusive=True), x)
+    assert got.shape == (3, 0)
+
+
 def test_cumsum(rng):
     x = rng.standard_normal((6, 50)).astype(F32)
     got, _ = run(lambda t: (ops.cumsum(t, 1), ops.cumsum(t, 0)), x, symbolic=True)

@@ -717,6 +717,16 @@ def test_cumulative_products_train():
     check(lambda x: torch.cumprod(x, 1) + torch.cumsum(x, 0), r(4, 7, grad=True), backward=True, rtol=1e-4, atol=1e-4)
 
 
+def test_half_running_sums_carry_float32():
+    """A float16 running sum or log-sum-exp carries float32 between steps, as
+    torch's does: carried in half, 3000 x 0.1 stopped growing at 256."""
+    x = torch.full((3000,), 0.1, dtype=torch.float16)
+    f = polyjit.jit_torch(lambda t: (torch.cumsum(t, 0), torch.logcumsumexp(t * 0, 0)))
+    (s, lse), (s_ref, lse_ref) = f(x), (torch.cumsum(x, 0), torch.logcumsumexp(x * 0, 0))
+    torch.testing.assert_close(s, s_ref, rtol=2e-3, atol=0)
+    torch.testing.assert_close(lse, lse_ref, rtol=2e-3, atol=0)
+
+
 def test_logcumsumexp_trains_and_keeps_infinities_and_nan():
     """A running log-sum-exp over values 300 apart (a global maximum would
     underflow the early terms to -inf), through -inf, inf and NaN as eager."""
@@ -724,7 +734,8 @@ def test_logcumsumexp_trains_and_keeps_infinities_and_nan():
     x[0, 3], x[1, 5], x[2, 7], x[3, :5] = -math.inf, math.inf, math.nan, -300.0
     for dim in (0, 1):
         check(lambda t: torch.logcumsumexp(t, dim), x)
-    check(lambda t: torch.logcumsumexp(t * 5, 1), r(3, 20, grad=True), backward=True)
+    # (the gradient's reverse scans carry float32, where torch's CPU kernel carries double: as cumprod's, 1e-4)
+    check(lambda t: torch.logcumsumexp(t * 5, 1), r(3, 20, grad=True), backward=True, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("make", [lambda: nn.Conv2d(6, 9, 3, padding=1, groups=3),
@@ -1043,6 +1054,28 @@ def test_saved_activation_transposes_are_views_read_in_place(monkeypatch):
     hidden = [t for t in saved if tuple(t.shape) == (32, 5)]  # the GELU's output, transposed
     assert hidden and all(t.stride() == (1, 32) for t in hidden), [(tuple(t.shape), t.stride()) for t in saved]
     assert any((1, 0) in o.values() for o in orders), orders  # the backward's input: the GELU's output as stored
+
+
+def test_channels_last_activations_saved_for_the_backward_keep_their_layout():
+    """A channels-last network's forward stores what its backward alone
+    reads in the layout torch traced the backward with (channels last, as
+    eager saves it), so the backward reads it in place: gradients as eager's."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 3, padding=1))
+    m = m.to(memory_format=torch.channels_last)
+    ref = copy.deepcopy(m)
+    x = torch.randn(2, 4, 8, 8).to(memory_format=torch.channels_last)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = torch.compile(m, backend="polyjit", options={"strict": True})(x)
+    g = torch.randn_like(out)
+    (out * g).sum().backward()
+    (ref(x) * g).sum().backward()
+    for p, q in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4)
+    activations = [t for t in saved if t.dim() == 4 and t.shape[1] == 8]
+    assert activations and all(t.is_contiguous(memory_format=torch.channels_last) for t in activations), \
+        [(tuple(t.shape), t.stride()) for t in saved]
 
 
 def test_host_calls_with_the_same_layouts_run_the_bound_plan(monkeypatch):

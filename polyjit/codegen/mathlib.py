@@ -194,13 +194,14 @@ FMOD_STEPS = 10  # float32 quotients reach 2^277 (2^128 over 2^-149)
 def fmod(b: ir.IRBuilder, m: ir.Module, x, y):
     """C's fmodf, exactly, in straight-line double arithmetic that
     vectorizes (LLVM's frem is a C library call per lane). |x| is reduced by
-    |y| * 2^(29k), k = 9 down to 0: each remainder is a float, so each step's
-    quotient is under 2^29, and q * d and r - q * d are exact in double. q
+    |y| * 2^(29k), k = 9 down to 0: the step before left r under 2^29 times
+    the step's divisor d, so q is under 2^29; r is a float (the exact
+    remainder of floats), so q * d and r - q * d are exact in double. q
     comes from a reciprocal rounded below 1/|y| (by 2^-49, more than three
     roundings' error), so it is the quotient's integer part or one less,
-    which one compare and subtraction puts right. A constant y needs only the steps its quotients
-    reach. NaN for a NaN, an infinite x or a zero y; x for an infinite y,
-    as in C."""
+    which one compare and subtraction puts right. A constant y needs only
+    the steps its quotients reach. NaN for a NaN, an infinite x or a zero
+    y; x for an infinite y, as in C."""
     f64 = ir.DoubleType()
     ax, ay = _fabs(b, m, x), _fabs(b, m, y)
     r, dy = b.fpext(ax, f64), b.fpext(ay, f64)

@@ -41,7 +41,8 @@ def fusion_groups(prog: AffineProgram, epilogues: bool = False,
     run on one thread too (7.3 ms of a 2-thread training step). A
     contraction (its initialization and update, with epilogues its
     elementwise consumers) is a group of its own; other runs are cut at
-    MAX_GROUP statements (a sum's initialization going with its update),
+    MAX_GROUP statements (a sum's initialization going with its update; one
+    more where it reads only the run's last statement, _pointwise_tail),
     around a strided window (with windows_apart, any window: _window) or,
     with sums_apart, before a reduction of a reduction's results
     (_sums_a_sum). A convolution's taps (role TAPS: im2col, a padded copy)
