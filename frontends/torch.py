@@ -1331,15 +1331,14 @@ def translate(gm: torch.fx.GraphModule) -> _Translation:
 def _outputs(cx: _Context, node: torch.fx.Node, env: dict, tensor_inputs: list[int], input_pos: dict[int, int],
              input_orders: dict[int, tuple[int, ...]], symbols: dict[str, tuple], saved) -> _Translation:
     """The translation of a graph whose output node is ``node``: each result
-    a graph output, an input handed back, a size or a constant. A transpose
-    that a forward saves for its backward (an activation, for a weight's
-    gradient) is a view of its value, as eager saves it: the backward reads
-    it as laid out (_dense_order), in place of a transposing copy in the
-    forward. Whatever else the backward alone reads and torch expects laid
-    out as a permutation of row-major (a channels-last activation) is
-    stored in that order, so that the backward's input is the layout its
-    graph was traced with. Other results stay row-major: autograd copies a
-    gradient laid out otherwise than its parameter."""
+    a graph output, an input handed back, a size or a constant. What the
+    backward alone reads and torch expects laid out as a permutation of
+    row-major is stored in that order and handed out as a view, so that the
+    backward's input has the layout its graph was traced with (_dense_order
+    reads it in place): a transpose saved for a weight's gradient is its
+    value, not a transposing copy; a channels-last activation is stored
+    channels last. Other results stay row-major: autograd copies a gradient
+    laid out otherwise than its parameter."""
     outs = []
     flat = node.args[0] if isinstance(node.args[0], (tuple, list)) else (node.args[0],)
     for o in flat:
@@ -1350,11 +1349,9 @@ def _outputs(cx: _Context, node: torch.fx.Node, env: dict, tensor_inputs: list[i
             outs.append(("input", view[0]))
         elif view is not None:
             outs.append(("permuted", view))
-        elif isinstance(v, ops.Tensor) and backward_only and v.node.is_index_transpose \
-                and _view_layout(_node_val(o), *(chain := _transposed(v.node))):
-            outs.append(("transposed", (_graph_output(cx, chain[0]), chain[1])))
         elif isinstance(v, ops.Tensor) and backward_only and (order := _dense_order(_node_val(o))) is not None:
-            stored = cx.graph.transpose(v.node, order)
+            base, perm = _transposed(v.node)  # v is base.permute(perm): stored in memory order, base itself
+            stored = cx.graph.transpose(base, [perm[d] for d in order])  # where v is its transpose
             outs.append(("transposed", (_graph_output(cx, stored), inverse(order))))
         elif isinstance(v, ops.Tensor):
             cx.graph.add_output(v.node)
@@ -1422,17 +1419,6 @@ def _dense_order(val) -> tuple[int, ...] | None:
     if any(shape[d] != 1 and strides[d] != dense[k] for k, d in enumerate(order)):
         return None
     return order
-
-
-def _view_layout(val, base, perm: tuple[int, ...]) -> bool:
-    """Whether torch expects val (an output's value) laid out as the
-    transpose perm of a row-major array of base's shape."""
-    if not isinstance(val, torch.Tensor) or not all(isinstance(x, int) for x in tuple(val.stride())):
-        return False
-    if not all(sz.is_static(s) for s in base.shape):
-        return False
-    dense = sz.row_major(tuple(int(s) for s in base.shape))
-    return all(n == 1 or st == dense[p] for n, st, p in zip(val.shape, val.stride(), perm))
 
 
 class CompiledGraph:

@@ -102,7 +102,8 @@ def _norm_axis(axis: int, rank: int, what: str = "axis") -> int:
 
 def _accumulated(op: str, dt: DataType) -> DataType:
     """The type a reduction by op accumulates dt in: sums and products of
-    booleans and narrower integers in int64, as torch's do."""
+    booleans and narrower integers in int64, as torch's do; a log-sum-exp
+    of integers in float32."""
     if op == "logsumexp" and not dt.is_float:
         return DataType.Float
     return DataType.Int if op in scalar.WIDENING and (dt is DataType.Bool or dt.is_int) else dt
