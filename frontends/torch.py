@@ -20,7 +20,7 @@ import logging
 import math
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -1262,8 +1262,11 @@ def _solvable_symbol(expr) -> tuple[str, ...]:
     return (str(syms[0]),) if len(syms) == 1 and syms[0].is_Symbol else ()
 
 
-def translate(gm: torch.fx.GraphModule) -> _Translation:
-    """An ATen graph as a polyjit graph, node by node through :data:`ATEN`."""
+def translate(gm: torch.fx.GraphModule, example_inputs: Sequence | None = None) -> _Translation:
+    """An ATen graph as a polyjit graph, node by node through :data:`ATEN`.
+    ``example_inputs``: the tensors the graph is compiled for, whose layouts
+    may differ from those traced (a backward's saved activations, laid out
+    as its forward stored them)."""
     cx = _Context()
     env: dict[torch.fx.Node, Any] = {}
     tensor_inputs = []
@@ -1273,6 +1276,8 @@ def translate(gm: torch.fx.GraphModule) -> _Translation:
     dims = {d for node in gm.graph.nodes if node.op == "placeholder"
             and isinstance(_node_val(node), torch.Tensor) for s in _node_val(node).shape
             if isinstance(s, torch.SymInt) for d in _solvable_symbol(s.node.expr)}
+    if example_inputs is not None and len(example_inputs) != len(gm.graph.find_nodes(op="placeholder")):
+        example_inputs = None
     pos = 0
     for node in gm.graph.nodes:
         if node.op == "placeholder":
@@ -1283,7 +1288,9 @@ def translate(gm: torch.fx.GraphModule) -> _Translation:
                 for d, s in enumerate(val.shape):
                     if isinstance(s, torch.SymInt) and s.node.expr.is_Symbol:
                         symbols.setdefault(str(s.node.expr), (pos, d))
-                shape, order = _placeholder_shape(val, cx), _dense_order(val)
+                example = example_inputs[pos] if example_inputs is not None else None
+                shape = _placeholder_shape(val, cx)
+                order = _dense_order(example if isinstance(example, torch.Tensor) else val)
                 if order is not None:  # its memory order as the input, the logical order a transpose of it
                     shape = [shape[d] for d in order]
                     input_orders[pos] = order
@@ -1424,8 +1431,9 @@ def _dense_order(val) -> tuple[int, ...] | None:
 class CompiledGraph:
     """A translated ATen graph with its Executable; called with torch tensors."""
 
-    def __init__(self, gm: torch.fx.GraphModule, options: CompileOptions, name: str, stats: "Stats") -> None:
-        self.t = translate(gm)
+    def __init__(self, gm: torch.fx.GraphModule, options: CompileOptions, name: str, stats: "Stats",
+                 example_inputs: Sequence | None = None) -> None:
+        self.t = translate(gm, example_inputs)
         self.gm, self.failed = gm, False
         seed = [self.t.seed_index] if self.t.seed_index is not None else []
         self.exe = Executable(self.t.graph, options, name, scalar_inputs=seed + self.t.int_inputs)
@@ -1434,6 +1442,25 @@ class CompiledGraph:
         self.options = options
         self._bound = None  # (argument layouts, program, plan, device, allocator) of the last native call
         self._saved = _saved_outputs(gm, self.t.outputs)
+
+    def saved_in_target_order(self, where: str) -> list | None:
+        """Store the saved activations that the target computes in another
+        order (Executable.output_orders: channels last between cuDNN's
+        convolutions) in that order, handed to the backward as views, as
+        Inductor's layout optimization does. Returns the strides of each
+        result (None: as traced), or None where nothing changed."""
+        orders = self.exe.output_orders(where) if self._saved else {}
+        graph, strides = self.t.graph, []
+        for i, (kind, v) in enumerate(self.t.outputs):
+            p = orders.get(v) if kind == "tensor" and v in self._saved else None
+            if p is None or not all(sz.is_static(d) for d in graph.outputs[v].shape):
+                strides.append(None)
+                continue
+            graph.outputs[v] = graph.transpose(graph.outputs[v], p)
+            self.t.outputs[i] = ("transposed", (v, inverse(p)))
+            dense = sz.row_major(graph.outputs[v].shape)
+            strides.append(tuple(dense[p.index(d)] for d in range(len(p))))
+        return strides if any(s is not None for s in strides) else None
 
     def __call__(self, *args):
         if self._bound is not None and not self.failed:  # the last call's layouts again (a training loop)
@@ -1670,7 +1697,7 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: CompileOptions
     unsupported = [n for n in gm.graph.nodes if n.op == "call_function" and not support.is_node_supported({}, n)]
     if not unsupported:
         try:
-            return _compiled(gm, options, name, stats, where)
+            return _compiled(gm, options, name, stats, where, example_inputs)
         except USER_ERRORS:
             raise
         except Exception as e:
@@ -1694,12 +1721,20 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: CompileOptions
     return fused
 
 
-def _compiled(gm, options: CompileOptions, name: str, stats: Stats, where: str) -> CompiledGraph:
+def _compiled(gm, options: CompileOptions, name: str, stats: Stats, where: str,
+              example_inputs: Sequence | None = None) -> CompiledGraph:
     """A graph translated and compiled for contiguous inputs on ``where`` now,
     so that what the compiler refuses (a size that is not affine) becomes a
-    counted fallback here rather than an error at the first call."""
-    compiled = CompiledGraph(gm, options, name, stats)
+    counted fallback here rather than an error at the first call. The
+    layouts its saved activations take are reported to AOTAutograd, which
+    compiles the backward for inputs laid out so."""
+    from torch._guards import TracingContext
+    compiled = CompiledGraph(gm, options, name, stats, example_inputs)
+    strides = compiled.saved_in_target_order(where)
     compiled.exe.variant((False,) * len(compiled.exe.graph.inputs), where)
+    context = TracingContext.try_get()
+    if strides and context is not None and context.output_strides is not None:
+        context.output_strides.extend(strides)  # AOTAutograd restrides the backward's inputs to match
     return compiled
 
 

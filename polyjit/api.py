@@ -107,6 +107,14 @@ class Executable:
                     inp.attrs["strided"] = inp.attrs.get("declared_strided", False)
         return self._variants[layout, target]
 
+    def output_orders(self, target: str | None = None) -> dict[int, tuple[int, ...]]:
+        """{output k: p} for the outputs ``target`` (default: the named one,
+        else the host) would compute as ``transpose(value, p)``: a caller
+        that may hand such an output out in any layout asks for it in that
+        order before the first compile (a saved activation, channels last)."""
+        target = target or self.options.target or HOST
+        return TARGETS[target].output_orders(self.graph, self.options.on(target))
+
     def __call__(self, *args, **launch):
         """Run on the arrays (numpy; on nvgpu also GPU arrays, with the
         ``stream=`` and ``empty=`` of :class:`polyjit.runtime.gpu_program.GpuProgram`)."""

@@ -8,7 +8,9 @@ computes channels-last arrays instead:
   wherever they are computed;
 - its result is stored channels last;
 - the elementwise ops, pads, slices, windows and reductions that read the
-  result compute in the same order.
+  result compute in the same order, as do those that read an input laid
+  out channels last (a backward's saved activations: the frontend asks for
+  them in this order, Target.output_orders).
 
 So the arrays between convolutions (a ResNet's activations, its residuals
 and its pooling) are channels last. The transposes that remain are index
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from . import sizes as sz
 from .dtypes import DataType
 from .graph import ELEMENTWISE, Graph, Node
 
@@ -73,12 +76,18 @@ class _Pass:
         if convertible(old):
             return self._convolution(old, n)
         orders = {self.stored[i.id][1] for i in old.inputs if i.id in self.stored}
+        if not orders and _read_channels_last(old):  # (a backward's saved activation, a channels-last input)
+            self.stored[old.id] = (n.inputs[0], last(old.rank))
+            return n
         if len(orders) != 1 or old.op not in CARRIED:
             return n
         p = orders.pop()
         if any(i.rank != len(p) for i in n.inputs):
             return n
-        made, q = CARRIED[old.op](n, tuple(self._operand(o, i, p) for o, i in zip(old.inputs, n.inputs)), p)
+        carried = CARRIED[old.op](n, p)
+        if carried is None:
+            return n
+        made, q = carried(tuple(self._operand(o, i, p) for o, i in zip(old.inputs, n.inputs)))
         return self._keep(old, made, q)
 
     def _keep(self, old: Node, made: Node, q: tuple[int, ...]) -> Node:
@@ -136,27 +145,35 @@ class _Pass:
         return self.index_only[n.id]
 
 
+def _read_channels_last(n: Node) -> bool:
+    """Whether n reads a channels-last array as N, C, spatial...: its
+    readers then compute channels last too."""
+    return (n.is_index_transpose and 4 <= n.rank <= 5
+            and inverse(tuple(n.attrs["perm"])) == last(n.rank))
+
+
 def _transpose(x: Node, p: tuple[int, ...]) -> Node:
     if p == tuple(range(len(p))):
         return x
     return Node("transpose", (x,), {"perm": p}, _moved(x.shape, p), x.dtype)
 
 
-# How each op the order is carried through computes in order p: (n on its
-# operands in order p, the order of its result).
-def _elementwise(n: Node, ins: tuple, p: tuple) -> tuple[Node, tuple]:
-    return Node(n.op, ins, n.attrs, _moved(n.shape, p), n.dtype), p
+# How each op the order is carried through computes in order p: carry(n, p)
+# gives None where it cannot, else a function of n's operands in order p
+# that returns (n's value in order q, q).
+def _elementwise(n: Node, p: tuple) -> Callable:
+    return lambda ins: (Node(n.op, ins, n.attrs, _moved(n.shape, p), n.dtype), p)
 
 
 def _per_axis(*names: str) -> Callable:
     """An op whose attributes names hold a value per axis, in axis order."""
-    def carry(n: Node, ins: tuple, p: tuple) -> tuple[Node, tuple]:
+    def carry(n: Node, p: tuple) -> Callable:
         attrs = {k: (_moved(tuple(v), p) if k in names else v) for k, v in n.attrs.items()}
-        return Node(n.op, ins, attrs, _moved(n.shape, p), n.dtype), p
+        return lambda ins: (Node(n.op, ins, attrs, _moved(n.shape, p), n.dtype), p)
     return carry
 
 
-def _reduce(n: Node, ins: tuple, p: tuple) -> tuple[Node, tuple]:
+def _reduce(n: Node, p: tuple) -> Callable:
     """Over the same axes in their new places; the axes left are in the order
     they have in p, which is the result's order q."""
     axes = tuple(sorted(p.index(a) for a in n.attrs["axes"]))
@@ -166,25 +183,81 @@ def _reduce(n: Node, ins: tuple, p: tuple) -> tuple[Node, tuple]:
         kept = [a for a in p if a not in n.attrs["axes"]]
         ordered = sorted(kept)
         q = tuple(ordered.index(a) for a in kept)
-    shape = tuple(ins[0].shape[d] if d not in axes else 1 for d in range(len(p))
-                  if n.attrs.get("keepdim") or d not in axes)
-    return Node("reduce", ins, {**n.attrs, "axes": axes}, shape, n.dtype), q
+
+    def made(ins: tuple) -> tuple[Node, tuple]:
+        shape = tuple(ins[0].shape[d] if d not in axes else 1 for d in range(len(p))
+                      if n.attrs.get("keepdim") or d not in axes)
+        return Node("reduce", ins, {**n.attrs, "axes": axes}, shape, n.dtype), q
+    return made
+
+
+def _scatter(n: Node, p: tuple) -> Callable | None:
+    """A scatter whose index and values match the result axis for axis
+    (torch.scatter_add: a max pool's gradient) along the same axis moved."""
+    if not n.attrs["along"]:
+        return None
+    attrs = {**n.attrs, "axis": p.index(n.attrs["axis"])}
+    return lambda ins: (Node("scatter", ins, attrs, _moved(n.shape, p), n.dtype), p)
+
+
+def _reshape(n: Node, p: tuple) -> Callable | None:
+    """A reshape that merges or splits runs of axes which p keeps together,
+    each in its order (the spatial axes of a channels-last image, flattened
+    for a max pool's gradient): the same reshape of the stored array, its
+    runs in p's order."""
+    runs = _runs(n.inputs[0].shape, n.shape)
+    if runs is None:
+        return None
+    first = {a[0]: k for k, (a, _) in enumerate(runs)}
+    order, at = [], 0
+    while at < len(p):
+        k = first.get(p[at])
+        if k is None or tuple(p[at:at + len(runs[k][0])]) != runs[k][0]:
+            return None
+        order.append(k)
+        at += len(runs[k][0])
+    q = tuple(b for k in order for b in runs[k][1])
+    return lambda ins: (Node("reshape", ins, n.attrs, _moved(n.shape, q), n.dtype), q)
+
+
+def _runs(a: tuple, b: tuple) -> list[tuple[tuple, tuple]] | None:
+    """The reshape of shape a into b as runs of a's axes that become runs of
+    b's, each holding as many values (None: symbolic sizes, or a run empty)."""
+    if not all(sz.is_static(s) for s in (*a, *b)):
+        return None
+    a, b = [int(s) for s in a], [int(s) for s in b]
+    runs, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        i0, j0, na, nb = i, j, a[i], b[j]
+        i, j = i + 1, j + 1
+        while na != nb:
+            if na < nb and i < len(a):
+                na, i = na * a[i], i + 1
+            elif nb < na and j < len(b):
+                nb, j = nb * b[j], j + 1
+            else:
+                return None
+        runs.append((tuple(range(i0, i)), tuple(range(j0, j))))
+    if not runs or any(s != 1 for s in a[i:] + b[j:]):
+        return None
+    runs[-1] = (runs[-1][0] + tuple(range(i, len(a))), runs[-1][1] + tuple(range(j, len(b))))
+    return runs
+
+
+def _transposed(n: Node, p: tuple) -> Callable:
+    """A transpose of a value stored in order p: a transpose of the stored
+    array, the array itself where it undoes p (an output asked for in order
+    p is then the array its producer stores, not a copy of it)."""
+    perm = tuple(inverse(p)[a] for a in n.attrs["perm"])
+    if n.is_index_transpose:
+        return lambda ins: (_transpose(ins[0], perm), tuple(range(len(p))))
+    return lambda ins: (Node("transpose", ins, {**n.attrs, "perm": perm}, n.shape, n.dtype), tuple(range(len(p))))
 
 
 CARRIED: dict[str, Callable] = {op: _elementwise for op in ELEMENTWISE}
 CARRIED.update({"pad": _per_axis("lo", "hi"), "slice": _per_axis("start", "strides"),
-                "reduce_window": _per_axis("window", "strides", "padding", "dilation"), "reduce": _reduce})
-
-
-def batch_statistics(graph: Graph) -> bool:
-    """Whether graph sums image arrays over their batch and spatial
-    dimensions (a training batch norm's statistics, or their gradients).
-    Channels last, those become column sums in steps (targets.nvgpu's
-    split_reductions) whose schedules took isl and LLVM twice a CNN's
-    compile, and its saved activations are transposed on their way out and
-    back in, so training graphs keep NCHW for now."""
-    return any(n.op == "reduce" and 4 <= n.inputs[0].rank <= 5 and 0 in n.attrs["axes"]
-               and set(range(2, n.inputs[0].rank)) <= set(n.attrs["axes"]) for n in graph.nodes())
+                "reduce_window": _per_axis("window", "strides", "padding", "dilation"), "reduce": _reduce,
+                "scatter": _scatter, "reshape": _reshape, "transpose": _transposed})
 
 
 def channels_last(graph: Graph) -> Graph:

@@ -1061,6 +1061,77 @@ def test_activations_between_cudnn_convolutions_are_channels_last_thread_by_thre
     np.testing.assert_allclose(run_threads_on_cpu(exe, arrays)[0], want, rtol=1e-4, atol=1e-4)
 
 
+def test_channels_last_inputs_and_saved_activations_thread_by_thread(rng, monkeypatch):
+    """An input laid out channels last and read as NCHW (a backward's saved
+    activation) keeps its order through the ops that read it: their image
+    arrays are channels last, into cuDNN's TF32 convolution and the channel
+    sums (in strips along the channels). A result made channels last is one
+    the executable offers in that order (``output_orders``); asked for so,
+    it costs no kernel more. The results are the CPU's."""
+    from polyjit.runtime import cublas, cudnn
+    monkeypatch.setattr(cublas, "cublas", lambda: _HostCublas())
+    monkeypatch.setattr(cudnn, "cudnn", lambda: True)
+
+    def step(x_nhwc, w):
+        y = ops.relu(ops.mul(ops.permute(x_nhwc, [0, 3, 1, 2]), 2.0) - 1.0)
+        z = ops.relu(ops.conv(y, w, (1, 1), ((1, 1), (1, 1))))
+        return z, ops.sum(y, [0, 2, 3]), ops.conv(z, ops.permute(w, [1, 0, 2, 3]), (1, 1), ((1, 1), (1, 1)))
+    shapes = [(2, 11, 9, 5), (12, 5, 3, 3)]
+    arrays = [rng.standard_normal(s).astype(F32) for s in shapes]
+    infos = [InputInfo(s, F32) for s in shapes]
+    options = {**PTX_ONLY, "contractions": "library", "tf32": True}
+    exe = polyjit.compile(step, infos, options)
+    assert exe.output_orders() == {0: (0, 2, 3, 1), 2: (0, 2, 3, 1)}
+    assert polyjit.compile(step, infos, {**options, "tf32": False}).output_orders() == {}
+    images = re.findall(r"temp float32 t\d+\[2, (\d+(?:, \d+)*)\]", exe.ir("affine"))  # (not the kernel's)
+    assert images and all(s in ("11, 9, 5", "11, 9, 12") for s in images), images
+    assert "atomic strips" in exe.ir("mapping"), exe.ir("mapping")
+    want = polyjit.compile(step, infos, {"target": "cpu"})(*arrays)
+    for got, ref in zip(run_threads_on_cpu(exe, arrays), want):
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+
+    def stored(x_nhwc, w):
+        z, s, c = step(x_nhwc, w)
+        return ops.permute(z, [0, 2, 3, 1]), s, c
+    exe = polyjit.compile(stored, infos, options)
+    copies = re.findall(r"out0\[[^]]*\] = t\d+\[[^]]*\]$", exe.ir("affine"), re.M)
+    assert not copies and "out0[" in exe.ir("affine"), exe.ir("affine")  # (the relu stores it)
+    np.testing.assert_allclose(run_threads_on_cpu(exe, arrays)[0], want[0].transpose(0, 2, 3, 1), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_a_cnn_training_step_keeps_activations_channels_last(monkeypatch):
+    """With TF32 convolutions on the GPU, a training forward stores the
+    activations its backward reads channels last, as cuDNN's tensor-core
+    kernels take them (Inductor's layout optimization does the same), and
+    the backward reads them in place. Gradients as eager's (TF32 in both)."""
+    torch = pytest.importorskip("torch")
+    import copy
+    from polyjit.targets import target
+    if not target("nvgpu").direct_convolutions():
+        pytest.skip("no cuDNN here")
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    torch.manual_seed(0)
+    nn = torch.nn
+    m = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+                      nn.MaxPool2d(3, 2, 1), nn.Conv2d(16, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+                      nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)).cuda()
+    ref = copy.deepcopy(m)
+    x = torch.randn(4, 3, 20, 18, device="cuda")
+    saved = []
+    torch._dynamo.reset()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = torch.compile(m, backend="polyjit", options={"strict": True})(x)
+    r = torch.randn_like(out)
+    (out * r).sum().backward()
+    (ref(x) * r).sum().backward()
+    for p, q in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=2e-2 * float(q.grad.abs().max()))
+    images = [t for t in saved if t.dim() == 4 and t.shape[1] == 16 and t.shape[2] > 1]
+    assert images and all(t.is_contiguous(memory_format=torch.channels_last) for t in images), \
+        [(tuple(t.shape), t.stride()) for t in saved]
+
+
 @pytest.mark.parametrize("kind", ["weight", "input"])
 def test_channels_last_gradient_convolutions_thread_by_thread(kind, rng, monkeypatch):
     """A strided NCHW convolution's weight and input gradients, channels

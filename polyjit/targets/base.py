@@ -104,6 +104,13 @@ class Target:
         """The rewrites this target's code needs, after inference folding."""
         return expand_input_dilation(graph, lambda n: self.keeps_input_dilation(n, options))
 
+    def output_orders(self, graph: Graph, options: CompileOptions) -> dict[int, tuple[int, ...]]:
+        """{output k: p} for the outputs this target computes in another
+        order: output k's value is made as ``transpose(value, p)``. A caller
+        free to choose their layout (a saved activation) takes them so, and
+        no store transposes them back."""
+        return {}
+
     def keeps_input_dilation(self, n: Node, options: CompileOptions) -> bool:
         """Whether convolution n, its input spread with zeros, is a call of the
         target's library as it is (else expand_input_dilation expands it)."""

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from .. import cache
 from .. import sizes as sz
 from ..cache import ProcessCache
-from ..channels_last import batch_statistics, channels_last
+from ..channels_last import channels_last, inverse
 from ..codegen.gpu_program import GpuCodeSet, build_program
 from ..codegen.llvm import KernelInfo
 from ..codegen.nvgpu import GpuEmitter, ptx
@@ -327,10 +327,23 @@ class NvgpuTarget(Target):
         arrays around cuDNN's TF32 convolutions (polyjit.channels_last), and
         reductions split."""
         graph = super().graph_passes(graph, options)
-        if (options.contractions != "generated" and options.tf32 and self.direct_convolutions()
-                and not batch_statistics(graph)):  # (TF32: the tensor-core kernels; FMA ones take NCHW as it is)
+        if self._channels_last(options):
             graph = channels_last(graph)
         return split_reductions(sibling_products(narrow_products(matrix_products(graph))))
+
+    def _channels_last(self, options: CompileOptions) -> bool:
+        """Where cuDNN runs TF32: its tensor-core kernels take NHWC (FMA ones take NCHW as it is)."""
+        return options.contractions != "generated" and bool(options.tf32) and self.direct_convolutions()
+
+    def output_orders(self, graph: Graph, options: CompileOptions) -> dict[int, tuple[int, ...]]:
+        """The outputs the channels-last pass computes channels last: a
+        training forward's saved activations, which its backward then reads
+        in place."""
+        if not self._channels_last(options):
+            return {}
+        converted = channels_last(graph)
+        return {k: inverse(tuple(n.attrs["perm"])) for k, (o, n) in enumerate(zip(graph.outputs, converted.outputs))
+                if n is not o and n.is_index_transpose and not n.inputs[0].is_source}
 
     def keeps_input_dilation(self, n: Node, options: CompileOptions) -> bool:
         """Where cuDNN's backward data takes it (library.backward_data)."""
