@@ -1156,6 +1156,7 @@ class _Context:
         self.asserts: list[tuple[ops.Tensor, str]] = []  # conditions checked after each call, with their messages
         self.node: torch.fx.Node | None = None  # the FX node being translated
         self.int_inputs: list[int] = []  # graph inputs that are integer arguments
+        self.mutations: list[tuple[int, int]] = []  # (argument position, graph output): copied in after a call
 
     def dtype(self, dt) -> DataType:
         if isinstance(dt, DataType):
@@ -1251,6 +1252,7 @@ class _Translation:
     asserts: list = field(default_factory=list)  # (graph output, message): torch._assert_async conditions
     int_inputs: list = field(default_factory=list)  # graph inputs that are integer arguments (0-d int64)
     input_orders: dict = field(default_factory=dict)  # position -> the order its tensor is read in (_dense_order)
+    mutations: list = field(default_factory=list)  # (argument position, graph output): copied into it after a call
 
 
 def _solvable_symbol(expr) -> tuple[str, ...]:
@@ -1272,6 +1274,7 @@ def translate(gm: torch.fx.GraphModule, example_inputs: Sequence | None = None) 
     tensor_inputs = []
     input_pos: dict[int, int] = {}
     input_orders: dict[int, tuple[int, ...]] = {}
+    placeholders: dict[torch.fx.Node, int] = {}  # tensor placeholders' argument positions
     symbols: dict[str, tuple] = {}
     dims = {d for node in gm.graph.nodes if node.op == "placeholder"
             and isinstance(_node_val(node), torch.Tensor) for s in _node_val(node).shape
@@ -1301,6 +1304,7 @@ def translate(gm: torch.fx.GraphModule, example_inputs: Sequence | None = None) 
                     n = cx.graph.transpose(n, inverse(order))
                 env[node] = ops.Tensor(cx.graph, n)
                 tensor_inputs.append(pos)
+                placeholders[node] = pos
             elif isinstance(val, torch.SymInt) and val.node.expr.is_Symbol and str(val.node.expr) not in dims:
                 # an integer argument no tensor's size carries: a value (x * k), never a size
                 n = cx.graph.input((), DataType.Int, node.name)
@@ -1319,6 +1323,8 @@ def translate(gm: torch.fx.GraphModule, example_inputs: Sequence | None = None) 
                 env[node] = ops.Tensor(cx.graph, cx.graph.tensor_constant(_constant(value)))
             else:
                 env[node] = value
+        elif node.op == "call_function" and node.target is aten.copy_.default:
+            env[node] = _input_mutation(cx, node, env, placeholders)
         elif node.op == "call_function":
             fn = ATEN.get(node.target)
             if fn is None:
@@ -1374,7 +1380,25 @@ def _outputs(cx: _Context, node: torch.fx.Node, env: dict, tensor_inputs: list[i
     for cond, msg in cx.asserts:
         cx.graph.add_output(cond.node)
         asserts.append((len(cx.graph.outputs) - 1, msg))
-    return _Translation(cx.graph, tensor_inputs, cx.seed_index, outs, symbols, asserts, cx.int_inputs, input_orders)
+    return _Translation(cx.graph, tensor_inputs, cx.seed_index, outs, symbols, asserts, cx.int_inputs, input_orders,
+                        cx.mutations)
+
+
+def _input_mutation(cx: _Context, node: torch.fx.Node, env: dict, placeholders: dict) -> ops.Tensor:
+    """``copy_`` into a graph input: an input mutation AOTAutograd keeps in
+    the graph (a batch norm's running statistics). The value is an output,
+    copied into the argument after the call, all of them together."""
+    dst, src = node.args[0], env[node.args[1]] if isinstance(node.args[1], torch.fx.Node) else node.args[1]
+    if dst not in placeholders or not isinstance(env[dst], ops.Tensor):
+        raise UnsupportedOpError("copy_ into a tensor that is not a graph input")
+    into = env[dst]
+    if isinstance(src, ops.Tensor):
+        value = ops.broadcast_to(ops.cast(src, into.dtype), list(into.shape))
+    else:
+        value = ops.full(list(into.shape), src, into.dtype, like=into)
+    cx.graph.add_output(value.node)
+    cx.mutations.append((placeholders[dst], len(cx.graph.outputs) - 1))
+    return into
 
 
 def _transposed(node) -> tuple:
@@ -1529,8 +1553,9 @@ class CompiledGraph:
             return
         plan = prog.native_plan(arrays) if hasattr(prog, "native_plan") else None
         if plan is not None:
-            saved = {prog.output_arrays[v] for v in self._saved}
-            saved -= {n for v, n in enumerate(prog.output_arrays) if v not in self._saved}
+            pooled = self._saved | {k for _, k in self.t.mutations}  # (a mutation's value dies after its copy)
+            saved = {prog.output_arrays[v] for v in pooled}
+            saved -= {n for v, n in enumerate(prog.output_arrays) if v not in pooled}
             outputs = _Outputs(index, frozenset(saved))
             self._bound = (tuple(sig), index, lambda pointers: prog.run_bound(
                 plan, pointers, _current_stream(index), _allocator(index), outputs), prog)
@@ -1556,6 +1581,8 @@ class CompiledGraph:
         for k, msg in self.t.asserts:  # value checks (one_hot's class range): the results are not handed out
             if not bool(outs[k]):
                 raise RuntimeError(msg)
+        if self.t.mutations:
+            _copy_into([args[pos] for pos, _ in self.t.mutations], [_tensor(outs[k]) for _, k in self.t.mutations])
         result = []
         for kind, v in self.t.outputs:
             if kind == "tensor":
@@ -1574,6 +1601,23 @@ class CompiledGraph:
         return tuple(result)
 
 
+
+
+def _tensor(o) -> torch.Tensor:
+    return o if isinstance(o, torch.Tensor) else torch_from_host(o)
+
+
+def _copy_into(arguments: list, values: list) -> None:
+    """A graph's input mutations: each value copied into its argument, one
+    foreach copy per dtype and device (a launch or two, not one a buffer)."""
+    groups: dict = {}
+    for a, v in zip(arguments, values):
+        into, of = groups.setdefault((a.dtype, a.device), ([], []))
+        into.append(a)
+        of.append(v)
+    with torch.no_grad():
+        for into, of in groups.values():
+            torch._foreach_copy_(into, of)
 
 
 def _current_stream(index: int) -> int:
@@ -1668,6 +1712,8 @@ class _Supported(OperatorSupport):
     runs where its tensors are, or says why it cannot)."""
 
     def is_node_supported(self, submodules, node) -> bool:
+        if node.op == "call_function" and node.target is aten.copy_.default:  # (an input mutation: _input_mutation)
+            return node.args[0].op == "placeholder"
         if node.op != "call_function" or node.target not in ATEN:
             return False
         val = _node_val(node)
@@ -1774,8 +1820,11 @@ class PolyjitBackend:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         # the forward saves what the backward cannot cheaply recompute (Inductor's
         # min-cut partition): a GELU's intermediates are recomputed, fused into the backward
+        # input mutations (batch norms' running statistics) stay in the graph: copied in after the call,
+        # together, rather than one copy_ each by AOTAutograd's wrapper
         backend = aot_autograd(fw_compiler=self._compiler("forward"), bw_compiler=self._compiler("backward"),
                                inference_compiler=self._compiler("inference"), decompositions=DECOMPOSITIONS,
+                               keep_inference_input_mutations=True,
                                partition_fn=functools.partial(_partition, use_cache=self.options.cache))
         # attention as matmuls and softmax, which fuse, rather than a device's fused kernel
         with sdpa_kernel([SDPBackend.MATH]):

@@ -1078,6 +1078,30 @@ def test_channels_last_activations_saved_for_the_backward_keep_their_layout():
         [(tuple(t.shape), t.stride()) for t in saved]
 
 
+def test_batch_norm_running_statistics_update_in_the_compiled_graph(monkeypatch):
+    """A training step's input mutations (batch norms' running statistics
+    and counts) stay in the compiled graph: their new values are copied into
+    the module's buffers after the call, all of a dtype in one foreach copy.
+    Buffers and gradients as eager's after several steps."""
+    copies = []
+    foreach_copy = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda a, b: copies.append(len(a)) or foreach_copy(a, b))
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 8, 3, bias=False), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3),
+                      nn.BatchNorm2d(8, momentum=0.3))
+    ref = copy.deepcopy(m)
+    f = torch.compile(m, backend="polyjit", options={"strict": True})
+    for _ in range(3):
+        x, r = torch.randn(2, 3, 10, 9), torch.randn(2, 8, 6, 5)
+        (f(x) * r).sum().backward()
+        (ref(x) * r).sum().backward()
+    for (name, a), b in zip(m.state_dict().items(), ref.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    for p, q in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4)
+    assert sorted(copies) == [2] * 3 + [4] * 3, copies  # (the counts; the statistics)
+
+
 def test_host_calls_with_the_same_layouts_run_the_bound_plan(monkeypatch):
     """On the host, a graph called again with inputs of the last call's
     shapes, strides and dtypes (a training loop) runs the plan that call
