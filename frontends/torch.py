@@ -938,12 +938,40 @@ def _flat_index(shape, indices, what: str):
     return dims[0], dims[-1], sz.product(shape[d] for d in dims), flat
 
 
+def _separable_index(shape, indices) -> list | None:
+    """The index tensors of x[..., i, j, ...] on consecutive dimensions where
+    each varies along its own axis of their broadcast shape, in order (an
+    upsampling's rows and columns): [(dimension, its 1-d index)], a take
+    along each dimension in turn; None otherwise."""
+    dims = [d for d, i in enumerate(indices) if i is not None]
+    if len(dims) < 2 or dims != list(range(dims[0], dims[-1] + 1)):
+        return None
+    takes = []
+    for t, d in enumerate(dims):
+        i = indices[d]
+        if i.dtype == DataType.Bool or i.ndim > len(dims):
+            return None
+        along = [1] * (len(dims) - i.ndim) + list(i.shape)  # (right-aligned, as they broadcast)
+        if any(not sz.is_static(n) or (a != t and int(n) != 1) for a, n in enumerate(along)):
+            return None
+        i = ops.cast(ops.reshape(i, [along[t]]), "int64")
+        takes.append((d, ops.where(i < 0, i + shape[d], i)))
+    return takes
+
+
 @_reg(aten.index.Tensor, aten._unsafe_index.Tensor)
 def _index(cx, x, indices):
     """x[..., i, j, ...] with index tensors on consecutive dimensions (what
-    upsampling and reflection padding decompose into): one take over those
-    dimensions flattened, at the row-major position the indices name."""
+    upsampling and reflection padding decompose into): a take along each
+    dimension where each index varies along its own axis (rows and columns:
+    no position divided back into them per element), else one take over
+    those dimensions flattened, at the row-major position the indices name."""
     shape = list(x.shape)
+    takes = _separable_index(shape, indices)
+    if takes is not None:
+        for d, i in takes:
+            x = ops.take(x, i, d)
+        return x
     first, last, n, flat = _flat_index(shape, indices, "aten.index")
     return ops.take(ops.reshape(x, shape[:first] + [n] + shape[last + 1:]), flat, first)
 

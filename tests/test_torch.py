@@ -1078,6 +1078,24 @@ def test_channels_last_activations_saved_for_the_backward_keep_their_layout():
         [(tuple(t.shape), t.stride()) for t in saved]
 
 
+@pytest.mark.parametrize("mode", ["bilinear", "bilinear_corners", "nearest", "bicubic"])
+def test_interpolation_takes_rows_then_columns(mode, monkeypatch):
+    """Upsampling indexes an image by a row index and a column index (torch's
+    decompositions): taken along each dimension in turn, never as one
+    position over the flattened image divided back into its row and column
+    for each element. Forward and gradient as eager's."""
+    from polyjit.api import Executable
+    variant, made = Executable.variant, []
+    monkeypatch.setattr(Executable, "variant", lambda self, *a, **k: made.append(self) or variant(self, *a, **k))
+    kind, corners = mode.split("_")[0], mode.endswith("corners")
+
+    def f(x):
+        return F.interpolate(x, size=(23, 17), mode=kind, **({} if kind == "nearest" else {"align_corners": corners}))
+    check(f, r(2, 3, 9, 11, grad=True), backward=True)
+    for exe in made:
+        assert not re.search(r"// (?:11|9)\)", exe.ir("affine")), exe.ir("affine")
+
+
 def test_batch_norm_running_statistics_update_in_the_compiled_graph(monkeypatch):
     """A training step's input mutations (batch norms' running statistics
     and counts) stay in the compiled graph: their new values are copied into
