@@ -954,8 +954,7 @@ def _separable_index(shape, indices) -> list | None:
         along = [1] * (len(dims) - i.ndim) + list(i.shape)  # (right-aligned, as they broadcast)
         if any(not sz.is_static(n) or (a != t and int(n) != 1) for a, n in enumerate(along)):
             return None
-        i = ops.cast(ops.reshape(i, [along[t]]), "int64")
-        takes.append((d, ops.where(i < 0, i + shape[d], i)))
+        takes.append((d, ops.reshape(i, [along[t]])))
     return takes
 
 
@@ -1391,9 +1390,7 @@ def _outputs(cx: _Context, node: torch.fx.Node, env: dict, tensor_inputs: list[i
         elif view is not None:
             outs.append(("permuted", view))
         elif isinstance(v, ops.Tensor) and backward_only and (order := _dense_order(_node_val(o))) is not None:
-            base, perm = _transposed(v.node)  # v is base.permute(perm): stored in memory order, base itself
-            stored = cx.graph.transpose(base, [perm[d] for d in order])  # where v is its transpose
-            outs.append(("transposed", (_graph_output(cx, stored), inverse(order))))
+            outs.append(("transposed", (_graph_output(cx, _in_memory_order(cx.graph, v.node, order)), inverse(order))))
         elif isinstance(v, ops.Tensor):
             cx.graph.add_output(v.node)
             outs.append(("tensor", len(cx.graph.outputs) - 1))
@@ -1416,9 +1413,10 @@ def _input_mutation(cx: _Context, node: torch.fx.Node, env: dict, placeholders: 
     """``copy_`` into a graph input: an input mutation AOTAutograd keeps in
     the graph (a batch norm's running statistics). The value is an output,
     copied into the argument after the call, all of them together."""
-    dst, src = node.args[0], env[node.args[1]] if isinstance(node.args[1], torch.fx.Node) else node.args[1]
-    if dst not in placeholders or not isinstance(env[dst], ops.Tensor):
-        raise UnsupportedOpError("copy_ into a tensor that is not a graph input")
+    dst, src = node.args[0], node.args[1]
+    src = env[src] if isinstance(src, torch.fx.Node) else src
+    if dst not in placeholders or node.users:  # (a later read would see the value before the copy)
+        raise UnsupportedOpError("copy_ into a tensor that is not a graph input, or read after it")
     into = env[dst]
     if isinstance(src, ops.Tensor):
         value = ops.broadcast_to(ops.cast(src, into.dtype), list(into.shape))
@@ -1427,6 +1425,14 @@ def _input_mutation(cx: _Context, node: torch.fx.Node, env: dict, placeholders: 
     cx.graph.add_output(value.node)
     cx.mutations.append((placeholders[dst], len(cx.graph.outputs) - 1))
     return into
+
+
+def _in_memory_order(graph, node, order: tuple[int, ...]):
+    """node's value stored with its dims in ``order``, outermost first, and
+    handed out as a view of it: its transpose, composed with the transposes
+    node is made of (a saved transpose is stored as its base, not copied)."""
+    base, perm = _transposed(node)
+    return graph.transpose(base, [perm[d] for d in order])
 
 
 def _transposed(node) -> tuple:
@@ -1508,7 +1514,7 @@ class CompiledGraph:
             if p is None or not all(sz.is_static(d) for d in graph.outputs[v].shape):
                 strides.append(None)
                 continue
-            graph.outputs[v] = graph.transpose(graph.outputs[v], p)
+            graph.outputs[v] = _in_memory_order(graph, graph.outputs[v], p)
             self.t.outputs[i] = ("transposed", (v, inverse(p)))
             dense = sz.row_major(graph.outputs[v].shape)
             strides.append(tuple(dense[p.index(d)] for d in range(len(p))))
@@ -1614,16 +1620,14 @@ class CompiledGraph:
         result = []
         for kind, v in self.t.outputs:
             if kind == "tensor":
-                o = outs[v]
-                result.append(o if isinstance(o, torch.Tensor) else torch_from_host(o))
+                result.append(_tensor(outs[v]))
             elif kind == "size":
                 result.append(v.evaluate({n: int(args[k]) if d is None else args[k].shape[d]
                                           for n, (k, d) in self.t.symbols.items()}))
             elif kind == "permuted":
                 result.append(args[v[0]].permute(v[1]))
             elif kind == "transposed":  # a transpose of a computed value: a view of it, as in eager
-                o = outs[v[0]]
-                result.append((o if isinstance(o, torch.Tensor) else torch_from_host(o)).permute(v[1]))
+                result.append(_tensor(outs[v[0]]).permute(v[1]))
             else:
                 result.append(args[v] if kind == "input" else v)
         return tuple(result)

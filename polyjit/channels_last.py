@@ -244,14 +244,14 @@ def _runs(a: tuple, b: tuple) -> list[tuple[tuple, tuple]] | None:
     return runs
 
 
-def _transposed(n: Node, p: tuple) -> Callable:
+def _transposed(n: Node, p: tuple) -> Callable | None:
     """A transpose of a value stored in order p: a transpose of the stored
     array, the array itself where it undoes p (an output asked for in order
     p is then the array its producer stores, not a copy of it)."""
+    if not n.is_index_transpose:
+        return None
     perm = tuple(inverse(p)[a] for a in n.attrs["perm"])
-    if n.is_index_transpose:
-        return lambda ins: (_transpose(ins[0], perm), tuple(range(len(p))))
-    return lambda ins: (Node("transpose", ins, {**n.attrs, "perm": perm}, n.shape, n.dtype), tuple(range(len(p))))
+    return lambda ins: (_transpose(ins[0], perm), tuple(range(len(p))))
 
 
 CARRIED: dict[str, Callable] = {op: _elementwise for op in ELEMENTWISE}

@@ -59,6 +59,7 @@ class Lowering:
     def __init__(self, graph: Graph, recompute_limit: int = RECOMPUTE_LIMIT, library=None, load_work: int = 0) -> None:
         self.g = graph
         self.recompute_limit = recompute_limit
+        self._positional: dict[int, bool] = {}
         self.load_work = load_work  # the work a recomputation's load of a whole array counts as
         self.library = library  # a polyjit.library.LibraryPolicy, or None: every contraction generated
         self.library_nodes: set[int] = set()
@@ -137,7 +138,18 @@ class Lowering:
             return MANY
         if SCATTERED_READS.get(consumer.op) == operand:
             return MANY
+        index = consumer.inputs[operand]
+        if consumer.op == "gather" and operand == 1 and self.elements(consumer) > self.elements(index) \
+                and self.positional(index):
+            return MANY  # an index table computed from positions (an upsampling's rows): each entry is
+            # read for every element it selects
         return 1
+
+    def positional(self, n: Node) -> bool:
+        """Whether n is computed from positions and constants alone (no array read)."""
+        if n.id not in self._positional:
+            self._positional[n.id] = not n.is_source and all(self.positional(i) for i in n.inputs)
+        return self._positional[n.id]
 
     def plan(self) -> None:
         if self.library is not None:
@@ -182,10 +194,14 @@ class Lowering:
                 self.views[n.id] = n.inputs[0].id
                 work[n.id] = w
                 continue
-            materialize = (n.id in outputs or self.is_statement_op(n) or self.packed(n) or n.id in self.operands
-                           or n.attrs.get("materialize")
-                           or (uses[n.id] - 1) * (w + self.load_work * loaded[n.id]) > self.recompute_limit)
-            if materialize and n.op == "reshape" and n.id not in outputs and self.made_unreshaped(n, readers):
+            required = (n.id in outputs or self.is_statement_op(n) or self.packed(n) or n.id in self.operands
+                        or n.attrs.get("materialize"))
+            materialize = required or (uses[n.id] - 1) * (w + self.load_work * loaded[n.id]) > self.recompute_limit
+            if materialize and not required and self.made_unbroadcast(n):
+                self.declare(n.inputs[0])  # made once at its own size, read through the broadcast
+                self.inlined -= 1  # (counted when it was passed over)
+                work[n.id], loaded[n.id] = 0, 1
+            elif materialize and n.op == "reshape" and n.id not in outputs and self.made_unreshaped(n, readers):
                 self.declare(n.inputs[0])  # n, a view of it, is read in place
                 self.inlined -= 1  # (counted when it was passed over)
                 work[n.id], loaded[n.id] = 0, 1
@@ -210,6 +226,14 @@ class Lowering:
                 if x.op == "reshape" and _unravels(self.shape(x.inputs[0]), self.shape(x)):
                     out.add(x.id)
         return out
+
+    def made_unbroadcast(self, n: Node) -> bool:
+        """Whether broadcast n, worth making rather than recomputing where it
+        is read, is better made as its computed operand at the operand's
+        size (an upsampling's column weights: a row of them, not an image)."""
+        x = n.inputs[0]
+        return (n.op == "broadcast_in_dim" and x.id not in self.array_of and not x.is_source
+                and not x.is_constant and x.op not in LAYOUT_OPS and self.elements(x) < self.elements(n))
 
     def made_unreshaped(self, n: Node, readers: dict[int, list[Node]]) -> bool:
         """Whether reshape n, which only library matrix products read (each

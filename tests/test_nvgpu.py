@@ -1106,30 +1106,32 @@ def test_a_cnn_training_step_keeps_activations_channels_last(monkeypatch):
     kernels take them (Inductor's layout optimization does the same), and
     the backward reads them in place. Gradients as eager's (TF32 in both)."""
     torch = pytest.importorskip("torch")
-    import copy
+    import polyjit.frontends.torch as frontend
+    from test_torch import training_step_saving
     from polyjit.targets import target
     if not target("nvgpu").direct_convolutions():
         pytest.skip("no cuDNN here")
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    orders, translate = [], frontend.translate
+
+    def recording(gm, *example):
+        t = translate(gm, *example)
+        orders.append(t.input_orders)
+        return t
+    monkeypatch.setattr(frontend, "translate", recording)
     torch.manual_seed(0)
     nn = torch.nn
     m = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
                       nn.MaxPool2d(3, 2, 1), nn.Conv2d(16, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
                       nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)).cuda()
-    ref = copy.deepcopy(m)
-    x = torch.randn(4, 3, 20, 18, device="cuda")
-    saved = []
     torch._dynamo.reset()
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        out = torch.compile(m, backend="polyjit", options={"strict": True})(x)
-    r = torch.randn_like(out)
-    (out * r).sum().backward()
-    (ref(x) * r).sum().backward()
-    for p, q in zip(m.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=2e-2 * float(q.grad.abs().max()))
+    grads, saved = training_step_saving(m, torch.randn(4, 3, 20, 18, device="cuda"))
+    for got, want in grads:
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
     images = [t for t in saved if t.dim() == 4 and t.shape[:2] == (4, 16) and t.shape[2] > 1]  # (not the weights)
     assert images and all(t.is_contiguous(memory_format=torch.channels_last) for t in images), \
         [(tuple(t.shape), t.stride()) for t in saved]
+    assert any((0, 2, 3, 1) in o.values() for o in orders), orders  # (the backward reads them in place)
 
 
 @pytest.mark.parametrize("kind", ["weight", "input"])

@@ -1056,6 +1056,21 @@ def test_saved_activation_transposes_are_views_read_in_place(monkeypatch):
     assert any((1, 0) in o.values() for o in orders), orders  # the backward's input: the GELU's output as stored
 
 
+def training_step_saving(m, x) -> tuple[list, list]:
+    """A training step of module m on x, compiled under strict and in eager
+    on a copy of m, through a random projection of the output: the pairs of
+    gradients (compiled, eager) and the tensors the compiled step saved for
+    its backward."""
+    ref = copy.deepcopy(m)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = torch.compile(m, backend="polyjit", options={"strict": True})(x)
+    r = torch.randn_like(out)
+    (out * r).sum().backward()
+    (ref(x) * r).sum().backward()
+    return [(p.grad, q.grad) for p, q in zip(m.parameters(), ref.parameters())], saved
+
+
 def test_channels_last_activations_saved_for_the_backward_keep_their_layout():
     """A channels-last network's forward stores what its backward alone
     reads in the layout torch traced the backward with (channels last, as
@@ -1063,16 +1078,9 @@ def test_channels_last_activations_saved_for_the_backward_keep_their_layout():
     torch.manual_seed(0)
     m = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 3, padding=1))
     m = m.to(memory_format=torch.channels_last)
-    ref = copy.deepcopy(m)
-    x = torch.randn(2, 4, 8, 8).to(memory_format=torch.channels_last)
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        out = torch.compile(m, backend="polyjit", options={"strict": True})(x)
-    g = torch.randn_like(out)
-    (out * g).sum().backward()
-    (ref(x) * g).sum().backward()
-    for p, q in zip(m.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4)
+    grads, saved = training_step_saving(m, torch.randn(2, 4, 8, 8).to(memory_format=torch.channels_last))
+    for got, want in grads:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     activations = [t for t in saved if t.dim() == 4 and t.shape[1] == 8]
     assert activations and all(t.is_contiguous(memory_format=torch.channels_last) for t in activations), \
         [(tuple(t.shape), t.stride()) for t in saved]
@@ -1083,7 +1091,9 @@ def test_interpolation_takes_rows_then_columns(mode, monkeypatch):
     """Upsampling indexes an image by a row index and a column index (torch's
     decompositions): taken along each dimension in turn, never as one
     position over the flattened image divided back into its row and column
-    for each element. Forward and gradient as eager's."""
+    for each element. The column indices, computed from positions, are a
+    table made once, and no per-column value is made at the image's size.
+    Forward and gradient as eager's."""
     from polyjit.api import Executable
     variant, made = Executable.variant, []
     monkeypatch.setattr(Executable, "variant", lambda self, *a, **k: made.append(self) or variant(self, *a, **k))
@@ -1094,6 +1104,12 @@ def test_interpolation_takes_rows_then_columns(mode, monkeypatch):
     check(f, r(2, 3, 9, 11, grad=True), backward=True)
     for exe in made:
         assert not re.search(r"// (?:11|9)\)", exe.ir("affine")), exe.ir("affine")
+    made.clear()
+    torch._dynamo.reset()
+    check(f, r(2, 3, 9, 11))  # (inference: nothing saved for a backward)
+    forward = made[0].ir("affine")
+    assert re.search(r"temp int64 t\d+\[17\]", forward), forward
+    assert not re.search(r"temp float32 t\d+\[2, 3, 23, 17\]", forward), forward
 
 
 def test_batch_norm_running_statistics_update_in_the_compiled_graph(monkeypatch):
