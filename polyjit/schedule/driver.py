@@ -222,6 +222,7 @@ def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None, 
         first = preparation(prog) if target.gathers_preparation and fusion != "none" else []
         names = fusion_groups(prog, epilogues=fuse, plan=plan, sums_apart=target.sums_sums_apart,
                               small_apart=target.small_statements_apart, windows_apart=target.windows_apart,
+                              column_sums_apart=target.column_sums_apart,
                               first=first)
     users: dict[str, set[int]] = {}
     for g, group in enumerate(names):

@@ -31,7 +31,7 @@ class FusionPlan:
 def fusion_groups(prog: AffineProgram, epilogues: bool = False,
                   plan: FusionPlan | None = None, sums_apart: bool = False,
                   small_apart: bool = False, windows_apart: bool = False,
-                  first: list[str] = ()) -> list[list[str]]:
+                  column_sums_apart: bool = False, first: list[str] = ()) -> list[list[str]]:
     """Runs of statements, in program order, that isl may fuse together.
 
     Program order is a topological order of the dataflow, so consecutive runs
@@ -59,7 +59,10 @@ def fusion_groups(prog: AffineProgram, epilogues: bool = False,
     MobileNetV3's depthwise weights in their consumer's group took isl 4-18
     s a group on the GPU, whose kernels never shared a nest with them. On
     the host, with both options, MobileNetV2 compiled 0.45 s sooner and ran
-    3-10% slower (bench/NOTES.md): its groups stay as they were.
+    3-10% slower (bench/NOTES.md): its groups stay as they were. A run's
+    small heads go before it too (_small_heads). With column_sums_apart, a
+    sum over the leading dimensions of a value the run makes starts a group
+    (_column_sum).
 
     first (the target's preparation, where it gathers one) is the first
     group, its statements then taken out of the others: the runs keep their
@@ -108,7 +111,9 @@ def fusion_groups(prog: AffineProgram, epilogues: bool = False,
         if current and (len(current) >= MAX_GROUP and not _pointwise_tail(s, current, by_name, prog)
                         or _reads_reshaped(s, current, prog)
                         or sums_apart and _sums_a_sum(s, current, prog)
-                        or windows and _reads_window(s, {by_name[n].array for n in current if n in windows}, prog)):
+                        or windows and _reads_window(s, {by_name[n].array for n in current if n in windows}, prog)
+                        or column_sums_apart and _column_sum(s, {by_name[n].array for n in current
+                                                                 if _plain(by_name[n])}, prog)):
             held = [current.pop()] if s.role is Role.UPDATE and current[-1] in inits else []
             if current:
                 groups.append(current)  # (a sum's initialization goes with it)
@@ -121,6 +126,8 @@ def fusion_groups(prog: AffineProgram, epilogues: bool = False,
         current.append(s.name)
     if current:
         groups.append(current)
+    if small_apart:
+        groups = [part for g in groups for part in _small_heads(g, by_name, prog)]
     if first:
         gathered = set(first)
         groups = [list(first)] + [kept for g in groups if (kept := [n for n in g if n not in gathered])]
@@ -153,6 +160,54 @@ def preparation(prog: AffineProgram) -> list[str]:
             break
         prep = kept
     return [s.name for s in prog.statements if s.name in prep] if 1 < len(prep) < len(prog.statements) else []
+
+
+def _small_heads(group: list[str], by_name: dict, prog: AffineProgram) -> list[list[str]]:
+    """The group as its small heads, then the rest. A head is a plain
+    statement with at most 1/APART of the iterations of the group's largest
+    that reads nothing the rest writes, and whose result the rest reads only
+    broadcast (a batch norm's mean, divided from sums an earlier group made,
+    read at every image row, and its running mean's update). A GPU kernel
+    cannot wait for values other threads make, so such a head runs in a
+    kernel of its own either way; in the group, its dependences on every
+    point of the larger statements took isl's scheduler 8 s over one group
+    of ResNet-18's training forward, which it then split."""
+    stmts = [by_name[n] for n in group]
+    largest = max((s.points or 0 for s in stmts), default=0)
+    heads = {s.name for s in stmts if _plain(s) and s.points is not None and s.points * APART <= largest}
+    while heads:
+        kept = {h for h in heads if _may_go_first(stmts, group.index(h), heads, prog)}
+        if kept == heads:
+            break
+        heads = kept
+    if not heads:
+        return [group]
+    return [[n for n in group if n in heads], [n for n in group if n not in heads]]
+
+
+def _may_go_first(stmts: list, k: int, heads: set[str], prog: AffineProgram) -> bool:
+    """Whether stmts[k] may run before the statements of stmts not in heads:
+    it reads nothing they write, those before it touch nothing it writes,
+    and those after it read its result broadcast only."""
+    h = stmts[k]
+    reads = {ld.array for ld in prog.statement_loads(h)}
+    for j, r in enumerate(stmts):
+        if r.name in heads:
+            continue
+        if r.array in reads or r.array == h.array:
+            return False
+        r_loads = [ld for ld in loads(r.body) if ld.array == h.array]
+        if r_loads and (j < k or not all(_broadcast(r, ld) for ld in r_loads)):
+            return False
+    return True
+
+
+def _broadcast(s, ld) -> bool:
+    """Whether load ld of s reads one element at several of s's points: one
+    of its loops of more than one iteration is in none of its indices."""
+    used = {x.name for i in ld.index for x in walk(i) if isinstance(x, Var)}
+    return any(it not in used and not (isinstance(lo, int) and isinstance(hi, int) and hi - lo <= 1)
+               for it, (lo, hi) in zip(s.iters, s.bounds))
 
 
 def _reads_window(s, made: set[str], prog: AffineProgram) -> bool:
@@ -275,6 +330,20 @@ def _sums_a_sum(s, group: list[str], prog: AffineProgram) -> bool:
                 return True
             positions.setdefault(ld.array, set()).add(ld.index)
     return any(len(p) > 1 for p in positions.values())
+
+
+def _column_sum(s, made: set[str], prog: AffineProgram) -> bool:
+    """Whether s reduces over the leading dimensions of an array in made (a
+    batch norm's per-channel sums over NHWC, in training's backward). Its
+    kept dimensions are its outer loops and its producers' inner ones, so
+    the nvgpu target runs it in strips of its own (AtomicStrips) either way;
+    with them, its producers (a strided depthwise convolution's input
+    gradient and the batch norm's) took isl's scheduler 0.5-2.6 s a group in
+    MobileNetV3's backward before it gave each a kernel of its own."""
+    red = set(s.reduction_iters)
+    return s.role is Role.UPDATE and bool(red) and any(
+        ld.array in made and ld.index and isinstance(ld.index[0], Var) and ld.index[0].name in red
+        for ld in loads(s.body))
 
 
 def _reads_reshaped(s, group: list[str], prog: AffineProgram) -> bool:

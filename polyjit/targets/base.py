@@ -43,6 +43,7 @@ class Target:
     sums_sums_apart: bool = False  # a reduction of a reduction's results starts a fusion group (fusion._sums_a_sum)
     small_statements_apart: bool = False  # small statements unrelated to a fusion run go before it (fusion._apart)
     windows_apart: bool = False  # every window, not only strided ones, ends its fusion group (fusion._window)
+    column_sums_apart: bool = False  # a sum over leading dims of a value its run makes starts a group (fusion._column_sum)
     gathers_preparation: bool = False  # small statements of the inputs alone run first, one kernel (fusion.preparation)
     column_convolutions: bool = False  # generated channels-first convolutions as products over their columns
     library: str = ""  # the vendor library under generated contractions

@@ -319,6 +319,7 @@ class NvgpuTarget(Target):
     launched_library_calls = True
     small_statements_apart = True  # (its mapping gives them kernels of their own anyway)
     windows_apart = True  # (a window's readers would fuse into its halo strips only with isl's seconds)
+    column_sums_apart = True  # (isl gives such a sum and its producers kernels of their own, after seconds)
     folds_each_call = False  # the library's convolution leaves a pass over its result anyway: the scale joins it
 
     def graph_passes(self, graph: Graph, options: CompileOptions) -> Graph:
