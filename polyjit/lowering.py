@@ -659,12 +659,63 @@ def _gather(L, n, idx):
     x, index = n.inputs
     axis = n.attrs["axis"]
     size = L.shape(x)[axis]
+    position = _in_range if n.attrs.get("in_range") else _position
     if n.attrs["along"]:
         src = list(idx)
-        src[axis] = _position(L, index, idx, size)
+        src[axis] = position(L, index, idx, size)
         return L.value(x, src)
     k = index.rank
-    return L.value(x, list(idx[:axis]) + [_position(L, index, idx[axis:axis + k], size)] + list(idx[axis + k:]))
+    return L.value(x, list(idx[:axis]) + [position(L, index, idx[axis:axis + k], size)] + list(idx[axis + k:]))
+
+
+def _in_range(L, index: Node, at, size) -> Expr:
+    """An index value that tabled_positions already made safe, as int64."""
+    raw = L.value(index, at)
+    return Op(DataType.Int, "cast", (raw,)) if raw.dtype != DataType.Int else raw
+
+
+def tabled_positions(graph: Graph) -> Graph:
+    """A copy in which a gather whose index is computed from positions alone
+    and has fewer elements than the gather selects (an upsampling's rows or
+    columns) reads that index already wrapped and clamped into the array
+    (attr in_range). The lowering makes such an index a table, once
+    (Lowering.read_weight), so the wrap and the clamp then run once an entry
+    instead of once an element it selects: in bilinear upsampling they were
+    a quarter of the time (bench/NOTES.md)."""
+    positional: dict[int, bool] = {}
+
+    def computed(n: Node) -> bool:
+        if n.id not in positional:
+            positional[n.id] = not n.is_source and all(computed(i) for i in n.inputs)
+        return positional[n.id]
+
+    def step(old: Node, n: Node, new: dict[int, Node]) -> Node:
+        if n.op != "gather" or n.attrs.get("in_range"):
+            return n
+        x, index = n.inputs
+        size, selected, entries = x.shape[n.attrs["axis"]], sz.static_product(n.shape), sz.static_product(index.shape)
+        if not (sz.is_static(size) and selected and entries and entries < selected and computed(old.inputs[1])):
+            return n
+        changed.append(n)
+        return replace(n, inputs=(x, _safe_position(index, int(size))), attrs={**n.attrs, "in_range": True})
+    changed: list[Node] = []
+    graph = graph.rewritten(step)
+    return graph.deduplicated() if changed else graph  # (two gathers at one index share its table)
+
+
+def _safe_position(index: Node, size: int) -> Node:
+    """index as _position computes it per element, as graph nodes."""
+    shape, i64 = index.shape, DataType.Int
+
+    def const(v: int) -> Node:
+        c = Node("constant", (), {"value": v, "weak": False}, (), i64)
+        return Node("broadcast_in_dim", (c,), {"dims": ()}, shape, i64)
+
+    def op(name: str, *args: Node, dtype: DataType = i64) -> Node:
+        return Node(name, args, {}, shape, dtype)
+    pos = index if index.dtype == i64 else op("cast", index)
+    wrapped = op("where", op("lt", pos, const(0), dtype=DataType.Bool), op("add", pos, const(size)), pos)
+    return op("minimum", op("maximum", wrapped, const(0)), const(size - 1))
 
 
 def _linear(shape, idx, offset: int = 0) -> Expr:

@@ -167,8 +167,10 @@ def test_keras_optimizer_step_assigns_the_variables(rng):
     (want, ref_vars, _), (got, vars_, jf) = runs
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert [g[1] for g in got] == [1, 2, 3]  # (the count read after its increment)
-    for a, b in zip(vars_, ref_vars):
-        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-5)
+    for a, b in zip(vars_, ref_vars):  # (Adam divides by a gradient's running size: where a gradient is near 0,
+        # float32 rounding in another order, or the library's in place of generated code as timed under load,
+        # moves a weight by up to ~1% of a step of 0.01)
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-4)
     assert jf.stats["fallbacks"] == 0, jf.stats["fallback_ops"]
 
 

@@ -1092,8 +1092,9 @@ def test_interpolation_takes_rows_then_columns(mode, monkeypatch):
     decompositions): taken along each dimension in turn, never as one
     position over the flattened image divided back into its row and column
     for each element. The column indices, computed from positions, are a
-    table made once, and no per-column value is made at the image's size.
-    Forward and gradient as eager's."""
+    table made once, wrapped and clamped into the image there, and no
+    per-column value is made at the image's size. Forward and gradient as
+    eager's."""
     from polyjit.api import Executable
     variant, made = Executable.variant, []
     monkeypatch.setattr(Executable, "variant", lambda self, *a, **k: made.append(self) or variant(self, *a, **k))
@@ -1110,6 +1111,9 @@ def test_interpolation_takes_rows_then_columns(mode, monkeypatch):
     forward = made[0].ir("affine")
     assert re.search(r"temp int64 t\d+\[17\]", forward), forward
     assert not re.search(r"temp float32 t\d+\[2, 3, 23, 17\]", forward), forward
+    lines = forward.splitlines()  # the index tables hold wrapped, clamped positions: none wraps one per element
+    assert not [body for head, body in zip(lines, lines[1:])
+                if re.match(r"S\d+\[", head) and head.count(" <= i") >= 3 and "< 0)" in body], forward
 
 
 def test_batch_norm_running_statistics_update_in_the_compiled_graph(monkeypatch):

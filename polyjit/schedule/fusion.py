@@ -68,7 +68,10 @@ def fusion_groups(prog: AffineProgram, epilogues: bool = False,
     group, its statements then taken out of the others: the runs keep their
     bounds, where closing them without it fused more of the activations'
     statements in each, which isl took longer over and MobileNetV2 ran
-    slower with.
+    slower with. Its tables of positions (an upsampling's indices and
+    weights, _positional) are no part of a run: counted, they cut the run of
+    an upsampling's row gathers and their blend in two, and the rows
+    gathered were stored whole between them.
     """
     groups: list[list[str]] = []
     current: list[str] = []
@@ -77,7 +80,10 @@ def fusion_groups(prog: AffineProgram, epilogues: bool = False,
     by_name = {s.name: s for s in prog.statements}
     ahead = None  # a group of statements apart from the current run, just before it
     windows: set[str] = set()  # windows (their readers start the next group)
+    tables = _positional(prog) & set(first)
     for s in prog.statements:
+        if s.name in tables:  # (the preparation's tables of positions: no part of a run)
+            continue
         if small_apart and update is None and current and _apart(s, [by_name[n] for n in current], prog):
             if ahead is None or len(ahead) >= MAX_GROUP or groups[-1] is not ahead:
                 ahead = [s.name]
@@ -132,6 +138,16 @@ def fusion_groups(prog: AffineProgram, epilogues: bool = False,
         gathered = set(first)
         groups = [list(first)] + [kept for g in groups if (kept := [n for n in g if n not in gathered])]
     return groups
+
+
+def _positional(prog: AffineProgram) -> set[str]:
+    """The plain statements computed from positions and constants alone
+    (an upsampling's index tables and weights)."""
+    made: set[str] = set()
+    for s in prog.statements:
+        if _plain(s) and all(ld.array in made for ld in prog.statement_loads(s)):
+            made.add(s.array)
+    return {s.name for s in prog.statements if s.array in made}
 
 
 PREPARATION_POINTS = 4096  # the most instances a statement of the preparation (below) has

@@ -17,7 +17,7 @@ from ..dtypes import DataType
 from ..fold import fold_scales
 from ..graph import Graph, Node
 from ..library import LibraryPolicy
-from ..lowering import RECOMPUTE_LIMIT, lower
+from ..lowering import RECOMPUTE_LIMIT, lower, tabled_positions
 from ..runtime import CompiledProgram
 
 if TYPE_CHECKING:
@@ -103,7 +103,7 @@ class Target:
     # ---------------------------------------------------------------- graph and schedule
     def graph_passes(self, graph: Graph, options: CompileOptions) -> Graph:
         """The rewrites this target's code needs, after inference folding."""
-        return expand_input_dilation(graph, lambda n: self.keeps_input_dilation(n, options))
+        return tabled_positions(expand_input_dilation(graph, lambda n: self.keeps_input_dilation(n, options)))
 
     def output_orders(self, graph: Graph, options: CompileOptions) -> dict[int, tuple[int, ...]]:
         """{output k: p} for the outputs this target computes in another
