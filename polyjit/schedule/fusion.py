@@ -196,7 +196,7 @@ def _small_heads(group: list[str], by_name: dict, prog: AffineProgram) -> list[l
         if kept == heads:
             break
         heads = kept
-    if not heads:
+    if not heads or len(heads) == len(group):  # (all of them heads: statements of no iterations)
         return [group]
     return [[n for n in group if n in heads], [n for n in group if n not in heads]]
 
