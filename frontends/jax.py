@@ -34,6 +34,7 @@ from jax.extend import core as jcore
 
 from polyjit import ops
 from polyjit.api import takes_device_arrays
+from polyjit.compiler import expect_compile
 from polyjit.dtypes import DataType
 from polyjit.errors import CompileOptionError, InputError, UnsupportedOpError
 from polyjit.options import CompileOptions, parse_options
@@ -911,6 +912,7 @@ class JaxFunction:
 
     def program(self, sig: _Signature):
         if sig.key not in self._programs:
+            expect_compile()  # (the workers' imports beside the jaxpr's trace)
             self._programs[sig.key] = self._trace(sig, self._call_fn(sig), f"{self.__name__}{len(self._programs)}")
         return self._programs[sig.key]
 

@@ -32,6 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from polyjit import ops
 from polyjit.api import Executable, takes_device_arrays
+from polyjit.compiler import expect_compile
 from polyjit.channels_last import inverse
 from polyjit.runtime.buffers import BufferCache, new_buffer
 from polyjit.runtime.gpu_buffers import GpuView
@@ -1854,6 +1855,7 @@ class PolyjitBackend:
         # min-cut partition): a GELU's intermediates are recomputed, fused into the backward
         # input mutations (batch norms' running statistics) stay in the graph: copied in after the call,
         # together, rather than one copy_ each by AOTAutograd's wrapper
+        expect_compile()  # (the workers' imports beside AOTAutograd's trace)
         backend = aot_autograd(fw_compiler=self._compiler("forward"), bw_compiler=self._compiler("backward"),
                                inference_compiler=self._compiler("inference"), decompositions=DECOMPOSITIONS,
                                keep_inference_input_mutations=True,

@@ -756,3 +756,30 @@ def test_an_unread_input_is_part_of_the_key():
     alone = polyjit.compile(lambda x: x * 2.0, [InputInfo([4], np.float32)], {"cache": False})
     assert cache.graph_text(with_unread.graph) != cache.graph_text(alone.graph)
     np.testing.assert_array_equal(with_unread(np.ones(4, np.float32), np.ones(3, np.float32)), np.full(4, 2.0))
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax", "tf"])
+def test_each_frontend_starts_the_workers_before_it_traces(framework, monkeypatch):
+    """A frontend starts the compile's worker processes as it begins tracing
+    a program it has not compiled (compiler.expect_compile), so that their
+    imports run beside the framework's trace, not after it: before any
+    compile asks for them."""
+    from polyjit.codegen import workers
+    from polyjit.targets.base import Target
+    events = []
+    start, compile_ = workers.workers, Target.compile
+    monkeypatch.setattr(workers, "workers", lambda: events.append("workers") or start())
+    monkeypatch.setattr(Target, "compile", lambda self, *a, **k: events.append("compile") or compile_(self, *a, **k))
+    options = {"cache": False, "strict": True}
+    if framework == "torch":
+        torch = pytest.importorskip("torch")
+        torch._dynamo.reset()
+        out = torch.compile(lambda x: torch.tanh(x) * 2.0, backend="polyjit", options=options)(torch.ones(5))
+    elif framework == "jax":
+        jnp = pytest.importorskip("jax.numpy")
+        out = polyjit.jit_jax(lambda x: jnp.tanh(x) * 2.0, compile_options=options)(jnp.ones(5))
+    else:
+        tf = pytest.importorskip("tensorflow")
+        out = polyjit.jit_tf(lambda x: tf.tanh(x) * 2.0, compile_options=options)(tf.ones(5))
+    np.testing.assert_allclose(np.asarray(out), np.tanh(np.ones(5)) * 2.0, rtol=1e-6)
+    assert "compile" in events and events[0] == "workers", events
