@@ -32,8 +32,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from polyjit import ops
 from polyjit.api import Executable, takes_device_arrays
-from polyjit.compiler import expect_compile
 from polyjit.channels_last import inverse
+from polyjit.compiler import expect_compile
 from polyjit.runtime.buffers import BufferCache, new_buffer
 from polyjit.runtime.gpu_buffers import GpuView
 from polyjit.dtypes import DataType
