@@ -976,6 +976,29 @@ def _index(cx, x, indices):
     return ops.take(ops.reshape(x, shape[:first] + [n] + shape[last + 1:]), flat, first)
 
 
+def _mutates_input(node: torch.fx.Node) -> bool:
+    """Whether ``copy_`` node writes a graph input that nothing reads after
+    it: an input mutation AOTAutograd keeps in the graph (a later read would
+    see the value before the copy)."""
+    return node.args[0].op == "placeholder" and not node.users
+
+
+@_reg(aten.copy_.default)
+def _copy_(cx, into, src, non_blocking=False):
+    """``copy_`` into a graph input (a batch norm's running statistics): the
+    value is an output, copied into the argument after the call, all of
+    them together (CompiledGraph: _copy_into)."""
+    if not _mutates_input(cx.node):
+        raise UnsupportedOpError("copy_ into a tensor that is not a graph input, or read after it")
+    if isinstance(src, ops.Tensor):
+        value = ops.broadcast_to(ops.cast(src, into.dtype), list(into.shape))
+    else:
+        value = ops.full(list(into.shape), src, into.dtype, like=into)
+    cx.graph.add_output(value.node)
+    cx.mutations.append((cx.placeholders[cx.node.args[0]], len(cx.graph.outputs) - 1))
+    return into
+
+
 @_reg(aten.index_put.default, aten._unsafe_index_put.default)
 def _index_put(cx, x, indices, values, accumulate=False):
     """x with values at x[..., i, j, ...] (``x[i] = v``, a cache's update):
@@ -1185,6 +1208,7 @@ class _Context:
         self.node: torch.fx.Node | None = None  # the FX node being translated
         self.int_inputs: list[int] = []  # graph inputs that are integer arguments
         self.mutations: list[tuple[int, int]] = []  # (argument position, graph output): copied in after a call
+        self.placeholders: dict[torch.fx.Node, int] = {}  # tensor placeholders' argument positions
 
     def dtype(self, dt) -> DataType:
         if isinstance(dt, DataType):
@@ -1302,7 +1326,6 @@ def translate(gm: torch.fx.GraphModule, example_inputs: Sequence | None = None) 
     tensor_inputs = []
     input_pos: dict[int, int] = {}
     input_orders: dict[int, tuple[int, ...]] = {}
-    placeholders: dict[torch.fx.Node, int] = {}  # tensor placeholders' argument positions
     symbols: dict[str, tuple] = {}
     dims = {d for node in gm.graph.nodes if node.op == "placeholder"
             and isinstance(_node_val(node), torch.Tensor) for s in _node_val(node).shape
@@ -1332,7 +1355,7 @@ def translate(gm: torch.fx.GraphModule, example_inputs: Sequence | None = None) 
                     n = cx.graph.transpose(n, inverse(order))
                 env[node] = ops.Tensor(cx.graph, n)
                 tensor_inputs.append(pos)
-                placeholders[node] = pos
+                cx.placeholders[node] = pos
             elif isinstance(val, torch.SymInt) and val.node.expr.is_Symbol and str(val.node.expr) not in dims:
                 # an integer argument no tensor's size carries: a value (x * k), never a size
                 n = cx.graph.input((), DataType.Int, node.name)
@@ -1351,8 +1374,6 @@ def translate(gm: torch.fx.GraphModule, example_inputs: Sequence | None = None) 
                 env[node] = ops.Tensor(cx.graph, cx.graph.tensor_constant(_constant(value)))
             else:
                 env[node] = value
-        elif node.op == "call_function" and node.target is aten.copy_.default:
-            env[node] = _input_mutation(cx, node, env, placeholders)
         elif node.op == "call_function":
             fn = ATEN.get(node.target)
             if fn is None:
@@ -1408,24 +1429,6 @@ def _outputs(cx: _Context, node: torch.fx.Node, env: dict, tensor_inputs: list[i
         asserts.append((len(cx.graph.outputs) - 1, msg))
     return _Translation(cx.graph, tensor_inputs, cx.seed_index, outs, symbols, asserts, cx.int_inputs, input_orders,
                         cx.mutations)
-
-
-def _input_mutation(cx: _Context, node: torch.fx.Node, env: dict, placeholders: dict) -> ops.Tensor:
-    """``copy_`` into a graph input: an input mutation AOTAutograd keeps in
-    the graph (a batch norm's running statistics). The value is an output,
-    copied into the argument after the call, all of them together."""
-    dst, src = node.args[0], node.args[1]
-    src = env[src] if isinstance(src, torch.fx.Node) else src
-    if dst not in placeholders or node.users:  # (a later read would see the value before the copy)
-        raise UnsupportedOpError("copy_ into a tensor that is not a graph input, or read after it")
-    into = env[dst]
-    if isinstance(src, ops.Tensor):
-        value = ops.broadcast_to(ops.cast(src, into.dtype), list(into.shape))
-    else:
-        value = ops.full(list(into.shape), src, into.dtype, like=into)
-    cx.graph.add_output(value.node)
-    cx.mutations.append((placeholders[dst], len(cx.graph.outputs) - 1))
-    return into
 
 
 def _in_memory_order(graph, node, order: tuple[int, ...]):
@@ -1745,9 +1748,9 @@ class _Supported(OperatorSupport):
     runs where its tensors are, or says why it cannot)."""
 
     def is_node_supported(self, submodules, node) -> bool:
-        if node.op == "call_function" and node.target is aten.copy_.default:  # (an input mutation: _input_mutation)
-            return node.args[0].op == "placeholder"
         if node.op != "call_function" or node.target not in ATEN:
+            return False
+        if node.target is aten.copy_.default and not _mutates_input(node):
             return False
         val = _node_val(node)
         vals = val if isinstance(val, (tuple, list)) else [val]

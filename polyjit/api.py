@@ -90,7 +90,7 @@ class Executable:
         per input) on ``target`` (default: the named one, else the CPU).
         ``example``: the arrays of the call that asks, whose shapes a
         ``POLYJIT_DUMP=python_definition`` reproducer records."""
-        target = target or self.options.target or HOST
+        target = self._named(target)
         if (layout, target) not in self._variants:
             g = self.graph
             if not self._dumped and "python_definition" in printing.dump_kinds():
@@ -112,8 +112,12 @@ class Executable:
         else the host) would compute as ``transpose(value, p)``: a caller
         that may hand such an output out in any layout asks for it in that
         order before the first compile (a saved activation, channels last)."""
-        target = target or self.options.target or HOST
+        target = self._named(target)
         return TARGETS[target].output_orders(self.graph, self.options.on(target))
+
+    def _named(self, target: str | None) -> str:
+        """target, else the compile options', else the host."""
+        return target or self.options.target or HOST
 
     def __call__(self, *args, **launch):
         """Run on the arrays (numpy; on nvgpu also GPU arrays, with the

@@ -146,10 +146,7 @@ class Lowering:
         return 1
 
     def positional(self, n: Node) -> bool:
-        """Whether n is computed from positions and constants alone (no array read)."""
-        if n.id not in self._positional:
-            self._positional[n.id] = not n.is_source and all(self.positional(i) for i in n.inputs)
-        return self._positional[n.id]
+        return from_positions(n, self._positional)
 
     def plan(self) -> None:
         if self.library is not None:
@@ -668,6 +665,14 @@ def _gather(L, n, idx):
     return L.value(x, list(idx[:axis]) + [position(L, index, idx[axis:axis + k], size)] + list(idx[axis + k:]))
 
 
+def from_positions(n: Node, memo: dict[int, bool]) -> bool:
+    """Whether n is computed from positions and constants alone (no array
+    read); memo: the answers so far, by node id."""
+    if n.id not in memo:
+        memo[n.id] = not n.is_source and all(from_positions(i, memo) for i in n.inputs)
+    return memo[n.id]
+
+
 def _in_range(L, index: Node, at, size) -> Expr:
     """An index value that tabled_positions already made safe, as int64."""
     raw = L.value(index, at)
@@ -684,17 +689,13 @@ def tabled_positions(graph: Graph) -> Graph:
     a quarter of the time (bench/NOTES.md)."""
     positional: dict[int, bool] = {}
 
-    def computed(n: Node) -> bool:
-        if n.id not in positional:
-            positional[n.id] = not n.is_source and all(computed(i) for i in n.inputs)
-        return positional[n.id]
-
     def step(old: Node, n: Node, new: dict[int, Node]) -> Node:
         if n.op != "gather" or n.attrs.get("in_range"):
             return n
         x, index = n.inputs
         size, selected, entries = x.shape[n.attrs["axis"]], sz.static_product(n.shape), sz.static_product(index.shape)
-        if not (sz.is_static(size) and selected and entries and entries < selected and computed(old.inputs[1])):
+        if not (sz.is_static(size) and selected and entries and entries < selected
+                and from_positions(old.inputs[1], positional)):
             return n
         changed.append(n)
         return replace(n, inputs=(x, _safe_position(index, int(size))), attrs={**n.attrs, "in_range": True})

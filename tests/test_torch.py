@@ -1140,6 +1140,37 @@ def test_batch_norm_running_statistics_update_in_the_compiled_graph(monkeypatch)
     assert sorted(copies) == [2] * 3 + [4] * 3, copies  # (the counts; the statistics)
 
 
+def test_a_copy_into_an_input_read_after_it_is_left_to_torch():
+    """``copy_`` into a graph input compiles as an input mutation only where
+    nothing reads the input after it (the read would see the value before
+    the copy): the support check and the translation agree, so such a copy
+    runs in torch while its neighbours compile."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from polyjit.frontends.torch import _Supported, translate
+
+    def kept(x, buf):
+        buf.copy_(x * 2.0)
+        return x + 1.0
+
+    def read_after(x, buf):
+        buf.copy_(x * 2.0)
+        return buf + 1.0
+    args = (torch.randn(5), torch.zeros(5))
+    for fn, supported in ((kept, True), (read_after, False)):
+        gm = make_fx(fn)(*args)
+        copy_ = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.copy_.default)
+        assert _Supported().is_node_supported({}, copy_) is supported
+        if supported:
+            assert len(translate(gm).mutations) == 1
+        else:
+            with pytest.raises(UnsupportedOpError, match="copy_"):
+                translate(gm)
+    buf = torch.zeros(5)
+    out = torch.compile(read_after, backend="polyjit")(args[0], buf)
+    torch.testing.assert_close(out, args[0] * 2.0 + 1.0)
+    torch.testing.assert_close(buf, args[0] * 2.0)
+
+
 def test_host_calls_with_the_same_layouts_run_the_bound_plan(monkeypatch):
     """On the host, a graph called again with inputs of the last call's
     shapes, strides and dtypes (a training loop) runs the plan that call
