@@ -43,7 +43,8 @@ class ReductionSpec:
     combine: str
     extra: str = ""  # isl constraints relating reduction and output iterators
     unroll: int = UNROLL_LIMIT  # the most terms that unroll into one expression
-    reads_once: bool = False  # each operand element feeds one term (a reduce, not a window or product)
+    reads_once: bool = False  # each operand element feeds one term at most (a reduce, a window that
+    # tiles its operand, not a product)
 
     def static_terms(self) -> int | None:
         if self.extra or not all(sz.is_static(s) for s in self.red_sizes):
@@ -866,7 +867,10 @@ def _reduce_window(L: Lowering, n: Node) -> ReductionSpec:
                       E.isub(E.imul(r[d], at["dilation"][d]), E.const(at["padding"][d][0])))
                for d in range(x.rank)]
         return guarded(L, x, src, fill, [d for d in range(x.rank) if any(at["padding"][d])])
-    return ReductionSpec(list(at["window"]), term, at["op"])
+    # windows that do not overlap (a 2x2 pooling at stride 2) read each element once: its
+    # producer (a batch norm and relu) is computed in the window's terms, not stored for them
+    apart = all(w == 1 or (w - 1) * dl < st for w, dl, st in zip(at["window"], at["dilation"], at["strides"]))
+    return ReductionSpec(list(at["window"]), term, at["op"], reads_once=apart)
 
 
 REDUCTIONS: dict[str, Callable[[Lowering, Node], ReductionSpec]] = {

@@ -1216,6 +1216,35 @@ def test_library_steps_thread_by_thread(case, rng, monkeypatch):
     np.testing.assert_allclose(got, np.maximum(ref(*arrays), 0), rtol=1e-4, atol=1e-4)
 
 
+def test_small_products_are_sums_fused_with_their_neighbours_thread_by_thread(rng):
+    """A classifier head's product ([8, 64] x [64, 10] after a pooled mean)
+    is a sum of products in the kernel that adds its bias (a thread per
+    result), not a tiled kernel of its own; a relu under a 2x2 pooling at
+    stride 2, which reads each element once, is computed in the pooling's
+    sums. Small products batched, transposed, of one operand by itself and
+    over two dims give numpy's results."""
+    def head(x, w, b):
+        pooled = ops.reduce_window("sum", ops.maximum(x, 0.0), [1, 2, 2, 1], [1, 2, 2, 1]) / 4.0
+        return ops.matmul(ops.mean(pooled, [1, 2]), w) + b
+
+    def products(a, b, c, d):
+        return (ops.dot_general(a, b, ((2,), (1,)), ((0,), (0,))), ops.dot_general(c, c, ((1,), (1,))),
+                ops.dot_general(c, d, ((0,), (0,))), ops.dot_general(a, a, ((0, 2), (0, 2))))
+    x, w, b = (rng.standard_normal(s).astype(F32) for s in [(8, 16, 16, 64), (64, 10), (10,)])
+    exe = polyjit.compile(head, [InputInfo(a.shape, F32) for a in (x, w, b)], PTX_ONLY)
+    plans = exe.ir("mapping").splitlines()
+    assert len(plans) == 2 and "sum_add" in plans[1] and "nest per thread" in plans[1], plans
+    np.testing.assert_allclose(run_threads_on_cpu(exe, [x, w, b])[0], np.maximum(x, 0).mean((1, 2)) @ w + b,
+                               rtol=1e-5, atol=1e-5)
+    arrays = [rng.standard_normal(s).astype(F32) for s in [(3, 5, 7), (3, 7, 4), (6, 9), (6, 11)]]
+    exe = polyjit.compile(products, [InputInfo(a.shape, F32) for a in arrays], PTX_ONLY)
+    assert not any("tiled" in p for p in exe.ir("mapping").splitlines())
+    a, b, c, d = arrays
+    wants = (np.einsum("bij,bjk->bik", a, b), c @ c.T, c.T @ d, np.einsum("bij,bkj->ik", a, a))
+    for got, want in zip(run_threads_on_cpu(exe, arrays), wants):
+        np.testing.assert_allclose(got.reshape(want.shape), want, rtol=1e-5, atol=1e-5)
+
+
 def test_a_batch_of_heads_is_one_library_call(monkeypatch):
     """A product batched over images and heads ([b, h, t, d] @ [b, h, d, t])
     is one strided batched call of b * h matrices, the two loops' strides

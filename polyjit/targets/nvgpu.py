@@ -73,6 +73,38 @@ def narrow_products(graph: Graph) -> Graph:
     return graph.rewritten(narrow)
 
 
+SMALL_PRODUCT = 1 << 14  # a float32 product of at most this many multiplications is a sum of products
+SMALL_DEPTH = 256  # ... over at most this many terms
+
+
+def small_products(graph: Graph) -> Graph:
+    """A copy in which a float32 product small enough that its launch is
+    most of its time (a classifier head, [8, 64] x [64, 10], and its
+    gradients) is a sum over the contracted dims of the operands' products:
+    a thread per result element then sums its terms, fused with its
+    neighbours (the mean pooling before it, the bias after), where the
+    product was a tiled kernel of its own or a cuBLAS call."""
+    def as_sum(old: Node, n: Node, new: dict[int, Node]) -> Node:
+        if n.op != "dot_general" or n.dtype != DataType.Float:
+            return n
+        a, b = n.inputs
+        at = n.attrs
+        depth = sz.static_product(a.shape[d] for d in at["lc"])
+        size = sz.static_product(n.shape)
+        if depth is None or size is None or depth > SMALL_DEPTH or depth * size > SMALL_PRODUCT:
+            return n
+        lf = [d for d in range(a.rank) if d not in at["lc"] and d not in at["lb"]]
+        rf = [d for d in range(b.rank) if d not in at["rc"] and d not in at["rb"]]
+        nb, nl, nr, nc = len(at["lb"]), len(lf), len(rf), len(at["lc"])
+        shape = (*n.shape, *(a.shape[d] for d in at["lc"]))
+        terms = [graph.broadcast_in_dim(graph.transpose(x, (*batch, *free, *contracted)), shape,
+                                        (*range(nb), *placed, *range(nb + nl + nr, nb + nl + nr + nc)))
+                 for x, batch, free, contracted, placed in ((a, at["lb"], lf, at["lc"], range(nb, nb + nl)),
+                                                            (b, at["rb"], rf, at["rc"], range(nb + nl, nb + nl + nr)))]
+        return graph.reduce("sum", graph.binary("mul", *terms), range(len(n.shape), len(shape)))
+    return graph.rewritten(as_sum)
+
+
 def matrix_products(graph: Graph) -> Graph:
     """A copy in which a dot_general without batch dims over runs of
     adjacent dims ([b, t, d] x [d, n], as JAX writes a dense layer over a
@@ -319,17 +351,21 @@ class NvgpuTarget(Target):
     launched_library_calls = True
     small_statements_apart = True  # (its mapping gives them kernels of their own anyway)
     windows_apart = True  # (a window's readers would fuse into its halo strips only with isl's seconds)
+    sums_sums_apart = True
     column_sums_apart = True  # (isl gives such a sum and its producers kernels of their own, after seconds)
     folds_each_call = False  # the library's convolution leaves a pass over its result anyway: the scale joins it
 
     def graph_passes(self, graph: Graph, options: CompileOptions) -> Graph:
-        """Products over runs of dims as products of matrices
-        (matrix_products), siblings joined (sibling_products), channels-last
-        arrays around cuDNN's TF32 convolutions (polyjit.channels_last), and
-        reductions split."""
+        """Small products as sums (small_products; not where the options ask
+        for the library), products over runs of dims as products of
+        matrices (matrix_products), siblings joined (sibling_products),
+        channels-last arrays around cuDNN's TF32 convolutions
+        (polyjit.channels_last), and reductions split."""
         graph = super().graph_passes(graph, options)
         if self._channels_last(options):
             graph = channels_last(graph)
+        if options.contractions != "library":
+            graph = small_products(graph)
         return split_reductions(sibling_products(narrow_products(matrix_products(graph))))
 
     def _channels_last(self, options: CompileOptions) -> bool:
