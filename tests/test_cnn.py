@@ -583,11 +583,13 @@ def test_a_weight_read_across_too_few_rows_to_pack_calls_the_library(rng, monkey
 
 
 @needs_blas
-@pytest.mark.parametrize("shape,untimed", [((128, 256, 192), True), ((100, 300, 77), False), ((64, 256, 256), True)])
+@pytest.mark.parametrize("shape,untimed", [((128, 256, 192), "register blocks"), ((100, 300, 77), None),
+                                           ((64, 256, 256), "register blocks"), ((8, 1280, 1000), "weight's rows")])
 def test_products_in_whole_register_blocks_run_generated_untimed(shape, untimed, rng, monkeypatch):
     """contractions="auto" settles a float32 product whose register blocks
-    are whole, on a 512-bit host, without timing it (the CPU target's model,
-    checked per shape by bench/products.py); partial blocks are timed."""
+    are whole, or that has a classifier head's few rows and many columns,
+    on a 512-bit host, without timing it (the CPU target's model, checked
+    per shape by bench/products.py); partial blocks are timed."""
     from polyjit import library
     from polyjit.codegen.cpu import vector_bits
     monkeypatch.setattr(library, "_measured", {})
@@ -597,9 +599,9 @@ def test_products_in_whole_register_blocks_run_generated_untimed(shape, untimed,
     a, b = rng.standard_normal((m, k), dtype=F32), rng.standard_normal((k, n), dtype=F32)
     exe = polyjit.compile(ops.matmul, [InputInfo(a.shape, F32), InputInfo(b.shape, F32)], {"cache": False})
     np.testing.assert_allclose(exe(a, b), a.astype(np.float64) @ b, rtol=1e-4, atol=1e-4)
-    modeled = untimed and vector_bits() >= 512
+    modeled = bool(untimed) and vector_bits() >= 512
     assert bool(timings) != modeled and exe.stats["library_calls"] == 0, exe.stats["contractions"]
-    assert ("register blocks" in exe.stats["contractions"][0]) == modeled
+    assert (bool(untimed) and untimed in exe.stats["contractions"][0]) == modeled, exe.stats["contractions"]
 
 
 @needs_blas
@@ -657,6 +659,8 @@ def _nhwc_conv_reference(x, k, pad: int):
     ("forward", (1, 7, 9, 512), (1, 1, 512, 512), 0, None),  # 63 positions: timed
     ("forward", (2, 12, 12, 16), (3, 3, 16, 32), 1, "generated"),
     ("forward", (2, 16, 16, 16), (3, 3, 16, 24), 1, None),  # partial vectors: timed
+    ("strided forward", (2, 24, 24, 16), (3, 3, 16, 32), 1, "generated"),
+    ("strided forward", (4, 96, 96, 3), (3, 3, 3, 16), 1, None),  # an image's 3 channels, strided: timed
     ("input gradient", (2, 12, 12, 32), (3, 3, 32, 32), 1, "library"),  # the kernel read as HWOI
     ("input gradient", (2, 16, 16, 32), (3, 3, 16, 32), 1, None),  # 16 output channels: timed
     ("weight gradient", (2, 12, 12, 16), (3, 3, 16, 32), 1, None),  # timed
@@ -665,7 +669,8 @@ def test_channels_last_convolutions_settled_by_the_model(case, shape, kernel, pa
     """On a 512-bit host, contractions="auto" settles a channels-last
     convolution without a timing where the CPU target's model knows the
     answer (checked per shape by bench/convolutions.py): output channels in
-    whole vectors along the kernel's rows generate; an input gradient's
+    whole vectors along the kernel's rows generate (strided too, from 16
+    input channels or more); an input gradient's
     kernel (32 output channels or more, strided) calls the library. The
     rest, weight gradients among them, are timed."""
     from polyjit import library
@@ -675,9 +680,10 @@ def test_channels_last_convolutions_settled_by_the_model(case, shape, kernel, pa
     monkeypatch.setattr(library, "_time", lambda exes, args: timings.append(len(exes)) or [1.0, 0.0])
     x, k = rng.standard_normal(shape, dtype=F32), rng.standard_normal(kernel, dtype=F32)
     pads = [(pad, pad)] * 2
-    if case == "forward":
-        fn, args, want = (lambda x, k: ops.conv(x, k, [1, 1], pads, layout="NHWC", kernel_layout="HWIO"),
-                          (x, k), _nhwc_conv_reference(x, k, pad))
+    if case.endswith("forward"):
+        s = 2 if case.startswith("strided") else 1
+        fn, args, want = (lambda x, k: ops.conv(x, k, [s, s], pads, layout="NHWC", kernel_layout="HWIO"),
+                          (x, k), _nhwc_conv_reference(x, k, pad)[:, ::s, ::s])
     elif case == "input gradient":  # the gradient g of a conv by k, as JAX writes it: k flipped, read as HWOI
         fn, args = (lambda g, k: ops.conv(g, ops.reverse(k, [0, 1]), [1, 1], pads, layout="NHWC",
                                           kernel_layout="HWOI")), (x, k)

@@ -133,6 +133,9 @@ def _read_across(n: Node) -> bool:
     return not at["rb"] and bool(free) and not b.attrs.get("packed") and not _innermost(b, free[-1])
 
 
+FEW_ROWS, MANY_COLUMNS = 16, 512  # a product of so few rows reading its weight in place runs generated
+
+
 def _whole_blocks(L, n: Node, lanes: int, min_rows: int = 64, min_rows_packed: int = 128,
                   max_elements: int = 1 << 22) -> str:
     """Why a float32 product runs generated without timing, or "": one free
@@ -142,17 +145,23 @@ def _whole_blocks(L, n: Node, lanes: int, min_rows: int = 64, min_rows_packed: i
     of at most max_elements. Such products beat OpenBLAS at every shape of
     bench/products.py (bench/NOTES.md); partial blocks (197 rows, 77 or
     6282 columns), a packed weight under few rows and larger results lost
-    or came level: those stay timed."""
+    or came level: those stay timed. So does an unbatched product of
+    FEW_ROWS rows or fewer (a classifier head), its weight read in place and
+    MANY_COLUMNS wide or more: generated, it streams the weight's rows once,
+    and beat sgemm at every such shape measured (1 to 16 rows, 256 to 2048
+    deep, 512 to 3072 wide: 0.12-0.86x)."""
     a, b = n.inputs
     at, shape = n.attrs, L.shape(n)
     free = [x.rank - len(at[c]) - len(at[bt]) for x, c, bt in ((a, "lc", "lb"), (b, "rc", "rb"))]
     if n.dtype != DataType.Float or free != [1, 1] or not all(map(sz.is_static, shape[:-2] + shape[-1:])):
         return ""
     rows, cols = shape[-2], int(shape[-1])
+    packed = any(i.is_index_transpose or i.attrs.get("packed") for i in n.inputs)
+    if not packed and not at["lb"] and sz.is_static(rows) and int(rows) <= FEW_ROWS and cols >= MANY_COLUMNS:
+        return f"{rows} rows along the weight's rows"
     if not sz.is_static(rows):  # (a batch's tokens: whole blocks but the last, which has a checked copy)
         block = cpu_rewrites.block_shape(None, cols, lanes)
         rows = max(sz.estimate(rows) // block[0], 1) * block[0]
-    packed = any(i.is_index_transpose or i.attrs.get("packed") for i in n.inputs)
     if rows < (min_rows_packed if packed else min_rows) or rows * cols > max_elements \
             or cpu_rewrites.block_fit(int(rows), cols, lanes) < 1.0:
         return ""
@@ -165,10 +174,11 @@ def _channels_last(L, n: Node, lanes: int, min_rows: int = 64) -> tuple[bool, st
     "nhwc"), or None where only a timing tells (bench/convolutions.py
     measures each case against the model):
     - generated, where the output channels run in whole vectors along both
-      the kernel's rows and the result (kernel layout ...O), at stride 1
-      with odd kernel sizes: generated beat sgemm over im2col at nearly
-      every such shape measured; partial vectors (24 channels) and strides
-      lost at some;
+      the kernel's rows and the result (kernel layout ...O), with odd kernel
+      sizes, at stride 1 or from a vector of input channels or more:
+      generated beat sgemm over im2col at nearly every such shape measured
+      (strided: 0.35-0.64x); partial vectors (24 channels) lost at some, and
+      so did strided convolutions of an image's 3 channels;
     - the library, where the kernel holds 2 vectors or more of output
       channels strided (an input gradient's flipped kernel, ...OI): the
       generated nest loads no vector along them, and lost at every such
@@ -182,8 +192,9 @@ def _channels_last(L, n: Node, lanes: int, min_rows: int = 64) -> tuple[bool, st
         return (True, "output channels strided in the kernel") if outputs >= 2 * lanes else None
     spatial = [int(kernel[k]) for k, c in enumerate(klay) if c not in "OI"]
     rows = sz.static_product(out[:-1])
-    if (outputs % lanes == 0 and all(s == 1 for s in at["strides"]) and all(k % 2 for k in spatial)
-            and rows is not None and rows >= min_rows):
+    inputs = int(kernel[klay.index("I")])
+    if (outputs % lanes == 0 and (all(s == 1 for s in at["strides"]) or inputs >= lanes)
+            and all(k % 2 for k in spatial) and rows is not None and rows >= min_rows):
         return False, "output channels in whole vectors along the kernel's rows and the result"
     return None
 
