@@ -291,7 +291,7 @@ class CpuMapper(StripMapping):
         it, lanes = loop_iterator(loop), self.lanes
         first = ast_affine(loop.for_get_init())
         aligned = first is not None and not trips % lanes and not any(v % lanes for v in first.values())
-        if fixed_extent(loop) != trips or trips < lanes:
+        if fixed_extent(loop) != trips or trips < 4:
             return None
         calls = ast_calls(loop.for_get_body())
         if not calls:
