@@ -655,10 +655,11 @@ def _nhwc_conv_reference(x, k, pad: int):
 @needs_blas
 @pytest.mark.parametrize("case,shape,kernel,pad,choice", [
     ("forward", (4, 24, 24, 64), (1, 1, 64, 32), 0, "generated"),
-    ("forward", (4, 32, 32, 64), (1, 1, 64, 8), 0, None),  # 8 output channels: timed
+    ("forward", (4, 32, 32, 64), (1, 1, 64, 8), 0, "generated"),  # 8 output channels: half a vector
+    ("forward", (4, 32, 32, 64), (1, 1, 64, 10), 0, None),  # 10: a pair of columns scalar, timed
     ("forward", (1, 7, 9, 512), (1, 1, 512, 512), 0, None),  # 63 positions: timed
     ("forward", (2, 12, 12, 16), (3, 3, 16, 32), 1, "generated"),
-    ("forward", (2, 16, 16, 16), (3, 3, 16, 24), 1, None),  # partial vectors: timed
+    ("forward", (2, 16, 16, 16), (3, 3, 16, 24), 1, "generated"),  # a vector and half of one
     ("strided forward", (2, 24, 24, 16), (3, 3, 16, 32), 1, "generated"),
     ("strided forward", (4, 96, 96, 3), (3, 3, 3, 16), 1, None),  # an image's 3 channels, strided: timed
     ("input gradient", (2, 12, 12, 32), (3, 3, 32, 32), 1, "library"),  # the kernel read as HWOI
@@ -669,8 +670,8 @@ def test_channels_last_convolutions_settled_by_the_model(case, shape, kernel, pa
     """On a 512-bit host, contractions="auto" settles a channels-last
     convolution without a timing where the CPU target's model knows the
     answer (checked per shape by bench/convolutions.py): output channels in
-    whole vectors along the kernel's rows generate (strided too, from 16
-    input channels or more); an input gradient's
+    vectors (8 channels and up, in fours) along the kernel's rows generate
+    (strided too, from 16 input channels or more); an input gradient's
     kernel (32 output channels or more, strided) calls the library. The
     rest, weight gradients among them, are timed."""
     from polyjit import library

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from .. import sizes as sz
 from ..codegen.cpu import host_key, vector_bits
+from ..codegen.cpu_mapping import NARROWEST_VECTOR
 from ..codegen.llvm import KernelInfo
 from ..codegen.program import CodeSet, LoadedProgram, build_program, entries_object
 from ..columns import columns_form
@@ -173,12 +174,13 @@ def _channels_last(L, n: Node, lanes: int, min_rows: int = 64) -> tuple[bool, st
     channels-last images (NHWC, as JAX and Keras hold them; gemm_form
     "nhwc"), or None where only a timing tells (bench/convolutions.py
     measures each case against the model):
-    - generated, where the output channels run in whole vectors along both
-      the kernel's rows and the result (kernel layout ...O), with odd kernel
-      sizes, at stride 1 or from a vector of input channels or more:
-      generated beat sgemm over im2col at nearly every such shape measured
-      (strided: 0.35-0.64x); partial vectors (24 channels) lost at some, and
-      so did strided convolutions of an image's 3 channels;
+    - generated, where the output channels run in vectors (whole ones and
+      narrower ones of NARROWEST_VECTOR lanes or more: 8, 24, 40 or 56 channels)
+      along both the kernel's rows and the result (kernel layout ...O), with
+      odd kernel sizes, at stride 1 or from a vector of input channels or
+      more: generated beat sgemm over im2col at every such shape measured
+      (0.31-0.86x); strided convolutions of an image's 3 channels won and
+      lost;
     - the library, where the kernel holds 2 vectors or more of output
       channels strided (an input gradient's flipped kernel, ...OI): the
       generated nest loads no vector along them, and lost at every such
@@ -193,9 +195,10 @@ def _channels_last(L, n: Node, lanes: int, min_rows: int = 64) -> tuple[bool, st
     spatial = [int(kernel[k]) for k, c in enumerate(klay) if c not in "OI"]
     rows = sz.static_product(out[:-1])
     inputs = int(kernel[klay.index("I")])
-    if (outputs % lanes == 0 and (all(s == 1 for s in at["strides"]) or inputs >= lanes)
-            and all(k % 2 for k in spatial) and rows is not None and rows >= min_rows):
-        return False, "output channels in whole vectors along the kernel's rows and the result"
+    vectors = outputs % NARROWEST_VECTOR == 0 and outputs >= 2 * NARROWEST_VECTOR
+    if (vectors and (all(s == 1 for s in at["strides"]) or inputs >= lanes) and all(k % 2 for k in spatial)
+            and rows is not None and rows >= min_rows):
+        return False, "output channels in vectors along the kernel's rows and the result"
     return None
 
 
