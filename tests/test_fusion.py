@@ -587,6 +587,28 @@ def test_a_value_read_twice_counts_the_arrays_its_recomputation_loads(rng):
     np.testing.assert_allclose(got[1], v + e, rtol=1e-6)
 
 
+@pytest.mark.parametrize("window,stride,made", [(2, 2, False), (3, 2, True), (2, 1, True)])
+def test_a_window_that_reads_each_element_once_computes_its_producer(window, stride, made, rng):
+    """A batch norm and relu under a pooling window that does not overlap
+    itself (2x2 at stride 2) are computed in the window's terms, not stored
+    for them; under an overlapping window (3x3 at stride 2, 2x2 at stride
+    1) each element would be computed several times, so it is stored. The
+    results agree with numpy either way, NaN included."""
+    x = rng.standard_normal((2, 12, 12, 8), dtype=F32)
+    x[0, 3, 5, 2] = np.nan
+    scale, shift = rng.standard_normal(8, dtype=F32), rng.standard_normal(8, dtype=F32)
+
+    def f(x, s, b):
+        return ops.reduce_window("sum", ops.maximum(x * s + b, 0.0), [1, window, window, 1], [1, stride, stride, 1])
+    exe = polyjit.compile(f, [InputInfo(a.shape, F32) for a in (x, scale, shift)], {"cache": False})
+    assert any(" = maximum(" in line for line in exe.ir("affine").splitlines()) == made, exe.ir("affine")
+    y = np.maximum(x * scale + shift, 0)
+    n = (12 - window) // stride + 1
+    want = np.stack([np.stack([y[:, i * stride:i * stride + window, j * stride:j * stride + window].sum((1, 2))
+                               for j in range(n)], 1) for i in range(n)], 1)
+    np.testing.assert_allclose(exe(x, scale, shift), want, rtol=1e-5, atol=1e-5)
+
+
 def test_an_address_of_a_split_position_is_the_position():
     """A row-major address of (x // 7, x % 7) over a dim of 7 is x's, at the
     inner dim's stride; a three-way split merges the same way; a split that
