@@ -95,13 +95,16 @@ def small_products(graph: Graph) -> Graph:
             return n
         lf = [d for d in range(a.rank) if d not in at["lc"] and d not in at["lb"]]
         rf = [d for d in range(b.rank) if d not in at["rc"] and d not in at["rb"]]
-        nb, nl, nr, nc = len(at["lb"]), len(lf), len(rf), len(at["lc"])
-        shape = (*n.shape, *(a.shape[d] for d in at["lc"]))
-        terms = [graph.broadcast_in_dim(graph.transpose(x, (*batch, *free, *contracted)), shape,
-                                        (*range(nb), *placed, *range(nb + nl + nr, nb + nl + nr + nc)))
-                 for x, batch, free, contracted, placed in ((a, at["lb"], lf, at["lc"], range(nb, nb + nl)),
-                                                            (b, at["rb"], rf, at["rc"], range(nb + nl, nb + nl + nr)))]
-        return graph.reduce("sum", graph.binary("mul", *terms), range(len(n.shape), len(shape)))
+        nb, nl, nr = len(at["lb"]), len(lf), len(rf)
+        shape = (*n.shape, *(a.shape[d] for d in at["lc"]))  # the result's dims, then the contracted ones
+        contracted = range(len(n.shape), len(shape))
+
+        def spread(x, batch, free, summed, placed):  # x's dims in order, broadcast over the other's free dims
+            return graph.broadcast_in_dim(graph.transpose(x, (*batch, *free, *summed)), shape,
+                                          (*range(nb), *placed, *contracted))
+        terms = (spread(a, at["lb"], lf, at["lc"], range(nb, nb + nl)),
+                 spread(b, at["rb"], rf, at["rc"], range(nb + nl, nb + nl + nr)))
+        return graph.reduce("sum", graph.binary("mul", *terms), contracted)
     return graph.rewritten(as_sum)
 
 
@@ -351,7 +354,7 @@ class NvgpuTarget(Target):
     launched_library_calls = True
     small_statements_apart = True  # (its mapping gives them kernels of their own anyway)
     windows_apart = True  # (a window's readers would fuse into its halo strips only with isl's seconds)
-    sums_sums_apart = True
+    sums_sums_apart = True  # (fused, a classifier head's sum and the pooled sums it reads starved the grid)
     column_sums_apart = True  # (isl gives such a sum and its producers kernels of their own, after seconds)
     folds_each_call = False  # the library's convolution leaves a pass over its result anyway: the scale joins it
 
