@@ -91,6 +91,15 @@ def _freeze(v: Any) -> Any:
     return (type(v).__name__, repr(v))  # repr tells 0.0 from -0.0
 
 
+def free_dims(n: Node) -> tuple[list[int], list[int]]:
+    """dot_general n's free dims of each operand (neither contracted nor
+    batch), in order: its result's dims after the batch ones."""
+    a, b = n.inputs
+    at = n.attrs
+    return ([d for d in range(a.rank) if d not in at["lc"] and d not in at["lb"]],
+            [d for d in range(b.rank) if d not in at["rc"] and d not in at["rb"]])
+
+
 def _norm_axis(axis: int, rank: int, what: str = "axis") -> int:
     """axis in [0, rank); a 0-d tensor takes 0 and -1, as torch's scalars do
     (the ops over an axis then treat it as its one element)."""

@@ -31,6 +31,7 @@ from .affine import TAPS, loop_nest
 from .dtypes import DataType
 from .errors import UnsupportedOpError
 from .expr import Expr
+from .graph import free_dims
 from .sizes import Size
 
 log = logging.getLogger("polyjit.library")
@@ -736,14 +737,12 @@ def dot_form(L, n) -> tuple | None:
     for others (they stay generated). Sizes may be symbolic: the call's
     sizes are then computed at run time."""
     at = n.attrs
-    a, b = n.inputs
     nb = len(at["lb"])
     if not product_dtypes(L, n):
         return None
     if tuple(at["lb"]) != tuple(range(nb)) or tuple(at["rb"]) != tuple(range(nb)) or len(at["lc"]) != 1:
         return None
-    lf = [d for d in range(a.rank) if d not in at["lc"] and d not in at["lb"]]
-    rf = [d for d in range(b.rank) if d not in at["rc"] and d not in at["rb"]]
+    lf, rf = free_dims(n)
     if len(lf) != 1 or len(rf) != 1:
         return None
     return nb, lf[0], rf[0]

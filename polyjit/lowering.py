@@ -24,7 +24,7 @@ from .columns import columns_form, lower_columns, shifted
 from .dtypes import DataType
 from .errors import DefinitionError, UnsupportedOpError
 from .expr import Const, Expr, Load, Op
-from .graph import BINARY_OPS, CONTRACTIONS, UNARY_OPS, Graph, Node
+from .graph import BINARY_OPS, CONTRACTIONS, UNARY_OPS, Graph, Node, free_dims
 from .library import READS_ONCE
 from .sizes import Lin, Size
 
@@ -646,8 +646,7 @@ def _split_size(s) -> tuple[int, Any]:
 
 def _position(L, index: Node, at, size) -> Expr:
     """An index value as a safe int64 position: negatives wrap, then clamp."""
-    raw = L.value(index, at)
-    pos = Op(DataType.Int, "cast", (raw,)) if raw.dtype != DataType.Int else raw
+    pos = _in_range(L, index, at, size)
     wrapped = Op(DataType.Int, "select", (Op(DataType.Bool, "lt", (pos, E.const(0))),
                                           E.iadd(pos, E.size_expr(size)), pos))
     return E.iclamp(wrapped, E.const(0), E.size_expr(size - 1))
@@ -699,25 +698,20 @@ def tabled_positions(graph: Graph) -> Graph:
                 and from_positions(old.inputs[1], positional)):
             return n
         changed.append(n)
-        return replace(n, inputs=(x, _safe_position(index, int(size))), attrs={**n.attrs, "in_range": True})
+        return replace(n, inputs=(x, _safe_position(graph, index, int(size))), attrs={**n.attrs, "in_range": True})
     changed: list[Node] = []
     graph = graph.rewritten(step)
     return graph.deduplicated() if changed else graph  # (two gathers at one index share its table)
 
 
-def _safe_position(index: Node, size: int) -> Node:
+def _safe_position(graph: Graph, index: Node, size: int) -> Node:
     """index as _position computes it per element, as graph nodes."""
-    shape, i64 = index.shape, DataType.Int
-
-    def const(v: int) -> Node:
-        c = Node("constant", (), {"value": v, "weak": False}, (), i64)
-        return Node("broadcast_in_dim", (c,), {"dims": ()}, shape, i64)
-
-    def op(name: str, *args: Node, dtype: DataType = i64) -> Node:
-        return Node(name, args, {}, shape, dtype)
-    pos = index if index.dtype == i64 else op("cast", index)
-    wrapped = op("where", op("lt", pos, const(0), dtype=DataType.Bool), op("add", pos, const(size)), pos)
-    return op("minimum", op("maximum", wrapped, const(0)), const(size - 1))
+    i64 = DataType.Int
+    pos = graph.cast(index, i64)
+    wrapped = graph.where(graph.binary("lt", pos, graph.constant(0, i64)),
+                          graph.binary("add", pos, graph.constant(size, i64)), pos)
+    return graph.binary("minimum", graph.binary("maximum", wrapped, graph.constant(0, i64)),
+                        graph.constant(size - 1, i64))
 
 
 def _linear(shape, idx, offset: int = 0) -> Expr:
@@ -784,8 +778,7 @@ def _reduce(L: Lowering, n: Node) -> ReductionSpec:
 def _dot(L: Lowering, n: Node) -> ReductionSpec:
     a, b = n.inputs
     at = n.attrs
-    lf = [d for d in range(a.rank) if d not in at["lc"] and d not in at["lb"]]
-    rf = [d for d in range(b.rank) if d not in at["rc"] and d not in at["rb"]]
+    lf, rf = free_dims(n)
     nb = len(at["lb"])
 
     def term(o, r):

@@ -16,7 +16,7 @@ from ..codegen.program import CodeSet, LoadedProgram, build_program, entries_obj
 from ..columns import columns_form
 from ..compiler import executable, from_plan
 from ..dtypes import DataType
-from ..graph import Graph, Node
+from ..graph import Graph, Node, free_dims
 from ..library import blas, gemm_form
 from ..runtime import CompiledProgram
 from ..schedule import cpu_rewrites, schedule_program
@@ -79,8 +79,7 @@ def packed_operands(graph: Graph, min_rows: int = 8) -> Graph:
             return n
         a, b = n.inputs
         at = n.attrs
-        rf = [d for d in range(b.rank) if d not in at["rc"] and d not in at["rb"]]
-        lf = [d for d in range(a.rank) if d not in at["lc"] and d not in at["lb"]]
+        lf, rf = free_dims(n)
         rows = sz.static_product(a.shape[d] for d in lf)
         if not rf or _innermost(b, rf[-1]) or (rows is not None and rows < min_rows):
             return n

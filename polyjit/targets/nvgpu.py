@@ -27,7 +27,7 @@ from ..runtime.cuda import default_ordinal, device
 from ..runtime.gpu_program import GpuProgram
 from ..dtypes import DataType
 from ..errors import CompileOptionError, DeviceError
-from ..graph import ELEMENTWISE, Graph, Node
+from ..graph import ELEMENTWISE, Graph, Node, free_dims
 from ..lowering import LAYOUT_OPS, UNROLL_LIMIT
 from ..library import Convolution, backward_data
 from ..schedule import gpu_rewrites, schedule_program
@@ -93,8 +93,7 @@ def small_products(graph: Graph) -> Graph:
         size = sz.static_product(n.shape)
         if depth is None or size is None or depth > SMALL_DEPTH or depth * size > SMALL_PRODUCT:
             return n
-        lf = [d for d in range(a.rank) if d not in at["lc"] and d not in at["lb"]]
-        rf = [d for d in range(b.rank) if d not in at["rc"] and d not in at["rb"]]
+        lf, rf = free_dims(n)
         nb, nl, nr = len(at["lb"]), len(lf), len(rf)
         shape = (*n.shape, *(a.shape[d] for d in at["lc"]))  # the result's dims, then the contracted ones
         contracted = range(len(n.shape), len(shape))
