@@ -1518,6 +1518,39 @@ def test_stores_across_vector_loads_take_the_transposing_tile(rng):
                                   (np.maximum(arrays[0], 0) * arrays[1]).transpose(0, 2, 3, 1))
 
 
+SMALL_SIDE_COPIES = {  # a transposing copy of a small contiguous block: a 3x3 filter's taps, an image's channels
+    "weights_to_ohwi": ((24, 40, 3, 3), [0, 2, 3, 1], "c1 x c3"),
+    "weights_to_oihw": ((24, 3, 3, 40), [0, 3, 1, 2], "c1 x c3"),
+    "image_to_nhwc": ((2, 3, 20, 36), [0, 2, 3, 1], "c2"),
+    "image_to_nchw": ((2, 20, 36, 3), [0, 3, 1, 2], "c2"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SMALL_SIDE_COPIES))
+def test_a_transposing_copys_small_side_runs_whole_in_each_thread(case, rng):
+    """Where one side of a transposing copy holds a small block contiguous
+    (OIHW weights to OHWI, an RGB image to NHWC) and the other moves along
+    a long loop, each thread copies the block whole, so that consecutive
+    threads move along the long loop on both sides."""
+    shape, order, whole = SMALL_SIDE_COPIES[case]
+    f = lambda x: ops.permute(x, order)  # noqa: E731
+    assert _mapping(f, [shape]) == [f"point per thread: grid c0 x c1 x c2 x c3, {whole} whole in each thread, "
+                                    "stores deferred"]
+    a = rng.standard_normal(shape).astype(F32)
+    exe = polyjit.compile(f, [InputInfo(shape, F32)], PTX_ONLY)
+    np.testing.assert_array_equal(run_threads_on_cpu(exe, [a])[0], a.transpose(order))
+    assert "whole" not in _mapping(f, [(24, 16, 3, 3)])[0]  # (the other side is short too: no long loop)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(SMALL_SIDE_COPIES))
+def test_small_side_copies_on_the_gpu(case, rng):
+    shape, order, _ = SMALL_SIDE_COPIES[case]
+    a = rng.standard_normal(shape).astype(F32)
+    got = polyjit.compile(lambda x: ops.permute(x, order), [InputInfo(shape, F32)], {"target": "nvgpu"})(a)
+    np.testing.assert_array_equal(got, a.transpose(order))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("b,s,h,d", [(2, 64, 3, 16), (2, 60, 3, 6), (3, 32, 2, 8), (1, 256, 12, 64)])
 def test_transposing_copies_on_the_gpu(b, s, h, d, rng):

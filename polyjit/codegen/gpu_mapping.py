@@ -57,6 +57,7 @@ WARP = 32
 BLOCK = 256  # threads per block (runtime.gpu_program launches this many)
 BLOCK_ROW = 4096  # rows at least this long get a block of lanes rather than a warp
 TILE_COLS, TILE_ROWS = 8, 4  # a transposing copy's warp tile: 8 stored floats (a sector) by 4 rows
+THREAD_BLOCK = 16  # the most iterations of a transposing copy's small side a thread runs whole (thread_loops)
 VECTOR = 4  # consecutive iterations of an elementwise loop per group (16 bytes of float32)
 ROW_GROUPS = 8  # a lane loop of at most this many groups per lane is unrolled whole
 TILE, KTILE = 64, 16  # a contraction's output tile per block, and its reduction slice in shared memory
@@ -133,11 +134,13 @@ class PointPerThread:
     defer: bool
     vector: Vector | None
     tile: tuple[str, str] | None = None  # (cols, rows): warps take TILE_COLS x TILE_ROWS tiles of these loops
+    whole: tuple[str, ...] = ()  # grid loops each thread runs whole (thread_loops), the rest shared
 
     def __str__(self) -> str:
         vector = f", groups of {VECTOR} where aligned ({_n(len(self.vector.claims), 'access')})" if self.vector else ""
         tiles = f", warps in {TILE_COLS}x{TILE_ROWS} tiles of {' x '.join(self.tile)}" if self.tile else ""
-        return f"point per thread: {self.grid}{vector}{tiles}{', stores deferred' if self.defer else ''}"
+        whole = f", {' x '.join(self.whole)} whole in each thread" if self.whole else ""
+        return f"point per thread: {self.grid}{vector}{tiles}{whole}{', stores deferred' if self.defer else ''}"
 
 
 @dataclass
@@ -291,6 +294,9 @@ class GpuMapper(StripMapping):
             # more than vector loads (a channels-last batch norm gradient of NCHW operands)
             tile = transposing_tile(self, rest, loops, 1)
             vector = None if tile is not None else vector
+        whole = thread_loops(self, rest, loops) if tile is None else ()
+        if whole:  # (the tile's sides are too short for it)
+            return PointPerThread(grid, deferrable(self, rest), None, None, whole)
         return PointPerThread(grid, deferrable(self, rest), vector, tile)
 
     def grid(self, mark: isl.AstNode | None, root: isl.AstNode | None) -> Grid:
@@ -425,6 +431,50 @@ def transposing_tile(m: GpuMapper, rest: isl.AstNode, loops: list, group: int) -
     cols, rows = tile
     side = TILE_COLS * (group if cols == inner else 1)
     return tile if trips[cols] and trips[rows] and trips[cols] % side == 0 and trips[rows] % TILE_ROWS == 0 else None
+
+
+def thread_loops(m: GpuMapper, rest: isl.AstNode, loops: list) -> tuple[str, ...]:
+    """The grid loops of a small block that one side of a transposing copy
+    holds contiguous (an image's 3 channels, a 3x3 filter's taps) where the
+    other side's last index moves along a long loop: a thread then runs the
+    block whole, so that across the warp each of its accesses moves along
+    the long loop (whole sectors), and the block's own accesses, one per
+    copy, fill their sectors together (through L1 for loads, L2 for
+    stores). With the block in the grid, one side or the other is strided
+    (OIHW weights to OHWI: 4 bytes of each sector at a time). Empty where
+    no access holds such a block, or no other moves along the grid's
+    innermost loop left."""
+    if len(loops) < 2 or not all(x.for_get_inc().get_val().to_python() == 1 for x in loops):
+        return ()
+    trips = {loop_iterator(x): static_extent(x) for x in loops}
+    if None in trips.values():
+        return ()
+    block, lasts = set(), set()
+    for node in [n for n in ast_nodes(rest) if n.get_type() == isl.ast_node_type.user]:
+        call = node.user_get_expr()
+        st = m.call_statement(call)
+        loop_of = {x: a.get_id().get_name() for x, a in zip(st.iters, (call.get_op_arg(i + 1) for i in range(len(st.iters))))
+                   if a.get_type() == isl.ast_expr_type.id and a.get_id().get_name() in trips}
+        for name, index in [(ld.array, ld.index) for ld in loads(st.body)] + [(st.array, st.index)]:
+            arr = m.prog.arrays[name]
+            if arr.strided or name in m.sched.contracted or not index:
+                continue
+            last = index[-1]
+            if isinstance(last, Var) and last.kind == "iter" and last.name in loop_of:
+                lasts.add(loop_of[last.name])
+            held, size = [], 1
+            for x, extent in zip(reversed(index), reversed(arr.shape)):
+                q = loop_of.get(x.name) if isinstance(x, Var) and x.kind == "iter" else None
+                if q is None or trips[q] != extent or size * extent > THREAD_BLOCK:
+                    break
+                held.append(q)
+                size *= extent
+            if len(held) and size > 1:
+                block.update(held)
+    left = [loop_iterator(x) for x in loops if loop_iterator(x) not in block]
+    if not block or not left or left[-1] not in lasts or trips[left[-1]] <= THREAD_BLOCK:
+        return ()
+    return tuple(loop_iterator(x) for x in loops if loop_iterator(x) in block)
 
 
 def _moves_along(index, args: dict, trips: dict) -> str | None:

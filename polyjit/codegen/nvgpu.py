@@ -14,6 +14,7 @@ What the emitter tracks while it emits one kernel is a
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -481,11 +482,15 @@ class GpuEmitter(_RowEmission, _StripEmission, Emitter):
         loop count as one more grid loop, outermost)."""
         b = self.b
         one, zero = ir.Constant(I64, 1), ir.Constant(I64, 0)
-        bounds, total = [], one
+        bounds, total, whole = [], one, []
         for loop in plan.grid.loops:
             lo, inc, hi = self.loop_range(loop)
             trips = self.trip_count(lo, inc, hi)
-            bounds.append((loop.for_get_iterator().get_id().get_name(), lo, inc, trips))
+            it = loop.for_get_iterator().get_id().get_name()
+            if it in getattr(plan, "whole", ()):  # (static trips: thread_loops)
+                whole.append((it, lo, inc, trips))
+                continue
+            bounds.append((it, lo, inc, trips))
             total = b.mul(total, trips)
         if isinstance(plan, TiledContraction):
             _TileEmission(self, plan, [b_[1:] for b_ in bounds]).emit()
@@ -508,16 +513,17 @@ class GpuEmitter(_RowEmission, _StripEmission, Emitter):
             first, step = b.lshr(first, shift), b.lshr(step, shift)
             self.ctx.lane = b.and_(self.part, ir.Constant(I64, plan.lanes - 1))
         g = self.var("gpu.g")
-        iteration = functools.partial(self.grid_iteration, plan, g, bounds, strip_range, {})
+        iteration = functools.partial(self.grid_iteration, plan, g, bounds, strip_range, {}, whole=whole)
         if isinstance(plan, PointPerThread):
             self.point_loops(plan, iteration, g, (first, total, step), bounds)
         else:
             self.strided_loop(g, first, total, step, "grid", iteration)
 
     def grid_iteration(self, plan: KernelPlan, g, bounds: list, strip_range, inner: dict,
-                       copy: int | None = None) -> None:
+                       copy: int | None = None, whole: list = ()) -> None:
         """Iteration g; in a vector group, copy c > 0 is copy 0's with the
-        innermost iterator c further on (the group lies within one row)."""
+        innermost iterator c further on (the group lies within one row).
+        The loops in whole run all their iterations in it, one copy each."""
         b = self.b
         self.begin_copy(getattr(plan, "vector", None), copy)
         if copy:
@@ -546,7 +552,10 @@ class GpuEmitter(_RowEmission, _StripEmission, Emitter):
         elif isinstance(plan, HaloStrips):
             self.strip_loop(plan.strips, *strip_range)
         else:
-            self.node(plan.grid.rest)
+            for point in itertools.product(*(range(x[3].constant) for x in whole)):
+                for (it, first_it, inc, _), k in zip(whole, point):
+                    b.store(b.add(first_it, b.mul(ir.Constant(I64, k), inc)), self.var(it))
+                self.node(plan.grid.rest)
         self.ctx.claims = self.ctx.copy = None
 
     def tile_point(self, cols: str, rows: str, rem: ir.Value, bounds: list, group: int) -> None:
