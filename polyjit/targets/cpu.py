@@ -168,6 +168,9 @@ def _whole_blocks(L, n: Node, lanes: int, min_rows: int = 64, min_rows_packed: i
     return f"whole {'x'.join(map(str, cpu_rewrites.block_shape(int(rows), cols, lanes)))} register blocks"
 
 
+FITTING_BLOCKS = 0.75  # a strided image's register blocks fit its rows this well: generated (_channels_last)
+
+
 def _channels_last(L, n: Node, lanes: int, min_rows: int = 64) -> tuple[bool, str] | None:
     """The model's choice for an ungrouped float32 convolution of
     channels-last images (NHWC, as JAX and Keras hold them; gemm_form
@@ -178,8 +181,10 @@ def _channels_last(L, n: Node, lanes: int, min_rows: int = 64) -> tuple[bool, st
       along both the kernel's rows and the result (kernel layout ...O), with
       odd kernel sizes, at stride 1 or from a vector of input channels or
       more: generated beat sgemm over im2col at every such shape measured
-      (0.31-0.86x); strided convolutions of an image's 3 channels won and
-      lost;
+      (0.31-0.86x); strided convolutions of an image's 3 channels, where
+      the result's rows fill the register blocks (cpu_rewrites.block_fit of
+      FITTING_BLOCKS or more): 0.35-0.91x, where rows of 47 took partial
+      blocks and lost (1.17-1.47x);
     - the library, where the kernel holds 2 vectors or more of output
       channels strided (an input gradient's flipped kernel, ...OI): the
       generated nest loads no vector along them, and lost at every such
@@ -195,9 +200,13 @@ def _channels_last(L, n: Node, lanes: int, min_rows: int = 64) -> tuple[bool, st
     rows = sz.static_product(out[:-1])
     inputs = int(kernel[klay.index("I")])
     vectors = outputs % NARROWEST_VECTOR == 0 and outputs >= 2 * NARROWEST_VECTOR
-    if (vectors and (all(s == 1 for s in at["strides"]) or inputs >= lanes) and all(k % 2 for k in spatial)
-            and rows is not None and rows >= min_rows):
+    if not (vectors and all(k % 2 for k in spatial) and rows is not None and rows >= min_rows):
+        return None
+    if all(s == 1 for s in at["strides"]) or inputs >= lanes:
         return False, "output channels in vectors along the kernel's rows and the result"
+    width = out[max(k for k, c in enumerate(at["layout"]) if c not in "NC")]  # (a register block's rows)
+    if sz.is_static(width) and cpu_rewrites.block_fit(int(width), outputs, lanes) >= FITTING_BLOCKS:
+        return False, "a strided image's rows in register blocks that fit"
     return None
 
 
