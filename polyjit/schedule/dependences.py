@@ -57,10 +57,48 @@ def dependences(ctx, prog: AffineProgram, dom: isl.UnionSet, access=None):
         return info.compute_flow().get_may_dependence()
 
     raw = flow(reads, must, may)
+    rewritten = _rewritten(prog, must, may, reads)
+    must, may, reads = (_onto(ctx, m, rewritten) for m in (must, may, reads))
     waw = flow(may, must, may)
     war = flow(may, _empty(ctx), reads)
     validity = raw.union(waw).union(war).coalesce()
     return validity, raw.coalesce()
+
+
+def _rewritten(prog: AffineProgram, must: isl.UnionMap, may: isl.UnionMap, reads: isl.UnionMap) -> set[str]:
+    """The arrays whose elements may be written twice, or read before they
+    are written: only these have output and anti dependences. An array
+    that one plain statement writes, each element once (an affine,
+    one-to-one write), and that only later statements read has neither;
+    most temporaries of a tensor program are such, and the inputs have
+    none, so the two analyses run over a few arrays (a reduction's, a
+    scatter's) rather than every access."""
+    position = {s.name: k for k, s in enumerate(prog.statements)}
+    plain = {s.name for s in prog.statements if s.combine is None and s.library is None}
+    writers: dict[str, list] = {}
+    for m in isl_items(may.get_map_list()):
+        writers.setdefault(m.get_tuple_name(isl.dim_type.out), []).append(m)
+    certain = {(m.get_tuple_name(isl.dim_type.in_), m.get_tuple_name(isl.dim_type.out))
+               for m in isl_items(must.get_map_list())}
+    readers: dict[str, list[str]] = {}
+    for m in isl_items(reads.get_map_list()):
+        readers.setdefault(m.get_tuple_name(isl.dim_type.out), []).append(m.get_tuple_name(isl.dim_type.in_))
+    out = set()
+    for array, maps in writers.items():
+        writer = maps[0].get_tuple_name(isl.dim_type.in_)
+        once = len(maps) == 1 and writer in plain and (writer, array) in certain and maps[0].is_injective()
+        if not once or any(position[r] <= position[writer] for r in readers.get(array, ())):
+            out.add(array)
+    return out
+
+
+def _onto(ctx, m: isl.UnionMap, arrays: set[str]) -> isl.UnionMap:
+    """The maps of m into the given arrays."""
+    out = _empty(ctx)
+    for x in isl_items(m.get_map_list()):
+        if x.get_tuple_name(isl.dim_type.out) in arrays:
+            out = out.union(isl.UnionMap.from_map(x))
+    return out
 
 
 def is_legal(schedule: isl.Schedule, validity: isl.UnionMap) -> bool:
