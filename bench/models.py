@@ -161,7 +161,13 @@ JAX_MODELS = {"jax_block": _jax_block, "flax_cnn": _flax_cnn}
 
 
 # ---------------------------------------------------------------- one measurement
+WARMUP = 3  # untimed steps first: each backend's first runs after its compile fault in pages and caches
+
+
 def _median_ms(step, reps: int, sync=lambda: None) -> float:
+    for _ in range(WARMUP):
+        step()
+    sync()
     times = []
     for _ in range(reps):
         t = time.perf_counter()
