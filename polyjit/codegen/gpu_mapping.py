@@ -453,7 +453,8 @@ def thread_loops(m: GpuMapper, rest: isl.AstNode, loops: list) -> tuple[str, ...
     for node in [n for n in ast_nodes(rest) if n.get_type() == isl.ast_node_type.user]:
         call = node.user_get_expr()
         st = m.call_statement(call)
-        loop_of = {x: a.get_id().get_name() for x, a in zip(st.iters, (call.get_op_arg(i + 1) for i in range(len(st.iters))))
+        args = (call.get_op_arg(i + 1) for i in range(len(st.iters)))
+        loop_of = {x: a.get_id().get_name() for x, a in zip(st.iters, args)  # iterator -> the grid loop it is
                    if a.get_type() == isl.ast_expr_type.id and a.get_id().get_name() in trips}
         for name, index in [(ld.array, ld.index) for ld in loads(st.body)] + [(st.array, st.index)]:
             arr = m.prog.arrays[name]
@@ -469,7 +470,7 @@ def thread_loops(m: GpuMapper, rest: isl.AstNode, loops: list) -> tuple[str, ...
                     break
                 held.append(q)
                 size *= extent
-            if len(held) and size > 1:
+            if size > 1:
                 block.update(held)
     left = [loop_iterator(x) for x in loops if loop_iterator(x) not in block]
     if not block or not left or left[-1] not in lasts or trips[left[-1]] <= THREAD_BLOCK:

@@ -31,7 +31,7 @@ from . import mathlib
 from .gpu_mapping import (BLOCK, TILE_COLS, TILE_ROWS, VECTOR, WARP, AtomicStrips, GpuMapper, HaloStrips, KernelPlan, Library,
                           PointPerThread, ScatterPoints, TiledContraction, Vector, WarpRows, iter_vars)
 from .mapping import mapping_text
-from .llvm import COMPUTE, F32, F64, I32, I64, PTR, STORAGE, Emitter, KernelInfo, Strips
+from .llvm import COMPUTE, F32, F64, I32, I64, PTR, STORAGE, Emitter, KernelInfo, Strips, static_extent
 
 TRIPLE = "nvptx64-nvidia-cuda"
 DEFAULT_ARCH = "sm_90"
@@ -488,7 +488,7 @@ class GpuEmitter(_RowEmission, _StripEmission, Emitter):
             trips = self.trip_count(lo, inc, hi)
             it = loop.for_get_iterator().get_id().get_name()
             if it in getattr(plan, "whole", ()):  # (static trips: thread_loops)
-                whole.append((it, lo, inc, trips))
+                whole.append((it, lo, inc, static_extent(loop)))
                 continue
             bounds.append((it, lo, inc, trips))
             total = b.mul(total, trips)
@@ -552,7 +552,7 @@ class GpuEmitter(_RowEmission, _StripEmission, Emitter):
         elif isinstance(plan, HaloStrips):
             self.strip_loop(plan.strips, *strip_range)
         else:
-            for point in itertools.product(*(range(x[3].constant) for x in whole)):
+            for point in itertools.product(*(range(x[3]) for x in whole)):
                 for (it, first_it, inc, _), k in zip(whole, point):
                     b.store(b.add(first_it, b.mul(ir.Constant(I64, k), inc)), self.var(it))
                 self.node(plan.grid.rest)
