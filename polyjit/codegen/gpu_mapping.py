@@ -383,7 +383,7 @@ def vector_plan(m: GpuMapper, rest: isl.AstNode, inner: isl.AstNode, unset: set[
         along, start = along[0]
         if ast_uses(start, unset - {it}):
             continue
-        for name, index in [(ld.array, ld.index) for ld in loads(st.body)] + [(st.array, st.index)]:
+        for name, index in _accesses(st):
             arr = m.prog.arrays[name]
             last = index[-1] if index else None
             if name in m.sched.contracted or arr.strided or not isinstance(last, Var) \
@@ -456,7 +456,7 @@ def thread_loops(m: GpuMapper, rest: isl.AstNode, loops: list) -> tuple[str, ...
         args = (call.get_op_arg(i + 1) for i in range(len(st.iters)))
         loop_of = {x: a.get_id().get_name() for x, a in zip(st.iters, args)  # iterator -> the grid loop it is
                    if a.get_type() == isl.ast_expr_type.id and a.get_id().get_name() in trips}
-        for name, index in [(ld.array, ld.index) for ld in loads(st.body)] + [(st.array, st.index)]:
+        for name, index in _accesses(st):
             arr = m.prog.arrays[name]
             if arr.strided or name in m.sched.contracted or not index:
                 continue
@@ -476,6 +476,11 @@ def thread_loops(m: GpuMapper, rest: isl.AstNode, loops: list) -> tuple[str, ...
     if not block or not left or left[-1] not in lasts or trips[left[-1]] <= THREAD_BLOCK:
         return ()
     return tuple(loop_iterator(x) for x in loops if loop_iterator(x) in block)
+
+
+def _accesses(st: Statement) -> list[tuple[str, tuple]]:
+    """(array, index) of each load of st's body, then of its store."""
+    return [(ld.array, ld.index) for ld in loads(st.body)] + [(st.array, st.index)]
 
 
 def _moves_along(index, args: dict, trips: dict) -> str | None:
