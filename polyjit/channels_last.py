@@ -25,11 +25,13 @@ rather than read through a transpose.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 from . import sizes as sz
 from .dtypes import DataType
 from .graph import ELEMENTWISE, Graph, Node
+from .library import MIN_OUT_CHANNELS, MIN_REDUCTION
 
 
 def last(rank: int) -> tuple[int, ...]:
@@ -64,10 +66,31 @@ def convertible(n: Node) -> bool:
     return lay == "CN" + sp and klay == "IO" + sp and n.attrs["groups"] == 1
 
 
+def _stencil_kernel_order(n: Node) -> tuple[int, ...] | None:
+    """The kernel's order for a convolution of images (NC...) that the
+    library leaves to generated code as a stencil (a depthwise one): its
+    window, then I, then O. Its output channels, the images' last axis,
+    are then the kernel's too, so a tap's weights for a vector of channels
+    are one vector load (OHWI made them loads 25 floats apart, each a
+    transaction of its own per thread, for a 5x5 window); the kernel is
+    copied so (a small array). None for the others: cuDNN's channels-last
+    convolutions read OHWI."""
+    lay, klay, ws = n.attrs["layout"], n.attrs["kernel_layout"], n.inputs[1].shape
+    if not lay.startswith("NC") or not all(map(sz.is_static, ws)):
+        return None
+    sizes = dict(zip(klay, map(int, ws)))
+    window = [c for c in klay if c not in "IO"]
+    reduction = sizes["I"] * math.prod(sizes[c] for c in window)
+    if reduction >= MIN_REDUCTION and sizes["O"] // n.attrs["groups"] >= MIN_OUT_CHANNELS:
+        return None
+    return tuple(klay.index(c) for c in (*window, "I", "O"))
+
+
 class _Pass:
     """One run of the pass: the values stored in another order so far."""
 
-    def __init__(self) -> None:
+    def __init__(self, stencils: bool) -> None:
+        self.stencils = stencils
         self.stored: dict[int, tuple[Node, tuple[int, ...]]] = {}  # old node id -> (the value in order p, p)
         self.rebuilt: dict[tuple[int, tuple], Node] = {}  # (new node id, p) -> the node in order p
         self.index_only: dict[int, bool] = {}
@@ -100,10 +123,14 @@ class _Pass:
 
     def _convolution(self, old: Node, n: Node) -> Node:
         p = last(old.rank)
+        q = (self.stencils and _stencil_kernel_order(old)) or p
         at = n.attrs
-        x, w = (self._operand(o, i, p) for o, i in zip(old.inputs, n.inputs))
+        x = self._operand(old.inputs[0], n.inputs[0], p)
+        w = self._operand(old.inputs[1], n.inputs[1], q)
+        if q != p and w.is_index_transpose:  # (a copy: read through its index function, the taps are apart again)
+            w = Node("transpose", w.inputs, {**w.attrs, "materialize": True}, w.shape, w.dtype)
         attrs = {**at, "layout": "".join(_moved(at["layout"], p)),
-                 "kernel_layout": "".join(_moved(at["kernel_layout"], p))}
+                 "kernel_layout": "".join(_moved(at["kernel_layout"], q))}
         return self._keep(old, Node("conv", (x, w), attrs, _moved(n.shape, p), n.dtype), p)
 
     def _operand(self, old: Node, n: Node, p: tuple[int, ...]) -> Node:
@@ -260,7 +287,10 @@ CARRIED.update({"pad": _per_axis("lo", "hi"), "slice": _per_axis("start", "strid
                 "scatter": _scatter, "reshape": _reshape, "transpose": _transposed})
 
 
-def channels_last(graph: Graph) -> Graph:
+def channels_last(graph: Graph, stencils: bool = True) -> Graph:
     """A copy of graph in which each ``convertible`` convolution reads and
-    writes channels-last arrays, and the ops after it compute in that order."""
-    return graph.rewritten(_Pass().step)
+    writes channels-last arrays, and the ops after it compute in that order;
+    stencils: whether convolutions the library leaves to generated code
+    take their kernel window first (not where the options send every one
+    to the library)."""
+    return graph.rewritten(_Pass(stencils).step)

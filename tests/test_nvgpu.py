@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import polyjit
-from polyjit import InputInfo, ops
+from polyjit import InputInfo, library, ops
 from polyjit.errors import CompileOptionError, DeviceError, InputError
 
 import refs
@@ -1097,6 +1097,37 @@ def test_channels_last_inputs_and_saved_activations_thread_by_thread(rng, monkey
     copies = re.findall(r"out0\[[^]]*\] = t\d+\[[^]]*\]$", exe.ir("affine"), re.M)
     assert not copies and "out0[" in exe.ir("affine"), exe.ir("affine")  # (the relu stores it)
     np.testing.assert_allclose(run_threads_on_cpu(exe, arrays)[0], want[0].transpose(0, 2, 3, 1), rtol=1e-4, atol=1e-4)
+
+
+def test_a_depthwise_convolution_between_cudnn_convolutions_reads_its_taps_along_the_channels(rng, monkeypatch):
+    """A depthwise convolution among channels-last ones is a stencil that
+    generated code computes: its kernel is copied window, I, O, so that a
+    tap's weights for a vector of channels are one load, as its input's
+    are (read OIHW or OHWI, they were 4 loads 9 floats apart). Where the
+    options send every convolution to cuDNN, it reads OHWI. The results
+    are the CPU's."""
+    from polyjit.runtime import cublas, cudnn
+    monkeypatch.setattr(cublas, "cublas", lambda: _HostCublas())
+    monkeypatch.setattr(cudnn, "cudnn", lambda: True)
+    monkeypatch.setattr(library, "MIN_MACS", 0)  # (small 1x1 convolutions in cuDNN all the same)
+
+    def block(x, w1, wd, w3):
+        y = ops.relu(ops.conv(x, w1, (1, 1), ((0, 0), (0, 0))))
+        z = ops.relu(ops.conv(y, wd, (1, 1), ((1, 1), (1, 1)), groups=64))
+        return ops.conv(z, w3, (1, 1), ((0, 0), (0, 0)))
+    shapes = [(2, 64, 7, 5), (64, 64, 1, 1), (64, 1, 3, 3), (64, 64, 1, 1)]
+    arrays = [rng.standard_normal(s).astype(F32) for s in shapes]
+    infos = [InputInfo(s, F32) for s in shapes]
+    hwio = re.compile(r"^ *(t\d+)\[i0, i1, i2, i3\] = in2\[i3, i2, i0, i1\]$", re.M)
+    exe = polyjit.compile(block, infos, {**PTX_ONLY, "tf32": True})
+    copy = hwio.search(exe.ir("affine"))
+    assert copy and re.search(rf"relu\(.*\* {copy[1]}\[0, 0, 0, i3\]", exe.ir("affine")), exe.ir("affine")
+    depthwise = [m for m in exe.ir("mapping").splitlines() if "_relu_" in m]
+    assert len(depthwise) == 1 and "groups of 4" in depthwise[0], exe.ir("mapping")
+    forced = polyjit.compile(block, infos, {**PTX_ONLY, "contractions": "library", "tf32": True})
+    assert not hwio.search(forced.ir("affine"))
+    want = polyjit.compile(block, infos, {"target": "cpu"})(*arrays)
+    np.testing.assert_allclose(run_threads_on_cpu(exe, arrays)[0], want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu

@@ -365,7 +365,7 @@ class NvgpuTarget(Target):
         (polyjit.channels_last), and reductions split."""
         graph = super().graph_passes(graph, options)
         if self._channels_last(options):
-            graph = channels_last(graph)
+            graph = channels_last(graph, stencils=options.contractions != "library")
         if options.contractions != "library":
             graph = small_products(graph)
         return split_reductions(sibling_products(narrow_products(matrix_products(graph))))
