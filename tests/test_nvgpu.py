@@ -1130,6 +1130,27 @@ def test_a_depthwise_convolution_between_cudnn_convolutions_reads_its_taps_along
     np.testing.assert_allclose(run_threads_on_cpu(exe, arrays)[0], want, rtol=1e-4, atol=1e-4)
 
 
+def test_copies_of_the_inputs_run_side_by_side_in_one_kernel(rng):
+    """Statements computed from the program's inputs alone (a model's
+    weights laid out for its convolutions) are one kernel whose threads
+    are dealt out among them, not a launch each; with every thread count
+    the results are the CPU's. Without fusion each is a kernel."""
+    def f(x, w1, w2, b):
+        y = ops.add(ops.relu(x), ops.add(ops.abs(b), 1.0))
+        return ops.mul(ops.permute(w1, [2, 3, 1, 0]), 2.0), ops.mul(ops.permute(w2, [1, 0]), 3.0), y
+    shapes = [(2, 50, 60, 8), (8, 4, 3, 3), (33, 17), (8,)]
+    arrays = [rng.standard_normal(s).astype(F32) for s in shapes]
+    infos = [InputInfo(s, F32) for s in shapes]
+    exe = polyjit.compile(f, infos, PTX_ONLY)
+    mapping = exe.ir("mapping").splitlines()
+    assert len(mapping) == 2 and "side by side, 2 nests" in mapping[0], mapping
+    assert len(polyjit.compile(f, infos, {**PTX_ONLY, "fusion": "none"}).ir("mapping").splitlines()) == 3
+    want = polyjit.compile(f, infos, {"target": "cpu"})(*arrays)
+    for grid in (1, 3, 7):
+        for got, ref in zip(run_threads_on_cpu(exe, arrays, grid=grid), want):
+            np.testing.assert_allclose(got, ref, rtol=1e-6)
+
+
 @pytest.mark.gpu
 def test_a_cnn_training_step_keeps_activations_channels_last(monkeypatch):
     """With TF32 convolutions on the GPU, a training forward stores the

@@ -32,6 +32,10 @@ fits:
 - :class:`NestPerThread`: one thread per iteration, running the inner loops
   in order.
 
+Independent nests that the schedule puts side by side in one kernel (a
+model's weight copies) each take one of the last two forms, with threads of
+their own (:class:`SideBySide`).
+
 A kernel with none of these runs on one thread (:class:`OneThread`); a
 library statement is a step of its own (:class:`Library`).
 """
@@ -48,7 +52,7 @@ from ..affine import AffineProgram, Statement
 from ..dtypes import DataType
 from ..expr import Const, Op, Var, iter_vars, loads, moves_by_one, walk
 from ..schedule import Scheduled, ast_nodes, statements_in
-from ..schedule.ast import unit_step
+from ..schedule.ast import kernel_nodes, side_by_side_kernel, unit_step
 from ..schedule.fusion import GPU_STRIP
 from .llvm import Strips, ast_calls, ast_children, ast_uses, static_extent
 from .mapping import StripMapping, loop_iterator
@@ -239,8 +243,21 @@ class ScatterPoints:
         return f"scatter points: {self.grid}, added atomically"
 
 
+@dataclass
+class SideBySide:
+    """Independent nests in one kernel (schedule.tree.side_by_side), each
+    with threads of its own: of the kernel's threads, nest k takes a share
+    in proportion to its points (at least one thread), for its own grid."""
+
+    parts: list  # each nest's plan: PointPerThread or NestPerThread
+    points: list[int]  # each nest's grid iterations
+
+    def __str__(self) -> str:
+        return f"side by side, {len(self.parts)} nests: " + "; ".join(map(str, self.parts))
+
+
 KernelPlan = Union[Library, OneThread, NestPerThread, PointPerThread, HaloStrips, AtomicStrips, WarpRows,
-                   TiledContraction, ScatterPoints]
+                   TiledContraction, ScatterPoints, SideBySide]
 
 
 # --------------------------------------------------------------- mapping
@@ -257,6 +274,8 @@ class GpuMapper(StripMapping):
 
     def kernel(self, node: isl.AstNode) -> KernelPlan:
         """The plan of the kernel whose nest is node."""
+        if side_by_side_kernel(node):
+            return self.side_by_side(node)
         called = [self.stmts[n] for n in statements_in(node) if self.stmts[n].library is not None]
         if called:
             return Library(called[0])
@@ -269,6 +288,21 @@ class GpuMapper(StripMapping):
         if atomic_strips(self, node, set()) is not None:  # a sum of everything: strips of it in parallel
             return self.grid_form(None, node)
         return OneThread()
+
+    def side_by_side(self, node: isl.AstNode) -> KernelPlan:
+        """Each nest's grid form; one thread for all of them (in order, as
+        any independent nests may run) where one has no grid of static
+        extents that a thread's iterations cover alone."""
+        parts, points = [], []
+        for nest in kernel_nodes(node.mark_get_node()):
+            top = _parallel_top(nest)
+            plan = self.grid_form(top) if top is not None else None
+            extents = [static_extent(loop) for loop in plan.grid.loops] if plan is not None else [None]
+            if not isinstance(plan, (PointPerThread, NestPerThread)) or None in extents:
+                return OneThread()
+            parts.append(plan)
+            points.append(math.prod(extents))
+        return SideBySide(parts, points)
 
     def grid_form(self, mark: isl.AstNode | None, root: isl.AstNode | None = None) -> KernelPlan:
         """The form of the grid under mark (or, without one, of the whole sum at root)."""

@@ -27,9 +27,10 @@ from .. import scalar
 from ..errors import UnsupportedOpError
 from ..expr import Load, Var, offset
 from ..schedule import statements_in
+from ..schedule.ast import kernel_nodes, side_by_side_kernel
 from . import mathlib
 from .gpu_mapping import (BLOCK, TILE_COLS, TILE_ROWS, VECTOR, WARP, AtomicStrips, GpuMapper, HaloStrips, KernelPlan, Library,
-                          PointPerThread, ScatterPoints, TiledContraction, Vector, WarpRows, iter_vars)
+                          PointPerThread, ScatterPoints, SideBySide, TiledContraction, Vector, WarpRows, iter_vars)
 from .mapping import mapping_text
 from .llvm import COMPUTE, F32, F64, I32, I64, PTR, STORAGE, Emitter, KernelInfo, Strips, static_extent
 
@@ -464,6 +465,9 @@ class GpuEmitter(_RowEmission, _StripEmission, Emitter):
                                        ctx.strips))
 
     def node(self, n: isl.AstNode) -> None:
+        if isinstance(self.ctx.plan, SideBySide) and side_by_side_kernel(n):
+            self.side_by_side(self.ctx.plan, n)
+            return
         grid = getattr(self.ctx.plan, "grid", None)
         mark = n.get_type() == isl.ast_node_type.mark and n.mark_get_id().get_name().startswith("parallel:")
         if grid is not None and not self.in_parallel and (
@@ -474,6 +478,28 @@ class GpuEmitter(_RowEmission, _StripEmission, Emitter):
             self.node(n.mark_get_node())
         else:
             super().node(n)
+
+    def side_by_side(self, plan: SideBySide, n: isl.AstNode) -> None:
+        """Each nest on threads of its own: of the kernel's T threads, nest k
+        of P takes [k + floor((T - P) * f_k), k + 1 + floor((T - P) * f_(k+1))),
+        where f_k is the fraction of all points in the nests before it (at
+        least one thread each: a launch has at least P threads). The
+        fractions are constants in double precision, where 64-bit integer
+        divisions, two a nest in every thread, took longer than the copies."""
+        b = self.b
+        part, parts = self.part, self.parts
+        total, count = sum(plan.points), len(plan.parts)
+        spare = b.uitofp(b.sub(parts, _i64(count)), F64)
+        first = lambda k: b.add(_i64(k), b.fptoui(b.fmul(  # noqa: E731
+            spare, ir.Constant(F64, sum(plan.points[:k]) / total)), I64)) if k < count else parts
+        for k, (nest, sub) in enumerate(zip(kernel_nodes(n.mark_get_node()), plan.parts)):
+            lo, hi = first(k), first(k + 1)
+            mine = b.and_(b.icmp_unsigned(">=", part, lo), b.icmp_unsigned("<", part, hi))
+            with b.if_then(mine):
+                self.part, self.parts = b.sub(part, lo), b.sub(hi, lo)
+                self.ctx.plan, self.in_parallel = sub, False
+                self.node(nest)
+        self.part, self.parts, self.ctx.plan, self.in_parallel = part, parts, plan, False
 
     # ------------------------------------------------------------ the grid
     def grid_loop(self, plan: KernelPlan) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import islpy as isl
 
-from .tree import IN_ORDER, isl_items
+from .tree import IN_ORDER, SIDE_BY_SIDE, isl_items
 
 
 def kernel_nodes(ast: isl.AstNode) -> list[isl.AstNode]:
@@ -19,6 +19,12 @@ def in_order_kernel(node: isl.AstNode) -> bool:
     """Whether a kernel's nest is a target's preparation (tree.in_order): its
     nests depend on one another, so one thread runs them, in order."""
     return node.get_type() == isl.ast_node_type.mark and node.mark_get_id().get_name() == IN_ORDER
+
+
+def side_by_side_kernel(node: isl.AstNode) -> bool:
+    """Whether a kernel's nest is a target's independent first statements
+    (tree.side_by_side): a nest each, its threads dealt out among them."""
+    return node.get_type() == isl.ast_node_type.mark and node.mark_get_id().get_name() == SIDE_BY_SIDE
 
 
 def ast_nodes(node: isl.AstNode) -> list[isl.AstNode]:

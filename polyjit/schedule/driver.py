@@ -16,11 +16,11 @@ from ..cache import ProcessCache
 from .ast import kernel_nodes, statements_in
 from .contraction import contract
 from .dependences import accesses, dependences, make_context
-from .fusion import FusionPlan, fuse_contraction, fusion_groups, preparation
+from .fusion import FusionPlan, fuse_contraction, fusion_groups, preparation, side_by_side_statements
 from .groups import (GroupProblem, ProgramSchedule, Scheduled, ScheduledGroup, WorkerAstMismatch, check_worker_ast,
                      group_problem, kernel_of_each_array)
 from .rewrites import distribute_inits, innermost_contiguous, order_sets
-from .tree import group_domain, in_order, is_update, product_inits
+from .tree import group_domain, in_order, is_update, product_inits, side_by_side
 
 log = logging.getLogger("polyjit.schedule")
 
@@ -220,10 +220,12 @@ def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None, 
     plan = FusionPlan() if fuse else None
     with timer("schedule/groups"):
         first = preparation(prog) if target.gathers_preparation and fusion != "none" else []
+        apart = (side_by_side_statements(prog) if target.runs_side_by_side and fusion != "none" and not first
+                 else [])
         names = fusion_groups(prog, epilogues=fuse, plan=plan, sums_apart=target.sums_sums_apart,
                               small_apart=target.small_statements_apart, windows_apart=target.windows_apart,
                               column_sums_apart=target.column_sums_apart,
-                              first=first)
+                              first=first or apart)
     users: dict[str, set[int]] = {}
     for g, group in enumerate(names):
         for s in prog.statements:
@@ -232,7 +234,7 @@ def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None, 
                     users.setdefault(a, set()).add(g)
     with timer("schedule/canonical"):
         problems = [group_problem(prog, group, {a for a, gs in users.items() if gs != {g}}, canonical,
-                                  in_order=bool(first) and g == 0)
+                                  in_order=bool(first) and g == 0, side_by_side=bool(apart) and g == 0)
                     for g, group in enumerate(names)]
     offered = _offer(problems, config, remote)
     groups = []
@@ -352,6 +354,8 @@ def _schedule_problem(problem: "GroupProblem", config: tuple, timer) -> Schedule
     plan = FusionPlan() if fuse else None
     if problem.in_order:  # (program order: every dependence holds)
         sched = in_order(ctx, prog, dom)
+    elif problem.side_by_side:  # (no dependence among them)
+        sched = side_by_side(ctx, prog, dom)
     else:
         with timer("schedule/dependences"):
             validity, raw = dependences(ctx, prog, dom, access)

@@ -9,7 +9,7 @@ import islpy as isl
 
 from .. import sizes as sz
 from ..affine import TAPS, AffineProgram, Role
-from ..expr import QUASI_AFFINE, Const, Op, Var, iter_vars, loads, merged_index, select_parts, walk
+from ..expr import QUASI_AFFINE, Const, Load, Op, Var, iter_vars, loads, merged_index, select_parts, walk
 from .ast import ast_nodes, ast_uses, kernel_nodes, statements_in, static_extent
 from .cpu_rewrites import TILE_RED
 from .dependences import is_legal
@@ -176,6 +176,30 @@ def preparation(prog: AffineProgram) -> list[str]:
             break
         prep = kept
     return [s.name for s in prog.statements if s.name in prep] if 1 < len(prep) < len(prog.statements) else []
+
+
+SIDE_BY_SIDE_MOST = 256  # nests in one side-by-side kernel (each takes at least one of its threads)
+
+
+def side_by_side_statements(prog: AffineProgram) -> list[str]:
+    """The statements a GPU runs first, side by side in one kernel
+    (schedule.tree.side_by_side): plain ones of static sizes computed from
+    the program's inputs alone, each its array's only writer, that copy an
+    input (a weight laid out for cuDNN, a depthwise kernel's taps along the
+    channels) or have at most 1/APART of the largest statement's
+    iterations (a folded batch norm's scale); where there are two or more
+    and other statements besides. No one of them reads another's result,
+    so each takes threads of its own: as kernels of their own, MobileNetV3's
+    forty weight copies took a launch each, longer than the copying."""
+    writers: dict[str, int] = {}
+    for s in prog.statements:
+        writers[s.array] = writers.get(s.array, 0) + 1
+    largest = max((s.points or 0 for s in prog.statements), default=0)
+    chosen = [s.name for s in prog.statements
+              if _plain(s) and s.points is not None and s.points > 1 and writers[s.array] == 1
+              and all(ld.array not in writers for ld in prog.statement_loads(s))
+              and (isinstance(s.body, Load) or s.points * APART <= largest)][:SIDE_BY_SIDE_MOST]
+    return chosen if 1 < len(chosen) < len(prog.statements) else []
 
 
 def _small_heads(group: list[str], by_name: dict, prog: AffineProgram) -> list[list[str]]:

@@ -83,6 +83,7 @@ class GroupProblem:
     key: str  # everything the group's schedule and code depend on
     structure: str  # the same with every number left out (sizes, offsets, constants), names kept
     in_order: bool = False  # the target's preparation: its statements in order, one kernel (tree.in_order)
+    side_by_side: bool = False  # the target's independent first statements: one kernel, threads for each
 
 
 _CANONICAL = re.compile(r"\b_[sa]\d+\b")
@@ -90,10 +91,11 @@ _NUMBERS = re.compile(r"(?<!\w)\d+")
 
 
 def group_problem(prog: AffineProgram, group: list[str], shared: set[str], canonical: bool = True,
-                  in_order: bool = False) -> GroupProblem:
+                  in_order: bool = False, side_by_side: bool = False) -> GroupProblem:
     """The statements of group (and the arrays they touch), renamed _s0, _s1,
     ... and _a0, _a1, ... in order of appearance where canonical; in_order:
-    the group is the target's preparation (GroupProblem.in_order)."""
+    the group is the target's preparation (GroupProblem.in_order); side_by_side:
+    its independent first statements (GroupProblem.side_by_side)."""
     arrays: dict[str, str] = {}
 
     def array(name: str) -> str:
@@ -116,10 +118,10 @@ def group_problem(prog: AffineProgram, group: list[str], shared: set[str], canon
     mine = frozenset(new for old, new in arrays.items() if old in shared)
     sub = AffineProgram(list(prog.params), arrs, stmts, [])
     key = "\n".join([repr(prog.params), *map(repr, arrs.values()), *map(repr, stmts), repr(sorted(mine)),
-                     "in order" if in_order else ""])
+                     "in order" if in_order else "side by side" if side_by_side else ""])
     return GroupProblem(sub, names, {new: old for old, new in arrays.items()}, mine,
                         hashlib.sha256(key.encode()).hexdigest(),
-                        hashlib.sha256(_NUMBERS.sub("#", key).encode()).hexdigest(), in_order)
+                        hashlib.sha256(_NUMBERS.sub("#", key).encode()).hexdigest(), in_order, side_by_side)
 
 
 @dataclass

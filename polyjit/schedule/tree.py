@@ -154,6 +154,7 @@ def group_domain(ctx, prog, dom, names) -> isl.UnionSet:
 
 
 IN_ORDER = "in order"  # a mark over a group's statements, each its own nest, one after another: one kernel, one thread
+SIDE_BY_SIDE = "side by side"  # the same over independent nests, their loops parallel: one kernel, threads for each
 
 
 def in_order(ctx, prog, dom) -> isl.Schedule:
@@ -162,6 +163,21 @@ def in_order(ctx, prog, dom) -> isl.Schedule:
     kernel (schedule.ast.kernel_nodes) that one thread runs (a target's
     preparation, schedule.fusion.preparation), with no work for isl's
     scheduler."""
+    return _nests(ctx, prog, dom, False).get_root().child(0).insert_mark(isl.Id(IN_ORDER, context=ctx)).get_schedule()
+
+
+def side_by_side(ctx, prog, dom) -> isl.Schedule:
+    """The group's statements, none reading another's result, each in a
+    nest of its own whose loops are all parallel (marked so), under a
+    SIDE_BY_SIDE mark: one kernel whose threads are dealt out among the
+    nests (schedule.fusion.side_by_side_statements, codegen.gpu_mapping.SideBySide)."""
+    from .rewrites import mark_parallel
+    sched = mark_parallel(_nests(ctx, prog, dom, True), all_coincident=True)
+    return sched.get_root().child(0).insert_mark(isl.Id(SIDE_BY_SIDE, context=ctx)).get_schedule()
+
+
+def _nests(ctx, prog, dom, coincident: bool) -> isl.Schedule:
+    """A sequence of the statements' nests, loops in their iterators' order."""
     parts = []
     for s in prog.statements:
         part = isl.Schedule.from_domain(group_domain(ctx, prog, dom, [s.name]))
@@ -169,8 +185,13 @@ def in_order(ctx, prog, dom) -> isl.Schedule:
             loops = isl.UnionMap.read_from_str(
                 ctx, prog.prefix() + f"{{ {s.name}[{', '.join(s.iters)}] -> [{', '.join(s.iters)}] }}")
             part = part.insert_partial_schedule(isl.MultiUnionPwAff.from_union_map(loops))
+            if coincident:
+                band = part.get_root().child(0)
+                for m in range(band.band_n_member()):
+                    band = band.band_member_set_coincident(m, 1)
+                part = band.get_schedule()
         parts.append(part)
     sched = parts[0]
     for part in parts[1:]:
         sched = sched.sequence(part)
-    return sched.get_root().child(0).insert_mark(isl.Id(IN_ORDER, context=ctx)).get_schedule()
+    return sched

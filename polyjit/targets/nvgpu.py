@@ -352,6 +352,7 @@ class NvgpuTarget(Target):
     library_products = (DataType.Float, DataType.Half, DataType.BFloat16)  # half types on tensor cores
     launched_library_calls = True
     small_statements_apart = True  # (its mapping gives them kernels of their own anyway)
+    runs_side_by_side = True  # (one launch for a model's weight copies, not one each)
     windows_apart = True  # (a window's readers would fuse into its halo strips only with isl's seconds)
     sums_sums_apart = True  # (fused, a classifier head's sum and the pooled sums it reads starved the grid)
     column_sums_apart = True  # (isl gives such a sum and its producers kernels of their own, after seconds)
