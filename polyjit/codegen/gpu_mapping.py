@@ -292,9 +292,13 @@ class GpuMapper(StripMapping):
     def side_by_side(self, node: isl.AstNode) -> KernelPlan:
         """Each nest's grid form; one thread for all of them (in order, as
         any independent nests may run) where one has no grid of static
-        extents that a thread's iterations cover alone."""
+        extents that a thread's iterations cover alone, or where a launch's
+        one block would not give each nest a thread."""
+        nests = kernel_nodes(node.mark_get_node())
+        if len(nests) > BLOCK:
+            return OneThread()
         parts, points = [], []
-        for nest in kernel_nodes(node.mark_get_node()):
+        for nest in nests:
             top = _parallel_top(nest)
             plan = self.grid_form(top) if top is not None else None
             extents = [static_extent(loop) for loop in plan.grid.loops] if plan is not None else [None]
