@@ -14,7 +14,7 @@ as they do for a matrix product. X is one of:
   (Wp: the padded width), so X is the padded copy read at a shift per tap
   and the product computes Wp - OW extra positions per output row, kept
   in its array, whose rows are Wp wide (consumers read their first OW; an
-  output handed to the caller is never stored so);
+  output handed to the caller is copied from it into rows of its own);
 - columns (im2col): each tap's input, a copy of (reduction dims...,
   positions), the input read once per tap.
 
@@ -40,14 +40,16 @@ MIN_IMAGE = 2048  # outputs an image from which a product is made however short 
 # 1x1 images) unroll inline where their reduction is short
 
 
-def columns_form(L, n, output: bool) -> tuple[tuple, tuple] | None:
+def columns_form(L, n) -> tuple[tuple, tuple] | None:
     """How convolution n, generated, runs as a product along its positions:
     (the shape its result is stored in: its own, or with rows Wp wide in
     the shifted form; the sizes its positions are numbered over), or None
     where no form applies (not channels first in float32 with static kernel
     and image sizes; a reduction too short to block, a depthwise or
     few-channel convolution, stays a stencil; a small one unrolls inline).
-    output: n is handed to the caller, so its rows are its own. A weight
+    A result handed to the caller in the shifted form (a training forward's
+    saved activation) is copied into rows of its own (lowering): a pass
+    over the result, where the im2col copy is one over every tap. A weight
     gradient (gemm_form "cfirst") runs along the kernel's dims after its
     output channels."""
     if FORM.get(n.op) is not gemm_form or L.library is None or not L.library.target.column_convolutions:
@@ -61,7 +63,7 @@ def columns_form(L, n, output: bool) -> tuple[tuple, tuple] | None:
         return None
     rows = [int(s) for s in shape[2:]]
     wide = _padded_width(L, n)
-    if wide is not None and not output and wide - rows[-1] <= MAX_SHIFTED_WASTE * rows[-1]:
+    if wide is not None and wide - rows[-1] <= MAX_SHIFTED_WASTE * rows[-1]:
         rows[-1] = wide
     return (*shape[:-1], rows[-1]), tuple(rows)
 

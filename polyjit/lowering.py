@@ -157,9 +157,8 @@ class Lowering:
             self.in_place = _read_in_place(self.nodes, self.library_nodes)
             from .library import direct_operands
             self.operands = direct_operands(self, self.library_nodes) | self.unravelled_operands()
-            outputs = {o.id for o in self.g.outputs}
             for n in self.nodes:
-                stored = None if n.id in self.library_nodes else columns_form(self, n, n.id in outputs)
+                stored = None if n.id in self.library_nodes else columns_form(self, n)
                 if stored is not None:
                     self.columns[n.id] = stored
         uses: dict[int, int] = {n.id: 0 for n in self.nodes}
@@ -320,6 +319,7 @@ class Lowering:
                 self.declare(n)
         outputs: list[str] = []
         first: dict[int, str] = {}  # a node returned twice is one array
+        unwidened: list[tuple] = []  # (output, its wide temporary, node): a shifted convolution's result
         for k, o in enumerate(self.g.outputs):
             if o.id in first:
                 outputs.append(first[o.id])
@@ -340,6 +340,10 @@ class Lowering:
                 self.add(out, iters, bounds, idx, self.inline(o, idx), o.op)
                 continue
             arr = self.arrays[src]
+            if o.id in self.columns and tuple(arr.shape) != tuple(self.shape(o)):  # (rows wider: copied out)
+                self.arrays[out] = Array(out, tuple(self.shape(o)), o.dtype, "output", index=k)
+                unwidened.append((out, src, o))
+                continue
             self.arrays[out] = Array(out, arr.shape, arr.dtype, "output", index=k)
             if arr.kind == "temp":
                 del self.arrays[src]
@@ -348,6 +352,11 @@ class Lowering:
                 iters, idx, bounds = loop_nest(self.shape(o))
                 self.add(out, iters, bounds, idx, Load(arr.dtype, src, idx), "copy")
         self.emit()
+        for out, src, o in unwidened:  # just after the product (its rows Wp wide: polyjit.columns)
+            iters, idx, bounds = loop_nest(self.shape(o))
+            self.add(out, iters, bounds, idx, Load(o.dtype, src, idx), "copy")
+            last = max(k for k, st in enumerate(self.statements) if st.array == src)
+            self.statements.insert(last + 1, self.statements.pop())
         self.statements = _copies_beside_producers(self.statements)
         params = sorted({p for a in self.arrays.values() for s in a.shape
                          if isinstance(s, Lin) for p in s.params()})

@@ -279,7 +279,7 @@ def test_products_both_ways(kind, rng):
 COLUMN_CONVS = {  # input, weight, stride, padding, dilation, groups, returned whole; the taps' copy
     "3x3": ((2, 11, 13, 14), (19, 11, 3, 3), 1, 1, 1, 1, False, "pad"),
     "dilated_grouped": ((3, 12, 9, 30), (24, 4, 3, 3), 1, 2, 2, 3, False, "pad"),
-    "returned": ((2, 11, 13, 14), (19, 11, 3, 3), 1, 1, 1, 1, True, "col"),
+    "returned": ((2, 11, 13, 14), (19, 11, 3, 3), 1, 1, 1, 1, True, "pad"),  # (copied out of its wide rows)
     "narrow": ((2, 16, 5, 5), (32, 16, 3, 3), 1, 1, 1, 1, False, "col"),
     "strided": ((2, 9, 15, 11), (20, 9, 3, 3), 2, 1, 1, 1, False, "col"),
     "1x1": ((2, 24, 7, 9), (40, 24, 1, 1), 1, 0, 1, 1, False, "in place"),  # its input's rows are its columns
@@ -291,9 +291,10 @@ COLUMN_CONVS = {  # input, weight, stride, padding, dilation, groups, returned w
 def test_generated_nchw_convolution_runs_along_its_positions(kind, rng):
     """A generated float32 NCHW convolution is a product along its output's
     flattened positions (polyjit.columns): the padded input read at a shift
-    per tap (stride 1, rows at most 15% wider than the output's, a result
-    not handed out whole), else its im2col copy, or its input itself (1x1,
-    an array); its register blocks' columns divide the positions. A NaN in
+    per tap (stride 1, rows at most 15% wider than the output's; a result
+    handed out is copied from those rows), else its im2col copy, or its
+    input itself (1x1, an array); its register blocks' columns divide the
+    positions. A NaN in
     the input reaches the outputs whose windows hold it."""
     xs, ws, stride, pad, dil, groups, returned, copy_label = COLUMN_CONVS[kind]
     x, w = rng.standard_normal(xs, dtype=F32), rng.standard_normal(ws, dtype=F32)

@@ -288,7 +288,7 @@ class CpuTarget(Target):
         form = gemm_form(L, n)
         if form == "nhwc":
             return _channels_last(L, n, lanes)
-        if (form == "cfirst" and n.attrs["layout"][-1] == "N") or columns_form(L, n, False) is None:
+        if (form == "cfirst" and n.attrs["layout"][-1] == "N") or columns_form(L, n) is None:
             return None
         kernel, klay = L.shape(n.inputs[1]), n.attrs["kernel_layout"]
         if form != "cfirst" and not all(int(kernel[k]) % 2 for k, c in enumerate(klay) if c not in "OI"):
