@@ -117,17 +117,69 @@ def _filter(L, n, out: str, rest) -> None:
     flattened (in channels, window): C (out channels x rest) = G (out
     channels x reduction) @ T (reduction x rest), G the gradient it reads as
     its kernel, T the input's taps, stored with rest innermost so that T's
-    rows run along C's."""
+    rows run along C's. Where T's copy would be the larger pass, the product
+    runs along the out channels instead (_filter_across)."""
     from .lowering import reshape_index
     klay = n.attrs["kernel_layout"]
     kdims = [c for c in klay if c != "O"]
     kext = [int(L.shape(n.inputs[1])[klay.index(c)]) for c in kdims]
+    cout, red, wide = int(L.shape(n)[0]), math.prod(kext), math.prod(rest)
+    if cout % ACROSS_LANES == 0 and red * wide > ACROSS_GAIN * (red * cout + cout * wide):
+        return _filter_across(L, n, out, rest, kdims, kext)
     name, _ = filter_taps(L, n, rest_first=False)
     iters, idx, bounds = loop_nest((L.shape(n)[0], math.prod(rest)))
     riters, ridx, rbounds = loop_nest(kext, "r")
     grad = _weight(L, n, kdims, idx[0], ridx)  # a row block's rows, read along the reduction
     _add_product(L, n, out, (iters, bounds, (idx[0], *reshape_index(rest, (math.prod(rest),), (idx[1],)))),
                  (riters, rbounds), Op(n.dtype, "mul", (grad, Load(n.dtype, name, (*ridx, idx[1])))))
+
+
+ACROSS_LANES = 16  # a weight gradient runs along its out channels only in whole vectors of them
+ACROSS_GAIN = 2  # ... and where the taps' copy is this many times the passes that form adds
+
+
+def _filter_across(L, n, out: str, rest, kdims: list[str], kext: list[int]) -> None:
+    """A weight gradient as a product along its out channels: C^T (rest x
+    out channels) = T (rest x reduction) @ G^T (reduction x out channels).
+    T's rows are the input read in place at each tap (a padded copy, the
+    input's producer computed into it: a row's element is a broadcast, at
+    any stride), G^T the gradient copied with its channels innermost, and
+    C^T copied into the result's layout. Three passes over the input, the
+    gradient and the result, where T's copy is one over every tap: 64
+    channels at 28x28, its copy 24 times the result."""
+    from .lowering import _linear, guarded, reshape_index
+    x, g = n.inputs
+    at, lay, klay = n.attrs, n.attrs["layout"], n.attrs["kernel_layout"]
+    sp = [c for c in lay if c not in "NC"]
+    xs = L.shape(x)
+    padded = [int(xs[lay.index(c)]) + lo + hi for c, (lo, hi) in zip(sp, at["padding"])]
+    pad_shape = tuple(padded[sp.index(c)] if c in sp else xs[d] for d, c in enumerate(lay))
+    pad = f"t{n.id}_pad"
+    L.declare_array(pad, pad_shape, n.dtype)
+    iters, idx, bounds = loop_nest(pad_shape)
+    xi = [E.isub(i, E.const(at["padding"][sp.index(c)][0])) if c in sp else i for i, c in zip(idx, lay)]
+    L.add(pad, iters, bounds, idx, guarded(L, x, xi, E.const(0.0, n.dtype), [lay.index(c) for c in sp]), "pad",
+          role=TAPS)
+    cout = int(L.shape(n)[0])
+    grad = f"t{n.id}_gT"
+    L.declare_array(grad, (*kext, cout), n.dtype)
+    iters, idx, bounds = loop_nest((*kext, cout))
+    L.add(grad, iters, bounds, idx, _weight(L, n, kdims, idx[-1], idx[:-1]), "pack")
+    wide = math.prod(rest)
+    across = f"t{n.id}_across"
+    L.declare_array(across, (wide, cout), n.dtype)
+    iters, idx, bounds = loop_nest((wide, cout))
+    riters, ridx, rbounds = loop_nest(kext, "r")
+    outs, kv = reshape_index(rest, (wide,), (idx[0],)), dict(zip(kdims, ridx))
+    ov = dict(zip(lay[1:], outs))
+    tap = [None] * len(lay)
+    tap[lay.index("N")], tap[lay.index("C")] = ov["N"], kv["I"]
+    for k, c in enumerate(sp):
+        tap[lay.index(c)] = E.iadd(E.imul(ov[c], at["strides"][k]), E.imul(kv[c], (at.get("dilation") or [1] * len(sp))[k]))
+    product = Op(n.dtype, "mul", (Load(n.dtype, pad, tuple(tap)), Load(n.dtype, grad, (*ridx, idx[1]))))
+    _add_product(L, n, across, (iters, bounds, (idx[0], idx[1])), (riters, rbounds), product)
+    iters, idx, bounds = loop_nest(L.shape(n))
+    L.add(out, iters, bounds, idx, Load(n.dtype, across, (_linear(rest, idx[1:]), idx[0])), "copy")
 
 
 def _add_product(L, n, out: str, result, reduction, product) -> None:

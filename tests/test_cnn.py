@@ -709,18 +709,32 @@ def test_channels_last_convolutions_settled_by_the_model(case, shape, kernel, pa
         assert exe.stats["library_calls"] == (modeled == "library"), why
 
 
+WEIGHT_GRADIENTS = {  # x, g, stride, padding, dilation, the form
+    "kernel's dims": ((2, 8, 4, 4), (2, 32, 4, 4), 1, 1, 1, r"t\d+_col\[2, 4, 4, 72\]"),  # (images, rows, cols, 8 x 9)
+    "out channels": ((3, 8, 10, 9), (3, 16, 10, 9), 1, 1, 1, r"t\d+_across\[72, 16\]"),
+    "out channels, strided": ((2, 8, 13, 11), (2, 16, 7, 6), 2, 1, 1, r"t\d+_across\[72, 16\]"),
+    "out channels, dilated": ((2, 8, 12, 12), (2, 16, 12, 12), 1, 2, 2, r"t\d+_across\[72, 16\]"),
+}
+
+
 @needs_blas
-def test_generated_weight_gradient_runs_along_the_kernels_dims(rng):
+@pytest.mark.parametrize("kind", list(WEIGHT_GRADIENTS))
+def test_generated_weight_gradient_runs_along_the_kernels_dims_or_its_out_channels(kind, rng):
     """A generated weight gradient is a product whose columns are the
     kernel's dims after its output channels (in channels x window,
-    flattened), over the input's taps stored with them innermost."""
-    x, g = rng.standard_normal((3, 8, 10, 9), dtype=F32), rng.standard_normal((3, 16, 10, 9), dtype=F32)
-    exe = polyjit.compile(lambda x, g: ops.conv_weight_grad(x, g, [3, 3], [1, 1], [(1, 1), (1, 1)]),
+    flattened), over the input's taps stored with them innermost; or,
+    where that copy of the taps would outweigh copies of the gradient (its
+    channels innermost) and of the result, a product along whole vectors of
+    output channels over the padded input read in place. Either is eager's."""
+    xs, gs, stride, pad, dil, form = WEIGHT_GRADIENTS[kind]
+    x, g = rng.standard_normal(xs, dtype=F32), rng.standard_normal(gs, dtype=F32)
+    exe = polyjit.compile(lambda x, g: ops.conv_weight_grad(x, g, [3, 3], [stride] * 2, [(pad, pad)] * 2, [dil] * 2),
                           [InputInfo(x.shape, F32), InputInfo(g.shape, F32)],
                           {"contractions": "generated", "target": "cpu", "cache": False})
-    assert re.search(r"temp float32 t\d+_col\[3, 10, 9, 72\]", exe.ir("affine"))  # (images, rows, cols, 8 x 9)
+    assert re.search(form, exe.ir("affine")), exe.ir("affine")
     assert re.search(r"register blocks of \d+ products", exe.ir("mapping"))
-    want = torch.nn.grad.conv2d_weight(torch.from_numpy(x), (16, 8, 3, 3), torch.from_numpy(g), padding=1)
+    want = torch.nn.grad.conv2d_weight(torch.from_numpy(x), (gs[1], xs[1], 3, 3), torch.from_numpy(g),
+                                       stride=stride, padding=pad, dilation=dil)
     np.testing.assert_allclose(exe(x, g), want.numpy(), rtol=1e-4, atol=1e-4)
 
 
