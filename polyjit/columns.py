@@ -161,10 +161,14 @@ def _filter_across(L, n, out: str, rest, kdims: list[str], kext: list[int]) -> N
     L.add(pad, iters, bounds, idx, guarded(L, x, xi, E.const(0.0, n.dtype), [lay.index(c) for c in sp]), "pad",
           role=TAPS)
     cout = int(L.shape(n)[0])
-    grad = f"t{n.id}_gT"
-    L.declare_array(grad, (*kext, cout), n.dtype)
     iters, idx, bounds = loop_nest((*kext, cout))
-    L.add(grad, iters, bounds, idx, _weight(L, n, kdims, idx[-1], idx[:-1]), "pack")
+    value = _weight(L, n, kdims, idx[-1], idx[:-1])
+    if isinstance(value, Load) and value.index == tuple(idx):  # (channels last already: NHWC's gradient)
+        grad = value.array
+    else:
+        grad = f"t{n.id}_gT"
+        L.declare_array(grad, (*kext, cout), n.dtype)
+        L.add(grad, iters, bounds, idx, value, "pack")
     wide = math.prod(rest)
     across = f"t{n.id}_across"
     L.declare_array(across, (wide, cout), n.dtype)

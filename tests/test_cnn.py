@@ -714,6 +714,7 @@ WEIGHT_GRADIENTS = {  # x, g, stride, padding, dilation, the form
     "out channels": ((3, 8, 10, 9), (3, 16, 10, 9), 1, 1, 1, r"t\d+_across\[72, 16\]"),
     "out channels, strided": ((2, 8, 13, 11), (2, 16, 7, 6), 2, 1, 1, r"t\d+_across\[72, 16\]"),
     "out channels, dilated": ((2, 8, 12, 12), (2, 16, 12, 12), 1, 2, 2, r"t\d+_across\[72, 16\]"),
+    "out channels, NHWC": ((3, 8, 10, 9), (3, 16, 10, 9), 1, 1, 1, r"t\d+_across\[72, 16\]"),  # (its gradient in place)
 }
 
 
@@ -728,14 +729,19 @@ def test_generated_weight_gradient_runs_along_the_kernels_dims_or_its_out_channe
     output channels over the padded input read in place. Either is eager's."""
     xs, gs, stride, pad, dil, form = WEIGHT_GRADIENTS[kind]
     x, g = rng.standard_normal(xs, dtype=F32), rng.standard_normal(gs, dtype=F32)
-    exe = polyjit.compile(lambda x, g: ops.conv_weight_grad(x, g, [3, 3], [stride] * 2, [(pad, pad)] * 2, [dil] * 2),
-                          [InputInfo(x.shape, F32), InputInfo(g.shape, F32)],
+    nhwc = kind.endswith("NHWC")
+    layouts = ("NHWC", "HWIO") if nhwc else ("NCHW", "OIHW")
+    args = [a.transpose(0, 2, 3, 1).copy() if nhwc else a for a in (x, g)]
+    exe = polyjit.compile(lambda x, g: ops.conv_weight_grad(x, g, [3, 3], [stride] * 2, [(pad, pad)] * 2, [dil] * 2,
+                                                            *layouts),
+                          [InputInfo(a.shape, F32) for a in args],
                           {"contractions": "generated", "target": "cpu", "cache": False})
     assert re.search(form, exe.ir("affine")), exe.ir("affine")
+    assert ("_gT[" in exe.ir("affine")) == (form.find("across") > 0 and not nhwc)  # (NHWC's gradient read in place)
     assert re.search(r"register blocks of \d+ products", exe.ir("mapping"))
     want = torch.nn.grad.conv2d_weight(torch.from_numpy(x), (gs[1], xs[1], 3, 3), torch.from_numpy(g),
-                                       stride=stride, padding=pad, dilation=dil)
-    np.testing.assert_allclose(exe(x, g), want.numpy(), rtol=1e-4, atol=1e-4)
+                                       stride=stride, padding=pad, dilation=dil).numpy()
+    np.testing.assert_allclose(exe(*args), want.transpose(2, 3, 1, 0) if nhwc else want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("mode", ["library", "generated"])
