@@ -178,8 +178,9 @@ def _filter_across(L, n, out: str, rest, kdims: list[str], kext: list[int]) -> N
     ov = dict(zip(lay[1:], outs))
     tap = [None] * len(lay)
     tap[lay.index("N")], tap[lay.index("C")] = ov["N"], kv["I"]
-    for k, c in enumerate(sp):
-        tap[lay.index(c)] = E.iadd(E.imul(ov[c], at["strides"][k]), E.imul(kv[c], (at.get("dilation") or [1] * len(sp))[k]))
+    dilation = at.get("dilation") or [1] * len(sp)
+    for k, c in enumerate(sp):  # (conv_input_index's, in the padded copy)
+        tap[lay.index(c)] = E.iadd(E.imul(ov[c], at["strides"][k]), E.imul(kv[c], dilation[k]))
     product = Op(n.dtype, "mul", (Load(n.dtype, pad, tuple(tap)), Load(n.dtype, grad, (*ridx, idx[1]))))
     _add_product(L, n, across, (iters, bounds, (idx[0], idx[1])), (riters, rbounds), product)
     iters, idx, bounds = loop_nest(L.shape(n))
