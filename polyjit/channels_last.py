@@ -25,13 +25,12 @@ rather than read through a transpose.
 """
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 from . import sizes as sz
 from .dtypes import DataType
 from .graph import ELEMENTWISE, Graph, Node
-from .library import MIN_OUT_CHANNELS, MIN_REDUCTION
+from .library import _conv_reduction
 
 
 def last(rank: int) -> tuple[int, ...]:
@@ -68,7 +67,8 @@ def convertible(n: Node) -> bool:
 
 def _stencil_kernel_order(n: Node) -> tuple[int, ...] | None:
     """The kernel's order for a convolution of images (NC...) that the
-    library leaves to generated code as a stencil (a depthwise one): its
+    library leaves to generated code as a stencil (its rule,
+    library._conv_reduction: a depthwise one): its
     window, then I, then O. Its output channels, the images' last axis,
     are then the kernel's too, so a tap's weights for a vector of channels
     are one vector load (OHWI made them loads 25 floats apart, each a
@@ -76,14 +76,9 @@ def _stencil_kernel_order(n: Node) -> tuple[int, ...] | None:
     copied so (a small array). None for the others: cuDNN's channels-last
     convolutions read OHWI."""
     lay, klay, ws = n.attrs["layout"], n.attrs["kernel_layout"], n.inputs[1].shape
-    if not lay.startswith("NC") or not all(map(sz.is_static, ws)):
+    if not lay.startswith("NC") or not all(map(sz.is_static, ws)) or _conv_reduction(n, None, ws)[1] is None:
         return None
-    sizes = dict(zip(klay, map(int, ws)))
-    window = [c for c in klay if c not in "IO"]
-    reduction = sizes["I"] * math.prod(sizes[c] for c in window)
-    if reduction >= MIN_REDUCTION and sizes["O"] // n.attrs["groups"] >= MIN_OUT_CHANNELS:
-        return None
-    return tuple(klay.index(c) for c in (*window, "I", "O"))
+    return tuple(klay.index(c) for c in (*(c for c in klay if c not in "IO"), "I", "O"))
 
 
 class _Pass:

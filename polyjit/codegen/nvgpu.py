@@ -490,15 +490,17 @@ class GpuEmitter(_RowEmission, _StripEmission, Emitter):
         part, parts = self.part, self.parts
         total, count = sum(plan.points), len(plan.parts)
         spare = b.uitofp(b.sub(parts, _i64(count)), F64)
-        first = lambda k: b.add(_i64(k), b.fptoui(b.fmul(  # noqa: E731
-            spare, ir.Constant(F64, sum(plan.points[:k]) / total)), I64)) if k < count else parts
-        for k, (nest, sub) in enumerate(zip(kernel_nodes(n.mark_get_node()), plan.parts)):
-            lo, hi = first(k), first(k + 1)
+        before = itertools.accumulate(plan.points, initial=0)  # each nest's points before it
+        lo = _i64(0)
+        for k, (nest, sub, points) in enumerate(zip(kernel_nodes(n.mark_get_node()), plan.parts, before)):
+            hi = parts if k + 1 == count else b.add(_i64(k + 1), b.fptoui(
+                b.fmul(spare, ir.Constant(F64, (points + plan.points[k]) / total)), I64))
             mine = b.and_(b.icmp_unsigned(">=", part, lo), b.icmp_unsigned("<", part, hi))
             with b.if_then(mine):
                 self.part, self.parts = b.sub(part, lo), b.sub(hi, lo)
                 self.ctx.plan, self.in_parallel = sub, False
                 self.node(nest)
+            lo = hi
         self.part, self.parts, self.ctx.plan, self.in_parallel = part, parts, plan, False
 
     # ------------------------------------------------------------ the grid

@@ -220,8 +220,8 @@ def schedule_program(prog: AffineProgram, fusion: str = "max", tile_sizes=None, 
     plan = FusionPlan() if fuse else None
     with timer("schedule/groups"):
         first = preparation(prog) if target.gathers_preparation and fusion != "none" else []
-        apart = (side_by_side_statements(prog) if target.runs_side_by_side and fusion != "none" and not first
-                 else [])
+        apart = (side_by_side_statements(prog, target.side_by_side_nests)
+                 if target.side_by_side_nests and fusion != "none" and not first else [])
         names = fusion_groups(prog, epilogues=fuse, plan=plan, sums_apart=target.sums_sums_apart,
                               small_apart=target.small_statements_apart, windows_apart=target.windows_apart,
                               column_sums_apart=target.column_sums_apart,

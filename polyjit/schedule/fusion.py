@@ -178,10 +178,7 @@ def preparation(prog: AffineProgram) -> list[str]:
     return [s.name for s in prog.statements if s.name in prep] if 1 < len(prep) < len(prog.statements) else []
 
 
-SIDE_BY_SIDE_MOST = 256  # nests in one side-by-side kernel (each takes at least one of its threads)
-
-
-def side_by_side_statements(prog: AffineProgram) -> list[str]:
+def side_by_side_statements(prog: AffineProgram, most: int) -> list[str]:
     """The statements a GPU runs first, side by side in one kernel
     (schedule.tree.side_by_side): plain ones of static sizes computed from
     the program's inputs alone, each its array's only writer, that copy an
@@ -190,7 +187,8 @@ def side_by_side_statements(prog: AffineProgram) -> list[str]:
     iterations (a folded batch norm's scale); where there are two or more
     and other statements besides. No one of them reads another's result,
     so each takes threads of its own: as kernels of their own, MobileNetV3's
-    forty weight copies took a launch each, longer than the copying."""
+    forty weight copies took a launch each, longer than the copying. At
+    most `most` of them (the target's Target.side_by_side_nests)."""
     writers: dict[str, int] = {}
     for s in prog.statements:
         writers[s.array] = writers.get(s.array, 0) + 1
@@ -198,7 +196,7 @@ def side_by_side_statements(prog: AffineProgram) -> list[str]:
     chosen = [s.name for s in prog.statements
               if _plain(s) and s.points is not None and s.points > 1 and writers[s.array] == 1
               and all(ld.array not in writers for ld in prog.statement_loads(s))
-              and (isinstance(s.body, Load) or s.points * APART <= largest)][:SIDE_BY_SIDE_MOST]
+              and (isinstance(s.body, Load) or s.points * APART <= largest)][:most]
     return chosen if 1 < len(chosen) < len(prog.statements) else []
 
 

@@ -163,7 +163,7 @@ def in_order(ctx, prog, dom) -> isl.Schedule:
     kernel (schedule.ast.kernel_nodes) that one thread runs (a target's
     preparation, schedule.fusion.preparation), with no work for isl's
     scheduler."""
-    return _nests(ctx, prog, dom, False).get_root().child(0).insert_mark(isl.Id(IN_ORDER, context=ctx)).get_schedule()
+    return _marked_nests(ctx, prog, dom, IN_ORDER)
 
 
 def side_by_side(ctx, prog, dom) -> isl.Schedule:
@@ -171,13 +171,13 @@ def side_by_side(ctx, prog, dom) -> isl.Schedule:
     nest of its own whose loops are all parallel (marked so), under a
     SIDE_BY_SIDE mark: one kernel whose threads are dealt out among the
     nests (schedule.fusion.side_by_side_statements, codegen.gpu_mapping.SideBySide)."""
-    from .rewrites import mark_parallel
-    sched = mark_parallel(_nests(ctx, prog, dom, True), all_coincident=True)
-    return sched.get_root().child(0).insert_mark(isl.Id(SIDE_BY_SIDE, context=ctx)).get_schedule()
+    return _marked_nests(ctx, prog, dom, SIDE_BY_SIDE)
 
 
-def _nests(ctx, prog, dom, coincident: bool) -> isl.Schedule:
-    """A sequence of the statements' nests, loops in their iterators' order."""
+def _marked_nests(ctx, prog, dom, mark: str) -> isl.Schedule:
+    """A sequence of the statements' nests, loops in their iterators' order,
+    under mark; side by side, every loop coincident and marked parallel."""
+    parallel = mark == SIDE_BY_SIDE
     parts = []
     for s in prog.statements:
         part = isl.Schedule.from_domain(group_domain(ctx, prog, dom, [s.name]))
@@ -185,7 +185,7 @@ def _nests(ctx, prog, dom, coincident: bool) -> isl.Schedule:
             loops = isl.UnionMap.read_from_str(
                 ctx, prog.prefix() + f"{{ {s.name}[{', '.join(s.iters)}] -> [{', '.join(s.iters)}] }}")
             part = part.insert_partial_schedule(isl.MultiUnionPwAff.from_union_map(loops))
-            if coincident:
+            if parallel:
                 band = part.get_root().child(0)
                 for m in range(band.band_n_member()):
                     band = band.band_member_set_coincident(m, 1)
@@ -194,4 +194,7 @@ def _nests(ctx, prog, dom, coincident: bool) -> isl.Schedule:
     sched = parts[0]
     for part in parts[1:]:
         sched = sched.sequence(part)
-    return sched
+    if parallel:
+        from .rewrites import mark_parallel  # (rewrites imports this module)
+        sched = mark_parallel(sched, all_coincident=True)
+    return sched.get_root().child(0).insert_mark(isl.Id(mark, context=ctx)).get_schedule()

@@ -45,7 +45,7 @@ class Target:
     windows_apart: bool = False  # every window, not only strided ones, ends its fusion group (fusion._window)
     column_sums_apart: bool = False  # a sum over leading dims of a value its run makes starts a group (fusion._column_sum)
     gathers_preparation: bool = False  # small statements of the inputs alone run first, one kernel (fusion.preparation)
-    runs_side_by_side: bool = False  # independent statements of the inputs alone: one kernel (fusion.side_by_side_statements)
+    side_by_side_nests: int = 0  # statements of the inputs alone in one kernel, at most (fusion.side_by_side_statements)
     column_convolutions: bool = False  # generated channels-first convolutions as products over their columns
     library: str = ""  # the vendor library under generated contractions
     times_library: bool = False  # time each contraction both ways (else the library wherever it applies)

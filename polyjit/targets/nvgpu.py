@@ -20,7 +20,7 @@ from ..cache import ProcessCache
 from ..channels_last import channels_last, inverse
 from ..codegen.gpu_program import GpuCodeSet, build_program
 from ..codegen.llvm import KernelInfo
-from ..codegen.nvgpu import GpuEmitter, ptx
+from ..codegen.nvgpu import BLOCK, GpuEmitter, ptx
 from ..compiler import executable, from_plan
 from ..compiler import plan as plan_of
 from ..runtime.cuda import default_ordinal, device
@@ -352,7 +352,7 @@ class NvgpuTarget(Target):
     library_products = (DataType.Float, DataType.Half, DataType.BFloat16)  # half types on tensor cores
     launched_library_calls = True
     small_statements_apart = True  # (its mapping gives them kernels of their own anyway)
-    runs_side_by_side = True  # (one launch for a model's weight copies, not one each)
+    side_by_side_nests = BLOCK  # (one launch for a model's weight copies, not one each; a thread at least for each)
     windows_apart = True  # (a window's readers would fuse into its halo strips only with isl's seconds)
     sums_sums_apart = True  # (fused, a classifier head's sum and the pooled sums it reads starved the grid)
     column_sums_apart = True  # (isl gives such a sum and its producers kernels of their own, after seconds)
