@@ -16,7 +16,7 @@ import islpy as isl
 
 from . import sizes as sz
 from .dtypes import DataType
-from .expr import Expr, Load, it, loads, to_isl
+from .expr import Const, Expr, Load, Op, Var, it, loads, offset, to_isl
 from .sizes import Size
 
 
@@ -168,12 +168,23 @@ class AffineProgram:
                 for box in s.library.read():
                     r = r.union(self.box_access(ctx, s, *box))
                 continue
-            seen = set()  # each access once as isl sees it (a window's taps through clamped indices widen to one)
+            forms: dict[str, list[tuple[Expr, ...]]] = {}
             for ld in self.statement_loads(s):
-                form = (ld.array, tuple(map(to_isl, ld.index)))
-                if form not in seen:
-                    seen.add(form)
-                    r = r.union(self.access(ctx, s, ld.array, ld.index))
+                if ld.index not in forms.setdefault(ld.array, []):
+                    forms[ld.array].append(ld.index)
+            for array, indices in forms.items():
+                window = _window(s, indices) if len(indices) > 1 else None
+                if window is not None:
+                    r = r.union(isl.UnionMap.read_from_str(ctx, self.prefix() + f"{{ {s.name}[{', '.join(s.iters)}] -> "
+                                                           f"{array}[{', '.join(f'a{d}' for d in range(len(window)))}]"
+                                                           f" : {' and '.join(c for c in window if c)} }}"))
+                    continue
+                seen = set()  # each access once as isl sees it
+                for index in indices:
+                    form = tuple(map(to_isl, index))
+                    if form not in seen:
+                        seen.add(form)
+                        r = r.union(self.access(ctx, s, array, index))
         return r
 
     def statement_loads(self, s: Statement) -> list[Load]:
@@ -192,3 +203,63 @@ class AffineProgram:
         lines += [str(s) for s in self.statements]
         lines.append("outputs: " + ", ".join(self.outputs))
         return "\n".join(lines)
+
+
+def _window(s: Statement, indices: list[tuple[Expr, ...]]) -> list[str] | None:
+    """The constraints of one relation holding every tap of a window that
+    s reads through clamped indices, min(max(x + k, lo), hi) for constant
+    taps k, on each dimension: lo <= a <= hi and x + min k <= a <= x + max k,
+    where the tap bounds hold over s's loops (isl's relation of the taps,
+    each clamp in pieces, was most of a depthwise group's dependence
+    analysis, and their union reaches no further). None where the indices
+    are not such a window or its bounds are not proven."""
+    ranges = {i: (int(lo), int(hi) - 1) for i, (lo, hi) in zip(s.iters, s.bounds) if sz.is_static(lo) and sz.is_static(hi)}
+    out = []
+    for d, dim in enumerate(zip(*indices)):
+        if all(e == dim[0] for e in dim):
+            t = to_isl(dim[0])
+            if t is None:
+                return None
+            out.append(f"a{d} = {t}")
+            continue
+        clamps = [_clamp(e) for e in dim]
+        if any(c is None for c in clamps) or len({(x, lo, hi) for x, _, lo, hi in clamps}) != 1:
+            return None
+        x, _, lo, hi = clamps[0]
+        taps = [k for _, k, _, _ in clamps]
+        span, t = _interval(x, ranges), to_isl(x)
+        if span is None or t is None or span[1] + min(taps) > hi or span[0] + max(taps) < lo:
+            return None
+        out.append(f"{lo} <= a{d} <= {hi} and {t} + ({min(taps)}) <= a{d} <= {t} + ({max(taps)})")
+    return out
+
+
+def _clamp(e: Expr) -> tuple[Expr, int, int, int] | None:
+    """(x, k, lo, hi) where e is min(max(x + k, lo), hi) for constants k, lo <= hi."""
+    if not (isinstance(e, Op) and e.op == "min" and isinstance(e.args[1], Const)):
+        return None
+    inner = e.args[0]
+    if not (isinstance(inner, Op) and inner.op == "max" and isinstance(inner.args[1], Const)):
+        return None
+    lo, hi = int(inner.args[1].value), int(e.args[1].value)
+    x, k = offset(inner.args[0])
+    return (x, k, lo, hi) if lo <= hi else None
+
+
+def _interval(e: Expr, ranges: dict[str, tuple[int, int]]) -> tuple[int, int] | None:
+    """The least and greatest values of an affine index over the iterators' ranges, or None."""
+    if isinstance(e, Const):
+        return (int(e.value), int(e.value)) if e.dtype.is_int else None
+    if isinstance(e, Var):
+        return ranges.get(e.name) if e.kind == "iter" else None
+    if not isinstance(e, Op) or e.op not in ("add", "sub", "mul"):
+        return None
+    a, b = (_interval(x, ranges) for x in e.args)
+    if a is None or b is None:
+        return None
+    if e.op == "add":
+        return a[0] + b[0], a[1] + b[1]
+    if e.op == "sub":
+        return a[0] - b[1], a[1] - b[0]
+    products = [p * q for p in a for q in b]
+    return min(products), max(products)

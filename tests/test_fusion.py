@@ -851,3 +851,36 @@ def test_output_and_anti_dependences_come_from_the_arrays_that_can_have_them():
         rewritten += len(_rewritten(prog, *access))
         written += len({s.array for s in prog.statements})
     assert rewritten < written / 2, (rewritten, written)  # (most arrays are written once, then read)
+
+
+@pytest.mark.parametrize("k, stride, dilation", [(3, 1, 1), (5, 2, 1), (3, 2, 2)])
+def test_a_padded_windows_taps_are_read_through_one_box(k, stride, dilation):
+    """A padded depthwise window reads its input through clamped indices,
+    each tap's access a relation of isl pieces; the program's reads give
+    the taps one box instead, a single basic map, that holds every tap and,
+    where the taps are adjacent, is their union."""
+    import islpy as isl
+
+    from polyjit.expr import to_isl
+    from polyjit.lowering import lower
+    from polyjit.schedule.dependences import make_context
+
+    def f(x, w):
+        return ops.relu(ops.conv(x, w, (stride, stride), ((k // 2, k // 2),) * 2, (dilation, dilation), groups=6,
+                                 layout="NHWC", kernel_layout="HWIO"))
+    prog = lower(polyjit.compile(f, [InputInfo([2, 13, 11, 6], F32), InputInfo([k, k, 1, 6], F32)],
+                                 {"cache": False}).graph.deduplicated())
+    ctx = make_context()
+    dom = prog.domain(ctx)
+    window = [(s, ld.array) for s in prog.statements for ld in prog.statement_loads(s)
+              if any(to_isl(i) is not None and "min(" in to_isl(i) for i in ld.index)]
+    assert window
+    s, array = window[0]
+    taps = isl.UnionMap.empty(isl.Space.params_alloc(ctx, 0))
+    for ld in prog.statement_loads(s):
+        if ld.array == array:
+            taps = taps.union(prog.access(ctx, s, array, ld.index))
+    taps = isl.Map.from_union_map(taps.intersect_domain(dom))
+    box = prog.reads(ctx).intersect_domain(dom).extract_map(taps.get_space())
+    assert box.n_basic_map() == 1 and taps.is_subset(box)
+    assert box.is_equal(taps) == (dilation == 1)  # (dilated taps leave gaps that the box holds)
