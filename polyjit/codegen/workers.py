@@ -23,6 +23,7 @@ schedules it itself, so that no job waits for a worker's start.
 from __future__ import annotations
 
 import atexit
+import itertools
 import os
 import queue
 import select
@@ -79,10 +80,15 @@ class LlvmWorkers:
     Future of (optimized IR, code, seconds): object bytes for OBJECT, PTX
     text for an sm_XX. Until the first has started (its imports), jobs run
     on the caller's LLVM thread: a small program compiled first in a
-    process waits for no worker."""
+    process waits for no worker. A code job goes ahead of the scheduling
+    jobs queued before it: those come all at once at a compile's start, and
+    the code of a group the caller scheduled itself (a network's weight
+    preparation, one of its largest kernels) waited behind them, then ran
+    alone on one worker at the end while the others had finished."""
 
     def __init__(self, count: int) -> None:
-        self.jobs: queue.Queue = queue.Queue()
+        self.jobs: queue.PriorityQueue = queue.PriorityQueue()  # (rank, order, job): code jobs first, each kind in order
+        self._order = itertools.count()
         self.procs = []
         self.served = 0  # code jobs done by a worker
         self.scheduled = 0  # scheduling jobs done by a worker
@@ -117,7 +123,7 @@ class LlvmWorkers:
         with self._lock:
             if self.procs and self.ready.is_set():
                 future: Future = Future()
-                self.jobs.put((kind, text, on_thread, future))
+                self._put(kind, text, on_thread, future)
                 return future
         return on_thread(text)
 
@@ -130,8 +136,11 @@ class LlvmWorkers:
             if not self.procs:
                 return None
             future: Future = Future()
-            self.jobs.put((kind, payload, _unserved, future))
+            self._put(kind, payload, _unserved, future)
             return future
+
+    def _put(self, kind: str, text, on_thread, future: Future) -> None:
+        self.jobs.put((kind == SCHEDULE, next(self._order), (kind, text, on_thread, future)))
 
     def _serve(self, proc) -> None:
         started = _receive(proc.stdout, 1)  # (its first reply says it has started; the first's, the forked pids)
@@ -143,7 +152,7 @@ class LlvmWorkers:
                 forked.known(int(pid))
             self.ready.set()
         while True:
-            kind, text, on_thread, future = self.jobs.get()
+            kind, text, on_thread, future = self.jobs.get()[-1]
             if not future.set_running_or_notify_cancel():  # (taken back by the caller)
                 continue
             start = time.perf_counter()
@@ -175,7 +184,7 @@ class LlvmWorkers:
     def _drain(self) -> None:
         while True:
             try:
-                _, text, on_thread, future = self.jobs.get_nowait()
+                _, text, on_thread, future = self.jobs.get_nowait()[-1]
             except queue.Empty:
                 return
             if future.set_running_or_notify_cancel():
