@@ -7,7 +7,7 @@ import islpy as isl
 
 from ..affine import AffineProgram, Role
 from ..expr import Var, loads, walk
-from .dependences import is_legal
+from .dependences import legal_or_kept
 from .rewrites import mark_parallel
 from .tree import (band_sizes, contractions_in, member_extent, member_iter, member_trips, product_inits,
                    rebuild_band, statement_names, unroll_mark, visit)
@@ -242,7 +242,7 @@ def tile(schedule, prog, validity, tile_sizes, vector_bits: int = 512) -> isl.Sc
             node = register_block(node.child(0), roles, row, shape).parent()
         return node
     new = visit(schedule.get_root(), fn).get_schedule()
-    return new if is_legal(new, validity) else schedule
+    return legal_or_kept(new, schedule, validity)
 
 
 TRANSPOSE_TILE = 32  # a transposing copy walks tiles of this many rows and columns
@@ -335,7 +335,7 @@ def balance_parallel(schedule, prog, validity) -> isl.Schedule:
         outer = isl.MultiUnionPwAff.from_union_pw_aff(upa.floor())
         return node.insert_partial_schedule(outer).band_set_permutable(True).band_member_set_coincident(0, True)
     new = visit(schedule.get_root(), fn).get_schedule()
-    return new if is_legal(new, validity) else schedule
+    return legal_or_kept(new, schedule, validity)
 
 
 def sink_inner(schedule, prog, validity) -> isl.Schedule:
@@ -359,7 +359,7 @@ def sink_inner(schedule, prog, validity) -> isl.Schedule:
         n = node.band_n_member()
         return node.band_split(n - 1).child(0).band_sink().parent()
     new = visit(schedule.get_root(), fn).get_schedule()
-    return new if is_legal(new, validity) else schedule
+    return legal_or_kept(new, schedule, validity)
 
 
 def unroll_marks(schedule) -> isl.Schedule:

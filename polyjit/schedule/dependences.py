@@ -101,6 +101,15 @@ def _onto(ctx, m: isl.UnionMap, arrays: set[str]) -> isl.UnionMap:
     return out
 
 
+def legal_or_kept(new: isl.Schedule, schedule: isl.Schedule, validity: isl.UnionMap) -> isl.Schedule:
+    """A rewrite's result where every dependence holds in it, else the
+    (legal) schedule it rewrote. Most rewrites change nothing on most
+    groups; the tree's comparison then saves the check."""
+    if new.plain_is_equal(schedule):
+        return schedule
+    return new if is_legal(new, validity) else schedule
+
+
 def is_legal(schedule: isl.Schedule, validity: isl.UnionMap) -> bool:
     """Every dependence source runs strictly before its sink."""
     if validity.is_empty():

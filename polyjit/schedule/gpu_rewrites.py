@@ -7,7 +7,7 @@ import islpy as isl
 
 from ..affine import AffineProgram
 from .contraction import private_bytes
-from .dependences import is_legal
+from .dependences import legal_or_kept
 from .fusion import starved
 from .rewrites import contiguity, mark_parallel, memory_depth
 from .tree import member_iter, rebuild_band, visit
@@ -40,7 +40,7 @@ def coincident_outside(schedule, validity, prog: AffineProgram) -> isl.Schedule:
         order += [m for m in range(n) if not coinc[m]]
         return node if order == list(range(n)) else rebuild_band(node, order, coinc, True)
     new = visit(schedule.get_root(), fn).get_schedule()
-    return new if is_legal(new, validity) else schedule
+    return legal_or_kept(new, schedule, validity)
 
 
 def rewrite(sched: isl.Schedule, prog: AffineProgram, validity) -> isl.Schedule:

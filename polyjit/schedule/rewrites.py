@@ -8,7 +8,7 @@ import islpy as isl
 
 from ..affine import AffineProgram
 from ..expr import Var, data_loads, loads, walk
-from .dependences import is_legal
+from .dependences import legal_or_kept
 from .tree import is_product_init, isl_items, member_extent, member_iter, rebuild_band, visit
 
 
@@ -82,7 +82,7 @@ def innermost_contiguous(schedule, prog, ctx, validity) -> isl.Schedule:
             return node
         return rebuild_band(node, order, coinc, True)
     new = visit(schedule.get_root(), fn).get_schedule()
-    return new if is_legal(new, validity) else schedule
+    return legal_or_kept(new, schedule, validity)
 
 
 def _bands_inside(node) -> list:
@@ -111,7 +111,7 @@ def distribute_inits(schedule, prog, validity) -> isl.Schedule:
         return schedule
     filters = isl.UnionSetList.alloc(root.get_ctx(), 2).add(first).add(rest)
     new = root.child(0).insert_sequence(filters).get_schedule()
-    return new if is_legal(new, validity) else schedule
+    return legal_or_kept(new, schedule, validity)
 
 
 def order_sets(schedule, validity) -> isl.Schedule:
