@@ -177,7 +177,7 @@ class AffineProgram:
                 if window is not None:
                     r = r.union(isl.UnionMap.read_from_str(ctx, self.prefix() + f"{{ {s.name}[{', '.join(s.iters)}] -> "
                                                            f"{array}[{', '.join(f'a{d}' for d in range(len(window)))}]"
-                                                           f" : {' and '.join(c for c in window if c)} }}"))
+                                                           f" : {' and '.join(window)} }}"))
                     continue
                 seen = set()  # each access once as isl sees it
                 for index in indices:
@@ -213,7 +213,8 @@ def _window(s: Statement, indices: list[tuple[Expr, ...]]) -> list[str] | None:
     each clamp in pieces, was most of a depthwise group's dependence
     analysis, and their union reaches no further). None where the indices
     are not such a window or its bounds are not proven."""
-    ranges = {i: (int(lo), int(hi) - 1) for i, (lo, hi) in zip(s.iters, s.bounds) if sz.is_static(lo) and sz.is_static(hi)}
+    ranges = {i: (int(lo), int(hi) - 1) for i, (lo, hi) in zip(s.iters, s.bounds)
+              if sz.is_static(lo) and sz.is_static(hi)}
     out = []
     for d, dim in enumerate(zip(*indices)):
         if all(e == dim[0] for e in dim):

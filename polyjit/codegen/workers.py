@@ -87,7 +87,7 @@ class LlvmWorkers:
     alone on one worker at the end while the others had finished."""
 
     def __init__(self, count: int) -> None:
-        self.jobs: queue.PriorityQueue = queue.PriorityQueue()  # (rank, order, job): code jobs first, each kind in order
+        self.jobs: queue.PriorityQueue = queue.PriorityQueue()  # (rank, order, job): code jobs first, then in order
         self._order = itertools.count()
         self.procs = []
         self.served = 0  # code jobs done by a worker
