@@ -16,7 +16,7 @@ import islpy as isl
 
 from . import sizes as sz
 from .dtypes import DataType
-from .expr import Const, Expr, Load, Op, Var, it, loads, offset, to_isl
+from .expr import Const, Expr, Load, Op, Var, clamp_parts, it, loads, to_isl
 from .sizes import Size
 
 
@@ -223,7 +223,7 @@ def _window(s: Statement, indices: list[tuple[Expr, ...]]) -> list[str] | None:
                 return None
             out.append(f"a{d} = {t}")
             continue
-        clamps = [_clamp(e) for e in dim]
+        clamps = [clamp_parts(e) for e in dim]
         if any(c is None for c in clamps) or len({(x, lo, hi) for x, _, lo, hi in clamps}) != 1:
             return None
         x, _, lo, hi = clamps[0]
@@ -233,18 +233,6 @@ def _window(s: Statement, indices: list[tuple[Expr, ...]]) -> list[str] | None:
             return None
         out.append(f"{lo} <= a{d} <= {hi} and {t} + ({min(taps)}) <= a{d} <= {t} + ({max(taps)})")
     return out
-
-
-def _clamp(e: Expr) -> tuple[Expr, int, int, int] | None:
-    """(x, k, lo, hi) where e is min(max(x + k, lo), hi) for constants k, lo <= hi."""
-    if not (isinstance(e, Op) and e.op == "min" and isinstance(e.args[1], Const)):
-        return None
-    inner = e.args[0]
-    if not (isinstance(inner, Op) and inner.op == "max" and isinstance(inner.args[1], Const)):
-        return None
-    lo, hi = int(inner.args[1].value), int(e.args[1].value)
-    x, k = offset(inner.args[0])
-    return (x, k, lo, hi) if lo <= hi else None
 
 
 def _interval(e: Expr, ranges: dict[str, tuple[int, int]]) -> tuple[int, int] | None:

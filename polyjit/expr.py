@@ -187,6 +187,18 @@ def iclamp(a: Expr, lo: Expr, hi: Expr) -> Expr:
     return Op(I64, "min", (Op(I64, "max", (a, lo)), hi))
 
 
+def clamp_parts(e: Expr) -> tuple[Expr, int, int, int] | None:
+    """(x, k, lo, hi) where e is iclamp(x + k, lo, hi) for constants k and lo <= hi, else None."""
+    if not (isinstance(e, Op) and e.op == "min" and isinstance(e.args[1], Const)):
+        return None
+    inner = e.args[0]
+    if not (isinstance(inner, Op) and inner.op == "max" and isinstance(inner.args[1], Const)):
+        return None
+    lo, hi = int(inner.args[1].value), int(e.args[1].value)
+    x, k = offset(inner.args[0])
+    return (x, k, lo, hi) if lo <= hi else None
+
+
 def walk(e: Expr) -> Iterator[Expr]:
     yield e
     if isinstance(e, Load):

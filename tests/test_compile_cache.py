@@ -118,6 +118,22 @@ def test_later_workers_are_forks_of_the_first(llvm_workers):
     assert pool.served >= 5 and len(pool.procs) >= 2  # (the first's thread hands its one job back)
 
 
+def test_a_code_job_goes_ahead_of_the_scheduling_jobs_queued_before_it():
+    """A compile queues all its groups' scheduling jobs at once; a code job
+    (the kernel of a group the caller scheduled itself) is taken before
+    them, and each kind in the order it came."""
+    from concurrent.futures import Future
+
+    from polyjit.codegen import workers
+    pool = workers.LlvmWorkers(0)  # (its queue alone: no process takes the jobs)
+    for name in ("s0", "s1", "s2"):
+        pool._put(workers.SCHEDULE, name, None, Future())
+    for name in ("o0", "o1"):
+        pool._put(workers.OBJECT, name, None, Future())
+    pool._put(workers.SCHEDULE, "s3", None, Future())
+    assert [pool.jobs.get_nowait()[-1][1] for _ in range(6)] == ["o0", "o1", "s0", "s1", "s2", "s3"]
+
+
 def test_worker_processes_schedule_groups_as_the_caller_would(rng, monkeypatch, llvm_workers):
     """A program's fusion groups are scheduled in the worker processes too
     (the caller takes back, in order, those no worker has begun): the same

@@ -884,3 +884,53 @@ def test_a_padded_windows_taps_are_read_through_one_box(k, stride, dilation):
     box = prog.reads(ctx).intersect_domain(dom).extract_map(taps.get_space())
     assert box.n_basic_map() == 1 and taps.is_subset(box)
     assert box.is_equal(taps) == (dilation == 1)  # (dilated taps leave gaps that the box holds)
+
+
+def test_a_rewrite_that_changed_nothing_keeps_its_schedule_unchecked(monkeypatch):
+    """legal_or_kept compares the trees first: an unchanged one keeps its
+    schedule without the dependence check; a changed one is checked, and an
+    illegal one (a loop reversed against its dependence) is refused."""
+    import importlib
+
+    import islpy as isl
+    deps = importlib.import_module("polyjit.schedule.dependences")  # (the package exports a function of its name)
+    checks = []
+    is_legal = deps.is_legal
+    monkeypatch.setattr(deps, "is_legal", lambda s, v: checks.append(1) or is_legal(s, v))
+    ctx = isl.Context()
+    dom = isl.UnionSet.read_from_str(ctx, "{ S[i] : 0 <= i < 8 }")
+
+    def loop(text):
+        return isl.Schedule.from_domain(dom).insert_partial_schedule(isl.MultiUnionPwAff.read_from_str(ctx, text))
+    forward, validity = loop("[{ S[i] -> [(i)] }]"), isl.UnionMap.read_from_str(ctx, "{ S[i] -> S[i + 1] : 0 <= i < 7 }")
+    assert deps.legal_or_kept(loop("[{ S[i] -> [(i)] }]"), forward, validity) is forward and not checks
+    assert deps.legal_or_kept(loop("[{ S[i] -> [(-i)] }]"), forward, validity) is forward and len(checks) == 1
+    shifted = loop("[{ S[i] -> [(i + 1)] }]")
+    assert deps.legal_or_kept(shifted, forward, validity) is shifted and len(checks) == 2
+
+
+def test_nests_apart_are_scheduled_without_access_relations(monkeypatch):
+    """A group of nests apart (in order, side by side) builds no access
+    relations and contracts nothing: each temporary is written by one nest
+    and read by later ones. A fused group of the same statements does both."""
+    from polyjit.compiler import StageTimer
+    from polyjit.lowering import lower
+    from polyjit.schedule import driver
+    from polyjit.schedule.groups import group_problem
+    from polyjit.targets import target
+
+    def f(x, s, b):
+        scale = s * 2.0
+        return ops.relu(x * scale + b * scale)
+    prog = lower(polyjit.compile(f, [InputInfo([6, 16], F32), InputInfo([16], F32), InputInfo([16], F32)],
+                                 {"cache": False}).graph.deduplicated())
+    names = [s.name for s in prog.statements]
+    built = []
+    accesses = driver.accesses
+    monkeypatch.setattr(driver, "accesses", lambda *a: built.append(1) or accesses(*a))
+    config = ("max", None, target("cpu"), False)
+    for kind in ("in_order", "side_by_side"):
+        done = driver._schedule_problem(group_problem(prog, names, set(), **{kind: True}), config, StageTimer())
+        assert done.contracted == {} and not built, kind
+    driver._schedule_problem(group_problem(prog, names, set()), config, StageTimer())
+    assert built

@@ -348,12 +348,9 @@ def _schedule_problem(problem: "GroupProblem", config: tuple, timer) -> Schedule
     if fusion == "none":
         ctx.set_schedule_whole_component(0)
         ctx.set_schedule_serialize_sccs(1)
-    # Nests apart (in order, side by side): each temporary is written by one
-    # nest and read by later ones or by other groups, so none is contracted.
-    apart = problem.in_order or problem.side_by_side
     with timer("schedule/dependences"):
         dom = prog.domain(ctx)
-        access = None if apart else accesses(ctx, prog, dom)
+        access = None if problem.nests_apart else accesses(ctx, prog, dom)
     plan = FusionPlan() if fuse else None
     if problem.in_order:  # (program order: every dependence holds)
         sched = in_order(ctx, prog, dom)
@@ -376,7 +373,7 @@ def _schedule_problem(problem: "GroupProblem", config: tuple, timer) -> Schedule
         ast = _ast(ctx, prog, sched)
         kernels = [statements_in(k) for k in kernel_nodes(ast)]
     with timer("schedule/contract"):
-        contracted = {} if apart else contract(ctx, prog, sched, dom, kernels, problem.shared, access)
+        contracted = {} if problem.nests_apart else contract(ctx, prog, sched, dom, kernels, problem.shared, access)
     contracted = target.private_buffers(prog, ast, contracted, fusion != "none")
     if contracted is None:
         return _schedule_problem(problem, ("none",) + config[1:], timer)

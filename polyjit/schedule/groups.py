@@ -85,6 +85,13 @@ class GroupProblem:
     in_order: bool = False  # the target's preparation: its statements in order, one kernel (tree.in_order)
     side_by_side: bool = False  # the target's independent first statements: one kernel, threads for each
 
+    @property
+    def nests_apart(self) -> bool:
+        """Each statement in a nest of its own (in order, side by side): each
+        temporary is written by one nest and read by later ones or by other
+        groups, so the schedule needs no dependences and none is contracted."""
+        return self.in_order or self.side_by_side
+
 
 _CANONICAL = re.compile(r"\b_[sa]\d+\b")
 _NUMBERS = re.compile(r"(?<!\w)\d+")
