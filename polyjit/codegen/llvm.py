@@ -38,13 +38,6 @@ __all__ = ["BF16", "COMPUTE", "F16", "F32", "F64", "I1", "I8", "I32", "I64", "PT
            "static_extent"]
 
 
-# Arrays a kernel's body takes beyond which it stays a function of its own: inlined into
-# its entry, each noalias pointer becomes an alias scope on every access (n x accesses
-# metadata; a preparation kernel of some 200 arrays, schedule.fusion.preparation, took
-# LLVM 0.8 s, 0.3 s not inlined).
-INLINED_NOALIAS = 32
-
-
 @dataclass
 class KernelInfo:
     name: str
@@ -88,11 +81,15 @@ class Emitter(LoopEmission, StripEmission, ValueEmission):
     def kernel(self, k: int, node: isl.AstNode) -> None:
         """An entry with the fixed signature that unpacks its arguments and
         calls the loop nest's body, whose array pointers are ``noalias``: inputs
-        are only read, and outputs and temporaries are fresh allocations."""
+        are only read, and outputs and temporaries are fresh allocations.
+
+        The body stays a function of its own (noinline): inlined, LLVM's O3
+        simplifies its loops twice (the body alone, then its entry with the
+        body in it), and each noalias pointer becomes an alias scope on every
+        access. The code of the loops is the same either way."""
         names, name, body_fn = self.body_function(k, node)
         nb, ni = len(self.buffer_arrays), len(self.int_slots)
-        if nb > INLINED_NOALIAS:
-            body_fn.attributes.add("noinline")
+        body_fn.attributes.add("noinline")
         if in_order_kernel(node):
             body_fn.attributes.add("optsize")  # (a preparation: LLVM's time 0.32 -> 0.19 s, its own as fast)
         self.body(body_fn, node)
