@@ -254,6 +254,23 @@ def test_cpu_kernels_unroll_whole_loops_less_than_llvm_would(monkeypatch, rng):
     assert len(re.findall(r"ld\.global", nvgpu.ptx(_PTX_LOOP, "sm_90")[1])) == 8
 
 
+def test_a_kernels_body_stays_a_function_its_entry_calls(rng):
+    """Each kernel's loops are a noinline function of their own, with noalias
+    arrays, which the entry calls once it has unpacked its arguments: inlined,
+    LLVM's O3 simplified the loops twice and turned each noalias pointer
+    into alias scopes on every access (codegen.llvm.Emitter.kernel)."""
+    x, b = rng.standard_normal((8, 6, 6, 32), dtype=F32), rng.standard_normal(32, dtype=F32)
+    exe = polyjit.compile(lambda x, b: ops.minimum(ops.maximum(x + b, 0.0), 6.0),
+                          [InputInfo(x.shape, F32), InputInfo(b.shape, F32)], {"cache": False})
+    np.testing.assert_allclose(exe(x, b), np.clip(x + b, 0, 6))
+    opt = exe.compile_default().ir["llvm_opt"]
+    bodies = re.findall(r"^define internal (?:\w+ )*void @\"?(\w+_body)\"?\(ptr noalias", opt, re.M)
+    assert len(bodies) == exe.stats["kernels"], opt[:2000]
+    for name in bodies:
+        assert re.search(rf"call (?:\w+ )*void @\"?{name}\"?\(", opt), name
+    assert "noalias.scope" not in opt
+
+
 @pytest.mark.parametrize("fill", [float("-inf"), -1e9])
 def test_a_masked_row_maximum_is_vectorized(fill, rng):
     """A causal mask's ``masked_fill(mask, -inf)`` then the row's maximum (a

@@ -168,6 +168,33 @@ def test_integer_division_by_constants(dt, rng):
         assert " ashr " in exe.ir("llvm") and "mul i64 1," not in exe.ir("llvm")
 
 
+def test_emission_reuses_a_slots_load_until_a_store():
+    """Emission loads a slot (an iterator's) once per block: a later load is
+    the same value, a store's value is what loads after it read, and a store
+    put before the block's end makes the next load read memory again."""
+    from llvmlite import ir
+    from polyjit.codegen.folding import FoldingBuilder
+    i64 = ir.IntType(64)
+    fn = ir.Function(ir.Module(), ir.FunctionType(i64, [i64]), "f")
+    b = FoldingBuilder(fn.append_basic_block("entry"))
+    slot = b.alloca(i64)
+    b.store(fn.args[0], slot)
+    assert b.load(slot) is fn.args[0]
+    other = b.module.functions[0].append_basic_block("next")
+    b.branch(other)
+    b.position_at_end(other)
+    first = b.load(slot)
+    assert b.load(slot) is first and b.mul(b.load(slot), ir.Constant(i64, 3)) is b.mul(first, ir.Constant(i64, 3))
+    b.store(ir.Constant(i64, 7), slot)
+    assert b.load(slot).constant == 7
+    b.position_before(other.instructions[-1])
+    b.store(ir.Constant(i64, 9), slot)  # (before the block's last store)
+    b.position_at_end(other)
+    again = b.load(slot)
+    assert again is not first and isinstance(again, ir.LoadInstr)
+    b.ret(again)
+
+
 def test_float32_fmod_and_remainder_are_exact_at_every_magnitude(rng):
     """float32 fmod is exact (as C's) for any pair of floats, quotients up
     to 2^277, subnormals, exact and near multiples, signed zeros and the

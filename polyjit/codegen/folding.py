@@ -76,8 +76,8 @@ def _operand(v):
 class FoldingBuilder(ir.IRBuilder):
     """ir.IRBuilder with add, sub, mul, sdiv, and, or, signed compares and
     select folded where their operands make the result known, and integer
-    instructions (no flags) reused where the same one is already in the
-    block the builder appends to (it dominates what follows)."""
+    instructions (no flags) and slots' loads reused where the same one is
+    already in the block the builder appends to (it dominates what follows)."""
 
     def __init__(self, block=None) -> None:
         super().__init__(block)
@@ -122,6 +122,25 @@ class FoldingBuilder(ir.IRBuilder):
             return super().select(cond, lhs, rhs, name, flags)
         return self._reused(("select", _operand(cond), _operand(lhs), _operand(rhs)),
                             lambda: super(FoldingBuilder, self).select(cond, lhs, rhs, name, flags))
+
+    def load(self, ptr, name="", align=None, typ=None):
+        """A slot's load (an iterator's, an alloca of the entry block) reused
+        where this block already loaded it, or the value the block last
+        stored to it: a statement's every index reloaded each iterator,
+        and the arithmetic on the loads then differed too."""
+        if not isinstance(ptr, ir.AllocaInstr):
+            return super().load(ptr, name, align, typ)
+        return self._reused(("slot", id(ptr)), lambda: super(FoldingBuilder, self).load(ptr, name, align, typ))
+
+    def store(self, value, ptr, align=None):
+        block = self._block
+        if isinstance(ptr, ir.AllocaInstr) and block is not None:
+            known = self._known.setdefault(id(block), {})
+            if self._anchor == len(block.instructions):
+                known[("slot", id(ptr))] = value  # what loads after it read
+            else:  # (a store before the block's end: loads after it read memory again)
+                known.pop(("slot", id(ptr)), None)
+        return super().store(value, ptr, align)
 
     def srem(self, lhs, rhs, name="", flags=()):
         return self._int_op("srem", lhs, rhs, flags)
