@@ -934,3 +934,25 @@ def test_nests_apart_are_scheduled_without_access_relations(monkeypatch):
         assert done.contracted == {} and not built, kind
     driver._schedule_problem(group_problem(prog, names, set()), config, StageTimer())
     assert built
+
+
+def test_a_register_blocks_trip_counts_are_its_tiles_widths():
+    """member_trips, which sizes the copies of an unrolled register block:
+    a tiled band's point loop takes its tile's width (4 of 10, under a
+    sequence's filter too), a band with no loops outside takes its extent,
+    and no bound where that extent is a symbolic size."""
+    import islpy as isl
+    from polyjit.schedule.tree import member_trips
+    ctx = isl.Context()
+    tiled = '{ schedule: "[{ S[i, j] -> [(floor(i/4))] }, { S[i, j] -> [(j)] }]", child: ' \
+            '{ schedule: "[{ S[i, j] -> [(i)] }]" } }'
+    for tree in (f'{{ domain: "{{ S[i, j] : 0 <= i < 10 and 0 <= j < 3 }}", child: {tiled} }}',
+                 f'{{ domain: "{{ S[i, j] : 0 <= i < 10 and 0 <= j < 3; T[k] : 0 <= k < 5 }}", child: '
+                 f'{{ sequence: [ {{ filter: "{{ T[k] }}" }}, {{ filter: "{{ S[i, j] }}", child: {tiled} }} ] }} }}'):
+        band = isl.Schedule.read_from_str(ctx, tree).get_root().child(0)
+        if band.get_type() == isl.schedule_node_type.sequence:
+            band = band.child(1).child(0)
+        assert (member_trips(band, 0), member_trips(band, 1), member_trips(band.child(0), 0)) == (3, 3, 4)
+    symbolic = isl.Schedule.read_from_str(ctx, '{ domain: "[n] -> { S[i] : 0 <= i < n }", child: '
+                                               '{ schedule: "[n] -> [{ S[i] -> [(i)] }]" } }')
+    assert member_trips(symbolic.get_root().child(0), 0) is None

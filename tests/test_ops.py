@@ -171,7 +171,8 @@ def test_integer_division_by_constants(dt, rng):
 def test_emission_reuses_a_slots_load_until_a_store():
     """Emission loads a slot (an iterator's) once per block: a later load is
     the same value, a store's value is what loads after it read, and a store
-    put before the block's end makes the next load read memory again."""
+    put before the block's end makes the next load read memory again. An
+    array's alloca is no slot, and a slot read at another type is loaded."""
     from llvmlite import ir
     from polyjit.codegen.folding import FoldingBuilder
     i64 = ir.IntType(64)
@@ -180,10 +181,11 @@ def test_emission_reuses_a_slots_load_until_a_store():
     slot = b.alloca(i64)
     b.store(fn.args[0], slot)
     assert b.load(slot) is fn.args[0]
-    other = b.module.functions[0].append_basic_block("next")
+    other = fn.append_basic_block("next")
     b.branch(other)
     b.position_at_end(other)
     first = b.load(slot)
+    assert isinstance(first, ir.LoadInstr)  # (nothing known across blocks: a loop's head loads again)
     assert b.load(slot) is first and b.mul(b.load(slot), ir.Constant(i64, 3)) is b.mul(first, ir.Constant(i64, 3))
     b.store(ir.Constant(i64, 7), slot)
     assert b.load(slot).constant == 7
@@ -192,6 +194,10 @@ def test_emission_reuses_a_slots_load_until_a_store():
     b.position_at_end(other)
     again = b.load(slot)
     assert again is not first and isinstance(again, ir.LoadInstr)
+    assert isinstance(b.load(slot, typ=ir.IntType(32)), ir.LoadInstr)
+    row = b.alloca(i64, size=4)
+    b.store(again, row)
+    assert isinstance(b.load(row), ir.LoadInstr)
     b.ret(again)
 
 

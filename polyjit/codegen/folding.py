@@ -69,6 +69,12 @@ def _folded(op: str, compute, left: int | None = None, right: int | None = None)
     return method
 
 
+def _slot(ptr) -> bool:
+    """Whether ptr is a slot: an alloca of one value (an iterator's, a
+    running sum's), which only this builder's loads and stores reach."""
+    return isinstance(ptr, ir.AllocaInstr) and not ptr.operands
+
+
 def _operand(v):
     return ("const", str(v.type), v.constant) if isinstance(v, ir.Constant) else id(v)
 
@@ -77,14 +83,17 @@ class FoldingBuilder(ir.IRBuilder):
     """ir.IRBuilder with add, sub, mul, sdiv, and, or, signed compares and
     select folded where their operands make the result known, and integer
     instructions (no flags) and slots' loads reused where the same one is
-    already in the block the builder appends to (it dominates what follows)."""
+    already in the block the builder appends to (it dominates what follows);
+    a slot's load after a store to it in the block is the stored value."""
 
     def __init__(self, block=None) -> None:
         super().__init__(block)
-        self._known: dict = {}  # id(block) -> {(op, operands): instruction}
+        self._known: dict = {}  # id(block) -> {(op, operands): instruction; ("slot", id): value}
 
     def _reused(self, key, make):
-        """The instruction make() gives, or the same one already in this block."""
+        """What make() gives, or what this block already holds under key: the
+        same instruction, or the value last stored to a slot (a constant or
+        an instruction of another block, too)."""
         block = self._block
         if block is None or self._anchor != len(block.instructions):
             return make()
@@ -124,21 +133,27 @@ class FoldingBuilder(ir.IRBuilder):
                             lambda: super(FoldingBuilder, self).select(cond, lhs, rhs, name, flags))
 
     def load(self, ptr, name="", align=None, typ=None):
-        """A slot's load (an iterator's, an alloca of the entry block) reused
-        where this block already loaded it, or the value the block last
-        stored to it: a statement's every index reloaded each iterator,
-        and the arithmetic on the loads then differed too."""
-        if not isinstance(ptr, ir.AllocaInstr):
-            return super().load(ptr, name, align, typ)
-        return self._reused(("slot", id(ptr)), lambda: super(FoldingBuilder, self).load(ptr, name, align, typ))
+        """A slot's load reused where this block already loaded the slot, or
+        the value the block last stored to it: each statement's indices
+        reloaded every iterator, and the arithmetic on the loads then
+        differed too."""
+        def made():
+            return super(FoldingBuilder, self).load(ptr, name, align, typ)
+        if not _slot(ptr):
+            return made()
+        v = self._reused(("slot", id(ptr)), made)
+        return v if v.type == (typ or ptr.allocated_type) else made()  # (read at another type: from memory)
 
     def store(self, value, ptr, align=None):
+        """The store; to a slot, appended at the block's end, its value is
+        what the block's later loads of the slot give. One put before the
+        end drops what the block knew of the slot: loads read memory again."""
         block = self._block
-        if isinstance(ptr, ir.AllocaInstr) and block is not None:
+        if _slot(ptr) and block is not None:
             known = self._known.setdefault(id(block), {})
             if self._anchor == len(block.instructions):
-                known[("slot", id(ptr))] = value  # what loads after it read
-            else:  # (a store before the block's end: loads after it read memory again)
+                known[("slot", id(ptr))] = value
+            else:
                 known.pop(("slot", id(ptr)), None)
         return super().store(value, ptr, align)
 

@@ -83,10 +83,10 @@ class Emitter(LoopEmission, StripEmission, ValueEmission):
         calls the loop nest's body, whose array pointers are ``noalias``: inputs
         are only read, and outputs and temporaries are fresh allocations.
 
-        The body stays a function of its own (noinline): inlined, LLVM's O3
-        simplifies its loops twice (the body alone, then its entry with the
-        body in it), and each noalias pointer becomes an alias scope on every
-        access. The code of the loops is the same either way."""
+        The body stays a function of its own (noinline), its arrays noalias
+        arguments: inlined, LLVM's O3 simplified its loops twice (the body
+        alone, then its entry with the body in it), and each noalias pointer
+        became an alias scope on every access."""
         names, name, body_fn = self.body_function(k, node)
         nb, ni = len(self.buffer_arrays), len(self.int_slots)
         body_fn.attributes.add("noinline")

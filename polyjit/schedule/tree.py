@@ -107,8 +107,7 @@ def member_trips(node, m: int) -> int | None:
     prefix = node.get_prefix_schedule_multi_union_pw_aff()  # (isl's union map of it took 3/4 of the time)
     for k in range(m):
         prefix = prefix.flat_range_product(isl.MultiUnionPwAff.from_union_pw_aff(mupa.get_at(k)))
-    prefix = isl.UnionMap.from_multi_union_pw_aff(prefix).intersect_domain(node.get_domain())
-    values = prefix.reverse().apply_range(
+    values = isl.UnionMap.from_multi_union_pw_aff(prefix).reverse().apply_range(
         isl.UnionMap.from_union_pw_aff(mupa.get_at(m)).intersect_domain(node.get_domain()))
     spans = values.lexmin().reverse().apply_range(values.lexmax()).deltas()
     out = []
