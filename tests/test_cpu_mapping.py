@@ -271,6 +271,25 @@ def test_a_kernels_body_stays_a_function_its_entry_calls(rng):
     assert "noalias.scope" not in opt  # (the scopes the inliner declares for noalias arguments)
 
 
+def test_only_register_blocks_keep_llvms_loop_strength_reduction(rng):
+    """A kernel's module without register blocks (a product's epilogue
+    apart, an elementwise or a window's nest) is tagged for code without
+    loop strength reduction; a product's blocks keep it (their address
+    streams need it: codegen.cpu.NO_STRENGTH_REDUCTION)."""
+    from polyjit.codegen.cpu import NO_STRENGTH_REDUCTION
+    a, b = rng.standard_normal((128, 256), dtype=F32), rng.standard_normal((256, 256), dtype=F32)
+    exe = polyjit.compile(lambda a, b: ops.exp(ops.matmul(a, b) * 0.01) + ops.sum(a, 1)[:, None],
+                          [InputInfo(a.shape, F32), InputInfo(b.shape, F32)],
+                          {"contractions": "generated", "fusion": "none", "cache": False})
+    want = np.exp((a.astype(np.float64) @ b) * 0.01) + a.astype(np.float64).sum(1)[:, None]
+    np.testing.assert_allclose(exe(a, b), want, rtol=1e-5, atol=1e-5)
+    modules = exe.ir("llvm").split("; ModuleID")[2:]  # (the first: the program's entries)
+    plans = exe.ir("mapping").splitlines()
+    assert len(modules) == len(plans) == exe.stats["kernels"] > 2, plans
+    for text, plan in zip(modules, plans):
+        assert (f"!{NO_STRENGTH_REDUCTION} =" in text) == ("register blocks" not in plan), plan
+
+
 @pytest.mark.parametrize("fill", [float("-inf"), -1e9])
 def test_a_masked_row_maximum_is_vectorized(fill, rng):
     """A causal mask's ``masked_fill(mask, -inf)`` then the row's maximum (a

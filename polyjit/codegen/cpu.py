@@ -98,6 +98,8 @@ class CpuEmitter(Emitter):
         self.plans.append(plan)
         self.ctx = CpuContext(plan)
         super().kernel(k, node)
+        if not plan.blocked and NO_STRENGTH_REDUCTION not in self.module.namedmetadata:
+            self.module.add_named_metadata(NO_STRENGTH_REDUCTION)
 
     def mark(self, n: isl.AstNode) -> None:
         """A parallel loop the plan splits: in chunks, or in strips with halos."""
@@ -341,15 +343,27 @@ CPU_UNROLL_THRESHOLD = 150
 LLVM_UNROLL_THRESHOLD = 300
 
 
-def unroll_threshold(n: int) -> None:
-    """LLVM's O3 full-unroll limit for the pipelines run next: a process-wide
-    option, so every pipeline sets its own first (with _lock held)."""
-    llvm.set_option("polyjit", f"-unroll-threshold-aggressive={n}")
+# A kernel module's named metadata: its machine code is made without LLVM's
+# loop strength reduction, which rewrites loops' address arithmetic for the
+# addressing modes. A register block's many address streams need it (3x3
+# convolutions ran up to 1.3x slower without); on kernels without one
+# (elementwise, depthwise windows) it took a quarter of their LLVM time and
+# no speed was measured from it (bench/NOTES.md).
+NO_STRENGTH_REDUCTION = "polyjit.no_lsr"
 
 
-def optimize(mod: "llvm.ModuleRef", tm) -> None:
-    """LLVM's O3 pipeline for the host (call with _lock held)."""
-    unroll_threshold(CPU_UNROLL_THRESHOLD)
+def pipeline_options(unroll: int, strength_reduction: bool = True) -> None:
+    """LLVM's O3 full-unroll limit and whether code generation reduces loops'
+    strength, for the pipelines run next: process-wide options, so every
+    pipeline sets its own first (with _lock held)."""
+    llvm.set_option("polyjit", f"-unroll-threshold-aggressive={unroll}")
+    llvm.set_option("polyjit", f"-disable-lsr={'false' if strength_reduction else 'true'}")
+
+
+def optimize(mod: "llvm.ModuleRef", tm, strength_reduction: bool = True) -> None:
+    """LLVM's O3 pipeline for the host (call with _lock held); the options
+    of the code generation that follows it."""
+    pipeline_options(CPU_UNROLL_THRESHOLD, strength_reduction)
     pto = llvm.create_pipeline_tuning_options(speed_level=3)
     pto.loop_vectorization = True
     pto.slp_vectorization = True
@@ -365,7 +379,7 @@ def optimized_module(ir_text: str, tm) -> tuple["llvm.ModuleRef", str]:
     mod = llvm.parse_assembly(prefer_wide_vectors(ir_text))
     mod.verify()
     mod.triple, mod.data_layout = module_target()
-    optimize(mod, tm)
+    optimize(mod, tm, f"!{NO_STRENGTH_REDUCTION} =" not in ir_text)
     text = str(mod)
     optimized = streaming_stores(text)
     if optimized != text:

@@ -1008,10 +1008,10 @@ def _nvptx_target():
 
 def ptx(ir_text: str, arch: str = DEFAULT_ARCH) -> tuple[str, str]:
     """(optimized LLVM IR, PTX) for a GPU of the given sm_XX."""
-    from .cpu import LLVM_UNROLL_THRESHOLD, _lock, unroll_threshold
+    from .cpu import LLVM_UNROLL_THRESHOLD, _lock, pipeline_options
     tm = _nvptx_target().create_target_machine(cpu=arch, opt=3)
     with _lock:
-        unroll_threshold(LLVM_UNROLL_THRESHOLD)  # (the CPU's kernels set another)
+        pipeline_options(LLVM_UNROLL_THRESHOLD)  # (the CPU's kernels set others)
         mod = llvm.parse_assembly(ir_text)
         mod.verify()
         mod.triple = TRIPLE
