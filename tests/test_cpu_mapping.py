@@ -277,6 +277,7 @@ def test_only_register_blocks_keep_llvms_loop_strength_reduction(rng):
     loop strength reduction; a product's blocks keep it (their address
     streams need it: codegen.cpu.NO_STRENGTH_REDUCTION)."""
     from polyjit.codegen.cpu import NO_STRENGTH_REDUCTION
+    from polyjit.codegen.program import compile_object
     a, b = rng.standard_normal((128, 256), dtype=F32), rng.standard_normal((256, 256), dtype=F32)
     exe = polyjit.compile(lambda a, b: ops.exp(ops.matmul(a, b) * 0.01) + ops.sum(a, 1)[:, None],
                           [InputInfo(a.shape, F32), InputInfo(b.shape, F32)],
@@ -286,8 +287,14 @@ def test_only_register_blocks_keep_llvms_loop_strength_reduction(rng):
     modules = exe.ir("llvm").split("; ModuleID")[2:]  # (the first: the program's entries)
     plans = exe.ir("mapping").splitlines()
     assert len(modules) == len(plans) == exe.stats["kernels"] > 2, plans
+    differs = []
     for text, plan in zip(modules, plans):
-        assert (f"!{NO_STRENGTH_REDUCTION} =" in text) == ("register blocks" not in plan), plan
+        tagged = f"!{NO_STRENGTH_REDUCTION} =" in text
+        assert tagged == ("register blocks" not in plan), plan
+        if tagged:  # the tag reaches code generation: without it, other code
+            text = "; ModuleID" + text
+            differs.append(compile_object(text)[1] != compile_object(text.split(f"!{NO_STRENGTH_REDUCTION} =")[0])[1])
+    assert any(differs), differs
 
 
 @pytest.mark.parametrize("fill", [float("-inf"), -1e9])

@@ -98,7 +98,7 @@ class CpuEmitter(Emitter):
         self.plans.append(plan)
         self.ctx = CpuContext(plan)
         super().kernel(k, node)
-        if not plan.blocked and NO_STRENGTH_REDUCTION not in self.module.namedmetadata:
+        if not plan.strength_reduction:
             self.module.add_named_metadata(NO_STRENGTH_REDUCTION)
 
     def mark(self, n: isl.AstNode) -> None:
@@ -345,10 +345,7 @@ LLVM_UNROLL_THRESHOLD = 300
 
 # A kernel module's named metadata: its machine code is made without LLVM's
 # loop strength reduction, which rewrites loops' address arithmetic for the
-# addressing modes. A register block's many address streams need it (3x3
-# convolutions ran up to 1.3x slower without); on kernels without one
-# (elementwise, depthwise windows) it took a quarter of their LLVM time and
-# no speed was measured from it (bench/NOTES.md).
+# addressing modes (where its plan says so: CpuPlan.strength_reduction).
 NO_STRENGTH_REDUCTION = "polyjit.no_lsr"
 
 

@@ -171,6 +171,15 @@ class CpuPlan:
         """Whether the thread team runs the kernel (else one thread does)."""
         return bool(self.splits) or any(c.split for c in self.library.values())
 
+    @property
+    def strength_reduction(self) -> bool:
+        """Whether LLVM's code generation reduces the strength of the kernel's
+        loops: a register block's many address streams need it (3x3
+        convolutions ran up to 1.3x slower without); elsewhere (elementwise,
+        depthwise windows) it took a quarter of LLVM's time, for no speed
+        measured (bench/NOTES.md)."""
+        return bool(self.blocked)
+
     def __str__(self) -> str:
         parts = [str(x) for x in self.splits.values()] + [str(x) for x in self.library.values()]
         if self.blocked:
