@@ -1,6 +1,7 @@
 """The CPU's mapping stage (codegen.cpu_mapping): each kernel's plan,
 decided before emission, printed as exe.ir("mapping") and followed by the
 emitter."""
+import math
 import re
 
 import numpy as np
@@ -11,8 +12,9 @@ from polyjit import InputInfo, ops
 from polyjit.cache import ProcessCache
 from polyjit.codegen import cpu_mapping, program
 from polyjit.codegen.cpu import vector_bits
+from polyjit.codegen.cpu_mapping import NARROWEST_VECTOR
 from polyjit.library import blas
-from polyjit.schedule.cpu_rewrites import REG_ROWS, REG_VECTORS
+from polyjit.schedule.cpu_rewrites import block_shape
 
 import refs
 
@@ -42,7 +44,7 @@ def test_mapping_names_each_kernels_decisions():
     [large_blur] = _mapping(blur, [(3, 1030, 1029)])
     assert "streaming stores to" in large_blur
     lanes = vector_bits() // 32
-    products = REG_ROWS * REG_VECTORS * lanes
+    products = math.prod(block_shape(128, 256, lanes))
     mm = _mapping(ops.matmul, [(128, 256), (256, 256)], contractions="generated")
     want = rf"thread team; parallel c0; register blocks of {products} products; c\d+ in vectors of {lanes}"
     assert re.fullmatch(want, mm[-1]), mm
@@ -181,7 +183,8 @@ def test_whole_register_blocks_are_emitted_in_vectors(m, k, n, rng):
     exe = polyjit.compile(lambda a, b: ops.matmul(a, b) * 2.0, [InputInfo(a.shape, F32), InputInfo(b.shape, F32)],
                           {"contractions": "generated", "cache": False})
     lanes = vector_bits() // 32
-    width = lanes if n % lanes == 0 else n if n < lanes and n % 4 == 0 else None
+    cols = block_shape(m, n, lanes)[1]  # (a partial block of columns has a guard: scalars)
+    width = None if n % cols else lanes if cols >= lanes else cols if cols % NARROWEST_VECTOR == 0 else None
     assert (f"in vectors of {lanes}" in exe.ir("mapping")) == bool(width), exe.ir("mapping")
     assert (f"<{width} x float>" in exe.ir("llvm")) if width else f"<{lanes} x float>" not in exe.ir("llvm")
     np.testing.assert_allclose(exe(a, b), (a.astype(np.float64) @ b) * 2, rtol=1e-5, atol=1e-5)
@@ -236,12 +239,13 @@ done:
 def test_cpu_kernels_unroll_whole_loops_less_than_llvm_would(monkeypatch, rng):
     """CPU kernels run LLVM's O3 under a smaller limit for unrolling loops
     whole (codegen.cpu.CPU_UNROLL_THRESHOLD): an elementwise kernel over 3 x
-    3 x 336 positions a row is no longer one straight line of vector stores.
+    3 x 21 vectors a row is no longer one straight line of vector stores.
     The limit is a process-wide LLVM option: the PTX pipeline sets LLVM's
     own back (a 40-trip loop unrolled by 8 there, by 4 under the CPU's limit)."""
     from polyjit.codegen import cpu, nvgpu, workers
     monkeypatch.setattr(workers, "_workers", workers.LlvmWorkers(0))  # (LLVM in this process, which sees the patch)
-    x, b = rng.standard_normal((8, 3, 3, 336), dtype=F32), rng.standard_normal(336, dtype=F32)
+    row = 21 * (vector_bits() // 32)  # 21 vectors, whatever their width
+    x, b = rng.standard_normal((8, 3, 3, row), dtype=F32), rng.standard_normal(row, dtype=F32)
     stores = {}
     for limit in (cpu.LLVM_UNROLL_THRESHOLD, cpu.CPU_UNROLL_THRESHOLD):
         monkeypatch.setattr(cpu, "CPU_UNROLL_THRESHOLD", limit)
@@ -325,9 +329,10 @@ def test_attention_keys_transposed_through_a_reshape_are_packed(unsqueezed, rng)
         kt = ops.permute(ops.reshape(k, [2, 3, 128, 64, 1]), [0, 1, 4, 3, 2]) if unsqueezed else ops.permute(k, [0, 1, 3, 2])
         b = ops.reshape(kt, [6, 64, 128])
         return ops.dot_general(ops.reshape(q, [6, 128, 64]), b, ((2,), (1,)), ((0,), (0,)))
-    plans = _mapping(scores, [q.shape, k.shape], cache=False)
+    plans = _mapping(scores, [q.shape, k.shape], cache=False, contractions="generated")
     assert len(plans) == 2 and "register blocks" in plans[1], plans  # (the keys' copy, then the product)
-    exe = polyjit.compile(scores, [InputInfo(q.shape, F32), InputInfo(k.shape, F32)], {"cache": False})
+    exe = polyjit.compile(scores, [InputInfo(q.shape, F32), InputInfo(k.shape, F32)],
+                          {"cache": False, "contractions": "generated"})
     np.testing.assert_allclose(exe(q, k), np.einsum("bhqd,bhkd->bhqk", q, k).reshape(6, 128, 128),
                                rtol=1e-4, atol=1e-4)
 

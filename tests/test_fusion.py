@@ -272,7 +272,7 @@ def test_convolution_register_block_inside_its_whole_reduction(cin, cout, rng):
     lines = exe.ir("ast").splitlines()
     at = next(i for i, line in enumerate(lines) if "S1(" in line)  # under the block's two loops, unrolled
     rows, cols = map(int, lines[at - 3].split("// unroll:")[1].split(","))
-    assert rows * cols >= 64 and all("for (" in line for line in lines[at - 4:at] if "unroll" not in line)
+    assert rows * cols >= 32 and all("for (" in line for line in lines[at - 4:at] if "unroll" not in line)
     assert f"register blocks of {rows * cols} products" in exe.ir("mapping")
     assert sum("// parallel:" in line for line in lines) == 1  # the initialization shares the convolution's nest
     want = refs.conv2d(x.transpose(0, 3, 1, 2), w.transpose(3, 2, 0, 1), padding=((1, 1), (1, 1)))
@@ -372,38 +372,46 @@ def test_kernels_ask_for_wide_vectors_on_avx512_hosts(rng):
 
 def test_register_blocks_are_unrolled_by_the_emitter(rng):
     """The block's loops reach code generation plain, under an unroll mark,
-    and the emitter copies their bodies: the block's 16 accumulators are
+    and the emitter copies their bodies: the block's accumulators are
     vectors carried in registers through the reduction (LLVM's own
     unrolling of the plain loops kept them in memory: 3x slower)."""
     from polyjit.codegen.cpu import vector_bits
+    from polyjit.schedule.cpu_rewrites import block_shape
+    lanes = vector_bits() // 32
+    rows, cols = block_shape(64, 256, lanes)
     a, b = rng.standard_normal((64, 128), dtype=F32), rng.standard_normal((128, 256), dtype=F32)
     exe = polyjit.compile(ops.matmul, [InputInfo(a.shape, F32), InputInfo(b.shape, F32)],
                           {**GEN, "target": "cpu", "cache": False})
     np.testing.assert_allclose(exe(a, b), a.astype(np.float64) @ b, rtol=1e-5, atol=1e-4)
-    assert "// unroll:4,64" in exe.ir("ast") or "// unroll:4,32" in exe.ir("ast")
+    assert f"// unroll:{rows},{cols}" in exe.ir("ast")
     kernel = re.search(r"define[^\n]*dot_general.*?\n}\n", exe.ir("llvm_opt"), re.S).group(0)
-    assert len(re.findall(rf"phi <{vector_bits() // 32} x float>", kernel)) >= 16
+    assert len(re.findall(rf"phi <{lanes} x float>", kernel)) >= rows * cols // lanes
 
 
-@pytest.mark.parametrize("rows,cols,shape", [
-    (512, 512, (4, 64)),  # four rows of four vectors
-    (64, 784, (16, 16)),  # 784 = 49 x 16: sixteen rows of one vector, no partial block
-    (256, 49, (4, 49)),  # a 7x7 image: its 49 positions in one block
-    (512, 16, (16, 16)),  # a 4x4 image: one vector, sixteen rows to hide the FMAs' latency
-    (None, None, (4, 64)),  # symbolic sizes
+@pytest.mark.parametrize("rows,cols,lanes,shape", [
+    (512, 512, 16, (4, 64)),  # four rows of four vectors
+    (64, 784, 16, (16, 16)),  # 784 = 49 x 16: sixteen rows of one vector, no partial block
+    (256, 49, 16, (4, 49)),  # a 7x7 image: its 49 positions in one block
+    (512, 16, 16, (16, 16)),  # a 4x4 image: one vector, sixteen rows to hide the FMAs' latency
+    (None, None, 16, (4, 64)),  # symbolic sizes
+    (384, 512, 8, (3, 32)),  # AVX2: twelve accumulators of its sixteen registers
+    (96, 48, 8, (4, 24)),  # (48 columns: four rows of three vectors)
+    (None, None, 8, (3, 32)),
 ])
-def test_register_block_shape_divides_the_result(rows, cols, shape):
+def test_register_block_shape_divides_the_result(rows, cols, lanes, shape):
     """A contraction's register block divides its result where a block of
-    whole vectors can, and keeps sixteen accumulators busy."""
+    whole vectors can, and keeps every accumulator busy: sixteen with
+    AVX-512's 32 registers, twelve with AVX2's 16."""
     from polyjit.schedule.cpu_rewrites import block_shape
-    assert block_shape(rows, cols, 16) == shape
+    assert block_shape(rows, cols, lanes) == shape
 
 
-@pytest.mark.parametrize("bits,cols", [(512, 64), (256, 32)])
-def test_register_blocks_follow_the_vector_width(bits, cols):
-    """Four rows of four vectors: 64 float32 columns with AVX-512, 32 with
-    AVX2 (64 would need 32 accumulators, twice AVX2's registers), their
-    loops under a mark the emitter unrolls."""
+@pytest.mark.parametrize("bits,block", [(512, "4,64"), (256, "2,32")])
+def test_register_blocks_follow_the_vector_width(bits, block):
+    """Four rows of four vectors (64 float32 columns) with AVX-512; with
+    AVX2, four vectors of 32 columns in at most twelve accumulators, whole
+    blocks of 256 rows: two rows. Their loops sit under a mark the emitter
+    unrolls."""
     from polyjit.lowering import lower
     from polyjit.schedule import schedule_program
     from polyjit.targets import CpuTarget
@@ -413,7 +421,7 @@ def test_register_blocks_follow_the_vector_width(bits, cols):
             return bits
     graph = polyjit.compile(ops.matmul, [InputInfo([256, 256], F32)] * 2).graph
     ast = schedule_program(lower(graph.deduplicated()), target=Host()).ast_text()
-    assert f"// unroll:4,{cols}" in ast
+    assert f"// unroll:{block}" in ast
 
 
 def test_a_kernel_copied_with_its_channels_exchanged_walks_square_tiles_of_them(rng):

@@ -61,9 +61,14 @@ def test_conv_bias_relu_nhwc(rng, dtype, tol, padding, stride):
 
 
 def test_conv_nchw_dilated_and_depthwise(rng):
-    w = rnd(rng, 3, 3, 4, 6)
-    check(lambda x: tf.nn.conv2d(x, w, 1, "SAME", data_format="NCHW", dilations=2), rnd(rng, 2, 4, 9, 10),
-          rtol=1e-4, atol=1e-4)
+    """An NCHW convolution, whose eager form TensorFlow runs on the CPU only
+    with oneDNN (not the default on every host): the reference is the NHWC
+    one, transposed."""
+    w, x = rnd(rng, 3, 3, 4, 6), rnd(rng, 2, 4, 9, 10)
+    jf = jit(lambda x: tf.nn.conv2d(x, w, 1, "SAME", data_format="NCHW", dilations=2))
+    ref = tf.transpose(tf.nn.conv2d(tf.transpose(x, [0, 2, 3, 1]), w, 1, "SAME", dilations=2), [0, 3, 1, 2])
+    assert_close(jf(x), ref, rtol=1e-4, atol=1e-4)
+    assert jf.stats["fallbacks"] == 0
     dw = rnd(rng, 3, 3, 4, 2)
     check(lambda x: tf.nn.depthwise_conv2d(x, dw, [1, 2, 2, 1], "SAME"), rnd(rng, 2, 9, 10, 4), rtol=1e-4, atol=1e-4)
 

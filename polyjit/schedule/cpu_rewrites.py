@@ -13,9 +13,7 @@ from .tree import (band_sizes, contractions_in, member_extent, member_iter, memb
                    rebuild_band, statement_names, unroll_mark, visit)
 
 
-REG_ROWS = 4  # a register block of a contraction: rows x four vectors of contiguous columns
-REG_VECTORS = 4  # (16 accumulators: half of AVX-512's registers), where sizes are symbolic
-ACCUMULATORS = 16  # vectors a block accumulates in; the other registers hold its operands
+REG_VECTORS = 4  # a register block of a contraction, where sizes are symbolic: rows x four vectors of columns
 MAX_VECTORS = 4  # the widest block, in vectors: a reduction tile of its columns stays in L1
 TILE_ROWS, TILE_RED, TILE_COLS = 64, 128, 256
 UNTILED = 1 << 30  # a tile size no loop reaches
@@ -84,14 +82,23 @@ def merge_reductions(node, prog) -> isl.ScheduleNode:
     return node
 
 
+def accumulators(lanes: int) -> int:
+    """Vectors a register block accumulates in, the other registers holding
+    its operands: half of AVX-512's 32; 12 of AVX2's 16, where a block of
+    four vectors' columns holds its rows' broadcasts and a column vector in
+    the other four (16 accumulators spilled there: a generated 512x256x256
+    product took twice as long, MobileNetV3's training step 1.2x)."""
+    return 16 if lanes >= 16 else 12
+
+
 def block_shape(rows: int | None, cols: int | None, lanes: int) -> tuple[int, int]:
     """(rows, columns) of a contraction's register block for a result of
     rows x cols (None: symbolic). Its columns divide cols where a width of
     up to MAX_VECTORS vectors does, and its rows divide rows where that
     keeps the accumulators busy: a partial block is code with a guard on
     each product (a 784-column image ran at a third of the speed of 768), and
-    a block of fewer than ACCUMULATORS vectors waits on its FMAs' latency
-    (16 columns by 4 rows: a fifth of the speed of 16 by 16)."""
+    a block of fewer than accumulators(lanes) vectors waits on its FMAs'
+    latency (16 columns by 4 rows: a fifth of the speed of 16 by 16)."""
     return _block_choice(rows, cols, lanes)[0]
 
 
@@ -103,7 +110,8 @@ def block_fit(rows: int, cols: int, lanes: int) -> float:
 
 
 def _block_choice(rows: int | None, cols: int | None, lanes: int) -> tuple[tuple[int, int], float]:
-    default = (REG_ROWS, REG_VECTORS * lanes)
+    acc = accumulators(lanes)
+    default = (acc // REG_VECTORS, REG_VECTORS * lanes)
     if cols is None:
         return default, 0.0
     best, best_score = default, -1.0
@@ -112,12 +120,12 @@ def _block_choice(rows: int | None, cols: int | None, lanes: int) -> tuple[tuple
             continue
         # the vectors LLVM makes of c columns: whole ones, then a power of two for each bit of the rest
         vectors = c // lanes + bin(c % lanes).count("1")
-        most = max(1, ACCUMULATORS // vectors)
-        r = max(1, min(most, rows) if rows is not None else min(most, REG_ROWS * REG_VECTORS // vectors))
+        most = max(1, acc // vectors)
+        r = max(1, min(most, rows) if rows is not None else most)
         if rows is not None and rows % r:
             whole = max((d for d in range(1, r + 1) if rows % d == 0))
             r = whole if 2 * whole >= r else r
-        score = c / (vectors * lanes) * min(1.0, r * vectors / ACCUMULATORS) \
+        score = c / (vectors * lanes) * min(1.0, r * vectors / acc) \
             * (0.5 if cols % c or (rows is not None and rows % r) else 1.0)
         if score > best_score + 1e-9:
             best, best_score = (r, c), score
@@ -206,8 +214,8 @@ def _rows_outside_reduction(node, roles, row):
 def tile(schedule, prog, validity, tile_sizes, vector_bits: int = 512) -> isl.Schedule:
     """Tile outer permutable bands with reuse (contractions), or every one when
     tile_sizes is given; contractions also get register blocks of vectors of
-    the host's width (float32 lanes), shaped by block_shape (REG_ROWS x
-    REG_VECTORS vectors under tile_sizes)."""
+    the host's width (float32 lanes), shaped by block_shape (its shape for
+    symbolic sizes under tile_sizes)."""
     lanes = vector_bits // 32
 
     def fn(node):
@@ -229,7 +237,7 @@ def tile(schedule, prog, validity, tile_sizes, vector_bits: int = 512) -> isl.Sc
         row = _row_member(node, prog, roles) if contraction else None
         if row is not None and "red" in roles[:row]:
             node, roles, row = _rows_outside_reduction(node, roles, row)
-        shape = (REG_ROWS, REG_VECTORS * lanes)
+        shape = block_shape(None, None, lanes)
         if tile_sizes:
             sizes = (list(tile_sizes) + [tile_sizes[-1]] * n)[:n]
         elif contraction:
