@@ -4,14 +4,15 @@ Where, for a convolution's shape, polyjit's generated loop nest loses to
 BLAS, the convolution lowers to an im2col statement (generated, so that
 the ops before it fuse into it) and one ``sgemm`` statement per image and
 group, a call into the process's BLAS (bound by address, no framework
-imported: MKL where a loaded library exports it, else numpy's OpenBLAS).
+imported: MKL where a loaded library exports it or numpy's OpenBLAS,
+whichever is faster on the host).
 The statement reads and writes boxes of its arrays, so isl orders it with
 the rest of the program like any statement; the ops after it read its
 result in generated kernels.
 
 ``contractions`` in the compile options picks: ``"generated"``, ``"library"``
-or ``"auto"`` (per shape, whichever a quick timing of both finds faster,
-measured once per process).
+or ``"auto"`` (per shape, the library unless a quick timing of both finds
+generated code faster by GENERATED_MARGIN, measured once per process).
 """
 from __future__ import annotations
 
@@ -135,15 +136,62 @@ _blas: Any = False
 
 def blas() -> "Blas | None":
     """The process's BLAS, looked for once: MKL where a library already
-    loaded exports it (PyTorch's CPU wheels link it into libtorch_cpu; it is
-    faster than OpenBLAS on one thread), else numpy's OpenBLAS (ILP64,
-    scipy_ prefixed symbols), else None. ``POLYJIT_BLAS=openblas`` skips MKL."""
+    loaded exports it (PyTorch's CPU wheels link it into libtorch_cpu),
+    numpy's OpenBLAS (ILP64, scipy_ prefixed symbols), or None. Where both
+    are at hand, the faster on one thread at a product of BLAS_PROBE's
+    sizes, timed once (neither wins on every host: MKL on an AVX-512 EPYC,
+    OpenBLAS on an AVX2 one, bench/NOTES.md). ``POLYJIT_BLAS=openblas`` or
+    ``mkl`` picks one."""
     global _blas
     if _blas is False:
-        _blas = None if os.environ.get("POLYJIT_BLAS", "").lower() == "openblas" else _loaded_mkl()
-        _blas = _blas or _numpy_openblas()
+        wanted = os.environ.get("POLYJIT_BLAS", "").lower()
+        found = [lib for lib in (None if wanted == "openblas" else _loaded_mkl(),
+                                 None if wanted == "mkl" else _numpy_openblas()) if lib is not None]
+        _blas = (found[0] if len(found) == 1 else _faster(*found)) if found else None
         log.debug("BLAS: %s", _blas)
     return _blas
+
+
+BLAS_PROBE = (192, 256, 512)  # m, k, n of the product blas() times each library at
+
+
+def _faster(first: "Blas", second: "Blas", rounds: int = 5) -> "Blas":
+    """Of two libraries, the one whose single-threaded sgemm (as library
+    statements call it, each part its strip) takes less time, each timed
+    at its best of rounds turns taken in alternation."""
+    m, k, n = BLAS_PROBE
+    a, b, c = ((ctypes.c_float * size)() for size in (m * k, k * n, m * n))
+    best = {}
+    for _ in range(rounds):
+        for lib in (first, second):
+            t = time.perf_counter()
+            _sgemm(lib, m, n, k, a, b, c)
+            best[lib] = min(best.get(lib, math.inf), time.perf_counter() - t)
+    log.debug("BLAS on one thread: %s", {lib.path: f"{s * 1e3:.3f} ms" for lib, s in best.items()})
+    return first if best[first] <= best[second] else second
+
+
+def _sgemm(lib: "Blas", m: int, n: int, k: int, a, b, c) -> None:
+    """c (m x n) = a (m x k) @ b (k x n), row-major float32 buffers, by lib's
+    sgemm on the calling thread alone."""
+    local = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)(lib.set_threads_local) if lib.set_threads_local else None
+    before = local(1) if local else None
+    try:
+        if lib.fortran:  # column-major: c^T = b^T a^T, every argument by address
+            ref = ctypes.byref
+            i, f, ch = ctypes.c_int32, ctypes.c_float, ctypes.c_char
+            ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 13)(lib.sgemm)(
+                ref(ch(b"N")), ref(ch(b"N")), ref(i(n)), ref(i(m)), ref(i(k)), ref(f(1.0)), ctypes.addressof(b),
+                ref(i(n)), ctypes.addressof(a), ref(i(k)), ref(f(0.0)), ctypes.addressof(c), ref(i(n)))
+        else:
+            size = ctypes.c_int64 if lib.int_bits == 64 else ctypes.c_int32
+            ctypes.CFUNCTYPE(None, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, size, size, size, ctypes.c_float,
+                             ctypes.c_void_p, size, ctypes.c_void_p, size, ctypes.c_float, ctypes.c_void_p, size)(
+                lib.sgemm)(101, 111, 111, m, n, k, 1.0, ctypes.addressof(a), k, ctypes.addressof(b), n, 0.0,
+                           ctypes.addressof(c), n)
+    finally:
+        if local:
+            local(before)
 
 
 def _loaded_mkl() -> "Blas | None":
@@ -208,6 +256,12 @@ _built: dict[tuple, object] = {}  # programs prefetch() compiled for measure(), 
 MIN_REDUCTION = 16  # shorter reductions (depthwise, a few input channels) are stencils: generated
 MIN_OUT_CHANNELS = 8
 MIN_MACS = 1 << 20  # multiply-adds below which either way is quick: generated, not worth timing
+# Generated code replaces the library where timed alone it takes at most this fraction of the library's
+# time. Alone, an operand the model reads from memory stays in cache: a classifier's 5 MB weight, read
+# twice by AVX2's register blocks, timed 0.46 ms generated against the library's 0.52, and took 1.47 ms
+# against 0.68 in MobileNetV2. Ties also go to the library: a choice that flipped with the host's noise
+# changed the program, and a second process missed the compile cache.
+GENERATED_MARGIN = 0.8
 
 
 class LibraryPolicy:
@@ -308,7 +362,7 @@ class LibraryPolicy:
             exes = [_built.pop((key, mode), None) or _single(n, bases, ins, tuple(L.shape(n)), mode, self.threads)
                     for mode in ("library", "generated")]
             t_lib, t_gen = _time(exes, args)
-            _measured[key] = (t_lib < t_gen, t_lib, t_gen)
+            _measured[key] = (t_gen > GENERATED_MARGIN * t_lib, t_lib, t_gen)
         return _measured[key]
 
 

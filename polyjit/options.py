@@ -60,8 +60,8 @@ _KEYS = {
     "fusion": f"one of {FUSION}",
     "num_threads": "a positive int",
     "strict": "True or False",
-    "contractions": f"one of {CONTRACTIONS} (generated code, a vendor library, or per shape whichever "
-                    "measures faster)",
+    "contractions": f"one of {CONTRACTIONS} (generated code, a vendor library, or per shape the library unless "
+                    "generated code measures faster)",
     "gpu_arch": "'sm_XX' (compile nvgpu code for that GPU without one present), or None (the GPU in use)",
     "cache": "True or False (keep compiled programs in POLYJIT_CACHE_DIR and load them from there)",
     "tf32": "True, False, or None (library convolutions on the GPU may round operands to TF32, as "

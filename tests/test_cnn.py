@@ -375,8 +375,8 @@ def test_library_calls_survive_the_compile_cache(tmp_path):
 
 @needs_blas
 def test_library_calls_bind_to_either_blas_through_one_form_of_call(tmp_path):
-    """With PyTorch loaded, sgemm is the MKL its library exports (Fortran
-    form, through an adapter); POLYJIT_BLAS=openblas picks numpy's OpenBLAS.
+    """With PyTorch loaded, POLYJIT_BLAS=mkl picks the MKL its library exports
+    (Fortran form, through an adapter); POLYJIT_BLAS=openblas numpy's OpenBLAS.
     Code calls one form either way: made under one, loaded from the cache
     under the other, it gives the right result."""
     if subprocess.run([sys.executable, "-c", "import torch, polyjit.library as l; assert l._loaded_mkl()"],
@@ -384,13 +384,41 @@ def test_library_calls_bind_to_either_blas_through_one_form_of_call(tmp_path):
         pytest.skip("no MKL in this PyTorch")
     code = "import torch, polyjit.library as l\n" + CACHED_CONV + "print(l.blas().fortran)\n"
     runs = []
-    for choice in ("", "openblas"):
+    for choice in ("mkl", "openblas"):
         env = {**os.environ, "POLYJIT_CACHE_DIR": str(tmp_path), "POLYJIT_BLAS": choice}
         p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
         assert p.returncode == 0, p.stderr
         runs.append(p.stdout.split())
     assert [fortran for *_, fortran in runs] == ["True", "False"]
     assert '"cache_hits": 1' in " ".join(runs[1])
+
+
+def test_the_faster_blas_on_one_thread_is_the_one_called(monkeypatch, rng):
+    """Where MKL and OpenBLAS are both at hand, blas() takes the one whose
+    sgemm, called as library statements call it, runs faster: each library's
+    call gives numpy's product, and a library made slower is not chosen."""
+    import time
+
+    from polyjit import library
+    libs = [lib for lib in (library._loaded_mkl(), library._numpy_openblas()) if lib is not None]
+    if len(libs) < 2:
+        pytest.skip("one BLAS at hand")
+    m, k, n = 5, 7, 3
+    a, b = rng.standard_normal((m, k), dtype=F32), rng.standard_normal((k, n), dtype=F32)
+    for lib in libs:
+        c = (ctypes.c_float * (m * n))()
+        library._sgemm(lib, m, n, k, (ctypes.c_float * (m * k))(*a.ravel()), (ctypes.c_float * (k * n))(*b.ravel()), c)
+        np.testing.assert_allclose(np.array(c).reshape(m, n), a @ b, rtol=1e-5, atol=1e-5)
+    timed = library._sgemm
+    for slow in libs:
+        def sgemm(lib, *args, slow=slow):
+            timed(lib, *args)
+            if lib == slow:
+                time.sleep(0.002)
+        monkeypatch.setattr(library, "_sgemm", sgemm)
+        monkeypatch.setattr(library, "_blas", False)
+        monkeypatch.delenv("POLYJIT_BLAS", raising=False)
+        assert library.blas() == next(lib for lib in libs if lib != slow)
 
 
 @needs_blas
@@ -665,18 +693,18 @@ def _nhwc_conv_reference(x, k, pad: int):
     ("strided forward", (4, 96, 96, 3), (3, 3, 3, 16), 1, "generated"),  # an image's 3 channels, rows of 48
     ("strided forward", (4, 96, 96, 3), (3, 3, 3, 16), 0, None),  # rows of 47: partial blocks, timed
     ("input gradient", (2, 12, 12, 32), (3, 3, 32, 32), 1, "library"),  # the kernel read as HWOI
-    ("input gradient", (2, 16, 16, 32), (3, 3, 16, 32), 1, None),  # 16 output channels: timed
+    ("input gradient", (2, 16, 16, 32), (3, 3, 16, 32), 1, (None, "library")),  # 16: timed, 2 of AVX2's vectors
     ("weight gradient", (2, 12, 12, 16), (3, 3, 16, 32), 1, None),  # timed
 ])
 def test_channels_last_convolutions_settled_by_the_model(case, shape, kernel, pad, choice, rng, monkeypatch):
-    """On a 512-bit host, contractions="auto" settles a channels-last
-    convolution without a timing where the CPU target's model knows the
-    answer (checked per shape by bench/convolutions.py): output channels in
-    vectors (8 channels and up, in fours) along the kernel's rows generate
-    (strided too, from 16 input channels or more, or where the result's
-    rows fill the register blocks); an input gradient's
-    kernel (32 output channels or more, strided) calls the library. The
-    rest, weight gradients among them, are timed."""
+    """contractions="auto" settles a channels-last convolution without a
+    timing where the CPU target's model knows the answer (checked per shape
+    by bench/convolutions.py; the last choice of a pair is a 256-bit host's):
+    output channels in vectors (8 channels and up, in fours) along the
+    kernel's rows generate (strided too, from a vector of input channels or
+    more, or where the result's rows fill the register blocks); an input
+    gradient's kernel (two vectors of output channels or more, strided)
+    calls the library. The rest, weight gradients among them, are timed."""
     from polyjit import library
     from polyjit.codegen.cpu import vector_bits
     monkeypatch.setattr(library, "_measured", {})
@@ -701,7 +729,7 @@ def test_channels_last_convolutions_settled_by_the_model(case, shape, kernel, pa
                          for i in range(3)], 1)
     exe = polyjit.compile(fn, [InputInfo(a.shape, F32) for a in args], {"cache": False})
     np.testing.assert_allclose(exe(*args), want, rtol=1e-4, atol=1e-3)
-    modeled = choice if vector_bits() >= 512 else None
+    modeled = choice[vector_bits() < 512] if isinstance(choice, tuple) else choice
     (why,) = exe.stats["contractions"]
     assert bool(timings) == (modeled is None), why
     if modeled:

@@ -271,23 +271,25 @@ class CpuTarget(Target):
         columns' copy included; those shapes had odd kernels. An even one (a
         phase of a strided convolution's input gradient) is timed: a 2x2
         phase of a padded 14x14 gradient ran at 20x the library's time.
-        Channels-last convolutions: _channels_last; their weight gradients
-        (images and positions, the reduction, strided in both operands) are
-        timed: generated lost by up to 2.2x at 64 channels and more, and won
-        by up to 1.35x at fewer (bench/convolutions.py). On any host, a
-        product whose weight it would read across rows calls the library
+        Channels-last convolutions: _channels_last, on any host (its rules
+        count vectors of the host's width: with AVX2, the timings agreed at
+        every shape of MobileNetV2); their weight gradients (images and
+        positions, the reduction, strided in both operands) are timed:
+        generated lost by up to 2.2x at 64 channels and more, and won by up
+        to 1.35x at fewer (bench/convolutions.py). On any host, a product
+        whose weight it would read across rows calls the library
         (_read_across), below the size where products are not timed too."""
         if n.op == "dot_general" and _read_across(n):
             return True, "its weight read across rows: too few rows to pack it"
         lanes = self.vector_bits() // 32
+        form = None if n.op == "dot_general" else gemm_form(L, n)
+        if form == "nhwc":
+            return _channels_last(L, n, lanes)
         if lanes < 16:
             return None
         if n.op == "dot_general":
             why = _whole_blocks(L, n, lanes)
             return (False, why) if why else None
-        form = gemm_form(L, n)
-        if form == "nhwc":
-            return _channels_last(L, n, lanes)
         if (form == "cfirst" and n.attrs["layout"][-1] == "N") or columns_form(L, n) is None:
             return None
         kernel, klay = L.shape(n.inputs[1]), n.attrs["kernel_layout"]
