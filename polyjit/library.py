@@ -5,7 +5,7 @@ BLAS, the convolution lowers to an im2col statement (generated, so that
 the ops before it fuse into it) and one ``sgemm`` statement per image and
 group, a call into the process's BLAS (bound by address, no framework
 imported: MKL where a loaded library exports it or numpy's OpenBLAS,
-whichever is faster on the host).
+whichever is faster on one thread of the host).
 The statement reads and writes boxes of its arrays, so isl orders it with
 the rest of the program like any statement; the ops after it read its
 result in generated kernels.
@@ -22,6 +22,7 @@ import glob
 import logging
 import math
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -132,6 +133,7 @@ CALLS = (Gemm, Convolution)  # the library calls a statement may hold: the compi
 
 # ------------------------------------------------------------------ BLAS
 _blas: Any = False
+_blas_lock = threading.Lock()
 
 
 def blas() -> "Blas | None":
@@ -143,30 +145,38 @@ def blas() -> "Blas | None":
     OpenBLAS on an AVX2 one, bench/NOTES.md). ``POLYJIT_BLAS=openblas`` or
     ``mkl`` picks one."""
     global _blas
-    if _blas is False:
-        wanted = os.environ.get("POLYJIT_BLAS", "").lower()
-        found = [lib for lib in (None if wanted == "openblas" else _loaded_mkl(),
-                                 None if wanted == "mkl" else _numpy_openblas()) if lib is not None]
-        _blas = (found[0] if len(found) == 1 else _faster(*found)) if found else None
-        log.debug("BLAS: %s", _blas)
+    with _blas_lock:  # (two threads compiling at once see one choice)
+        if _blas is False:
+            wanted = os.environ.get("POLYJIT_BLAS", "").lower()
+            if wanted not in ("", "mkl", "openblas"):
+                log.warning("POLYJIT_BLAS=%s: not 'mkl' or 'openblas'; ignored", wanted)
+            found = [lib for lib in (None if wanted == "openblas" else _loaded_mkl(),
+                                     None if wanted == "mkl" else _numpy_openblas()) if lib is not None]
+            _blas = (found[0] if len(found) == 1 else _faster(*found)) if found else None
+            log.debug("BLAS: %s", _blas)
     return _blas
 
 
 BLAS_PROBE = (192, 256, 512)  # m, k, n of the product blas() times each library at
+_clock = time.perf_counter  # (what _faster times with)
 
 
 def _faster(first: "Blas", second: "Blas", rounds: int = 5) -> "Blas":
-    """Of two libraries, the one whose single-threaded sgemm (as library
-    statements call it, each part its strip) takes less time, each timed
-    at its best of rounds turns taken in alternation."""
+    """Of two libraries, the one whose sgemm on one thread (as each part of
+    a library statement calls it) takes less time, each timed at its best of
+    rounds turns taken in alternation; first where the timing fails."""
     m, k, n = BLAS_PROBE
     a, b, c = ((ctypes.c_float * size)() for size in (m * k, k * n, m * n))
     best = {}
-    for _ in range(rounds):
-        for lib in (first, second):
-            t = time.perf_counter()
-            _sgemm(lib, m, n, k, a, b, c)
-            best[lib] = min(best.get(lib, math.inf), time.perf_counter() - t)
+    try:
+        for _ in range(rounds):
+            for lib in (first, second):
+                t = _clock()
+                _sgemm(lib, m, n, k, a, b, c)
+                best[lib] = min(best.get(lib, math.inf), _clock() - t)
+    except Exception as e:  # (never a user's error: the library found first, as before the timing)
+        log.warning("timing the BLAS libraries failed (%s: %s); calling %s", type(e).__name__, e, first.path)
+        return first
     log.debug("BLAS on one thread: %s", {lib.path: f"{s * 1e3:.3f} ms" for lib, s in best.items()})
     return first if best[first] <= best[second] else second
 

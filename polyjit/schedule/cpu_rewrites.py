@@ -83,11 +83,13 @@ def merge_reductions(node, prog) -> isl.ScheduleNode:
 
 
 def accumulators(lanes: int) -> int:
-    """Vectors a register block accumulates in, the other registers holding
-    its operands: half of AVX-512's 32; 12 of AVX2's 16, where a block of
-    four vectors' columns holds its rows' broadcasts and a column vector in
-    the other four (16 accumulators spilled there: a generated 512x256x256
-    product took twice as long, MobileNetV3's training step 1.2x)."""
+    """The most vectors a register block accumulates in, the other registers
+    holding its operands: half of AVX-512's 32; 12 of AVX2's 16, where a
+    block of four vectors' columns holds its rows' broadcasts and a column
+    vector in the other four (16 accumulators spilled there: a generated
+    512x256x256 product took twice as long, MobileNetV3's training step
+    1.2x). Fewer where whole blocks of rows call for it: 512 rows take two
+    rows of four vectors on AVX2 (block_shape)."""
     return 16 if lanes >= 16 else 12
 
 

@@ -271,9 +271,10 @@ class CpuTarget(Target):
         columns' copy included; those shapes had odd kernels. An even one (a
         phase of a strided convolution's input gradient) is timed: a 2x2
         phase of a padded 14x14 gradient ran at 20x the library's time.
-        Channels-last convolutions: _channels_last, on any host (its rules
-        count vectors of the host's width: with AVX2, the timings agreed at
-        every shape of MobileNetV2); their weight gradients (images and
+        Channels-last convolutions: _channels_last (on an AVX2 host, 1x1
+        kernels only: the timings agreed at every such shape of MobileNetV2,
+        while a 3x3 kernel of a Keras CNN's, generated, took twice sgemm's
+        time); their weight gradients (images and
         positions, the reduction, strided in both operands) are timed:
         generated lost by up to 2.2x at 64 channels and more, and won by up
         to 1.35x at fewer (bench/convolutions.py). On any host, a product
@@ -283,8 +284,9 @@ class CpuTarget(Target):
             return True, "its weight read across rows: too few rows to pack it"
         lanes = self.vector_bits() // 32
         form = None if n.op == "dot_general" else gemm_form(L, n)
-        if form == "nhwc":
-            return _channels_last(L, n, lanes)
+        if form == "nhwc":  # (AVX2: measured for 1x1 kernels; a 3x3 one, 32 -> 64 channels, lost 2x to sgemm)
+            pointwise = all(int(s) == 1 for s, c in zip(L.shape(n.inputs[1]), n.attrs["kernel_layout"]) if c not in "OI")
+            return _channels_last(L, n, lanes) if lanes >= 16 or pointwise else None
         if lanes < 16:
             return None
         if n.op == "dot_general":
