@@ -273,19 +273,20 @@ class CpuTarget(Target):
         phase of a padded 14x14 gradient ran at 20x the library's time.
         Channels-last convolutions: _channels_last (on an AVX2 host, 1x1
         kernels only: the timings agreed at every such shape of MobileNetV2,
-        while a 3x3 kernel of a Keras CNN's, generated, took twice sgemm's
-        time); their weight gradients (images and
-        positions, the reduction, strided in both operands) are timed:
-        generated lost by up to 2.2x at 64 channels and more, and won by up
-        to 1.35x at fewer (bench/convolutions.py). On any host, a product
-        whose weight it would read across rows calls the library
-        (_read_across), below the size where products are not timed too."""
+        while a Keras CNN's 3x3 kernel, generated, took twice sgemm's time);
+        their weight gradients (images and positions, the reduction, strided
+        in both operands) are timed: generated lost by up to 2.2x at 64
+        channels and more, and won by up to 1.35x at fewer
+        (bench/convolutions.py). On any host, a product whose weight it would
+        read across rows calls the library (_read_across), below the size
+        where products are not timed too."""
         if n.op == "dot_general" and _read_across(n):
             return True, "its weight read across rows: too few rows to pack it"
         lanes = self.vector_bits() // 32
         form = None if n.op == "dot_general" else gemm_form(L, n)
-        if form == "nhwc":  # (AVX2: measured for 1x1 kernels; a 3x3 one, 32 -> 64 channels, lost 2x to sgemm)
-            pointwise = all(int(s) == 1 for s, c in zip(L.shape(n.inputs[1]), n.attrs["kernel_layout"]) if c not in "OI")
+        if form == "nhwc":
+            kernel = zip(L.shape(n.inputs[1]), n.attrs["kernel_layout"])
+            pointwise = all(int(s) == 1 for s, c in kernel if c not in "OI")
             return _channels_last(L, n, lanes) if lanes >= 16 or pointwise else None
         if lanes < 16:
             return None
