@@ -157,6 +157,7 @@ def blas() -> "Blas | None":
     return _blas
 
 
+ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112  # cblas's enums
 BLAS_PROBE = (192, 256, 512)  # m, k, n of the product blas() times each library at
 _clock = time.perf_counter  # (what _faster times with)
 
@@ -197,8 +198,8 @@ def _sgemm(lib: "Blas", m: int, n: int, k: int, a, b, c) -> None:
             size = ctypes.c_int64 if lib.int_bits == 64 else ctypes.c_int32
             ctypes.CFUNCTYPE(None, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, size, size, size, ctypes.c_float,
                              ctypes.c_void_p, size, ctypes.c_void_p, size, ctypes.c_float, ctypes.c_void_p, size)(
-                lib.sgemm)(101, 111, 111, m, n, k, 1.0, ctypes.addressof(a), k, ctypes.addressof(b), n, 0.0,
-                           ctypes.addressof(c), n)
+                lib.sgemm)(ROW_MAJOR, NO_TRANS, NO_TRANS, m, n, k, 1.0, ctypes.addressof(a), k,
+                           ctypes.addressof(b), n, 0.0, ctypes.addressof(c), n)
     finally:
         if local:
             local(before)

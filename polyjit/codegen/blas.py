@@ -14,13 +14,12 @@ from llvmlite import binding as llvm
 from llvmlite import ir
 
 from ..errors import UnsupportedOpError
-from ..library import Gemm, blas
+from ..library import NO_TRANS, ROW_MAJOR, TRANS, Gemm, blas
 
 I8, I32, I64, F32, PTR = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType(), ir.PointerType()
 SGEMM, THREADS = "polyjit_blas_sgemm", "polyjit_blas_threads_local"
 ENTRY, ADAPTER = "polyjit_blas_entry", "polyjit_blas_adapter"  # the library's own sgemm; SGEMM's form of it
 
-ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
 STRIP_ALIGN = 16  # a strip's width: whole vectors of columns
 
 
