@@ -4,7 +4,10 @@
 For each model and backend, a fresh process builds the model (random
 weights, fixed seed), compiles it on its first call (cold compile seconds:
 the first call's time less a step's, every backend's own on-disk cache
-empty) and times steps (median ms). polyjit
+empty) and times steps (median ms), alternating them with steps of the
+framework's own run of the model (eager PyTorch, JAX without jit, a plain
+tf.function): "vs eager" compares the two in one process, which a host
+whose speed drifts from one process to the next cannot skew. polyjit
 then compiles the same model again in another fresh process: with its
 on-disk cache warm, that second compile is the framework's tracing plus a
 cache lookup. Every backend's output is compared with eager's, so a wrong
@@ -164,17 +167,24 @@ JAX_MODELS = {"jax_block": _jax_block, "flax_cnn": _flax_cnn}
 WARMUP = 3  # untimed steps first: each backend's first runs after its compile fault in pages and caches
 
 
-def _median_ms(step, reps: int, sync=lambda: None) -> float:
-    for _ in range(WARMUP):
-        step()
+def _median_ms(step, reps: int, sync=lambda: None, base=None) -> tuple[float, float | None]:
+    """Median ms of step, and of base (the framework's own run of the model,
+    timed in alternation with step in the same process, so that a host
+    whose speed drifts between processes moves both alike), or None."""
+    steps = [step] if base is None else [base, step]
+    for s in steps:
+        for _ in range(WARMUP):
+            s()
     sync()
-    times = []
+    times: list[list[float]] = [[] for _ in steps]
     for _ in range(reps):
-        t = time.perf_counter()
-        step()
-        sync()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+        for s, spent in zip(steps, times):
+            t = time.perf_counter()
+            s()
+            sync()
+            spent.append(time.perf_counter() - t)
+    ms = [statistics.median(spent) * 1e3 for spent in times]
+    return ms[-1], (ms[0] if base is not None else None)
 
 
 def _torch_run(name: str, backend: str, train: bool, device: str, reps: int) -> dict:
@@ -186,20 +196,20 @@ def _torch_run(name: str, backend: str, train: bool, device: str, reps: int) -> 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     fn = model if backend == "eager" else torch.compile(model, backend=backend)
 
-    def step():
+    def run(f):
         if train:
             model.zero_grad(set_to_none=True)
-            y = out(fn(*args))
+            y = out(f(*args))
             y.float().pow(2).mean().backward()
             return y
         with torch.no_grad():
-            return out(fn(*args))
+            return out(f(*args))
     t = time.perf_counter()
-    y = step()
+    y = run(fn)
     sync()
     first = time.perf_counter() - t
-    ms = _median_ms(step, reps, sync)
-    result = {"first_s": first, "ms": ms, "out": y.detach().float().cpu().numpy()}
+    ms, base_ms = _median_ms(lambda: run(fn), reps, sync, None if fn is model else lambda: run(model))
+    result = {"first_s": first, "ms": ms, "base_ms": base_ms, "out": y.detach().float().cpu().numpy()}
     if backend == "polyjit":
         result.update(_polyjit_stats(polyjit.frontends.torch.stats()))
     return result
@@ -217,14 +227,14 @@ def _jax_run(name: str, backend: str, train: bool, device: str, reps: int) -> di
     f = {"std": fn, "xla": jax.jit(fn), "polyjit": polyjit.jit_jax(fn)}[backend]
     args = jax.device_put(args, jax.devices("gpu" if device == "cuda" else "cpu")[0])
 
-    def step():
-        return jax.block_until_ready(f(*args))
     t = time.perf_counter()
-    y = step()
+    y = jax.block_until_ready(f(*args))
     first = time.perf_counter() - t
-    ms = _median_ms(step, reps)
+    ms, base_ms = _median_ms(lambda: jax.block_until_ready(f(*args)), reps,
+                             base=None if f is fn else lambda: jax.block_until_ready(fn(*args)))
     leaves = jax.tree_util.tree_leaves(y)
-    result = {"first_s": first, "ms": ms, "out": np.concatenate([np.ravel(np.asarray(v)) for v in leaves])}
+    result = {"first_s": first, "ms": ms, "base_ms": base_ms,
+              "out": np.concatenate([np.ravel(np.asarray(v)) for v in leaves])}
     if backend == "polyjit":
         result.update(_polyjit_stats(f.stats))
     return result
@@ -235,12 +245,13 @@ def _tf_run(name: str, backend: str, train: bool, device: str, reps: int) -> dic
     import polyjit
     model, x = _keras_model(name)
     fn = lambda x: model(x, training=False)  # noqa: E731
-    f = {"std": tf.function(fn), "xla": tf.function(fn, jit_compile=True), "polyjit": polyjit.jit_tf(fn)}[backend]
+    std = tf.function(fn)
+    f = {"std": std, "xla": tf.function(fn, jit_compile=True), "polyjit": polyjit.jit_tf(fn)}[backend]
     t = time.perf_counter()
     y = f(x).numpy()
     first = time.perf_counter() - t
-    ms = _median_ms(lambda: f(x).numpy(), reps)
-    result = {"first_s": first, "ms": ms, "out": y}
+    ms, base_ms = _median_ms(lambda: f(x).numpy(), reps, base=None if f is std else lambda: std(x).numpy())
+    result = {"first_s": first, "ms": ms, "base_ms": base_ms, "out": y}
     if backend == "polyjit":
         result.update(_polyjit_stats(f.stats))
     return result
@@ -324,7 +335,8 @@ def main() -> None:
                     continue
                 compile_s = max(r["first_s"] - r["ms"] / 1e3, 0.0)
                 warm_s = f"{max(warm['first_s'] - warm['ms'] / 1e3, 0.0):8.2f}" if b == "polyjit" and "first_s" in warm else " " * 8
-                ratio = base["ms"] / r["ms"] if "ms" in base else float("nan")
+                # (the first backend's step timed in this backend's process, in alternation with its own)
+                ratio = (r.get("base_ms") or base.get("ms", float("nan"))) / r["ms"]
                 ok = _check(r["out"], base["out"]) if "out" in base else "?"
                 extra = f", {r['fallbacks']} fallbacks" if r.get("fallbacks") else ""
                 if b == "polyjit" and warm.get("graphs", 0) > warm.get("cache_hits", 0):
