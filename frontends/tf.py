@@ -407,6 +407,51 @@ def _pool(op: str):
     return rule
 
 
+def _space_to_batch(o, x, block, paddings):
+    """SpaceToBatchND (how TensorFlow runs a dilated convolution): the
+    spatial dims padded, each split into (size / block, block), the block
+    offsets moved in front of the batch."""
+    block = [int(b) for b in np.ravel(_static(block, "SpaceToBatchND's block_shape"))]
+    pads = np.asarray(_static(paddings, "SpaceToBatchND's paddings")).reshape(-1, 2).tolist()
+    m, rest = len(block), list(x.shape[1 + len(block):])
+    x = ops.pad(x, [w for lo, hi in reversed(list(pads) + [[0, 0]] * len(rest)) for w in (lo, hi)])
+    split = [x.shape[0]] + [v for d in range(m) for v in (x.shape[1 + d] // block[d], block[d])] + rest
+    x = ops.reshape(x, split)
+    perm = [2 + 2 * d for d in range(m)] + [0] + [1 + 2 * d for d in range(m)] + list(range(1 + 2 * m, len(split)))
+    x = ops.permute(x, perm)
+    return ops.reshape(x, [math.prod(block) * split[0]] + [split[1 + 2 * d] for d in range(m)] + rest)
+
+
+def _batch_to_space(o, x, block, crops):
+    """BatchToSpaceND, SpaceToBatchND's inverse: the block offsets taken
+    from the batch back into the spatial dims, which are then cropped."""
+    block = [int(b) for b in np.ravel(_static(block, "BatchToSpaceND's block_shape"))]
+    crops = np.asarray(_static(crops, "BatchToSpaceND's crops")).reshape(-1, 2).tolist()
+    m, rest = len(block), list(x.shape[1 + len(block):])
+    batch = x.shape[0] // math.prod(block)
+    x = ops.reshape(x, block + [batch] + list(x.shape[1:]))
+    perm = [m] + [v for d in range(m) for v in (m + 1 + d, d)] + list(range(2 * m + 1, x.ndim))
+    x = ops.permute(x, perm)
+    x = ops.reshape(x, [batch] + [x.shape[1 + 2 * d] * block[d] for d in range(m)] + rest)
+    start = [0] + [lo for lo, _ in crops] + [0] * len(rest)
+    end = [batch] + [x.shape[1 + d] - crops[d][1] for d in range(m)] + rest
+    return ops.slice(x, start, end)
+
+
+def _avg_pool_grad(o, sizes, dy):
+    """AvgPoolGrad: each window's gradient, divided by the cells the forward
+    averaged (those inside the image), spread back over the window."""
+    shape = _sizes(sizes, "AvgPoolGrad's orig_input_shape")
+    x = ops.full(shape, 1.0, dy.dtype, like=dy)
+    _, sp, ks, strides, pads = _pool_window(o, x)
+    window, st, pd = [1] * x.ndim, [1] * x.ndim, [(0, 0)] * x.ndim
+    for i, d in enumerate(sp):
+        window[d], st[d], pd[d] = ks[i], strides[i], pads[i]
+    g = dy / ops.window_cells(x, window, st, pd)
+    first = sp[0]  # (the adjoint's window covers the trailing dims: channels last ride along with 1s)
+    return ops.window_adjoint(lambda offset: g, shape, window[first:], st[first:], pd[first:])
+
+
 def _max_pool_grad(o, x, _, dy):
     """MaxPoolGrad: each window's gradient added at its first maximum in the
     original input (padding never wins), through the channels-first pooling
@@ -556,7 +601,8 @@ TF_OPS: dict[str, Callable] = {
     "LeakyReluGrad": lambda o, dy, x: ops.where(x > 0, dy, dy * o.get_attr("alpha")),
     "EluGrad": lambda o, dy, y: ops.where(y > 0, dy, dy * (y + 1)),
     "SoftplusGrad": lambda o, dy, x: dy * ops.sigmoid(x),
-    "BiasAddGrad": _bias_add_grad, "MaxPoolGrad": _max_pool_grad, "Conv2DBackpropFilter": _conv2d_backprop_filter,
+    "BiasAddGrad": _bias_add_grad, "MaxPoolGrad": _max_pool_grad, "AvgPoolGrad": _avg_pool_grad,
+    "SpaceToBatchND": _space_to_batch, "BatchToSpaceND": _batch_to_space, "Conv2DBackpropFilter": _conv2d_backprop_filter,
     "DepthwiseConv2dNativeBackpropInput": lambda o, *xs: _conv2d_backprop_input(o, *xs, depthwise=True),
     "DepthwiseConv2dNativeBackpropFilter": _depthwise_backprop_filter,
     "SoftmaxCrossEntropyWithLogits": _softmax_cross_entropy(False),
@@ -626,6 +672,27 @@ def _fold_cast(o, x):
     return x
 
 
+def _fold_slice(o, x, begin, size):
+    """tf.slice: size -1 takes the rest of the dim (a padding's gradient slices its paddings)."""
+    index = tuple(slice(int(b), None if int(n) == -1 else int(b) + int(n)) for b, n in zip(_ints(begin), _ints(size)))
+    return x[index]
+
+
+def _fold_broadcast_gradient_args(o, s0, s1):
+    """The dims a broadcast binary op's gradient sums for each operand: with
+    the shapes aligned at the right, those where the operand's size is 1 (or
+    missing); none where the shapes are equal, as TensorFlow's BCast."""
+    a, b = list(s0.tolist()), list(s1.tolist())
+    if len(a) == len(b) and all(x == y for x, y in zip(a, b)):
+        return [np.zeros(0, object), np.zeros(0, object)]
+    n = max(len(a), len(b))
+    a, b = [1] * (n - len(a)) + a, [1] * (n - len(b)) + b
+    if any(not isinstance(x, int) and not isinstance(y, int) and x != y for x, y in zip(a, b)):
+        raise ValueError("a broadcast of two sizes known only at run time")
+    return [np.array([i for i, x in enumerate(a) if isinstance(x, int) and x == 1], object),
+            np.array([i for i, y in enumerate(b) if isinstance(y, int) and y == 1], object)]
+
+
 def _numbers(o, xs: tuple) -> tuple:
     """Operands that are integers or booleans (not floats, which _ints would truncate)."""
     if not all(t.dtype.is_integer or t.dtype == tf.bool for t in o.inputs):
@@ -662,7 +729,8 @@ _FOLDS: dict[str, Callable | None] = {
     "FloorMod": lambda o, a, b: a % b,
     "Maximum": lambda o, a, b: np.maximum(a, b), "Minimum": lambda o, a, b: np.minimum(a, b),
     "Range": None, "InvertPermutation": lambda o, perm: np.argsort(_ints(perm)),  # (a transpose's gradient)
-    "ConcatOffset": _fold_concat_offset,
+    "ConcatOffset": _fold_concat_offset, "Slice": _fold_slice,
+    "BroadcastGradientArgs": _fold_broadcast_gradient_args,  # (a broadcast's gradient: its sums' axes)
     # a loop's condition (see _Trace.unroll): on numbers only
     **{name: (lambda f: lambda o, *xs: f(*map(_ints, _numbers(o, xs))))(f) for name, f in [
         ("Less", np.less), ("LessEqual", np.less_equal), ("Greater", np.greater),
@@ -683,6 +751,7 @@ def _op_runner(op: tf.Operation) -> Callable[[list], list]:
         ph = gd.node.add()
         ph.op, ph.name = "Placeholder", f"in{k}"
         ph.attr["dtype"].type = t.dtype.as_datatype_enum
+        ph.attr["shape"].shape.CopyFrom(t.shape.as_proto())  # (some ops' shape functions need them)
     node = gd.node.add()
     node.CopyFrom(op.node_def)
     node.name = "op"
@@ -969,9 +1038,8 @@ class _Trace:
                 return [Const(np.asarray(v)) for v in vals]
         rule = _FOLDS[o.type]
         if rule is None or not all((t.dtype.is_integer or t.dtype == tf.bool)
-                                   and t.shape.num_elements() is not None
-                                   and t.shape.num_elements() <= _MAX_KNOWN for t in o.outputs):
-            return None
+                                   and (t.shape.num_elements() or 0) <= _MAX_KNOWN for t in o.outputs):
+            return None  # (an output of unknown length is measured below)
         args = []
         for x in ins:
             if o.type in _MEASURES:
@@ -991,7 +1059,7 @@ class _Trace:
         out = []
         for t, r in zip(o.outputs, results if isinstance(results, list) else [results]):
             r = np.asarray(r, object)
-            if not t.shape.is_compatible_with(r.shape):
+            if not t.shape.is_compatible_with(r.shape) or r.size > _MAX_KNOWN:
                 return None
             if not any(isinstance(e, sz.Lin) for e in r.flat):
                 out.append(Const(np.asarray(r.tolist(), t.dtype.as_numpy_dtype)))

@@ -902,26 +902,47 @@ for _packet, _n in ((aten.adaptive_max_pool2d_backward, 2), (aten.adaptive_max_p
     ATEN[_packet.default] = (lambda n: lambda cx, grad, x, indices: ops.positions_grad(grad, indices, list(x.shape), n))(_n)
 
 
+def _strided_positions(cx, x, size, stride, storage_offset):
+    """Where an as_strided view of x's elements lies: None where the view is
+    x's own elements in row-major order (a reshape), else the int64 positions
+    in x's flat elements, of the view's shape."""
+    src = _node_val(cx.node.args[0])
+    if not isinstance(src, torch.Tensor) or not src.is_contiguous() or src.storage_offset() != 0:
+        raise UnsupportedOpError(f"{cx.target} of a tensor that is not contiguous")
+    size, stride, offset = [cx.size(v) for v in size], [int(v) for v in stride], int(storage_offset or 0)
+    if not all(isinstance(v, int) for v in list(size) + list(x.shape)):
+        raise UnsupportedOpError(f"{cx.target} over symbolic sizes")
+    row_major = [math.prod(size[d + 1:]) for d in range(len(size))]
+    if offset == 0 and math.prod(size) == math.prod(x.shape) and \
+            all(a == b for a, b, n in zip(stride, row_major, size) if n != 1):
+        return size, None
+    at = ops.full_like(ops.reshape(x, [-1])[0:1], offset, "int64")
+    at = ops.reshape(at, [1] * len(size)) if size else ops.reshape(at, [])
+    for d, st in enumerate(stride):
+        at = at + ops.iota(size, d, like=x) * st
+    return size, at
+
+
 @_reg(aten.as_strided.default)
 def _as_strided(cx, x, size, stride, storage_offset=None):
     """A strided view of a contiguous tensor's elements (group norm's
     backward takes one): a reshape when the strides are row-major, else a
     take at the positions the strides name."""
-    src = _node_val(cx.node.args[0])
-    if not isinstance(src, torch.Tensor) or not src.is_contiguous() or src.storage_offset() != 0:
-        raise UnsupportedOpError("as_strided of a tensor that is not contiguous")
-    size, stride, offset = [cx.size(v) for v in size], [int(v) for v in stride], int(storage_offset or 0)
-    if not all(isinstance(v, int) for v in list(size) + list(x.shape)):
-        raise UnsupportedOpError("as_strided over symbolic sizes")
-    row_major = [math.prod(size[d + 1:]) for d in range(len(size))]
-    if offset == 0 and math.prod(size) == math.prod(x.shape) and \
-            all(a == b for a, b, n in zip(stride, row_major, size) if n != 1):
-        return ops.reshape(x, size)
-    at = ops.full_like(ops.reshape(x, [-1])[0:1], offset, "int64")
-    at = ops.reshape(at, [1] * len(size)) if size else ops.reshape(at, [])
-    for d, st in enumerate(stride):
-        at = at + ops.iota(size, d, like=x) * st
-    return ops.take(ops.reshape(x, [-1]), at, 0)
+    size, at = _strided_positions(cx, x, size, stride, storage_offset)
+    return ops.reshape(x, size) if at is None else ops.take(ops.reshape(x, [-1]), at, 0)
+
+
+@_reg(aten.as_strided_scatter.default)
+def _as_strided_scatter(cx, x, src, size, stride, storage_offset=None):
+    """x with src written through an as_strided view of it (what
+    functionalization makes of an in-place update of such a view): src's
+    elements scattered to the view's positions in x's flat elements."""
+    size, at = _strided_positions(cx, x, size, stride, storage_offset)
+    src = ops.cast(src, x.dtype)
+    if at is None:
+        return ops.reshape(src, list(x.shape))
+    flat = ops.scatter(ops.reshape(x, [-1]), ops.reshape(at, [-1]), ops.reshape(src, [-1]), 0)
+    return ops.reshape(flat, list(x.shape))
 
 
 def _flat_index(shape, indices, what: str):
@@ -1093,6 +1114,10 @@ ATEN[aten.ones_like.default] = lambda cx, x, dtype=None, **kw: _full(cx, x.shape
 ATEN[aten.empty_like.default] = ATEN[aten.zeros_like.default]
 ATEN[aten.empty.memory_format] = ATEN[aten.zeros.default]
 ATEN[aten.empty_permuted.default] = lambda cx, shape, perm, dtype=None, **kw: _full(cx, shape, 0, dtype or torch.float32)
+ATEN[aten.empty_strided.default] = lambda cx, shape, stride, dtype=None, **kw: _full(cx, shape, 0, dtype or torch.float32)
+ATEN[aten.new_empty.default] = lambda cx, x, shape, dtype=None, **kw: _full(cx, shape, 0, dtype or _TORCH[x.dtype])
+ATEN[aten.new_empty_strided.default] = lambda cx, x, shape, stride, dtype=None, **kw: _full(
+    cx, shape, 0, dtype or _TORCH[x.dtype])
 
 
 @_reg(aten.arange.start_step, aten.arange.default, aten.arange.start)

@@ -449,6 +449,57 @@ def test_unsupported_op_falls_back_or_raises_under_strict(rng):
             assert_close(got, want)
 
 
+def _gradients(model):
+    def step(x, r):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(model(x, training=True) * r)
+        return tape.gradient(loss, model.trainable_variables + [x])
+    return step
+
+
+L = keras.layers
+TRAINED_LAYERS = {  # a layer's training step whose gradient ops only shape arithmetic or new rules compile
+    "attention": lambda: L.MultiHeadAttention(2, 4),  # BroadcastGradientArgs, Sum over its axes
+    "zero padding": lambda: L.ZeroPadding2D(((1, 2), (0, 1))),  # Slice of the paddings, begun at a folded offset
+    "average pooling": lambda: L.AveragePooling2D(2),  # AvgPoolGrad
+    "average pooling, same": lambda: L.AveragePooling2D(3, 2, padding="same"),  # (its windows' cells counted)
+    "dilated convolution": lambda: L.Conv2D(4, 3, dilation_rate=2, padding="same"),  # SpaceToBatchND, BatchToSpaceND
+    "dilated 1-d convolution": lambda: L.Conv1D(4, 3, dilation_rate=2),
+}
+
+
+@pytest.mark.parametrize("layer", list(TRAINED_LAYERS))
+def test_keras_training_steps_compile_whole(rng, layer):
+    made = TRAINED_LAYERS[layer]()
+    if layer == "attention":
+        x = keras.Input((6, 8))
+        model = keras.Model(x, L.LayerNormalization()(x + made(x, x)))
+        shape = (2, 6, 8)
+    else:
+        shape = (2, 7, 3) if "1-d" in layer else (2, 7, 7, 3)
+        model = keras.Sequential([keras.Input(shape[1:]), L.Dense(3), made])
+    x = rnd(rng, *shape)
+    r = rnd(rng, *model(x).shape)
+    check(_gradients(model), x, r, rtol=1e-4, atol=1e-5, compile_options={"strict": True})
+
+
+def test_an_op_left_to_tensorflow_is_built_with_its_operands_shapes(rng, monkeypatch):
+    """An op run in TensorFlow is built on placeholders of its operands'
+    static shapes: SpaceToBatchND's shape function refuses operands of
+    unknown size, which failed the whole graph."""
+    import polyjit.frontends.tf as tf_frontend
+    monkeypatch.delitem(tf_frontend.TF_OPS, "SpaceToBatchND")
+    monkeypatch.delitem(tf_frontend.TF_OPS, "BatchToSpaceND")
+    conv = keras.Sequential([keras.Input((9, 3)), L.Conv1D(4, 3, dilation_rate=2)])
+    x = rnd(rng, 2, 9, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        jf = jit(lambda x: conv(x))
+        assert_close(jf(x), conv(x))
+    assert sorted(jf.stats["fallback_ops"]) == ["BatchToSpaceND", "SpaceToBatchND"]
+
+
 @pytest.mark.parametrize("cell", ["LSTM", "GRU", "SimpleRNN"])
 def test_keras_recurrent_layers_unroll_their_loop(rng, cell):
     """A recurrent layer's loop (While over TensorLists, reading the layer's

@@ -649,6 +649,18 @@ def test_group_norm_trains_and_as_strided():
     check(lambda t: torch.as_strided(t, (3, 2), (1, 3), 1) * 2, r(4, 3))
 
 
+def test_updates_through_as_strided_views_train():
+    """An in-place update of an as_strided view (Swin's windows) is an
+    as_strided_scatter in the graph, its backward a new_empty_strided."""
+    def update(t, s):
+        y = t.clone()
+        y.as_strided((2, 3), (6, 2), 1).mul_(s)
+        return y
+    check(update, r(4, 6, grad=True), r(2, 3, grad=True), backward=True)
+    check(lambda t, s: (torch.as_strided_scatter(t, s, (3, 4), (8, 2), 1),
+                        torch.as_strided_scatter(t, s.reshape(4, 3) * 2, (4, 3), (3, 1), 0)), r(4, 6), r(3, 4))
+
+
 def test_sort_topk_argsort():
     x = r(5, 9)
     check(lambda x: (torch.sort(x, -1).values, torch.sort(x, 0, descending=True).indices, torch.topk(x, 3).values,
