@@ -187,6 +187,21 @@ class Op:
     run: Callable[[list], list]
     where: str = ""
     loop: "WhileLoop | None" = None
+    effects: bool = False  # what it does besides its results (a variable's update, a callback): never dropped
+
+
+def live(ops: list[Op], outvars: list) -> list[Op]:
+    """The ops whose results are used (an output, or an operand of a live
+    op), and those with effects: an op whose results nothing reads (shape
+    arithmetic a folded reshape no longer needs, flax's RNN splitting a key
+    for a carry it fills with zeros) is neither compiled nor run."""
+    used = {id(v) for v in outvars}
+    keep = []
+    for op in reversed(ops):
+        if op.effects or not op.outs or any(id(v) in used for v in op.outs):
+            keep.append(op)
+            used.update(id(x) for x in operand_values(op.ins))
+    return keep[::-1]
 
 
 @dataclass

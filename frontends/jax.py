@@ -44,7 +44,7 @@ from polyjit.sizes import Lin
 from polyjit.targets import holding
 
 from .common import (Const, Op, SegmentedProgram, Stats, Value, WhileLoop, check_execution_backend, core_dtype,
-                     elementwise, identity, internal_failure, logical, static_value)
+                     elementwise, identity, internal_failure, live, logical, static_value)
 
 SCAN_UNROLL_LIMIT = 64  # longest static scan (fori_loop) unrolled into the program
 # Results up to this size come from glibc's heap, reused (its dynamic mmap threshold
@@ -101,6 +101,15 @@ def _random_bits(p, key):
         raise UnsupportedOpError(f"random_bits of {p['bit_width']} bits from a key of shape {list(key.shape[:-1])}")
     _partitionable("random_bits")
     return ops.random_bits(key, p["shape"])
+
+
+def _random_seed(p, seed):
+    """A threefry key from a 32-bit seed: its bits after a zero word, as
+    threefry_seed pads it (a 64-bit seed's high word is not computed here)."""
+    if getattr(p["impl"], "name", None) != "threefry2x32" or seed.dtype.itemsize != 4:
+        raise UnsupportedOpError(f"random_seed of a {seed.dtype} seed for {getattr(p['impl'], 'name', p['impl'])}")
+    bits = ops.reshape(ops.cast(seed, "uint32"), [1])
+    return ops.cat([ops.full_like(bits, 0), bits], 0)
 
 
 def _random_fold_in(p, key, data):
@@ -503,6 +512,7 @@ PRIMITIVES: dict[str, Callable] = {
     "nextafter": _nextafter,
     # random numbers: a threefry key is its uint32[2] data here
     "random_wrap": identity, "random_unwrap": identity, "random_bits": _random_bits, "random_split": _random_split,
+    "random_seed": _random_seed,
     "random_fold_in": _random_fold_in,
     "stop_gradient": identity, "copy": identity, "copy_p": identity,
     "optimization_barrier": identity, "sharding_constraint": identity,
@@ -575,7 +585,8 @@ def _eqn_op(prim, params: dict, ins: list, outs: list, where: str = "", eqn=None
         out = prim.bind(*args, **params)
         out = out if prim.multiple_results else [out]
         return [jax.random.key_data(o) if _is_key(o) else o for o in out]
-    return Op(prim.name, PRIMITIVES.get(prim.name), params, ins, outs, run, where)
+    return Op(prim.name, PRIMITIVES.get(prim.name), params, ins, outs, run, where,
+              effects=bool(eqn is not None and eqn.effects))
 
 
 def _where(eqn) -> str:
@@ -737,7 +748,7 @@ def program(closed, options: CompileOptions, stats: Stats, name: str) -> Segment
     invars = [_value(v.aval) for v in closed.jaxpr.invars]
     ops: list[Op] = []
     outvars = _flatten(closed, list(invars), ops)
-    return SegmentedProgram(invars, ops, outvars, options, stats, name, "JAX", gpu_view=_gpu_view)
+    return SegmentedProgram(invars, live(ops, outvars), outvars, options, stats, name, "JAX", gpu_view=_gpu_view)
 
 
 _EXACT = ("highest", "float32", "high", "bfloat16_3x", "tensorfloat32_3x")  # precisions above TF32's

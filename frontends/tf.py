@@ -29,7 +29,7 @@ from polyjit.errors import CompileOptionError, DefinitionError, InputError, Unsu
 from polyjit.options import CompileOptions, parse_options
 
 from .common import (USER_ERRORS, Const, KnownSizes, Op, SegmentedProgram, Stats, Value, check_execution_backend,
-                     core_dtype, elementwise, identity, internal_failure, operand_values, static_value)
+                     core_dtype, elementwise, identity, internal_failure, live, operand_values, static_value)
 
 
 # ====================================================================== table
@@ -867,7 +867,7 @@ class _Trace:
         self._writer = tf.function(lambda *values: [v.assign(x) for v, x in zip(written, values)], autograph=False)
         self.outvars = [env[flat[k].name] for k in self.out_positions] + list(self.assigned.values())
         self.flat = flat
-        self.ops = _live(self.ops, self.outvars)
+        self.ops = live(self.ops, self.outvars)
 
     def variable_values(self) -> list[np.ndarray]:
         """The variables' current values, read in one TensorFlow call: an
@@ -933,7 +933,7 @@ class _Trace:
                 current = self.assigned.get(id(handle), env[o.inputs[0].name])
                 self.assigned[id(handle)] = Value(current.shape, current.dtype)
                 self.ops.append(Op(o.type, TF_OPS[o.type], o, [current, env[o.inputs[1].name]],
-                                   [self.assigned[id(handle)]], _ASSIGNS[o.type], o.name))
+                                   [self.assigned[id(handle)]], _ASSIGNS[o.type], o.name, effects=True))
                 continue
             if o.type == "ReadVariableOp" and o.inputs[0].name in handles:
                 ins = [self.assigned.get(id(handles[o.inputs[0].name]), env[o.inputs[0].name])]
@@ -989,7 +989,8 @@ class _Trace:
             if isinstance(made, _TensorList):  # the list itself, for what reads it whole (a loop run in TensorFlow)
                 made.value = outs[0]
                 env[o.outputs[0].name] = made
-            self.ops.append(Op(o.type, TF_OPS.get(o.type), o, ins, outs, _lazy_runner(o), o.name))
+            self.ops.append(Op(o.type, TF_OPS.get(o.type), o, ins, outs, _lazy_runner(o), o.name,
+                               effects=o.op_def.is_stateful))
 
     def unroll(self, o: tf.Operation, carried: list[tuple]) -> list[tuple] | None:
         """A while loop (control flow v2) as its body traced once per
@@ -1280,18 +1281,6 @@ def _inferred_shape(o: tf.Operation) -> Const | None:
     if dims.rank is None or sum(d is None for d in dims.as_list()) > 1:
         return None
     return Const(np.array([-1 if d is None else d for d in dims.as_list()], np.int64))
-
-
-def _live(ops: list[Op], outvars: list) -> list[Op]:
-    """The ops whose results are used (an output, or an input of a live op),
-    and stateful ones: shape arithmetic a folded Reshape no longer reads goes."""
-    used = {id(v) for v in outvars}
-    keep = []
-    for op in reversed(ops):
-        if op.params.op_def.is_stateful or not op.outs or any(id(v) in used for v in op.outs):
-            keep.append(op)
-            used.update(id(x) for x in operand_values(op.ins))
-    return keep[::-1]
 
 
 class TFFunction:

@@ -351,6 +351,25 @@ def test_split_and_fold_in_keys_bit_for_bit(rng, typed):
     check(fn, k, x)
 
 
+def test_keys_made_inside_the_function_and_unread_ones_dropped(rng):
+    """A key made from a seed inside the function (PRNGKey of a number or of
+    an argument, negative too) is threefry's, bit for bit; flax's RNN splits
+    a key for a carry it fills with zeros: ops whose results nothing reads
+    are neither compiled nor run (strict refused them)."""
+    x = rnd(rng, 4, 5)
+
+    def fn(seed, x):
+        made = jax.random.split(jax.random.PRNGKey(seed))[1]
+        return x * jax.random.uniform(made, x.shape) + jax.random.normal(jax.random.PRNGKey(-7), x.shape), made
+    check(fn, jnp.int32(-123456), x, compile_options={"strict": True})
+
+    def unread(x):
+        jax.random.split(jax.random.PRNGKey(0))
+        lax.bessel_i1e(x)  # (an op outside the table)
+        return x * 2
+    check(unread, x, compile_options={"strict": True})
+
+
 def test_while_loops_compile(rng):
     """lax.while_loop with a run-time trip count, fori_loop over a bound
     passed in, and Newton's iteration until it converges: condition and
