@@ -532,7 +532,12 @@ def starved(ast: isl.AstNode, prog: AffineProgram, contracted) -> bool:
     strips (a squeeze-excite block fused whole ran a thread per image), nor
     has a loop shorter than a strip, where the statements alone would fill
     the device (a depthwise convolution's input gradient over its producer,
-    14x14 images, ran a thread per image and channel)."""
+    14x14 images, ran a thread per image and channel). Nor may a thin grid
+    hold a statement that alone would fill the device with GPU_THIN_LOSS
+    times the grid's rows (its own but the innermost: a warp may take
+    those): Swin's padded windows, fused with the layer norm's variance
+    they read at clamped rows, ran a thread per image over 4x14x14x384
+    elements (8.5 ms of a 14 ms forward, against eager's 14 ms whole)."""
     stmts = {s.name: s for s in prog.statements}
     for node in kernel_nodes(ast):
         own = [stmts[n] for n in statements_in(node)]
@@ -544,6 +549,9 @@ def starved(ast: isl.AstNode, prog: AffineProgram, contracted) -> bool:
                 and max((_parallel_extent(s) for s in own), default=0) >= GPU_THIN_LOSS * grid:
             return True
         if grid is not None and grid < GPU_GRID_FLOOR and _column_sum_read(own, sums):
+            return True
+        if grid is not None and grid < GPU_THIN_GRID and any(
+                _parallel_extent(s) >= GPU_GRID_FLOOR and _row_extent(s) >= GPU_THIN_LOSS * grid for s in own):
             return True
         floor, per_thread = (GPU_GRID_FLOOR if sums else None), 16
         widest = max((_parallel_extent(s) for s in (sums or own)), default=0)
@@ -662,6 +670,13 @@ def _grid_extent(node: isl.AstNode, params: set[str]) -> tuple[int | None, int |
             return None, None
         total *= trips
         node = loop.for_get_body()
+
+
+def _row_extent(s) -> int:
+    """A statement's parallel iterations but its innermost loop's (the rows a warp each may take)."""
+    inner = [max(sz.estimate(hi) - sz.estimate(lo), 1) for it, (lo, hi) in zip(s.iters, s.bounds)
+             if it not in s.reduction_iters]
+    return _parallel_extent(s) // inner[-1] if inner else 1
 
 
 def _parallel_extent(s) -> int:
