@@ -190,6 +190,44 @@ class Op:
     effects: bool = False  # what it does besides its results (a variable's update, a callback): never dropped
 
 
+def framework_ops_first(ops: list[Op]) -> list[Op]:
+    """ops with those the framework runs (no rule), and what they read, moved
+    ahead of the rest, and among those the compiled ones taken together
+    wherever their operands allow (ops with effects keep their order): a
+    model's dropouts (TensorFlow's stateless Philox, each from the seed
+    variable plus a count) then split the compiled program twice, not at
+    every layer."""
+    producer = {id(v): i for i, op in enumerate(ops) for v in op.outs}
+    early: set[int] = set()
+    for i, op in enumerate(ops):
+        if op.rule is None and op.loop is None:
+            stack = [i]
+            while stack:
+                j = stack.pop()
+                if j not in early:
+                    early.add(j)
+                    stack.extend(producer[id(x)] for x in operand_values(ops[j].ins) if id(x) in producer)
+    if not early or len(early) == len(ops):
+        return ops
+    first, done = [], set()
+    left = sorted(early)
+    compiled = True
+    while left:
+        waiting = []
+        for j in left:
+            op = ops[j]
+            ready = all(producer.get(id(x)) in done or producer.get(id(x)) not in early
+                        for x in operand_values(op.ins))
+            effects_before = any(ops[k].effects for k in waiting)
+            if ready and (op.rule is not None) == compiled and not (op.effects and effects_before):
+                first.append(op)
+                done.add(j)
+            else:
+                waiting.append(j)
+        left, compiled = waiting, not compiled
+    return first + [op for i, op in enumerate(ops) if i not in early]
+
+
 def live(ops: list[Op], outvars: list) -> list[Op]:
     """The ops whose results are used (an output, or an operand of a live
     op), and those with effects: an op whose results nothing reads (shape
@@ -425,6 +463,7 @@ class SegmentedProgram:
         (None where it is not one), for frameworks whose arrays say so faster
         than through ``__cuda_array_interface__``."""
         self.invars, self.outvars, self.stats, self.options = invars, outvars, stats, options
+        ops = framework_ops_first(ops)
         last: dict[int, int] = {}
         for i, op in enumerate(ops):
             for x in operand_values(op.ins):

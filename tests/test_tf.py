@@ -484,6 +484,25 @@ def test_keras_training_steps_compile_whole(rng, layer):
     check(_gradients(model), x, r, rtol=1e-4, atol=1e-5, compile_options={"strict": True})
 
 
+def test_ops_left_to_tensorflow_run_first_where_they_can(rng):
+    """Dropout's random numbers (stateless Philox, run in TensorFlow) read
+    only the seed: they, and the seed arithmetic before them, run ahead of
+    the layers, which compile as one program rather than one per layer."""
+    def layers(x, seed):
+        for i in range(4):
+            x = tf.tanh(tf.matmul(x, tf.ones((16, 16)) * 0.1) + 0.5)
+            keep = tf.random.stateless_uniform(tf.shape(x), seed=seed + i) >= 0.3
+            x = tf.where(keep, x / 0.7, 0.0)
+        return x
+    x, seed = rnd(rng, 8, 16), tf.constant([3, 4])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        jf = jit(layers)
+        assert_close(jf(x, seed), layers(x, seed))
+    assert set(jf.stats["fallback_ops"]) == {"StatelessRandomGetKeyCounter", "StatelessRandomUniformV2"}
+    assert jf.stats["graphs"] == 2  # (the seeds' sums, then the layers)
+
+
 def test_an_op_left_to_tensorflow_is_built_with_its_operands_shapes(rng, monkeypatch):
     """An op run in TensorFlow is built on placeholders of its operands'
     static shapes: SpaceToBatchND's shape function refuses operands of
