@@ -195,7 +195,7 @@ def framework_ops_first(ops: list[Op]) -> list[Op]:
     ahead of the rest, and among those the compiled ones taken together
     wherever their operands allow (ops with effects keep their order): a
     model's dropouts (TensorFlow's stateless Philox, each from the seed
-    variable plus a count) then split the compiled program twice, not at
+    variable plus a count) then split the compiled program once, not at
     every layer."""
     producer = {id(v): i for i, op in enumerate(ops) for v in op.outs}
     early: set[int] = set()

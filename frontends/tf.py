@@ -394,12 +394,19 @@ def _pool_window(o, x):
     return layout, sp, [k[d] for d in sp], strides, pads
 
 
+def _pool_dims(o, x) -> tuple[list, list, list, list]:
+    """A pooling op's window, strides and padding over every dim of x (1s
+    outside the spatial ones), and its spatial dims."""
+    _, sp, ks, strides, pads = _pool_window(o, x)
+    window, st, pd = [1] * x.ndim, [1] * x.ndim, [(0, 0)] * x.ndim
+    for i, d in enumerate(sp):
+        window[d], st[d], pd[d] = ks[i], strides[i], pads[i]
+    return window, st, pd, sp
+
+
 def _pool(op: str):
     def rule(o, x):
-        _, sp, ks, strides, pads = _pool_window(o, x)
-        window, st, pd = [1] * x.ndim, [1] * x.ndim, [(0, 0)] * x.ndim
-        for i, d in enumerate(sp):
-            window[d], st[d], pd[d] = ks[i], strides[i], pads[i]
+        window, st, pd, _ = _pool_dims(o, x)
         y = ops.reduce_window("max" if op == "max" else "sum", x, window, st, pd)
         if op == "max":
             return y
@@ -443,10 +450,7 @@ def _avg_pool_grad(o, sizes, dy):
     averaged (those inside the image), spread back over the window."""
     shape = _sizes(sizes, "AvgPoolGrad's orig_input_shape")
     x = ops.full(shape, 1.0, dy.dtype, like=dy)
-    _, sp, ks, strides, pads = _pool_window(o, x)
-    window, st, pd = [1] * x.ndim, [1] * x.ndim, [(0, 0)] * x.ndim
-    for i, d in enumerate(sp):
-        window[d], st[d], pd[d] = ks[i], strides[i], pads[i]
+    window, st, pd, sp = _pool_dims(o, x)
     g = dy / ops.window_cells(x, window, st, pd)
     first = sp[0]  # (the adjoint's window covers the trailing dims: channels last ride along with 1s)
     return ops.window_adjoint(lambda offset: g, shape, window[first:], st[first:], pd[first:])
