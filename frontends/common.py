@@ -37,7 +37,8 @@ def check_execution_backend(framework: str, value: str) -> None:
 
 _DTYPES = {"float32": DataType.Float, "float64": DataType.Double, "float16": DataType.Half,
            "bfloat16": DataType.BFloat16, "int8": DataType.Int8, "uint8": DataType.UInt8, "int16": DataType.Int16,
-           "int32": DataType.Int32, "uint32": DataType.UInt32, "int64": DataType.Int, "bool": DataType.Bool}
+           "int32": DataType.Int32, "uint32": DataType.UInt32, "int64": DataType.Int, "uint64": DataType.UInt64,
+           "bool": DataType.Bool}
 
 
 def core_dtype(dt) -> DataType:

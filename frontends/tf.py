@@ -525,6 +525,89 @@ def _fused_batch_norm(o, x, scale, offset, mean, var):
     return [y] + rest
 
 
+# TensorFlow's stateless random numbers (Keras's dropout and noise layers):
+# Philox-4x32-10 bits, bit for bit as TensorFlow draws them
+_SEED_KEY = 0x02461E29_3EC8F720  # GenerateKey's fixed key (words 0x3ec8f720, 0x02461e29)
+_PHILOX_ALGS = (1, 3)  # Philox, and auto-select (Philox on CPUs and GPUs)
+
+
+def _key_counter(o, seed):
+    """StatelessRandomGetKeyCounter: the seed's two numbers, widened to 64
+    bits as C++ converts them (an int32 sign-extends), are a counter that
+    Philox mixes once under a fixed key: the mix's first two words make
+    the key, its last two the counter's high half."""
+    mix = ops.cast(ops.philox_bits(ops.full([1], _SEED_KEY, DataType.UInt64, like=seed),
+                                   ops.cast(seed, DataType.UInt64), [4]), DataType.UInt64)
+    word = lambda k: ops.slice(mix, [k], [k + 1])  # noqa: E731
+    pair = lambda k: ops.bitwise_or(word(k), ops.shift_left(word(k + 1), 32))  # noqa: E731
+    return [pair(0), ops.cat([ops.full([1], 0, DataType.UInt64, like=seed), pair(2)], 0)]
+
+
+def _philox_words(o, sizes: list, key, counter, alg, per_element: int = 1) -> list:
+    """The bits of a stateless random op: ``per_element`` consecutive words
+    for each element (a 64-bit number takes two), as a list of tensors of
+    the op's shape, one per word."""
+    algorithm = int(_static(alg, "the RNG algorithm"))
+    if algorithm not in _PHILOX_ALGS:
+        raise UnsupportedOpError(f"{o.type} with RNG algorithm {algorithm} (polyjit draws Philox's)")
+    if per_element == 1:
+        return [ops.philox_bits(key, counter, sizes)]
+    bits, n = ops.philox_bits(key, counter, sizes + [per_element]), len(sizes)
+    return [ops.squeeze(ops.slice(bits, [0] * n + [k], sizes + [k + 1]), [n]) for k in range(per_element)]
+
+
+_MANTISSA = {DataType.Float: 23, DataType.Half: 10, DataType.BFloat16: 7}
+
+
+def _unit(bits, dt: DataType):
+    """TensorFlow's float in [0, 1) of 32 random bits: 1.f - 1 for a
+    fraction f of the type's mantissa width of low bits, which is exactly
+    those bits times 2**-width."""
+    m = _MANTISSA[dt]
+    return ops.cast(ops.cast(ops.bitwise_and(bits, (1 << m) - 1), DataType.Float) * 2.0 ** -m, dt)
+
+
+def _uniform(o, shape, key, counter, alg):
+    dt = core_dtype(o.get_attr("dtype"))
+    if dt is DataType.Double:  # 52 mantissa bits: 20 of the first word above the second's 32
+        hi, lo = _philox_words(o, _sizes(shape, "shape"), key, counter, alg, 2)
+        return (ops.cast(ops.bitwise_and(hi, 0xFFFFF), DataType.Double) * 2.0 ** -20
+                + ops.cast(lo, DataType.Double) * 2.0 ** -52)
+    return _unit(_philox_words(o, _sizes(shape, "shape"), key, counter, alg)[0], dt)
+
+
+def _normal(o, shape, key, counter, alg):
+    """StatelessRandomNormalV2: Box-Muller on consecutive pairs of the
+    elements' words (TensorFlow's BoxMullerFloat), the sine for the first
+    of a pair and the cosine for the second."""
+    dt = core_dtype(o.get_attr("dtype"))
+    sizes = _sizes(shape, "shape")
+    if dt not in _MANTISSA or not all(isinstance(s, (int, np.integer)) for s in sizes):
+        raise UnsupportedOpError(f"{o.type} of {dt} or of sizes known only at run time")
+    n = math.prod(sizes)
+    pairs = -(-n // 2)
+    words = _philox_words(o, [pairs], key, counter, alg, 2)
+    u1 = ops.maximum(_unit(words[0], DataType.Float), 1e-7)
+    v1 = ops.cast(ops.cast(_unit(words[1], DataType.Float), DataType.Double) * (2 * math.pi), DataType.Float)
+    u2 = ops.sqrt(ops.log(u1) * -2.0)
+    both = ops.cat([ops.unsqueeze(ops.sin(v1) * u2, 1), ops.unsqueeze(ops.cos(v1) * u2, 1)], 1)
+    return ops.cast(ops.reshape(ops.slice(ops.reshape(both, [2 * pairs]), [0], [n]), sizes), dt)
+
+
+def _full_int(o, shape, key, counter, alg):
+    """StatelessRandomUniformFullIntV2: the bits themselves (two words of a 64-bit number, the lower first)."""
+    dt = core_dtype(o.get_attr("dtype"))
+    if dt.itemsize == 4:
+        return ops.cast(_philox_words(o, _sizes(shape, "shape"), key, counter, alg)[0], dt)
+    lo, hi = (ops.cast(w, DataType.UInt64) for w in _philox_words(o, _sizes(shape, "shape"), key, counter, alg, 2))
+    return ops.cast(ops.bitwise_or(lo, ops.shift_left(hi, 32)), dt)
+
+
+def _seeded(rule):
+    """A first-generation stateless op (shape, seed): the key and counter of its seed, then its V2 form."""
+    return lambda o, shape, seed: rule(o, shape, *_key_counter(o, seed), ops.full([], 1, DataType.Int32, like=seed))
+
+
 def _add_n(o, *xs):
     acc = xs[0]
     for x in xs[1:]:
@@ -609,6 +692,10 @@ TF_OPS: dict[str, Callable] = {
     "SpaceToBatchND": _space_to_batch, "BatchToSpaceND": _batch_to_space, "Conv2DBackpropFilter": _conv2d_backprop_filter,
     "DepthwiseConv2dNativeBackpropInput": lambda o, *xs: _conv2d_backprop_input(o, *xs, depthwise=True),
     "DepthwiseConv2dNativeBackpropFilter": _depthwise_backprop_filter,
+    # random numbers
+    "StatelessRandomGetKeyCounter": _key_counter, "StatelessRandomUniformV2": _uniform,
+    "StatelessRandomNormalV2": _normal, "StatelessRandomUniformFullIntV2": _full_int,
+    "StatelessRandomUniform": _seeded(_uniform), "StatelessRandomNormal": _seeded(_normal),
     "SoftmaxCrossEntropyWithLogits": _softmax_cross_entropy(False),
     "SparseSoftmaxCrossEntropyWithLogits": _softmax_cross_entropy(True),
 }

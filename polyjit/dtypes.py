@@ -15,6 +15,7 @@ class DataType(enum.Enum):
     Int16 = "int16"
     Int32 = "int32"
     UInt32 = "uint32"
+    UInt64 = "uint64"
     Int = "int64"
     Half = "float16"
     BFloat16 = "bfloat16"
@@ -31,7 +32,7 @@ class DataType(enum.Enum):
 
     @property
     def is_unsigned(self) -> bool:
-        return self in (DataType.UInt8, DataType.UInt32)
+        return self in (DataType.UInt8, DataType.UInt32, DataType.UInt64)
 
     @property
     def itemsize(self) -> int:
@@ -56,14 +57,16 @@ class DataType(enum.Enum):
 
 
 _FLOATS = (DataType.Half, DataType.BFloat16, DataType.Float, DataType.Double)
-_INTS = (DataType.Int8, DataType.UInt8, DataType.Int16, DataType.Int32, DataType.UInt32, DataType.Int)
+_INTS = (DataType.Int8, DataType.UInt8, DataType.Int16, DataType.Int32, DataType.UInt32, DataType.Int,
+         DataType.UInt64)
 _ITEMSIZE = {DataType.Bool: 1, DataType.Int8: 1, DataType.UInt8: 1, DataType.Int16: 2, DataType.Int32: 4,
-             DataType.UInt32: 4, DataType.Int: 8, DataType.Half: 2, DataType.BFloat16: 2, DataType.Float: 4,
+             DataType.UInt32: 4, DataType.Int: 8, DataType.UInt64: 8, DataType.Half: 2, DataType.BFloat16: 2, DataType.Float: 4,
              DataType.Double: 8}
 _RANK = {DataType.Bool: 0, DataType.Int8: 1, DataType.UInt8: 1, DataType.Int16: 2, DataType.Int32: 3,
-         DataType.UInt32: 3, DataType.Int: 4, DataType.Half: 5, DataType.BFloat16: 5, DataType.Float: 6,
+         DataType.UInt32: 3, DataType.Int: 4, DataType.UInt64: 4, DataType.Half: 5, DataType.BFloat16: 5, DataType.Float: 6,
          DataType.Double: 7}
-_WIDER_SIGNED = {1: DataType.Int16, 2: DataType.Int32, 4: DataType.Int}  # holds both an unsigned type and a signed one
+# holds both an unsigned type and a signed one (none holds uint64 and int64: float64, as numpy promotes them)
+_WIDER_SIGNED = {1: DataType.Int16, 2: DataType.Int32, 4: DataType.Int, 8: DataType.Double}
 
 
 def _bfloat16() -> np.dtype:

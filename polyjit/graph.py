@@ -583,6 +583,17 @@ class Graph(_Shapes, _LayoutOps, _StructuredOps):
             attrs["offset"] = offset
         return Node("random_bits", (key,), attrs, tuple(shape), DataType.UInt32)
 
+    def philox_bits(self, key: Node, counter: Node, shape: Sequence[Size]) -> Node:
+        """TensorFlow's Philox random bits: uint32 per element from a
+        uint64[1] key and a uint64[2] (128-bit) counter, word p mod 4 of
+        Philox-4x32-10 at the counter plus p div 4 for the element's
+        row-major position p, as TensorFlow's stateless random ops draw them."""
+        if key.dtype is not DataType.UInt64 or tuple(key.shape) != (1,) or \
+                counter.dtype is not DataType.UInt64 or tuple(counter.shape) != (2,):
+            raise DefinitionError(f"philox_bits: the key must be uint64[1] and the counter uint64[2], got "
+                                  f"{key.dtype}{list(key.shape)} and {counter.dtype}{list(counter.shape)}")
+        return Node("philox_bits", (key, counter), {}, tuple(shape), DataType.UInt32)
+
     def cast(self, x: Node, dtype) -> Node:
         dt = to_dtype(dtype)
         if dt == x.dtype:

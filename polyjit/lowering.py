@@ -741,6 +741,12 @@ def _random_bits(L, n, idx):
               (key[0], key[1], _linear(L.shape(n), idx, n.attrs.get("offset", 0))))
 
 
+def _philox_bits(L, n, idx):
+    key = L.value(n.inputs[0], (E.const(0),))
+    counter = [L.value(n.inputs[1], (E.const(k),)) for k in (0, 1)]
+    return Op(DataType.UInt32, "philox", (key, *counter, _linear(L.shape(n), idx)))
+
+
 def _bitcast(L, n, idx):
     return Op(n.dtype, "bitcast", (L.value(n.inputs[0], idx),))
 
@@ -758,7 +764,7 @@ INLINE.update({"where": _where, "cast": _cast, "constant": _constant, "size": _s
                "broadcast_in_dim": _broadcast, "transpose": _transpose, "slice": _slice,
                "reverse": _reverse, "pad": _pad, "concatenate": _concatenate,
                "reshape": _reshape, "gather": _gather, "rand_uniform": _rand, "random_bits": _random_bits,
-               "bitcast": _bitcast})
+               "philox_bits": _philox_bits, "bitcast": _bitcast})
 LAYOUT_OPS = ("broadcast_in_dim", "transpose", "slice", "reverse", "reshape", "iota",
               "constant", "size")
 VIEWS = ("reshape",)  # layout ops whose result is the operand's array as it lies (an output may alias it)

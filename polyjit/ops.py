@@ -1187,6 +1187,13 @@ def random_bits(key: Tensor, shape: Sequence, word: int | None = None, offset: i
     return _wrap(g, g.random_bits(_node(g, key), tuple(shape), word, offset))
 
 
+def philox_bits(key: Tensor, counter: Tensor, shape: Sequence) -> Tensor:
+    """TensorFlow's Philox random bits (a stateless random op's, from the
+    uint64 key and counter of StatelessRandomGetKeyCounter), bit for bit."""
+    g = _graph(key, counter)
+    return _wrap(g, g.philox_bits(_node(g, key), _node(g, counter), tuple(shape)))
+
+
 def random_split(key: Tensor, shape: Sequence) -> Tensor:
     """JAX's ``jax.random.split`` of a raw uint32[2] key into keys of shape
     (uint32[*shape, 2]), bit for bit: each new key is the two words of

@@ -206,6 +206,7 @@ _CALLS = {  # op -> the FusionDefinition call that rebuilds it, from operands a 
     "scatter": "fd.ops.scatter_reduce({op}, {shape}, {a0}, {a1}, {axis}, {along})",
     "iota": "fd.ops.iota({shape}, {dim}, {dtype}, like=fd)",
     "rand_uniform": "fd.ops.rand_uniform({shape}, {a0}, {offset})",
+    "philox_bits": "fd.ops.philox_bits({a0}, {a1}, {shape})",
     "cast": "fd.ops.cast({a0}, {dtype})",
     "bitcast": "fd.ops.bitcast({a0}, {dtype})",
     "tensor_constant": "fd.define_constant({array})",

@@ -272,7 +272,7 @@ def test_logical_and_where(rng):
     close(got[4], np.where(a, x, y))
 
 
-@pytest.mark.parametrize("dtype", [np.uint32, np.int32, np.int64])
+@pytest.mark.parametrize("dtype", [np.uint32, np.int32, np.int64, np.uint64])
 def test_bitwise_and_shifts(dtype, rng):
     """Integers' bits as numpy's; a shift by the width or more gives 0 (the
     sign for an arithmetic one), as in JAX; unsigned compare, divide, widen."""
@@ -293,6 +293,30 @@ def test_bitwise_and_shifts(dtype, rng):
             a < b, np.maximum(a, b)]
     for g, w in zip(got, want):
         close(g, np.asarray(w).astype(g.dtype))
+
+
+def _philox(counter: np.ndarray, key: np.ndarray) -> np.ndarray:
+    """Philox-4x32-10 (Salmon et al.) of uint32 counters [..., 4] under a key [2], in numpy."""
+    c, k = [counter[..., i].astype(np.uint64) for i in range(4)], [np.uint64(x) for x in key]
+    for _ in range(10):
+        p0, p1 = np.uint64(0xD2511F53) * c[0], np.uint64(0xCD9E8D57) * c[2]
+        c = [(p1 >> np.uint64(32)) ^ c[1] ^ k[0], p1 & np.uint64(0xFFFFFFFF),
+             (p0 >> np.uint64(32)) ^ c[3] ^ k[1], p0 & np.uint64(0xFFFFFFFF)]
+        k = [(k[0] + np.uint64(0x9E3779B9)) & np.uint64(0xFFFFFFFF),
+             (k[1] + np.uint64(0xBB67AE85)) & np.uint64(0xFFFFFFFF)]
+    return np.stack(c, -1).astype(np.uint32)
+
+
+@pytest.mark.parametrize("low", [5, 2 ** 64 - 3])  # (near 2**64: the 128-bit counter carries)
+def test_philox_bits_are_tensorflows_draws(low):
+    """Element p: word p mod 4 of Philox at the counter plus p div 4."""
+    key, counter = np.array([0x1234567890ABCDEF], np.uint64), np.array([low, 7], np.uint64)
+    got, _ = run(lambda k, c: ops.philox_bits(k, c, [3, 9]), key, counter)
+    groups = [7 * 2 ** 64 + low + g for g in range(7)]  # the 128-bit counter of each group of four
+    words = np.array([[(v >> (32 * i)) & 0xFFFFFFFF for i in range(4)] for v in groups], np.uint32)
+    k = int(key[0])
+    want = _philox(words, [k & 0xFFFFFFFF, k >> 32]).reshape(-1)[:27].reshape(3, 9)
+    close(got, want)
 
 
 def test_erf_inv(rng):
@@ -319,7 +343,8 @@ def test_unsigned_and_bitcast(rng):
 @pytest.mark.parametrize("src,dst", [(np.float32, np.int32), (np.float32, np.int64), (np.int32, np.float32),
                                      (np.float64, np.float32), (np.float32, np.float16), (np.float16, np.float64),
                                      (np.int64, np.int32), (np.float32, np.bool_), (np.bool_, np.float32),
-                                     (np.uint32, np.float64), (np.uint32, np.int64)])
+                                     (np.uint32, np.float64), (np.uint32, np.int64),
+                                     (np.int32, np.uint64)])  # (sign-extended, as numpy and C++)
 def test_cast(src, dst, rng):
     x = (rng.standard_normal((9, 17)) * 100).astype(src)
     got, _ = run(lambda t: ops.cast(t, dst), x)

@@ -484,10 +484,14 @@ def test_keras_training_steps_compile_whole(rng, layer):
     check(_gradients(model), x, r, rtol=1e-4, atol=1e-5, compile_options={"strict": True})
 
 
-def test_ops_left_to_tensorflow_run_first_where_they_can(rng):
-    """Dropout's random numbers (stateless Philox, run in TensorFlow) read
-    only the seed: they, and the seed arithmetic before them, run ahead of
-    the layers, which compile as one program rather than one per layer."""
+def test_ops_left_to_tensorflow_run_first_where_they_can(rng, monkeypatch):
+    """Random numbers left to TensorFlow read only the seed: they, and the
+    seed arithmetic before them, run ahead of the layers, which compile as
+    one program rather than one per layer."""
+    import polyjit.frontends.tf as tf_frontend
+    monkeypatch.delitem(tf_frontend.TF_OPS, "StatelessRandomGetKeyCounter")
+    monkeypatch.delitem(tf_frontend.TF_OPS, "StatelessRandomUniformV2")
+
     def layers(x, seed):
         for i in range(4):
             x = tf.tanh(tf.matmul(x, tf.ones((16, 16)) * 0.1) + 0.5)
@@ -501,6 +505,61 @@ def test_ops_left_to_tensorflow_run_first_where_they_can(rng):
         assert_close(jf(x, seed), layers(x, seed))
     assert set(jf.stats["fallback_ops"]) == {"StatelessRandomGetKeyCounter", "StatelessRandomUniformV2"}
     assert jf.stats["graphs"] == 2  # (the seeds' sums, then the layers)
+
+
+R = tf.raw_ops
+RANDOM = {  # TensorFlow's stateless random numbers of a seed: Philox's bits, as TensorFlow draws them
+    "uniform": lambda s: tf.random.stateless_uniform([6, 33], s),
+    "uniform float64": lambda s: tf.random.stateless_uniform([3, 5], s, dtype=tf.float64),
+    "uniform float16": lambda s: tf.random.stateless_uniform([3, 5], s, dtype=tf.float16),
+    "uniform, first generation": lambda s: R.StatelessRandomUniform(shape=[9], seed=s),
+    "uint32 bits": lambda s: R.StatelessRandomUniformFullIntV2(
+        shape=[5, 7], **dict(zip(("key", "counter"), R.StatelessRandomGetKeyCounter(seed=s))), alg=1,
+        dtype=tf.uint32),
+    "int64 bits": lambda s: R.StatelessRandomUniformFullIntV2(
+        shape=[5], **dict(zip(("key", "counter"), R.StatelessRandomGetKeyCounter(seed=s))), alg=1, dtype=tf.int64),
+    "key and counter": lambda s: tf.concat(R.StatelessRandomGetKeyCounter(seed=s), 0),
+    "normal": lambda s: tf.random.stateless_normal([7, 3], s),  # (sine and cosine within an ulp)
+}
+
+
+@pytest.mark.parametrize("seed", [[3, 4], [-7, 2 ** 31 - 1]])
+@pytest.mark.parametrize("what", list(RANDOM))
+def test_stateless_random_numbers_bit_for_bit(what, seed):
+    """A negative int32 seed is widened with its sign, as TensorFlow's C++ does."""
+    s = tf.constant(seed, tf.int32)
+    jf = jit(RANDOM[what], compile_options={"strict": True})
+    out, ref = jf(s).numpy(), RANDOM[what](s).numpy()
+    if what == "normal":
+        np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-6)
+    else:
+        np.testing.assert_array_equal(out, ref)
+    assert jf.stats["fallbacks"] == 0
+
+
+def test_philox_counter_carries_into_its_high_half():
+    key, counter = tf.constant([0x1234567890ABCDEF], tf.uint64), tf.constant([2 ** 64 - 3, 5], tf.uint64)
+    bits = lambda k, c: R.StatelessRandomUniformFullIntV2(shape=[40], key=k, counter=c, alg=1, dtype=tf.uint32)  # noqa: E731
+    np.testing.assert_array_equal(jit(bits, compile_options={"strict": True})(key, counter), bits(key, counter))
+
+
+def test_keras_dropout_and_noise_train_compiled(rng):
+    """Keras's dropout and Gaussian noise draw from a seed variable that
+    each step advances: the compiled step draws the same masks and noise,
+    and leaves the variable as TensorFlow does."""
+    model = keras.Sequential([keras.Input((16,)), L.Dense(32, activation="relu"), L.Dropout(0.3),
+                              L.GaussianNoise(0.5), L.Dense(4)])
+    x, r = rnd(rng, 8, 16), rnd(rng, 8, 4)
+    seeds = [v for v in model.non_trainable_variables if "seed" in v.path]
+    start = [v.numpy() for v in seeds]
+    jf = jit(_gradients(model), compile_options={"strict": True})
+    out = jf(x, r)
+    after = [v.numpy() for v in seeds]
+    for v, s in zip(seeds, start):
+        v.assign(s)
+    assert_close(out, _gradients(model)(x, r), rtol=1e-4, atol=1e-5)
+    assert all(np.array_equal(a, v.numpy()) for a, v in zip(after, seeds)) and len(seeds) == 2
+    assert jf.stats["fallbacks"] == 0
 
 
 def test_an_op_left_to_tensorflow_is_built_with_its_operands_shapes(rng, monkeypatch):

@@ -20,7 +20,7 @@ def storage_constant(dt: DataType, value) -> ir.Constant:
 
 
 _INTS = {DataType.Int8: I8, DataType.UInt8: I8, DataType.Int16: I16, DataType.Int32: I32, DataType.UInt32: I32,
-         DataType.Int: I64}  # (signedness is in the ops, as LLVM's)
+         DataType.Int: I64, DataType.UInt64: I64}  # (signedness is in the ops, as LLVM's)
 COMPUTE = {DataType.Bool: I1, **_INTS, DataType.Half: F32, DataType.BFloat16: F32, DataType.Float: F32,
            DataType.Double: F64}
 STORAGE = {DataType.Bool: I8, **_INTS, DataType.Half: F16, DataType.BFloat16: BF16, DataType.Float: F32,

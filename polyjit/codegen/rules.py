@@ -190,6 +190,7 @@ def _any_type_rules() -> None:
     rule("select", "any", lambda e, a, dt, src: e.b.select(*a))
     rule("rand", "any", lambda e, a, dt, src: e.philox_uniform(a[0], a[1]))
     rule("threefry", "any", lambda e, a, dt, src: e.threefry_bits(*a))
+    rule("philox", "any", lambda e, a, dt, src: e.philox_bits(*a))
     for word in (0, 1):
         rule(f"threefry{word}", "any", lambda e, a, dt, src, word=word: e.threefry_bits(*a, word=word))
     rule("bitcast", "any", _bitcast)

@@ -271,12 +271,10 @@ class ValueEmission:
             x = [b.add(x[0], ks[(i + 1) % 3]), b.add(b.add(x[1], ks[(i + 2) % 3]), c(i + 1))]
         return b.xor(x[0], x[1]) if word is None else x[word]
 
-    def philox_uniform(self, seed, counter) -> ir.Value:
-        """Philox 4x32-10 of (counter, seed); the first word, as a float in [0, 1)."""
-        b = self.b
+    def _philox(self, counter: list, key: list) -> list:
+        """Philox-4x32-10 of four 32-bit counter words under two key words."""
+        b, c, k0, k1 = self.b, counter, key[0], key[1]
         I32c = lambda x: ir.Constant(I32, x)  # noqa: E731
-        c = [b.trunc(counter, I32), b.trunc(b.lshr(counter, ir.Constant(I64, 32)), I32), I32c(0), I32c(0)]
-        k0, k1 = b.trunc(seed, I32), b.trunc(b.lshr(seed, ir.Constant(I64, 32)), I32)
 
         def mulhilo(m, x):
             p = b.mul(ir.Constant(I64, m), b.zext(x, I64))
@@ -286,5 +284,28 @@ class ValueEmission:
             hi1, lo1 = mulhilo(0xCD9E8D57, c[2])
             c = [b.xor(b.xor(hi1, c[1]), k0), lo1, b.xor(b.xor(hi0, c[3]), k1), lo0]
             k0, k1 = b.add(k0, I32c(0x9E3779B9)), b.add(k1, I32c(0xBB67AE85))
-        bits = b.lshr(c[0], I32c(8))
+        return c
+
+    def _words(self, v) -> list:
+        """A 64-bit value's low and high 32-bit words."""
+        return [self.b.trunc(v, I32), self.b.trunc(self.b.lshr(v, ir.Constant(I64, 32)), I32)]
+
+    def philox_uniform(self, seed, counter) -> ir.Value:
+        """Philox 4x32-10 of (counter, seed); the first word, as a float in [0, 1)."""
+        b = self.b
+        c = self._philox(self._words(counter) + [ir.Constant(I32, 0)] * 2, self._words(seed))
+        bits = b.lshr(c[0], ir.Constant(I32, 8))
         return b.fmul(b.uitofp(bits, F32), ir.Constant(F32, 2.0 ** -24))
+
+    def philox_bits(self, key, lo, hi, position) -> ir.Value:
+        """TensorFlow's 32 random bits at a position: word position mod 4 of
+        Philox-4x32-10 under the 64-bit key, at the 128-bit counter (hi, lo)
+        plus position div 4 (TensorFlow's PhiloxRandom.Skip)."""
+        b, i64 = self.b, lambda x: ir.Constant(I64, x)
+        group = b.lshr(position, i64(2))
+        lo = b.add(lo, group)
+        hi = b.add(hi, b.zext(b.icmp_unsigned("<", lo, group), I64))
+        c = self._philox(self._words(lo) + self._words(hi), self._words(key))
+        lane = b.trunc(b.and_(position, i64(3)), I32)
+        pick = lambda k: b.icmp_unsigned("==", lane, ir.Constant(I32, k))  # noqa: E731
+        return b.select(pick(0), c[0], b.select(pick(1), c[1], b.select(pick(2), c[2], c[3])))
