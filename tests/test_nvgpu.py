@@ -209,6 +209,20 @@ def test_padded_windows_of_a_layer_norm_keep_the_device_busy():
     assert any(p.startswith("warp rows: grid c0 x c1 x c2,") for p in plans), plans
 
 
+def test_a_class_tokens_layer_norm_takes_a_warp_per_row():
+    """A ViT's last layer norm, read for the class token alone: isl guards
+    the normalized row (token 0) after the statistics of every token.
+    The guard depends on the grid's iterators alone, so the row's lanes
+    share it, rather than each thread walking a row of its own in turn
+    (torchvision's vit_b_16 ran slower than eager on a GPU)."""
+    def head(x, r, w, b):
+        return ops.layer_norm(x + r, [768], w, b, 1e-6)[:, 0]
+    plans = _mapping(head, [(8, 65, 768), (8, 65, 768), (768,), (768,)])
+    assert plans[0].startswith("warp rows: grid c0 x c1, 32 lanes, 3 lane loops"), plans
+    exe = polyjit.compile(head, [InputInfo(s, F32) for s in [(8, 65, 768), (8, 65, 768), (768,), (768,)]], PTX_ONLY)
+    assert "shfl.sync.bfly" in exe.ir("ptx")
+
+
 def test_a_library_convolutions_batch_norm_stays_in_its_epilogue(rng, monkeypatch):
     """On the GPU a batch norm after a library convolution is not folded into
     weights passed at each call (three weight kernels a convolution, where

@@ -193,6 +193,7 @@ class WarpRows:
     vectors: dict  # id(loop) -> its accesses in groups of VECTOR
     deferred: set = field(default_factory=set)  # id(loop) of the loops whose stores may go last in a trip
     unrolled: dict = field(default_factory=dict)  # id(loop) -> groups per lane, where unrolled whole
+    guards: dict = field(default_factory=dict)  # id(child) -> the condition on the grid's iterators it runs under
 
     def __str__(self) -> str:
         loops = [k for k in self.children if k.get_type() == isl.ast_node_type.for_]
@@ -661,9 +662,12 @@ def warp_rows(m: GpuMapper, grid: Grid) -> WarpRows | None:
     element; and lanes walking the loops touch contiguous memory more often
     than threads walking the parallel loop would."""
     kids = ast_children(grid.rest)
+    if kids is None:
+        return None
+    kids, guards = _unguarded(kids)
     if kids is None or not any(k.get_type() == isl.ast_node_type.for_ for k in kids):
         return None
-    plan = WarpRows(grid, WARP, kids, {}, {}, {})
+    plan = WarpRows(grid, WARP, kids, {}, {}, {}, guards=guards)
     grid_it = loop_iterator(grid.loops[-1])
     lanes_contiguous = threads_contiguous = 0
     for k in kids:
@@ -685,6 +689,25 @@ def warp_rows(m: GpuMapper, grid: Grid) -> WarpRows | None:
         if loop.get_type() == isl.ast_node_type.for_:
             _lane_groups(m, plan, loop)
     return plan
+
+
+def _unguarded(kids: list) -> tuple[list | None, dict]:
+    """A row's children with the guards taken off those isl put under a
+    condition on the grid's iterators alone (a class token's layer norm
+    output, read for one token of each image, under its statistics for
+    all): a row's lanes all take such a branch or none, so the lanes may
+    share what it guards. (None, {}) where a branch has an else or more
+    than one statement or loop."""
+    out, guards = [], {}
+    for k in kids:
+        if k.get_type() == isl.ast_node_type.if_:
+            then = k.if_get_then_node()
+            if k.if_has_else_node() or then.get_type() not in (isl.ast_node_type.for_, isl.ast_node_type.user):
+                return None, {}
+            guards[id(then)] = k.if_get_cond()
+            k = then
+        out.append(k)
+    return out, guards
 
 
 def _lane_groups(m: GpuMapper, plan: WarpRows, loop: isl.AstNode) -> None:

@@ -239,16 +239,35 @@ class _RowEmission:
                 ok = self.vector_check(vector, loop.for_get_iterator().get_id().get_name(), lo, self.b.sub(hi, lo))
                 aligned = ok if aligned is None else self.b.and_(aligned, ok)
 
+        def child_of(child: isl.AstNode) -> None:
+            if child.get_type() == isl.ast_node_type.for_:
+                self.lane_loop(child, plan)
+            else:
+                self.statement(child.user_get_expr(), shared=True)
+
         def emit(grouped: bool) -> None:
             self.ctx.grouped, self.ctx.row_offsets = grouped, {}
             for child in plan.children:
-                if child.get_type() == isl.ast_node_type.for_:
-                    self.lane_loop(child, plan)
-                else:
-                    self.statement(child.user_get_expr(), shared=True)
+                cond = plan.guards.get(id(child))
+                if cond is None:
+                    child_of(child)
+                else:  # the same for every lane of the row; offsets made inside do not dominate what follows
+                    offsets = dict(self.ctx.row_offsets)
+                    self.guarded(cond, lambda: child_of(child))
+                    self.ctx.row_offsets = offsets
                 self.warp_sync()
             self.ctx.grouped = False
         self.vector_branch(aligned, lambda: emit(True), lambda: emit(False))
+
+    def guarded(self, cond: isl.AstExpr, then) -> None:
+        """then() where the isl condition cond holds."""
+        inside = self.fn.append_basic_block("row.then")
+        done = self.fn.append_basic_block("row.endif")
+        self.b.cbranch(self.aexpr(cond), inside, done)
+        self.b.position_at_end(inside)
+        then()
+        self.b.branch(done)
+        self.b.position_at_end(done)
 
     def lane_loop(self, loop: isl.AstNode, plan: WarpRows) -> None:
         """An inner loop whose iterations the lanes share (lane, lane + 32, ...);
