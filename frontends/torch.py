@@ -1341,11 +1341,14 @@ def _solvable_symbol(expr) -> tuple[str, ...]:
     return (str(syms[0]),) if len(syms) == 1 and syms[0].is_Symbol else ()
 
 
-def translate(gm: torch.fx.GraphModule, example_inputs: Sequence | None = None) -> _Translation:
+def translate(gm: torch.fx.GraphModule, example_inputs: Sequence | None = None,
+              results_as_traced: bool = False) -> _Translation:
     """An ATen graph as a polyjit graph, node by node through :data:`ATEN`.
     ``example_inputs``: the tensors the graph is compiled for, whose layouts
     may differ from those traced (a backward's saved activations, laid out
-    as its forward stored them)."""
+    as its forward stored them). ``results_as_traced``: every result laid
+    out as traced (what a forward hands the user), not only what the
+    backward alone reads (see _outputs)."""
     cx = _Context()
     env: dict[torch.fx.Node, Any] = {}
     tensor_inputs = []
@@ -1409,14 +1412,16 @@ def translate(gm: torch.fx.GraphModule, example_inputs: Sequence | None = None) 
             cx.target, cx.node = node.target, node
             env[node] = fn(cx, *args, **kwargs)
         elif node.op == "output":
-            return _outputs(cx, node, env, tensor_inputs, input_pos, input_orders, symbols, gm.meta.get(_SAVED, ()))
+            return _outputs(cx, node, env, tensor_inputs, input_pos, input_orders, symbols, gm.meta.get(_SAVED, ()),
+                            results_as_traced)
         else:
             raise UnsupportedOpError(f"FX node kind {node.op}")
     raise UnsupportedOpError("graph without output")
 
 
 def _outputs(cx: _Context, node: torch.fx.Node, env: dict, tensor_inputs: list[int], input_pos: dict[int, int],
-             input_orders: dict[int, tuple[int, ...]], symbols: dict[str, tuple], saved) -> _Translation:
+             input_orders: dict[int, tuple[int, ...]], symbols: dict[str, tuple], saved,
+             as_traced: bool) -> _Translation:
     """The translation of a graph whose output node is ``node``: each result
     a graph output, an input handed back, a size or a constant. What the
     backward alone reads and torch expects laid out as a permutation of
@@ -1424,8 +1429,10 @@ def _outputs(cx: _Context, node: torch.fx.Node, env: dict, tensor_inputs: list[i
     backward's input has the layout its graph was traced with (_dense_order
     reads it in place): a transpose saved for a weight's gradient is its
     value, not a transposing copy; a channels-last activation is stored
-    channels last. Other results stay row-major: autograd copies a gradient
-    laid out otherwise than its parameter."""
+    channels last. So is every result where ``as_traced`` (a forward's: the
+    user gets eager's strides, a channels-last model's output without a
+    copy to row-major). A backward's results stay row-major: autograd
+    copies a gradient laid out otherwise than its parameter."""
     outs = []
     flat = node.args[0] if isinstance(node.args[0], (tuple, list)) else (node.args[0],)
     for o in flat:
@@ -1436,7 +1443,8 @@ def _outputs(cx: _Context, node: torch.fx.Node, env: dict, tensor_inputs: list[i
             outs.append(("input", view[0]))
         elif view is not None:
             outs.append(("permuted", view))
-        elif isinstance(v, ops.Tensor) and backward_only and (order := _dense_order(_node_val(o))) is not None:
+        elif isinstance(v, ops.Tensor) and (backward_only or as_traced) and \
+                (order := _dense_order(_node_val(o))) is not None:
             outs.append(("transposed", (_graph_output(cx, _in_memory_order(cx.graph, v.node, order)), inverse(order))))
         elif isinstance(v, ops.Tensor):
             cx.graph.add_output(v.node)
@@ -1519,8 +1527,8 @@ class CompiledGraph:
     """A translated ATen graph with its Executable; called with torch tensors."""
 
     def __init__(self, gm: torch.fx.GraphModule, options: CompileOptions, name: str, stats: "Stats",
-                 example_inputs: Sequence | None = None) -> None:
-        self.t = translate(gm, example_inputs)
+                 example_inputs: Sequence | None = None, results_as_traced: bool = False) -> None:
+        self.t = translate(gm, example_inputs, results_as_traced)
         self.gm, self.failed = gm, False
         seed = [self.t.seed_index] if self.t.seed_index is not None else []
         self.exe = Executable(self.t.graph, options, name, scalar_inputs=seed + self.t.int_inputs)
@@ -1792,8 +1800,11 @@ def _where(node) -> str:
 SCATTERED_PARTS, SCATTERED_SIZE = 8, 6  # more parts than this, of fewer nodes each on average: the graph runs whole
 
 
-def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: CompileOptions, stats: Stats, name: str):
-    """Compile an ATen graph: whole if every node is supported, else by partitions."""
+def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: CompileOptions, stats: Stats, name: str,
+               results_as_traced: bool = False):
+    """Compile an ATen graph: whole if every node is supported, else by
+    partitions. ``results_as_traced``: the whole graph's results laid out as
+    traced (translate)."""
     support = _Supported()
     if options.tf32 is None:  # convolutions as eager's: TF32 where torch allows cuDNN it
         options = dataclasses.replace(options, tf32=bool(torch.backends.cudnn.allow_tf32))
@@ -1804,7 +1815,7 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: CompileOptions
     unsupported = [n for n in gm.graph.nodes if n.op == "call_function" and not support.is_node_supported({}, n)]
     if not unsupported:
         try:
-            return _compiled(gm, options, name, stats, where, example_inputs)
+            return _compiled(gm, options, name, stats, where, example_inputs, results_as_traced)
         except USER_ERRORS:
             raise
         except Exception as e:
@@ -1829,14 +1840,14 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: CompileOptions
 
 
 def _compiled(gm, options: CompileOptions, name: str, stats: Stats, where: str,
-              example_inputs: Sequence | None = None) -> CompiledGraph:
+              example_inputs: Sequence | None = None, results_as_traced: bool = False) -> CompiledGraph:
     """A graph translated and compiled for contiguous inputs on ``where`` now,
     so that what the compiler refuses (a size that is not affine) becomes a
     counted fallback here rather than an error at the first call. The
     layouts its saved activations take are reported to AOTAutograd, which
     compiles the backward for inputs laid out so."""
     from torch._guards import TracingContext
-    compiled = CompiledGraph(gm, options, name, stats, example_inputs)
+    compiled = CompiledGraph(gm, options, name, stats, example_inputs, results_as_traced)
     strides = compiled.saved_in_target_order(where)
     compiled.exe.variant((False,) * len(compiled.exe.graph.inputs), where)
     context = TracingContext.try_get()
@@ -1869,7 +1880,8 @@ class PolyjitBackend:
         def compile_graph(gm, example_inputs):
             name = f"{kind}{next(_graph_ids)}"
             try:
-                compiled = compile_fx(gm, example_inputs, self.options, self.stats, name)
+                compiled = compile_fx(gm, example_inputs, self.options, self.stats, name,
+                                      results_as_traced=kind != "backward")
             except Exception as err:  # polyjit's own failure: this graph runs in eager PyTorch
                 internal_failure(self.stats, f"graph {name}", err, "eager PyTorch", self.options.strict)
                 return _boxed(gm.forward)

@@ -1098,6 +1098,35 @@ def test_channels_last_activations_saved_for_the_backward_keep_their_layout():
         [(tuple(t.shape), t.stride()) for t in saved]
 
 
+class _Permuting(nn.Module):
+    """ConvNeXt's block: channels last for a norm and a product, then back."""
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.norm, self.fc = nn.Conv2d(6, 6, 3, padding=1, groups=6), nn.LayerNorm(6), nn.Linear(6, 6)
+
+    def forward(self, x):
+        y = self.fc(self.norm(self.conv(x).permute(0, 2, 3, 1)))
+        return x + y.permute(0, 3, 1, 2), torch.relu(y).transpose(1, 2)
+
+
+@pytest.mark.parametrize("train", [False, True])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_results_have_eager_strides(train, channels_last):
+    """A result laid out as a permutation of row-major in eager (a permuted
+    block's output; a channels-last model's) comes out with eager's
+    strides, as a view of the array computed in that order."""
+    torch.manual_seed(0)
+    m, x = _Permuting().to(DEVICE).train(train), torch.randn(2, 6, 5, 7, device=DEVICE)
+    if channels_last:
+        m, x = m.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
+    with torch.set_grad_enabled(train):
+        out, ref = torch.compile(m, backend="polyjit")(x), m(x)
+    for o, e in zip(out, ref):
+        torch.testing.assert_close(o, e, rtol=1e-5, atol=1e-5)
+        assert o.stride() == e.stride()
+    assert ref[0].is_contiguous(memory_format=torch.channels_last) == channels_last and not ref[1].is_contiguous()
+
+
 @pytest.mark.parametrize("mode", ["bilinear", "bilinear_corners", "nearest", "bicubic"])
 def test_interpolation_takes_rows_then_columns(mode, monkeypatch):
     """Upsampling indexes an image by a row index and a column index (torch's
