@@ -71,21 +71,19 @@ _NUMPY_TO_TORCH = {_numpy_dtype(d): t for t, d in _DTYPES.items()}
 _NUMPY_DTYPES = {t: _numpy_dtype(d) for t, d in _DTYPES.items()}
 
 
-DECOMPOSITIONS = {
-    **core_aten_decompositions(),
-    **get_decompositions([
-        aten.native_layer_norm, aten.native_layer_norm_backward, aten.gelu, aten.gelu_backward,
-        aten._softmax, aten._log_softmax, aten._softmax_backward_data, aten._log_softmax_backward_data,
-        aten.native_dropout, aten.native_dropout_backward, aten.addmm, aten.threshold_backward,
-        aten.silu, aten.silu_backward, aten.sigmoid_backward, aten.tanh_backward, aten.mse_loss,
-        aten.mse_loss_backward, aten.nll_loss_forward, aten.nll_loss_backward, aten._to_copy,
-        aten.rms_norm, aten.embedding_dense_backward, aten.repeat, aten.elu, aten.elu_backward,
-        aten.native_group_norm, aten.native_group_norm_backward, aten._native_batch_norm_legit,
-        aten._native_batch_norm_legit_functional, aten._native_batch_norm_legit_no_training,
-        aten.linalg_vector_norm, aten.reflection_pad2d, aten.upsample_nearest2d,
-        aten.upsample_bilinear2d,
-    ]),
-}
+_CHOSEN = get_decompositions([  # beyond the core set: ops whose parts fuse with their neighbours
+    aten.native_layer_norm, aten.native_layer_norm_backward, aten.gelu, aten.gelu_backward,
+    aten._softmax, aten._log_softmax, aten._softmax_backward_data, aten._log_softmax_backward_data,
+    aten.native_dropout, aten.native_dropout_backward, aten.addmm, aten.threshold_backward,
+    aten.silu, aten.silu_backward, aten.sigmoid_backward, aten.tanh_backward, aten.mse_loss,
+    aten.mse_loss_backward, aten.nll_loss_forward, aten.nll_loss_backward, aten._to_copy,
+    aten.rms_norm, aten.embedding_dense_backward, aten.repeat, aten.elu, aten.elu_backward,
+    aten.native_group_norm, aten.native_group_norm_backward, aten._native_batch_norm_legit,
+    aten._native_batch_norm_legit_functional, aten._native_batch_norm_legit_no_training,
+    aten.linalg_vector_norm, aten.reflection_pad2d, aten.upsample_nearest2d,
+    aten.upsample_bilinear2d,
+])
+DECOMPOSITIONS = {**core_aten_decompositions(), **_CHOSEN}
 
 
 def _foreach(single: Callable, overload: str, per_element: bool = False) -> Callable:
@@ -1097,6 +1095,52 @@ def _index_add(cx, x, dim, index, src, alpha=1):
     return x + ops.scatter_add(list(x.shape), index, src * alpha if alpha != 1 else src, dim)
 
 
+# Ops an inference graph keeps whole (INFERENCE_DECOMPOSITIONS): lowered
+# here in one step, where tracing torch's decompositions cost a node and a
+# fake-tensor dispatch per part. A training graph still decomposes them,
+# for the partition to choose what the backward recomputes.
+WHOLE_IN_INFERENCE = (aten.addmm, aten.native_layer_norm, aten.gelu, aten._softmax, aten._log_softmax)
+
+
+def _computed(x):
+    """x in its compute type (the half types in float32, as torch's decompositions compute them)."""
+    return ops.cast(x, x.dtype.compute)
+
+
+@_reg(aten.addmm.default)
+def _addmm(cx, bias, a, b, beta=1, alpha=1):
+    out = ops.matmul(a, b) if alpha == 1 else ops.matmul(a, b) * alpha
+    return out if beta == 0 else out + (bias if beta == 1 else bias * beta)  # (beta 0 ignores bias: NaN too)
+
+
+@_reg(aten.native_layer_norm.default)
+def _native_layer_norm(cx, x, normalized_shape, weight, bias, eps):
+    """The normalized x, and the mean and 1/deviation torch returns with it
+    (of the node's dtypes: the input's on the CPU for the half types)."""
+    dims = list(range(x.ndim - len(normalized_shape), x.ndim))
+    xc = _computed(x)
+    mean = ops.mean(xc, dims, keepdim=True)
+    d = xc - mean
+    rstd = ops.rsqrt(ops.mean(d * d, dims, keepdim=True) + eps)
+    out = d * rstd
+    out = out * weight if weight is not None else out
+    out = out + bias if bias is not None else out
+    return tuple(ops.cast(v, cx.dtype(t.dtype)) for v, t in zip((out, mean, rstd), _node_val(cx.node)))
+
+
+def _softmax_rule(softmax):
+    def rule(cx, x, dim, half_to_float=False):
+        if x.ndim == 0:  # a 0-dim tensor's softmax over its one element
+            return ops.cast(softmax(ops.unsqueeze(_computed(x), 0), 0), cx.dtype(_node_val(cx.node).dtype))[0]
+        return ops.cast(softmax(_computed(x), dim % x.ndim), cx.dtype(_node_val(cx.node).dtype))
+    return rule
+
+
+ATEN[aten.gelu.default] = lambda cx, x, approximate="none": ops.cast(ops.gelu(_computed(x), approximate), x.dtype)
+ATEN[aten._softmax.default] = _softmax_rule(ops.softmax)
+ATEN[aten._log_softmax.default] = _softmax_rule(ops.log_softmax)
+
+
 # creation
 def _full(cx, shape, value, dtype=None):
     dt = cx.dtype(dtype) if dtype is not None else (
@@ -1197,6 +1241,11 @@ def _size_op(fn):
 
 for _op in (operator.add, operator.sub, operator.mul, operator.neg, operator.floordiv):
     ATEN[_op] = _size_op(_op)
+
+# An inference graph's decompositions: none for what the table lowers itself
+# (torch's chosen ones aside: their parts fuse), nor for the ops kept whole.
+INFERENCE_DECOMPOSITIONS = {op: d for op, d in DECOMPOSITIONS.items()
+                            if op not in ATEN or (op in _CHOSEN and op.overloadpacket not in WHOLE_IN_INFERENCE)}
 
 
 def _known_negative(cx, position: int, name: str) -> bool:
@@ -1896,8 +1945,12 @@ class PolyjitBackend:
         # input mutations (batch norms' running statistics) stay in the graph: copied in after the call,
         # together, rather than one copy_ each by AOTAutograd's wrapper
         expect_compile()  # (the workers' imports beside AOTAutograd's trace)
+        # AOTAutograd's own test for a graph that needs no backward
+        inference = not torch.is_grad_enabled() or not any(
+            isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs)
         backend = aot_autograd(fw_compiler=self._compiler("forward"), bw_compiler=self._compiler("backward"),
-                               inference_compiler=self._compiler("inference"), decompositions=DECOMPOSITIONS,
+                               inference_compiler=self._compiler("inference"),
+                               decompositions=INFERENCE_DECOMPOSITIONS if inference else DECOMPOSITIONS,
                                keep_inference_input_mutations=True,
                                partition_fn=functools.partial(_partition, use_cache=self.options.cache))
         # attention as matmuls and softmax, which fuse, rather than a device's fused kernel

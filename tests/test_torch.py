@@ -1098,6 +1098,30 @@ def test_channels_last_activations_saved_for_the_backward_keep_their_layout():
         [(tuple(t.shape), t.stride()) for t in saved]
 
 
+@pytest.mark.parametrize("train", [False, True])
+def test_inference_graphs_keep_layer_norm_gelu_softmax_and_addmm_whole(train, monkeypatch):
+    """Without a backward, these ops reach the translator whole: tracing
+    torch's decompositions of them cost the compile a node each of their
+    parts. A training graph decomposes them, for the partition to choose
+    what its backward recomputes."""
+    import polyjit.frontends.torch as torch_frontend
+    seen = []
+    compile_fx = torch_frontend.compile_fx
+    monkeypatch.setattr(torch_frontend, "compile_fx", lambda gm, *a, **k: seen.append(
+        {n.target for n in gm.graph.nodes}) or compile_fx(gm, *a, **k))
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 4), nn.Softmax(-1))
+    x = torch.randn(3, 8)
+    with torch.set_grad_enabled(train):
+        torch.testing.assert_close(torch.compile(m, backend="polyjit", options={"strict": True})(x), m(x))
+    aten = torch.ops.aten
+    whole = {aten.addmm.default, aten.native_layer_norm.default, aten.gelu.default, aten._softmax.default}
+    if train:
+        assert not whole & seen[0], seen[0]
+    else:
+        assert whole <= seen[0], seen[0]
+
+
 class _Permuting(nn.Module):
     """ConvNeXt's block: channels last for a norm and a product, then back."""
     def __init__(self) -> None:
