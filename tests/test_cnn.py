@@ -714,6 +714,7 @@ def _nhwc_conv_reference(x, k, pad: int):
     ("input gradient", (2, 12, 12, 32), (3, 3, 32, 32), 1, ("library", None)),  # the kernel read as HWOI
     ("input gradient", (2, 16, 16, 32), (3, 3, 16, 32), 1, None),  # 16 output channels: timed
     ("weight gradient", (2, 12, 12, 16), (3, 3, 16, 32), 1, None),  # timed
+    ("weight gradient", (2, 8, 8, 64), (3, 3, 64, 64), 1, "library"),  # 64 channels and more
 ])
 def test_channels_last_convolutions_settled_by_the_model(case, shape, kernel, pad, choice, rng, monkeypatch):
     """contractions="auto" settles a channels-last convolution without a
@@ -724,7 +725,9 @@ def test_channels_last_convolutions_settled_by_the_model(case, shape, kernel, pa
     kernel's rows generate (strided too, from a vector of input channels or
     more, or where the result's rows fill the register blocks); an input
     gradient's kernel (two vectors of output channels or more, strided)
-    calls the library. The rest, weight gradients among them, are timed."""
+    calls the library, and so does a weight gradient of 64 channels and
+    more on both sides. The rest, fewer channels' weight gradients among
+    them, are timed."""
     from polyjit import library
     from polyjit.codegen.cpu import vector_bits
     monkeypatch.setattr(library, "_measured", {})

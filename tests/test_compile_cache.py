@@ -242,6 +242,27 @@ def test_identical_layers_compile_once(rng):
     np.testing.assert_allclose(again(*fresh), _layers_ref(*fresh), rtol=1e-4, atol=1e-5)
 
 
+def test_a_kernel_of_the_same_ir_in_another_group_compiles_once(rng, monkeypatch):
+    """A kernel is named by its IR: the transpose of a group that differs
+    elsewhere (its other kernel) is the same IR, compiled once and loaded
+    from the same object code."""
+    from polyjit.cache import ProcessCache
+    from polyjit.codegen import program
+    x, z = rng.standard_normal((8, 16), dtype=F32), rng.standard_normal(5, dtype=F32)
+    infos = [InputInfo(x.shape, F32), InputInfo(z.shape, F32)]
+    monkeypatch.setattr(program, "_codes", ProcessCache(program.CODE_CACHE))
+    plus = polyjit.compile(lambda x, z: (ops.transpose(x, 0, 1) * 2, z + 1), infos, {"cache": False})
+    times = polyjit.compile(lambda x, z: (ops.transpose(x, 0, 1) * 2, z * 3), infos, {"cache": False})
+    for exe, want in ((plus, z + 1), (times, z * 3)):
+        t, y = exe(x, z)
+        np.testing.assert_allclose(t, x.T * 2, rtol=1e-6)
+        np.testing.assert_allclose(y, want, rtol=1e-6)
+    assert plus.stats["kernels"] == times.stats["kernels"] == 2
+    assert plus.stats["kernels_compiled"] == 2 and times.stats["kernels_compiled"] == 1
+    shared = set(plus.compile_default().keepalive.objects) & set(times.compile_default().keepalive.objects)
+    assert len(shared) == 1
+
+
 SCRIPT = """
 import json, sys, numpy as np, polyjit
 from polyjit import ops, InputInfo

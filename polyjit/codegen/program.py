@@ -1,16 +1,17 @@
 """A CPU program built from kernel code shared by structure.
 
-Kernels of the same structure (a fusion group's canonical statements,
-arrays and schedule, the kernel's place in it: a model's identical layers)
-are emitted and compiled once per process. LLVM's passes and machine code
-run on a thread of their own while the next kernels are scheduled and
-emitted in Python (llvmlite's calls release the GIL; its lock keeps one LLVM
-call at a time, so one thread is all it can use). Each such kernel's code takes
-its group's buffers and integers in the group's own order; a small entry
-per kernel of the program, with the runtime's fixed signature, gathers the
-program's buffers into that order and calls it. The machine code is object
-code, loaded into one MCJIT engine per program, so that it can be kept on
-disk as it is (polyjit.cache).
+Kernels of the same structure (a fusion group's canonical statements, arrays
+and schedule, the kernel's place in it: a model's identical layers) are
+emitted and compiled once per process; a kernel of the same IR as another
+(of a group that differs elsewhere) is compiled once too. LLVM's passes and
+machine code run on a thread of their own while the next kernels are
+scheduled and emitted in Python (llvmlite's calls release the GIL; its lock
+keeps one LLVM call at a time, so one thread is all it can use). Each such
+kernel's code takes its group's buffers and integers in the group's own
+order; a small entry per kernel of the program, with the runtime's fixed
+signature, gathers the program's buffers into that order and calls it. The
+machine code is object code, loaded into one MCJIT engine per program, so
+that it can be kept on disk as it is (polyjit.cache).
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ from .cpu_mapping import CpuMapper
 from .llvm import I64, PTR, KernelInfo, buffer_layout, kernel_name
 from .mapping import mapping_text
 
-CODE_CACHE = 4096  # compiled kernels kept per process
+CODE_CACHE = 8192  # compiled kernels kept per process, each by two keys (_kept)
 
 
 @dataclass(frozen=True)
@@ -87,21 +88,32 @@ def _submit(fn, *args) -> Future:
 
 def kernel_code(group: ScheduledGroup, j: int, config: str, timer, variant: tuple = ()) -> tuple[KernelCode, bool]:
     """The code of kernel j of group (compiled now, or earlier in this process
-    for the same variant, what else chose its schedule: second result True);
-    its machine code may still be on the way (KernelCode.job)."""
+    for the same variant, what else chose its schedule, or for another
+    kernel of the same IR: second result True); its machine code may still
+    be on the way (KernelCode.job)."""
     key = _kernel_key(group, j, config)
     code = _codes.get((key, variant))
-    if code is not None and not (code.job.done() and code.job.exception()):
+    if _usable(code):
         return code, True
-    emitted = _emitted(group, j, key, timer)
+    emitted = _emitted(group, j, timer)
+    same = _codes.get(emitted[0])
+    if _usable(same):
+        return _kept(key, variant, emitted, same.job), True
     job = workers.workers().submit(workers.OBJECT, emitted[-1], _on_thread)  # (its IR)
     return _kept(key, variant, emitted, job), False
 
 
+def _usable(code: KernelCode | None) -> bool:
+    return code is not None and not (code.job.done() and code.job.exception())
+
+
 def _kept(key: str, variant: tuple, emitted: tuple[str, bool, str, str], job: Future) -> KernelCode:
-    """The code of an emitted kernel (_emitted's result) and its job, kept in the process's cache."""
+    """The code of an emitted kernel (_emitted's result) and its job, kept in
+    the process's cache by its group's key and by its symbol, which names
+    its IR (_emitted)."""
     code = KernelCode(*emitted, job)
     _codes.put((key, variant), code)
+    _codes.put(code.symbol, code)
     return code
 
 
@@ -109,19 +121,27 @@ def _kernel_key(group: ScheduledGroup, j: int, config: str) -> str:
     return hashlib.sha256(f"{group.problem.key}|{config}|{j}".encode()).hexdigest()
 
 
-def _emitted(group: ScheduledGroup, j: int, key: str, timer) -> tuple[str, bool, str, str]:
+def _emitted(group: ScheduledGroup, j: int, timer) -> tuple[str, bool, str, str]:
     """Kernel j of group emitted: its symbol, whether it is parallel, its
-    mapping as printed and its LLVM IR."""
+    mapping as printed and its LLVM IR. The symbol ends in a hash of the IR
+    (emitted under a placeholder name): kernels of groups that differ
+    elsewhere (a transpose, a pack, a per-channel sum beside other
+    statements) are often the same IR, compiled once (kernel_code,
+    WorkerCodes.make)."""
     node = group.sched.kernel_asts()[j]
     with timer("mapping"):
         plan = CpuMapper(group.problem.prog, group.sched, vector_bits()).kernel(j, node)
     with timer("emit"):
         emitter = CpuEmitter(group.problem.prog, group.sched, "k")
-        emitter.symbol = kernel_name(group.problem.prog, "", j, group.sched.kernels[j]).replace(
-            "_kernel", "_" + key[:16])
+        placeholder = kernel_name(group.problem.prog, "", j, group.sched.kernels[j]).replace("_kernel", "_" + _UNNAMED)
+        emitter.symbol = placeholder
         emitter.kernel(j, node, plan)
         text = str(emitter.module)
-    return emitter.symbol, emitter.kernels[0].parallel, str(plan), text
+        symbol = placeholder.replace(_UNNAMED, hashlib.sha256(text.encode()).hexdigest()[:16])
+    return symbol, emitter.kernels[0].parallel, str(plan), text.replace(placeholder, symbol)
+
+
+_UNNAMED = "0" * 16  # a kernel's symbol's hash while its IR is emitted
 
 
 @dataclass(frozen=True)
@@ -131,17 +151,25 @@ class WorkerCodes:
     AST already, which the caller would otherwise build again from the
     schedule's text to emit the same IR, and sends the same IR to a worker."""
 
-    config: str
-
     def make(self, group: ScheduledGroup, timer) -> list[tuple]:
-        """Each kernel's (symbol, parallel, mapping, IR, optimized IR, object code, LLVM's seconds)."""
+        """Each kernel's (symbol, parallel, mapping, IR, optimized IR, object
+        code, LLVM's seconds); the seconds are None for a kernel of the same
+        IR as one this process made before, which is not compiled again."""
         out = []
         for j in range(len(group.sched.kernels)):
-            symbol, parallel, mapping, text = _emitted(group, j, _kernel_key(group, j, self.config), timer)
+            emitted = _emitted(group, j, timer)
+            same = _codes.get(emitted[0])
+            if same is not None:
+                out.append((*emitted, *same.job.result()[:2], None))
+                continue
             with timer("llvm"):
                 start = time.perf_counter()
-                optimized, obj = compile_object(text)
-            out.append((symbol, parallel, mapping, text, optimized, obj, time.perf_counter() - start))
+                optimized, obj = compile_object(emitted[-1])
+            seconds = time.perf_counter() - start
+            job: Future = Future()
+            job.set_result((optimized, obj, seconds))
+            _codes.put(emitted[0], KernelCode(*emitted, job))
+            out.append((*emitted, optimized, obj, seconds))
         return out
 
 
@@ -195,14 +223,17 @@ class CodeSet:
     def __init__(self, config: str, timer, variant: tuple = ()) -> None:
         self.config, self.timer, self.variant = config, timer, variant
         self.new: list[KernelCode] = []
-        self.spec = WorkerCodes(config)
+        self.spec = WorkerCodes()
 
     def adopt(self, group: ScheduledGroup, made: list[tuple]) -> None:
-        """group's kernels as spec.make made them in a worker: compiled for this program."""
+        """group's kernels as spec.make made them in a worker: compiled for
+        this program, but those the worker had made before."""
         for j, (*emitted, optimized, obj, seconds) in enumerate(made):
             job: Future = Future()
-            job.set_result((optimized, obj, seconds))
-            self.new.append(_kept(_kernel_key(group, j, self.config), self.variant, tuple(emitted), job))
+            job.set_result((optimized, obj, seconds or 0.0))
+            code = _kept(_kernel_key(group, j, self.config), self.variant, tuple(emitted), job)
+            if seconds is not None:
+                self.new.append(code)
 
     def of(self, group: ScheduledGroup) -> list[KernelCode]:
         out = []

@@ -210,6 +210,24 @@ def _channels_last(L, n: Node, lanes: int, min_rows: int = 64) -> tuple[bool, st
     return None
 
 
+def _channels_last_weight_gradient(L, n: Node, min_channels: int = 64) -> tuple[bool, str] | None:
+    """The model's choice for a channels-last weight gradient (the images
+    and positions reduced: gemm_form "cfirst" with the images last, CHWN by
+    IHWO), or None where only a timing tells: the library with min_channels
+    or more input and output channels, untimed: a timing compiles the
+    contraction both ways, and a DenseNet's growing concatenations make
+    each layer's weight gradient another shape. Generated code lost at every
+    such shape timed: on a 512-bit host by up to 2.2x
+    (bench/convolutions.py), on an AVX2 host at all 45 of DenseNet121's
+    training step (1x1 kernels, 64-1024 channels); with fewer channels it
+    won by up to 1.35x."""
+    ins = L.shape(n.inputs[0])[n.attrs["layout"].index("N")]
+    outs = L.shape(n.inputs[1])[n.attrs["kernel_layout"].index("O")]
+    if sz.is_static(ins) and sz.is_static(outs) and min(int(ins), int(outs)) >= min_channels:
+        return True, f"a weight gradient of {ins} -> {outs} channels"
+    return None
+
+
 class CpuTarget(Target):
     """The host: kernels shared by structure, compiled by LLVM on a thread
     of its own into object code, loaded into an MCJIT engine, run by the
@@ -275,15 +293,16 @@ class CpuTarget(Target):
         kernels only: the timings agreed at every such shape of MobileNetV2,
         while a Keras CNN's 3x3 kernel, generated, took twice sgemm's time);
         their weight gradients (images and positions, the reduction, strided
-        in both operands) are timed: generated lost by up to 2.2x at 64
-        channels and more, and won by up to 1.35x at fewer
-        (bench/convolutions.py). On any host, a product whose weight it would
-        read across rows calls the library (_read_across), below the size
-        where products are not timed too."""
+        in both operands): the library from 64 channels, else timed
+        (_channels_last_weight_gradient). On any host, a product whose weight
+        it would read across rows calls the library (_read_across), below
+        the size where products are not timed too."""
         if n.op == "dot_general" and _read_across(n):
             return True, "its weight read across rows: too few rows to pack it"
         lanes = self.vector_bits() // 32
         form = None if n.op == "dot_general" else gemm_form(L, n)
+        if form == "cfirst" and n.attrs["layout"][-1] == "N":
+            return _channels_last_weight_gradient(L, n)
         if form == "nhwc":
             kernel = zip(L.shape(n.inputs[1]), n.attrs["kernel_layout"])
             pointwise = all(int(s) == 1 for s, c in kernel if c not in "OI")
@@ -293,7 +312,7 @@ class CpuTarget(Target):
         if n.op == "dot_general":
             why = _whole_blocks(L, n, lanes)
             return (False, why) if why else None
-        if (form == "cfirst" and n.attrs["layout"][-1] == "N") or columns_form(L, n) is None:
+        if columns_form(L, n) is None:
             return None
         kernel, klay = L.shape(n.inputs[1]), n.attrs["kernel_layout"]
         if form != "cfirst" and not all(int(kernel[k]) % 2 for k, c in enumerate(klay) if c not in "OI"):
