@@ -253,21 +253,12 @@ class _RowEmission:
                     child_of(child)
                 else:  # the same for every lane of the row; offsets made inside do not dominate what follows
                     offsets = dict(self.ctx.row_offsets)
-                    self.guarded(cond, lambda: child_of(child))
+                    with self.b.if_then(self.aexpr(cond)):
+                        child_of(child)
                     self.ctx.row_offsets = offsets
                 self.warp_sync()
             self.ctx.grouped = False
         self.vector_branch(aligned, lambda: emit(True), lambda: emit(False))
-
-    def guarded(self, cond: isl.AstExpr, then) -> None:
-        """then() where the isl condition cond holds."""
-        inside = self.fn.append_basic_block("row.then")
-        done = self.fn.append_basic_block("row.endif")
-        self.b.cbranch(self.aexpr(cond), inside, done)
-        self.b.position_at_end(inside)
-        then()
-        self.b.branch(done)
-        self.b.position_at_end(done)
 
     def lane_loop(self, loop: isl.AstNode, plan: WarpRows) -> None:
         """An inner loop whose iterations the lanes share (lane, lane + 32, ...);
