@@ -213,14 +213,13 @@ def _channels_last(L, n: Node, lanes: int, min_rows: int = 64) -> tuple[bool, st
 def _channels_last_weight_gradient(L, n: Node, min_channels: int = 64) -> tuple[bool, str] | None:
     """The model's choice for a channels-last weight gradient (the images
     and positions reduced: gemm_form "cfirst" with the images last, CHWN by
-    IHWO), or None where only a timing tells: the library with min_channels
-    or more input and output channels, untimed: a timing compiles the
-    contraction both ways, and a DenseNet's growing concatenations make
-    each layer's weight gradient another shape. Generated code lost at every
-    such shape timed: on a 512-bit host by up to 2.2x
-    (bench/convolutions.py), on an AVX2 host at all 45 of DenseNet121's
-    training step (1x1 kernels, 64-1024 channels); with fewer channels it
-    won by up to 1.35x."""
+    IHWO), or None where only a timing tells. With min_channels or more
+    input and output channels the library, untimed: generated code lost at
+    every such shape measured, on 512-bit and AVX2 hosts alike, and won
+    only below (bench/NOTES.md: the channels-last convolutions' choices,
+    DenseNet121's Keras training step), while a timing compiles the
+    contraction both ways at each shape, and a DenseNet's growing
+    concatenations make each layer's weight gradient another shape."""
     ins = L.shape(n.inputs[0])[n.attrs["layout"].index("N")]
     outs = L.shape(n.inputs[1])[n.attrs["kernel_layout"].index("O")]
     if sz.is_static(ins) and sz.is_static(outs) and min(int(ins), int(outs)) >= min_channels:
