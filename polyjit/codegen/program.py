@@ -96,8 +96,8 @@ def kernel_code(group: ScheduledGroup, j: int, config: str, timer, variant: tupl
     if _usable(code):
         return code, True
     emitted = _emitted(group, j, timer)
-    same = _codes.get(emitted[0])
-    if _usable(same):
+    same = _same_ir(emitted[0])
+    if same is not None:
         return _kept(key, variant, emitted, same.job), True
     job = workers.workers().submit(workers.OBJECT, emitted[-1], _on_thread)  # (its IR)
     return _kept(key, variant, emitted, job), False
@@ -105,6 +105,19 @@ def kernel_code(group: ScheduledGroup, j: int, config: str, timer, variant: tupl
 
 def _usable(code: KernelCode | None) -> bool:
     return code is not None and not (code.job.done() and code.job.exception())
+
+
+def _same_ir(symbol: str) -> KernelCode | None:
+    """The code made in this process of the IR that symbol names (_emitted), or None."""
+    code = _codes.get(symbol)
+    return code if _usable(code) else None
+
+
+def _finished(optimized: str, obj: bytes, seconds: float) -> Future:
+    """A job done already: a kernel's code made in a worker process."""
+    job: Future = Future()
+    job.set_result((optimized, obj, seconds))
+    return job
 
 
 def _kept(key: str, variant: tuple, emitted: tuple[str, bool, str, str], job: Future) -> KernelCode:
@@ -158,17 +171,15 @@ class WorkerCodes:
         out = []
         for j in range(len(group.sched.kernels)):
             emitted = _emitted(group, j, timer)
-            same = _codes.get(emitted[0])
+            same = _same_ir(emitted[0])
             if same is not None:
-                out.append((*emitted, *same.job.result()[:2], None))
+                out.append((*emitted, same.optimized, same.obj, None))
                 continue
             with timer("llvm"):
                 start = time.perf_counter()
                 optimized, obj = compile_object(emitted[-1])
             seconds = time.perf_counter() - start
-            job: Future = Future()
-            job.set_result((optimized, obj, seconds))
-            _codes.put(emitted[0], KernelCode(*emitted, job))
+            _codes.put(emitted[0], KernelCode(*emitted, _finished(optimized, obj, seconds)))
             out.append((*emitted, optimized, obj, seconds))
         return out
 
@@ -229,9 +240,8 @@ class CodeSet:
         """group's kernels as spec.make made them in a worker: compiled for
         this program, but those the worker had made before."""
         for j, (*emitted, optimized, obj, seconds) in enumerate(made):
-            job: Future = Future()
-            job.set_result((optimized, obj, seconds or 0.0))
-            code = _kept(_kernel_key(group, j, self.config), self.variant, tuple(emitted), job)
+            code = _kept(_kernel_key(group, j, self.config), self.variant, tuple(emitted),
+                         _finished(optimized, obj, seconds or 0.0))
             if seconds is not None:
                 self.new.append(code)
 
