@@ -1117,15 +1117,8 @@ def _addmm(cx, bias, a, b, beta=1, alpha=1):
 def _native_layer_norm(cx, x, normalized_shape, weight, bias, eps):
     """The normalized x, and the mean and 1/deviation torch returns with it
     (of the node's dtypes: the input's on the CPU for the half types)."""
-    dims = list(range(x.ndim - len(normalized_shape), x.ndim))
-    xc = _computed(x)
-    mean = ops.mean(xc, dims, keepdim=True)
-    d = xc - mean
-    rstd = ops.rsqrt(ops.mean(d * d, dims, keepdim=True) + eps)
-    out = d * rstd
-    out = out * weight if weight is not None else out
-    out = out + bias if bias is not None else out
-    return tuple(ops.cast(v, cx.dtype(t.dtype)) for v, t in zip((out, mean, rstd), _node_val(cx.node)))
+    parts = ops.layer_norm_with_statistics(_computed(x), normalized_shape, weight, bias, eps)
+    return tuple(ops.cast(v, cx.dtype(t.dtype)) for v, t in zip(parts, _node_val(cx.node)))
 
 
 def _softmax_rule(softmax):

@@ -1242,17 +1242,25 @@ def log_softmax(x: Tensor, dim: int = -1) -> Tensor:
 
 def layer_norm(x: Tensor, normalized_shape=None, weight: Tensor | None = None,
                bias: Tensor | None = None, eps: float = 1e-5) -> Tensor:
+    return layer_norm_with_statistics(x, normalized_shape, weight, bias, eps)[0]
+
+
+def layer_norm_with_statistics(x: Tensor, normalized_shape=None, weight: Tensor | None = None,
+                               bias: Tensor | None = None, eps: float = 1e-5) -> tuple[Tensor, Tensor, Tensor]:
+    """layer_norm, with the mean and 1/deviation it normalized by (the
+    normalized dims kept, of size 1): what torch's native_layer_norm
+    returns for its backward to reuse."""
     nd = len(normalized_shape) if normalized_shape is not None else 1
     dims = list(range(x.ndim - nd, x.ndim))
     m = mean(x, dims, keepdim=True)
     d = x - m
-    v = mean(d * d, dims, keepdim=True)
-    y = d * rsqrt(v + eps)
+    rstd = rsqrt(mean(d * d, dims, keepdim=True) + eps)
+    y = d * rstd
     if weight is not None:
         y = y * weight
     if bias is not None:
         y = y + bias
-    return y
+    return y, m, rstd
 
 
 def rms_norm(x: Tensor, normalized_shape=None, weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:
