@@ -536,11 +536,15 @@ def _key_counter(o, seed):
     bits as C++ converts them (an int32 sign-extends), are a counter that
     Philox mixes once under a fixed key: the mix's first two words make
     the key, its last two the counter's high half."""
-    mix = ops.cast(ops.philox_bits(ops.full([1], _SEED_KEY, DataType.UInt64, like=seed),
-                                   ops.cast(seed, DataType.UInt64), [4]), DataType.UInt64)
-    word = lambda k: ops.slice(mix, [k], [k + 1])  # noqa: E731
-    pair = lambda k: ops.bitwise_or(word(k), ops.shift_left(word(k + 1), 32))  # noqa: E731
+    mix = ops.philox_bits(ops.full([1], _SEED_KEY, DataType.UInt64, like=seed), ops.cast(seed, DataType.UInt64), [4])
+    pair = lambda k: _u64(ops.slice(mix, [k], [k + 1]), ops.slice(mix, [k + 1], [k + 2]))  # noqa: E731
     return [pair(0), ops.cat([ops.full([1], 0, DataType.UInt64, like=seed), pair(2)], 0)]
+
+
+def _u64(lo, hi):
+    """The 64-bit numbers of two tensors of 32-bit words (TensorFlow's
+    order: the lower word first)."""
+    return ops.bitwise_or(ops.cast(lo, DataType.UInt64), ops.shift_left(ops.cast(hi, DataType.UInt64), 32))
 
 
 def _philox_words(o, sizes: list, key, counter, alg, per_element: int = 1) -> list:
@@ -599,8 +603,7 @@ def _full_int(o, shape, key, counter, alg):
     dt = core_dtype(o.get_attr("dtype"))
     if dt.itemsize == 4:
         return ops.cast(_philox_words(o, _sizes(shape, "shape"), key, counter, alg)[0], dt)
-    lo, hi = (ops.cast(w, DataType.UInt64) for w in _philox_words(o, _sizes(shape, "shape"), key, counter, alg, 2))
-    return ops.cast(ops.bitwise_or(lo, ops.shift_left(hi, 32)), dt)
+    return ops.cast(_u64(*_philox_words(o, _sizes(shape, "shape"), key, counter, alg, 2)), dt)
 
 
 def _seeded(rule):
