@@ -1121,11 +1121,13 @@ def _native_layer_norm(cx, x, normalized_shape, weight, bias, eps):
     return tuple(ops.cast(v, cx.dtype(t.dtype)) for v, t in zip(parts, _node_val(cx.node)))
 
 
-def _softmax_rule(softmax):
+def _softmax_rule(softmax: Callable) -> Callable:
+    """aten._softmax's or _log_softmax's rule: of the node's dtype, which
+    half_to_float makes float32 for a half type's input."""
     def rule(cx, x, dim, half_to_float=False):
-        if x.ndim == 0:  # a 0-dim tensor's softmax over its one element
-            return ops.cast(softmax(ops.unsqueeze(_computed(x), 0), 0), cx.dtype(_node_val(cx.node).dtype))[0]
-        return ops.cast(softmax(_computed(x), dim % x.ndim), cx.dtype(_node_val(cx.node).dtype))
+        xc = _computed(x)  # (a 0-dim tensor's softmax: over its one element)
+        y = softmax(xc, dim % x.ndim) if x.ndim else softmax(ops.unsqueeze(xc, 0), 0)[0]
+        return ops.cast(y, cx.dtype(_node_val(cx.node).dtype))
     return rule
 
 
@@ -1843,7 +1845,7 @@ SCATTERED_PARTS, SCATTERED_SIZE = 8, 6  # more parts than this, of fewer nodes e
 
 
 def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: CompileOptions, stats: Stats, name: str,
-               results_as_traced: bool = False):
+               results_as_traced: bool = False) -> CompiledGraph | torch.fx.GraphModule:
     """Compile an ATen graph: whole if every node is supported, else by
     partitions. ``results_as_traced``: the whole graph's results laid out as
     traced (translate)."""
