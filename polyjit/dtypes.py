@@ -60,11 +60,11 @@ _FLOATS = (DataType.Half, DataType.BFloat16, DataType.Float, DataType.Double)
 _INTS = (DataType.Int8, DataType.UInt8, DataType.Int16, DataType.Int32, DataType.UInt32, DataType.Int,
          DataType.UInt64)
 _ITEMSIZE = {DataType.Bool: 1, DataType.Int8: 1, DataType.UInt8: 1, DataType.Int16: 2, DataType.Int32: 4,
-             DataType.UInt32: 4, DataType.Int: 8, DataType.UInt64: 8, DataType.Half: 2, DataType.BFloat16: 2, DataType.Float: 4,
-             DataType.Double: 8}
+             DataType.UInt32: 4, DataType.Int: 8, DataType.UInt64: 8, DataType.Half: 2, DataType.BFloat16: 2,
+             DataType.Float: 4, DataType.Double: 8}
 _RANK = {DataType.Bool: 0, DataType.Int8: 1, DataType.UInt8: 1, DataType.Int16: 2, DataType.Int32: 3,
-         DataType.UInt32: 3, DataType.Int: 4, DataType.UInt64: 4, DataType.Half: 5, DataType.BFloat16: 5, DataType.Float: 6,
-         DataType.Double: 7}
+         DataType.UInt32: 3, DataType.Int: 4, DataType.UInt64: 4, DataType.Half: 5, DataType.BFloat16: 5,
+         DataType.Float: 6, DataType.Double: 7}
 # holds both an unsigned type and a signed one (none holds uint64 and int64: float64, as numpy promotes them)
 _WIDER_SIGNED = {1: DataType.Int16, 2: DataType.Int32, 4: DataType.Int, 8: DataType.Double}
 
