@@ -973,7 +973,7 @@ class _Trace:
         if not self.variables:
             return []
         if self._reader_traced.is_set():
-            return [np.from_dlpack(t) for t in self._reader()]
+            return [np.from_dlpack(t) for t in self._read()]
         return [np.from_dlpack(v.read_value()) for v in self.variables]
 
     def write_variables(self, values: list) -> None:
@@ -983,7 +983,7 @@ class _Trace:
         if not values:
             return
         if self._reader_traced.is_set():
-            self._writer(*values)
+            self._write(*map(_to_tensor, values))
             return
         for v, x in zip(self.written, values):
             v.assign(x)
@@ -997,9 +997,13 @@ class _Trace:
             self._reader_thread.start()
 
     def _trace_reader(self) -> None:
-        self._reader.get_concrete_function()
+        """The reader's and writer's concrete functions, called directly
+        (the writer on tensors taken by DLPack): a tf.function matching the
+        type of each of a DenseNet's batch norm statistics at each call, each
+        converted from numpy first, was a large part of its step (bench/NOTES.md)."""
+        self._read = self._reader.get_concrete_function()
         if self.written:
-            self._writer.get_concrete_function(*[tf.TensorSpec(v.shape, v.dtype) for v in self.written])
+            self._write = self._writer.get_concrete_function(*[tf.TensorSpec(v.shape, v.dtype) for v in self.written])
         self._reader_traced.set()
 
     def trace_ops(self, operations: list, env: dict, handles: dict) -> None:

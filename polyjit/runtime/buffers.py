@@ -45,8 +45,8 @@ class BufferCache:
     def empty(self, shape: tuple[int, ...], dtype) -> np.ndarray:
         dtype = np.dtype(dtype)
         nbytes = math.prod(shape) * dtype.itemsize
-        if nbytes < self.MIN_BYTES:
-            return np.empty(shape, dtype)
+        if nbytes < self.MIN_BYTES:  # (aligned as a framework's tensors: TensorFlow takes them by DLPack only so)
+            return _aligned(nbytes).view(dtype).reshape(shape)
         size = -(-nbytes // 4096) * 4096
         with self.lock:
             blocks = self.free.get(size)
@@ -54,8 +54,7 @@ class BufferCache:
             if raw is not None:
                 self.held -= size
         if raw is None:
-            raw = np.empty(size + 64, np.uint8)
-            raw = raw[-raw.ctypes.data % 64:][:size]  # 64-byte aligned
+            raw = _aligned(size)
         return np.asarray(_Lease(raw, nbytes, self)).view(dtype).reshape(shape)
 
     def give_back(self, raw: np.ndarray) -> None:
@@ -63,6 +62,12 @@ class BufferCache:
             if self.held + raw.nbytes <= self.limit:
                 self.free.setdefault(raw.nbytes, []).append(raw)
                 self.held += raw.nbytes
+
+
+def _aligned(nbytes: int) -> np.ndarray:
+    """nbytes of new memory at a multiple of 64 bytes."""
+    raw = np.empty(nbytes + 64, np.uint8)
+    return raw[-raw.ctypes.data % 64:][:nbytes]
 
 
 _cache = BufferCache()
