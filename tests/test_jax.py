@@ -240,6 +240,23 @@ def test_weight_gradient_channels_last_is_a_library_call(rng, strides):
     assert jg.stats["library_calls"] == 2  # the forward and the weight gradient
 
 
+@pytest.mark.skipif(blas() is None, reason="no OpenBLAS from numpy to call")
+def test_a_dense_layer_over_a_sequence_is_a_library_call(rng, monkeypatch):
+    """x @ w on [b, t, d] and its weight's gradient (b and t contracted), as
+    JAX writes them, are products of matrices (views) that sgemm takes,
+    on a host whose products are timed against the library."""
+    from polyjit.targets.cpu import CpuTarget
+    monkeypatch.setattr(CpuTarget, "vector_bits", lambda self: 256)
+
+    def loss(w, x, r):
+        return (jnp.tanh(x @ w) * r).sum()
+    x, w, r = rnd(rng, 3, 10, 24), rnd(rng, 24, 20), rnd(rng, 3, 10, 20)
+    jg = polyjit.jit_jax(jax.value_and_grad(loss), compile_options={"strict": True, "contractions": "library",
+                                                                    "cache": False})
+    assert_tree_close(jg(w, x, r), jax.value_and_grad(loss)(w, x, r), rtol=1e-4, atol=1e-4)
+    assert jg.stats["library_calls"] == 2  # the forward and the weight gradient
+
+
 @pytest.mark.parametrize("fn", [
     jax.grad(lambda x: (lax.reduce_window(x, 0.0, lax.add, (1, 2, 2, 1), (1, 2, 2, 1), "VALID") ** 2).sum()),
     jax.grad(lambda x: (lax.reduce_window(x, 0.0, lax.add, (1, 3, 3, 1), (1, 2, 3, 1), "SAME") * x[:, :4, :3]).sum()),

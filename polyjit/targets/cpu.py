@@ -22,7 +22,7 @@ from ..runtime import CompiledProgram
 from ..schedule import cpu_rewrites, schedule_program
 from ..schedule.cpu_rewrites import STRIP_COLUMNS
 from ..schedule.fusion import guarded_inner_loop, serialized
-from .base import Target
+from .base import Target, matrix_products
 
 if TYPE_CHECKING:
     import islpy as isl
@@ -243,7 +243,15 @@ class CpuTarget(Target):
     times_library = True
 
     def graph_passes(self, graph: Graph, options: CompileOptions) -> Graph:
-        return column_strips(packed_operands(super().graph_passes(graph, options)), options.num_threads)
+        """Products over runs of dims as products of matrices where products
+        are timed against the library (vectors narrower than 512 bits; not
+        under contractions "generated"): the library's form takes them, and
+        it ran each of jax_block's dense layers faster than generated code
+        (bench/NOTES.md). Then weights packed and column strips."""
+        graph = super().graph_passes(graph, options)
+        if self.vector_bits() < 512 and options.contractions != "generated":
+            graph = matrix_products(graph)
+        return column_strips(packed_operands(graph), options.num_threads)
 
     def schedule_rewrites(self, sched: isl.Schedule, prog: AffineProgram, validity, tile_sizes) -> isl.Schedule:
         """Register blocks and cache tiles, threads balanced, inner loops sunk, the parallel loop marked."""

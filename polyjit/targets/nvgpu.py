@@ -31,7 +31,7 @@ from ..graph import ELEMENTWISE, Graph, Node, free_dims
 from ..lowering import LAYOUT_OPS, UNROLL_LIMIT
 from ..library import Convolution, backward_data
 from ..schedule import gpu_rewrites, schedule_program
-from .base import Target
+from .base import Target, matrix_products
 
 if TYPE_CHECKING:
     import islpy as isl
@@ -107,27 +107,6 @@ def small_products(graph: Graph) -> Graph:
     return graph.rewritten(as_sum)
 
 
-def matrix_products(graph: Graph) -> Graph:
-    """A copy in which a dot_general without batch dims over runs of
-    adjacent dims ([b, t, d] x [d, n], as JAX writes a dense layer over a
-    sequence, and its weight's gradient over (b, t)) is a product of
-    matrices, its operands and result reshaped (views): cuBLAS takes it,
-    where the nest generated over three dimensions missed it (jax_block's
-    products on an H200). The CPU keeps the nests, which its register
-    blocks run faster than its reshaped form (the same block's gradient)."""
-    def flatten(old: Node, n: Node, new: dict[int, Node]) -> Node:
-        if n.op != "dot_general" or n.attrs["lb"]:
-            return n
-        form = _matrix_form(*n.inputs, n.attrs["lc"], n.attrs["rc"])
-        if form is None:
-            return n
-        (a_shape, a_free_first), (b_shape, b_free_first) = form
-        a, b = (graph.reshape(x, shape) for x, shape in zip(n.inputs, (a_shape, b_shape)))
-        out = graph.dot_general(a, b, ((1 if a_free_first else 0,), (1 if b_free_first else 0,)))
-        return graph.reshape(out, n.shape)
-    return graph.rewritten(flatten)
-
-
 NARROW_PRODUCT = 1024  # a matrix product's result at most this wide is joined with its siblings
 
 
@@ -191,26 +170,6 @@ def _viewed(x: Node) -> tuple | int:
     if x.op in ("reshape", "transpose"):
         return (x.op, _viewed(x.inputs[0]), tuple(x.shape), x.attrs.get("perm"))
     return x.id
-
-
-def _matrix_form(a: Node, b: Node, lc: tuple, rc: tuple) -> tuple | None:
-    """Each operand's shape as a matrix ([free, contracting] or [contracting,
-    free]) and whether its free run comes first, where its free dims and its
-    contracting dims each form one run of adjacent dims (the contracting
-    ones in the same order in both), some run has more than one dim, and
-    every size is known."""
-    lf = [d for d in range(a.rank) if d not in lc]
-    rf = [d for d in range(b.rank) if d not in rc]
-    if len(lc) + len(lf) + len(rf) <= 3 or list(lc) != sorted(lc) or list(rc) != sorted(rc) \
-            or not all(sz.is_static(s) for s in a.shape + b.shape):
-        return None
-    out = []
-    for x, free, con in ((a, lf, list(lc)), (b, rf, list(rc))):
-        if not free or any(r != list(range(r[0], r[0] + len(r))) for r in (free, con)):
-            return None
-        sizes = [sz.static_product(x.shape[d] for d in r) for r in (free, con)]
-        out.append((sizes if free[0] < con[0] else sizes[::-1], free[0] < con[0]))
-    return tuple(out)
 
 
 _HALVES = (DataType.Half, DataType.BFloat16)
