@@ -34,8 +34,9 @@ def test_buffer_cache_reuses_dropped_blocks():
     gc.collect()
     b = cache.empty((512, 2048), F32)
     assert b.ctypes.data == p and cache.held == 0
-    small = cache.empty((3,), F32)
-    assert small.ctypes.data % 64 == 0 and cache.held == 0  # new memory, aligned as DLPack's consumers want it
+    small = [cache.empty((n,), F32) for n in (1, 3, 5, 17, 33, 100, 257, 1000)]  # (numpy aligns to 16 bytes)
+    assert all(s.ctypes.data % 64 == 0 for s in small) and cache.held == 0  # aligned as DLPack's consumers want
+    assert [s.shape for s in small] == [(n,) for n in (1, 3, 5, 17, 33, 100, 257, 1000)]
 
 
 def test_repeated_subexpressions_are_computed_once(rng):
