@@ -2,7 +2,8 @@
 
 Dynamo captures the program; AOTAutograd splits it into forward and backward
 ATen graphs after the core ATen decompositions (plus the composites below,
-so that fusion sees through layer norm, softmax, gelu and dropout); each
+so that fusion sees through dropout, batch and group norms; layer norm,
+softmax, gelu and their backward ops are lowered whole, as fusible); each
 graph is translated into a polyjit graph through :data:`ATEN`, the one
 table from ATen ops to polyjit ops, and compiled. Nodes outside the table
 run in eager PyTorch, in partitions of their own: counted in the stats,
@@ -83,7 +84,7 @@ _CHOSEN = get_decompositions([  # beyond the core set: ops whose parts fuse with
     aten.linalg_vector_norm, aten.reflection_pad2d, aten.upsample_nearest2d,
     aten.upsample_bilinear2d,
 ])
-DECOMPOSITIONS = {**core_aten_decompositions(), **_CHOSEN}
+_TORCH_DECOMPOSITIONS = {**core_aten_decompositions(), **_CHOSEN}
 
 
 def _foreach(single: Callable, overload: str, per_element: bool = False) -> Callable:
@@ -123,13 +124,13 @@ for _name, _single in _FOREACH.items():
     _packet = getattr(aten, "_foreach_" + _name, None)
     for _ov in (_packet.overloads() if _packet is not None else ()):
         if not _ov.endswith("out"):
-            DECOMPOSITIONS[getattr(_packet, _ov)] = _foreach(_single, _ov, _name in ("addcmul", "addcdiv"))
+            _TORCH_DECOMPOSITIONS[getattr(_packet, _ov)] = _foreach(_single, _ov, _name in ("addcmul", "addcdiv"))
 
 
 for _keep in (aten.max_pool2d_with_indices.default, aten.max_pool2d_with_indices_backward.default,
               aten.max_pool3d_with_indices.default, aten.max_pool3d_with_indices_backward.default,
               aten.split.Tensor, aten.split_with_sizes.default):
-    DECOMPOSITIONS.pop(_keep, None)
+    _TORCH_DECOMPOSITIONS.pop(_keep, None)
 
 
 def _encoder_layer(src, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias, use_gelu, norm_first,
@@ -169,7 +170,7 @@ def _encoder_layer(src, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight,
     return norm(x + feed_forward(x), norm_weight_2, norm_bias_2)
 
 
-DECOMPOSITIONS[aten._transformer_encoder_layer_fwd.default] = _encoder_layer
+_TORCH_DECOMPOSITIONS[aten._transformer_encoder_layer_fwd.default] = _encoder_layer
 
 
 def _safe_softmax(x, dim, dtype=None):
@@ -185,7 +186,7 @@ def _safe_softmax(x, dim, dtype=None):
     return torch.where(masked, torch.zeros_like(out), out)
 
 
-DECOMPOSITIONS[aten._safe_softmax.default] = _safe_softmax
+_TORCH_DECOMPOSITIONS[aten._safe_softmax.default] = _safe_softmax
 
 
 # The composites below stand for ops that torch._decomp leaves whole and that
@@ -274,10 +275,10 @@ def _embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, maximu
 
 
 for _op in (aten._embedding_bag.default, aten._embedding_bag_forward_only.default):
-    DECOMPOSITIONS[_op] = _embedding_bag
-DECOMPOSITIONS[aten._embedding_bag_backward.default] = _embedding_bag_backward
-DECOMPOSITIONS[aten._embedding_bag_dense_backward.default] = _embedding_bag_dense_backward
-DECOMPOSITIONS[aten._embedding_bag_per_sample_weights_backward.default] = _embedding_bag_per_sample_weights_backward
+    _TORCH_DECOMPOSITIONS[_op] = _embedding_bag
+_TORCH_DECOMPOSITIONS[aten._embedding_bag_backward.default] = _embedding_bag_backward
+_TORCH_DECOMPOSITIONS[aten._embedding_bag_dense_backward.default] = _embedding_bag_dense_backward
+_TORCH_DECOMPOSITIONS[aten._embedding_bag_per_sample_weights_backward.default] = _embedding_bag_per_sample_weights_backward
 
 
 def _cdist_forward(x1, x2, p, compute_mode=None):
@@ -322,8 +323,8 @@ def _cdist_backward(grad, x1, x2, p, dist):
     return term.sum(-2)
 
 
-DECOMPOSITIONS[aten._cdist_forward.default] = _cdist_forward
-DECOMPOSITIONS[aten._cdist_backward.default] = _cdist_backward
+_TORCH_DECOMPOSITIONS[aten._cdist_forward.default] = _cdist_forward
+_TORCH_DECOMPOSITIONS[aten._cdist_backward.default] = _cdist_backward
 
 
 def _grid_source(coords, size, padding_mode, align_corners):
@@ -412,11 +413,11 @@ def _grid_sampler_2d_backward(grad, a, grid, interpolation_mode, padding_mode, a
 
 
 _TORCH_GRID_SAMPLER_2D = get_decompositions([aten.grid_sampler_2d])[aten.grid_sampler_2d.default]
-DECOMPOSITIONS[aten.grid_sampler_2d.default] = _grid_sampler_2d
-DECOMPOSITIONS[aten.grid_sampler_2d_backward.default] = _grid_sampler_2d_backward
+_TORCH_DECOMPOSITIONS[aten.grid_sampler_2d.default] = _grid_sampler_2d
+_TORCH_DECOMPOSITIONS[aten.grid_sampler_2d_backward.default] = _grid_sampler_2d_backward
 # (cuDNN's, which torch.grid_sampler picks on the GPU for bilinear, zeros, align_corners)
-DECOMPOSITIONS[aten.cudnn_grid_sampler.default] = lambda a, grid: _grid_sampler_2d(a, grid, 0, 0, True)
-DECOMPOSITIONS[aten.cudnn_grid_sampler_backward.default] = (
+_TORCH_DECOMPOSITIONS[aten.cudnn_grid_sampler.default] = lambda a, grid: _grid_sampler_2d(a, grid, 0, 0, True)
+_TORCH_DECOMPOSITIONS[aten.cudnn_grid_sampler_backward.default] = (
     lambda a, grid, grad: _grid_sampler_2d_backward(grad, a, grid, 0, 0, True, (True, True)))
 
 
@@ -1095,11 +1096,12 @@ def _index_add(cx, x, dim, index, src, alpha=1):
     return x + ops.scatter_add(list(x.shape), index, src * alpha if alpha != 1 else src, dim)
 
 
-# Ops an inference graph keeps whole (INFERENCE_DECOMPOSITIONS): lowered
-# here in one step, where tracing torch's decompositions cost a node and a
-# fake-tensor dispatch per part. A training graph still decomposes them,
-# for the partition to choose what the backward recomputes.
-WHOLE_IN_INFERENCE = (aten.addmm, aten.native_layer_norm, aten.gelu, aten._softmax, aten._log_softmax)
+# Composites AOTAutograd traces whole (left out of DECOMPOSITIONS): lowered
+# here in one step, where tracing torch's decompositions costs a node and a
+# fake-tensor dispatch per part, and their parts fuse all the same. The
+# partition saves or recomputes such an op as one node.
+WHOLE = (aten.addmm, aten.native_layer_norm, aten.native_layer_norm_backward, aten.gelu, aten.gelu_backward,
+         aten._softmax, aten._log_softmax, aten._softmax_backward_data, aten._log_softmax_backward_data)
 
 
 def _computed(x):
@@ -1131,9 +1133,44 @@ def _softmax_rule(softmax: Callable) -> Callable:
     return rule
 
 
+@_reg(aten.native_layer_norm_backward.default)
+def _native_layer_norm_backward(cx, grad, x, normalized_shape, mean, rstd, weight, bias, output_mask):
+    """The gradients of native_layer_norm's input, weight and bias that
+    output_mask asks for, from the mean and 1/deviation its forward saved."""
+    inner = list(range(x.ndim - len(normalized_shape), x.ndim))
+    outer = list(range(x.ndim - len(normalized_shape)))
+    g = _computed(grad)
+    x_hat = (_computed(x) - _computed(mean)) * _computed(rstd)
+    g_hat = g * _computed(weight) if weight is not None else g
+    parts = (_computed(rstd) * (g_hat - ops.mean(g_hat, inner, keepdim=True)
+                                - x_hat * ops.mean(x_hat * g_hat, inner, keepdim=True)),
+             (ops.sum(g * x_hat, outer) if outer else g * x_hat) if weight is not None else None,
+             (ops.sum(g, outer) if outer else g) if bias is not None else None)
+    return tuple(ops.cast(v, cx.dtype(t.dtype)) if wanted and v is not None else None
+                 for v, t, wanted in zip(parts, _node_val(cx.node), output_mask))
+
+
+def _softmax_backward_rule(log: bool) -> Callable:
+    """aten._softmax_backward_data's or _log_softmax_backward_data's rule,
+    from the forward's output: g - exp(y) sum(g) after a log_softmax,
+    y (g - sum(g y)) after a softmax, summed over ``dim``."""
+    def rule(cx, grad, out, dim, input_dtype):
+        g, y = _computed(grad), _computed(out)
+        if y.ndim == 0:  # (a 0-dim softmax: over its one element)
+            g, y = ops.unsqueeze(g, 0), ops.unsqueeze(y, 0)
+        d = [dim % y.ndim]
+        r = g - ops.exp(y) * ops.sum(g, d, keepdim=True) if log else y * (g - ops.sum(g * y, d, keepdim=True))
+        return ops.cast(r if out.ndim else r[0], cx.dtype(_node_val(cx.node).dtype))
+    return rule
+
+
 ATEN[aten.gelu.default] = lambda cx, x, approximate="none": ops.cast(ops.gelu(_computed(x), approximate), x.dtype)
+ATEN[aten.gelu_backward.default] = lambda cx, grad, x, approximate="none": ops.cast(
+    _computed(grad) * ops.gelu_grad(_computed(x), approximate), grad.dtype)
 ATEN[aten._softmax.default] = _softmax_rule(ops.softmax)
 ATEN[aten._log_softmax.default] = _softmax_rule(ops.log_softmax)
+ATEN[aten._softmax_backward_data.default] = _softmax_backward_rule(log=False)
+ATEN[aten._log_softmax_backward_data.default] = _softmax_backward_rule(log=True)
 
 
 # creation
@@ -1237,10 +1274,14 @@ def _size_op(fn):
 for _op in (operator.add, operator.sub, operator.mul, operator.neg, operator.floordiv):
     ATEN[_op] = _size_op(_op)
 
-# An inference graph's decompositions: none for what the table lowers itself
-# (torch's chosen ones aside: their parts fuse), nor for the ops kept whole.
-INFERENCE_DECOMPOSITIONS = {op: d for op, d in DECOMPOSITIONS.items()
-                            if op not in ATEN or (op in _CHOSEN and op.overloadpacket not in WHOLE_IN_INFERENCE)}
+# The decompositions AOTAutograd traces with. None of the composites the
+# table lowers WHOLE; an inference graph's, none for what the table lowers
+# itself (torch's chosen ones aside: their parts fuse). A training graph's
+# keep the rest, for the partition to see the ATen ops it knows how to
+# recompute (a tanh's backward reads it through aten.detach, which the
+# partition would save rather than recompute).
+TRAINING_DECOMPOSITIONS = {op: d for op, d in _TORCH_DECOMPOSITIONS.items() if op.overloadpacket not in WHOLE}
+DECOMPOSITIONS = {op: d for op, d in TRAINING_DECOMPOSITIONS.items() if op not in ATEN or op in _CHOSEN}
 
 
 def _known_negative(cx, position: int, name: str) -> bool:
@@ -1945,7 +1986,7 @@ class PolyjitBackend:
             isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs)
         backend = aot_autograd(fw_compiler=self._compiler("forward"), bw_compiler=self._compiler("backward"),
                                inference_compiler=self._compiler("inference"),
-                               decompositions=INFERENCE_DECOMPOSITIONS if inference else DECOMPOSITIONS,
+                               decompositions=DECOMPOSITIONS if inference else TRAINING_DECOMPOSITIONS,
                                keep_inference_input_mutations=True,
                                partition_fn=functools.partial(_partition, use_cache=self.options.cache))
         # attention as matmuls and softmax, which fuse, rather than a device's fused kernel

@@ -1276,6 +1276,16 @@ def gelu(x: Tensor, approximate: str = "none") -> Tensor:
     return 0.5 * x * (1.0 + erf(x * (1.0 / math.sqrt(2.0))))
 
 
+def gelu_grad(x: Tensor, approximate: str = "none") -> Tensor:
+    """The derivative of gelu(x, approximate), as torch's gelu_backward computes it."""
+    if approximate == "tanh":
+        beta, kappa = math.sqrt(2.0 / math.pi), 0.044715
+        t = tanh(beta * (x + kappa * x * x * x))
+        return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * (beta * (1.0 + 3.0 * kappa * x * x))
+    cdf = 0.5 * (1.0 + erf(x * (1.0 / math.sqrt(2.0))))
+    return cdf + x * (exp(-0.5 * x * x) * (0.5 * math.sqrt(2.0 / math.pi)))
+
+
 _SHIFT = 8  # lgamma and digamma step small arguments up this far, where their asymptotic series converge
 
 

@@ -476,7 +476,7 @@ def _joint_graph():
     from functorch.compile import nop
     from torch._dynamo.backends.common import aot_autograd
 
-    from polyjit.frontends.torch import DECOMPOSITIONS
+    from polyjit.frontends.torch import TRAINING_DECOMPOSITIONS
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     seen = []
 
@@ -486,7 +486,7 @@ def _joint_graph():
     torch.manual_seed(0)
     layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
     torch._dynamo.reset()
-    backend = aot_autograd(fw_compiler=nop, bw_compiler=nop, decompositions=DECOMPOSITIONS, partition_fn=capture)
+    backend = aot_autograd(fw_compiler=nop, bw_compiler=nop, decompositions=TRAINING_DECOMPOSITIONS, partition_fn=capture)
     torch.compile(layer, backend=backend)(torch.randn(2, 5, 16)).sum().backward()
     [found] = seen
     return found

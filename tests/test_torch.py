@@ -164,6 +164,26 @@ def test_softmax_and_log_softmax():
     check(lambda x: F.log_softmax(x, -1), r(16, 200, grad=True), backward=True)
 
 
+class Composites(nn.Module):
+    """Layer norms with and without their affine parameters, both GELUs, softmax and log_softmax."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.norm = nn.Linear(32, 32), nn.LayerNorm(32)
+        self.plain = nn.LayerNorm((4, 32), elementwise_affine=False)
+
+    def forward(self, x):
+        h = self.norm(F.gelu(self.lin(x)))
+        h = self.plain(F.gelu(h, approximate="tanh"))
+        return F.softmax(h, -1) + F.log_softmax(h, 1)
+
+
+def test_norms_gelu_and_softmax_train_lowered_whole():
+    """Both layer norms' forms, both GELUs, softmax and log_softmax, and
+    their backward ops, which the table lowers whole: eager's gradients."""
+    check_module(Composites(), torch.randn(3, 4, 32))
+
+
 
 def test_slices_train():
     """A slice's gradient (aten.slice_scatter): plain, stepped, negative and
@@ -1100,11 +1120,10 @@ def test_channels_last_activations_saved_for_the_backward_keep_their_layout():
 
 
 @pytest.mark.parametrize("train", [False, True])
-def test_inference_graphs_keep_layer_norm_gelu_softmax_and_addmm_whole(train, monkeypatch):
-    """Without a backward, these ops reach the translator whole: tracing
-    torch's decompositions of them cost the compile a node each of their
-    parts. A training graph decomposes them, for the partition to choose
-    what its backward recomputes."""
+def test_layer_norm_gelu_softmax_and_addmm_reach_the_table_whole(train, monkeypatch):
+    """These composites, and in training their backward ops, reach the
+    translator whole: tracing torch's decompositions of them cost the
+    compile a node each of their parts."""
     import polyjit.frontends.torch as torch_frontend
     seen = []
     compile_fx = torch_frontend.compile_fx
@@ -1114,13 +1133,14 @@ def test_inference_graphs_keep_layer_norm_gelu_softmax_and_addmm_whole(train, mo
     m = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 4), nn.Softmax(-1))
     x = torch.randn(3, 8)
     with torch.set_grad_enabled(train):
-        torch.testing.assert_close(torch.compile(m, backend="polyjit", options={"strict": True})(x), m(x))
+        out = torch.compile(m, backend="polyjit", options={"strict": True})(x)
+        torch.testing.assert_close(out, m(x))
     aten = torch.ops.aten
-    whole = {aten.addmm.default, aten.native_layer_norm.default, aten.gelu.default, aten._softmax.default}
+    assert {aten.addmm.default, aten.native_layer_norm.default, aten.gelu.default, aten._softmax.default} <= seen[0]
     if train:
-        assert not whole & seen[0], seen[0]
-    else:
-        assert whole <= seen[0], seen[0]
+        out.sum().backward()
+        assert {aten.native_layer_norm_backward.default, aten.gelu_backward.default,
+                aten._softmax_backward_data.default} <= seen[1], seen[1]
 
 
 class _Permuting(nn.Module):
