@@ -7,7 +7,9 @@ the first call's time less a step's, every backend's own on-disk cache
 empty) and times steps (median ms), alternating them with steps of the
 framework's own run of the model (eager PyTorch, JAX without jit, a plain
 tf.function): "vs eager" compares the two in one process, which a host
-whose speed drifts from one process to the next cannot skew. polyjit
+whose speed drifts from one process to the next cannot skew. polyjit's
+process also compiles the peer (Inductor, XLA) and times the three in
+turn: "vs peer" is the peer's step over polyjit's in that process. polyjit
 then compiles the same model again in another fresh process: with its
 on-disk cache warm, that second compile is the framework's tracing plus a
 cache lookup. Every backend's output is compared with eager's, so a wrong
@@ -167,27 +169,32 @@ JAX_MODELS = {"jax_block": _jax_block, "flax_cnn": _flax_cnn}
 WARMUP = 3  # untimed steps first: each backend's first runs after its compile fault in pages and caches
 
 
-def _median_ms(step, reps: int, sync=lambda: None, base=None) -> tuple[float, float | None]:
-    """Median ms of step, and of base (the framework's own run of the model,
-    timed in alternation with step in the same process, so that a host
-    whose speed drifts between processes moves both alike), or None."""
-    steps = [step] if base is None else [base, step]
-    for s in steps:
+def _median_ms(steps: dict, reps: int, sync=lambda: None) -> dict:
+    """Median ms of each step, the steps timed in turn in the same process
+    (so that a host whose speed drifts between processes moves them alike):
+    "ms" the backend's, "base_ms" the framework's own run of the model,
+    "peer_ms" the peer's."""
+    for s in steps.values():
         for _ in range(WARMUP):
             s()
     sync()
-    times: list[list[float]] = [[] for _ in steps]
+    times: dict = {k: [] for k in steps}
     for _ in range(reps):
-        for s, spent in zip(steps, times):
+        for k, s in steps.items():
             t = time.perf_counter()
             s()
             sync()
-            spent.append(time.perf_counter() - t)
-    ms = [statistics.median(spent) * 1e3 for spent in times]
-    return ms[-1], (ms[0] if base is not None else None)
+            times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(spent) * 1e3 for k, spent in times.items()}
 
 
-def _torch_run(name: str, backend: str, train: bool, device: str, reps: int) -> dict:
+def _steps(step, base, peer) -> dict:
+    """The steps to time: the backend's, the framework's own (None where it
+    is the backend) and the peer's (polyjit's process only), by their keys."""
+    return {k: f for k, f in (("base_ms", base), ("peer_ms", peer), ("ms", step)) if f is not None}
+
+
+def _torch_run(name: str, backend: str, train: bool, device: str, reps: int, peer: str | None) -> dict:
     import torch
     import polyjit  # noqa: F401  (the "polyjit" backend is found without it, too)
     torch.manual_seed(0)
@@ -208,11 +215,14 @@ def _torch_run(name: str, backend: str, train: bool, device: str, reps: int) -> 
     y = run(fn)
     sync()
     first = time.perf_counter() - t
-    ms, base_ms = _median_ms(lambda: run(fn), reps, sync, None if fn is model else lambda: run(model))
-    result = {"first_s": first, "ms": ms, "base_ms": base_ms, "out": y.detach().float().cpu().numpy()}
-    if backend == "polyjit":
-        result.update(_polyjit_stats(polyjit.frontends.torch.stats()))
-    return result
+    stats = _polyjit_stats(polyjit.frontends.torch.stats()) if backend == "polyjit" else {}
+    other = None
+    if peer:
+        other = torch.compile(model, backend=peer)
+        run(other)
+    result = _median_ms(_steps(lambda: run(fn), None if fn is model else lambda: run(model),
+                               other and (lambda: run(other))), reps, sync)
+    return {"first_s": first, **result, "out": y.detach().float().cpu().numpy(), **stats}
 
 
 def _polyjit_stats(stats) -> dict:
@@ -220,7 +230,7 @@ def _polyjit_stats(stats) -> dict:
     return {"fallbacks": stats["fallbacks"], "graphs": stats["graphs"], "cache_hits": stats["cache_hits"]}
 
 
-def _jax_run(name: str, backend: str, train: bool, device: str, reps: int) -> dict:
+def _jax_run(name: str, backend: str, train: bool, device: str, reps: int, peer: str | None) -> dict:
     import jax
     import polyjit
     fn, args = JAX_MODELS[name](train)
@@ -230,17 +240,21 @@ def _jax_run(name: str, backend: str, train: bool, device: str, reps: int) -> di
     t = time.perf_counter()
     y = jax.block_until_ready(f(*args))
     first = time.perf_counter() - t
-    ms, base_ms = _median_ms(lambda: jax.block_until_ready(f(*args)), reps,
-                             base=None if f is fn else lambda: jax.block_until_ready(fn(*args)))
+    other = None
+    if peer:
+        other = jax.jit(fn)
+        jax.block_until_ready(other(*args))
+    result = _median_ms(_steps(lambda: jax.block_until_ready(f(*args)),
+                               None if f is fn else lambda: jax.block_until_ready(fn(*args)),
+                               other and (lambda: jax.block_until_ready(other(*args)))), reps)
     leaves = jax.tree_util.tree_leaves(y)
-    result = {"first_s": first, "ms": ms, "base_ms": base_ms,
-              "out": np.concatenate([np.ravel(np.asarray(v)) for v in leaves])}
+    result.update(first_s=first, out=np.concatenate([np.ravel(np.asarray(v)) for v in leaves]))
     if backend == "polyjit":
         result.update(_polyjit_stats(f.stats))
     return result
 
 
-def _tf_run(name: str, backend: str, train: bool, device: str, reps: int) -> dict:
+def _tf_run(name: str, backend: str, train: bool, device: str, reps: int, peer: str | None) -> dict:
     import tensorflow as tf
     import polyjit
     model, x = _keras_model(name)
@@ -250,8 +264,13 @@ def _tf_run(name: str, backend: str, train: bool, device: str, reps: int) -> dic
     t = time.perf_counter()
     y = f(x).numpy()
     first = time.perf_counter() - t
-    ms, base_ms = _median_ms(lambda: f(x).numpy(), reps, base=None if f is std else lambda: std(x).numpy())
-    result = {"first_s": first, "ms": ms, "base_ms": base_ms, "out": y}
+    other = None
+    if peer:
+        other = tf.function(fn, jit_compile=True)
+        other(x).numpy()
+    result = _median_ms(_steps(lambda: f(x).numpy(), None if f is std else lambda: std(x).numpy(),
+                               other and (lambda: other(x).numpy())), reps)
+    result.update(first_s=first, out=y)
     if backend == "polyjit":
         result.update(_polyjit_stats(f.stats))
     return result
@@ -273,20 +292,20 @@ MODELS = {  # name: (framework, runner, training step too, backends)
 def _one(args) -> None:
     """Child process: one (model, backend, mode) measurement, as JSON on the last line."""
     framework, run, _, _ = MODELS[args.one]
-    r = run(args.one, args.backend, args.train, args.device, args.reps)
+    r = run(args.one, args.backend, args.train, args.device, args.reps, args.peer)
     out = r.pop("out")
     np.save(args.save, out)
     print(json.dumps(r))
 
 
-def _spawn(name: str, backend: str, train: bool, device: str, reps: int, cache: str) -> dict:
+def _spawn(name: str, backend: str, train: bool, device: str, reps: int, cache: str, peer: str = "") -> dict:
     with tempfile.NamedTemporaryFile(suffix=".npy", delete=False) as f:
         path = f.name
     env = dict(os.environ, POLYJIT_CACHE_DIR=cache, PYTHONWARNINGS="ignore")
     peer_cache = tempfile.mkdtemp(prefix="peer-cache-")  # cold for every backend: Inductor's and Triton's too
     env.update(TORCHINDUCTOR_CACHE_DIR=peer_cache, TRITON_CACHE_DIR=os.path.join(peer_cache, "triton"))
     cmd = [sys.executable, __file__, "--one", name, "--backend", backend, "--device", device,
-           "--reps", str(reps), "--save", path] + (["--train"] if train else [])
+           "--reps", str(reps), "--save", path] + (["--train"] if train else []) + (["--peer", peer] if peer else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     shutil.rmtree(peer_cache, ignore_errors=True)
     if proc.returncode:
@@ -315,18 +334,22 @@ def main() -> None:
     p.add_argument("--backend", help=argparse.SUPPRESS)
     p.add_argument("--train", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--save", help=argparse.SUPPRESS)
+    p.add_argument("--peer", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
         return _one(args)
     names = args.only or [n for n, m in MODELS.items() if args.device == "cpu" or m[0] != "tf"]
     cache = tempfile.mkdtemp(prefix="polyjit-bench-cache-")
     print(f"device {args.device}; polyjit's cache in {cache} (cold, then warm in a fresh process)")
-    print(f"{'model':<20}{'backend':<11}{'compile s':>10}{'warm s':>8}{'step ms':>10}{'vs eager':>9}  check")
+    print(f"{'model':<20}{'backend':<11}{'compile s':>10}{'warm s':>8}{'step ms':>10}{'vs eager':>9}{'vs peer':>9}"
+          "  check")
     for name in names:
         framework, _, trains, backends = MODELS[name]
         for train in (False, True) if trains else (False,):
             label = f"{name} {'train' if train else 'fwd'}"
-            rows = {b: _spawn(name, b, train, args.device, args.reps, cache) for b in backends}
+            peer = backends[-2]  # (Inductor, XLA: polyjit's process times it too)
+            rows = {b: _spawn(name, b, train, args.device, args.reps, cache, peer if b == "polyjit" else "")
+                    for b in backends}
             warm = _spawn(name, "polyjit", train, args.device, args.reps, cache) if "polyjit" in rows else {}
             base = rows[backends[0]]
             for b, r in rows.items():
@@ -337,11 +360,12 @@ def main() -> None:
                 warm_s = f"{max(warm['first_s'] - warm['ms'] / 1e3, 0.0):8.2f}" if b == "polyjit" and "first_s" in warm else " " * 8
                 # (the first backend's step timed in this backend's process, in alternation with its own)
                 ratio = (r.get("base_ms") or base.get("ms", float("nan"))) / r["ms"]
+                vs_peer = f"{r['peer_ms'] / r['ms']:8.2f}x" if "peer_ms" in r else " " * 9
                 ok = _check(r["out"], base["out"]) if "out" in base else "?"
                 extra = f", {r['fallbacks']} fallbacks" if r.get("fallbacks") else ""
                 if b == "polyjit" and warm.get("graphs", 0) > warm.get("cache_hits", 0):
                     extra += f", warm: {warm['graphs'] - warm['cache_hits']} of {warm['graphs']} graphs missed the cache"
-                print(f"{label:<20}{b:<11}{compile_s:10.2f}{warm_s}{r['ms']:10.2f}{ratio:8.2f}x  {ok}{extra}")
+                print(f"{label:<20}{b:<11}{compile_s:10.2f}{warm_s}{r['ms']:10.2f}{ratio:8.2f}x{vs_peer}  {ok}{extra}")
 
 
 if __name__ == "__main__":
