@@ -221,7 +221,7 @@ def _torch_run(name: str, backend: str, train: bool, device: str, reps: int, pee
         other = torch.compile(model, backend=peer)
         run(other)
     result = _median_ms(_steps(lambda: run(fn), None if fn is model else lambda: run(model),
-                               other and (lambda: run(other))), reps, sync)
+                               None if other is None else lambda: run(other)), reps, sync)
     return {"first_s": first, **result, "out": y.detach().float().cpu().numpy(), **stats}
 
 
@@ -246,7 +246,7 @@ def _jax_run(name: str, backend: str, train: bool, device: str, reps: int, peer:
         jax.block_until_ready(other(*args))
     result = _median_ms(_steps(lambda: jax.block_until_ready(f(*args)),
                                None if f is fn else lambda: jax.block_until_ready(fn(*args)),
-                               other and (lambda: jax.block_until_ready(other(*args)))), reps)
+                               None if other is None else lambda: jax.block_until_ready(other(*args))), reps)
     leaves = jax.tree_util.tree_leaves(y)
     result.update(first_s=first, out=np.concatenate([np.ravel(np.asarray(v)) for v in leaves]))
     if backend == "polyjit":
@@ -269,7 +269,7 @@ def _tf_run(name: str, backend: str, train: bool, device: str, reps: int, peer: 
         other = tf.function(fn, jit_compile=True)
         other(x).numpy()
     result = _median_ms(_steps(lambda: f(x).numpy(), None if f is std else lambda: std(x).numpy(),
-                               other and (lambda: other(x).numpy())), reps)
+                               None if other is None else lambda: other(x).numpy()), reps)
     result.update(first_s=first, out=y)
     if backend == "polyjit":
         result.update(_polyjit_stats(f.stats))
