@@ -1,9 +1,10 @@
 """PyTorch frontend: ``torch.compile(backend="polyjit")`` and ``jit_torch``.
 
 Dynamo captures the program; AOTAutograd splits it into forward and backward
-ATen graphs after the core ATen decompositions (plus the composites below,
-so that fusion sees through dropout, batch and group norms; layer norm,
-softmax, gelu and their backward ops are lowered whole, as fusible); each
+ATen graphs after the core ATen decompositions and a chosen few more
+(dropout, batch and group norms: their parts fuse with their neighbours),
+leaving whole the composites the table lowers in one step (GELU, layer
+norm's backward; without a backward, softmax and layer norm too); each
 graph is translated into a polyjit graph through :data:`ATEN`, the one
 table from ATen ops to polyjit ops, and compiled. Nodes outside the table
 run in eager PyTorch, in partitions of their own: counted in the stats,
@@ -73,9 +74,9 @@ _NUMPY_DTYPES = {t: _numpy_dtype(d) for t, d in _DTYPES.items()}
 
 
 _CHOSEN = get_decompositions([  # beyond the core set: ops whose parts fuse with their neighbours
-    aten.native_layer_norm, aten.native_layer_norm_backward, aten.gelu, aten.gelu_backward,
-    aten._softmax, aten._log_softmax, aten._softmax_backward_data, aten._log_softmax_backward_data,
-    aten.native_dropout, aten.native_dropout_backward, aten.addmm, aten.threshold_backward,
+    aten.native_layer_norm, aten._softmax, aten._log_softmax,  # (in training graphs: see WHOLE)
+    aten._softmax_backward_data, aten._log_softmax_backward_data,
+    aten.native_dropout, aten.native_dropout_backward, aten.threshold_backward,
     aten.silu, aten.silu_backward, aten.sigmoid_backward, aten.tanh_backward, aten.mse_loss,
     aten.mse_loss_backward, aten.nll_loss_forward, aten.nll_loss_backward, aten._to_copy,
     aten.rms_norm, aten.embedding_dense_backward, aten.repeat, aten.elu, aten.elu_backward,
@@ -1096,12 +1097,16 @@ def _index_add(cx, x, dim, index, src, alpha=1):
     return x + ops.scatter_add(list(x.shape), index, src * alpha if alpha != 1 else src, dim)
 
 
-# Composites AOTAutograd traces whole (left out of DECOMPOSITIONS): lowered
-# here in one step, where tracing torch's decompositions costs a node and a
-# fake-tensor dispatch per part, and their parts fuse all the same. The
-# partition saves or recomputes such an op as one node.
-WHOLE = (aten.addmm, aten.native_layer_norm, aten.native_layer_norm_backward, aten.gelu, aten.gelu_backward,
-         aten._softmax, aten._log_softmax, aten._softmax_backward_data, aten._log_softmax_backward_data)
+# Composites AOTAutograd traces whole (left out of both tables of
+# decompositions): lowered here in one step, where tracing torch's
+# decompositions costs a node and a fake-tensor dispatch per part, and their
+# parts fuse all the same. Layer norm and softmax are whole only without a
+# backward: the min-cut partition recomputes none of these composites but
+# GELU, so it would save a whole layer norm's output (a following product's
+# weight gradient reads it) and a whole softmax's transpose beside the
+# softmax, where it recomputes a decomposed one's from what it saves anyway.
+WHOLE = (aten.addmm, aten.native_layer_norm_backward, aten.gelu, aten.gelu_backward)
+WHOLE_IN_INFERENCE = (*WHOLE, aten.native_layer_norm, aten._softmax, aten._log_softmax)
 
 
 def _computed(x):
@@ -1150,27 +1155,11 @@ def _native_layer_norm_backward(cx, grad, x, normalized_shape, mean, rstd, weigh
                  for v, t, wanted in zip(parts, _node_val(cx.node), output_mask))
 
 
-def _softmax_backward_rule(log: bool) -> Callable:
-    """aten._softmax_backward_data's or _log_softmax_backward_data's rule,
-    from the forward's output: g - exp(y) sum(g) after a log_softmax,
-    y (g - sum(g y)) after a softmax, summed over ``dim``."""
-    def rule(cx, grad, out, dim, input_dtype):
-        g, y = _computed(grad), _computed(out)
-        if y.ndim == 0:  # (a 0-dim softmax: over its one element)
-            g, y = ops.unsqueeze(g, 0), ops.unsqueeze(y, 0)
-        d = [dim % y.ndim]
-        r = g - ops.exp(y) * ops.sum(g, d, keepdim=True) if log else y * (g - ops.sum(g * y, d, keepdim=True))
-        return ops.cast(r if out.ndim else r[0], cx.dtype(_node_val(cx.node).dtype))
-    return rule
-
-
 ATEN[aten.gelu.default] = lambda cx, x, approximate="none": ops.cast(ops.gelu(_computed(x), approximate), x.dtype)
 ATEN[aten.gelu_backward.default] = lambda cx, grad, x, approximate="none": ops.cast(
-    _computed(grad) * ops.gelu_grad(_computed(x), approximate), grad.dtype)
+    _computed(grad) * ops.gelu_grad(_computed(x), approximate), cx.dtype(_node_val(cx.node).dtype))
 ATEN[aten._softmax.default] = _softmax_rule(ops.softmax)
 ATEN[aten._log_softmax.default] = _softmax_rule(ops.log_softmax)
-ATEN[aten._softmax_backward_data.default] = _softmax_backward_rule(log=False)
-ATEN[aten._log_softmax_backward_data.default] = _softmax_backward_rule(log=True)
 
 
 # creation
@@ -1274,14 +1263,16 @@ def _size_op(fn):
 for _op in (operator.add, operator.sub, operator.mul, operator.neg, operator.floordiv):
     ATEN[_op] = _size_op(_op)
 
-# The decompositions AOTAutograd traces with. None of the composites the
-# table lowers WHOLE; an inference graph's, none for what the table lowers
-# itself (torch's chosen ones aside: their parts fuse). A training graph's
-# keep the rest, for the partition to see the ATen ops it knows how to
-# recompute (a tanh's backward reads it through aten.detach, which the
-# partition would save rather than recompute).
-TRAINING_DECOMPOSITIONS = {op: d for op, d in _TORCH_DECOMPOSITIONS.items() if op.overloadpacket not in WHOLE}
-DECOMPOSITIONS = {op: d for op, d in TRAINING_DECOMPOSITIONS.items() if op not in ATEN or op in _CHOSEN}
+# The decompositions AOTAutograd traces with. A training graph's: all but
+# those of the composites lowered WHOLE. The partition then sees the ATen
+# ops it knows how to recompute: a tanh's backward left whole, say, reads
+# the tanh through aten.detach, which it would save rather than recompute.
+# An inference graph's: none, either, for the other ops the table lowers
+# itself, torch's chosen ones aside (their parts fuse).
+TRAINING_DECOMPOSITIONS = {op: d for op, d in _TORCH_DECOMPOSITIONS.items()
+                           if not (op.overloadpacket in WHOLE and op in ATEN)}
+INFERENCE_DECOMPOSITIONS = {op: d for op, d in TRAINING_DECOMPOSITIONS.items()
+                            if op not in ATEN or (op in _CHOSEN and op.overloadpacket not in WHOLE_IN_INFERENCE)}
 
 
 def _known_negative(cx, position: int, name: str) -> bool:
@@ -1977,7 +1968,7 @@ class PolyjitBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         # the forward saves what the backward cannot cheaply recompute (Inductor's
-        # min-cut partition): a GELU's intermediates are recomputed, fused into the backward
+        # min-cut partition): a GELU is recomputed from its input, fused into the backward
         # input mutations (batch norms' running statistics) stay in the graph: copied in after the call,
         # together, rather than one copy_ each by AOTAutograd's wrapper
         expect_compile()  # (the workers' imports beside AOTAutograd's trace)
@@ -1986,7 +1977,7 @@ class PolyjitBackend:
             isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs)
         backend = aot_autograd(fw_compiler=self._compiler("forward"), bw_compiler=self._compiler("backward"),
                                inference_compiler=self._compiler("inference"),
-                               decompositions=DECOMPOSITIONS if inference else TRAINING_DECOMPOSITIONS,
+                               decompositions=INFERENCE_DECOMPOSITIONS if inference else TRAINING_DECOMPOSITIONS,
                                keep_inference_input_mutations=True,
                                partition_fn=functools.partial(_partition, use_cache=self.options.cache))
         # attention as matmuls and softmax, which fuse, rather than a device's fused kernel
