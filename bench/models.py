@@ -37,6 +37,7 @@ TORCH_BACKENDS = ("eager", "aot_eager", "inductor", "polyjit")
 CNN_BACKENDS = ("eager", "inductor", "polyjit")  # aot_eager says nothing of convolutions' speed
 JAX_BACKENDS = ("std", "xla", "polyjit")
 TF_BACKENDS = ("std", "xla", "polyjit")
+PEERS = {"torch": "inductor", "jax": "xla", "tf": "xla"}  # the compiler polyjit's process times beside it
 
 
 # ---------------------------------------------------------------- the models
@@ -171,16 +172,18 @@ WARMUP = 3  # untimed steps first: each backend's first runs after its compile f
 
 def _median_ms(steps: dict, reps: int, sync=lambda: None) -> dict:
     """Median ms of each step, the steps timed in turn in the same process
-    (so that a host whose speed drifts between processes moves them alike):
-    "ms" the backend's, "base_ms" the framework's own run of the model,
-    "peer_ms" the peer's."""
+    (so that a host whose speed drifts between processes moves them alike),
+    each round starting one step later (so that none always follows the
+    same one, and what it leaves behind): "ms" the backend's, "base_ms" the
+    framework's own run of the model, "peer_ms" the peer's."""
     for s in steps.values():
         for _ in range(WARMUP):
             s()
     sync()
     times: dict = {k: [] for k in steps}
-    for _ in range(reps):
-        for k, s in steps.items():
+    order = list(steps.items())
+    for i in range(reps):
+        for k, s in order[i % len(order):] + order[:i % len(order)]:
             t = time.perf_counter()
             s()
             sync()
@@ -192,6 +195,18 @@ def _steps(step, base, peer) -> dict:
     """The steps to time: the backend's, the framework's own (None where it
     is the backend) and the peer's (polyjit's process only), by their keys."""
     return {k: f for k, f in (("base_ms", base), ("peer_ms", peer), ("ms", step)) if f is not None}
+
+
+def _peer_step(make, run):
+    """The peer's step, ``run(make())``, compiled by a first call; None where
+    the peer fails (polyjit's row is then timed without it)."""
+    try:
+        other = make()
+        run(other)
+    except Exception as e:  # (the peer's failure is the peer's row's to show)
+        print(f"peer failed: {e!r}"[:200], file=sys.stderr)
+        return None
+    return lambda: run(other)
 
 
 def _torch_run(name: str, backend: str, train: bool, device: str, reps: int, peer: str | None) -> dict:
@@ -215,14 +230,12 @@ def _torch_run(name: str, backend: str, train: bool, device: str, reps: int, pee
     y = run(fn)
     sync()
     first = time.perf_counter() - t
-    stats = _polyjit_stats(polyjit.frontends.torch.stats()) if backend == "polyjit" else {}
-    other = None
-    if peer:
-        other = torch.compile(model, backend=peer)
-        run(other)
-    result = _median_ms(_steps(lambda: run(fn), None if fn is model else lambda: run(model),
-                               None if other is None else lambda: run(other)), reps, sync)
-    return {"first_s": first, **result, "out": y.detach().float().cpu().numpy(), **stats}
+    other = _peer_step(lambda: torch.compile(model, backend=peer), run) if peer else None
+    result = _median_ms(_steps(lambda: run(fn), None if fn is model else lambda: run(model), other), reps, sync)
+    result.update(first_s=first, out=y.detach().float().cpu().numpy())
+    if backend == "polyjit":
+        result.update(_polyjit_stats(polyjit.frontends.torch.stats()))
+    return result
 
 
 def _polyjit_stats(stats) -> dict:
@@ -240,13 +253,9 @@ def _jax_run(name: str, backend: str, train: bool, device: str, reps: int, peer:
     t = time.perf_counter()
     y = jax.block_until_ready(f(*args))
     first = time.perf_counter() - t
-    other = None
-    if peer:
-        other = jax.jit(fn)
-        jax.block_until_ready(other(*args))
+    other = _peer_step(lambda: jax.jit(fn), lambda g: jax.block_until_ready(g(*args))) if peer else None
     result = _median_ms(_steps(lambda: jax.block_until_ready(f(*args)),
-                               None if f is fn else lambda: jax.block_until_ready(fn(*args)),
-                               None if other is None else lambda: jax.block_until_ready(other(*args))), reps)
+                               None if f is fn else lambda: jax.block_until_ready(fn(*args)), other), reps)
     leaves = jax.tree_util.tree_leaves(y)
     result.update(first_s=first, out=np.concatenate([np.ravel(np.asarray(v)) for v in leaves]))
     if backend == "polyjit":
@@ -264,12 +273,8 @@ def _tf_run(name: str, backend: str, train: bool, device: str, reps: int, peer: 
     t = time.perf_counter()
     y = f(x).numpy()
     first = time.perf_counter() - t
-    other = None
-    if peer:
-        other = tf.function(fn, jit_compile=True)
-        other(x).numpy()
-    result = _median_ms(_steps(lambda: f(x).numpy(), None if f is std else lambda: std(x).numpy(),
-                               None if other is None else lambda: other(x).numpy()), reps)
+    other = _peer_step(lambda: tf.function(fn, jit_compile=True), lambda g: g(x).numpy()) if peer else None
+    result = _median_ms(_steps(lambda: f(x).numpy(), None if f is std else lambda: std(x).numpy(), other), reps)
     result.update(first_s=first, out=y)
     if backend == "polyjit":
         result.update(_polyjit_stats(f.stats))
@@ -347,7 +352,7 @@ def main() -> None:
         framework, _, trains, backends = MODELS[name]
         for train in (False, True) if trains else (False,):
             label = f"{name} {'train' if train else 'fwd'}"
-            peer = backends[-2]  # (Inductor, XLA: polyjit's process times it too)
+            peer = PEERS[framework]
             rows = {b: _spawn(name, b, train, args.device, args.reps, cache, peer if b == "polyjit" else "")
                     for b in backends}
             warm = _spawn(name, "polyjit", train, args.device, args.reps, cache) if "polyjit" in rows else {}
