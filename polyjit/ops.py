@@ -1270,20 +1270,23 @@ def rms_norm(x: Tensor, normalized_shape=None, weight: Tensor | None = None, eps
     return y * weight if weight is not None else y
 
 
+_GELU_BETA, _GELU_KAPPA = math.sqrt(2.0 / math.pi), 0.044715  # the tanh form's constants
+_SQRT1_2 = 1.0 / math.sqrt(2.0)
+
+
 def gelu(x: Tensor, approximate: str = "none") -> Tensor:
     if approximate == "tanh":
-        return 0.5 * x * (1.0 + tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)))
-    return 0.5 * x * (1.0 + erf(x * (1.0 / math.sqrt(2.0))))
+        return 0.5 * x * (1.0 + tanh(_GELU_BETA * (x + _GELU_KAPPA * x * x * x)))
+    return 0.5 * x * (1.0 + erf(x * _SQRT1_2))
 
 
 def gelu_grad(x: Tensor, approximate: str = "none") -> Tensor:
     """The derivative of gelu(x, approximate), as torch's gelu_backward computes it."""
     if approximate == "tanh":
-        beta, kappa = math.sqrt(2.0 / math.pi), 0.044715
-        t = tanh(beta * (x + kappa * x * x * x))
-        return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * (beta * (1.0 + 3.0 * kappa * x * x))
-    cdf = 0.5 * (1.0 + erf(x * (1.0 / math.sqrt(2.0))))
-    return cdf + x * (exp(-0.5 * x * x) * (0.5 * math.sqrt(2.0 / math.pi)))
+        t = tanh(_GELU_BETA * (x + _GELU_KAPPA * x * x * x))
+        return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * (_GELU_BETA * (1.0 + 3.0 * _GELU_KAPPA * x * x))
+    cdf = 0.5 * (1.0 + erf(x * _SQRT1_2))
+    return cdf + x * (exp(-0.5 * x * x) * (0.5 * _GELU_BETA))
 
 
 _SHIFT = 8  # lgamma and digamma step small arguments up this far, where their asymptotic series converge
