@@ -1611,7 +1611,7 @@ class CompiledGraph:
         self.stats = stats
         self.name = name
         self.options = options
-        self._bound = None  # (argument layouts, program, plan, device, allocator) of the last native call
+        self._bound = None  # (its inputs' pointers or None, run, program) for the last bound call's layouts
         self._saved = _saved_outputs(gm, self.t.outputs)
 
     def saved_in_target_order(self, where: str) -> list | None:
@@ -1696,7 +1696,8 @@ class CompiledGraph:
         if index is None:
             plan = prog.bound_plan(arrays) if hasattr(prog, "bound_plan") else None
             if plan is not None:
-                self._bound = (tuple(sig), -1, lambda pointers: prog.run_bound(plan, pointers, _host_empty), prog)
+                self._bound = (_bound_pointers(args, sig, -1),
+                               lambda pointers: prog.run_bound(plan, pointers, _host_empty), prog)
             return
         plan = prog.native_plan(arrays) if hasattr(prog, "native_plan") else None
         if plan is not None:
@@ -1704,21 +1705,17 @@ class CompiledGraph:
             saved = {prog.output_arrays[v] for v in pooled}
             saved -= {n for v, n in enumerate(prog.output_arrays) if v not in pooled}
             outputs = _Outputs(index, frozenset(saved))
-            self._bound = (tuple(sig), index, lambda pointers: prog.run_bound(
+            self._bound = (_bound_pointers(args, sig, index), lambda pointers: prog.run_bound(
                 plan, pointers, _current_stream(index), _allocator(index), outputs), prog)
 
     def _call_bound(self, args):
         """The outputs of a call through the bound plan where every tensor
         input has the shape, strides, dtype and device of the call that
         bound it; None otherwise (the full path then checks and plans)."""
-        sig, index, run, prog = self._bound
-        pointers = []
-        for k, shape, stride, dtype in sig:
-            a = args[k]
-            if (not isinstance(a, torch.Tensor) or a.dtype is not dtype or a.shape != shape or a.stride() != stride
-                    or a.get_device() != index):
-                return None
-            pointers.append(a.data_ptr())
+        pointers_of, run, prog = self._bound
+        pointers = pointers_of(args)
+        if pointers is None:
+            return None
         outs = run(pointers)
         self.stats.record(self.name, prog.stats)
         return outs
@@ -1772,6 +1769,37 @@ def _current_stream(index: int) -> int:
     return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
 
 
+def _bound_pointers(args, sig: list, index: int) -> Callable[[Sequence], list[int] | None]:
+    """``pointers(args)``: the data pointers of the tensor inputs in ``sig``
+    ((position, shape, strides, dtype) of each, as in ``args``) where each
+    has that layout on device ``index`` (-1: the host), else None. Checked
+    in torch's native code, by dynamo's tensor check, where this torch has
+    it (a training graph's hundred parameters in microseconds, before its
+    first launch); else in Python."""
+    at = [k for k, _, _, _ in sig]
+    guards = getattr(getattr(getattr(torch._C, "_dynamo", None), "guards", None), "TensorGuards", None)
+    try:
+        same = guards(*(args[k] for k in at), dynamic_dims_sizes=[list(shape) for _, shape, _, _ in sig],
+                      dynamic_dims_strides=[list(stride) for _, _, stride, _ in sig]).check
+    except Exception:  # not in this torch, or of another signature
+        same = None
+
+    def native(args) -> list[int] | None:
+        tensors = [args[k] for k in at]
+        return [a.data_ptr() for a in tensors] if same(*tensors) else None
+
+    def python(args) -> list[int] | None:
+        pointers = []
+        for k, shape, stride, dtype in sig:
+            a = args[k]
+            if (not isinstance(a, torch.Tensor) or a.dtype is not dtype or a.shape != shape
+                    or a.stride() != stride or a.get_device() != index):
+                return None
+            pointers.append(a.data_ptr())
+        return pointers
+    return python if same is None else native
+
+
 def _host_empty(shape: tuple, dt: np.dtype) -> tuple:
     """(tensor, its address) for a host program's output (CompiledProgram.run_bound):
     torch's own; from polyjit's buffer cache where large (pages already faulted in)."""
@@ -1809,38 +1837,62 @@ def _saved_outputs(gm: torch.fx.GraphModule, outputs: list) -> set[int]:
 
 class _Outputs:
     """A call's outputs on GPU ``index``, allocated together: those saved
-    for the backward only (``saved``, by name) are views of one block per
-    dtype, one allocation in place of one each (the forward's host time
+    for the backward only (``saved``, by name) are views of one block, one
+    allocation in place of one each (the forward's host time
     before its first launch). They die together with the backward's
     inputs, and no caller modifies them in place (they share a version
     counter); outputs a caller sees get tensors of their own."""
 
     def __init__(self, index: int, saved: frozenset) -> None:
         self.device, self.saved = torch.device("cuda", index), saved
-        self._layout: tuple | None = None  # (specs, blocks, places), for the last specs seen
+        self._layout: tuple | None = None  # (specs, *_place(specs)) for the last specs seen
 
-    def __call__(self, specs: list) -> list:
-        """Tensors for ``specs``, a plan's outputs as (name, shape, numpy dtype)."""
+    def __call__(self, specs: list) -> tuple[np.ndarray, Callable[[], list]]:
+        """Memory for ``specs``, a plan's outputs as (name, shape, numpy
+        dtype): their addresses (int64), and ``tensors()`` that makes the
+        tensors at them, called after the launch (the saved outputs' views
+        are built while the kernels run)."""
         if self._layout is None or self._layout[0] is not specs:
             self._layout = (specs, *self._place(specs))
-        _, blocks, places = self._layout
+        _, block, owned, places, offsets, base_of = self._layout
         dev = self.device
-        made = [torch.empty(n, dtype=dt, device=dev) for n, dt in blocks]
-        return [torch.empty(shape, dtype=dt, device=dev) if b is None else made[b].as_strided(shape, stride, at)
-                for b, shape, stride, at, dt in places]
+        made = [torch.empty(block, dtype=torch.uint8, device=dev)] if block else []
+        made += [torch.empty(shape, dtype=dt, device=dev) for shape, dt in owned]
+        addresses = offsets + np.array([t.data_ptr() for t in made], np.int64)[base_of]
 
-    def _place(self, specs: list) -> tuple[list, list]:
-        blocks: dict = {}  # torch dtype -> [block number, elements so far]
-        places = []
+        def tensors() -> list:
+            typed: dict = {}  # the block as each dtype
+            out = []
+            for k, dt, shape, stride, at in places:
+                if dt is None:
+                    out.append(made[k])
+                    continue
+                if dt not in typed:
+                    typed[dt] = made[0].view(dt)
+                out.append(typed[dt].as_strided(shape, stride, at))
+            return out
+        return addresses, tensors
+
+    def _place(self, specs: list) -> tuple:
+        """The bytes of the block of saved outputs (all dtypes), then the
+        outputs of their own (shape, dtype), allocated in that order; each
+        output's place (its allocation, then dtype, shape, strides and
+        element offset where it is a view of the block); each one's byte
+        offset in its allocation, and that allocation's number, as arrays."""
+        block, owned, views = 0, [], []
         for name, shape, dt in specs:
             tdt = _NUMPY_TO_TORCH[dt]
             if name not in self.saved or not math.prod(shape):
-                places.append((None, shape, None, 0, tdt))
+                owned.append((shape, tdt))
+                views.append(None)
                 continue
-            b = blocks.setdefault(tdt, [len(blocks), 0])
-            places.append((b[0], shape, sz.row_major(shape), b[1], tdt))
-            b[1] += -(-math.prod(shape) * dt.itemsize // 256) * 256 // dt.itemsize  # 256-byte aligned starts
-        return [(n, tdt) for tdt, (_, n) in sorted(blocks.items(), key=lambda kv: kv[1][0])], places
+            views.append((0, tdt, shape, sz.row_major(shape), block // dt.itemsize, block))
+            block += -(-math.prod(shape) * dt.itemsize // 256) * 256  # 256-byte aligned starts
+        own = iter(range(int(block > 0), int(block > 0) + len(owned)))
+        places = [(next(own), None, None, None, 0) if v is None else v[:5] for v in views]
+        offsets = np.array([0 if v is None else v[5] for v in views], np.int64)
+        base_of = np.array([p[0] for p in places], np.int64)
+        return block, owned, places, offsets, base_of
 
 
 def _gpu_view(t: torch.Tensor):

@@ -1263,14 +1263,18 @@ def test_a_copy_into_an_input_read_after_it_is_left_to_torch():
     torch.testing.assert_close(buf, args[0] * 2.0)
 
 
-def test_host_calls_with_the_same_layouts_run_the_bound_plan(monkeypatch):
+@pytest.mark.parametrize("native_check", [True, False], ids=["torch's check", "python check"])
+def test_host_calls_with_the_same_layouts_run_the_bound_plan(monkeypatch, native_check):
     """On the host, a graph called again with inputs of the last call's
     shapes, strides and dtypes (a training loop) runs the plan that call
     chose on the new tensors, its outputs torch tensors from the start,
     fresh at each call (an earlier call's results stay as they were); a
-    call with other strides takes the full path. Forward and backward equal
-    eager's, a large output (from polyjit's buffer cache) too."""
+    call with other strides takes the full path, whether torch's native
+    tensor check compares the layouts or Python does. Forward and backward
+    equal eager's, a large output (from polyjit's buffer cache) too."""
     from polyjit.runtime.program import CompiledProgram
+    if not native_check:
+        monkeypatch.setattr(torch._C._dynamo.guards, "TensorGuards", None)  # a torch without it
     bound, run_bound = [], CompiledProgram.run_bound
     monkeypatch.setattr(CompiledProgram, "run_bound", lambda self, *a: bound.append(1) or run_bound(self, *a))
 

@@ -62,8 +62,9 @@ def _capturing(stream: int) -> bool:
 
 class GraphReplays:
     """A native launcher (``run(inputs, outputs, stream, message, size)``,
-    its status) called the same way: a call replays the graph captured for
-    the pointers it passes, or runs the launcher itself."""
+    its status; inputs and outputs ctypes arrays of pointers) called the
+    same way: a call replays the graph captured for the pointers it passes,
+    or runs the launcher itself."""
 
     def __init__(self, run: Callable, ordinal: int) -> None:
         self.run, self.ordinal = run, ordinal
@@ -74,7 +75,7 @@ class GraphReplays:
         weakref.finalize(self, _destroy, self.graphs)
 
     def __call__(self, inputs, outputs, stream: int, message, size: int) -> int:
-        key = (*inputs, *outputs)
+        key = bytes(inputs) + bytes(outputs)  # (one copy each: a model's hundreds of pointers as ints cost more)
         graph = self.graphs.get(key)
         if graph is None and not self.broken and key in self.seen and not _capturing(stream):
             graph = self._capture(key, inputs, outputs, message, size)

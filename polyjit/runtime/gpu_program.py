@@ -179,7 +179,7 @@ class GpuProgram(CompiledProgram):
             total += -(-math.prod(shape) * dt.itemsize // 256) * 256
         run = launch.LAUNCH_T(launcher.address)
         replays = cuda_graphs.GraphReplays(run, plan.device.ordinal) if cuda_graphs.ENABLED else None
-        return _Native(launcher, replays or run, launcher.results[:outs], offsets, total,
+        return _Native(launcher, replays or run, launcher.results[:outs], np.array(offsets, np.int64), total,
                        (ctypes.c_void_p * max(len(self.inputs), 1))(),
                        (ctypes.c_void_p * max(len(launcher.results), 1))(), ctypes.create_string_buffer(256),
                        replays)
@@ -191,35 +191,41 @@ class GpuProgram(CompiledProgram):
         return plan if plan is not None and plan.native else None
 
     def run_bound(self, plan: "_Plan", pointers: Sequence[int], stream: int, empty,
-                  outputs: Callable[[list], list] | None = None) -> list:
+                  outputs: Callable[[list], tuple] | None = None) -> list:
         """A call through plan's native launcher (native_plan) on these input
         pointers, skipping the checks and the plan's lookup: a frontend's
         repeated call whose arguments it has compared with those the plan
         is for. ``outputs(specs)``, where given, allocates all the outputs
         at once from their (name, shape, dtype), the same list object at
-        every call of a plan (a frontend may place several in one block)."""
+        every call of a plan (a frontend may place several in one block):
+        it returns their addresses (an int64 array) and a function, called
+        after the launch, that returns them."""
         plan.device.activate()
         return self._run_native(plan, plan.native, pointers, stream, empty, outputs)
 
     def _run_native(self, plan: "_Plan", native: "_Native", pointers: Sequence[int], stream: int, empty,
-                    outputs: Callable[[list], list] | None = None) -> list:
+                    outputs: Callable[[list], tuple] | None = None) -> list:
         dev = plan.device
         with plan.lock:  # the pointer arrays are the plan's
-            made = outputs(native.outputs) if outputs else [empty(shape, dt) if empty else
-                                                            DeviceBuffer(shape, dt, dev, stream)
-                                                            for _, shape, dt in native.outputs]
             results = native.results
-            for k, buf in enumerate(made):
-                results[k] = _data_ptr(buf)
+            if outputs:
+                addresses, handed = outputs(native.outputs)
+                ctypes.memmove(results, addresses.ctypes.data, addresses.nbytes)
+            else:
+                made = [empty(shape, dt) if empty else DeviceBuffer(shape, dt, dev, stream)
+                        for _, shape, dt in native.outputs]
+                for k, buf in enumerate(made):
+                    results[k] = _data_ptr(buf)
             if native.workspace:
                 work = (empty((native.workspace // 4,), np.dtype(np.float32)) if empty else
                         DeviceBuffer((native.workspace // 4,), np.dtype(np.float32), dev, stream))
-                base = _data_ptr(work)
-                for k, offset in enumerate(native.temps, len(made)):
-                    results[k] = base + offset
+                at = native.temps + _data_ptr(work)
+                ctypes.memmove(ctypes.addressof(results) + 8 * len(native.outputs), at.ctypes.data, at.nbytes)
             native.inputs[:len(pointers)] = pointers
             inputs = native.inputs
             code = native.run(inputs, results, stream, native.message, len(native.message))
+            if outputs:
+                made = handed()
             if native.replays is not None:
                 self.stats["cuda_graph_replays"] = native.replays.replays
             if code:
@@ -368,11 +374,12 @@ class _Plan:
 class _Native:
     """A plan's native launcher and what a call hands it: the outputs' (name,
     shape, dtype), the temporaries' byte offsets in one workspace of
-    ``workspace`` bytes, and the pointer arrays and message buffer it fills."""
+    ``workspace`` bytes (int64), and the pointer arrays and message buffer
+    it fills."""
     launcher: launch.NativeLauncher
     run: Any
     outputs: list
-    temps: list
+    temps: np.ndarray
     workspace: int
     inputs: Any
     results: Any
