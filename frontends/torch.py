@@ -1417,14 +1417,13 @@ def _solvable_symbol(expr) -> tuple[str, ...]:
     return (str(syms[0]),) if len(syms) == 1 and syms[0].is_Symbol else ()
 
 
-def translate(gm: torch.fx.GraphModule, example_inputs: Sequence | None = None,
-              results_as_traced: bool = False) -> _Translation:
+def translate(gm: torch.fx.GraphModule, example_inputs: Sequence | None = None) -> _Translation:
     """An ATen graph as a polyjit graph, node by node through :data:`ATEN`.
     ``example_inputs``: the tensors the graph is compiled for, whose layouts
     may differ from those traced (a backward's saved activations, laid out
-    as its forward stored them). ``results_as_traced``: every result laid
-    out as traced (what a forward hands the user), not only what the
-    backward alone reads (see _outputs)."""
+    as its forward stored them). A graph whose meta sets ``_AS_TRACED``
+    lays every result out as traced (what a forward hands the user), not
+    only what the backward alone reads (see _outputs)."""
     cx = _Context()
     env: dict[torch.fx.Node, Any] = {}
     tensor_inputs = []
@@ -1489,7 +1488,7 @@ def translate(gm: torch.fx.GraphModule, example_inputs: Sequence | None = None,
             env[node] = fn(cx, *args, **kwargs)
         elif node.op == "output":
             return _outputs(cx, node, env, tensor_inputs, input_pos, input_orders, symbols, gm.meta.get(_SAVED, ()),
-                            results_as_traced)
+                            gm.meta.get(_AS_TRACED, False))
         else:
             raise UnsupportedOpError(f"FX node kind {node.op}")
     raise UnsupportedOpError("graph without output")
@@ -1603,8 +1602,8 @@ class CompiledGraph:
     """A translated ATen graph with its Executable; called with torch tensors."""
 
     def __init__(self, gm: torch.fx.GraphModule, options: CompileOptions, name: str, stats: "Stats",
-                 example_inputs: Sequence | None = None, results_as_traced: bool = False) -> None:
-        self.t = translate(gm, example_inputs, results_as_traced)
+                 example_inputs: Sequence | None = None) -> None:
+        self.t = translate(gm, example_inputs)
         self.gm, self.failed = gm, False
         seed = [self.t.seed_index] if self.t.seed_index is not None else []
         self.exe = Executable(self.t.graph, options, name, scalar_inputs=seed + self.t.int_inputs)
@@ -1928,11 +1927,10 @@ def _where(node) -> str:
 SCATTERED_PARTS, SCATTERED_SIZE = 8, 6  # more parts than this, of fewer nodes each on average: the graph runs whole
 
 
-def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: CompileOptions, stats: Stats, name: str,
-               results_as_traced: bool = False) -> CompiledGraph | torch.fx.GraphModule:
+def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: CompileOptions, stats: Stats,
+               name: str) -> CompiledGraph | torch.fx.GraphModule:
     """Compile an ATen graph: whole if every node is supported, else by
-    partitions. ``results_as_traced``: the whole graph's results laid out as
-    traced (translate)."""
+    partitions."""
     support = _Supported()
     if options.tf32 is None:  # convolutions as eager's: TF32 where torch allows cuDNN it
         options = dataclasses.replace(options, tf32=bool(torch.backends.cudnn.allow_tf32))
@@ -1943,7 +1941,7 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: CompileOptions
     unsupported = [n for n in gm.graph.nodes if n.op == "call_function" and not support.is_node_supported({}, n)]
     if not unsupported:
         try:
-            return _compiled(gm, options, name, stats, where, example_inputs, results_as_traced)
+            return _compiled(gm, options, name, stats, where, example_inputs)
         except USER_ERRORS:
             raise
         except Exception as e:
@@ -1968,14 +1966,14 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: CompileOptions
 
 
 def _compiled(gm, options: CompileOptions, name: str, stats: Stats, where: str,
-              example_inputs: Sequence | None = None, results_as_traced: bool = False) -> CompiledGraph:
+              example_inputs: Sequence | None = None) -> CompiledGraph:
     """A graph translated and compiled for contiguous inputs on ``where`` now,
     so that what the compiler refuses (a size that is not affine) becomes a
     counted fallback here rather than an error at the first call. The
     layouts its saved activations take are reported to AOTAutograd, which
     compiles the backward for inputs laid out so."""
     from torch._guards import TracingContext
-    compiled = CompiledGraph(gm, options, name, stats, example_inputs, results_as_traced)
+    compiled = CompiledGraph(gm, options, name, stats, example_inputs)
     strides = compiled.saved_in_target_order(where)
     compiled.exe.variant((False,) * len(compiled.exe.graph.inputs), where)
     context = TracingContext.try_get()
@@ -2007,9 +2005,9 @@ class PolyjitBackend:
     def _compiler(self, kind: str):
         def compile_graph(gm, example_inputs):
             name = f"{kind}{next(_graph_ids)}"
+            gm.meta[_AS_TRACED] = kind != "backward"
             try:
-                compiled = compile_fx(gm, example_inputs, self.options, self.stats, name,
-                                      results_as_traced=kind != "backward")
+                compiled = compile_fx(gm, example_inputs, self.options, self.stats, name)
             except Exception as err:  # polyjit's own failure: this graph runs in eager PyTorch
                 internal_failure(self.stats, f"graph {name}", err, "eager PyTorch", self.options.strict)
                 return _boxed(gm.forward)
@@ -2038,6 +2036,7 @@ class PolyjitBackend:
 
 
 _SAVED = "polyjit_saved"  # a forward graph's meta: its outputs' node names that only the backward reads
+_AS_TRACED = "polyjit_as_traced"  # a whole forward or inference graph's meta: its results laid out as traced
 
 
 def _partition(joint: torch.fx.GraphModule, joint_inputs, *, use_cache: bool = True, **kwargs):
