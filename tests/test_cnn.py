@@ -653,6 +653,33 @@ def test_products_in_whole_register_blocks_run_generated_untimed(shape, untimed,
 
 
 @needs_blas
+@pytest.mark.parametrize("shape,untimed", [((512, 256, 768), True), ((256, 1024, 256), True),
+                                           ((128, 256, 1024), False), ((512, 192, 512), False)])
+def test_large_products_call_the_library_untimed_with_256_bit_vectors(shape, untimed, rng, monkeypatch):
+    """With 256-bit vectors (AVX2), an unbatched float32 product of 256 or
+    more rows, depth and columns calls the library without a timing (the
+    CPU target's model); a shorter side leaves it timed, and so does a
+    batched product (attention's)."""
+    from polyjit import library
+    from polyjit.targets.cpu import CpuTarget
+    monkeypatch.setattr(library, "_measured", {})
+    monkeypatch.setattr(CpuTarget, "vector_bits", lambda self: 256)
+    timings = []
+    monkeypatch.setattr(library, "_time", lambda exes, args: timings.append(len(exes)) or [0.0, 1.0])
+    m, k, n = shape
+    a, b = rng.standard_normal((m, k), dtype=F32), rng.standard_normal((k, n), dtype=F32)
+    exe = polyjit.compile(ops.matmul, [InputInfo(a.shape, F32), InputInfo(b.shape, F32)], {"cache": False})
+    np.testing.assert_allclose(exe(a, b), a.astype(np.float64) @ b, rtol=1e-4, atol=1e-4)
+    assert bool(timings) != untimed and exe.stats["library_calls"] == 1, exe.stats["contractions"]
+    assert ("large on every side" in exe.stats["contractions"][0]) == untimed, exe.stats["contractions"]
+    timings.clear()
+    q, kk = rng.standard_normal((4, 256, 256), dtype=F32), rng.standard_normal((4, 256, 256), dtype=F32)
+    batched = polyjit.compile(ops.matmul, [InputInfo(q.shape, F32), InputInfo(kk.shape, F32)], {"cache": False})
+    np.testing.assert_allclose(batched(q, kk), q.astype(np.float64) @ kk, rtol=1e-4, atol=1e-4)
+    assert timings, batched.stats["contractions"]
+
+
+@needs_blas
 def test_a_product_over_merged_symbolic_sizes_reads_its_operand_made_once(rng):
     """A Linear over [b, s, 256] with b and s symbolic: its rows b*s are
     whole register blocks but the last (checked), so on a 512-bit host it

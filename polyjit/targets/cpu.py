@@ -134,6 +134,29 @@ def _read_across(n: Node) -> bool:
 
 
 FEW_ROWS, MANY_COLUMNS = 16, 512  # a product of so few rows reading its weight in place runs generated
+LARGE_SIDE = 256  # with 256-bit vectors, an unbatched product this long on every side calls the library
+
+
+def _large_product(L, n: Node) -> str:
+    """Why an unbatched float32 product calls the library untimed on a host
+    of 256-bit vectors, or "": its rows, columns and depth are each
+    LARGE_SIDE or more. At every such product of the bench's transformers
+    (BERT, GPT-2, the encoder and jax_block, forward and training: 512 to
+    50257 rows, columns and depth), generated code took 1.10-2.61x the
+    library's time (bench/NOTES.md), far from GENERATED_MARGIN's 0.8x, and
+    each timing cost two compiles. Batched products (attention's) came
+    within 0.89-1.96x, and stay timed."""
+    if n.op != "dot_general" or n.dtype != DataType.Float or n.attrs["lb"]:
+        return ""
+    a, b = n.inputs
+    lf, rf = free_dims(n)
+    sides = ([L.shape(a)[d] for d in lf], [L.shape(b)[d] for d in rf], [L.shape(a)[d] for d in n.attrs["lc"]])
+    if not all(sz.is_static(s) for side in sides for s in side):
+        return ""
+    rows, cols, depth = (sz.static_product(side) for side in sides)
+    if min(rows, cols, depth) < LARGE_SIDE:
+        return ""
+    return f"{rows} x {depth} x {cols}: large on every side for 256-bit vectors"
 
 
 def _whole_blocks(L, n: Node, lanes: int, min_rows: int = 64, min_rows_packed: int = 128,
@@ -303,10 +326,14 @@ class CpuTarget(Target):
         in both operands): the library from 64 channels, else timed
         (_channels_last_weight_gradient). On any host, a product whose weight
         it would read across rows calls the library (_read_across), below
-        the size where products are not timed too."""
+        the size where products are not timed too. With 256-bit vectors, an
+        unbatched product large on every side calls it (_large_product)."""
         if n.op == "dot_general" and _read_across(n):
             return True, "its weight read across rows: too few rows to pack it"
         lanes = self.vector_bits() // 32
+        large = _large_product(L, n) if lanes < 16 else ""
+        if large:
+            return True, large
         form = None if n.op == "dot_general" else gemm_form(L, n)
         if form == "cfirst" and n.attrs["layout"][-1] == "N":
             return _channels_last_weight_gradient(L, n)
