@@ -638,15 +638,9 @@ def test_products_in_whole_register_blocks_run_generated_untimed(shape, untimed,
     are whole, or that has a classifier head's few rows and many columns,
     on a 512-bit host, without timing it (the CPU target's model, checked
     per shape by bench/products.py); partial blocks are timed."""
-    from polyjit import library
     from polyjit.codegen.cpu import vector_bits
-    monkeypatch.setattr(library, "_measured", {})
-    timings = []
-    monkeypatch.setattr(library, "_time", lambda exes, args: timings.append(len(exes)) or [1.0, 0.0])
-    m, k, n = shape
-    a, b = rng.standard_normal((m, k), dtype=F32), rng.standard_normal((k, n), dtype=F32)
-    exe = polyjit.compile(ops.matmul, [InputInfo(a.shape, F32), InputInfo(b.shape, F32)], {"cache": False})
-    np.testing.assert_allclose(exe(a, b), a.astype(np.float64) @ b, rtol=1e-4, atol=1e-4)
+    timings = _timings_faked(monkeypatch, generated_wins=True)
+    exe = _checked_product(shape, rng)
     modeled = bool(untimed) and vector_bits() >= 512
     assert bool(timings) != modeled and exe.stats["library_calls"] == 0, exe.stats["contractions"]
     assert (bool(untimed) and untimed in exe.stats["contractions"][0]) == modeled, exe.stats["contractions"]
@@ -660,23 +654,35 @@ def test_large_products_call_the_library_untimed_with_256_bit_vectors(shape, unt
     more rows, depth and columns calls the library without a timing (the
     CPU target's model); a shorter side leaves it timed, and so does a
     batched product (attention's)."""
-    from polyjit import library
     from polyjit.targets.cpu import CpuTarget
-    monkeypatch.setattr(library, "_measured", {})
     monkeypatch.setattr(CpuTarget, "vector_bits", lambda self: 256)
-    timings = []
-    monkeypatch.setattr(library, "_time", lambda exes, args: timings.append(len(exes)) or [0.0, 1.0])
-    m, k, n = shape
-    a, b = rng.standard_normal((m, k), dtype=F32), rng.standard_normal((k, n), dtype=F32)
-    exe = polyjit.compile(ops.matmul, [InputInfo(a.shape, F32), InputInfo(b.shape, F32)], {"cache": False})
-    np.testing.assert_allclose(exe(a, b), a.astype(np.float64) @ b, rtol=1e-4, atol=1e-4)
+    timings = _timings_faked(monkeypatch, generated_wins=False)
+    exe = _checked_product(shape, rng)
     assert bool(timings) != untimed and exe.stats["library_calls"] == 1, exe.stats["contractions"]
     assert ("large on every side" in exe.stats["contractions"][0]) == untimed, exe.stats["contractions"]
     timings.clear()
-    q, kk = rng.standard_normal((4, 256, 256), dtype=F32), rng.standard_normal((4, 256, 256), dtype=F32)
-    batched = polyjit.compile(ops.matmul, [InputInfo(q.shape, F32), InputInfo(kk.shape, F32)], {"cache": False})
-    np.testing.assert_allclose(batched(q, kk), q.astype(np.float64) @ kk, rtol=1e-4, atol=1e-4)
+    batched = _checked_product((256, 256, 256), rng, batch=4)
     assert timings, batched.stats["contractions"]
+
+
+def _timings_faked(monkeypatch, generated_wins: bool) -> list:
+    """The library's timings replaced by a fixed answer; the list records each one asked for."""
+    from polyjit import library
+    monkeypatch.setattr(library, "_measured", {})
+    timings: list = []
+    answer = [1.0, 0.0] if generated_wins else [0.0, 1.0]
+    monkeypatch.setattr(library, "_time", lambda exes, args: timings.append(len(exes)) or answer)
+    return timings
+
+
+def _checked_product(shape: tuple, rng, batch: int | None = None):
+    """A compiled (m x k) @ (k x n) product, batched where asked, checked against numpy."""
+    m, k, n = shape
+    lead = (batch,) if batch else ()
+    a, b = rng.standard_normal((*lead, m, k), dtype=F32), rng.standard_normal((*lead, k, n), dtype=F32)
+    exe = polyjit.compile(ops.matmul, [InputInfo(a.shape, F32), InputInfo(b.shape, F32)], {"cache": False})
+    np.testing.assert_allclose(exe(a, b), a.astype(np.float64) @ b, rtol=1e-4, atol=1e-4)
+    return exe
 
 
 @needs_blas
