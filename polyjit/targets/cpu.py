@@ -139,10 +139,10 @@ LARGE_SIDE = 256  # with 256-bit vectors, an unbatched product this long on ever
 
 def _large_product(L, n: Node) -> str:
     """Why an unbatched float32 product calls the library untimed on a host
-    of 256-bit vectors, or "": its rows, columns and depth are each
-    LARGE_SIDE or more. At every such product of the bench's transformers
-    (BERT, GPT-2, the encoder and jax_block, forward and training: 512 to
-    50257 rows, columns and depth), generated code took 1.10-2.61x the
+    of vectors narrower than 512 bits, or "": its rows, columns and depth
+    are each LARGE_SIDE or more. At every such product of the bench's
+    transformers (BERT, GPT-2, the encoder and jax_block, forward and
+    training: 256 to 50257 on each side), generated code took 1.10-2.61x the
     library's time (bench/NOTES.md), far from GENERATED_MARGIN's 0.8x, and
     each timing cost two compiles. Batched products (attention's) came
     within 0.89-1.96x, and stay timed."""
