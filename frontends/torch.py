@@ -1147,10 +1147,11 @@ def _native_layer_norm_backward(cx, grad, x, normalized_shape, mean, rstd, weigh
     g = _computed(grad)
     x_hat = (_computed(x) - _computed(mean)) * _computed(rstd)
     g_hat = g * _computed(weight) if weight is not None else g
+    over_outer = (lambda v: ops.sum(v, outer)) if outer else (lambda v: v)  # (a weight's and a bias's)
     parts = (_computed(rstd) * (g_hat - ops.mean(g_hat, inner, keepdim=True)
                                 - x_hat * ops.mean(x_hat * g_hat, inner, keepdim=True)),
-             (ops.sum(g * x_hat, outer) if outer else g * x_hat) if weight is not None else None,
-             (ops.sum(g, outer) if outer else g) if bias is not None else None)
+             over_outer(g * x_hat) if weight is not None else None,
+             over_outer(g) if bias is not None else None)
     return tuple(ops.cast(v, cx.dtype(t.dtype)) if wanted and v is not None else None
                  for v, t, wanted in zip(parts, _node_val(cx.node), output_mask))
 
@@ -1853,10 +1854,11 @@ class _Outputs:
         are built while the kernels run)."""
         if self._layout is None or self._layout[0] is not specs:
             self._layout = (specs, *self._place(specs))
-        _, block, owned, places, offsets, base_of = self._layout
+        _, owned, block, places, offsets, base_of = self._layout
         dev = self.device
-        made = [torch.empty(block, dtype=torch.uint8, device=dev)] if block else []
-        made += [torch.empty(shape, dtype=dt, device=dev) for shape, dt in owned]
+        made = [torch.empty(shape, dtype=dt, device=dev) for shape, dt in owned]
+        if block:  # (last: the views' allocation is -1)
+            made.append(torch.empty(block, dtype=torch.uint8, device=dev))
         addresses = offsets + np.array([t.data_ptr() for t in made], np.int64)[base_of]
 
         def tensors() -> list:
@@ -1867,31 +1869,30 @@ class _Outputs:
                     out.append(made[k])
                     continue
                 if dt not in typed:
-                    typed[dt] = made[0].view(dt)
+                    typed[dt] = made[-1].view(dt)
                 out.append(typed[dt].as_strided(shape, stride, at))
             return out
         return addresses, tensors
 
     def _place(self, specs: list) -> tuple:
-        """The bytes of the block of saved outputs (all dtypes), then the
-        outputs of their own (shape, dtype), allocated in that order; each
-        output's place (its allocation, then dtype, shape, strides and
+        """The outputs of their own (shape, dtype), then the bytes of the
+        block of saved outputs (all dtypes), allocated in that order; each
+        output's place: (its allocation, then dtype, shape, strides and
         element offset where it is a view of the block); each one's byte
         offset in its allocation, and that allocation's number, as arrays."""
-        block, owned, views = 0, [], []
+        owned, places, offsets, block = [], [], [], 0
         for name, shape, dt in specs:
             tdt = _NUMPY_TO_TORCH[dt]
             if name not in self.saved or not math.prod(shape):
+                places.append((len(owned), None, None, None, 0))
                 owned.append((shape, tdt))
-                views.append(None)
+                offsets.append(0)
                 continue
-            views.append((0, tdt, shape, sz.row_major(shape), block // dt.itemsize, block))
+            places.append((-1, tdt, shape, sz.row_major(shape), block // dt.itemsize))
+            offsets.append(block)
             block += -(-math.prod(shape) * dt.itemsize // 256) * 256  # 256-byte aligned starts
-        own = iter(range(int(block > 0), int(block > 0) + len(owned)))
-        places = [(next(own), None, None, None, 0) if v is None else v[:5] for v in views]
-        offsets = np.array([0 if v is None else v[5] for v in views], np.int64)
         base_of = np.array([p[0] for p in places], np.int64)
-        return block, owned, places, offsets, base_of
+        return owned, block, places, np.array(offsets, np.int64), base_of
 
 
 def _gpu_view(t: torch.Tensor):
