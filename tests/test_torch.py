@@ -1273,8 +1273,10 @@ def test_host_calls_with_the_same_layouts_run_the_bound_plan(monkeypatch, native
     tensor check compares the layouts or Python does. Forward and backward
     equal eager's, a large output (from polyjit's buffer cache) too."""
     from polyjit.runtime.program import CompiledProgram
-    if not native_check:
-        monkeypatch.setattr(torch._C._dynamo.guards, "TensorGuards", None)  # a torch without it
+    guards, native = torch._C._dynamo.guards, []
+    made = guards.TensorGuards
+    monkeypatch.setattr(guards, "TensorGuards", (lambda *a, **k: native.append(1) or made(*a, **k))
+                        if native_check else None)  # (None: a torch without it)
     bound, run_bound = [], CompiledProgram.run_bound
     monkeypatch.setattr(CompiledProgram, "run_bound", lambda self, *a: bound.append(1) or run_bound(self, *a))
 
@@ -1304,3 +1306,4 @@ def test_host_calls_with_the_same_layouts_run_the_bound_plan(monkeypatch, native
             assert len(bound) >= 2  # the second step: forward and backward through their bound plans
             seen = len(bound)
     assert len(bound) >= seen + 2 and jf.stats["fallbacks"] == 0
+    assert bool(native) == native_check  # (the check each call ran: torch's where it has it)
