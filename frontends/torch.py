@@ -1105,8 +1105,10 @@ def _index_add(cx, x, dim, index, src, alpha=1):
 # GELU, so it would save a whole layer norm's output (a following product's
 # weight gradient reads it) and a whole softmax's transpose beside the
 # softmax, where it recomputes a decomposed one's from what it saves anyway.
-WHOLE = (aten.addmm, aten.native_layer_norm_backward, aten.gelu, aten.gelu_backward)
-WHOLE_IN_INFERENCE = (*WHOLE, aten.native_layer_norm, aten._softmax, aten._log_softmax)
+# A product with a bias (addmm) is whole only without a backward, too: see
+# _addmm_in_parts.
+WHOLE = (aten.native_layer_norm_backward, aten.gelu, aten.gelu_backward)
+WHOLE_IN_INFERENCE = (*WHOLE, aten.addmm, aten.native_layer_norm, aten._softmax, aten._log_softmax)
 
 
 def _computed(x):
@@ -1270,8 +1272,18 @@ for _op in (operator.add, operator.sub, operator.mul, operator.neg, operator.flo
 # the tanh through aten.detach, which it would save rather than recompute.
 # An inference graph's: none, either, for the other ops the table lowers
 # itself, torch's chosen ones aside (their parts fuse).
-TRAINING_DECOMPOSITIONS = {op: d for op, d in _TORCH_DECOMPOSITIONS.items()
-                           if not (op.overloadpacket in WHOLE and op in ATEN)}
+def _addmm_in_parts(bias, a, b, beta=1, alpha=1):
+    """addmm as its product and a bias added after it. The partition then
+    saves the product (the library call writes it anyway) and recomputes the
+    sum beside a GELU's gradient, where it would save addmm's result whole,
+    which a following GELU's kernel would write beside its own."""
+    out = aten.mm(a, b) if alpha == 1 else aten.mm(a, b) * alpha
+    return out if beta == 0 else out + (bias if beta == 1 else bias * beta)  # (beta 0 ignores bias: NaN too)
+
+
+TRAINING_DECOMPOSITIONS = {**{op: d for op, d in _TORCH_DECOMPOSITIONS.items()
+                              if not (op.overloadpacket in WHOLE and op in ATEN)},
+                           aten.addmm.default: _addmm_in_parts}
 INFERENCE_DECOMPOSITIONS = {op: d for op, d in TRAINING_DECOMPOSITIONS.items()
                             if op not in ATEN or (op in _CHOSEN and op.overloadpacket not in WHOLE_IN_INFERENCE)}
 

@@ -1127,8 +1127,9 @@ def test_channels_last_activations_saved_for_the_backward_keep_their_layout():
 def test_layer_norm_gelu_softmax_and_addmm_reach_the_table_whole(train, monkeypatch):
     """These composites, and in training their backward ops, reach the
     translator whole: tracing torch's decompositions of them cost the
-    compile a node each of their parts. A training graph's layer norm and
-    softmax are decomposed, for the partition to recompute their outputs."""
+    compile a node each of their parts. A training graph's layer norm,
+    softmax and addmm are decomposed, for the partition to recompute their
+    outputs."""
     import polyjit.frontends.torch as torch_frontend
     seen = []
     compile_fx = torch_frontend.compile_fx
@@ -1141,12 +1142,30 @@ def test_layer_norm_gelu_softmax_and_addmm_reach_the_table_whole(train, monkeypa
         out = torch.compile(m, backend="polyjit", options={"strict": True})(x)
         torch.testing.assert_close(out, m(x))
     aten = torch.ops.aten
-    assert {aten.addmm.default, aten.gelu.default} <= seen[0]
-    for op in (aten.native_layer_norm.default, aten._softmax.default):  # (in training: recomputed, not saved)
-        assert (op in seen[0]) is not train, op
+    assert aten.gelu.default in seen[0]
+    for op in (aten.addmm.default, aten.native_layer_norm.default, aten._softmax.default):  # (in training:
+        assert (op in seen[0]) is not train, op  # recomputed, not saved)
     if train:
         out.sum().backward()
         assert {aten.native_layer_norm_backward.default, aten.gelu_backward.default} <= seen[1], seen[1]
+
+
+def test_a_training_forward_saves_a_product_before_its_bias():
+    """A Linear and GELU's forward saves the product, which the library
+    call writes anyway, and not the product plus its bias (which the GELU's
+    kernel would write beside its own output): the backward adds the bias
+    again. Gradients as eager's."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    x = torch.randn(3, 8)
+    grads, saved = training_step_saving(m, x)
+    for got, want in grads:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        product = x @ m[0].weight.T
+    hidden = [t for t in saved if tuple(t.shape) == (3, 16)]
+    assert any(torch.allclose(t, product) for t in hidden), [(tuple(t.shape), t.stride()) for t in saved]
+    assert not any(torch.allclose(t, product + m[0].bias) for t in hidden)
 
 
 class _Permuting(nn.Module):
