@@ -15,12 +15,13 @@ from ..affine import AffineProgram
 from ..cache import ProcessCache
 from .ast import kernel_nodes, statements_in
 from .contraction import contract
-from .dependences import accesses, dependences, make_context
-from .fusion import FusionPlan, fuse_contraction, fusion_groups, preparation, side_by_side_statements
+from .dependences import accesses, dependences, is_legal, make_context
+from .fusion import (FusionPlan, fuse_contraction, fusion_groups, preparation, side_by_side_statements,
+                     sibling_sums)
 from .groups import (GroupProblem, ProgramSchedule, Scheduled, ScheduledGroup, WorkerAstMismatch, check_worker_ast,
                      group_problem, kernel_of_each_array)
 from .rewrites import distribute_inits, innermost_contiguous, order_sets
-from .tree import group_domain, in_order, is_update, product_inits, side_by_side
+from .tree import group_domain, in_order, is_update, joined_sums, product_inits, side_by_side
 
 log = logging.getLogger("polyjit.schedule")
 
@@ -359,14 +360,23 @@ def _schedule_problem(problem: "GroupProblem", config: tuple, timer) -> Schedule
     else:
         with timer("schedule/dependences"):
             validity, raw = dependences(ctx, prog, dom, access)
-        group = (ctx, prog, dom, validity, raw, [s.name for s in prog.statements], fusion, plan, target.clusters_first)
+        joined = sibling_sums(prog) if target.joins_sibling_sums and fusion != "none" else []
+        apart = {n for pairs in joined for pair in pairs for n in pair}
+        names = [s.name for s in prog.statements if s.name not in apart]
+        group = (ctx, prog, dom, validity, raw, names, fusion, plan, target.clusters_first)
         structure = (problem.structure, config)
         with timer("schedule/isl"):
-            known = len(prog.statements) > 1 and _gave_up.get(structure) is not None
-            sched = None if known else _whole_group(*group)
-            if sched is None:
-                _gave_up.put(structure, True)
-                sched = _split_group(*group)
+            sched = None
+            if names:
+                known = len(names) > 1 and _gave_up.get(structure) is not None
+                sched = None if known else _whole_group(*group)
+                if sched is None:
+                    _gave_up.put(structure, True)
+                    sched = _split_group(*group)
+            if joined:
+                sched = _with_sibling_sums(ctx, prog, dom, validity, sched, joined) or \
+                    _schedule_group(ctx, prog, dom, validity, raw, [s.name for s in prog.statements], fusion, plan,
+                                    target.clusters_first)
         with timer("schedule/rewrites"):
             sched = order_sets(target.schedule_rewrites(sched, prog, validity, tile_sizes), validity)
     with timer("schedule/ast"):
@@ -378,6 +388,23 @@ def _schedule_problem(problem: "GroupProblem", config: tuple, timer) -> Schedule
     if contracted is None:
         return _schedule_problem(problem, ("none",) + config[1:], timer)
     return Scheduled(sched, ast, contracted, kernels, kernel_of_each_array(prog, kernels), plan.refused if plan else [])
+
+
+def _with_sibling_sums(ctx, prog: AffineProgram, dom, validity, rest: isl.Schedule | None,
+                       joined: list) -> isl.Schedule | None:
+    """The group's sibling sums (fusion.sibling_sums) each in a nest of its
+    own (tree.joined_sums), before or after the schedule of the rest, in
+    whichever order every dependence holds; None in neither."""
+    sums = [joined_sums(ctx, prog, dom, pairs) for pairs in joined]
+    first = sums[0]
+    for part in sums[1:]:
+        first = first.sequence(part)
+    if rest is None:
+        return first
+    for sched in (first.sequence(rest), rest.sequence(first)):
+        if is_legal(sched, validity):
+            return sched
+    return None
 
 
 def _ast(ctx: isl.Context, prog: AffineProgram, sched: isl.Schedule) -> isl.AstNode:

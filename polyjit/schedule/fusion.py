@@ -384,6 +384,44 @@ def _column_sum(s, made: set[str], prog: AffineProgram) -> bool:
         for ld in loads(s.body))
 
 
+def sibling_sums(prog: AffineProgram) -> list[list[tuple[str, str]]]:
+    """Sets of two or more reductions, each with its initialization (as
+    (init, update) names), over the same iterations and reading an array in
+    common: a layer norm's weight and bias gradients, column sums of one
+    gradient. Each set shares a nest (tree.joined_sums), where each thread
+    adds every sum's terms for its element: what the sums share is read
+    once. isl keeps them apart (no dependence joins them): one kernel each,
+    each reading the summed gradients again. None of a set's sums reads
+    another's result, only its own pair writes its array, and no statement
+    of the group reads it: a layer norm's row sums stay in the nest isl
+    fuses them into with the input gradient that reads them."""
+    writers: dict[str, list] = {}
+    for s in prog.statements:
+        writers.setdefault(s.array, []).append(s)
+    pairs: dict[tuple, list] = {}
+    for u in prog.statements:
+        p = len(u.iters) - len(u.reduction_iters)
+        if u.role is not Role.UPDATE or u.contraction or u.library is not None or u.extra or p < 1 \
+                or not u.reduction_iters or plain_iters(u.index) != list(u.iters[:p]) or len(writers[u.array]) != 2:
+            continue
+        init = next(w for w in writers[u.array] if w is not u)
+        if init.role is not Role.INIT or not isinstance(init.body, Const) or init.extra \
+                or init.iters != u.iters[:p] or init.bounds != u.bounds[:p] or init.index != u.index:
+            continue
+        pairs.setdefault((u.bounds, p, u.combine, prog.arrays[u.array].dtype), []).append((init, u))
+    sets = []
+    for alike in pairs.values():
+        while len(alike) > 1:
+            first, *others = alike
+            shared = {ld.array for ld in loads(first[1].body)}
+            joined = [first] + [q for q in others if shared & {ld.array for ld in loads(q[1].body)}]
+            alike = [q for q in alike if q not in joined]
+            made = {u.array for _, u in joined}
+            if len(joined) > 1 and not any(ld.array in made for t in prog.statements for ld in loads(t.body)):
+                sets.append([(i.name, u.name) for i, u in joined])
+    return sets
+
+
 def _reads_reshaped(s, group: list[str], prog: AffineProgram) -> bool:
     written = {t.array for t in prog.statements if t.name in group}
     return any(ld.array in written and any(isinstance(x, Op) and x.op in QUASI_AFFINE

@@ -198,3 +198,38 @@ def _marked_nests(ctx, prog, dom, mark: str) -> isl.Schedule:
         from .rewrites import mark_parallel  # (rewrites imports this module)
         sched = mark_parallel(sched, all_coincident=True)
     return sched.get_root().child(0).insert_mark(isl.Id(mark, context=ctx)).get_schedule()
+
+
+def joined_sums(ctx, prog, dom, pairs: list[tuple[str, str]]) -> isl.Schedule:
+    """Sibling sums (schedule.fusion.sibling_sums: (init, update) pairs over
+    the same iterations) in one nest: their elements' loops outside,
+    coincident, and in each element the initializations, then the
+    reduction's loops with every update in their body."""
+    by_name = {s.name: s for s in prog.statements}
+    inits, updates = [by_name[i] for i, _ in pairs], [by_name[u] for _, u in pairs]
+    kept = len(inits[0].iters)
+
+    def band(statements, dims: slice) -> isl.MultiUnionPwAff:
+        maps = "; ".join(f"{s.name}[{', '.join(s.iters)}] -> [{', '.join(s.iters[dims])}]" for s in statements)
+        return isl.MultiUnionPwAff.from_union_map(isl.UnionMap.read_from_str(ctx, prog.prefix() + f"{{ {maps} }}"))
+
+    def each(node, statements) -> isl.ScheduleNode:
+        if len(statements) == 1:
+            return node
+        filters = isl.UnionSetList.alloc(ctx, len(statements))
+        for s in statements:
+            filters = filters.add(group_domain(ctx, prog, dom, [s.name]))
+        return node.insert_sequence(filters)
+
+    names = [n for pair in pairs for n in pair]
+    node = isl.Schedule.from_domain(group_domain(ctx, prog, dom, names)).get_root().child(0)
+    node = node.insert_partial_schedule(band(inits + updates, slice(0, kept))).band_set_permutable(1)
+    for m in range(kept):
+        node = node.band_member_set_coincident(m, 1)
+    parts = isl.UnionSetList.alloc(ctx, 2)
+    for group in (inits, updates):
+        parts = parts.add(group_domain(ctx, prog, dom, [s.name for s in group]))
+    node = node.child(0).insert_sequence(parts)
+    node = each(node.child(0).child(0), inits).parent().parent()
+    node = node.child(1).child(0).insert_partial_schedule(band(updates, slice(kept, None)))
+    return each(node.child(0), updates).get_schedule()

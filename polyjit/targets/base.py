@@ -45,6 +45,8 @@ class Target:
     small_statements_apart: bool = False  # small statements unrelated to a fusion run go before it (fusion._apart)
     windows_apart: bool = False  # every window, not only strided ones, ends its fusion group (fusion._window)
     column_sums_apart: bool = False  # a sum over leading dims of a value its run makes starts a group (fusion._column_sum)
+    joins_sibling_sums: bool = False  # reductions over the same iterations that read an array in common share a nest
+    # (fusion.sibling_sums)
     gathers_preparation: bool = False  # small statements of the inputs alone run first, one kernel (fusion.preparation)
     side_by_side_nests: int = 0  # statements of the inputs alone in one kernel, at most (fusion.side_by_side_statements)
     column_convolutions: bool = False  # generated channels-first convolutions as products over their columns

@@ -314,6 +314,7 @@ class NvgpuTarget(Target):
     side_by_side_nests = BLOCK  # (one launch for a model's weight copies, not one each; a thread at least for each)
     windows_apart = True  # (a window's readers would fuse into its halo strips only with isl's seconds)
     sums_sums_apart = True  # (fused, a classifier head's sum and the pooled sums it reads starved the grid)
+    joins_sibling_sums = True  # (a layer norm's weight and bias gradients: one kernel reading the gradient once)
     column_sums_apart = True  # (isl gives such a sum and its producers kernels of their own, after seconds)
     folds_each_call = False  # the library's convolution leaves a pass over its result anyway: the scale joins it
 
