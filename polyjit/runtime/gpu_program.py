@@ -207,23 +207,20 @@ class GpuProgram(CompiledProgram):
                     outputs: Callable[[list], tuple] | None = None) -> list:
         dev = plan.device
         with plan.lock:  # the pointer arrays are the plan's
-            results = native.results
+            results, n = native.addresses, len(native.outputs)
             if outputs:
                 addresses, handed = outputs(native.outputs)
-                ctypes.memmove(results, addresses.ctypes.data, addresses.nbytes)
+                results[:n] = addresses
             else:
                 made = [empty(shape, dt) if empty else DeviceBuffer(shape, dt, dev, stream)
                         for _, shape, dt in native.outputs]
-                for k, buf in enumerate(made):
-                    results[k] = _data_ptr(buf)
+                results[:n] = [_data_ptr(buf) for buf in made]
             if native.workspace:
                 work = (empty((native.workspace // 4,), np.dtype(np.float32)) if empty else
                         DeviceBuffer((native.workspace // 4,), np.dtype(np.float32), dev, stream))
-                at = native.temps + _data_ptr(work)
-                ctypes.memmove(ctypes.addressof(results) + 8 * len(native.outputs), at.ctypes.data, at.nbytes)
+                np.add(native.temps, _data_ptr(work), out=results[n:n + len(native.temps)])
             native.inputs[:len(pointers)] = pointers
-            inputs = native.inputs
-            code = native.run(inputs, results, stream, native.message, len(native.message))
+            code = native.run(native.inputs, native.results, stream, native.message, len(native.message))
             if outputs:
                 made = handed()
             if native.replays is not None:
@@ -385,3 +382,8 @@ class _Native:
     results: Any
     message: Any
     replays: "cuda_graphs.GraphReplays | None" = None  # where graphs are on: it is run
+
+    def __post_init__(self) -> None:
+        # results as int64, written in place: numpy's ctypes accessor and a
+        # memmove cost more than the assignment
+        self.addresses = np.frombuffer(self.results, np.int64)
