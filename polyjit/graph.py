@@ -439,18 +439,25 @@ class _StructuredOps:
         return Node("gather", (x, index), {"axis": axis, "along": along}, shape, x.dtype)
 
     def scatter(self, shape: Sequence[Size], index: Node, src: Node, axis: int,
-                along: bool = False, op: str = "sum") -> Node:
-        """op's identity in shape, with src combined in by op (sum, prod, max,
-        min) at index along axis: with sum, gather's adjoint (index_add, or
-        with along=True torch.scatter_add)."""
+                along: bool = False, op: str = "sum", base: Node | None = None) -> Node:
+        """op's identity in shape (base, where given), with src combined in
+        by op (sum, prod, max, min) at index along axis: with sum, gather's
+        adjoint (index_add, or with along=True torch.scatter_add)."""
         if op not in REDUCTIONS:
             raise DefinitionError(f"scatter: unknown op {op!r}")
         shape = tuple(shape)
         axis = _norm_axis(axis, len(shape))
+        if base is not None:
+            if base.rank != len(shape) or base.dtype != src.dtype:
+                raise DefinitionError(f"scatter: base of shape {list(base.shape)} and {base.dtype.value}, "
+                                      f"expected {list(shape)} and {src.dtype.value}")
+            for d, (a, b) in enumerate(zip(shape, base.shape)):
+                self.unify(a, b, f"scatter, base dimension {d}")
         if not shape:  # into a 0-d tensor: as into its one element
             if sz.static_product(index.shape) != 1:
                 raise DefinitionError(f"scatter: a 0-d tensor takes one index, got shape {list(index.shape)}")
-            one = self.scatter((1,), self.reshape(index, [1]), self.reshape(src, [1]), 0, along, op)
+            one = self.scatter((1,), self.reshape(index, [1]), self.reshape(src, [1]), 0, along, op,
+                               None if base is None else self.reshape(base, [1]))
             return self.reshape(one, ())
         if along:
             if not index.rank == src.rank == len(shape):
@@ -463,7 +470,8 @@ class _StructuredOps:
         if not along:
             for d, (a, b) in enumerate(zip(want, src.shape)):
                 self.unify(a, b, f"scatter, src dimension {d}")
-        return Node("scatter", (index, src), {"axis": axis, "along": along, "op": op}, shape, src.dtype)
+        ins = (index, src) if base is None else (index, src, base)
+        return Node("scatter", ins, {"axis": axis, "along": along, "op": op}, shape, src.dtype)
 
 
 class Graph(_Shapes, _LayoutOps, _StructuredOps):
@@ -655,7 +663,10 @@ class Graph(_Shapes, _LayoutOps, _StructuredOps):
         gradient summed with keepdim, then reshaped); a transpose that swaps a
         product's free dimensions becomes the product of swapped operands; zero
         plus a sum is the sum (an embedding's gradient added to zeros: a copy
-        of the whole table)."""
+        of the whole table), and a value plus a scatter into zeros that
+        nothing else reads is the scatter into the value (a tied embedding's
+        gradient, added to the output projection's: one pass fewer over the
+        table, and no zeroed one)."""
         table: dict[tuple, Node] = {}
         users = collections.Counter([i.id for n in self.nodes() for i in n.inputs] + [o.id for o in self.outputs])
 
@@ -667,7 +678,7 @@ class Graph(_Shapes, _LayoutOps, _StructuredOps):
             if n.op == "transpose" and n.inputs[0].op == "dot_general" and users[old.inputs[0].id] == 1:
                 n = _swapped_product(n.inputs[0], n.attrs["perm"]) or n
             if n.op == "add":
-                n = _sum_plus_zero(n) or n
+                n = _sum_plus_zero(n) or _scattered_into(n, [users[i.id] for i in old.inputs]) or n
             key = (n.op, tuple(i.id for i in n.inputs), _freeze(n.attrs), n.shape, n.dtype)
             return table.setdefault(key, n) if not n.is_input else n
         return self.rewritten(step)
@@ -710,6 +721,17 @@ def _sum_plus_zero(n: Node) -> Node | None:
                 and x.shape == n.shape and n.dtype.is_float and x.op in ("reduce", "scatter")
                 and x.attrs["op"] == "sum"):
             return x
+    return None
+
+
+def _scattered_into(n: Node, users: list[int]) -> Node | None:
+    """add n of a value and a sum scattered into zeros (of n's shape and
+    dtype; users[k] counts the readers of operand k) as that scatter into
+    the value, where n is the scatter's only reader."""
+    for k, (s, x) in enumerate((n.inputs, n.inputs[::-1])):
+        if s.op == "scatter" and s.attrs["op"] == "sum" and len(s.inputs) == 2 and users[k] == 1 \
+                and s.shape == x.shape == n.shape and s.dtype == x.dtype == n.dtype:
+            return Node("scatter", (*s.inputs, x), s.attrs, n.shape, n.dtype)
     return None
 
 

@@ -202,6 +202,9 @@ class Lowering:
                 self.declare(n.inputs[0])  # n, a view of it, is read in place
                 self.inlined -= 1  # (counted when it was passed over)
                 work[n.id], loaded[n.id] = 0, 1
+            elif materialize and self.scatters_in_place(n, readers, outputs):
+                self.array_of[n.id] = self.array_of[n.inputs[2].id]  # (its base's array: _scatter)
+                work[n.id], loaded[n.id] = 0, 1
             elif materialize:
                 self.declare(n)
                 work[n.id], loaded[n.id] = 0, 1
@@ -244,6 +247,20 @@ class Lowering:
             return False
         return all(r.id in self.library_nodes and r.op == "dot_general" and not r.attrs["lb"]
                    for r in readers.get(n.id, ()))
+
+    def scatters_in_place(self, n: Node, readers: dict[int, list[Node]], outputs: set[int]) -> bool:
+        """Whether scatter n, into a base (a tied embedding's gradient into
+        the output projection's), scatters into the base's own array: a
+        temporary of the base's alone, of n's shape, that only n reads.
+        The base's statements (a library product among them) then write
+        n's array, and no copy starts it."""
+        if n.op != "scatter" or len(n.inputs) < 3:
+            return False
+        b = n.inputs[2]
+        name = self.array_of.get(b.id)
+        return (name is not None and b.id not in outputs and [r.id for r in readers.get(b.id, ())] == [n.id]
+                and self.arrays[name].kind == "temp" and self.arrays[name].shape == self.shape(n)
+                and self.arrays[name].dtype == n.dtype and list(self.array_of.values()).count(name) == 1)
 
     def returned_as_view(self, n: Node, outputs: set[int]) -> bool:
         """Whether output n is a reshape of a temporary that can be the output
@@ -347,7 +364,9 @@ class Lowering:
             self.arrays[out] = Array(out, arr.shape, arr.dtype, "output", index=k)
             if arr.kind == "temp":
                 del self.arrays[src]
-                self.array_of[o.id] = out
+                for m, name in list(self.array_of.items()):  # (a scatter's base shares its array)
+                    if name == src:
+                        self.array_of[m] = out
             else:  # an input or constant returned as is: copy it
                 iters, idx, bounds = loop_nest(self.shape(o))
                 self.add(out, iters, bounds, idx, Load(arr.dtype, src, idx), "copy")
@@ -899,10 +918,13 @@ def _cumulative(L: Lowering, n: Node, name):
 
 
 def _scatter(L: Lowering, n: Node, name):
-    index, src = n.inputs
+    index, src = n.inputs[:2]
     axis, op = n.attrs["axis"], n.attrs["op"]
     iters, idx, bounds = loop_nest(L.shape(n))
-    L.add(name, iters, bounds, idx, identity(op, n.dtype), "scatter_init", role=Role.INIT)
+    if len(n.inputs) < 3:
+        L.add(name, iters, bounds, idx, identity(op, n.dtype), "scatter_init", role=Role.INIT)
+    elif L.array_of.get(n.inputs[2].id) != name:  # (else its base is made in place: Lowering.scatters_in_place)
+        L.add(name, iters, bounds, idx, L.value(n.inputs[2], idx), "scatter_init", role=Role.INIT)
     siters, sidx, sbounds = loop_nest(L.shape(index) if n.attrs["along"] else L.shape(src), "j")
     size = L.shape(n)[axis]
     if n.attrs["along"]:

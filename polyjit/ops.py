@@ -1058,15 +1058,18 @@ def embedding(index: Tensor, weight: Tensor) -> Tensor:
 
 
 def scatter_reduce(op: str, shape: Sequence, index: Tensor, src: Tensor, axis: int = 0,
-                   along: bool = False) -> Tensor:
-    """op's identity (0, 1, -inf, inf) in shape, with src's slices combined
-    by op ("sum", "prod", "max", "min") at index along axis; with along=True,
-    src[i] goes to index[i] (torch.scatter_reduce without self)."""
-    g = _graph(index, src)
+                   along: bool = False, base: Tensor | None = None) -> Tensor:
+    """op's identity (0, 1, -inf, inf) in shape, or base where given, with
+    src's slices combined by op ("sum", "prod", "max", "min") at index along
+    axis; with along=True, src[i] goes to index[i] (torch.scatter_reduce
+    without self, or with base as self)."""
+    g = _graph(index, src) if base is None else _graph(index, src, base)
     shape = tuple(shape)
     if not along and shape and _few_targets(shape[axis % len(shape)], index, src):
-        return _masked_scatter(op, shape, index, src, axis % len(shape))
-    return _wrap(g, g.scatter(shape, _node(g, index), _node(g, src), axis, along, op))
+        scattered = _masked_scatter(op, shape, index, src, axis % len(shape))
+        return scattered if base is None else _COMBINE[op](base, scattered)
+    return _wrap(g, g.scatter(shape, _node(g, index), _node(g, src), axis, along, op,
+                              None if base is None else _node(g, base)))
 
 
 FEW_TARGETS = 8  # a scatter into at most this many slices is a reduction per slice
@@ -1107,7 +1110,7 @@ def scatter_combine(x: Tensor, op: str, index: Tensor, src: Tensor, axis: int = 
     """x with src[i] combined into it by op at index[i] along axis
     (torch.scatter_add / scatter_reduce with self, JAX's scatter_add, _mul,
     _min and _max)."""
-    return _COMBINE[op](x, scatter_reduce(op, x.shape, index, src, axis, along=True))
+    return scatter_reduce(op, x.shape, index, src, axis, along=True, base=x)
 
 
 def scatter(x: Tensor, index: Tensor, src: Tensor, axis: int = 0) -> Tensor:

@@ -203,7 +203,6 @@ _CALLS = {  # op -> the FusionDefinition call that rebuilds it, from operands a 
     "dot_general": "fd.ops.dot_general({a0}, {a1}, ({lc}, {rc}), ({lb}, {rb}))",
     "reduce_window": "fd.ops.reduce_window({op}, {a0}, {window}, {strides}, {padding}, {dilation})",
     "cumulative": "fd.ops.cumulative({op}, {a0}, {axis})",
-    "scatter": "fd.ops.scatter_reduce({op}, {shape}, {a0}, {a1}, {axis}, {along})",
     "iota": "fd.ops.iota({shape}, {dim}, {dtype}, like=fd)",
     "rand_uniform": "fd.ops.rand_uniform({shape}, {a0}, {offset})",
     "philox_bits": "fd.ops.philox_bits({a0}, {a1}, {shape})",
@@ -238,6 +237,8 @@ _BUILT = {  # op -> the function that writes the call rebuilding it, where a for
     "pad": _pad_call,
     "reduce": lambda n, g, a, f, refs: f"fd.ops.{n.attrs['op']}({a[0]}, {f['axes']}, {f['keepdim']})",
     "gather": _gather_call,
+    "scatter": lambda n, g, a, f, refs: (f"fd.ops.scatter_reduce({f['op']}, {f['shape']}, {a[0]}, {a[1]}, "
+                                         f"{f['axis']}, {f['along']}{', base=' + a[2] if len(a) > 2 else ''})"),
     "random_bits": lambda n, g, a, f, refs: (f"fd.ops.random_bits({a[0]}, {f['shape']}"
                                              + "".join(f", {k}={f[k]}" for k in ("word", "offset") if k in f) + ")"),
     "conv": lambda n, g, a, f, refs: (f"fd.ops.conv({a[0]}, {a[1]}, {f['strides']}, {f['padding']}, {f['dilation']}, "

@@ -749,6 +749,41 @@ def test_a_scatter_runs_alone_and_zero_plus_its_sum_is_the_sum(rng):
     assert exe.ir("mapping").splitlines()[0].split(": ")[1].startswith("thread team"), exe.ir("mapping")
 
 
+def test_a_value_plus_a_scatter_is_the_scatter_into_the_value(rng):
+    """A tied embedding's gradient: the output projection's weight gradient
+    plus the embedding's rows scattered into zeros is the rows scattered
+    into the projection's gradient (one pass over the table, none zeroed,
+    no sum of two tables); the NaN an index adds propagates."""
+    idx, g = rng.integers(0, 300, 512), rng.standard_normal((512, 64), dtype=F32)
+    w = rng.standard_normal((300, 64), dtype=F32)
+    g[0, 0] = np.nan
+    exe = polyjit.compile(lambda w, idx, g: w * 2.0 + ops.scatter_add([300, 64], idx, g, 0),
+                          [InputInfo(w.shape, F32), InputInfo(idx.shape, idx.dtype), InputInfo(g.shape, F32)],
+                          {"target": "cpu", "cache": False})
+    ref = w.astype(np.float64) * 2.0
+    np.add.at(ref, idx, g.astype(np.float64))
+    np.testing.assert_allclose(exe(w, idx, g), ref, rtol=1e-5, atol=1e-6)
+    graph = exe.ir("graph")
+    assert "add(" not in graph and graph.count("scatter") == 1, graph
+
+
+@pytest.mark.parametrize("contractions", ["library", "generated"])
+def test_a_scatter_into_a_product_adds_into_the_products_array(rng, contractions):
+    """The output projection's weight gradient, a product, is made in the
+    array the embedding's rows are then scattered into: no copy of the
+    table starts the scatter."""
+    a, b = rng.standard_normal((300, 32), dtype=F32), rng.standard_normal((32, 64), dtype=F32)
+    idx, g = rng.integers(0, 300, 512), rng.standard_normal((512, 64), dtype=F32)
+    exe = polyjit.compile(lambda a, b, idx, g: ops.matmul(a, b) + ops.scatter_add([300, 64], idx, g, 0),
+                          [InputInfo(a.shape, F32), InputInfo(b.shape, F32), InputInfo(idx.shape, idx.dtype),
+                           InputInfo(g.shape, F32)], {"target": "cpu", "cache": False, "contractions": contractions})
+    ref = a.astype(np.float64) @ b
+    np.add.at(ref, idx, g.astype(np.float64))
+    np.testing.assert_allclose(exe(a, b, idx, g), ref, rtol=1e-4, atol=1e-4)
+    program = exe.ir("affine")
+    assert "temp" not in program and program.count("out0[i0, i1] =") == (contractions == "generated"), program
+
+
 def test_a_weight_gradients_zeroing_shares_its_register_blocks(rng):
     """A weight gradient writes its kernel's channels x window flattened
     (out[o, c // 9, (c // 3) % 3, c % 3]); its zeroing still joins the

@@ -876,7 +876,7 @@ def test_a_graph_scattered_between_unsupported_ops_runs_whole_in_eager():
         warnings.simplefilter("ignore")
         for fn, compiled in ((scattered, False), (few, True)):
             jf = polyjit.jit_torch(fn)
-            assert_close(jf(x), fn(x))
+            assert_close(jf(x), fn(x), rtol=1e-4)  # (eight steps of a map amplify a rounding's difference)
             assert jf.stats["fallbacks"] >= 1 and (jf.stats["graphs"] > 0) == compiled
 
 
