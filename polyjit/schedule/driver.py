@@ -395,13 +395,13 @@ def _with_sibling_sums(ctx, prog: AffineProgram, dom, validity, rest: isl.Schedu
     """The group's sibling sums (fusion.sibling_sums) each in a nest of its
     own (tree.joined_sums), before or after the schedule of the rest, in
     whichever order every dependence holds; None in neither."""
-    sums = [joined_sums(ctx, prog, dom, pairs) for pairs in joined]
-    first = sums[0]
-    for part in sums[1:]:
-        first = first.sequence(part)
+    nests = [joined_sums(ctx, prog, dom, pairs) for pairs in joined]
+    sums = nests[0]
+    for nest in nests[1:]:
+        sums = sums.sequence(nest)
     if rest is None:
-        return first
-    for sched in (first.sequence(rest), rest.sequence(first)):
+        return sums
+    for sched in (sums.sequence(rest), rest.sequence(sums)):
         if is_legal(sched, validity):
             return sched
     return None
