@@ -182,7 +182,9 @@ def test_norms_gelu_and_softmax_train_lowered_whole():
     """Both layer norms' forms, both GELUs, softmax and log_softmax, and
     the backward ops the table lowers whole: eager's gradients, also of a
     layer norm asked for some of its gradients only."""
-    check_module(Composites(), torch.randn(3, 4, 32))
+    # (its gradients reach about 50, where an absolute 1e-5 is below float32 sums' rounding: eager itself
+    # differs from float64 by 1e-6 of the largest, polyjit by about as much)
+    check_module(Composites(), torch.randn(3, 4, 32), atol=1e-4)
     norm = lambda x, w, b: F.layer_norm(x, (16,), w, b)  # noqa: E731
     check(norm, r(4, 16), r(16, grad=True), r(16, grad=True), backward=True)
     check(norm, r(4, 16, grad=True), r(16), r(16, grad=True), backward=True)
