@@ -215,6 +215,19 @@ def test_print_round_trip_of_an_input_dilated_convolution(rng):
     _rebuilds(exe, text, rng.standard_normal((2, 4, 5, 5)).astype(F32), rng.standard_normal((4, 3, 3, 3)).astype(F32))
 
 
+def test_print_round_trip_of_a_scatter_into_a_base(rng):
+    """A scatter into a value rather than zeros (a tied embedding's
+    gradient) prints with its base and rebuilds the same."""
+    from polyjit import printing
+    w, g = rng.standard_normal((30, 4)).astype(F32), rng.standard_normal((12, 4)).astype(F32)
+    i = rng.integers(0, 30, 12)
+    exe = polyjit.compile(lambda w, i, g: ops.scatter_reduce("sum", [30, 4], i, g, 0, base=w * 2.0),
+                          [InputInfo(w.shape, F32), InputInfo(i.shape, i.dtype), InputInfo(g.shape, F32)])
+    text = printing.python_definition(exe.graph)
+    assert "base=" in text, text
+    _rebuilds(exe, text, w, i, g)
+
+
 def test_dump_python_definition_torch(tmp_path, monkeypatch, rng, caplog):
     torch = pytest.importorskip("torch")
     monkeypatch.setenv("POLYJIT_DUMP", "python_definition")
