@@ -254,9 +254,9 @@ class Lowering:
         temporary of the base's alone, of n's shape, that only n reads.
         The base's statements (a library product among them) then write
         n's array, and no copy starts it."""
-        if n.op != "scatter" or len(n.inputs) < 3:
+        b = scatter_base(n)
+        if b is None:
             return False
-        b = n.inputs[2]
         name = self.array_of.get(b.id)
         return (name is not None and b.id not in outputs and [r.id for r in readers.get(b.id, ())] == [n.id]
                 and self.arrays[name].kind == "temp" and self.arrays[name].shape == self.shape(n)
@@ -917,14 +917,20 @@ def _cumulative(L: Lowering, n: Node, name):
           "cumulative")
 
 
+def scatter_base(n: Node) -> Node | None:
+    """The value scatter n combines into (graph.scatter's base), or None: into its op's identity."""
+    return n.inputs[2] if n.op == "scatter" and len(n.inputs) > 2 else None
+
+
 def _scatter(L: Lowering, n: Node, name):
     index, src = n.inputs[:2]
     axis, op = n.attrs["axis"], n.attrs["op"]
     iters, idx, bounds = loop_nest(L.shape(n))
-    if len(n.inputs) < 3:
+    base = scatter_base(n)
+    if base is None:
         L.add(name, iters, bounds, idx, identity(op, n.dtype), "scatter_init", role=Role.INIT)
-    elif L.array_of.get(n.inputs[2].id) != name:  # (else its base is made in place: Lowering.scatters_in_place)
-        L.add(name, iters, bounds, idx, L.value(n.inputs[2], idx), "scatter_init", role=Role.INIT)
+    elif L.array_of.get(base.id) != name:  # (else its base is made in place: Lowering.scatters_in_place)
+        L.add(name, iters, bounds, idx, L.value(base, idx), "scatter_init", role=Role.INIT)
     siters, sidx, sbounds = loop_nest(L.shape(index) if n.attrs["along"] else L.shape(src), "j")
     size = L.shape(n)[axis]
     if n.attrs["along"]:

@@ -391,10 +391,10 @@ def sibling_sums(prog: AffineProgram) -> list[list[tuple[str, str]]]:
     gradient. Each set shares a nest (tree.joined_sums), where each thread
     adds every sum's terms for its element: what the sums share is read
     once. isl keeps them apart (no dependence joins them): one kernel each,
-    each reading the summed gradients again. None of a set's sums reads
-    another's result, only its own pair writes its array, and no statement
-    of the group reads it: a layer norm's row sums stay in the nest isl
-    fuses them into with the input gradient that reads them."""
+    each reading the summed gradients again. Only a sum's own pair writes
+    its array and no statement of the group reads it: a layer norm's row
+    sums stay in the nest isl fuses them into with the input gradient that
+    reads them."""
     writers: dict[str, list] = {}
     for s in prog.statements:
         writers.setdefault(s.array, []).append(s)
