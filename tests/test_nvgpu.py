@@ -307,24 +307,18 @@ _SIM_MATH = {
 }
 
 
-def run_threads_on_cpu(exe, arrays, grid=3, block=64):
-    """Run an nvgpu program's kernels on the CPU to check the generated code
-    without a GPU: blocks one after another; a block's threads one after
-    another, or, for kernels with barriers, all at once as OS threads that
-    meet at a threading.Barrier. Thread and block ids come from callbacks;
-    shared memory is ordinary memory. Warp shuffles cannot run here."""
+def _on_host(text: str, local) -> tuple:
+    """(an MCJIT engine, the IR it runs, the callbacks it calls, to be kept
+    alive with it): nvgpu kernels' LLVM IR made to run on the CPU, their
+    thread and block ids read from ``local`` (tid, ctaid, ntid, nctaid;
+    barrier: a threading.Barrier)."""
     import ctypes
-    import threading
 
     import llvmlite.binding as llvm
 
-    from polyjit import sizes as sz
     from polyjit.codegen.cpu import target_machine, _llvm
-
-    prog = exe.compile_default()
-    ir = prog.ir["llvm"].replace('target triple = "nvptx64-nvidia-cuda"', "").replace("define ptx_kernel", "define")
+    ir = text.replace('target triple = "nvptx64-nvidia-cuda"', "").replace("define ptx_kernel", "define")
     ir = ir.replace(" addrspace(3)", "")
-    local = threading.local()
     i32 = ctypes.CFUNCTYPE(ctypes.c_int32)
     hooks = {"sim_tid_x": i32(lambda: local.tid), "sim_ctaid_x": i32(lambda: local.ctaid),
              "sim_ntid_x": i32(lambda: local.ntid), "sim_nctaid_x": i32(lambda: local.nctaid),
@@ -355,6 +349,23 @@ def run_threads_on_cpu(exe, arrays, grid=3, block=64):
     mod.triple = tm.triple
     engine = llvm.create_mcjit_compiler(mod, tm)
     engine.finalize_object()
+    return engine, ir, hooks
+
+
+def run_threads_on_cpu(exe, arrays, grid=3, block=64):
+    """Run an nvgpu program's kernels on the CPU to check the generated code
+    without a GPU: blocks one after another; a block's threads one after
+    another, or, for kernels with barriers, all at once as OS threads that
+    meet at a threading.Barrier. Thread and block ids come from callbacks;
+    shared memory is ordinary memory. Warp shuffles cannot run here."""
+    import ctypes
+    import threading
+
+    from polyjit import sizes as sz
+
+    prog = exe.compile_default()
+    local = threading.local()
+    engine, ir, hooks = _on_host(prog.ir["llvm"], local)
     env = prog.bind(arrays)
     bufs = {spec.name: np.ascontiguousarray(a) for spec, a in zip(prog.inputs, arrays)}
     for spec in prog.buffers:
@@ -791,6 +802,85 @@ def test_a_gpu_programs_plan_becomes_its_native_launchers_steps(monkeypatch):
     del launcher
     gc.collect()
     assert handles == ["made", ("freed", 0xAB)]
+
+
+def test_zeroing_points_are_as_few_as_the_arrays_accesses_allow():
+    """Each array an atomic sum zeroes first may be zeroed as early as just
+    after the last launch that touches it (or any launch whose arrays are
+    unknown): the fewest places that cover every array's span."""
+    from polyjit.runtime.gpu_program import zeroing_points
+    zeroed = [[], [], [(5, 64)], [], [(6, 128), (7, 64)], [(5, 32)], [(8, 16)]]
+    accessed = [frozenset({1}), frozenset({2}), frozenset({5}), None, frozenset({6, 7, 8}), frozenset({5}),
+                frozenset({8})]
+    assert zeroing_points(zeroed, accessed) == {2: [(2, 5, 64)], 4: [(4, 6, 128), (4, 7, 64), (5, 5, 32)],
+                                                6: [(6, 8, 16)]}
+    # with nothing between them touching the arrays, the three sums zero theirs in one place
+    assert zeroing_points([[(3, 4)], [(4, 4)], [(5, 4)]], [frozenset({3}), frozenset({4}), frozenset({5})]) \
+        == {0: [(0, 3, 4), (1, 4, 4), (2, 5, 4)]}
+
+
+def test_the_zeroing_kernel_zeroes_each_arrays_words_and_no_more():
+    """nvgpu's zeroing kernel, thread by thread on the CPU: each array's n
+    words become zero and the word after them stays; an array of 0 words
+    is not touched (its pointer may be anything)."""
+    import threading
+
+    from polyjit.codegen.nvgpu import ZEROING_ARRAYS, ZEROING_KERNEL, zeroing_kernel
+    local = threading.local()
+    engine, _, hooks = _on_host(zeroing_kernel(), local)
+    sizes = [7, 0, 300, 1] + [0] * (ZEROING_ARRAYS - 4)
+    arrays = [np.full(n + 1, 3.0, np.float32) for n in sizes]
+    args = []
+    for a, n in zip(arrays, sizes):
+        args += [a.ctypes.data if n else 0, n]
+    fn = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p, ctypes.c_int64] * ZEROING_ARRAYS)(
+        engine.get_function_address(ZEROING_KERNEL))
+    for block in range(2):
+        for t in range(64):
+            local.tid, local.ctaid, local.ntid, local.nctaid = t, block, 64, 2
+            fn(*args)
+    for a, n in zip(arrays, sizes):
+        assert (a[:n] == 0).all() and a[n] == 3.0
+
+
+def test_atomic_sums_zero_their_arrays_in_one_launch(monkeypatch):
+    """Without a GPU: a program whose sums are atomic strips in two kernels
+    (three arrays zeroed first) and other kernels between them that do not
+    touch those arrays. Its plan zeroes the three in one launch of the
+    zeroing kernel before the first kernel, with their sizes in words,
+    and no memset is left."""
+    from types import SimpleNamespace
+
+    from polyjit.codegen.nvgpu import BLOCK, ZEROING_ARRAYS
+    from polyjit.runtime import cuda, gpu_program
+    from polyjit.runtime import program as runtime_program
+    from polyjit.runtime.gpu_buffers import GpuView
+    W = np.ones((64, 32), np.float32)
+
+    def f(x, y):
+        return ops.sum(x, [0]), ops.relu(ops.matmul(x, W)), ops.sum(ops.exp(y), [0]), ops.sum(y * x, [0])
+    spec = InputInfo((4096, 64), np.float32)
+    prog = polyjit.compile(f, [spec, spec], PTX_ONLY).compile_default()
+    zeroing = [k.zeroed for k in prog.kernels if k.zeroed]
+    assert len(zeroing) == 2 and sum(map(len, zeroing)) == 3, [k.zeroed for k in prog.kernels]
+    dev = SimpleNamespace(ordinal=0, context=0x77, multiprocessors=4, activate=lambda: None)
+    monkeypatch.setattr(prog, "_device", lambda views, args: dev)
+    monkeypatch.setattr(prog, "_functions", lambda d: {k.name: (0xF00 + n, 2) for n, k in enumerate(prog.kernels)})
+    monkeypatch.setattr(cuda, "used_devices", set())
+    monkeypatch.setattr(runtime_program, "POISON", False)
+    monkeypatch.setattr(prog, "_const", lambda index, d, stream: SimpleNamespace(ptr=0xC0))
+    monkeypatch.setattr(gpu_program, "_zeroing_function", lambda d: (0xE00, 2))
+    views = [GpuView(0xA000, (4096, 64), None, np.dtype(np.float32), 0, None)] * 2
+    plan = prog._plan(gpu_program._device_key(views), views, views, 0)
+    first, *rest = plan.launches
+    assert first[0] == 0xE00 and first[2] == BLOCK and not any(step[4] for step in plan.launches)
+    assert [step[0] for step in rest] == [0xF00 + n for n in range(len(prog.kernels))]
+    slot = {b.name: i for i, b in enumerate(prog.buffers)}
+    params, ints = first[5], list(plan.ints)
+    pairs = [(params[2 * k], params[2 * k + 1]) for k in range(ZEROING_ARRAYS)]
+    zeroed = {s for k in prog.kernels for s in (slot[a] for a in k.zeroed)}
+    assert {s for s, _ in pairs[:3]} == zeroed
+    assert [ints[n - len(prog.buffers)] for _, n in pairs] == [64] * 3 + [0] * (ZEROING_ARRAYS - 3)
 
 
 def test_convolution_products_follow_the_tf32_option(monkeypatch):

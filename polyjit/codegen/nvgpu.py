@@ -1009,6 +1009,43 @@ def _ast_offset(e: isl.AstExpr, it: str) -> int | None:
     return k if e.get_op_type() == isl.ast_expr_op_type.add else -k
 
 
+ZEROING_KERNEL = "polyjit_zeroing"
+ZEROING_ARRAYS = 32  # the arrays one launch of it zeroes
+
+
+@functools.cache
+def zeroing_kernel() -> str:
+    """LLVM IR of ZEROING_KERNEL(p0, n0, ..., p31, n31), which sets n_k
+    32-bit words at each p_k to zero (n_k 0: p_k is not touched), each array
+    by a grid-stride loop over all the launch's threads: the arrays that
+    several sums' atomic strips add into, zeroed in one launch where a
+    memset each had cost a launch each (bench/NOTES.md)."""
+    m = ir.Module(name=ZEROING_KERNEL)
+    m.triple = TRIPLE
+    fn = ir.Function(m, ir.FunctionType(ir.VoidType(), [PTR, I64] * ZEROING_ARRAYS), ZEROING_KERNEL)
+    fn.calling_convention = "ptx_kernel"
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    sreg = lambda r: b.zext(b.call(m.declare_intrinsic(_SREG + r, (), ir.FunctionType(I32, [])), []), I64)  # noqa: E731
+    ntid = sreg("ntid.x")
+    gid = b.add(b.mul(sreg("ctaid.x"), ntid), sreg("tid.x"))
+    stride = b.mul(sreg("nctaid.x"), ntid)
+    for k in range(ZEROING_ARRAYS):
+        words, n = fn.args[2 * k], fn.args[2 * k + 1]
+        start = b.block
+        body, done = fn.append_basic_block(f"zero{k}"), fn.append_basic_block(f"zeroed{k}")
+        b.cbranch(b.icmp_signed("<", gid, n), body, done)
+        b.position_at_end(body)
+        i = b.phi(I64)
+        b.store(ir.Constant(I32, 0), b.gep(words, [i], source_etype=I32))
+        following = b.add(i, stride)
+        i.add_incoming(gid, start)
+        i.add_incoming(following, body)
+        b.cbranch(b.icmp_signed("<", following, n), body, done)
+        b.position_at_end(done)
+    b.ret_void()
+    return str(m)
+
+
 @functools.cache
 def _nvptx_target():
     llvm.initialize_all_targets()

@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .. import sizes as sz
-from ..codegen.nvgpu import BLOCK
+from ..codegen.nvgpu import BLOCK, ZEROING_ARRAYS, ZEROING_KERNEL, ptx, zeroing_kernel
 from ..errors import DeviceError, InputError
 from . import cuda, cuda_graphs, launch
 from .buffers import POISON
@@ -31,6 +31,7 @@ from .cuda import Device, check, cu_stream, default_ordinal, device, driver, lau
 from .gpu_buffers import DeviceBuffer, GpuView, as_device_array
 from .program import CompiledProgram, RowMajor
 
+ZEROING_BYTES = 1 << 20  # arrays up to this size are zeroed together (the larger, each by a memset)
 WAVES = 2  # grids of this many times the blocks that fit on the device at once
 NATIVE = os.environ.get("POLYJIT_NATIVE_LAUNCH", "1") != "0"  # calls run their steps from host code, not Python
 _launchers = 0  # native launchers built (their names are unique)
@@ -112,7 +113,7 @@ class GpuProgram(CompiledProgram):
                 pointers[slot] = _data_ptr(buf)
                 if POISON and shape:
                     poison(pointers[slot], math.prod(shape) * dt.itemsize, dt.kind, stream)
-            for (fn, grid, block, what, zeroed), argv in zip(plan.launches, plan.argv):
+            for (fn, grid, block, what, zeroed, _), argv in zip(plan.launches, plan.argv):
                 if not block:  # a library call
                     fn.run(pointers, stream)
                     continue
@@ -143,16 +144,16 @@ class GpuProgram(CompiledProgram):
         (one per library), freed with it."""
         steps: list = []
         handles: dict = {}  # library -> its handle for this launcher
-        for (fn, grid, block, what, zeroed), k in zip(plan.launches, self.kernels):
+        for fn, grid, block, what, zeroed, params in plan.launches:
             if not block:  # a library call
                 if fn.lib not in handles:
                     handles[fn.lib] = fn.lib.new_handle(plan.device)
                 steps.append(fn.native(handles[fn.lib]))
                 continue
             steps += [launch.Memset(slot, 0, nbytes, 1, f"zeroing for {what}") for slot, nbytes in zeroed]
-            steps.append(launch.Launch(int(fn), grid, block, what, k.params))
+            steps.append(launch.Launch(int(fn), grid, block, what, params))
         launcher = self._native_launcher(name, {n: (slot, shape, dt) for slot, n, shape, dt in plan.fresh},
-                                         plan.input_slots, plan.pointers, plan.ints, steps,
+                                         plan.input_slots, plan.pointers, plan.ints[:plan.int_count], steps,
                                          int(plan.device.context), launch_symbols(), plan.returned)
         for lib, handle in handles.items():
             if launcher is None:
@@ -286,22 +287,58 @@ class GpuProgram(CompiledProgram):
         fns = self._functions(dev)
         nbytes = {name: math.prod(shape) * dt.itemsize for _, name, shape, dt in fresh}
         launches = [(fns[k.name][0], self._grid(i, env, dev, fns[k.name][1]), BLOCK if k.parallel else 1,
-                     f"launching {k.name}", [(slot[a], nbytes[a]) for a in k.zeroed if nbytes[a]])
-                    if k.library is None else (self._library_step(k, env, dev, slot), 0, 0, k.name, [])
+                     f"launching {k.name}", [(slot[a], nbytes[a]) for a in k.zeroed if nbytes[a]], k.params)
+                    if k.library is None else (self._library_step(k, env, dev, slot), 0, 0, k.name, [], None)
                     for i, k in enumerate(self.kernels)]
-        plan = _Plan(dev, not any(v is not None for v in views), fresh, launches, temp_bytes,
+        launches = self._zeroing_together(launches, [self._accessed(k, slot) for k in self.kernels], ints, dev)
+        plan = _Plan(dev, not any(v is not None for v in views), fresh, launches, temp_bytes, len(ints),
                      [slot[spec.name] for spec in self.inputs], pointers, (ctypes.c_int64 * max(len(ints), 1))(*ints),
                      self.returned_shapes(env))
         places = [ctypes.addressof(plan.pointers) + 8 * i for i in range(len(self.buffers))]
         places += [ctypes.addressof(plan.ints) + 8 * i for i in range(len(ints))]
         blocks = {None: (ctypes.c_void_p * max(len(places), 1))(*places)}  # a kernel's arguments, by its params
-        for k in self.kernels:
-            if k.params is not None and k.params not in blocks:
-                blocks[k.params] = (ctypes.c_void_p * max(len(k.params), 1))(*(places[p] for p in k.params))
+        for *_, params in launches:
+            if params is not None and params not in blocks:
+                blocks[params] = (ctypes.c_void_p * max(len(params), 1))(*(places[p] for p in params))
         plan.blocks = blocks
-        plan.argv = [ctypes.addressof(blocks[k.params]) for k in self.kernels]
+        plan.argv = [ctypes.addressof(blocks[params]) for *_, params in launches]
         self._remember(key, plan)
         return plan
+
+    def _accessed(self, k, slot: dict) -> frozenset | None:
+        """The argument slots of the arrays kernel k may read or write (None: any of them)."""
+        if k.library is not None:
+            call = k.library.library
+            names = [box[0] for box in (*call.read(), call.written())]
+            return frozenset(slot[a] for a in names) if all(a in slot for a in names) else None
+        return None if k.params is None else frozenset(p for p in k.params if p < len(self.buffers))
+
+    def _zeroing_together(self, launches: list, accessed: list, ints: list, dev: Device) -> list:
+        """launches with the arrays that several atomic strips zero first
+        (zeroing_points) zeroed by one launch of nvgpu's ZEROING_KERNEL, its
+        sizes appended to ints."""
+        zeroed = [[(s, n) for s, n in step[4] if n % 4 == 0 and n <= ZEROING_BYTES] for step in launches]
+        points = zeroing_points(zeroed, accessed)
+        if not any(len(arrays) > 1 for arrays in points.values()):
+            return launches
+        fn, resident = _zeroing_function(dev)
+        moved = {(i, s) for arrays in points.values() if len(arrays) > 1 for i, s, _ in arrays}
+        out = []
+        for i, step in enumerate(launches):
+            arrays = points.get(i, []) if len(points.get(i, [])) > 1 else []
+            for k in range(0, len(arrays), ZEROING_ARRAYS):
+                part = arrays[k:k + ZEROING_ARRAYS]
+                params = []
+                for _, s, n in part:
+                    params += [s, len(self.buffers) + len(ints)]
+                    ints.append(n // 4)
+                params += [len(self.buffers) + len(ints)] * 2 * (ZEROING_ARRAYS - len(part))
+                ints.append(0)  # (the unused arrays' pointers and sizes)
+                words = max(n // 4 for _, _, n in part)
+                grid = max(1, min(-(-words // BLOCK), dev.multiprocessors * resident * WAVES))
+                out.append((fn, grid, BLOCK, f"zeroing for {step[3]}", [], tuple(params)))
+            out.append((*step[:4], [(s, n) for s, n in step[4] if (i, s) not in moved], step[5]))
+        return out
 
     def _library_step(self, k, env: dict, dev: Device, slot: dict):
         """Kernel k's library call (cuBLAS's product, cuDNN's convolution) at
@@ -345,6 +382,43 @@ class GpuProgram(CompiledProgram):
         return self._consts[key]
 
 
+def zeroing_points(zeroed: list[list[tuple[int, int]]], accessed: list[frozenset | None]) -> dict[int, list]:
+    """Where to zero the arrays each launch zeroes first (``zeroed[i]``:
+    (slot, bytes) before launch i), as few places as there can be: launch i
+    -> the (launch, slot, bytes) zeroed just before it. An array may be zeroed as
+    early as just after the last launch before its own that touches it
+    (``accessed[j]``: launch j's slots, None: any); the greedy choice of
+    the latest place for the first interval not yet covered is the least
+    number of places. Atomic strips of a model's parameter gradients, late
+    in a backward, then zero theirs in one launch at its start."""
+    spans = []
+    for i, arrays in enumerate(zeroed):
+        for s, n in arrays:
+            p = i
+            while p and accessed[p - 1] is not None and s not in accessed[p - 1]:
+                p -= 1
+            spans.append((i, p, s, n))
+    points: dict[int, list] = {}
+    at = None
+    for i, p, s, n in sorted(spans, key=lambda x: x[0]):
+        if at is None or p > at:
+            at = i
+        points.setdefault(at, []).append((i, s, n))
+    return points
+
+
+_zeroing: dict[int, tuple] = {}  # device ordinal -> (ZEROING_KERNEL there, its resident blocks)
+
+
+def _zeroing_function(dev: Device) -> tuple:
+    with _lock:
+        if dev.ordinal not in _zeroing:
+            mods, fns = dev.load(ptx(zeroing_kernel(), dev.arch)[1], [ZEROING_KERNEL], False)
+            fn = fns[ZEROING_KERNEL]
+            _zeroing[dev.ordinal] = (fn, dev.resident_blocks(fn, BLOCK), mods)  # (loaded for the process)
+        return _zeroing[dev.ordinal][:2]
+
+
 def _device_key(views) -> tuple:
     """A call's plan key where every argument is a GPU array."""
     return tuple((v.shape, v.strides, v.dtype, v.device) for v in views)
@@ -355,8 +429,9 @@ class _Plan:
     device: Device
     host: bool  # every argument on the host: copied in, results copied back
     fresh: list  # (argument slot, array, shape, dtype) of outputs and temporaries to allocate
-    launches: list  # (function, grid, block, what it is (for errors), (slot, bytes) to zero)
+    launches: list  # (function, grid, block, what it is (for errors), (slot, bytes) to zero, params)
     temp_bytes: int
+    int_count: int  # the integer arguments' (ints may hold one more, unused)
     input_slots: list  # the argument slot of each input
     pointers: Any  # the kernels' arguments: buffer pointers (inputs and fresh set at each call),
     ints: Any  # and integers (sizes, strides), fixed for the plan

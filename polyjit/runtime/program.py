@@ -247,7 +247,8 @@ class CompiledProgram:
         temps = dict(zip(plan.temp_names, plan.temps))  # name -> (slot, byte offset, shape, dtype)
         if not own_workspace:
             fresh.update({n: (slot, shape, dt) for n, (slot, _, shape, dt) in temps.items()})
-        return self._native_launcher(name, fresh, plan.input_slots, plan.pointers, plan.ints, steps, None, symbols,
+        return self._native_launcher(name, fresh, plan.input_slots, plan.pointers,
+                                     plan.ints[:len(self.int_slots)], steps, None, symbols,
                                      plan.returned, temps if own_workspace else {}, plan.workspace)
 
     def returned_shapes(self, env: dict) -> dict[str, tuple]:
@@ -283,7 +284,7 @@ class CompiledProgram:
         given = set(input_slots) | {slot for slot, _, _ in placed.values()}
         fixed = {k: p or 0 for k, p in enumerate(pointers) if k not in given}
         plan = launch.LaunchPlan(len(self.buffers), input_slots, [fresh[n][0] for n in names], fixed,
-                                 list(ints)[:len(self.int_slots)], poisons + steps, context,
+                                 list(ints), poisons + steps, context,
                                  [(slot, offset) for slot, offset, _, _ in kept.values()],
                                  workspace_bytes if kept else 0)
         return launch.NativeLauncher(name, plan, symbols, [(n, returned.get(n, fresh[n][1]), fresh[n][2])
