@@ -197,6 +197,21 @@ def test_a_layer_norms_weight_and_bias_gradients_share_a_kernel(rng):
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_a_training_layer_norms_forward_is_one_pass_over_each_row():
+    """A layer norm's forward as a training graph has it (the summed input,
+    the mean and the inverse deviation saved beside the output): one warp
+    per row, where counting its sums' zeroings against the run's size cut
+    off the inverse deviation and the output, two more kernels that read
+    the rows again."""
+    def forward(x, bias, res, w, b):
+        y = x + bias + res
+        mean = ops.mean(y, [2], keepdim=True)
+        rstd = ops.rsqrt(ops.mean((y - mean) * (y - mean), [2], keepdim=True) + 1e-5)
+        return (y - mean) * rstd * w + b, y, mean, rstd
+    plans = _mapping(forward, [(8, 16, 256), (256,), (8, 16, 256), (256,), (256,)])
+    assert plans == ["warp rows: grid c0 x c1, 32 lanes, 3 lane loops (3 in groups of 4, 3 unrolled), 2 reductions"], plans
+
+
 def test_a_small_batch_pooled_mean_keeps_its_images_parallel(rng, monkeypatch):
     """A convolution, its batch norm folded in (the scale into the weights,
     the shift a per-channel statement), relu, 2x2 average pooling and the

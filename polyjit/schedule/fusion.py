@@ -41,8 +41,9 @@ def fusion_groups(prog: AffineProgram, epilogues: bool = False,
     run on one thread too (7.3 ms of a 2-thread training step). A
     contraction (its initialization and update, with epilogues its
     elementwise consumers) is a group of its own; other runs are cut at
-    MAX_GROUP statements (a sum's initialization going with its update; one
-    more where it reads only the run's last statement, _pointwise_tail),
+    MAX_GROUP statements, sums' initializations not counted (_size; a sum's
+    initialization going with its update; one more where it reads only the
+    run's last statement, _pointwise_tail),
     around a strided window (with windows_apart, any window: _window) or,
     with sums_apart, before a reduction of a reduction's results
     (_sums_a_sum). A convolution's taps (role TAPS: im2col, a padded copy)
@@ -114,15 +115,17 @@ def fusion_groups(prog: AffineProgram, epilogues: bool = False,
                 groups.append(current)
                 current = []
             continue
-        if current and (len(current) >= MAX_GROUP and not _pointwise_tail(s, current, by_name, prog)
+        if current and (_size(current, inits) >= MAX_GROUP and not _pointwise_tail(s, current, by_name, inits, prog)
                         or _reads_reshaped(s, current, prog)
                         or sums_apart and _sums_a_sum(s, current, prog)
                         or windows and _reads_window(s, {by_name[n].array for n in current if n in windows}, prog)
                         or column_sums_apart and _column_sum(s, {by_name[n].array for n in current
                                                                  if _plain(by_name[n])}, prog)):
-            held = [current.pop()] if s.role is Role.UPDATE and current[-1] in inits else []
+            held = [n for n in current if n in inits and by_name[n].array == s.array] \
+                if s.role is Role.UPDATE else []  # (a sum's initialization goes with it)
+            current = [n for n in current if n not in held]
             if current:
-                groups.append(current)  # (a sum's initialization goes with it)
+                groups.append(current)
             current = held
         elif current and _window(s, {by_name[n].array for n in current}, windows_apart):
             if len(current) > 1:
@@ -311,14 +314,23 @@ def _plain(s) -> bool:
     return s.role is Role.ASSIGN and s.library is None and not _scatters(s)
 
 
-def _pointwise_tail(s, current: list[str], by_name: dict, prog: AffineProgram) -> bool:
+def _size(run: list[str], inits: set[str]) -> int:
+    """A run's size as MAX_GROUP counts it: its statements but the sums'
+    initializations, which isl places with their updates (a training layer
+    norm's two sums, their results, its inverse deviation and its output
+    are one run, one pass over each row, where its sums' zeroings had cut
+    it before the last two: three kernels on the GPU, the rows read twice)."""
+    return sum(n not in inits for n in run)
+
+
+def _pointwise_tail(s, current: list[str], by_name: dict, inits: set[str], prog: AffineProgram) -> bool:
     """Whether s, one past MAX_GROUP, may join the run: the run's last
     statement is its only producer in the run, read at s's own point over
     the same loops (a training layer norm's `x_hat * w + b`, after the
     x_hat it saves). Cut off, it read the whole of x_hat back in a kernel of
     its own; fused, it adds isl one statement and one dependence."""
     last = by_name[current[-1]]
-    if len(current) != MAX_GROUP or not _plain(s) or not _plain(last) or s.extra or last.extra \
+    if _size(current, inits) != MAX_GROUP or not _plain(s) or not _plain(last) or s.extra or last.extra \
             or s.bounds != last.bounds or plain_iters(last.index) != list(last.iters):
         return False
     written = {by_name[n].array for n in current}
