@@ -526,9 +526,53 @@ def _convert(cx, x, dtype):
 @_reg(aten._to_copy.default, aten.clone.default, aten.alias.default, aten.detach.default,
       aten.lift_fresh_copy.default, aten.contiguous.default)
 def _copy(cx, x, dtype=None, **kw):
-    if kw.get("device") is not None and torch.device(kw["device"]).type != "cpu":
-        raise UnsupportedOpError("a device transfer inside a compiled graph")
+    _same_device(cx)
     return ops.cast(x, cx.dtype(dtype)) if dtype is not None else x
+
+
+@_reg(prims.device_put.default)
+def _device_put(cx, x, device=None, non_blocking=False):
+    _same_device(cx)  # (a constant's or a scalar's ``.to(device)``: see _transfer)
+    return x
+
+
+def _same_device(cx) -> None:
+    """UnsupportedOpError where the node is a transfer the program cannot
+    make (_transfer)."""
+    why = _transfer(cx.node)
+    if why:
+        raise UnsupportedOpError(why)
+
+
+def _transfer(node: torch.fx.Node) -> str | None:
+    """Why node, a copy to another device (as traced), cannot be part of a
+    compiled graph: it moves a graph input's tensor of more than one element
+    (the program runs on one device). None where it can: a constant (a
+    model's ``torch.tensor(window).to(device)``: transformers'
+    sliding-window caches) or a scalar is read where the program runs, and
+    each result is handed out on the device the trace gives it
+    (CompiledGraph._results)."""
+    if not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return None
+    src, out = _node_val(node.args[0]), _node_val(node)
+    if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor) or src.device == out.device \
+            or src.dim() == 0 or not _reads_inputs(node.args[0]):
+        return None
+    return f"a device transfer inside a compiled graph ({src.device} to {out.device})"
+
+
+def _reads_inputs(node: torch.fx.Node) -> bool:
+    """Whether node's value depends on one of its graph's placeholders."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n.op == "placeholder":
+            return True
+        for a in n.all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                todo.append(a)
+    return False
 
 
 ATEN[aten.copy.default] = lambda cx, dst, src, non_blocking=False: ops.cast(ops.broadcast_to(src, dst.shape), dst.dtype)
@@ -1625,6 +1669,8 @@ class CompiledGraph:
         self.options = options
         self._bound = None  # (its inputs' pointers or None, run, program) for the last bound call's layouts
         self._saved = _saved_outputs(gm, self.t.outputs)
+        self._devices = _output_devices(gm)
+        self._moved: list | None = None  # (position, device) of the results made elsewhere than traced
 
     def saved_in_target_order(self, where: str) -> list | None:
         """Store the saved activations that the target computes in another
@@ -1752,6 +1798,12 @@ class CompiledGraph:
                 result.append(_tensor(outs[v[0]]).permute(v[1]))
             else:
                 result.append(args[v] if kind == "input" else v)
+        if self._moved is None:  # (a graph of no GPU inputs whose results the trace puts on a GPU: a mask
+            # built from sizes alone runs on the host; the graph after it finds it where the trace said)
+            self._moved = [(i, d) for i, (r, d) in enumerate(zip(result, self._devices))
+                           if isinstance(r, torch.Tensor) and d is not None and r.device != d]
+        for i, d in self._moved:
+            result[i] = result[i].to(d)
         return tuple(result)
 
 
@@ -1831,6 +1883,14 @@ def _allocator(index: int):
     def empty(shape, dt):
         return torch.empty(shape, dtype=_NUMPY_TO_TORCH[dt], device=dev)
     return empty
+
+
+def _output_devices(gm: torch.fx.GraphModule) -> list:
+    """The device of each of gm's results as traced (None: not a tensor)."""
+    out = next(iter(gm.graph.find_nodes(op="output"))).args[0]
+    nodes = out if isinstance(out, (tuple, list)) else (out,)  # (as _outputs reads them)
+    vals = [_node_val(n) if isinstance(n, torch.fx.Node) else None for n in nodes]
+    return [v.device if isinstance(v, torch.Tensor) else None for v in vals]
 
 
 def _saved_outputs(gm: torch.fx.GraphModule, outputs: list) -> set[int]:
@@ -1924,6 +1984,8 @@ class _Supported(OperatorSupport):
         if node.op != "call_function" or node.target not in ATEN:
             return False
         if node.target is aten.copy_.default and not _mutates_input(node):
+            return False
+        if node.target in (aten._to_copy.default, prims.device_put.default) and _transfer(node):
             return False
         val = _node_val(node)
         vals = val if isinstance(val, (tuple, list)) else [val]

@@ -2022,6 +2022,33 @@ def test_torch_tensors_stay_on_the_gpu():
     polyjit.cuda_synchronize()
 
 
+@pytest.mark.gpu
+def test_torch_results_are_where_the_trace_puts_them():
+    """A graph of no GPU inputs whose results the trace puts on the GPU (a
+    mask built from sizes, before a graph break) hands them out there; a
+    host scalar moved to the GPU inside a graph (a model's
+    ``torch.tensor(window).to(device)``) compiles: 0 fallbacks, eager's values."""
+    torch = pytest.importorskip("torch")
+
+    class Masked(torch.nn.Module):
+        def __init__(self, window):
+            super().__init__()
+            self.window = window  # (on the host: not a buffer, .cuda() leaves it)
+
+        def forward(self, x):
+            n = x.shape[-1]
+            mask = torch.ones(n, n, device=x.device, dtype=torch.bool).tril()
+            torch._dynamo.graph_break()
+            return x.masked_fill(~mask, 0.0) * self.window.to(x.device)
+    x = torch.randn(2, 5, 5, device="cuda")
+    polyjit.frontends.torch.stats(reset=True)
+    model = Masked(torch.tensor(3.0)).cuda()
+    out = torch.compile(model, backend="polyjit")(x)
+    assert out.device == x.device
+    torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-6)
+    assert polyjit.frontends.torch.stats()["fallbacks"] == 0
+
+
 def _training_steps(torch, steps: int = 3, device: str = "cuda"):
     """Three steps' (x, w, eager's copies of them, a random projection r):
     w kept across steps (its .grad reset after each), x fresh."""

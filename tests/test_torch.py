@@ -855,7 +855,8 @@ def test_fallback_counted_warned_and_correct():
         warnings.simplefilter("always")
         out = jf(x)
     assert_close(out, fn(x))
-    assert jf.stats["fallbacks"] >= 1 and any("bessel_j0" in op for op in jf.stats["fallback_ops"])
+    # the op itself, and nothing else: the parts around it (one result each) compile
+    assert jf.stats["fallbacks"] == 1 and "bessel_j0" in jf.stats["fallback_ops"][0], jf.stats["fallback_ops"]
     assert any("eager" in str(m.message) for m in w)
 
 
