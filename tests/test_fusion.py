@@ -475,6 +475,25 @@ def test_a_strided_window_shares_its_nest_with_its_direct_producer_only(rng):
                                rtol=1e-5, atol=1e-5)
 
 
+def test_only_runs_along_rows_hold_sums_initializations_beyond_the_cap():
+    """A run's sums' initializations count towards MAX_GROUP unless all its
+    statements read and write along their own loops: a row statistic's
+    statements do; a transposed read or a shifted one (a padded window)
+    does not, where the larger runs took isl seconds."""
+    from polyjit.lowering import lower
+    from polyjit.schedule import fusion
+
+    def f(x, y):
+        m = ops.mean(x, [1], keepdim=True)
+        return x - m, ops.transpose(y) * 2.0, ops.pad(x, [1, 1]) * 3.0
+    exe = polyjit.compile(f, [InputInfo((4, 8), F32), InputInfo((8, 4), F32)], {"target": "cpu", "cache": False})
+    prog = lower(exe.graph.deduplicated())
+    along = {str(s): fusion._along_rows(s, prog) for s in prog.statements}
+    rows = [k for k, v in along.items() if "in1" not in k and "pad" not in k and "3.0" not in k]
+    crossed = [k for k in along if k not in rows]
+    assert rows and crossed and all(along[k] for k in rows) and not any(along[k] for k in crossed), along
+
+
 def test_a_large_window_starts_a_group_on_every_target(rng):
     """A 7x7 depthwise convolution padded to its input's size (ConvNeXt's),
     its input made in the same run (a residual sum): the window goes with

@@ -41,7 +41,7 @@ def fusion_groups(prog: AffineProgram, epilogues: bool = False,
     run on one thread too (7.3 ms of a 2-thread training step). A
     contraction (its initialization and update, with epilogues its
     elementwise consumers) is a group of its own; other runs are cut at
-    MAX_GROUP statements, sums' initializations not counted (_size; a sum's
+    MAX_GROUP statements, some sums' initializations not counted (_size; a sum's
     initialization going with its update; one more where it reads only the
     run's last statement, _pointwise_tail),
     around a strided window (with windows_apart, any window: _window) or,
@@ -115,7 +115,8 @@ def fusion_groups(prog: AffineProgram, epilogues: bool = False,
                 groups.append(current)
                 current = []
             continue
-        if current and (_size(current, inits) >= MAX_GROUP and not _pointwise_tail(s, current, by_name, inits, prog)
+        if current and (_size(current, inits, by_name, prog) >= MAX_GROUP
+                        and not _pointwise_tail(s, current, by_name, inits, prog)
                         or _reads_reshaped(s, current, prog)
                         or sums_apart and _sums_a_sum(s, current, prog)
                         or windows and _reads_window(s, {by_name[n].array for n in current if n in windows}, prog)
@@ -314,13 +315,60 @@ def _plain(s) -> bool:
     return s.role is Role.ASSIGN and s.library is None and not _scatters(s)
 
 
-def _size(run: list[str], inits: set[str]) -> int:
-    """A run's size as MAX_GROUP counts it: its statements but the sums'
-    initializations, which isl places with their updates (a training layer
-    norm's two sums, their results, its inverse deviation and its output
-    are one run, one pass over each row, where its sums' zeroings had cut
-    it before the last two: three kernels on the GPU, the rows read twice)."""
-    return sum(n not in inits for n in run)
+UNCOUNTED_INITS = 2  # sums' initializations a run along rows holds beyond MAX_GROUP
+
+
+def _size(run: list[str], inits: set[str], by_name: dict, prog: AffineProgram) -> int:
+    """A run's size as MAX_GROUP counts it: its statements, but up to
+    UNCOUNTED_INITS sums' initializations where every statement runs along
+    rows (_along_rows). A training layer norm's two sums, their results,
+    its inverse deviation and its output are then one run, one pass over
+    each row, where its sums' zeroings had cut it before the last two:
+    three kernels on the GPU, the rows read twice. Any run so counted (an
+    average pool's padded window and its gradient's sum) took isl 7.6 s
+    where two runs took 0.6 (flax_cnn's training step, bench/NOTES.md)."""
+    held = sum(n in inits for n in run)
+    if not held or not all(_along_rows(by_name[n], prog) for n in run):
+        return len(run)
+    return len(run) - min(UNCOUNTED_INITS, held)
+
+
+def _along_rows(s, prog: AffineProgram) -> bool:
+    """Whether s writes and reads each array at its own loops' iterators, in
+    their order (some left out: a row's sum, its broadcast; some merged: a
+    product's result read as [batch, tokens, features]), or at constants:
+    no window, shift, transpose, gather or library call."""
+    if s.library is not None or s.extra or _scatters(s):
+        return False
+    for index in [s.index] + [ld.index for ld in prog.statement_loads(s)]:
+        at = -1
+        for e in index:
+            names = _unshifted(e)
+            if names is None:
+                return False
+            for name in names:
+                if name not in s.iters or s.iters.index(name) <= at:
+                    return False
+                at = s.iters.index(name)
+    return True
+
+
+def _unshifted(e) -> list[str] | None:
+    """The iterators of index e in order where it is a constant, an
+    iterator, or sums of iterators times constants (a merge of dimensions);
+    None where it adds a constant (a shift) or is anything else."""
+    if isinstance(e, (Const, int)):
+        return []
+    if isinstance(e, Var):
+        return [e.name] if e.kind == "iter" else None
+    if isinstance(e, Op) and e.op == "mul" and len(e.args) == 2:
+        k = [a for a in e.args if isinstance(a, (Const, int))]
+        rest = [a for a in e.args if not isinstance(a, (Const, int))]
+        return _unshifted(rest[0]) if len(k) == 1 and len(rest) == 1 else None
+    if isinstance(e, Op) and e.op == "add" and len(e.args) == 2:
+        parts = [_unshifted(a) for a in e.args]
+        return None if any(p is None or not p for p in parts) else parts[0] + parts[1]
+    return None
 
 
 def _pointwise_tail(s, current: list[str], by_name: dict, inits: set[str], prog: AffineProgram) -> bool:
@@ -330,7 +378,7 @@ def _pointwise_tail(s, current: list[str], by_name: dict, inits: set[str], prog:
     x_hat it saves). Cut off, it read the whole of x_hat back in a kernel of
     its own; fused, it adds isl one statement and one dependence."""
     last = by_name[current[-1]]
-    if _size(current, inits) != MAX_GROUP or not _plain(s) or not _plain(last) or s.extra or last.extra \
+    if _size(current, inits, by_name, prog) != MAX_GROUP or not _plain(s) or not _plain(last) or s.extra or last.extra \
             or s.bounds != last.bounds or plain_iters(last.index) != list(last.iters):
         return False
     written = {by_name[n].array for n in current}
