@@ -209,7 +209,8 @@ def test_a_training_layer_norms_forward_is_one_pass_over_each_row():
         rstd = ops.rsqrt(ops.mean((y - mean) * (y - mean), [2], keepdim=True) + 1e-5)
         return (y - mean) * rstd * w + b, y, mean, rstd
     plans = _mapping(forward, [(8, 16, 256), (256,), (8, 16, 256), (256,), (256,)])
-    assert plans == ["warp rows: grid c0 x c1, 32 lanes, 3 lane loops (3 in groups of 4, 3 unrolled), 2 reductions"], plans
+    assert plans == ["warp rows: grid c0 x c1, 32 lanes, 3 lane loops (3 in groups of 4, 3 unrolled), "
+                     "2 reductions"], plans
 
 
 def test_a_small_batch_pooled_mean_keeps_its_images_parallel(rng, monkeypatch):
