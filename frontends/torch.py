@@ -1566,8 +1566,7 @@ def _outputs(cx: _Context, node: torch.fx.Node, env: dict, tensor_inputs: list[i
     copy to row-major). A backward's results stay row-major: autograd
     copies a gradient laid out otherwise than its parameter."""
     outs = []
-    flat = node.args[0] if isinstance(node.args[0], (tuple, list)) else (node.args[0],)
-    for o in flat:
+    for o in _listed(node):
         v = env[o] if isinstance(o, torch.fx.Node) else o
         view = _input_view(v.node, input_pos, input_orders) if isinstance(v, ops.Tensor) else None
         backward_only = getattr(o, "name", None) in saved
@@ -1885,11 +1884,20 @@ def _allocator(index: int):
     return empty
 
 
+def _results_of(gm: torch.fx.GraphModule) -> tuple:
+    """gm's results as its output node lists them."""
+    return _listed(next(iter(gm.graph.find_nodes(op="output"))))
+
+
+def _listed(output: torch.fx.Node) -> tuple:
+    """An output node's results (one result: itself)."""
+    out = output.args[0]
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
 def _output_devices(gm: torch.fx.GraphModule) -> list:
     """The device of each of gm's results as traced (None: not a tensor)."""
-    out = next(iter(gm.graph.find_nodes(op="output"))).args[0]
-    nodes = out if isinstance(out, (tuple, list)) else (out,)  # (as _outputs reads them)
-    vals = [_node_val(n) if isinstance(n, torch.fx.Node) else None for n in nodes]
+    vals = [_node_val(n) if isinstance(n, torch.fx.Node) else None for n in _results_of(gm)]
     return [v.device if isinstance(v, torch.Tensor) else None for v in vals]
 
 
@@ -1899,9 +1907,8 @@ def _saved_outputs(gm: torch.fx.GraphModule, outputs: list) -> set[int]:
     saved = gm.meta.get(_SAVED)
     if not saved:
         return set()
-    nodes = next(iter(gm.graph.find_nodes(op="output"))).args[0]
     by_kind: dict[bool, set] = {True: set(), False: set()}
-    for (kind, v), n in zip(outputs, nodes):
+    for (kind, v), n in zip(outputs, _results_of(gm)):
         if kind in ("tensor", "transposed"):
             by_kind[getattr(n, "name", None) in saved].add(v if kind == "tensor" else v[0])
     return by_kind[True] - by_kind[False]

@@ -153,7 +153,7 @@ class GpuProgram(CompiledProgram):
             steps += [launch.Memset(slot, 0, nbytes, 1, f"zeroing for {what}") for slot, nbytes in zeroed]
             steps.append(launch.Launch(int(fn), grid, block, what, params))
         launcher = self._native_launcher(name, {n: (slot, shape, dt) for slot, n, shape, dt in plan.fresh},
-                                         plan.input_slots, plan.pointers, plan.ints[:plan.int_count], steps,
+                                         plan.input_slots, plan.pointers, plan.ints, steps,
                                          int(plan.device.context), launch_symbols(), plan.returned)
         for lib, handle in handles.items():
             if launcher is None:
@@ -291,8 +291,8 @@ class GpuProgram(CompiledProgram):
                     if k.library is None else (self._library_step(k, env, dev, slot), 0, 0, k.name, [], None)
                     for i, k in enumerate(self.kernels)]
         launches = self._zeroing_together(launches, [self._accessed(k, slot) for k in self.kernels], ints, dev)
-        plan = _Plan(dev, not any(v is not None for v in views), fresh, launches, temp_bytes, len(ints),
-                     [slot[spec.name] for spec in self.inputs], pointers, (ctypes.c_int64 * max(len(ints), 1))(*ints),
+        plan = _Plan(dev, not any(v is not None for v in views), fresh, launches, temp_bytes,
+                     [slot[spec.name] for spec in self.inputs], pointers, (ctypes.c_int64 * len(ints))(*ints),
                      self.returned_shapes(env))
         places = [ctypes.addressof(plan.pointers) + 8 * i for i in range(len(self.buffers))]
         places += [ctypes.addressof(plan.ints) + 8 * i for i in range(len(ints))]
@@ -319,13 +319,14 @@ class GpuProgram(CompiledProgram):
         sizes appended to ints."""
         zeroed = [[(s, n) for s, n in step[4] if n % 4 == 0 and n <= ZEROING_BYTES] for step in launches]
         points = zeroing_points(zeroed, accessed)
-        if not any(len(arrays) > 1 for arrays in points.values()):
+        if all(len(arrays) < 2 for arrays in points.values()):
             return launches
         fn, resident = _zeroing_function(dev)
-        moved = {(i, s) for arrays in points.values() if len(arrays) > 1 for i, s, _ in arrays}
+        together = {i: arrays for i, arrays in points.items() if len(arrays) > 1}  # (one array: its memset)
+        moved = {(i, s) for arrays in together.values() for i, s, _ in arrays}
         out = []
         for i, step in enumerate(launches):
-            arrays = points.get(i, []) if len(points.get(i, [])) > 1 else []
+            arrays = together.get(i, [])
             for k in range(0, len(arrays), ZEROING_ARRAYS):
                 part = arrays[k:k + ZEROING_ARRAYS]
                 params = []
@@ -431,7 +432,6 @@ class _Plan:
     fresh: list  # (argument slot, array, shape, dtype) of outputs and temporaries to allocate
     launches: list  # (function, grid, block, what it is (for errors), (slot, bytes) to zero, params)
     temp_bytes: int
-    int_count: int  # the integer arguments' (ints may hold one more, unused)
     input_slots: list  # the argument slot of each input
     pointers: Any  # the kernels' arguments: buffer pointers (inputs and fresh set at each call),
     ints: Any  # and integers (sizes, strides), fixed for the plan
