@@ -1239,13 +1239,18 @@ def _arange(cx, *args, dtype=None, **kw):
         if step not in (1, -1) or isinstance(start, float) or isinstance(end, float):
             raise UnsupportedOpError(f"{cx.target} over a symbolic size with step {step!r}")
         n = (end - start) * step
+    elif any(isinstance(v, ops.Tensor) for v in (start, end, step)):  # bounds given at run time: the traced length
+        n = cx.size(_node_val(cx.node).shape[0])
+        if not isinstance(n, int):
+            raise UnsupportedOpError(f"{cx.target} between integer arguments, of length {n}")
     else:
         n = max(0, math.ceil((end - start) / step))
     dt = cx.dtype(dtype) if dtype is not None else (
         DataType.Float if any(isinstance(v, float) for v in (start, end, step)) else DataType.Int)
     anchor = cx.anchor()
     i = ops.iota([n], 0, dt, like=anchor)
-    return i * step + start if (step, start) != (1, 0) else i
+    i = i * step if not (isinstance(step, int) and step == 1) else i
+    return i + start if not (isinstance(start, int) and start == 0) else i
 
 
 @_reg(aten.bucketize.Tensor, aten.searchsorted.Tensor)
@@ -1296,8 +1301,13 @@ ATEN[aten.sym_size.int] = lambda cx, x, dim: x.shape[dim]  # (a symbolic size, f
 
 def _size_op(fn):
     """Arithmetic on sizes (dynamic shapes' SymInts, e.g. ``-x.shape[0] // 2``),
-    as affine sizes; anything else is an op polyjit leaves to PyTorch."""
+    as affine sizes; on an integer argument's value (a cache's position, 0-d
+    integer tensors), as tensor ops; anything else is an op polyjit leaves to
+    PyTorch."""
     def rule(cx, *args):
+        if any(isinstance(a, ops.Tensor) for a in args) and all(
+                isinstance(a, (int, ops.Tensor)) and not isinstance(a, bool) for a in args):
+            return fn(*args)
         if not all(isinstance(a, (int, Lin)) and not isinstance(a, bool) for a in args):
             raise UnsupportedOpError(f"{cx.target} of {[type(a).__name__ for a in args]}")
         try:
@@ -1877,10 +1887,37 @@ def _host_empty(shape: tuple, dt: np.dtype) -> tuple:
 def _allocator(index: int):
     """``empty(shape, dtype)`` for polyjit's outputs and temporaries: torch's
     caching allocator on GPU ``index``."""
+    empty = _cuda_empty(index)
+    return lambda shape, dt: empty(shape, _NUMPY_TO_TORCH[dt])
+
+
+@functools.cache
+def _cuda_empty(index: int) -> Callable[[tuple, torch.dtype], torch.Tensor]:
+    """``empty(shape, torch dtype)``, contiguous, on GPU ``index``: through
+    the allocation Inductor's generated code calls, which skips the
+    dispatcher (most of ``torch.empty``'s host time, paid before a graph's
+    first launch), where this torch has it and ``index`` is the current
+    device, as it allocates on that one; else ``torch.empty``."""
     dev = torch.device("cuda", index)
+    fast = getattr(getattr(getattr(torch._C, "_dynamo", None), "guards", None), "_empty_strided_cuda", None)
+    current = getattr(torch._C, "_cuda_getDevice", None)
+
+    def plain(shape, dt):
+        return torch.empty(shape, dtype=dt, device=dev)
+    if fast is None or current is None:
+        return plain
+
+    layouts: dict = {}  # shape -> (sizes, strides), tuples of ints as it takes them
 
     def empty(shape, dt):
-        return torch.empty(shape, dtype=_NUMPY_TO_TORCH[dt], device=dev)
+        if current() != index:
+            return plain(shape, dt)
+        shape = shape if isinstance(shape, tuple) else tuple(shape)
+        layout = layouts.get(shape)
+        if layout is None:
+            sizes = tuple(int(n) for n in shape)
+            layout = layouts[shape] = (sizes, sz.row_major(sizes))
+        return fast(*layout, dt)
     return empty
 
 
@@ -1923,7 +1960,7 @@ class _Outputs:
     counter); outputs a caller sees get tensors of their own."""
 
     def __init__(self, index: int, saved: frozenset) -> None:
-        self.device, self.saved = torch.device("cuda", index), saved
+        self.empty, self.saved = _cuda_empty(index), saved
         self._layout: tuple | None = None  # (specs, *_place(specs)) for the last specs seen
 
     def __call__(self, specs: list) -> tuple[np.ndarray, Callable[[], list]]:
@@ -1934,10 +1971,10 @@ class _Outputs:
         if self._layout is None or self._layout[0] is not specs:
             self._layout = (specs, *self._place(specs))
         _, owned, block, places, offsets, base_of = self._layout
-        dev = self.device
-        made = [torch.empty(shape, dtype=dt, device=dev) for shape, dt in owned]
+        empty = self.empty
+        made = [empty(shape, dt) for shape, dt in owned]
         if block:  # (last: the views' allocation is -1)
-            made.append(torch.empty(block, dtype=torch.uint8, device=dev))
+            made.append(empty((block,), torch.uint8))
         addresses = offsets + np.array([t.data_ptr() for t in made], np.int64)[base_of]
 
         def tensors() -> list:

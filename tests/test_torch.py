@@ -434,8 +434,9 @@ def test_arange_over_a_symbolic_size():
 def test_size_arithmetic_and_integer_arguments_of_dynamic_shapes():
     """Sizes computed in the graph (-n // 2: a negative quotient, the start
     of a slice that wraps) and an integer argument that changes between
-    calls (a value, 0-d int64) compile; an integer argument that sizes a
-    result stays in PyTorch, counted."""
+    calls (a value, 0-d int64), its arithmetic and positions counted from it
+    (a cache's ``arange(past, past + n)``) compile; an integer argument that
+    sizes a result stays in PyTorch, counted."""
     jf = polyjit.jit_torch(lambda x: x[-x.shape[0] // 2:].sum(0) * x.shape[0], compile_options={"target": TARGET},
                            dynamic=True)
     for n in (4, 6, 9):
@@ -447,6 +448,11 @@ def test_size_arithmetic_and_integer_arguments_of_dynamic_shapes():
     for k in (-1, -2, 3, 5):
         assert_close(jk(x, k), x * k + 1)
     assert jk.stats["fallbacks"] == 0
+    def positions(x, past):
+        return x * torch.arange(past, past + x.shape[1], device=x.device) + (past * 2 - 1) // 3
+    jp = polyjit.jit_torch(positions, compile_options={"target": TARGET, "strict": True})
+    for past in (3, 4, 8):
+        assert_close(jp(x, past), positions(x, past))
     js = polyjit.jit_torch(lambda x, k: x[:, :k] * 2, compile_options={"target": TARGET})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
