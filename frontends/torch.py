@@ -1375,6 +1375,7 @@ class _Context:
         self.asserts: list[tuple[ops.Tensor, str]] = []  # conditions checked after each call, with their messages
         self.node: torch.fx.Node | None = None  # the FX node being translated
         self.int_inputs: list[int] = []  # graph inputs that are integer arguments
+        self.size_inputs: list[int] = []  # argument positions of integers that size results
         self.mutations: list[tuple[int, int]] = []  # (argument position, graph output): copied in after a call
         self.placeholders: dict[torch.fx.Node, int] = {}  # tensor placeholders' argument positions
 
@@ -1473,6 +1474,7 @@ class _Translation:
     int_inputs: list = field(default_factory=list)  # graph inputs that are integer arguments (0-d int64)
     input_orders: dict = field(default_factory=dict)  # position -> the order its tensor is read in (_dense_order)
     mutations: list = field(default_factory=list)  # (argument position, graph output): copied into it after a call
+    size_inputs: list = field(default_factory=list)  # argument positions of integers that size results
 
 
 def _solvable_symbol(expr) -> tuple[str, ...]:
@@ -1500,6 +1502,9 @@ def translate(gm: torch.fx.GraphModule, example_inputs: Sequence | None = None) 
     dims = {d for node in gm.graph.nodes if node.op == "placeholder"
             and isinstance(_node_val(node), torch.Tensor) for s in _node_val(node).shape
             if isinstance(s, torch.SymInt) for d in _solvable_symbol(s.node.expr)}
+    sizing = {str(f) for node in gm.graph.nodes if node.op != "placeholder"
+              and isinstance(_node_val(node), torch.Tensor) for s in _node_val(node).shape
+              if isinstance(s, torch.SymInt) for f in s.node.expr.free_symbols}  # (sizes of results)
     if example_inputs is not None and len(example_inputs) != len(gm.graph.find_nodes(op="placeholder")):
         example_inputs = None
     pos = 0
@@ -1526,6 +1531,16 @@ def translate(gm: torch.fx.GraphModule, example_inputs: Sequence | None = None) 
                 env[node] = ops.Tensor(cx.graph, n)
                 tensor_inputs.append(pos)
                 cx.placeholders[node] = pos
+            elif isinstance(val, torch.SymInt) and val.node.expr.is_Symbol and str(val.node.expr) in sizing - dims:
+                # an integer argument that sizes results (arange(n), x[:, :k]), given as an array of that
+                # size, never read (_size_carrier): the runtime solves sizes from shapes
+                name = str(val.node.expr)
+                n = cx.graph.input((cx.size(val),), DataType.Int8, node.name)
+                n.attrs["declared_strided"] = True
+                symbols.setdefault(name, (pos, None))
+                env[node] = cx.size(val)
+                tensor_inputs.append(pos)
+                cx.size_inputs.append(pos)
             elif isinstance(val, torch.SymInt) and val.node.expr.is_Symbol and str(val.node.expr) not in dims:
                 # an integer argument no tensor's size carries: a value (x * k), never a size
                 n = cx.graph.input((), DataType.Int, node.name)
@@ -1602,7 +1617,7 @@ def _outputs(cx: _Context, node: torch.fx.Node, env: dict, tensor_inputs: list[i
         cx.graph.add_output(cond.node)
         asserts.append((len(cx.graph.outputs) - 1, msg))
     return _Translation(cx.graph, tensor_inputs, cx.seed_index, outs, symbols, asserts, cx.int_inputs, input_orders,
-                        cx.mutations)
+                        cx.mutations, cx.size_inputs)
 
 
 def _in_memory_order(graph, node, order: tuple[int, ...]):
@@ -1709,8 +1724,9 @@ class CompiledGraph:
             if outs is not None:
                 return self._results(outs, args)
         arrays, index = [], None
+        given = _size_carriers(args, self.t.size_inputs) if self.t.size_inputs else args
         for k in self.t.tensor_inputs:
-            a = args[k]
+            a = given[k]
             if k in self.t.input_orders:  # its dims in memory order (contiguous where laid out as traced)
                 a = a.permute(self.t.input_orders[k])
             if not isinstance(a, torch.Tensor):  # an integer argument (the executable's scalar input)
@@ -1816,6 +1832,23 @@ class CompiledGraph:
         return tuple(result)
 
 
+
+
+def _size_carriers(args: Sequence, positions: list[int]) -> list:
+    """``args`` with the integers at ``positions`` (they size results) as
+    arrays of that size, one byte repeated (stride 0, never read), on the
+    device of the tensor arguments: the program solves its sizes from
+    shapes alone."""
+    device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+    args = list(args)
+    for k in positions:
+        args[k] = _carrier_byte(device).expand(int(args[k]))
+    return args
+
+
+@functools.cache
+def _carrier_byte(device: torch.device) -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.int8, device=device)
 
 
 def _tensor(o) -> torch.Tensor:

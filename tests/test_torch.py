@@ -435,8 +435,9 @@ def test_size_arithmetic_and_integer_arguments_of_dynamic_shapes():
     """Sizes computed in the graph (-n // 2: a negative quotient, the start
     of a slice that wraps) and an integer argument that changes between
     calls (a value, 0-d int64), its arithmetic and positions counted from it
-    (a cache's ``arange(past, past + n)``) compile; an integer argument that
-    sizes a result stays in PyTorch, counted."""
+    (a cache's ``arange(past, past + n)``) compile; so does an integer
+    argument that sizes results (``x[:, :k]``, a mask of ``arange(n)``, in a
+    graph with no tensor argument too), without a compile per value."""
     jf = polyjit.jit_torch(lambda x: x[-x.shape[0] // 2:].sum(0) * x.shape[0], compile_options={"target": TARGET},
                            dynamic=True)
     for n in (4, 6, 9):
@@ -453,12 +454,20 @@ def test_size_arithmetic_and_integer_arguments_of_dynamic_shapes():
     jp = polyjit.jit_torch(positions, compile_options={"target": TARGET, "strict": True})
     for past in (3, 4, 8):
         assert_close(jp(x, past), positions(x, past))
-    js = polyjit.jit_torch(lambda x, k: x[:, :k] * 2, compile_options={"target": TARGET})
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for k in (2, 3, 4):
-            assert_close(js(x, k), x[:, :k] * 2)
-    assert js.stats["fallbacks"] > 0
+    js = polyjit.jit_torch(lambda x, k: x[:, :k] * 2, compile_options={"target": TARGET, "strict": True},
+                           dynamic=True)
+    for k in (2, 3, 4):
+        assert_close(js(x, k), x[:, :k] * 2)
+    assert js.stats["graphs"] == 1
+
+    def mask(n):
+        return torch.arange(n, device=DEVICE)[:, None] >= torch.arange(n, device=DEVICE)
+    jm = polyjit.jit_torch(mask, compile_options={"target": TARGET, "strict": True}, dynamic=True)
+    for n in (3, 5, 8):
+        got = jm(n)
+        assert got.device == mask(n).device
+        torch.testing.assert_close(got, mask(n))
+    assert jm.stats["graphs"] == 1
 
 
 def test_index_add_into_a_few_rows():
