@@ -1536,7 +1536,7 @@ def translate(gm: torch.fx.GraphModule, example_inputs: Sequence | None = None) 
                 # size, never read (_size_carrier): the runtime solves sizes from shapes
                 name = str(val.node.expr)
                 n = cx.graph.input((cx.size(val),), DataType.Int8, node.name)
-                n.attrs["declared_strided"] = True
+                n.attrs["declared_strided"] = False
                 symbols.setdefault(name, (pos, None))
                 env[node] = cx.size(val)
                 tensor_inputs.append(pos)
@@ -1836,19 +1836,21 @@ class CompiledGraph:
 
 def _size_carriers(args: Sequence, positions: list[int]) -> list:
     """``args`` with the integers at ``positions`` (they size results) as
-    arrays of that size, one byte repeated (stride 0, never read), on the
-    device of the tensor arguments: the program solves its sizes from
-    shapes alone."""
+    byte arrays of that size, never read, on the device of the tensor
+    arguments: the program solves its sizes from shapes alone."""
     device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
     args = list(args)
     for k in positions:
-        args[k] = _carrier_byte(device).expand(int(args[k]))
+        n = int(args[k])
+        block = _CARRIERS.get(device)
+        if block is None or block.numel() < n:
+            block = _CARRIERS[device] = torch.empty(max(n, 2 * (block.numel() if block is not None else 64)),
+                                                     dtype=torch.int8, device=device)
+        args[k] = block[:n]
     return args
 
 
-@functools.cache
-def _carrier_byte(device: torch.device) -> torch.Tensor:
-    return torch.zeros(1, dtype=torch.int8, device=device)
+_CARRIERS: dict = {}  # device -> the bytes that _size_carriers hands out prefixes of
 
 
 def _tensor(o) -> torch.Tensor:

@@ -152,7 +152,10 @@ def _shape(a) -> tuple:
 
 
 def _strided(a) -> bool:
-    """Whether an argument is laid out other than row-major (numpy or GPU array)."""
+    """Whether an argument is laid out other than row-major (numpy or GPU
+    array). A numpy vector is copied where it is not (the copy costs what a
+    strided read does); a GPU program reads its inputs in place, so a
+    strided vector (``x[::2]``) is strided too."""
     if isinstance(a, np.ndarray):
         return not a.flags.c_contiguous and a.ndim > 1
     if isinstance(a, GpuView):
@@ -162,7 +165,7 @@ def _strided(a) -> bool:
         shape, strides = cai.get("shape", ()), cai.get("strides")
         if strides is not None:
             strides = tuple(x // np.dtype(cai["typestr"]).itemsize for x in strides)
-    return strides is not None and len(shape) > 1 and tuple(strides) != sz.row_major(shape)
+    return strides is not None and len(shape) > 0 and tuple(strides) != sz.row_major(shape)
 
 
 def _input_shape(info: InputInfo, k: int, names: dict) -> tuple:

@@ -2024,6 +2024,18 @@ def test_torch_tensors_stay_on_the_gpu():
 
 
 @pytest.mark.gpu
+def test_torch_strided_views_are_read_in_place():
+    """A view with strides (a vector's every other element, a matrix's
+    columns) runs as it is on the GPU: eager's values, no error, nothing
+    falls back."""
+    torch = pytest.importorskip("torch")
+    x = torch.randn(12, 10, device="cuda")
+    for view in (x[0, ::2], x[:, ::3], x.t()):
+        jf = polyjit.jit_torch(lambda a: a * 2 + 1, compile_options={"target": "nvgpu", "strict": True})
+        torch.testing.assert_close(jf(view), view * 2 + 1, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
 def test_torch_results_are_where_the_trace_puts_them():
     """A graph of no GPU inputs whose results the trace puts on the GPU (a
     mask built from sizes, before a graph break) hands them out there; a

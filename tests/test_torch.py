@@ -1239,7 +1239,8 @@ def test_interpolation_takes_rows_then_columns(mode, monkeypatch):
     check(f, r(2, 3, 9, 11))  # (inference: nothing saved for a backward)
     forward = made[0].ir("affine")
     assert re.search(r"temp int64 t\d+\[17\]", forward), forward
-    assert not re.search(r"temp float32 t\d+\[2, 3, 23, 17\]", forward), forward
+    if TARGET == "cpu":  # (nvgpu keeps a row pair's blend read twice as a statement, fused into the same kernel)
+        assert not re.search(r"temp float32 t\d+\[2, 3, 23, 17\]", forward), forward
     lines = forward.splitlines()  # the index tables hold wrapped, clamped positions: none wraps one per element
     assert not [body for head, body in zip(lines, lines[1:])
                 if re.match(r"S\d+\[", head) and head.count(" <= i") >= 3 and "< 0)" in body], forward
