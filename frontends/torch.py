@@ -73,6 +73,15 @@ _NUMPY_TO_TORCH = {_numpy_dtype(d): t for t, d in _DTYPES.items()}
 _NUMPY_DTYPES = {t: _numpy_dtype(d) for t, d in _DTYPES.items()}
 
 
+def _implicit(op) -> bool:
+    """Whether ``op`` is a composite that torch's own kernel decomposes
+    (CompositeImplicitAutograd: matmul, linear). The tracer then runs that
+    kernel, as backend="aot_eager" does; its Python decomposition gives the
+    same graph, traced more slowly."""
+    has = getattr(op, "has_kernel_for_dispatch_key", None)
+    return has is not None and has(torch._C.DispatchKey.CompositeImplicitAutograd)
+
+
 _CHOSEN = get_decompositions([  # beyond the core set: ops whose parts fuse with their neighbours
     aten.native_layer_norm, aten._softmax, aten._log_softmax,  # (in training graphs: see WHOLE)
     aten._softmax_backward_data, aten._log_softmax_backward_data,
@@ -85,7 +94,7 @@ _CHOSEN = get_decompositions([  # beyond the core set: ops whose parts fuse with
     aten.linalg_vector_norm, aten.reflection_pad2d, aten.upsample_nearest2d,
     aten.upsample_bilinear2d,
 ])
-_TORCH_DECOMPOSITIONS = {**core_aten_decompositions(), **_CHOSEN}
+_TORCH_DECOMPOSITIONS = {**{op: d for op, d in core_aten_decompositions().items() if not _implicit(op)}, **_CHOSEN}
 
 
 def _foreach(single: Callable, overload: str, per_element: bool = False) -> Callable:
