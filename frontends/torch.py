@@ -1923,8 +1923,35 @@ def _host_empty(shape: tuple, dt: np.dtype) -> tuple:
     if math.prod(shape) * dt.itemsize >= BufferCache.MIN_BYTES:
         a = new_buffer(shape, dt)
         return torch_from_host(a), a.__array_interface__["data"][0]
-    t = torch.empty(shape, dtype=_NUMPY_TO_TORCH[dt])
+    t = _cpu_empty(shape, _NUMPY_TO_TORCH[dt])
     return t, t.data_ptr()
+
+
+def _fast_empty(name: str) -> Callable | None:
+    """``torch._C._dynamo.guards.<name>(sizes, strides, dtype)``: the
+    allocation Inductor's generated code calls, which skips the dispatcher
+    (most of ``torch.empty``'s host time in a small graph's call), where
+    this torch has it."""
+    return getattr(getattr(getattr(torch._C, "_dynamo", None), "guards", None), name, None)
+
+
+def _layouts(fast: Callable) -> Callable[[tuple, torch.dtype], torch.Tensor]:
+    """``empty(shape, dtype)``, contiguous, through ``fast`` (see _fast_empty),
+    each shape's sizes and strides worked out once."""
+    layouts: dict = {}  # shape -> (sizes, strides), tuples of ints as it takes them
+
+    def empty(shape, dt):
+        shape = shape if isinstance(shape, tuple) else tuple(shape)
+        layout = layouts.get(shape)
+        if layout is None:
+            sizes = tuple(int(n) for n in shape)
+            layout = layouts[shape] = (sizes, sz.row_major(sizes))
+        return fast(*layout, dt)
+    return empty
+
+
+_cpu_empty = (_layouts(_fast_empty("_empty_strided_cpu")) if _fast_empty("_empty_strided_cpu")
+              else lambda shape, dt: torch.empty(shape, dtype=dt))
 
 
 @functools.cache
@@ -1938,31 +1965,19 @@ def _allocator(index: int):
 @functools.cache
 def _cuda_empty(index: int) -> Callable[[tuple, torch.dtype], torch.Tensor]:
     """``empty(shape, torch dtype)``, contiguous, on GPU ``index``: through
-    the allocation Inductor's generated code calls, which skips the
-    dispatcher (most of ``torch.empty``'s host time, paid before a graph's
-    first launch), where this torch has it and ``index`` is the current
-    device, as it allocates on that one; else ``torch.empty``."""
+    _fast_empty where ``index`` is the current device, as it allocates on
+    that one (a graph's outputs, before its first launch); else
+    ``torch.empty``."""
     dev = torch.device("cuda", index)
-    fast = getattr(getattr(getattr(torch._C, "_dynamo", None), "guards", None), "_empty_strided_cuda", None)
+    fast = _fast_empty("_empty_strided_cuda")
     current = getattr(torch._C, "_cuda_getDevice", None)
 
     def plain(shape, dt):
         return torch.empty(shape, dtype=dt, device=dev)
     if fast is None or current is None:
         return plain
-
-    layouts: dict = {}  # shape -> (sizes, strides), tuples of ints as it takes them
-
-    def empty(shape, dt):
-        if current() != index:
-            return plain(shape, dt)
-        shape = shape if isinstance(shape, tuple) else tuple(shape)
-        layout = layouts.get(shape)
-        if layout is None:
-            sizes = tuple(int(n) for n in shape)
-            layout = layouts[shape] = (sizes, sz.row_major(sizes))
-        return fast(*layout, dt)
-    return empty
+    on_current = _layouts(fast)
+    return lambda shape, dt: on_current(shape, dt) if current() == index else plain(shape, dt)
 
 
 def _results_of(gm: torch.fx.GraphModule) -> tuple:
