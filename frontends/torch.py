@@ -1542,7 +1542,7 @@ def translate(gm: torch.fx.GraphModule, example_inputs: Sequence | None = None) 
                 cx.placeholders[node] = pos
             elif isinstance(val, torch.SymInt) and val.node.expr.is_Symbol and str(val.node.expr) in sizing - dims:
                 # an integer argument that sizes results (arange(n), x[:, :k]), given as an array of that
-                # size, never read (_size_carrier): the runtime solves sizes from shapes
+                # size, never read (_size_carriers): the runtime solves sizes from shapes
                 name = str(val.node.expr)
                 n = cx.graph.input((cx.size(val),), DataType.Int8, node.name)
                 n.attrs["declared_strided"] = False
