@@ -1935,7 +1935,7 @@ def _fast_empty(name: str) -> Callable | None:
     return getattr(getattr(getattr(torch._C, "_dynamo", None), "guards", None), name, None)
 
 
-def _layouts(fast: Callable) -> Callable[[tuple, torch.dtype], torch.Tensor]:
+def _empty_through(fast: Callable) -> Callable[[tuple, torch.dtype], torch.Tensor]:
     """``empty(shape, dtype)``, contiguous, through ``fast`` (see _fast_empty),
     each shape's sizes and strides worked out once."""
     layouts: dict = {}  # shape -> (sizes, strides), tuples of ints as it takes them
@@ -1950,7 +1950,7 @@ def _layouts(fast: Callable) -> Callable[[tuple, torch.dtype], torch.Tensor]:
     return empty
 
 
-_cpu_empty = (_layouts(_fast_empty("_empty_strided_cpu")) if _fast_empty("_empty_strided_cpu")
+_cpu_empty = (_empty_through(_fast_empty("_empty_strided_cpu")) if _fast_empty("_empty_strided_cpu")
               else lambda shape, dt: torch.empty(shape, dtype=dt))
 
 
@@ -1976,7 +1976,7 @@ def _cuda_empty(index: int) -> Callable[[tuple, torch.dtype], torch.Tensor]:
         return torch.empty(shape, dtype=dt, device=dev)
     if fast is None or current is None:
         return plain
-    on_current = _layouts(fast)
+    on_current = _empty_through(fast)
     return lambda shape, dt: on_current(shape, dt) if current() == index else plain(shape, dt)
 
 
