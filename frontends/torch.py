@@ -137,50 +137,14 @@ for _name, _single in _FOREACH.items():
             _TORCH_DECOMPOSITIONS[getattr(_packet, _ov)] = _foreach(_single, _ov, _name in ("addcmul", "addcdiv"))
 
 
+# Ops the table lowers whole. Among them views, which torch's references
+# trace as a chain of dispatches (t: transpose, then permute); the
+# partition of a training step comes out the same.
 for _keep in (aten.max_pool2d_with_indices.default, aten.max_pool2d_with_indices_backward.default,
               aten.max_pool3d_with_indices.default, aten.max_pool3d_with_indices_backward.default,
-              aten.split.Tensor, aten.split_with_sizes.default):
+              aten.split.Tensor, aten.split_with_sizes.default,
+              aten.t.default, aten.transpose.int, aten._unsafe_view.default):
     _TORCH_DECOMPOSITIONS.pop(_keep, None)
-
-
-def _encoder_layer(src, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias, use_gelu, norm_first,
-                   eps, norm_weight_1, norm_bias_1, norm_weight_2, norm_bias_2, ffn_weight_1, ffn_bias_1,
-                   ffn_weight_2, ffn_bias_2, mask=None, mask_type=None):
-    """nn.TransformerEncoderLayer's inference fast path (batch first, no
-    grad) as the layer's own steps, which the table covers. A mask is
-    added to the scores (a float mask, -inf where masked) or masks them
-    (a boolean one): mask_type 1, a key padding mask (batch, keys); 0, an
-    attention mask (queries, keys); 2, both merged (batch, heads, queries, keys)."""
-    if src.dim() != 3:
-        return NotImplemented
-    F = torch.nn.functional
-    b, t, e = src.shape
-    d = embed_dim // num_heads
-    if mask is not None and mask_type == 1:
-        mask = mask.view(b, 1, 1, t)
-
-    def attention(x):
-        q, k, v = F.linear(x, qkv_weight, qkv_bias).view(b, t, 3, num_heads, d).permute(2, 0, 3, 1, 4).unbind(0)
-        scores = q @ k.transpose(-2, -1) * d ** -0.5
-        if mask is not None:
-            scores = scores.masked_fill(mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-        a = torch.softmax(scores, -1) @ v
-        return F.linear(a.transpose(1, 2).reshape(b, t, e), proj_weight, proj_bias)
-
-    def feed_forward(x):
-        h = F.linear(x, ffn_weight_1, ffn_bias_1)
-        return F.linear(F.gelu(h) if use_gelu else F.relu(h), ffn_weight_2, ffn_bias_2)
-
-    def norm(x, w, bias):
-        return F.layer_norm(x, (e,), w, bias, eps)
-    if norm_first:
-        x = src + attention(norm(src, norm_weight_1, norm_bias_1))
-        return x + feed_forward(norm(x, norm_weight_2, norm_bias_2))
-    x = norm(src + attention(src), norm_weight_1, norm_bias_1)
-    return norm(x + feed_forward(x), norm_weight_2, norm_bias_2)
-
-
-_TORCH_DECOMPOSITIONS[aten._transformer_encoder_layer_fwd.default] = _encoder_layer
 
 
 def _safe_softmax(x, dim, dtype=None):
@@ -1216,6 +1180,48 @@ ATEN[aten.gelu_backward.default] = lambda cx, grad, x, approximate="none": ops.c
     _computed(grad) * ops.gelu_grad(_computed(x), approximate), cx.dtype(_node_val(cx.node).dtype))
 ATEN[aten._softmax.default] = _softmax_rule(ops.softmax)
 ATEN[aten._log_softmax.default] = _softmax_rule(ops.log_softmax)
+
+
+@_reg(aten._transformer_encoder_layer_fwd.default)
+def _encoder_layer(cx, src, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias, use_gelu, norm_first,
+                   eps, norm_weight_1, norm_bias_1, norm_weight_2, norm_bias_2, ffn_weight_1, ffn_bias_1,
+                   ffn_weight_2, ffn_bias_2, mask=None, mask_type=None):
+    """nn.TransformerEncoderLayer's inference fast path (batch first, no
+    grad) as the layer's own steps, translated here rather than decomposed
+    in AOTAutograd's trace, which costs a traced dispatch per step. A mask
+    is added to the scores (a float mask, -inf where masked) or masks them
+    (a boolean one): mask_type 1, a key padding mask (batch, keys); 0, an
+    attention mask (queries, keys); 2, both merged (batch, heads, queries, keys)."""
+    if src.ndim != 3:
+        raise UnsupportedOpError(f"{cx.target} of a {src.ndim}-d input")
+    b, t, e = src.shape
+    d = embed_dim // num_heads
+    if mask is not None and mask_type == 1:
+        mask = ops.reshape(mask, (b, 1, 1, t))
+
+    def in_compute_type(fn, x, *args):
+        return ops.cast(fn(_computed(x), *args), x.dtype)  # (the half types: as torch's kernels compute them)
+
+    def attention(x):
+        qkv = ops.permute(ops.reshape(ops.linear(x, qkv_weight, qkv_bias), (b, t, 3, num_heads, d)), (2, 0, 3, 1, 4))
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        scores = ops.matmul(q, ops.transpose(k, -2, -1)) * d ** -0.5
+        if mask is not None:
+            scores = ops.where(mask, float("-inf"), scores) if mask.dtype == DataType.Bool else scores + mask
+        a = ops.matmul(in_compute_type(ops.softmax, scores, -1), v)
+        return ops.linear(ops.reshape(ops.transpose(a, 1, 2), (b, t, e)), proj_weight, proj_bias)
+
+    def feed_forward(x):
+        h = ops.linear(x, ffn_weight_1, ffn_bias_1)
+        return ops.linear(in_compute_type(ops.gelu, h) if use_gelu else ops.relu(h), ffn_weight_2, ffn_bias_2)
+
+    def norm(x, w, bias):
+        return in_compute_type(ops.layer_norm, x, (e,), w, bias, eps)
+    if norm_first:
+        x = src + attention(norm(src, norm_weight_1, norm_bias_1))
+        return x + feed_forward(norm(x, norm_weight_2, norm_bias_2))
+    x = norm(src + attention(src), norm_weight_1, norm_bias_1)
+    return norm(x + feed_forward(x), norm_weight_2, norm_bias_2)
 
 
 # creation
