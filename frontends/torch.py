@@ -35,7 +35,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from polyjit import ops
 from polyjit.api import Executable, takes_device_arrays
 from polyjit.channels_last import inverse
-from polyjit.compiler import expect_compile
+from polyjit.compiler import compiled, expect_compile
 from polyjit.runtime.buffers import BufferCache, new_buffer
 from polyjit.runtime.gpu_buffers import GpuView
 from polyjit.dtypes import DataType
@@ -2205,7 +2205,8 @@ class PolyjitBackend:
         # min-cut partition): a GELU is recomputed from its input, fused into the backward
         # input mutations (batch norms' running statistics) stay in the graph: copied in after the call,
         # together, rather than one copy_ each by AOTAutograd's wrapper
-        expect_compile()  # (the workers' imports beside AOTAutograd's trace)
+        trace = _trace_text(gm, example_inputs, self.options) if self.options.cache else None
+        expect_compile(trace)  # (the workers' imports beside AOTAutograd's trace)
         # AOTAutograd's own test for a graph that needs no backward
         inference = not torch.is_grad_enabled() or not any(
             isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs)
@@ -2216,7 +2217,19 @@ class PolyjitBackend:
                                partition_fn=functools.partial(_partition, use_cache=self.options.cache))
         # attention as matmuls and softmax, which fuse, rather than a device's fused kernel
         with sdpa_kernel([SDPBackend.MATH]):
-            return backend(gm, example_inputs)
+            result = backend(gm, example_inputs)
+        if trace is not None:
+            compiled(trace)
+        return result
+
+
+def _trace_text(gm: torch.fx.GraphModule, example_inputs, options: CompileOptions) -> str:
+    """What compiling dynamo's graph depends on, as text that is the same in
+    every process: its code; its inputs' shapes, strides, dtypes, devices
+    and whether they need gradients; grad mode; the options."""
+    inputs = [(tuple(x.shape), x.stride(), x.dtype, x.device.type, x.requires_grad)
+              if isinstance(x, torch.Tensor) else x for x in example_inputs]
+    return f"torch {torch.__version__} {torch.is_grad_enabled()} {options.key()!r} {inputs}\n{gm.code}"
 
 
 _SAVED = "polyjit_saved"  # a forward graph's meta: its outputs' node names that only the backward reads

@@ -9,6 +9,7 @@ its plan for the compile cache, and the dump.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import os
@@ -92,14 +93,31 @@ def compile_graph(graph: Graph, options: CompileOptions, name: str = "fn") -> Co
         return target(options.target).compile(graph, options, name)
 
 
-def expect_compile() -> None:
+def expect_compile(trace: str | None = None) -> None:
     """Start the compile's worker processes (codegen.workers) now: a
     frontend calls this as it begins tracing a program it has not compiled,
     so that the workers' imports run on another core beside the trace, not
-    after it, when the compile's first code waits for them. A program then
-    found in the compile cache leaves them idle."""
+    after it, when the compile's first code waits for them. ``trace`` says
+    what is traced, as text that is the same in every process (None: the
+    compile cache is off). Where the cache marks it as compiled before
+    (``compiled``), its programs will load from the cache: no worker starts
+    now (they start on first use, for one that does not), as their imports
+    would take a core from the program's first calls."""
     from .codegen import workers
+    if trace is not None and cache.load(_mark(trace)) is not None:
+        return
     workers.workers()
+
+
+def compiled(trace: str) -> None:
+    """Mark in the compile cache that what ``expect_compile(trace)`` announced has compiled."""
+    key = _mark(trace)
+    if cache.load(key) is None:
+        cache.store(key, {"compiled": True}, [])
+
+
+def _mark(trace: str) -> str:
+    return hashlib.sha256(f"compiled {cache.FORMAT} {cache._versions()}\n{trace}".encode()).hexdigest()
 
 
 PLAN_STATS = ("kernels", "statements", "fused", "inlined", "contracted_buffers", "parallel_kernels",
