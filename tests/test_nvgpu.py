@@ -259,6 +259,35 @@ def test_a_class_tokens_layer_norm_takes_a_warp_per_row():
     assert "shfl.sync.bfly" in exe.ir("ptx")
 
 
+def _norm_and_class_token(x, r, w, b):
+    y = ops.layer_norm(x + r, [768], w, b, 1e-12)
+    return y, y[:, 0]
+
+
+CLASS_TOKEN_SHAPES = [(4, 65, 768), (4, 65, 768), (768,), (768,)]
+
+
+def test_a_layer_norm_and_its_class_token_take_a_warp_per_row():
+    """BERT's last layer norm, its whole output and the class token's row
+    (the pooler's input): the copy of token 0 is in the output's lane loop,
+    under a guard on the grid's iterators, and reads the row where the
+    output wrote it. It ran a thread per row, a third of BERT's forward on
+    an H200."""
+    assert _mapping(_norm_and_class_token, CLASS_TOKEN_SHAPES) == [
+        "warp rows: grid c0 x c1, 32 lanes, 3 lane loops (3 in groups of 4, 3 unrolled), 2 reductions"]
+
+
+@pytest.mark.gpu
+def test_a_layer_norm_and_its_class_token_on_the_gpu(rng):
+    x, r, w, b = (rng.standard_normal(s).astype(F32) for s in CLASS_TOKEN_SHAPES)
+    y, cls = polyjit.compile(_norm_and_class_token, [InputInfo(s, F32) for s in CLASS_TOKEN_SHAPES],
+                             {"target": "nvgpu"})(x, r, w, b)
+    z = (x + r).astype(np.float64)
+    want = (z - z.mean(-1, keepdims=True)) / np.sqrt(z.var(-1, keepdims=True) + 1e-12) * w + b
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(cls, y[:, 0])
+
+
 def test_a_library_convolutions_batch_norm_stays_in_its_epilogue(rng, monkeypatch):
     """On the GPU a batch norm after a library convolution is not folded into
     weights passed at each call (three weight kernels a convolution, where

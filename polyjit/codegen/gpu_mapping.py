@@ -734,12 +734,13 @@ def _lane_loop(m: GpuMapper, plan: WarpRows, k: isl.AstNode, grid_it: str) -> tu
     if calls is None:
         return None
     it = loop_iterator(k)
-    inits = _hoisted(k, calls, it)
-    calls = [c for c in calls if c.get_type() != isl.ast_node_type.if_]
+    inits, guarded = _hoisted(k, calls, it)
+    calls = [c for c in calls if c.get_type() != isl.ast_node_type.if_] + list(guarded)
     if inits is None or any(c.get_type() != isl.ast_node_type.user for c in calls):
         return None
     plan.reductions[id(k)] = []
-    found = _row_statements(m, calls, it, grid_it, plan.reductions[id(k)])
+    found = _row_statements(m, calls, it, grid_it, plan.reductions[id(k)],
+                            {id(c): _equalities(cond) for c, cond in guarded.items()})
     if found is None:
         return None
     stmts, written, reduced = found
@@ -751,26 +752,48 @@ def _lane_loop(m: GpuMapper, plan: WarpRows, k: isl.AstNode, grid_it: str) -> tu
     return _contiguity(stmts, written, reduced)
 
 
-def _hoisted(k: isl.AstNode, calls: list, it: str) -> list | None:
-    """The initializations isl placed at one iteration of loop k (guarded
-    calls whose indices are free of it): they run before the loop."""
-    inits = []
+def _hoisted(k: isl.AstNode, calls: list, it: str) -> tuple[list | None, dict]:
+    """(the initializations isl placed at one iteration of loop k, guarded
+    calls whose indices are free of it: they run before the loop; the
+    statements along k under a condition free of it, which every lane of
+    the row takes or none, each with its condition: a class token's copy
+    of its layer norm's row beside the whole output, which the emitted
+    loop keeps under its guard)."""
+    inits, guarded = [], {}
     for g in calls:
         if g.get_type() != isl.ast_node_type.if_:
             continue
         then = g.if_get_then_node()
         if g.if_has_else_node() or then.get_type() != isl.ast_node_type.user:
-            return None
+            return None, {}
         call = then.user_get_expr()
         if any(ast_uses(call.get_op_arg(i), {it}) for i in range(1, call.get_op_n_arg())):
-            return None
-        inits.append(call)
-    return inits
+            if ast_uses(g.if_get_cond(), {it}):
+                return None, {}
+            guarded[then] = g.if_get_cond()
+        else:
+            inits.append(call)
+    return inits, guarded
 
 
-def _row_statements(m: GpuMapper, calls: list, it: str, grid_it: str, reductions: list[str]) -> tuple | None:
+def _equalities(cond: isl.AstExpr) -> dict[str, str]:
+    """The iterators a condition fixes, as text (``c1 == 0 && c2 == 3``:
+    {"c1": "0", "c2": "3"}); those of its other terms are not known."""
+    op = cond.get_op_type() if cond.get_type() == isl.ast_expr_type.op else None
+    if op == isl.ast_expr_op_type.and_:
+        return {**_equalities(cond.get_op_arg(0)), **_equalities(cond.get_op_arg(1))}
+    if op == isl.ast_expr_op_type.eq:
+        a, b = cond.get_op_arg(0), cond.get_op_arg(1)
+        if a.get_type() == isl.ast_expr_type.id and b.get_type() == isl.ast_expr_type.int:
+            return {a.get_id().get_name(): b.to_C_str()}
+    return {}
+
+
+def _row_statements(m: GpuMapper, calls: list, it: str, grid_it: str, reductions: list[str],
+                    fixed: dict[int, dict]) -> tuple | None:
     """What a lane loop's statements write (along the loop, by index) and
-    reduce (appended to reductions); None where one does neither."""
+    reduce (appended to reductions); None where one does neither. fixed:
+    id(call) -> the iterators its guard fixes (_equalities)."""
     written: dict[str, tuple] = {}
     reduced: set[str] = set()
     stmts = []
@@ -781,7 +804,7 @@ def _row_statements(m: GpuMapper, calls: list, it: str, grid_it: str, reductions
         along = {x for x, a in zip(s.iters, args) if ast_uses(a, {it})}
         grid = {x for x, a in zip(s.iters, args) if ast_uses(a, {grid_it})}
         text = {x: a.to_C_str() for x, a in zip(s.iters, args)}
-        stmts.append((s, along, grid, text))
+        stmts.append((s, along, grid, text, fixed.get(id(c), {})))
         deps = _depends(s.index, along)
         if s.combine is not None and not deps:
             reduced.add(s.array)
@@ -802,11 +825,12 @@ def _contiguity(stmts: list, written: dict, reduced: set[str]) -> tuple[int, int
     where a statement reads a reduction's target, or a written element
     elsewhere than where it was written."""
     lanes_contiguous = threads_contiguous = 0
-    for s, along, grid, text in stmts:
+    for s, along, grid, text, fixed in stmts:
         for ld in loads(s.body):
             if ld.array in reduced:
                 return None
-            if ld.array in written and _index_text(ld.index, text) != written[ld.array]:
+            if ld.array in written and _index_text(ld.index, text) != tuple(
+                    fixed.get(c, c) for c in written[ld.array]):  # (under a guard: the element it fixes)
                 return None
         accesses = {(ld.array, str(ld.index)): ld.index for ld in loads(s.body)}
         if not s.combine:
