@@ -47,3 +47,23 @@ def test_encoder_fast_path_with_masks(masks):
         got = compiled(x, **kw)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert polyjit.frontends.torch.stats()["fallbacks"] == 0
+
+
+def test_encoder_fast_path_with_dynamic_shapes():
+    """The fused layer's rule at symbolic batch and length (its reshapes of
+    the heads and of a key padding mask): one graph for every size."""
+    torch._dynamo.reset()
+    polyjit.frontends.torch.stats(reset=True)
+    torch.manual_seed(int.from_bytes(np.random.default_rng().bytes(4), "little"))
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    compiled = torch.compile(model, backend="polyjit", dynamic=True, options={"strict": True})
+    with torch.no_grad():
+        for b, t in ((2, 10), (3, 7), (5, 12)):
+            x = torch.randn(b, t, 32)
+            padding = torch.zeros(b, t, dtype=torch.bool)
+            padding[0, t - 2:] = True
+            torch.testing.assert_close(compiled(x, src_key_padding_mask=padding),
+                                       model(x, src_key_padding_mask=padding), rtol=1e-5, atol=1e-5)
+    stats = polyjit.frontends.torch.stats()
+    assert stats["graphs"] == 1 and stats["fallbacks"] == 0
