@@ -5,6 +5,7 @@ them. Imports no framework."""
 from __future__ import annotations
 
 import itertools
+import types
 import warnings
 from dataclasses import dataclass, field
 from collections.abc import Mapping
@@ -28,6 +29,38 @@ USER_ERRORS = (InputError, CompileOptionError, DeviceError)  # what a fallback m
 # framework without a compiler, and its own compiler, to compare against.
 EXECUTION_BACKENDS = {"torch": ("polyjit", "std", "inductor"), "jax": ("polyjit", "std", "xla"),
                       "tf": ("polyjit", "std", "xla")}
+
+
+def function_text(fn: Callable) -> str | None:
+    """A Python function as text that is the same in every process that
+    defines it alike: its code and its wrappers' (``__wrapped__``), nested
+    code included; None where it has no code of its own (a partial, a
+    callable object). For a compile cache mark (compiler.expect_compile):
+    what the function closes over is not in it, as the mark is only a
+    guess that its programs are in the cache."""
+    parts = []
+    while fn is not None:
+        code = getattr(fn, "__code__", None)
+        if not isinstance(code, types.CodeType):
+            return None
+        parts.append(f"{getattr(fn, '__module__', '')} {_code_text(code)}")
+        fn = getattr(fn, "__wrapped__", None)
+    return "\n".join(parts)
+
+
+def traced_function_text(fn: Callable, options: CompileOptions, signature: tuple) -> str | None:
+    """What a decorated function's trace for ``signature`` (its framework's
+    version, the arguments' shapes and dtypes) is, for a compile cache mark
+    (compiler.expect_compile); None where the cache is off or the function
+    has no text (function_text)."""
+    code = function_text(fn) if options.cache else None
+    return f"{options.key()!r} {signature!r}\n{code}" if code else None
+
+
+def _code_text(code: types.CodeType) -> str:
+    consts = [_code_text(c) if isinstance(c, types.CodeType) else repr(sorted(c, key=repr))
+              if isinstance(c, frozenset) else repr(c) for c in code.co_consts]  # (a set's order varies by process)
+    return f"{getattr(code, 'co_qualname', code.co_name)} {code.co_code.hex()} {code.co_names} {consts}"
 
 
 def check_execution_backend(framework: str, value: str) -> None:

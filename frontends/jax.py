@@ -34,7 +34,7 @@ from jax.extend import core as jcore
 
 from polyjit import ops
 from polyjit.api import takes_device_arrays
-from polyjit.compiler import expect_compile
+from polyjit.compiler import compiled, expect_compile
 from polyjit.dtypes import DataType
 from polyjit.errors import CompileOptionError, InputError, UnsupportedOpError
 from polyjit.options import CompileOptions, parse_options
@@ -44,7 +44,7 @@ from polyjit.sizes import Lin
 from polyjit.targets import holding
 
 from .common import (Const, Op, SegmentedProgram, Stats, Value, WhileLoop, check_execution_backend, core_dtype,
-                     elementwise, identity, internal_failure, live, logical, static_value)
+                     elementwise, identity, internal_failure, live, logical, static_value, traced_function_text)
 
 SCAN_UNROLL_LIMIT = 64  # longest static scan (fori_loop) unrolled into the program
 # Results up to this size come from glibc's heap, reused (its dynamic mmap threshold
@@ -923,8 +923,11 @@ class JaxFunction:
 
     def program(self, sig: _Signature):
         if sig.key not in self._programs:
-            expect_compile()  # (the workers' imports beside the jaxpr's trace)
+            trace = traced_function_text(self.fn, self.options, ("jax", jax.__version__, sig.key))
+            expect_compile(trace)  # (the workers' imports beside the jaxpr's trace)
             self._programs[sig.key] = self._trace(sig, self._call_fn(sig), f"{self.__name__}{len(self._programs)}")
+            if trace is not None:
+                compiled(trace)  # (its programs compile on the call that follows)
         return self._programs[sig.key]
 
     def vjp_program(self, sig: _Signature, out_avals) -> SegmentedProgram:

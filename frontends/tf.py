@@ -23,13 +23,14 @@ import tensorflow as tf
 
 from polyjit import ops
 from polyjit import sizes as sz
-from polyjit.compiler import expect_compile
+from polyjit.compiler import compiled, expect_compile
 from polyjit.dtypes import DataType
 from polyjit.errors import CompileOptionError, DefinitionError, InputError, UnsupportedOpError
 from polyjit.options import CompileOptions, parse_options
 
 from .common import (USER_ERRORS, Const, KnownSizes, Op, SegmentedProgram, Stats, Value, check_execution_backend,
-                     core_dtype, elementwise, identity, internal_failure, live, operand_values, static_value)
+                     core_dtype, elementwise, identity, internal_failure, live, operand_values, static_value,
+                     traced_function_text)
 
 
 # ====================================================================== table
@@ -1463,12 +1464,15 @@ class TFFunction:
         else:
             specs = [tf.TensorSpec(x.shape, tf.as_dtype(x.dtype)) for x in arrays]
         if key not in self._programs:
-            expect_compile()
+            traced = traced_function_text(self.fn, self.options, ("tf", tf.__version__, specs))
+            expect_compile(traced)
             cf = tf.function(self.fn, autograph=False).get_concrete_function(*specs)
             trace = _Trace(cf, len(arrays))
             prog = SegmentedProgram(trace.invars, trace.ops, trace.outvars, self.options, self._stats,
                                     f"{self.__name__}{len(self._programs)}", "TensorFlow")
             self._programs[key] = (trace, prog)
+            if traced is not None:
+                compiled(traced)  # (its programs compile on the call that follows)
         return self._programs[key]
 
     def __call__(self, *args):

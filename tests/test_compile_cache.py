@@ -436,6 +436,34 @@ def test_a_fresh_process_loads_a_torch_training_step_from_the_cache(tmp_path):
 
 
 
+FRONTEND_SCRIPTS = {
+    "jax": """
+import json, jax.numpy as jnp, polyjit
+f = polyjit.jit_jax(lambda x: jnp.tanh(x) * 2.0 + x.sum())
+f(jnp.ones((4, 5)))
+stats = f.stats
+""",
+    "tf": """
+import json, tensorflow as tf, polyjit
+f = polyjit.jit_tf(lambda x: tf.tanh(x) * 2.0 + tf.reduce_sum(x))
+f(tf.ones((4, 5)))
+stats = f.stats
+"""}
+
+
+@pytest.mark.parametrize("framework", sorted(FRONTEND_SCRIPTS))
+def test_a_fresh_process_starts_no_worker_for_a_function_compiled_before(framework, tmp_path):
+    """jit_jax and jit_tf mark what they traced in the compile cache (the
+    function's code, the signature, the options): a second process, whose
+    programs load from the cache, starts no worker process."""
+    pytest.importorskip({"jax": "jax", "tf": "tensorflow"}[framework])
+    script = FRONTEND_SCRIPTS[framework] + (
+        "print(json.dumps({'hits': stats['cache_hits'], 'workers': polyjit.codegen.workers._workers is not None}))")
+    [(cold, _)] = _run(tmp_path, script=script)
+    [(warm, _)] = _run(tmp_path, script=script)
+    assert cold == {"hits": 0, "workers": True} and warm == {"hits": 1, "workers": False}
+
+
 PARTITION_SCRIPT = """
 import copy, json, sys, torch, polyjit
 import torch._functorch.partitioners as partitioners
