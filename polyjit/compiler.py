@@ -110,7 +110,9 @@ def expect_compile(trace: str | None = None) -> None:
 
 
 def compiled(trace: str) -> None:
-    """Mark in the compile cache that what ``expect_compile(trace)`` announced has compiled."""
+    """Mark in the compile cache that what ``expect_compile(trace)``
+    announced has compiled (or compiles at the call that follows the trace:
+    jit_jax's and jit_tf's programs)."""
     key = _mark(trace)
     if cache.load(key) is None:
         cache.store(key, {"compiled": True}, [])
