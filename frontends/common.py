@@ -48,13 +48,12 @@ def function_text(fn: Callable) -> str | None:
     return "\n".join(parts)
 
 
-def traced_function_text(fn: Callable, options: CompileOptions, signature: tuple) -> str | None:
-    """What a decorated function's trace for ``signature`` (its framework's
-    version, the arguments' shapes and dtypes) is, for a compile cache mark
-    (compiler.expect_compile); None where the cache is off or the function
-    has no text (function_text)."""
-    code = function_text(fn) if options.cache else None
-    return f"{options.key()!r} {signature!r}\n{code}" if code else None
+def trace_text(options: CompileOptions, signature: tuple, body: str | None) -> str | None:
+    """What a frontend is about to trace (``body``: its code, dynamo's graph
+    or function_text; ``signature``: the framework's version, the arguments'
+    shapes and dtypes), for a compile cache mark (compiler.expect_compile);
+    None where the cache is off or there is no body."""
+    return f"{options.key()!r} {signature!r}\n{body}" if options.cache and body else None
 
 
 def _code_text(code: types.CodeType) -> str:

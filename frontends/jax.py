@@ -44,7 +44,8 @@ from polyjit.sizes import Lin
 from polyjit.targets import holding
 
 from .common import (Const, Op, SegmentedProgram, Stats, Value, WhileLoop, check_execution_backend, core_dtype,
-                     elementwise, identity, internal_failure, live, logical, static_value, traced_function_text)
+                     elementwise, function_text, identity, internal_failure, live, logical, static_value,
+                     trace_text)
 
 SCAN_UNROLL_LIMIT = 64  # longest static scan (fori_loop) unrolled into the program
 # Results up to this size come from glibc's heap, reused (its dynamic mmap threshold
@@ -923,11 +924,10 @@ class JaxFunction:
 
     def program(self, sig: _Signature):
         if sig.key not in self._programs:
-            trace = traced_function_text(self.fn, self.options, ("jax", jax.__version__, sig.key))
+            trace = trace_text(self.options, ("jax", jax.__version__, sig.key), function_text(self.fn))
             expect_compile(trace)  # (the workers' imports beside the jaxpr's trace)
             self._programs[sig.key] = self._trace(sig, self._call_fn(sig), f"{self.__name__}{len(self._programs)}")
-            if trace is not None:
-                compiled(trace)  # (its programs compile on the call that follows)
+            compiled(trace)  # (its programs compile on the call that follows)
         return self._programs[sig.key]
 
     def vjp_program(self, sig: _Signature, out_avals) -> SegmentedProgram:

@@ -29,8 +29,8 @@ from polyjit.errors import CompileOptionError, DefinitionError, InputError, Unsu
 from polyjit.options import CompileOptions, parse_options
 
 from .common import (USER_ERRORS, Const, KnownSizes, Op, SegmentedProgram, Stats, Value, check_execution_backend,
-                     core_dtype, elementwise, identity, internal_failure, live, operand_values, static_value,
-                     traced_function_text)
+                     core_dtype, elementwise, function_text, identity, internal_failure, live, operand_values,
+                     static_value, trace_text)
 
 
 # ====================================================================== table
@@ -1464,15 +1464,14 @@ class TFFunction:
         else:
             specs = [tf.TensorSpec(x.shape, tf.as_dtype(x.dtype)) for x in arrays]
         if key not in self._programs:
-            traced = traced_function_text(self.fn, self.options, ("tf", tf.__version__, specs))
+            traced = trace_text(self.options, ("tf", tf.__version__, specs), function_text(self.fn))
             expect_compile(traced)
             cf = tf.function(self.fn, autograph=False).get_concrete_function(*specs)
             trace = _Trace(cf, len(arrays))
             prog = SegmentedProgram(trace.invars, trace.ops, trace.outvars, self.options, self._stats,
                                     f"{self.__name__}{len(self._programs)}", "TensorFlow")
             self._programs[key] = (trace, prog)
-            if traced is not None:
-                compiled(traced)  # (its programs compile on the call that follows)
+            compiled(traced)  # (its programs compile on the call that follows)
         return self._programs[key]
 
     def __call__(self, *args):

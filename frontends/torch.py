@@ -49,7 +49,7 @@ from polyjit.targets import holding
 
 from . import torch_partition
 from .common import (USER_ERRORS, Stats, check_execution_backend, elementwise, fallback, internal_failure,
-                     logical)
+                     logical, trace_text)
 
 log = logging.getLogger("polyjit.torch")
 aten = torch.ops.aten
@@ -2205,7 +2205,7 @@ class PolyjitBackend:
         # min-cut partition): a GELU is recomputed from its input, fused into the backward
         # input mutations (batch norms' running statistics) stay in the graph: copied in after the call,
         # together, rather than one copy_ each by AOTAutograd's wrapper
-        trace = _trace_text(gm, example_inputs, self.options) if self.options.cache else None
+        trace = _trace_text(gm, example_inputs, self.options)
         expect_compile(trace)  # (the workers' imports beside AOTAutograd's trace)
         # AOTAutograd's own test for a graph that needs no backward
         inference = not torch.is_grad_enabled() or not any(
@@ -2218,18 +2218,17 @@ class PolyjitBackend:
         # attention as matmuls and softmax, which fuse, rather than a device's fused kernel
         with sdpa_kernel([SDPBackend.MATH]):
             result = backend(gm, example_inputs)
-        if trace is not None:
-            compiled(trace)
+        compiled(trace)
         return result
 
 
-def _trace_text(gm: torch.fx.GraphModule, example_inputs, options: CompileOptions) -> str:
-    """What compiling dynamo's graph depends on, as text that is the same in
-    every process: its code; its inputs' shapes, strides, dtypes, devices
-    and whether they need gradients; grad mode; the options."""
+def _trace_text(gm: torch.fx.GraphModule, example_inputs, options: CompileOptions) -> str | None:
+    """What compiling dynamo's graph depends on, as trace_text: its code;
+    its inputs' shapes, strides, dtypes, devices and whether they need
+    gradients; grad mode; the options."""
     inputs = [(tuple(x.shape), x.stride(), x.dtype, x.device.type, x.requires_grad)
               if isinstance(x, torch.Tensor) else x for x in example_inputs]
-    return f"torch {torch.__version__} {torch.is_grad_enabled()} {options.key()!r} {inputs}\n{gm.code}"
+    return trace_text(options, ("torch", torch.__version__, torch.is_grad_enabled(), inputs), gm.code)
 
 
 _SAVED = "polyjit_saved"  # a forward graph's meta: its outputs' node names that only the backward reads

@@ -109,10 +109,12 @@ def expect_compile(trace: str | None = None) -> None:
     workers.workers()
 
 
-def compiled(trace: str) -> None:
+def compiled(trace: str | None) -> None:
     """Mark in the compile cache that what ``expect_compile(trace)``
     announced has compiled (or compiles at the call that follows the trace:
-    jit_jax's and jit_tf's programs)."""
+    jit_jax's and jit_tf's programs); nothing where trace is None."""
+    if trace is None:
+        return
     key = _mark(trace)
     if cache.load(key) is None:
         cache.store(key, {"compiled": True}, [])

@@ -435,7 +435,6 @@ def test_a_fresh_process_loads_a_torch_training_step_from_the_cache(tmp_path):
     assert warm == {"graphs": 2, "cache_hits": 2, "kernels_compiled": 0, "fallbacks": 0, "workers": False}
 
 
-
 FRONTEND_SCRIPTS = {
     "jax": """
 import json, jax.numpy as jnp, polyjit
