@@ -813,7 +813,7 @@ def dot_form(L, n) -> tuple | None:
     return nb, lf[0], rf[0]
 
 
-def _operand(L, node, name: str, nb: int, batch_iters, free: int, contract: int, one_call: bool = False):
+def _operand(L, node, name: str, nb: int, batch_iters, free: int, contract: int):
     """A dot operand as (box, transposed, leading dimension): read in place
     where it is a row-major array or a transpose of one with its batch dims
     outermost, or a view of one whose matrices have a dense row (the heads
@@ -822,15 +822,17 @@ def _operand(L, node, name: str, nb: int, batch_iters, free: int, contract: int,
     shape, where the chain is then a view of the copy (a softmax's result
     merged to [b*h, s, s]: the copy's statement reads the softmax's row
     statistics at plain indices, and fuses with them), else the operand.
-    ``one_call``: a view whose batch dims do not continue each other's
-    strides (heads out of a [b, t, h*d] projection) is copied too, so that
-    the batch is one strided call (_one_call)."""
+    Where each call is a launch (cuBLAS), a view whose batch dims do not
+    continue each other's strides (heads out of a [b, t, h*d] projection)
+    is copied too, so that the batch is one strided call: read in place, it
+    is a call per head or per image, each too small to fill the GPU (BERT's
+    attention and its gradients took twice the time as 12 calls a product)."""
     m = _matrix(L, node, whole=nb == 0)
     if m is None or m[1][:nb] != list(range(nb)):
         base, chain = _view_chain(L, node)
         if chain and _static(L, base):
             view = _view(L.shape(base), chain, L)
-            if view is not None and one_call and not _continuing(view, nb):
+            if view is not None and _launched(L) and not _continuing(view, nb):
                 view = None
             if view is not None:
                 strided = _strided(L, base, view, nb, batch_iters, free, contract, name)
@@ -854,20 +856,9 @@ def _continuing(view: tuple[list[int], list[int]], nb: int) -> bool:
     return all(st == nst * ns for (_, st), (ns, nst) in zip(dims, dims[1:]))
 
 
-LAUNCH_BOUND_MACS = 1 << 25  # a product's multiply-adds below which its calls' launches are most of its time
-
-
-def _one_call(L, n, nb: int) -> bool:
-    """Whether product n's batch should be one library call even at the cost
-    of copying its operands: where each call is a launch (cuBLAS) and the
-    whole product is small, so that launches are most of its time (the
-    attention of 4 images of 4 heads of 128 x 64 ran as 4 calls of 4)."""
-    target = L.library.target if L.library is not None else None
-    if nb < 2 or target is None or not target.launched_library_calls:
-        return False
-    results = sz.static_product(L.shape(n))
-    reduction = sz.estimate(L.shape(n.inputs[0])[n.attrs["lc"][0]])
-    return results is not None and results * int(reduction) < LAUNCH_BOUND_MACS
+def _launched(L) -> bool:
+    """Whether each library call is a launch of its own (cuBLAS)."""
+    return L.library is not None and L.library.target.launched_library_calls
 
 
 def _view_chain(L, node):
@@ -1049,9 +1040,8 @@ def lower_dot(L, n, out: str) -> None:
     shape = L.shape(n)
     iters, idx, bounds = loop_nest(shape[:nb] or (1,))  # (one call, where there is no batch)
     batch = list(idx[:nb])
-    one_call = _one_call(L, n, nb)
-    abox, ta, lda = _operand(L, a, f"t{n.id}_a", nb, batch, lf, at["lc"][0], one_call)
-    bbox, tb, ldb = _operand(L, b, f"t{n.id}_b", nb, batch, rf, at["rc"][0], one_call)
+    abox, ta, lda = _operand(L, a, f"t{n.id}_a", nb, batch, lf, at["lc"][0])
+    bbox, tb, ldb = _operand(L, b, f"t{n.id}_b", nb, batch, rf, at["rc"][0])
     tb = not tb  # b is wanted as (contracting x free): stored so unless its free dim comes first
     m, nn, k = shape[nb], shape[nb + 1], L.shape(a)[at["lc"][0]]
     cbox = (out, tuple(batch) + (E.const(0), E.const(0)), (1,) * nb + (m, nn))

@@ -2410,18 +2410,19 @@ def test_rows_read_through_gathers_take_a_warp_each():
     assert rows and all(k.lanes >= 32 for k in rows), [(k.name, k.lanes) for k in prog.kernels]
 
 
-@pytest.mark.parametrize("tokens,calls", [(16, [8]), (512, [4, 4])])
-def test_small_attention_over_a_projections_heads_is_one_library_call(tokens, calls, monkeypatch):
-    """Heads viewed out of [b, t, h*d] projections have batch strides that do
-    not continue each other (a call per image). Where the product is small
-    (its launches most of its time) the operands are copied so that the
-    batch is one call of b*h matrices; a large one reads them in place."""
+@pytest.mark.parametrize("tokens,computed", [(16, False), (512, False), (512, True)])
+def test_attention_over_a_projections_heads_is_one_library_call(tokens, computed, monkeypatch):
+    """Heads viewed out of [b, t, h*d] projections (as they are, or with a
+    bias added) have batch strides that do not continue each other: read
+    in place, a call per image or per head. The operands are copied so
+    that the batch is one call of b*h matrices, small or large (BERT's
+    attention and its gradients as 12 calls a product took twice the time)."""
     from polyjit.runtime import cublas
     monkeypatch.setattr(cublas, "cublas", lambda: _HostCublas())
     b, h, d = 2, 4, 32
 
     def heads(x):
-        return ops.permute(ops.reshape(x, [b, tokens, h, d]), [0, 2, 1, 3])
+        return ops.permute(ops.reshape(x * 2.0 if computed else x, [b, tokens, h, d]), [0, 2, 1, 3])
     shapes = [(b, tokens, h * d)] * 2
     exe = polyjit.compile(lambda q, k: ops.matmul(heads(q), ops.transpose(heads(k), 2, 3)),
                           [InputInfo(s, F32) for s in shapes], {**PTX_ONLY, "contractions": "library"})
@@ -2430,8 +2431,9 @@ def test_small_attention_over_a_projections_heads_is_one_library_call(tokens, ca
     slots = {x.name: i for i, x in enumerate(prog.buffers)}
     steps = [cublas.GemmStep(cublas.cublas(), None, k.library, env, {x.name: x for x in prog.buffers}, slots)
              for k in prog.kernels if k.library is not None]
-    assert [[c.batch for c in st.calls] for st in steps] == [calls], steps
+    assert [[c.batch for c in st.calls] for st in steps] == [[b * h]], steps
     q, k = (np.random.default_rng(0).standard_normal(s).astype(F32) for s in shapes)
-    qh, kh = (x.reshape(b, tokens, h, d).transpose(0, 2, 1, 3).astype(np.float64) for x in (q, k))
+    qh, kh = ((x * (2 if computed else 1)).reshape(b, tokens, h, d).transpose(0, 2, 1, 3).astype(np.float64)
+              for x in (q, k))
     np.testing.assert_allclose(run_threads_on_cpu(exe, [q, k])[0], qh @ kh.transpose(0, 1, 3, 2), rtol=1e-4,
                                atol=1e-4)
