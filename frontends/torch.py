@@ -4,7 +4,8 @@ Dynamo captures the program; AOTAutograd splits it into forward and backward
 ATen graphs after the core ATen decompositions and a chosen few more
 (dropout, batch and group norms: their parts fuse with their neighbours),
 leaving whole the composites the table lowers in one step (GELU, layer
-norm's backward; without a backward, softmax and layer norm too); each
+norm's backward; without a backward, softmax and layer norm too), and
+attention as one op each way (torch_attention); each
 graph is translated into a polyjit graph through :data:`ATEN`, the one
 table from ATen ops to polyjit ops, and compiled. Nodes outside the table
 run in eager PyTorch, in partitions of their own: counted in the stats,
@@ -47,7 +48,7 @@ from polyjit import sizes as sz
 from polyjit.sizes import Lin
 from polyjit.targets import holding
 
-from . import torch_partition
+from . import torch_attention, torch_partition
 from .common import (USER_ERRORS, Stats, check_execution_backend, elementwise, fallback, internal_failure,
                      logical, trace_text)
 
@@ -1224,6 +1225,43 @@ def _encoder_layer(cx, src, embed_dim, num_heads, qkv_weight, qkv_bias, proj_wei
     return norm(x + feed_forward(x), norm_weight_2, norm_bias_2)
 
 
+def _attention_scale(query, scale, dtype):
+    """The scores' scale: by default 1/sqrt(head size), which may be symbolic
+    (then a scalar of dtype)."""
+    if scale is not None:
+        return scale
+    size = query.shape[-1]
+    return int(size) ** -0.5 if sz.is_static(size) else ops.rsqrt(ops.full([], size, dtype, like=query))
+
+
+@_reg(torch.ops.polyjit.attention.default)
+def _attention(cx, query, key, value, mask, causal, scale):
+    """torch_attention's op: the output and the probabilities, the scores
+    and their softmax in the compute type; a row whose keys are all masked
+    gives zeros, found by the softmax's own row maximum."""
+    s = _computed(ops.matmul(query, ops.transpose(key, -2, -1))) * _attention_scale(query, scale, query.dtype.compute)
+    zero = ops.full([], 0.0, s.dtype, like=s)  # (masked out: -inf added, so that a NaN score stays NaN)
+    if causal:
+        rows, cols = s.shape[-2:]
+        s = s + ops.where(ops.iota([rows, cols], 0, like=s) >= ops.iota([rows, cols], 1, like=s), zero, float("-inf"))
+    if mask is not None:
+        s = s + (ops.where(mask, zero, float("-inf")) if mask.dtype == DataType.Bool else _computed(mask))
+    top = ops.max(s, [-1], keepdim=True)
+    e = ops.exp(s - top)
+    p = ops.cast(ops.where(ops.eq(top, float("-inf")), 0.0, e / ops.sum(e, [-1], keepdim=True)), query.dtype)
+    return ops.matmul(p, value), p
+
+
+@_reg(torch.ops.polyjit.attention_backward.default)
+def _attention_backward(cx, grad, query, key, value, probs, scale):
+    dp = _computed(ops.matmul(grad, ops.transpose(value, -2, -1)))
+    p = _computed(probs)
+    ds = ops.cast(p * (dp - ops.sum(dp * p, [-1], keepdim=True)), query.dtype)
+    scale = _attention_scale(query, scale, query.dtype)
+    return (ops.matmul(ds, key) * scale, ops.matmul(ops.transpose(ds, -2, -1), query) * scale,
+            ops.matmul(ops.transpose(probs, -2, -1), grad))
+
+
 # creation
 def _full(cx, shape, value, dtype=None):
     dt = cx.dtype(dtype) if dtype is not None else (
@@ -2205,6 +2243,7 @@ class PolyjitBackend:
         # min-cut partition): a GELU is recomputed from its input, fused into the backward
         # input mutations (batch norms' running statistics) stay in the graph: copied in after the call,
         # together, rather than one copy_ each by AOTAutograd's wrapper
+        torch_attention.fuse_attention(gm)
         trace = _trace_text(gm, example_inputs, self.options)
         expect_compile(trace)  # (the workers' imports beside AOTAutograd's trace)
         # AOTAutograd's own test for a graph that needs no backward

@@ -199,11 +199,72 @@ def test_slices_train():
     check(lambda x: torch.tanh(x[:, :48]) * x[:, 1::3][:, :48].sin() + x[2:-1].mean() + x[..., -5:].mean()
           + x[:, -1000:48:2].exp().mean(), r(16, 200, grad=True), backward=True)
 
+
+def _attention_mask(kind, rows, cols):
+    if kind == "bool":  # a query whose keys are all masked: zeros, as eager's
+        mask = torch.rand(rows, cols, device=DEVICE) > 0.3
+        mask[1] = False
+        return mask
+    return r(2, 1, rows, cols).to(DEVICE) if kind == "float" else None
+
+
+@pytest.mark.parametrize("mask_kind,causal,scale,rows", [
+    ("none", False, None, 8), ("float", False, None, 8), ("bool", False, 0.3, 8), ("none", True, None, 8),
+    ("none", True, None, 5), ("float", False, None, 5)])
+def test_attention_is_one_op_each_way(monkeypatch, mask_kind, causal, scale, rows):
+    """scaled_dot_product_attention reaches AOTAutograd's trace as
+    polyjit::attention, its backward as polyjit::attention_backward (the
+    math variant traced op by op costs more than the rest of a layer):
+    values and gradients as eager's, with a float or boolean mask, causal
+    (queries fewer than keys: the mask at the top left), a scale."""
+    from polyjit.frontends import torch_attention
+    fuse, replaced = torch_attention.fuse_attention, []
+    monkeypatch.setattr(torch_attention, "fuse_attention", lambda gm: replaced.append(fuse(gm)) or replaced[-1])
+    mask = _attention_mask(mask_kind, rows, 8)
+
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+    check(f, r(2, 3, rows, 16, grad=True), r(2, 3, 8, 16, grad=True), r(2, 3, 8, 12, grad=True), backward=True)
+    assert replaced == [1]
+
+
+def test_attention_at_symbolic_sizes_compiles_once():
+    """Under dynamic shapes the head size is symbolic too, and so is the
+    default scale, 1/sqrt(head size): causal attention of three lengths,
+    forward and backward, compiled once, as eager's."""
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    jf = polyjit.jit_torch(f, compile_options={"target": TARGET, "dynamic": True})
+    for t in (8, 12, 20):
+        q, k, v = (r(2, 3, t, 16, grad=True).to(DEVICE) for _ in range(3))
+        out, ref = jf(q, k, v), f(q, k, v)
+        assert_close(out, ref)
+        w = torch.randn_like(ref)
+        got, want = (torch.autograd.grad((y * w).sum(), (q, k, v)) for y in (out, ref))
+        for a, b in zip(got, want):
+            assert_close(a, b)
+    assert jf.stats["graphs"] == 2 and jf.stats["fallbacks"] == 0
+
+
+def test_attention_mask_with_a_gradient_stays_sdpa(monkeypatch):
+    """A learned mask (a position bias) needs the scores' gradient, which
+    polyjit::attention does not give: such an attention is traced as
+    before, and the mask's gradient is eager's."""
+    from polyjit.frontends import torch_attention
+    fuse, replaced = torch_attention.fuse_attention, []
+    monkeypatch.setattr(torch_attention, "fuse_attention", lambda gm: replaced.append(fuse(gm)) or replaced[-1])
+    check(lambda q, k, v, bias: F.scaled_dot_product_attention(q, k, v, attn_mask=bias),
+          r(2, 3, 8, 16, grad=True), r(2, 3, 8, 16, grad=True), r(2, 3, 8, 16, grad=True), r(1, 3, 8, 8, grad=True),
+          backward=True)
+    assert replaced == [0]
+
+
 def test_attention_rows_masked_whole_are_zeros_and_nan_propagates(tmp_path):
     """Attention's softmax (aten._safe_softmax) gives a query whose keys are
     all masked zeros, as eager does, while a NaN score stays NaN; forward
     and backward. The masked rows come from the softmax's own row maximum:
-    one reduction of the scores to their maximum, none of booleans."""
+    one reduction of the scores to their maximum, none of booleans; all of
+    it in float32."""
     q, k, v = r(2, 3, 8, 16, grad=True), r(2, 3, 8, 16, grad=True), r(2, 3, 8, 16, grad=True)
     with torch.no_grad():
         q[1, 2, 5, 3] = float("nan")
@@ -218,7 +279,7 @@ def test_attention_rows_masked_whole_are_zeros_and_nan_propagates(tmp_path):
         jf(*(t.detach().to(DEVICE) for t in (q, k, v)))
     (graph,) = [p for p in tmp_path.rglob("*graph*") if p.is_file()]
     text = graph.read_text()
-    assert text.count("op=max") == 1 and not re.search(r"bool\[[^]]*\] = reduce", text), text
+    assert text.count("op=max") == 1 and not re.search(r"bool\[[^]]*\] = reduce", text) and "float64" not in text, text
 class ConvBiasRelu(nn.Module):
     def __init__(self):
         super().__init__()
