@@ -10,10 +10,13 @@ tf.function): "vs eager" compares the two in one process, which a host
 whose speed drifts from one process to the next cannot skew. polyjit's
 process also compiles the peer (Inductor, XLA) and times the three in
 turn: "vs peer" is the peer's step over polyjit's in that process. polyjit
-then compiles the same model again in another fresh process: with its
-on-disk cache warm, that second compile is the framework's tracing plus a
-cache lookup. Every backend's output is compared with eager's, so a wrong
-result cannot pass for a fast one.
+then compiles the same model again in fresh processes: with its on-disk
+cache warm, that compile is the framework's tracing plus a cache lookup,
+set against the framework's own tracing (backend="aot_eager", a plain
+tf.function; for JAX, jax.jit), each the median of --warm-samples fresh
+processes run in turn (one sample of either differs between runs by about
+as much as the two differ). Every backend's output is compared with
+eager's, so a wrong result cannot pass for a fast one.
 
     python bench/models.py                      # every model on the CPU
     python bench/models.py --only bert gpt2     # some of them
@@ -38,6 +41,7 @@ CNN_BACKENDS = ("eager", "inductor", "polyjit")  # aot_eager says nothing of con
 JAX_BACKENDS = ("std", "xla", "polyjit")
 TF_BACKENDS = ("std", "xla", "polyjit")
 PEERS = {"torch": "inductor", "jax": "xla", "tf": "xla"}  # the compiler polyjit's process times beside it
+OWN_TRACE = {"torch": "aot_eager", "jax": "xla", "tf": "std"}  # what a warm compile is set against
 
 
 # ---------------------------------------------------------------- the models
@@ -168,16 +172,17 @@ JAX_MODELS = {"jax_block": _jax_block, "flax_cnn": _flax_cnn}
 
 # ---------------------------------------------------------------- one measurement
 WARMUP = 3  # untimed steps first: each backend's first runs after its compile fault in pages and caches
+COMPILE_ONLY_STEPS = 3  # a compile-only process's timed steps (after one untimed)
 
 
-def _median_ms(steps: dict, reps: int, sync=lambda: None) -> dict:
+def _median_ms(steps: dict, reps: int, sync=lambda: None, warmup: int = WARMUP) -> dict:
     """Median ms of each step, the steps timed in turn in the same process
     (so that a host whose speed drifts between processes moves them alike),
     each round starting one step later (so that none always follows the
     same one, and what it leaves behind): "ms" the backend's, "base_ms" the
     framework's own run of the model, "peer_ms" the peer's."""
     for s in steps.values():
-        for _ in range(WARMUP):
+        for _ in range(warmup):
             s()
     sync()
     times: dict = {k: [] for k in steps}
@@ -197,6 +202,14 @@ def _steps(step, base, peer) -> dict:
     return {k: f for k, f in (("base_ms", base), ("peer_ms", peer), ("ms", step)) if f is not None}
 
 
+def _timed(step, base, peer, reps: int, compile_only: bool, sync=lambda: None) -> dict:
+    """_median_ms of _steps; with ``compile_only`` the backend's step alone, a
+    few times: what its first call's compile is reckoned less of."""
+    if compile_only:
+        return _median_ms({"ms": step}, COMPILE_ONLY_STEPS, sync, warmup=1)
+    return _median_ms(_steps(step, base, peer), reps, sync)
+
+
 def _peer_step(make, run):
     """The peer's step, ``run(make())``, compiled by a first call; None where
     the peer fails (polyjit's row is then timed without it)."""
@@ -209,7 +222,8 @@ def _peer_step(make, run):
     return lambda: run(other)
 
 
-def _torch_run(name: str, backend: str, train: bool, device: str, reps: int, peer: str | None) -> dict:
+def _torch_run(name: str, backend: str, train: bool, device: str, reps: int, peer: str | None,
+               compile_only: bool = False) -> dict:
     import torch
     import polyjit  # noqa: F401  (the "polyjit" backend is found without it, too)
     torch.manual_seed(0)
@@ -231,7 +245,7 @@ def _torch_run(name: str, backend: str, train: bool, device: str, reps: int, pee
     sync()
     first = time.perf_counter() - t
     other = _peer_step(lambda: torch.compile(model, backend=peer), run) if peer else None
-    result = _median_ms(_steps(lambda: run(fn), None if fn is model else lambda: run(model), other), reps, sync)
+    result = _timed(lambda: run(fn), None if fn is model else lambda: run(model), other, reps, compile_only, sync)
     result.update(first_s=first, out=y.detach().float().cpu().numpy())
     if backend == "polyjit":
         result.update(_polyjit_stats(polyjit.frontends.torch.stats()))
@@ -243,7 +257,8 @@ def _polyjit_stats(stats) -> dict:
     return {"fallbacks": stats["fallbacks"], "graphs": stats["graphs"], "cache_hits": stats["cache_hits"]}
 
 
-def _jax_run(name: str, backend: str, train: bool, device: str, reps: int, peer: str | None) -> dict:
+def _jax_run(name: str, backend: str, train: bool, device: str, reps: int, peer: str | None,
+             compile_only: bool = False) -> dict:
     import jax
     import polyjit
     fn, args = JAX_MODELS[name](train)
@@ -254,8 +269,8 @@ def _jax_run(name: str, backend: str, train: bool, device: str, reps: int, peer:
     y = jax.block_until_ready(f(*args))
     first = time.perf_counter() - t
     other = _peer_step(lambda: jax.jit(fn), lambda g: jax.block_until_ready(g(*args))) if peer else None
-    result = _median_ms(_steps(lambda: jax.block_until_ready(f(*args)),
-                               None if f is fn else lambda: jax.block_until_ready(fn(*args)), other), reps)
+    result = _timed(lambda: jax.block_until_ready(f(*args)),
+                    None if f is fn else lambda: jax.block_until_ready(fn(*args)), other, reps, compile_only)
     leaves = jax.tree_util.tree_leaves(y)
     result.update(first_s=first, out=np.concatenate([np.ravel(np.asarray(v)) for v in leaves]))
     if backend == "polyjit":
@@ -263,7 +278,8 @@ def _jax_run(name: str, backend: str, train: bool, device: str, reps: int, peer:
     return result
 
 
-def _tf_run(name: str, backend: str, train: bool, device: str, reps: int, peer: str | None) -> dict:
+def _tf_run(name: str, backend: str, train: bool, device: str, reps: int, peer: str | None,
+            compile_only: bool = False) -> dict:
     import tensorflow as tf
     import polyjit
     model, x = _keras_model(name)
@@ -274,7 +290,7 @@ def _tf_run(name: str, backend: str, train: bool, device: str, reps: int, peer: 
     y = f(x).numpy()
     first = time.perf_counter() - t
     other = _peer_step(lambda: tf.function(fn, jit_compile=True), lambda g: g(x).numpy()) if peer else None
-    result = _median_ms(_steps(lambda: f(x).numpy(), None if f is std else lambda: std(x).numpy(), other), reps)
+    result = _timed(lambda: f(x).numpy(), None if f is std else lambda: std(x).numpy(), other, reps, compile_only)
     result.update(first_s=first, out=y)
     if backend == "polyjit":
         result.update(_polyjit_stats(f.stats))
@@ -295,22 +311,26 @@ MODELS = {  # name: (framework, runner, training step too, backends)
 
 
 def _one(args) -> None:
-    """Child process: one (model, backend, mode) measurement, as JSON on the last line."""
+    """Child process: one (model, backend, mode) measurement, as JSON on the
+    last line. ``--compile-only``: the first call and a few steps alone (no
+    peer, no framework's run beside it)."""
     framework, run, _, _ = MODELS[args.one]
-    r = run(args.one, args.backend, args.train, args.device, args.reps, args.peer)
+    r = run(args.one, args.backend, args.train, args.device, args.reps, args.peer, args.compile_only)
     out = r.pop("out")
     np.save(args.save, out)
     print(json.dumps(r))
 
 
-def _spawn(name: str, backend: str, train: bool, device: str, reps: int, cache: str, peer: str = "") -> dict:
+def _spawn(name: str, backend: str, train: bool, device: str, reps: int, cache: str, peer: str = "",
+           compile_only: bool = False) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".npy", delete=False) as f:
         path = f.name
     env = dict(os.environ, POLYJIT_CACHE_DIR=cache, PYTHONWARNINGS="ignore")
     peer_cache = tempfile.mkdtemp(prefix="peer-cache-")  # cold for every backend: Inductor's and Triton's too
     env.update(TORCHINDUCTOR_CACHE_DIR=peer_cache, TRITON_CACHE_DIR=os.path.join(peer_cache, "triton"))
     cmd = [sys.executable, __file__, "--one", name, "--backend", backend, "--device", device,
-           "--reps", str(reps), "--save", path] + (["--train"] if train else []) + (["--peer", peer] if peer else [])
+           "--reps", str(reps), "--save", path] + (["--train"] if train else []) + (["--peer", peer] if peer else []) + (
+           ["--compile-only"] if compile_only else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     shutil.rmtree(peer_cache, ignore_errors=True)
     if proc.returncode:
@@ -340,6 +360,9 @@ def main() -> None:
     p.add_argument("--train", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--save", help=argparse.SUPPRESS)
     p.add_argument("--peer", help=argparse.SUPPRESS)
+    p.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--warm-samples", type=int, default=3,
+                   help="fresh processes timed for a warm compile and for the framework's own tracing, each")
     args = p.parse_args()
     if args.one:
         return _one(args)
@@ -355,22 +378,42 @@ def main() -> None:
             peer = PEERS[framework]
             rows = {b: _spawn(name, b, train, args.device, args.reps, cache, peer if b == "polyjit" else "")
                     for b in backends}
-            warm = _spawn(name, "polyjit", train, args.device, args.reps, cache) if "polyjit" in rows else {}
+            warm, own = _warm_samples(name, framework, train, args, cache) if "polyjit" in rows else ([], [])
             base = rows[backends[0]]
             for b, r in rows.items():
                 if "error" in r:
                     print(f"{label:<20}{b:<11}  error: {r['error']}")
                     continue
                 compile_s = max(r["first_s"] - r["ms"] / 1e3, 0.0)
-                warm_s = f"{max(warm['first_s'] - warm['ms'] / 1e3, 0.0):8.2f}" if b == "polyjit" and "first_s" in warm else " " * 8
+                warm_s = f"{_median_compile(warm):8.2f}" if b == "polyjit" and warm else " " * 8
                 # (the first backend's step timed in this backend's process, in alternation with its own)
                 ratio = (r.get("base_ms") or base.get("ms", float("nan"))) / r["ms"]
                 vs_peer = f"{r['peer_ms'] / r['ms']:8.2f}x" if "peer_ms" in r else " " * 9
                 ok = _check(r["out"], base["out"]) if "out" in base else "?"
                 extra = f", {r['fallbacks']} fallbacks" if r.get("fallbacks") else ""
-                if b == "polyjit" and warm.get("graphs", 0) > warm.get("cache_hits", 0):
-                    extra += f", warm: {warm['graphs'] - warm['cache_hits']} of {warm['graphs']} graphs missed the cache"
+                missed = max((w["graphs"] - w["cache_hits"] for w in warm), default=0) if b == "polyjit" else 0
+                if missed:
+                    extra += f", warm: {missed} graphs missed the cache"
                 print(f"{label:<20}{b:<11}{compile_s:10.2f}{warm_s}{r['ms']:10.2f}{ratio:8.2f}x{vs_peer}  {ok}{extra}")
+            if warm and own:
+                w, o = _median_compile(warm), _median_compile(own)
+                print(f"{label:<20}warm compile {w:.2f} s against {OWN_TRACE[framework]}'s {o:.2f} s ({w - o:+.2f}; "
+                      f"medians of {len(warm)} and {len(own)} fresh processes)")
+
+
+def _warm_samples(name: str, framework: str, train: bool, args, cache: str) -> tuple[list, list]:
+    """Compile-only fresh processes, in turn: polyjit's with its cache warm,
+    and the framework's own tracing (OWN_TRACE); those that ran."""
+    warm, own = [], []
+    for _ in range(args.warm_samples):
+        warm.append(_spawn(name, "polyjit", train, args.device, args.reps, cache, compile_only=True))
+        own.append(_spawn(name, OWN_TRACE[framework], train, args.device, args.reps, cache, compile_only=True))
+    return [r for r in warm if "first_s" in r], [r for r in own if "first_s" in r]
+
+
+def _median_compile(samples: list) -> float:
+    """The median of the samples' first calls less a step."""
+    return statistics.median(max(r["first_s"] - r["ms"] / 1e3, 0.0) for r in samples)
 
 
 if __name__ == "__main__":
