@@ -48,8 +48,8 @@ def test_mapping_names_each_kernels_decisions():
     mm = _mapping(ops.matmul, [(128, 256), (256, 256)], contractions="generated")
     want = rf"thread team; parallel c0; register blocks of {products} products; c\d+ in vectors of {lanes}"
     assert re.fullmatch(want, mm[-1]), mm
-    assert _mapping(lambda x: ops.sum(x), [(5,)]) == ["one thread"]  # no parallel loop
-    assert _mapping(lambda x: x * 2.0, [(64, 64)]) == ["thread team; parallel c0"]
+    assert _mapping(lambda x: ops.sum(x), [(5,)]) == ["one thread; plain loops"]  # no parallel loop
+    assert _mapping(lambda x: x * 2.0, [(256, 256)]) == ["thread team; parallel c0"]
     if blas() is not None:
         [gemm] = _mapping(ops.matmul, [(128, 256), (256, 256)], contractions="library")
         assert gemm.startswith("thread team; BLAS sgemm of ") and gemm.endswith("per part")
@@ -60,12 +60,28 @@ def test_a_small_kernel_runs_on_one_thread():
     per-channel scale folded into a convolution's weights) are not shared
     with the thread team: its loop keeps constant bounds."""
     small = (16, cpu_mapping.ONE_THREAD_WORK // 16 - 1)
-    assert _mapping(lambda x: ops.exp(x) * 2.0, [small]) == ["one thread"]
+    assert _mapping(lambda x: ops.exp(x) * 2.0, [small]) == ["one thread; plain loops"]
     assert _mapping(lambda x: ops.exp(x) * 2.0, [(16, cpu_mapping.ONE_THREAD_WORK // 16)]) == \
-        ["thread team; parallel c0"]
+        ["thread team; parallel c0; plain loops"]
     x = np.random.default_rng(0).standard_normal(small).astype(F32)
     exe = polyjit.compile(lambda x: ops.exp(x) * 2.0, [InputInfo(list(small), F32)])
     np.testing.assert_allclose(exe(x), np.exp(x) * 2.0, rtol=1e-6)
+
+
+def test_a_kernel_of_little_work_is_compiled_with_plain_loops(rng):
+    """Under PLAIN_WORK statement instances (a small network's last layers,
+    its weight preparation) LLVM neither unrolls nor vectorizes the
+    kernel's loops, which took most of such kernels' compile time for
+    microseconds a call; a larger kernel keeps both."""
+    def fn(x):
+        return x * 2.0 + 1.0
+    few, many = (8, 6, 6, 32), (8, 48, 48, 32)
+    for shape, plain in ((few, True), (many, False)):
+        exe = polyjit.compile(fn, [InputInfo(list(shape), F32)])
+        assert ("plain loops" in exe.ir("mapping")) == plain
+        assert ("x float>" in exe.ir("llvm_opt")) == (not plain), shape
+        x = rng.standard_normal(shape).astype(F32)
+        np.testing.assert_allclose(exe(x), x * 2.0 + 1.0, rtol=1e-6)
 
 
 def test_a_fused_group_keeps_its_parallel_loops(monkeypatch, llvm_workers):
@@ -142,7 +158,7 @@ def test_channels_last_sums_run_in_strips_on_the_thread_team(rng):
         return ops.sum(g, [0, 1, 2]), ops.sum(ops.maximum(gx, 0.0) * x, [0, 1, 2])
     shapes = [(8, 16, 16, 32)] * 2
     plans = _mapping(sums, shapes, num_threads=2, cache=False)
-    assert plans == ["thread team; parallel c0", "one thread"] * 2, plans
+    assert plans == ["thread team; parallel c0", "one thread; plain loops"] * 2, plans
     exe = polyjit.compile(sums, [InputInfo(list(s), F32) for s in shapes], {"num_threads": 2, "cache": False})
     g, x = (rng.standard_normal(s).astype(F32) for s in shapes)
     s1, s2 = exe(g, x)
@@ -243,9 +259,11 @@ def test_cpu_kernels_unroll_whole_loops_less_than_llvm_would(monkeypatch, rng):
     (LLVM's costs depend on the host's CPU: the rows where the limits part
     differ, so several are compiled). The limit is a process-wide LLVM
     option: the PTX pipeline sets LLVM's own back (a 40-trip loop unrolled
-    by 8 there, by 4 under the CPU's limit)."""
+    by 8 there, by 4 under the CPU's limit). (Kernels of any size: the
+    small ones compiled here would otherwise have plain loops.)"""
     from polyjit.codegen import cpu, nvgpu, workers
     monkeypatch.setattr(workers, "_workers", workers.LlvmWorkers(0))  # (LLVM in this process, which sees the patch)
+    monkeypatch.setattr(cpu_mapping, "PLAIN_WORK", 0)
     stores = {}
     for vectors in (12, 16, 21, 32):
         row = vectors * (vector_bits() // 32)
@@ -307,11 +325,14 @@ def test_only_register_blocks_keep_llvms_loop_strength_reduction(rng):
 
 
 @pytest.mark.parametrize("fill", [float("-inf"), -1e9])
-def test_a_masked_row_maximum_is_vectorized(fill, rng):
+def test_a_masked_row_maximum_is_vectorized(fill, rng, monkeypatch, llvm_workers):
     """A causal mask's ``masked_fill(mask, -inf)`` then the row's maximum (a
     softmax's first pass): the maximum runs in vectors, as with a finite
     fill. LLVM had folded the -inf into the maximum as a select around it,
-    a reduction its loop vectorizer does not take: scalar, 17 times slower."""
+    a reduction its loop vectorizer does not take: scalar, 17 times slower.
+    (A kernel of any size: this small one would otherwise have plain loops.)"""
+    llvm_workers(0)
+    monkeypatch.setattr(cpu_mapping, "PLAIN_WORK", 0)
     x = rng.standard_normal((4, 256), dtype=F32)
     mask = np.triu(np.ones((4, 256), bool), 1)
     exe = polyjit.compile(lambda x, m: ops.max(ops.where(m, fill, x), [1]),

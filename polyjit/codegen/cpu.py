@@ -100,6 +100,8 @@ class CpuEmitter(Emitter):
         super().kernel(k, node)
         if not plan.strength_reduction:
             self.module.add_named_metadata(NO_STRENGTH_REDUCTION)
+        if plan.plain_loops:
+            self.module.add_named_metadata(PLAIN_LOOPS)
 
     def mark(self, n: isl.AstNode) -> None:
         """A parallel loop the plan splits: in chunks, or in strips with halos."""
@@ -347,6 +349,7 @@ LLVM_UNROLL_THRESHOLD = 300
 # loop strength reduction, which rewrites loops' address arithmetic for the
 # addressing modes (where its plan says so: CpuPlan.strength_reduction).
 NO_STRENGTH_REDUCTION = "polyjit.no_lsr"
+PLAIN_LOOPS = "polyjit.plain_loops"  # and without LLVM's loop unrolling and vectorizers (CpuPlan.plain_loops)
 
 
 def pipeline_options(unroll: int, strength_reduction: bool = True) -> None:
@@ -357,14 +360,15 @@ def pipeline_options(unroll: int, strength_reduction: bool = True) -> None:
     llvm.set_option("polyjit", f"-disable-lsr={'false' if strength_reduction else 'true'}")
 
 
-def optimize(mod: "llvm.ModuleRef", tm, strength_reduction: bool = True) -> None:
-    """LLVM's O3 pipeline for the host (call with _lock held); the options
-    of the code generation that follows it."""
+def optimize(mod: "llvm.ModuleRef", tm, strength_reduction: bool = True, plain_loops: bool = False) -> None:
+    """LLVM's O3 pipeline for the host (call with _lock held), with its loop
+    unrolling and vectorizers unless ``plain_loops``; the options of the
+    code generation that follows it."""
     pipeline_options(CPU_UNROLL_THRESHOLD, strength_reduction)
     pto = llvm.create_pipeline_tuning_options(speed_level=3)
-    pto.loop_vectorization = True
-    pto.slp_vectorization = True
-    pto.loop_unrolling = True
+    pto.loop_vectorization = not plain_loops
+    pto.slp_vectorization = not plain_loops
+    pto.loop_unrolling = not plain_loops
     pb = llvm.create_pass_builder(tm, pto)
     pm = pb.getModulePassManager()
     pm.run(mod, pb)
@@ -376,7 +380,7 @@ def optimized_module(ir_text: str, tm) -> tuple["llvm.ModuleRef", str]:
     mod = llvm.parse_assembly(prefer_wide_vectors(ir_text))
     mod.verify()
     mod.triple, mod.data_layout = module_target()
-    optimize(mod, tm, f"!{NO_STRENGTH_REDUCTION} =" not in ir_text)
+    optimize(mod, tm, f"!{NO_STRENGTH_REDUCTION} =" not in ir_text, f"!{PLAIN_LOOPS} =" in ir_text)
     text = str(mod)
     optimized = streaming_stores(text)
     if optimized != text:

@@ -67,6 +67,7 @@ from .mapping import Strips, StripMapping, loop_iterator, on_stack
 
 STREAM_BYTES = 8 << 20  # outputs at least this large are written with streaming stores
 ONE_THREAD_WORK = 4096  # a kernel of fewer statement instances runs on one thread
+PLAIN_WORK = 1 << 16  # a kernel of fewer statement instances is compiled without LLVM's unrolling and vectorizers
 
 Path = tuple[int, ...]
 
@@ -165,6 +166,7 @@ class CpuPlan:
     block: int = 0  # the most updates unrolled into one loop body (a register block)
     vectors: dict[Path, VectorBlock] = field(default_factory=dict)  # unrolled loops emitted in vectors
     buffers: dict[str, bool] = field(default_factory=dict)  # private buffer -> on the stack
+    plain_loops: bool = False  # LLVM neither unrolls nor vectorizes the kernel's loops (CpuMapper.work)
 
     @property
     def parallel(self) -> bool:
@@ -189,6 +191,8 @@ class CpuPlan:
         if self.buffers:
             parts.append("private " + ", ".join(f"{a} ({'stack' if s else 'heap'})"
                                                 for a, s in self.buffers.items()))
+        if self.plain_loops:
+            parts.append("plain loops")
         return "; ".join(["thread team" if self.parallel else "one thread"] + parts)
 
 
@@ -206,8 +210,10 @@ class CpuMapper(StripMapping):
         """The plan of kernel k, whose nest is node."""
         private = {a: m for a, m in self.sched.contracted.items() if self.sched.kernel_of_array.get(a) == k}
         blocked = frozenset(n for n in self.sched.kernels[k] if is_update(self.stmts[n]))
-        plan = CpuPlan(blocked=blocked, buffers={a: on_stack(self.prog.arrays[a], m) for a, m in private.items()})
-        self.walk(node, (), plan, self.small(k) or in_order_kernel(node))
+        work = self.work(k)
+        plan = CpuPlan(blocked=blocked, buffers={a: on_stack(self.prog.arrays[a], m) for a, m in private.items()},
+                       plain_loops=work is not None and work < PLAIN_WORK)
+        self.walk(node, (), plan, work is not None and work < ONE_THREAD_WORK or in_order_kernel(node))
         if blocked:
             marks = [(n, unrolled_trips(n.mark_get_id().get_name())) for n in ast_nodes(node)
                      if n.get_type() == isl.ast_node_type.mark]
@@ -215,21 +221,27 @@ class CpuMapper(StripMapping):
                               if trips is not None and statements_in(n) & blocked), default=0)
         return plan
 
-    def small(self, k: int) -> bool:
-        """Whether kernel k is too little work to share: a per-channel scale
-        folded into a convolution's weights, say. On one thread its loops
-        keep their constant trip counts (no chunk bounds of a part), which
-        LLVM vectorizes without remainder loops, in a fraction of the
-        compile time, and no call wakes the team for a few hundred
-        elements. Library calls and symbolic sizes are never small."""
+    def work(self, k: int) -> int | None:
+        """Kernel k's statement instances; None where a library call or a
+        symbolic size makes them unknown. Under ONE_THREAD_WORK it is too
+        little to share (a per-channel scale folded into a convolution's
+        weights): on one thread its loops keep their constant trip counts (no
+        chunk bounds of a part), which LLVM vectorizes without remainder
+        loops, in a fraction of the compile time, and no call wakes the team
+        for a few hundred elements. Under PLAIN_WORK LLVM neither unrolls nor
+        vectorizes its loops: unrolled whole, the short nests of a small
+        network's last layers ([8, 6, 6, 32]) took most of their kernels'
+        compile time, and the vectorizers' analyses most of a network's
+        weight preparation's (about a hundred short loops), for microseconds
+        a call."""
         work = 0
         for name in self.sched.kernels[k]:
             s = self.stmts[name]
             points = s.points if s.library is None else None
             if points is None:
-                return False
+                return None
             work += max(points, 0)
-        return work < ONE_THREAD_WORK
+        return work
 
     @staticmethod
     def may_stream(plan: CpuPlan) -> bool:
