@@ -1246,14 +1246,14 @@ def _attention(cx, query, key, value, mask, causal, scale):
         s = s + ops.where(ops.iota([rows, cols], 0, like=s) >= ops.iota([rows, cols], 1, like=s), zero, float("-inf"))
     if mask is not None:
         s = s + (ops.where(mask, zero, float("-inf")) if mask.dtype == DataType.Bool else _computed(mask))
-    top = ops.max(s, [-1], keepdim=True)
-    e = ops.exp(s - top)
-    p = ops.cast(ops.where(ops.eq(top, float("-inf")), 0.0, e / ops.sum(e, [-1], keepdim=True)), query.dtype)
+    masked = ops.eq(ops.max(s, [-1], keepdim=True), float("-inf"))  # (the softmax's own maximum, deduplicated)
+    p = ops.cast(ops.where(masked, 0.0, ops.softmax(s, -1)), query.dtype)
     return ops.matmul(p, value), p
 
 
 @_reg(torch.ops.polyjit.attention_backward.default)
 def _attention_backward(cx, grad, query, key, value, probs, scale):
+    """The gradients of query, key and value, from the saved probabilities."""
     dp = _computed(ops.matmul(grad, ops.transpose(value, -2, -1)))
     p = _computed(probs)
     ds = ops.cast(p * (dp - ops.sum(dp * p, [-1], keepdim=True)), query.dtype)
