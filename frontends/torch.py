@@ -492,6 +492,31 @@ ATEN[aten.hardtanh.default] = lambda cx, x, lo=-1.0, hi=1.0: ops.clamp(x, lo, hi
 ATEN[prims.fma.default] = lambda cx, a, b, c: a * b + c  # (lerp's decomposition, Adam's moments)
 
 
+# hardsigmoid and hardswish, and their gradients, as torch's decompositions
+# compute them (in the compute type)
+@_reg(aten.hardsigmoid.default)
+def _hardsigmoid(cx, x):
+    return ops.cast(ops.clamp(_computed(x) + 3, 0, 6) / 6, x.dtype)
+
+
+@_reg(aten.hardswish.default)
+def _hardswish(cx, x):
+    xc = _computed(x)
+    return ops.cast(xc * ops.clamp(xc + 3, 0, 6) / 6, x.dtype)
+
+
+@_reg(aten.hardsigmoid_backward.default)
+def _hardsigmoid_backward(cx, grad, x):
+    xc = _computed(x)
+    return ops.cast(ops.where((xc > -3.0) & (xc < 3.0), _computed(grad) * (1.0 / 6.0), 0.0), grad.dtype)
+
+
+@_reg(aten.hardswish_backward.default)
+def _hardswish_backward(cx, grad, x):
+    xc, g = _computed(x), _computed(grad)
+    return ops.cast(ops.where(xc <= -3, 0.0, ops.where(xc < 3, g * (xc / 3 + 0.5), g)), grad.dtype)
+
+
 @_reg(prims.convert_element_type.default)
 def _convert(cx, x, dtype):
     return ops.cast(x, cx.dtype(dtype))
@@ -1124,8 +1149,13 @@ def _index_add(cx, x, dim, index, src, alpha=1):
 # weight gradient reads it) and a whole softmax's transpose beside the
 # softmax, where it recomputes a decomposed one's from what it saves anyway.
 # A product with a bias (addmm) is whole only without a backward, too: see
-# _addmm_in_parts.
-WHOLE = (aten.native_layer_norm_backward, aten.gelu, aten.gelu_backward)
+# _addmm_in_parts. Batch norm is whole in training as well: min-cut then
+# saves its output beside its input for the activation after it, where it
+# would recompute a decomposed one's, but its decompositions, forward and
+# backward, were most of a CNN's joint graph.
+WHOLE = (aten.native_layer_norm_backward, aten.gelu, aten.gelu_backward, aten.hardswish, aten.hardswish_backward,
+         aten.hardsigmoid, aten.hardsigmoid_backward, aten._native_batch_norm_legit_no_training,
+         aten._native_batch_norm_legit_functional, aten.native_batch_norm_backward)
 WHOLE_IN_INFERENCE = (*WHOLE, aten.addmm, aten.native_layer_norm, aten._softmax, aten._log_softmax)
 
 
@@ -1174,6 +1204,86 @@ def _native_layer_norm_backward(cx, grad, x, normalized_shape, mean, rstd, weigh
              over_outer(g) if bias is not None else None)
     return tuple(ops.cast(v, cx.dtype(t.dtype)) if wanted and v is not None else None
                  for v, t, wanted in zip(parts, _node_val(cx.node), output_mask))
+
+
+def _per_channel(v, x):
+    """A vector of x's channels (dim 1), shaped to broadcast against x."""
+    return ops.reshape(v, [v.shape[0]] + [1] * (x.ndim - 2))
+
+
+def _per_channel_count(x):
+    """How many of x's elements a channel has: a number, or a 0-dim tensor
+    where a size is symbolic."""
+    sizes = [x.shape[0], *x.shape[2:]]
+    if all(sz.is_static(s) for s in sizes):
+        return math.prod(int(s) for s in sizes)
+    return functools.reduce(operator.mul, [ops.full([], s, x.dtype.compute, like=x) for s in sizes])
+
+
+def _batch_norm(x, weight, bias, mean, invstd):
+    """(x - mean) * invstd * weight + bias per channel, in x's compute type:
+    the ops of torch's decompositions (fold_scales folds them into a
+    convolution before them)."""
+    y = (_computed(x) - _per_channel(mean, x)) * _per_channel(invstd, x)
+    if weight is not None:
+        y = y * _per_channel(_computed(weight), x)
+    return y + _per_channel(_computed(bias), x) if bias is not None else y
+
+
+@_reg(aten._native_batch_norm_legit_no_training.default)
+def _batch_norm_by_running_statistics(cx, x, weight, bias, running_mean, running_var, momentum, eps):
+    """Batch norm in eval mode. The node's other two values are empty on the
+    CPU and the mean and 1/deviation elsewhere, as torch's are."""
+    mean, invstd = _computed(running_mean), 1 / ops.sqrt(_computed(running_var) + eps)
+    vals = _node_val(cx.node)
+    saved = [ops.full([0], 0, cx.dtype(t.dtype), like=x) if t.shape[0] == 0 else ops.cast(v, cx.dtype(t.dtype))
+             for v, t in zip((mean, invstd), vals[1:])]
+    return (ops.cast(_batch_norm(x, weight, bias, mean, invstd), cx.dtype(vals[0].dtype)), *saved)
+
+
+@_reg(aten._native_batch_norm_legit_functional.default)
+def _batch_norm_in_training(cx, x, weight, bias, running_mean, running_var, training, momentum, eps):
+    """Batch norm by the batch's statistics: the normalized x, the batch's
+    mean and 1/deviation, and the running statistics updated (the variance's
+    with Bessel's correction)."""
+    vals = _node_val(cx.node)
+    if not training:
+        return (*_batch_norm_by_running_statistics(cx, x, weight, bias, running_mean, running_var, momentum, eps),
+                ops.cast(running_mean, cx.dtype(vals[3].dtype)), ops.cast(running_var, cx.dtype(vals[4].dtype)))
+    dims = [0, *range(2, x.ndim)]
+    var, mean = ops.var_mean(_computed(x), dims, 0)
+    invstd = ops.rsqrt(var + eps)
+    n = _per_channel_count(x)
+    parts = (_batch_norm(x, weight, bias, mean, invstd), mean, invstd,
+             momentum * mean + (1 - momentum) * _computed(running_mean),
+             momentum * (var * (n / (n - 1))) + (1 - momentum) * _computed(running_var))
+    return tuple(ops.cast(v, cx.dtype(t.dtype)) for v, t in zip(parts, vals))
+
+
+@_reg(aten.native_batch_norm_backward.default)
+def _batch_norm_backward(cx, grad, x, weight, running_mean, running_var, save_mean, save_invstd, train, eps,
+                         output_mask):
+    """The gradients of batch norm's input, weight and bias that output_mask
+    asks for, as torch's decomposition computes them: in training from the
+    batch's statistics its forward saved, in eval mode from the running
+    ones."""
+    g = _computed(grad)
+    if train:
+        mean, invstd = _computed(save_mean), _computed(save_invstd)
+    else:
+        mean, invstd = _computed(running_mean), ops.rsqrt(_computed(running_var) + eps)
+    dims = [0, *range(2, x.ndim)]
+    centered = _computed(x) - _per_channel(mean, x)
+    grad_sum, dot_p = ops.sum(g, dims), ops.sum(g * centered, dims)
+    scale = _per_channel(invstd * _computed(weight) if weight is not None else invstd, x)
+    if train:
+        norm = 1.0 / _per_channel_count(x)
+        proj = centered * _per_channel(dot_p * norm * (invstd * invstd), x)
+        grad_input = (g - proj - _per_channel(grad_sum * norm, x)) * scale
+    else:
+        grad_input = g * scale
+    return tuple(ops.cast(v, cx.dtype(t.dtype)) if wanted else None
+                 for v, t, wanted in zip((grad_input, dot_p * invstd, grad_sum), _node_val(cx.node), output_mask))
 
 
 ATEN[aten.gelu.default] = lambda cx, x, approximate="none": ops.cast(ops.gelu(_computed(x), approximate), x.dtype)

@@ -130,8 +130,9 @@ def _random_batch_norms(mod):
         if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):
             m.running_mean.uniform_(-1, 1)
             m.running_var.uniform_(0.5, 2)
-            m.weight.data.uniform_(0.5, 1.5)
-            m.bias.data.uniform_(-1, 1)
+            if m.affine:
+                m.weight.data.uniform_(0.5, 1.5)
+                m.bias.data.uniform_(-1, 1)
     return mod
 
 
@@ -160,6 +161,46 @@ def test_batch_norm_folds_into_the_convolution_in_eval_only(net, training):
     assert jm.stats["folded"] == (0 if training else folds) and jm.stats["fallbacks"] == 0
     for a, b in zip(mod.buffers(), ref.buffers()):  # training updates the running statistics alike
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_batch_norm_and_hard_activations_are_one_node_each_way(monkeypatch, training):
+    """A training step's batch norms, hardswish and hardsigmoid reach the
+    joint graph whole, forward and backward (their decompositions were most
+    of a CNN's graph); at symbolic batch sizes, compiled once (the running
+    variance's correction, n/(n-1), from a symbolic n). Values, gradients
+    and running statistics as eager's; in eval mode, the running statistics
+    are used and left as they were."""
+    from polyjit.frontends import torch as frontend
+    partition, joints = frontend.torch_partition.partition, []
+    monkeypatch.setattr(frontend.torch_partition, "partition",
+                        lambda joint, *a, **k: joints.append(joint) or partition(joint, *a, **k))
+    mod = _random_batch_norms(nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Hardswish(), nn.Conv2d(8, 6, 1),
+        nn.BatchNorm2d(6, affine=False), nn.Hardsigmoid(), nn.Flatten(), nn.Linear(6 * 7 * 5, 4),
+        nn.BatchNorm1d(4))).train(training)
+    ref = copy.deepcopy(mod)
+    jm = polyjit.jit_torch(mod, compile_options={"strict": True, "dynamic": True})
+    for batch in (4, 10):
+        x1 = torch.randn(batch, 3, 7, 5, requires_grad=True)
+        x2 = x1.detach().clone().requires_grad_(True)
+        out, want = jm(x1), ref(x2)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        w = torch.randn_like(want)
+        (out * w).sum().backward()
+        (want * w).sum().backward()
+        for a, b in zip([x1, *mod.parameters()], [x2, *ref.parameters()]):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-4)
+        for a, b in zip(mod.buffers(), ref.buffers()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert jm.stats["graphs"] == 2 and jm.stats["fallbacks"] == 0
+    ops_in = [str(n.target) for n in joints[0].graph.nodes if n.op == "call_function"]
+    norm = "_native_batch_norm_legit_functional" if training else "_native_batch_norm_legit_no_training"
+    assert sum(norm in o for o in ops_in) == 3 and sum("native_batch_norm_backward" in o for o in ops_in) == 3
+    for name in ("hardswish", "hardsigmoid"):
+        assert sum(o == f"aten.{name}.default" for o in ops_in) == 1
+        assert sum(o == f"aten.{name}_backward.default" for o in ops_in) == 1
+    assert not any("var_mean" in o or "rsqrt" in o for o in ops_in)
 
 
 def test_batch_norm_of_constant_weights_folds_at_compile_time(rng):
