@@ -315,26 +315,28 @@ def main() -> None:
     then each serves its own pipes. Forked before any thread or LLVM call
     of its own, so no lock is held in a child."""
     run = _job_functions()  # (before the forks)
-    stdin, stdout = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # anything else written to stdout goes to stderr, not into the replies
-    fds = [int(fd) for fd in os.environ.pop(_FORKS, "").split(",") if fd]
-    if fds:
-        signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # (the system reaps the forked workers)
-    pids = []
-    for k in range(0, len(fds), 2):
-        pid = os.fork()
-        if pid == 0:
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            for fd in [0, stdout.fileno(), *fds[k + 2:]]:  # (the first's pipes and the later workers')
-                os.close(fd)
-            try:
-                _serve_jobs(os.fdopen(fds[k], "rb"), os.fdopen(fds[k + 1], "wb"), b"", run)
-            finally:
-                os._exit(0)
-        pids.append(pid)
-        os.close(fds[k])
-        os.close(fds[k + 1])
-    _serve_jobs(stdin, stdout, " ".join(map(str, pids)).encode(), run)
+    stdin = sys.stdin.buffer
+    with os.fdopen(os.dup(1), "wb") as stdout:  # (closed when the jobs end)
+        os.dup2(2, 1)  # anything else written to stdout goes to stderr, not into the replies
+        fds = [int(fd) for fd in os.environ.pop(_FORKS, "").split(",") if fd]
+        if fds:
+            signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # (the system reaps the forked workers)
+        pids = []
+        for k in range(0, len(fds), 2):
+            pid = os.fork()
+            if pid == 0:
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                for fd in [0, stdout.fileno(), *fds[k + 2:]]:  # (the first's pipes and the later workers')
+                    os.close(fd)
+                try:
+                    with os.fdopen(fds[k], "rb") as jobs, os.fdopen(fds[k + 1], "wb") as replies:
+                        _serve_jobs(jobs, replies, b"", run)
+                finally:
+                    os._exit(0)
+            pids.append(pid)
+            os.close(fds[k])
+            os.close(fds[k + 1])
+        _serve_jobs(stdin, stdout, " ".join(map(str, pids)).encode(), run)
 
 
 def _job_functions() -> tuple[Callable, Callable, Callable]:
