@@ -706,6 +706,26 @@ def test_large_products_call_the_library_untimed_with_256_bit_vectors(shape, unt
     assert timings, batched.stats["contractions"]
 
 
+@needs_blas
+@pytest.mark.parametrize("side,untimed", [(7, True), (5, True), (4, False), (14, False), (1, False)])
+def test_pointwise_convolutions_of_rows_narrower_than_a_vector_call_the_library(side, untimed, monkeypatch):
+    """With 256-bit vectors, a 1x1 convolution of NCHW images whose rows are
+    narrower than a vector and fill no vector block of 4 (7x7: its generated
+    code was scalar, several times the library's time) calls the library
+    untimed, below the size where nothing else is timed; rows of 4 or 14
+    positions, and 1x1 images, stay with the usual choice."""
+    from polyjit.targets.cpu import CpuTarget
+    monkeypatch.setattr(CpuTarget, "vector_bits", lambda self: 256)
+    mod = nn.Conv2d(48, 40, 1).eval()
+    x = torch.randn(2, 48, side, side)
+    jm = polyjit.jit_torch(mod, compile_options={"strict": True, "cache": False})
+    with torch.no_grad():
+        torch.testing.assert_close(jm(x), mod(x), rtol=1e-5, atol=1e-5)
+    choice = next(iter(jm.stats.graphs.values()))["contractions"][0]
+    assert ("fill no vector" in choice) == untimed, choice
+    assert jm.stats["library_calls"] == 1 or not untimed, choice
+
+
 def _timings_faked(monkeypatch, generated_wins: bool) -> list:
     """The library's timings replaced by a fixed answer; the list records each one asked for."""
     from polyjit import library

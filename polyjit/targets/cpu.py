@@ -191,6 +191,25 @@ def _whole_blocks(L, n: Node, lanes: int, min_rows: int = 64, min_rows_packed: i
     return f"whole {'x'.join(map(str, cpu_rewrites.block_shape(int(rows), cols, lanes)))} register blocks"
 
 
+def _scalar_rows(L, n: Node, lanes: int) -> str:
+    """Why a 1x1 convolution of NCHW images (gemm_form "nchw") calls the
+    library untimed on a host of vectors narrower than 512 bits, or "": its
+    output rows, narrower than a vector and no multiple of NARROWEST_VECTOR,
+    leave its register blocks no vector block, so its generated code is
+    scalar. MobileNetV3's at 7x7 positions took 5-12x the library's time
+    (bench/NOTES.md), below MIN_MACS, where nothing was timed; at 4x4 and
+    14x14 positions the two came level."""
+    kernel = zip(L.shape(n.inputs[1]), n.attrs["kernel_layout"])
+    width = L.shape(n)[-1]
+    if n.dtype != DataType.Float or not sz.is_static(width) \
+            or not all(sz.is_static(k) and int(k) == 1 for k, c in kernel if c not in "OI"):
+        return ""
+    width = int(width)
+    if not 1 < width < lanes or width % NARROWEST_VECTOR == 0:
+        return ""
+    return f"rows of {width} positions fill no vector: generated code is scalar"
+
+
 FITTING_BLOCKS = 0.75  # a strided image's register blocks fit its rows this well: generated (_channels_last)
 
 
@@ -327,7 +346,9 @@ class CpuTarget(Target):
         (_channels_last_weight_gradient). On any host, a product whose weight
         it would read across rows calls the library (_read_across), below
         the size where products are not timed too. With 256-bit vectors, an
-        unbatched product large on every side calls it (_large_product)."""
+        unbatched product large on every side calls it (_large_product), and
+        so does a 1x1 convolution of NCHW images whose rows fill no vector
+        (_scalar_rows)."""
         if n.op == "dot_general" and _read_across(n):
             return True, "its weight read across rows: too few rows to pack it"
         lanes = self.vector_bits() // 32
@@ -337,6 +358,10 @@ class CpuTarget(Target):
         form = None if n.op == "dot_general" else gemm_form(L, n)
         if form == "cfirst" and n.attrs["layout"][-1] == "N":
             return _channels_last_weight_gradient(L, n)
+        if form == "nchw" and lanes < 16:
+            scalar = _scalar_rows(L, n, lanes)
+            if scalar:
+                return True, scalar
         if form == "nhwc":
             kernel = zip(L.shape(n.inputs[1]), n.attrs["kernel_layout"])
             pointwise = all(int(s) == 1 for s, c in kernel if c not in "OI")
