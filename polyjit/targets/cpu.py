@@ -191,6 +191,11 @@ def _whole_blocks(L, n: Node, lanes: int, min_rows: int = 64, min_rows_packed: i
     return f"whole {'x'.join(map(str, cpu_rewrites.block_shape(int(rows), cols, lanes)))} register blocks"
 
 
+def _pointwise(L, n: Node) -> bool:
+    """Whether convolution n's kernel is 1 wide in every spatial dim."""
+    return all(int(s) == 1 for s, c in zip(L.shape(n.inputs[1]), n.attrs["kernel_layout"]) if c not in "OI")
+
+
 def _scalar_rows(L, n: Node, lanes: int) -> str:
     """Why a 1x1 convolution of NCHW images (gemm_form "nchw") calls the
     library untimed on a host of vectors narrower than 512 bits, or "": its
@@ -199,13 +204,8 @@ def _scalar_rows(L, n: Node, lanes: int) -> str:
     scalar. MobileNetV3's at 7x7 positions took 5-12x the library's time
     (bench/NOTES.md), below MIN_MACS, where nothing was timed; at 4x4 and
     14x14 positions the two came level."""
-    kernel = zip(L.shape(n.inputs[1]), n.attrs["kernel_layout"])
-    width = L.shape(n)[-1]
-    if n.dtype != DataType.Float or not sz.is_static(width) \
-            or not all(sz.is_static(k) and int(k) == 1 for k, c in kernel if c not in "OI"):
-        return ""
-    width = int(width)
-    if not 1 < width < lanes or width % NARROWEST_VECTOR == 0:
+    width = int(L.shape(n)[-1])  # (gemm_form "nchw": the sizes are numbers, a position's dim last)
+    if not _pointwise(L, n) or not 1 < width < lanes or width % NARROWEST_VECTOR == 0:
         return ""
     return f"rows of {width} positions fill no vector: generated code is scalar"
 
@@ -363,9 +363,7 @@ class CpuTarget(Target):
             if scalar:
                 return True, scalar
         if form == "nhwc":
-            kernel = zip(L.shape(n.inputs[1]), n.attrs["kernel_layout"])
-            pointwise = all(int(s) == 1 for s, c in kernel if c not in "OI")
-            return _channels_last(L, n, lanes) if lanes >= 16 or pointwise else None
+            return _channels_last(L, n, lanes) if lanes >= 16 or _pointwise(L, n) else None
         if lanes < 16:
             return None
         if n.op == "dot_general":
