@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
+import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -834,6 +835,7 @@ _FOLDS: dict[str, Callable | None] = {
     "Max": lambda o, x, axes: _fold_reduce(np.max)(o, _ints(x), axes),
     "Min": lambda o, x, axes: _fold_reduce(np.min)(o, _ints(x), axes),
 }
+READER_TRACE_SECONDS = 2e-3  # tracing and first running the one-call reader, per variable it reads
 _MEASURES = {"Shape", "ShapeN", "Size", "Rank"}  # ops that read their operands' shapes only
 _MAX_KNOWN = 64  # elements of a known-sizes result: shape arithmetic is small
 
@@ -951,6 +953,7 @@ class _Trace:
         self._reader = tf.function(lambda: [v.read_value() for v in variables], autograph=False)
         self._reader_traced = threading.Event()
         self._reader_thread: threading.Thread | None = None
+        self._one_by_one = 0.0  # seconds the calls spent reading and writing variables one by one
         self.ops: list[Op] = []
         self.unrolling = 0  # depth of while loops being unrolled: what they cannot take aborts the unrolling
         self.trace_ops(cf.graph.get_operations(), env, handles)
@@ -965,17 +968,17 @@ class _Trace:
         self.ops = live(self.ops, self.outvars)
 
     def variable_values(self) -> list[np.ndarray]:
-        """The variables' current values, read in one TensorFlow call: an
-        eager read op per variable from Python was most of a Keras CNN's
-        call (bench/NOTES.md). Until that call is traced (trace_reader),
-        one by one: tracing it in the first call took a tenth of a
-        MobileNetV2's first call, where reading its 262 variables eagerly
-        takes a hundredth."""
+        """The variables' current values: read in one TensorFlow call once
+        that call is traced (trace_reader), one ReadVariableOp each until
+        then (a third of the time ``read_value`` takes)."""
         if not self.variables:
             return []
         if self._reader_traced.is_set():
             return [np.from_dlpack(t) for t in self._read()]
-        return [np.from_dlpack(v.read_value()) for v in self.variables]
+        t = time.perf_counter()
+        values = [np.from_dlpack(tf.raw_ops.ReadVariableOp(resource=v.handle, dtype=v.dtype)) for v in self.variables]
+        self._one_by_one += time.perf_counter() - t
+        return values
 
     def write_variables(self, values: list) -> None:
         """Assign the values the program computed to the variables it
@@ -986,14 +989,19 @@ class _Trace:
         if self._reader_traced.is_set():
             self._write(*map(_to_tensor, values))
             return
+        t = time.perf_counter()
         for v, x in zip(self.written, values):
-            v.assign(x)
+            tf.raw_ops.AssignVariableOp(resource=v.handle, value=_to_tensor(x))
+        self._one_by_one += time.perf_counter() - t
 
     def trace_reader(self) -> None:
-        """Trace the one-call reader (and writer) on a thread of its own;
-        called after a call has compiled and run, so that the trace does not
-        take the compile's cores. Calls before it is done read eagerly."""
-        if self.variables and self._reader_thread is None:
+        """Trace the one-call reader (and writer) on a thread of its own, once
+        the calls have spent as long reading and writing variables one by one
+        as the trace would take (READER_TRACE_SECONDS per variable): a
+        program called a few times never pays for it, and the calls that
+        overlap the trace (it holds the interpreter) come after those."""
+        if self.variables and self._reader_thread is None and \
+                self._one_by_one >= READER_TRACE_SECONDS * len(self.variables):
             self._reader_thread = threading.Thread(target=self._trace_reader, name="polyjit-tf-reader")
             self._reader_thread.start()
 
