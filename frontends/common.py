@@ -99,7 +99,7 @@ class Stats(Mapping):
         out = {"graphs": len(self.graphs), "fallbacks": self.fallbacks,
                "fallback_ops": sorted(self.fallback_ops)}
         for key in ("kernels", "statements", "fused", "inlined", "contracted_buffers", "intermediate_bytes",
-                    "library_calls", "fusions_refused", "folded", "cache_hits", "kernels_compiled"):
+                    "library_calls", "fusions_refused", "folded", "cache_hits", "kernels_compiled", "launchers_compiled"):
             out[key] = sum(s.get(key, 0) for s in self.graphs.values())
         out["contractions"] = [c for s in self.graphs.values() for c in s.get("contractions", ())]
         return out

@@ -161,9 +161,9 @@ def from_plan(cls, graph: Graph, options: CompileOptions, name: str, plan: dict,
         params=plan["params"], constraints=[(cache.size_from(a), cache.size_from(b)) for a, b in plan["constraints"]],
         constants=graph.constant_arrays(), kernels=kernels,
         num_threads=options.num_threads, stats={**plan["stats"], "intermediate_bytes": 0, "fallbacks": 0,
-                                                "kernels_compiled": 0},
+                                                "kernels_compiled": 0, "launchers_compiled": 0},
         contracted_bytes=ContractedBytes(contracted, options.num_threads), keepalive=keepalive,
-        lifetimes={n: tuple(span) for n, span in plan["lifetimes"].items()}, **fields)
+        lifetimes={n: tuple(span) for n, span in plan["lifetimes"].items()}, cached=options.cache, **fields)
     exe.ir = dict(plan["ir"])
     return exe
 
@@ -206,12 +206,13 @@ def executable(cls, graph: Graph, prog, sched, kernels, buffers, int_slots, opti
         "library_calls": sum(s.library is not None for s in prog.statements),
         "fusions_refused": len(sched.refused),
         "fusion_refusals": sched.refused,
+        "launchers_compiled": 0,  # a call's native launcher, compiled rather than loaded from the cache
     }
     exe = cls(name=name, inputs=inputs, outputs=outputs, output_arrays=prog.outputs, buffers=buffers,
               int_slots=int_slots, params=prog.params, constraints=prog.constraints, constants=consts,
               kernels=kernels, num_threads=options.num_threads, stats=stats,
               contracted_bytes=ContractedBytes(contracted, options.num_threads), keepalive=keepalive,
-              lifetimes=lifetimes(prog, kernels), **fields)
+              lifetimes=lifetimes(prog, kernels), cached=options.cache, **fields)
     exe.ir = {
         "graph": str(graph),
         "affine": str(prog),

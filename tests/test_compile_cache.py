@@ -307,6 +307,37 @@ print(json.dumps({k: exe.stats[k] for k in ("cache_hits", "kernels_compiled")}))
 """
 
 
+LAUNCHER_SCRIPT = """
+import json, numpy as np, polyjit
+from polyjit import ops, InputInfo
+def f(x):
+    for _ in range(3):
+        x = ops.softmax(ops.transpose(x, 0, 1), -1)
+    return x
+def softmax(x):
+    e = np.exp(x - x.max(1, keepdims=True))
+    return e / e.sum(1, keepdims=True)
+x = np.random.default_rng().standard_normal((64, 32), dtype=np.float32)
+exe = polyjit.compile(f, [InputInfo(x.shape, np.float32)], {"fusion": "none"})
+want = softmax(softmax(softmax(x.T).T).T)
+for _ in range(2):
+    np.testing.assert_allclose(exe(x), want, rtol=1e-5, atol=1e-7)
+print(json.dumps({k: exe.stats[k] for k in ("cache_hits", "kernels_compiled", "launchers_compiled")}))
+"""
+
+
+def test_a_fresh_process_loads_a_program_s_native_launcher_from_the_cache(tmp_path):
+    """The host code that runs a program's kernels (runtime.launch) reads
+    every address from a table filled as it loads, so its machine code is
+    kept in the cache beside the program's: a second process compiles
+    neither, and its calls still reach this process's kernels."""
+    [(cold, _)] = _run(tmp_path, script=LAUNCHER_SCRIPT)
+    [(warm, _)] = _run(tmp_path, script=LAUNCHER_SCRIPT)
+    assert cold == {"cache_hits": 0, "kernels_compiled": cold["kernels_compiled"], "launchers_compiled": 1}
+    assert warm == {"cache_hits": 1, "kernels_compiled": 0, "launchers_compiled": 0}
+    assert len(list(tmp_path.glob("*.pjc"))) == 2
+
+
 def test_a_fresh_process_loads_a_program_over_a_product_of_sizes(tmp_path):
     """A size that is a product of symbolic sizes (b*s), made while
     compiling, is defined in the cache entry: a fresh process loads it."""
@@ -412,27 +443,31 @@ def test_identical_gpu_kernels_compile_once_and_take_the_programs_arguments(tmp_
 TORCH_SCRIPT = """
 import json, torch, polyjit
 torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(24, 48), torch.nn.GELU(), torch.nn.LayerNorm(48), torch.nn.Linear(48, 8))
+model = torch.nn.Sequential(torch.nn.Linear(24, 48), torch.nn.GELU(), torch.nn.LayerNorm(48), torch.nn.Linear(48, 48),
+                            torch.nn.Tanh(), torch.nn.LayerNorm(48), torch.nn.Softmax(-1), torch.nn.Linear(48, 8))
 x = torch.randn(16, 24)
 y = torch.compile(model, backend="polyjit")(x)
 (y * torch.randn_like(y)).sum().backward()
 stats = polyjit.frontends.torch.stats()
 workers = polyjit.codegen.workers._workers is not None
-print(json.dumps({**{k: stats[k] for k in ("graphs", "cache_hits", "kernels_compiled", "fallbacks")}, "workers": workers}))
+print(json.dumps({**{k: stats[k] for k in ("graphs", "cache_hits", "kernels_compiled", "launchers_compiled", "fallbacks")},
+                  "workers": workers}))
 """
 
 
 def test_a_fresh_process_loads_a_torch_training_step_from_the_cache(tmp_path):
     """Both graphs of torch.compile's training step (forward, backward) come
-    from the cache in a second process, as the frontend's stats say. That
-    process starts no worker: the cache marks dynamo's graph as compiled
+    from the cache in a second process, as the frontend's stats say, and so
+    does the backward's native launcher: that process compiles nothing. It
+    starts no worker either: the cache marks dynamo's graph as compiled
     (compiler.expect_compile)."""
     pytest.importorskip("torch")
     [(cold, _)] = _run(tmp_path, script=TORCH_SCRIPT)
     [(warm, _)] = _run(tmp_path, script=TORCH_SCRIPT)
     assert cold["graphs"] == 2 and cold["cache_hits"] == 0 and cold["kernels_compiled"] > 0 and cold["fallbacks"] == 0
-    assert cold["workers"]
-    assert warm == {"graphs": 2, "cache_hits": 2, "kernels_compiled": 0, "fallbacks": 0, "workers": False}
+    assert cold["workers"] and cold["launchers_compiled"] > 0
+    assert warm == {"graphs": 2, "cache_hits": 2, "kernels_compiled": 0, "launchers_compiled": 0, "fallbacks": 0,
+                    "workers": False}
 
 
 FRONTEND_SCRIPTS = {

@@ -717,7 +717,7 @@ def test_native_launcher_runs_library_steps_holding_its_lock():
         "cuBLAS status")
     plan = launch.LaunchPlan(slots=3, inputs=[0, 1], outputs=[2], fixed={}, ints=[], steps=[step], context=0x77)
     launcher = launch.NativeLauncher("polyjit_test_library", plan, symbols)
-    lock.append(launcher._jit.engine.get_global_value_address("polyjit_test_library.lock"))
+    lock.append(launcher.global_address("lock"))
     run = launch.LAUNCH_T(launcher.address)
     message = c.create_string_buffer(100)
     assert run((c.c_void_p * 2)(0x1000, 0x2000), (c.c_void_p * 1)(0x3000,), 0x55, message, 100) == 0
@@ -760,7 +760,7 @@ def test_a_native_launchers_lock_waiter_yields_its_core_until_the_holder_release
     step = launch.LibraryStep((launch.Call(call, (launch.Arg("stream"),), "setting the stream"),), "cuBLAS status")
     plan = launch.LaunchPlan(slots=1, inputs=[0], outputs=[], fixed={}, ints=[], steps=[step], context=0x77)
     launcher = launch.NativeLauncher("polyjit_test_contended", plan, symbols)
-    lock.append(launcher._jit.engine.get_global_value_address("polyjit_test_contended.lock"))
+    lock.append(launcher.global_address("lock"))
     run = launch.LAUNCH_T(launcher.address)
     message = c.create_string_buffer(100)
     assert run((p * 1)(0x1000), (p * 1)(), 0x55, message, 100) == 0 and calls == [1] and yields == []

@@ -49,7 +49,6 @@ class GpuProgram(CompiledProgram):
     ptx: str = ""
     arch: str = ""
     writes: list = field(default_factory=list)  # per kernel: the arrays its statements write
-    keep_cubins: bool = True  # machine code linked from the PTX goes to the compile cache (its "cache" option)
     _loaded: dict = field(default_factory=dict, repr=False)  # kernels by device ordinal
     _consts: dict = field(default_factory=dict, repr=False)  # constants on each device
 
@@ -365,7 +364,7 @@ class GpuProgram(CompiledProgram):
                 if not names:  # only library steps: no module (the driver refuses an empty one)
                     self._loaded[dev.ordinal] = {}
                     return {}
-                mods, fns = dev.load(self.ptx, names, self.keep_cubins)
+                mods, fns = dev.load(self.ptx, names, self.cached)
                 self._loaded[dev.ordinal] = {n: (f, dev.resident_blocks(f, BLOCK)) for n, f in fns.items()}
                 weakref.finalize(self, unload, mods)
             return self._loaded[dev.ordinal]

@@ -8,8 +8,12 @@ The function built is
     int32_t launch(void **inputs, void **outputs, CUstream stream, char *message, size_t size)
 
 It places the input and output pointers in the kernels' argument block
-(constants' pointers and the integer arguments are fixed in the code), then
-runs the steps in order. A GPU plan first checks that ``stream`` belongs to
+(the integer arguments are fixed in the code), then runs the steps in
+order. Every address it uses (kernels, constants, the driver's and
+libraries' functions and handles) is read from a table the module holds,
+filled as it loads: the code depends on the plan's structure alone, so
+that the compile cache keeps its machine code and a process that loads a
+program from the cache compiles no launcher either. A GPU plan first checks that ``stream`` belongs to
 its context (the kernels were loaded there) and makes that context current;
 on the first failing driver or library call it writes what failed into
 ``message`` and returns the error code (CUDA's, or cuBLAS's or cuDNN's status). A CPU plan (stream NULL) runs its kernels with
@@ -19,13 +23,17 @@ went well.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+import functools
+import hashlib
+from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
+from llvmlite import binding as llvm
 from llvmlite import ir
 
+from .. import cache
 from ..collector import collector_paused
-from ..codegen.cpu import JitModule, ieee_floats
+from ..codegen.cpu import _lock, host_key, ieee_floats, module_target, target_machine
 
 I8, I32, I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
 ZERO = ir.Constant(I32, 0)
@@ -40,6 +48,8 @@ CPU_SYMBOLS = ("GOMP_parallel", "polyjit_omp_part", "omp_get_thread_num", "omp_g
                "snprintf", "aligned_alloc", "free")  # a CPU launcher's (the first four where a kernel runs on
 # the team; the last two where it holds a workspace of its own)
 WORKSPACE_ALIGN = 64
+ENTRY = "polyjit_launch"  # the launch function's name (a module of its own in an engine of its own)
+TABLE = f"{ENTRY}.addresses"  # the addresses it reads (relocated)
 
 
 @dataclass(frozen=True)
@@ -125,34 +135,121 @@ class NativeLauncher:
     CPU plan, whose kernels run with IEEE subnormals whatever the calling
     thread's floating-point mode: XLA's threads flush them). ``results``: what the
     caller passes as outputs, as (name, shape, numpy dtype). ``owner`` stays
-    alive with it (the program whose modules hold the kernels)."""
+    alive with it (the program whose modules hold the kernels). With
+    ``cached``, its machine code is looked for in the compile cache first,
+    and kept there."""
 
     def __init__(self, name: str, plan: LaunchPlan, symbols: Mapping[str, int], results: Sequence[tuple] = (),
-                 owner=None) -> None:
+                 owner=None, cached: bool = False) -> None:
         self.name, self.plan, self.results, self.owner = name, plan, list(results), owner
+        self.shape, self.symbols, addresses = relocated(plan, symbols)
+        self.count = len(addresses)
         with collector_paused():  # (a compile's work, in a process of many objects: collector.py)
-            self.ir = str(_module(name, plan, symbols))
-            self._jit = JitModule(self.ir, optimize=False)
-        self.address = self._jit.engine.get_function_address(name)
+            key = _key(self.shape, self.symbols, self.count) if cached else None
+            hit = cache.load(key) if key is not None else None
+            code = hit[1][0] if hit and hit[0].get("launcher") == 1 and len(hit[1]) == 1 else None
+            self.compiled = code is None
+            if code is None:
+                code = _object(_module(self.shape, self.symbols, self.count))
+                if key is not None:
+                    cache.store(key, {"launcher": 1}, [code])
+            self.engine = _loaded(code)
+        table = self.engine.get_global_value_address(TABLE)
+        if addresses:
+            (ctypes.c_uint64 * len(addresses)).from_address(table)[:] = addresses
+        self.address = self.engine.get_function_address(ENTRY)
+
+    @property
+    def ir(self) -> str:
+        """The module its machine code was made from (a debugging stage)."""
+        return str(_module(self.shape, self.symbols, self.count))
+
+    def global_address(self, what: str) -> int:
+        """Where the module's global ``what`` ("lock", "workspace") is."""
+        return self.engine.get_global_value_address(f"{ENTRY}.{what}")
 
 
-def _module(name: str, plan: LaunchPlan, symbols: Mapping[str, int]) -> ir.Module:
-    return _Builder(name, plan, symbols).build()
+def relocated(plan: LaunchPlan, symbols: Mapping[str, int]) -> tuple[LaunchPlan, dict[str, int], list[int]]:
+    """plan and symbols with each address in them replaced by its index in
+    a table, and the table: the launch function's structure apart from
+    where things are in this process."""
+    table: dict[int, int] = {}
+
+    def at(address: int) -> int:
+        return table.setdefault(address, len(table))
+
+    def moved(step):
+        if isinstance(step, Launch):
+            return replace(step, function=at(step.function))
+        if isinstance(step, Run):
+            return replace(step, kernel=at(step.kernel))
+        if isinstance(step, LibraryStep):
+            return replace(step, calls=tuple(
+                replace(c, function=at(c.function),
+                        args=tuple(replace(a, value=at(a.value)) if a.kind == "ptr" else a for a in c.args))
+                for c in step.calls))
+        return step
+    where = {n: at(symbols[n]) for n in sorted(symbols)}
+    shape = replace(plan, inputs=tuple(plan.inputs), outputs=tuple(plan.outputs),
+                    fixed={k: at(v) for k, v in sorted(plan.fixed.items())}, ints=tuple(plan.ints),
+                    steps=tuple(moved(s) for s in plan.steps),
+                    context=None if plan.context is None else at(plan.context), workspace=tuple(plan.workspace))
+    return shape, where, list(table)
+
+
+def _key(shape: LaunchPlan, symbols: Mapping[str, int], count: int) -> str:
+    text = f"launcher {cache.FORMAT} {cache._versions()} {host_key()} {count}\n{shape!r}\n{sorted(symbols.items())!r}"
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _object(mod: ir.Module) -> bytes:
+    """Machine code of a launch module, selected as at -O0 (straight-line
+    host code that LLVM's passes would only take time over)."""
+    with _lock:
+        ref = llvm.parse_assembly(str(mod))
+        ref.triple, ref.data_layout = module_target()
+        return _launcher_machine().emit_object(ref)
+
+
+def _loaded(code: bytes) -> "llvm.ExecutionEngine":
+    """An MCJIT engine holding one launcher's machine code."""
+    with _lock:
+        mod = llvm.parse_assembly("")
+        mod.triple, mod.data_layout = module_target()
+        engine = llvm.create_mcjit_compiler(mod, target_machine(0))
+        engine.add_object_file(llvm.ObjectFileRef.from_data(code))
+        engine.finalize_object()
+    return engine
+
+
+@functools.cache
+def _launcher_machine():
+    """The target machine that makes launchers' machine code (use with _lock held)."""
+    return target_machine(0)
+
+
+def _module(plan: LaunchPlan, symbols: Mapping[str, int], count: int) -> ir.Module:
+    """The launch function of a relocated plan and symbols (relocated), its table of count addresses."""
+    return _Builder(plan, symbols, count).build()
 
 
 class _Builder:
     """The launch function's IR: a prologue placing the pointers and integers
-    in the argument block, one emitter per step kind, a shared failure exit."""
+    in the argument block, one emitter per step kind, a shared failure exit.
+    Its plan and symbols are relocated: where they hold an address, it is
+    the address's index in the table (TABLE)."""
 
-    def __init__(self, name: str, plan: LaunchPlan, symbols: Mapping[str, int]) -> None:
-        self.name, self.plan, self.symbols = name, plan, symbols
-        self.mod = ir.Module(name=name)
+    def __init__(self, plan: LaunchPlan, symbols: Mapping[str, int], count: int) -> None:
+        self.plan, self.symbols = plan, symbols
+        self.mod = ir.Module(name=ENTRY)
         self.fn = ir.Function(self.mod, ir.FunctionType(I32, [PTR.as_pointer(), PTR.as_pointer(), PTR, PTR, I64]),
-                              name)
+                              ENTRY)
         self.b = ir.IRBuilder(self.fn.append_basic_block("entry"))
         self.strings: dict[str, ir.GlobalVariable] = {}
         self.lock: ir.GlobalVariable | None = None
         self.cleanup: list = []  # what the failure exit undoes (emitters, called there with the builder)
+        self.table = ir.GlobalVariable(self.mod, ir.ArrayType(I64, max(count, 1)), TABLE)
+        self.table.initializer = ir.Constant(self.table.type.pointee, None)
 
     def build(self) -> ir.Module:
         b, plan = self.b, self.plan
@@ -170,7 +267,7 @@ class _Builder:
             for k, s in enumerate(slots):
                 b.store(b.load(b.gep(given, [ir.Constant(I32, k)])), self.slot(s))
         for s, address in plan.fixed.items():
-            b.store(ir.Constant(I64, address).inttoptr(PTR), self.slot(s))
+            b.store(self.address(address), self.slot(s))
         for k, value in enumerate(plan.ints):
             b.store(ir.Constant(I64, value), b.gep(self.ints, [ZERO, ir.Constant(I32, k)]))
         if cpu:
@@ -204,11 +301,16 @@ class _Builder:
     # -------------------------------------------------------------- helpers
     def string(self, text: str) -> ir.Value:
         if text not in self.strings:
-            self.strings[text] = string_constant(self.mod, f"{self.name}.s{len(self.strings)}", text)
+            self.strings[text] = string_constant(self.mod, f"{ENTRY}.s{len(self.strings)}", text)
         return self.strings[text].bitcast(PTR)
 
+    def address(self, index: int, type_: ir.Type = PTR) -> ir.Value:
+        """The table's address at index, as a pointer of type_."""
+        b = self.b
+        return b.inttoptr(b.load(b.gep(self.table, [ZERO, ir.Constant(I32, index)])), type_)
+
     def function(self, call: str, *types: ir.Type, result: ir.Type = I32) -> ir.Value:
-        return self.b.inttoptr(ir.Constant(I64, self.symbols[call]), ir.FunctionType(result, types).as_pointer())
+        return self.address(self.symbols[call], ir.FunctionType(result, types).as_pointer())
 
     def slot(self, k: int) -> ir.Value:
         return self.b.gep(self.pointers, [ZERO, ir.Constant(I32, k)])
@@ -220,8 +322,7 @@ class _Builder:
         entry = b.block
         b.position_at_end(self.fail)
         self.what, self.kind, self.code = b.phi(PTR, "what"), b.phi(PTR, "kind"), b.phi(I32, "code")
-        printf = b.inttoptr(ir.Constant(I64, self.symbols["snprintf"]),
-                            ir.FunctionType(I32, [PTR, I64, PTR], var_arg=True).as_pointer())
+        printf = self.address(self.symbols["snprintf"], ir.FunctionType(I32, [PTR, I64, PTR], var_arg=True).as_pointer())
         b.call(printf, [message, size, self.string("%s failed: %s %d"), self.what, self.kind, self.code])
         self.fail_tail = self.fn.append_basic_block("fail_tail")  # (build ends it: self.cleanup, then return)
         b.branch(self.fail_tail)
@@ -247,7 +348,7 @@ class _Builder:
         ctx = b.alloca(PTR)
         self.checked(b.call(self.function("cuStreamGetCtx", PTR, PTR.as_pointer()), [self.stream, ctx]),
                      "cuStreamGetCtx")
-        mine = ir.Constant(I64, self.plan.context).inttoptr(PTR)
+        mine = self.address(self.plan.context)
         other = b.icmp_unsigned("!=", b.load(ctx), mine)
         result = b.select(other, ir.Constant(I32, CUDA_ERROR_INVALID_CONTEXT), ir.Constant(I32, 0))
         self.checked(result, "matching the stream's context to the one the kernels were loaded in")
@@ -281,7 +382,7 @@ class _Builder:
                              PTR.as_pointer())
         dims = [ir.Constant(I32, x) for x in (step.grid, 1, 1, step.block, 1, 1, 0)]
         argv = self._argument_block(step.params)
-        self.checked(b.call(call, [ir.Constant(I64, step.function).inttoptr(PTR), *dims, self.stream, argv,
+        self.checked(b.call(call, [self.address(step.function), *dims, self.stream, argv,
                                    ir.Constant(PTR.as_pointer(), None)]), step.what)
 
     def _kernel_arguments(self) -> None:
@@ -294,21 +395,21 @@ class _Builder:
             return
         data = b.alloca(ir.ArrayType(PTR, 5))
         shared = [self.buffers, self.numbers] + [
-            ir.Constant(I64, self.symbols[n]).inttoptr(PTR) for n in ("omp_get_thread_num", "omp_get_num_threads")]
+            self.address(self.symbols[n]) for n in ("omp_get_thread_num", "omp_get_num_threads")]
         for k, v in enumerate(shared, 1):
             b.store(v, b.gep(data, [ZERO, ir.Constant(I32, k)]))
         self.team_kernel, self.team_data = b.gep(data, [ZERO, ZERO]), b.bitcast(data, PTR)
         self.parallel = self.function("GOMP_parallel", PTR, PTR, I32, I32, result=ir.VoidType())
-        self.trampoline = ir.Constant(I64, self.symbols["polyjit_omp_part"]).inttoptr(PTR)
+        self.trampoline = self.address(self.symbols["polyjit_omp_part"])
 
     def _run(self, step: Run) -> None:
         """A CPU kernel, whole or on libgomp's team (GOMP_parallel returns once the team is done with it)."""
         b = self.b
         if step.threads <= 1:
-            kernel = b.inttoptr(ir.Constant(I64, step.kernel), KERNEL_FN.as_pointer())
+            kernel = self.address(step.kernel, KERNEL_FN.as_pointer())
             b.call(kernel, [self.buffers, self.numbers, ir.Constant(I64, 0), ir.Constant(I64, 1)])
             return
-        b.store(ir.Constant(I64, step.kernel).inttoptr(PTR), self.team_kernel)
+        b.store(self.address(step.kernel), self.team_kernel)
         b.call(self.parallel, [self.trampoline, self.team_data, ir.Constant(I32, step.threads), ZERO])
 
     def _library(self, step: LibraryStep) -> None:
@@ -320,7 +421,7 @@ class _Builder:
         self._acquire()
         for call in step.calls:
             values = [self._arg(a) for a in call.args]
-            fn = b.inttoptr(ir.Constant(I64, call.function), ir.FunctionType(I32, [v.type for v in values]).as_pointer())
+            fn = self.address(call.function, ir.FunctionType(I32, [v.type for v in values]).as_pointer())
             self.checked(b.call(fn, values), call.what, step.kind, unlock=True)
         self._release()
 
@@ -331,7 +432,7 @@ class _Builder:
         if a.kind == "i64":
             return ir.Constant(I64, a.value)
         if a.kind == "ptr":
-            return ir.Constant(I64, a.value).inttoptr(PTR)
+            return self.address(a.value)
         if a.kind == "stream":
             return self.stream
         return b.gep(b.load(self.slot(a.value)), [ir.Constant(I64, a.offset)])
@@ -345,8 +446,8 @@ class _Builder:
         running the same program) makes one of its own and frees it after."""
         b, plan = self.b, self.plan
         size = ir.Constant(I64, -(-plan.workspace_bytes // WORKSPACE_ALIGN) * WORKSPACE_ALIGN)
-        kept = ir.GlobalVariable(self.mod, PTR, f"{self.name}.workspace")
-        busy = ir.GlobalVariable(self.mod, I32, f"{self.name}.workspace_busy")
+        kept = ir.GlobalVariable(self.mod, PTR, f"{ENTRY}.workspace")
+        busy = ir.GlobalVariable(self.mod, I32, f"{ENTRY}.workspace_busy")
         kept.linkage, kept.initializer = "internal", ir.Constant(PTR, None)
         busy.linkage, busy.initializer = "internal", ir.Constant(I32, 0)
         alloc = self.function("aligned_alloc", I64, I64, result=PTR)
@@ -387,7 +488,7 @@ class _Builder:
     def _acquire(self) -> None:
         b = self.b
         if self.lock is None:
-            self.lock = ir.GlobalVariable(self.mod, I32, f"{self.name}.lock")
+            self.lock = ir.GlobalVariable(self.mod, I32, f"{ENTRY}.lock")
             self.lock.linkage, self.lock.initializer = "internal", ir.Constant(I32, 0)
         spin = self.fn.append_basic_block("spin")
         wait = self.fn.append_basic_block("wait")

@@ -62,6 +62,8 @@ class CompiledProgram:
     contracted_bytes: Any = None
     keepalive: Any = None
     lifetimes: dict = field(default_factory=dict)  # temporary -> (first, last) kernel touching it: shared memory
+    cached: bool = True  # machine code made at its calls (launchers, a GPU's linked cubins) goes to the compile
+    # cache too (its "cache" option)
     _plans: dict = field(default_factory=dict, repr=False)  # call (or launch) plans by shape signature
 
     def bind(self, args: Sequence[np.ndarray]) -> dict[str, int]:
@@ -287,8 +289,10 @@ class CompiledProgram:
                                  list(ints), poisons + steps, context,
                                  [(slot, offset) for slot, offset, _, _ in kept.values()],
                                  workspace_bytes if kept else 0)
-        return launch.NativeLauncher(name, plan, symbols, [(n, returned.get(n, fresh[n][1]), fresh[n][2])
-                                                           for n in names], self)
+        launcher = launch.NativeLauncher(name, plan, symbols, [(n, returned.get(n, fresh[n][1]), fresh[n][2])
+                                                               for n in names], self, self.cached)
+        self.stats["launchers_compiled"] = self.stats.get("launchers_compiled", 0) + launcher.compiled
+        return launcher
 
     def _shown(self, launcher: "launch.NativeLauncher | None") -> "launch.NativeLauncher | None":
         """An XLA custom call's launcher, its IR kept as a stage (exe.ir, debugging)."""

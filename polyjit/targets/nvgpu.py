@@ -390,7 +390,7 @@ class NvgpuTarget(Target):
             return self._build_whole(graph, prog, options, name, timer, arch, sms)
         ir = {"mapping": code.mapping, "llvm": code.ir, "llvm_opt": code.optimized, "ptx": code.ptx}
         exe = executable(self.executable, graph, prog, sched, code.kernels, code.buffers, code.int_slots, options, name,
-                         None, ir, _fields(prog, code.kernels, code.ptx, arch, options))
+                         None, ir, _fields(prog, code.kernels, code.ptx, arch))
         exe.stats["kernels_compiled"] = code.compiled
         return exe
 
@@ -410,7 +410,7 @@ class NvgpuTarget(Target):
         exe = executable(self.executable, graph, prog, sched, kernels, emitter.buffer_arrays, emitter.int_slots,
                          options, name, None, {"mapping": emitter.mapping_text(), "llvm": llvm_text,
                                                "llvm_opt": optimized, "ptx": ptx_text},
-                         _fields(prog, kernels, ptx_text, arch, options))
+                         _fields(prog, kernels, ptx_text, arch))
         exe.stats["kernels_compiled"] = len(kernels)
         return exe
 
@@ -462,7 +462,7 @@ class NvgpuTarget(Target):
         gpu = plan["gpu"]
         if any(lib is not None for _, _, _, lib, _ in gpu["kernels"]) and not self.library_available():
             return None
-        fields = {"ptx": objects[0].decode(), "arch": gpu["arch"], "keep_cubins": options.cache,
+        fields = {"ptx": objects[0].decode(), "arch": gpu["arch"],
                   "writes": [[cache.array_from(a) for a in w] for w in gpu["writes"]]}
         kernels = [KernelInfo(n, par, tuple(st), lanes, tuple(zeroed), strips,
                               None if lib is None else cache.statement_from(lib),
@@ -476,8 +476,8 @@ class NvgpuTarget(Target):
         return exe
 
 
-def _fields(prog: AffineProgram, kernels, ptx_text: str, arch: str, options: CompileOptions) -> dict:
-    return {"ptx": ptx_text, "arch": arch, "keep_cubins": options.cache,
+def _fields(prog: AffineProgram, kernels, ptx_text: str, arch: str) -> dict:
+    return {"ptx": ptx_text, "arch": arch,
             "writes": [  # the arrays each kernel writes size its grid
         [prog.arrays[a] for a in sorted({s.array for s in prog.statements if s.name in k.statements})]
         for k in kernels]}
