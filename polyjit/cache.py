@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -105,11 +106,20 @@ def _versions() -> str:
 
     from . import __version__
     digest = hashlib.sha256()
-    root = Path(__file__).parent
-    for path in sorted(root.rglob("*.py")):
-        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    for root in _source_roots():
+        for path in sorted(root.rglob("*.py")):
+            digest.update(path.relative_to(root.parent).as_posix().encode() + b"\0" + path.read_bytes())
     return (f"polyjit {__version__} {digest.hexdigest()[:16]} llvmlite {llvmlite.__version__} islpy {islpy.__version__}"
             f" numpy {np.__version__}")  # its OpenBLAS timed the library choices
+
+
+def _source_roots() -> list[Path]:
+    """The folders of polyjit's sources: the core's and the frontends' (a
+    folder of its own), whose decisions the cache keeps too (torch.compile's
+    partitions, the marks of traces compiled)."""
+    found = importlib.util.find_spec("polyjit.frontends")
+    frontends = [Path(p) for p in (found.submodule_search_locations or [])] if found else []
+    return [Path(__file__).parent, *frontends]
 
 
 def graph_text(graph: Graph) -> str:

@@ -5,6 +5,7 @@ import logging
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -344,6 +345,14 @@ def test_a_fresh_process_loads_a_program_over_a_product_of_sizes(tmp_path):
     [(first, _)] = _run(tmp_path, script=PRODUCT_SCRIPT)
     [(second, _)] = _run(tmp_path, script=PRODUCT_SCRIPT)
     assert first["cache_hits"] == 0 and second == {"cache_hits": 1, "kernels_compiled": 0}
+
+
+def test_the_cache_key_covers_the_frontends_sources():
+    """A frontend's code is polyjit's too: its decisions kept in the cache
+    (torch.compile's partitions) must not outlive a change to it."""
+    import importlib.util
+    frontend = Path(importlib.util.find_spec("polyjit.frontends.common").origin).parent
+    assert frontend in cache._source_roots() and Path(cache.__file__).parent in cache._source_roots()
 
 
 def test_a_damaged_entry_is_removed_recompiled_and_warned_about(tmp_path):
