@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import functools
 import math
-import threading
-import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -835,7 +833,6 @@ _FOLDS: dict[str, Callable | None] = {
     "Max": lambda o, x, axes: _fold_reduce(np.max)(o, _ints(x), axes),
     "Min": lambda o, x, axes: _fold_reduce(np.min)(o, _ints(x), axes),
 }
-READER_TRACE_SECONDS = 2e-3  # tracing and first running the one-call reader, per variable it reads
 _MEASURES = {"Shape", "ShapeN", "Size", "Rank"}  # ops that read their operands' shapes only
 _MAX_KNOWN = 64  # elements of a known-sizes result: shape arithmetic is small
 
@@ -951,9 +948,8 @@ class _Trace:
                 env[t.name] = Const(np.from_dlpack(cap))
         variables = list(self.variables)
         self._reader = tf.function(lambda: [v.read_value() for v in variables], autograph=False)
-        self._reader_traced = threading.Event()
-        self._reader_thread: threading.Thread | None = None
-        self._one_by_one = 0.0  # seconds the calls spent reading and writing variables one by one
+        self._read = self._write = None  # their concrete functions, once traced (trace_reader)
+        self.calls = 0  # calls run
         self.ops: list[Op] = []
         self.unrolling = 0  # depth of while loops being unrolled: what they cannot take aborts the unrolling
         self.trace_ops(cf.graph.get_operations(), env, handles)
@@ -973,12 +969,9 @@ class _Trace:
         then (a third of the time ``read_value`` takes)."""
         if not self.variables:
             return []
-        if self._reader_traced.is_set():
+        if self._read is not None:
             return [np.from_dlpack(t) for t in self._read()]
-        t = time.perf_counter()
-        values = [np.from_dlpack(tf.raw_ops.ReadVariableOp(resource=v.handle, dtype=v.dtype)) for v in self.variables]
-        self._one_by_one += time.perf_counter() - t
-        return values
+        return [np.from_dlpack(tf.raw_ops.ReadVariableOp(resource=v.handle, dtype=v.dtype)) for v in self.variables]
 
     def write_variables(self, values: list) -> None:
         """Assign the values the program computed to the variables it
@@ -986,34 +979,25 @@ class _Trace:
         traced (trace_reader), one by one until then."""
         if not values:
             return
-        if self._reader_traced.is_set():
+        if self._write is not None:
             self._write(*map(_to_tensor, values))
             return
-        t = time.perf_counter()
         for v, x in zip(self.written, values):
             tf.raw_ops.AssignVariableOp(resource=v.handle, value=_to_tensor(x))
-        self._one_by_one += time.perf_counter() - t
 
     def trace_reader(self) -> None:
-        """Trace the one-call reader (and writer) on a thread of its own, once
-        the calls have spent as long reading and writing variables one by one
-        as the trace would take (READER_TRACE_SECONDS per variable): a
-        program called a few times never pays for it, and the calls that
-        overlap the trace (it holds the interpreter) come after those."""
-        if self.variables and self._reader_thread is None and \
-                self._one_by_one >= READER_TRACE_SECONDS * len(self.variables):
-            self._reader_thread = threading.Thread(target=self._trace_reader, name="polyjit-tf-reader")
-            self._reader_thread.start()
-
-    def _trace_reader(self) -> None:
-        """The reader's and writer's concrete functions, called directly
-        (the writer on tensors taken by DLPack): a tf.function matching the
-        type of each of a DenseNet's batch norm statistics at each call, each
-        converted from numpy first, was a large part of its step (bench/NOTES.md)."""
+        """Trace the one-call reader (and writer): called as the second call
+        starts, on its thread. Not in the first call, which a cached program
+        makes a trace of the function and little more (the reader's trace
+        would add half of it for a MobileNetV2); nor on a thread beside the
+        calls, which it slowed each to more than its own time (each read
+        waiting for the interpreter); nor later, as the one-by-one reads
+        cost a MobileNetV2 a third of its call (bench/NOTES.md)."""
+        if not self.variables or self._read is not None:
+            return
         self._read = self._reader.get_concrete_function()
         if self.written:
             self._write = self._writer.get_concrete_function(*[tf.TensorSpec(v.shape, v.dtype) for v in self.written])
-        self._reader_traced.set()
 
     def trace_ops(self, operations: list, env: dict, handles: dict) -> None:
         """Translate a graph's operations into ``self.ops``: ``env`` maps the
@@ -1493,13 +1477,15 @@ class TFFunction:
             return self._plain()(*args)
         try:
             trace, prog = self.program(arrays)
+            if trace.calls:
+                trace.trace_reader()
             outs = prog(arrays + trace.variable_values())
             trace.write_variables(outs[len(trace.out_positions):])
+            trace.calls += 1
         except USER_ERRORS:
             raise
         except Exception as err:  # polyjit's own failure, or the program's error that TensorFlow raises too
             return self._recover(key, err, args)
-        trace.trace_reader()
         flat = list(trace.flat)
         for k, o in zip(trace.out_positions, outs):
             flat[k] = _to_tensor(o)
