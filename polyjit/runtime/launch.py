@@ -147,12 +147,12 @@ class NativeLauncher:
         with collector_paused():  # (a compile's work, in a process of many objects: collector.py)
             key = _key(self.shape, self.symbols, self.count) if cached else None
             hit = cache.load(key) if key is not None else None
-            code = hit[1][0] if hit and hit[0].get("launcher") == 1 and len(hit[1]) == 1 else None
+            code = hit[1][0] if hit and hit[0].get("launcher") and len(hit[1]) == 1 else None
             self.compiled = code is None
             if code is None:
                 code = _object(_module(self.shape, self.symbols, self.count))
                 if key is not None:
-                    cache.store(key, {"launcher": 1}, [code])
+                    cache.store(key, {"launcher": True}, [code])
             self.engine = _loaded(code)
         table = self.engine.get_global_value_address(TABLE)
         if addresses:
