@@ -347,12 +347,20 @@ def test_a_fresh_process_loads_a_program_over_a_product_of_sizes(tmp_path):
     assert first["cache_hits"] == 0 and second == {"cache_hits": 1, "kernels_compiled": 0}
 
 
-def test_the_cache_key_covers_the_frontends_sources():
+def test_the_cache_key_covers_the_frontends_sources(tmp_path, monkeypatch):
     """A frontend's code is polyjit's too: its decisions kept in the cache
-    (torch.compile's partitions) must not outlive a change to it."""
+    (torch.compile's partitions) must not outlive a change to it. The
+    versions' digest reads every source root, the frontends' among them."""
     import importlib.util
     frontend = Path(importlib.util.find_spec("polyjit.frontends.common").origin).parent
     assert frontend in cache._source_roots() and Path(cache.__file__).parent in cache._source_roots()
+    (tmp_path / "frontends").mkdir()
+    source = tmp_path / "frontends" / "rules.py"
+    source.write_text("RULES = 1\n")
+    monkeypatch.setattr(cache, "_source_roots", lambda: [tmp_path / "frontends"])
+    before = cache._versions.__wrapped__()
+    source.write_text("RULES = 2\n")
+    assert cache._versions.__wrapped__() != before
 
 
 def test_a_damaged_entry_is_removed_recompiled_and_warned_about(tmp_path):

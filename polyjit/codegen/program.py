@@ -300,20 +300,20 @@ def _entry(module: ir.Module, name: str, target: str, bufs: list[int], ints: lis
     b.ret_void()
 
 
-def entries_object(entries: str) -> bytes:
-    """Machine code of the entries module (loads, stores and calls: no
-    passes), selected as at -O0: the same instructions as the kernels'
-    machine makes of it (bench/NOTES.md), in a fraction of the time, at the
-    end of each compile."""
+def host_object(ir_text: str) -> bytes:
+    """Machine code of straight-line host code (loads, stores and calls: a
+    program's entries module, a native launcher), no passes, selected as at
+    -O0: the same instructions as the kernels' machine makes of it
+    (bench/NOTES.md), in a fraction of the time."""
     with _lock:
-        mod = llvm.parse_assembly(entries)
+        mod = llvm.parse_assembly(ir_text)
         mod.triple, mod.data_layout = module_target()
-        return _entries_machine().emit_object(mod)
+        return _host_machine().emit_object(mod)
 
 
 @functools.cache
-def _entries_machine():
-    """The target machine that makes entries' object code (use with _lock held)."""
+def _host_machine():
+    """The target machine that makes host code's objects (use with _lock held)."""
     return target_machine(0)
 
 

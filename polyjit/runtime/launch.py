@@ -23,17 +23,16 @@ went well.
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
-from llvmlite import binding as llvm
 from llvmlite import ir
 
 from .. import cache
 from ..collector import collector_paused
-from ..codegen.cpu import _lock, host_key, ieee_floats, module_target, target_machine
+from ..codegen.cpu import host_key, ieee_floats
+from ..codegen.program import LoadedProgram, host_object
 
 I8, I32, I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
 ZERO = ir.Constant(I32, 0)
@@ -150,10 +149,10 @@ class NativeLauncher:
             code = hit[1][0] if hit and hit[0].get("launcher") and len(hit[1]) == 1 else None
             self.compiled = code is None
             if code is None:
-                code = _object(_module(self.shape, self.symbols, self.count))
+                code = host_object(str(_module(self.shape, self.symbols, self.count)))
                 if key is not None:
                     cache.store(key, {"launcher": True}, [code])
-            self.engine = _loaded(code)
+            self.engine = LoadedProgram([code]).engine
         table = self.engine.get_global_value_address(TABLE)
         if addresses:
             (ctypes.c_uint64 * len(addresses)).from_address(table)[:] = addresses
@@ -200,32 +199,6 @@ def relocated(plan: LaunchPlan, symbols: Mapping[str, int]) -> tuple[LaunchPlan,
 def _key(shape: LaunchPlan, symbols: Mapping[str, int], count: int) -> str:
     text = f"launcher {cache.FORMAT} {cache._versions()} {host_key()} {count}\n{shape!r}\n{sorted(symbols.items())!r}"
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _object(mod: ir.Module) -> bytes:
-    """Machine code of a launch module, selected as at -O0 (straight-line
-    host code that LLVM's passes would only take time over)."""
-    with _lock:
-        ref = llvm.parse_assembly(str(mod))
-        ref.triple, ref.data_layout = module_target()
-        return _launcher_machine().emit_object(ref)
-
-
-def _loaded(code: bytes) -> "llvm.ExecutionEngine":
-    """An MCJIT engine holding one launcher's machine code."""
-    with _lock:
-        mod = llvm.parse_assembly("")
-        mod.triple, mod.data_layout = module_target()
-        engine = llvm.create_mcjit_compiler(mod, target_machine(0))
-        engine.add_object_file(llvm.ObjectFileRef.from_data(code))
-        engine.finalize_object()
-    return engine
-
-
-@functools.cache
-def _launcher_machine():
-    """The target machine that makes launchers' machine code (use with _lock held)."""
-    return target_machine(0)
 
 
 def _module(plan: LaunchPlan, symbols: Mapping[str, int], count: int) -> ir.Module:

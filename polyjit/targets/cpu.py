@@ -12,7 +12,7 @@ from .. import sizes as sz
 from ..codegen.cpu import host_key, vector_bits
 from ..codegen.cpu_mapping import NARROWEST_VECTOR
 from ..codegen.llvm import KernelInfo
-from ..codegen.program import CodeSet, LoadedProgram, build_program, entries_object
+from ..codegen.program import CodeSet, LoadedProgram, build_program, host_object
 from ..columns import columns_form
 from ..compiler import executable, from_plan
 from ..dtypes import DataType
@@ -322,7 +322,7 @@ class CpuTarget(Target):
                                      remote=codes)
         code = build_program(prog, sched, name, codes)
         with timer("llvm"):
-            loaded = LoadedProgram([c.obj for c in code.codes] + [entries_object(code.entries)])
+            loaded = LoadedProgram([c.obj for c in code.codes] + [host_object(code.entries)])
         ir = {"mapping": code.mapping, "llvm": "\n".join([code.entries] + [c.ir for c in code.codes]),
               "llvm_opt": "\n".join(c.optimized for c in code.codes)}
         exe = executable(self.executable, graph, prog, sched, loaded.bind(code.kernels), code.buffers,
