@@ -810,13 +810,15 @@ def _path(tree, leaves, k: int) -> str:
     return jax.tree_util.keystr(path)
 
 
-def register_custom_call(name: str, platform: str, launch: int, args: int, rets: int, owner=None) -> None:
+def register_custom_call(name: str, platform: str, launch: int, args: int, rets: int, owner=None,
+                         cached: bool = False) -> None:
     """Make the C function at address ``launch`` (a native launcher's
     signature, runtime.launch) the XLA custom-call target ``name`` on
     ``platform`` ("CUDA" or "cpu"), called through a native FFI handler
-    (runtime.xla_ffi.handler) with ``args`` arguments and ``rets`` results;
-    ``owner`` is kept alive with the target."""
-    address = xla_ffi.handler(name, platform, launch, args, rets, owner)
+    (runtime.xla_ffi.handler; from the compile cache with ``cached``) with
+    ``args`` arguments and ``rets`` results; ``owner`` is kept alive with
+    the target."""
+    address = xla_ffi.handler(name, platform, launch, args, rets, owner, cached)
     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(address), platform=platform)
 
 
@@ -1082,7 +1084,7 @@ class JaxFunction:
         # the results: the outputs, then the temporaries (dropped: XLA's allocator serves them)
         results = [jax.ShapeDtypeStruct(shape, dt) for _, shape, dt in launcher.results]
         register_custom_call(name, "cpu" if where == "cpu" else "CUDA", launcher.address, len(take), len(results),
-                             launcher)
+                             launcher, exe.cached)
 
         def call(*xs):
             outs = jax.ffi.ffi_call(name, results, vmap_method="sequential")(*[xs[k] for k in take])

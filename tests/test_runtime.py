@@ -254,3 +254,46 @@ def test_xla_handlers_answer_command_buffer_traits():
                              extension_start=c.cast(c.pointer(ext), c.POINTER(X._Extension)))
         assert c.CFUNCTYPE(c.c_void_p, c.c_void_p)(address)(c.addressof(frame)) is None  # no error
         assert (meta.traits, meta.api_version.major, meta.api_version.minor) == (traits, *X.API_VERSION)
+
+
+def test_xla_handlers_come_from_the_compile_cache_and_call_their_own_launcher(monkeypatch, tmp_path):
+    """A handler's machine code is kept in the compile cache and shared by
+    handlers of the same platform and buffer counts; each calls the launcher
+    it was made for (its address set as the code loads), with the buffers'
+    pointers in order, and turns a launcher's failure into XLA's error."""
+    import ctypes as c
+
+    from polyjit.runtime import launch as L
+    from polyjit.runtime import xla_ffi as X
+    monkeypatch.setenv("POLYJIT_CACHE_DIR", str(tmp_path))
+    calls = []
+
+    def launcher(tag, code):
+        def run(args, rets, stream, message, size):
+            calls.append((tag, [args[k] for k in range(2)], rets[0], stream))
+            c.memmove(message, b"failed\0", 7)
+            return code
+        return L.LAUNCH_T(run)
+    first, second = launcher("first", 0), launcher("second", 7)
+    a = X.handler("polyjit_test_cached_a", "cpu", c.cast(first, c.c_void_p).value, 2, 1, first, cached=True)
+    assert len(list(tmp_path.glob("*.pjc"))) == 1
+    monkeypatch.setattr(X, "host_object", lambda *_: pytest.fail("a cached handler compiled again"))
+    b = X.handler("polyjit_test_cached_b", "cpu", c.cast(second, c.c_void_p).value, 2, 1, second, cached=True)
+
+    buffers = [X._Buffer(struct_size=c.sizeof(X._Buffer), data=0x1000 * (k + 1)) for k in range(3)]
+
+    def frame(errors: list):
+        def error_create(args):
+            errors.append(args.contents.message)
+            return 0xE
+        api = X._Api(error_create=X._Api._fields_[4][1](error_create))
+        items = [(c.POINTER(X._Buffer) * n)(*[c.pointer(x) for x in bs]) for n, bs in ((2, buffers[:2]), (1, buffers[2:]))]
+        f = X._CallFrame(struct_size=c.sizeof(X._CallFrame), api=c.pointer(api),
+                         args=X._List(size=2, items=items[0]), rets=X._List(size=1, items=items[1]))
+        return f, (api, items, error_create)
+    call = c.CFUNCTYPE(c.c_void_p, c.c_void_p)
+    errors: list = []
+    f, keep = frame(errors)
+    assert call(a)(c.addressof(f)) is None and not errors
+    assert call(b)(c.addressof(f)) == 0xE and errors == [b"failed"]
+    assert calls == [("first", [0x1000, 0x2000], 0x3000, None), ("second", [0x1000, 0x2000], 0x3000, None)]

@@ -9,14 +9,22 @@ is built with llvmlite). The JAX frontend registers it with JAX
 Only what a handler needs is declared: the call frame, its argument and
 result buffers, the API table's first entries (errors, the stream) and the
 metadata extension XLA queries once when the target is registered.
+
+A handler reads the launch function's address from a global of its module,
+set as it loads: its machine code depends only on the platform and the
+buffer counts, and the compile cache keeps it, as it keeps launchers'.
 """
 from __future__ import annotations
 
 import ctypes
+import hashlib
 
 from llvmlite import ir
 
-from ..codegen.cpu import JitModule
+from .. import cache
+from ..collector import collector_paused
+from ..codegen.cpu import host_key
+from ..codegen.program import LoadedProgram, host_object
 from .launch import string_constant
 
 c = ctypes
@@ -86,12 +94,15 @@ class _CallFrame(c.Structure):
 
 
 MESSAGE_BYTES = 1024
+ENTRY = "polyjit_ffi_handler"  # the handler's name (a module of its own in an engine of its own)
+LAUNCH = f"{ENTRY}.launch"  # the global holding the launch function's address
 _handlers: list = []  # registered handlers stay alive with the process, as XLA's registry does
 
 
-def handler(name: str, platform: str, launch: int, args: int, rets: int, owner=None) -> int:
-    """The address of a native XLA FFI handler named ``name`` that calls the C
-    function at address ``launch`` on ``platform`` ("CUDA" or "cpu"), as
+def handler(name: str, platform: str, launch: int, args: int, rets: int, owner=None, cached: bool = False) -> int:
+    """The address of a native XLA FFI handler for the custom-call target
+    ``name`` that calls the C function at address ``launch`` on ``platform``
+    ("CUDA" or "cpu"), as
 
         int32_t launch(void **args, void **rets, void *stream, char *message, size_t size)
 
@@ -99,10 +110,25 @@ def handler(name: str, platform: str, launch: int, args: int, rets: int, owner=N
     order and XLA's CUDA stream (NULL on the CPU); a nonzero return becomes an
     XLA error carrying the message it wrote. The handler is native code too,
     so a call runs no Python. It lives, with ``owner``, as long as the process
-    (XLA keeps every registered target)."""
-    code = JitModule(str(_handler_module(name, platform, launch, args, rets)))
-    _handlers.append((code, owner))
-    return code.engine.get_function_address(name)
+    (XLA keeps every registered target). With ``cached``, its machine code is
+    looked for in the compile cache first, and kept there."""
+    with collector_paused():  # (a compile's work, in a process of many objects: collector.py)
+        key = _key(platform, args, rets) if cached else None
+        hit = cache.load(key) if key is not None else None
+        code = hit[1][0] if hit and hit[0].get("ffi_handler") and len(hit[1]) == 1 else None
+        if code is None:
+            code = host_object(str(_handler_module(platform, args, rets)))
+            if key is not None:
+                cache.store(key, {"ffi_handler": True}, [code])
+        loaded = LoadedProgram([code])
+    ctypes.c_uint64.from_address(loaded.engine.get_global_value_address(LAUNCH)).value = launch
+    _handlers.append((loaded, owner, name))
+    return loaded.engine.get_function_address(ENTRY)
+
+
+def _key(platform: str, args: int, rets: int) -> str:
+    text = f"ffi handler {cache.FORMAT} {cache._versions()} {host_key()} {platform} {args} {rets}"
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _offset(struct, *fields: str) -> int:
@@ -119,19 +145,22 @@ PTR = I8.as_pointer()
 NULL = ir.Constant(PTR, None)
 
 
-def _handler_module(name: str, platform: str, launch: int, args: int, rets: int) -> ir.Module:
-    """XLA_FFI_Error *name(XLA_FFI_CallFrame *frame): answers XLA's metadata
+def _handler_module(platform: str, args: int, rets: int) -> ir.Module:
+    """XLA_FFI_Error *ENTRY(XLA_FFI_CallFrame *frame): answers XLA's metadata
     query, checks the buffer counts, reads the buffers' pointers and the
-    stream, calls launch and turns its failure into an XLA error."""
-    h = _Handler(name)
+    stream, calls the function at LAUNCH and turns its failure into an XLA
+    error."""
+    h = _Handler(ENTRY)
     b, frame = h.b, h.frame
     message = b.bitcast(b.alloca(ir.ArrayType(I8, MESSAGE_BYTES)), PTR)
     api = h.load(frame, _offset(_CallFrame, "api"))
     h.answer_metadata(COMMAND_BUFFER_COMPATIBLE if platform != "cpu" else 0)
     lists = [h.buffers(api, which, count) for which, count in (("args", args), ("rets", rets))]
     stream = h.stream(api) if platform != "cpu" else NULL
-    run = b.inttoptr(ir.Constant(I64, launch), ir.FunctionType(
-        I32, [PTR.as_pointer(), PTR.as_pointer(), PTR, PTR, I64]).as_pointer())
+    run_type = ir.FunctionType(I32, [PTR.as_pointer(), PTR.as_pointer(), PTR, PTR, I64]).as_pointer()
+    where = ir.GlobalVariable(h.mod, run_type, LAUNCH)
+    where.initializer = ir.Constant(run_type, None)
+    run = b.load(where)
     code = b.call(run, [*lists, stream, message, ir.Constant(I64, MESSAGE_BYTES)])
     with b.if_then(b.icmp_unsigned("!=", code, ir.Constant(I32, 0)), likely=False):
         h.error(api, message)
@@ -199,8 +228,7 @@ class _Handler:
         b = self.b
         size = self.load(self.frame, _offset(_CallFrame, which, "size"), I64)
         with b.if_then(b.icmp_unsigned("!=", size, ir.Constant(I64, count)), likely=False):
-            self.error(api, self.text(f"polyjit custom call {self.name}: XLA passed a number of {which} "
-                                      f"other than {count}"))
+            self.error(api, self.text(f"polyjit custom call: XLA passed a number of {which} other than {count}"))
         items = self.load(self.frame, _offset(_CallFrame, which, "items"))
         pointers = b.alloca(PTR, max(count, 1))
         for k in range(count):
