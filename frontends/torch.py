@@ -2328,11 +2328,22 @@ def _boxed(fn):
 
 
 class PolyjitBackend:
-    """A torch.compile backend; keeps the stats of everything it compiled."""
+    """A torch.compile backend; keeps the stats of everything it compiled.
+    Backends of equal options are equal: Dynamo then serves a frame compiled
+    through one of them to the others (as it does Inductor's), so that many
+    instances of one module class, each wrapped by jit_torch, share their
+    compiled graphs instead of recompiling each (and running eagerly past
+    Dynamo's recompile limit). Stats stay with the backend that compiled."""
 
     def __init__(self, options: CompileOptions | None = None, stats: Stats | None = None) -> None:
         self.options = options or CompileOptions()
         self.stats = stats if stats is not None else Stats()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PolyjitBackend) and self.options == other.options
+
+    def __hash__(self) -> int:
+        return hash(self.options)
 
     def _compiler(self, kind: str):
         def compile_graph(gm, example_inputs):

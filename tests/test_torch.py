@@ -400,6 +400,31 @@ def test_dropout_statistics_and_masks():
     assert torch.equal(a, b)  # seeded from torch's generator
 
 
+def test_many_instances_of_one_module_class_share_their_compiled_graph(caplog):
+    """Modules of one class, each wrapped by jit_torch with the same options
+    (a model's layers, one by one), share the graph the first compiled, as
+    torch.compile's do: none recompiles, and none runs eagerly once Dynamo's
+    recompile limit would have been reached."""
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.tanh(self.lin(x))
+    torch._dynamo.reset()
+    layers = [Layer() for _ in range(torch._dynamo.config.recompile_limit + 3)]
+    jitted = [polyjit.jit_torch(layer, compile_options={"strict": True}) for layer in layers]
+    x = torch.randn(4, 8)
+    for layer, jl in zip(layers, jitted):
+        torch.testing.assert_close(jl(x), layer(x), rtol=1e-5, atol=1e-6)
+    assert [jl.stats["graphs"] for jl in jitted] == [1] + [0] * (len(layers) - 1)
+    assert not any("recompile_limit" in r.getMessage() for r in caplog.records)
+    other = polyjit.jit_torch(layers[0], compile_options={"strict": True, "fusion": "none"})
+    torch.testing.assert_close(other(x), layers[0](x), rtol=1e-5, atol=1e-6)
+    assert other.stats["graphs"] == 1  # other options: a graph of its own
+
+
 def test_dynamic_shapes_do_not_recompile():
     jf = polyjit.jit_torch(lambda x: F.softmax(x, -1) * 2, dynamic=True)
     for n in (5, 7, 9, 130):
