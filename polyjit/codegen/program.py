@@ -22,19 +22,21 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import llvmlite.binding as llvm
 from llvmlite import ir
 
 from ..affine import AffineProgram
+from .. import cache
 from ..cache import ProcessCache
 from ..collector import collect_young
 from ..errors import UnsupportedOpError
 from ..schedule import ProgramSchedule, ScheduledGroup
 from .blas import SGEMM, register_symbols
 from . import workers
-from .cpu import (KERNEL_T, CpuEmitter, _lock, module_target, object_machine, optimized_module, target_machine,
-                  vector_bits)
+from .cpu import (KERNEL_T, CpuEmitter, _lock, host_key, module_target, object_machine, optimized_module,
+                  target_machine, vector_bits)
 from .cpu_mapping import CpuMapper
 from .llvm import I64, PTR, KernelInfo, buffer_layout, kernel_name
 from .mapping import mapping_text
@@ -309,6 +311,25 @@ def host_object(ir_text: str) -> bytes:
         mod = llvm.parse_assembly(ir_text)
         mod.triple, mod.data_layout = module_target()
         return _host_machine().emit_object(mod)
+
+
+def cached_host_object(kind: str, structure: tuple | None, ir_text: Callable[[], str]) -> tuple[bytes, bool]:
+    """host_object of ir_text(), host code of this kind ("launcher") whose
+    code depends on ``structure`` alone (its addresses filled in as it
+    loads): taken from the compile cache where it is there, else made and
+    stored (structure None: made only, the cache off); and whether it was
+    made. So a warm process compiles no launcher or XLA handler."""
+    key = None
+    if structure is not None:
+        text = "\n".join([kind, str(cache.FORMAT), cache._versions(), host_key(), *map(repr, structure)])
+        key = hashlib.sha256(text.encode()).hexdigest()
+    hit = cache.load(key) if key is not None else None
+    if hit and hit[0].get(kind) and len(hit[1]) == 1:
+        return hit[1][0], False
+    code = host_object(ir_text())
+    if key is not None:
+        cache.store(key, {kind: True}, [code])
+    return code, True
 
 
 @functools.cache

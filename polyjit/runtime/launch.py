@@ -23,16 +23,14 @@ went well.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 from llvmlite import ir
 
-from .. import cache
 from ..collector import collector_paused
-from ..codegen.cpu import host_key, ieee_floats
-from ..codegen.program import LoadedProgram, host_object
+from ..codegen.cpu import ieee_floats
+from ..codegen.program import LoadedProgram, cached_host_object
 
 I8, I32, I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
 ZERO = ir.Constant(I32, 0)
@@ -144,14 +142,9 @@ class NativeLauncher:
         self.shape, self.symbols, addresses = relocated(plan, symbols)
         self.count = len(addresses)
         with collector_paused():  # (a compile's work, in a process of many objects: collector.py)
-            key = _key(self.shape, self.symbols, self.count) if cached else None
-            hit = cache.load(key) if key is not None else None
-            code = hit[1][0] if hit and hit[0].get("launcher") and len(hit[1]) == 1 else None
-            self.compiled = code is None
-            if code is None:
-                code = host_object(str(_module(self.shape, self.symbols, self.count)))
-                if key is not None:
-                    cache.store(key, {"launcher": True}, [code])
+            structure = (self.count, self.shape, sorted(self.symbols.items())) if cached else None
+            code, self.compiled = cached_host_object("launcher", structure,
+                                                     lambda: str(_module(self.shape, self.symbols, self.count)))
             self.engine = LoadedProgram([code]).engine
         table = self.engine.get_global_value_address(TABLE)
         if addresses:
@@ -194,11 +187,6 @@ def relocated(plan: LaunchPlan, symbols: Mapping[str, int]) -> tuple[LaunchPlan,
                     steps=tuple(moved(s) for s in plan.steps),
                     context=None if plan.context is None else at(plan.context), workspace=tuple(plan.workspace))
     return shape, where, list(table)
-
-
-def _key(shape: LaunchPlan, symbols: Mapping[str, int], count: int) -> str:
-    text = f"launcher {cache.FORMAT} {cache._versions()} {host_key()} {count}\n{shape!r}\n{sorted(symbols.items())!r}"
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _module(plan: LaunchPlan, symbols: Mapping[str, int], count: int) -> ir.Module:

@@ -17,14 +17,11 @@ buffer counts, and the compile cache keeps it, as it keeps launchers'.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 
 from llvmlite import ir
 
-from .. import cache
 from ..collector import collector_paused
-from ..codegen.cpu import host_key
-from ..codegen.program import LoadedProgram, host_object
+from ..codegen.program import LoadedProgram, cached_host_object
 from .launch import string_constant
 
 c = ctypes
@@ -113,22 +110,12 @@ def handler(name: str, platform: str, launch: int, args: int, rets: int, owner=N
     (XLA keeps every registered target). With ``cached``, its machine code is
     looked for in the compile cache first, and kept there."""
     with collector_paused():  # (a compile's work, in a process of many objects: collector.py)
-        key = _key(platform, args, rets) if cached else None
-        hit = cache.load(key) if key is not None else None
-        code = hit[1][0] if hit and hit[0].get("ffi_handler") and len(hit[1]) == 1 else None
-        if code is None:
-            code = host_object(str(_handler_module(platform, args, rets)))
-            if key is not None:
-                cache.store(key, {"ffi_handler": True}, [code])
+        code, _ = cached_host_object("ffi_handler", (platform, args, rets) if cached else None,
+                                     lambda: str(_handler_module(platform, args, rets)))
         loaded = LoadedProgram([code])
     ctypes.c_uint64.from_address(loaded.engine.get_global_value_address(LAUNCH)).value = launch
     _handlers.append((loaded, owner, name))
     return loaded.engine.get_function_address(ENTRY)
-
-
-def _key(platform: str, args: int, rets: int) -> str:
-    text = f"ffi handler {cache.FORMAT} {cache._versions()} {host_key()} {platform} {args} {rets}"
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _offset(struct, *fields: str) -> int:
