@@ -21,10 +21,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import hashlib
 import logging
 import threading
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -84,10 +82,10 @@ def partition_key(joint: fx.GraphModule, kwargs: dict) -> str:
     shapes (symbolic sizes with their hints), strides, dtypes, devices and
     which share storage; the partition's arguments, functorch's config,
     torch's and polyjit's versions."""
-    lines = [f"polyjit partition {FORMAT} {_source_digest()}", cache._versions(), f"torch {torch.__version__}",
-             _stable(sorted(kwargs.items())), _config_text()]
+    lines = [f"polyjit partition {FORMAT}", f"torch {torch.__version__}", _stable(sorted(kwargs.items())),
+             _config_text()]
     _graph_lines(joint, {}, lines)
-    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+    return cache.digest(*lines)
 
 
 def _graph_lines(gm: fx.GraphModule, storages: dict, lines: list) -> None:
@@ -264,11 +262,6 @@ def _arg_nodes(n: fx.Node) -> list:
 
 
 @functools.cache
-def _source_digest() -> str:
-    """This file's digest: the replay it holds is part of what an entry means."""
-    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
-
-
 def _config_text() -> str:
     from torch._functorch import config
     return _stable(sorted(config.get_config_copy().items()))

@@ -137,9 +137,14 @@ def graph_text(graph: Graph) -> str:
     return "\n".join(lines)
 
 
+def digest(*parts: str) -> str:
+    """A key for an entry that depends on parts and on this cache format,
+    polyjit's sources and the libraries' versions (_versions)."""
+    return hashlib.sha256("\n".join([f"format {FORMAT}", _versions(), *parts]).encode()).hexdigest()
+
+
 def key(graph: Graph, name: str, options_key: tuple, target: str) -> str:
-    text = "\n".join([f"format {FORMAT}", _versions(), target, repr(options_key), name, graph_text(graph)])
-    return hashlib.sha256(text.encode()).hexdigest()
+    return digest(target, repr(options_key), name, graph_text(graph))
 
 
 def load(key: str) -> tuple[dict, list[bytes]] | None:

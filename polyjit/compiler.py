@@ -9,7 +9,6 @@ its plan for the compile cache, and the dump.
 """
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import os
@@ -121,7 +120,7 @@ def compiled(trace: str | None) -> None:
 
 
 def _mark(trace: str) -> str:
-    return hashlib.sha256(f"compiled {cache.FORMAT} {cache._versions()}\n{trace}".encode()).hexdigest()
+    return cache.digest("compiled", trace)
 
 
 PLAN_STATS = ("kernels", "statements", "fused", "inlined", "contracted_buffers", "parallel_kernels",

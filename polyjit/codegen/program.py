@@ -319,10 +319,7 @@ def cached_host_object(kind: str, structure: tuple | None, ir_text: Callable[[],
     loads): taken from the compile cache where it is there, else made and
     stored (structure None: made only, the cache off); and whether it was
     made. So a warm process compiles no launcher or XLA handler."""
-    key = None
-    if structure is not None:
-        text = "\n".join([kind, str(cache.FORMAT), cache._versions(), host_key(), *map(repr, structure)])
-        key = hashlib.sha256(text.encode()).hexdigest()
+    key = cache.digest(kind, host_key(), *map(repr, structure)) if structure is not None else None
     hit = cache.load(key) if key is not None else None
     if hit and hit[0].get(kind) and len(hit[1]) == 1:
         return hit[1][0], False

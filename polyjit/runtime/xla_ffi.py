@@ -114,7 +114,7 @@ def handler(name: str, platform: str, launch: int, args: int, rets: int, owner=N
                                      lambda: str(_handler_module(platform, args, rets)))
         loaded = LoadedProgram([code])
     ctypes.c_uint64.from_address(loaded.engine.get_global_value_address(LAUNCH)).value = launch
-    _handlers.append((loaded, owner, name))
+    _handlers.append((loaded, owner))
     return loaded.engine.get_function_address(ENTRY)
 
 
