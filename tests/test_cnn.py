@@ -683,18 +683,36 @@ def test_a_weight_read_across_too_few_rows_to_pack_calls_the_library(rng, monkey
 
 @needs_blas
 @pytest.mark.parametrize("shape,untimed", [((128, 256, 192), "register blocks"), ((100, 300, 77), None),
-                                           ((64, 256, 256), "register blocks"), ((8, 1280, 1000), "weight's rows")])
+                                           ((64, 256, 256), "register blocks")])
 def test_products_in_whole_register_blocks_run_generated_untimed(shape, untimed, rng, monkeypatch):
     """contractions="auto" settles a float32 product whose register blocks
-    are whole, or that has a classifier head's few rows and many columns,
-    on a 512-bit host, without timing it (the CPU target's model, checked
-    per shape by bench/products.py); partial blocks are timed."""
+    are whole on a 512-bit host without timing it (the CPU target's model,
+    checked per shape by bench/products.py); partial blocks are timed."""
     from polyjit.codegen.cpu import vector_bits
     timings = _timings_faked(monkeypatch, generated_wins=True)
     exe = _checked_product(shape, rng)
     modeled = bool(untimed) and vector_bits() >= 512
     assert bool(timings) != modeled and exe.stats["library_calls"] == 0, exe.stats["contractions"]
     assert (bool(untimed) and untimed in exe.stats["contractions"][0]) == modeled, exe.stats["contractions"]
+
+
+@needs_blas
+@pytest.mark.parametrize("bits,rows,choice", [(512, 8, "generated"), (256, 8, "library"), (256, 16, "library"),
+                                              (256, 4, None)])
+def test_a_classifier_head_is_settled_untimed_by_the_hosts_register_blocks(bits, rows, choice, rng, monkeypatch):
+    """A classifier head (rows x 1280 -> 1000, the weight read in place) is
+    settled without a timing: generated with 512-bit vectors, where it
+    streams the weight once; the library with 256-bit ones where its rows
+    take more than one register block of 4, each of which would stream the
+    whole weight again. Within one block it is timed."""
+    from polyjit.targets.cpu import CpuTarget
+    monkeypatch.setattr(CpuTarget, "vector_bits", lambda self: bits)
+    timings = _timings_faked(monkeypatch, generated_wins=True)
+    exe = _checked_product((rows, 1280, 1000), rng)
+    (said,) = exe.stats["contractions"]
+    assert bool(timings) == (choice is None), said
+    assert said.startswith(f"dot_general [{rows}, 1280] * [1280, 1000]: {choice or 'generated'}"), said
+    assert exe.stats["library_calls"] == (choice == "library"), said
 
 
 @needs_blas
@@ -813,7 +831,8 @@ def _nhwc_conv_reference(x, k, pad: int):
     ("forward", (2, 12, 12, 16), (3, 3, 16, 32), 1, ("generated", None)),  # (AVX2: 1x1 kernels only)
     ("forward", (2, 16, 16, 16), (3, 3, 16, 24), 1, ("generated", None)),  # a vector and half of one
     ("strided forward", (2, 24, 24, 16), (3, 3, 16, 32), 1, ("generated", None)),
-    ("strided forward", (4, 96, 96, 3), (3, 3, 3, 16), 1, ("generated", None)),  # 3 channels, rows of 48
+    ("strided forward", (4, 96, 96, 3), (3, 3, 3, 16), 1, "generated"),  # an image's 3 channels, rows of 48
+    ("forward", (2, 32, 32, 3), (3, 3, 3, 32), 1, "generated"),
     ("strided forward", (4, 96, 96, 3), (3, 3, 3, 16), 0, None),  # rows of 47: partial blocks, timed
     ("input gradient", (2, 12, 12, 32), (3, 3, 32, 32), 1, ("library", None)),  # the kernel read as HWOI
     ("input gradient", (2, 16, 16, 32), (3, 3, 16, 32), 1, None),  # 16 output channels: timed
@@ -824,7 +843,7 @@ def test_channels_last_convolutions_settled_by_the_model(case, shape, kernel, pa
     """contractions="auto" settles a channels-last convolution without a
     timing where the CPU target's model knows the answer (checked per shape
     by bench/convolutions.py; the last choice of a pair is a 256-bit host's,
-    where the model settles 1x1 kernels only):
+    where the model settles 1x1 kernels and an image's few channels only):
     output channels in vectors (8 channels and up, in fours) along the
     kernel's rows generate (strided too, from a vector of input channels or
     more, or where the result's rows fill the register blocks); an input

@@ -168,20 +168,17 @@ def _whole_blocks(L, n: Node, lanes: int, min_rows: int = 64, min_rows_packed: i
     of at most max_elements. Such products beat OpenBLAS at every shape of
     bench/products.py (bench/NOTES.md); partial blocks (197 rows, 77 or
     6282 columns), a packed weight under few rows and larger results lost
-    or came level: those stay timed. So does an unbatched product of
-    FEW_ROWS rows or fewer (a classifier head), its weight read in place and
-    MANY_COLUMNS wide or more: generated, it streams the weight's rows once,
-    and beat sgemm at every such shape measured (1 to 16 rows, 256 to 2048
-    deep, 512 to 3072 wide: 0.12-0.86x)."""
-    a, b = n.inputs
-    at, shape = n.attrs, L.shape(n)
-    free = [x.rank - len(at[c]) - len(at[bt]) for x, c, bt in ((a, "lc", "lb"), (b, "rc", "rb"))]
-    if n.dtype != DataType.Float or free != [1, 1] or not all(map(sz.is_static, shape[:-2] + shape[-1:])):
+    or came level: those stay timed. A classifier head (_classifier_head)
+    runs generated too: it streams the weight's rows once, and beat sgemm
+    at every such shape measured (1 to 16 rows, 256 to 2048 deep, 512 to
+    3072 wide: 0.12-0.86x)."""
+    if not _one_free_dim_each(L, n):
         return ""
+    if _classifier_head(L, n):
+        return f"{L.shape(n)[-2]} rows along the weight's rows"
+    shape = L.shape(n)
     rows, cols = shape[-2], int(shape[-1])
     packed = any(i.is_index_transpose or i.attrs.get("packed") for i in n.inputs)
-    if not packed and not at["lb"] and sz.is_static(rows) and int(rows) <= FEW_ROWS and cols >= MANY_COLUMNS:
-        return f"{rows} rows along the weight's rows"
     if not sz.is_static(rows):  # (a batch's tokens: whole blocks but the last, which has a checked copy)
         block = cpu_rewrites.block_shape(None, cols, lanes)
         rows = max(sz.estimate(rows) // block[0], 1) * block[0]
@@ -189,6 +186,54 @@ def _whole_blocks(L, n: Node, lanes: int, min_rows: int = 64, min_rows_packed: i
             or cpu_rewrites.block_fit(int(rows), cols, lanes) < 1.0:
         return ""
     return f"whole {'x'.join(map(str, cpu_rewrites.block_shape(int(rows), cols, lanes)))} register blocks"
+
+
+def _one_free_dim_each(L, n: Node) -> bool:
+    """Whether n is a float32 product of one free dimension on each side,
+    its result's sizes static but for the rows."""
+    a, b = n.inputs
+    at, shape = n.attrs, L.shape(n)
+    free = [x.rank - len(at[c]) - len(at[bt]) for x, c, bt in ((a, "lc", "lb"), (b, "rc", "rb"))]
+    return n.dtype == DataType.Float and free == [1, 1] and all(map(sz.is_static, shape[:-2] + shape[-1:]))
+
+
+def _classifier_head(L, n: Node) -> tuple[int, int] | None:
+    """(rows, columns) of a classifier head: an unbatched float32 product
+    of FEW_ROWS rows or fewer, MANY_COLUMNS wide or more, its weight read
+    in place (not through a transpose, not packed); else None."""
+    if n.op != "dot_general" or n.attrs["lb"] or not _one_free_dim_each(L, n):
+        return None
+    rows, cols = L.shape(n)[-2], int(L.shape(n)[-1])
+    if any(i.is_index_transpose or i.attrs.get("packed") for i in n.inputs) or not sz.is_static(rows):
+        return None
+    return (int(rows), cols) if int(rows) <= FEW_ROWS and cols >= MANY_COLUMNS else None
+
+
+def _head_in_blocks(L, n: Node, lanes: int) -> str:
+    """Why a classifier head (_classifier_head) calls the library untimed
+    on a host of vectors narrower than 512 bits, or "": its rows take more
+    than one register block, and each block streams the whole weight
+    again. Timed alone, its weight stays in cache and the two came level
+    or the library won (8 x 1280 x 1000: 1.03x; 8 x 768 x 3072: 0.86x; 16 x
+    1024 x 1024: 1.50x); in MobileNetV2, where the weight comes from
+    memory, a timing that chose generated code left the head at twice the
+    library's time (bench/NOTES.md)."""
+    head = _classifier_head(L, n)
+    if head is None:
+        return ""
+    rows, cols = head
+    block = cpu_rewrites.block_shape(rows, cols, lanes)[0]
+    return f"{rows} rows of a classifier head in blocks of {block}: the weight read again" if rows > block else ""
+
+
+def _image_channels(L, n: Node, lanes: int) -> bool:
+    """Whether channels-last convolution n reads fewer input channels than
+    a vector holds (an image's three), its kernel's output channels last:
+    its reduction is a few taps of a few channels, which generated code
+    ran in 0.50-0.73x sgemm's time over im2col at every such shape measured
+    on an AVX2 host too (bench/convolutions.py, bench/NOTES.md)."""
+    kernel, klay = L.shape(n.inputs[1]), n.attrs["kernel_layout"]
+    return klay[-1] == "O" and int(kernel[klay.index("I")]) < lanes
 
 
 def _pointwise(L, n: Node) -> bool:
@@ -339,20 +384,22 @@ class CpuTarget(Target):
         phase of a strided convolution's input gradient) is timed: a 2x2
         phase of a padded 14x14 gradient ran at 20x the library's time.
         Channels-last convolutions: _channels_last (on an AVX2 host, 1x1
-        kernels only: the timings agreed at every such shape of MobileNetV2,
-        while a Keras CNN's 3x3 kernel, generated, took twice sgemm's time);
+        kernels and an image's few channels only: the timings agreed at
+        every such shape of MobileNetV2, while a Keras CNN's 3x3 kernel of
+        32 channels, generated, took twice sgemm's time);
         their weight gradients (images and positions, the reduction, strided
         in both operands): the library from 64 channels, else timed
         (_channels_last_weight_gradient). On any host, a product whose weight
         it would read across rows calls the library (_read_across), below
         the size where products are not timed too. With 256-bit vectors, an
         unbatched product large on every side calls it (_large_product), and
-        so does a 1x1 convolution of NCHW images whose rows fill no vector
-        (_scalar_rows)."""
+        so do a classifier head of more rows than a register block holds
+        (_head_in_blocks) and a 1x1 convolution of NCHW images whose rows
+        fill no vector (_scalar_rows)."""
         if n.op == "dot_general" and _read_across(n):
             return True, "its weight read across rows: too few rows to pack it"
         lanes = self.vector_bits() // 32
-        large = _large_product(L, n) if lanes < 16 else ""
+        large = (_large_product(L, n) or _head_in_blocks(L, n, lanes)) if lanes < 16 else ""
         if large:
             return True, large
         form = None if n.op == "dot_general" else gemm_form(L, n)
@@ -363,7 +410,8 @@ class CpuTarget(Target):
             if scalar:
                 return True, scalar
         if form == "nhwc":
-            return _channels_last(L, n, lanes) if lanes >= 16 or _pointwise(L, n) else None
+            return _channels_last(L, n, lanes) if lanes >= 16 or _pointwise(L, n) or _image_channels(L, n, lanes) \
+                else None
         if lanes < 16:
             return None
         if n.op == "dot_general":
