@@ -230,8 +230,9 @@ def _image_channels(L, n: Node, lanes: int) -> bool:
     """Whether channels-last convolution n reads fewer input channels than
     a vector holds (an image's three), its kernel's output channels last:
     its reduction is a few taps of a few channels, which generated code
-    ran in 0.50-0.73x sgemm's time over im2col at every such shape measured
-    on an AVX2 host too (bench/convolutions.py, bench/NOTES.md)."""
+    ran in 0.39-0.92x sgemm's time over im2col at every such shape measured
+    on an AVX2 host too, strided or not (bench/convolutions.py,
+    bench/NOTES.md)."""
     kernel, klay = L.shape(n.inputs[1]), n.attrs["kernel_layout"]
     return klay[-1] == "O" and int(kernel[klay.index("I")]) < lanes
 
