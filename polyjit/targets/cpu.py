@@ -172,13 +172,13 @@ def _whole_blocks(L, n: Node, lanes: int, min_rows: int = 64, min_rows_packed: i
     runs generated too: it streams the weight's rows once, and beat sgemm
     at every such shape measured (1 to 16 rows, 256 to 2048 deep, 512 to
     3072 wide: 0.12-0.86x)."""
-    if not _one_free_dim_each(L, n):
-        return ""
     if _classifier_head(L, n):
         return f"{L.shape(n)[-2]} rows along the weight's rows"
+    if not _one_free_dim_each(L, n):
+        return ""
     shape = L.shape(n)
     rows, cols = shape[-2], int(shape[-1])
-    packed = any(i.is_index_transpose or i.attrs.get("packed") for i in n.inputs)
+    packed = _operand_copied(n)
     if not sz.is_static(rows):  # (a batch's tokens: whole blocks but the last, which has a checked copy)
         block = cpu_rewrites.block_shape(None, cols, lanes)
         rows = max(sz.estimate(rows) // block[0], 1) * block[0]
@@ -197,6 +197,11 @@ def _one_free_dim_each(L, n: Node) -> bool:
     return n.dtype == DataType.Float and free == [1, 1] and all(map(sz.is_static, shape[:-2] + shape[-1:]))
 
 
+def _operand_copied(n: Node) -> bool:
+    """Whether product n reads an operand through a transpose or packed at each call."""
+    return any(i.is_index_transpose or i.attrs.get("packed") for i in n.inputs)
+
+
 def _classifier_head(L, n: Node) -> tuple[int, int] | None:
     """(rows, columns) of a classifier head: an unbatched float32 product
     of FEW_ROWS rows or fewer, MANY_COLUMNS wide or more, its weight read
@@ -204,7 +209,7 @@ def _classifier_head(L, n: Node) -> tuple[int, int] | None:
     if n.op != "dot_general" or n.attrs["lb"] or not _one_free_dim_each(L, n):
         return None
     rows, cols = L.shape(n)[-2], int(L.shape(n)[-1])
-    if any(i.is_index_transpose or i.attrs.get("packed") for i in n.inputs) or not sz.is_static(rows):
+    if _operand_copied(n) or not sz.is_static(rows):
         return None
     return (int(rows), cols) if int(rows) <= FEW_ROWS and cols >= MANY_COLUMNS else None
 
@@ -400,9 +405,9 @@ class CpuTarget(Target):
         if n.op == "dot_general" and _read_across(n):
             return True, "its weight read across rows: too few rows to pack it"
         lanes = self.vector_bits() // 32
-        large = (_large_product(L, n) or _head_in_blocks(L, n, lanes)) if lanes < 16 else ""
-        if large:
-            return True, large
+        library = (_large_product(L, n) or _head_in_blocks(L, n, lanes)) if lanes < 16 else ""
+        if library:
+            return True, library
         form = None if n.op == "dot_general" else gemm_form(L, n)
         if form == "cfirst" and n.attrs["layout"][-1] == "N":
             return _channels_last_weight_gradient(L, n)
