@@ -298,3 +298,60 @@ def test_xla_handlers_come_from_the_compile_cache_and_call_their_own_launcher(mo
     assert call(a)(c.addressof(f)) is None and not errors
     assert call(b)(c.addressof(f)) == 0xE and errors == [b"failed"]
     assert calls == [("first", [0x1000, 0x2000], 0x3000, None), ("second", [0x1000, 0x2000], 0x3000, None)]
+
+
+def test_a_run_of_parallel_kernels_is_one_region_in_kernel_order():
+    """A native launcher runs consecutive parallel kernels in one parallel
+    region of the thread team (one GOMP_parallel): every part of each kernel
+    runs once, and none before every part of the kernel ahead of it is done;
+    a serial kernel between them ends the region."""
+    import ctypes
+    import threading
+
+    from polyjit.runtime import launch
+    from polyjit.runtime.threads import OmpTeam, thread_team
+    team = thread_team()
+    if not isinstance(team, OmpTeam):
+        pytest.skip("no libgomp")
+    events, lock = [], threading.Lock()
+    kernel_t = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
+
+    def kernel(name):
+        def run(bufs, ints, part, parts):
+            with lock:
+                events.append((name, part, parts, "start"))
+            with lock:
+                events.append((name, part, parts, "end"))
+        return kernel_t(run)
+    kernels = {n: kernel(n) for n in ("a", "b", "serial", "c")}
+    address = {n: ctypes.cast(k, ctypes.c_void_p).value for n, k in kernels.items()}
+    steps = [launch.Run(address["a"], 3, "a"), launch.Run(address["b"], 3, "b"),
+             launch.Run(address["serial"], 1, "serial"), launch.Run(address["c"], 3, "c")]
+    plan = launch.LaunchPlan(slots=1, inputs=[0], outputs=[], fixed={}, ints=[1], steps=steps, context=None)
+    libc = ctypes.CDLL(None)
+    symbols = {**team.symbols(), **{f: ctypes.cast(getattr(libc, f), ctypes.c_void_p).value
+                                    for f in ("snprintf", "aligned_alloc", "free")}}
+    parallel_t = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint)
+    gomp_parallel, regions = parallel_t(symbols["GOMP_parallel"]), []
+
+    def counted(fn, data, threads, flags):
+        regions.append(threads)
+        gomp_parallel(fn, data, threads, flags)
+    counting = parallel_t(counted)
+    symbols["GOMP_parallel"] = ctypes.cast(counting, ctypes.c_void_p).value
+    launcher = launch.NativeLauncher("polyjit_test_region", plan, symbols)
+    message = ctypes.create_string_buffer(100)
+    for _ in range(20):
+        events.clear()
+        regions.clear()
+        code = launch.LAUNCH_T(launcher.address)((ctypes.c_void_p * 1)(0), (ctypes.c_void_p * 1)(), None,
+                                                 message, 100)
+        assert code == 0, message.value
+        assert regions == [3, 3]
+        order = [e[0] for e in events]
+        runs = {n: sorted(e[1] for e in events if e[0] == n and e[3] == "start") for n in kernels}
+        assert runs == {"a": [0, 1, 2], "b": [0, 1, 2], "serial": [0], "c": [0, 1, 2]}
+        assert {e[2] for e in events if e[0] != "serial"} == {3}
+        first = {n: order.index(n) for n in kernels}
+        last = {n: len(order) - 1 - order[::-1].index(n) for n in kernels}
+        assert last["a"] < first["b"] and last["b"] < first["serial"] and last["serial"] < first["c"], events

@@ -31,6 +31,7 @@ from llvmlite import ir
 from ..collector import collector_paused
 from ..codegen.cpu import ieee_floats
 from ..codegen.program import LoadedProgram, cached_host_object
+from .threads import REGION_DATA, regions
 
 I8, I32, I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
 ZERO = ir.Constant(I32, 0)
@@ -41,9 +42,9 @@ LAUNCH_T = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.POINTER(ctypes.c_void_p), cty
 CUDA_ERROR_INVALID_CONTEXT = 201
 SYMBOLS = ("cuStreamGetCtx", "cuCtxGetCurrent", "cuCtxSetCurrent", "cuMemsetD8Async", "cuMemsetD32Async",
            "cuLaunchKernel", "snprintf", "sched_yield")  # the functions a GPU launcher calls, by address
-CPU_SYMBOLS = ("GOMP_parallel", "polyjit_omp_part", "omp_get_thread_num", "omp_get_num_threads",
-               "snprintf", "aligned_alloc", "free")  # a CPU launcher's (the first four where a kernel runs on
-# the team; the last two where it holds a workspace of its own)
+CPU_SYMBOLS = ("GOMP_parallel", "polyjit_omp_region", "omp_get_thread_num", "omp_get_num_threads", "sched_yield",
+               "snprintf", "aligned_alloc", "free")  # a CPU launcher's (the first five where kernels run on
+# the team, threads.REGION_DATA; the last two where it holds a workspace of its own)
 WORKSPACE_ALIGN = 64
 ENTRY = "polyjit_launch"  # the launch function's name (a module of its own in an engine of its own)
 TABLE = f"{ENTRY}.addresses"  # the addresses it reads (relocated)
@@ -102,8 +103,8 @@ class LibraryStep:
 @dataclass(frozen=True)
 class Run:
     """A CPU kernel ``kernel(buffers, ints, part, parts)`` at address ``kernel``:
-    whole (threads 1), or its parts on libgomp's team (GOMP_parallel of the
-    team's trampoline)."""
+    whole (threads 1), or its parts on libgomp's team: a run of these is one
+    parallel region (GOMP_parallel of threads.py's polyjit_omp_region)."""
     kernel: int
     threads: int
     what: str
@@ -237,8 +238,11 @@ class _Builder:
             self.places = [self.slot(k) for k in range(plan.slots)] + [
                 b.gep(self.ints, [ZERO, ir.Constant(I32, k)]) for k in range(len(plan.ints))]
             self.argvs = {}
-        for step in plan.steps:
-            if isinstance(step, Run):
+        for group in regions(plan.steps, _team):
+            step = group[0]
+            if _team(step) is not None:
+                self._region(group)
+            elif isinstance(step, Run):
                 self._run(step)
             elif isinstance(step, LibraryStep):
                 self._library(step)
@@ -348,30 +352,41 @@ class _Builder:
 
     def _kernel_arguments(self) -> None:
         """What every CPU kernel call shares, made once: the argument block's
-        two halves as pointers and, where a kernel runs on the team, the
-        trampoline's data (the kernel's own address stored at each)."""
+        two halves as pointers and, where kernels run on the team, the
+        region's data (threads.REGION_DATA; each region stores its kernels,
+        their count and a zero state)."""
         b, steps = self.b, self.plan.steps
         self.buffers, self.numbers = b.bitcast(self.pointers, PTR), b.bitcast(self.ints, PTR)
         if not any(isinstance(s, Run) and s.threads > 1 for s in steps):
             return
-        data = b.alloca(ir.ArrayType(PTR, 5))
-        shared = [self.buffers, self.numbers] + [
-            self.address(self.symbols[n]) for n in ("omp_get_thread_num", "omp_get_num_threads")]
-        for k, v in enumerate(shared, 1):
-            b.store(v, b.gep(data, [ZERO, ir.Constant(I32, k)]))
-        self.team_kernel, self.team_data = b.gep(data, [ZERO, ZERO]), b.bitcast(data, PTR)
+        data = b.alloca(ir.ArrayType(PTR, len(REGION_DATA)))
+        self.region_state = b.alloca(ir.ArrayType(I64, 2))
+        shared = {"buffers": self.buffers, "ints": self.numbers, "state": b.bitcast(self.region_state, PTR),
+                  **{n: self.address(self.symbols[n]) for n in ("omp_get_thread_num", "omp_get_num_threads",
+                                                              "sched_yield")}}
+        self.region_field = {n: b.gep(data, [ZERO, ir.Constant(I32, k)]) for k, n in enumerate(REGION_DATA)}
+        for n, v in shared.items():
+            b.store(v, self.region_field[n])
+        self.team_data = b.bitcast(data, PTR)
         self.parallel = self.function("GOMP_parallel", PTR, PTR, I32, I32, result=ir.VoidType())
-        self.trampoline = self.address(self.symbols["polyjit_omp_part"])
+        self.trampoline = self.address(self.symbols["polyjit_omp_region"])
 
     def _run(self, step: Run) -> None:
-        """A CPU kernel, whole or on libgomp's team (GOMP_parallel returns once the team is done with it)."""
+        """A CPU kernel run whole."""
+        kernel = self.address(step.kernel, KERNEL_FN.as_pointer())
+        self.b.call(kernel, [self.buffers, self.numbers, ir.Constant(I64, 0), ir.Constant(I64, 1)])
+
+    def _region(self, runs: list[Run]) -> None:
+        """Kernels on libgomp's team, one parallel region (GOMP_parallel
+        returns once the team is done with them)."""
         b = self.b
-        if step.threads <= 1:
-            kernel = self.address(step.kernel, KERNEL_FN.as_pointer())
-            b.call(kernel, [self.buffers, self.numbers, ir.Constant(I64, 0), ir.Constant(I64, 1)])
-            return
-        b.store(self.address(step.kernel), self.team_kernel)
-        b.call(self.parallel, [self.trampoline, self.team_data, ir.Constant(I32, step.threads), ZERO])
+        kernels = b.alloca(ir.ArrayType(PTR, len(runs)))
+        for k, step in enumerate(runs):
+            b.store(self.address(step.kernel), b.gep(kernels, [ZERO, ir.Constant(I32, k)]))
+        b.store(b.bitcast(kernels, PTR), self.region_field["kernels"])
+        b.store(ir.Constant(I64, len(runs)).inttoptr(PTR), self.region_field["count"])
+        b.store(ir.Constant(self.region_state.type.pointee, None), self.region_state)
+        b.call(self.parallel, [self.trampoline, self.team_data, ir.Constant(I32, runs[0].threads), ZERO])
 
     def _library(self, step: LibraryStep) -> None:
         """The calls in order, holding the launcher's lock (a handle's stream
@@ -466,6 +481,11 @@ class _Builder:
 
     def _release(self) -> None:
         self.b.store_atomic(ir.Constant(I32, 0), self.lock, "release", 4)
+
+
+def _team(step) -> int | None:
+    """The threads a step's region has (threads.regions), None where it runs alone."""
+    return step.threads if isinstance(step, Run) and step.threads > 1 else None
 
 
 def _fill(b: ir.IRBuilder, base: ir.Value, step: Memset) -> None:

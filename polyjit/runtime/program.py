@@ -25,7 +25,7 @@ from ..errors import InputError
 from ..sizes import Lin
 from . import launch
 from .buffers import POISON, new_buffer, poison, poison_fill, workspace_layout
-from .threads import OmpTeam, thread_team
+from .threads import OmpTeam, regions, thread_team
 
 PARALLEL_MIN_ELEMENTS = 1 << 15
 _launchers = itertools.count(1)  # native launchers' names are unique
@@ -183,18 +183,20 @@ class CompiledProgram:
         self.stats["workspace_bytes"] = plan.workspace
 
     def _run_kernels(self, plan: "_CallPlan", ptrs) -> None:
-        """Each kernel called from Python (on the thread team where parallel);
-        with POLYJIT_PROFILE, each one's seconds summed in stats."""
+        """Each kernel called from Python, a run of parallel ones in one
+        region of the thread team; with POLYJIT_PROFILE, each kernel on its
+        own and its seconds summed in stats."""
         team = thread_team() if plan.threads > 1 else None
-        for k in self.kernels:
+        joined = team is not None and not PROFILE
+        for group in regions(self.kernels, lambda k: True if joined and k.parallel else None):
             t0 = time.perf_counter() if PROFILE else 0.0
-            if k.parallel and team is not None:
-                team.run(k.fn, ptrs, plan.ints, plan.threads)
+            if group[0].parallel and team is not None:
+                team.run([k.fn for k in group], ptrs, plan.ints, plan.threads)
             else:
-                k.fn(ptrs, plan.ints, 0, 1)
+                group[0].fn(ptrs, plan.ints, 0, 1)
             if PROFILE:
                 spent = self.stats.setdefault("kernel_seconds", {})
-                spent[k.name] = spent.get(k.name, 0.0) + time.perf_counter() - t0
+                spent[group[0].name] = spent.get(group[0].name, 0.0) + time.perf_counter() - t0
 
     def _native_call(self, plan: "_CallPlan"):
         """The plan's kernels as one host-code call (runtime.launch), which
