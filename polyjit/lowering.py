@@ -440,9 +440,18 @@ def lower(graph: Graph, recompute_limit: int = RECOMPUTE_LIMIT, library=None, lo
 # ====================================================== inline lowerings
 def _elementwise(L: Lowering, n: Node, idx):
     args = tuple(L.value(i, idx) for i in n.inputs)
-    if n.op == "reciprocal" and isinstance(args[0], Op) and args[0].op == "sqrt":  # (a batch norm's, decomposed)
-        return Op(n.dtype, "rsqrt", args[0].args)  # one instruction where the target has it
+    if _inverse_root(n.op, args):  # one instruction where the target has it
+        return Op(n.dtype, "rsqrt", args[-1].args)
     return Op(n.dtype, n.op, args)
+
+
+def _inverse_root(op: str, args: tuple) -> bool:
+    """Whether op(args) is reciprocal(sqrt(x)) or 1 / sqrt(x): a batch
+    norm's inverse deviation, as decompositions write it."""
+    root = args[-1]
+    if not (isinstance(root, Op) and root.op == "sqrt"):
+        return False
+    return op == "reciprocal" or (op == "div" and isinstance(args[0], Const) and args[0].value == 1.0)
 
 
 def _where(L, n, idx):

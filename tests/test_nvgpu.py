@@ -94,20 +94,22 @@ def test_ptx_without_a_gpu(name, fn, ref, shapes, tmp_path):
         subprocess.run([_ptxas(), "-arch=sm_90", str(path), "-o", str(tmp_path / "out.cubin")], check=True)
 
 
-def test_an_nhwc_batch_norm_reads_whole_vectors_and_one_rsqrt(rng):
+@pytest.mark.parametrize("inverse", [lambda r: ops.reciprocal(r), lambda r: 1.0 / r], ids=["reciprocal", "division"])
+def test_an_nhwc_batch_norm_reads_whole_vectors_and_one_rsqrt(rng, inverse):
     """relu((x - mean) / sqrt(var + eps) * g + b) over NHWC rows (a batch
     norm after a library convolution): in the vector groups every array goes
     as one read-only vector load (x's four elements were four scalar loads,
     each address rebuilt from the grid index with 64-bit divisions; a grid
     this small divides in 32 bits), and the inverse deviation is one
-    rsqrt.approx, not a square root and a division."""
+    rsqrt.approx, not a square root and a division, whether the graph has a
+    reciprocal or 1 / sqrt (PyTorch's decomposition of batch norm)."""
     def bn(x, mean, var, g, b):
-        return ops.maximum((x - mean) * (ops.reciprocal(ops.sqrt(var + 1e-5)) * g) + b, 0.0)
+        return ops.maximum((x - mean) * (inverse(ops.sqrt(var + 1e-5)) * g) + b, 0.0)
     shapes = [(2, 6, 6, 16)] + [(16,)] * 4
     exe = polyjit.compile(bn, [InputInfo(s, F32) for s in shapes], PTX_ONLY)
     ptx = exe.ir("ptx")
     assert ptx.count("ld.global.nc.v4.b32") >= 5 and ptx.count("st.global.v4.b32") >= 1, ptx
-    assert "rsqrt.approx.f32" in ptx and "div.rn" not in ptx and "mul.hi.u64" not in ptx, ptx
+    assert "rsqrt.approx.f32" in ptx and "div.rn" not in ptx and "rcp.rn" not in ptx and "mul.hi.u64" not in ptx, ptx
     moved = polyjit.compile(lambda x: ops.permute(x, (0, 2, 3, 1)) * 2.0, [InputInfo((2, 3, 6, 10), F32)], PTX_ONLY)
     assert "mul.hi.u32" in moved.ir("ptx") and "mul.hi.u64" not in moved.ir("ptx")  # the grid index, divided
     x = rng.standard_normal(shapes[0]).astype(F32)
