@@ -822,6 +822,10 @@ def register_custom_call(name: str, platform: str, launch: int, args: int, rets:
     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(address), platform=platform)
 
 
+class _NotDispatched(Exception):
+    """A call the dispatch's jit does not run (its checked call does)."""
+
+
 @dataclass
 class _Signature:
     tree: Any
@@ -846,6 +850,8 @@ class JaxFunction:
         # from Python, and the bytes of its largest result
         self._calls: dict[tuple, tuple[Callable, Callable, int] | None] = {}
         self._fast: dict[tuple, tuple] = {}  # (tree, statics, each array's shape, dtype, sharding) -> custom call
+        self._dispatch: Callable | None = None  # _dispatcher's: jax.jit of the staged call
+        self._dispatch_failed = False
         self._xla = jax.jit(fn, static_argnums=static_argnums) if backend == "xla" else None
         self.__name__ = getattr(fn, "__name__", "fn")
         functools.update_wrapper(self, fn)
@@ -957,6 +963,20 @@ class JaxFunction:
 
     # ------------------------------------------------------------------ call
     def __call__(self, *args, **kwargs):
+        dispatch = self._dispatch
+        if dispatch is None:
+            return self._checked_call(args, kwargs)
+        try:
+            return dispatch(*args, **kwargs)
+        except Exception:
+            self._dispatch, self._dispatch_failed = None, True  # where the checked call runs, off from now on
+            try:
+                return self._checked_call(args, kwargs)
+            except Exception:
+                self._dispatch, self._dispatch_failed = dispatch, False  # the user's own error
+                raise
+
+    def _checked_call(self, args, kwargs):
         if self.backend == "std":
             return self.fn(*args, **kwargs)
         if self.backend == "xla":
@@ -985,6 +1005,7 @@ class JaxFunction:
                 return self(*args, **kwargs)
             if fast is not None and all(isinstance(x.dtype, np.dtype) for x in leaves):  # (keys: their data)
                 self._fast[fast] = (call, out_tree)
+                self._dispatcher(next(iter(devices)), where, prog)
             return jax.tree_util.tree_unflatten(out_tree, outs)
         leaves = checked
         outs = prog(leaves)
@@ -1016,6 +1037,26 @@ class JaxFunction:
         warnings.warn(f"polyjit: {self.__name__}: XLA could not run its calls as CUDA graphs "
                       f"({type(err).__name__}: {first}); running them without", stacklevel=4)
         return True
+
+    def _dispatcher(self, device, where: int | str, prog: SegmentedProgram) -> None:
+        """After a call from Python ran as a custom call on the only device
+        of JAX's default backend, calls go through jax.jit of the staged
+        call (_traced, its XLA custom call): JAX's dispatch checks, keys and
+        caches the arguments without Python per call, as it does for
+        jax.jit's users, where the checked call took several times as long
+        as XLA's whole dispatch (bench/NOTES.md). With more devices the
+        trace could not know which one's kernels to call. A call the
+        dispatch cannot run (where the checked call can) turns it off."""
+        if (self._dispatch is not None or self._dispatch_failed or jax.devices() != [device]
+                or any(i < 0 for i in self.static_argnums)):
+            return
+        nested, top, _ = self._calls[(id(prog), where)]
+        options = _graph_options(where) if top is not nested else None  # (as the call from Python ran)
+        self._dispatch = jax.jit(self._dispatched, static_argnums=self.static_argnums, compiler_options=options)
+
+    def _dispatched(self, *args, **kwargs):
+        """The call as jax.jit stages it: an XLA custom call, or _NotDispatched."""
+        return self._traced(*self._split(args, kwargs), dispatched=True)
 
     def _custom_call_device(self, device) -> int | str | None:
         """Where this function's calls on JAX's ``device`` run as XLA custom
@@ -1106,7 +1147,10 @@ class JaxFunction:
         avals = tuple((tuple(np.shape(x)), np.dtype(x.dtype), w) for x, w in zip(leaves, weak))
         return _Signature(tree, avals, statics), leaves
 
-    def _traced(self, statics, leaves, tree):
+    def _traced(self, statics, leaves, tree, dispatched: bool = False):
+        """The call staged into a trace (the caller's jit or grad, or the
+        dispatch's jit: ``dispatched``, where a program that would not run
+        as a custom call from Python raises _NotDispatched)."""
         sig = _Signature(tree, tuple((tuple(x.shape), x.dtype, bool(getattr(x, "weak_type", False)))
                                      for x in leaves), statics)
         prog, out_tree = self.program(sig)
@@ -1125,6 +1169,8 @@ class JaxFunction:
 
         def staged(p, avals, *xs):  # an XLA custom call where it can be, else a callback
             call = self._custom_call(p, where) if where is not None else None
+            if dispatched and (call is None or self._custom_call(p, where, direct=True) is None):
+                raise _NotDispatched(self.__name__)
             if call is not None:
                 return call(*xs)
             return jax.pure_callback(functools.partial(run, p), avals, *xs, vmap_method="sequential")

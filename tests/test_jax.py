@@ -594,7 +594,6 @@ def test_jax_arrays_run_as_xla_custom_calls_on_the_cpu(rng):
         assert_tree_close(f(x2, w, b), ln(x2, w, b), 1e-5, 1e-5)
         assert_tree_close(f(np.asarray(x2), w, b), ln(x2, w, b), 1e-5, 1e-5)
         assert_tree_close(f(x2[:5], w, b), ln(x2[:5], w, b), 1e-5, 1e-5)
-        assert len(f._fast) == 2
         grad = jax.jit(jax.grad(lambda *a: (f(*a) * x).sum(), argnums=(0, 1, 2)))
         text = grad.lower(x, w, b).as_text()
         assert "polyjit_" in text and "callback" not in text
@@ -607,6 +606,36 @@ def test_jax_arrays_run_as_xla_custom_calls_on_the_cpu(rng):
             assert np.asarray(got)[0] > 0
         assert len([c for c in step._calls.values() if c is not None]) == 2
 
+
+
+def test_calls_after_the_first_go_through_jaxs_own_dispatch(rng):
+    """Once a call from Python has run as a custom call on the default
+    backend's only device, calls go through jax.jit of the staged call:
+    none through polyjit's checked call again, new shapes included; a user's
+    error is still the checked call's InputError, and the dispatch stays;
+    a call the dispatch does not run (on the CPU, a result XLA's fresh
+    buffers would fault in each time) runs checked, and later ones too."""
+    device = jax.devices()[0]
+    if jax.devices() != [device] or device.platform not in ("cpu", "gpu"):
+        pytest.skip("the default backend has several devices")
+    f = polyjit.jit_jax(lambda x, w, scale: jnp.tanh(x @ w) * scale, static_argnums=2)
+    x, w = rnd(rng, 16, 32), rnd(rng, 32, 8)
+    assert_tree_close(f(x, w, 2.0), jnp.tanh(x @ w) * 2.0, 1e-5, 1e-5)
+    assert f._dispatch is not None
+    checked = []
+    run_checked = f._checked_call
+    f._checked_call = lambda *a: checked.append(a) or run_checked(*a)
+    for xs, s in ((rnd(rng, 16, 32), 2.0), (rnd(rng, 5, 32), 2.0), (rnd(rng, 16, 32), 3.0)):
+        assert_tree_close(f(xs, w, s), jnp.tanh(xs @ w) * s, 1e-5, 1e-5)
+    assert checked == []
+    with pytest.raises(InputError, match="argument"):
+        f(x, "w", 2.0)
+    assert len(checked) == 1 and f._dispatch is not None
+    if device.platform == "cpu":
+        big = jnp.ones((1 << 23) + 1, jnp.float32)
+        g = polyjit.jit_jax(lambda v: v * 2)
+        assert float(g(big[:8])[0]) == 2.0 and g._dispatch is not None
+        assert float(g(big)[-1]) == 2.0 and g._dispatch is None
 
 
 def test_a_call_whose_graph_options_fail_runs_without_them(rng, monkeypatch):
