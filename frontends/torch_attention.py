@@ -60,13 +60,17 @@ def _(query, key, value, mask, causal, scale):
 @torch.library.custom_op("polyjit::attention_backward", mutates_args=())
 def attention_backward(grad: Tensor, query: Tensor, key: Tensor, value: Tensor, probs: Tensor,
                        scale: float | None) -> tuple[Tensor, Tensor, Tensor]:
-    """The gradients of attention's query, key and value, from its probabilities."""
+    """The gradients of attention's query, key and value, from its
+    probabilities, each laid out as its input is (as the fake's): the
+    graph after it may view them so, a head's split undone (a partition
+    run by PyTorch, a fallback, runs this)."""
     scale = _scale(query, scale)
     dv = torch.matmul(probs.transpose(-2, -1), grad)
     dp = torch.matmul(grad, value.transpose(-2, -1)).float()
     p = probs.float()
     ds = (p * (dp - (dp * p).sum(-1, keepdim=True))).to(query.dtype)
-    return torch.matmul(ds, key) * scale, torch.matmul(ds.transpose(-2, -1), query) * scale, dv
+    grads = torch.matmul(ds, key) * scale, torch.matmul(ds.transpose(-2, -1), query) * scale, dv
+    return tuple(torch.empty_like(x).copy_(g) for x, g in zip((query, key, value), grads))
 
 
 @attention_backward.register_fake

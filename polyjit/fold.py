@@ -128,7 +128,8 @@ def _folded(n: Node, axes: tuple[int, int], steps, each_call: bool) -> Node | No
     after it; None where the weights would be scaled at each call and that
     is not wanted (each_call off) or would cost more than the steps: the
     weights have as many elements as the result or more (ResNet-18's later
-    layers at batch 2: folding them doubled its time)."""
+    layers at batch 2: folding them doubled its time), or either's size is
+    known only at run time."""
     g = Graph()
     scale = shift = None
     for op, p, left in steps:
@@ -137,7 +138,8 @@ def _folded(n: Node, axes: tuple[int, int], steps, each_call: bool) -> Node | No
     stored = w
     while stored.is_index_transpose:  # (those _scaled made)
         stored = stored.inputs[0]
-    if not stored.is_source and not (each_call and sz.static_product(w.shape) < (sz.static_product(n.shape) or 0)):
+    weights, result = sz.static_product(w.shape), sz.static_product(n.shape)
+    if not stored.is_source and not (each_call and None not in (weights, result) and weights < result):
         return None
     out = Node(n.op, (n.inputs[0], w), n.attrs, n.shape, n.dtype)
     if shift is not None:

@@ -246,6 +246,61 @@ def test_attention_at_symbolic_sizes_compiles_once():
     assert jf.stats["graphs"] == 2 and jf.stats["fallbacks"] == 0
 
 
+class _SelfAttention(torch.nn.Module):
+    """Projections split into heads, attention, the heads joined again (as
+    DistilBERT's): the backward views the value's gradient back through the
+    split."""
+
+    def __init__(self, width: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.out = (torch.nn.Linear(width, width) for _ in range(4))
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = (p(x).view(b, s, self.heads, d // self.heads).transpose(1, 2) for p in (self.q, self.k, self.v))
+        return self.out(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).contiguous().view(b, s, d))
+
+
+def _attention_grads(mod, jm, lengths) -> None:
+    for t in lengths:
+        x = r(3, t, 32, grad=True).to(DEVICE)
+        out, ref = jm(x), mod(x)
+        assert_close(out, ref)
+        w = torch.randn_like(ref)
+        params = [x, *mod.parameters()]
+        got, want = (torch.autograd.grad((y * w).sum(), params) for y in (out, ref))
+        for a, b in zip(got, want):
+            assert_close(a, b, rtol=1e-4)
+
+
+def test_self_attention_trains_at_symbolic_sizes():
+    """Under dynamic shapes a product's weights can have sizes known only at
+    run time (the attention backward's keys, computed): folding a scale into
+    them is declined, not an internal failure; two lengths, compiled once."""
+    mod = _SelfAttention().to(DEVICE)
+    jm = polyjit.jit_torch(mod, compile_options={"target": TARGET}, dynamic=True)
+    _attention_grads(mod, jm, (8, 12))
+    assert jm.stats["fallbacks"] == 0 and jm.stats["graphs"] == 2
+
+
+def test_self_attention_falling_back_trains_as_eager(monkeypatch):
+    """A partition that fails to compile runs in PyTorch, attention's
+    backward op included: its gradients come laid out as the trace has them
+    (its fake's), so the split's views after it hold, under dynamic shapes."""
+    from polyjit.targets import base
+
+    def failing(*a, **k):
+        raise RuntimeError("injected")
+    monkeypatch.setattr(base, "fold_scales", failing)
+    mod = _SelfAttention().to(DEVICE)
+    jm = polyjit.jit_torch(mod, compile_options={"target": TARGET}, dynamic=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _attention_grads(mod, jm, (8, 12))
+    assert jm.stats["fallbacks"] >= 2
+
+
 def test_attention_mask_with_a_gradient_stays_sdpa(monkeypatch):
     """A learned mask (a position bias) needs the scores' gradient, which
     polyjit::attention does not give: such an attention is traced as
