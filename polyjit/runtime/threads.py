@@ -27,7 +27,8 @@ REGION_SPIN = 2000  # pauses a thread waits for a region's earlier kernels befor
 # The region's data block, slot by slot (pointers): the kernels' addresses
 # (an array), their count, the argument block's halves, libgomp's
 # omp_get_thread_num and omp_get_num_threads, sched_yield, and the
-# schedule's state (two int32: parts taken, parts done; zero at the start).
+# schedule's state (16 bytes, zero at the start: int32 parts taken, parts
+# done, threads finished).
 REGION_DATA = ("kernels", "count", "buffers", "ints", "omp_get_thread_num", "omp_get_num_threads", "sched_yield",
                "state")
 
@@ -42,10 +43,12 @@ def _trampoline() -> str:
     every part of the earlier kernels is done, waiting REGION_SPIN pauses
     and then yielding its core, never sleeping. So a thread late to the
     region (a core woken from idle) holds nobody up: the others take its
-    parts. A team that slept between a call's kernels paid a wake at each
-    one, and on a virtual machine a core woken after idle time came back
-    about a millisecond later (bench/NOTES.md). Between calls the threads
-    sleep in libgomp as before."""
+    parts. The first thread returns once every thread has finished, waiting
+    the same way, rather than sleep in libgomp's closing barrier. A team
+    that slept between a call's kernels paid a wake at each one, and on a
+    virtual machine a core woken after idle time came back about a
+    millisecond later (bench/NOTES.md). Between calls the threads sleep in
+    libgomp as before."""
     i32, ptr = ir.IntType(32), ir.IntType(8).as_pointer()
     mod = ir.Module(name="polyjit_omp")
     fn = ir.Function(mod, ir.FunctionType(ir.VoidType(), [ptr]), "polyjit_omp_region")
