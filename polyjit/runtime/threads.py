@@ -119,12 +119,14 @@ def regions(items: Sequence, team: Callable[[Any], Hashable | None]) -> list[lis
     ``team(item)`` (not None) is one group, one parallel region; any other
     item is a group of its own."""
     groups: list[list] = []
+    last = None
     for item in items:
         key = team(item)
-        if key is not None and groups and team(groups[-1][-1]) == key:
+        if key is not None and key == last:
             groups[-1].append(item)
         else:
             groups.append([item])
+        last = key
     return groups
 
 
