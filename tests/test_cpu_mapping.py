@@ -84,6 +84,20 @@ def test_a_kernel_of_little_work_is_compiled_with_plain_loops(rng):
         np.testing.assert_allclose(exe(x), x * 2.0 + 1.0, rtol=1e-6)
 
 
+def test_work_counts_each_element_a_statement_reads(rng):
+    """A depthwise 7x7 convolution of few positions reads 49 elements an
+    instance: its work is past PLAIN_WORK, so LLVM vectorizes it (counted
+    by instances, it ran as scalar code)."""
+    def fn(x, w):
+        return ops.conv2d(x, w, padding=3, groups=32)
+    shapes = [(2, 32, 16, 16), (32, 1, 7, 7)]
+    assert 2 * 32 * 16 * 16 < cpu_mapping.PLAIN_WORK <= 2 * 32 * 16 * 16 * 49
+    exe = polyjit.compile(fn, [InputInfo(list(s), F32) for s in shapes])
+    assert "plain loops" not in exe.ir("mapping") and "x float>" in exe.ir("llvm_opt")
+    x, w = (rng.standard_normal(s).astype(F32) for s in shapes)
+    np.testing.assert_allclose(exe(x, w), refs.conv2d(x, w, padding=((3, 3), (3, 3)), groups=32), rtol=1e-5, atol=1e-5)
+
+
 def test_a_fused_group_keeps_its_parallel_loops(monkeypatch, llvm_workers):
     """A dense layer's input gradient broadcast over pooled cells (flax's
     average pooling): isl's clustering scheduler put the weight's transpose

@@ -58,7 +58,7 @@ import islpy as isl
 from .. import sizes as sz
 from ..affine import AffineProgram, Array
 from ..dtypes import DataType
-from ..expr import Const, Expr, Load, Op, Var, iter_vars, merged_index, moves_by_one, select_parts, walk
+from ..expr import Const, Expr, Load, Op, Var, iter_vars, loads, merged_index, moves_by_one, select_parts, walk
 from ..schedule import MIN_PARALLEL_EXTENT, Scheduled, is_update
 from ..schedule.ast import (ast_affine, ast_calls, ast_nodes, ast_uses, fixed_extent, in_order_kernel, static_extent,
                             statements_in, unit_step)
@@ -66,8 +66,8 @@ from ..schedule.tree import unrolled_trips
 from .mapping import Strips, StripMapping, loop_iterator, on_stack
 
 STREAM_BYTES = 8 << 20  # outputs at least this large are written with streaming stores
-ONE_THREAD_WORK = 4096  # a kernel of fewer statement instances runs on one thread
-PLAIN_WORK = 1 << 16  # a kernel of fewer statement instances is compiled without LLVM's unrolling and vectorizers
+ONE_THREAD_WORK = 4096  # a kernel of less work (CpuMapper.work) runs on one thread
+PLAIN_WORK = 1 << 16  # a kernel of less work is compiled without LLVM's unrolling and vectorizers
 
 Path = tuple[int, ...]
 
@@ -222,13 +222,15 @@ class CpuMapper(StripMapping):
         return plan
 
     def work(self, k: int) -> int | None:
-        """Kernel k's statement instances; None where a library call or a
-        symbolic size makes them unknown. Under ONE_THREAD_WORK it is too
-        little to share (a per-channel scale folded into a convolution's
-        weights): on one thread its loops keep their constant trip counts (no
-        chunk bounds of a part), which LLVM vectorizes without remainder
-        loops, in a fraction of the compile time, and no call wakes the team
-        for a few hundred elements. Under PLAIN_WORK LLVM neither unrolls nor
+        """Kernel k's work: its statement instances, each counted once per
+        array element it reads (an inlined 7x7 stencil's instance reads 49;
+        counted once, ConvNeXt's depthwise convolutions were scalar code);
+        None where a library call or a symbolic size makes it unknown.
+        Under ONE_THREAD_WORK it is too little to share (a per-channel
+        scale folded into a convolution's weights): on one thread its loops
+        keep their constant trip counts (no chunk bounds of a part), which
+        LLVM vectorizes without remainder loops, in a fraction of the
+        compile time, and no call wakes the team for a few hundred elements. Under PLAIN_WORK LLVM neither unrolls nor
         vectorizes its loops: unrolled whole, the short nests of a small
         network's last layers ([8, 6, 6, 32]) took most of their kernels'
         compile time, and the vectorizers' analyses most of a network's
@@ -240,7 +242,7 @@ class CpuMapper(StripMapping):
             points = s.points if s.library is None else None
             if points is None:
                 return None
-            work += max(points, 0)
+            work += max(points, 0) * max(len(loads(s.body)), 1)
         return work
 
     @staticmethod
