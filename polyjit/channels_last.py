@@ -13,7 +13,9 @@ computes channels-last arrays instead:
   them in this order, Target.output_orders).
 
 So the arrays between convolutions (a ResNet's activations, its residuals
-and its pooling) are channels last. The transposes that remain are index
+and its pooling) are channels last. The CPU runs the pass on stencils alone
+(stencils_channels_last): those whose images are read out of channels-last
+arrays. The transposes that remain are index
 functions (polyjit.lowering inlines them) where the order is not carried
 on: at the graph's inputs and outputs, and at ops the pass does not carry
 it through.
@@ -84,17 +86,19 @@ def _stencil_kernel_order(n: Node) -> tuple[int, ...] | None:
 class _Pass:
     """One run of the pass: the values stored in another order so far."""
 
-    def __init__(self, stencils: bool) -> None:
+    def __init__(self, stencils: bool, converts: Callable[[Node], bool] = convertible, reads: bool = True) -> None:
         self.stencils = stencils
+        self.converts = converts  # the convolutions computed channels last
+        self.reads = reads  # whether the readers of a channels-last input compute in its order
         self.stored: dict[int, tuple[Node, tuple[int, ...]]] = {}  # old node id -> (the value in order p, p)
         self.rebuilt: dict[tuple[int, tuple], Node] = {}  # (new node id, p) -> the node in order p
         self.index_only: dict[int, bool] = {}
 
     def step(self, old: Node, n: Node, new: dict[int, Node]) -> Node:
-        if convertible(old):
+        if self.converts(old):
             return self._convolution(old, n)
         orders = {self.stored[i.id][1] for i in old.inputs if i.id in self.stored}
-        if not orders and _read_channels_last(old):  # (a backward's saved activation, a channels-last input)
+        if not orders and self.reads and _read_channels_last(old):  # (a backward's saved activation, an input)
             self.stored[old.id] = (n.inputs[0], last(old.rank))
             return n
         if len(orders) != 1 or old.op not in CARRIED:
@@ -289,3 +293,22 @@ def channels_last(graph: Graph, stencils: bool = True) -> Graph:
     take their kernel window first (not where the options send every one
     to the library)."""
     return graph.rewritten(_Pass(stencils).step)
+
+
+def _stencil_of_channels_last(n: Node) -> bool:
+    """Whether n is a stencil convolution (a depthwise one) of images read
+    transposed from channels-last arrays."""
+    return convertible(n) and _stencil_kernel_order(n) is not None and _read_channels_last(n.inputs[0])
+
+
+def stencils_channels_last(graph: Graph) -> Graph:
+    """A copy of graph in which each stencil convolution of images read out
+    of channels-last arrays (ConvNeXt's depthwise convolution, between
+    permutes of a layer norm's channels-last rows) computes channels last,
+    as do the ops after it that carry the order. Read as N, C, spatial...,
+    a tap's neighbours along a row are the same channel's, and a nest that
+    writes channels last (the permute back) runs channels innermost, so
+    each output gathered its window one plane apart, guarded, in scalar
+    code; channels last, a tap is a vector of channels, its guard one per
+    position."""
+    return graph.rewritten(_Pass(True, _stencil_of_channels_last, reads=False).step)

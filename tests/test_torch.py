@@ -348,6 +348,30 @@ def test_conv_bias_relu():
     check_module(ConvBiasRelu(), torch.randn(2, 3, 12, 10), atol=1e-4)
 
 
+class PermutedDepthwise(nn.Module):
+    """ConvNeXt's stem and first block: a layer norm of channels-last rows,
+    permuted back to NCHW for a depthwise 7x7 convolution, whose result is
+    permuted to channels last again for the next layer norm."""
+
+    def __init__(self, c=16):
+        super().__init__()
+        self.norm1, self.dw, self.norm2 = nn.LayerNorm(c), nn.Conv2d(c, c, 7, padding=3, groups=c), nn.LayerNorm(c)
+
+    def forward(self, x):
+        y = self.norm1(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        return self.norm2(self.dw(y).permute(0, 2, 3, 1))
+
+
+def test_a_depthwise_convolution_between_permutes_runs_channels_last():
+    """Its images read out of channels-last rows, the stencil computes
+    channels last (a vector of channels per tap), as the permutes around it
+    are read: forward and gradients as eager's."""
+    stats = check_module(PermutedDepthwise(), torch.randn(2, 16, 9, 9), atol=1e-4)
+    if TARGET == "cpu":
+        assert any(c.startswith("conv [2, 9, 9, 16] * [7, 7, 1, 16] groups 16: generated")
+                   for c in stats["contractions"]), stats["contractions"]
+
+
 @pytest.mark.parametrize("k,s,p", [(2, 2, 0), (3, 2, 1)])
 def test_max_pool2d(k, s, p):
     check(lambda x: F.max_pool2d(x, k, s, p), r(2, 3, 11, 10, grad=True), backward=True)

@@ -9,6 +9,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from .. import sizes as sz
+from ..channels_last import stencils_channels_last
 from ..codegen.cpu import host_key, vector_bits
 from ..codegen.cpu_mapping import NARROWEST_VECTOR
 from ..codegen.llvm import KernelInfo
@@ -340,8 +341,9 @@ class CpuTarget(Target):
         are timed against the library (vectors narrower than 512 bits; not
         under contractions "generated"): the library's form takes them, and
         it ran each of jax_block's dense layers faster than generated code
-        (bench/NOTES.md). Then weights packed and column strips."""
-        graph = super().graph_passes(graph, options)
+        (bench/NOTES.md). Stencils of channels-last images computed channels
+        last (polyjit.channels_last). Then weights packed and column strips."""
+        graph = stencils_channels_last(super().graph_passes(graph, options))
         if self.vector_bits() < 512 and options.contractions != "generated":
             graph = matrix_products(graph)
         return column_strips(packed_operands(graph), options.num_threads)
