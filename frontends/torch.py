@@ -814,12 +814,20 @@ ATEN[aten.bmm.default] = lambda cx, a, b: ops.matmul(a, b)
 ATEN[aten.dot.default] = lambda cx, a, b: ops.sum(a * b)
 
 
+def _per_dim(nsp: int, *params) -> list[list[int]]:
+    """Each of a convolution's stride, padding, dilation... lists, one entry
+    per spatial dim: ATen repeats a single entry (``padding="valid"`` gives
+    [0])."""
+    return [list(v) * nsp if len(v) == 1 else list(v) for v in params]
+
+
 @_reg(aten.convolution.default)
 def _convolution(cx, x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
     nsp = x.ndim - 2
     letters = "DHW"[-nsp:] if nsp <= 3 else None
     if letters is None:
         raise UnsupportedOpError(f"{nsp}-d convolution")
+    stride, padding, dilation, output_padding = _per_dim(nsp, stride, padding, dilation, output_padding)
     if transposed:  # the adjoint of the convolution by w, at the sizes it would have taken
         sizes = [(x.shape[2 + i] - 1) * s - 2 * p + d * (k - 1) + o + 1
                  for i, (s, p, d, k, o) in enumerate(zip(stride, padding, dilation, w.shape[2:], output_padding))]
@@ -842,6 +850,7 @@ def _convolution_backward(cx, grad, x, w, bias_sizes, stride, padding, dilation,
     gradient the same as a convolution's with input and gradient swapped."""
     nsp = x.ndim - 2
     letters = "DHW"[-nsp:]
+    stride, padding, dilation = _per_dim(nsp, stride, padding, dilation)
     ks = list(w.shape[2:])
     gx = gw = gb = None
     if output_mask[0] and transposed:

@@ -348,6 +348,16 @@ def test_conv_bias_relu():
     check_module(ConvBiasRelu(), torch.randn(2, 3, 12, 10), atol=1e-4)
 
 
+@pytest.mark.parametrize("padding,stride", [("valid", 1), ("valid", 2), ("same", 1)])
+@pytest.mark.parametrize("dims", [1, 2])
+def test_convolution_padding_named(padding, stride, dims):
+    """padding="valid" reaches ATen's convolution as a single entry ([0]),
+    which it repeats for every spatial dim (EfficientNet's depthwise
+    convolutions): forward and gradients as eager's."""
+    conv = (nn.Conv1d if dims == 1 else nn.Conv2d)(4, 4, 3, stride, padding, groups=2)
+    check_module(conv, torch.randn(2, 4, *[9] * dims), atol=1e-4)
+
+
 class PermutedDepthwise(nn.Module):
     """ConvNeXt's stem and first block: a layer norm of channels-last rows,
     permuted back to NCHW for a depthwise 7x7 convolution, whose result is
