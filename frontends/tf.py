@@ -453,7 +453,7 @@ def _avg_pool_grad(o, sizes, dy):
     window, st, pd, sp = _pool_dims(o, x)
     g = dy / ops.window_cells(x, window, st, pd)
     first = sp[0]  # (the adjoint's window covers the trailing dims: channels last ride along with 1s)
-    return ops.window_adjoint(lambda offset: g, shape, window[first:], st[first:], pd[first:])
+    return ops.window_sum_adjoint(g, shape, window[first:], st[first:], pd[first:])
 
 
 def _max_pool_grad(o, x, _, dy):

@@ -872,7 +872,10 @@ def _convolution_backward(cx, grad, x, w, bias_sizes, stride, padding, dilation,
 def _window_args(x, nsp: int, kernel, stride, padding, dilation, ceil_mode):
     """Kernel, strides, (low, high) padding and dilation of an nsp-d pooling
     over x's trailing dims. With ceil_mode, a last window that starts inside
-    the image or its low padding pads the high side further."""
+    the image or its low padding pads the high side further; a single
+    window longer than the padded image (EfficientNet's pooler: 1280 cells
+    over 2) is cut to it, the cells past it padding that changes neither
+    the window's max nor its sum nor torch's count."""
     full = lambda v, fill: [fill] * nsp if not v else list(v) * nsp if len(v) == 1 else list(v)  # noqa: E731
     k = full(kernel, 1)
     s, d = full(stride, 1) if stride else k, full(dilation, 1)
@@ -886,6 +889,8 @@ def _window_args(x, nsp: int, kernel, stride, padding, dilation, ceil_mode):
             out = -(-reach // ss) + 1
             out -= (out - 1) * ss >= n + p  # torch's rule: no window starts in the high padding
             pads[i] = (p, p + max(0, (out - 1) * ss - reach))
+            if out == 1 and dd == 1 and kk > n + 2 * p:
+                k[i], pads[i] = n + 2 * p, (p, p)
     return k, s, pads, d
 
 
@@ -934,7 +939,7 @@ def _avg_pool_backward(nsp: int):
         """Each window's gradient, divided as the forward divided, to every cell of the window."""
         k, s, p, _ = _window_args(x, nsp, kernel, stride, padding, (1,), ceil_mode)
         g = grad / _avg_divisor(x, k, s, p, count_include_pad, divisor_override)
-        return ops.window_adjoint(lambda offset: g, list(x.shape), k, s, p)
+        return ops.window_sum_adjoint(g, list(x.shape), k, s, p)
     return rule
 
 

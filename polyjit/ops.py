@@ -917,6 +917,31 @@ def window_adjoint(per_offset: Callable, shape: Sequence, window: Sequence[int],
     return out
 
 
+def window_sum_adjoint(grad: Tensor, shape: Sequence, window: Sequence[int], strides: Sequence[int],
+                       padding: Sequence) -> Tensor:
+    """The adjoint of summing each window (average pooling's gradient): each
+    window's grad added to every cell of it, in a tensor of shape. Windows
+    that tile the padded image (strides as the window: adaptive pooling's,
+    EfficientNet's pooler of a 1280-cell window in ceil_mode) take a
+    broadcast, cut to the image: window_adjoint's pass per offset made
+    that window 1.6M pads and adds."""
+    nsp = len(window)
+    lead = len(shape) - nsp
+    if list(strides) != list(window) or not all(sz.is_static(n) for n in [*shape[lead:], *grad.shape[lead:]]):
+        return window_adjoint(lambda offset: grad, shape, window, strides, padding)
+    low = [a for a, _ in _pairs(padding)]
+    sizes, outs = [int(n) for n in shape[lead:]], [int(n) for n in grad.shape[lead:]]
+    spread = list(grad.shape[:lead]) + [v for o, k in zip(outs, window) for v in (o, k)]
+    x = broadcast_in_dim(grad, spread, list(range(lead)) + [lead + 2 * i for i in range(nsp)])
+    x = reshape(x, list(grad.shape[:lead]) + [o * k for o, k in zip(outs, window)])
+    past = [a + n - o * k if a + n > o * k else 0 for a, n, o, k in zip(low, sizes, outs, window)]  # (in no window)
+    if any(past):
+        x = pad(x, [w for c in reversed(past) for w in (0, c)])
+    if list(x.shape[lead:]) != sizes:
+        x = slice(x, [0] * lead + low, list(shape[:lead]) + [a + n for a, n in zip(low, sizes)])
+    return x
+
+
 def max_pool_grad(grad: Tensor, positions: Tensor, shape: Sequence, window: Sequence[int], strides: Sequence[int],
                   padding: Sequence, dilation: Sequence[int] | None = None) -> Tensor:
     """The adjoint of max_pool_with_positions: each window's gradient flows

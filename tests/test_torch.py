@@ -1136,6 +1136,7 @@ def test_zero_dim_tensors_reduce_scan_and_index_like_eager(dim):
     (lambda x: F.max_pool2d(x, (3, 2), (2, 3), (1, 1), dilation=(1, 2), ceil_mode=True), (1, 2, 9, 11)),
     (lambda x: F.max_pool1d(x, 3, 2, ceil_mode=True), (2, 3, 10)),
     (lambda x: F.max_pool3d(x, 2, 2, (1, 0, 0), ceil_mode=True), (1, 2, 5, 6, 7)),  # a window dropped, one added
+    (lambda x: F.max_pool2d(x, 48, ceil_mode=True), (2, 3, 5, 4)),  # one window, cut to the image
     (lambda x: F.avg_pool2d(x, 3, 2, 1, ceil_mode=True), (2, 3, 10, 9)),
     (lambda x: F.avg_pool2d(x, 3, 2, 1, ceil_mode=True, count_include_pad=False), (3, 10, 9)),
     (lambda x: F.avg_pool1d(x, 2, 2, ceil_mode=True), (2, 3, 7)),
@@ -1147,7 +1148,7 @@ def test_zero_dim_tensors_reduce_scan_and_index_like_eager(dim):
     (lambda x: F.adaptive_max_pool2d(x, (3, 4)), (2, 3, 7, 10)),
     (lambda x: F.adaptive_max_pool1d(x, 3), (2, 3, 10)),
     (lambda x: F.adaptive_max_pool3d(x, (2, 3, 2)), (2, 5, 7, 9)),
-], ids=["max2d_ceil", "max2d_ceil_dilated", "max1d_ceil", "max3d_ceil", "avg2d_ceil", "avg2d_ceil_exclude_pad",
+], ids=["max2d_ceil", "max2d_ceil_dilated", "max1d_ceil", "max3d_ceil", "max2d_window_past_the_image", "avg2d_ceil", "avg2d_ceil_exclude_pad",
         "avg1d_ceil", "avg3d_ceil", "adaptive_avg2d", "adaptive_avg2d_up", "adaptive_avg1d", "adaptive_avg3d",
         "adaptive_max2d", "adaptive_max1d", "adaptive_max3d"])
 def test_pooling_with_ceil_mode_and_uneven_windows_trains(fn, shape):
@@ -1155,6 +1156,20 @@ def test_pooling_with_ceil_mode_and_uneven_windows_trains(fn, shape):
     padding; average pooling counts the declared padding, not the cells past
     it), 1-d and 3-d pooling, and adaptive pooling whose windows overlap or
     differ in size where the output size does not divide the input's."""
+    check(fn, r(*shape, grad=True), backward=True)
+
+
+@pytest.mark.parametrize("fn,shape", [
+    (lambda x: F.avg_pool2d(x, 48, ceil_mode=True), (2, 3, 5, 4)),  # EfficientNet's pooler: one window, mostly padding
+    (lambda x: F.avg_pool2d(x, 2), (2, 3, 9, 7)),  # the last row and column in no window
+    (lambda x: F.avg_pool2d(x, 3, padding=1, count_include_pad=False), (1, 2, 7, 8)),
+    (lambda x: F.adaptive_avg_pool3d(x, (1, 2, 3)), (1, 2, 4, 6, 9)),
+], ids=["ceil_mode_window_past_the_image", "cells_left_over", "padded", "3d"])
+def test_average_pooling_of_windows_that_tile_the_image_trains(fn, shape):
+    """Windows that tile the padded image (stride as the window): their
+    gradient is each window's, broadcast and cut to the image. Spread a
+    window offset at a time, EfficientNet's 1280x1280 pooler window was
+    1.6M pads and adds, and its backward fell back."""
     check(fn, r(*shape, grad=True), backward=True)
 
 
