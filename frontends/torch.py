@@ -1220,6 +1220,18 @@ def _native_layer_norm_backward(cx, grad, x, normalized_shape, mean, rstd, weigh
                  for v, t, wanted in zip(parts, _node_val(cx.node), output_mask))
 
 
+@_reg(aten._weight_norm_interface_backward.default)
+def _weight_norm_interface_backward(cx, grad, v, g, norms, dim):
+    """The gradients of weight_norm's direction v and magnitude g (w = v g /
+    |v|, the norm over every dim but dim; over all of them for dim -1), from
+    the norms its forward saved, as ATen computes them."""
+    others = list(range(v.ndim)) if dim == -1 else [d for d in range(v.ndim) if d != dim % v.ndim]
+    grad, v, g, norms = (_computed(t) for t in (grad, v, g, norms))
+    sums = ops.reshape(ops.sum(grad * v, others, keepdim=True), list(norms.shape))
+    gv = g / norms * (grad - v * (sums / (norms * norms)))
+    return tuple(ops.cast(t, cx.dtype(o.dtype)) for t, o in zip((gv, sums / norms), _node_val(cx.node)))
+
+
 def _per_channel(v, x):
     """A vector of x's channels (dim 1), shaped to broadcast against x."""
     return ops.reshape(v, [v.shape[0]] + [1] * (x.ndim - 2))

@@ -358,6 +358,14 @@ def test_convolution_padding_named(padding, stride, dims):
     check_module(conv, torch.randn(2, 4, *[9] * dims), atol=1e-4)
 
 
+@pytest.mark.parametrize("dim", [0, 2, None])
+def test_weight_norm_trains(dim):
+    """A weight-normed convolution (wav2vec2's positional embedding, dim 2):
+    weight_norm's backward op, outside the table, fell back."""
+    conv = nn.utils.parametrizations.weight_norm(nn.Conv1d(4, 6, 5, padding=2, groups=2), dim=dim)
+    check_module(conv, torch.randn(2, 4, 11), atol=1e-4)
+
+
 class PermutedDepthwise(nn.Module):
     """ConvNeXt's stem and first block: a layer norm of channels-last rows,
     permuted back to NCHW for a depthwise 7x7 convolution, whose result is
