@@ -872,10 +872,10 @@ def _convolution_backward(cx, grad, x, w, bias_sizes, stride, padding, dilation,
 def _window_args(x, nsp: int, kernel, stride, padding, dilation, ceil_mode):
     """Kernel, strides, (low, high) padding and dilation of an nsp-d pooling
     over x's trailing dims. With ceil_mode, a last window that starts inside
-    the image or its low padding pads the high side further; a single
+    the image or its low padding pads the high side further. A single
     window longer than the padded image (EfficientNet's pooler: 1280 cells
-    over 2) is cut to it, the cells past it padding that changes neither
-    the window's max nor its sum nor torch's count."""
+    over 2) is cut to it: the cells past it are padding, which changes
+    neither the window's max, nor its sum, nor torch's count."""
     full = lambda v, fill: [fill] * nsp if not v else list(v) * nsp if len(v) == 1 else list(v)  # noqa: E731
     k = full(kernel, 1)
     s, d = full(stride, 1) if stride else k, full(dilation, 1)
