@@ -814,11 +814,11 @@ ATEN[aten.bmm.default] = lambda cx, a, b: ops.matmul(a, b)
 ATEN[aten.dot.default] = lambda cx, a, b: ops.sum(a * b)
 
 
-def _per_dim(nsp: int, *params) -> list[list[int]]:
-    """Each of a convolution's stride, padding, dilation... lists, one entry
-    per spatial dim: ATen repeats a single entry (``padding="valid"`` gives
-    [0])."""
-    return [list(v) * nsp if len(v) == 1 else list(v) for v in params]
+def _per_dim(v, nsp: int, fill: int = 0) -> list[int]:
+    """A convolution's or a pooling's stride, padding, dilation... with one
+    entry per spatial dim: ATen repeats a single entry (``padding="valid"``
+    gives [0]), and an empty list is fill in every dim."""
+    return [fill] * nsp if not v else list(v) * nsp if len(v) == 1 else list(v)
 
 
 @_reg(aten.convolution.default)
@@ -827,7 +827,8 @@ def _convolution(cx, x, w, bias, stride, padding, dilation, transposed, output_p
     letters = "DHW"[-nsp:] if nsp <= 3 else None
     if letters is None:
         raise UnsupportedOpError(f"{nsp}-d convolution")
-    stride, padding, dilation, output_padding = _per_dim(nsp, stride, padding, dilation, output_padding)
+    stride, padding, dilation, output_padding = (_per_dim(v, nsp) for v in (stride, padding, dilation,
+                                                                            output_padding))
     if transposed:  # the adjoint of the convolution by w, at the sizes it would have taken
         sizes = [(x.shape[2 + i] - 1) * s - 2 * p + d * (k - 1) + o + 1
                  for i, (s, p, d, k, o) in enumerate(zip(stride, padding, dilation, w.shape[2:], output_padding))]
@@ -850,7 +851,7 @@ def _convolution_backward(cx, grad, x, w, bias_sizes, stride, padding, dilation,
     gradient the same as a convolution's with input and gradient swapped."""
     nsp = x.ndim - 2
     letters = "DHW"[-nsp:]
-    stride, padding, dilation = _per_dim(nsp, stride, padding, dilation)
+    stride, padding, dilation = (_per_dim(v, nsp) for v in (stride, padding, dilation))
     ks = list(w.shape[2:])
     gx = gw = gb = None
     if output_mask[0] and transposed:
@@ -876,10 +877,9 @@ def _window_args(x, nsp: int, kernel, stride, padding, dilation, ceil_mode):
     window longer than the padded image (EfficientNet's pooler: 1280 cells
     over 2) is cut to it: the cells past it are padding, which changes
     neither the window's max, nor its sum, nor torch's count."""
-    full = lambda v, fill: [fill] * nsp if not v else list(v) * nsp if len(v) == 1 else list(v)  # noqa: E731
-    k = full(kernel, 1)
-    s, d = full(stride, 1) if stride else k, full(dilation, 1)
-    pads = [(p, p) for p in full(padding, 0)]
+    k = _per_dim(kernel, nsp, 1)
+    s, d = _per_dim(stride, nsp, 1) if stride else list(k), _per_dim(dilation, nsp, 1)
+    pads = [(p, p) for p in _per_dim(padding, nsp)]
     if ceil_mode:
         spatial = list(x.shape[-nsp:])
         if not all(isinstance(n, int) for n in spatial):
@@ -889,8 +889,9 @@ def _window_args(x, nsp: int, kernel, stride, padding, dilation, ceil_mode):
             out = -(-reach // ss) + 1
             out -= (out - 1) * ss >= n + p  # torch's rule: no window starts in the high padding
             pads[i] = (p, p + max(0, (out - 1) * ss - reach))
-            if out == 1 and dd == 1 and kk > n + 2 * p:
-                k[i], pads[i] = n + 2 * p, (p, p)
+            if out == 1 and dd == 1 and kk > n + 2 * p:  # (its stride then the window's: a window that tiles)
+                k[i] = s[i] = n + 2 * p
+                pads[i] = (p, p)
     return k, s, pads, d
 
 

@@ -13,12 +13,12 @@ computes channels-last arrays instead:
   them in this order, Target.output_orders).
 
 So the arrays between convolutions (a ResNet's activations, its residuals
-and its pooling) are channels last. The CPU runs the pass on stencils alone
-(stencils_channels_last): those whose images are read out of channels-last
-arrays. The transposes that remain are index
+and its pooling) are channels last. The transposes that remain are index
 functions (polyjit.lowering inlines them) where the order is not carried
 on: at the graph's inputs and outputs, and at ops the pass does not carry
-it through.
+it through. The CPU runs the pass on stencils alone
+(stencils_channels_last): those whose images are read out of channels-last
+arrays.
 
 A value stored in order p is ``transpose(value, p)``: its axis i is the
 value's axis p[i]. Index computations (iotas, constants and elementwise ops
