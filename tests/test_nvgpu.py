@@ -19,6 +19,7 @@ import refs
 
 F32 = np.float32
 PTX_ONLY = {"target": "nvgpu", "gpu_arch": "sm_90"}
+FMA_ONLY = {**PTX_ONLY, "gpu_arch": "sm_75"}  # contractions as FMAs (no TF32 mma before sm_80)
 
 
 def blur(img):
@@ -325,7 +326,8 @@ def test_mapping_stage_names_each_kernels_form(tmp_path, monkeypatch):
     assert rows == ["warp rows: grid c0, 32 lanes, 3 lane loops (3 in groups of 4, 3 unrolled), 2 reductions"]
     assert _mapping(lambda x: ops.softmax(x, -1), [(4, 8192)])[0].startswith("warp rows: grid c0, 256 lanes")
     mm = _mapping(ops.matmul, [(70, 33), (33, 130)], contractions="generated")
-    assert mm[-1] == "tiled contraction: grid c0 x c1, tiles 64x64 of c0 x c1, k slices of 16 over 1 reduction loop"
+    assert mm[-1] == ("tiled contraction: grid c0 x c1, tiles 64x64 of c0 x c1, k slices of 16 over 1 reduction loop, "
+                      "3xTF32 tensor cores")
     assert _mapping(ops.matmul, [(64, 64), (64, 64)], contractions="generated", tile_sizes=[32, 8])[-1] \
         .startswith("tiled contraction: grid c0 x c1, tiles 32x32 of c0 x c1, k slices of 8")
     pointwise = _mapping(lambda x: ops.exp(x) * 2.0, [(37, 44)])
@@ -344,10 +346,57 @@ def test_mapping_stage_names_each_kernels_form(tmp_path, monkeypatch):
     assert _mapping(ops.matmul, [(70, 33), (33, 130)], contractions="generated") == mm
 
 
+
+def _sim_mma() -> str:
+    """mma.m16n8k8.row.col.tf32 for run_threads_on_cpu: each lane posts its
+    fragments to its warp's table (@sim_xchg, the warp of its thread id),
+    waits at its warp's barrier (@sim_bar, pthread barriers of 32 that
+    _on_host sets up), sums its four elements of A (16 x 8) x B (8 x 8)
+    from the table, inputs cut to TF32, in float64, and waits again."""
+    out = ["declare i32 @pthread_barrier_wait(ptr)",
+           "@sim_bar = global [8 x [64 x i8]] zeroinitializer, align 16",
+           "@sim_xchg = global [8 x [32 x [10 x i32]]] zeroinitializer, align 16",
+           "define {float, float, float, float} @sim_mma_m16n8k8_row_col_tf32(i32 %a0, i32 %a1, i32 %a2, i32 %a3, "
+           "i32 %b0, i32 %b1, float %c0, float %c1, float %c2, float %c3) {",
+           "  %tid = call i32 @sim_tid_x()", "  %w = lshr i32 %tid, 5", "  %l = and i32 %tid, 31",
+           "  %g = lshr i32 %l, 2", "  %t = and i32 %l, 3", "  %t2 = shl i32 %t, 1", "  %g4 = shl i32 %g, 2",
+           "  %bar = getelementptr [8 x [64 x i8]], ptr @sim_bar, i32 0, i32 %w"]
+    for q, x in enumerate(["a0", "a1", "a2", "a3", "b0", "b1"]):
+        out.append(f"  %in{q} = getelementptr [8 x [32 x [10 x i32]]], ptr @sim_xchg, i32 0, i32 %w, i32 %l, i32 {q}")
+        out.append(f"  store i32 %{x}, ptr %in{q}")
+    out.append("  %arrive = call i32 @pthread_barrier_wait(ptr %bar)")
+    for o in range(4):  # C[g + 8 (o // 2), 2t + o % 2]
+        out += [f"  %cd{o} = fpext float %c{o} to double", f"  %n{o} = add i32 %t2, {o % 2}", f"  %nl{o} = shl i32 %n{o}, 2"]
+        acc = f"%cd{o}"
+        for k in range(8):
+            v = f"{o}_{k}"
+            out += [f"  %al{v} = add i32 %g4, {k % 4}", f"  %bl{v} = add i32 %nl{o}, {k % 4}",
+                    f"  %ap{v} = getelementptr [8 x [32 x [10 x i32]]], ptr @sim_xchg, i32 0, i32 %w, i32 %al{v}, "
+                    f"i32 {o // 2 + 2 * (k // 4)}",
+                    f"  %bp{v} = getelementptr [8 x [32 x [10 x i32]]], ptr @sim_xchg, i32 0, i32 %w, i32 %bl{v}, "
+                    f"i32 {4 + k // 4}"]
+            for x in "ab":
+                out += [f"  %{x}i{v} = load i32, ptr %{x}p{v}", f"  %{x}m{v} = and i32 %{x}i{v}, -8192",
+                        f"  %{x}f{v} = bitcast i32 %{x}m{v} to float", f"  %{x}d{v} = fpext float %{x}f{v} to double"]
+            out += [f"  %p{v} = fmul double %ad{v}, %bd{v}", f"  %s{v} = fadd double {acc}, %p{v}"]
+            acc = f"%s{v}"
+        out.append(f"  %d{o} = fptrunc double {acc} to float")
+    out.append("  %leave = call i32 @pthread_barrier_wait(ptr %bar)")
+    out.append("  %r0 = insertvalue {float, float, float, float} undef, float %d0, 0")
+    out += [f"  %r{q} = insertvalue {{float, float, float, float}} %r{q - 1}, float %d{q}, {q}" for q in (1, 2, 3)]
+    out += ["  ret {float, float, float, float} %r3", "}"]
+    return "\n" + "\n".join(out) + "\n"
+
+
+_SIM_MMA = _sim_mma()
+
 _SIM_MATH = {
     "ex2.approx.f": "\ndeclare float @llvm.exp2.f32(float)\n"
                     "define float @sim_ex2_approx_f(float %x) {\n  %r = call float @llvm.exp2.f32(float %x)\n  ret float %r\n}\n",
     "div.approx.f": "\ndefine float @sim_div_approx_f(float %p, float %q) {\n  %r = fdiv float %p, %q\n  ret float %r\n}\n",
+    "f2tf32.rna": "\ndefine i32 @sim_f2tf32_rna(float %x) {\n  %b = bitcast float %x to i32\n"
+                  "  %r = add i32 %b, 4096\n  %m = and i32 %r, -8192\n  ret i32 %m\n}\n",
+    "mma.m16n8k8.row.col.tf32": _SIM_MMA,
     "rsqrt.approx.f": "\ndeclare float @llvm.sqrt.f32(float)\n"
                       "define float @sim_rsqrt_approx_f(float %x) {\n  %s = call float @llvm.sqrt.f32(float %x)\n"
                       "  %r = fdiv float 1.0, %s\n  ret float %r\n}\n",
@@ -396,6 +445,10 @@ def _on_host(text: str, local) -> tuple:
     mod.triple = tm.triple
     engine = llvm.create_mcjit_compiler(mod, tm)
     engine.finalize_object()
+    if "@sim_xchg" in ir:  # (warp barriers of 32 threads, for mma products)
+        libc = ctypes.CDLL(None)
+        for w in range(8):
+            libc.pthread_barrier_init(ctypes.c_void_p(engine.get_global_value_address("sim_bar") + 64 * w), None, 32)
     return engine, ir, hooks
 
 
@@ -524,19 +577,23 @@ def test_vector_groups_thread_by_thread(shape, offset, rng):
     np.testing.assert_allclose(got, np.cos(x) * b + c, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("m,k,n,transposed", [(70, 33, 130, ""), (5, 37, 200, "b"), (64, 40, 64, ""),
-                                               (70, 33, 130, "a"), (40, 20, 70, "ab")])
-def test_tiled_matmul_thread_by_thread(m, k, n, transposed, rng):
+@pytest.mark.parametrize("m,k,n,transposed,arch", [(70, 33, 130, "", "sm_75"), (5, 37, 200, "b", "sm_75"),
+                                                    (64, 40, 64, "", "sm_75"), (70, 33, 130, "a", "sm_75"),
+                                                    (40, 20, 70, "ab", "sm_75"), (70, 33, 130, "", "sm_90"),
+                                                    (40, 20, 70, "ab", "sm_90")])
+def test_tiled_matmul_thread_by_thread(m, k, n, transposed, arch, rng):
     """C = A @ B as tiles of C staged through shared memory: several tiles per
     block (a grid of 2), edges that are not multiples of the tile, A or B read
     transposed (their lanes then stage along the other dimension); run with
-    each block's 256 threads meeting at its barriers."""
+    each block's 256 threads meeting at its barriers. FMAs on sm_75, 3xTF32
+    mma products on sm_90 (their warps' fragments simulated)."""
     a = rng.standard_normal((k, m) if "a" in transposed else (m, k)).astype(F32)
     b = rng.standard_normal((n, k) if "b" in transposed else (k, n)).astype(F32)
     t = lambda x, flip: ops.transpose(x, 0, 1) if flip else x  # noqa: E731
     exe = polyjit.compile(lambda x, y: ops.matmul(t(x, "a" in transposed), t(y, "b" in transposed)),
-                          [InputInfo(a.shape, F32), InputInfo(b.shape, F32)], PTX_ONLY)
-    assert "bar.sync" in exe.ir("ptx") and "ld.shared" in exe.ir("ptx")
+                          [InputInfo(a.shape, F32), InputInfo(b.shape, F32)], {**PTX_ONLY, "gpu_arch": arch})
+    ptx = exe.ir("ptx")
+    assert "bar.sync" in ptx and "ld.shared" in ptx and ("mma.sync" in ptx) == (arch == "sm_90")
     got = run_threads_on_cpu(exe, [a, b], grid=2, block=256)[0]
     want = (a.T if "a" in transposed else a).astype(np.float64) @ (b.T if "b" in transposed else b)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
@@ -544,13 +601,13 @@ def test_tiled_matmul_thread_by_thread(m, k, n, transposed, rng):
 
 @pytest.mark.parametrize("tiles", [[128], [32, 8], [128, 32]])
 def test_tile_sizes_option_thread_by_thread(tiles, rng):
-    """tile_sizes picks the contraction tile (8 x 8 outputs per thread at 128,
-    in groups 64 apart; 2 x 2 at 32) and the staged slice; edges not tile multiples."""
+    """tile_sizes picks the contraction tile (a warp's 4 x 4 mma products at
+    128, 1 at 32) and the staged slice; edges not tile multiples."""
     a, b = rng.standard_normal((150, 37)).astype(F32), rng.standard_normal((37, 133)).astype(F32)
     exe = polyjit.compile(ops.matmul, [InputInfo(a.shape, F32), InputInfo(b.shape, F32)],
                           {**PTX_ONLY, "tile_sizes": tiles})
     side, depth = tiles[0], (tiles[1:] or [16])[0]
-    assert f".shared .align 16 .b8 polyjit_tile_a{side}x{depth}[{4 * side * depth}]" in exe.ir("ptx")
+    assert f".shared .align 16 .b8 polyjit_mma_a{side}x{depth}[{4 * (side + 8) * depth}]" in exe.ir("ptx")
     got = run_threads_on_cpu(exe, [a, b], grid=2, block=256)[0]
     np.testing.assert_allclose(got, a.astype(np.float64) @ b, rtol=1e-4, atol=1e-4)
 
@@ -565,7 +622,7 @@ def test_contraction_tiles_follow_the_device(monkeypatch):
     def tile_of(fn, *shapes):  # generated code (where cuBLAS loads, auto would call it)
         ptx = polyjit.compile(fn, [InputInfo(list(s), F32) for s in shapes],
                               {**PTX_ONLY, "contractions": "generated"}).ir("ptx")
-        return [side for side in (32, 64, 128) if f"polyjit_tile_a{side}x16" in ptx]
+        return [side for side in (32, 64, 128) if f"polyjit_mma_a{side}x16" in ptx]
     assert tile_of(ops.matmul, (1536, 64), (64, 1536)) == [128]
     assert tile_of(ops.matmul, (1024, 64), (64, 1024)) == [64]  # 64 tiles of 128 for 132 multiprocessors
     assert tile_of(lambda a, b: ops.conv(a, b, (1, 1), ((1, 1), (1, 1)), layout="NHWC", kernel_layout="HWIO"),
@@ -1812,6 +1869,21 @@ def test_library_floor_on_the_gpu(case, mode, rng):
     got = exe(*arrays)
     assert (exe.stats["library_calls"] >= 1) == (mode == "library") and exe.stats["fallbacks"] == 0
     np.testing.assert_allclose(got, ref(*arrays), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_generated_products_on_tensor_cores_keep_float32_precision(rng):
+    """A generated product over 3072 terms, on tensor cores (3xTF32), within
+    3e-6 of float64's largest output, as cuBLAS's float32 products are: TF32
+    alone would be about 1e-3 off, and an mma chain summed whole drifted to 2e-5."""
+    a = rng.standard_normal((512, 3072)).astype(F32)
+    b = (rng.standard_normal((3072, 256)) * 0.05).astype(F32)
+    exe = polyjit.compile(ops.matmul, [InputInfo(a.shape, F32), InputInfo(b.shape, F32)],
+                          {"target": "nvgpu", "contractions": "generated"})
+    if int(exe.compile_default().arch[3:].rstrip("a")) >= 80:
+        assert "3xTF32 tensor cores" in exe.ir("mapping")
+    want = a.astype(np.float64) @ b
+    assert np.abs(exe(a, b) - want).max() <= 3e-6 * np.abs(want).max()
 
 
 @pytest.mark.gpu

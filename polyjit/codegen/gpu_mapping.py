@@ -16,7 +16,7 @@ threads. What runs for each of its iterations takes the first form that
 fits:
 
 - :class:`TiledContraction`: a block per tile of a float32 contraction, its
-  operands staged in shared memory;
+  operands staged in shared memory, multiplied on tensor cores from sm_80;
 - :class:`WarpRows`: a warp, or a block for long static rows, whose lanes
   share the inner loops, reductions combined with warp shuffles and shared
   memory;
@@ -66,6 +66,7 @@ VECTOR = 4  # consecutive iterations of an elementwise loop per group (16 bytes 
 ROW_GROUPS = 8  # a lane loop of at most this many groups per lane is unrolled whole
 TILE, KTILE = 64, 16  # a contraction's output tile per block, and its reduction slice in shared memory
 BIG_TILE = 128  # the tile of long products
+MMA_ARCH, MMA_SIDE, MMA_K = 80, 32, 8  # TF32 mma.sync from sm_80; a block's 2 x 4 warps of m16n8k8 products
 STRIP_REDUCE = 256  # iterations of a sum of everything per thread before its atomic add (one address)
 STRIP_COLUMN = 64  # the same where a grid loop spreads the atomics (a column sum); and of a nest's innermost loop
 COLUMN_STRIP_TARGETS = 256  # column sums at least this many may take shorter strips (_column_strip)
@@ -226,11 +227,13 @@ class TiledContraction:
     extents: list  # per parallel loop: its trip count where the AST fixes it, else None
     side: int = TILE
     depth: int = KTILE  # the reduction slice staged at once
+    tensor_cores: bool = False  # 3xTF32 mma products (float32's precision), not FMAs
 
     def __str__(self) -> str:
         i, j = (loop_iterator(self.grid.loops[q]) for q in (self.i, self.j))
         return (f"tiled contraction: {self.grid}, tiles {self.side}x{self.side} of {i} x {j}, k slices of "
-                f"{self.depth} over {_n(len(self.reds), 'reduction loop')}")
+                f"{self.depth} over {_n(len(self.reds), 'reduction loop')}"
+                + (", 3xTF32 tensor cores" if self.tensor_cores else ""))
 
 
 @dataclass
@@ -268,10 +271,14 @@ class GpuMapper(StripMapping):
     buffers: StripMapping's test, shared)."""
 
     def __init__(self, prog: AffineProgram, sched: Scheduled, multiprocessors: int | None = None,
-                 tile_sizes: tuple[int, ...] | None = None) -> None:
+                 tile_sizes: tuple[int, ...] | None = None, arch: str = "sm_90") -> None:
         self.prog, self.sched = prog, sched
         self.stmts = {s.name: s for s in prog.statements}
-        self.multiprocessors, self.tile_sizes = multiprocessors, tile_sizes
+        self.multiprocessors, self.tile_sizes, self.arch = multiprocessors, tile_sizes, arch
+
+    def tensor_cores(self) -> bool:
+        """Whether the GPU multiplies TF32 in mma.sync (sm_80 on)."""
+        return int(self.arch.removeprefix("sm_").rstrip("a")) >= MMA_ARCH
 
     def kernel(self, node: isl.AstNode) -> KernelPlan:
         """The plan of the kernel whose nest is node."""
@@ -878,7 +885,8 @@ def tiled_contraction(m: GpuMapper, grid: Grid) -> TiledContraction | None:
     j = len(loops) - 1
     extents = [static_extent(x) for x in loops]
     side, depth = m.contraction_tiles(extents, i, j)
-    return TiledContraction(grid, reds, st, a, b, grid_its, red_its, i, j, extents, side, depth)
+    return TiledContraction(grid, reds, st, a, b, grid_its, red_its, i, j, extents, side, depth,
+                            m.tensor_cores() and side >= MMA_SIDE and depth % MMA_K == 0)
 
 
 def _product(m: GpuMapper, st, grid_its: list[str]) -> bool:

@@ -80,10 +80,10 @@ def kernel_code(group: ScheduledGroup, j: int, config: tuple, timer, variant: tu
         return code, True
     node = group.sched.kernel_asts()[j]
     with timer("mapping"):
-        plan = GpuMapper(group.problem.prog, group.sched, sms, tile_sizes).kernel(node)
+        plan = GpuMapper(group.problem.prog, group.sched, sms, tile_sizes, arch).kernel(node)
     with timer("emit"):
         emitter = GpuEmitter(group.problem.prog, group.sched, "k")
-        emitter.tile_sizes, emitter.multiprocessors = tile_sizes, sms
+        emitter.tile_sizes, emitter.multiprocessors, emitter.arch = tile_sizes, sms, arch
         emitter.symbol = f"polyjit_gpu_{key[:24]}"
         emitter.kernel(j, node, plan)
         text = str(emitter.module)

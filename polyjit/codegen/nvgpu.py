@@ -7,7 +7,8 @@ among all threads of the launch (consecutive threads take consecutive
 iterations of the innermost parallel loop, so accesses along it coalesce);
 each form of plan has its part here: the grid and point-per-thread loops
 (:class:`GpuEmitter`), strips (:class:`_StripEmission`), warp rows
-(:class:`_RowEmission`) and tiled contractions (:class:`_TileEmission`).
+(:class:`_RowEmission`) and tiled contractions (:class:`_TileEmission`,
+on tensor cores :class:`_MmaTileEmission`).
 What the emitter tracks while it emits one kernel is a
 :class:`KernelContext`.
 """
@@ -421,6 +422,7 @@ class GpuEmitter(_RowEmission, _StripEmission, Emitter):
     triple = TRIPLE
     tile_sizes: tuple[int, ...] | None = None  # compile_options' (tile, ktile) for contractions
     multiprocessors: int | None = None  # of the GPU in use, when one is
+    arch: str = DEFAULT_ARCH  # the sm_XX the PTX is for
 
     def __init__(self, prog, sched, name: str = "fn") -> None:
         super().__init__(prog, sched, name)
@@ -428,7 +430,7 @@ class GpuEmitter(_RowEmission, _StripEmission, Emitter):
         self.ctx: KernelContext | None = None  # the kernel being emitted
 
     def mapper(self) -> GpuMapper:
-        return GpuMapper(self.prog, self.sched, self.multiprocessors, self.tile_sizes)
+        return GpuMapper(self.prog, self.sched, self.multiprocessors, self.tile_sizes, self.arch)
 
     def emit(self) -> ir.Module:
         """Every kernel, all of them mapped first."""
@@ -531,7 +533,7 @@ class GpuEmitter(_RowEmission, _StripEmission, Emitter):
             bounds.append((it, lo, inc, trips))
             total = b.mul(total, trips)
         if isinstance(plan, TiledContraction):
-            _TileEmission(self, plan, [b_[1:] for b_ in bounds]).emit()
+            (_MmaTileEmission if plan.tensor_cores else _TileEmission)(self, plan, [b_[1:] for b_ in bounds]).emit()
             return
         strip_range = None
         if isinstance(plan, (HaloStrips, AtomicStrips)):
@@ -816,6 +818,8 @@ class _TileEmission:
     outputs in registers, in groups of four rows (and columns) 64 apart, so
     that a warp's vector reads of shared memory do not collide in its banks."""
 
+    NAME, PAD = "tile", 0
+
     def __init__(self, e: GpuEmitter, t: TiledContraction, bounds: list) -> None:
         b = e.b
         e.ctx.lanes = BLOCK
@@ -842,7 +846,9 @@ class _TileEmission:
         self.total = self.tiles
         for _, (_, _, trips) in self.batch:  # the other parallel loops: a batch of products
             self.total = b.mul(self.total, trips)
-        self.shared = [e.shared_array(f"polyjit_tile_{x}{side}x{depth}", F32, depth * side, 16) for x in "ab"]
+        self.stride = side + self.PAD  # a staged slice's row of side elements, in shared memory
+        self.shared = [e.shared_array(f"polyjit_{self.NAME}_{x}{side}x{depth}", F32, depth * self.stride, 16)
+                       for x in "ab"]
         self.acc = [e.var(f"gpu.acc{q}", F32) for q in range(self.per * self.per)]
         self.staged = [[e.var(f"gpu.staged{x}{q}", F32) for q in range(self.staged_n)] for x in "ab"]
         # plain factors read the next slice while the block computes on this one; computed
@@ -933,19 +939,23 @@ class _TileEmission:
     def k_step(self) -> None:
         """One slice: staged into shared memory (the next one read meanwhile), then multiplied."""
         e = self.e
-        side = self.side
         for q in range(self.staged_n):
             if not self.prefetch:
                 self.fetch(e.b.load(self.k0, typ=I64), q)
             b = e.b
             (r, ka), (c, kb) = self.share(q)
-            b.store(b.load(self.staged[0][q], typ=F32), self.shared_at(0, b.add(b.mul(ka, _i64(side)), r)))
-            b.store(b.load(self.staged[1][q], typ=F32), self.shared_at(1, b.add(b.mul(kb, _i64(side)), c)))
+            b.store(b.load(self.staged[0][q], typ=F32), self.shared_at(0, b.add(b.mul(ka, _i64(self.stride)), r)))
+            b.store(b.load(self.staged[1][q], typ=F32), self.shared_at(1, b.add(b.mul(kb, _i64(self.stride)), c)))
         e.barrier()
         for q in range(self.staged_n if self.prefetch else 0):
             self.fetch(e.b.add(e.b.load(self.k0, typ=I64), _i64(self.depth)), q)
-        b = e.b
-        per = self.per
+        self.multiply()
+        e.barrier()
+
+    def multiply(self) -> None:
+        """This thread's sums += its rows of the staged A times its columns of B."""
+        e = self.e
+        b, per, side = e.b, self.per, self.side
         sums = [b.load(slot, typ=F32) for slot in self.acc]
         for kk in range(self.depth):
             a = [b.load(self.shared_at(0, b.add(_i64(kk * side), self.own(self.ty, q))), typ=F32) for q in range(per)]
@@ -953,7 +963,11 @@ class _TileEmission:
             sums = [e.call("llvm.fmuladd", [a[q // per], w[q % per], sums[q]]) for q in range(per * per)]
         for slot, v in zip(self.acc, sums):
             b.store(v, slot)
-        e.barrier()
+
+    def outputs(self) -> list:
+        """(row, column, sum slot) per output this thread accumulates, in its tile."""
+        per = self.per
+        return [(self.own(self.ty, q // per), self.own(self.tx, q % per), self.acc[q]) for q in range(per * per)]
 
     def shared_at(self, which: int, index) -> ir.Value:
         b = self.e.b
@@ -962,18 +976,83 @@ class _TileEmission:
     def write_back(self) -> None:
         """C[i, j] += this thread's sums, inside C."""
         e, t = self.e, self.t
-        b, per = e.b, self.per
+        b = e.b
         out = e.prog.arrays[t.st.array]
         i_it, j_it = t.grid_its[t.i], t.grid_its[t.j]
-        for q in range(per * per):
-            i, j = b.add(self.r0, self.own(self.ty, q // per)), b.add(self.c0, self.own(self.tx, q % per))
+        for r, c, acc in self.outputs():
+            i, j = b.add(self.r0, r), b.add(self.c0, c)
             write, after = e.fn.append_basic_block("tile.write"), e.fn.append_basic_block("tile.next")
             b.cbranch(b.and_(b.icmp_signed("<", i, self.m), b.icmp_signed("<", j, self.n)), write, after)
             b.position_at_end(write)
             ptr = e.address(out, t.st.index, {**self.env0, i_it: b.add(self.m_lo, i), j_it: b.add(self.n_lo, j)}, {})
-            b.store(b.fadd(b.load(ptr, typ=F32), b.load(self.acc[q], typ=F32)), ptr)
+            b.store(b.fadd(b.load(ptr, typ=F32), b.load(acc, typ=F32)), ptr)
             b.branch(after)
             b.position_at_end(after)
+
+
+class _MmaTileEmission(_TileEmission):
+    """A tiled contraction on tensor cores at float32's precision (3xTF32):
+    each factor is split into a TF32 part and the TF32 rest (x - big), and
+    a product is big*big + big*small + small*big, the smallest terms
+    first, summed in float32; only small*small (about 2**-22 relative) is
+    dropped. The block's 8 warps take 2 x 4 parts of its tile, each a grid
+    of m16n8k8 mma.sync products; staged rows are padded by 8 elements so
+    that a fragment's reads (rows 0-3 of k, 8 apart in m) take 32 banks."""
+
+    NAME, PAD = "mma", 8
+    MMA = "llvm.nvvm.mma.m16n8k8.row.col.tf32"
+
+    def __init__(self, e: GpuEmitter, t: TiledContraction, bounds: list) -> None:
+        super().__init__(e, t, bounds)
+        b = e.b
+        self.mt = self.nt = t.side // 32  # m16 (n8) products along a warp's rows (columns)
+        self.acc = [e.var(f"gpu.acc{q}", F32) for q in range(self.mt * self.nt * 4)]
+        warp, lane = b.lshr(self.lane, _i64(5)), b.and_(self.lane, _i64(WARP - 1))
+        self.g, self.tg = b.lshr(lane, _i64(2)), b.and_(lane, _i64(3))
+        self.wrow = b.mul(b.lshr(warp, _i64(2)), _i64(t.side // 2))
+        self.wcol = b.mul(b.and_(warp, _i64(3)), _i64(t.side // 4))
+
+    def split(self, x) -> tuple:
+        """x as (big, small) TF32 operands: big rounded to TF32, small the rest rounded."""
+        b, m = self.e.b, self.e.module
+        cvt = m.declare_intrinsic("llvm.nvvm.f2tf32.rna", (), ir.FunctionType(I32, [F32]))
+        big = b.and_(b.call(cvt, [x]), ir.Constant(I32, -8192))  # (the 13 bits TF32 lacks: zero)
+        return big, b.call(cvt, [b.fsub(x, b.bitcast(big, F32))])
+
+    def multiply(self) -> None:
+        """The slice's products summed from zero, then added to the sums: an
+        mma truncates its sum to float32 (it does not round), so a long chain
+        of them drifts; this way its truncations are of the slice's sum."""
+        e = self.e
+        b, m, stride = e.b, e.module, self.stride
+        mma = m.globals.get(self.MMA) or ir.Function(
+            m, ir.FunctionType(ir.LiteralStructType([F32] * 4), [I32] * 6 + [F32] * 4), self.MMA)
+        a_at = b.add(b.mul(self.tg, _i64(stride)), b.add(self.wrow, self.g))
+        b_at = b.add(b.mul(self.tg, _i64(stride)), b.add(self.wcol, self.g))
+        part = [ir.Constant(F32, 0.0)] * len(self.acc)
+        for ks in range(0, self.depth, 8):
+            a = [[self.split(b.load(self.shared_at(0, b.add(a_at, _i64(ks * stride + mi * 16 + dr + dk))), typ=F32))
+                  for dr, dk in ((0, 0), (8, 0), (0, 4 * stride), (8, 4 * stride))] for mi in range(self.mt)]
+            w = [[self.split(b.load(self.shared_at(1, b.add(b_at, _i64((ks + dk) * stride + ni * 8))), typ=F32))
+                  for dk in (0, 4)] for ni in range(self.nt)]
+            for ha, hb in ((1, 0), (0, 1), (0, 0)):  # small x big, big x small, big x big: every tile each time
+                for mi in range(self.mt):
+                    for ni in range(self.nt):
+                        q = (mi * self.nt + ni) * 4
+                        r = b.call(mma, [*(x[ha] for x in a[mi]), *(x[hb] for x in w[ni]), *part[q:q + 4]])
+                        part[q:q + 4] = [b.extract_value(r, x) for x in range(4)]
+        for slot, v in zip(self.acc, part):
+            b.store(b.fadd(b.load(slot, typ=F32), v), slot)
+
+    def outputs(self) -> list:
+        b, out = self.e.b, []
+        for mi in range(self.mt):
+            for ni in range(self.nt):
+                for x in range(4):
+                    r = b.add(self.wrow, b.add(self.g, _i64(mi * 16 + 8 * (x // 2))))
+                    c = b.add(self.wcol, b.add(b.mul(self.tg, _i64(2)), _i64(ni * 8 + x % 2)))
+                    out.append((r, c, self.acc[(mi * self.nt + ni) * 4 + x]))
+        return out
 
 
 def _i64(v: int) -> ir.Constant:

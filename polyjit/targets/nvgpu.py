@@ -402,7 +402,7 @@ class NvgpuTarget(Target):
         with timer("emit"):
             emitter = GpuEmitter(prog, sched, name)
             emitter.tile_sizes = options.tile_sizes
-            emitter.multiprocessors = sms
+            emitter.multiprocessors, emitter.arch = sms, arch
             llvm_text = str(emitter.emit())
         with timer("llvm"):
             optimized, ptx_text = ptx(llvm_text, arch)
