@@ -944,13 +944,18 @@ class _TileEmission:
                 self.fetch(e.b.load(self.k0, typ=I64), q)
             b = e.b
             (r, ka), (c, kb) = self.share(q)
-            b.store(b.load(self.staged[0][q], typ=F32), self.shared_at(0, b.add(b.mul(ka, _i64(self.stride)), r)))
-            b.store(b.load(self.staged[1][q], typ=F32), self.shared_at(1, b.add(b.mul(kb, _i64(self.stride)), c)))
+            b.store(b.load(self.staged[0][q], typ=F32), self.shared_at(0, self.slot(0, ka, r)))
+            b.store(b.load(self.staged[1][q], typ=F32), self.shared_at(1, self.slot(1, kb, c)))
         e.barrier()
         for q in range(self.staged_n if self.prefetch else 0):
             self.fetch(e.b.add(e.b.load(self.k0, typ=I64), _i64(self.depth)), q)
         self.multiply()
         e.barrier()
+
+    def slot(self, which: int, k, x) -> ir.Value:
+        """Where factor which's element (k, row or column x) of a slice is staged."""
+        b = self.e.b
+        return b.add(b.mul(k, _i64(self.stride)), x)
 
     def multiply(self) -> None:
         """This thread's sums += its rows of the staged A times its columns of B."""
@@ -997,7 +1002,10 @@ class _MmaTileEmission(_TileEmission):
     first, summed in float32; only small*small (about 2**-22 relative) is
     dropped. The block's 8 warps take 2 x 4 parts of its tile, each a grid
     of m16n8k8 mma.sync products; staged rows are padded by 8 elements so
-    that a fragment's reads (rows 0-3 of k, 8 apart in m) take 32 banks."""
+    that a fragment's reads (rows 0-3 of k, 8 apart in m) take 32 banks.
+    A factor staged with a warp's lanes along k (16 of them on one row of a
+    16-deep slice) would then store four to a bank; its rows are swizzled
+    in their aligned groups of 8 by a constant of each 4 k (slot)."""
 
     NAME, PAD = "mma", 8
     MMA = "llvm.nvvm.mma.m16n8k8.row.col.tf32"
@@ -1011,6 +1019,18 @@ class _MmaTileEmission(_TileEmission):
         self.g, self.tg = b.lshr(lane, _i64(2)), b.and_(lane, _i64(3))
         self.wrow = b.mul(b.lshr(warp, _i64(2)), _i64(t.side // 2))
         self.wcol = b.mul(b.and_(warp, _i64(3)), _i64(t.side // 4))
+        self.swizzled = (self.a_along_k, self.b_along_k)
+        self.flip = WARP // self.depth  # the swizzle's step for each 4 k: lanes' 32 // depth rows of one k apart
+
+    def swizzle(self, which: int, k4: int) -> int:
+        """The swizzle of the rows (or columns) of factor which at k = 4 k4 .. 4 k4 + 3."""
+        return k4 * self.flip if self.swizzled[which] else 0
+
+    def slot(self, which: int, k, x) -> ir.Value:
+        if not self.swizzled[which]:
+            return super().slot(which, k, x)
+        b = self.e.b
+        return super().slot(which, k, b.xor(x, b.mul(b.lshr(k, _i64(2)), _i64(self.flip))))
 
     def split(self, x) -> tuple:
         """x as (big, small) TF32 operands: big rounded to TF32, small the rest rounded."""
@@ -1027,14 +1047,21 @@ class _MmaTileEmission(_TileEmission):
         b, m, stride = e.b, e.module, self.stride
         mma = m.globals.get(self.MMA) or ir.Function(
             m, ir.FunctionType(ir.LiteralStructType([F32] * 4), [I32] * 6 + [F32] * 4), self.MMA)
-        a_at = b.add(b.mul(self.tg, _i64(stride)), b.add(self.wrow, self.g))
-        b_at = b.add(b.mul(self.tg, _i64(stride)), b.add(self.wcol, self.g))
+        tgs, g = b.mul(self.tg, _i64(stride)), {}
+        base = (b.add(tgs, self.wrow), b.add(tgs, self.wcol))
+
+        def at(which: int, k: int, offset: int) -> ir.Value:  # element (k + tg, offset + g) of the warp's part
+            c = self.swizzle(which, k // 4)  # (offsets are multiples of 8: the swizzle stays with g)
+            if c not in g:
+                g[c] = b.xor(self.g, _i64(c)) if c else self.g
+            return b.add(b.add(base[which], g[c]), _i64(k * stride + offset))
+
         part = [ir.Constant(F32, 0.0)] * len(self.acc)
         for ks in range(0, self.depth, 8):
-            a = [[self.split(b.load(self.shared_at(0, b.add(a_at, _i64(ks * stride + mi * 16 + dr + dk))), typ=F32))
-                  for dr, dk in ((0, 0), (8, 0), (0, 4 * stride), (8, 4 * stride))] for mi in range(self.mt)]
-            w = [[self.split(b.load(self.shared_at(1, b.add(b_at, _i64((ks + dk) * stride + ni * 8))), typ=F32))
-                  for dk in (0, 4)] for ni in range(self.nt)]
+            a = [[self.split(b.load(self.shared_at(0, at(0, ks + dk, mi * 16 + dr)), typ=F32))
+                  for dr, dk in ((0, 0), (8, 0), (0, 4), (8, 4))] for mi in range(self.mt)]
+            w = [[self.split(b.load(self.shared_at(1, at(1, ks + dk, ni * 8)), typ=F32)) for dk in (0, 4)]
+                 for ni in range(self.nt)]
             for ha, hb in ((1, 0), (0, 1), (0, 0)):  # small x big, big x small, big x big: every tile each time
                 for mi in range(self.mt):
                     for ni in range(self.nt):
