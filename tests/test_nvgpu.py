@@ -19,7 +19,6 @@ import refs
 
 F32 = np.float32
 PTX_ONLY = {"target": "nvgpu", "gpu_arch": "sm_90"}
-FMA_ONLY = {**PTX_ONLY, "gpu_arch": "sm_75"}  # contractions as FMAs (no TF32 mma before sm_80)
 
 
 def blur(img):
@@ -597,6 +596,26 @@ def test_tiled_matmul_thread_by_thread(m, k, n, transposed, arch, rng):
     got = run_threads_on_cpu(exe, [a, b], grid=2, block=256)[0]
     want = (a.T if "a" in transposed else a).astype(np.float64) @ (b.T if "b" in transposed else b)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_tensor_core_products_propagate_inf_and_nan_thread_by_thread(rng):
+    """Infinities and NaN through 3xTF32 mma products as through float32
+    FMAs: an infinite factor times a finite one (exact in TF32, its small
+    part 0) stays infinite, times 0 is NaN, and inf - inf is NaN."""
+    a = rng.standard_normal((37, 20)).astype(F32)
+    b = rng.standard_normal((20, 33)).astype(F32)
+    a[3, 5], a[7, 2], a[9, 0] = np.inf, -np.inf, np.nan
+    b[5] = 1.0  # (no TF32 rest)
+    b[5, 4], b[2, 10], b[6, 20] = 0.0, np.inf, np.inf
+    a[12, 6] = -1e30  # (row 12, column 20: -inf + a finite rest)
+    exe = polyjit.compile(ops.matmul, [InputInfo(a.shape, F32), InputInfo(b.shape, F32)],
+                          {**PTX_ONLY, "tile_sizes": [32, 8]})
+    assert "mma.sync" in exe.ir("ptx")
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = a.astype(np.float64) @ b.astype(np.float64)
+    got = run_threads_on_cpu(exe, [a, b], grid=2, block=256)[0]
+    assert np.isinf(want).sum() > 30 and np.isnan(want).sum() > 30
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, equal_nan=True)
 
 
 @pytest.mark.parametrize("tiles", [[128], [32, 8], [128, 32]])

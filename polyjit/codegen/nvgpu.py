@@ -997,10 +997,13 @@ class _TileEmission:
 
 class _MmaTileEmission(_TileEmission):
     """A tiled contraction on tensor cores at float32's precision (3xTF32):
-    each factor is split into a TF32 part and the TF32 rest (x - big), and
-    a product is big*big + big*small + small*big, the smallest terms
-    first, summed in float32; only small*small (about 2**-22 relative) is
-    dropped. The block's 8 warps take 2 x 4 parts of its tile, each a grid
+    each factor is split into a TF32 part (its bits cut to TF32's) and the
+    TF32 rest (x - big, rounded), and a product is big*big + big*small +
+    small*big, the smaller terms first, summed in float32; only small*small
+    (about 2**-20 relative) is dropped. Infinities and NaN take part in
+    big*big only (the small terms see 0 in their place: inf * 0 there
+    would make NaN of an infinite product), so that they propagate as in
+    float32 FMAs. The block's 8 warps take 2 x 4 parts of its tile, each a grid
     of m16n8k8 mma.sync products; staged rows are padded by 8 elements so
     that a fragment's reads (rows 0-3 of k, 8 apart in m) take 32 banks.
     A factor staged with a warp's lanes along k (16 of them on one row of a
@@ -1020,7 +1023,7 @@ class _MmaTileEmission(_TileEmission):
         self.wrow = b.mul(b.lshr(warp, _i64(2)), _i64(t.side // 2))
         self.wcol = b.mul(b.and_(warp, _i64(3)), _i64(t.side // 4))
         self.swizzled = (self.a_along_k, self.b_along_k)
-        self.flip = WARP // self.depth  # the swizzle's step for each 4 k: lanes' 32 // depth rows of one k apart
+        self.flip = WARP // self.depth  # the swizzle's step for each 4 k (a warp stages 32 // depth rows at once)
 
     def swizzle(self, which: int, k4: int) -> int:
         """The swizzle of the rows (or columns) of factor which at k = 4 k4 .. 4 k4 + 3."""
@@ -1033,11 +1036,18 @@ class _MmaTileEmission(_TileEmission):
         return super().slot(which, k, b.xor(x, b.mul(b.lshr(k, _i64(2)), _i64(self.flip))))
 
     def split(self, x) -> tuple:
-        """x as (big, small) TF32 operands: big rounded to TF32, small the rest rounded."""
+        """x as TF32 operands (big, small, big where finite else 0): big cut
+        (rounded, a float32 near the largest would become infinite), small
+        the rest rounded, 0 where x is not finite."""
         b, m = self.e.b, self.e.module
         cvt = m.declare_intrinsic("llvm.nvvm.f2tf32.rna", (), ir.FunctionType(I32, [F32]))
-        big = b.and_(b.call(cvt, [x]), ir.Constant(I32, -8192))  # (the 13 bits TF32 lacks: zero)
-        return big, b.call(cvt, [b.fsub(x, b.bitcast(big, F32))])
+        bits = b.bitcast(x, I32)
+        big = b.and_(bits, ir.Constant(I32, -8192))  # (the 13 bits TF32 lacks: zero)
+        exponent = ir.Constant(I32, 0x7F800000)
+        finite = b.icmp_unsigned("!=", b.and_(bits, exponent), exponent)
+        zero = ir.Constant(I32, 0)
+        small = b.select(finite, b.call(cvt, [b.fsub(x, b.bitcast(big, F32))]), zero)
+        return big, small, b.select(finite, big, zero)
 
     def multiply(self) -> None:
         """The slice's products summed from zero, then added to the sums: an
@@ -1062,7 +1072,7 @@ class _MmaTileEmission(_TileEmission):
                   for dr, dk in ((0, 0), (8, 0), (0, 4), (8, 4))] for mi in range(self.mt)]
             w = [[self.split(b.load(self.shared_at(1, at(1, ks + dk, ni * 8)), typ=F32)) for dk in (0, 4)]
                  for ni in range(self.nt)]
-            for ha, hb in ((1, 0), (0, 1), (0, 0)):  # small x big, big x small, big x big: every tile each time
+            for ha, hb in ((1, 2), (2, 1), (0, 0)):  # small x big, big x small, big x big: every tile each time
                 for mi in range(self.mt):
                     for ni in range(self.nt):
                         q = (mi * self.nt + ni) * 4
