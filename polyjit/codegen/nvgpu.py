@@ -1036,9 +1036,9 @@ class _MmaTileEmission(_TileEmission):
         return super().slot(which, k, b.xor(x, b.mul(b.lshr(k, _i64(2)), _i64(self.flip))))
 
     def split(self, x) -> tuple:
-        """x as TF32 operands (big, small, big where finite else 0): big cut
-        (rounded, a float32 near the largest would become infinite), small
-        the rest rounded, 0 where x is not finite."""
+        """x as TF32 operands (big, small, big where finite else 0): big x's
+        bits cut to TF32's (not rounded: a float32 near the largest would
+        round to infinity), small the rest rounded, 0 where x is not finite."""
         b, m = self.e.b, self.e.module
         cvt = m.declare_intrinsic("llvm.nvvm.f2tf32.rna", (), ir.FunctionType(I32, [F32]))
         bits = b.bitcast(x, I32)
