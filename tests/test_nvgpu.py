@@ -329,6 +329,9 @@ def test_mapping_stage_names_each_kernels_form(tmp_path, monkeypatch):
                       "3xTF32 tensor cores")
     assert _mapping(ops.matmul, [(64, 64), (64, 64)], contractions="generated", tile_sizes=[32, 8])[-1] \
         .startswith("tiled contraction: grid c0 x c1, tiles 32x32 of c0 x c1, k slices of 8")
+    for arch, mma in [("sm_75", False), ("sm_80", True), ("sm_90a", True)]:  # TF32 mma.sync from sm_80
+        assert _mapping(ops.matmul, [(70, 33), (33, 130)], contractions="generated", gpu_arch=arch)[-1] \
+            .endswith("3xTF32 tensor cores") == mma
     pointwise = _mapping(lambda x: ops.exp(x) * 2.0, [(37, 44)])
     assert pointwise == ["point per thread: grid c0 x c1, groups of 4 where aligned (2 accesses), stores deferred"]
     assert _mapping(lambda x: ops.sum(x, [0]), [(4096, 64)])[0].startswith(
