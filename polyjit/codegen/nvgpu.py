@@ -829,8 +829,6 @@ class _TileEmission:
         self.batch = [(it, bd) for q, (it, bd) in enumerate(zip(t.grid_its, bounds)) if q not in (t.i, t.j)]
         side, depth = self.side, self.depth = t.side, t.depth
         self.staged_n = side * depth // BLOCK  # elements of each slice a thread stages
-        self.per = side // 16  # outputs per thread along each side
-        self.group = min(self.per, 4)  # consecutive ones
         self.red = []  # per reduction loop: (iterator, first, extent); k runs over their product
         self.k_hi = _i64(1)
         for it, loop in zip(t.red_its, t.reds):
@@ -840,7 +838,7 @@ class _TileEmission:
             self.k_hi = b.mul(self.k_hi, extent)
         self.k_lo = _i64(0)
         self.lane = b.and_(e.part, _i64(BLOCK - 1))
-        self.ty, self.tx = b.udiv(self.lane, _i64(16)), b.urem(self.lane, _i64(16))
+        self.threads()
         self.tiles_n = b.udiv(b.add(self.n, _i64(side - 1)), _i64(side))
         self.tiles = b.mul(b.udiv(b.add(self.m, _i64(side - 1)), _i64(side)), self.tiles_n)
         self.total = self.tiles
@@ -849,7 +847,6 @@ class _TileEmission:
         self.stride = side + self.PAD  # a staged slice's row of side elements, in shared memory
         self.shared = [e.shared_array(f"polyjit_{self.NAME}_{x}{side}x{depth}", F32, depth * self.stride, 16)
                        for x in "ab"]
-        self.acc = [e.var(f"gpu.acc{q}", F32) for q in range(self.per * self.per)]
         self.staged = [[e.var(f"gpu.staged{x}{q}", F32) for q in range(self.staged_n)] for x in "ab"]
         # plain factors read the next slice while the block computes on this one; computed
         # factors (a convolution's guarded input) would hold too many registers meanwhile
@@ -861,6 +858,15 @@ class _TileEmission:
         self.tile, self.k0 = e.var("gpu.tile"), e.var("gpu.k0")
         self.env0: dict = {}  # the batch iterators of the tile being emitted
         self.r0 = self.c0 = None  # its first row and column
+
+    def threads(self) -> None:
+        """This thread's part of the tile: a place (ty, tx) in 16 x 16, and
+        slots for its side/16 x side/16 sums."""
+        b = self.e.b
+        self.per = self.side // 16  # outputs per thread along each side
+        self.group = min(self.per, 4)  # consecutive ones
+        self.ty, self.tx = b.udiv(self.lane, _i64(16)), b.urem(self.lane, _i64(16))
+        self.acc = [self.e.var(f"gpu.acc{q}", F32) for q in range(self.per * self.per)]
 
     def emit(self) -> None:
         e = self.e
@@ -1015,15 +1021,19 @@ class _MmaTileEmission(_TileEmission):
 
     def __init__(self, e: GpuEmitter, t: TiledContraction, bounds: list) -> None:
         super().__init__(e, t, bounds)
-        b = e.b
-        self.mt = self.nt = t.side // 32  # m16 (n8) products along a warp's rows (columns)
-        self.acc = [e.var(f"gpu.acc{q}", F32) for q in range(self.mt * self.nt * 4)]
-        warp, lane = b.lshr(self.lane, _i64(5)), b.and_(self.lane, _i64(WARP - 1))
-        self.g, self.tg = b.lshr(lane, _i64(2)), b.and_(lane, _i64(3))
-        self.wrow = b.mul(b.lshr(warp, _i64(2)), _i64(t.side // 2))
-        self.wcol = b.mul(b.and_(warp, _i64(3)), _i64(t.side // 4))
         self.swizzled = (self.a_along_k, self.b_along_k)
         self.flip = WARP // self.depth  # the swizzle's step for each 4 k (a warp stages 32 // depth rows at once)
+
+    def threads(self) -> None:
+        """This thread's warp's part of the tile (its first row and column), its
+        place in the warp's fragments (g, tg), and slots for its sums."""
+        b, side = self.e.b, self.side
+        self.mt = self.nt = side // 32  # m16 (n8) products along a warp's rows (columns)
+        warp, lane = b.lshr(self.lane, _i64(5)), b.and_(self.lane, _i64(WARP - 1))
+        self.g, self.tg = b.lshr(lane, _i64(2)), b.and_(lane, _i64(3))
+        self.wrow = b.mul(b.lshr(warp, _i64(2)), _i64(side // 2))
+        self.wcol = b.mul(b.and_(warp, _i64(3)), _i64(side // 4))
+        self.acc = [self.e.var(f"gpu.acc{q}", F32) for q in range(self.mt * self.nt * 4)]
 
     def swizzle(self, which: int, k4: int) -> int:
         """The swizzle of the rows (or columns) of factor which at k = 4 k4 .. 4 k4 + 3."""
