@@ -66,6 +66,7 @@ VECTOR = 4  # consecutive iterations of an elementwise loop per group (16 bytes 
 ROW_GROUPS = 8  # a lane loop of at most this many groups per lane is unrolled whole
 TILE, KTILE = 64, 16  # a contraction's output tile per block, and its reduction slice in shared memory
 BIG_TILE = 128  # the tile of long products
+DEFAULT_ARCH = "sm_90"  # what PTX is for where neither the options nor a GPU say
 MMA_ARCH, MMA_SIDE, MMA_K = 80, 32, 8  # TF32 mma.sync from sm_80; a block's 2 x 4 warps of m16n8k8 products
 STRIP_REDUCE = 256  # iterations of a sum of everything per thread before its atomic add (one address)
 STRIP_COLUMN = 64  # the same where a grid loop spreads the atomics (a column sum); and of a nest's innermost loop
@@ -271,7 +272,7 @@ class GpuMapper(StripMapping):
     buffers: StripMapping's test, shared)."""
 
     def __init__(self, prog: AffineProgram, sched: Scheduled, multiprocessors: int | None = None,
-                 tile_sizes: tuple[int, ...] | None = None, arch: str = "sm_90") -> None:
+                 tile_sizes: tuple[int, ...] | None = None, arch: str = DEFAULT_ARCH) -> None:
         self.prog, self.sched = prog, sched
         self.stmts = {s.name: s for s in prog.statements}
         self.multiprocessors, self.tile_sizes, self.arch = multiprocessors, tile_sizes, arch

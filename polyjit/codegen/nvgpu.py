@@ -30,13 +30,13 @@ from ..expr import Load, Var, offset
 from ..schedule import statements_in
 from ..schedule.ast import kernel_nodes, side_by_side_kernel
 from . import mathlib
-from .gpu_mapping import (BLOCK, TILE_COLS, TILE_ROWS, VECTOR, WARP, AtomicStrips, GpuMapper, HaloStrips, KernelPlan, Library,
-                          PointPerThread, ScatterPoints, SideBySide, TiledContraction, Vector, WarpRows, iter_vars)
+from .gpu_mapping import (BLOCK, DEFAULT_ARCH, TILE_COLS, TILE_ROWS, VECTOR, WARP, AtomicStrips, GpuMapper, HaloStrips,
+                          KernelPlan, Library, PointPerThread, ScatterPoints, SideBySide, TiledContraction, Vector,
+                          WarpRows, iter_vars)
 from .mapping import mapping_text
 from .llvm import COMPUTE, F32, F64, I32, I64, PTR, STORAGE, Emitter, KernelInfo, Strips, static_extent
 
 TRIPLE = "nvptx64-nvidia-cuda"
-DEFAULT_ARCH = "sm_90"
 UNROLL = 4  # copies of a lane loop's body per trip
 VECTOR_UNROLL = 2  # groups per trip of a grid loop (a lane loop takes one)
 _SREG = "llvm.nvvm.read.ptx.sreg."
@@ -1065,8 +1065,7 @@ class _MmaTileEmission(_TileEmission):
         of them drifts; this way its truncations are of the slice's sum."""
         e = self.e
         b, m, stride = e.b, e.module, self.stride
-        mma = m.globals.get(self.MMA) or ir.Function(
-            m, ir.FunctionType(ir.LiteralStructType([F32] * 4), [I32] * 6 + [F32] * 4), self.MMA)
+        mma = m.declare_intrinsic(self.MMA, (), ir.FunctionType(ir.LiteralStructType([F32] * 4), [I32] * 6 + [F32] * 4))
         tgs, g = b.mul(self.tg, _i64(stride)), {}
         base = (b.add(tgs, self.wrow), b.add(tgs, self.wcol))
 
