@@ -975,6 +975,19 @@ def test_a_reduction_over_taps_of_two_is_scheduled_in_parallel(rng):
     np.testing.assert_allclose(exe(x, w), want, rtol=1e-4, atol=1e-4)
 
 
+def test_average_pool_gradient_of_tiling_windows_is_a_broadcast(rng):
+    """Windows that tile the image (strides as the window) spread each
+    window's gradient as one broadcast, padded over the cells in no window,
+    not a pad and an add per window offset; the same values as that."""
+    grad = rng.standard_normal((2, 3, 4, 3)).astype(F32)
+    args = ([2, 3, 9, 7], [2, 2], [2, 2], [(0, 0), (0, 0)])
+    exe = polyjit.compile(lambda g: ops.window_sum_adjoint(g, *args), [InputInfo(grad.shape, F32)])
+    graph = exe.ir("graph")
+    assert graph.count("broadcast") == 1 and graph.count("pad") == 1, graph
+    want = polyjit.compile(lambda g: ops.window_adjoint(lambda offset: g, *args), [InputInfo(grad.shape, F32)])
+    np.testing.assert_array_equal(exe(grad), want(grad))
+
+
 def test_max_pool_gradient_adds_at_positions_and_drops_windows_without_a_cell(rng):
     """A max pool's gradient is added at each window's position (windows may
     share one); a position outside the image (a window wholly in padding,

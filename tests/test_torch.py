@@ -1156,8 +1156,8 @@ def test_zero_dim_tensors_reduce_scan_and_index_like_eager(dim):
     (lambda x: F.adaptive_max_pool2d(x, (3, 4)), (2, 3, 7, 10)),
     (lambda x: F.adaptive_max_pool1d(x, 3), (2, 3, 10)),
     (lambda x: F.adaptive_max_pool3d(x, (2, 3, 2)), (2, 5, 7, 9)),
-], ids=["max2d_ceil", "max2d_ceil_dilated", "max1d_ceil", "max3d_ceil", "max2d_window_past_the_image", "avg2d_ceil", "avg2d_ceil_exclude_pad",
-        "avg1d_ceil", "avg3d_ceil", "adaptive_avg2d", "adaptive_avg2d_up", "adaptive_avg1d", "adaptive_avg3d",
+], ids=["max2d_ceil", "max2d_ceil_dilated", "max1d_ceil", "max3d_ceil", "max2d_window_past_the_image", "avg2d_ceil",
+        "avg2d_ceil_exclude_pad", "avg1d_ceil", "avg3d_ceil", "adaptive_avg2d", "adaptive_avg2d_up", "adaptive_avg1d", "adaptive_avg3d",
         "adaptive_max2d", "adaptive_max1d", "adaptive_max3d"])
 def test_pooling_with_ceil_mode_and_uneven_windows_trains(fn, shape):
     """ceil_mode's last partial window (torch's rule: none starts in the high
