@@ -83,7 +83,6 @@ def kernel_code(group: ScheduledGroup, j: int, config: tuple, timer, variant: tu
         plan = GpuMapper(group.problem.prog, group.sched, sms, tile_sizes, arch).kernel(node)
     with timer("emit"):
         emitter = GpuEmitter(group.problem.prog, group.sched, "k")
-        emitter.tile_sizes, emitter.multiprocessors, emitter.arch = tile_sizes, sms, arch
         emitter.symbol = f"polyjit_gpu_{key[:24]}"
         emitter.kernel(j, node, plan)
         text = str(emitter.module)
