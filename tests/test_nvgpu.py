@@ -326,12 +326,12 @@ def test_mapping_stage_names_each_kernels_form(tmp_path, monkeypatch):
     assert _mapping(lambda x: ops.softmax(x, -1), [(4, 8192)])[0].startswith("warp rows: grid c0, 256 lanes")
     mm = _mapping(ops.matmul, [(70, 33), (33, 130)], contractions="generated")
     assert mm[-1] == ("tiled contraction: grid c0 x c1, tiles 64x64 of c0 x c1, k slices of 16 over 1 reduction loop, "
-                      "3xTF32 tensor cores")
+                      "2 stages copied asynchronously, 3xTF32 tensor cores")
     assert _mapping(ops.matmul, [(64, 64), (64, 64)], contractions="generated", tile_sizes=[32, 8])[-1] \
         .startswith("tiled contraction: grid c0 x c1, tiles 32x32 of c0 x c1, k slices of 8")
     for arch, mma in [("sm_75", False), ("sm_80", True), ("sm_90a", True)]:  # TF32 mma.sync from sm_80
         assert _mapping(ops.matmul, [(70, 33), (33, 130)], contractions="generated", gpu_arch=arch)[-1] \
-            .endswith("3xTF32 tensor cores") == mma
+            .endswith("2 stages copied asynchronously, 3xTF32 tensor cores") == mma
     pointwise = _mapping(lambda x: ops.exp(x) * 2.0, [(37, 44)])
     assert pointwise == ["point per thread: grid c0 x c1, groups of 4 where aligned (2 accesses), stores deferred"]
     assert _mapping(lambda x: ops.sum(x, [0]), [(4096, 64)])[0].startswith(
@@ -399,6 +399,12 @@ _SIM_MATH = {
     "f2tf32.rna": "\ndefine i32 @sim_f2tf32_rna(float %x) {\n  %b = bitcast float %x to i32\n"
                   "  %r = add i32 %b, 4096\n  %m = and i32 %r, -8192\n  ret i32 %m\n}\n",
     "mma.m16n8k8.row.col.tf32": _SIM_MMA,
+    "cp.async.ca.shared.global.4.s": "\ndefine void @sim_cp_async_ca_shared_global_4_s(ptr %d, ptr %s, i32 %n) {\n"
+                                     "  %inside = icmp eq i32 %n, 4\n  br i1 %inside, label %copy, label %zero\n"
+                                     "copy:\n  %v = load i32, ptr %s\n  store i32 %v, ptr %d\n  ret void\n"
+                                     "zero:\n  store i32 0, ptr %d\n  ret void\n}\n",
+    "cp.async.commit.group": "\ndefine void @sim_cp_async_commit_group() {\n  ret void\n}\n",
+    "cp.async.wait.group": "\ndefine void @sim_cp_async_wait_group(i32 %n) {\n  ret void\n}\n",
     "rsqrt.approx.f": "\ndeclare float @llvm.sqrt.f32(float)\n"
                       "define float @sim_rsqrt_approx_f(float %x) {\n  %s = call float @llvm.sqrt.f32(float %x)\n"
                       "  %r = fdiv float 1.0, %s\n  ret float %r\n}\n",
@@ -416,7 +422,7 @@ def _on_host(text: str, local) -> tuple:
 
     from polyjit.codegen.cpu import target_machine, _llvm
     ir = text.replace('target triple = "nvptx64-nvidia-cuda"', "").replace("define ptx_kernel", "define")
-    ir = ir.replace(" addrspace(3)", "")
+    ir = ir.replace(" addrspace(3)", "").replace(" addrspace(1)", "").replace("addrspacecast", "bitcast")
     i32 = ctypes.CFUNCTYPE(ctypes.c_int32)
     hooks = {"sim_tid_x": i32(lambda: local.tid), "sim_ctaid_x": i32(lambda: local.ctaid),
              "sim_ntid_x": i32(lambda: local.ntid), "sim_nctaid_x": i32(lambda: local.nctaid),
@@ -629,7 +635,10 @@ def test_tile_sizes_option_thread_by_thread(tiles, rng):
     exe = polyjit.compile(ops.matmul, [InputInfo(a.shape, F32), InputInfo(b.shape, F32)],
                           {**PTX_ONLY, "tile_sizes": tiles})
     side, depth = tiles[0], (tiles[1:] or [16])[0]
-    assert f".shared .align 16 .b8 polyjit_mma_a{side}x{depth}[{4 * (side + 8) * depth}]" in exe.ir("ptx")
+    stages = 2 if 4 * (side + 8) * depth * 2 * 2 <= 48 * 1024 else 1  # (the slices copied asynchronously)
+    name = f"polyjit_mma_a{side}x{depth}{'x2' if stages > 1 else ''}"
+    assert f".shared .align 16 .b8 {name}[{4 * (side + 8) * depth * stages}]" in exe.ir("ptx")
+    assert ("cp.async" in exe.ir("ptx")) == (stages > 1)
     got = run_threads_on_cpu(exe, [a, b], grid=2, block=256)[0]
     np.testing.assert_allclose(got, a.astype(np.float64) @ b, rtol=1e-4, atol=1e-4)
 

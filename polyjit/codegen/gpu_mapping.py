@@ -50,7 +50,7 @@ import islpy as isl
 from .. import scalar
 from ..affine import AffineProgram, Statement
 from ..dtypes import DataType
-from ..expr import Const, Op, Var, iter_vars, loads, moves_by_one, walk
+from ..expr import Const, Load, Op, Var, iter_vars, loads, moves_by_one, walk
 from ..schedule import Scheduled, ast_nodes, statements_in
 from ..schedule.ast import kernel_nodes, side_by_side_kernel, unit_step
 from ..schedule.fusion import GPU_STRIP
@@ -68,6 +68,9 @@ TILE, KTILE = 64, 16  # a contraction's output tile per block, and its reduction
 BIG_TILE = 128  # the tile of long products
 DEFAULT_ARCH = "sm_90"  # what PTX is for where neither the options nor a GPU say
 MMA_ARCH, MMA_SIDE, MMA_K = 80, 32, 8  # TF32 mma.sync from sm_80; a block's 2 x 4 warps of m16n8k8 products
+MMA_PAD = 8  # elements after each staged row of a tensor-core tile (a fragment's reads then take 32 banks)
+MMA_STAGES = 2  # slices of plain factors in shared memory at once, copied by cp.async (sm_80 too)
+STATIC_SHARED = 48 * 1024  # the bytes of shared memory a kernel may declare
 STRIP_REDUCE = 256  # iterations of a sum of everything per thread before its atomic add (one address)
 STRIP_COLUMN = 64  # the same where a grid loop spreads the atomics (a column sum); and of a nest's innermost loop
 COLUMN_STRIP_TARGETS = 256  # column sums at least this many may take shorter strips (_column_strip)
@@ -229,11 +232,13 @@ class TiledContraction:
     side: int = TILE
     depth: int = KTILE  # the reduction slice staged at once
     tensor_cores: bool = False  # 3xTF32 mma products (float32's precision), not FMAs
+    stages: int = 1  # > 1: slices copied into shared memory asynchronously, stages - 1 ahead
 
     def __str__(self) -> str:
         i, j = (loop_iterator(self.grid.loops[q]) for q in (self.i, self.j))
         return (f"tiled contraction: {self.grid}, tiles {self.side}x{self.side} of {i} x {j}, k slices of "
                 f"{self.depth} over {_n(len(self.reds), 'reduction loop')}"
+                + (f", {self.stages} stages copied asynchronously" if self.stages > 1 else "")
                 + (", 3xTF32 tensor cores" if self.tensor_cores else ""))
 
 
@@ -886,8 +891,12 @@ def tiled_contraction(m: GpuMapper, grid: Grid) -> TiledContraction | None:
     j = len(loops) - 1
     extents = [static_extent(x) for x in loops]
     side, depth = m.contraction_tiles(extents, i, j)
-    return TiledContraction(grid, reds, st, a, b, grid_its, red_its, i, j, extents, side, depth,
-                            m.tensor_cores() and side >= MMA_SIDE and depth % MMA_K == 0)
+    mma = m.tensor_cores() and side >= MMA_SIDE and depth % MMA_K == 0
+    # plain factors (not a convolution's guarded input) go from global to shared memory by cp.async
+    copied = mma and isinstance(a, Load) and isinstance(b, Load) \
+        and 2 * MMA_STAGES * depth * (side + MMA_PAD) * 4 <= STATIC_SHARED
+    return TiledContraction(grid, reds, st, a, b, grid_its, red_its, i, j, extents, side, depth, mma,
+                            MMA_STAGES if copied else 1)
 
 
 def _product(m: GpuMapper, st, grid_its: list[str]) -> bool:

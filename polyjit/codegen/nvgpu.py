@@ -30,9 +30,9 @@ from ..expr import Load, Var, offset
 from ..schedule import statements_in
 from ..schedule.ast import kernel_nodes, side_by_side_kernel
 from . import mathlib
-from .gpu_mapping import (BLOCK, DEFAULT_ARCH, TILE_COLS, TILE_ROWS, VECTOR, WARP, AtomicStrips, GpuMapper, HaloStrips,
-                          KernelPlan, Library, PointPerThread, ScatterPoints, SideBySide, TiledContraction, Vector,
-                          WarpRows, iter_vars)
+from .gpu_mapping import (BLOCK, DEFAULT_ARCH, MMA_PAD, TILE_COLS, TILE_ROWS, VECTOR, WARP, AtomicStrips, GpuMapper,
+                          HaloStrips, KernelPlan, Library, PointPerThread, ScatterPoints, SideBySide, TiledContraction,
+                          Vector, WarpRows, iter_vars)
 from .mapping import mapping_text
 from .llvm import COMPUTE, F32, F64, I32, I64, PTR, STORAGE, Emitter, KernelInfo, Strips, static_extent
 
@@ -845,8 +845,10 @@ class _TileEmission:
         for _, (_, _, trips) in self.batch:  # the other parallel loops: a batch of products
             self.total = b.mul(self.total, trips)
         self.stride = side + self.PAD  # a staged slice's row of side elements, in shared memory
-        self.shared = [e.shared_array(f"polyjit_{self.NAME}_{x}{side}x{depth}", F32, depth * self.stride, 16)
-                       for x in "ab"]
+        self.stages = t.stages
+        stages = f"x{t.stages}" if t.stages > 1 else ""
+        self.shared = [e.shared_array(f"polyjit_{self.NAME}_{x}{side}x{depth}{stages}", F32,
+                                      t.stages * depth * self.stride, 16) for x in "ab"]
         self.staged = [[e.var(f"gpu.staged{x}{q}", F32) for q in range(self.staged_n)] for x in "ab"]
         # plain factors read the next slice while the block computes on this one; computed
         # factors (a convolution's guarded input) would hold too many registers meanwhile
@@ -903,10 +905,13 @@ class _TileEmission:
         self.r0, self.c0 = b.mul(b.udiv(tv, self.tiles_n), side), b.mul(b.urem(tv, self.tiles_n), side)
         for slot in self.acc:
             b.store(ir.Constant(F32, 0.0), slot)
+        self.k_loop()
+        self.write_back()
+
+    def k_loop(self) -> None:
         for q in range(self.staged_n if self.prefetch else 0):
             self.fetch(self.k_lo, q)
         self.e.strided_loop(self.k0, self.k_lo, self.k_hi, _i64(self.depth), "ktile", self.k_step)
-        self.write_back()
 
     def share(self, q: int) -> tuple:
         """Element q of this thread's share of a slice: A's (row, k) and B's
@@ -1014,15 +1019,76 @@ class _MmaTileEmission(_TileEmission):
     that a fragment's reads (rows 0-3 of k, 8 apart in m) take 32 banks.
     A factor staged with a warp's lanes along k (16 of them on one row of a
     16-deep slice) would then store four to a bank; its rows are swizzled
-    in their aligned groups of 8 by a constant of each 4 k (slot)."""
+    in their aligned groups of 8 by a constant of each 4 k (slot).
 
-    NAME, PAD = "mma", 8
+    Plain factors (t.stages > 1) are copied from global to shared memory by
+    cp.async, element by element into the same places, the next slice while
+    the block multiplies this one: no registers hold them on the way.
+    A warp multiplies a row of its tiles at a time, so that only that row's
+    partial sums are live beside the tile's sums."""
+
+    NAME, PAD = "mma", MMA_PAD
     MMA = "llvm.nvvm.mma.m16n8k8.row.col.tf32"
 
     def __init__(self, e: GpuEmitter, t: TiledContraction, bounds: list) -> None:
         super().__init__(e, t, bounds)
         self.swizzled = (self.a_along_k, self.b_along_k)
         self.flip = WARP // self.depth  # the swizzle's step for each 4 k (a warp stages 32 // depth rows at once)
+        self.stage = _i64(0)  # the offset of the slice being multiplied in the shared arrays
+
+    def k_loop(self) -> None:
+        """Slices copied asynchronously, stages - 1 ahead of the one multiplied:
+        a slice's wait and one barrier before it is multiplied (the barrier
+        also tells that every warp is done with the stage copied into next)."""
+        if self.stages == 1:
+            return super().k_loop()
+        e, depth, stages = self.e, self.depth, self.stages
+        b = e.b
+        for s in range(stages - 1):
+            self.copy_slice(b.add(self.k_lo, _i64(s * depth)), s)
+        e.strided_loop(self.k0, self.k_lo, self.k_hi, _i64(depth), "ktile", self.k_step_async)
+        self.async_wait(0)
+        e.barrier()
+
+    def k_step_async(self) -> None:
+        e, depth, stages = self.e, self.depth, self.stages
+        b = e.b
+        k0 = b.load(self.k0, typ=I64)
+        n = b.udiv(b.sub(k0, self.k_lo), _i64(depth))
+        self.async_wait(stages - 2)
+        e.barrier()
+        self.copy_slice(b.add(k0, _i64((stages - 1) * depth)), b.urem(b.add(n, _i64(stages - 1)), _i64(stages)))
+        self.stage = b.mul(b.urem(n, _i64(stages)), _i64(depth * self.stride))
+        self.multiply()
+
+    def copy_slice(self, kv, stage) -> None:
+        """Start copying the slice at kv into a stage (zeros past the edges), as one group."""
+        e, t = self.e, self.t
+        b, m = e.b, e.module
+        copy = m.declare_intrinsic("llvm.nvvm.cp.async.ca.shared.global.4.s", (),
+                                   ir.FunctionType(ir.VoidType(), [ir.PointerType(addrspace=3),
+                                                                   ir.PointerType(addrspace=1), I32]))
+        offset = b.mul(stage if isinstance(stage, ir.Value) else _i64(stage), _i64(self.depth * self.stride))
+        i_it, j_it = t.grid_its[t.i], t.grid_its[t.j]
+        for q in range(self.staged_n):
+            for which, (x, kk) in enumerate(self.share(q)):
+                first, lo, extent, it, factor = ((self.r0, self.m_lo, self.m, i_it, t.a) if which == 0 else
+                                                 (self.c0, self.n_lo, self.n, j_it, t.b))
+                xa, k = b.add(first, x), b.add(kv, kk)
+                inside = b.and_(b.icmp_signed("<", xa, extent), b.icmp_signed("<", k, self.k_hi))
+                arr = e.prog.arrays[factor.array]
+                env = {**self.env0, it: b.add(lo, xa), **self.reduction_env(k)}
+                src = b.select(inside, e.address(arr, factor.index, env, {}), e.base[arr.name])
+                dst = self.shared_at(which, b.add(offset, self.slot(which, kk, x)))
+                b.call(copy, [dst, b.addrspacecast(src, ir.PointerType(addrspace=1)),
+                              b.select(inside, ir.Constant(I32, 4), ir.Constant(I32, 0))])
+        b.call(m.declare_intrinsic("llvm.nvvm.cp.async.commit.group", (), ir.FunctionType(ir.VoidType(), [])), [])
+
+    def async_wait(self, pending: int) -> None:
+        """Wait until at most `pending` of this thread's copy groups are in flight."""
+        m = self.e.module
+        wait = m.declare_intrinsic("llvm.nvvm.cp.async.wait.group", (), ir.FunctionType(ir.VoidType(), [I32]))
+        self.e.b.call(wait, [ir.Constant(I32, pending)])
 
     def threads(self) -> None:
         """This thread's warp's part of the tile (its first row and column), its
@@ -1066,7 +1132,7 @@ class _MmaTileEmission(_TileEmission):
         e = self.e
         b, m, stride = e.b, e.module, self.stride
         mma = m.declare_intrinsic(self.MMA, (), ir.FunctionType(ir.LiteralStructType([F32] * 4), [I32] * 6 + [F32] * 4))
-        tgs, g = b.mul(self.tg, _i64(stride)), {}
+        tgs, g = b.add(b.mul(self.tg, _i64(stride)), self.stage), {}
         base = (b.add(tgs, self.wrow), b.add(tgs, self.wcol))
 
         def at(which: int, k: int, offset: int) -> ir.Value:  # element (k + tg, offset + g) of the warp's part
@@ -1075,20 +1141,19 @@ class _MmaTileEmission(_TileEmission):
                 g[c] = b.xor(self.g, _i64(c)) if c else self.g
             return b.add(b.add(base[which], g[c]), _i64(k * stride + offset))
 
-        part = [ir.Constant(F32, 0.0)] * len(self.acc)
-        for ks in range(0, self.depth, 8):
-            a = [[self.split(b.load(self.shared_at(0, at(0, ks + dk, mi * 16 + dr)), typ=F32))
-                  for dr, dk in ((0, 0), (8, 0), (0, 4), (8, 4))] for mi in range(self.mt)]
-            w = [[self.split(b.load(self.shared_at(1, at(1, ks + dk, ni * 8)), typ=F32)) for dk in (0, 4)]
-                 for ni in range(self.nt)]
-            for ha, hb in ((1, 2), (2, 1), (0, 0)):  # small x big, big x small, big x big: every tile each time
-                for mi in range(self.mt):
+        w = [[[self.split(b.load(self.shared_at(1, at(1, ks + dk, ni * 8)), typ=F32)) for dk in (0, 4)]
+              for ni in range(self.nt)] for ks in range(0, self.depth, 8)]
+        for mi in range(self.mt):  # a row of tiles at a time: its partial sums alone are live
+            part = [ir.Constant(F32, 0.0)] * (self.nt * 4)
+            for s, ks in enumerate(range(0, self.depth, 8)):
+                a = [self.split(b.load(self.shared_at(0, at(0, ks + dk, mi * 16 + dr)), typ=F32))
+                     for dr, dk in ((0, 0), (8, 0), (0, 4), (8, 4))]
+                for ha, hb in ((1, 2), (2, 1), (0, 0)):  # small x big, big x small, big x big
                     for ni in range(self.nt):
-                        q = (mi * self.nt + ni) * 4
-                        r = b.call(mma, [*(x[ha] for x in a[mi]), *(x[hb] for x in w[ni]), *part[q:q + 4]])
-                        part[q:q + 4] = [b.extract_value(r, x) for x in range(4)]
-        for slot, v in zip(self.acc, part):
-            b.store(b.fadd(b.load(slot, typ=F32), v), slot)
+                        r = b.call(mma, [*(x[ha] for x in a), *(x[hb] for x in w[s][ni]), *part[ni * 4:ni * 4 + 4]])
+                        part[ni * 4:ni * 4 + 4] = [b.extract_value(r, x) for x in range(4)]
+            for slot, v in zip(self.acc[mi * self.nt * 4:(mi + 1) * self.nt * 4], part):
+                b.store(b.fadd(b.load(slot, typ=F32), v), slot)
 
     def outputs(self) -> list:
         b, out = self.e.b, []
