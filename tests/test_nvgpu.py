@@ -396,8 +396,6 @@ _SIM_MATH = {
     "ex2.approx.f": "\ndeclare float @llvm.exp2.f32(float)\n"
                     "define float @sim_ex2_approx_f(float %x) {\n  %r = call float @llvm.exp2.f32(float %x)\n  ret float %r\n}\n",
     "div.approx.f": "\ndefine float @sim_div_approx_f(float %p, float %q) {\n  %r = fdiv float %p, %q\n  ret float %r\n}\n",
-    "f2tf32.rna": "\ndefine i32 @sim_f2tf32_rna(float %x) {\n  %b = bitcast float %x to i32\n"
-                  "  %r = add i32 %b, 4096\n  %m = and i32 %r, -8192\n  ret i32 %m\n}\n",
     "mma.m16n8k8.row.col.tf32": _SIM_MMA,
     "cp.async.ca.shared.global.4.s": "\ndefine void @sim_cp_async_ca_shared_global_4_s(ptr %d, ptr %s, i32 %n) {\n"
                                      "  %inside = icmp eq i32 %n, 4\n  br i1 %inside, label %copy, label %zero\n"

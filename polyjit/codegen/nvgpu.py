@@ -991,19 +991,26 @@ class _TileEmission:
 
     def write_back(self) -> None:
         """C[i, j] += this thread's sums, inside C."""
+        for r, c, acc in self.outputs():
+            self.add_to_c(r, c, lambda i, j, acc=acc: self.e.b.load(acc, typ=F32))
+
+    def add_to_c(self, r, c, value) -> None:
+        """C[i, j] += value(i, j) at the tile's row r and column c (i, j
+        counted from the first row and column C has), inside C."""
         e, t = self.e, self.t
         b = e.b
         out = e.prog.arrays[t.st.array]
         i_it, j_it = t.grid_its[t.i], t.grid_its[t.j]
-        for r, c, acc in self.outputs():
-            i, j = b.add(self.r0, r), b.add(self.c0, c)
-            write, after = e.fn.append_basic_block("tile.write"), e.fn.append_basic_block("tile.next")
-            b.cbranch(b.and_(b.icmp_signed("<", i, self.m), b.icmp_signed("<", j, self.n)), write, after)
-            b.position_at_end(write)
-            ptr = e.address(out, t.st.index, {**self.env0, i_it: b.add(self.m_lo, i), j_it: b.add(self.n_lo, j)}, {})
-            b.store(b.fadd(b.load(ptr, typ=F32), b.load(acc, typ=F32)), ptr)
-            b.branch(after)
-            b.position_at_end(after)
+        i, j = b.add(self.r0, r), b.add(self.c0, c)
+        write, after = e.fn.append_basic_block("tile.write"), e.fn.append_basic_block("tile.next")
+        b.cbranch(b.and_(b.icmp_signed("<", i, self.m), b.icmp_signed("<", j, self.n)), write, after)
+        b.position_at_end(write)
+        ptr = e.address(out, t.st.index, {**self.env0, i_it: b.add(self.m_lo, i), j_it: b.add(self.n_lo, j)}, {})
+        v = value(i, j)
+        b = e.b
+        b.store(b.fadd(b.load(ptr, typ=F32), v), ptr)
+        b.branch(after)
+        b.position_at_end(after)
 
 
 class _MmaTileEmission(_TileEmission):
@@ -1011,10 +1018,10 @@ class _MmaTileEmission(_TileEmission):
     each factor is split into a TF32 part (its bits cut to TF32's) and the
     TF32 rest (x - big, rounded), and a product is big*big + big*small +
     small*big, the smaller terms first, summed in float32; only small*small
-    (about 2**-20 relative) is dropped. Infinities and NaN take part in
-    big*big only (the small terms see 0 in their place: inf * 0 there
-    would make NaN of an infinite product), so that they propagate as in
-    float32 FMAs. The block's 8 warps take 2 x 4 parts of its tile, each a grid
+    (about 2**-20 relative) is dropped. An infinite or NaN factor makes NaN
+    of every sum it takes part in; a thread with such a sum writes float32
+    FMA sums instead, so that infinities and NaN come out as float32's
+    (write_back). The block's 8 warps take 2 x 4 parts of its tile, each a grid
     of m16n8k8 mma.sync products; staged rows are padded by 8 elements so
     that a fragment's reads (rows 0-3 of k, 8 apart in m) take 32 banks.
     A factor staged with a warp's lanes along k (16 of them on one row of a
@@ -1111,19 +1118,58 @@ class _MmaTileEmission(_TileEmission):
         b = self.e.b
         return super().slot(which, k, b.xor(x, b.mul(b.lshr(k, _i64(2)), _i64(self.flip))))
 
+    def write_back(self) -> None:
+        """The tile's sums; where one of this thread's is NaN, float32 FMA
+        sums in their place: a non-finite factor makes NaN of every sum it
+        takes part in (its small part is NaN), and FMAs give what float32
+        gives there (an infinite factor times a finite one stays infinite)."""
+        e = self.e
+        b = e.b
+        nan = functools.reduce(b.or_, [b.fcmp_unordered("uno", v, v) for v in
+                                       (b.load(acc, typ=F32) for _, _, acc in self.outputs())])
+        fast, slow, done = (e.fn.append_basic_block(f"tile.{x}") for x in ("fast", "exact", "written"))
+        b.cbranch(nan, slow, fast)
+        b.position_at_end(fast)
+        super().write_back()
+        e.b.branch(done)
+        e.b.position_at_end(slow)
+        q = e.var("gpu.exact_q")
+        per = self.nt * 4
+
+        def one() -> None:
+            b = e.b
+            qv = b.load(q, typ=I64)
+            self.add_to_c(*self.place(b.udiv(qv, _i64(per)), b.urem(b.udiv(qv, _i64(4)), _i64(self.nt)),
+                                      b.urem(qv, _i64(4))), self.exact)
+        e.strided_loop(q, _i64(0), _i64(self.mt * per), _i64(1), "exact.sums", one)
+        e.b.branch(done)
+        e.b.position_at_end(done)
+
+    def exact(self, i, j) -> ir.Value:
+        """Row i of A times column j of B, summed by float32 FMAs."""
+        e, t = self.e, self.t
+        total, k = e.var("gpu.exact", F32), e.var("gpu.exact_k")
+        e.b.store(ir.Constant(F32, 0.0), total)
+        i_it, j_it = t.grid_its[t.i], t.grid_its[t.j]
+
+        def term() -> None:
+            kv = e.b.load(k, typ=I64)
+            x = self.element(t.a, {i_it: e.b.add(self.m_lo, i)}, kv)
+            y = self.element(t.b, {j_it: e.b.add(self.n_lo, j)}, kv)
+            e.b.store(e.call("llvm.fmuladd", [x, y, e.b.load(total, typ=F32)]), total)
+        e.strided_loop(k, self.k_lo, self.k_hi, _i64(1), "exact", term)
+        return e.b.load(total, typ=F32)
+
     def split(self, x) -> tuple:
-        """x as TF32 operands (big, small, big where finite else 0): big x's
-        bits cut to TF32's (not rounded: a float32 near the largest would
-        round to infinity), small the rest rounded, 0 where x is not finite."""
-        b, m = self.e.b, self.e.module
-        cvt = m.declare_intrinsic("llvm.nvvm.f2tf32.rna", (), ir.FunctionType(I32, [F32]))
+        """x as TF32 operands (big, small). The tensor cores read a TF32
+        operand's top 19 bits of 32, so x's own bits are its big part (cut,
+        not rounded), and the rest x - big is rounded to nearest (ties away)
+        by adding half of TF32's last place to its bits. Exact for finite x;
+        the rest of an infinity or NaN is NaN (write_back)."""
+        b = self.e.b
         bits = b.bitcast(x, I32)
-        big = b.and_(bits, ir.Constant(I32, -8192))  # (the 13 bits TF32 lacks: zero)
-        exponent = ir.Constant(I32, 0x7F800000)
-        finite = b.icmp_unsigned("!=", b.and_(bits, exponent), exponent)
-        zero = ir.Constant(I32, 0)
-        small = b.select(finite, b.call(cvt, [b.fsub(x, b.bitcast(big, F32))]), zero)
-        return big, small, b.select(finite, big, zero)
+        rest = b.fsub(x, b.bitcast(b.and_(bits, ir.Constant(I32, -8192)), F32))  # (TF32 lacks 13 bits)
+        return bits, b.add(b.bitcast(rest, I32), ir.Constant(I32, 4096))
 
     def multiply(self) -> None:
         """The slice's products summed from zero, then added to the sums: an
@@ -1148,7 +1194,7 @@ class _MmaTileEmission(_TileEmission):
             for s, ks in enumerate(range(0, self.depth, 8)):
                 a = [self.split(b.load(self.shared_at(0, at(0, ks + dk, mi * 16 + dr)), typ=F32))
                      for dr, dk in ((0, 0), (8, 0), (0, 4), (8, 4))]
-                for ha, hb in ((1, 2), (2, 1), (0, 0)):  # small x big, big x small, big x big
+                for ha, hb in ((1, 0), (0, 1), (0, 0)):  # small x big, big x small, big x big
                     for ni in range(self.nt):
                         r = b.call(mma, [*(x[ha] for x in a), *(x[hb] for x in w[s][ni]), *part[ni * 4:ni * 4 + 4]])
                         part[ni * 4:ni * 4 + 4] = [b.extract_value(r, x) for x in range(4)]
@@ -1156,14 +1202,15 @@ class _MmaTileEmission(_TileEmission):
                 b.store(b.fadd(b.load(slot, typ=F32), v), slot)
 
     def outputs(self) -> list:
-        b, out = self.e.b, []
-        for mi in range(self.mt):
-            for ni in range(self.nt):
-                for x in range(4):
-                    r = b.add(self.wrow, b.add(self.g, _i64(mi * 16 + 8 * (x // 2))))
-                    c = b.add(self.wcol, b.add(b.mul(self.tg, _i64(2)), _i64(ni * 8 + x % 2)))
-                    out.append((r, c, self.acc[(mi * self.nt + ni) * 4 + x]))
-        return out
+        return [(*self.place(_i64(q // (self.nt * 4)), _i64(q // 4 % self.nt), _i64(q % 4)), acc)
+                for q, acc in enumerate(self.acc)]
+
+    def place(self, mi, ni, x) -> tuple:
+        """(row, column) in the tile of element x of this thread's part of product (mi, ni)."""
+        b = self.e.b
+        r = b.add(b.mul(mi, _i64(16)), b.mul(b.udiv(x, _i64(2)), _i64(8)))
+        c = b.add(b.mul(ni, _i64(8)), b.urem(x, _i64(2)))
+        return b.add(self.wrow, b.add(self.g, r)), b.add(self.wcol, b.add(b.mul(self.tg, _i64(2)), c))
 
 
 def _i64(v: int) -> ir.Constant:
