@@ -689,6 +689,7 @@ def test_tiled_convolution_thread_by_thread(layout, rng):
         want = refs.conv2d(x, w, **cfg)
     exe = polyjit.compile(fn, [InputInfo(x.shape, F32), InputInfo(w.shape, F32)], PTX_ONLY)
     assert "bar.sync" in exe.ir("ptx") and "ld.shared" in exe.ir("ptx")
+    assert "cp.async" not in exe.ir("ptx")  # (the guarded input is computed, not copied as it lies)
     got = run_threads_on_cpu(exe, [x, w], grid=2, block=256)[0]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
