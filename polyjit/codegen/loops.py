@@ -5,7 +5,7 @@ from __future__ import annotations
 import islpy as isl
 from llvmlite import ir
 
-from ..schedule.ast import ast_uses, fixed_extent, static_extent
+from ..schedule.ast import fixed_extent, static_extent
 from ..schedule.tree import unrolled_trips
 from .folding import power_of_two
 from .irtypes import I64
@@ -107,30 +107,29 @@ class LoopEmission:
     def unrolled(self, n: isl.AstNode) -> None:
         """Loop n's body copied as many times as the loop runs at most (the
         mark's first count: isl's maximum over the loops outside, so no
-        iteration is left over), each copy run where its iteration is in the
-        loop's range: a check LLVM folds away where the range is a whole
-        register block, whose accumulators then stay in registers. Where the
-        range is whole only at some symbolic sizes (rows over a symbolic
-        size, 4 at a time: min(p - 1, 4t + 3)), whole blocks get a copy of
-        their own without the checks (static sizes leave few partial
-        blocks: not worth the code)."""
-        b = self.b
+        iteration is left over), where n's range is that whole register
+        block, whose accumulators then stay in registers; where the range
+        may be shorter (the last block of 50257 columns: min(50256, 64 t +
+        63)), a check picks the copies for whole blocks or a plain loop for
+        a partial one. Copies each checked against the range, in every
+        block, kept the sums in memory, and LLVM took seconds over the
+        checks (a product over 50257 columns: bench/NOTES.md)."""
         trips, rest = self.unroll[0], self.unroll[1:]
         lo, inc, end = self.loop_range(n)
-        span = b.sub(end, lo)
         outer, self.unroll = self.unroll, rest
-        if fixed_extent(n) is None and ast_uses(n.for_get_cond().get_op_arg(1), set(self.params)):
+        if fixed_extent(n) is None:
+            b = self.b
             whole, part, done = (self.fn.append_basic_block(f"block.{k}") for k in ("whole", "part", "done"))
-            b.cbranch(b.icmp_signed(">=", span, b.mul(ir.Constant(I64, trips), inc)), whole, part)
+            b.cbranch(b.icmp_signed(">=", b.sub(end, lo), b.mul(ir.Constant(I64, trips), inc)), whole, part)
             b.position_at_end(whole)
             self._copies(n, trips, lo, inc, None)
-            b.branch(done)
-            b.position_at_end(part)
-            self._copies(n, trips, lo, inc, span)
-            b.branch(done)
-            b.position_at_end(done)
-        else:
-            self._copies(n, trips, lo, inc, span)
+            self.b.branch(done)
+            self.b.position_at_end(part)
+            self.plain_loop(n, False)
+            self.b.branch(done)
+            self.b.position_at_end(done)
+        else:  # (a fixed extent below trips: the checks fold to constants)
+            self._copies(n, trips, lo, inc, self.b.sub(end, lo))
         self.unroll = outer
 
     def _copies(self, n: isl.AstNode, trips: int, lo, inc, span) -> None:
