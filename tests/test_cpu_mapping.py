@@ -398,7 +398,7 @@ def test_a_per_channel_value_is_not_a_transposition(rng):
 @pytest.mark.parametrize("n", [77, 50 * 64 + 17])
 def test_partial_register_blocks_leave_whole_blocks_unchecked(n, rng):
     """A product whose columns end in a partial register block: whole blocks
-    run their copies without checks, and the partial one a plain loop.
+    run their copies without checks, the partial one checked copies.
     Copies checked against the range in every block had kept the sums in
     memory (bench/NOTES.md)."""
     a, b = rng.standard_normal((64, 32), dtype=F32), rng.standard_normal((32, n), dtype=F32)

@@ -107,29 +107,32 @@ class LoopEmission:
     def unrolled(self, n: isl.AstNode) -> None:
         """Loop n's body copied as many times as the loop runs at most (the
         mark's first count: isl's maximum over the loops outside, so no
-        iteration is left over), where n's range is that whole register
-        block, whose accumulators then stay in registers; where the range
-        may be shorter (the last block of 50257 columns: min(50256, 64 t +
-        63)), a check picks the copies for whole blocks or a plain loop for
-        a partial one. Copies each checked against the range, in every
-        block, kept the sums in memory, and LLVM took seconds over the
-        checks (a product over 50257 columns: bench/NOTES.md)."""
+        iteration is left over), each copy run where its iteration is in the
+        loop's range: a check LLVM folds away where the range is a whole
+        register block, whose accumulators then stay in registers. Where
+        the range may be shorter (the last block of 50257 columns:
+        min(50256, 64 t + 63), or rows over a symbolic size), a check per
+        block picks copies without the checks for a whole block: checked in
+        every block, the copies had kept the sums in memory, and LLVM took
+        seconds over the checks (a product over 50257 columns:
+        bench/NOTES.md)."""
+        b = self.b
         trips, rest = self.unroll[0], self.unroll[1:]
         lo, inc, end = self.loop_range(n)
+        span = b.sub(end, lo)
         outer, self.unroll = self.unroll, rest
         if fixed_extent(n) is None:
-            b = self.b
             whole, part, done = (self.fn.append_basic_block(f"block.{k}") for k in ("whole", "part", "done"))
-            b.cbranch(b.icmp_signed(">=", b.sub(end, lo), b.mul(ir.Constant(I64, trips), inc)), whole, part)
+            b.cbranch(b.icmp_signed(">=", span, b.mul(ir.Constant(I64, trips), inc)), whole, part)
             b.position_at_end(whole)
             self._copies(n, trips, lo, inc, None)
-            self.b.branch(done)
-            self.b.position_at_end(part)
-            self.plain_loop(n, False)
-            self.b.branch(done)
-            self.b.position_at_end(done)
-        else:  # (a fixed extent below trips: the checks fold to constants)
-            self._copies(n, trips, lo, inc, self.b.sub(end, lo))
+            b.branch(done)
+            b.position_at_end(part)
+            self._copies(n, trips, lo, inc, span)
+            b.branch(done)
+            b.position_at_end(done)
+        else:
+            self._copies(n, trips, lo, inc, span)
         self.unroll = outer
 
     def _copies(self, n: isl.AstNode, trips: int, lo, inc, span) -> None:
