@@ -845,7 +845,6 @@ class _TileEmission:
         for _, (_, _, trips) in self.batch:  # the other parallel loops: a batch of products
             self.total = b.mul(self.total, trips)
         self.stride = side + self.PAD  # a staged slice's row of side elements, in shared memory
-        self.stages = t.stages
         stages = f"x{t.stages}" if t.stages > 1 else ""
         self.shared = [e.shared_array(f"polyjit_{self.NAME}_{x}{side}x{depth}{stages}", F32,
                                       t.stages * depth * self.stride, 16) for x in "ab"]
@@ -1047,18 +1046,18 @@ class _MmaTileEmission(_TileEmission):
         """Slices copied asynchronously, stages - 1 ahead of the one multiplied:
         a slice's wait and one barrier before it is multiplied (the barrier
         also tells that every warp is done with the stage copied into next)."""
-        if self.stages == 1:
+        if self.t.stages == 1:
             return super().k_loop()
-        e, depth, stages = self.e, self.depth, self.stages
+        e, depth, stages = self.e, self.depth, self.t.stages
         b = e.b
         for s in range(stages - 1):
-            self.copy_slice(b.add(self.k_lo, _i64(s * depth)), s)
+            self.copy_slice(b.add(self.k_lo, _i64(s * depth)), _i64(s))
         e.strided_loop(self.k0, self.k_lo, self.k_hi, _i64(depth), "ktile", self.k_step_async)
         self.async_wait(0)
         e.barrier()
 
     def k_step_async(self) -> None:
-        e, depth, stages = self.e, self.depth, self.stages
+        e, depth, stages = self.e, self.depth, self.t.stages
         b = e.b
         k0 = b.load(self.k0, typ=I64)
         n = b.udiv(b.sub(k0, self.k_lo), _i64(depth))
@@ -1075,7 +1074,7 @@ class _MmaTileEmission(_TileEmission):
         copy = m.declare_intrinsic("llvm.nvvm.cp.async.ca.shared.global.4.s", (),
                                    ir.FunctionType(ir.VoidType(), [ir.PointerType(addrspace=3),
                                                                    ir.PointerType(addrspace=1), I32]))
-        offset = b.mul(stage if isinstance(stage, ir.Value) else _i64(stage), _i64(self.depth * self.stride))
+        offset = b.mul(stage, _i64(self.depth * self.stride))
         i_it, j_it = t.grid_its[t.i], t.grid_its[t.j]
         for q in range(self.staged_n):
             for which, (x, kk) in enumerate(self.share(q)):
