@@ -150,14 +150,16 @@ def test_batch_norm_folds_into_the_convolution_in_eval_only(net, training):
     """In eval mode a batch norm after a convolution (and after a Linear)
     folds into its weights and bias: equal to eager; not where the weights
     outnumber the outputs (the Linear of 7 outputs a row); in training mode
-    its statistics come from the batch and nothing folds."""
+    its statistics come from the batch and nothing folds (a batch norm over
+    three samples amplifies rounding, so outputs are held to float64's, as
+    near as eager's are)."""
     make, shape, folds = BN_NETS[net]
     mod = _random_batch_norms(make()).train(training)
-    ref = copy.deepcopy(mod)
+    ref, exact = copy.deepcopy(mod), copy.deepcopy(mod).double()
     jm = polyjit.jit_torch(mod, compile_options={"strict": True})
     x = torch.randn(*shape)
     with torch.no_grad():
-        torch.testing.assert_close(jm(x), ref(x), rtol=1e-5, atol=1e-5)
+        _as_close_as_eager(jm(x), ref(x), exact(x.double()), rtol=1e-5, atol=1e-5)
     assert jm.stats["folded"] == (0 if training else folds) and jm.stats["fallbacks"] == 0
     for a, b in zip(mod.buffers(), ref.buffers()):  # training updates the running statistics alike
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
