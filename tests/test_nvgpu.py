@@ -1,6 +1,7 @@
 """The nvgpu target: PTX generated and checked without a GPU; on a GPU, the
 programs run on numpy, PyTorch and JAX arrays and match the references."""
 import ctypes
+import math
 import os
 import re
 import shutil
@@ -215,6 +216,33 @@ def test_a_training_layer_norms_forward_is_one_pass_over_each_row():
                      "2 reductions"], plans
 
 
+@pytest.mark.parametrize("aligned", [True, False])
+def test_a_layer_norms_centred_row_stays_in_its_lanes(aligned, rng):
+    """An inference layer norm of a residual stream summed from its parts
+    (GPT-2's): the centred row, read for the variance and again for the
+    result, stays in the registers of the lanes that computed it, where it
+    went to a temporary array and back. Thread by thread on the CPU, in
+    16-byte groups and, on inputs not aligned to them, element by element."""
+    def norm(a, b, c, w, bias):
+        x = a + b + c
+        d = x - ops.mean(x, [1], keepdim=True)
+        return d * ops.rsqrt(ops.mean(d * d, [1], keepdim=True) + 1e-5) * w + bias
+    shapes = [(5, 256)] * 3 + [(256,)] * 2
+    exe = polyjit.compile(norm, [InputInfo(s, F32) for s in shapes], PTX_ONLY)
+    assert exe.ir("mapping").splitlines() == ["polyjit_norm_sum_sub_add_0_kernel: warp rows: grid c0, 32 lanes, 3 lane "
+                                              "loops (3 in groups of 4, 3 unrolled), 2 reductions, 1 row in registers"]
+    assert not [b for b in exe.compile_default().buffers if b.kind == "temp"]
+    args = []
+    for s in shapes:  # (one element past an aligned start: no group is aligned)
+        buf = np.empty(math.prod(s) + 1, F32)
+        args.append(buf[0 if aligned else 1:][:math.prod(s)].reshape(s))
+        args[-1][...] = rng.standard_normal(s)
+    x = sum(a.astype(np.float64) for a in args[:3])
+    d = x - x.mean(1, keepdims=True)
+    want = d / np.sqrt((d * d).mean(1, keepdims=True) + 1e-5) * args[3] + args[4]
+    np.testing.assert_allclose(run_threads_on_cpu(exe, args)[0], want, rtol=1e-5, atol=1e-5)
+
+
 def test_a_small_batch_pooled_mean_keeps_its_images_parallel(rng, monkeypatch):
     """A convolution, its batch norm folded in (the scale into the weights,
     the shift a per-channel statement), relu, 2x2 average pooling and the
@@ -355,10 +383,7 @@ def _sim_mma() -> str:
     waits at its warp's barrier (@sim_bar, pthread barriers of 32 that
     _on_host sets up), sums its four elements of A (16 x 8) x B (8 x 8)
     from the table, inputs cut to TF32, in float64, and waits again."""
-    out = ["declare i32 @pthread_barrier_wait(ptr)",
-           "@sim_bar = global [8 x [64 x i8]] zeroinitializer, align 16",
-           "@sim_xchg = global [8 x [32 x [10 x i32]]] zeroinitializer, align 16",
-           "define {float, float, float, float} @sim_mma_m16n8k8_row_col_tf32(i32 %a0, i32 %a1, i32 %a2, i32 %a3, "
+    out = ["define {float, float, float, float} @sim_mma_m16n8k8_row_col_tf32(i32 %a0, i32 %a1, i32 %a2, i32 %a3, "
            "i32 %b0, i32 %b1, float %c0, float %c1, float %c2, float %c3) {",
            "  %tid = call i32 @sim_tid_x()", "  %w = lshr i32 %tid, 5", "  %l = and i32 %tid, 31",
            "  %g = lshr i32 %l, 2", "  %t = and i32 %l, 3", "  %t2 = shl i32 %t, 1", "  %g4 = shl i32 %g, 2",
@@ -392,11 +417,50 @@ def _sim_mma() -> str:
 
 _SIM_MMA = _sim_mma()
 
+# A warp's exchange table and barrier (pthread barriers of 32 that _on_host
+# sets up), for the simulations of warp-wide instructions; once per module.
+_SIM_WARP = ("\ndeclare i32 @pthread_barrier_wait(ptr)\n"
+             "@sim_bar = global [8 x [64 x i8]] zeroinitializer, align 16\n"
+             "@sim_xchg = global [8 x [32 x [10 x i32]]] zeroinitializer, align 16\n")
+
+# shfl.sync.bfly: each lane posts its value, the warp meets, each reads lane ^ mask's, the warp meets again
+_SIM_SHFL = """
+define i32 @sim_shfl_sync_bfly_i32(i32 %m, i32 %x, i32 %mask, i32 %c) {
+  %tid = call i32 @sim_tid_x()
+  %w = lshr i32 %tid, 5
+  %l = and i32 %tid, 31
+  %bar = getelementptr [8 x [64 x i8]], ptr @sim_bar, i32 0, i32 %w
+  %mine = getelementptr [8 x [32 x [10 x i32]]], ptr @sim_xchg, i32 0, i32 %w, i32 %l, i32 0
+  store i32 %x, ptr %mine
+  %arrive = call i32 @pthread_barrier_wait(ptr %bar)
+  %o = xor i32 %l, %mask
+  %theirs = getelementptr [8 x [32 x [10 x i32]]], ptr @sim_xchg, i32 0, i32 %w, i32 %o, i32 0
+  %v = load i32, ptr %theirs
+  %leave = call i32 @pthread_barrier_wait(ptr %bar)
+  ret i32 %v
+}
+"""
+
+_SIM_WARP_SYNC = """
+define void @sim_bar_warp_sync(i32 %m) {
+  %tid = call i32 @sim_tid_x()
+  %w = lshr i32 %tid, 5
+  %bar = getelementptr [8 x [64 x i8]], ptr @sim_bar, i32 0, i32 %w
+  %arrive = call i32 @pthread_barrier_wait(ptr %bar)
+  ret void
+}
+"""
+
 _SIM_MATH = {
     "ex2.approx.f": "\ndeclare float @llvm.exp2.f32(float)\n"
                     "define float @sim_ex2_approx_f(float %x) {\n  %r = call float @llvm.exp2.f32(float %x)\n  ret float %r\n}\n",
+    "ex2.approx.f32": "\ndeclare float @llvm.exp2.f32(float)\n"  # (the name LLVM gives it on reading the IR back)
+                      "define float @sim_ex2_approx_f32(float %x) {\n  %r = call float @llvm.exp2.f32(float %x)\n"
+                      "  ret float %r\n}\n",
     "div.approx.f": "\ndefine float @sim_div_approx_f(float %p, float %q) {\n  %r = fdiv float %p, %q\n  ret float %r\n}\n",
     "mma.m16n8k8.row.col.tf32": _SIM_MMA,
+    "shfl.sync.bfly.i32": _SIM_SHFL,
+    "bar.warp.sync": _SIM_WARP_SYNC,
     "cp.async.ca.shared.global.4.s": "\ndefine void @sim_cp_async_ca_shared_global_4_s(ptr %d, ptr %s, i32 %n) {\n"
                                      "  %inside = icmp eq i32 %n, 4\n  br i1 %inside, label %copy, label %zero\n"
                                      "copy:\n  %v = load i32, ptr %s\n  store i32 %v, ptr %d\n  ret void\n"
@@ -434,6 +498,8 @@ def _on_host(text: str, local) -> tuple:
         if f"@llvm.nvvm.{name}(" in ir:
             ir = re.sub(rf"declare [^\n]*@llvm\.nvvm\.{re.escape(name)}\([^\n]*\n", "", ir)
             ir = ir.replace(f"@llvm.nvvm.{name}(", f"@sim_{name.replace('.', '_')}(") + body
+    if "@sim_xchg" in ir:
+        ir += _SIM_WARP
     kept, declared = [], set()
     for line in ir.split("\n"):  # (a declaration the simulations repeat, once)
         if line.startswith("declare "):
@@ -463,7 +529,8 @@ def run_threads_on_cpu(exe, arrays, grid=3, block=64):
     without a GPU: blocks one after another; a block's threads one after
     another, or, for kernels with barriers, all at once as OS threads that
     meet at a threading.Barrier. Thread and block ids come from callbacks;
-    shared memory is ordinary memory. Warp shuffles cannot run here."""
+    shared memory is ordinary memory; a warp's shuffles and barriers meet
+    its 32 threads at a barrier of their own."""
     import ctypes
     import threading
 
@@ -481,7 +548,7 @@ def run_threads_on_cpu(exe, arrays, grid=3, block=64):
             bufs[spec.name] = np.ascontiguousarray(prog.constants[spec.index])
     ints = [env[n] if d < 0 else int(np.prod(bufs[n].shape[d + 1:])) for n, d in prog.int_slots]
     args = [bufs[b.name].ctypes.data for b in prog.buffers] + ints
-    together = "@sim_barrier" in ir
+    together = "@sim_barrier" in ir or "@sim_bar " in ir  # (block or warp barriers: threads run at once)
     slots = {b.name: i for i, b in enumerate(prog.buffers)}
     for k in prog.kernels:
         if k.library is not None:  # a library step, cuBLAS's patched to one on host memory, cuDNN's in numpy
@@ -517,7 +584,8 @@ def run_threads_on_cpu(exe, arrays, grid=3, block=64):
     return [bufs[n] for n in prog.output_arrays]
 
 
-THREAD_FORMS = ["blur", "cos_sin", "matmul", "sum_all", "column_sum", "nest_column_sum"]  # strips, grid loop, sums
+THREAD_FORMS = ["blur", "cos_sin", "layernorm", "softmax", "matmul", "sum_all", "column_sum",
+                "nest_column_sum"]  # strips, grid loop, warp rows, sums
 
 
 @pytest.mark.parametrize("name,fn,ref,shapes", [p for p in PROGRAMS if p[0] in THREAD_FORMS],

@@ -48,14 +48,15 @@ from typing import Any, Union
 import islpy as isl
 
 from .. import scalar
+from .. import sizes as sz
 from ..affine import AffineProgram, Statement
 from ..dtypes import DataType
 from ..expr import Const, Load, Op, Var, iter_vars, loads, moves_by_one, walk
 from ..schedule import Scheduled, ast_nodes, statements_in
-from ..schedule.ast import kernel_nodes, side_by_side_kernel, unit_step
+from ..schedule.ast import ast_affine, kernel_nodes, side_by_side_kernel, unit_step
 from ..schedule.fusion import GPU_STRIP
 from .llvm import Strips, ast_calls, ast_children, ast_uses, static_extent
-from .mapping import StripMapping, loop_iterator
+from .mapping import StripMapping, loop_iterator, on_stack
 
 WARP = 32
 BLOCK = 256  # threads per block (runtime.gpu_program launches this many)
@@ -199,12 +200,14 @@ class WarpRows:
     deferred: set = field(default_factory=set)  # id(loop) of the loops whose stores may go last in a trip
     unrolled: dict = field(default_factory=dict)  # id(loop) -> groups per lane, where unrolled whole
     guards: dict = field(default_factory=dict)  # id(child) -> the condition on the grid's iterators it runs under
+    registers: frozenset = frozenset()  # rows (contracted to one) whose elements each lane keeps in registers
 
     def __str__(self) -> str:
         loops = [k for k in self.children if k.get_type() == isl.ast_node_type.for_]
         sums = sum(len(r) for r in self.reductions.values())
+        held = f", {_n(len(self.registers), 'row')} in registers" if self.registers else ""
         return (f"warp rows: {self.grid}, {self.lanes} lanes, {_n(len(loops), 'lane loop')} ({len(self.vectors)} "
-                f"in groups of {VECTOR}, {len(self.unrolled)} unrolled), {_n(sums, 'reduction')}")
+                f"in groups of {VECTOR}, {len(self.unrolled)} unrolled), {_n(sums, 'reduction')}{held}")
 
 
 @dataclass
@@ -701,7 +704,97 @@ def warp_rows(m: GpuMapper, grid: Grid) -> WarpRows | None:
     for loop in kids:
         if loop.get_type() == isl.ast_node_type.for_:
             _lane_groups(m, plan, loop)
+    registers = _row_registers(m, plan)
+    if registers is None:
+        return None
+    plan.registers = registers
     return plan
+
+
+def _row_moduli(moduli: tuple) -> bool:
+    """Whether a buffer contracted to these moduli holds a thread's scalar or
+    one row: one element along each dim but those it keeps whole."""
+    return all(x in (1, None) for x in moduli)
+
+
+def _row_buffer(arr, moduli: tuple | None) -> bool:
+    """Whether a buffer contracted to moduli holds a row: whole along a dim
+    of more than one element, one element along the others."""
+    return moduli is not None and _row_moduli(moduli) and any(
+        x is None and not (sz.is_static(s) and int(s) == 1) for x, s in zip(moduli, arr.shape))
+
+
+def _row_registers(m: GpuMapper, plan: WarpRows) -> frozenset | None:
+    """The buffers contracted to a row (whole along some dim) that the row's
+    lanes hold, each lane its own elements in registers; None where one
+    cannot be held so: every loop that touches it must be unrolled whole,
+    each access must reach the same element at the same step of its loop
+    (a lane's k-th element is then the same one in each: isl may shift the
+    loops of a row one after another), and neither the loop nor the
+    statement may be under a guard (a register must reach every read)."""
+    held, steps = set(), {}
+    for child in plan.children:
+        loop = child.get_type() == isl.ast_node_type.for_
+        guarded = set() if not loop else {
+            m.call_statement(g.if_get_then_node().user_get_expr()).name
+            for g in ast_children(child.for_get_body()) or () if g.get_type() == isl.ast_node_type.if_}
+        for node in ast_nodes(child):
+            if node.get_type() != isl.ast_node_type.user:
+                continue
+            call = node.user_get_expr()
+            st = m.call_statement(call)
+            for a, index in _accesses(st):
+                moduli = m.sched.contracted.get(a)
+                if not _row_buffer(m.prog.arrays[a], moduli):
+                    continue
+                if not loop or id(child) not in plan.unrolled or id(child) in plan.guards or st.name in guarded:
+                    return None
+                step = _row_step(m.prog.arrays[a], moduli, index, call, st, child)
+                if step is None or steps.setdefault(a, step) != step:
+                    return None
+                held.add(a)
+    return frozenset(held)
+
+
+def _row_step(arr, moduli: tuple, index: tuple, call: isl.AstExpr, st: Statement, loop: isl.AstNode) -> tuple | None:
+    """(the loop's trips, then per dim a row buffer keeps whole: its index
+    at the loop's first step, and 1 where it moves with the loop, else 0);
+    None where such an index is not one of the statement's iterators, or
+    moves otherwise."""
+    it, first = loop_iterator(loop), ast_affine(loop.for_get_init())
+    if first is None or set(first) - {""}:
+        return None
+    args = {x: call.get_op_arg(i + 1) for i, x in enumerate(st.iters)}
+    out = [static_extent(loop)]
+    for e, x, extent in zip(index, moduli, arr.shape):
+        if x is not None or (sz.is_static(extent) and int(extent) == 1):
+            continue
+        if not isinstance(e, Var) or e.name not in args:
+            return None
+        c = ast_affine(args[e.name])
+        if c is None or set(c) - {it, ""} or c.get(it, 0) not in (0, 1):
+            return None
+        out.append((c.get(it, 0) * first.get("", 0) + c.get("", 0), c.get(it, 0)))
+    return tuple(out)
+
+
+def held_rows(prog: AffineProgram, ast: isl.AstNode, rows: dict, kept: dict) -> dict:
+    """Of rows (buffers contracted to one row, too large for a thread), those
+    the lanes of a warp-rows kernel hold in registers (WarpRows.registers),
+    mapped with kept and rows contracted: a layer norm's centred row, read
+    for its variance and again for its result, stays in the lanes that
+    computed it instead of going to memory and back."""
+    rows = {n: m for n, m in rows.items() if n not in kept and _row_buffer(prog.arrays[n], m)
+            and on_stack(prog.arrays[n], m)}  # (a kernel emitted otherwise keeps it on its stack)
+    if not rows:
+        return {}
+    mapper = GpuMapper(prog, Scheduled(None, ast, {**kept, **rows}))
+    held = {}
+    for node in kernel_nodes(ast):
+        plan = mapper.kernel(node)
+        if isinstance(plan, WarpRows):
+            held.update((n, rows[n]) for n in plan.registers)
+    return held
 
 
 def _unguarded(kids: list) -> tuple[list | None, dict]:
@@ -825,7 +918,7 @@ def _row_statements(m: GpuMapper, calls: list, it: str, grid_it: str, reductions
         elif s.combine is None and deps:
             moduli = m.sched.contracted.get(s.array)
             key = _index_text(s.index, text)
-            if key is None or (moduli is not None and any(x != 1 for x in moduli)) or s.array in written:
+            if key is None or (moduli is not None and not _row_moduli(moduli)) or s.array in written:
                 return None
             written[s.array] = key
         else:

@@ -113,6 +113,8 @@ class KernelContext:
     copy_block: Any = None  # the block copy 0 began in
     grouped: bool = False  # a row's lane loops take groups of VECTOR (its accesses are aligned)
     row_offsets: dict = field(default_factory=dict)  # (group, copy) -> a lane's offset in an unrolled row
+    row_step: tuple | None = None  # the (group, copy) of an unrolled lane loop being emitted
+    row_values: dict = field(default_factory=dict)  # (array, group, copy) -> a lane's element of a held row
     ring: tuple | None = None  # (iterator, first, ring, copy) in a copy of a ring loop
     partials: dict = field(default_factory=dict)  # reduction statement -> (register, its call)
     skipped: set = field(default_factory=set)  # statements hoisted out of the lane loop being emitted
@@ -247,7 +249,7 @@ class _RowEmission:
                 self.statement(child.user_get_expr(), shared=True)
 
         def emit(grouped: bool) -> None:
-            self.ctx.grouped, self.ctx.row_offsets = grouped, {}
+            self.ctx.grouped, self.ctx.row_offsets, self.ctx.row_values = grouped, {}, {}
             for child in plan.children:
                 cond = plan.guards.get(id(child))
                 if cond is None:
@@ -287,20 +289,22 @@ class _RowEmission:
                 self.b.store(self.b.add(first, ir.Constant(I64, c)), self.var(it))
                 self.node(body)
             self.ctx.claims = self.ctx.copy = None
-        if vector is None:
+        if id(loop) in plan.unrolled and (vector is not None or plan.registers):  # (held rows: both ways)
+            self.unrolled_lanes(it, lo, body, vector, plan.unrolled[id(loop)], defer)
+        elif vector is None:
             self.strided_loop(self.var(it), b.add(lo, b.mul(self.ctx.lane, inc)), hi, b.mul(inc, lanes),
                               "lanes", lambda: self.node(body), UNROLL, defer)
-        elif id(loop) in plan.unrolled:
-            self.unrolled_lanes(it, lo, body, vector, plan.unrolled[id(loop)], defer)
         else:
             self.strided_loop(group, b.add(lo, b.mul(self.ctx.lane, width)), hi, b.mul(lanes, width),
                               "lanes.vector", copies, 1, defer)
         self.ctx.skipped = set()
         self.combine_lanes()
 
-    def unrolled_lanes(self, it: str, lo, body, vector: Vector, groups: int, defer: bool) -> None:
+    def unrolled_lanes(self, it: str, lo, body, vector: Vector | None, groups: int, defer: bool) -> None:
         """A lane loop of groups groups per lane, unrolled whole: a row read
-        again comes from registers."""
+        again comes from registers, and so does a row the plan holds
+        (WarpRows.registers: each lane's elements of it are values, never
+        stored). Without vector, each element is accessed alone."""
         b = self.b
         width = ir.Constant(I64, VECTOR)
         self.ctx.deferred = [] if defer else None
@@ -314,8 +318,9 @@ class _RowEmission:
                                                       ir.Constant(I64, k * self.ctx.lanes * VECTOR + c))
                 self.begin_copy(vector, c)
                 self.b.store(self.b.add(lo, self.ctx.row_offsets[key]), self.var(it))
+                self.ctx.row_step = key
                 self.node(body)
-            self.ctx.claims = self.ctx.copy = None
+            self.ctx.claims = self.ctx.copy = self.ctx.row_step = None
         self.flush_stores()
 
     def combine_lanes(self) -> None:
@@ -335,6 +340,12 @@ class _RowEmission:
             old = self.from_storage(b.load(ptr, typ=STORAGE[arr.dtype]), arr.dtype)
             self.warp_sync()
             b.store(self.to_storage(self.combine(s.combine, old, total, arr.dtype), arr.dtype), ptr)
+
+    def _value(self, e, env, cache) -> ir.Value:
+        """A load of a held row is the value its lane computed at this step."""
+        if isinstance(e, Load) and e.array in getattr(self.ctx.plan, "registers", ()):
+            return self.ctx.row_values[(e.array,) + self.ctx.row_step]
+        return super()._value(e, env, cache)
 
     def warp_sync(self) -> None:
         """Order the memory accesses of the lanes sharing an iteration."""
@@ -392,6 +403,12 @@ class _RowEmission:
         self.ctx.current_call = call
         partial = self.ctx.partials.get(name)
         scatter = isinstance(self.ctx.plan, ScatterPoints)
+        held = getattr(self.ctx.plan, "registers", ())
+        if partial is None and self.stmts[name].array in held:  # (a lane's element of a held row: a value)
+            s = self.stmts[name]
+            env = {it: self.aexpr(call.get_op_arg(i + 1)) for i, it in enumerate(s.iters)}
+            self.ctx.row_values[(s.array,) + self.ctx.row_step] = self.value(s.body, env, {})
+            return
         if partial is None and not shared and not scatter:
             return super().statement(call)
         s = self.stmts[name]
@@ -806,6 +823,11 @@ class GpuEmitter(_RowEmission, _StripEmission, Emitter):
         if t == F32 and scalar.OPS[op].decompose is not None:
             return self.decomposed(op, a)
         raise UnsupportedOpError(f"{op} on {'float32' if t == F32 else str(t)} is not supported by target 'nvgpu'")
+
+    def alloc_contracted(self, a, moduli) -> None:
+        """Not for a row the lanes hold in registers."""
+        if a.name not in getattr(self.ctx.plan, "registers", ()):
+            super().alloc_contracted(a, moduli)
 
     def malloc(self, nbytes):
         raise UnsupportedOpError("a buffer too large for a GPU thread")

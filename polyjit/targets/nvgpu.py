@@ -18,6 +18,7 @@ from .. import cache
 from .. import sizes as sz
 from ..cache import ProcessCache
 from ..channels_last import channels_last, inverse
+from ..codegen.gpu_mapping import held_rows
 from ..codegen.gpu_program import GpuCodeSet, build_program
 from ..codegen.llvm import KernelInfo
 from ..codegen.nvgpu import BLOCK, GpuEmitter, ptx
@@ -354,8 +355,10 @@ class NvgpuTarget(Target):
         return gpu_rewrites.rewrite(sched, prog, validity)
 
     def private_buffers(self, prog: AffineProgram, ast: isl.AstNode, contracted: dict, fused: bool) -> dict | None:
-        """Those a thread's registers hold; None where the fusion starves the grid."""
-        return gpu_rewrites.private_buffers(prog, ast, contracted, fused)
+        """Those a thread's registers hold, and rows the lanes of a warp hold
+        in theirs (gpu_mapping.held_rows); None where the fusion starves the grid."""
+        kept = gpu_rewrites.private_buffers(prog, ast, contracted, fused)
+        return None if kept is None else {**kept, **held_rows(prog, ast, contracted, kept)}
 
     def check_tile_sizes(self, tile_sizes: tuple[int, ...]) -> None:
         ts = tile_sizes
