@@ -8,8 +8,9 @@ class that runs it.
 from __future__ import annotations
 
 import logging
+import math
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from .. import cache, ops
 from .. import sizes as sz
@@ -185,6 +186,32 @@ class Target:
              objects: list[bytes]) -> CompiledProgram | None:
         """A program from its plan and objects (None: compile it again here)."""
         raise NotImplementedError
+
+
+def runs_from_inside(sizes: Sequence[int], axes: Sequence[int], least: int) -> list[list[int]]:
+    """A reduction's dims (axes of an operand of these sizes) as runs from
+    the inside, each the fewest dims that hold more than `least` values, the
+    outermost few joining the run inside them."""
+    runs: list[list[int]] = []
+    run: list[int] = []
+    for a in sorted(axes, reverse=True):
+        run.insert(0, a)
+        if math.prod(sizes[d] for d in run) > least:
+            runs.append(run)
+            run = []
+    if run and runs:
+        runs[-1] = run + runs[-1]
+    return runs
+
+
+def reduced_in_steps(n: Node, runs: list[list[int]]) -> Node:
+    """Reduction n as a reduction over each run of its operand's dims in
+    turn, innermost first (the dims of the runs after it keep their places)."""
+    value = n.inputs[0]
+    for run in runs:
+        shape = tuple(s for d, s in enumerate(value.shape) if d not in run)
+        value = Node("reduce", (value,), {**n.attrs, "axes": tuple(run), "keepdim": False}, shape, n.dtype)
+    return value if tuple(value.shape) == tuple(n.shape) else Node("reshape", (value,), {}, n.shape, n.dtype)
 
 
 def expand_input_dilation(graph: Graph, keep: Callable[[Node], bool] = lambda n: False) -> Graph:

@@ -24,7 +24,7 @@ from ..runtime import CompiledProgram
 from ..schedule import cpu_rewrites, schedule_program
 from ..schedule.cpu_rewrites import STRIP_COLUMNS
 from ..schedule.fusion import guarded_inner_loop, serialized
-from .base import Target, matrix_products
+from .base import Target, matrix_products, reduced_in_steps, runs_from_inside
 
 if TYPE_CHECKING:
     import islpy as isl
@@ -62,21 +62,8 @@ def _cascaded(n: Node) -> Node | None:
     sizes = [int(s) if sz.is_static(s) else None for s in x.shape]
     if not axes or any(sizes[a] is None for a in axes) or math.prod(sizes[a] for a in axes) <= CASCADE_SUM:
         return None
-    runs, run = [], []
-    for a in reversed(axes):
-        run.insert(0, a)
-        if math.prod(sizes[d] for d in run) > CASCADE_RUN:
-            runs.append(run)
-            run = []
-    if run and runs:  # the outermost few join the run inside them
-        runs[-1] = run + runs[-1]
-    if len(runs) < 2:
-        return None
-    value = x
-    for run in runs:  # innermost first: the dims of the runs after it keep their places
-        shape = tuple(s for d, s in enumerate(value.shape) if d not in run)
-        value = Node("reduce", (value,), {**n.attrs, "axes": tuple(run), "keepdim": False}, shape, n.dtype)
-    return value if tuple(value.shape) == tuple(n.shape) else Node("reshape", (value,), {}, n.shape, n.dtype)
+    runs = runs_from_inside(sizes, axes, CASCADE_RUN)
+    return reduced_in_steps(n, runs) if len(runs) > 1 else None
 
 
 def column_strips(graph: Graph, parts: int) -> Graph:

@@ -32,7 +32,7 @@ from ..graph import ELEMENTWISE, Graph, Node, free_dims
 from ..lowering import LAYOUT_OPS, UNROLL_LIMIT
 from ..library import Convolution, backward_data
 from ..schedule import gpu_rewrites, schedule_program
-from .base import Target, matrix_products
+from .base import Target, matrix_products, reduced_in_steps, runs_from_inside
 
 if TYPE_CHECKING:
     import islpy as isl
@@ -279,22 +279,8 @@ def _columns(n: Node) -> Node | None:
     sizes = [int(s) if sz.is_static(s) else None for s in x.shape[:lead]]
     if None in sizes or math.prod(sizes) <= COLUMN_PART:
         return None
-    runs: list[list[int]] = []
-    run: list[int] = []
-    for d in reversed(range(lead)):
-        run.insert(0, d)
-        if math.prod(sizes[a] for a in run) > UNROLL_LIMIT:
-            runs.append(run)
-            run = []
-    if run and runs:  # the outermost few join the run inside them
-        runs[-1] = run + runs[-1]
-    if len(runs) < 2:
-        return None
-    value = x
-    for run in runs:
-        shape = tuple(s for d, s in enumerate(value.shape) if d not in run)
-        value = Node("reduce", (value,), {**n.attrs, "axes": tuple(run), "keepdim": False}, shape, n.dtype)
-    return value if tuple(value.shape) == tuple(n.shape) else Node("reshape", (value,), {}, n.shape, n.dtype)
+    runs = runs_from_inside(sizes, range(lead), UNROLL_LIMIT)
+    return reduced_in_steps(n, runs) if len(runs) > 1 else None
 
 
 class NvgpuTarget(Target):
