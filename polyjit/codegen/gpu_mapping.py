@@ -791,6 +791,8 @@ def held_rows(prog: AffineProgram, ast: isl.AstNode, rows: dict, kept: dict) -> 
     mapper = GpuMapper(prog, Scheduled(None, ast, {**kept, **rows}))
     held = {}
     for node in kernel_nodes(ast):
+        if not any(a in rows for n in statements_in(node) for a, _ in _accesses(mapper.stmts[n])):
+            continue
         plan = mapper.kernel(node)
         if isinstance(plan, WarpRows):
             held.update((n, rows[n]) for n in plan.registers)
