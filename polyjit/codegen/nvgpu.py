@@ -407,7 +407,9 @@ class _RowEmission:
         if partial is None and self.stmts[name].array in held:  # (a lane's element of a held row: a value)
             s = self.stmts[name]
             env = {it: self.aexpr(call.get_op_arg(i + 1)) for i, it in enumerate(s.iters)}
-            self.ctx.row_values[(s.array,) + self.ctx.row_step] = self.value(s.body, env, {})
+            arr = self.prog.arrays[s.array]  # (rounded to its storage, as a store and a load would)
+            val = self.from_storage(self.to_storage(self.value(s.body, env, {}), arr.dtype), arr.dtype)
+            self.ctx.row_values[(s.array,) + self.ctx.row_step] = val
             return
         if partial is None and not shared and not scatter:
             return super().statement(call)
