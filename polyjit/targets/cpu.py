@@ -57,10 +57,14 @@ def cascaded_sums(graph: Graph) -> Graph:
 
 def _cascaded(n: Node) -> Node | None:
     """Sum n in steps (cascaded_sums); None where it adds few values into
-    each result, its sizes are not known, or one step would take them all."""
+    each result or one step would take them all. A sum over a symbolic
+    size may add any number (a training batch norm compiled once for every
+    batch size still sums each image's H x W first); its runs are cut at
+    the size's estimate."""
     x, axes = n.inputs[0], tuple(sorted(n.attrs["axes"]))
-    sizes = [int(s) if sz.is_static(s) else None for s in x.shape]
-    if not axes or any(sizes[a] is None for a in axes) or math.prod(sizes[a] for a in axes) <= CASCADE_SUM:
+    sizes = [int(s) if sz.is_static(s) else sz.estimate(s) for s in x.shape]
+    symbolic = any(not sz.is_static(x.shape[a]) for a in axes)
+    if not axes or (math.prod(sizes[a] for a in axes) <= CASCADE_SUM and not symbolic):
         return None
     runs = runs_from_inside(sizes, axes, CASCADE_RUN)
     return reduced_in_steps(n, runs) if len(runs) > 1 else None
