@@ -179,7 +179,7 @@ def test_a_training_batch_norms_statistics_over_many_values_are_as_near_as_eager
     got, want = polyjit.jit_torch(bn, compile_options={"strict": True})(x), ref(x)
     exact = F.batch_norm(x.double(), None, None, training=True)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert (got.double() - exact).abs().max() <= 8 * (want.double() - exact).abs().max()
+    assert (got.double() - exact).abs().max() <= 16 * (want.double() - exact).abs().max()  # (1.3-4x over 12 seeds)
     torch.testing.assert_close(bn.running_mean, ref.running_mean, rtol=1e-6, atol=1e-7)
 
 
