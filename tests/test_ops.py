@@ -445,6 +445,17 @@ def test_sums_of_many_values_a_result_are_near_exact(shape, axes, symbolic, rng)
     close(got, x.astype(np.float64).sum(tuple(axes)), rtol=2e-6, atol=0)
 
 
+def test_a_sum_of_broadcast_products_is_not_cascaded_through_a_larger_array(rng):
+    """A sum of 8192 broadcast products into each result (a product written
+    as one): cascading it would first store a 256 x 128 x 256 array, larger
+    than either factor, so it is summed whole, with no temporary."""
+    a, b = rng.standard_normal((256, 128, 64)).astype(F32), rng.standard_normal((128, 64, 256)).astype(F32)
+    got, exe = run(lambda a, b: ops.sum(ops.reshape(a, [256, 128, 64, 1]) * ops.reshape(b, [1, 128, 64, 256]),
+                                        [1, 2]), a, b)
+    assert exe.stats["intermediate_bytes"] == 0
+    close(got, np.einsum("ikl,klj->ij", a.astype(np.float64), b), rtol=1e-4, atol=1e-2)  # (sums of scale 90)
+
+
 @pytest.mark.parametrize("op", ["argmax", "argmin"])
 def test_argreduce(op, rng):
     x = rng.integers(0, 5, size=(7, 40)).astype(F32)

@@ -18,7 +18,7 @@ from ..codegen.program import CodeSet, LoadedProgram, build_program, host_object
 from ..columns import columns_form
 from ..compiler import executable, from_plan
 from ..dtypes import DataType
-from ..graph import Graph, Node, free_dims
+from ..graph import ELEMENTWISE, Graph, Node, free_dims
 from ..library import blas, gemm_form
 from ..runtime import CompiledProgram
 from ..schedule import cpu_rewrites, schedule_program
@@ -67,7 +67,26 @@ def _cascaded(n: Node) -> Node | None:
     if not axes or (math.prod(sizes[a] for a in axes) <= CASCADE_SUM and not symbolic):
         return None
     runs = runs_from_inside(sizes, axes, CASCADE_RUN)
-    return reduced_in_steps(n, runs) if len(runs) > 1 else None
+    if len(runs) < 2 or math.prod(sizes) // math.prod(sizes[a] for a in runs[0]) > _source_elements(x):
+        return None  # (a first step larger than what the operand is made from: a sum of broadcast products)
+    return reduced_in_steps(n, runs)
+
+
+def _source_elements(x: Node) -> int:
+    """The elements of the largest array x is computed from elementwise,
+    through broadcasts and reshapes (x's own where it is one): what a
+    sum's first step may store without storing more than exists already."""
+    largest, stack, seen = 0, [x], set()
+    while stack:
+        n = stack.pop()
+        if n.id in seen:
+            continue
+        seen.add(n.id)
+        if n.op in ELEMENTWISE or n.op in ("broadcast_in_dim", "reshape"):
+            stack.extend(n.inputs)
+        else:
+            largest = max(largest, math.prod(int(s) if sz.is_static(s) else sz.estimate(s) for s in n.shape))
+    return largest
 
 
 def column_strips(graph: Graph, parts: int) -> Graph:
