@@ -403,21 +403,18 @@ class _RowEmission:
         self.ctx.current_call = call
         partial = self.ctx.partials.get(name)
         scatter = isinstance(self.ctx.plan, ScatterPoints)
-        held = getattr(self.ctx.plan, "registers", ())
-        if partial is None and self.stmts[name].array in held:  # (a lane's element of a held row: a value)
-            s = self.stmts[name]
-            env = {it: self.aexpr(call.get_op_arg(i + 1)) for i, it in enumerate(s.iters)}
-            arr = self.prog.arrays[s.array]  # (rounded to its storage, as a store and a load would)
-            val = self.from_storage(self.to_storage(self.value(s.body, env, {}), arr.dtype), arr.dtype)
-            self.ctx.row_values[(s.array,) + self.ctx.row_step] = val
-            return
-        if partial is None and not shared and not scatter:
-            return super().statement(call)
         s = self.stmts[name]
+        held = s.array in getattr(self.ctx.plan, "registers", ())  # (a lane's element of a held row: a value)
+        if partial is None and not shared and not scatter and not held:
+            return super().statement(call)
         env = {it: self.aexpr(call.get_op_arg(i + 1)) for i, it in enumerate(s.iters)}
         cache: dict = {}
         val = self.value(s.body, env, cache)
         arr = self.prog.arrays[s.array]
+        if held:  # (rounded to its storage, as a store and a load would)
+            self.ctx.row_values[(s.array,) + self.ctx.row_step] = self.from_storage(self.to_storage(val, arr.dtype),
+                                                                                   arr.dtype)
+            return
         if scatter:  # (scatter_points: a sum, in a type atomics add)
             self.b.atomic_rmw("fadd" if arr.dtype.is_float else "add", self.address(arr, s.index, env, cache),
                               self.to_storage(val, arr.dtype), "monotonic")

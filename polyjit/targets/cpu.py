@@ -62,7 +62,7 @@ def _cascaded(n: Node) -> Node | None:
     batch size still sums each image's H x W first); its runs are cut at
     the size's estimate."""
     x, axes = n.inputs[0], tuple(sorted(n.attrs["axes"]))
-    sizes = [int(s) if sz.is_static(s) else sz.estimate(s) for s in x.shape]
+    sizes = [sz.estimate(s) for s in x.shape]
     symbolic = any(not sz.is_static(x.shape[a]) for a in axes)
     if not axes or (math.prod(sizes[a] for a in axes) <= CASCADE_SUM and not symbolic):
         return None
@@ -85,7 +85,7 @@ def _source_elements(x: Node) -> int:
         if n.op in ELEMENTWISE or n.op in ("broadcast_in_dim", "reshape"):
             stack.extend(n.inputs)
         else:
-            largest = max(largest, math.prod(int(s) if sz.is_static(s) else sz.estimate(s) for s in n.shape))
+            largest = max(largest, math.prod(map(sz.estimate, n.shape)))
     return largest
 
 
