@@ -54,6 +54,14 @@ def check(result, what: str = "CUDA"):
     return rest[0] if len(rest) == 1 else rest
 
 
+@functools.cache
+def _ctx_get_current():
+    """cuCtxGetCurrent through ctypes (the bindings' wrapper costs more than the call)."""
+    fn = ctypes.CDLL("libcuda.so.1").cuCtxGetCurrent
+    fn.argtypes, fn.restype = [ctypes.POINTER(ctypes.c_void_p)], ctypes.c_int
+    return fn
+
+
 def default_ordinal() -> int:
     """The GPU used when no argument is on one: POLYJIT_DEVICE, else 0."""
     return int(os.environ.get("POLYJIT_DEVICE", "0"))
@@ -82,9 +90,12 @@ class Device:
         self._cubins_refused = False  # the driver would not load nvJitLink's cubins: PTX from then on
 
     def activate(self) -> None:
-        cu = driver()
-        if int(check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")) != self._context:
-            check(cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+        """Make this device's context current where it is not (the check is
+        on every call's path: through libcuda directly, as the bindings'
+        wrapper costs several times the call)."""
+        current = ctypes.c_void_p()
+        if _ctx_get_current()(ctypes.byref(current)) or current.value != self._context:
+            check(driver().cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
 
     def pool(self):
         """polyjit's memory pool on this device. It keeps what is freed (no
