@@ -2203,9 +2203,9 @@ class _Outputs:
         self.empty, self.saved = _cuda_empty(index), saved
         self._layout: tuple | None = None  # (specs, *_place(specs)) for the last specs seen
 
-    def __call__(self, specs: list) -> tuple[np.ndarray, Callable[[], list]]:
+    def __call__(self, specs: list) -> tuple[np.ndarray | list, Callable[[], list]]:
         """Memory for ``specs``, a plan's outputs as (name, shape, numpy
-        dtype): their addresses (int64), and ``tensors()`` that makes the
+        dtype): their addresses (int64 array or list), and ``tensors()`` that makes the
         tensors at them, called after the launch (the saved outputs' views
         are built while the kernels run)."""
         if self._layout is None or self._layout[0] is not specs:
@@ -2213,8 +2213,9 @@ class _Outputs:
         _, owned, block, places, offsets, base_of = self._layout
         empty = self.empty
         made = [empty(shape, dt) for shape, dt in owned]
-        if block:  # (last: the views' allocation is -1)
-            made.append(empty((block,), torch.uint8))
+        if not block:  # each output its own allocation, in order (numpy's arithmetic costs more here)
+            return [t.data_ptr() for t in made], lambda: made
+        made.append(empty((block,), torch.uint8))  # (last: the views' allocation is -1)
         addresses = offsets + np.array([t.data_ptr() for t in made], np.int64)[base_of]
 
         def tensors() -> list:

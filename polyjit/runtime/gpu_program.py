@@ -198,7 +198,7 @@ class GpuProgram(CompiledProgram):
         is for. ``outputs(specs)``, where given, allocates all the outputs
         at once from their (name, shape, dtype), the same list object at
         every call of a plan (a frontend may place several in one block):
-        it returns their addresses (an int64 array) and a function, called
+        it returns their addresses (int64s) and a function, called
         after the launch, that returns them."""
         plan.device.activate()
         return self._run_native(plan, plan.native, pointers, stream, empty, outputs)
