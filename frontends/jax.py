@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import itertools
 import math
 import warnings
@@ -862,11 +863,11 @@ class JaxFunction:
 
     # ------------------------------------------------------------- arguments
     def _split(self, args, kwargs):
-        static = {i % len(args) if args else i for i in self.static_argnums}
+        static = {i + len(args) if i < 0 else i for i in self.static_argnums}  # (negative: from the end)
         for i in static:
-            if i >= len(args):
-                raise InputError(f"{self.__name__}: static_argnums names argument {i}, but only "
-                                 f"{len(args)} positional arguments were given")
+            if not 0 <= i < len(args):
+                raise InputError(f"{self.__name__}: static_argnums names argument {i - len(args) if i < 0 else i}, "
+                                 f"but only {len(args)} positional arguments were given")
             try:
                 hash(args[i])
             except TypeError:
@@ -1245,5 +1246,23 @@ def jit_jax(fn: Callable | None = None, *, compile_options: dict | None = None,
     options = parse_options(opts, extra=_FRONTEND_KEYS)
 
     def wrap(f):
+        _check_static_argnums(f, static)
         return JaxFunction(f, options, static, execution_backend)
     return wrap(fn) if fn is not None else wrap
+
+
+def _check_static_argnums(fn: Callable, static: tuple[int, ...]) -> None:
+    """CompileOptionError, as jax.jit raises its error, where ``static``
+    names a position that ``fn``'s signature has no parameter for (one
+    taking ``*args`` takes any)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # (no signature to read: the call checks)
+        return
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return
+    n = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+    bad = [i for i in static if not -n <= i < n]
+    if bad:
+        raise CompileOptionError(f"{getattr(fn, '__name__', 'the function')} has static_argnums={static}, but it "
+                                 f"takes only {n} positional arguments (argument {bad[0]} does not exist)")

@@ -530,6 +530,13 @@ def test_bad_inputs(rng):
         jf("a", rnd(rng, 4, 5))
     with pytest.raises(CompileOptionError, match="static_argnums"):
         polyjit.jit_jax(lambda x: x, compile_options={"static_argnums": "0"})
+    with pytest.raises(CompileOptionError, match=r"static_argnums=\(5,\), but it takes only 2 positional"):
+        polyjit.jit_jax(lambda x, n: x * n, static_argnums=5)  # (as jax.jit refuses it)
+    varargs = polyjit.jit_jax(lambda *a: a[0] * a[1], static_argnums=(5,))  # any count: the call checks
+    with pytest.raises(InputError, match="static_argnums names argument 5, but only 2 positional"):
+        varargs(rnd(rng, 3), 2)
+    x = rnd(rng, 3)
+    np.testing.assert_allclose(polyjit.jit_jax(lambda x, n: x * n, static_argnums=-1)(x, 3), x * 3, rtol=1e-6)
     with pytest.raises(CompileOptionError, match="unknown compile option 'tile'"):
         polyjit.jit_jax(lambda x: x, compile_options={"tile": 3})
 
