@@ -423,10 +423,18 @@ for _name in ("add", "sub", "mul", "div", "true_divide", "maximum", "minimum", "
             ATEN[getattr(_packet, _ov)] = elementwise(_RENAMED.get(_name, _name))
 
 for _name in ("neg", "abs", "exp", "log", "log1p", "expm1", "sqrt", "rsqrt", "sin", "cos", "tan", "tanh", "erf",
-              "erfc", "sigmoid", "floor", "ceil", "round", "sign", "reciprocal", "relu", "logical_not", "isnan",
+              "erfc", "sigmoid", "floor", "ceil", "round", "reciprocal", "relu", "logical_not", "isnan",
               "isinf", "lgamma", "digamma", "exp2", "log2", "log10", "trunc", "signbit", "erfinv", "asin", "acos",
               "atan", "sinh", "cosh", "asinh", "acosh", "atanh"):
     ATEN[getattr(aten, _name).default] = elementwise(_RENAMED.get(_name, _name))
+
+
+
+@_reg(aten.sign.default)
+def _sign(cx, x):
+    """PyTorch's sign of NaN is 0 (it computes (0 < x) - (x < 0)); the core op's, as NumPy's and JAX's, is NaN."""
+    return ops.where(ops.isnan(x), 0.0, ops.sign(x)) if x.dtype.is_float else ops.sign(x)
+
 
 for _name in ("and", "or", "xor", "not"):
     _packet = getattr(aten, "bitwise_" + _name)
