@@ -144,7 +144,26 @@ def _integer_pow(p, x):
 def _round(p, x):
     if int(p.get("rounding_method", 0)) == 1:  # to nearest even
         return ops.round(x)
-    return ops.sign(x) * ops.floor(abs(x) + 0.5)
+    t = ops.trunc(x)  # halves away from zero; x - t is exact (floor(|x| + 0.5) rounds 0.49999997 up)
+    return ops.where(abs(x - t) >= 0.5, t + _sign(None, x), t)
+
+
+def _sign(p, x):
+    """XLA's sign: signed zeros kept (the core op's, as NumPy's, is +0 for both)."""
+    return ops.where(x == 0, x, ops.sign(x)) if x.dtype.is_float else ops.sign(x)
+
+
+def _convert(p, x):
+    """XLA's conversions: a float to an integer saturates at the type's
+    bounds and NaN becomes 0 (where a machine's conversion is undefined
+    past them)."""
+    to = core_dtype(p["new_dtype"])
+    y = ops.cast(x, to)
+    if not (x.dtype.is_float and to.is_int):
+        return y
+    info = np.iinfo(to.numpy)
+    y = ops.where(x >= float(info.max) + 1.0, info.max, ops.where(x < float(info.min), info.min, y))
+    return ops.where(ops.isnan(x), 0, y)
 
 
 def _select_n(p, pred, *cases):
@@ -495,7 +514,7 @@ PRIMITIVES: dict[str, Callable] = {
         ("neg", "neg"), ("abs", "abs"), ("exp", "exp"), ("log", "log"), ("log1p", "log1p"),
         ("expm1", "expm1"), ("sqrt", "sqrt"), ("rsqrt", "rsqrt"), ("sin", "sin"), ("cos", "cos"),
         ("tan", "tan"), ("tanh", "tanh"), ("erf", "erf"), ("logistic", "sigmoid"), ("floor", "floor"),
-        ("ceil", "ceil"), ("sign", "sign"), ("is_finite", "isfinite"), ("erf_inv", "erf_inv"),
+        ("ceil", "ceil"), ("is_finite", "isfinite"), ("erf_inv", "erf_inv"),
         ("erfc", "erfc"), ("lgamma", "lgamma"), ("digamma", "digamma"),
         ("add", "add"), ("add_any", "add"), ("sub", "sub"), ("mul", "mul"), ("max", "maximum"),
         ("min", "minimum"), ("pow", "pow"), ("atan2", "atan2"), ("exp2", "exp2"), ("rem", "fmod"), ("eq", "eq"), ("ne", "ne"),
@@ -509,7 +528,8 @@ PRIMITIVES: dict[str, Callable] = {
     "round": _round,
     "select_n": _select_n,
     "clamp": lambda p, lo, x, hi: ops.clamp(x, lo, hi),
-    "convert_element_type": lambda p, x: ops.cast(x, core_dtype(p["new_dtype"])),
+    "sign": _sign,
+    "convert_element_type": _convert,
     "bitcast_convert_type": lambda p, x: ops.bitcast(x, core_dtype(p["new_dtype"])),
     "nextafter": _nextafter,
     # random numbers: a threefry key is its uint32[2] data here

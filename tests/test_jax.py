@@ -517,6 +517,35 @@ def test_unsupported_primitive_falls_back_or_raises_under_strict(rng):
         polyjit.jit_jax(f, compile_options={"strict": True})(x)
 
 
+EDGE_FNS = {  # functions whose NaN, infinities, signed zeros and out-of-range conversions follow XLA's rules
+    "sign": jnp.sign, "round_away": jax.lax.round, "round_even": jnp.round, "floor": jnp.floor, "trunc": jnp.trunc,
+    "to_int32": lambda x: x.astype(jnp.int32), "to_uint8": lambda x: x.astype(jnp.uint8),
+    "to_int64": lambda x: x.astype(jnp.int64), "clip": lambda x: jnp.clip(x, -1, 1), "relu": jax.nn.relu,
+    "gelu": jax.nn.gelu, "max": lambda x: x.reshape(4, 4).max(1), "argmax": lambda x: x.reshape(4, 4).argmax(1),
+    "softmax": lambda x: jax.nn.softmax(x.reshape(4, 4), -1), "logsumexp": lambda x: jax.nn.logsumexp(x.reshape(4, 4), 1),
+    "maximum": lambda x: jnp.maximum(x, x[::-1]), "fmax": lambda x: jnp.fmax(x, x[::-1]),
+    "cummax": lambda x: jax.lax.cummax(x.reshape(4, 4), axis=1),
+    "nan_to_num": jnp.nan_to_num, "copysign": lambda x: jnp.copysign(1.0, x), "abs": jnp.abs,
+}
+
+
+@host_target
+@pytest.mark.parametrize("name", sorted(EDGE_FNS))
+def test_edge_values_follow_xlas_rules(name):
+    nan, inf = float("nan"), float("inf")  # (no subnormals: XLA's CPU code flushes them to zero)
+    x = jnp.array([nan, 1.5, -inf, inf, 0.0, -0.0, 0.49999997, -2.5, -0.3, 3e9, -3e9, 2.5, 3.0, nan, 0.25, 300.0],
+                  jnp.float32)
+    fn = EDGE_FNS[name]
+    got, want = np.asarray(polyjit.jit_jax(fn, compile_options={"target": "cpu"})(x)), np.asarray(jax.jit(fn)(x))
+    assert got.dtype == want.dtype
+    if want.dtype.kind == "f":
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)  # (NaN where XLA has NaN)
+        numbers = ~np.isnan(want)
+        np.testing.assert_array_equal(np.signbit(got[numbers]), np.signbit(want[numbers]))
+    else:
+        np.testing.assert_array_equal(got, want)
+
+
 @host_target
 def test_bad_inputs(rng):
     with pytest.raises(InputError, match="static argument 1 is a list"):
