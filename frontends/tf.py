@@ -61,6 +61,29 @@ def _float_div(o, a, b):
     return a / b
 
 
+def _floor_div(o, a, b):
+    """TensorFlow's FloorDiv: floor(a / b) for floats (infinite where the
+    quotient is, where Python's and the core op's divmod give NaN)."""
+    return ops.floor(a / b) if a.dtype.is_float else ops.floor_divide(a, b)
+
+
+_POW_AS = {0.5: ops.sqrt, -0.5: ops.rsqrt}  # grappler's rewrites that differ from pow at -0 and -inf
+
+
+def _pow(o, a, b):
+    """Pow as a tf.function runs it: grappler makes pow(x, 0.5) sqrt(x) and
+    pow(x, -0.5) rsqrt(x) (NaN at -inf and a signed result at -0, where pow
+    is +inf or +0 there)."""
+    try:
+        exponent = np.unique(static_value(b)) if a.dtype.is_float else ()
+    except UnsupportedOpError:
+        exponent = ()
+    rewrite = _POW_AS.get(float(exponent[0])) if len(exponent) == 1 and b.ndim <= a.ndim else None
+    if rewrite is None or any(d != 1 and d != e for d, e in zip(b.shape[::-1], a.shape[::-1])):
+        return ops.pow(a, b)  # (an exponent that widens the result: pow's broadcast)
+    return rewrite(a)
+
+
 def _elu(x, scale=1.0, alpha=1.0):
     neg = ops.expm1(x)
     if alpha != 1.0:
@@ -628,11 +651,11 @@ TF_OPS: dict[str, Callable] = {
         ("Reciprocal", "reciprocal"), ("Inv", "reciprocal"), ("Erfc", "erfc"), ("Lgamma", "lgamma"),
         ("Digamma", "digamma"),
         ("Add", "add"), ("AddV2", "add"), ("Sub", "sub"), ("Mul", "mul"), ("Maximum", "maximum"),
-        ("Minimum", "minimum"), ("Pow", "pow"), ("Atan2", "atan2"), ("Less", "lt"), ("LessEqual", "le"),
+        ("Minimum", "minimum"), ("Atan2", "atan2"), ("Less", "lt"), ("LessEqual", "le"),
         ("Greater", "gt"), ("GreaterEqual", "ge"), ("Equal", "eq"), ("NotEqual", "ne"),
         ("LogicalAnd", "logical_and"), ("LogicalOr", "logical_or"), ("FloorMod", "remainder"),
-        ("TruncateMod", "fmod"), ("FloorDiv", "floor_divide"), ("TruncateDiv", "trunc_divide")]},
-    "RealDiv": _float_div, "Div": _float_div,
+        ("TruncateMod", "fmod"), ("TruncateDiv", "trunc_divide")]},
+    "RealDiv": _float_div, "Div": _float_div, "FloorDiv": _floor_div, "Pow": _pow,
     "DivNoNan": lambda o, x, y: ops.where(y == 0, ops.zeros_like(x / y), x / y),
     "Square": lambda o, x: x * x,
     "SquaredDifference": lambda o, a, b: (lambda d: d * d)(a - b),

@@ -779,3 +779,28 @@ def test_workers_start_as_a_new_trace_begins(monkeypatch, rng):
     x = rnd(rng, 4, 8)
     np.testing.assert_allclose(f(tf.constant(x)).numpy(), x * 2)
     assert seen and seen[0] >= 1
+
+
+EDGE_FNS = {  # ops whose NaN, infinities and signed zeros follow tf.function's own results
+    "floordiv": lambda x: tf.math.floordiv(x, 1.5), "floormod": lambda x: tf.math.floormod(x, 1.5),
+    "pow_half": lambda x: tf.pow(x, 0.5), "pow_minus_half": lambda x: tf.pow(x, -0.5), "pow_3": lambda x: tf.pow(x, 3.0),
+    "sign": tf.sign, "round": tf.round, "floor": tf.floor, "relu6": tf.nn.relu6, "gelu": tf.nn.gelu,
+    "sigmoid": tf.sigmoid, "clip": lambda x: tf.clip_by_value(x, -1, 1), "to_int32": lambda x: tf.cast(x, tf.int32),
+    "max": lambda x: tf.reduce_max(tf.reshape(x, (4, 4)), 1), "cumsum": lambda x: tf.cumsum(tf.reshape(x, (4, 4)), 1),
+    "rsqrt": tf.math.rsqrt, "divide_no_nan": lambda x: tf.math.divide_no_nan(x, tf.reverse(x, [0])),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EDGE_FNS))
+def test_edge_values_as_tf_function(name):
+    nan, inf = float("nan"), float("inf")
+    x = tf.constant([nan, 1.5, -inf, inf, 0.0, -0.0, 0.49999997, -2.5, -0.3, 3e9, -3e9, 2.5, 3.0, nan, 0.25, 300.0])
+    fn = EDGE_FNS[name]
+    got, want = np.asarray(jit(fn)(x)), tf.function(fn)(x).numpy()
+    assert got.dtype == want.dtype
+    if want.dtype.kind == "f":
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)  # (NaN where TensorFlow has NaN)
+        numbers = ~np.isnan(want)
+        np.testing.assert_array_equal(np.signbit(got[numbers]), np.signbit(want[numbers]))
+    else:
+        np.testing.assert_array_equal(got, want)
