@@ -53,3 +53,20 @@ def blur(img):
     h, w = img.shape[-2:]
     bx = sum(img[..., :, k:w - 4 + k] for k in range(5)) / 5
     return sum(bx[..., k:h - 4 + k, :] for k in range(5)) / 5
+
+
+EDGES = [float("nan"), 1.5, -float("inf"), float("inf"), 0.0, -0.0, 0.49999997, -2.5, -0.3, 3e9, -3e9, 2.5, 3.0,
+         float("nan"), 0.25, 300.0]  # NaN, infinities, signed zeros, a near half, values past int32 (no subnormals)
+
+
+def assert_same_edges(got, want) -> None:
+    """got as want: its dtype, its values within float32 rounding, NaN at
+    want's NaN and the sign of every other element (zeros too)."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype
+    if want.dtype.kind != "f":
+        np.testing.assert_array_equal(got, want)
+        return
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    numbers = ~np.isnan(want)
+    np.testing.assert_array_equal(np.signbit(got[numbers]), np.signbit(want[numbers]))
