@@ -443,8 +443,8 @@ for _name in ("and", "or", "xor", "not"):
             ATEN[getattr(_packet, _ov)] = logical(_name)
 for _ov in (aten.bitwise_left_shift.Tensor, aten.__lshift__.Scalar, aten.__lshift__.Tensor):
     ATEN[_ov] = lambda cx, a, b: ops.shift_left(a, b)
-for _ov in (aten.bitwise_right_shift.Tensor, aten.__rshift__.Scalar, aten.__rshift__.Tensor):
-    ATEN[_ov] = lambda cx, a, b: ops.shift_right_arithmetic(a, b)
+for _ov in (aten.bitwise_right_shift.Tensor, aten.__rshift__.Scalar, aten.__rshift__.Tensor):  # (unsigned: logical)
+    ATEN[_ov] = lambda cx, a, b: (ops.shift_right_logical if a.dtype.is_unsigned else ops.shift_right_arithmetic)(a, b)
 
 
 @_reg(aten.add.Tensor, aten.add.Scalar)

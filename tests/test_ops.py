@@ -471,6 +471,14 @@ def test_int_and_bool_reductions(rng):
     close(got[0], x.sum(1)); close(got[1], x.max(0)); close(got[2], b.sum(1))
 
 
+def test_bools_add_and_compare_as_numpy(rng):
+    """True + True is True (an or), and True > False (bools compare unsigned)."""
+    m, n = rng.random(40) > 0.5, rng.random(40) > 0.5
+    got, _ = run(lambda a, b: (a + b, a * b, a > b, a <= b, ops.maximum(a, b), ops.max(ops.cat([ops.reshape(a, [1, 40]), ops.reshape(b, [1, 40])]), [0])), m, n)
+    for g, want in zip(got, (m + n, m * n, m > n, m <= n, np.maximum(m, n), np.maximum(m, n))):
+        np.testing.assert_array_equal(g, want)
+
+
 def test_layout_ops(rng):
     x = rng.standard_normal((4, 6, 10)).astype(F32)
     y = rng.standard_normal((4, 6, 3)).astype(F32)

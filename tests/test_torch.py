@@ -108,6 +108,10 @@ def test_bitwise_ops_on_integers_and_booleans():
         return ~a, a & b, a | 3, a ^ b, ~m, m & (a > 0), m ^ (b > 0), a << 2, a >> 1, b >> (a.abs() % 5)
     check(f, torch.randint(-100, 100, (20,)), torch.randint(-100, 100, (20,)), torch.rand(20) > 0.5)
 
+    def g(u, m, n):  # unsigned shifts are logical; bools add as or, and False < True
+        return u >> 1, u >> (u % 3), m + n, m * n, m > n, m < n, m >= n, torch.maximum(m, n)
+    check(g, torch.randint(0, 256, (40,), dtype=torch.uint8), torch.rand(40) > 0.5, torch.rand(40) > 0.5)
+
 
 EDGE_OPS = {  # ops whose NaN, infinities and signed zeros follow eager's own rules (not erf's GELU: eager's
     # vectorized erf makes gelu(inf) NaN on the CPU, where its scalar formula, and CUDA's, give inf)

@@ -25,7 +25,9 @@ Rule = Callable[..., ir.Value]  # (emitter, operand values, result dtype, operan
 
 
 def operand_class(dt: DataType) -> str:
-    return "float" if dt.is_float else "uint" if dt.is_unsigned else "int"
+    """Whose rules an operand of dt takes: bools are unsigned (True is 1,
+    greater than False; signed, i1's 1 is -1), with rules of their own first."""
+    return "float" if dt.is_float else "uint" if dt.is_unsigned or dt is DataType.Bool else "int"
 
 
 def _const(v, like) -> ir.Constant:
@@ -232,7 +234,7 @@ def _float_rules() -> None:
 
 
 def _integer_rules() -> None:
-    """Signed integers (and bools), unsigned ones, and bits of either."""
+    """Signed integers, unsigned ones (bools among them, with an add of their own), and bits of either."""
     rule("add", "int", lambda e, a, dt, src: e.b.add(*a))
     rule("sub", "int", lambda e, a, dt, src: e.b.sub(*a))
     rule("mul", "int", lambda e, a, dt, src: e.b.mul(*a))
@@ -264,6 +266,7 @@ def _integer_rules() -> None:
         rule(op, "uint", RULES[op]["int"])
     rule("abs", "uint", _same)
     rule("relu", "uint", _same)
+    rule("add", "bool", lambda e, a, dt, src: e.b.or_(*a))  # (numpy's, PyTorch's and JAX's: True + True is True)
     rule("sign", "uint", lambda e, a, dt, src: e.b.zext(e.b.icmp_unsigned("!=", a[0], _const(0, a[0])), a[0].type))
 
 
@@ -274,4 +277,5 @@ _integer_rules()
 
 def rule_for(op: str, src: DataType) -> Rule | None:
     by_class = RULES.get(op, {})
-    return by_class.get(operand_class(src)) or by_class.get("any")
+    return ((src is DataType.Bool and by_class.get("bool")) or by_class.get(operand_class(src))
+            or by_class.get("any"))
