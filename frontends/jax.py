@@ -148,6 +148,25 @@ def _round(p, x):
     return ops.where(abs(x - t) >= 0.5, t + _sign(None, x), t)
 
 
+def _by_zero(b, value, q):
+    """q, or value where the integer divisor b is 0 (XLA's results there)."""
+    if isinstance(b, (int, np.integer)):
+        return q if b else value + ops.zeros_like(q)
+    return ops.where(b == 0, value, q)
+
+
+def _div(p, a, b):
+    """XLA's division: integers toward zero, by 0 all ones (-1, or the unsigned maximum)."""
+    if a.dtype.is_float:
+        return ops.div(a, b)
+    return _by_zero(b, int(np.iinfo(a.dtype.numpy).max) if a.dtype.is_unsigned else -1, ops.trunc_divide(a, b))
+
+
+def _rem(p, a, b):
+    """XLA's remainder: the dividend's sign (fmod), and for integers by 0 the dividend."""
+    return ops.fmod(a, b) if a.dtype.is_float else _by_zero(b, a, ops.fmod(a, b))
+
+
 def _sign(p, x):
     """XLA's sign: signed zeros kept (the core op's, as NumPy's, is +0 for both)."""
     return ops.where(x == 0, x, ops.sign(x)) if x.dtype.is_float else ops.sign(x)
@@ -517,10 +536,11 @@ PRIMITIVES: dict[str, Callable] = {
         ("ceil", "ceil"), ("is_finite", "isfinite"), ("erf_inv", "erf_inv"),
         ("erfc", "erfc"), ("lgamma", "lgamma"), ("digamma", "digamma"),
         ("add", "add"), ("add_any", "add"), ("sub", "sub"), ("mul", "mul"), ("max", "maximum"),
-        ("min", "minimum"), ("pow", "pow"), ("atan2", "atan2"), ("exp2", "exp2"), ("rem", "fmod"), ("eq", "eq"), ("ne", "ne"),
+        ("min", "minimum"), ("pow", "pow"), ("atan2", "atan2"), ("exp2", "exp2"), ("eq", "eq"), ("ne", "ne"),
         ("lt", "lt"), ("le", "le"), ("gt", "gt"), ("ge", "ge"), ("shift_left", "shift_left"),
         ("shift_right_logical", "shift_right_logical"), ("shift_right_arithmetic", "shift_right_arithmetic")]},
-    "div": lambda p, a, b: (ops.div if a.dtype.is_float else ops.trunc_divide)(a, b),
+    "div": _div,
+    "rem": _rem,
     **{name: logical(name) for name in ("and", "or", "xor", "not")},
     "integer_pow": _integer_pow,
     "square": lambda p, x: x * x,
@@ -1148,9 +1168,13 @@ class JaxFunction:
         register_custom_call(name, "cpu" if where == "cpu" else "CUDA", launcher.address, len(take), len(results),
                              launcher, exe.cached)
 
+        distinct = list(dict.fromkeys(exe.output_arrays))  # the launcher's results: each output array once
+        result_of = [distinct.index(a) for a in exe.output_arrays]
+
         def call(*xs):
             outs = jax.ffi.ffi_call(name, results, vmap_method="sequential")(*[xs[k] for k in take])
-            return [outs[k] if how == "out" else xs[k] if how == "arg" else jnp.asarray(k) for how, k in picks]
+            return [outs[result_of[k]] if how == "out" else xs[k] if how == "arg" else jnp.asarray(k)
+                    for how, k in picks]
         prog.stats.record(seg.exe.name, exe.stats)
         options = _graph_options(where)
         nested = jax.jit(call)

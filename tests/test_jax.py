@@ -539,6 +539,31 @@ def test_edge_values_follow_xlas_rules(name):
 
 
 @host_target
+def test_one_value_returned_twice(rng):
+    """Equal results computed once (one array in the program) are each returned, in place."""
+    x = rnd(rng, 8)
+    f = polyjit.jit_jax(lambda a: (a + 1, a * 3, a + 1, jax.lax.div(a, 2.0), a / 2.0))
+    for _ in range(2):  # (the second call goes through XLA's dispatch)
+        for got, want in zip(f(x), (x + 1, x * 3, x + 1, x / 2, x / 2)):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
+    assert f.stats["fallbacks"] == 0
+
+
+@host_target
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.uint32, jnp.int8])
+def test_integer_division_by_zero_as_xla(dtype):
+    """XLA's quotient by 0 is all ones and its remainder the dividend (jnp's // and % build on both)."""
+    info = np.iinfo(dtype)
+    a = jnp.array([1, 7, 0, int(info.min), int(info.max), 5, 9, 3], dtype)
+    b = jnp.array([0, 0, 0, 0, 0, 2, -1 if info.min else 3, 0], dtype)
+
+    def fn(a, b):
+        return jax.lax.div(a, b), jax.lax.rem(a, b), a // b, a % b, jax.lax.div(a, jnp.zeros_like(b))
+    for got, want in zip(polyjit.jit_jax(fn, compile_options={"target": "cpu"})(a, b), jax.jit(fn)(a, b)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@host_target
 def test_bad_inputs(rng):
     with pytest.raises(InputError, match="static argument 1 is a list"):
         polyjit.jit_jax(lambda x, s: x * len(s), static_argnums=(1,))(rnd(rng, 3), [1, 2])
