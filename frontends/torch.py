@@ -2009,9 +2009,13 @@ class CompiledGraph:
         if self.t.mutations:
             _copy_into([args[pos] for pos, _ in self.t.mutations], [_tensor(outs[k]) for _, k in self.t.mutations])
         result = []
+        given: dict[int, int] = {}  # id of a tensor handed out -> the output it is
         for kind, v in self.t.outputs:
             if kind == "tensor":
-                result.append(_tensor(outs[v]))
+                t = _tensor(outs[v])
+                if given.setdefault(id(t), v) != v:  # two results the program computed once: eager's are two
+                    t = t.clone()
+                result.append(t)
             elif kind == "size":
                 result.append(v.evaluate({n: int(args[k]) if d is None else args[k].shape[d]
                                           for n, (k, d) in self.t.symbols.items()}))

@@ -136,6 +136,20 @@ def test_elementwise_ops_meet_nan_infinities_and_signed_zeros_as_eager(name):
     refs.assert_same_edges(got.cpu().numpy(), want.cpu().numpy())
 
 
+def test_equal_results_of_two_ops_are_two_tensors():
+    """Two `a + 1` that the program computes once are two tensors, as in
+    eager: an in-place change to one leaves the other. One value returned
+    twice stays one tensor, as eager's."""
+    x = torch.randn(8, device=DEVICE)
+    f = polyjit.jit_torch(lambda a: (a + 1, a * 3, a + 1), compile_options={"target": TARGET})
+    for _ in range(2):  # (the second call takes the bound path)
+        p, _, r = f(x)
+    p.add_(1)
+    assert_close(r, x + 1)
+    y1, y2 = polyjit.jit_torch(lambda a: (lambda y: (y, y))(a + 1), compile_options={"target": TARGET})(x)
+    assert y1 is y2
+
+
 def test_blur_one_loop_nest():
     jf = check(blur, torch.rand(3, 1, 64, 80))
     assert jf.stats["kernels"] == 1 and jf.stats["contracted_buffers"] == 1
