@@ -832,7 +832,7 @@ def _gpu_view(x) -> GpuView | None:
 
 
 # ================================================================= wrapper
-_FRONTEND_KEYS = {"static_argnums": "an int or a tuple of ints"}
+_FRONTEND_KEYS = {"static_argnums": "an int or a tuple of ints", "static_argnames": "a str or a tuple of strs"}
 
 
 def _norm_static(static, where: str) -> tuple[int, ...]:
@@ -882,8 +882,10 @@ class JaxFunction:
     """A function compiled with polyjit per signature; ``.stats`` says what it did."""
 
     def __init__(self, fn: Callable, options: CompileOptions, static_argnums: tuple[int, ...],
-                 backend: str) -> None:
+                 backend: str, static_argnames: tuple[str, ...] = ()) -> None:
+        static_argnums, static_argnames = _static_both_ways(fn, static_argnums, static_argnames)
         self.fn, self.options, self.static_argnums, self.backend = fn, options, static_argnums, backend
+        self.static_argnames = static_argnames
         self._stats = Stats()
         self._programs: dict[tuple, tuple[SegmentedProgram, Any]] = {}
         self._vjps: dict[tuple, SegmentedProgram] = {}
@@ -893,7 +895,8 @@ class JaxFunction:
         self._fast: dict[tuple, tuple] = {}  # (tree, statics, each array's shape, dtype, sharding) -> custom call
         self._dispatch: Callable | None = None  # _dispatcher's: jax.jit of the staged call
         self._dispatch_failed = False
-        self._xla = jax.jit(fn, static_argnums=static_argnums) if backend == "xla" else None
+        self._xla = (jax.jit(fn, static_argnums=static_argnums, static_argnames=static_argnames)
+                     if backend == "xla" else None)
         self.__name__ = getattr(fn, "__name__", "fn")
         functools.update_wrapper(self, fn)
 
@@ -903,21 +906,39 @@ class JaxFunction:
 
     # ------------------------------------------------------------- arguments
     def _split(self, args, kwargs):
+        """(the static arguments as (position or name, value) pairs, the
+        other arguments' leaves, their tree)."""
         static = {i + len(args) if i < 0 else i for i in self.static_argnums}  # (negative: from the end)
+        named = [k for k in self.static_argnames if k in kwargs]
+        by_name = self._static_names
+        static = {i for i in static if i < len(args) or i not in by_name}  # (a named one: by keyword, or its default)
         for i in static:
             if not 0 <= i < len(args):
                 raise InputError(f"{self.__name__}: static_argnums names argument {i - len(args) if i < 0 else i}, "
                                  f"but only {len(args)} positional arguments were given")
+        statics = tuple((i, args[i]) for i in sorted(static)) + tuple((k, kwargs[k]) for k in sorted(named))
+        for key, value in statics:
             try:
-                hash(args[i])
+                hash(value)
             except TypeError:
-                raise InputError(f"{self.__name__}: static argument {i} is a {type(args[i]).__name__}, "
+                raise InputError(f"{self.__name__}: static argument {key} is a {type(value).__name__}, "
                                  f"which is not hashable; static arguments must be hashable "
                                  f"(e.g. a tuple instead of a list)") from None
-        statics = tuple((i, args[i]) for i in sorted(static))
         dyn = [a for i, a in enumerate(args) if i not in static]
+        if named:
+            kwargs = {k: v for k, v in kwargs.items() if k not in named}
         leaves, tree = jax.tree_util.tree_flatten((dyn, kwargs))
         return statics, leaves, tree
+
+    @functools.cached_property
+    def _static_names(self) -> dict[int, str]:
+        """The names of the static positions that the signature names."""
+        try:
+            params = list(inspect.signature(self.fn).parameters.values())
+        except (TypeError, ValueError):
+            return {}
+        return {i: p.name for i, p in enumerate(params) if i in self.static_argnums
+                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)}
 
     def _check_leaves(self, leaves, tree) -> list:
         devices = {}  # leaf index -> device
@@ -966,9 +987,10 @@ class JaxFunction:
             dyn, kwargs = jax.tree_util.tree_unflatten(sig.tree, leaves)
             args, it = [], iter(dyn)
             statics = dict(sig.statics)
-            for i in range(len(dyn) + len(statics)):
+            positional = sum(isinstance(k, int) for k in statics)
+            for i in range(len(dyn) + positional):
                 args.append(statics[i] if i in statics else next(it))
-            return self.fn(*args, **kwargs)
+            return self.fn(*args, **kwargs, **{k: v for k, v in statics.items() if isinstance(k, str)})
         return call
 
     def program(self, sig: _Signature):
@@ -1093,7 +1115,8 @@ class JaxFunction:
             return
         nested, top, _ = self._calls[(id(prog), where)]
         options = _graph_options(where) if top is not nested else None  # (as the call from Python ran)
-        self._dispatch = jax.jit(self._dispatched, static_argnums=self.static_argnums, compiler_options=options)
+        self._dispatch = jax.jit(self._dispatched, static_argnums=self.static_argnums,
+                                 static_argnames=self.static_argnames, compiler_options=options)
 
     def _dispatched(self, *args, **kwargs):
         """The call as jax.jit stages it: an XLA custom call, or _NotDispatched."""
@@ -1276,23 +1299,52 @@ class Compiled:
 
 
 def jit_jax(fn: Callable | None = None, *, compile_options: dict | None = None,
-            static_argnums: int | Sequence[int] | None = None, execution_backend: str = "polyjit"):
+            static_argnums: int | Sequence[int] | None = None, static_argnames: str | Sequence[str] | None = None,
+            execution_backend: str = "polyjit"):
     """Compile a JAX function with polyjit (as ``jax.jit`` would).
 
-    ``static_argnums`` (also accepted in ``compile_options``) marks arguments
-    that are compile-time constants. ``execution_backend="std"`` runs the
-    function un-jitted and ``"xla"`` through ``jax.jit``, for comparison.
+    ``static_argnums`` and ``static_argnames`` (also accepted in
+    ``compile_options``) mark arguments that are compile-time constants, by
+    position or by name, each found from the other through the signature as
+    jax.jit does. ``execution_backend="std"`` runs the function un-jitted and
+    ``"xla"`` through ``jax.jit``, for comparison.
     """
     check_execution_backend("jax", execution_backend)
     opts = dict(compile_options or {})
     static = _norm_static(opts.pop("static_argnums", None), "compile option")
     static = static + tuple(i for i in _norm_static(static_argnums, "argument") if i not in static)
+    names = _norm_names(opts.pop("static_argnames", None), "compile option")
+    names = names + tuple(k for k in _norm_names(static_argnames, "argument") if k not in names)
     options = parse_options(opts, extra=_FRONTEND_KEYS)
 
     def wrap(f):
         _check_static_argnums(f, static)
-        return JaxFunction(f, options, static, execution_backend)
+        return JaxFunction(f, options, static, execution_backend, names)
     return wrap(fn) if fn is not None else wrap
+
+
+def _norm_names(names, where: str) -> tuple[str, ...]:
+    if names is None:
+        return ()
+    if isinstance(names, str):
+        return (names,)
+    if isinstance(names, (tuple, list)) and all(isinstance(k, str) for k in names):
+        return tuple(names)
+    raise CompileOptionError(f"{where} 'static_argnames' is {names!r}; expected {_FRONTEND_KEYS['static_argnames']}")
+
+
+def _static_both_ways(fn: Callable, nums: tuple[int, ...], names: tuple[str, ...]) -> tuple[tuple, tuple]:
+    """static_argnums and static_argnames each completed from the other
+    through fn's signature (a name's position, a position's name), as
+    jax.jit completes them."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return nums, names
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    nums = nums + tuple(positional.index(k) for k in names if k in positional and positional.index(k) not in nums)
+    names = names + tuple(positional[i] for i in nums if 0 <= i < len(positional) and positional[i] not in names)
+    return nums, names
 
 
 def _check_static_argnums(fn: Callable, static: tuple[int, ...]) -> None:

@@ -539,6 +539,23 @@ def test_edge_values_follow_xlas_rules(name):
 
 
 @host_target
+def test_static_argnames_as_jax_jit(rng):
+    """Static arguments by name, by position given by name, or left at their
+    default: Python control flow on them traces, as under jax.jit."""
+    def f(x, n, training=False):
+        return x * n + (1.0 if training else 0.0)
+    x = rnd(rng, 4)
+    g, ref = polyjit.jit_jax(f, static_argnames=("training", "n")), jax.jit(f, static_argnames=("training", "n"))
+    for args, kw in [((x, 3), {}), ((x, 3), {"training": True}), ((x,), {"n": 2, "training": True}), ((x, 2, True), {})]:
+        np.testing.assert_allclose(np.asarray(g(*args, **kw)), np.asarray(ref(*args, **kw)), rtol=1e-6)
+    assert g.stats["fallbacks"] == 0
+    h = polyjit.jit_jax(f, compile_options={"static_argnums": 1})
+    np.testing.assert_allclose(np.asarray(h(x, n=5)), np.asarray(x) * 5, rtol=1e-6)  # (a static position by name)
+    with pytest.raises(CompileOptionError, match="static_argnames"):
+        polyjit.jit_jax(f, static_argnames=3)
+
+
+@host_target
 def test_one_value_returned_twice(rng):
     """Equal results computed once (one array in the program) are each returned, in place."""
     x = rnd(rng, 8)
