@@ -145,7 +145,7 @@ def _round(p, x):
     if int(p.get("rounding_method", 0)) == 1:  # to nearest even
         return ops.round(x)
     t = ops.trunc(x)  # halves away from zero; x - t is exact (floor(|x| + 0.5) rounds 0.49999997 up)
-    return ops.where(abs(x - t) >= 0.5, t + _sign(None, x), t)
+    return ops.where(abs(x - t) >= 0.5, t + ops.sign(x), t)
 
 
 def _by_zero(b, value, q):
@@ -835,14 +835,17 @@ def _gpu_view(x) -> GpuView | None:
 _FRONTEND_KEYS = {"static_argnums": "an int or a tuple of ints", "static_argnames": "a str or a tuple of strs"}
 
 
-def _norm_static(static, where: str) -> tuple[int, ...]:
-    if static is None:
+def _listed(value, key: str, where: str, kind: type) -> tuple:
+    """A static_argnums (ints) or static_argnames (strs) value as a tuple; CompileOptionError otherwise."""
+    def one(v):
+        return isinstance(v, kind) and not isinstance(v, bool)
+    if value is None:
         return ()
-    if isinstance(static, int) and not isinstance(static, bool):
-        return (static,)
-    if isinstance(static, (tuple, list)) and all(isinstance(i, int) and not isinstance(i, bool) for i in static):
-        return tuple(static)
-    raise CompileOptionError(f"{where} 'static_argnums' is {static!r}; expected {_FRONTEND_KEYS['static_argnums']}")
+    if one(value):
+        return (value,)
+    if isinstance(value, (tuple, list)) and all(one(v) for v in value):
+        return tuple(value)
+    raise CompileOptionError(f"{where} {key!r} is {value!r}; expected {_FRONTEND_KEYS[key]}")
 
 
 def _path(tree, leaves, k: int) -> str:
@@ -882,10 +885,10 @@ class JaxFunction:
     """A function compiled with polyjit per signature; ``.stats`` says what it did."""
 
     def __init__(self, fn: Callable, options: CompileOptions, static_argnums: tuple[int, ...],
-                 backend: str, static_argnames: tuple[str, ...] = ()) -> None:
-        static_argnums, static_argnames = _static_both_ways(fn, static_argnums, static_argnames)
+                 backend: str, static_argnames: tuple[str, ...] = (), named_positions: frozenset = frozenset()) -> None:
         self.fn, self.options, self.static_argnums, self.backend = fn, options, static_argnums, backend
         self.static_argnames = static_argnames
+        self._named_positions = named_positions  # static positions the signature names (by keyword, or a default)
         self._stats = Stats()
         self._programs: dict[tuple, tuple[SegmentedProgram, Any]] = {}
         self._vjps: dict[tuple, SegmentedProgram] = {}
@@ -910,8 +913,7 @@ class JaxFunction:
         other arguments' leaves, their tree)."""
         static = {i + len(args) if i < 0 else i for i in self.static_argnums}  # (negative: from the end)
         named = [k for k in self.static_argnames if k in kwargs]
-        by_name = self._static_names
-        static = {i for i in static if i < len(args) or i not in by_name}  # (a named one: by keyword, or its default)
+        static = {i for i in static if i < len(args) or i not in self._named_positions}  # (by keyword, or its default)
         for i in static:
             if not 0 <= i < len(args):
                 raise InputError(f"{self.__name__}: static_argnums names argument {i - len(args) if i < 0 else i}, "
@@ -929,16 +931,6 @@ class JaxFunction:
             kwargs = {k: v for k, v in kwargs.items() if k not in named}
         leaves, tree = jax.tree_util.tree_flatten((dyn, kwargs))
         return statics, leaves, tree
-
-    @functools.cached_property
-    def _static_names(self) -> dict[int, str]:
-        """The names of the static positions that the signature names."""
-        try:
-            params = list(inspect.signature(self.fn).parameters.values())
-        except (TypeError, ValueError):
-            return {}
-        return {i: p.name for i, p in enumerate(params) if i in self.static_argnums
-                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)}
 
     def _check_leaves(self, leaves, tree) -> list:
         devices = {}  # leaf index -> device
@@ -1311,54 +1303,34 @@ def jit_jax(fn: Callable | None = None, *, compile_options: dict | None = None,
     """
     check_execution_backend("jax", execution_backend)
     opts = dict(compile_options or {})
-    static = _norm_static(opts.pop("static_argnums", None), "compile option")
-    static = static + tuple(i for i in _norm_static(static_argnums, "argument") if i not in static)
-    names = _norm_names(opts.pop("static_argnames", None), "compile option")
-    names = names + tuple(k for k in _norm_names(static_argnames, "argument") if k not in names)
+    given = {}
+    for key, value, kind in (("static_argnums", static_argnums, int), ("static_argnames", static_argnames, str)):
+        listed = _listed(opts.pop(key, None), key, "compile option", kind)
+        given[key] = listed + tuple(v for v in _listed(value, key, "argument", kind) if v not in listed)
     options = parse_options(opts, extra=_FRONTEND_KEYS)
 
     def wrap(f):
-        _check_static_argnums(f, static)
-        return JaxFunction(f, options, static, execution_backend, names)
+        return JaxFunction(f, options, backend=execution_backend,
+                           **_static_arguments(f, given["static_argnums"], given["static_argnames"]))
     return wrap(fn) if fn is not None else wrap
 
 
-def _norm_names(names, where: str) -> tuple[str, ...]:
-    if names is None:
-        return ()
-    if isinstance(names, str):
-        return (names,)
-    if isinstance(names, (tuple, list)) and all(isinstance(k, str) for k in names):
-        return tuple(names)
-    raise CompileOptionError(f"{where} 'static_argnames' is {names!r}; expected {_FRONTEND_KEYS['static_argnames']}")
-
-
-def _static_both_ways(fn: Callable, nums: tuple[int, ...], names: tuple[str, ...]) -> tuple[tuple, tuple]:
-    """static_argnums and static_argnames each completed from the other
-    through fn's signature (a name's position, a position's name), as
-    jax.jit completes them."""
+def _static_arguments(fn: Callable, nums: tuple[int, ...], names: tuple[str, ...]) -> dict:
+    """JaxFunction's static_argnums and static_argnames, each completed from
+    the other through fn's signature (a name's position, a position's name),
+    and the static positions the signature names, as jax.jit reads them.
+    CompileOptionError where a position has no parameter (``*args`` takes any)."""
     try:
         params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        return nums, names
-    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    nums = nums + tuple(positional.index(k) for k in names if k in positional and positional.index(k) not in nums)
-    names = names + tuple(positional[i] for i in nums if 0 <= i < len(positional) and positional[i] not in names)
-    return nums, names
-
-
-def _check_static_argnums(fn: Callable, static: tuple[int, ...]) -> None:
-    """CompileOptionError, as jax.jit raises its error, where ``static``
-    names a position that ``fn``'s signature has no parameter for (one
-    taking ``*args`` takes any)."""
-    try:
-        params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):  # (no signature to read: the call checks)
-        return
-    if any(p.kind is p.VAR_POSITIONAL for p in params):
-        return
-    n = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
-    bad = [i for i in static if not -n <= i < n]
-    if bad:
-        raise CompileOptionError(f"{getattr(fn, '__name__', 'the function')} has static_argnums={static}, but it "
+        return {"static_argnums": nums, "static_argnames": names}
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    n = len(positional)
+    bad = [i for i in nums if not -n <= i < n]
+    if bad and not any(p.kind is p.VAR_POSITIONAL for p in params):
+        raise CompileOptionError(f"{getattr(fn, '__name__', 'the function')} has static_argnums={nums}, but it "
                                  f"takes only {n} positional arguments (argument {bad[0]} does not exist)")
+    nums = nums + tuple(positional.index(k) for k in names if k in positional and positional.index(k) not in nums)
+    names = names + tuple(positional[i] for i in nums if 0 <= i < n and positional[i] not in names)
+    return {"static_argnums": nums, "static_argnames": names,
+            "named_positions": frozenset(i for i in nums if 0 <= i < n)}

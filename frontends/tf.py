@@ -73,15 +73,15 @@ _POW_AS = {0.5: ops.sqrt, -0.5: ops.rsqrt}  # grappler's rewrites that differ fr
 def _pow(o, a, b):
     """Pow as a tf.function runs it: grappler makes pow(x, 0.5) sqrt(x) and
     pow(x, -0.5) rsqrt(x) (NaN at -inf and a signed result at -0, where pow
-    is +inf or +0 there)."""
-    try:
-        exponent = np.unique(static_value(b)) if a.dtype.is_float else ()
-    except UnsupportedOpError:
-        exponent = ()
-    rewrite = _POW_AS.get(float(exponent[0])) if len(exponent) == 1 and b.ndim <= a.ndim else None
-    if rewrite is None or any(d != 1 and d != e for d, e in zip(b.shape[::-1], a.shape[::-1])):
-        return ops.pow(a, b)  # (an exponent that widens the result: pow's broadcast)
-    return rewrite(a)
+    is +inf or +0 there), for a constant exponent that leaves x's shape."""
+    rewrite = None
+    if a.dtype.is_float and b.ndim <= a.ndim and all(d == 1 for d in b.shape):
+        try:
+            exponent = np.unique(static_value(b))
+        except UnsupportedOpError:  # (computed at run time)
+            exponent = ()
+        rewrite = _POW_AS.get(float(exponent[0])) if len(exponent) == 1 else None
+    return ops.pow(a, b) if rewrite is None else rewrite(a)
 
 
 def _elu(x, scale=1.0, alpha=1.0):

@@ -429,7 +429,6 @@ for _name in ("neg", "abs", "exp", "log", "log1p", "expm1", "sqrt", "rsqrt", "si
     ATEN[getattr(aten, _name).default] = elementwise(_RENAMED.get(_name, _name))
 
 
-
 @_reg(aten.sign.default)
 def _sign(cx, x):
     """PyTorch's sign of NaN is 0 (it computes (0 < x) - (x < 0)); the core op's, as NumPy's and JAX's, is NaN."""
