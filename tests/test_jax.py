@@ -535,7 +535,9 @@ EDGE_FNS = {  # functions whose NaN, infinities, signed zeros and out-of-range c
 def test_edge_values_follow_xlas_rules(name):
     x = jnp.array(refs.EDGES, jnp.float32)  # (no subnormals: XLA's CPU code flushes them to zero)
     fn = EDGE_FNS[name]
-    refs.assert_same_edges(polyjit.jit_jax(fn, compile_options={"target": "cpu"})(x), jax.jit(fn)(x))
+    jf = polyjit.jit_jax(fn, compile_options={"target": "cpu"})
+    refs.assert_same_edges(jf(x), jax.jit(fn)(x))
+    assert jf.stats["fallbacks"] == 0
 
 
 @host_target
@@ -576,8 +578,10 @@ def test_integer_division_by_zero_as_xla(dtype):
 
     def fn(a, b):
         return jax.lax.div(a, b), jax.lax.rem(a, b), a // b, a % b, jax.lax.div(a, jnp.zeros_like(b))
-    for got, want in zip(polyjit.jit_jax(fn, compile_options={"target": "cpu"})(a, b), jax.jit(fn)(a, b)):
+    jf = polyjit.jit_jax(fn, compile_options={"target": "cpu"})
+    for got, want in zip(jf(a, b), jax.jit(fn)(a, b)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert jf.stats["fallbacks"] == 0
 
 
 @host_target

@@ -795,4 +795,6 @@ EDGE_FNS = {  # ops whose NaN, infinities and signed zeros follow tf.function's 
 @pytest.mark.parametrize("name", sorted(EDGE_FNS))
 def test_edge_values_as_tf_function(name):
     x = tf.constant(refs.EDGES, tf.float32)
-    refs.assert_same_edges(jit(EDGE_FNS[name])(x), tf.function(EDGE_FNS[name])(x).numpy())
+    jf = jit(EDGE_FNS[name])
+    refs.assert_same_edges(jf(x), tf.function(EDGE_FNS[name])(x).numpy())
+    assert jf.stats["fallbacks"] == 0
