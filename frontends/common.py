@@ -543,6 +543,35 @@ class SegmentedProgram:
             close(len(ops))
         self.segments = [s for s in self.steps if isinstance(s, _Segment)]
 
+    def saved_call(self, what: str) -> tuple[Executable | None, dict, list]:
+        """This program as one executable and how its leaves reach it: the
+        executable (None where no op computes), ``inputs`` (the leaf of each
+        of its inputs) and ``outputs`` (each result: ["output", k], ["input",
+        leaf] or ["constant", k]), and the constants; SavedExecutableError
+        where the framework would run part of it (``what``: the function's name)."""
+        from polyjit.errors import SavedExecutableError
+        rest = [s for s in self.steps if not isinstance(s, _Segment)]
+        if rest or any(s.failed for s in self.segments) or len(self.segments) > 1:
+            ran = ", ".join(s.op.name for s in rest) or "a segment whose compile failed"
+            raise SavedExecutableError(f"{what}: the framework runs part of it ({ran}); only a function polyjit "
+                                       "compiles whole can be saved")
+        seg = self.segments[0] if self.segments else None
+        leaf = {id(v): k for k, v in enumerate(self.invars)}
+        sources = {id(v): leaf[id(src)] for v, src in seg.aliases} if seg else {}
+        produced = {id(v): k for k, v in enumerate(seg.outputs)} if seg else {}
+        outputs, constants = [], []
+        for x in self.outvars:
+            if isinstance(x, Const):
+                outputs.append(["constant", len(constants)])
+                constants.append(np.asarray(x.value))
+            elif id(x) in produced:
+                outputs.append(["output", produced[id(x)]])
+            else:
+                outputs.append(["input", leaf.get(id(x), sources.get(id(x)))])
+        exe = seg.exe if seg is not None and seg.outputs else None
+        inputs = [leaf[id(v)] for v in seg.inputs] if exe is not None else []
+        return exe, {"inputs": inputs, "outputs": outputs}, constants
+
     def __call__(self, args: Sequence) -> list:
         values: dict[int, Any] = {id(v): a for v, a in zip(self.invars, args)}
         for step in self.steps:

@@ -33,14 +33,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from polyjit import ops
+from polyjit import ops, saved
 from polyjit.api import takes_device_arrays
 from polyjit.compiler import compiled, expect_compile
 from polyjit.dtypes import DataType
-from polyjit.errors import CompileOptionError, InputError, UnsupportedOpError
+from polyjit.errors import CompileOptionError, InputError, SavedExecutableError, UnsupportedOpError
 from polyjit.options import CompileOptions, parse_options
 from polyjit.runtime import RowMajor, cuda_graphs, xla_ffi
 from polyjit.runtime.gpu_buffers import GpuView
+from polyjit.saved import structure
 from polyjit.sizes import Lin
 from polyjit.targets import holding
 
@@ -1196,6 +1197,11 @@ class JaxFunction:
         largest = max((math.prod(r.shape) * r.dtype.itemsize for r in results), default=0)
         return nested, jax.jit(call, compiler_options=options) if options else nested, largest
 
+    def save(self, path, *args, **kwargs) -> None:
+        """The program for these arguments, compiled and written to ``path``
+        (``lower(*args, **kwargs).compile().save(path)``)."""
+        self.lower(*args, **kwargs).compile().save(path)
+
     def lower(self, *args, **kwargs) -> "Lowered":
         """Fix the signature of these arguments, as ``jax.jit(f).lower(...)``."""
         return Lowered(self, self._signature(*self._split(args, kwargs))[0])
@@ -1288,6 +1294,25 @@ class Compiled:
     @property
     def stats(self) -> dict:
         return self.fn.stats
+
+    def save(self, path) -> None:
+        """Write this signature's program to ``path``: ``polyjit.load(path)``
+        calls it in any process on a machine like this one, with neither JAX
+        tracing nor polyjit compiling, on the arguments less the static
+        ones (as ``jax.export``'s call), and returns JAX arrays for JAX
+        arrays. Compiled for the compile options' target, else JAX's
+        default device."""
+        prog, out_tree = self.fn.program(self.sig)
+        exe, call, constants = prog.saved_call(self.fn.__name__)
+        if exe is None:
+            raise SavedExecutableError(f"{self.fn.__name__}: its results are its arguments or constants; "
+                                       "there is no program to save")
+        exe.variant(tuple(bool(i.attrs.get("strided")) for i in exe.graph.inputs),
+                    self.fn.options.target or holding(jax.default_backend() == "gpu"))
+        leaf = object()
+        shapes = [structure(jax.tree_util.tree_unflatten(t, [leaf] * t.num_leaves), lambda x: x is leaf)
+                  for t in (self.sig.tree, out_tree)]
+        saved.save(exe, path, {"name": self.fn.__name__, "args": shapes[0], "results": shapes[1], **call}, constants)
 
 
 def jit_jax(fn: Callable | None = None, *, compile_options: dict | None = None,

@@ -14,7 +14,14 @@ from .options import CompileOptions
 
 __version__ = "0.1.0"
 __all__ = ["FusionDefinition", "DataType", "compile", "InputInfo", "Executable", "ops", "errors",
-           "CompileOptions", "jit_torch", "jit_jax", "jit_tf", "cuda_synchronize"]
+           "CompileOptions", "jit_torch", "jit_jax", "jit_tf", "cuda_synchronize", "load"]
+
+
+def load(path) -> Executable:
+    """The executable saved at ``path`` by ``Executable.save``: called as it
+    was, its programs loaded without tracing or compiling."""
+    from .saved import load as _load
+    return _load(path)
 
 
 def cuda_synchronize() -> None:

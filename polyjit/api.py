@@ -129,6 +129,13 @@ class Executable:
         self.stats = prog.stats
         return outs[0] if self._single else tuple(outs)
 
+    def save(self, path) -> None:
+        """Write the programs compiled so far (each target and input layout
+        called with) to ``path``; ``polyjit.load(path)`` runs them in any
+        process on a machine like this one, without tracing or compiling."""
+        from .saved import save
+        save(self, path)
+
     def compile_default(self) -> CompiledProgram:
         return self.last or self.variant(tuple(bool(i.attrs.get("strided")) for i in self.graph.inputs))
 

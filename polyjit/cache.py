@@ -54,6 +54,7 @@ log = logging.getLogger("polyjit.cache")
 MAGIC = b"PJC1"
 FORMAT = 3  # 2: a segment's unread inputs leave its graph; 3: every input in the key
 DEFAULT_BYTES = 1 << 30
+DAMAGED = (ValueError, KeyError, TypeError, struct.error, zlib.error, UnicodeDecodeError)  # what decode raises
 
 
 class ProcessCache:
@@ -156,8 +157,8 @@ def load(key: str) -> tuple[dict, list[bytes]] | None:
     except OSError:
         return None
     try:
-        entry = _decode(data)
-    except (ValueError, KeyError, TypeError, struct.error, zlib.error, UnicodeDecodeError) as e:
+        entry = decode(data)
+    except DAMAGED as e:
         warnings.warn(f"polyjit: the compile cache entry {path} is damaged ({e}); removed, compiling again",
                       RuntimeWarning, stacklevel=3)
         path.unlink(missing_ok=True)
@@ -177,7 +178,7 @@ def store(key: str, plan: dict, objects: list[bytes]) -> None:
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".pjc")
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(_encode(plan, objects))
+                f.write(encode(plan, objects))
             os.replace(tmp, folder / f"{key}.pjc")
         except BaseException:
             os.unlink(tmp)
@@ -187,15 +188,19 @@ def store(key: str, plan: dict, objects: list[bytes]) -> None:
         log.warning("polyjit: could not write the compile cache in %s: %s", folder, e)
 
 
-def _encode(plan: dict, objects: list[bytes]) -> bytes:
+def encode(plan: dict, objects: list[bytes], magic: bytes = MAGIC) -> bytes:
+    """plan as compressed JSON, then the objects, behind magic and a SHA-256
+    of the rest (a cache entry's form; a saved executable's, with its own magic)."""
     head = zlib.compress(json.dumps({**plan, "objects": [len(o) for o in objects]}).encode(), 1)
     payload = struct.pack("<Q", len(head)) + head + b"".join(objects)
-    return MAGIC + hashlib.sha256(payload).digest() + payload
+    return magic + hashlib.sha256(payload).digest() + payload
 
 
-def _decode(data: bytes) -> tuple[dict, list[bytes]]:
-    if data[:4] != MAGIC:
-        raise ValueError("not a polyjit cache entry")
+def decode(data: bytes, magic: bytes = MAGIC) -> tuple[dict, list[bytes]]:
+    """encode's plan and objects; ValueError (and the like) where data is
+    not of that form, or damaged."""
+    if data[:4] != magic:
+        raise ValueError("not a polyjit cache entry" if magic == MAGIC else "not a polyjit file of this kind")
     payload = data[36:]
     if hashlib.sha256(payload).digest() != data[4:36]:
         raise ValueError("checksum mismatch")

@@ -147,10 +147,12 @@ def plan(exe: CompiledProgram, fields: dict) -> dict:
     }
 
 
-def from_plan(cls, graph: Graph, options: CompileOptions, name: str, plan: dict, kernels, keepalive,
+def from_plan(cls, constants: list, options: CompileOptions, name: str, plan: dict, kernels, keepalive,
               fields: dict) -> CompiledProgram:
-    """A program of class cls loaded from the compile cache: nothing lowered,
-    scheduled or compiled; kernels, keepalive and fields are the target's."""
+    """A program of class cls loaded from the compile cache (or a saved
+    executable): nothing lowered, scheduled or compiled; constants are its
+    graph's tensor constants (Graph.constant_arrays), kernels, keepalive
+    and fields the target's."""
     contracted = [(tuple(cache.size_from(s) for s in shape), itemsize, tuple(moduli), par)
                   for shape, itemsize, moduli, par in plan["contracted"]]
     exe = cls(
@@ -158,7 +160,7 @@ def from_plan(cls, graph: Graph, options: CompileOptions, name: str, plan: dict,
         outputs=[cache.array_from(a) for a in plan["outputs"]], output_arrays=plan["output_arrays"],
         buffers=[cache.array_from(a) for a in plan["buffers"]], int_slots=[tuple(s) for s in plan["int_slots"]],
         params=plan["params"], constraints=[(cache.size_from(a), cache.size_from(b)) for a, b in plan["constraints"]],
-        constants=graph.constant_arrays(), kernels=kernels,
+        constants=constants, kernels=kernels,
         num_threads=options.num_threads, stats={**plan["stats"], "intermediate_bytes": 0, "fallbacks": 0,
                                                 "kernels_compiled": 0, "launchers_compiled": 0},
         contracted_bytes=ContractedBytes(contracted, options.num_threads), keepalive=keepalive,

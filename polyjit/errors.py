@@ -23,3 +23,8 @@ class DeviceError(PolyjitError, RuntimeError):
 
 class DefinitionError(PolyjitError, ValueError):
     """An op applied to operands it cannot take (shapes, dtypes, axes)."""
+
+
+class SavedExecutableError(PolyjitError, ValueError):
+    """A saved executable that cannot be read or run here: damaged, written
+    by another polyjit, or compiled for another machine."""

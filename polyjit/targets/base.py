@@ -81,7 +81,7 @@ class Target:
             with timer("cache"):
                 key = cache.key(graph, name, options.key(), self.machine_key(machine))
                 hit, hits = self.lookup(key, options.cache)
-                exe = self.load(graph, options, name, *hit) if hit and cache.define_derived(hit[0]) else None
+                exe = self.load(graph.constant_arrays(), options, name, *hit) if hit and cache.define_derived(hit[0]) else None
             hits = hits if exe is not None else 0
         if exe is None:
             policy = LibraryPolicy(options.contractions, options.num_threads, self,
@@ -172,7 +172,11 @@ class Target:
     def keep(self, key: str, exe: CompiledProgram, disk: bool) -> None:
         """Keep a compiled program under key (on disk where disk)."""
         if disk:
-            cache.store(key, plan(exe, self.plan_fields(exe)), self.objects(exe))
+            cache.store(key, *self.entry(exe))
+
+    def entry(self, exe: CompiledProgram) -> tuple[dict, list[bytes]]:
+        """The program as the compile cache keeps it: its plan (JSON) and objects."""
+        return plan(exe, self.plan_fields(exe)), self.objects(exe)
 
     def plan_fields(self, exe: CompiledProgram) -> dict:
         """The target's own part of a program's plan, as JSON."""
@@ -182,10 +186,16 @@ class Target:
         """The program's code, as the compile cache keeps it."""
         raise NotImplementedError
 
-    def load(self, graph: Graph, options: CompileOptions, name: str, plan: dict,
+    def load(self, constants: list, options: CompileOptions, name: str, plan: dict,
              objects: list[bytes]) -> CompiledProgram | None:
-        """A program from its plan and objects (None: compile it again here)."""
+        """A program from its plan, objects and its graph's tensor constants
+        (None: compile it again here)."""
         raise NotImplementedError
+
+    def foreign_code(self, machine_key: str) -> str | None:
+        """Why code made for ``machine_key`` (machine_key's text, in a saved
+        executable) cannot run here; None where it can."""
+        return None
 
 
 def runs_from_inside(sizes: Sequence[int], axes: Sequence[int], least: int) -> list[list[int]]:

@@ -489,13 +489,26 @@ class CpuTarget(Target):
     def library_available(self) -> bool:
         return blas() is not None
 
+    def foreign_code(self, machine_key: str) -> str | None:
+        """Machine code runs on a host of the same triple with every feature
+        it was made for (another CPU of those features too)."""
+        triple, cpu, features = machine_key.split("|", 2)
+        here_triple, here_cpu, here = host_key().split("|", 2)
+        if triple != here_triple:
+            return f"it was compiled for {triple}, and this host is {here_triple}"
+        missing = sorted(set(f for f in features.split(",") if f.startswith("+")) - set(here.split(",")))
+        if missing:
+            return (f"it was compiled for a {cpu} CPU, and this host's {here_cpu} lacks "
+                    f"{', '.join(f[1:] for f in missing)}")
+        return None
+
     def objects(self, exe: CompiledProgram) -> list[bytes]:
         return exe.keepalive.objects
 
-    def load(self, graph: Graph, options: CompileOptions, name: str, plan: dict,
+    def load(self, constants: list, options: CompileOptions, name: str, plan: dict,
              objects: list[bytes]) -> CompiledProgram | None:
         if plan["stats"].get("library_calls") and not self.library_available():
             return None  # made where a BLAS was: compiled again here
         loaded = LoadedProgram(objects)
         kernels = loaded.bind([KernelInfo(n, par, tuple(st)) for n, par, st in plan["kernels"]])
-        return from_plan(self.executable, graph, options, name, plan, kernels, loaded, {})
+        return from_plan(self.executable, constants, options, name, plan, kernels, loaded, {})

@@ -23,7 +23,6 @@ from ..codegen.gpu_program import GpuCodeSet, build_program
 from ..codegen.llvm import KernelInfo
 from ..codegen.nvgpu import BLOCK, GpuEmitter, ptx
 from ..compiler import executable, from_plan
-from ..compiler import plan as plan_of
 from ..runtime.cuda import default_ordinal, device
 from ..runtime.gpu_program import GpuProgram
 from ..dtypes import DataType
@@ -426,7 +425,7 @@ class NvgpuTarget(Target):
         """Kept in this process too; its object is its PTX, as text; a
         library step's statement is part of its plan."""
         try:
-            kept = (plan_of(exe, self.plan_fields(exe)), self.objects(exe))
+            kept = self.entry(exe)
         except TypeError as e:  # a library call the cache cannot write (polyjit.library.CALLS)
             log.warning("polyjit: %s not kept in the compile cache: %s", exe.name, e)
             return
@@ -444,7 +443,7 @@ class NvgpuTarget(Target):
     def objects(self, exe: GpuProgram) -> list[bytes]:
         return [exe.ptx.encode()]
 
-    def load(self, graph: Graph, options: CompileOptions, name: str, plan: dict,
+    def load(self, constants: list, options: CompileOptions, name: str, plan: dict,
              objects: list[bytes]) -> GpuProgram | None:
         """PTX, loaded on the device at the first call; None (compiled again)
         where the program has library steps and cuBLAS (or cuDNN) does not load here."""
@@ -460,7 +459,7 @@ class NvgpuTarget(Target):
         if any(isinstance(k.library.library, Convolution) for k in kernels if k.library is not None) \
                 and not self.direct_convolutions():
             return None  # (cuDNN's convolutions, where it no longer loads)
-        exe = from_plan(self.executable, graph, options, name, plan, kernels, None, fields)
+        exe = from_plan(self.executable, constants, options, name, plan, kernels, None, fields)
         exe.ir["ptx"] = fields["ptx"]
         return exe
 

@@ -1,0 +1,269 @@
+"""Saved executables: a compiled program written to a file and run in a fresh
+process without tracing or compiling; damaged, foreign and mismatched files
+refused with errors that say why."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import polyjit
+from polyjit import InputInfo, cache, ops, saved
+from polyjit.errors import InputError, SavedExecutableError
+
+F32 = np.float32
+
+
+def _blur(img):
+    k = ops.reshape(ops.full_like(img[0:1, 0:1, 0:5], 0.2), [1, 1, 1, 5])
+    x = ops.reshape(img, [img.shape[0], 1, img.shape[1], img.shape[2]])
+    return ops.conv2d(ops.conv2d(x, k), ops.reshape(k, [1, 1, 5, 1]))
+
+
+class _Mlp:
+    """Closes over its weights: they are the program's tensor constants."""
+
+    def __init__(self, rng):
+        self.w1 = rng.standard_normal((16, 32), dtype=F32)
+        self.b = rng.standard_normal(32, dtype=F32)
+        self.w2 = rng.standard_normal((32, 8), dtype=F32)
+
+    def __call__(self, x, scale):
+        h = ops.tanh(ops.matmul(x, self.w1) + self.b)
+        return ops.matmul(h, self.w2) * scale, ops.sum(h, [1], False)
+
+
+def _mlp_ref(m, x, scale):
+    h = np.tanh(x.astype(np.float64) @ m.w1 + m.b)
+    return (h @ m.w2) * scale, h.sum(1)
+
+
+# run in a fresh process whose compile cache is empty, with compiling made to fail: what it runs was loaded
+FRESH = """
+import json, sys, numpy as np, polyjit, polyjit.api
+def refuse(*a, **k):
+    raise AssertionError("compiled in the loading process")
+polyjit.api.compile_graph = refuse
+exe = polyjit.load(sys.argv[1])
+data = np.load(sys.argv[2])
+outs = {}
+for name in data.files:
+    args = [data[name]] + [np.asarray(float(a), np.float32) for a in sys.argv[3:]]
+    r = exe(*args)
+    outs[name] = [np.asarray(v).tolist() for v in (r if isinstance(r, tuple) else [r])]
+print(json.dumps({"outs": outs, "kernels_compiled": exe.stats["kernels_compiled"]}))
+"""
+
+
+def _fresh(tmp_path, path, arrays: dict, *extra) -> dict:
+    np.savez(tmp_path / "inputs.npz", **arrays)
+    empty = tmp_path / "cache"
+    empty.mkdir(exist_ok=True)
+    p = subprocess.run([sys.executable, "-c", FRESH, str(path), str(tmp_path / "inputs.npz"), *map(str, extra)],
+                       env={**os.environ, "POLYJIT_CACHE_DIR": str(empty)}, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_a_fresh_process_runs_a_saved_program_at_new_sizes_without_compiling(tmp_path, rng):
+    """The symbolic sizes stay symbolic: one saved program serves every size."""
+    exe = polyjit.compile(_blur, [InputInfo([3, -1, -1], F32)], {"target": "cpu"})
+    arrays = {"a": rng.standard_normal((3, 40, 52), dtype=F32), "b": rng.standard_normal((3, 17, 9), dtype=F32)}
+    want = {k: exe(v) for k, v in arrays.items()}
+    exe.save(tmp_path / "blur.pjx")
+    got = _fresh(tmp_path, tmp_path / "blur.pjx", arrays)
+    assert got["kernels_compiled"] == 0
+    for k, v in want.items():
+        np.testing.assert_array_equal(np.array(got["outs"][k][0], F32), v)
+
+
+def test_constants_scalars_and_several_outputs_are_saved(tmp_path, rng):
+    m = _Mlp(rng)
+    exe = polyjit.compile(m, [InputInfo([-1, 16], F32), InputInfo([], F32)], {"target": "cpu"})
+    assert exe.graph.constant_arrays()  # (the weights are in the program, not arguments)
+    x = rng.standard_normal((5, 16), dtype=F32)
+    exe.save(tmp_path / "mlp.pjx")
+    got = _fresh(tmp_path, tmp_path / "mlp.pjx", {"x": x}, 1.5)
+    for g, w in zip(got["outs"]["x"], _mlp_ref(m, x, 1.5)):
+        np.testing.assert_allclose(np.array(g), w, rtol=1e-5, atol=1e-5)
+
+
+def test_a_loaded_executable_checks_its_inputs_before_running(tmp_path, rng):
+    exe = polyjit.compile(_blur, [InputInfo([3, -1, -1], F32)], {"target": "cpu"})
+    exe.save(tmp_path / "blur.pjx")
+    loaded = polyjit.load(tmp_path / "blur.pjx")
+    with pytest.raises(InputError, match="dtype float64"):
+        loaded(np.zeros((3, 8, 8)))
+    with pytest.raises(InputError, match="expected 1 inputs, got 2"):
+        loaded(np.zeros((3, 8, 8), F32), np.zeros((3, 8, 8), F32))
+    with pytest.raises(InputError, match=r"shape \[2, 8, 8\], expected size 3 in dimension 0"):
+        loaded(np.zeros((2, 8, 8), F32))
+    # a layout it was not compiled for: strided inputs, or another target
+    strided = rng.standard_normal((3, 8, 16), dtype=F32)[:, :, ::2]
+    with pytest.raises(InputError, match=r"needs cpu with inputs \[0\] strided, and the file holds cpu with "
+                                         r"contiguous inputs"):
+        loaded(strided)
+    np.testing.assert_array_equal(loaded(np.ascontiguousarray(strided)), exe(np.ascontiguousarray(strided)))
+
+
+def test_a_damaged_or_foreign_file_is_refused_with_the_reason(tmp_path):
+    exe = polyjit.compile(_blur, [InputInfo([3, -1, -1], F32)], {"target": "cpu"})
+    path = tmp_path / "blur.pjx"
+    exe.save(path)
+    data = path.read_bytes()
+    for name, bad in (("flipped", data[:-9] + bytes([data[-9] ^ 1]) + data[-8:]), ("truncated", data[:len(data) // 2])):
+        (tmp_path / name).write_bytes(bad)
+        with pytest.raises(SavedExecutableError, match="damaged"):
+            polyjit.load(tmp_path / name)
+    (tmp_path / "entry.pjc").write_bytes(cache.encode({}, []))  # a compile cache entry is not a saved executable
+    with pytest.raises(SavedExecutableError, match="not a polyjit saved executable"):
+        polyjit.load(tmp_path / "entry.pjc")
+    with pytest.raises(SavedExecutableError, match="cannot read"):
+        polyjit.load(tmp_path / "missing.pjx")
+
+
+def _rewritten(path, change) -> None:
+    head, objects = cache.decode(path.read_bytes(), saved.MAGIC)
+    change(head)
+    path.write_bytes(cache.encode(head, objects, saved.MAGIC))
+
+
+def test_another_version_s_file_or_another_cpu_s_code_is_refused(tmp_path, rng):
+    exe = polyjit.compile(_blur, [InputInfo([3, -1, -1], F32)], {"target": "cpu"})
+    path = tmp_path / "blur.pjx"
+    exe.save(path)
+    _rewritten(path, lambda h: h.update(polyjit="0.0.1"))
+    with pytest.raises(SavedExecutableError, match=r"saved by polyjit 0\.0\.1 .* save it again"):
+        polyjit.load(path)
+    exe.save(path)
+
+    def foreign(h):
+        p = h["programs"][0]
+        triple, cpu, features = p["machine"].split("|", 2)
+        p["machine"] = f"{triple}|futurecpu|{features},+avx1024"
+    _rewritten(path, foreign)
+    loaded = polyjit.load(path)  # (read at once; its machine checked when a call needs the program)
+    with pytest.raises(SavedExecutableError, match="futurecpu CPU, and this host's .* lacks avx1024"):
+        loaded(rng.standard_normal((3, 8, 8), dtype=F32))
+
+
+def test_nothing_compiled_is_nothing_to_save(tmp_path):
+    from polyjit.api import Executable
+    exe = polyjit.compile(_blur, [InputInfo([3, -1, -1], F32)], {"target": "cpu"})
+    empty = Executable(exe.graph, exe.options, "blur")
+    with pytest.raises(InputError, match="has compiled nothing yet"):
+        empty.save(tmp_path / "x.pjx")
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_loaded_program_takes_and_returns_torch_tensors(tmp_path, rng):
+    torch = pytest.importorskip("torch")
+    m = _Mlp(rng)
+    exe = polyjit.compile(m, [InputInfo([-1, 16], F32), InputInfo([], F32)], {"target": "cpu"})
+    exe.save(tmp_path / "mlp.pjx")
+    loaded = polyjit.load(tmp_path / "mlp.pjx")
+    x = torch.from_numpy(rng.standard_normal((4, 16), dtype=F32))
+    y, s = loaded(x, torch.tensor(2.0))
+    assert isinstance(y, torch.Tensor) and isinstance(s, torch.Tensor)
+    for g, w in zip((y, s), _mlp_ref(m, x.numpy(), 2.0)):
+        np.testing.assert_allclose(g.numpy(), w, rtol=1e-5, atol=1e-5)
+
+
+GPU_FRESH = """
+import json, sys, numpy as np, torch, polyjit, polyjit.api
+polyjit.api.compile_graph = None  # (nothing may compile here)
+exe = polyjit.load(sys.argv[1])
+x = torch.from_numpy(np.load(sys.argv[2])).cuda()
+y = exe(x)
+print(json.dumps({"out": y.cpu().numpy().tolist(), "cuda": y.is_cuda, "kernels_compiled": exe.stats["kernels_compiled"]}))
+"""
+
+
+@pytest.mark.gpu
+def test_a_fresh_process_runs_a_saved_gpu_program_on_cuda_tensors(tmp_path, rng):
+    pytest.importorskip("torch")
+    exe = polyjit.compile(_blur, [InputInfo([3, -1, -1], F32)], {"target": "nvgpu"})
+    x = rng.standard_normal((3, 64, 48), dtype=F32)
+    want = exe(x)
+    exe.save(tmp_path / "blur.pjx")
+    assert b".target sm_" in (tmp_path / "blur.pjx").read_bytes()  # the PTX, as text
+    np.save(tmp_path / "x.npy", x)
+    empty = tmp_path / "cache"
+    empty.mkdir()
+    p = subprocess.run([sys.executable, "-c", GPU_FRESH, str(tmp_path / "blur.pjx"), str(tmp_path / "x.npy")],
+                       env={**os.environ, "POLYJIT_CACHE_DIR": str(empty)}, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["cuda"] and got["kernels_compiled"] == 0
+    np.testing.assert_allclose(np.array(got["out"], F32), want, rtol=1e-5, atol=1e-6)
+
+
+JAX_FRESH = """
+import json, sys, numpy as np, jax, jax.numpy as jnp, polyjit, polyjit.api
+polyjit.api.compile_graph = None  # (nothing may compile here)
+f = polyjit.load(sys.argv[1])
+d = np.load(sys.argv[2])
+params = {"w1": jnp.asarray(d["w1"]), "b": jnp.asarray(d["b"]), "w2": jnp.asarray(d["w2"])}
+out, skip, scale = f(params, jnp.asarray(d["x"]))
+assert isinstance(out["y"], jax.Array) and scale.shape == () and float(scale) == 2.0
+np.savez(sys.argv[3], y=np.asarray(out["y"]), mean=np.asarray(out["mean"]), skip=np.asarray(skip))
+print(json.dumps({"kernels_compiled": f.stats["kernels_compiled"],
+                  "frontend": "polyjit.frontends.jax" in sys.modules}))
+"""
+
+
+def _jax_block(params, x, training=True):
+    import jax
+    import jax.numpy as jnp
+    h = jax.nn.gelu(x @ params["w1"] + params["b"]) * (0.5 if training else 1.0)
+    return {"y": h @ params["w2"], "mean": h.mean(0)}, x, 2.0
+
+
+def test_a_jax_function_saved_runs_in_a_fresh_process_without_tracing(tmp_path, rng):
+    """Its arguments less the static ones, in the same structure; results in
+    the function's structure, JAX arrays; an input and a constant returned
+    as they were; no compile and no frontend in the loading process."""
+    jax = pytest.importorskip("jax")
+    arrays = {"w1": rng.standard_normal((16, 32), dtype=F32), "b": rng.standard_normal(32, dtype=F32),
+              "w2": rng.standard_normal((32, 8), dtype=F32), "x": rng.standard_normal((6, 16), dtype=F32)}
+    params = {k: jax.numpy.asarray(arrays[k]) for k in ("w1", "b", "w2")}
+    f = polyjit.jit_jax(_jax_block, static_argnames="training")
+    f.save(tmp_path / "block.pjx", params, jax.numpy.asarray(arrays["x"]), training=False)
+    np.savez(tmp_path / "in.npz", **arrays)
+    p = subprocess.run([sys.executable, "-c", JAX_FRESH, str(tmp_path / "block.pjx"), str(tmp_path / "in.npz"),
+                        str(tmp_path / "out.npz")], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "POLYJIT_CACHE_DIR": str(tmp_path), "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == {"kernels_compiled": 0, "frontend": False}
+    got = np.load(tmp_path / "out.npz")
+    (want, skip, _) = f(params, jax.numpy.asarray(arrays["x"]), training=False)  # (the same program here: on a GPU, TF32 products
+    # as jax.jit's default precision, whose rounding differs from XLA's own)
+    np.testing.assert_allclose(got["y"], want["y"], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got["mean"], want["mean"], rtol=1e-6, atol=1e-6)
+    if jax.default_backend() == "cpu":
+        ref, _, _ = jax.jit(_jax_block, static_argnames="training")(params, arrays["x"], training=False)
+        np.testing.assert_allclose(got["y"], ref["y"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got["skip"], arrays["x"])
+
+    loaded = polyjit.load(tmp_path / "block.pjx")
+    with pytest.raises(InputError, match=r"_jax_block: arguments\[0\] has keys \['b', 'w1'\], expected a dict of "
+                                         r"keys \['b', 'w1', 'w2'\]"):
+        loaded({"w1": params["w1"], "b": params["b"]}, arrays["x"])
+    with pytest.raises(InputError, match="arguments is a list of 3, expected a list of 2"):
+        loaded(params, arrays["x"], False)
+
+
+def test_a_jax_function_the_framework_runs_part_of_is_not_saved(tmp_path, rng):
+    jax = pytest.importorskip("jax")
+
+    def f(x):
+        return jax.lax.bessel_i0e(x * x + 1) * 2 + 1
+    with pytest.warns(UserWarning, match="bessel_i0e"):
+        jf = polyjit.jit_jax(f)
+        with pytest.raises(SavedExecutableError, match=r"f: the framework runs part of it \(bessel_i0e\)"):
+            jf.save(tmp_path / "f.pjx", jax.numpy.ones((3, 4)))
+    assert not (tmp_path / "f.pjx").exists()
