@@ -20,11 +20,13 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from polyjit import ops
+from polyjit import ops, saved
 from polyjit import sizes as sz
 from polyjit.compiler import compiled, expect_compile
 from polyjit.dtypes import DataType
-from polyjit.errors import CompileOptionError, DefinitionError, InputError, UnsupportedOpError
+from polyjit.errors import CompileOptionError, DefinitionError, InputError, SavedExecutableError, UnsupportedOpError
+from polyjit.interop import tf_from_host
+from polyjit.saved import structure
 from polyjit.options import CompileOptions, parse_options
 
 from .common import (USER_ERRORS, Const, KnownSizes, Op, SegmentedProgram, Stats, Value, check_execution_backend,
@@ -1489,6 +1491,43 @@ class TFFunction:
             compiled(traced)  # (its programs compile on the call that follows)
         return self._programs[key]
 
+    def save(self, path, *args) -> None:
+        """The program for these arguments, compiled and written to
+        ``path``: ``polyjit.load(path)`` calls it in any process on a
+        machine like this one, with neither TensorFlow tracing nor polyjit
+        compiling, and returns tf.Tensors for tf.Tensors. The variables it
+        reads (a Keras model's weights) are saved with their values now, as
+        a SavedModel's serving function holds them; a function that
+        assigns variables (a training step) is not saved."""
+        if self.backend != "polyjit":
+            raise CompileOptionError(f"{self.__name__}: execution_backend={self.backend!r} compiles nothing to save")
+        arrays = self._arrays(args)
+        if self.input_signature is not None:
+            self._check_signature(arrays)
+        trace, prog = self.program(arrays)
+        if trace.written:
+            raise SavedExecutableError(f"{self.__name__}: it assigns variables ({', '.join(v.name for v in trace.written)}"
+                                       "); a saved function keeps no state")
+        if len(trace.out_positions) != len(trace.flat):
+            raise SavedExecutableError(f"{self.__name__}: it returns values other than tensors; a saved function "
+                                       "returns tensors")
+        exe, call, constants = prog.saved_call(self.__name__)
+        if exe is None:
+            raise SavedExecutableError(f"{self.__name__}: its results are its arguments or constants; "
+                                       "there is no program to save")
+        exe.variant(tuple(bool(i.attrs.get("strided")) for i in exe.graph.inputs), self.options.target or "cpu")
+        variables = trace.variable_values()  # (the program's last inputs)
+        call["bound"] = list(range(len(constants), len(constants) + len(variables)))
+        leaf = object()
+        try:
+            results = tf.nest.pack_sequence_as(trace.structure, [leaf] * len(trace.flat), expand_composites=True)
+        except (TypeError, ValueError) as e:
+            raise SavedExecutableError(f"{self.__name__}: its results' structure cannot be saved ({e})") from None
+        is_leaf = lambda x: x is leaf  # noqa: E731
+        given = lambda x: x is not None and not isinstance(x, (tuple, list, dict))  # noqa: E731
+        saved.save(exe, path, {"name": self.__name__, "args": structure((list(args), {}), given),
+                               "results": structure(results, is_leaf), **call}, constants + variables)
+
     def __call__(self, *args):
         if self._tf is not None:
             return self._tf(*args)
@@ -1516,12 +1555,7 @@ class TFFunction:
 
 
 def _to_tensor(x) -> tf.Tensor:
-    if isinstance(x, tf.Tensor):
-        return x
-    x = np.asarray(x)
-    if x.flags.c_contiguous and x.flags.writeable and x.ctypes.data % 64 == 0 and x.size:  # DLPack refuses read-only
-        return tf.experimental.dlpack.from_dlpack(x.__dlpack__())
-    return tf.convert_to_tensor(x)
+    return x if isinstance(x, tf.Tensor) else tf_from_host(x)
 
 
 def jit_tf(fn: Callable | Sequence | None = None, compile_options: dict | None = None, *, input_signature=None,

@@ -33,17 +33,18 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupport
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from polyjit import ops
+from polyjit import ops, saved
 from polyjit.api import Executable, takes_device_arrays
 from polyjit.channels_last import inverse
 from polyjit.compiler import compiled, expect_compile
 from polyjit.runtime.buffers import BufferCache, new_buffer
 from polyjit.runtime.gpu_buffers import GpuView
 from polyjit.dtypes import DataType
-from polyjit.errors import InputError, UnsupportedOpError
+from polyjit.errors import CompileOptionError, InputError, SavedExecutableError, UnsupportedOpError
 from polyjit.graph import Graph
 from polyjit.interop import torch_from_host, torch_host_array
 from polyjit.options import CompileOptions, parse_options
+from polyjit.saved import structure
 from polyjit import sizes as sz
 from polyjit.sizes import Lin
 from polyjit.targets import holding
@@ -1132,6 +1133,11 @@ def _assert_async(cx, cond, msg="Expected a true condition (torch._assert_async)
     """A condition on values (one_hot's class range): the compiled graph
     returns it and the call raises where it is false, as eager does."""
     cx.asserts.append((ops.cast(cond, DataType.Bool), msg))
+
+
+if hasattr(aten, "_assert_tensor_metadata"):  # torch.export's check of a value's dtype, device and layout before a
+    # conversion (some torch versions): what the graph was traced with, and so what it compiles for
+    ATEN[aten._assert_tensor_metadata.default] = lambda cx, *args, **kwargs: None
 
 
 @_reg(aten.scatter_reduce.two)
@@ -2303,10 +2309,7 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: CompileOptions
     """Compile an ATen graph: whole if every node is supported, else by
     partitions."""
     support = _Supported()
-    if options.tf32 is None:  # convolutions as eager's: TF32 where torch allows cuDNN it
-        options = dataclasses.replace(options, tf32=bool(torch.backends.cudnn.allow_tf32))
-    if options.matmul_tf32 is None:  # products as eager's: TF32 where torch allows cuBLAS it
-        options = dataclasses.replace(options, matmul_tf32=torch.get_float32_matmul_precision() != "highest")
+    options = _as_eager(options)
     where = options.target or holding(any(isinstance(x, torch.Tensor) and x.is_cuda
                                           for x in example_inputs))  # the device the example tensors are on
     unsupported = [n for n in gm.graph.nodes if n.op == "call_function" and not support.is_node_supported({}, n)]
@@ -2334,6 +2337,95 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: CompileOptions
                 internal_failure(stats, f"partition {name}_{sub_name}", e, "eager PyTorch", options.strict)
     fused.recompile()
     return fused
+
+
+def _as_eager(options: CompileOptions) -> CompileOptions:
+    """options with TF32 where eager's would use it, unless they say."""
+    if options.tf32 is None:  # convolutions as eager's: TF32 where torch allows cuDNN it
+        options = dataclasses.replace(options, tf32=bool(torch.backends.cudnn.allow_tf32))
+    if options.matmul_tf32 is None:  # products as eager's: TF32 where torch allows cuBLAS it
+        options = dataclasses.replace(options, matmul_tf32=torch.get_float32_matmul_precision() != "highest")
+    return options
+
+
+def save_program(fn, options: CompileOptions, path, args: Sequence) -> None:
+    """fn (a function or nn.Module) captured for ``args`` by torch.export
+    (one graph, as AOTInductor's packages are), its parameters and buffers
+    frozen into constants, compiled and written to ``path``:
+    ``polyjit.load(path)`` calls it in any process on a machine like this
+    one, with neither tracing nor compiling, and returns torch tensors."""
+    from torch.export.graph_signature import InputKind, OutputKind
+    name = getattr(fn, "__name__", type(fn).__name__)
+    module = fn if isinstance(fn, torch.nn.Module) else _FunctionModule(fn)
+    with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
+        try:
+            ep = torch.export.export(module, tuple(args)).run_decompositions(_export_decompositions())
+        except Exception as e:  # what torch.export refuses (data-dependent control flow, say)
+            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+            raise SavedExecutableError(f"{name}: torch.export could not capture it as one graph "
+                                       f"({type(e).__name__}: {first})") from None
+    sig = ep.graph_signature
+    changed = [o.target for o in sig.output_specs if o.kind != OutputKind.USER_OUTPUT]
+    if changed:
+        raise SavedExecutableError(f"{name}: it changes {', '.join(map(str, changed))}; a saved function keeps no "
+                                   "state (save it in eval mode)")
+    gm = ep.graph_module
+    for k, (node, spec) in enumerate(zip(list(gm.graph.find_nodes(op="placeholder")), sig.input_specs)):
+        if spec.kind == InputKind.USER_INPUT:
+            continue
+        value = ep.state_dict[spec.target] if spec.target in ep.state_dict else ep.constants[spec.target]
+        gm.register_buffer(f"_frozen{k}", value.detach())
+        with gm.graph.inserting_before(node):
+            frozen = gm.graph.get_attr(f"_frozen{k}")
+        frozen.meta.update(node.meta)
+        node.replace_all_uses_with(frozen)
+        gm.graph.erase_node(node)
+    gm.recompile()
+    example = torch.utils._pytree.tree_leaves((tuple(args), {}))
+    prog = CompiledGraph(gm, _as_eager(options), name, Stats(), example)
+    t = prog.t
+    if t.input_orders or t.seed_index is not None or t.size_inputs or t.int_inputs or t.mutations or t.asserts \
+            or any(kind not in ("tensor", "input", "const") for kind, _ in t.outputs):
+        raise SavedExecutableError(f"{name}: its graph needs more than a saved function holds (random numbers, "
+                                   "integer arguments, input layouts or results computed around the program)")
+    prog.exe.variant((False,) * len(prog.exe.graph.inputs),
+                     options.target or holding(any(isinstance(x, torch.Tensor) and x.is_cuda for x in example)))
+    outputs, constants = [], []
+    for kind, v in t.outputs:
+        if kind == "const":
+            outputs.append(["constant", len(constants)])
+            constants.append(torch_host_array(v.detach().cpu()) if isinstance(v, torch.Tensor) else np.asarray(v))
+        else:
+            outputs.append(["output" if kind == "tensor" else "input", v])
+    marker = object()
+    results = torch.utils._pytree.tree_unflatten([marker] * len(t.outputs), ep.call_spec.out_spec)
+    is_tensor = lambda x: isinstance(x, torch.Tensor)  # noqa: E731
+    saved.save(prog.exe, path, {"name": name, "args": structure((list(args), {}), is_tensor, sort_keys=False),
+                                "results": structure(results, lambda x: x is marker, sort_keys=False),
+                                "inputs": list(t.tensor_inputs), "outputs": outputs}, constants)
+
+
+def _export_decompositions():
+    """torch.export's decompositions (the core set, composites included) as
+    AOTAutograd's inference graphs get them: the ops the table lowers whole
+    kept, polyjit's own chosen ones added."""
+    table = torch.export.default_decompositions()
+    for op in list(table.keys()):
+        if op in ATEN and op not in INFERENCE_DECOMPOSITIONS:
+            table.pop(op)
+    table.update(INFERENCE_DECOMPOSITIONS)
+    return table
+
+
+class _FunctionModule(torch.nn.Module):
+    """A function as a module, for torch.export."""
+
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
 
 
 def _compiled(gm, options: CompileOptions, name: str, stats: Stats, where: str,
@@ -2492,20 +2584,31 @@ def jit_torch(fn=None, *, compile_options: dict | None = None, execution_backend
         else:
             backend = PolyjitBackend(options)
             compiled = torch.compile(f, backend=backend, dynamic=dynamic)
+        save = functools.partial(_save, f, options, execution_backend)
         if isinstance(f, torch.nn.Module):  # torch.compile's module wrapper, with our stats
             compiled.stats = backend.stats if backend else Stats()
+            compiled.save = save
             return compiled
 
-        return _StatsFunction(compiled, backend)
+        return _StatsFunction(compiled, backend, save)
     return wrap(fn) if fn is not None else wrap
 
 
-class _StatsFunction:
-    """A compiled callable with ``.stats``."""
+def _save(fn, options: CompileOptions, backend: str, path, *args) -> None:
+    """jit_torch's ``save(path, *args)``: save_program."""
+    if backend != "polyjit":
+        raise CompileOptionError(f"execution_backend={backend!r} compiles nothing to save")
+    save_program(fn, options, path, args)
 
-    def __init__(self, call, backend) -> None:
+
+class _StatsFunction:
+    """A compiled callable with ``.stats``, and ``save(path, *args)``
+    (save_program: the program for these arguments, for polyjit.load)."""
+
+    def __init__(self, call, backend, save) -> None:
         self._call = call
         self._backend = backend
+        self.save = save
         functools.update_wrapper(self, getattr(call, "_torchdynamo_orig_callable", call))
 
     def __call__(self, *args, **kwargs):

@@ -21,8 +21,8 @@ _DLPACK_CPU, _DLPACK_CUDA = 1, 2
 
 
 def kind(x: Any) -> str:
-    """'torch', 'jax', 'numpy' or 'other' (anything with __dlpack__, the CUDA
-    array interface or __array__)."""
+    """'torch', 'jax', 'tf', 'numpy' or 'other' (anything with __dlpack__,
+    the CUDA array interface or __array__)."""
     if isinstance(x, np.ndarray):
         return "numpy"
     mod = type(x).__module__
@@ -30,6 +30,8 @@ def kind(x: Any) -> str:
         return "torch"
     if mod.startswith(("jax", "jaxlib")):
         return "jax"
+    if mod.startswith("tensorflow"):
+        return "tf"
     return "other"
 
 
@@ -92,6 +94,16 @@ def torch_from_host(a) -> Any:
     return torch.from_numpy(a)
 
 
+def tf_from_host(a) -> Any:
+    """A numpy array as a TensorFlow tensor: on its memory where DLPack takes
+    it (writable, 64-byte aligned, not empty), else copied."""
+    tf = sys.modules["tensorflow"]
+    a = np.asarray(a)
+    if a.flags.c_contiguous and a.flags.writeable and a.ctypes.data % 64 == 0 and a.size:
+        return tf.experimental.dlpack.from_dlpack(a.__dlpack__())
+    return tf.convert_to_tensor(a)
+
+
 def host_array(x: Any, what: str) -> np.ndarray:
     """A framework's array (or anything with __dlpack__ or __array__) as a
     numpy array on the host: the value of a constant a traced program closes over."""
@@ -121,7 +133,7 @@ class Call:
         self.arrays: list = []
         self.launch: dict = {}
         kinds = {kind(a) for a in args if not isinstance(a, (bool, int, float, np.generic))}
-        self.kind = next((k for k in ("torch", "jax") if k in kinds), "as_is")
+        self.kind = next((k for k in ("torch", "jax", "tf") if k in kinds), "as_is")
         for k, a in enumerate(args):
             self.arrays.append(self._array(a, f"{name}: input {k}"))
 
@@ -138,6 +150,10 @@ class Call:
         if k == "jax":
             view = _jax_view(a)
             return view if view is not None else np.asarray(a)
+        if k == "tf":
+            if a.device and "CPU" not in a.device.upper():
+                raise InputError(f"{name} is a TensorFlow tensor on {a.device}; polyjit takes TensorFlow's host tensors")
+            return np.from_dlpack(a)
         if k == "numpy" or isinstance(a, (bool, int, float, np.generic)) or hasattr(a, "__cuda_array_interface__"):
             return a
         if hasattr(a, "__dlpack__"):
@@ -165,6 +181,8 @@ class Call:
         if self.kind == "jax":
             jax = sys.modules["jax"]
             return [_jax_array(jax, o) for o in outs]
+        if self.kind == "tf":
+            return [tf_from_host(o) for o in outs]
         return list(outs)
 
 

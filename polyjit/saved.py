@@ -181,8 +181,9 @@ class SavedFunction:
     *args)``): called with the arguments the function took, less the
     static ones, in the same structure; returns its results' structure,
     as arrays of the arguments' kind. ``call`` (the file's) says where
-    each argument leaf goes (``inputs``: the leaf for each program input)
-    and where each result leaf comes from (``outputs``: ["output", k],
+    each argument leaf goes (``inputs``: the leaf for each program input;
+    ``bound``: the constants that are leaves after the arguments') and
+    where each result leaf comes from (``outputs``: ["output", k],
     ["input", leaf] or ["constant", k])."""
 
     def __init__(self, exe: SavedExecutable, call: dict, constants: list[np.ndarray]) -> None:
@@ -196,34 +197,40 @@ class SavedFunction:
     def __call__(self, *args, **kwargs):
         positional, named = self.call["args"]["tuple"]
         leaves = flatten(positional, list(args), self.__name__, "arguments") + \
-            flatten(named, kwargs, self.__name__, "keyword arguments")
+            flatten(named, kwargs, self.__name__, "keyword arguments") + \
+            [self.constants[k] for k in self.call.get("bound", ())]  # (values saved with it: TF's variables)
         given = interop.Call(leaves, self.__name__)  # (the kind results take: the leaves')
         inputs = self.exe.graph.inputs
         # Python numbers as the traced function took them: arrays of its input's dtype
         outs = self.exe(*[np.asarray(leaves[k], inputs[i].dtype.numpy) if isinstance(leaves[k], (bool, int, float))
                           else leaves[k] for i, k in enumerate(self.call["inputs"])]) if self.call["inputs"] else ()
         outs = list(outs) if isinstance(outs, tuple) else [outs]
-        made = [outs[k] if kind == "output" else leaves[k] if kind == "input" else self.constants[k]
-                for kind, k in self.call["outputs"]]
-        return unflatten(self.call["results"], given.results(made) if given.kind != "as_is" else made)
+        made = given.results([outs[k] if kind == "output" else self.constants[k]
+                              for kind, k in self.call["outputs"] if kind != "input"])
+        made.reverse()  # (an input handed back is the caller's own)
+        return unflatten(self.call["results"], [leaves[k] if kind == "input" else made.pop()
+                                                for kind, k in self.call["outputs"]])
 
 
 # ------------------------------------------------------------ argument structure
-def structure(tree, is_leaf) -> object:
+def structure(tree, is_leaf, sort_keys: bool = True) -> object:
     """A nest of tuples, lists, dicts (string or int keys) and None whose
     leaves ``is_leaf`` tells, as JSON: what flatten checks arguments
-    against and unflatten builds results of (leaves in the order JAX's
-    tree_util takes them: dicts by sorted keys)."""
+    against and unflatten builds results of. Leaves are in the order the
+    framework flattens them: dicts by sorted keys (JAX, TensorFlow), or as
+    they were built (``sort_keys=False``: PyTorch)."""
     if is_leaf(tree):
         return "*"
     if tree is None:
         return None
     if type(tree) in (tuple, list):
-        return {type(tree).__name__: [structure(t, is_leaf) for t in tree]}
+        return {type(tree).__name__: [structure(t, is_leaf, sort_keys) for t in tree]}
     if type(tree) is dict and all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in tree):
-        return {"dict": [[k, structure(tree[k], is_leaf)] for k in sorted(tree)]}
+        keys = sorted(tree) if sort_keys else list(tree)
+        return {"dict": [[k, structure(tree[k], is_leaf, sort_keys)] for k in keys]}
     raise SavedExecutableError(f"a {type(tree).__name__} among the arguments or results: a saved function takes "
-                               "and returns tuples, lists, dicts and None of arrays")
+                               "and returns arrays in tuples, lists, dicts and None (wrap a model whose results "
+                               "are a class of its own in a function that returns its arrays)")
 
 
 def flatten(spec, tree, name: str, path: str) -> list:

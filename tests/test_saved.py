@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -262,8 +263,127 @@ def test_a_jax_function_the_framework_runs_part_of_is_not_saved(tmp_path, rng):
 
     def f(x):
         return jax.lax.bessel_i0e(x * x + 1) * 2 + 1
-    with pytest.warns(UserWarning, match="bessel_i0e"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (its fallback's: warned once in the process)
         jf = polyjit.jit_jax(f)
         with pytest.raises(SavedExecutableError, match=r"f: the framework runs part of it \(bessel_i0e\)"):
             jf.save(tmp_path / "f.pjx", jax.numpy.ones((3, 4)))
     assert not (tmp_path / "f.pjx").exists()
+
+
+TF_FRESH = """
+import json, sys, numpy as np, tensorflow as tf, polyjit, polyjit.api
+polyjit.api.compile_graph = None  # (nothing may compile here)
+f = polyjit.load(sys.argv[1])
+y = f(tf.constant(np.load(sys.argv[2])))
+assert isinstance(y["logits"], tf.Tensor)
+np.save(sys.argv[3], y["logits"].numpy())
+print(json.dumps({"kernels_compiled": f.stats["kernels_compiled"], "frontend": "polyjit.frontends.tf" in sys.modules}))
+"""
+
+
+def test_a_keras_model_saved_runs_in_a_fresh_process_with_its_weights(tmp_path, rng):
+    """The variables the function reads are saved with their values then;
+    the loading process builds no model, traces and compiles nothing."""
+    tf = pytest.importorskip("tensorflow")
+    layers = tf.keras.layers
+    model = tf.keras.Sequential([tf.keras.Input((16, 16, 3)), layers.Conv2D(8, 3, activation="relu"),
+                                 layers.MaxPooling2D(), layers.Flatten(), layers.Dense(10)])
+    f = polyjit.jit_tf(lambda x: {"logits": model(x, training=False)})
+    x = rng.standard_normal((4, 16, 16, 3), dtype=F32)
+    f.save(tmp_path / "cnn.pjx", tf.constant(x))
+    want = f(tf.constant(x))["logits"].numpy()
+    np.testing.assert_allclose(want, model(x, training=False).numpy(), rtol=1e-5, atol=1e-5)
+    np.save(tmp_path / "x.npy", x)
+    p = subprocess.run([sys.executable, "-c", TF_FRESH, str(tmp_path / "cnn.pjx"), str(tmp_path / "x.npy"),
+                        str(tmp_path / "y.npy")], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "POLYJIT_CACHE_DIR": str(tmp_path)})
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == {"kernels_compiled": 0, "frontend": False}
+    np.testing.assert_allclose(np.load(tmp_path / "y.npy"), want, rtol=1e-6, atol=1e-6)
+
+    v = tf.Variable(tf.zeros(4))
+
+    def step(x):
+        v.assign_add(tf.reduce_sum(x, 0))
+        return v * 2.0
+    with pytest.raises(SavedExecutableError, match="it assigns variables .* keeps no state"):
+        polyjit.jit_tf(step).save(tmp_path / "step.pjx", tf.ones((3, 4)))
+
+
+TORCH_FRESH = """
+import json, sys, torch, polyjit, polyjit.api
+polyjit.api.compile_graph = None  # (nothing may compile here)
+f = polyjit.load(sys.argv[1])
+x = torch.load(sys.argv[2]).to(sys.argv[4])
+out, same = f(x)
+assert out["logits"].device == x.device
+assert same is x and isinstance(out["logits"], torch.Tensor)
+torch.save({k: v.cpu() for k, v in out.items()}, sys.argv[3])
+print(json.dumps({"kernels_compiled": f.stats["kernels_compiled"], "frontend": "polyjit.frontends.torch" in sys.modules}))
+"""
+
+
+def _torch_net():
+    """A convolution, a batch norm in eval mode, a buffer, a dict of results and an input handed back."""
+    import torch
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8)
+            self.fc = torch.nn.Linear(8, 4)
+            self.register_buffer("scale", torch.tensor(2.0))
+
+        def forward(self, x):
+            h = torch.relu(self.bn(self.conv(x))).mean((2, 3))
+            return {"logits": self.fc(h) * self.scale, "features": h}, x
+    return Net()
+
+
+def _torch_module_round_trip(tmp_path, device: str):
+    """net saved on ``device``, run in a fresh process on fresh data there: its results and eager's."""
+    import torch
+    net = _torch_net()
+    with torch.no_grad():  # batch statistics of their own, so that folding them in counts
+        net.bn.running_mean.normal_(), net.bn.running_var.uniform_(0.5, 2)
+    net = net.eval().to(device)
+    polyjit.jit_torch(net).save(tmp_path / "net.pjx", torch.randn(2, 3, 12, 12, device=device))
+    x = torch.randn(2, 3, 12, 12)  # (fresh data, the same shape)
+    torch.save(x, tmp_path / "x.pt")
+    p = subprocess.run([sys.executable, "-c", TORCH_FRESH, str(tmp_path / "net.pjx"), str(tmp_path / "x.pt"),
+                        str(tmp_path / "y.pt"), device], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "POLYJIT_CACHE_DIR": str(tmp_path)})
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == {"kernels_compiled": 0, "frontend": False}
+    with torch.no_grad():
+        want, _ = net(x.to(device))
+    return net, torch.load(tmp_path / "y.pt"), {k: v.cpu() for k, v in want.items()}
+
+
+def test_a_torch_module_saved_runs_in_a_fresh_process_with_its_weights(tmp_path):
+    """Captured by torch.export, its parameters and buffers frozen into
+    constants; the loading process traces and compiles nothing and does not
+    import the frontend; a module that changes its buffers is refused."""
+    torch = pytest.importorskip("torch")
+    net, got, want = _torch_module_round_trip(tmp_path, "cpu")
+    for k in ("logits", "features"):
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5)
+    x = torch.randn(2, 3, 12, 12)
+
+    net.train()  # its running statistics change at each call
+    with pytest.raises(SavedExecutableError, match="it changes .*running_mean.* keeps no state"):
+        polyjit.jit_torch(net).save(tmp_path / "train.pjx", x)
+
+    def branchy(x):
+        return x * 2 if x.sum() > 0 else x - 1  # (data-dependent: no one graph)
+    with pytest.raises(SavedExecutableError, match="torch.export could not capture it as one graph"):
+        polyjit.jit_torch(branchy).save(tmp_path / "branchy.pjx", x)
+
+
+@pytest.mark.gpu
+def test_a_torch_module_saved_on_a_gpu_runs_there_in_a_fresh_process(tmp_path):
+    torch = pytest.importorskip("torch")
+    _, got, want = _torch_module_round_trip(tmp_path, "cuda")
+    for k in ("logits", "features"):  # (cuDNN's convolution in TF32 in both, as eager's default)
+        torch.testing.assert_close(got[k], want[k], rtol=2e-3, atol=2e-3)
