@@ -6,20 +6,27 @@ The core (this package) imports no framework; frontends live in
 """
 from __future__ import annotations
 
+import os
+from typing import TYPE_CHECKING
+
 from . import errors, ops
 from .api import Executable, InputInfo, compile
 from .dtypes import DataType
 from .fusion_definition import FusionDefinition
 from .options import CompileOptions
 
+if TYPE_CHECKING:
+    from .saved import SavedFunction
+
 __version__ = "0.1.0"
 __all__ = ["FusionDefinition", "DataType", "compile", "InputInfo", "Executable", "ops", "errors",
            "CompileOptions", "jit_torch", "jit_jax", "jit_tf", "cuda_synchronize", "load"]
 
 
-def load(path) -> Executable:
-    """The executable saved at ``path`` by ``Executable.save``: called as it
-    was, its programs loaded without tracing or compiling."""
+def load(path: str | os.PathLike) -> Executable | SavedFunction:
+    """What ``Executable.save`` (or a jit function's ``save``) wrote to
+    ``path``: an Executable, or a function of the saved one's arguments,
+    whose programs load without tracing or compiling."""
     from .saved import load as _load
     return _load(path)
 

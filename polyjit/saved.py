@@ -80,9 +80,10 @@ def save(exe: Executable, path: str | os.PathLike, call: dict | None = None,
         raise
 
 
-def load(path: str | os.PathLike) -> "SavedExecutable":
-    """The executable saved at path (SavedExecutableError where the file is
-    damaged, not one, or written by another polyjit version)."""
+def load(path: str | os.PathLike) -> SavedExecutable | SavedFunction:
+    """The executable saved at path, or the frontend's function around it
+    (SavedExecutableError where the file is damaged, not one, or written by
+    another polyjit version)."""
     from . import __version__
     try:
         data = Path(path).read_bytes()
