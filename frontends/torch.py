@@ -2348,18 +2348,20 @@ def _as_eager(options: CompileOptions) -> CompileOptions:
     return options
 
 
-def save_program(fn, options: CompileOptions, path, args: Sequence) -> None:
+def save_program(fn, options: CompileOptions, path, args: Sequence, dynamic_shapes=None) -> None:
     """fn (a function or nn.Module) captured for ``args`` by torch.export
     (one graph, as AOTInductor's packages are), its parameters and buffers
     frozen into constants, compiled and written to ``path``:
     ``polyjit.load(path)`` calls it in any process on a machine like this
-    one, with neither tracing nor compiling, and returns torch tensors."""
+    one, with neither tracing nor compiling, and returns torch tensors.
+    ``dynamic_shapes``: torch.export's, for sizes that stay symbolic."""
     from torch.export.graph_signature import InputKind, OutputKind
     name = getattr(fn, "__name__", type(fn).__name__)
     module = fn if isinstance(fn, torch.nn.Module) else _FunctionModule(fn)
     with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
         try:
-            ep = torch.export.export(module, tuple(args)).run_decompositions(_export_decompositions())
+            ep = torch.export.export(module, tuple(args), dynamic_shapes=dynamic_shapes).run_decompositions(
+                _export_decompositions())
         except Exception as e:  # what torch.export refuses (data-dependent control flow, say)
             first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
             raise SavedExecutableError(f"{name}: torch.export could not capture it as one graph "
@@ -2594,11 +2596,11 @@ def jit_torch(fn=None, *, compile_options: dict | None = None, execution_backend
     return wrap(fn) if fn is not None else wrap
 
 
-def _save(fn, options: CompileOptions, backend: str, path, *args) -> None:
-    """jit_torch's ``save(path, *args)``: save_program."""
+def _save(fn, options: CompileOptions, backend: str, path, *args, dynamic_shapes=None) -> None:
+    """jit_torch's ``save(path, *args, dynamic_shapes=None)``: save_program."""
     if backend != "polyjit":
         raise CompileOptionError(f"execution_backend={backend!r} compiles nothing to save")
-    save_program(fn, options, path, args)
+    save_program(fn, options, path, args, dynamic_shapes)
 
 
 class _StatsFunction:

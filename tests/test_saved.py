@@ -387,3 +387,20 @@ def test_a_torch_module_saved_on_a_gpu_runs_there_in_a_fresh_process(tmp_path):
     _, got, want = _torch_module_round_trip(tmp_path, "cuda")
     for k in ("logits", "features"):  # (cuDNN's convolution in TF32 in both, as eager's default)
         torch.testing.assert_close(got[k], want[k], rtol=2e-3, atol=2e-3)
+
+
+def test_a_torch_module_saved_with_dynamic_shapes_runs_at_other_sizes(tmp_path):
+    """torch.export's dynamic_shapes keep the batch and sequence symbolic: one saved program for every size."""
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32),
+                                torch.nn.Linear(32, 4)).eval()
+    batch, seq = torch.export.Dim("batch", min=2), torch.export.Dim("seq", min=2)
+    polyjit.jit_torch(model).save(tmp_path / "mlp.pjx", torch.randn(3, 5, 16), dynamic_shapes=({0: batch, 1: seq},))
+    loaded = polyjit.load(tmp_path / "mlp.pjx")
+    for shape in [(3, 5, 16), (7, 2, 16), (4, 11, 16)]:
+        x = torch.randn(*shape)
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(x), model(x), rtol=1e-5, atol=1e-5)
+    assert loaded.stats["kernels_compiled"] == 0
+    with pytest.raises(InputError, match=r"expected size 16 in dimension 2"):
+        loaded(torch.randn(3, 5, 8))
