@@ -20,6 +20,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Sequence
 
 import numpy as np
@@ -229,9 +230,27 @@ def structure(tree, is_leaf, sort_keys: bool = True) -> object:
     if type(tree) is dict and all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in tree):
         keys = sorted(tree) if sort_keys else list(tree)
         return {"dict": [[k, structure(tree[k], is_leaf, sort_keys)] for k in keys]}
+    if not sort_keys and isinstance(tree, Mapping) and all(isinstance(k, str) for k in tree):
+        # a mapping of a class of its own (transformers' ModelOutput), flattened in its own order: a Record
+        return {"record": [[k, structure(tree[k], is_leaf, sort_keys)] for k in tree]}
     raise SavedExecutableError(f"a {type(tree).__name__} among the arguments or results: a saved function takes "
                                "and returns arrays in tuples, lists, dicts and None (wrap a model whose results "
                                "are a class of its own in a function that returns its arrays)")
+
+
+class Record(dict):
+    """Results that were a mapping of a class of their own (transformers'
+    ModelOutput): a dict of them, read by attribute too and, as a
+    ModelOutput is, by position."""
+
+    def __getattr__(self, name: str):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __getitem__(self, key):
+        return list(self.values())[key] if isinstance(key, (int, slice)) else super().__getitem__(key)
 
 
 def flatten(spec, tree, name: str, path: str) -> list:
@@ -244,10 +263,10 @@ def flatten(spec, tree, name: str, path: str) -> list:
             raise InputError(f"{name}: {path} is a {type(tree).__name__}, expected None")
         return []
     (kind, items), = spec.items()
-    if kind == "dict":
+    if kind in ("dict", "record"):
         keys = [k for k, _ in items]
-        if not isinstance(tree, dict) or sorted(tree, key=str) != sorted(keys, key=str):
-            got = f"keys {sorted(tree, key=str)}" if isinstance(tree, dict) else f"a {type(tree).__name__}"
+        if not isinstance(tree, Mapping) or sorted(tree, key=str) != sorted(keys, key=str):
+            got = f"keys {sorted(tree, key=str)}" if isinstance(tree, Mapping) else f"a {type(tree).__name__}"
             raise InputError(f"{name}: {path} has {got}, expected a dict of keys {keys}")
         return [x for k, sub in items for x in flatten(sub, tree[k], name, f"{path}[{k!r}]")]
     if not isinstance(tree, (tuple, list)) or len(tree) != len(items):
@@ -266,8 +285,9 @@ def unflatten(spec, leaves: Sequence):
         if s is None:
             return None
         (kind, items), = s.items()
-        if kind == "dict":
-            return {k: build(sub) for k, sub in items}
+        if kind in ("dict", "record"):
+            made = {k: build(sub) for k, sub in items}
+            return made if kind == "dict" else Record(made)
         made = [build(sub) for sub in items]
         return tuple(made) if kind == "tuple" else made
     return build(spec)

@@ -404,3 +404,22 @@ def test_a_torch_module_saved_with_dynamic_shapes_runs_at_other_sizes(tmp_path):
     assert loaded.stats["kernels_compiled"] == 0
     with pytest.raises(InputError, match=r"expected size 16 in dimension 2"):
         loaded(torch.randn(3, 5, 8))
+
+
+def test_a_transformers_model_s_output_comes_back_read_by_name_key_and_position(tmp_path):
+    """A ModelOutput (a mapping of a class of its own) is a Record when loaded."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                                  vocab_size=100)
+    model = transformers.BertModel(cfg).eval()
+    polyjit.jit_torch(model).save(tmp_path / "bert.pjx", torch.randint(0, 100, (2, 8)))
+    ids = torch.randint(0, 100, (2, 8))
+    out = polyjit.load(tmp_path / "bert.pjx")(ids)
+    with torch.no_grad():
+        want = model(ids)
+    assert list(out) == ["last_hidden_state", "pooler_output"]
+    torch.testing.assert_close(out.last_hidden_state, want.last_hidden_state, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out["pooler_output"], want.pooler_output, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[1], want[1], rtol=1e-5, atol=1e-5)
