@@ -423,3 +423,15 @@ def test_a_transformers_model_s_output_comes_back_read_by_name_key_and_position(
     torch.testing.assert_close(out.last_hidden_state, want.last_hidden_state, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out["pooler_output"], want.pooler_output, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out[1], want[1], rtol=1e-5, atol=1e-5)
+
+
+def test_a_tf_function_s_none_sizes_stay_symbolic_when_saved(tmp_path):
+    tf = pytest.importorskip("tensorflow")
+    dense = tf.keras.layers.Dense(4)
+    f = polyjit.jit_tf(lambda x: tf.nn.gelu(dense(x)), input_signature=[tf.TensorSpec([None, 16], tf.float32)])
+    f.save(tmp_path / "f.pjx", tf.ones((3, 16)))
+    loaded = polyjit.load(tmp_path / "f.pjx")
+    for batch in (3, 7, 1):
+        x = tf.random.normal((batch, 16))
+        np.testing.assert_allclose(loaded(x).numpy(), tf.nn.gelu(dense(x)).numpy(), rtol=1e-5, atol=1e-6)
+    assert loaded.stats["kernels_compiled"] == 0
