@@ -260,18 +260,18 @@ def flatten(spec, tree, name: str, path: str) -> list:
         return [tree]
     if spec is None:
         if tree is not None:
-            raise InputError(f"{name}: {path} is a {type(tree).__name__}, expected None")
+            raise InputError(f"{name}: {path}: got a {type(tree).__name__}, expected None")
         return []
     (kind, items), = spec.items()
     if kind in ("dict", "record"):
         keys = [k for k, _ in items]
         if not isinstance(tree, Mapping) or sorted(tree, key=str) != sorted(keys, key=str):
             got = f"keys {sorted(tree, key=str)}" if isinstance(tree, Mapping) else f"a {type(tree).__name__}"
-            raise InputError(f"{name}: {path} has {got}, expected a dict of keys {keys}")
+            raise InputError(f"{name}: {path}: got {got}, expected a dict of keys {keys}")
         return [x for k, sub in items for x in flatten(sub, tree[k], name, f"{path}[{k!r}]")]
     if not isinstance(tree, (tuple, list)) or len(tree) != len(items):
         got = f"a {type(tree).__name__}" + (f" of {len(tree)}" if isinstance(tree, (tuple, list)) else "")
-        raise InputError(f"{name}: {path} is {got}, expected a {kind} of {len(items)}")
+        raise InputError(f"{name}: {path}: got {got}, expected a {kind} of {len(items)}")
     return [x for k, (sub, t) in enumerate(zip(items, tree)) for x in flatten(sub, t, name, f"{path}[{k}]")]
 
 

@@ -251,10 +251,10 @@ def test_a_jax_function_saved_runs_in_a_fresh_process_without_tracing(tmp_path, 
     np.testing.assert_array_equal(got["skip"], arrays["x"])
 
     loaded = polyjit.load(tmp_path / "block.pjx")
-    with pytest.raises(InputError, match=r"_jax_block: arguments\[0\] has keys \['b', 'w1'\], expected a dict of "
+    with pytest.raises(InputError, match=r"_jax_block: arguments\[0\]: got keys \['b', 'w1'\], expected a dict of "
                                          r"keys \['b', 'w1', 'w2'\]"):
         loaded({"w1": params["w1"], "b": params["b"]}, arrays["x"])
-    with pytest.raises(InputError, match="arguments is a list of 3, expected a list of 2"):
+    with pytest.raises(InputError, match="arguments: got a list of 3, expected a list of 2"):
         loaded(params, arrays["x"], False)
 
 
