@@ -13,7 +13,9 @@ symbolic size. Tensors cross through DLPack, without copies.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
 import math
 from typing import Any, Callable, Sequence
 
@@ -33,6 +35,7 @@ from .common import (USER_ERRORS, Const, KnownSizes, Op, SegmentedProgram, Stats
                      core_dtype, elementwise, function_text, identity, internal_failure, live, operand_values,
                      static_value, trace_text)
 
+log = logging.getLogger("polyjit.tf")
 
 # ====================================================================== table
 def _static(x: ops.Tensor, what: str) -> np.ndarray:
@@ -1402,16 +1405,24 @@ def _inferred_shape(o: tf.Operation) -> Const | None:
 class TFFunction:
     """A function compiled with polyjit per signature; ``.stats`` says what it did."""
 
-    def __init__(self, fn: Callable, options: CompileOptions, input_signature, backend: str) -> None:
+    def __init__(self, fn: Callable, options: CompileOptions, input_signature, backend: str,
+                 reduce_retracing: bool = False) -> None:
         self.fn, self.options, self.backend = fn, options, backend
         self.input_signature = list(input_signature) if input_signature is not None else None
+        self.reduce_retracing = reduce_retracing
         self._stats = Stats()
         self._programs: dict[tuple, tuple[_Trace, SegmentedProgram]] = {}
         self._failed: set[tuple] = set()  # signatures whose program raised where TensorFlow does not
+        # reduce_retracing: per family (each argument's rank and dtype), the shapes of its last exact
+        # program, the relaxed shapes compiled for it, and the families whose relaxed program failed
+        self._last_shapes: dict[tuple, tuple] = {}
+        self._relaxed: dict[tuple, list[tuple]] = {}
+        self._exact_only: set[tuple] = set()
         self._plain_fn = None
         self._tf = None
         if backend != "polyjit":
-            self._tf = tf.function(fn, input_signature=input_signature, jit_compile=backend == "xla")
+            self._tf = tf.function(fn, input_signature=input_signature, jit_compile=backend == "xla",
+                                   reduce_retracing=reduce_retracing)
         functools.update_wrapper(self, fn)
         if not hasattr(self, "__name__"):  # a Keras layer or model, any callable object
             self.__name__ = getattr(fn, "name", type(fn).__name__)
@@ -1452,12 +1463,22 @@ class TFFunction:
                                  f"{spec.dtype.name}{spec.shape.as_list()}")
 
     def _key(self, arrays) -> tuple:
-        return ("signature",) if self.input_signature is not None else tuple((x.shape, x.dtype) for x in arrays)
+        """The program for these arrays: the signature's, their exact shapes',
+        or (reduce_retracing) the relaxed shapes' that fit them."""
+        if self.input_signature is not None:
+            return ("signature",)
+        exact = tuple((x.shape, x.dtype) for x in arrays)
+        if self.reduce_retracing and exact not in self._programs:
+            for shapes in self._relaxed.get(_family(arrays), ()):
+                if _fits(shapes, arrays):
+                    return ("relaxed", shapes)
+        return exact
 
     def _plain(self):
         """The function as a plain tf.function (what a failed program runs as)."""
         if self._plain_fn is None:
-            self._plain_fn = tf.function(self.fn, input_signature=self.input_signature)
+            self._plain_fn = tf.function(self.fn, input_signature=self.input_signature,
+                                         reduce_retracing=self.reduce_retracing)
         return self._plain_fn
 
     def _recover(self, key: tuple, err: Exception, args):
@@ -1475,21 +1496,67 @@ class TFFunction:
         return result
 
     def program(self, arrays) -> tuple[_Trace, SegmentedProgram]:
+        return self._program(arrays)[1]
+
+    def _program(self, arrays) -> tuple[tuple, tuple[_Trace, SegmentedProgram]]:
+        """(the key, the trace and program) for these arrays, traced and
+        translated where no earlier call's fits them."""
         key = self._key(arrays)
+        if key in self._programs:
+            return key, self._programs[key]
         if self.input_signature is not None:
             specs = self.input_signature
         else:
+            if self.reduce_retracing and (relaxed := self._relax(arrays)) is not None:
+                return relaxed
             specs = [tf.TensorSpec(x.shape, tf.as_dtype(x.dtype)) for x in arrays]
-        if key not in self._programs:
-            traced = trace_text(self.options, ("tf", tf.__version__, specs), function_text(self.fn))
-            expect_compile(traced)
-            cf = tf.function(self.fn, autograph=False).get_concrete_function(*specs)
-            trace = _Trace(cf, len(arrays))
-            prog = SegmentedProgram(trace.invars, trace.ops, trace.outvars, self.options, self._stats,
-                                    f"{self.__name__}{len(self._programs)}", "TensorFlow")
-            self._programs[key] = (trace, prog)
-            compiled(traced)  # (its programs compile on the call that follows)
-        return self._programs[key]
+        self._programs[key] = self._trace(specs, len(arrays), self.options)
+        if self.input_signature is None:
+            self._last_shapes[_family(arrays)] = tuple(x.shape for x in arrays)
+        return key, self._programs[key]
+
+    def _trace(self, specs, n: int, options: CompileOptions) -> tuple[_Trace, SegmentedProgram]:
+        traced = trace_text(options, ("tf", tf.__version__, specs), function_text(self.fn))
+        expect_compile(traced)
+        cf = tf.function(self.fn, autograph=False).get_concrete_function(*specs)
+        trace = _Trace(cf, n)
+        prog = SegmentedProgram(trace.invars, trace.ops, trace.outvars, options, self._stats,
+                                f"{self.__name__}{len(self._programs)}", "TensorFlow")
+        compiled(traced)  # (its programs compile on the call that follows)
+        return trace, prog
+
+    def _relax(self, arrays) -> tuple[tuple, tuple[_Trace, SegmentedProgram]] | None:
+        """reduce_retracing, as tf.function's: a second shape of a family
+        (each argument's rank and dtype) traces the function once more with
+        the sizes that changed as None, symbolic sizes of one program for
+        every value; sizes of 0 or 1 stay as they are (broadcasting). It is
+        translated strictly: a relaxed program that would run an op in
+        TensorFlow, or any failure, leaves the family compiled per shape."""
+        family = _family(arrays)
+        last = self._last_shapes.get(family)
+        if last is None or family in self._exact_only:
+            return None
+        shapes = tuple(tuple(None if a != b and min(a, b) > 1 else b for a, b in zip(old, x.shape))
+                       for old, x in zip(last, arrays))
+        if not any(None in s for s in shapes):
+            return None
+        key = ("relaxed", shapes)
+        specs = [tf.TensorSpec(s, tf.as_dtype(x.dtype)) for s, x in zip(shapes, arrays)]
+        try:
+            self._programs[key] = self._trace(specs, len(arrays), dataclasses.replace(self.options, strict=True))
+        except Exception as err:  # (the function itself may need static sizes: compiled per shape)
+            log.debug("%s: no relaxed program for %s (%s: %s)", self.__name__, shapes, type(err).__name__, err)
+            self._exact_only.add(family)
+            return None
+        self._relaxed.setdefault(family, []).append(shapes)
+        return key, self._programs[key]
+
+    def _unrelax(self, key: tuple, arrays) -> None:
+        """A relaxed program failed at a call: its family is compiled per shape from now on."""
+        family = _family(arrays)
+        self._relaxed[family].remove(key[1])
+        self._exact_only.add(family)
+        del self._programs[key]
 
     def save(self, path, *args) -> None:
         """The program for these arguments, compiled and written to
@@ -1538,7 +1605,7 @@ class TFFunction:
         if key in self._failed:
             return self._plain()(*args)
         try:
-            trace, prog = self.program(arrays)
+            key, (trace, prog) = self._program(arrays)
             if trace.calls:
                 trace.trace_reader()
             outs = prog(arrays + trace.variable_values())
@@ -1547,6 +1614,10 @@ class TFFunction:
         except USER_ERRORS:
             raise
         except Exception as err:  # polyjit's own failure, or the program's error that TensorFlow raises too
+            if key[0] == "relaxed":
+                log.debug("%s: relaxed program %s failed (%s: %s)", self.__name__, key[1], type(err).__name__, err)
+                self._unrelax(key, arrays)
+                return self(*args)
             return self._recover(key, err, args)
         flat = list(trace.flat)
         for k, o in zip(trace.out_positions, outs):
@@ -1554,17 +1625,30 @@ class TFFunction:
         return tf.nest.pack_sequence_as(trace.structure, flat, expand_composites=True)
 
 
+def _family(arrays) -> tuple:
+    """What a relaxed program keeps of its arguments: each one's rank and dtype."""
+    return tuple((x.ndim, x.dtype) for x in arrays)
+
+
+def _fits(shapes: tuple, arrays) -> bool:
+    """Whether relaxed shapes (None: symbolic) take these arrays: the fixed
+    sizes equal, the symbolic ones above 1 (as they were traced)."""
+    return all(n > 1 if d is None else d == n for s, x in zip(shapes, arrays) for d, n in zip(s, x.shape))
+
+
 def _to_tensor(x) -> tf.Tensor:
     return x if isinstance(x, tf.Tensor) else tf_from_host(x)
 
 
 def jit_tf(fn: Callable | Sequence | None = None, compile_options: dict | None = None, *, input_signature=None,
-           execution_backend: str = "polyjit"):
+           reduce_retracing: bool = False, execution_backend: str = "polyjit"):
     """Compile a TensorFlow function with polyjit (as ``tf.function`` would).
 
     With ``input_signature`` the code is specialized to it (a ``None``
     dimension is a symbolic size) and calls that violate it raise
-    InputError; without, it compiles once per input shapes and dtypes.
+    InputError; without, it compiles once per input shapes and dtypes, or
+    with ``reduce_retracing=True`` (as Keras's ``predict`` sets it) once
+    more at a second shape, with the sizes that changed symbolic.
     As a decorator with arguments, the signature may come first, as
     PolyBlocks writes it: ``@jit_tf([tf.TensorSpec(...)], {"target": "cpu"})``.
     ``execution_backend="std"`` runs a plain ``tf.function`` and ``"xla"``
@@ -1578,5 +1662,5 @@ def jit_tf(fn: Callable | Sequence | None = None, compile_options: dict | None =
     options = parse_options(compile_options)
 
     def wrap(f):
-        return TFFunction(f, options, input_signature, execution_backend)
+        return TFFunction(f, options, input_signature, execution_backend, reduce_retracing)
     return wrap(fn) if fn is not None else wrap

@@ -471,6 +471,40 @@ def test_no_signature_caches_per_shape(rng):
     assert isinstance(jf(np.ones((2, 3), np.float32)), tf.Tensor)
 
 
+def test_reduce_retracing_compiles_a_second_shape_for_every_size(rng):
+    """reduce_retracing=True, as tf.function's: the second batch size
+    compiles a program with the batch symbolic, which serves every later
+    size above 1; a size of 1 (broadcasting) compiles on its own."""
+    model = keras.Sequential([keras.Input((12, 12, 3)), keras.layers.Conv2D(8, 3, activation="relu"),
+                              keras.layers.MaxPooling2D(), keras.layers.Flatten(), keras.layers.Dense(10)])
+    jf = jit(model, reduce_retracing=True)
+    for n in (2, 5, 7, 3, 1, 9):
+        x = rnd(rng, n, 12, 12, 3)
+        assert_close(jf(x), model(x), 1e-5, 1e-5)
+    assert sorted(map(str, jf._programs)) == sorted(map(str, [
+        (((2, 12, 12, 3), np.dtype(np.float32)),), ("relaxed", ((None, 12, 12, 3),)),
+        (((1, 12, 12, 3), np.dtype(np.float32)),)]))
+    assert jf.stats["fallbacks"] == 0
+
+
+def test_reduce_retracing_keeps_static_sizes_a_function_needs(rng):
+    """A function that needs its sizes while tracing (a static shape in
+    Python arithmetic) or an op refused over symbolic sizes (SAME padding
+    of a strided convolution over the image's) stays compiled per shape,
+    with no fallback and no warning."""
+    k = rnd(rng, 3, 3, 3, 4)
+    fns = {"python_size": (lambda x: tf.reshape(x, [x.shape[0] * 2, -1]), lambda n: (n, 8)),
+           "same_padding": (lambda x: tf.nn.conv2d(x, k, 2, "SAME"), lambda n: (2, n, n, 3))}
+    for fn, shape in fns.values():
+        jf = jit(fn, reduce_retracing=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for n in (9, 12, 17):
+                x = rnd(rng, *shape(n))
+                assert_close(jf(x), fn(tf.constant(x)), 1e-5, 1e-5)
+        assert len(jf._programs) == 3 and not jf._relaxed and jf.stats["fallbacks"] == 0
+
+
 def test_execution_backends_agree(rng):
     x = rnd(rng, 8, 32)
     outs = [jit(tf.nn.softmax, execution_backend=b)(x) for b in ("polyjit", "std", "xla")]
