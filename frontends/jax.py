@@ -19,11 +19,13 @@ target's or the program has fallbacks.
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import inspect
 import itertools
 import math
+import operator
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -574,6 +576,7 @@ PRIMITIVES: dict[str, Callable] = {
     "unstack": lambda p, x: [ops.squeeze(s, [p["axis"]]) for s in ops.split(x, x.shape[p["axis"]], p["axis"])],
     "rev": lambda p, x: ops.reverse(x, p["dimensions"]),
     "iota": lambda p, *, like: ops.iota(p["shape"], p["dimension"], core_dtype(p["dtype"]), like=like),
+    "dim_as_value": lambda p, *, like: ops.full([], p["dim"], DataType.Int, like=like),
     # a scalar of no particular value: the residuals of the branch a cond's gradient does not take
     "empty2": lambda p, *, like: ops.full([], 0, core_dtype(p["dtype"]), like=like),
     # reductions and windows
@@ -612,11 +615,47 @@ def _key_impl(aval):
     return "threefry2x32" if _is_key(aval) else None
 
 
+_DIM_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+_DIM_CALLS = {"floordiv": operator.floordiv, "mod": lambda a, k: a - a // k * k}
+
+
+def _size(d):
+    """A dimension of a jaxpr (an int, or a symbolic one of jax.export's
+    shape polymorphism: ``b``, ``2*b*s + 1``, ``floordiv(b, 2)``) as a size:
+    its text read back over polyjit's sizes, a parameter per symbol."""
+    if isinstance(d, (int, np.integer)):
+        return int(d)
+
+    def read(e):
+        if isinstance(e, ast.Constant) and isinstance(e.value, int):
+            return e.value
+        if isinstance(e, ast.Name):
+            return Lin.param(e.id)
+        if isinstance(e, ast.UnaryOp) and isinstance(e.op, ast.USub):
+            return -read(e.operand)
+        if isinstance(e, ast.BinOp) and type(e.op) in _DIM_OPS:
+            return _DIM_OPS[type(e.op)](read(e.left), read(e.right))
+        if isinstance(e, ast.Call) and isinstance(e.func, ast.Name) and e.func.id in _DIM_CALLS:
+            return _DIM_CALLS[e.func.id](*map(read, e.args))
+        raise UnsupportedOpError(f"the symbolic size {d} (not a sum of products and floor quotients)")
+    return read(ast.parse(str(d), mode="eval").body)
+
+
+def _sized(v):
+    """A param with each symbolic dimension in it as a size (plain tuples
+    of them: shapes); any other value as it is."""
+    if type(v) is tuple:
+        out = tuple(_sized(x) for x in v)
+        return v if all(a is b for a, b in zip(out, v)) else out
+    return v if isinstance(v, (int, np.integer)) or not hasattr(v, "dimension_as_value") else _size(v)
+
+
 def _value(aval) -> Value:
     """A jaxpr value; a threefry key array is its key data, uint32[..., 2]."""
+    shape = tuple(map(_size, aval.shape))
     if _is_key(aval):
-        return Value(tuple(aval.shape) + (2,), np.dtype(np.uint32))
-    return Value(aval.shape, aval.dtype)
+        return Value(shape + (2,), np.dtype(np.uint32))
+    return Value(shape, aval.dtype)
 
 
 def _eqn_op(prim, params: dict, ins: list, outs: list, where: str = "", eqn=None) -> Op:
@@ -628,7 +667,7 @@ def _eqn_op(prim, params: dict, ins: list, outs: list, where: str = "", eqn=None
         out = prim.bind(*args, **params)
         out = out if prim.multiple_results else [out]
         return [jax.random.key_data(o) if _is_key(o) else o for o in out]
-    return Op(prim.name, PRIMITIVES.get(prim.name), params, ins, outs, run, where,
+    return Op(prim.name, PRIMITIVES.get(prim.name), {k: _sized(v) for k, v in params.items()}, ins, outs, run, where,
               effects=bool(eqn is not None and eqn.effects))
 
 
@@ -689,7 +728,8 @@ def _folded(eqn, ins: list) -> list | None:
     constants; None where it must stay an equation."""
     if not ins or not all(isinstance(x, Const) for x in ins) or eqn.effects:
         return None
-    if any(_is_key(v.aval) or math.prod(v.aval.shape) > FOLD_LIMIT for v in eqn.outvars):
+    if any(_is_key(v.aval) or not all(isinstance(d, int) for d in v.aval.shape)
+           or math.prod(v.aval.shape) > FOLD_LIMIT for v in eqn.outvars):
         return None
     with jax.ensure_compile_time_eval():
         out = eqn.primitive.bind(*[x.value for x in ins], **eqn.params)
@@ -1203,8 +1243,17 @@ class JaxFunction:
         self.lower(*args, **kwargs).compile().save(path)
 
     def lower(self, *args, **kwargs) -> "Lowered":
-        """Fix the signature of these arguments, as ``jax.jit(f).lower(...)``."""
-        return Lowered(self, self._signature(*self._split(args, kwargs))[0])
+        """Fix the signature of these arguments, as ``jax.jit(f).lower(...)``:
+        arrays, or ``jax.ShapeDtypeStruct``s whose sizes may be symbolic
+        (``jax.export.symbolic_shape("b, 128")``), one program for every
+        value of them."""
+        statics, leaves, tree = self._split(args, kwargs)
+        specs = {k: x for k, x in enumerate(leaves) if isinstance(x, jax.ShapeDtypeStruct)}
+        sig, _ = self._signature(statics, [np.empty((0,) * len(specs[k].shape), specs[k].dtype) if k in specs else x
+                                           for k, x in enumerate(leaves)], tree)
+        avals = tuple((tuple(specs[k].shape), np.dtype(specs[k].dtype), bool(specs[k].weak_type)) if k in specs
+                      else a for k, a in enumerate(sig.avals))
+        return Lowered(self, _Signature(tree, avals, statics))
 
     def _signature(self, statics, leaves, tree) -> tuple["_Signature", list]:
         """The checked arguments' signature; Python scalars are weakly typed, as in jax.jit."""
@@ -1285,11 +1334,26 @@ class Compiled:
                              f"compiled for {self.sig.tree} and {self.sig.statics}")
         paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
             jax.tree_util.tree_unflatten(tree, leaves))[0]]
+        symbols: dict[str, int] = {}  # a symbolic size's value, from the first argument it sizes alone
         for path, x, (shape, dtype, _) in zip(paths, leaves, self.sig.avals):
-            if tuple(np.shape(x)) != tuple(shape) or np.dtype(x.dtype) != np.dtype(dtype):
-                raise InputError(f"{self.fn.__name__}: argument {path} is {np.dtype(x.dtype).name}{list(np.shape(x))}, "
-                                 f"compiled for {np.dtype(dtype).name}{list(shape)}")
-        return self.fn(*args, **kwargs)
+            got = tuple(np.shape(x))
+            sizes = [_size(d) for d in shape]
+            for d, n in zip(sizes, got):
+                if isinstance(d, Lin) and d.terms == ((d.terms[0][0], 1),) and d.base_params() == {d.terms[0][0]} \
+                        and not d.const and n >= 1:  # (jax.export's symbols stand for sizes of at least 1)
+                    symbols.setdefault(d.terms[0][0], n)
+            expected = [d if isinstance(d, int) else d.evaluate(symbols) if d.base_params() <= symbols.keys()
+                        else None for d in sizes]
+            if (len(got) != len(shape) or np.dtype(x.dtype) != np.dtype(dtype)
+                    or any(e is not None and e != n for e, n in zip(expected, got))):
+                raise InputError(f"{self.fn.__name__}: argument {path} is {np.dtype(x.dtype).name}{list(got)}, "
+                                 f"compiled for {np.dtype(dtype).name}[{', '.join(map(str, shape))}]"
+                                 + (f" with {', '.join(f'{k}={v}' for k, v in symbols.items())}" if symbols else ""))
+        if all(isinstance(d, int) for a in self.sig.avals for d in a[0]):
+            return self.fn(*args, **kwargs)
+        prog, out_tree = self.fn.program(self.sig)  # symbolic sizes: the one program, from Python
+        device = next((next(iter(x.devices())) for x in leaves if isinstance(x, jax.Array)), None)
+        return jax.tree_util.tree_unflatten(out_tree, [_to_jax(o, device) for o in prog(leaves)])
 
     @property
     def stats(self) -> dict:

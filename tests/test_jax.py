@@ -584,6 +584,39 @@ def test_integer_division_by_zero_as_xla(dtype):
     assert jf.stats["fallbacks"] == 0
 
 
+def test_lowered_with_symbolic_sizes_serves_every_size(rng):
+    """lower() of ShapeDtypeStructs sized by jax.export.symbolic_shape: one
+    program, no fallback (strict), for a pre-norm transformer block and
+    its gradient at several (batch, sequence) sizes, reshapes of b*s and
+    a size read as a value among them; a call whose sizes disagree with
+    the symbols names them."""
+    from jax import export
+    b, s = export.symbolic_shape("b, s")
+    d = 32
+    params = {"wqkv": rnd(rng, d, 3 * d) * d ** -0.5, "wo": rnd(rng, d, d) * d ** -0.5, "g": rnd(rng, d)}
+
+    def block(p, x):
+        bb, t, _ = x.shape
+        m = x - x.mean(-1, keepdims=True)
+        h = m * lax.rsqrt((m * m).mean(-1, keepdims=True) + 1e-5) * p["g"]
+        q, k, v = jnp.split(h.reshape(-1, d) @ p["wqkv"], 3, -1)
+        heads = lambda z: z.reshape(bb, t, 4, d // 4).transpose(0, 2, 1, 3)  # noqa: E731
+        a = jax.nn.softmax(heads(q) @ heads(k).transpose(0, 1, 3, 2) / (d // 4) ** 0.5, -1) @ heads(v)
+        return x + a.transpose(0, 2, 1, 3).reshape(bb, t, d) @ p["wo"], x.shape[0] * x.shape[1] * 1.0
+
+    spec = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+    for fn in (block, jax.grad(lambda p, x: (block(p, x)[0] ** 2).mean())):
+        jf = polyjit.jit_jax(fn, compile_options={"strict": True})
+        compiled = jf.lower(spec, jax.ShapeDtypeStruct((b, s, d), jnp.float32)).compile()
+        for shape in ((2, 5, d), (3, 8, d), (1, 1, d)):
+            x = rnd(rng, *shape)
+            assert_tree_close(compiled(params, x), jax.jit(fn)(params, x), 1e-5, 1e-5)
+        assert jf.stats["graphs"] == 1 and jf.stats["fallbacks"] == 0
+        with pytest.raises(InputError, match=r"is float32\[2, 5, 16\], compiled for float32\[b, s, 32\] "
+                                             r"with b=2, s=5"):
+            compiled(params, rnd(rng, 2, 5, 16))
+
+
 @host_target
 def test_bad_inputs(rng):
     with pytest.raises(InputError, match="static argument 1 is a list"):

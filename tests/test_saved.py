@@ -258,6 +258,26 @@ def test_a_jax_function_saved_runs_in_a_fresh_process_without_tracing(tmp_path, 
         loaded(params, arrays["x"], False)
 
 
+def test_a_jax_function_saved_with_symbolic_sizes_runs_at_every_size(tmp_path, rng):
+    """Saved from ShapeDtypeStructs of jax.export's symbolic sizes: one
+    program, loaded and run at other batch sizes with nothing compiled."""
+    jax = pytest.importorskip("jax")
+    from jax import export
+    arrays = {"w1": rng.standard_normal((16, 32), dtype=F32), "b": rng.standard_normal(32, dtype=F32),
+              "w2": rng.standard_normal((32, 8), dtype=F32)}
+    params = {k: jax.numpy.asarray(v) for k, v in arrays.items()}
+    spec = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in arrays.items()}
+    f = polyjit.jit_jax(_jax_block, static_argnames="training")
+    f.save(tmp_path / "block.pjx", spec, jax.ShapeDtypeStruct(export.symbolic_shape("b, 16"), F32), training=False)
+    loaded = polyjit.load(tmp_path / "block.pjx")
+    for n in (6, 1, 11):
+        x = jax.numpy.asarray(rng.standard_normal((n, 16), dtype=F32))
+        (got, _, _), (want, _, _) = loaded(params, x), jax.jit(_jax_block, static_argnames="training")(
+            params, x, training=False)
+        np.testing.assert_allclose(got["y"], want["y"], rtol=1e-5, atol=1e-5)
+    assert loaded.stats["kernels_compiled"] == 0
+
+
 def test_a_jax_function_the_framework_runs_part_of_is_not_saved(tmp_path, rng):
     jax = pytest.importorskip("jax")
 
