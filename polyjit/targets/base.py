@@ -238,16 +238,17 @@ def expand_input_dilation(graph: Graph, keep: Callable[[Node], bool] = lambda n:
     return graph.rewritten(expand)
 
 
-def matrix_products(graph: Graph) -> Graph:
+def matrix_products(graph: Graph, keep: Callable[[Node], bool] = lambda n: False) -> Graph:
     """A copy in which a dot_general without batch dims over runs of
     adjacent dims ([b, t, d] x [d, n], as JAX writes a dense layer over a
-    sequence, and its weight's gradient over (b, t)) is a product of
-    matrices, its operands and result reshaped (views): cuBLAS takes it,
-    where the nest generated over three dimensions missed it (jax_block's
-    products on an H200), and so does a CPU's BLAS where products are
-    timed against it (CpuTarget.graph_passes)."""
+    sequence, and its weight's gradient over (b, t)) that keep does not
+    take as it is is a product of matrices, its operands and result
+    reshaped (views): cuBLAS takes it, where the nest generated over three
+    dimensions missed it (jax_block's products on an H200), and so does a
+    CPU's BLAS where products are timed against it or sizes are symbolic
+    (CpuTarget.graph_passes)."""
     def flatten(old: Node, n: Node, new: dict[int, Node]) -> Node:
-        if n.op != "dot_general" or n.attrs["lb"]:
+        if n.op != "dot_general" or n.attrs["lb"] or keep(n):
             return n
         form = _matrix_form(*n.inputs, n.attrs["lc"], n.attrs["rc"])
         if form is None:
@@ -263,17 +264,17 @@ def _matrix_form(a: Node, b: Node, lc: tuple, rc: tuple) -> tuple | None:
     """Each operand's shape as a matrix ([free, contracting] or [contracting,
     free]) and whether its free run comes first, where its free dims and its
     contracting dims each form one run of adjacent dims (the contracting
-    ones in the same order in both), some run has more than one dim, and
-    every size is known."""
+    ones in the same order in both) and some run has more than one dim. A
+    run of symbolic sizes is their product's size ([b, s, d] as [b*s, d]):
+    a weight's gradient over (b, s) was a nest over both, not a product."""
     lf = [d for d in range(a.rank) if d not in lc]
     rf = [d for d in range(b.rank) if d not in rc]
-    if len(lc) + len(lf) + len(rf) <= 3 or list(lc) != sorted(lc) or list(rc) != sorted(rc) \
-            or not all(sz.is_static(s) for s in a.shape + b.shape):
+    if len(lc) + len(lf) + len(rf) <= 3 or list(lc) != sorted(lc) or list(rc) != sorted(rc):
         return None
     out = []
     for x, free, con in ((a, lf, list(lc)), (b, rf, list(rc))):
         if not free or any(r != list(range(r[0], r[0] + len(r))) for r in (free, con)):
             return None
-        sizes = [sz.static_product(x.shape[d] for d in r) for r in (free, con)]
+        sizes = [sz.product(x.shape[d] for d in r) for r in (free, con)]
         out.append((sizes if free[0] < con[0] else sizes[::-1], free[0] < con[0]))
     return tuple(out)

@@ -395,11 +395,16 @@ class CpuTarget(Target):
         are timed against the library (vectors narrower than 512 bits; not
         under contractions "generated"): the library's form takes them, and
         it ran each of jax_block's dense layers faster than generated code
-        (bench/NOTES.md). Stencils of channels-last images computed channels
-        last (polyjit.channels_last). Then weights packed and column strips."""
+        (bench/NOTES.md); on wider vectors, those of symbolic sizes, which
+        the library takes (a weight's gradient over a symbolic batch and
+        sequence ran as a nest over both, 40 times slower). Stencils of
+        channels-last images computed channels last (polyjit.channels_last).
+        Then weights packed and column strips."""
         graph = stencils_channels_last(super().graph_passes(graph, options))
-        if self.vector_bits() < 512 and options.contractions != "generated":
-            graph = matrix_products(graph)
+        if options.contractions != "generated":
+            wide = self.vector_bits() >= 512
+            graph = matrix_products(graph, lambda n: wide and all(
+                sz.is_static(s) for x in n.inputs for s in x.shape))
         return column_strips(packed_operands(cascaded_sums(graph)), options.num_threads)
 
     def schedule_rewrites(self, sched: isl.Schedule, prog: AffineProgram, validity, tile_sizes) -> isl.Schedule:
