@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import inspect
 import itertools
+import logging
 import math
 import operator
 import warnings
@@ -36,6 +37,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from polyjit import ops, saved
+from polyjit import sizes as sz
 from polyjit.api import takes_device_arrays
 from polyjit.compiler import compiled, expect_compile
 from polyjit.dtypes import DataType
@@ -50,6 +52,8 @@ from polyjit.targets import holding
 from .common import (Const, Op, SegmentedProgram, Stats, Value, WhileLoop, check_execution_backend, core_dtype,
                      elementwise, function_text, identity, internal_failure, live, logical, static_value,
                      trace_text)
+
+log = logging.getLogger("polyjit.jax")
 
 SCAN_UNROLL_LIMIT = 64  # longest static scan (fori_loop) unrolled into the program
 # Results up to this size come from glibc's heap, reused (its dynamic mmap threshold
@@ -922,12 +926,64 @@ class _Signature:
         self.key = (self.tree, self.avals, self.statics)
 
 
+def _family(sig: "_Signature") -> tuple:
+    """What a relaxed signature keeps of a call's: the pytree, the static
+    values and each leaf's rank, dtype and weak type."""
+    return sig.tree, sig.statics, tuple((len(shape), dtype, weak) for shape, dtype, weak in sig.avals)
+
+
+@dataclass
+class _Relaxed:
+    """A signature whose sizes that differed between two calls are
+    jax.export symbols (reduce_retracing): ``symbols`` places each (leaf,
+    dim, name); sizes equal in pairs across the two calls share one."""
+
+    sig: _Signature
+    symbols: tuple[tuple[int, int, str], ...]
+
+    @staticmethod
+    def of(last: tuple, sig: _Signature) -> "_Relaxed | None":
+        names: dict[tuple[int, int], str] = {}
+        places = [(k, d, names.setdefault((a, b), f"d{len(names)}"))
+                  for k, ((old, _, _), (new, _, _)) in enumerate(zip(last, sig.avals))
+                  for d, (a, b) in enumerate(zip(old, new)) if a != b and min(a, b) > 1]
+        if not places:
+            return None
+        dims = dict(zip(names.values(), jax.export.symbolic_shape(", ".join(names.values()))))
+        avals = [list(shape) for shape, _, _ in sig.avals]
+        for k, d, name in places:
+            avals[k][d] = dims[name]
+        return _Relaxed(_Signature(sig.tree, tuple((tuple(a), dt, w) for a, (_, dt, w) in zip(avals, sig.avals)),
+                                   sig.statics), tuple(places))
+
+    def bind(self, sig: _Signature) -> dict[str, int] | None:
+        """The symbols' values for a call of this family, or None where its
+        fixed sizes differ or a symbol's would be below 2 or take two values."""
+        env: dict[str, int] = {}
+        for k, d, name in self.symbols:
+            n = sig.avals[k][0][d]
+            if n < 2 or env.setdefault(name, n) != n:
+                return None
+        fixed = all(isinstance(a, int) and a == b for (rs, _, _), (cs, _, _) in zip(self.sig.avals, sig.avals)
+                    for a, b in zip(rs, cs) if isinstance(a, int))
+        return env if fixed else None
+
+
 class JaxFunction:
     """A function compiled with polyjit per signature; ``.stats`` says what it did."""
 
     def __init__(self, fn: Callable, options: CompileOptions, static_argnums: tuple[int, ...],
-                 backend: str, static_argnames: tuple[str, ...] = (), named_positions: frozenset = frozenset()) -> None:
+                 backend: str, static_argnames: tuple[str, ...] = (), named_positions: frozenset = frozenset(),
+                 reduce_retracing: bool = False) -> None:
         self.fn, self.options, self.static_argnums, self.backend = fn, options, static_argnums, backend
+        self.reduce_retracing = reduce_retracing
+        # reduce_retracing: per family (_family), the avals of its last exact program, its relaxed
+        # signatures, whether a relaxed one failed; each call signature's relaxed one; traces' out avals
+        self._last_avals: dict[tuple, tuple] = {}
+        self._relaxations: dict[tuple, list[_Relaxed]] = {}
+        self._exact_only: set[tuple] = set()
+        self._relaxed_of: dict[tuple, _Relaxed] = {}
+        self._out_avals: dict[tuple, list] = {}
         self.static_argnames = static_argnames
         self._named_positions = named_positions  # static positions the signature names (by keyword, or a default)
         self._stats = Stats()
@@ -1004,7 +1060,7 @@ class JaxFunction:
         return out
 
     # ------------------------------------------------------------- programs
-    def _trace(self, sig: _Signature, fn: Callable, name: str):
+    def _trace(self, sig: _Signature, fn: Callable, name: str, options: CompileOptions | None = None):
         out_tree = []
 
         def flat(*leaves):
@@ -1013,7 +1069,8 @@ class JaxFunction:
             out_tree.append(t)
             return flat_out
         closed = jax.make_jaxpr(flat)(*[jax.ShapeDtypeStruct(s, d, weak_type=w) for s, d, w in sig.avals])
-        return program(closed, self.options, self._stats, name), out_tree[0]
+        self._out_avals[sig.key] = closed.out_avals
+        return program(closed, options or self.options, self._stats, name), out_tree[0]
 
     def _call_fn(self, sig: _Signature):
         def call(*leaves):
@@ -1028,14 +1085,69 @@ class JaxFunction:
 
     def program(self, sig: _Signature):
         if sig.key not in self._programs:
-            trace = trace_text(self.options, ("jax", jax.__version__, sig.key), function_text(self.fn))
-            expect_compile(trace)  # (the workers' imports beside the jaxpr's trace)
-            self._programs[sig.key] = self._trace(sig, self._call_fn(sig), f"{self.__name__}{len(self._programs)}")
-            compiled(trace)  # (its programs compile on the call that follows)
+            relaxed = self._relaxed(sig) if self.reduce_retracing else None
+            if relaxed is not None:
+                self._relaxed_of[sig.key] = relaxed
+                self._programs[sig.key] = self._programs[relaxed.sig.key]
+                return self._programs[sig.key]
+            self._programs[sig.key] = self._traced_program(sig)
+            self._last_avals[_family(sig)] = sig.avals
         return self._programs[sig.key]
 
+    def _traced_program(self, sig: _Signature, options: CompileOptions | None = None):
+        trace = trace_text(self.options, ("jax", jax.__version__, sig.key), function_text(self.fn))
+        expect_compile(trace)  # (the workers' imports beside the jaxpr's trace)
+        traced = self._trace(sig, self._call_fn(sig), f"{self.__name__}{len(self._programs)}", options)
+        compiled(trace)  # (its programs compile on the call that follows)
+        return traced
+
+    def _relaxed(self, sig: _Signature) -> _Relaxed | None:
+        """reduce_retracing: the relaxed signature a call fits, or, at a
+        second call of its family whose sizes differ, one traced with those
+        sizes symbolic (jax.export's shape polymorphism), one program for
+        every later value; sizes of 0 or 1 stay as they are. It is
+        translated strictly: a function that needs a size while tracing (a
+        comparison jax.export finds inconclusive), an op refused over
+        symbolic sizes or any failure leaves the family compiled per shape."""
+        family = _family(sig)
+        for r in self._relaxations.get(family, ()):
+            if r.bind(sig) is not None:
+                return r
+        last = self._last_avals.get(family)
+        r = _Relaxed.of(last, sig) if last is not None and family not in self._exact_only else None
+        if r is None:
+            return None
+        try:
+            self._programs[r.sig.key] = self._traced_program(r.sig, dataclasses.replace(self.options, strict=True))
+        except Exception as err:
+            log.debug("%s: no relaxed program for %s (%s: %s)", self.__name__, r.sig.avals, type(err).__name__, err)
+            self._exact_only.add(family)
+            return None
+        self._relaxations.setdefault(family, []).append(r)
+        return r
+
+    def _out_shapes(self, sig: _Signature, prog: SegmentedProgram) -> list:
+        """The program's results for a call of this signature, as ShapeDtypeStructs."""
+        r = self._relaxed_of.get(sig.key)
+        env = r.bind(sig) if r is not None else {}
+        return [jax.ShapeDtypeStruct(v.value.shape, v.value.dtype) if isinstance(v, Const)
+                else jax.ShapeDtypeStruct(tuple(sz.evaluate(d, env) for d in v.shape), v.dtype)
+                for v in prog.outvars]
+
     def vjp_program(self, sig: _Signature, out_avals) -> SegmentedProgram:
-        """(primals..., cotangents of the float outputs...) -> cotangents of the float primals."""
+        """(primals..., cotangents of the float outputs...) -> cotangents of
+        the float primals; a relaxed signature's, symbolic as its program,
+        where it compiles strictly."""
+        r = self._relaxed_of.get(sig.key)
+        if r is not None and sig.key not in self._vjps:
+            try:
+                self._vjps[sig.key] = self._vjp(r.sig, self._out_avals[r.sig.key],
+                                                dataclasses.replace(self.options, strict=True))
+            except Exception as err:
+                log.debug("%s: no relaxed gradient (%s: %s)", self.__name__, type(err).__name__, err)
+        return self._vjp(sig, out_avals)
+
+    def _vjp(self, sig: _Signature, out_avals, options: CompileOptions | None = None) -> SegmentedProgram:
         if sig.key not in self._vjps:
             call = self._call_fn(sig)
             n = len(sig.avals)
@@ -1054,7 +1166,7 @@ class JaxFunction:
                 return list(pullback(list(cts)))
             avals = tuple(sig.avals) + tuple((out_avals[k].shape, out_avals[k].dtype, False) for k in fouts)
             bsig = _Signature(None, avals, ())
-            self._vjps[sig.key] = self._trace(bsig, bwd, f"{self.__name__}_vjp{len(self._vjps)}")[0]
+            self._vjps[sig.key] = self._trace(bsig, bwd, f"{self.__name__}_vjp{len(self._vjps)}", options)[0]
         return self._vjps[sig.key]
 
     # ------------------------------------------------------------------ call
@@ -1094,14 +1206,15 @@ class JaxFunction:
         if all(isinstance(x, jax.Array) for x in checked):
             devices = {next(iter(x.devices())) for x in checked}
             where = self._custom_call_device(next(iter(devices))) if len(devices) == 1 else None
-            call = self._custom_call(prog, where, direct=True) if where is not None else None
+            call = self._custom_call(prog, where, [np.shape(x) for x in checked], direct=True) \
+                if where is not None else None
         if call is not None:
             outs = self._run(call, checked)
             if outs is None:  # its graph failed: called again, plain
                 return self(*args, **kwargs)
             if fast is not None and all(isinstance(x.dtype, np.dtype) for x in leaves):  # (keys: their data)
                 self._fast[fast] = (call, out_tree)
-                self._dispatcher(next(iter(devices)), where, prog)
+                self._dispatcher(next(iter(devices)), self._call_key(prog, where, [np.shape(x) for x in checked]))
             return jax.tree_util.tree_unflatten(out_tree, outs)
         leaves = checked
         outs = prog(leaves)
@@ -1134,7 +1247,7 @@ class JaxFunction:
                       f"({type(err).__name__}: {first}); running them without", stacklevel=4)
         return True
 
-    def _dispatcher(self, device, where: int | str, prog: SegmentedProgram) -> None:
+    def _dispatcher(self, device, key: tuple) -> None:
         """After a call from Python ran as a custom call on the only device
         of JAX's default backend, calls go through jax.jit of the staged
         call (_traced, its XLA custom call): JAX's dispatch checks, keys and
@@ -1146,8 +1259,8 @@ class JaxFunction:
         if (self._dispatch is not None or self._dispatch_failed or jax.devices() != [device]
                 or any(i < 0 for i in self.static_argnums)):
             return
-        nested, top, _ = self._calls[(id(prog), where)]
-        options = _graph_options(where) if top is not nested else None  # (as the call from Python ran)
+        nested, top, _ = self._calls[key]
+        options = _graph_options(key[1]) if top is not nested else None  # (as the call from Python ran)
         self._dispatch = jax.jit(self._dispatched, static_argnums=self.static_argnums,
                                  static_argnames=self.static_argnames, compiler_options=options)
 
@@ -1163,7 +1276,14 @@ class JaxFunction:
             return None
         return device.local_hardware_id if gpu else "cpu"
 
-    def _custom_call(self, prog: SegmentedProgram, where: int | str, direct: bool = False) -> Callable | None:
+    @staticmethod
+    def _call_key(prog: SegmentedProgram, where: int | str, shapes) -> tuple:
+        """A program's custom calls are one per device, and a symbolic
+        program's one per shape of its arguments besides."""
+        symbolic = any(isinstance(d, Lin) for v in prog.invars for d in (v.shape or ()))
+        return (id(prog), where) + ((tuple(map(tuple, shapes)),) if symbolic else ())
+
+    def _custom_call(self, prog: SegmentedProgram, where: int | str, shapes, direct: bool = False) -> Callable | None:
         """The program as a jitted JAX function whose one step is an XLA custom
         call (see register_custom_call): native code runs the kernels (on the GPU: launches
         them on XLA's stream) with XLA's result buffers, so a call costs a
@@ -1175,10 +1295,10 @@ class JaxFunction:
         from Python (``direct``) on the CPU with a result over
         CPU_CALL_RESULT_BYTES: XLA's fresh result buffers would fault their
         pages in at every call, where polyjit's buffer cache reuses them."""
-        key = (id(prog), where)  # programs live as long as this function
+        key = self._call_key(prog, where, shapes)  # programs live as long as this function
         if key not in self._calls:
             try:
-                self._calls[key] = self._register(prog, where)
+                self._calls[key] = self._register(prog, where, shapes)
             except Exception as err:  # the program runs through its segments instead
                 internal_failure(self._stats, f"custom call of {self.__name__}", err, "JAX", self.options.strict)
                 self._calls[key] = None
@@ -1189,7 +1309,7 @@ class JaxFunction:
             return nested
         return None if where == "cpu" and largest > CPU_CALL_RESULT_BYTES else top
 
-    def _register(self, prog: SegmentedProgram, where: int | str) -> tuple[Callable, Callable, int] | None:
+    def _register(self, prog: SegmentedProgram, where: int | str, shapes) -> tuple[Callable, Callable, int] | None:
         """Registers prog's native launcher with XLA: the jitted call, staged
         into a caller's jit and called from Python (on the GPU, a graph of
         one command: ONE_CALL_GRAPH), and the bytes of its largest result;
@@ -1214,8 +1334,8 @@ class JaxFunction:
                               holding(where != "cpu"))
         take = [position[id(v)] for v in seg.inputs]
         name = f"polyjit_{exe.name}_{next(_target_ids)}"  # XLA keeps every target for the process
-        like = [GpuView(0, tuple(v.shape), None, np.dtype(v.dtype), where, None) if where != "cpu"
-                else RowMajor(v.shape, v.dtype) for v in seg.inputs]
+        like = [GpuView(0, tuple(shapes[k]), None, np.dtype(v.dtype), where, None) if where != "cpu"
+                else RowMajor(tuple(shapes[k]), v.dtype) for k, v in zip(take, seg.inputs)]
         launcher = exe.native_launcher(like, name + "_launch")
         if launcher is None:
             return None
@@ -1269,8 +1389,7 @@ class JaxFunction:
         sig = _Signature(tree, tuple((tuple(x.shape), x.dtype, bool(getattr(x, "weak_type", False)))
                                      for x in leaves), statics)
         prog, out_tree = self.program(sig)
-        out_avals = [jax.ShapeDtypeStruct(v.value.shape, v.value.dtype) if isinstance(v, Const)
-                     else jax.ShapeDtypeStruct(v.shape, v.dtype) for v in prog.outvars]
+        out_avals = self._out_shapes(sig, prog)
         floats = [i for i, (_, d, _) in enumerate(sig.avals) if jnp.issubdtype(d, jnp.floating)]
         fouts = [k for k, a in enumerate(out_avals) if jnp.issubdtype(a.dtype, jnp.floating)]
 
@@ -1283,8 +1402,9 @@ class JaxFunction:
             return [np.asarray(o) for o in p([np.asarray(x) for x in xs])]
 
         def staged(p, avals, *xs):  # an XLA custom call where it can be, else a callback
-            call = self._custom_call(p, where) if where is not None else None
-            if dispatched and (call is None or self._custom_call(p, where, direct=True) is None):
+            shapes = [x.shape for x in xs]
+            call = self._custom_call(p, where, shapes) if where is not None else None
+            if dispatched and (call is None or self._custom_call(p, where, shapes, direct=True) is None):
                 raise _NotDispatched(self.__name__)
             if call is not None:
                 return call(*xs)
@@ -1381,14 +1501,17 @@ class Compiled:
 
 def jit_jax(fn: Callable | None = None, *, compile_options: dict | None = None,
             static_argnums: int | Sequence[int] | None = None, static_argnames: str | Sequence[str] | None = None,
-            execution_backend: str = "polyjit"):
+            reduce_retracing: bool = False, execution_backend: str = "polyjit"):
     """Compile a JAX function with polyjit (as ``jax.jit`` would).
 
     ``static_argnums`` and ``static_argnames`` (also accepted in
     ``compile_options``) mark arguments that are compile-time constants, by
     position or by name, each found from the other through the signature as
-    jax.jit does. ``execution_backend="std"`` runs the function un-jitted and
-    ``"xla"`` through ``jax.jit``, for comparison.
+    jax.jit does. Each signature compiles once, as in jax.jit; with
+    ``reduce_retracing=True`` (as jit_tf's, tf.function's) a second call
+    whose sizes differ compiles once more with those sizes symbolic, one
+    program for every later size. ``execution_backend="std"`` runs the
+    function un-jitted and ``"xla"`` through ``jax.jit``, for comparison.
     """
     check_execution_backend("jax", execution_backend)
     opts = dict(compile_options or {})
@@ -1399,7 +1522,7 @@ def jit_jax(fn: Callable | None = None, *, compile_options: dict | None = None,
     options = parse_options(opts, extra=_FRONTEND_KEYS)
 
     def wrap(f):
-        return JaxFunction(f, options, backend=execution_backend,
+        return JaxFunction(f, options, backend=execution_backend, reduce_retracing=reduce_retracing,
                            **_static_arguments(f, given["static_argnums"], given["static_argnames"]))
     return wrap(fn) if fn is not None else wrap
 

@@ -584,6 +584,21 @@ def test_integer_division_by_zero_as_xla(dtype):
     assert jf.stats["fallbacks"] == 0
 
 
+def _attention_block(p, x):
+    """A pre-norm attention block whose sizes come from its input's shape."""
+    bb, t, d = x.shape
+    m = x - x.mean(-1, keepdims=True)
+    h = m * lax.rsqrt((m * m).mean(-1, keepdims=True) + 1e-5) * p["g"]
+    q, k, v = jnp.split(h.reshape(-1, d) @ p["wqkv"], 3, -1)
+    heads = lambda z: z.reshape(bb, t, 4, d // 4).transpose(0, 2, 1, 3)  # noqa: E731
+    a = jax.nn.softmax(heads(q) @ heads(k).transpose(0, 1, 3, 2) / (d // 4) ** 0.5, -1) @ heads(v)
+    return x + a.transpose(0, 2, 1, 3).reshape(bb, t, d) @ p["wo"], x.shape[0] * x.shape[1] * 1.0
+
+
+def _attention_params(rng, d=32):
+    return {"wqkv": rnd(rng, d, 3 * d) * d ** -0.5, "wo": rnd(rng, d, d) * d ** -0.5, "g": rnd(rng, d)}
+
+
 def test_lowered_with_symbolic_sizes_serves_every_size(rng):
     """lower() of ShapeDtypeStructs sized by jax.export.symbolic_shape: one
     program, no fallback (strict), for a pre-norm transformer block and
@@ -592,29 +607,52 @@ def test_lowered_with_symbolic_sizes_serves_every_size(rng):
     the symbols names them."""
     from jax import export
     b, s = export.symbolic_shape("b, s")
-    d = 32
-    params = {"wqkv": rnd(rng, d, 3 * d) * d ** -0.5, "wo": rnd(rng, d, d) * d ** -0.5, "g": rnd(rng, d)}
-
-    def block(p, x):
-        bb, t, _ = x.shape
-        m = x - x.mean(-1, keepdims=True)
-        h = m * lax.rsqrt((m * m).mean(-1, keepdims=True) + 1e-5) * p["g"]
-        q, k, v = jnp.split(h.reshape(-1, d) @ p["wqkv"], 3, -1)
-        heads = lambda z: z.reshape(bb, t, 4, d // 4).transpose(0, 2, 1, 3)  # noqa: E731
-        a = jax.nn.softmax(heads(q) @ heads(k).transpose(0, 1, 3, 2) / (d // 4) ** 0.5, -1) @ heads(v)
-        return x + a.transpose(0, 2, 1, 3).reshape(bb, t, d) @ p["wo"], x.shape[0] * x.shape[1] * 1.0
-
+    params = _attention_params(rng)
     spec = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
-    for fn in (block, jax.grad(lambda p, x: (block(p, x)[0] ** 2).mean())):
+    for fn in (_attention_block, jax.grad(lambda p, x: (_attention_block(p, x)[0] ** 2).mean())):
         jf = polyjit.jit_jax(fn, compile_options={"strict": True})
-        compiled = jf.lower(spec, jax.ShapeDtypeStruct((b, s, d), jnp.float32)).compile()
-        for shape in ((2, 5, d), (3, 8, d), (1, 1, d)):
+        compiled = jf.lower(spec, jax.ShapeDtypeStruct((b, s, 32), jnp.float32)).compile()
+        for shape in ((2, 5, 32), (3, 8, 32), (1, 1, 32)):
             x = rnd(rng, *shape)
             assert_tree_close(compiled(params, x), jax.jit(fn)(params, x), 1e-5, 1e-5)
         assert jf.stats["graphs"] == 1 and jf.stats["fallbacks"] == 0
         with pytest.raises(InputError, match=r"is float32\[2, 5, 16\], compiled for float32\[b, s, 32\] "
                                              r"with b=2, s=5"):
             compiled(params, rnd(rng, 2, 5, 16))
+
+
+def test_reduce_retracing_compiles_a_second_shape_for_every_size(rng):
+    """reduce_retracing=True: the second (batch, sequence) compiles once
+    more with both symbolic, which serves every later size above 1, called
+    directly and under jax.grad (its VJP relaxed as well); a size of 1
+    compiles on its own. Results as jax.jit's, no fallback."""
+    params = _attention_params(rng)
+    jf = polyjit.jit_jax(_attention_block, reduce_retracing=True)
+    grad = jax.jit(jax.grad(lambda p, x: (jf(p, x)[0] ** 2).mean()))
+    ref_grad = jax.jit(jax.grad(lambda p, x: (_attention_block(p, x)[0] ** 2).mean()))
+    for shape in ((2, 5), (3, 8), (4, 6), (2, 5), (1, 7), (5, 9)):
+        x = rnd(rng, *shape, 32)
+        assert_tree_close(jf(params, x), jax.jit(_attention_block)(params, x), 1e-5, 1e-5)
+        assert_tree_close(grad(params, x), ref_grad(params, x), 1e-5, 1e-5)
+    # (2, 5), (b, s) from (3, 8), (1, s) from (1, 7) against (2, 5); their gradients likewise
+    assert jf.stats["graphs"] == 6 and jf.stats["fallbacks"] == 0
+    for relaxations in jf._relaxations.values():
+        assert [tuple(map(str, r.sig.avals[-1][0])) for r in relaxations] == [("d0", "d1", "32"), ("1", "d0", "32")]
+
+
+def test_reduce_retracing_keeps_static_sizes_a_function_needs(rng):
+    """A function that branches on a size while tracing (a comparison that
+    jax.export's symbols leave inconclusive) stays compiled per shape, with
+    no fallback and no warning."""
+    def fn(x):
+        return x * 2 if x.shape[0] > 4 else x + 1
+    jf = polyjit.jit_jax(fn, reduce_retracing=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for n in (3, 6, 8, 2):
+            x = rnd(rng, n, 5)
+            np.testing.assert_allclose(jf(x), fn(x), rtol=1e-6)
+    assert len(jf._programs) == 4 and not jf._relaxations and jf.stats["fallbacks"] == 0
 
 
 @host_target
