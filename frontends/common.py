@@ -543,12 +543,13 @@ class SegmentedProgram:
             close(len(ops))
         self.segments = [s for s in self.steps if isinstance(s, _Segment)]
 
-    def saved_call(self, what: str) -> tuple[Executable | None, dict, list]:
-        """This program as one executable and how its leaves reach it: the
-        executable (None where no op computes), ``inputs`` (the leaf of each
-        of its inputs) and ``outputs`` (each result: ["output", k], ["input",
-        leaf] or ["constant", k]), and the constants; SavedExecutableError
-        where the framework would run part of it (``what``: the function's name)."""
+    def saved_call(self, what: str, target: str) -> tuple[Executable, dict, list]:
+        """This program as one executable, compiled for ``target`` and its
+        row-major inputs, and how its leaves reach it: ``inputs`` (the leaf
+        of each of its inputs) and ``outputs`` (each result: ["output", k],
+        ["input", leaf] or ["constant", k]), and the constants;
+        SavedExecutableError where the framework would run part of it or no
+        op computes (``what``: the function's name)."""
         from polyjit.errors import SavedExecutableError
         rest = [s for s in self.steps if not isinstance(s, _Segment)]
         if rest or any(s.failed for s in self.segments) or len(self.segments) > 1:
@@ -568,9 +569,11 @@ class SegmentedProgram:
                 outputs.append(["output", produced[id(x)]])
             else:
                 outputs.append(["input", leaf.get(id(x), sources.get(id(x)))])
-        exe = seg.exe if seg is not None and seg.outputs else None
-        inputs = [leaf[id(v)] for v in seg.inputs] if exe is not None else []
-        return exe, {"inputs": inputs, "outputs": outputs}, constants
+        if seg is None or not seg.outputs:
+            raise SavedExecutableError(f"{what}: its results are its arguments or constants; there is no program "
+                                       "to save")
+        seg.exe.variant(tuple(bool(i.attrs.get("strided")) for i in seg.exe.graph.inputs), target)
+        return seg.exe, {"inputs": [leaf[id(v)] for v in seg.inputs], "outputs": outputs}, constants
 
     def __call__(self, args: Sequence) -> list:
         values: dict[int, Any] = {id(v): a for v, a in zip(self.invars, args)}

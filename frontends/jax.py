@@ -41,7 +41,7 @@ from polyjit import sizes as sz
 from polyjit.api import takes_device_arrays
 from polyjit.compiler import compiled, expect_compile
 from polyjit.dtypes import DataType
-from polyjit.errors import CompileOptionError, InputError, SavedExecutableError, UnsupportedOpError
+from polyjit.errors import CompileOptionError, InputError, UnsupportedOpError
 from polyjit.options import CompileOptions, parse_options
 from polyjit.runtime import RowMajor, cuda_graphs, xla_ffi
 from polyjit.runtime.gpu_buffers import GpuView
@@ -1487,12 +1487,8 @@ class Compiled:
         arrays. Compiled for the compile options' target, else JAX's
         default device."""
         prog, out_tree = self.fn.program(self.sig)
-        exe, call, constants = prog.saved_call(self.fn.__name__)
-        if exe is None:
-            raise SavedExecutableError(f"{self.fn.__name__}: its results are its arguments or constants; "
-                                       "there is no program to save")
-        exe.variant(tuple(bool(i.attrs.get("strided")) for i in exe.graph.inputs),
-                    self.fn.options.target or holding(jax.default_backend() == "gpu"))
+        exe, call, constants = prog.saved_call(self.fn.__name__,
+                                               self.fn.options.target or holding(jax.default_backend() == "gpu"))
         leaf = object()
         shapes = [structure(jax.tree_util.tree_unflatten(t, [leaf] * t.num_leaves), lambda x: x is leaf)
                   for t in (self.sig.tree, out_tree)]

@@ -1578,11 +1578,7 @@ class TFFunction:
         if len(trace.out_positions) != len(trace.flat):
             raise SavedExecutableError(f"{self.__name__}: it returns values other than tensors; a saved function "
                                        "returns tensors")
-        exe, call, constants = prog.saved_call(self.__name__)
-        if exe is None:
-            raise SavedExecutableError(f"{self.__name__}: its results are its arguments or constants; "
-                                       "there is no program to save")
-        exe.variant(tuple(bool(i.attrs.get("strided")) for i in exe.graph.inputs), self.options.target or "cpu")
+        exe, call, constants = prog.saved_call(self.__name__, self.options.target or "cpu")
         variables = trace.variable_values()  # (the program's last inputs)
         call["bound"] = list(range(len(constants), len(constants) + len(variables)))
         leaf = object()

@@ -2402,9 +2402,19 @@ def save_program(fn, options: CompileOptions, path, args: Sequence, dynamic_shap
     marker = object()
     results = torch.utils._pytree.tree_unflatten([marker] * len(t.outputs), ep.call_spec.out_spec)
     is_tensor = lambda x: isinstance(x, torch.Tensor)  # noqa: E731
+    bounds = {str(sym): [_finite(r.lower), _finite(r.upper)]  # (torch.export's Dim min and max)
+              for sym, r in ep.range_constraints.items()}
     saved.save(prog.exe, path, {"name": name, "args": structure((list(args), {}), is_tensor, sort_keys=False),
                                 "results": structure(results, lambda x: x is marker, sort_keys=False),
-                                "inputs": list(t.tensor_inputs), "outputs": outputs}, constants)
+                                "inputs": list(t.tensor_inputs), "outputs": outputs, "bounds": bounds}, constants)
+
+
+def _finite(bound) -> int | None:
+    """A range's end as an int, None where it is unbounded (sympy's or torch's infinities)."""
+    try:
+        return int(bound) if bool(bound.is_finite) else None
+    except (AttributeError, TypeError, ValueError, OverflowError):
+        return None
 
 
 def _export_decompositions():

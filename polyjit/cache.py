@@ -99,18 +99,23 @@ def cache_dir() -> Path:
 
 
 @functools.cache
-def _versions() -> str:
-    """polyjit's version and a digest of its sources (code changes without a
-    version change must not load stale code), llvmlite's, islpy's and numpy's."""
-    import islpy
-    import llvmlite
-
+def source_version() -> str:
+    """polyjit's version and a digest of its sources: code changes without a
+    version change must not load stale code (the cache's, a saved file's)."""
     from . import __version__
     digest = hashlib.sha256()
     for root in _source_roots():
         for path in sorted(root.rglob("*.py")):
             digest.update(path.relative_to(root.parent).as_posix().encode() + b"\0" + path.read_bytes())
-    return (f"polyjit {__version__} {digest.hexdigest()[:16]} llvmlite {llvmlite.__version__} islpy {islpy.__version__}"
+    return f"polyjit {__version__} {digest.hexdigest()[:16]}"
+
+
+@functools.cache
+def _versions() -> str:
+    """source_version, llvmlite's, islpy's and numpy's versions."""
+    import islpy
+    import llvmlite
+    return (f"{source_version()} llvmlite {llvmlite.__version__} islpy {islpy.__version__}"
             f" numpy {np.__version__}")  # its OpenBLAS timed the library choices
 
 
@@ -175,17 +180,27 @@ def store(key: str, plan: dict, objects: list[bytes]) -> None:
     folder = cache_dir()
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".pjc")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(encode(plan, objects))
-            os.replace(tmp, folder / f"{key}.pjc")
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        write_atomically(folder / f"{key}.pjc", encode(plan, objects))
         _evict(folder, int(os.environ.get("POLYJIT_CACHE_BYTES", DEFAULT_BYTES)))
     except OSError as e:
         log.warning("polyjit: could not write the compile cache in %s: %s", folder, e)
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """data written to a temporary file beside path, then renamed onto it:
+    a reader sees the old file or the whole new one. Its mode is a new
+    file's under the process's umask (mkstemp's is 0600)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def encode(plan: dict, objects: list[bytes], magic: bytes = MAGIC) -> bytes:

@@ -291,7 +291,7 @@ def _run(folder, count: int = 1, script: str = SCRIPT) -> list[tuple[dict, str]]
 def test_a_fresh_process_loads_the_program_from_the_cache(tmp_path):
     [(first, _)] = _run(tmp_path)
     assert first["cache_hits"] == 0 and first["kernels_compiled"] == first["kernels"] > 0
-    assert len(list(tmp_path.glob("*.pjc"))) == 1 and not list(tmp_path.glob(".tmp-*"))
+    assert len(list(tmp_path.glob("*.pjc"))) == 1 and not list(tmp_path.glob(".*.tmp"))
     [(second, _)] = _run(tmp_path)
     assert second == {"cache_hits": 1, "kernels_compiled": 0, "kernels": first["kernels"]}
 
@@ -358,9 +358,9 @@ def test_the_cache_key_covers_the_frontends_sources(tmp_path, monkeypatch):
     source = tmp_path / "frontends" / "rules.py"
     source.write_text("RULES = 1\n")
     monkeypatch.setattr(cache, "_source_roots", lambda: [tmp_path / "frontends"])
-    before = cache._versions.__wrapped__()
+    before = cache.source_version.__wrapped__()
     source.write_text("RULES = 2\n")
-    assert cache._versions.__wrapped__() != before
+    assert cache.source_version.__wrapped__() != before
 
 
 def test_a_damaged_entry_is_removed_recompiled_and_warned_about(tmp_path):
@@ -381,7 +381,7 @@ def test_a_damaged_entry_is_removed_recompiled_and_warned_about(tmp_path):
 def test_two_processes_writing_one_key_both_succeed(tmp_path):
     runs = _run(tmp_path, count=2)
     assert all(stats["kernels"] > 0 for stats, _ in runs)
-    assert len(list(tmp_path.glob("*.pjc"))) == 1 and not list(tmp_path.glob(".tmp-*"))
+    assert len(list(tmp_path.glob("*.pjc"))) == 1 and not list(tmp_path.glob(".*.tmp"))
     [(stats, _)] = _run(tmp_path)
     assert stats["cache_hits"] == 1
 

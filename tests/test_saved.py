@@ -136,8 +136,20 @@ def test_another_version_s_file_or_another_cpu_s_code_is_refused(tmp_path, rng):
     exe = polyjit.compile(_blur, [InputInfo([3, -1, -1], F32)], {"target": "cpu"})
     path = tmp_path / "blur.pjx"
     exe.save(path)
-    _rewritten(path, lambda h: h.update(polyjit="0.0.1"))
-    with pytest.raises(SavedExecutableError, match=r"saved by polyjit 0\.0\.1 .* save it again"):
+    _rewritten(path, lambda h: h.update(polyjit="polyjit 0.0.1 0123456789abcdef"))
+    with pytest.raises(SavedExecutableError, match=r"saved by polyjit 0\.0\.1 0123456789abcdef .* save it again"):
+        polyjit.load(path)
+    exe.save(path)
+    _rewritten(path, lambda h: h.update(polyjit=h["polyjit"].rsplit(" ", 1)[0] + " 0123456789abcdef"))
+    with pytest.raises(SavedExecutableError, match="save it again"):  # same version, other sources
+        polyjit.load(path)
+    exe.save(path)
+    _rewritten(path, lambda h: h.update(format=saved.FORMAT + 1))
+    with pytest.raises(SavedExecutableError, match="saved by a newer polyjit .* upgrade polyjit"):
+        polyjit.load(path)
+    exe.save(path)
+    _rewritten(path, lambda h: h["programs"][0].pop("objects"))
+    with pytest.raises(SavedExecutableError, match=r"not a well-formed polyjit saved executable \(KeyError"):
         polyjit.load(path)
     exe.save(path)
 
@@ -276,6 +288,43 @@ def test_a_jax_function_saved_with_symbolic_sizes_runs_at_every_size(tmp_path, r
             params, x, training=False)
         np.testing.assert_allclose(got["y"], want["y"], rtol=1e-5, atol=1e-5)
     assert loaded.stats["kernels_compiled"] == 0
+
+
+def test_a_saved_function_checks_its_arguments_by_name(tmp_path, rng):
+    """Shapes, dtypes and Python numbers are checked against what it was
+    saved with, each error naming the argument's path, before any kernel
+    runs; a constant it returns is a copy each call (changing one changes
+    no later call); the file takes the umask's mode, not mkstemp's 0600."""
+    jax = pytest.importorskip("jax")
+    from jax import export
+    jnp = jax.numpy
+
+    def fn(params, x, n):
+        return {"y": x @ params["w"] * n, "ones": jnp.ones(3)}
+    w = rng.standard_normal((16, 8), dtype=F32)
+    f = polyjit.jit_jax(fn)
+    f.save(tmp_path / "f.pjx", {"w": jnp.asarray(w)}, jax.ShapeDtypeStruct(export.symbolic_shape("b, 16"), F32), 3)
+    assert (os.stat(tmp_path / "f.pjx").st_mode & 0o777) == 0o666 & ~_umask()
+    loaded = polyjit.load(tmp_path / "f.pjx")
+    x = rng.standard_normal((5, 16), dtype=F32)
+    out = loaded({"w": w}, x, 2)
+    np.testing.assert_allclose(out["y"], x @ w * 2, rtol=1e-5, atol=1e-5)
+    out["ones"] += 100
+    np.testing.assert_array_equal(loaded({"w": w}, x, 2)["ones"], np.ones(3))
+    with pytest.raises(InputError, match=r"arguments\[2\]: got the Python float 2\.5, expected int32"):
+        loaded({"w": w}, x, 2.5)
+    with pytest.raises(InputError, match=r"arguments\[2\]: got the Python int 1099511627776, expected int32"):
+        loaded({"w": w}, x, 2 ** 40)
+    with pytest.raises(InputError, match=r"arguments\[1\]: got float32\[5, 12\], expected float32\[b, 16\]"):
+        loaded({"w": w}, x[:, :12], 2)
+    with pytest.raises(InputError, match=r"arguments\[0\]\['w'\]: got float64\[16, 8\], expected float32\[16, 8\]"):
+        loaded({"w": w.astype(np.float64)}, x, 2)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def test_a_jax_function_the_framework_runs_part_of_is_not_saved(tmp_path, rng):
@@ -422,8 +471,11 @@ def test_a_torch_module_saved_with_dynamic_shapes_runs_at_other_sizes(tmp_path):
         with torch.no_grad():
             torch.testing.assert_close(loaded(x), model(x), rtol=1e-5, atol=1e-5)
     assert loaded.stats["kernels_compiled"] == 0
-    with pytest.raises(InputError, match=r"expected size 16 in dimension 2"):
+    with pytest.raises(InputError, match=r"arguments\[0\]: got float32\[3, 5, 8\], expected float32\[\w+, \w+, 16\]"):
         loaded(torch.randn(3, 5, 8))
+    with pytest.raises(InputError, match=r"arguments\[0\]: got float32\[1, 5, 16\]: its size \w+ is 1, "
+                                         r"saved for 2 to"):  # (torch.export's Dim bounds)
+        loaded(torch.randn(1, 5, 16))
 
 
 def test_a_transformers_model_s_output_comes_back_read_by_name_key_and_position(tmp_path):
