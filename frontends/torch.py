@@ -2348,19 +2348,21 @@ def _as_eager(options: CompileOptions) -> CompileOptions:
     return options
 
 
-def save_program(fn, options: CompileOptions, path, args: Sequence, dynamic_shapes=None) -> None:
-    """fn (a function or nn.Module) captured for ``args`` by torch.export
-    (one graph, as AOTInductor's packages are), its parameters and buffers
-    frozen into constants, compiled and written to ``path``:
+def save_program(fn, options: CompileOptions, path, args: Sequence, dynamic_shapes=None,
+                 kwargs: dict | None = None) -> None:
+    """fn (a function or nn.Module) captured for ``args`` and ``kwargs`` by
+    torch.export (one graph, as AOTInductor's packages are), its parameters
+    and buffers frozen into constants, compiled and written to ``path``:
     ``polyjit.load(path)`` calls it in any process on a machine like this
     one, with neither tracing nor compiling, and returns torch tensors.
     ``dynamic_shapes``: torch.export's, for sizes that stay symbolic."""
+    kwargs = dict(kwargs or {})
     from torch.export.graph_signature import InputKind, OutputKind
     name = getattr(fn, "__name__", type(fn).__name__)
     module = fn if isinstance(fn, torch.nn.Module) else _FunctionModule(fn)
     with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
         try:
-            ep = torch.export.export(module, tuple(args), dynamic_shapes=dynamic_shapes).run_decompositions(
+            ep = torch.export.export(module, tuple(args), kwargs, dynamic_shapes=dynamic_shapes).run_decompositions(
                 _export_decompositions())
         except Exception as e:  # what torch.export refuses (data-dependent control flow, say)
             first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
@@ -2383,7 +2385,7 @@ def save_program(fn, options: CompileOptions, path, args: Sequence, dynamic_shap
         node.replace_all_uses_with(frozen)
         gm.graph.erase_node(node)
     gm.recompile()
-    example = torch.utils._pytree.tree_leaves((tuple(args), {}))
+    example = torch.utils._pytree.tree_leaves((tuple(args), kwargs))
     prog = CompiledGraph(gm, _as_eager(options), name, Stats(), example)
     t = prog.t
     if t.input_orders or t.seed_index is not None or t.size_inputs or t.int_inputs or t.mutations or t.asserts \
@@ -2404,7 +2406,7 @@ def save_program(fn, options: CompileOptions, path, args: Sequence, dynamic_shap
     is_tensor = lambda x: isinstance(x, torch.Tensor)  # noqa: E731
     bounds = {str(sym): [_finite(r.lower), _finite(r.upper)]  # (torch.export's Dim min and max)
               for sym, r in ep.range_constraints.items()}
-    saved.save(prog.exe, path, {"name": name, "args": structure((list(args), {}), is_tensor, sort_keys=False),
+    saved.save(prog.exe, path, {"name": name, "args": structure((list(args), kwargs), is_tensor, sort_keys=False),
                                 "results": structure(results, lambda x: x is marker, sort_keys=False),
                                 "inputs": list(t.tensor_inputs), "outputs": outputs, "bounds": bounds}, constants)
 
@@ -2606,11 +2608,11 @@ def jit_torch(fn=None, *, compile_options: dict | None = None, execution_backend
     return wrap(fn) if fn is not None else wrap
 
 
-def _save(fn, options: CompileOptions, backend: str, path, *args, dynamic_shapes=None) -> None:
-    """jit_torch's ``save(path, *args, dynamic_shapes=None)``: save_program."""
+def _save(fn, options: CompileOptions, backend: str, path, *args, dynamic_shapes=None, **kwargs) -> None:
+    """jit_torch's ``save(path, *args, dynamic_shapes=None, **kwargs)``: save_program."""
     if backend != "polyjit":
         raise CompileOptionError(f"execution_backend={backend!r} compiles nothing to save")
-    save_program(fn, options, path, args, dynamic_shapes)
+    save_program(fn, options, path, args, dynamic_shapes, kwargs)
 
 
 class _StatsFunction:

@@ -315,7 +315,7 @@ class Record(dict):
             raise AttributeError(name) from None
 
     def __getitem__(self, key):
-        return list(self.values())[key] if isinstance(key, (int, slice)) else super().__getitem__(key)
+        return tuple(self.values())[key] if isinstance(key, (int, slice)) else super().__getitem__(key)
 
 
 def flatten(spec, tree, name: str, path: str, paths: list | None = None) -> list:

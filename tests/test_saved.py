@@ -495,6 +495,19 @@ def test_a_transformers_model_s_output_comes_back_read_by_name_key_and_position(
     torch.testing.assert_close(out.last_hidden_state, want.last_hidden_state, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out["pooler_output"], want.pooler_output, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out[1], want[1], rtol=1e-5, atol=1e-5)
+    assert isinstance(out[:2], tuple) and isinstance(want[:2], tuple)
+
+    # keyword arguments, as transformers' models are called: the loaded function takes them by name
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, 5:] = 0
+    polyjit.jit_torch(model).save(tmp_path / "kw.pjx", input_ids=ids, attention_mask=mask)
+    loaded = polyjit.load(tmp_path / "kw.pjx")
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask)
+    got = loaded(attention_mask=mask, input_ids=ids)
+    torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state, rtol=1e-5, atol=1e-5)
+    with pytest.raises(InputError, match=r"keyword arguments: got keys \['input_ids'\], expected a dict of keys"):
+        loaded(input_ids=ids)
 
 
 def test_a_tf_function_s_none_sizes_stay_symbolic_when_saved(tmp_path):
