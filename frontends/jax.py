@@ -1334,8 +1334,11 @@ class JaxFunction:
                               holding(where != "cpu"))
         take = [position[id(v)] for v in seg.inputs]
         name = f"polyjit_{exe.name}_{next(_target_ids)}"  # XLA keeps every target for the process
-        like = [GpuView(0, tuple(shapes[k]), None, np.dtype(v.dtype), where, None) if where != "cpu"
-                else RowMajor(tuple(shapes[k]), v.dtype) for k, v in zip(take, seg.inputs)]
+        # each input's shape: its own where static, else the call's (a typed key's data adds a dim of 2)
+        sizes = [tuple(v.shape) if all(isinstance(d, int) for d in v.shape)
+                 else tuple(shapes[k]) + tuple(v.shape[len(shapes[k]):]) for k, v in zip(take, seg.inputs)]
+        like = [GpuView(0, shape, None, np.dtype(v.dtype), where, None) if where != "cpu"
+                else RowMajor(shape, v.dtype) for shape, v in zip(sizes, seg.inputs)]
         launcher = exe.native_launcher(like, name + "_launch")
         if launcher is None:
             return None
