@@ -1372,8 +1372,8 @@ class JaxFunction:
         value of them."""
         statics, leaves, tree = self._split(args, kwargs)
         specs = {k: x for k, x in enumerate(leaves) if isinstance(x, jax.ShapeDtypeStruct)}
-        sig, _ = self._signature(statics, [np.empty((0,) * len(specs[k].shape), specs[k].dtype) if k in specs else x
-                                           for k, x in enumerate(leaves)], tree)
+        # (a spec checks as a number would: it places no array on the host or a device)
+        sig, _ = self._signature(statics, [np.float32(0) if k in specs else x for k, x in enumerate(leaves)], tree)
         avals = tuple((tuple(specs[k].shape), np.dtype(specs[k].dtype), bool(specs[k].weak_type)) if k in specs
                       else a for k, a in enumerate(sig.avals))
         return Lowered(self, _Signature(tree, avals, statics))
