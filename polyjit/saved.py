@@ -148,10 +148,12 @@ class SavedExecutable(Executable):
         key = (tuple(layout), target)
         if key not in self._variants:
             if key not in self._saved:
+                targets = {t for _, t in self._saved}
+                hint = (f"pass arrays on the device it was saved for ({', '.join(sorted(targets))})"
+                        if target not in targets else "pass contiguous arrays (.contiguous(), np.ascontiguousarray)")
                 raise InputError(f"{self.name} (saved in {self.path!r}) has no program for this call: it needs "
                                  f"{_described(key)}, and the file holds {', '.join(map(_described, self._saved))}; "
-                                 "pass contiguous arrays (.contiguous(), np.ascontiguousarray), or compile it "
-                                 "for such inputs and save it again")
+                                 f"{hint}, or compile it for such inputs and save it again")
             self._variants[key] = self._load(key)
         return self._variants[key]
 
