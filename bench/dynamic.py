@@ -37,45 +37,6 @@ JAX_BACKENDS = ("jax", "jax.jit", "polyjit", "polyjit relaxed")
 TF_BACKENDS = ("tf.function", "tf.f. relaxed", "polyjit", "polyjit relaxed")
 
 
-def _run(name: str, mode: str, backend: str, device: str, reps: int) -> dict:
-    import torch
-    torch.manual_seed(0)
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    model, (ids,), out = _torch_transformers(name, mode == "train", device)
-    model.train(mode == "train")
-    fn = model if backend == "eager" else torch.compile(model, backend=backend)
-    seq = ids.shape[1]
-    lengths = [seq, seq * 3 // 4, seq // 2, seq * 5 // 8]
-
-    def step(x):
-        if mode == "train":
-            model.zero_grad(set_to_none=True)
-            y = out(fn(x))
-            y.float().pow(2).mean().backward()
-        else:
-            with torch.no_grad():
-                y = out(fn(x))
-        if device == "cuda":
-            torch.cuda.synchronize()
-        return y
-
-    inputs = [ids[:, :n].contiguous() for n in lengths]
-    t0 = time.perf_counter()
-    first = [step(x).detach().float().cpu() for x in inputs]
-    first_s = time.perf_counter() - t0
-    steps = []
-    for x in inputs:
-        ts = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            step(x)
-            ts.append(time.perf_counter() - t)
-        steps.append(statistics.median(ts))
-    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"] if backend != "eager" else 0
-    return {"lengths": lengths, "first_s": first_s, "steps": steps, "outputs": first, "frames": frames}
-
-
 def _lengths(n: int) -> list[int]:
     return [n, n * 3 // 4, n // 2, n * 5 // 8]
 
@@ -94,6 +55,34 @@ def _calls(step, inputs: list, reps: int) -> tuple[float, list, list]:
             ts.append(time.perf_counter() - t)
         steps.append(statistics.median(ts))
     return first_s, first, steps
+
+
+def _run(name: str, mode: str, backend: str, device: str, reps: int) -> dict:
+    import torch
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model, (ids,), out = _torch_transformers(name, mode == "train", device)
+    model.train(mode == "train")
+    fn = model if backend == "eager" else torch.compile(model, backend=backend)
+    lengths = _lengths(ids.shape[1])
+
+    def step(x):
+        if mode == "train":
+            model.zero_grad(set_to_none=True)
+            y = out(fn(x))
+            y.float().pow(2).mean().backward()
+        else:
+            with torch.no_grad():
+                y = out(fn(x))
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return y
+
+    first_s, first, steps = _calls(step, [ids[:, :n].contiguous() for n in lengths], reps)
+    first = [y.detach().float().cpu() for y in first]
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"] if backend != "eager" else 0
+    return {"lengths": lengths, "first_s": first_s, "steps": steps, "outputs": first, "frames": frames}
 
 
 def _run_jax(mode: str, backend: str, device: str, reps: int) -> dict:
